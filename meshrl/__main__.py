@@ -1,0 +1,5 @@
+import sys
+
+from meshrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,552 @@
+"""The run configuration: a tree of typed dataclasses.
+
+Every field has a safe default and a docstring (the string literal right below it); the
+config reference (`meshrl config docs`, docs/config.md) is generated from those
+docstrings, so it cannot drift from the code. Configs load from YAML, from a dict, or in
+code, and take dotted command-line overrides (`trainer.lr=1e-5`). Every problem is raised
+as one `ConfigError` naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value: `field` names the dotted path, the message says the fix."""
+
+    def __init__(self, field_path: str, message: str):
+        self.field_path = field_path
+        super().__init__(f"{field_path}: {message}" if field_path else message)
+
+
+@dataclass
+class ModelConfig:
+    family: Literal["qwen3", "qwen3_moe", "llama3", "deepseek_v3"] = "qwen3"
+    """Model family from TorchTitan's registry. `qwen3_moe` and `deepseek_v3` are mixture-of-experts."""
+    path: str | None = None
+    """Local Hugging Face checkpoint directory (config.json + *.safetensors) to start from. None: initialise from scratch with the sizes below."""
+    tokenizer: str | None = None
+    """Local Hugging Face tokenizer directory. None: the checkpoint directory if `path` is set, else meshrl's built-in character tokenizer."""
+    vocab_size: int = 128
+    """Vocabulary size (from-scratch models only). Must cover the tokenizer; 128 fits the built-in character tokenizer."""
+    dim: int = 64
+    """Hidden size (from-scratch models only; a checkpoint brings its own)."""
+    n_layers: int = 2
+    """Number of transformer blocks (from-scratch models only)."""
+    n_heads: int = 4
+    """Attention heads (from-scratch models only). Must divide `dim`."""
+    n_kv_heads: int = 2
+    """Key/value heads for grouped-query attention (from-scratch models only). Must divide `n_heads`."""
+    ffn_dim: int = 128
+    """Feed-forward hidden size (from-scratch models only); per expert for MoE families."""
+    num_experts: int = 4
+    """Routed experts per MoE layer (MoE families only)."""
+    experts_top_k: int = 2
+    """Experts each token is routed to (MoE families only). At most `num_experts`."""
+    max_seq_len: int = 256
+    """Longest prompt + response, in tokens."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the generator copy and exported checkpoints. The trainer keeps float32 master weights."""
+
+
+@dataclass
+class LossConfig:
+    advantage: Literal["grpo", "grpo_no_std", "rloo"] = "grpo"
+    """Group advantage: `grpo` (reward minus group mean, over group std), `grpo_no_std` (Dr.GRPO: no std division), `rloo` (leave-one-out mean)."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    """How per-token losses reduce: mean over all tokens, mean over sequences of token means, or mean over sequences of token sums (Dr.GRPO)."""
+    clip_low: float = 0.2
+    """PPO clip epsilon below 1: ratios under 1 - clip_low are clipped."""
+    clip_high: float = 0.28
+    """PPO clip epsilon above 1 (clip-higher: set above clip_low to keep exploration)."""
+    correction: Literal["none", "tis", "mis_token", "mis_seq", "icepop", "decoupled", "opsm"] = "tis"
+    """Off-policy correction against the sampler's log-probs: truncated IS, masked IS (token or sequence), IcePop band mask, decoupled PPO with a proximal policy, or off-policy sequence masking."""
+    is_cap: float = 2.0
+    """Cap C for TIS weights and threshold for MIS masks."""
+    icepop_low: float = 0.5
+    """Lower edge of IcePop's kept band of IS ratios."""
+    icepop_high: float = 5.0
+    """Upper edge of IcePop's kept band of IS ratios."""
+    opsm_delta: float = 1e-4
+    """OPSM: drop a negative-advantage sequence when its mean log(mu / pi) exceeds this."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference (initial) policy. 0 disables it and the reference model."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus. 0 disables it."""
+
+
+@dataclass
+class TrainerConfig:
+    procs: int = 1
+    """Trainer processes (one GPU each on GPU machines)."""
+    dp_shard: int = -1
+    """FSDP2 data-parallel shard degree. -1: all trainer procs."""
+    ep: int = 1
+    """Expert-parallel degree for MoE models. Must divide `trainer.procs` and `model.num_experts`."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+    grad_clip: float = 1.0
+    """Gradient norm clip. 0 disables clipping."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward; gradients accumulate over micro-batches."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer runs. `auto`: CUDA when available, else CPU."""
+    checkpoint_every: int = 0
+    """Save a distributed checkpoint every this many steps. 0: only at the end of the run."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The policy loss and its off-policy corrections."""
+
+
+@dataclass
+class GeneratorConfig:
+    replicas: int = 1
+    """vLLM engine replicas, each an actor on the generator mesh."""
+    tp: int = 1
+    """Tensor-parallel degree inside one replica."""
+    group_size: int = 8
+    """Completions per prompt (the GRPO group size, vLLM's `n`)."""
+    max_new_tokens: int = 32
+    """Longest response, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature. The trainer scores tokens at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling. -1 disables it."""
+    update_mode: Literal["keep", "abort", "drain", "block"] = "keep"
+    """How a new policy version is applied while generating: keep in-flight requests across the swap, abort and resume them from their prefix, drain them first, or block (synchronous)."""
+    max_num_seqs: int = 64
+    """Most sequences one engine decodes at once."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory a vLLM engine may take (GPU only)."""
+    return_routed_experts: bool = False
+    """Return MoE routed-expert ids per token and layer, for routing replay."""
+    startup_timeout_s: float = 300.0
+    """Seconds an engine may take to start before the run fails."""
+
+
+@dataclass
+class BufferConfig:
+    depth: int = 2
+    """Training batches the buffer holds: 0 synchronous (on-policy), 1 double buffer, K a bounded queue of K batches."""
+    max_lag: int | None = 2
+    """Reject tokens more than this many versions behind the trainer, at put and at sample time. None: no version rejection."""
+    lag_granularity: Literal["token", "sequence"] = "token"
+    """`token`: stale tokens are masked out of the loss; `sequence`: a group whose oldest token is too stale is dropped whole."""
+    sampling: str = "fifo"
+    """Which groups a batch takes: `fifo`, `random`, or an import path `module:callable(groups, n, rng) -> indices`."""
+    when_full: Literal["block", "evict_oldest"] = "block"
+    """A put into a full buffer waits (backpressure) or evicts the oldest group."""
+    put_timeout_s: float = 600.0
+    """Longest a producer waits for room before failing."""
+    get_timeout_s: float = 600.0
+    """Longest the trainer waits for a batch before failing."""
+
+
+@dataclass
+class WeightSyncConfig:
+    transport: Literal["rdma", "collective", "files"] = "collective"
+    """How weights travel: Monarch RDMA buffers, a NCCL/gloo broadcast group, or (named fallback) safetensors files."""
+    bucket_mb: int = 256
+    """Size of the packed transfer buckets, in MiB."""
+    timeout_s: float = 120.0
+    """Longest one version's transfer may take before it is an error."""
+    files_dir: str | None = None
+    """Directory for the `files` transport. None: a folder in the run directory."""
+
+
+@dataclass
+class ScoringConfig:
+    reward_fn: str | None = None
+    """Import path `module:function` of a reward function (prompt, response, sample) -> float, sync or async. None: the task's built-in exact reward."""
+    reward_model: str | None = None
+    """Local checkpoint directory of a reward model scored behind the same interface. None: no reward model."""
+    timeout_s: float = 30.0
+    """Longest one reward call may take; a timeout or exception marks the sample failed (reward 0) and the run goes on."""
+    replicas: int = 1
+    """Scorer actors; scoring overlaps generation."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "task:count"
+    """Prompts: `task:NAME` for a built-in procedural task, or a local .jsonl / .parquet file."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text in file sources."""
+    answer_key: str = "answer"
+    """Field holding the reference answer in file sources (passed to the reward function)."""
+    shuffle: bool = True
+    """Shuffle prompts (with the run seed)."""
+    num_prompts: int = 100000
+    """Prompts a built-in task generates per epoch."""
+
+
+@dataclass
+class LauncherConfig:
+    kind: Literal["local", "slurm", "torchx"] = "local"
+    """Where meshes run: this machine, a Slurm allocation via Monarch's SlurmJob, or a TorchX AppDef."""
+    hosts: int = 1
+    """Hosts to allocate (slurm/torchx)."""
+    gpus_per_host: int = 0
+    """GPUs per host (slurm/torchx). 0 on CPU-only clusters."""
+    partition: str | None = None
+    """Slurm partition. None: the cluster default."""
+    time_limit: str = "01:00:00"
+    """Slurm wall-clock limit, HH:MM:SS."""
+    dry_run: bool = False
+    """Render the job (sbatch script or TorchX AppDef) and print it instead of submitting."""
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/latest"
+    """Where metrics, TensorBoard events, checkpoints and exports go."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    progress: bool = True
+    """Show a console progress bar."""
+    plot: bool = True
+    """Draw reward, staleness and utilisation curves to PNG at the end of the run."""
+
+
+@dataclass
+class Config:
+    """A whole meshrl run."""
+
+    steps: int = 40
+    """Optimizer steps (policy versions) to train."""
+    batch_groups: int = 8
+    """Prompt groups per training batch (batch size = batch_groups * generator.group_size)."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The trainer mesh."""
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    """The generator mesh."""
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    """The replay buffer between generators and trainer."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Weight transfer from trainer to generators."""
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    """Rewards."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The prompt source."""
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    """Where the meshes run."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and outputs."""
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "Config":
+        config = _build(cls, data or {}, "")
+        validate(config)
+        return config
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> "Config":
+        return cls.from_dict(apply_overrides(load_yaml(path), overrides or []))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ---- loading ------------------------------------------------------------------------------
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError("", f"config file {str(path)!r} not found: pass the path of a YAML file (see configs/)")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError("", f"{path} is not valid YAML{where}: fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path} must hold a mapping of config sections, not a {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) onto a nested dict copy."""
+    data = _deepcopy_dict(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("", f"override {item!r} must look like section.field=value")
+        node = data
+        parts = key.strip().split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section: remove the trailing keys")
+            node = child
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            node[parts[-1]] = raw
+    return data
+
+
+def _deepcopy_dict(data: dict) -> dict:
+    return {k: _deepcopy_dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if dataclasses.is_dataclass(data) and isinstance(data, cls):
+        data = dataclasses.asdict(data)
+    if not isinstance(data, dict):
+        raise ConfigError(prefix, f"must be a mapping of fields, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            close = _closest(str(key), names)
+            hint = f"; did you mean {close!r}?" if close else f"; known fields: {', '.join(names)}"
+            raise ConfigError(_join(prefix, str(key)), f"unknown field{hint}")
+    kwargs = {}
+    for name in names:
+        if name in data:
+            kwargs[name] = _coerce(hints[name], data[name], _join(prefix, name))
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(path, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(path, f"expected true or false, got {_describe(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(path, f"expected an integer, got {_describe(value)}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-5" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(path, f"expected a number, got {_describe(value)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(path, f"expected a string, got {_describe(value)}")
+    raise ConfigError(path, f"unsupported type {tp!r}")  # a meshrl bug, not a user error
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}" if value is not None else "null"
+
+
+def _type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    return " or ".join(names.get(a, getattr(a, "__name__", str(a))) for a in args) + " or null"
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    import difflib
+
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+# ---- validation of relations between fields ----------------------------------------------
+def validate(c: Config) -> None:
+    """Check values and relations that types alone cannot; raise the first problem found."""
+
+    def need(ok: bool, path: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(path, message)
+
+    need(c.steps >= 1, "steps", f"must be at least 1, got {c.steps}")
+    need(c.batch_groups >= 1, "batch_groups", f"must be at least 1, got {c.batch_groups}")
+    m = c.model
+    if m.path is not None:
+        need(os.path.isdir(m.path), "model.path", f"directory {m.path!r} not found: give a local Hugging Face checkpoint directory, or null to initialise from scratch")
+        need(os.path.isfile(os.path.join(m.path, "config.json")), "model.path", f"{m.path!r} has no config.json: point it at a Hugging Face checkpoint directory")
+    if m.tokenizer is not None:
+        need(os.path.isdir(m.tokenizer), "model.tokenizer", f"directory {m.tokenizer!r} not found: give a local tokenizer directory, or null for the default")
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "num_experts", "experts_top_k", "max_seq_len"):
+        need(getattr(m, name) >= 1, f"model.{name}", f"must be at least 1, got {getattr(m, name)}")
+    need(m.dim % m.n_heads == 0, "model.dim", f"{m.dim} is not divisible by model.n_heads={m.n_heads}: pick a multiple")
+    need(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
+    need(m.experts_top_k <= m.num_experts, "model.experts_top_k", f"{m.experts_top_k} exceeds model.num_experts={m.num_experts}")
+    need(m.max_seq_len > c.generator.max_new_tokens, "model.max_seq_len", f"{m.max_seq_len} leaves no room for prompts after generator.max_new_tokens={c.generator.max_new_tokens}: raise it")
+
+    t = c.trainer
+    need(t.procs >= 1, "trainer.procs", f"must be at least 1, got {t.procs}")
+    need(t.dp_shard == -1 or t.dp_shard >= 1, "trainer.dp_shard", f"must be -1 (all procs) or at least 1, got {t.dp_shard}")
+    need(t.ep >= 1, "trainer.ep", f"must be at least 1, got {t.ep}")
+    dp = t.procs if t.dp_shard == -1 else t.dp_shard
+    need(t.procs % dp == 0, "trainer.procs", f"{t.procs} procs are not divisible by trainer.dp_shard={dp}: make procs a multiple of dp_shard")
+    need(t.procs % t.ep == 0, "trainer.procs", f"{t.procs} procs are not divisible by trainer.ep={t.ep}: make procs a multiple of ep")
+    if t.ep > 1:
+        need(m.family in ("qwen3_moe", "deepseek_v3"), "trainer.ep", f"expert parallelism needs a MoE model.family, not {m.family!r}: set ep=1")
+        need(m.num_experts % t.ep == 0, "trainer.ep", f"{t.ep} does not divide model.num_experts={m.num_experts}")
+    need(t.lr > 0, "trainer.lr", f"must be positive, got {t.lr}")
+    need(t.weight_decay >= 0, "trainer.weight_decay", f"must be at least 0, got {t.weight_decay}")
+    need(t.warmup_steps >= 0, "trainer.warmup_steps", f"must be at least 0, got {t.warmup_steps}")
+    need(t.grad_clip >= 0, "trainer.grad_clip", f"must be at least 0 (0 disables), got {t.grad_clip}")
+    need(t.micro_batch_size >= 1, "trainer.micro_batch_size", f"must be at least 1, got {t.micro_batch_size}")
+    need(t.checkpoint_every >= 0, "trainer.checkpoint_every", f"must be at least 0, got {t.checkpoint_every}")
+    loss = t.loss
+    need(0 <= loss.clip_low < 1, "trainer.loss.clip_low", f"must be in [0, 1), got {loss.clip_low}")
+    need(loss.clip_high >= 0, "trainer.loss.clip_high", f"must be at least 0, got {loss.clip_high}")
+    need(loss.is_cap >= 1, "trainer.loss.is_cap", f"must be at least 1, got {loss.is_cap}")
+    need(0 < loss.icepop_low < 1 < loss.icepop_high, "trainer.loss.icepop_low", f"the band [{loss.icepop_low}, {loss.icepop_high}] must contain 1 with a positive lower edge")
+    need(loss.kl_coef >= 0, "trainer.loss.kl_coef", f"must be at least 0, got {loss.kl_coef}")
+
+    g = c.generator
+    need(g.replicas >= 1, "generator.replicas", f"must be at least 1, got {g.replicas}")
+    need(g.tp >= 1, "generator.tp", f"must be at least 1, got {g.tp}")
+    need(g.group_size >= 2 or loss.advantage == "grpo_no_std" and g.group_size >= 1, "generator.group_size", f"group advantages need at least 2 completions per prompt, got {g.group_size}")
+    if loss.advantage == "rloo":
+        need(g.group_size >= 2, "generator.group_size", "rloo needs at least 2 completions per prompt")
+    need(g.max_new_tokens >= 1, "generator.max_new_tokens", f"must be at least 1, got {g.max_new_tokens}")
+    need(g.temperature > 0, "generator.temperature", f"must be positive, got {g.temperature}: use a small value for near-greedy sampling")
+    need(0 < g.top_p <= 1, "generator.top_p", f"must be in (0, 1], got {g.top_p}")
+    need(g.top_k == -1 or g.top_k >= 1, "generator.top_k", f"must be -1 (off) or at least 1, got {g.top_k}")
+    need(g.max_num_seqs >= g.group_size, "generator.max_num_seqs", f"{g.max_num_seqs} cannot hold one group of generator.group_size={g.group_size}")
+    need(0 < g.gpu_memory_utilization <= 1, "generator.gpu_memory_utilization", f"must be in (0, 1], got {g.gpu_memory_utilization}")
+    need(g.startup_timeout_s > 0, "generator.startup_timeout_s", f"must be positive, got {g.startup_timeout_s}")
+
+    b = c.buffer
+    need(b.depth >= 0, "buffer.depth", f"must be at least 0 (0 = synchronous), got {b.depth}")
+    need(b.max_lag is None or b.max_lag >= 0, "buffer.max_lag", f"a staleness bound must be at least 0 (or null for none), got {b.max_lag}")
+    need(b.put_timeout_s > 0, "buffer.put_timeout_s", f"must be positive, got {b.put_timeout_s}")
+    need(b.get_timeout_s > 0, "buffer.get_timeout_s", f"must be positive, got {b.get_timeout_s}")
+    if b.depth == 0:
+        need(g.update_mode == "block", "generator.update_mode", f"buffer.depth=0 is synchronous on-policy training and needs update_mode 'block', got {g.update_mode!r}")
+    if b.sampling not in ("fifo", "random"):
+        need(":" in b.sampling, "buffer.sampling", f"{b.sampling!r} is neither 'fifo', 'random' nor an import path 'module:callable'")
+
+    w = c.weight_sync
+    need(w.bucket_mb >= 1, "weight_sync.bucket_mb", f"must be at least 1, got {w.bucket_mb}")
+    need(w.timeout_s > 0, "weight_sync.timeout_s", f"must be positive, got {w.timeout_s}")
+
+    s = c.scoring
+    if s.reward_fn is not None:
+        need(":" in s.reward_fn, "scoring.reward_fn", f"{s.reward_fn!r} must be an import path 'module:function'")
+    if s.reward_model is not None:
+        need(os.path.isdir(s.reward_model), "scoring.reward_model", f"directory {s.reward_model!r} not found: give a local checkpoint directory or null")
+    need(s.timeout_s > 0, "scoring.timeout_s", f"must be positive, got {s.timeout_s}")
+    need(s.replicas >= 1, "scoring.replicas", f"must be at least 1, got {s.replicas}")
+
+    d = c.data
+    if not d.source.startswith("task:"):
+        need(d.source.endswith((".jsonl", ".parquet")), "data.source", f"{d.source!r} must be 'task:NAME' or a .jsonl/.parquet file")
+        need(os.path.isfile(d.source), "data.source", f"file {d.source!r} not found: give a local .jsonl or .parquet file")
+    need(d.num_prompts >= 1, "data.num_prompts", f"must be at least 1, got {d.num_prompts}")
+
+    la = c.launcher
+    need(la.hosts >= 1, "launcher.hosts", f"must be at least 1, got {la.hosts}")
+    need(la.gpus_per_host >= 0, "launcher.gpus_per_host", f"must be at least 0, got {la.gpus_per_host}")
+    parts = la.time_limit.split(":")
+    need(len(parts) == 3 and all(p.isdigit() for p in parts), "launcher.time_limit", f"{la.time_limit!r} must look like HH:MM:SS")
+
+
+# ---- the generated reference --------------------------------------------------------------
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring below each field of a config dataclass, read from its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
+                docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def reference_markdown() -> str:
+    """The config reference as Markdown: every section, field, type, default and docstring."""
+    lines = [
+        "# meshrl config reference",
+        "",
+        "Generated from the docstrings in `meshrl/config.py` by `meshrl config docs`; do not edit by hand.",
+        "Set fields in YAML (nested sections), in a dict passed to `meshrl.run`, or on the command line as `section.field=value`.",
+        "",
+    ]
+
+    def section(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
+        nested = []
+        lines.append(f"## `{prefix or 'top level'}`")
+        lines.append("")
+        lines.append("| field | type | default | meaning |")
+        lines.append("|---|---|---|---|")
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                nested.append((tp, _join(prefix, f.name)))
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"| `{_join(prefix, f.name)}` | {_show_type(tp)} | `{yaml.safe_dump(default).strip().removesuffix('...').strip()}` | {docs.get(f.name, '')} |")
+        lines.append("")
+        for tp, path in nested:
+            section(tp, path)
+
+    section(Config, "")
+    return "\n".join(lines)
+
+
+def _show_type(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " \\| ".join(f"`{a}`" for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(_show_type(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return tp.__name__

@@ -1,0 +1,44 @@
+"""Tokenizers: Hugging Face tokenizers loaded from local directories.
+
+No hub access at run time, so the embedded default and the tests use a character-level
+tokenizer that meshrl builds and saves as an ordinary Hugging Face tokenizer directory;
+every other code path loads it exactly like a real model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+CHAR_VOCAB_SIZE = 128
+"""Vocab size of the character tokenizer (3 specials + printable ASCII, padded to 128)."""
+
+
+def build_char_tokenizer(path: str | os.PathLike) -> str:
+    """Build the character tokenizer and save it as a HF tokenizer directory at `path`."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # printable ASCII + space + newline
+    vocab = {PAD: 0, BOS: 1, EOS: 2}
+    for c in chars:
+        vocab[c] = len(vocab)
+    assert len(vocab) <= CHAR_VOCAB_SIZE
+    # BPE with no merges splits text into single characters; Fuse joins them back on decode.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS)
+    fast.model_max_length = 1 << 20
+    os.makedirs(path, exist_ok=True)
+    fast.save_pretrained(str(path))
+    return str(path)
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """Load a Hugging Face tokenizer from a local directory (never from a hub)."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tokenizer directory {str(path)!r} not found")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -1,0 +1,97 @@
+"""Config loading, validation, the CLI's error contract, and the generated reference."""
+
+import dataclasses
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from meshrl.config import Config, ConfigError, apply_overrides, field_docs, reference_markdown
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def meshrl_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshrl", *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_default_yaml_is_the_embedded_default():
+    assert Config.from_yaml(os.path.join(ROOT, "configs/default.yaml")) == Config()
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs/*.yaml"))))
+def test_every_shipped_config_shows(path):
+    out = meshrl_cli("config", "show", path)
+    assert out.returncode == 0, out.stderr
+    shown = Config.from_dict(yaml.safe_load(out.stdout))
+    assert shown == Config.from_yaml(path)
+
+
+def test_overrides_dict_and_code_agree():
+    a = Config.from_dict(apply_overrides({}, ["trainer.lr=1e-5", "buffer.max_lag=null", "trainer.loss.correction=icepop"]))
+    b = Config.from_dict({"trainer": {"lr": 1e-5, "loss": {"correction": "icepop"}}, "buffer": {"max_lag": None}})
+    c = Config()
+    c.trainer.lr = 1e-5
+    c.buffer.max_lag = None
+    c.trainer.loss.correction = "icepop"
+    assert a == b == c
+    assert a.trainer.lr == 1e-5 and isinstance(a.trainer.lr, float)
+
+
+@pytest.mark.parametrize(
+    "data, field, words",
+    [
+        ({"trainer": {"lrr": 1}}, "trainer.lrr", "did you mean 'lr'"),
+        ({"nosuch": {}}, "nosuch", "unknown field"),
+        ({"trainer": {"lr": "fast"}}, "trainer.lr", "expected a number"),
+        ({"trainer": {"procs": 2.5}}, "trainer.procs", "expected an integer"),
+        ({"trainer": {"procs": True}}, "trainer.procs", "expected an integer"),
+        ({"generator": {"update_mode": "pause"}}, "generator.update_mode", "must be one of"),
+        ({"trainer": {"procs": 3, "dp_shard": 2}}, "trainer.procs", "not divisible"),
+        ({"trainer": {"procs": 2, "ep": 2}}, "trainer.ep", "MoE"),
+        ({"buffer": {"max_lag": -1}}, "buffer.max_lag", "at least 0"),
+        ({"buffer": {"depth": -1}}, "buffer.depth", "at least 0"),
+        ({"buffer": {"depth": 0}}, "generator.update_mode", "'block'"),
+        ({"model": {"path": "/no/such/dir"}}, "model.path", "not found"),
+        ({"model": {"dim": 60, "n_heads": 7}}, "model.dim", "divisible"),
+        ({"data": {"source": "prompts.csv"}}, "data.source", ".jsonl"),
+        ({"scoring": {"reward_fn": "not_an_import_path"}}, "scoring.reward_fn", "module:function"),
+        ({"trainer": "fast"}, "trainer", "mapping"),
+    ],
+)
+def test_bad_values_name_the_field(data, field, words):
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict(data)
+    assert info.value.field_path == field
+    assert words in str(info.value)
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  procs: 3\n  dp_shard: 2\n")
+    for args in (["config", "show", str(bad)], ["config", "show", "trainer.lr=abc"], ["run", "nosuch.yaml"],
+                 ["run", "buffer.max_lag=-2"]):
+        out = meshrl_cli(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("trainer: [unclosed\n")
+    out = meshrl_cli("config", "show", str(broken))
+    assert out.returncode == 2 and "not valid YAML" in out.stderr
+
+
+def test_every_field_is_documented_and_reference_is_current():
+    def walk(cls):
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
+            if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Config")):
+                walk(type(getattr(cls(), f.name)))
+
+    walk(Config)
+    with open(os.path.join(ROOT, "docs/config.md")) as f:
+        assert f.read() == reference_markdown() + "\n", "docs/config.md is stale: run `meshrl config docs > docs/config.md`"
