@@ -3,6 +3,7 @@
     meshrl run [CONFIG.yaml] [section.field=value ...] [--resume RUN_DIR]
     meshrl config show [CONFIG.yaml] [section.field=value ...]
     meshrl config docs [--check FILE]
+    meshrl plot RUN_DIR [--out FILE.png]
 
 Bad input (unknown key, wrong type, impossible sizes, missing paths) prints one line on
 stderr naming the field and the fix, and exits with status 2.
@@ -70,6 +71,16 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plot(ns: argparse.Namespace) -> int:
+    from meshrl.metrics import plot_run
+
+    try:
+        print(plot_run(ns.run_dir, ns.out))
+    except FileNotFoundError as e:
+        raise ConfigError("RUN_DIR", str(e)) from None
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrl", description="Asynchronous RL post-training on Monarch meshes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     docs = config_sub.add_parser("docs", help="print the config reference (Markdown)")
     docs.add_argument("--check", metavar="FILE", help="exit 1 if FILE differs from the generated reference")
     docs.set_defaults(func=_cmd_config_docs)
+
+    plot = sub.add_parser("plot", help="draw a run's reward, staleness and utilisation curves to PNG")
+    plot.add_argument("run_dir", metavar="RUN_DIR")
+    plot.add_argument("--out", metavar="FILE.png", help="default: RUN_DIR/curves.png")
+    plot.set_defaults(func=_cmd_plot)
     return parser
 
 

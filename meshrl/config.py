@@ -184,8 +184,8 @@ class ScoringConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "task:count"
-    """Prompts: `task:NAME` for a built-in procedural task, or a local .jsonl / .parquet file."""
+    source: str = "task:letters"
+    """Prompts: `task:NAME` for a built-in procedural task (letters, count, add, copy: see meshrl/tasks.py), or a local .jsonl / .parquet file."""
     prompt_key: str = "prompt"
     """Field holding the prompt text in file sources."""
     answer_key: str = "answer"
@@ -482,10 +482,17 @@ def validate(c: Config) -> None:
     need(s.timeout_s > 0, "scoring.timeout_s", f"must be positive, got {s.timeout_s}")
     need(s.replicas >= 1, "scoring.replicas", f"must be at least 1, got {s.replicas}")
 
+    need(not (s.reward_fn and s.reward_model), "scoring.reward_model", "set either scoring.reward_fn or scoring.reward_model, not both")
     d = c.data
-    if not d.source.startswith("task:"):
+    if d.source.startswith("task:"):
+        from meshrl.tasks import TASKS
+
+        name = d.source.removeprefix("task:")
+        need(name in TASKS, "data.source", f"unknown built-in task {name!r}: use one of {', '.join('task:' + t for t in TASKS)}")
+    else:
         need(d.source.endswith((".jsonl", ".parquet")), "data.source", f"{d.source!r} must be 'task:NAME' or a .jsonl/.parquet file")
         need(os.path.isfile(d.source), "data.source", f"file {d.source!r} not found: give a local .jsonl or .parquet file")
+        need(s.reward_fn is not None or s.reward_model is not None, "scoring.reward_fn", f"a file data source ({d.source}) needs a reward: set scoring.reward_fn or scoring.reward_model")
     need(d.num_prompts >= 1, "data.num_prompts", f"must be at least 1, got {d.num_prompts}")
 
     la = c.launcher

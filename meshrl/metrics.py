@@ -1,0 +1,93 @@
+"""Run metrics: one JSONL row and TensorBoard scalars per step, and PNG curves.
+
+Any actor can produce metrics: endpoints return flat `{name: float}` dicts (names like
+`reward/mean`, `trainer/loss`, `buffer/occupancy`) and the controller merges them into
+one row per step. `plot_run(run_dir)` draws reward, staleness and utilisation curves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Iterable
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsWriter:
+    """Appends step rows to RUN_DIR/metrics.jsonl and, optionally, TensorBoard events."""
+
+    def __init__(self, run_dir: str, tensorboard: bool = True):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        self._file = open(self.path, "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def write(self, step: int, row: dict[str, float]) -> None:
+        clean = {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        if self._tb is not None:
+            for key, value in clean.items():
+                self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str) -> list[dict[str, float]]:
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: is {run_dir!r} a meshrl run directory?")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+PANELS = [
+    ("reward", ["reward/mean", "reward/success_rate"]),
+    ("staleness (versions)", ["trainer/staleness_mean", "trainer/staleness_max"]),
+    ("idle fraction", ["trainer/idle_frac", "generator/idle_frac"]),
+    ("loss", ["trainer/loss"]),
+]
+
+
+def plot_run(run_dir: str, out: str | None = None) -> str:
+    """Draw reward, staleness, utilisation and loss curves of a run to a PNG; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    out = out or os.path.join(run_dir, "curves.png")
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
+    for ax, (title, keys) in zip(axes, PANELS):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            if points:
+                ax.plot(*zip(*points), label=key.split("/", 1)[1], marker="." if len(points) < 30 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def format_row(row: dict[str, float], keys: Iterable[str]) -> str:
+    """A short progress-bar postfix from selected metrics."""
+    parts = []
+    for key in keys:
+        if key in row:
+            parts.append(f"{key.split('/')[-1]}={row[key]:.3g}")
+    return " ".join(parts)
