@@ -162,6 +162,16 @@ class ReplayBuffer:
             self._set_version(version)
             self._cond.notify_all()
 
+    def set_max_lag(self, max_lag: int | None) -> None:
+        """Change the staleness bound (not below 0; depth 0 stays on-policy). Applies to
+        groups already buffered at the next version change or sample."""
+        if max_lag is not None and max_lag < 0:
+            raise ValueError(f"max_lag must be at least 0, got {max_lag}")
+        with self._cond:
+            self.max_lag = 0 if self.cfg.depth == 0 else max_lag
+            self._groups = deque(g for g in (self._admit(g) for g in self._groups) if g is not None)
+            self._cond.notify_all()
+
     def evict_oldest(self, n: int = 1) -> int:
         """Drop up to `n` of the oldest groups; returns how many were dropped."""
         with self._cond:
@@ -294,6 +304,10 @@ class ReplayBufferActor(Actor):
     @concurrent_endpoint
     async def set_version(self, version: int) -> None:
         self.buffer.set_version(version)
+
+    @concurrent_endpoint
+    async def set_max_lag(self, max_lag: int | None) -> None:
+        self.buffer.set_max_lag(max_lag)
 
     @concurrent_endpoint
     async def evict_oldest(self, n: int = 1) -> int:

@@ -56,18 +56,18 @@ def _cmd_config_docs(ns: argparse.Namespace) -> int:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    config = load_config(ns.args)
-    try:
-        from meshrl.api import run  # the loop ([loop] issue)
-    except ImportError:
-        print(
-            "meshrl run: config is valid, but the training loop (meshrl.api.run) is not built yet.\n"
-            "Resolved config:\n" + config.to_yaml(),
-            file=sys.stderr,
-        )
-        return 0
-    result = run(config, resume=ns.resume)
-    print(f"run finished: {result.run_dir}")
+    from meshrl.api import run
+
+    if ns.resume:
+        path, overrides = _split(ns.args)
+        if path is not None:
+            raise ConfigError("--resume", "a resumed run uses RUN_DIR/config.yaml: pass only overrides with --resume")
+        result = run(resume=ns.resume, overrides=overrides)
+    else:
+        result = run(load_config(ns.args))
+    if result.metrics:
+        last = result.metrics[-1]
+        print(f"meshrl: {len(result.metrics)} steps in {result.run_dir} (reward {last.get('reward/mean', float('nan')):.3f} at step {int(last['step'])})")
     return 0
 
 

@@ -198,10 +198,10 @@ class DataConfig:
 
 @dataclass
 class LauncherConfig:
-    kind: Literal["local", "slurm", "torchx"] = "local"
-    """Where meshes run: this machine, a Slurm allocation via Monarch's SlurmJob, or a TorchX AppDef."""
+    kind: Literal["local", "process", "slurm", "torchx"] = "local"
+    """Where meshes run: `local` (this machine), `process` (`launcher.hosts` local worker processes standing in for Slurm hosts: the Slurm code path, testable anywhere), `slurm` (an allocation submitted through Monarch's SlurmJob), or `torchx` (this process already runs inside a job launched from `meshrl/torchx_component.py:train`; meshes use its host)."""
     hosts: int = 1
-    """Hosts to allocate (slurm/torchx)."""
+    """Hosts to allocate (process/slurm). One host holds every role; with more, hosts split between trainer and generator (by GPUs when `gpus_per_host` > 0, else in proportion to their procs) and the coordinator shares the first trainer host."""
     gpus_per_host: int = 0
     """GPUs per host (slurm/torchx). 0 on CPU-only clusters."""
     partition: str | None = None
@@ -210,6 +210,10 @@ class LauncherConfig:
     """Slurm wall-clock limit, HH:MM:SS."""
     dry_run: bool = False
     """Render the job (sbatch script or TorchX AppDef) and print it instead of submitting."""
+    account: str | None = None
+    """Slurm account to charge (`#SBATCH --account`). None: the cluster default."""
+    start_timeout_s: float = 1800.0
+    """Longest wait for the allocation to start running and its hosts to connect (queueing included); then the job is cancelled."""
 
 
 @dataclass
@@ -498,6 +502,7 @@ def validate(c: Config) -> None:
     la = c.launcher
     need(la.hosts >= 1, "launcher.hosts", f"must be at least 1, got {la.hosts}")
     need(la.gpus_per_host >= 0, "launcher.gpus_per_host", f"must be at least 0, got {la.gpus_per_host}")
+    need(la.start_timeout_s > 0, "launcher.start_timeout_s", f"must be positive, got {la.start_timeout_s}")
     parts = la.time_limit.split(":")
     need(len(parts) == 3 and all(p.isdigit() for p in parts), "launcher.time_limit", f"{la.time_limit!r} must look like HH:MM:SS")
 

@@ -104,7 +104,7 @@ class PromptSource:
         self.next_group_id = 0
         self.handed_out = 0
         self.requeued: deque[Prompt] = deque()
-        self.outstanding: dict[int, Prompt] = {}  # handed out, not yet acknowledged
+        self.outstanding: dict[int, tuple[Prompt, int]] = {}  # handed out, not acknowledged: (prompt, consumer)
         self.consumed: list[int] = []  # group ids acknowledged, in order
         self._cond = threading.Condition()
         self._closed = False
@@ -112,9 +112,10 @@ class PromptSource:
     def _admissible(self) -> bool:
         return self.handed_out < (self.version + self.ahead) * self.batch_groups
 
-    def next_prompt(self, timeout: float) -> Prompt | None:
-        """The next prompt; waits (at most `timeout` s) while the trainer is too far behind.
-        Returns None when closed or timed out, so a generator can re-check and call again."""
+    def next_prompt(self, timeout: float, consumer: int = 0) -> Prompt | None:
+        """The next prompt for generator `consumer`; waits (at most `timeout` s) while the
+        trainer is too far behind. Returns None when closed or timed out, so a generator can
+        re-check its own state and call again."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._closed or self.requeued or self._admissible(), timeout):
                 return None
@@ -133,7 +134,7 @@ class PromptSource:
                 )
                 self.next_group_id += 1
                 self.handed_out += 1
-            self.outstanding[prompt.group_id] = prompt
+            self.outstanding[prompt.group_id] = (prompt, consumer)
             return prompt
 
     def acknowledge(self, group_ids: list[int]) -> None:
@@ -143,12 +144,16 @@ class PromptSource:
                 if self.outstanding.pop(gid, None) is not None:
                     self.consumed.append(gid)
 
-    def requeue(self, group_ids: list[int] | None = None) -> int:
-        """Hand these outstanding prompts (default: all) out again first; returns the count."""
+    def requeue(self, consumer: int | None = None, group_ids: list[int] | None = None) -> int:
+        """Hand outstanding prompts out again first: those held by `consumer` (a generator
+        that died), or the given group ids, or all. Returns how many."""
         with self._cond:
-            ids = list(self.outstanding) if group_ids is None else [g for g in group_ids if g in self.outstanding]
-            for gid in ids:
-                self.requeued.append(self.outstanding.pop(gid))
+            ids = [
+                gid for gid, (_, holder) in self.outstanding.items()
+                if (consumer is None or holder == consumer) and (group_ids is None or gid in group_ids)
+            ]
+            for gid in sorted(ids):
+                self.requeued.append(self.outstanding.pop(gid)[0])
             self._cond.notify_all()
             return len(ids)
 
@@ -166,7 +171,7 @@ class PromptSource:
         """Iteration state plus every prompt handed out and not yet in the buffer: a resumed
         run hands those out again, so no prompt is skipped or repeated."""
         with self._cond:
-            pending = list(self.requeued) + list(self.outstanding.values())
+            pending = list(self.requeued) + [p for p, _ in self.outstanding.values()]
             return {
                 "node": self.node.state_dict(),
                 "next_group_id": self.next_group_id,
@@ -175,12 +180,14 @@ class PromptSource:
                 "consumed": list(self.consumed),
             }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, skip_group_ids: set[int] = frozenset()) -> None:
+        """Restore; pending prompts whose groups are in `skip_group_ids` (already in the
+        restored buffer: put but not yet acknowledged at checkpoint time) are not re-issued."""
         with self._cond:
             self.node.reset(state["node"])
             self.next_group_id = state["next_group_id"]
             self.handed_out = state["handed_out"]
-            self.requeued = deque(Prompt(**p) for p in state["pending"])
+            self.requeued = deque(Prompt(**p) for p in state["pending"] if p["group_id"] not in skip_group_ids)
             self.outstanding = {}
             self.consumed = list(state["consumed"])
             self._cond.notify_all()
@@ -193,16 +200,16 @@ class PromptSourceActor(Actor):
         self.source = PromptSource(Config.from_dict(config), tokenizer_dir)
 
     @concurrent_endpoint
-    async def next_prompt(self, timeout: float = 1.0) -> Prompt | None:
-        return await asyncio.to_thread(self.source.next_prompt, timeout)
+    async def next_prompt(self, timeout: float = 1.0, consumer: int = 0) -> Prompt | None:
+        return await asyncio.to_thread(self.source.next_prompt, timeout, consumer)
 
     @concurrent_endpoint
     async def acknowledge(self, group_ids: list[int]) -> None:
         self.source.acknowledge(group_ids)
 
     @concurrent_endpoint
-    async def requeue(self, group_ids: list[int] | None = None) -> int:
-        return self.source.requeue(group_ids)
+    async def requeue(self, consumer: int | None = None, group_ids: list[int] | None = None) -> int:
+        return self.source.requeue(consumer, group_ids)
 
     @concurrent_endpoint
     async def set_version(self, version: int) -> None:
@@ -222,5 +229,5 @@ class PromptSourceActor(Actor):
         return self.source.state_dict()
 
     @concurrent_endpoint
-    async def load_state_dict(self, state: dict) -> None:
-        self.source.load_state_dict(state)
+    async def load_state_dict(self, state: dict, skip_group_ids: list[int] = ()) -> None:
+        self.source.load_state_dict(state, set(skip_group_ids))

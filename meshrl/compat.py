@@ -1,0 +1,83 @@
+"""Patches that TorchTitan and vLLM need to run on CPU-only machines.
+
+Every patch is one small function with the reason beside it, so each can be dropped once
+upstream handles the case. Callers apply them explicitly (nothing is patched on import).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ---- TorchTitan on CPU ----
+def titan_use_sdpa_attention(model_config) -> None:
+    """Swap every layer's inner attention config for TorchTitan's causal SDPA (in place).
+
+    TorchTitan's language models accept only `flex` (no backward on CPU) or `varlen`
+    (needs flash attention). meshrl rows are one causal sequence each (right-padded, no
+    packed documents), so plain causal SDPA computes the same thing and runs anywhere.
+    """
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for layer in list(model_config.layers) + list(getattr(model_config, "mtp_layers", None) or []):
+        attention = getattr(layer, "attention", None)
+        if attention is not None and hasattr(attention, "inner_attention"):
+            attention.inner_attention = ScaledDotProductAttention.Config()
+
+
+def titan_use_cpu_device_type() -> None:
+    """Make TorchTitan's global `device_type` "cpu" when no accelerator is present.
+
+    `torchtitan.tools.utils` falls back to "cuda" when it finds no accelerator, and
+    ParallelDims builds its DeviceMesh (and the MoE dispatcher its buffers) on that
+    device type; the modules import the name by value, so each copy is patched.
+    """
+    if torch.cuda.is_available():
+        return
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.models.common.token_dispatcher as token_dispatcher
+    import torchtitan.tools.utils as tools_utils
+
+    for module in (tools_utils, parallel_dims, dist_utils, token_dispatcher):
+        module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = torch.cpu
+
+
+def titan_cpu_spmd_backend(parallelism) -> None:
+    """Use the classic `partial_dtensor` SPMD path (in place on a ParallelismConfig).
+
+    The default `spmd_types` backend type-checks a multi-dimensional SPMD mesh that the
+    gloo/CPU path does not build; `partial_dtensor` is plain FSDP2 + DTensor EP.
+    """
+    parallelism.spmd_backend = "partial_dtensor"
+
+
+def titan_force_sum_reduction(model: torch.nn.Module) -> None:
+    """Make FSDP2 reduce gradients with SUM (then divide) instead of PREMUL_SUM.
+
+    With a gradient divide factor FSDP2 asks for ReduceOp.PREMUL_SUM, which gloo rejects.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+
+# ---- vLLM on CPU ----
+def vllm_cpu_defaults(startup_timeout_s: float | None = None) -> None:
+    """Environment defaults for vLLM engines started from this process (call before importing vllm).
+
+    VLLM_CPU_KVCACHE_SPACE: the CPU backend reserves this many GiB of KV cache per engine
+    (its default is sized for a dedicated server); several engines share small machines,
+    so default to 1 GiB unless the user set it. VLLM_ENGINE_READY_TIMEOUT_S: vLLM's own
+    bound on the engine-core handshake, read once when vLLM is imported; set it from
+    generator.startup_timeout_s so a stuck start-up fails instead of hanging.
+    """
+    import os
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if startup_timeout_s is not None:
+        os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(int(max(1, startup_timeout_s))))

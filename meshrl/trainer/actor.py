@@ -1,0 +1,449 @@
+"""The trainer mesh: one `TrainerActor` per Monarch proc, each one rank of an FSDP2/EP job.
+
+Three layers, each usable on its own:
+- `PolicyTrainer`: one rank's model, optimizer and schedule, plain Python (no Monarch).
+  `train_step` splits the batch over data-parallel ranks by whole groups, accumulates
+  micro-batch gradients normalised by global counts, clips and steps AdamW.
+- `TrainerActor`: the Monarch actor that inits torch.distributed and wraps a PolicyTrainer.
+- `TrainerMesh` / `spawn_trainer`: the controller's handle (spawn procs, elastic env,
+  actors, setup; call endpoints with timeouts; stop everything on every exit path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from monarch.actor import Actor, endpoint, this_host
+
+from meshrl.config import Config
+from meshrl.rollout import PAD_VERSION, group_slices, pack_for_trainer, unpack_token_values
+from meshrl.trainer import checkpoint as ckpt
+from meshrl.trainer.logprobs import token_logprobs
+from meshrl.trainer.losses import policy_loss, reduce_metrics
+from meshrl.trainer.model import MOE_FAMILIES, build_model, model_args_from_hf
+from meshrl.trainer.parallelize import parallelism_config, parallelize
+
+
+def rank_rows(td: TensorDict, rank: int, world: int) -> list[int]:
+    """Rows of `td` that data-parallel `rank` trains on: a contiguous share of whole groups."""
+    groups = group_slices(td)
+    per, extra = divmod(len(groups), world)
+    start = rank * per + min(rank, extra)
+    mine = groups[start:start + per + (1 if rank < extra else 0)]
+    return [i for s in mine for i in range(s.start, s.stop)]
+
+
+def micro_batch_count(td: TensorDict, world: int, micro_batch_size: int) -> int:
+    """Micro-batches every rank runs: the most any rank needs (collectives must stay in step)."""
+    return max(1, max(math.ceil(len(rank_rows(td, r, world)) / micro_batch_size) for r in range(world)))
+
+
+class PolicyTrainer:
+    """One rank of the trainer: model (sharded when world > 1), AdamW, warm-up schedule, version."""
+
+    def __init__(self, config: Config, device: torch.device, rank: int = 0, world_size: int = 1):
+        self.config, self.device, self.rank, self.world = config, device, rank, world_size
+        mcfg, tcfg = config.model, config.trainer
+        overrides: dict = {}
+        if mcfg.path is not None:
+            hf_cfg, overrides = model_args_from_hf(mcfg.path)
+            mcfg = hf_cfg
+        self.model_config = mcfg
+        self.parallelism = parallelism_config(tcfg, world_size, device.type)
+        self.model, self.specs = build_model(mcfg, device, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism)
+        if mcfg.path is not None:
+            ckpt.load_hf(self.model, self.specs, mcfg.path)
+        self.ref_model = None
+        if tcfg.loss.kl_coef > 0:  # frozen copy of the initial policy for the KL penalty
+            self.ref_model, _ = build_model(mcfg, device, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism)
+            self.ref_model.load_state_dict(self.model.state_dict())
+            self.ref_model.requires_grad_(False)
+        self.dims = None
+        if dist.is_initialized():
+            from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+
+            self.model, self.dims = parallelize(self.model, self.specs.parallelize_fn, self.parallelism, world_size, device.type)
+            # losses are normalised by global token/sequence counts: ranks' gradients must
+            # add up, not average (TorchTitan's own trainer does the same)
+            disable_fsdp_gradient_division(self.model)
+            if self.ref_model is not None:
+                self.ref_model, _ = parallelize(self.ref_model, self.specs.parallelize_fn, self.parallelism, world_size, device.type)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, foreach=True)
+        warmup = tcfg.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        self.step = 0
+        """Optimizer steps taken = the version of the current weights."""
+
+    # ---- scoring ------------------------------------------------------------------------
+    def _logprobs(self, model, packed: TensorDict, with_entropy: bool = False, score_mask=None):
+        tokens = packed["tokens"].to(self.device)
+        mask = (packed["loss_mask"] if score_mask is None else score_mask).to(self.device)
+        return token_logprobs(model, tokens, mask, self.config.generator.temperature, with_entropy=with_entropy)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TensorDict) -> tuple[list[int], torch.Tensor]:
+        """This rank's share of `batch`: (row indices, [rows, R] log-probs of every response token)."""
+        rows = rank_rows(batch, self.rank, self.world)
+        n_micro = micro_batch_count(batch, self.world, self.config.trainer.micro_batch_size)
+        mb = self.config.trainer.micro_batch_size
+        outs = []
+        for i in range(n_micro):
+            idx = rows[i * mb:(i + 1) * mb]
+            part = batch[torch.tensor(idx or [0])]  # a rank with no rows left still runs the collectives
+            packed = pack_for_trainer(part)
+            lp, _ = self._logprobs(self.model, packed, score_mask=packed["versions"] != PAD_VERSION)
+            if idx:
+                outs.append(unpack_token_values(lp.cpu(), part))
+        R = batch["response_ids"].shape[1]
+        return rows, torch.cat(outs) if outs else torch.zeros(0, R)
+
+    # ---- training -----------------------------------------------------------------------
+    def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict[str, float]:
+        """One optimizer step on `batch` (the full batch; every rank gets the same one).
+
+        Returns metrics and `version`, the policy version the step produced (= steps taken).
+        """
+        t0 = time.perf_counter()
+        tcfg, lcfg = self.config.trainer, self.config.trainer.loss
+        version = self.step if current_version is None else current_version
+        # global denominators, so that micro-batch losses on all ranks sum to the batch loss
+        full = pack_for_trainer(batch)
+        token_count = int(full["loss_mask"].sum())
+        seq_count = int(full["loss_mask"].any(dim=1).sum())
+        rows = rank_rows(batch, self.rank, self.world)
+        mb = tcfg.micro_batch_size
+        n_micro = micro_batch_count(batch, self.world, mb)
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics: list[dict[str, torch.Tensor]] = []
+        lag_sum, lag_max = torch.zeros(()), torch.zeros(())
+        for i in range(n_micro):
+            idx = rows[i * mb:(i + 1) * mb]
+            packed = pack_for_trainer(batch[torch.tensor(idx or [0])]).to(self.device)
+            want_entropy = lcfg.entropy_coef > 0
+            logprobs, entropy = self._logprobs(self.model, packed, with_entropy=want_entropy)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref, _ = self._logprobs(self.ref_model, packed)
+            # One optimizer step per batch: the weights before the update are the weights of
+            # this forward, so pi_prox is its detached value (no second forward needed).
+            loss, m = policy_loss(
+                logprobs, packed["sampler_logprobs"], packed["advantage"], packed["loss_mask"], lcfg,
+                prox_logprobs=logprobs.detach(), ref_logprobs=ref, entropy=entropy,
+                token_count=token_count, seq_count=seq_count,
+            )
+            if not idx:  # padding micro-batch: gradient of zero, metrics of nothing
+                loss = loss * 0.0
+                m = {k: torch.zeros_like(v) for k, v in m.items()}
+            loss.backward()
+            metrics.append({k: v.detach().cpu() for k, v in m.items()})
+            if idx:
+                mask = packed["loss_mask"].cpu()
+                lag = (version - packed["versions"].cpu()).clamp(min=0)
+                lag_sum += (lag * mask).sum()
+                lag_max = torch.maximum(lag_max, torch.where(mask, lag, 0).max() if mask.any() else lag_max)
+        grad_norm = self._clip_grads(tcfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        merged = self._reduce_across_ranks(metrics, lag_sum, lag_max)
+        out = reduce_metrics([merged])
+        out.pop("lag_max", None)
+        tokens = max(out.get("tokens", 0.0), 1.0)
+        out.update(
+            version=self.step, grad_norm=float(grad_norm), logprob_mismatch=out.get("mismatch", 0.0),
+            staleness_mean=float(merged["lag_sum"]) / tokens, staleness_max=float(merged["lag_max"]),
+            lr=self.scheduler.get_last_lr()[0], step_time_s=time.perf_counter() - t0,
+            tokens_per_s=token_count / (time.perf_counter() - t0),
+        )
+        return out
+
+    def _clip_grads(self, max_norm: float) -> torch.Tensor:
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        ep = self.dims is not None and self.dims.ep_enabled
+        return clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True, ep_enabled=ep).detach().cpu()
+
+    def _reduce_across_ranks(self, metrics: list[dict[str, torch.Tensor]], lag_sum, lag_max) -> dict[str, torch.Tensor]:
+        keys = sorted(metrics[0])
+        sums = torch.stack([sum(m[k] for m in metrics).float() for k in keys if k.endswith("_sum")] + [lag_sum.float()])
+        maxes = torch.stack([max(m[k] for m in metrics).float() for k in keys if k.endswith("_max")] + [lag_max.float()])
+        if dist.is_initialized() and self.world > 1:
+            sums, maxes = sums.to(self.device), maxes.to(self.device)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+            sums, maxes = sums.cpu(), maxes.cpu()
+        out = dict(zip([k for k in keys if k.endswith("_sum")] + ["lag_sum"], sums))
+        out.update(zip([k for k in keys if k.endswith("_max")] + ["lag_max"], maxes))
+        return out
+
+    # ---- weights out and in -------------------------------------------------------------
+    def hf_state_dict(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named weights, one tensor at a time (collective: iterate on every rank)."""
+        return ckpt.hf_state_dict(self.model, self.specs, dtype)
+
+    def export_hf(self, path: str, dtype: torch.dtype | None = None) -> str:
+        dtype = dtype or getattr(torch, self.config.model.dtype)
+        source = os.path.join(self.config.model.path, "config.json") if self.config.model.path else None
+        return ckpt.export_hf(self.model, self.specs, path, dtype, source_config=source)
+
+    def save_checkpoint(self, root: str) -> str:
+        return ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler)
+
+    def load_checkpoint(self, path: str) -> int:
+        meta = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.step = int(meta["step"])
+        return self.step
+
+    def shard_info(self) -> dict[str, Any]:
+        """Local vs full parameter counts (and routed experts held here, for MoE)."""
+        from torch.distributed.tensor import DTensor
+
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.model.parameters())
+        full = sum(p.numel() for p in self.model.parameters())
+        info = {"rank": self.rank, "world": self.world, "local_params": local, "full_params": full}
+        if self.model_config.family in MOE_FAMILIES:
+            for name, p in self.model.named_parameters():
+                if "experts" in name and name.endswith("w1_EFD"):
+                    local_p = p.to_local() if isinstance(p, DTensor) else p
+                    info["local_experts"] = int(local_p.shape[0])
+                    info["num_experts"] = int(p.shape[0])
+                    info["expert_placements"] = str(getattr(p, "placements", None))
+                    break
+        return info
+
+
+class TrainerActor(Actor):
+    """One trainer rank on a Monarch proc. Endpoints are async and run one at a time."""
+
+    def __init__(self) -> None:
+        self.trainer: PolicyTrainer | None = None
+        self.publisher = None  # weight-sync Publisher, created on rank 0 when first asked
+
+    @endpoint
+    async def setup(self, config_dict: dict) -> dict:
+        """Init torch.distributed from the elastic env, build and shard the model."""
+        config = Config.from_dict(config_dict)
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        use_cuda = config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            # Monarch never sets CUDA_VISIBLE_DEVICES: pick this proc's GPU by local rank
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+            # procs of one host share its cores: don't oversubscribe them
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        if world > 1 and not dist.is_initialized():
+            from datetime import timedelta
+
+            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10))
+        self.trainer = PolicyTrainer(config, device, rank, world)
+        return self.trainer.shard_info()
+
+    def _need(self) -> PolicyTrainer:
+        if self.trainer is None:
+            raise RuntimeError("TrainerActor.setup(config) must run first")
+        return self.trainer
+
+    # ---- the RL loop's step: pull a batch, train, publish the new version -------------------
+    @endpoint
+    async def weight_sync_handle(self):
+        """The publisher's handle on the publishing rank (0), None elsewhere (weightsync.connect)."""
+        trainer = self._need()
+        if trainer.rank != 0:
+            return None
+        if self.publisher is None:
+            from meshrl.weightsync import Publisher
+
+            self.publisher = Publisher(trainer.config.weight_sync)
+        return self.publisher.handle
+
+    @endpoint
+    async def train_from_buffer(self, buffer, num_groups: int, timeout_s: float) -> dict:
+        """Rank 0 samples a batch from the replay buffer actor and shares it with the other
+        ranks (the controller never touches the data); all ranks train; the new version is
+        published into the weight-sync staging snapshot. Returns rank 0's metrics."""
+        trainer = self._need()
+        t0 = time.perf_counter()
+        batch = None
+        if trainer.rank == 0:
+            batch = await buffer.sample.call_one(num_groups, trainer.step, timeout_s)
+        if trainer.world > 1:
+            box = [batch]
+            dist.broadcast_object_list(box, src=0)
+            batch = box[0]
+        wait_s = time.perf_counter() - t0
+        out = trainer.train_step(batch, trainer.step)
+        t1 = time.perf_counter()
+        # Gathering full tensors is collective: every rank walks the iterator to its end.
+        named = trainer.hf_state_dict(getattr(torch, trainer.config.model.dtype))
+        if trainer.rank == 0 and self.publisher is not None:
+            copy_s = self.publisher.publish(trainer.step, named)
+        else:
+            copy_s = 0.0
+            for _ in named:
+                pass
+        metrics = {f"trainer/{k}": v for k, v in out.items() if k != "version"}
+        metrics.update({
+            "version": out["version"], "trainer/wait_s": wait_s,
+            "sync/publish_s": time.perf_counter() - t1, "sync/stage_copy_s": copy_s,
+        })
+        return metrics
+
+    @endpoint
+    async def set_lr(self, lr: float) -> None:
+        """Change the learning rate from the next step on (the warm-up factor still applies)."""
+        trainer = self._need()
+        trainer.config.trainer.lr = lr
+        trainer.scheduler.base_lrs = [lr for _ in trainer.scheduler.base_lrs]
+        factor = trainer.scheduler.lr_lambdas[0](trainer.scheduler.last_epoch)
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = lr * factor
+
+    @endpoint
+    async def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict:
+        return self._need().train_step(batch, current_version)
+
+    @endpoint
+    async def compute_logprobs(self, batch: TensorDict) -> tuple[list[int], torch.Tensor]:
+        return self._need().compute_logprobs(batch)
+
+    @endpoint
+    async def export_hf(self, path: str) -> str:
+        return self._need().export_hf(path)
+
+    @endpoint
+    async def save_checkpoint(self, root: str) -> str:
+        return self._need().save_checkpoint(root)
+
+    @endpoint
+    async def load_checkpoint(self, path: str) -> int:
+        return self._need().load_checkpoint(path)
+
+    @endpoint
+    async def get_hf_state_dict(self, dtype: str | None = None) -> dict[str, torch.Tensor] | None:
+        """Full HF-named weights on rank 0 (None elsewhere). Small models / tests only: bulk
+        transfer belongs to the weight-sync transport, which iterates `hf_state_dict()` in-proc."""
+        sd = dict(self._need().hf_state_dict(getattr(torch, dtype) if dtype else None))
+        return sd if self._need().rank == 0 else None
+
+    @endpoint
+    async def get_params(self) -> dict[str, torch.Tensor]:
+        """This rank's local shards of every parameter (tests compare them bit for bit)."""
+        from torch.distributed.tensor import DTensor
+
+        return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in self._need().model.named_parameters()}
+
+    @endpoint
+    async def get_optimizer_state(self) -> dict:
+        """This rank's optimizer state with local tensors (tests)."""
+        from torch.distributed.tensor import DTensor
+
+        state = self._need().optimizer.state_dict()["state"]
+        return {k: {n: (v.to_local() if isinstance(v, DTensor) else v).clone() for n, v in s.items()} for k, s in state.items()}
+
+    @endpoint
+    async def shard_info(self) -> dict:
+        return self._need().shard_info()
+
+    @endpoint
+    async def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TrainerMesh:
+    """The controller's handle on a trainer mesh. Every call has a timeout; `stop()` always."""
+
+    def __init__(self, procs, actors, world: int, timeout_s: float = 600.0):
+        self.procs, self.actors, self.world, self.timeout_s = procs, actors, world, timeout_s
+        self.version = 0
+
+    async def _all(self, endpoint_, *args, timeout_s: float | None = None) -> list:
+        values = await asyncio.wait_for(endpoint_.call(*args), timeout_s or self.timeout_s)
+        return [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]
+
+    async def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict:
+        out = (await self._all(self.actors.train_step, batch, current_version))[0]
+        self.version = out["version"]
+        return out
+
+    async def train_from_buffer(self, buffer, num_groups: int, timeout_s: float) -> dict:
+        """One step on a batch the trainer pulls from `buffer` itself; returns rank 0's metrics."""
+        out = (await self._all(self.actors.train_from_buffer, buffer, num_groups, timeout_s,
+                               timeout_s=timeout_s + self.timeout_s))[0]
+        self.version = out["version"]
+        return out
+
+    async def publisher_handle(self):
+        """The weight-sync publisher's handle (rank 0's)."""
+        return next(h for h in await self._all(self.actors.weight_sync_handle) if h is not None)
+
+    async def set_lr(self, lr: float) -> None:
+        await self._all(self.actors.set_lr, lr)
+
+    async def compute_logprobs(self, batch: TensorDict) -> torch.Tensor:
+        """[B, R] log-probs of every response token under the current weights."""
+        out = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
+        for rows, values in await self._all(self.actors.compute_logprobs, batch):
+            if rows:
+                out[rows] = values
+        return out
+
+    async def export_hf(self, path: str) -> str:
+        return (await self._all(self.actors.export_hf, path))[0]
+
+    async def save_checkpoint(self, root: str) -> str:
+        return (await self._all(self.actors.save_checkpoint, root))[0]
+
+    async def load_checkpoint(self, path: str) -> int:
+        self.version = (await self._all(self.actors.load_checkpoint, path))[0]
+        return self.version
+
+    async def hf_state_dict(self, dtype: str | None = None) -> dict[str, torch.Tensor]:
+        return (await self._all(self.actors.get_hf_state_dict, dtype))[0]
+
+    async def shard_info(self) -> list[dict]:
+        return await self._all(self.actors.shard_info)
+
+    async def stop(self) -> None:
+        try:
+            await asyncio.wait_for(self.actors.teardown.call(), 30)
+        except Exception:
+            pass  # the procs are stopped below either way
+        await asyncio.wait_for(self.procs.stop(), 60)
+
+
+async def spawn_trainer(config: Config, timeout_s: float = 600.0, host_mesh=None) -> TrainerMesh:
+    """Spawn the trainer procs, set up the elastic env, the actors and the sharded model.
+
+    `host_mesh`: a Monarch host mesh from a launcher (default: this host); each host gets
+    `trainer.procs / launcher.hosts` procs. The caller owns the returned mesh: `await mesh.stop()`.
+    """
+    from monarch.spmd import setup_torch_elastic_env_async
+
+    n = config.trainer.procs
+    hosts = 1 if host_mesh is None else config.launcher.hosts
+    if n % hosts:
+        raise ValueError(f"trainer.procs={n} must be a multiple of launcher.hosts={hosts}")
+    procs = (host_mesh or this_host()).spawn_procs(per_host={"procs": n // hosts})
+    try:
+        await asyncio.wait_for(setup_torch_elastic_env_async(procs), 60)
+        actors = procs.spawn("trainer", TrainerActor)
+        mesh = TrainerMesh(procs, actors, n, timeout_s)
+        await mesh._all(actors.setup, config.to_dict(), timeout_s=timeout_s)
+        return mesh
+    except BaseException:
+        await asyncio.wait_for(procs.stop(), 60)
+        raise

@@ -1,0 +1,221 @@
+"""Policy checkpoints: HF safetensors export/import, the HF-named weight stream, and DCP.
+
+- `hf_state_dict(model, specs)`: (HF name, full tensor) pairs, one parameter at a time,
+  for weight sync and export. Collective under FSDP: every rank must iterate it in step.
+- `export_hf` / `load_hf`: a Hugging Face checkpoint directory (config.json + safetensors)
+  that transformers' AutoModelForCausalLM and vLLM load.
+- `save_checkpoint` / `load_checkpoint`: torch.distributed.checkpoint of model + optimizer
+  + lr scheduler + step, each rank writing its own shards. Atomic: written into a temp
+  dir, fsynced, completed with a marker, renamed to `step-XXXXXXXX`, then the `latest`
+  pointer file is replaced atomically. A crash at any point leaves either the previous
+  checkpoint as `latest` or the new one complete; never a half-written one that loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from meshrl.trainer.model import ModelSpecs
+
+LATEST = "latest"
+COMPLETE_MARKER = "meshrl_complete.json"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+# ---- HF names ------------------------------------------------------------------------------
+def hf_state_dict(model: nn.Module, specs: ModelSpecs, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full unsharded tensor) for every weight of `model`, one parameter at a time.
+
+    DTensors are gathered with `.full_tensor()` per entry (peak extra memory: one full
+    parameter). Collective under FSDP/EP: call it on every rank and exhaust it everywhere.
+    """
+    adapter = specs.adapter_cls(specs.titan_config, None)
+    for name, tensor in model.state_dict().items():
+        full = _full(tensor.detach())
+        for hf_name, hf_tensor in adapter.to_hf({name: full}).items():
+            yield hf_name, (hf_tensor if dtype is None else hf_tensor.to(dtype)).contiguous()
+
+
+def export_hf(model: nn.Module, specs: ModelSpecs, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+              source_config: str | os.PathLike | None = None) -> str:
+    """Write `out_dir` (config.json + model.safetensors) from the current weights; returns the path.
+
+    Collective under FSDP: call on every rank; rank 0 writes. The directory appears
+    complete or not at all (written beside it, then renamed). `source_config`: a HF
+    config.json to start from (a checkpoint the model was loaded from keeps its settings).
+    """
+    from safetensors.torch import save_file
+
+    tensors = {name: t.cpu() for name, t in hf_state_dict(model, specs, dtype)}
+    out_dir = os.path.abspath(out_dir)
+    if _rank() == 0:
+        config = dict(specs.hf_config)
+        if source_config is not None:
+            with open(source_config) as f:
+                config = json.load(f)
+        if not config:
+            raise NotImplementedError(f"no HF config for family {specs.family!r}")
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        tmp = out_dir + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        _fsync_tree(tmp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+        _fsync_dir(os.path.dirname(out_dir))
+    _barrier()
+    return out_dir
+
+
+def read_hf_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of the *.safetensors files in a HF checkpoint directory, by HF name."""
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(os.path.join(path, f)))
+    return tensors
+
+
+def load_hf(model: nn.Module, specs: ModelSpecs, path: str | os.PathLike) -> None:
+    """Load a HF checkpoint directory into `model` (plain or sharded), through the TorchTitan adapter."""
+    adapter = specs.adapter_cls(specs.titan_config, str(path))
+    titan = adapter.from_hf(read_hf_tensors(path))
+    own = model.state_dict()
+    # buffers (RoPE caches, MoE load-balancing biases) are not HF weights
+    missing = [name for name, _ in model.named_parameters() if name not in titan]
+    if missing:
+        raise KeyError(f"{path} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    with torch.no_grad():
+        for name, target in own.items():
+            if name not in titan:
+                continue
+            full = titan[name].to(dtype=target.dtype)
+            if isinstance(target, DTensor):
+                # every rank read the same file: shard locally, no communication needed
+                full = distribute_tensor(full.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+                target.to_local().copy_(full.to_local())
+            else:
+                target.copy_(full)
+
+
+# ---- DCP training checkpoints --------------------------------------------------------------
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(root)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any = None, extra: dict | None = None) -> str:
+    """Save a DCP checkpoint of step `step` under `root` and point `root/latest` at it.
+
+    Collective: call on every rank. Returns the checkpoint directory.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    root = os.path.abspath(root)
+    name = f"step-{step:08d}"
+    final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp")
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of the same step
+        os.makedirs(tmp)
+    _barrier()
+    dcp.save(_train_state(model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    _barrier()
+    if _rank() == 0:
+        meta = {"step": step, "scheduler": scheduler.state_dict() if scheduler is not None else None, "extra": extra or {}}
+        _write_atomic(os.path.join(tmp, COMPLETE_MARKER), json.dumps(meta))
+        _fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(os.path.join(root, LATEST), name)
+    _barrier()
+    return final
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> str:
+    """A checkpoint directory from either itself or a root holding a `latest` pointer."""
+    path = os.path.abspath(path)
+    pointer = os.path.join(path, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            path = os.path.join(path, f.read().strip())
+    if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+        raise FileNotFoundError(f"{path} is not a complete meshrl checkpoint (no {COMPLETE_MARKER})")
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any = None) -> dict:
+    """Restore model, optimizer (and scheduler) in place from a checkpoint dir or root; returns its metadata.
+
+    Collective: call on every rank, with the model sharded as when it was saved.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    path = resolve_checkpoint(path)
+    state = _train_state(model, optimizer)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    with open(os.path.join(path, COMPLETE_MARKER)) as f:
+        meta = json.load(f)
+    if scheduler is not None and meta.get("scheduler") is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    return meta

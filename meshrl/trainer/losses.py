@@ -1,0 +1,242 @@
+"""The GRPO policy loss with off-policy corrections.
+
+Per token t of sequence i, with r = pi_theta / pi_prox (the PPO ratio against the trainer's
+own policy before this optimizer step) and rho = pi_prox / mu (the behaviour gap between
+that policy and the sampler mu that produced the token):
+
+    loss_it = -w_it * min(r_it * A_i, clip(r_it, 1 - clip_low, 1 + clip_high) * A_i)
+              + kl_coef * k3(pi_theta || pi_ref)_it - entropy_coef * H_it
+
+w is the off-policy correction weight, a function of rho only and never differentiated:
+
+    none       1
+    tis        min(rho, C)                                  truncated IS
+    mis_token  rho * 1[rho <= C]                            masked IS, per token
+    mis_seq    rho_i * 1[rho_i <= C],  rho_i = prod_t rho_t masked IS, per sequence
+    icepop     rho * 1[low <= rho <= high]                  IcePop band mask
+    decoupled  rho                                          AReaL decoupled PPO (needs pi_prox)
+    opsm       0 for the whole sequence when A_i < 0 and mean_t log(mu / pi_prox) > delta, else 1
+
+Tokens a correction drops still count in the aggregation's denominators (they add a zero),
+so the denominators depend on `loss_mask` alone and a caller can compute them globally:
+with `token_count` / `seq_count` taken over the whole batch (all micro-batches, all data
+parallel ranks), the sum of the micro-batch losses is exactly the full-batch loss.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from meshrl.config import LossConfig
+
+Tensor = torch.Tensor
+Count = int | float | Tensor | None
+
+
+# ---- correction weights: (log_rho [B,T], mask [B,T], adv [B,1], cfg) -> (weight, keep) ---------
+# log_rho is 0 on padding, detached. `keep` marks tokens the correction leaves in the loss.
+def _no_correction(log_rho: Tensor, mask: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    return torch.ones_like(log_rho), torch.ones_like(mask)
+
+
+def _truncated_is(log_rho: Tensor, mask: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    return log_rho.exp().clamp(max=cfg.is_cap), torch.ones_like(mask)
+
+
+def _masked_is_token(log_rho: Tensor, mask: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    rho = log_rho.exp()  # may be inf for huge gaps; those tokens are masked, never multiplied
+    keep = rho <= cfg.is_cap
+    return torch.where(keep, rho, 0.0), keep
+
+
+def _masked_is_sequence(log_rho: Tensor, mask: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    rho_seq = log_rho.sum(dim=1, keepdim=True).exp()  # product over the sequence's tokens
+    keep = (rho_seq <= cfg.is_cap).expand_as(mask)
+    return torch.where(keep, rho_seq, 0.0), keep
+
+
+def _icepop(log_rho: Tensor, mask: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    rho = log_rho.exp()
+    keep = (rho >= cfg.icepop_low) & (rho <= cfg.icepop_high)
+    return torch.where(keep, rho, 0.0), keep
+
+
+def _decoupled(log_rho: Tensor, mask: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    return log_rho.exp(), torch.ones_like(mask)
+
+
+def _off_policy_sequence_mask(log_rho: Tensor, mask: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    # Mean over the sequence's loss tokens of log(mu / pi_prox) = -log_rho.
+    gap = (-log_rho).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    keep = ~((adv < 0) & (gap > cfg.opsm_delta))
+    keep = keep.expand_as(mask)
+    return keep.to(log_rho.dtype), keep
+
+
+CORRECTIONS: dict[str, Callable[[Tensor, Tensor, Tensor, LossConfig], tuple[Tensor, Tensor]]] = {
+    "none": _no_correction,
+    "tis": _truncated_is,
+    "mis_token": _masked_is_token,
+    "mis_seq": _masked_is_sequence,
+    "icepop": _icepop,
+    "decoupled": _decoupled,
+    "opsm": _off_policy_sequence_mask,
+}
+
+
+# ---- aggregation --------------------------------------------------------------------------------
+def aggregate(per_token: Tensor, mask: Tensor, how: str, token_count: Count = None, seq_count: Count = None) -> Tensor:
+    """Reduce a [B,T] per-token loss (already zero off `mask`) to a scalar.
+
+    token_mean: sum / token_count. seq_mean_token_mean: sum_i (sum_t l_it / n_i) / seq_count,
+    n_i = loss tokens of sequence i. seq_mean_token_sum: sum / seq_count (Dr.GRPO).
+    Counts default to this call's loss tokens / sequences with a loss token; a count of 0
+    divides by 1, so an empty batch gives a real 0 with a gradient graph.
+    """
+    if how == "token_mean":
+        count = mask.sum() if token_count is None else token_count
+        return per_token.sum() / _at_least_one(count, per_token.device)
+    seq_sums = per_token.sum(dim=1)
+    if how == "seq_mean_token_mean":
+        seq_sums = seq_sums / mask.sum(dim=1).clamp(min=1)
+    elif how != "seq_mean_token_sum":
+        raise ValueError(f"unknown aggregation {how!r}: use token_mean, seq_mean_token_mean or seq_mean_token_sum")
+    count = mask.any(dim=1).sum() if seq_count is None else seq_count
+    return seq_sums.sum() / _at_least_one(count, per_token.device)
+
+
+def _at_least_one(count: int | float | Tensor, device: torch.device) -> Tensor:
+    return torch.as_tensor(count, dtype=torch.float32, device=device).clamp(min=1)
+
+
+# ---- the loss -----------------------------------------------------------------------------------
+def policy_loss(
+    logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cfg: LossConfig,
+    *,
+    prox_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    token_count: Count = None,
+    seq_count: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO/PPO-clip loss with the off-policy correction `cfg.correction` (see module doc).
+
+    Args:
+      logprobs: [B,T] trainer log-probs of the tokens (with grad).
+      sampler_logprobs: [B,T] log mu, the inference engine's log-probs of the same tokens.
+      advantages: [B] per-sequence advantages.
+      loss_mask: [B,T] True on tokens that count in the loss.
+      prox_logprobs: [B,T] the trainer's log-probs before this optimizer step (pi_old /
+        pi_prox). None: `logprobs.detach()` (one optimizer step per batch: r = 1 in value,
+        still carrying the policy gradient). Required by `decoupled`.
+      ref_logprobs: [B,T] reference-policy log-probs; required when `cfg.kl_coef > 0`.
+      entropy: [B,T] per-token entropy of pi_theta; its bonus applies when `cfg.entropy_coef > 0`.
+      token_count / seq_count: global denominators for `aggregate` (see there).
+
+    Returns (loss, metrics). Metrics are detached scalar tensors over this call, meant to be
+    reduced across micro-batches and ranks: keys ending `_sum` by sum, keys ending `_max`
+    by max (then `reduce_metrics`). tokens_sum, seqs_sum: loss tokens and sequences;
+    loss_sum: this call's loss (a contribution, already normalised); clip_frac_sum: tokens
+    where the PPO clip was active; is_weight_sum / is_weight_max: correction weights;
+    masked_sum: loss tokens the correction dropped; mismatch_sum: sum |log mu - log pi_prox|;
+    kl_sum (with ref_logprobs), entropy_sum (with entropy): per-token sums.
+    """
+    if cfg.correction == "decoupled" and prox_logprobs is None:
+        raise ValueError("correction 'decoupled' needs prox_logprobs: the trainer's log-probs before this optimizer step")
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs from the reference model")
+    if advantages.dim() != 1 or advantages.shape[0] != logprobs.shape[0]:
+        raise ValueError(f"advantages must be [B]={logprobs.shape[0]}, got {tuple(advantages.shape)}")
+
+    mask = loss_mask.bool()
+    lp = logprobs.float()
+    prox = lp.detach() if prox_logprobs is None else prox_logprobs.detach().float()
+    adv = advantages.detach().float()[:, None]
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+
+    # PPO-clip surrogate. Log-ratios are zeroed off the mask *before* exp: padding can hold
+    # anything (-inf, garbage), and an inf there would turn masked-out gradients into NaN.
+    ratio = torch.where(mask, lp - prox, zero).exp()
+    clipped_ratio = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
+
+    # Off-policy correction from the behaviour gap rho = pi_prox / mu; never differentiated.
+    log_rho = torch.where(mask, prox - sampler_logprobs.detach().float(), zero)
+    weight, keep = CORRECTIONS[cfg.correction](log_rho, mask, adv, cfg)
+
+    per_token = -weight * surrogate
+    kl = None
+    if ref_logprobs is not None:
+        log_ref_ratio = torch.where(mask, ref_logprobs.detach().float() - lp, zero)
+        kl = log_ref_ratio.exp() - log_ref_ratio - 1  # k3: unbiased, always >= 0
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl
+    if entropy is not None and cfg.entropy_coef > 0:
+        per_token = per_token - cfg.entropy_coef * entropy.float()
+    per_token = torch.where(mask, per_token, zero)
+    loss = aggregate(per_token, mask, cfg.aggregation, token_count, seq_count)
+
+    with torch.no_grad():
+
+        def on_mask(x: Tensor) -> Tensor:  # where, not a product: padding may hold NaN/inf
+            return torch.where(mask, x.float(), zero)
+
+        metrics = {
+            "tokens_sum": mask.sum().float(),
+            "seqs_sum": mask.any(dim=1).sum().float(),
+            "loss_sum": loss.detach().clone(),
+            "clip_frac_sum": on_mask(clipped_ratio * adv < ratio * adv).sum(),
+            "is_weight_sum": on_mask(weight).sum(),
+            "is_weight_max": torch.cat([on_mask(weight).flatten(), zero[None]]).max(),  # weights >= 0; no host sync
+            "masked_sum": on_mask(~keep).sum(),
+            "mismatch_sum": on_mask(log_rho.abs()).sum(),
+        }
+        if kl is not None:
+            metrics["kl_sum"] = on_mask(kl).sum()
+        if entropy is not None:
+            metrics["entropy_sum"] = on_mask(entropy.detach()).sum()
+    return loss, metrics
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+_PER_TOKEN_MEANS = {
+    "clip_frac": "clip_frac_sum",
+    "is_weight_mean": "is_weight_sum",
+    "masked_frac": "masked_sum",
+    "mismatch": "mismatch_sum",
+    "kl": "kl_sum",
+    "entropy": "entropy_sum",
+}
+
+
+def reduce_metrics(metrics: Sequence[Mapping[str, Tensor | float]]) -> dict[str, float]:
+    """Combine `policy_loss` metrics of several micro-batches (or ranks) into floats.
+
+    `_sum` keys add up and `_max` keys take the max; then per-token sums become means over
+    tokens_sum (clip_frac, is_weight_mean, masked_frac, mismatch, kl, entropy), `_max` keys
+    keep their name, and loss / tokens / seqs are the totals (each call's loss is already a
+    normalised contribution, so their sum is the batch loss). Across ranks: all-reduce each
+    `_sum` tensor with SUM and each `_max` with MAX first, then pass the one merged dict.
+    """
+    totals: dict[str, float] = {}
+    for m in metrics:
+        for key, value in m.items():
+            value = float(value)
+            if key.endswith("_max"):
+                totals[key] = max(totals.get(key, -math.inf), value)
+            elif key.endswith("_sum"):
+                totals[key] = totals.get(key, 0.0) + value
+            else:
+                raise ValueError(f"metric {key!r} must end in _sum or _max")
+    tokens = totals.get("tokens_sum", 0.0)
+    out = {name: totals[key] for name, key in (("loss", "loss_sum"), ("tokens", "tokens_sum"), ("seqs", "seqs_sum")) if key in totals}
+    out.update({name: totals[key] / max(tokens, 1.0) for name, key in _PER_TOKEN_MEANS.items() if key in totals})
+    out.update({key: value for key, value in totals.items() if key.endswith("_max")})
+    return out

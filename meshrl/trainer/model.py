@@ -1,0 +1,180 @@
+"""Build the policy as a TorchTitan model from TorchTitan's own registry.
+
+Each family reuses its registry module: the per-layer config builders (with the family's
+own initialisers) sized from `ModelConfig`, the model class, and the state-dict adapter
+that maps TorchTitan names to Hugging Face names. meshrl writes no model code.
+
+QKV projections are built unfused (`wq`/`wk`/`wv` parameters): then the module tree, the
+DCP checkpoint and the HF export all use the same names with no save/load hooks in between.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from meshrl.compat import titan_use_sdpa_attention
+from meshrl.config import ModelConfig
+
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
+
+
+@dataclass
+class ModelSpecs:
+    """What the trainer needs besides the module: the TorchTitan config and the HF mapping."""
+
+    family: str
+    titan_config: Any
+    """The TorchTitan model Config the module was built from."""
+    adapter_cls: type
+    """The family's TorchTitan StateDictAdapter (TorchTitan names <-> HF names)."""
+    parallelize_fn: Any
+    """The family's TorchTitan parallelize function."""
+    hf_config: dict
+    """config.json contents for an exported HF checkpoint."""
+
+
+def _qwen3_config(cfg: ModelConfig, tie: bool = False, rope_theta: float = 1e6, norm_eps: float = 1e-6, head_dim: int | None = None):
+    import torchtitan.models.qwen3 as q
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+
+    head_dim = head_dim or cfg.dim // cfg.n_heads
+    rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=cfg.max_seq_len, theta=rope_theta)
+    common = dict(n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                  head_dim=head_dim, fuse_qkv=False, attn_backend="flex", rope=rope)
+    if cfg.family == "qwen3_moe":
+        layers = q._build_qwen3_moe_layers(**common, moe_hidden_dim=cfg.ffn_dim, num_experts=cfg.num_experts,
+                                           top_k=cfg.experts_top_k, moe_comm_backend="standard")
+    else:
+        layers = q._build_qwen3_layers(**common, hidden_dim=cfg.ffn_dim)
+    norm = q.RMSNorm.Config(normalized_shape=cfg.dim, eps=norm_eps, param_init=q._NORM_INIT)
+    for layer in layers:  # the registry's norms carry its default eps; a checkpoint may differ
+        layer.attention_norm.eps = layer.ffn_norm.eps = layer.attention.qk_norm.eps = norm_eps
+    return q.Qwen3Model.Config(
+        vocab_size=cfg.vocab_size, dim=cfg.dim, norm=norm, enable_weight_tying=tie,
+        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.dim,
+                                        param_init=q._EMBEDDING_SKIP_INIT if tie else q._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=cfg.dim, out_features=cfg.vocab_size, param_init=q._LINEAR_INIT),
+        layers=layers,
+    ), q.Qwen3StateDictAdapter, q.parallelize_qwen3
+
+
+def _llama3_config(cfg: ModelConfig, rope_theta: float = 500000.0, **_):
+    import torchtitan.models.llama3 as l
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear
+
+    # No "llama" frequency scaling: a from-scratch model has no pretraining length to extend.
+    rope = ComplexRoPE.Config(dim=cfg.dim // cfg.n_heads, max_seq_len=cfg.max_seq_len, theta=rope_theta)
+    layers = l._build_llama3_layers(n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                                    hidden_dim=cfg.ffn_dim, rope=rope, fuse_qkv=False, attn_backend="flex")
+    return l.Llama3Model.Config(
+        dim=cfg.dim, vocab_size=cfg.vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.dim, param_init=l._EMBEDDING_INIT),
+        norm=l.RMSNorm.Config(normalized_shape=cfg.dim, param_init=l._NORM_INIT),
+        lm_head=Linear.Config(in_features=cfg.dim, out_features=cfg.vocab_size, param_init=l._output_linear_init(cfg.dim)),
+        layers=layers,
+    ), l.Llama3StateDictAdapter, l.parallelize_llama
+
+
+def _deepseek_v3_config(cfg: ModelConfig, **_):
+    import torchtitan.models.deepseek_v3 as d
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear
+
+    head = cfg.dim // cfg.n_heads
+    rope_dim = max(2, head // 2)
+    layers = d._build_dsv3_layers(
+        n_layers=cfg.n_layers, n_dense_layers=min(1, cfg.n_layers - 1), dim=cfg.dim, n_heads=cfg.n_heads,
+        q_lora_rank=0, kv_lora_rank=cfg.dim, qk_nope_head_dim=head, qk_rope_head_dim=rope_dim, v_head_dim=head,
+        mscale=1.0, dense_hidden_dim=cfg.ffn_dim, moe_hidden_dim=cfg.ffn_dim, num_experts=cfg.num_experts,
+        num_shared_experts=1, router_top_k=cfg.experts_top_k, router_score_func="softmax",
+        attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=cfg.max_seq_len, theta=10000.0),
+    )
+    return d.DeepSeekV3Model.Config(
+        vocab_size=cfg.vocab_size, dim=cfg.dim,
+        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.dim, param_init=d._EMBEDDING_INIT),
+        norm=d.RMSNorm.Config(normalized_shape=cfg.dim, param_init=d._NORM_INIT),
+        lm_head=Linear.Config(in_features=cfg.dim, out_features=cfg.vocab_size, param_init=d._output_linear_init(cfg.dim)),
+        layers=layers, mtp_layers=[],
+    ), d.DeepSeekV3StateDictAdapter, d.parallelize_deepseekv3
+
+
+_FAMILIES = {"qwen3": _qwen3_config, "qwen3_moe": _qwen3_config, "llama3": _llama3_config, "deepseek_v3": _deepseek_v3_config}
+
+
+def hf_config_dict(cfg: ModelConfig, tie: bool = False, rope_theta: float | None = None, norm_eps: float = 1e-6) -> dict:
+    """The HF config.json matching a from-scratch TorchTitan model of these sizes."""
+    base = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
+                num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+                max_position_embeddings=cfg.max_seq_len, rms_norm_eps=norm_eps, tie_word_embeddings=tie,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype=cfg.dtype, attention_bias=False)
+    if cfg.family == "qwen3":
+        return dict(base, architectures=["Qwen3ForCausalLM"], model_type="qwen3", intermediate_size=cfg.ffn_dim,
+                    head_dim=cfg.dim // cfg.n_heads, rope_theta=rope_theta or 1e6, hidden_act="silu")
+    if cfg.family == "qwen3_moe":
+        return dict(base, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", intermediate_size=cfg.ffn_dim,
+                    moe_intermediate_size=cfg.ffn_dim, num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_top_k,
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], head_dim=cfg.dim // cfg.n_heads,
+                    rope_theta=rope_theta or 1e6, hidden_act="silu", output_router_logits=False)
+    if cfg.family == "llama3":
+        return dict(base, architectures=["LlamaForCausalLM"], model_type="llama", intermediate_size=cfg.ffn_dim,
+                    rope_theta=rope_theta or 500000.0, hidden_act="silu", rms_norm_eps=1e-5)
+    raise NotImplementedError(f"HF export of {cfg.family!r} is not supported yet")
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0, hf_overrides: dict | None = None,
+                parallelism=None):
+    """Build and initialise a TorchTitan model for `cfg`; returns (module, ModelSpecs).
+
+    The model is materialised and initialised on `device` with `seed` before any
+    sharding, so every rank (and every world size) starts from identical weights.
+    `hf_overrides` carries checkpoint-only settings (tie, rope_theta, norm_eps, head_dim).
+    `parallelism` (a TorchTitan ParallelismConfig) sets the modules' sharding plans (EP/TP)
+    before they are built, as TorchTitan's own trainer does.
+    """
+    if cfg.family not in _FAMILIES:
+        raise ValueError(f"unknown model family {cfg.family!r}; choose one of {sorted(_FAMILIES)}")
+    hf_overrides = hf_overrides or {}
+    titan_config, adapter_cls, parallelize_fn = _FAMILIES[cfg.family](cfg, **hf_overrides)
+    titan_use_sdpa_attention(titan_config)
+    if parallelism is not None:
+        titan_config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = titan_config.build()
+        model.init_weights(buffer_device=torch.device(device))
+    hf = hf_config_dict(cfg, **{k: v for k, v in hf_overrides.items() if k in ("tie", "rope_theta", "norm_eps")}) \
+        if cfg.family != "deepseek_v3" else {}
+    return model, ModelSpecs(cfg.family, titan_config, adapter_cls, parallelize_fn, hf)
+
+
+def model_args_from_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
+    """Read a local HF checkpoint's config.json into (ModelConfig, hf_overrides for build_model)."""
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    families = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llama": "llama3", "deepseek_v3": "deepseek_v3"}
+    family = families.get(hf.get("model_type"))
+    if family is None:
+        raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not one of {sorted(families)}")
+    moe = family in MOE_FAMILIES
+    cfg = ModelConfig(
+        family=family, path=str(path), vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        ffn_dim=hf["moe_intermediate_size"] if moe else hf["intermediate_size"],
+        num_experts=hf.get("num_experts", hf.get("n_routed_experts", 4)) if moe else 4,
+        experts_top_k=hf.get("num_experts_per_tok", 2) if moe else 2,
+        max_seq_len=hf.get("max_position_embeddings", 256),
+    )
+    overrides: dict[str, Any] = {"tie": bool(hf.get("tie_word_embeddings", False))} if family.startswith("qwen3") else {}
+    if "rope_theta" in hf or "rope_parameters" in hf:
+        overrides["rope_theta"] = float(hf.get("rope_theta") or hf["rope_parameters"].get("rope_theta"))
+    if family.startswith("qwen3"):
+        overrides["norm_eps"] = float(hf.get("rms_norm_eps", 1e-6))
+        if hf.get("head_dim") and hf["head_dim"] != cfg.dim // cfg.n_heads:
+            overrides["head_dim"] = hf["head_dim"]
+    return cfg, overrides

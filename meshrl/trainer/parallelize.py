@@ -1,0 +1,63 @@
+"""Shard a TorchTitan model over the trainer's ranks with TorchTitan's own parallelize functions.
+
+FSDP2 over the data-parallel dim and, for MoE families, expert parallelism (experts split
+across `trainer.ep` ranks, tokens moved with all-to-all). gloo on CPU, NCCL on GPU: the
+process group is created by the caller; the DeviceMesh is built on it here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshrl.compat import titan_cpu_spmd_backend, titan_force_sum_reduction, titan_use_cpu_device_type
+from meshrl.config import TrainerConfig
+
+
+def parallelism_config(tcfg: TrainerConfig, world_size: int, device_type: str):
+    """TorchTitan's ParallelismConfig for the trainer mesh: FSDP over all ranks (or dp_shard) x EP."""
+    from torchtitan.config import ParallelismConfig
+
+    dp_shard = world_size if tcfg.dp_shard == -1 else tcfg.dp_shard
+    parallelism = ParallelismConfig(
+        data_parallel_replicate_degree=world_size // dp_shard,
+        data_parallel_shard_degree=dp_shard,
+        expert_parallel_degree=tcfg.ep,
+        spmd_backend="partial_dtensor",
+    )
+    if device_type == "cpu":
+        titan_cpu_spmd_backend(parallelism)
+    return parallelism
+
+
+def parallelize(model: nn.Module, parallelize_fn, parallelism, world_size: int, device_type: str):
+    """Apply the family's TorchTitan parallelize function; returns (model, ParallelDims).
+
+    Needs torch.distributed initialised. Parameters become DTensors sharded over the
+    `fsdp` mesh dim (experts over `ep` x `efsdp` for MoE).
+    """
+    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    set_spmd_backend(parallelism.spmd_backend)  # runtime helpers (MoE dispatch) read it, as in TorchTitan's trainer
+    if device_type == "cpu":
+        titan_use_cpu_device_type()
+    dims = ParallelDims.from_config(parallelism, world_size)
+    dims.build_mesh()
+    # float32 compute on CPU (no fast bf16 matmul there, and exact parity tests);
+    # bf16 params with float32 reduction on GPU, as TorchTitan trains by default.
+    training = TrainingConfig(mixed_precision_param="float32" if device_type == "cpu" else "bfloat16")
+    model = parallelize_fn(
+        model, parallel_dims=dims, training=training, parallelism=parallelism,
+        compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp",
+    )
+    if device_type == "cpu":
+        titan_force_sum_reduction(model)
+    return model, dims
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)

@@ -1,0 +1,201 @@
+"""The launcher: host plans, ProcessJob hosts end to end, Slurm and TorchX dry runs, cleanup."""
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+from monarch.actor import Actor, endpoint
+
+from meshrl.config import Config, ConfigError
+from meshrl.launch import allocate, describe_job, plan_hosts, render_sbatch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Whoami(Actor):
+    @endpoint
+    def whoami(self, role: str) -> tuple[int, int, str]:
+        return os.getpid(), os.getppid(), role
+
+
+def _config(tmp_path, **launcher) -> Config:
+    return Config.from_dict({"launcher": launcher, "trainer": {"procs": 2}, "logging": {"run_dir": str(tmp_path / "run")}})
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
+    """The pids still running (not zombies) after waiting up to timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+# ---- the host plan -------------------------------------------------------------------------
+def test_plan_hosts_splits_roles(tmp_path):
+    assert plan_hosts(_config(tmp_path, kind="process", hosts=1)) == {"hosts": 1}
+    # CPU hosts: in proportion to procs (2 trainer, 1 generator)
+    assert plan_hosts(_config(tmp_path, kind="process", hosts=3)) == {"trainer": 2, "generator": 1}
+    gpu = Config.from_dict({"trainer": {"procs": 16}, "generator": {"replicas": 4, "tp": 4}, "launcher": {"kind": "slurm", "hosts": 4, "gpus_per_host": 8}})
+    assert plan_hosts(gpu) == {"trainer": 2, "generator": 2}
+    too_few = Config.from_dict({"trainer": {"procs": 16}, "launcher": {"kind": "slurm", "hosts": 2, "gpus_per_host": 8}})
+    with pytest.raises(ConfigError, match="launcher.hosts"):
+        plan_hosts(too_few)
+    uneven = Config.from_dict({"trainer": {"procs": 3}, "generator": {"replicas": 2}, "launcher": {"kind": "process", "hosts": 3}})
+    with pytest.raises(ConfigError, match="trainer.procs"):
+        plan_hosts(uneven)
+
+
+# ---- ProcessJob hosts: the Slurm code path on this machine ---------------------------------
+@pytest.mark.timeout(120)
+def test_process_hosts_run_each_role_and_stop(tmp_path):
+    config = _config(tmp_path, kind="process", hosts=3)
+
+    async def main():
+        async with allocate(config) as alloc:
+            workers = {name: state.pid for name, state in alloc._job._host_to_pid.items()}
+            assert sorted(workers) == ["generator_0", "trainer_0", "trainer_1"]
+            assert [alloc.hosts(r) for r in ("trainer", "generator", "coord")] == [2, 1, 1]
+            seen = {}
+            for role, n in (("trainer", 2), ("generator", 1), ("coord", 1)):
+                procs = alloc.spawn_procs(role, n)
+                answers = await asyncio.wait_for(procs.spawn("whoami", Whoami).whoami.call(role), 60)
+                seen[role] = [value for _, value in answers.items()]
+        return workers, seen
+
+    workers, seen = asyncio.run(main())
+    rows = [row for rows in seen.values() for row in rows]
+    assert [role for _, _, role in rows] == ["trainer", "trainer", "generator", "coord"]
+    pids = [pid for pid, _, _ in rows]
+    assert len(set(pids)) == 4 and os.getpid() not in pids  # four distinct procs, none of them us
+    # each proc runs under the worker ("host") its role was given
+    assert {ppid for _, ppid, _ in seen["trainer"]} == {workers["trainer_0"], workers["trainer_1"]}
+    assert seen["generator"][0][1] == workers["generator_0"]
+    assert seen["coord"][0][1] == workers["trainer_0"]  # the coordinator shares the first trainer host
+    assert _wait_gone(pids + list(workers.values())) == []
+
+
+@pytest.mark.timeout(120)
+def test_process_hosts_are_killed_when_the_body_raises(tmp_path):
+    config = _config(tmp_path, kind="process", hosts=2)
+    pids: list[int] = []
+
+    async def main():
+        async with allocate(config) as alloc:
+            pids.extend(s.pid for s in alloc._job._host_to_pid.values())
+            procs = alloc.spawn_procs("trainer", 2)
+            answers = await asyncio.wait_for(procs.spawn("whoami", Whoami).whoami.call("trainer"), 60)
+            pids.extend(pid for _, (pid, _, _) in answers.items())
+            raise RuntimeError("the loop failed")
+
+    with pytest.raises(RuntimeError, match="the loop failed"):
+        asyncio.run(main())
+    assert len(pids) == 4
+    assert _wait_gone(pids) == []
+
+
+SIGTERM_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys
+    from meshrl.config import Config
+    from meshrl.launch import allocate
+
+    async def main():
+        config = Config.from_dict({"launcher": {"kind": "process", "hosts": 2}, "logging": {"run_dir": sys.argv[1]}})
+        async with allocate(config) as alloc:
+            print(" ".join(str(s.pid) for s in alloc._job._host_to_pid.values()), flush=True)
+            await asyncio.sleep(120)  # until the scheduler's SIGTERM
+
+    if __name__ == "__main__":
+        asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_controller_kills_its_hosts(tmp_path):
+    script = tmp_path / "controller.py"
+    script.write_text(SIGTERM_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        workers = [int(p) for p in line.split()]
+        assert len(workers) == 2 and all(psutil.pid_exists(p) for p in workers)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert _wait_gone(workers) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_local_gives_this_host_to_every_role(tmp_path):
+    async def main():
+        alloc = allocate(_config(tmp_path, kind="local"))
+        with pytest.raises(RuntimeError, match="not running"):
+            alloc.host_mesh("trainer")
+        async with alloc:
+            assert [alloc.hosts(r) for r in ("trainer", "generator", "coord")] == [1, 1, 1]
+            assert alloc.host("generator", 5) is alloc.host_mesh("generator")
+            with pytest.raises(KeyError):
+                alloc.host_mesh("critic")
+
+    asyncio.run(main())
+
+
+# ---- Slurm dry run -------------------------------------------------------------------------
+def test_slurm_dry_run_renders_monarchs_sbatch_script(tmp_path):
+    import monarch.config
+
+    transport = monarch.config.get_global_config()["default_transport"]
+    config = Config.from_dict(
+        {
+            "trainer": {"procs": 8},
+            "generator": {"replicas": 12, "tp": 2},
+            "launcher": {"kind": "slurm", "hosts": 4, "gpus_per_host": 8, "partition": "gpu", "time_limit": "02:30:00", "account": "rl", "dry_run": True},
+            "logging": {"run_dir": str(tmp_path / "run")},
+        }
+    )
+    script = render_sbatch(config)
+    for line in ("#SBATCH --time=02:30:00", "#SBATCH --partition=gpu", "#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --account=rl"):
+        assert line in script.splitlines()
+    assert "run_worker_loop_forever" in script and script.startswith("#!/bin/bash")
+    # rendering must not switch this process's Monarch transport (SlurmJob() sets TCP)
+    assert monarch.config.get_global_config()["default_transport"] == transport
+    text = describe_job(config)
+    assert "trainer=1, generator=3" in text and "#SBATCH --nodes=4" in text
+    with pytest.raises(ConfigError, match="launcher.dry_run"):
+        allocate(config)
+
+
+# ---- TorchX ----------------------------------------------------------------------------------
+def test_torchx_component_renders_slurm_sbatch(tmp_path):
+    cmd = [
+        "torchx", "run", "--dryrun", "--scheduler", "slurm", "-cfg", "partition=gpu,time=60",
+        "meshrl/torchx_component.py:train", "--config", "configs/default.yaml", "trainer.lr=1e-4", "launcher.gpus_per_host=4",
+    ]  # fmt: skip
+    torchx = shutil.which("torchx")
+    if torchx is None:  # the console script may be missing where torchx is importable
+        cmd = [sys.executable, "-m", "torchx.cli.main", *cmd[1:]]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "python -m meshrl run configs/default.yaml trainer.lr=1e-4 launcher.gpus_per_host=4 launcher.kind=torchx" in out.stdout
+    assert "--partition=gpu" in out.stdout and "--gpus-per-task=4" in out.stdout  # GPUs from the config
+
+
+def test_torchx_component_refuses_several_hosts():
+    from meshrl.torchx_component import train
+
+    app = train(config=os.path.join(ROOT, "configs/default.yaml"))
+    assert app.roles[0].num_replicas == 1 and app.roles[0].resource.gpu == 0
+    with pytest.raises(ValueError, match="launcher.kind=slurm"):
+        train("launcher.hosts=2", config=os.path.join(ROOT, "configs/default.yaml"))

@@ -1,0 +1,233 @@
+"""The TorchTitan trainer: log-probs, HF export, FSDP2 / EP meshes on real Monarch procs, DCP.
+
+References are computed in this process with the same code on one rank (no
+torch.distributed), so every mesh result is compared against the single-process value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshrl.config import Config, ModelConfig
+from meshrl.rollout import Completion, assign_advantages, from_completions, pack_for_trainer, unpack_token_values
+from meshrl.trainer import checkpoint as ckpt
+from meshrl.trainer.actor import PolicyTrainer, micro_batch_count, rank_rows, spawn_trainer
+from meshrl.trainer.logprobs import token_logprobs
+from meshrl.trainer.model import build_model, model_args_from_hf
+
+CPU = torch.device("cpu")
+
+
+def make_batch(groups: int = 4, group_size: int = 4, seed: int = 0, version: int = 0):
+    """A scored rollout batch of random tokens with ragged prompts and responses."""
+    rng = random.Random(seed)
+    comps, sid = [], 0
+    for g in range(groups):
+        prompt = [1] + [rng.randrange(3, 100) for _ in range(rng.randrange(3, 8))]
+        for _ in range(group_size):
+            n = rng.randrange(2, 12)
+            comps.append(Completion(prompt, [rng.randrange(3, 100) for _ in range(n)], [-4 * rng.random() for _ in range(n)],
+                                    [max(0, version - rng.randrange(0, 2))] * n, "stop", g, sid, reward=rng.random()))
+            sid += 1
+    return assign_advantages(from_completions(comps), "grpo")
+
+
+def make_config(family: str = "qwen3", procs: int = 1, **trainer) -> Config:
+    return Config.from_dict({"model": {"family": family}, "trainer": {"procs": procs, "micro_batch_size": 3, **trainer}})
+
+
+def run(loop, coro, timeout: float = 300):
+    return loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+
+# ---- single process ----------------------------------------------------------------------
+def test_rank_rows_split_whole_groups_and_micro_batches_match():
+    td = make_batch(groups=5, group_size=3)
+    shares = [rank_rows(td, r, 2) for r in range(2)]
+    assert shares[0] == list(range(9)) and shares[1] == list(range(9, 15))  # 3 + 2 groups
+    assert micro_batch_count(td, 2, 4) == 3  # rank 0: 9 rows -> 3 micro-batches; rank 1 pads
+    assert rank_rows(td, 0, 1) == list(range(15))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_direct_log_softmax(temperature):
+    model, _ = build_model(ModelConfig(family="qwen3"), seed=3)
+    packed = pack_for_trainer(make_batch())
+    tokens, mask = packed["tokens"], packed["loss_mask"]
+    lp, ent = token_logprobs(model, tokens, mask, temperature, with_entropy=True, chunk_size=7)
+    logits = model(tokens).float() / temperature
+    ref_all = F.log_softmax(logits[:, :-1], -1)
+    ref = torch.zeros_like(lp)
+    ref[:, 1:] = ref_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    ref_ent = torch.zeros_like(lp)
+    ref_ent[:, 1:] = -(ref_all.exp() * ref_all).sum(-1)
+    ref, ref_ent = ref * mask, ref_ent * mask
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    assert (lp[~mask] == 0).all() and (lp[mask] < 0).all()
+    # gradients through the checkpointed chunks equal the direct ones
+    g1 = torch.autograd.grad(lp.sum(), model.lm_head.weight)[0]
+    g2 = torch.autograd.grad(ref.sum(), model.lm_head.weight)[0]
+    torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    model, specs = build_model(ModelConfig(family=family), seed=1)
+    out = ckpt.export_hf(model, specs, tmp_path / "hf")
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(3, 100, (2, 24))
+    with torch.no_grad():
+        diff = (model(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff < 1e-4
+    # and back: HF dir -> ModelConfig + weights through TorchTitan's adapter
+    cfg, overrides = model_args_from_hf(out)
+    assert (cfg.family, cfg.dim, cfg.n_layers) == (family, 64, 2)
+    model2, specs2 = build_model(cfg, seed=9, hf_overrides=overrides)
+    ckpt.load_hf(model2, specs2, out)
+    with torch.no_grad():
+        assert torch.equal(model2(tokens), model(tokens))
+
+
+def test_micro_batches_sum_to_the_full_batch_loss():
+    batch = make_batch(version=2)  # token versions 1 and 2
+    small = PolicyTrainer(make_config(micro_batch_size=3), CPU)
+    whole = PolicyTrainer(make_config(micro_batch_size=64), CPU)
+    a, b = small.train_step(batch, current_version=2), whole.train_step(batch, current_version=2)
+    assert a["version"] == b["version"] == 1
+    assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5
+    assert a["tokens"] == float(pack_for_trainer(batch)["loss_mask"].sum())
+    assert a["staleness_max"] == 1.0 and 0 < a["staleness_mean"] < 1  # lags 0 / 1
+
+
+def test_checkpoint_root_ignores_an_interrupted_save(tmp_path):
+    trainer = PolicyTrainer(make_config(), CPU)
+    trainer.train_step(make_batch())
+    good = trainer.save_checkpoint(str(tmp_path))
+    # a crash mid-save leaves a temp dir behind: `latest` still names the good one
+    os.makedirs(tmp_path / ".step-00000002.tmp")
+    (tmp_path / ".step-00000002.tmp" / "garbage").write_text("x")
+    assert ckpt.resolve_checkpoint(tmp_path) == good
+    os.makedirs(tmp_path / "step-00000003")
+    with pytest.raises(FileNotFoundError):
+        ckpt.resolve_checkpoint(tmp_path / "step-00000003")
+
+
+# ---- real Monarch meshes -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def dense_mesh(loop):
+    mesh = run(loop, spawn_trainer(make_config(procs=2)))
+    try:
+        yield mesh
+    finally:
+        run(loop, mesh.stop(), 120)
+
+
+@pytest.mark.slow
+def test_fsdp2_mesh_matches_single_process(loop, dense_mesh, tmp_path):
+    info = run(loop, dense_mesh.shard_info())
+    assert [i["local_params"] * 2 for i in info] == [info[0]["full_params"]] * 2  # each rank holds half
+    reference = PolicyTrainer(make_config(procs=1), CPU)
+    for step in range(2):
+        batch = make_batch(seed=step, version=step)
+        got, want = run(loop, dense_mesh.train_step(batch)), reference.train_step(batch)
+        assert got["version"] == want["version"] == step + 1
+        for key in ("loss", "grad_norm", "tokens", "mismatch", "is_weight_mean", "staleness_mean"):
+            assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got[key], want[key])
+    # scoring on the mesh equals scoring in one process
+    batch = make_batch(seed=7)
+    got = run(loop, dense_mesh.compute_logprobs(batch))
+    ref_rows, ref = reference.compute_logprobs(batch)
+    torch.testing.assert_close(got[ref_rows], ref, atol=1e-5, rtol=1e-5)
+    assert (got[batch["response_mask"]] < 0).all()
+
+
+@pytest.mark.slow
+def test_sharded_export_matches_transformers(loop, dense_mesh, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = run(loop, dense_mesh.export_hf(str(tmp_path / "hf")))
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    batch = make_batch(seed=11)
+    packed = pack_for_trainer(batch)
+    with torch.no_grad():
+        lp, _ = token_logprobs_from_hf(hf, packed)
+    mesh_lp = run(loop, dense_mesh.compute_logprobs(batch))
+    expected = unpack_token_values(lp, batch) * batch["response_mask"]
+    torch.testing.assert_close(mesh_lp * batch["response_mask"], expected, atol=1e-4, rtol=1e-4)
+    sd = run(loop, dense_mesh.hf_state_dict())
+    assert "model.layers.0.self_attn.q_proj.weight" in sd and sd["model.embed_tokens.weight"].shape == (128, 64)
+
+
+def token_logprobs_from_hf(hf, packed):
+    logits = hf(packed["tokens"]).logits.float()
+    logp = F.log_softmax(logits[:, :-1], -1).gather(-1, packed["tokens"][:, 1:, None]).squeeze(-1)
+    out = torch.zeros(packed["tokens"].shape)
+    out[:, 1:] = logp
+    return out, None
+
+
+@pytest.mark.slow
+def test_dcp_checkpoint_restores_bit_identical_state(loop, dense_mesh, tmp_path):
+    run(loop, dense_mesh.train_step(make_batch(seed=3)))
+    path = run(loop, dense_mesh.save_checkpoint(str(tmp_path)))
+    saved_version = dense_mesh.version
+    params = run(loop, dense_mesh._all(dense_mesh.actors.get_params))  # per rank: local shards
+    optim = run(loop, dense_mesh._all(dense_mesh.actors.get_optimizer_state))
+    run(loop, dense_mesh.train_step(make_batch(seed=4)))  # move away from the saved state
+    moved = run(loop, dense_mesh._all(dense_mesh.actors.get_params))
+    assert any(not torch.equal(moved[0][k], params[0][k]) for k in params[0])
+    assert run(loop, dense_mesh.load_checkpoint(str(tmp_path))) == saved_version
+    assert open(tmp_path / "latest").read() == os.path.basename(path)
+    restored = run(loop, dense_mesh._all(dense_mesh.actors.get_params))
+    restored_optim = run(loop, dense_mesh._all(dense_mesh.actors.get_optimizer_state))
+    for rank in range(2):
+        assert params[rank].keys() == restored[rank].keys()
+        for k in params[rank]:
+            assert torch.equal(params[rank][k], restored[rank][k]), k
+        for pid, state in optim[rank].items():
+            for name, value in state.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(restored_optim[rank][pid][name])), (pid, name)
+
+
+@pytest.mark.slow
+def test_moe_trains_with_experts_split_across_ranks(loop):
+    cfg = make_config("qwen3_moe", procs=2, ep=2)
+    mesh = run(loop, spawn_trainer(cfg))
+    try:
+        info = run(loop, mesh.shard_info())
+        assert [i["local_experts"] for i in info] == [2, 2] and info[0]["num_experts"] == 4
+        reference = PolicyTrainer(make_config("qwen3_moe", procs=1), CPU)
+        for step in range(2):
+            batch = make_batch(seed=step, version=step)
+            got, want = run(loop, mesh.train_step(batch)), reference.train_step(batch)
+            assert got["version"] == step + 1 and got["tokens"] == want["tokens"]
+            assert abs(got["loss"] - want["loss"]) < 1e-4 and abs(got["grad_norm"] - want["grad_norm"]) < 1e-4
+    finally:
+        run(loop, mesh.stop(), 120)
+
+
+def test_kl_reference_and_entropy_bonus_paths():
+    config = make_config()
+    config.trainer.loss.kl_coef, config.trainer.loss.entropy_coef, config.trainer.loss.correction = 0.1, 0.01, "decoupled"
+    trainer = PolicyTrainer(config, CPU)
+    first = trainer.train_step(make_batch(seed=1))
+    assert first["kl"] == 0.0 and first["entropy"] > 0  # the reference starts equal to the policy
+    second = trainer.train_step(make_batch(seed=1))
+    assert second["kl"] > 0 and second["version"] == 2  # the policy moved, the reference did not
