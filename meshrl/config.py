@@ -22,6 +22,10 @@ from typing import Any, Literal
 import yaml
 
 
+VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Attention head sizes vLLM's CPU and GPU attention backends accept."""
+
+
 class ConfigError(ValueError):
     """A bad config value: `field` names the dotted path, the message says the fix."""
 
@@ -44,9 +48,9 @@ class ModelConfig:
     """Hidden size (from-scratch models only; a checkpoint brings its own)."""
     n_layers: int = 2
     """Number of transformer blocks (from-scratch models only)."""
-    n_heads: int = 4
-    """Attention heads (from-scratch models only). Must divide `dim`."""
-    n_kv_heads: int = 2
+    n_heads: int = 2
+    """Attention heads (from-scratch models only). Must divide `dim`; the head size dim / n_heads must be one vLLM's attention supports (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)."""
+    n_kv_heads: int = 1
     """Key/value heads for grouped-query attention (from-scratch models only). Must divide `n_heads`."""
     ffn_dim: int = 128
     """Feed-forward hidden size (from-scratch models only); per expert for MoE families."""
@@ -423,6 +427,8 @@ def validate(c: Config) -> None:
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "num_experts", "experts_top_k", "max_seq_len"):
         need(getattr(m, name) >= 1, f"model.{name}", f"must be at least 1, got {getattr(m, name)}")
     need(m.dim % m.n_heads == 0, "model.dim", f"{m.dim} is not divisible by model.n_heads={m.n_heads}: pick a multiple")
+    head_dim = m.dim // m.n_heads
+    need(head_dim in VLLM_HEAD_SIZES, "model.n_heads", f"head size model.dim / model.n_heads = {head_dim} is not one vLLM supports ({', '.join(map(str, VLLM_HEAD_SIZES))}): change dim or n_heads")
     need(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
     need(m.experts_top_k <= m.num_experts, "model.experts_top_k", f"{m.experts_top_k} exceeds model.num_experts={m.num_experts}")
     need(m.max_seq_len > c.generator.max_new_tokens, "model.max_seq_len", f"{m.max_seq_len} leaves no room for prompts after generator.max_new_tokens={c.generator.max_new_tokens}: raise it")

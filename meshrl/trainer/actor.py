@@ -296,6 +296,7 @@ class TrainerActor(Actor):
         metrics = {f"trainer/{k}": v for k, v in out.items() if k != "version"}
         metrics.update({
             "version": out["version"], "trainer/wait_s": wait_s,
+            "trained_groups": batch["group_id"].unique_consecutive().tolist(),
             "sync/publish_s": time.perf_counter() - t1, "sync/stage_copy_s": copy_s,
         })
         return metrics

@@ -1,0 +1,244 @@
+"""Weight sync: time from "step done" (publish called) to "every subscriber holds the new
+version", per transport and model size, next to the raw speed of the same transport moving
+the same bytes in one piece (one big RDMA read, one broadcast of one flat buffer, one file
+written then read), measured in the same run.
+
+    python benchmarks/weight_sync.py --sizes tiny,10M,100M,500M --transports rdma,collective,files
+
+Prints a table and writes JSON (--out). `tiny` (about 0.1M parameters) gives the fixed
+per-version overhead. Models are random tensors with the shapes of a Qwen3-like dense model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+from monarch.actor import Actor, endpoint, this_host
+
+from meshrl.config import WeightSyncConfig
+from meshrl.weightsync import Publisher, Subscriber, WeightSync
+from meshrl.weightsync.collective import broadcast_buckets, make_group
+
+# name -> (dim, ffn, layers, vocab); about the named number of parameters
+SIZES = {
+    "tiny": (64, 128, 2, 512),
+    "10M": (256, 1024, 6, 8192),
+    "100M": (768, 2048, 8, 32000),
+    "500M": (1536, 4096, 16, 32000),
+}
+
+
+def model_shapes(size: str) -> list[tuple[str, tuple[int, ...]]]:
+    dim, ffn, layers, vocab = SIZES[size]
+    kv = dim // 2
+    shapes = [("model.embed_tokens.weight", (vocab, dim))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "input_layernorm.weight", (dim,)), (p + "post_attention_layernorm.weight", (dim,)),
+            (p + "self_attn.q_proj.weight", (dim, dim)), (p + "self_attn.k_proj.weight", (kv, dim)),
+            (p + "self_attn.v_proj.weight", (kv, dim)), (p + "self_attn.o_proj.weight", (dim, dim)),
+            (p + "self_attn.q_norm.weight", (64,)), (p + "self_attn.k_norm.weight", (64,)),
+            (p + "mlp.gate_proj.weight", (ffn, dim)), (p + "mlp.up_proj.weight", (ffn, dim)),
+            (p + "mlp.down_proj.weight", (dim, ffn)),
+        ]
+    return shapes + [("model.norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))]
+
+
+class BenchTrainer(Actor):
+    def __init__(self, cfg: dict):
+        self.publisher = Publisher(WeightSyncConfig(**cfg))
+        self.params: list[tuple[str, torch.Tensor]] = []
+
+    @endpoint
+    def weight_sync_handle(self):
+        return self.publisher.handle
+
+    @endpoint
+    def build(self, size: str, dtype: str) -> dict:
+        self.params = []  # free the previous model first
+        self.params = [(n, torch.empty(s, dtype=getattr(torch, dtype)).normal_()) for n, s in model_shapes(size)]
+        return {"params": sum(t.numel() for _, t in self.params), "bytes": sum(t.numel() * t.element_size() for _, t in self.params)}
+
+    @endpoint
+    def publish(self, version: int) -> tuple[float, float]:
+        """(wall time when publish was called, seconds publish blocked the caller)."""
+        start = time.time()
+        copy_s = self.publisher.publish(version, self.params)
+        for _, p in self.params:
+            p.add_(1)  # the next "step" changes the live weights
+        return start, copy_s
+
+    # ---- raw transport, same bytes in one piece --------------------------------------------
+    def _flat(self) -> torch.Tensor:
+        return self.publisher.pool.latest.flat
+
+    @endpoint
+    def raw_rdma_buffer(self):
+        from monarch.rdma import RDMABuffer
+
+        return RDMABuffer(self._flat())
+
+    @endpoint
+    def raw_group(self, spec) -> None:
+        self._raw_store, self._raw_pg = make_group(spec, 0)
+
+    @endpoint
+    def raw_broadcast(self) -> float:
+        broadcast_buckets(self._raw_pg, [self._flat()], 300.0)
+        return time.time()
+
+    @endpoint
+    def raw_file_write(self, path: str) -> float:
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(memoryview(self._flat().numpy()))
+        return time.perf_counter() - t0
+
+
+class BenchGenerator(Actor):
+    def __init__(self, cfg: dict):
+        self.subscriber = Subscriber(WeightSyncConfig(**cfg))
+
+    @endpoint
+    async def weight_sync_handle(self):
+        return self.subscriber.handle
+
+    @endpoint
+    async def fetch(self, version: int) -> float:
+        v, _ = await self.subscriber.fetch(version)
+        assert v == version, (v, version)
+        return time.time()
+
+    @endpoint
+    async def raw_rdma_read(self, buf, nbytes: int) -> float:
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        await buf.read_into(dst, timeout=300)
+        return time.perf_counter() - t0
+
+    @endpoint
+    async def raw_group(self, spec, rank: int) -> None:
+        self._raw_store, self._raw_pg = await asyncio.to_thread(make_group, spec, rank)
+
+    @endpoint
+    async def raw_broadcast(self, nbytes: int) -> float:
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        await asyncio.to_thread(broadcast_buckets, self._raw_pg, [dst], 300.0)
+        return time.time()
+
+    @endpoint
+    async def raw_file_read(self, path: str) -> float:
+        from meshrl.weightsync.files import read_into
+
+        dst = torch.empty(os.path.getsize(path), dtype=torch.uint8)
+        t0 = time.perf_counter()
+        read_into(path, dst, dst.numel())
+        return time.perf_counter() - t0
+
+
+async def raw_time(transport: str, trainer, gens, ws: WeightSync, nbytes: int, n_gens: int, tmpdir: str) -> float:
+    """Seconds for the same bytes, in one piece, to reach every subscriber."""
+    if transport == "rdma":
+        buf = await trainer.raw_rdma_buffer.call_one()
+        return max(t for _, t in (await gens.raw_rdma_read.call(buf, nbytes)).items())
+    if transport == "collective":
+        t0 = time.time()
+        ends = await asyncio.gather(trainer.raw_broadcast.call_one(), gens.raw_broadcast.call(nbytes))
+        return max([ends[0]] + [t for _, t in ends[1].items()]) - t0
+    path = os.path.join(tmpdir, "raw.bin")
+    write_s = await trainer.raw_file_write.call_one(path)
+    read_s = max(t for _, t in (await gens.raw_file_read.call(path)).items())
+    os.remove(path)
+    return write_s + read_s
+
+
+async def bench_transport(transport: str, sizes: list[str], args) -> list[dict]:
+    tmpdir = tempfile.mkdtemp(prefix="meshrl-bench-")
+    cfg = dict(transport=transport, bucket_mb=args.bucket_mb, timeout_s=120.0, files_dir=os.path.join(tmpdir, "w"))
+    trainer_procs = this_host().spawn_procs(per_host={"procs": 1})
+    gen_procs = this_host().spawn_procs(per_host={"procs": args.subscribers})
+    rows = []
+    try:
+        trainer = trainer_procs.spawn("trainer", BenchTrainer, cfg)
+        gens = gen_procs.spawn("gens", BenchGenerator, cfg)
+        pub = await trainer.weight_sync_handle.call_one()
+        subs = [h for _, h in (await gens.weight_sync_handle.call()).items()]
+        ws = await WeightSync(WeightSyncConfig(**cfg)).connect(pub, subs)
+        if transport == "collective":
+            spec = ws.spec()
+            await asyncio.gather(trainer.raw_group.call_one(spec), *[g.raw_group.call_one(spec, r + 1) for r, g in enumerate(subs_actors(gens, args.subscribers))])
+        version = 0
+        for size in sizes:
+            info = await trainer.build.call_one(size, args.dtype)
+            times, copies = [], []
+            for i in range(args.versions + 2):  # two warm-up versions: both staging slots allocated, registered
+                version += 1
+                waiting = gens.fetch.call(version)
+                await asyncio.sleep(0.05)  # subscribers are waiting when the step ends
+                start, copy_s = await trainer.publish.call_one(version)
+                done = max(t for _, t in (await waiting).items())
+                if i > 1:
+                    times.append(done - start)
+                    copies.append(copy_s)
+            raw = min([await raw_time(transport, trainer, gens, ws, info["bytes"], args.subscribers, tmpdir) for _ in range(2)])
+            sync_s = statistics.median(times)
+            row = {
+                "transport": transport, "size": size, "params": info["params"], "bytes": info["bytes"],
+                "sync_s": sync_s, "sync_min_s": min(times), "publish_copy_s": statistics.median(copies),
+                "raw_s": raw, "sync_GBps": info["bytes"] * args.subscribers / sync_s / 1e9,
+                "raw_GBps": info["bytes"] * args.subscribers / raw / 1e9, "fraction_of_raw": raw / sync_s,
+            }
+            rows.append(row)
+            print(f"{transport:10s} {size:>5s} {info['params'] / 1e6:8.1f}M {info['bytes'] / 2**20:9.1f} MiB "
+                  f"sync {sync_s * 1e3:8.1f} ms  copy {row['publish_copy_s'] * 1e3:7.1f} ms  raw {raw * 1e3:8.1f} ms  "
+                  f"fraction {row['fraction_of_raw']:5.2f}", flush=True)
+    finally:
+        await gen_procs.stop()
+        await trainer_procs.stop()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return rows
+
+
+def subs_actors(gens, n: int) -> list:
+    return [gens.slice(procs=i) for i in range(n)]
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="tiny,10M,100M,500M", help=f"comma list of {','.join(SIZES)}")
+    ap.add_argument("--transports", default="rdma,collective,files")
+    ap.add_argument("--subscribers", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--versions", type=int, default=3, help="timed versions per size (after two warm-ups)")
+    ap.add_argument("--out", default="benchmarks/results/weight_sync.json")
+    args = ap.parse_args()
+    sizes = args.sizes.split(",")
+    rows = []
+    t0 = time.monotonic()
+    for transport in args.transports.split(","):
+        rows += await bench_transport(transport, sizes, args)
+    print(f"\n| transport | size | params | MiB | sync ms | publish copy ms | raw ms | fraction of raw | overhead ms (tiny) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    tiny = {r["transport"]: r["sync_s"] for r in rows if r["size"] == "tiny"}
+    for r in rows:
+        print(f"| {r['transport']} | {r['size']} | {r['params'] / 1e6:.1f}M | {r['bytes'] / 2**20:.0f} | {r['sync_s'] * 1e3:.1f} | "
+              f"{r['publish_copy_s'] * 1e3:.1f} | {r['raw_s'] * 1e3:.1f} | {r['fraction_of_raw']:.2f} | "
+              f"{tiny.get(r['transport'], float('nan')) * 1e3:.1f} |")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "rows": rows, "per_version_overhead_s": tiny, "wall_s": time.monotonic() - t0}, f, indent=2)
+    print(f"\nwrote {args.out} in {time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

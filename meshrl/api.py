@@ -1,0 +1,225 @@
+"""What users call: `meshrl.run(config)` and the interactive `meshrl.Session`.
+
+    result = meshrl.run("configs/default.yaml")          # or a Config, or a dict
+    print(result.run_dir, result.metrics[-1]["reward/mean"])
+
+    with meshrl.Session(config) as s:                       # IPython: meshes live across cells
+        s.step(5)
+        s.set(lr=3e-4, max_lag=1)
+        s.generate(["a:", "q:"])
+
+A Session drives an `RLLoop` on its own event-loop thread, so every method is a plain
+blocking call that works the same in scripts, IPython and Jupyter; every call is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Coroutine
+
+from meshrl.config import Config, ConfigError, apply_overrides, load_yaml
+from meshrl.metrics import format_row, plot_run
+from meshrl.scoring import RewardFn
+
+PROGRESS_KEYS = ("reward/mean", "trainer/loss", "trainer/staleness_max", "trainer/idle_frac")
+
+
+@dataclass
+class RunResult:
+    run_dir: str
+    metrics: list[dict[str, float]]
+    """One row per step, as written to RUN_DIR/metrics.jsonl."""
+    checkpoint: str | None
+    hf_export: str | None
+    plot: str | None
+
+
+def as_config(config: Config | dict | str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
+    if config is None:
+        config = {}
+    if isinstance(config, Config):
+        config = config.to_dict()
+    if isinstance(config, (str, os.PathLike)):
+        config = load_yaml(config)
+    if not isinstance(config, dict):
+        raise ConfigError("", f"config must be a meshrl.Config, a dict or a YAML path, not {type(config).__name__}")
+    return Config.from_dict(apply_overrides(config, overrides or []))
+
+
+def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        raise ConfigError("--resume", f"{run_dir!r} is not a meshrl run directory (no config.yaml): pass the RUN_DIR of an earlier run")
+    if not os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")):
+        raise ConfigError("--resume", f"{run_dir!r} has no checkpoint yet: nothing to resume")
+    config = as_config(path, overrides)
+    config.logging.run_dir = run_dir
+    return config
+
+
+class Session:
+    """A live run you drive step by step. Context manager; `stop()` always cleans up."""
+
+    def __init__(self, config: Config | dict | str | None = None, *, resume: str | None = None,
+                 reward_fn: RewardFn | None = None, overrides: list[str] | None = None):
+        self.config = resume_config(resume, overrides) if resume else as_config(config, overrides)
+        if threading.current_thread() is threading.main_thread():
+            from meshrl.launch import exit_on_sigterm
+
+            exit_on_sigterm()  # SIGTERM (scheduler preemption) runs the same cleanup as Ctrl-C
+        self._resume = resume is not None
+        self._reward_fn = reward_fn
+        self.loop = None
+        self._thread_loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._thread_loop.run_forever, name="meshrl-session", daemon=True)
+        self._thread.start()
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    def _call(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self._thread_loop)
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            future.cancel()
+            raise TimeoutError(f"meshrl session call took over {timeout:.0f}s") from None
+        except BaseException:
+            future.cancel()
+            raise
+
+    def _need(self):
+        if self.loop is None:
+            raise RuntimeError("the session is not started: call start() (or use `with Session(...) as s`)")
+        return self.loop
+
+    def __enter__(self) -> "Session":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- the user's verbs --------------------------------------------------------------------
+    def start(self) -> "Session":
+        """Allocate meshes, start trainer, generators, scorer and buffer; generation begins."""
+        if self.loop is not None:
+            return self
+        from meshrl.loop import RLLoop
+
+        loop = RLLoop(self.config, resume=self._resume, reward_fn=self._reward_fn)
+        self._call(loop.__aenter__())
+        self.loop = loop
+        return self
+
+    @property
+    def version(self) -> int:
+        return self._need().version
+
+    @property
+    def run_dir(self) -> str:
+        return self._need().run_dir
+
+    def step(self, n: int = 1, progress: bool = False) -> list[dict[str, float]]:
+        """Train `n` steps; returns their metric rows."""
+        loop = self._need()
+        rows = []
+        bar = _progress(n, progress)
+        try:
+            for _ in range(n):
+                self._call(loop.check_generators(), 600)
+                row = self._call(loop.step(), self.config.buffer.get_timeout_s + 600)
+                rows.append(row)
+                if bar is not None:
+                    bar.set_postfix_str(format_row(row, PROGRESS_KEYS))
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return rows
+
+    def metrics(self) -> list[dict[str, float]]:
+        """Every step's metrics so far."""
+        return list(self._need().history)
+
+    def buffer_state(self) -> dict[str, float]:
+        return self._call(_awaited(self._need().buffer.metrics.call_one()), 60)
+
+    def pause(self) -> None:
+        """Freeze generation (in-flight requests stay) until resume()."""
+        loop = self._need()
+        self._call(asyncio.gather(*(_awaited(r.actor.pause_generation.call_one()) for r in loop.replicas)), 120)
+
+    def resume(self) -> None:
+        loop = self._need()
+        self._call(asyncio.gather(*(_awaited(r.actor.resume_generation.call_one()) for r in loop.replicas)), 120)
+
+    def generate(self, prompts: list[str], temperature: float | None = None) -> list[list[str]]:
+        """Sample a group of completions for each prompt text with the current policy."""
+        return self._call(self._need().generate_text(prompts, temperature), 600)
+
+    def set(self, **knobs: Any) -> None:
+        """Change knobs between steps: lr, max_lag (the staleness bound)."""
+        self._call(self._need().set_knobs(**knobs), 120)
+
+    def scale_generators(self, replicas: int) -> None:
+        """Grow or shrink the number of generator replicas."""
+        self._call(self._need().scale_generators(replicas), self.config.generator.startup_timeout_s * max(1, replicas) + 120)
+
+    def checkpoint(self) -> str:
+        return self._call(self._need().checkpoint(), 600)
+
+    def finish(self) -> RunResult:
+        """Final checkpoint, Hugging Face export and curves."""
+        loop = self._need()
+        ckpt = self._call(loop.checkpoint(), 600)
+        hf = self._call(loop.export(), 600)
+        png = plot_run(loop.run_dir) if self.config.logging.plot and loop.history else None
+        return RunResult(loop.run_dir, list(loop.history), ckpt, hf, png)
+
+    def stop(self) -> None:
+        """Shut every mesh and engine down; safe to call twice."""
+        if self.loop is not None:
+            loop, self.loop = self.loop, None
+            self._call(loop.shutdown(), 300)
+        if self._thread.is_alive():
+            self._thread_loop.call_soon_threadsafe(self._thread_loop.stop)
+            self._thread.join(10)
+
+
+def run(config: Config | dict | str | None = None, *, resume: str | None = None,
+        reward_fn: RewardFn | None = None, overrides: list[str] | None = None) -> RunResult:
+    """Train to `config.steps` and return the run directory and per-step metrics."""
+    if resume is None:
+        config = as_config(config, overrides)
+        overrides = None
+        if config.launcher.dry_run:
+            from meshrl.launch import describe_job
+
+            print(describe_job(config))
+            return RunResult(os.path.abspath(config.logging.run_dir), [], None, None, None)
+    session = Session(config, resume=resume, reward_fn=reward_fn, overrides=overrides)
+    try:
+        session.start()
+        remaining = session.config.steps - session.version
+        if remaining > 0:
+            session.step(remaining, progress=session.config.logging.progress)
+        return session.finish()
+    finally:
+        session.stop()
+
+
+async def _awaited(future):
+    return await future
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="meshrl", unit="step", file=sys.stderr, dynamic_ncols=True)

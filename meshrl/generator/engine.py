@@ -1,0 +1,211 @@
+"""One vLLM `AsyncLLM` engine serving token-id prompts, with versioned in-place weight updates.
+
+Log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, so the log-prob it
+returns for a sampled token is taken from the distribution the token was actually drawn
+from (after temperature, top-k and top-p). With top_p=1 and top_k=-1 this equals
+log_softmax(logits / T), which is what the trainer computes at the same temperature. (With
+top-k/top-p the kept set is renormalised: the trainer sees the difference as off-policy.)
+
+Versions: vLLM stamps every engine step's outputs with the engine's current "weight
+version" and reports, on a request's final output, the spans of output tokens produced
+under each version. Weights and version change only while the scheduler is paused, so a
+token decoded before a pause keeps the old version even when it is delivered afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+import torch
+
+from meshrl.config import GeneratorConfig
+from meshrl.generator.weight_loading import pack_to_shared_memory
+
+WORKER_EXTENSION = "meshrl.generator.weight_loading.MeshrlWorkerExtension"
+
+
+@dataclass
+class RequestResult:
+    """What one vLLM request produced (its response tokens only)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    routed_experts: torch.Tensor | None = None
+    """[R, L, K] expert ids of the response tokens, when the engine returns them."""
+
+
+def eos_token_ids(checkpoint_dir: str) -> list[int]:
+    """EOS ids from the checkpoint's config: with skip_tokenizer_init vLLM knows no EOS."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(checkpoint_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                ids += eos if isinstance(eos, list) else [eos]
+    return sorted(set(ids))
+
+
+class VLLMEngine:
+    """An `AsyncLLM` built from a local HF checkpoint; call `start` inside an event loop."""
+
+    def __init__(
+        self,
+        gen: GeneratorConfig,
+        checkpoint_dir: str,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 256,
+        seed: int = 0,
+        max_num_seqs: int | None = None,
+    ):
+        self.gen = gen
+        self.checkpoint_dir = checkpoint_dir
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.max_num_seqs = max_num_seqs or gen.max_num_seqs
+        self.stop_token_ids = eos_token_ids(checkpoint_dir)
+        self.llm = None
+        self.version = 0
+        self.tokens_generated = 0
+        """Tokens received so far, counted as they stream in (live progress for stats)."""
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def engine_args(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        return AsyncEngineArgs(
+            model=self.checkpoint_dir,
+            skip_tokenizer_init=True,  # token-id prompts in, token ids out
+            enforce_eager=True,
+            dtype=self.dtype,
+            tensor_parallel_size=self.gen.tp,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=self.gen.gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            enable_return_routed_experts=self.gen.return_routed_experts,
+            worker_extension_cls=WORKER_EXTENSION,
+            seed=self.seed,
+        )
+
+    async def start(self, version: int = 0) -> float:
+        """Start the engine (bounded by generator.startup_timeout_s); returns seconds taken."""
+        from meshrl.compat import vllm_cpu_defaults
+
+        vllm_cpu_defaults(self.gen.startup_timeout_s)
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.monotonic()
+        # Blocking construction: vLLM bounds the engine handshake by VLLM_ENGINE_READY_TIMEOUT_S,
+        # which vllm_cpu_defaults set from startup_timeout_s (before vLLM was imported here).
+        self.llm = AsyncLLM.from_engine_args(self.engine_args())
+        elapsed = time.monotonic() - t0
+        if elapsed > self.gen.startup_timeout_s:
+            self.shutdown()
+            raise TimeoutError(f"vLLM engine took {elapsed:.0f}s to start (generator.startup_timeout_s={self.gen.startup_timeout_s})")
+        await self.set_version(version)
+        return elapsed
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            llm.shutdown()
+
+    # ---- generation -----------------------------------------------------------------------
+    def sampling_params(self, max_tokens: int, temperature: float | None = None):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        t = self.gen.temperature if temperature is None else temperature
+        return SamplingParams(
+            n=1,  # one request per sample: each can be aborted and resumed on its own
+            temperature=t,
+            top_p=self.gen.top_p if t > 0 else 1.0,
+            top_k=self.gen.top_k if t > 0 else -1,
+            max_tokens=max_tokens,
+            logprobs=0,  # the sampled token's log-prob only
+            stop_token_ids=self.stop_token_ids,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def run_request(self, request_id: str, token_ids: list[int], max_tokens: int, temperature: float | None = None) -> RequestResult:
+        """Run one request to its end (finished, length, or aborted) and collect its tokens."""
+        from vllm.inputs import TokensPrompt
+
+        # cache_salt: a new version never reuses prefix-cache blocks computed by old weights.
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids), cache_salt=f"v{self.version}")
+        result = RequestResult()
+        async for out in self.llm.generate(prompt, self.sampling_params(max_tokens, temperature), request_id):
+            c = out.outputs[0]
+            new = list(c.token_ids)
+            result.token_ids += new
+            self.tokens_generated += len(new)
+            if c.logprobs:
+                result.logprobs += [step[tok].logprob for tok, step in zip(new, c.logprobs)]
+            if out.finished:
+                result.finish_reason = c.finish_reason or "abort"
+                result.versions = _versions_from_spans(c.weight_versions, len(result.token_ids), self.version)
+                if c.routed_experts is not None:
+                    experts = torch.as_tensor(c.routed_experts)
+                    result.routed_experts = experts[-len(result.token_ids):] if result.token_ids else experts[:0]
+        if len(result.logprobs) != len(result.token_ids):
+            raise RuntimeError(f"request {request_id}: {len(result.token_ids)} tokens but {len(result.logprobs)} logprobs")
+        return result
+
+    # ---- pausing and weights ----------------------------------------------------------------
+    async def pause(self, mode: str) -> None:
+        """vLLM scheduler pause: "keep" freezes requests, "abort" ends them, "wait" drains."""
+        # Keep: the frozen requests' KV stays valid for them; other modes drop stale caches.
+        await self.llm.pause_generation(mode=mode, clear_cache=(mode != "keep"))
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def set_version(self, version: int) -> None:
+        await self.llm.update_weight_version(str(version))
+        self.version = version
+
+    async def load_tensors(self, tensors: dict[str, torch.Tensor], timeout_s: float = 120.0) -> int:
+        """Load full HF-named tensors through shared memory into the (paused) engine."""
+        import asyncio
+
+        dtype = getattr(torch, self.dtype) if self.dtype in ("float32", "bfloat16", "float16") else None
+        shared = pack_to_shared_memory(tensors, dtype)
+        try:
+            loaded = await asyncio.wait_for(
+                self.llm.collective_rpc("meshrl_load_shared_weights", args=(shared.path, shared.nbytes, shared.manifest)),
+                timeout_s,
+            )
+        finally:
+            shared.unlink()
+        return int(loaded[0])
+
+    async def reload_from_files_fallback(self, checkpoint_dir: str, timeout_s: float = 120.0) -> None:
+        """Named fallback: reload weights from a safetensors checkpoint directory on disk."""
+        import asyncio
+
+        await asyncio.wait_for(self.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir}), timeout_s)
+
+    async def weights_checksum(self) -> float:
+        return float((await self.llm.collective_rpc("meshrl_weights_checksum"))[0])
+
+
+def _versions_from_spans(spans, n: int, default: int) -> list[int]:
+    """Per-token versions from vLLM's [start, end) weight-version spans."""
+    versions = [default] * n
+    for span in spans or []:
+        try:
+            v = int(span.version)
+        except ValueError:
+            continue  # vLLM's "default" before the first set_version: keep `default`
+        for i in range(span.start, min(span.end, n)):
+            versions[i] = v
+    return versions
+

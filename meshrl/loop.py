@@ -1,0 +1,346 @@
+"""The asynchronous RL loop: meshes, wiring, and one training step at a time.
+
+    prompts (PromptSource) -> generators (vLLM) -> scorer -> ReplayBuffer -> trainer
+         ^                                                                     |
+         +----- generators pull version v over weight sync <-- publish v <-----+
+
+The loops run inside the actors: generators pull prompts from the source and push groups
+to the scorer, which puts them in the buffer; the trainer pulls its batch from the buffer
+itself. The controller (`RLLoop`) only starts things, says "step", and reads metrics, so
+it is never on the data path. Synchronous on-policy training, one-step overlap and fully
+asynchronous training differ only in config (buffer depth, staleness bound, update mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from meshrl.buffer import ReplayBufferActor
+from meshrl.config import Config
+from meshrl.data import PromptSourceActor
+from meshrl.generator.actor import GeneratorActor
+from meshrl.launch import allocate
+from meshrl.metrics import MetricsWriter
+from meshrl.scoring import RewardFn, ScorerActor
+from meshrl.tokenizer import build_char_tokenizer
+from meshrl.trainer.actor import spawn_trainer
+from meshrl.weightsync import WeightSync
+
+log = logging.getLogger("meshrl")
+CHECKPOINT_FILE = "loop_state.pt"
+
+
+@dataclass
+class GeneratorReplica:
+    """One generator replica: its own proc mesh, so a crashed replica is replaced alone."""
+
+    index: int
+    procs: object
+    actor: object
+    last_stats: dict = field(default_factory=dict)
+
+
+class TrainerFailed(RuntimeError):
+    """A trainer proc died: the run stops; resume it from its last checkpoint."""
+
+
+class RLLoop:
+    """Owns every mesh of one run. Use `async with RLLoop(config) as loop: await loop.step()`."""
+
+    def __init__(self, config: Config, run_dir: str | None = None, resume: bool = False, reward_fn: RewardFn | None = None):
+        self.config = config
+        self.run_dir = os.path.abspath(run_dir or config.logging.run_dir)
+        self.resume = resume
+        self.reward_fn = reward_fn
+        self.version = 0
+        self.history: list[dict[str, float]] = []
+        self.replicas: list[GeneratorReplica] = []
+        self._update_task: asyncio.Task | None = None
+        self._last_step_end = None
+        self._started = False
+
+    # ---- start-up -----------------------------------------------------------------------
+    async def __aenter__(self) -> "RLLoop":
+        try:
+            await self.start()
+        except BaseException:
+            await self.shutdown()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    async def start(self) -> None:
+        c = self.config
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
+            f.write(c.to_yaml())
+        self.tokenizer_dir = c.model.tokenizer or c.model.path or build_char_tokenizer(os.path.join(self.run_dir, "tokenizer"))
+        self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard)
+        self.alloc = await allocate(c).__aenter__()
+
+        # The coordinator proc: prompt source, replay buffer and scorer actors.
+        self.coord = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1})
+        # Actors spawned together are built in parallel threads of one proc, and concurrent
+        # first imports of torch/transformers there fail half-initialised: build one at a time.
+        self.buffer = self.coord.spawn("buffer", ReplayBufferActor, c.buffer.__dict__, c.batch_groups, c.seed)
+        await self.buffer.num_groups.call_one()
+        self.source = self.coord.spawn("source", PromptSourceActor, c.to_dict(), self.tokenizer_dir)
+        await self.source.consumed.call_one()
+        self.scorer = self.coord.spawn("scorer", ScorerActor, c.to_dict(), self.tokenizer_dir, self.buffer, self.source, self.reward_fn)
+        await self.scorer.metrics.call_one()
+
+        self.trainer = await spawn_trainer(c, host_mesh=self.alloc.host_mesh("trainer"))
+        await self.trainer.publisher_handle()  # creates the publisher before its first step
+        if self.resume:
+            await self._restore()
+        self.initial_hf_dir = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"))
+        for i in range(c.generator.replicas):
+            self.replicas.append(await self._spawn_replica(i))
+        self.weight_sync = await WeightSync(c.weight_sync).connect(
+            await self.trainer.publisher_handle(), [await r.actor.weight_sync_handle.call_one() for r in self.replicas]
+        )
+        for r in self.replicas:
+            await r.actor.start_generation.call_one(self.source, self.scorer)
+        self._last_step_end = time.monotonic()
+        self._started = True
+
+    async def _spawn_replica(self, index: int) -> GeneratorReplica:
+        c = self.config
+        # One proc per replica (vLLM starts its own tensor-parallel workers inside it), each on
+        # its own proc mesh so that a crashed replica can be replaced alone.
+        procs = self.alloc.host("generator", index).spawn_procs(per_host={"procs": 1})
+        actor = procs.spawn(f"generator{index}", GeneratorActor)
+        await asyncio.wait_for(
+            actor.setup.call(c.to_dict(), self.initial_hf_dir, self.version, index), c.generator.startup_timeout_s
+        )
+        return GeneratorReplica(index, procs, actor.slice(procs=0))
+
+    # ---- one step ---------------------------------------------------------------------------
+    async def step(self) -> dict[str, float]:
+        """Train on one batch from the buffer, publish the new version, and record metrics."""
+        c = self.config
+        t0 = time.monotonic()
+        out = await self.trainer.train_from_buffer(self.buffer, c.batch_groups, c.buffer.get_timeout_s)
+        self.version = out["version"]
+        # Generators move to the new version in the background while the trainer goes on;
+        # 'block' (synchronous) waits for them before any prompt of the next batch is let out.
+        if self._update_task is not None:
+            out["sync/previous_update_wait_s"] = await self._finish_update()
+        self._update_task = asyncio.create_task(self._update_generators(self.version))
+        if c.generator.update_mode == "block":
+            out["sync/update_s"] = await self._finish_update()
+        await self.source.set_version.call_one(self.version)
+        row = await self._collect_metrics(out, time.monotonic() - t0)
+        if c.trainer.checkpoint_every and self.version % c.trainer.checkpoint_every == 0:
+            await self.checkpoint()
+        return row
+
+    async def _update_generators(self, version: int) -> float:
+        t0 = time.monotonic()
+        await asyncio.gather(*(self._update_replica(r, version) for r in self.replicas))
+        return time.monotonic() - t0
+
+    async def _update_replica(self, replica: GeneratorReplica, version: int) -> None:
+        try:
+            await asyncio.wait_for(replica.actor.sync_weights.call_one(version), self.config.weight_sync.timeout_s + 30)
+        except Exception as e:  # noqa: BLE001 - a dead replica is replaced, the run goes on
+            await self._replace_replica(replica, e)
+
+    async def _finish_update(self) -> float:
+        task, self._update_task = self._update_task, None
+        return await task
+
+    async def _replace_replica(self, replica: GeneratorReplica, error: Exception) -> None:
+        """A generator replica died: re-queue its prompts, start a fresh one, re-wire weights."""
+        log.warning("generator replica %d failed (%s); replacing it", replica.index, str(error).splitlines()[0][:200])
+        requeued = await self.source.requeue.call_one(replica.index)
+        try:
+            await asyncio.wait_for(replica.procs.stop(), 30)
+        except Exception:  # noqa: BLE001 - it is already gone
+            pass
+        fresh = await self._spawn_replica(replica.index)
+        self.replicas[self.replicas.index(replica)] = fresh
+        await self.weight_sync.reconnect(subscribers=[await r.actor.weight_sync_handle.call_one() for r in self.replicas])
+        await fresh.actor.sync_weights.call_one(self.version)
+        await fresh.actor.start_generation.call_one(self.source, self.scorer)
+        self.replaced = getattr(self, "replaced", 0) + 1
+        log.warning("generator replica %d replaced; %d prompts re-queued", replica.index, requeued)
+
+    async def check_generators(self) -> None:
+        """Replace any replica whose proc is gone (called between steps)."""
+        for r in list(self.replicas):
+            try:
+                await asyncio.wait_for(r.actor.stats.call_one(), 30)
+            except Exception as e:  # noqa: BLE001
+                await self._replace_replica(r, e)
+
+    async def _collect_metrics(self, out: dict, step_s: float) -> dict[str, float]:
+        now = time.monotonic()
+        wall = now - self._last_step_end
+        self._last_step_end = now
+        row = {k: float(v) for k, v in out.items() if isinstance(v, (int, float))}
+        row["trained_groups"] = out.get("trained_groups", [])  # kept in history, not in metrics.jsonl
+        row["time/step_s"] = wall
+        row["trainer/idle_frac"] = min(1.0, out.get("trainer/wait_s", 0.0) / max(wall, 1e-9))
+        row.update(await self.buffer.metrics.call_one())
+        row.update(await self.scorer.metrics.call_one())
+        idle, tokens = [], 0.0
+        for r in self.replicas:
+            try:
+                stats = await asyncio.wait_for(r.actor.stats.call_one(), 30)
+            except Exception:  # noqa: BLE001 - replaced at the next check
+                continue
+            prev, r.last_stats = r.last_stats, stats
+            busy = stats.get("busy_s", 0.0) - prev.get("busy_s", 0.0)
+            idle.append(1.0 - min(1.0, busy / max(wall, 1e-9)))
+            tokens += stats.get("tokens_generated", 0) - prev.get("tokens_generated", 0)
+        if idle:
+            row["generator/idle_frac"] = sum(idle) / len(idle)
+        row["generator/tokens_per_s"] = tokens / max(wall, 1e-9)
+        row["generator/replicas_replaced"] = float(getattr(self, "replaced", 0))
+        self.history.append({"step": self.version, **row})
+        self.metrics.write(self.version, row)
+        return row
+
+    # ---- interactive control (Session) ------------------------------------------------------
+    async def generate_text(self, prompts: list[str], temperature: float | None = None) -> list[list[str]]:
+        """One group of completions per prompt text, from the current policy (replica 0)."""
+        from meshrl.rollout import Prompt
+        from meshrl.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(self.tokenizer_dir)
+        batch = [Prompt(tok.encode(t, add_special_tokens=False), group_id=-1 - i, text=t) for i, t in enumerate(prompts)]
+        completions = await self.replicas[0].actor.generate.call_one(batch, temperature)
+        groups: dict[int, list[str]] = {}
+        for c in completions:
+            groups.setdefault(c.group_id, []).append(tok.decode(c.response_ids, skip_special_tokens=True))
+        return [groups.get(-1 - i, []) for i in range(len(prompts))]
+
+    async def set_knobs(self, lr: float | None = None, max_lag: int | None = None) -> None:
+        """Change the learning rate or the staleness bound between steps."""
+        if lr is not None:
+            if not lr > 0:
+                raise ValueError(f"lr must be positive, got {lr}")
+            await self.trainer.set_lr(lr)
+            self.config.trainer.lr = lr
+        if max_lag is not None:
+            if max_lag < 0:
+                raise ValueError(f"max_lag must be at least 0, got {max_lag}")
+            await self.buffer.set_max_lag.call_one(max_lag)
+            self.config.buffer.max_lag = max_lag
+
+    async def scale_generators(self, replicas: int) -> None:
+        """Add or remove generator replicas; removed replicas' prompts are re-queued."""
+        if replicas < 1:
+            raise ValueError(f"need at least 1 generator replica, got {replicas}")
+        while len(self.replicas) > replicas:
+            gone = self.replicas.pop()
+            try:
+                await asyncio.wait_for(gone.actor.shutdown_engine.call_one(), 60)
+            finally:
+                await self.source.requeue.call_one(gone.index)
+                await asyncio.wait_for(gone.procs.stop(), 60)
+        added = []
+        while len(self.replicas) < replicas:
+            fresh = await self._spawn_replica(max((r.index for r in self.replicas), default=-1) + 1)
+            self.replicas.append(fresh)
+            added.append(fresh)
+        await self.weight_sync.reconnect(subscribers=[await r.actor.weight_sync_handle.call_one() for r in self.replicas])
+        for r in added:
+            await r.actor.sync_weights.call_one(self.version)
+            await r.actor.start_generation.call_one(self.source, self.scorer)
+        self.config.generator.replicas = replicas
+
+    # ---- checkpoint and resume ----------------------------------------------------------------
+    async def checkpoint(self) -> str:
+        """Trainer state (DCP), buffer contents, data iterator state and counters, atomically."""
+        root = os.path.join(self.run_dir, "checkpoints")
+        trainer_dir = await self.trainer.save_checkpoint(os.path.join(root, "trainer"))
+        state = {
+            "version": self.version,
+            "trainer_dir": trainer_dir,
+            "buffer": await self.buffer.state_dict.call_one(),
+            "source": await self.source.state_dict.call_one(),
+            "history": self.history,
+        }
+        path = os.path.join(root, f"step_{self.version:06d}_{CHECKPOINT_FILE}")
+        tmp = path + ".tmp"
+        torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _write_atomic(os.path.join(root, "latest"), os.path.basename(path))
+        return path
+
+    async def _restore(self) -> None:
+        root = os.path.join(self.run_dir, "checkpoints")
+        latest = os.path.join(root, "latest")
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"{self.run_dir} has no checkpoint to resume from ({latest} missing)")
+        with open(latest) as f:
+            state = torch.load(os.path.join(root, f.read().strip()), weights_only=False)
+        self.version = await self.trainer.load_checkpoint(state["trainer_dir"])
+        if self.version != state["version"]:
+            raise RuntimeError(f"trainer checkpoint is at version {self.version}, loop state at {state['version']}")
+        await self.buffer.load_state_dict.call_one(state["buffer"])
+        in_buffer = sorted({int(g) for grp in state["buffer"]["groups"] for g in grp["group_id"].tolist()})
+        await self.source.load_state_dict.call_one(state["source"], in_buffer)
+        await self.source.set_version.call_one(self.version)
+        self.history = state["history"]
+
+    # ---- the end -------------------------------------------------------------------------------
+    async def export(self) -> str:
+        return await self.trainer.export_hf(os.path.join(self.run_dir, "hf", "final"))
+
+    async def shutdown(self) -> None:
+        """Stop everything this loop started, on every exit path; never raises."""
+        steps = []
+        if getattr(self, "source", None) is not None:
+            steps.append(self.source.close.call_one())
+        if getattr(self, "buffer", None) is not None:
+            steps.append(self.buffer.close.call_one())
+        for r in self.replicas:
+            steps.append(r.actor.shutdown_engine.call_one())
+        for s in steps:
+            try:
+                await asyncio.wait_for(_awaited(s), 30)
+            except Exception:  # noqa: BLE001 - best effort; procs are stopped below
+                pass
+        meshes = [r.procs for r in self.replicas] + [getattr(self, "coord", None)]
+        if getattr(self, "trainer", None) is not None:
+            try:
+                await self.trainer.stop()
+            except Exception:  # noqa: BLE001
+                pass
+        for procs in meshes:
+            if procs is not None:
+                try:
+                    await asyncio.wait_for(procs.stop(), 60)
+                except Exception:  # noqa: BLE001
+                    pass
+        if getattr(self, "alloc", None) is not None:
+            await self.alloc.__aexit__(None, None, None)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
+        self.replicas = []
+
+
+async def _awaited(future):
+    return await future
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,154 @@
+"""`collective` transport: a gloo (CPU) broadcast group from the publishing trainer rank
+(rank 0) to every subscriber, created once per connection.
+
+Signalling goes through the controller's TCPStore, not through the group: before each
+version the sender writes a small header (version, layout id, the layout itself only when
+it changed) under `<group>/hdr/<seq>`; receivers wait on that key with a short poll, so an
+idle trainer is never a timeout, and then join the bucket broadcasts. The group is created
+with `timeout_s`, so a dead peer in a broadcast is an error within the timeout; after an
+error the sender/receiver stop, and the controller re-creates the group under a new name
+(`WeightSync.reconnect`).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from meshrl.weightsync.buffers import ReceiveBuffers
+from meshrl.weightsync.errors import WeightSyncError
+from meshrl.weightsync.layout import Layout
+from meshrl.weightsync.spec import SyncSpec
+from meshrl.weightsync.staging import StagingPool
+
+log = logging.getLogger(__name__)
+POLL_S = 0.2  # how often idle threads look at their stop flag
+HEADER_POLL_S = 0.002  # how often an idle receiver asks the store for the next header
+
+
+def make_group(spec: SyncSpec, rank: int) -> tuple[dist.Store, dist.ProcessGroup]:
+    """Join the store and create this rank's gloo group (all ranks must call it together)."""
+    timeout = timedelta(seconds=spec.timeout_s)
+    store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(spec.group_name, store)
+    pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
+    return prefixed, pg
+
+
+def broadcast_buckets(pg: dist.ProcessGroup, buckets, timeout_s: float) -> None:
+    """Broadcast every bucket from rank 0: issue them all, then wait for each (bounded)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.timeout = timedelta(seconds=timeout_s)
+    works = [pg.broadcast([b], opts) for b in buckets]
+    for w in works:
+        w.wait(timedelta(seconds=timeout_s))
+
+
+class CollectiveSender:
+    """Rank 0: broadcasts the newest staged version whenever there is one it has not sent."""
+
+    def __init__(self, pool: StagingPool, spec: SyncSpec):
+        self.pool, self.spec = pool, spec
+        self.error: BaseException | None = None
+        self.sent_version = -1
+        self._stop = threading.Event()
+        self.store, self.pg = make_group(spec, 0)
+        self._thread = threading.Thread(target=self._run, name=f"ws-send-{spec.group_name}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        seq, layout_sent = 0, None
+        while not self._stop.is_set():
+            lease = self.pool.wait_acquire(self.sent_version + 1, POLL_S)
+            if lease is None:
+                continue
+            try:
+                layout = lease.slot.layout
+                new_layout = layout.layout_id != layout_sent
+                header = (lease.version, layout.layout_id, layout if new_layout else None)
+                self.store.set(f"hdr/{seq}", pickle.dumps(header))
+                broadcast_buckets(self.pg, layout.bucket_views(lease.slot.flat), self.spec.timeout_s)
+                self.store.delete_key(f"hdr/{seq}")  # every receiver read it before the broadcast
+                layout_sent, self.sent_version, seq = layout.layout_id, lease.version, seq + 1
+            except Exception as e:  # noqa: BLE001 - recorded, reported by `check`
+                log.warning("weight broadcast of version %d failed: %s", lease.version, e)
+                self.error = e
+                return
+            finally:
+                self.pool.release(lease)
+
+
+class CollectiveReceiver:
+    """Rank >= 1: joins every broadcast in a thread, keeping the newest complete version."""
+
+    def __init__(self, spec: SyncSpec, rank: int, buffers: ReceiveBuffers):
+        self.spec, self.rank, self.buffers = spec, rank, buffers
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self.store, self.pg = make_group(spec, rank)
+        self._thread = threading.Thread(target=self._run, name=f"ws-recv-{spec.group_name}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        seq, layout = 0, None
+        while not self._stop.is_set():
+            key = f"hdr/{seq}"
+            try:
+                # Poll with check (store.wait with short timeouts floods the log with warnings).
+                if not self.store.check([key]):
+                    time.sleep(HEADER_POLL_S)
+                    continue
+            except Exception as e:  # noqa: BLE001 - the store lives in the controller
+                self._fail(WeightSyncError(f"the weight-sync store (controller) is unreachable: {e}"))
+                return
+            flat = None
+            try:
+                version, layout_id, new_layout = pickle.loads(self.store.get(key))
+                if new_layout is not None:
+                    layout = new_layout
+                    self.buffers.set_layout(layout)
+                if layout is None or layout.layout_id != layout_id:
+                    raise WeightSyncError(f"header of version {version} names layout {layout_id} that was never sent")
+                flat = self.buffers.take()
+                broadcast_buckets(self.pg, layout.bucket_views(flat), self.spec.timeout_s)
+                self.buffers.complete(version, flat)
+                seq += 1
+            except Exception as e:  # noqa: BLE001
+                if flat is not None:
+                    self.buffers.give_back(flat)
+                self._fail(e)
+                return
+
+    def _fail(self, e: BaseException) -> None:
+        log.warning("weight receive on rank %d failed: %s", self.rank, e)
+        with self.buffers.lock:
+            self.error = e
+            self.buffers.lock.notify_all()
+
+
+def wait_latest(buffers: ReceiveBuffers, receiver: "CollectiveReceiver", min_version: int, deadline: float):
+    """(version, flat) of the newest received version >= min_version, or raise."""
+    with buffers.lock:
+        while True:
+            if receiver.error is not None:
+                raise WeightSyncError(f"collective weight transfer failed: {receiver.error}") from receiver.error
+            if buffers.latest is not None and buffers.latest[0] >= min_version:
+                version, flat = buffers.latest
+                buffers.latest = None
+                return version, flat
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            buffers.lock.wait(min(remaining, POLL_S))

@@ -1,0 +1,95 @@
+"""Controller side: wire one Publisher to its Subscribers, and re-wire after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import tempfile
+import uuid
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from meshrl.config import WeightSyncConfig
+from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
+from meshrl.weightsync.spec import SyncSpec
+
+HANDLE_ENDPOINT = "weight_sync_handle"
+"""The endpoint the trainer and generator actors expose: it returns `self.publisher.handle`
+(trainer, publishing rank) or `self.subscriber.handle` (generator)."""
+
+
+class WeightSync:
+    """Owns the connection between one publisher and its subscribers.
+
+    For `collective` it also hosts the TCPStore in the controller process, which outlives
+    any trainer or generator proc, so a group can be re-created after one of them died.
+    """
+
+    def __init__(self, cfg: WeightSyncConfig, store_host: str | None = None):
+        self.cfg = cfg
+        self.publisher = None
+        self.subscribers: list = []
+        self._store: dist.TCPStore | None = None
+        self._store_host = store_host
+        self._generation = itertools.count()
+        self._tag = uuid.uuid4().hex[:8]
+        self.files_dir = cfg.files_dir
+        if cfg.transport == "files" and self.files_dir is None:
+            self.files_dir = tempfile.mkdtemp(prefix="meshrl-weights-")
+        if cfg.transport == "collective":
+            # Procs on this host reach the loopback address; with procs on other hosts, pass
+            # an address of the controller they can reach (e.g. socket.gethostname()).
+            self._store_host = store_host or "127.0.0.1"
+            self._store = dist.TCPStore(self._store_host, 0, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=cfg.timeout_s))
+
+    def spec(self) -> SyncSpec:
+        common = dict(transport=self.cfg.transport, timeout_s=self.cfg.timeout_s, files_dir=self.files_dir)
+        if self.cfg.transport != "collective":
+            return SyncSpec(**common)
+        return SyncSpec(**common, store_host=self._store_host, store_port=self._store.port,
+                        world_size=1 + len(self.subscribers), group_name=f"ws-{self._tag}-{next(self._generation)}/")
+
+    async def connect(self, publisher, subscribers: list) -> "WeightSync":
+        """Connect the publisher's handle to every subscriber's handle (all at once, as a
+        collective group needs every rank to join together). Bounded by timeout_s."""
+        self.publisher, self.subscribers = publisher, list(subscribers)
+        spec = self.spec()
+        calls = [publisher.configure.call_one(spec)]
+        calls += [s.configure.call_one(spec, rank + 1, publisher) for rank, s in enumerate(self.subscribers)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*[_await(c) for c in calls]), self.cfg.timeout_s + 10.0)
+        except asyncio.TimeoutError:
+            raise WeightSyncTimeout(f"connecting {len(calls)} weight-sync peers took over {self.cfg.timeout_s:.0f}s") from None
+        except Exception as e:  # noqa: BLE001 - an ActorError from a peer's configure
+            raise WeightSyncError(f"connecting weight-sync peers failed: {e}") from e
+        return self
+
+    async def reconnect(self, publisher=None, subscribers: list | None = None) -> "WeightSync":
+        """After a trainer or generator restart: connect the new handles (the others are kept).
+        A collective group is re-created under a new name; RDMA readers get the new owner."""
+        return await self.connect(publisher or self.publisher, subscribers if subscribers is not None else self.subscribers)
+
+    async def status(self) -> dict:
+        """Versions and errors of every peer, e.g. to decide on a `reconnect`."""
+        calls = [self.publisher.status.call_one()] + [s.status.call_one() for s in self.subscribers]
+        got = await asyncio.wait_for(asyncio.gather(*[_await(c) for c in calls], return_exceptions=True), self.cfg.timeout_s)
+        return {"publisher": got[0], "subscribers": got[1:]}
+
+    def close(self) -> None:
+        self._store = None  # the store server stops with the object
+
+
+async def connect(cfg: WeightSyncConfig, trainer_mesh, generator_mesh, endpoint: str = HANDLE_ENDPOINT) -> WeightSync:
+    """Ask the trainer mesh (its first rank publishes) and the generator mesh for their
+    weight-sync handles through `endpoint`, then connect them."""
+    trainer_handles = await getattr(trainer_mesh, endpoint).call()
+    generator_handles = await getattr(generator_mesh, endpoint).call()
+    publisher = next(h for _, h in trainer_handles.items() if h is not None)
+    subscribers = [h for _, h in generator_handles.items()]
+    return await WeightSync(cfg).connect(publisher, subscribers)
+
+
+async def _await(x):
+    return await x

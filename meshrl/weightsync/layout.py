@@ -1,0 +1,104 @@
+"""Packing named tensors into one flat byte buffer cut into buckets.
+
+The trainer's tensors are copied into a flat uint8 buffer (the staging snapshot); the
+generator receives the same bytes into its own flat buffer and gets back views. A `Layout`
+says where every tensor lives; it is computed once, sent once, and cached by its
+`layout_id` (a fingerprint of names, shapes, dtypes and offsets), so a version moves bytes
+only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+ALIGN = 64
+"""Every tensor starts on a 64-byte boundary, so views of any dtype are aligned."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    offset: int  # byte offset in the flat buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensors: tuple[TensorMeta, ...]
+    buckets: tuple[tuple[int, int], ...]  # [start, end) byte ranges covering the buffer
+    total_bytes: int
+    layout_id: str
+
+    def bucket_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The buckets of `flat` as 1-D contiguous uint8 slices (what RDMA and broadcasts move)."""
+        return [flat[a:b] for a, b in self.buckets]
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan_layout(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Layout:
+    """Place tensors in order, closing a bucket before the one that would overflow it.
+
+    A tensor larger than `bucket_bytes` gets a bucket of its own; tensors are never split,
+    so a bucket boundary is always a tensor start.
+    """
+    metas: list[TensorMeta] = []
+    buckets: list[tuple[int, int]] = []
+    bucket_start = offset = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        offset = _align(offset)
+        if offset > bucket_start and offset + nbytes - bucket_start > bucket_bytes:
+            buckets.append((bucket_start, offset))
+            bucket_start = offset
+        metas.append(TensorMeta(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), offset, nbytes))
+        offset += nbytes
+    total = max(_align(offset), ALIGN)
+    buckets.append((bucket_start, total))
+    digest = hashlib.sha1(repr((metas, buckets)).encode()).hexdigest()[:16]
+    return Layout(tuple(metas), tuple(buckets), total, digest)
+
+
+def allocate(layout: Layout, shared_memory: bool = False) -> torch.Tensor:
+    """A flat uint8 buffer for `layout`; in shared memory if another process must map it."""
+    flat = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    return flat.share_memory_() if shared_memory else flat
+
+
+def pack(flat: torch.Tensor, layout: Layout, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy `named` (same order, names, shapes and dtypes as `layout`) into `flat`."""
+    count = 0
+    for meta, (name, t) in zip(layout.tensors, named):
+        if name != meta.name or tuple(t.shape) != meta.shape or str(t.dtype).removeprefix("torch.") != meta.dtype:
+            raise ValueError(f"tensor {name} {tuple(t.shape)} {t.dtype} does not match the layout entry {meta}")
+        # Copy as raw bytes: a typed copy into a view of a big uint8 buffer took ~3 ms per
+        # tensor whatever its size (measured); the byte copy runs at memcpy speed. copy_
+        # also moves device tensors to the host buffer.
+        src = t.detach().contiguous().view(-1).view(torch.uint8)
+        flat[meta.offset : meta.offset + meta.nbytes].copy_(src)
+        count += 1
+    if count != len(layout.tensors):
+        raise ValueError(f"got {count} tensors, the layout has {len(layout.tensors)}")
+
+
+def unpack(flat: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
+    """Views of every tensor in `flat` (no copy)."""
+    out = {}
+    for m in layout.tensors:
+        out[m.name] = flat[m.offset : m.offset + m.nbytes].view(dtype_from_name(m.dtype)).view(m.shape)
+    return out

@@ -1,0 +1,115 @@
+"""Trainer side: `Publisher` stages each version and serves it over the chosen transport.
+
+Use it inside the trainer actor on the publishing rank (see meshrl/weightsync/__init__.py
+for the wiring). `publish` only copies into a staging slot; the transport (RDMA reads
+served by a sidecar actor, a broadcast thread, a file-writer thread) runs in the
+background, so the next training step overlaps the transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from typing import Iterable
+
+import torch
+from monarch.actor import Actor, concurrent_endpoint, this_proc
+
+from meshrl.config import WeightSyncConfig
+from meshrl.weightsync import rdma
+from meshrl.weightsync.collective import CollectiveSender
+from meshrl.weightsync.errors import WeightSyncError
+from meshrl.weightsync.files import FileWriter
+from meshrl.weightsync.layout import Layout, plan_layout
+from meshrl.weightsync.spec import SyncSpec
+from meshrl.weightsync.staging import StagingPool
+
+_PUBLISHERS: dict[str, "Publisher"] = {}  # the sidecar agent finds its Publisher here (same process)
+_ids = itertools.count()
+
+
+class Publisher:
+    def __init__(self, cfg: WeightSyncConfig, max_slots: int = 4):
+        self.cfg = cfg
+        self.pool = StagingPool(lease_timeout_s=cfg.timeout_s, max_slots=max_slots)
+        self.layout: Layout | None = None
+        self.spec: SyncSpec | None = None
+        self._background: CollectiveSender | FileWriter | None = None
+        self.key = f"{os.getpid()}-{next(_ids)}"
+        _PUBLISHERS[self.key] = self
+        # A sidecar actor in this process serves subscribers and the controller, so those
+        # calls never queue behind the trainer actor's own (long) endpoints.
+        self.handle = this_proc().spawn(f"weightsync_publisher_{self.key}", PublisherAgent, self.key)
+
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Copy the full HF-named tensors into a staging slot and make `version` available.
+        Returns the seconds spent copying (the only synchronous part). Never raises for a
+        transport failure (training goes on; see `check` and WeightSync.status)."""
+        t0 = time.perf_counter()
+        named = list(named_tensors)
+        layout = plan_layout(named, self.cfg.bucket_mb << 20)
+        if self.layout is None or layout.layout_id != self.layout.layout_id:
+            self.layout = layout  # new metadata: subscribers receive it with the next version
+        self.pool.publish(version, self.layout, named)
+        return time.perf_counter() - t0
+
+    @property
+    def latest_version(self) -> int:
+        return self.pool.latest.version if self.pool.latest is not None else -1
+
+    def check(self) -> None:
+        """Raise the background transport's error, if it had one (reconnect to recover)."""
+        if self._background is not None and self._background.error is not None:
+            raise WeightSyncError(f"weight transport failed: {self._background.error}") from self._background.error
+
+    def configure(self, spec: SyncSpec) -> None:
+        """(Re)connect to subscribers; called by the controller through the sidecar."""
+        self.close_transport()
+        if spec.transport == "collective":
+            self._background = CollectiveSender(self.pool, spec)  # blocks until every rank joined
+        elif spec.transport == "files":
+            self._background = FileWriter(self.pool, spec.files_dir)
+        elif spec.transport != "rdma":
+            raise WeightSyncError(f"unknown transport {spec.transport!r}")
+        self.spec = spec
+
+    def close_transport(self) -> None:
+        if self._background is not None:
+            self._background.close()
+            self._background = None
+
+    def close(self) -> None:
+        self.close_transport()
+        _PUBLISHERS.pop(self.key, None)
+
+
+class PublisherAgent(Actor):
+    """Sidecar of a Publisher: every endpoint is concurrent, so waiting readers never block."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    @property
+    def publisher(self) -> Publisher:
+        return _PUBLISHERS[self.key]
+
+    @concurrent_endpoint
+    async def configure(self, spec: SyncSpec) -> int:
+        await asyncio.to_thread(self.publisher.configure, spec)
+        return os.getpid()
+
+    @concurrent_endpoint
+    async def acquire(self, min_version: int, have_layout: str | None, have_slots: list[int], wait_s: float):
+        return await rdma.serve_acquire(self.publisher.pool, min_version, have_layout, have_slots, wait_s)
+
+    @concurrent_endpoint
+    async def release(self, lease_id: int) -> bool:
+        return self.publisher.pool.release(lease_id)
+
+    @concurrent_endpoint
+    async def status(self) -> dict:
+        p = self.publisher
+        err = p._background.error if p._background is not None else None
+        return {"latest_version": p.latest_version, "slots": len(p.pool.slots), "error": repr(err) if err else None, "pid": os.getpid()}

@@ -1,0 +1,134 @@
+"""Staging slots: snapshots of published versions that readers lease while they copy.
+
+The trainer never hands out live parameters. `publish` copies a version into a free slot
+(a flat buffer per `layout.Layout`), then makes it the latest. A reader leases a slot
+before reading it and releases it after; a leased slot is never overwritten, so what a
+reader copies is exactly one published version. A lease that outlives `lease_timeout_s`
+(a dead reader) expires and its slot may be reused; `release` then returns False so the
+reader knows its copy may be torn. The pool grows to `max_slots` under contention and
+waits (bounded) for a release beyond that.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from meshrl.weightsync.errors import WeightSyncTimeout
+from meshrl.weightsync.layout import Layout, allocate, pack
+
+
+@dataclass
+class Slot:
+    index: int
+    layout: Layout
+    flat: torch.Tensor
+    version: int = -1
+    generation: int = 0  # bumped whenever the bytes start changing
+    leases: dict[int, float] = field(default_factory=dict)  # lease id -> deadline (monotonic)
+    transport_state: dict = field(default_factory=dict)  # e.g. RDMA buffer handles of this slot
+
+    def live_leases(self, now: float) -> bool:
+        for lease_id, deadline in list(self.leases.items()):
+            if deadline < now:
+                del self.leases[lease_id]  # expired: the reader is presumed dead
+        return bool(self.leases)
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: int
+    slot: Slot
+    version: int
+    generation: int
+
+
+class StagingPool:
+    def __init__(self, lease_timeout_s: float, max_slots: int = 4, shared_memory: bool = False):
+        assert max_slots >= 2, "two slots at least: one being read, one being written"
+        self.lease_timeout_s = lease_timeout_s
+        self.max_slots = max_slots
+        self.shared_memory = shared_memory
+        self.slots: list[Slot] = []
+        self.latest: Slot | None = None
+        self._lock = threading.Condition()
+        self._ids = itertools.count(1)
+        self._by_id: dict[int, Lease] = {}  # for remote readers, which only keep the id
+
+    # ---- writer side ----------------------------------------------------------------------
+    def publish(self, version: int, layout: Layout, named: Iterable[tuple[str, torch.Tensor]]) -> Slot:
+        """Copy `named` into a free slot and make it the latest version. Blocks only to copy,
+        or (bounded by the lease timeout) when every slot is held by readers."""
+        if self.latest is not None and version <= self.latest.version:
+            raise ValueError(f"version {version} is not newer than the published {self.latest.version}")
+        slot = self._claim(layout)
+        try:
+            pack(slot.flat, layout, named)
+        except BaseException:
+            slot.version = -1
+            raise
+        with self._lock:
+            slot.version = version
+            self.latest = slot
+            self._lock.notify_all()
+        return slot
+
+    def _claim(self, layout: Layout) -> Slot:
+        deadline = time.monotonic() + self.lease_timeout_s
+        with self._lock:
+            if self.slots and self.slots[0].layout.layout_id != layout.layout_id:
+                # New shapes: old slots stay alive through their leases, new ones are allocated.
+                self.slots, self.latest = [], None
+            while True:
+                now = time.monotonic()
+                for slot in self.slots:
+                    if slot is not self.latest and not slot.live_leases(now):
+                        slot.generation += 1  # any expired lease on it now reads as torn
+                        slot.version = -1
+                        return slot
+                if len(self.slots) < self.max_slots:
+                    slot = Slot(len(self.slots), layout, allocate(layout, self.shared_memory))
+                    self.slots.append(slot)
+                    return slot
+                if now >= deadline:
+                    raise WeightSyncTimeout(f"all {self.max_slots} staging slots stayed leased for {self.lease_timeout_s:.0f}s")
+                self._lock.wait(min(0.05, deadline - now))
+
+    # ---- reader side ----------------------------------------------------------------------
+    def acquire(self, min_version: int = -1) -> Lease | None:
+        """Lease the latest slot if it holds a version >= `min_version`, else None."""
+        with self._lock:
+            slot = self.latest
+            if slot is None or slot.version < min_version:
+                return None
+            lease = Lease(next(self._ids), slot, slot.version, slot.generation)
+            slot.leases[lease.lease_id] = time.monotonic() + self.lease_timeout_s
+            self._by_id[lease.lease_id] = lease
+            return lease
+
+    def wait_acquire(self, min_version: int, timeout: float) -> Lease | None:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                lease = self.acquire(min_version)
+                remaining = deadline - time.monotonic()
+                if lease is not None or remaining <= 0:
+                    return lease
+                self._lock.wait(remaining)
+
+    def release(self, lease: Lease | int) -> bool:
+        """End a lease (or lease id); True if the slot still held the leased bytes, i.e. the
+        reader's copy is exactly one version."""
+        with self._lock:
+            lease = self._by_id.pop(lease if isinstance(lease, int) else lease.lease_id, None)
+            if lease is None:
+                return False
+            held = lease.slot.leases.pop(lease.lease_id, None) is not None
+            intact = held and lease.slot.generation == lease.generation
+            self._lock.notify_all()
+            return intact

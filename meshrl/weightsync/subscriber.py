@@ -1,0 +1,131 @@
+"""Generator side: `Subscriber.fetch` returns the newest version as views into one flat buffer.
+
+Use it inside the generator actor (see meshrl/weightsync/__init__.py for the wiring). The
+tensors of a fetch stay valid and unchanged until the next fetch returns; with
+`shared_memory=True` the buffers live in shared memory, so their storage can be handed to
+another process (vLLM's engine core).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+
+import torch
+from monarch.actor import Actor, concurrent_endpoint, this_proc
+
+from meshrl.config import WeightSyncConfig
+from meshrl.weightsync import files
+from meshrl.weightsync.buffers import ReceiveBuffers
+from meshrl.weightsync.collective import CollectiveReceiver, wait_latest
+from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
+from meshrl.weightsync.rdma import RdmaReader
+from meshrl.weightsync.spec import SyncSpec
+
+_SUBSCRIBERS: dict[str, "Subscriber"] = {}
+_ids = itertools.count()
+FILE_POLL_S = 0.02
+
+
+class Subscriber:
+    def __init__(self, cfg: WeightSyncConfig, shared_memory: bool = False):
+        self.cfg = cfg
+        self.buffers = ReceiveBuffers(shared_memory)
+        self.version = -1  # newest version handed out by fetch
+        self.tensors: dict[str, torch.Tensor] | None = None
+        self.spec: SyncSpec | None = None
+        self._receiver: CollectiveReceiver | None = None
+        self._reader: RdmaReader | None = None
+        self.key = f"{os.getpid()}-{next(_ids)}"
+        _SUBSCRIBERS[self.key] = self
+        self.handle = this_proc().spawn(f"weightsync_subscriber_{self.key}", SubscriberAgent, self.key)
+
+    def configure(self, spec: SyncSpec, rank: int, publisher) -> None:
+        """(Re)connect to a publisher; called by the controller through the sidecar."""
+        self.close_transport()
+        if spec.transport == "collective":
+            self._receiver = CollectiveReceiver(spec, rank, self.buffers)  # blocks until all joined
+        elif spec.transport == "rdma":
+            self._reader = RdmaReader(publisher, self.buffers)
+        elif spec.transport != "files":
+            raise WeightSyncError(f"unknown transport {spec.transport!r}")
+        self.spec = spec
+
+    def close_transport(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+        self._receiver = self._reader = None
+
+    def close(self) -> None:
+        self.close_transport()
+        _SUBSCRIBERS.pop(self.key, None)
+
+    async def fetch(self, version: int | None = None, timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """The newest published version, at least `version` (None: whatever is newest, which
+        may be the one already held; waits only if nothing was ever received). Raises
+        WeightSyncTimeout after `timeout` (default weight_sync.timeout_s) and
+        WeightSyncError when the transfer fails."""
+        timeout = self.cfg.timeout_s if timeout is None else timeout
+        if self.spec is None:
+            raise WeightSyncError("this subscriber is not connected: call WeightSync.connect from the controller first")
+        if version is not None and version <= self.version:
+            return self.version, self.tensors  # already held: no transfer
+        if version is None and self.version >= 0:
+            min_version, wait_s = self.version + 1, 0.0  # anything newer right now, else keep ours
+        else:
+            min_version, wait_s = (0 if version is None else version), timeout
+        got = await self._receive(min_version, wait_s, timeout)
+        if got is None:
+            if version is None and self.tensors is not None:
+                return self.version, self.tensors
+            raise WeightSyncTimeout(f"no weights version >= {min_version} arrived within {timeout:.1f}s ({self.spec.transport})")
+        self.version, flat = got
+        self.tensors = self.buffers.hand_out(self.version, flat)
+        return self.version, self.tensors
+
+    async def _receive(self, min_version: int, wait_s: float, timeout: float) -> tuple[int, torch.Tensor] | None:
+        """(version, flat buffer) of a version >= min_version available within wait_s, or None."""
+        transport = self.spec.transport
+        if transport == "rdma":
+            return await self._reader.fetch(min_version, wait_s, timeout)
+        if transport == "collective":
+            return await asyncio.to_thread(wait_latest, self.buffers, self._receiver, min_version, time.monotonic() + wait_s)
+        return await self._receive_file(min_version, time.monotonic() + wait_s)
+
+    async def _receive_file(self, min_version: int, deadline: float) -> tuple[int, torch.Tensor] | None:
+        directory = self.spec.files_dir
+        while True:
+            have = files.versions_in(directory)
+            if have and have[-1] >= min_version:
+                path = files.version_path(directory, have[-1])
+                try:
+                    layout, size = files.read_header(path)
+                    self.buffers.set_layout(layout)
+                    flat = self.buffers.take()
+                    await asyncio.to_thread(files.read_into, path, flat, size)
+                    return have[-1], flat
+                except FileNotFoundError:
+                    continue  # pruned between listing and opening: list again
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(FILE_POLL_S)
+
+
+class SubscriberAgent(Actor):
+    """Sidecar of a Subscriber: lets the controller (re)connect it while the generator works."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    @concurrent_endpoint
+    async def configure(self, spec: SyncSpec, rank: int, publisher) -> int:
+        await asyncio.to_thread(_SUBSCRIBERS[self.key].configure, spec, rank, publisher)
+        return os.getpid()
+
+    @concurrent_endpoint
+    async def status(self) -> dict:
+        s = _SUBSCRIBERS[self.key]
+        err = s._receiver.error if s._receiver is not None else None
+        return {"version": s.version, "error": repr(err) if err else None, "pid": os.getpid()}

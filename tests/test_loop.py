@@ -1,0 +1,176 @@
+"""The whole loop end to end: real Monarch meshes, real vLLM generators, real TorchTitan trainer.
+
+Expensive (each run starts a vLLM engine and a trainer mesh), so the runs are few and shared:
+one asynchronous run that checkpoints and is then resumed, one synchronous run, and one
+interactive Session (driven through IPython) that also survives a killed generator and a
+raising reward function.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+import meshrl
+from meshrl.config import Config
+from meshrl.data import PromptSource
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+TINY = {
+    "steps": 6,
+    "batch_groups": 4,
+    "generator": {"group_size": 4, "max_new_tokens": 8, "max_num_seqs": 16},
+    "trainer": {"micro_batch_size": 16, "checkpoint_every": 3},
+    "logging": {"progress": False},
+}
+
+
+def tiny(run_dir, **sections) -> dict:
+    cfg = json.loads(json.dumps(TINY))
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            cfg.setdefault(key, {}).update(value)
+        else:
+            cfg[key] = value
+    cfg.setdefault("logging", {})["run_dir"] = str(run_dir)
+    return cfg
+
+
+def meshrl_children() -> list[psutil.Process]:
+    """Processes started under this test process that are still alive (procs, engines)."""
+    me = psutil.Process()
+    return [p for p in me.children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_no_children(timeout=60):
+    deadline = time.monotonic() + timeout
+    while meshrl_children() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return meshrl_children()
+
+
+def trained_groups(result_rows) -> list[int]:
+    return [g for row in result_rows for g in row.get("trained_groups", [])]
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("async") / "run"
+    cfg = tiny(run_dir, buffer={"depth": 2, "max_lag": 1}, generator={"update_mode": "keep"})
+    return meshrl.run(cfg)
+
+
+def test_async_run_bounded_staleness_and_outputs(async_run):
+    rows = async_run.metrics
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["trainer/staleness_max"] <= 1 for r in rows), [r["trainer/staleness_max"] for r in rows]
+    assert any(r["trainer/staleness_max"] > 0 for r in rows), "async mode never overlapped generation with training"
+    d = async_run.run_dir
+    assert os.path.isfile(os.path.join(d, "metrics.jsonl"))
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(d, "tensorboard")))
+    assert os.path.isfile(os.path.join(d, "checkpoints", "latest"))
+    hf = os.path.join(d, "hf", "final")
+    assert os.path.isfile(os.path.join(hf, "config.json")) and any(f.endswith(".safetensors") for f in os.listdir(hf))
+    assert os.path.getsize(os.path.join(d, "curves.png")) > 10_000
+    groups = trained_groups(rows)
+    assert len(groups) == len(set(groups)) == 6 * 4, "a group was trained twice or lost"
+    assert not wait_no_children(), "procs outlived the run"
+
+
+def test_resume_continues_numbering_without_repeating_or_skipping_prompts(async_run, tmp_path):
+    first = trained_groups(async_run.metrics)
+    result = meshrl.run(resume=async_run.run_dir, overrides=["steps=9"])
+    rows = result.metrics
+    assert [int(r["step"]) for r in rows] == list(range(1, 10))
+    resumed = trained_groups(rows[6:])
+    assert not set(resumed) & set(first), "a prompt trained before the interruption was trained again"
+    # The prompts the resumed run handed out are exactly those an uninterrupted source
+    # hands out under the same group ids.
+    state = __import__("torch").load(
+        os.path.join(result.run_dir, "checkpoints", open(os.path.join(result.run_dir, "checkpoints", "latest")).read().strip()),
+        weights_only=False,
+    )
+    consumed = state["source"]["consumed"]
+    assert len(consumed) == len(set(consumed)), "a prompt reached the buffer twice"
+    config = Config.from_dict({**tiny(tmp_path / "x"), "batch_groups": 4})
+    fresh = PromptSource(config, os.path.join(result.run_dir, "tokenizer"))
+    fresh.ahead = 10_000  # hand out freely
+    reference = {}
+    for _ in range(max(consumed) + 64):
+        p = fresh.next_prompt(1.0)
+        reference[p.group_id] = p.text
+    for p in state["source"]["pending"]:  # prompts in flight at the end carry the same text
+        assert reference[p["group_id"]] == p["text"]
+    # no gap: every group id below the newest consumed one was consumed, or is pending or buffered
+    pending = {p["group_id"] for p in state["source"]["pending"]}
+    buffered = {int(g["group_id"][0]) for g in state["buffer"]["groups"]}
+    assert set(range(max(consumed) + 1)) <= set(consumed) | pending | buffered
+    assert not wait_no_children()
+
+
+def test_sync_mode_trains_only_on_policy(tmp_path):
+    cfg = tiny(tmp_path / "sync", steps=3, buffer={"depth": 0, "max_lag": 0},
+               generator={"update_mode": "block"}, trainer={"loss": {"correction": "none"}, "checkpoint_every": 0})
+    result = meshrl.run(cfg)
+    assert len(result.metrics) == 3
+    assert all(r["trainer/staleness_max"] == 0 for r in result.metrics)
+    assert not wait_no_children()
+
+
+def raising_reward(prompt, response, sample):
+    """Raises on every sample whose response starts with an even character code."""
+    if response and ord(response[0]) % 2 == 0:
+        raise RuntimeError("reward server down")
+    return float(len(response) > 0)
+
+
+def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_path):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    cfg = tiny(tmp_path / "session", steps=100, scoring={"reward_fn": "tests.test_loop:raising_reward"},
+               trainer={"checkpoint_every": 0})
+    shell = InteractiveShell.instance()
+    shell.user_ns["cfg"] = cfg
+
+    def cell(code):
+        result = shell.run_cell(code)
+        if result.error_in_exec is not None:
+            raise result.error_in_exec
+        if result.error_before_exec is not None:
+            raise result.error_before_exec
+        return result.result
+
+    try:
+        cell("import meshrl\ns = meshrl.Session(cfg)\ns.start()")
+        rows = cell("s.step(2)")
+        assert len(rows) == 2
+        cell("s.set(lr=5e-4, max_lag=1)")
+        assert cell("s.loop.config.trainer.lr") == 5e-4
+        groups = cell("s.generate(['a:', 'b:'])")
+        assert len(groups) == 2 and all(len(g) == 4 for g in groups)
+        cell("s.pause(); s.resume()")
+        assert cell("s.buffer_state()")["buffer/puts"] > 0
+        # kill the generator replica's proc: the next steps replace it and go on
+        pid = cell("s.loop.replicas[0].actor.stats.call_one().get()['pid']")
+        os.kill(pid, signal.SIGKILL)
+        rows = cell("s.step(3)")
+        assert rows[-1]["generator/replicas_replaced"] >= 1
+        all_rows = cell("s.metrics()")
+        groups = trained_groups(all_rows)
+        assert len(groups) == len(set(groups)), "a group was trained twice after the generator was replaced"
+        assert sum(r.get("scoring/failed", 0) for r in all_rows) > 0, "the raising reward was never counted"
+    finally:
+        shell.run_cell("s.stop()")
+    assert not wait_no_children(), "procs outlived the session"
+
+
+def test_cli_bad_reward_path_exits_2(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "meshrl", "run", "scoring.reward_fn=nosuch"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "scoring.reward_fn" in out.stderr

@@ -1,0 +1,311 @@
+"""Weight sync on real local Monarch proc meshes: a stand-in trainer publishes real tensors,
+stand-in generators fetch them, for every transport.
+
+Checks: packing round trips; staging slots never hand out a torn version; under contention
+(publishing while readers pull) every fetched version is bit for bit one published
+version; killing the publishing proc mid-transfer is an error within the timeout, and a
+restarted publisher serves the next version.
+"""
+
+import asyncio
+import hashlib
+import os
+import signal
+import threading
+import time
+
+os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")  # dead procs seen in 1 s, not 10
+
+import pytest
+import torch
+import monarch.actor
+from monarch.actor import Actor, endpoint, this_host
+
+from meshrl.config import WeightSyncConfig
+from meshrl.weightsync import Publisher, Subscriber, WeightSync, WeightSyncError, plan_layout
+from meshrl.weightsync.layout import allocate, pack, unpack
+from meshrl.weightsync.staging import StagingPool
+
+TRANSPORTS = ["rdma", "collective", "files"]
+
+
+def model_tensors(scale: int = 1) -> list[tuple[str, torch.Tensor]]:
+    """Shapes of a small Qwen3-like model (HF names), float32 and bfloat16 mixed."""
+    g = torch.Generator().manual_seed(0)
+    dim, ffn, vocab = 64 * scale, 192 * scale, 128
+    out = [("model.embed_tokens.weight", torch.randn(vocab, dim, generator=g))]
+    for i in range(2):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "self_attn.q_proj.weight", torch.randn(dim, dim, generator=g)),
+            (p + "self_attn.k_proj.weight", torch.randn(dim // 2, dim, generator=g)),
+            (p + "self_attn.q_norm.weight", torch.randn(16, generator=g).to(torch.bfloat16)),
+            (p + "mlp.gate_proj.weight", torch.randn(ffn, dim, generator=g)),
+            (p + "mlp.down_proj.weight", torch.randn(dim, ffn, generator=g).to(torch.bfloat16)),
+            (p + "input_layernorm.weight", torch.ones(dim)),
+        ]
+    out.append(("lm_head.weight", torch.randn(vocab, dim, generator=g)))
+    return out
+
+
+def checksum(named) -> str:
+    h = hashlib.sha1()
+    for name, t in sorted(named.items() if isinstance(named, dict) else named):
+        h.update(name.encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def version_tensors(base, version: int):
+    """Version v's tensors: every element differs between versions, so a mix of two is seen."""
+    return [(n, torch.add(t, version)) for n, t in base]
+
+
+# ---- pieces, no actors -------------------------------------------------------------------------
+def test_pack_roundtrip_and_buckets():
+    named = model_tensors()
+    layout = plan_layout(named, bucket_bytes=64 << 10)
+    assert len(layout.buckets) > 1
+    assert layout.buckets[0][0] == 0 and layout.buckets[-1][1] == layout.total_bytes
+    assert all(a[1] == b[0] for a, b in zip(layout.buckets, layout.buckets[1:]))
+    assert all(m.offset % 64 == 0 for m in layout.tensors)
+    flat = allocate(layout)
+    pack(flat, layout, named)
+    views = unpack(flat, layout)
+    assert checksum(views) == checksum(named)
+    assert plan_layout(named, 64 << 10).layout_id == layout.layout_id
+    assert plan_layout(named[:-1], 64 << 10).layout_id != layout.layout_id
+    with pytest.raises(ValueError):
+        pack(flat, layout, named[:-1])
+
+
+def test_staging_never_overwrites_a_leased_slot():
+    base = model_tensors()
+    layout = plan_layout(base, 1 << 20)
+    pool = StagingPool(lease_timeout_s=0.5, max_slots=3)
+    pool.publish(1, layout, version_tensors(base, 1))
+    lease = pool.acquire(0)
+    for v in range(2, 6):  # publishing on while a reader holds version 1
+        pool.publish(v, layout, version_tensors(base, v))
+    assert checksum(unpack(lease.slot.flat, layout)) == checksum(version_tensors(base, 1))
+    assert pool.release(lease) is True
+    assert len(pool.slots) <= 3
+    # all slots leased (one by a reader presumed dead): publishing waits for the lease to expire
+    leases = [pool.acquire(0)]
+    pool.publish(6, layout, version_tensors(base, 6))
+    leases.append(pool.acquire(0))
+    pool.publish(7, layout, version_tensors(base, 7))
+    leases.append(pool.acquire(0))
+    t0 = time.monotonic()
+    pool.publish(8, layout, version_tensors(base, 8))
+    assert time.monotonic() - t0 >= 0.4
+    intact = [pool.release(lease) for lease in leases]
+    assert not all(intact), "the lease whose slot was reused must read as torn"
+    for ok, lease in zip(intact, leases):
+        if ok:  # a lease reported intact really is
+            assert checksum(unpack(lease.slot.flat, layout)) == checksum(version_tensors(base, lease.version))
+
+
+def test_receive_buffers_shared_memory_and_handout():
+    from meshrl.weightsync.buffers import ReceiveBuffers
+
+    named = model_tensors()
+    layout = plan_layout(named, 1 << 20)
+    bufs = ReceiveBuffers(shared_memory=True)
+    bufs.set_layout(layout)
+    a = bufs.take()
+    assert a.is_shared() and a.numel() == layout.total_bytes
+    pack(a, layout, named)
+    views = bufs.hand_out(1, a)
+    assert checksum(views) == checksum(named)
+    b = bufs.take()
+    assert b.data_ptr() != a.data_ptr(), "the handed-out buffer must not be reused before the next fetch"
+    bufs.hand_out(2, b)
+    assert bufs.take().data_ptr() == a.data_ptr()  # freed once a newer version was handed out
+
+
+# ---- stand-in actors ---------------------------------------------------------------------------
+class StandInTrainer(Actor):
+    """Holds live parameters it keeps stepping after each publish (so a live view would show)."""
+
+    def __init__(self, cfg: dict, scale: int):
+        self.base = model_tensors(scale)
+        self.params = [(n, t.clone()) for n, t in self.base]
+        self.publisher = Publisher(WeightSyncConfig(**cfg))
+
+    @endpoint
+    def weight_sync_handle(self):
+        return self.publisher.handle
+
+    @endpoint
+    def publish(self, version: int) -> str:
+        named = version_tensors(self.base, version)
+        for (_, p), (_, t) in zip(self.params, named):
+            p.copy_(t)
+        expected = checksum(named)
+        self.publisher.publish(version, self.params)
+        for _, p in self.params:
+            p.fill_(-7)  # "the next optimizer step" scribbles over the live parameters
+        return expected
+
+    @endpoint
+    def publish_many(self, first: int, count: int) -> dict:
+        """Publish versions back to back, faster than readers pull (checksums computed first)."""
+        sums = {v: checksum(version_tensors(self.base, v)) for v in range(first, first + count)}
+        for v in range(first, first + count):
+            for (_, p), (_, t) in zip(self.params, self.base):
+                torch.add(t, v, out=p)  # one pass: publishing must outpace the readers
+            self.publisher.publish(v, self.params)
+            for _, p in self.params:
+                p.fill_(-7)
+        return {"checksums": sums, "slots": len(self.publisher.pool.slots)}
+
+    @endpoint
+    def reshape_and_publish(self, version: int, scale: int) -> str:
+        self.base = model_tensors(scale)
+        self.params = [(n, t.clone()) for n, t in self.base]
+        return self.publish._method(self, version)
+
+    @endpoint
+    def publish_then_die(self, version: int, delay_s: float) -> str:
+        s = self.publish._method(self, version)
+        threading.Timer(delay_s, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        return s
+
+
+class StandInGenerator(Actor):
+    def __init__(self, cfg: dict):
+        self.subscriber = Subscriber(WeightSyncConfig(**cfg))
+
+    @endpoint
+    async def weight_sync_handle(self):
+        return self.subscriber.handle
+
+    @endpoint
+    async def fetch(self, version: int | None, timeout: float) -> tuple:
+        t0 = time.monotonic()
+        try:
+            v, tensors = await self.subscriber.fetch(version, timeout)
+            return v, checksum(tensors), time.monotonic() - t0
+        except WeightSyncError as e:
+            return None, f"{type(e).__name__}: {e}", time.monotonic() - t0
+
+    @endpoint
+    async def fetch_until(self, last: int, timeout: float) -> list:
+        """Pull the newest version over and over until `last` arrived; checksum every one."""
+        seen = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            v, tensors = await self.subscriber.fetch(None, timeout)
+            if not seen or seen[-1][0] != v:
+                seen.append((v, checksum(tensors)))
+            if v >= last:
+                break
+            await asyncio.sleep(0.001)
+        return seen
+
+
+async def start(cfg: dict, scale: int, generators: int = 2):
+    trainer_procs = this_host().spawn_procs(per_host={"procs": 1})
+    gen_procs = this_host().spawn_procs(per_host={"procs": generators})
+    trainer = trainer_procs.spawn("trainer", StandInTrainer, cfg, scale)
+    gens = gen_procs.spawn("gens", StandInGenerator, cfg)
+    pub = await trainer.weight_sync_handle.call_one()
+    subs = [h for _, h in (await gens.weight_sync_handle.call()).items()]
+    ws = await WeightSync(WeightSyncConfig(**cfg)).connect(pub, subs)
+    return trainer_procs, gen_procs, trainer, gens, ws
+
+
+@pytest.fixture
+def fault_hook():
+    """Keep the test process alive when a proc we kill is reported (default hook exits)."""
+    seen = []
+    old = monarch.actor.unhandled_fault_hook
+    monarch.actor.unhandled_fault_hook = seen.append
+    yield seen
+    monarch.actor.unhandled_fault_hook = old
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_consistent_under_contention(transport, tmp_path):
+    cfg = dict(transport=transport, bucket_mb=1, timeout_s=20.0, files_dir=str(tmp_path / "w"))
+
+    async def main():
+        trainer_procs, gen_procs, trainer, gens, ws = await start(cfg, scale=12)
+        try:
+            first = await trainer.publish.call_one(1)
+            got = await gens.fetch.call(1, 20.0)
+            for _, (v, s, _) in got.items():
+                assert (v, s) == (1, first)
+            last = 25
+            readers = gens.fetch_until.call(last, 60.0)
+            result = await trainer.publish_many.call_one(2, last - 1)
+            published = {1: first, **result["checksums"]}
+            assert len(set(published.values())) == last
+            for _, seen in (await readers).items():
+                assert seen[-1][0] == last
+                versions = [v for v, _ in seen]
+                assert versions == sorted(versions)
+                for v, s in seen:
+                    assert s == published[v], f"version {v} arrived torn or mixed"
+            # new shapes: the next version carries the new layout, readers follow it
+            new = await trainer.reshape_and_publish.call_one(last + 1, 4)
+            for _, (v, s, _) in (await gens.fetch.call(last + 1, 20.0)).items():
+                assert (v, s) == (last + 1, new)
+            status = await ws.status()
+            assert status["publisher"]["latest_version"] == last + 1 and status["publisher"]["error"] is None
+            assert [st["version"] for st in status["subscribers"]] == [last + 1, last + 1]
+        finally:
+            await gen_procs.stop()
+            await trainer_procs.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_publisher_killed_mid_transfer_then_recovers(transport, tmp_path, fault_hook):
+    timeout = 6.0
+    cfg = dict(transport=transport, bucket_mb=8, timeout_s=timeout, files_dir=str(tmp_path / "w"))
+
+    async def main():
+        # ~150 MB per version: long enough a transfer to be cut in the middle
+        trainer_procs, gen_procs, trainer, gens, ws = await start(cfg, scale=28)
+        new_procs = None
+        try:
+            s1 = await trainer.publish.call_one(1)
+            for _, (v, s, _) in (await gens.fetch.call(1, timeout)).items():
+                assert (v, s) == (1, s1)
+            waiting = gens.fetch.call(2, timeout)
+            await asyncio.sleep(0.5)  # readers are now waiting for version 2
+            t0 = time.monotonic()
+            try:
+                # files: die before the 150 MB file is written; others: once bytes are moving
+                await trainer.publish_then_die.call_one(2, 0.001 if transport == "files" else 0.02)
+            except Exception:  # noqa: BLE001 - the kill may beat the reply
+                pass
+            for _, (v, msg, waited) in (await waiting).items():
+                assert v is None, f"expected an error, got version {v}"
+                assert "WeightSync" in msg
+                assert waited <= timeout + 3.0
+            assert time.monotonic() - t0 <= timeout + 4.0
+            # a new publisher proc: the next version goes through
+            new_procs = this_host().spawn_procs(per_host={"procs": 1})
+            trainer2 = new_procs.spawn("trainer2", StandInTrainer, cfg, 28)
+            await ws.reconnect(publisher=await trainer2.weight_sync_handle.call_one())
+            s3 = await trainer2.publish.call_one(3)
+            for _, (v, s, _) in (await gens.fetch.call(3, timeout)).items():
+                assert (v, s) == (3, s3)
+        finally:
+            await gen_procs.stop()
+            if new_procs is not None:
+                await new_procs.stop()
+            try:
+                await asyncio.wait_for(trainer_procs.stop(), 10.0)
+            except Exception:  # noqa: BLE001 - its proc is dead on purpose
+                pass
+
+    asyncio.run(main())
