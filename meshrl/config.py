@@ -98,8 +98,8 @@ class TrainerConfig:
     """FSDP2 data-parallel shard degree. -1: all trainer procs."""
     ep: int = 1
     """Expert-parallel degree for MoE models. Must divide `trainer.procs` and `model.num_experts`."""
-    lr: float = 1e-3
-    """AdamW learning rate."""
+    lr: float = 5e-3
+    """AdamW learning rate. The default suits the tiny from-scratch default model; pretrained checkpoints want about 1e-6 to 1e-5."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 0
@@ -124,7 +124,7 @@ class GeneratorConfig:
     """Tensor-parallel degree inside one replica."""
     group_size: int = 8
     """Completions per prompt (the GRPO group size, vLLM's `n`)."""
-    max_new_tokens: int = 32
+    max_new_tokens: int = 8
     """Longest response, in tokens."""
     temperature: float = 1.0
     """Sampling temperature. The trainer scores tokens at the same temperature."""
@@ -188,8 +188,8 @@ class ScoringConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "task:letters"
-    """Prompts: `task:NAME` for a built-in procedural task (letters, count, add, copy: see meshrl/tasks.py), or a local .jsonl / .parquet file."""
+    source: str = "task:digits"
+    """Prompts: `task:NAME` for a built-in procedural task (digits, letters, count, add, copy: see meshrl/tasks.py), or a local .jsonl / .parquet file."""
     prompt_key: str = "prompt"
     """Field holding the prompt text in file sources."""
     answer_key: str = "answer"

@@ -5,8 +5,11 @@ exactly) and scores a response with an exact rule. `reward(prompt, response, sam
 follows the reward-function signature every scorer uses; `sample["answer"]` holds the
 reference answer. Rewards are in [0, 1]; `sample["success"]` is set on a perfect score.
 
-- letters: "q:" -> repeat the letter 8 times. Partial credit per correct character, so a
-  model trained from scratch gets a dense signal; the embedded default learns it in minutes.
+- digits:  "q:" -> any 8 digits. Credit per digit among the first 8 characters. A model
+  trained from scratch starts near 1/10 per character and 0 success, and reaches a clear
+  majority of perfect answers in a few hundred steps: the embedded default's task.
+- letters: "q:" -> repeat the letter 8 times. Partial credit per correct character. A tiny
+  model from scratch tends to collapse onto one letter before it learns to copy the prompt.
 - count:   "q*3=" -> "qqq" and stop. Partial credit for the right letter, full for exact.
 - add:     "17+25=" -> "42". Exact match only.
 - copy:    "copy:hello=" -> "hello". Per-character credit.
@@ -29,6 +32,16 @@ class Task:
     """rng -> (prompt text, reference answer)"""
     reward: Callable[[str, str, dict], float]
     """(prompt, response, sample) -> reward in [0, 1]"""
+
+
+def _make_digits(rng: random.Random) -> tuple[str, str]:
+    c = rng.choice(string.ascii_lowercase)
+    return f"{c}:", ""
+
+
+def digits_reward(prompt: str, response: str, sample: dict) -> float:
+    """Fraction of the first 8 response characters that are digits."""
+    return sum(ch.isdigit() for ch in response[:LETTERS_LENGTH]) / LETTERS_LENGTH
 
 
 def _make_letters(rng: random.Random) -> tuple[str, str]:
@@ -77,6 +90,7 @@ def copy_reward(prompt: str, response: str, sample: dict) -> float:
 
 
 TASKS: dict[str, Task] = {
+    "digits": Task("digits", _make_digits, digits_reward),
     "letters": Task("letters", _make_letters, letters_reward),
     "count": Task("count", _make_count, count_reward),
     "add": Task("add", _make_add, add_reward),
