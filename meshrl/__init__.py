@@ -2,5 +2,15 @@
 
 from meshrl.config import Config, ConfigError
 
-__all__ = ["Config", "ConfigError"]
+__all__ = ["Config", "ConfigError", "RunResult", "Session", "run"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # `run` and `Session` pull in torch, Monarch and vLLM: import them only when asked,
+    # so `meshrl config show` and config handling stay instant.
+    if name in ("run", "Session", "RunResult"):
+        from meshrl import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'meshrl' has no attribute {name!r}")

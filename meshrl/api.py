@@ -151,12 +151,10 @@ class Session:
 
     def pause(self) -> None:
         """Freeze generation (in-flight requests stay) until resume()."""
-        loop = self._need()
-        self._call(asyncio.gather(*(_awaited(r.actor.pause_generation.call_one()) for r in loop.replicas)), 120)
+        self._call(self._need().pause_generation(), 120)
 
     def resume(self) -> None:
-        loop = self._need()
-        self._call(asyncio.gather(*(_awaited(r.actor.resume_generation.call_one()) for r in loop.replicas)), 120)
+        self._call(self._need().resume_generation(), 120)
 
     def generate(self, prompts: list[str], temperature: float | None = None) -> list[list[str]]:
         """Sample a group of completions for each prompt text with the current policy."""

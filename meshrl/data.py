@@ -86,6 +86,10 @@ class PromptNode(BaseNode[dict]):
         return {"epoch": self.epoch, "index": self.index}
 
 
+SCORER = -1
+"""Holder id of groups that reached the scorer (outstanding until they are in the buffer)."""
+
+
 class PromptSource:
     """Tokenized prompts with group ids, gated by version, with re-queue. Thread-safe."""
 
@@ -136,6 +140,14 @@ class PromptSource:
                 self.handed_out += 1
             self.outstanding[prompt.group_id] = (prompt, consumer)
             return prompt
+
+    def received(self, group_ids: list[int]) -> None:
+        """The scorer holds these groups now: a later failure of the generator that made
+        them must not re-queue them (they would be trained twice)."""
+        with self._cond:
+            for gid in group_ids:
+                if gid in self.outstanding:
+                    self.outstanding[gid] = (self.outstanding[gid][0], SCORER)
 
     def acknowledge(self, group_ids: list[int]) -> None:
         """These groups reached the buffer (or were dropped there): no longer in flight."""
@@ -202,6 +214,10 @@ class PromptSourceActor(Actor):
     @concurrent_endpoint
     async def next_prompt(self, timeout: float = 1.0, consumer: int = 0) -> Prompt | None:
         return await asyncio.to_thread(self.source.next_prompt, timeout, consumer)
+
+    @concurrent_endpoint
+    async def received(self, group_ids: list[int]) -> None:
+        self.source.received(group_ids)
 
     @concurrent_endpoint
     async def acknowledge(self, group_ids: list[int]) -> None:

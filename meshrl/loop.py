@@ -77,8 +77,29 @@ class RLLoop:
     async def __aexit__(self, *exc) -> None:
         await self.shutdown()
 
+    def _install_fault_hook(self) -> None:
+        """Monarch's default answer to a proc that dies is to interrupt the client. A run
+        replaces dead generators and reports a dead trainer itself, so failures are only
+        logged here and surface as errors of the calls that touch the dead procs."""
+        import monarch.actor
+
+        self._previous_fault_hook = monarch.actor.unhandled_fault_hook
+
+        def log_failure(failure) -> None:
+            log.warning("mesh failure: %s", str(failure).strip().splitlines()[0][:300])
+
+        monarch.actor.unhandled_fault_hook = log_failure
+
+    def _restore_fault_hook(self) -> None:
+        import monarch.actor
+
+        if getattr(self, "_previous_fault_hook", None) is not None:
+            monarch.actor.unhandled_fault_hook = self._previous_fault_hook
+            self._previous_fault_hook = None
+
     async def start(self) -> None:
         c = self.config
+        self._install_fault_hook()
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             f.write(c.to_yaml())
@@ -224,6 +245,12 @@ class RLLoop:
             groups.setdefault(c.group_id, []).append(tok.decode(c.response_ids, skip_special_tokens=True))
         return [groups.get(-1 - i, []) for i in range(len(prompts))]
 
+    async def pause_generation(self) -> None:
+        await asyncio.gather(*(_awaited(r.actor.pause_generation.call_one()) for r in self.replicas))
+
+    async def resume_generation(self) -> None:
+        await asyncio.gather(*(_awaited(r.actor.resume_generation.call_one()) for r in self.replicas))
+
     async def set_knobs(self, lr: float | None = None, max_lag: int | None = None) -> None:
         """Change the learning rate or the staleness bound between steps."""
         if lr is not None:
@@ -331,6 +358,7 @@ class RLLoop:
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
         self.replicas = []
+        self._restore_fault_hook()
 
 
 async def _awaited(future):

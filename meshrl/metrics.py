@@ -71,7 +71,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         for key in keys:
             points = [(r["step"], r[key]) for r in rows if key in r]
             if points:
-                ax.plot(*zip(*points), label=key.split("/", 1)[1], marker="." if len(points) < 30 else None)
+                ax.plot(*zip(*points), label=key, marker="." if len(points) < 30 else None)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -152,11 +152,13 @@ class ScorerActor(Actor):
 
     @concurrent_endpoint
     async def put_completions(self, completions: list[Completion]) -> bool:
+        group_id = completions[0].group_id
+        await self.source.received.call_one([group_id])  # ours now, whatever befalls the generator
         t0 = time.monotonic()
         group = await self.scorer.score_group(completions)
         self.score_s += time.monotonic() - t0
         accepted = await self.buffer.put.call_one(group, self.config.buffer.put_timeout_s)
-        await self.source.acknowledge.call_one([completions[0].group_id])
+        await self.source.acknowledge.call_one([group_id])
         return accepted
 
     @concurrent_endpoint

@@ -84,7 +84,9 @@ def test_source_gates_by_version_requeues_and_resumes(tokenizer_dir):
     p2 = src.next_prompt(0.1)
     assert p2.group_id == 2
     src.acknowledge([0])
-    assert src.requeue(group_ids=[1]) == 1
+    src.received([2])
+    assert src.requeue(consumer=0) == 1  # group 2 is with the scorer: not the generator's to lose
+    assert src.requeue(group_ids=[1]) == 0  # already re-queued
     assert src.next_prompt(0.1).group_id == 1  # re-queued prompts come first
     state = src.state_dict()
     assert sorted(x["group_id"] for x in state["pending"]) == [1, 2]
