@@ -168,6 +168,14 @@ class Session:
         """Grow or shrink the number of generator replicas."""
         self._call(self._need().scale_generators(replicas), self.config.generator.startup_timeout_s * max(1, replicas) + 120)
 
+    def sync_generators(self) -> None:
+        """Wait until every generator replica runs the trainer's current version."""
+        self._call(self._need().wait_for_generators(), self.config.weight_sync.timeout_s + 120)
+
+    def export(self, path: str) -> str:
+        """Write the current policy as a Hugging Face checkpoint directory; returns its path."""
+        return self._call(self._need().export_to(path), 600)
+
     def checkpoint(self) -> str:
         return self._call(self._need().checkpoint(), 600)
 

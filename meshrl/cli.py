@@ -57,14 +57,19 @@ def _cmd_config_docs(ns: argparse.Namespace) -> int:
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     from meshrl.api import run
+    from meshrl.loop import TrainerFailed
 
-    if ns.resume:
-        path, overrides = _split(ns.args)
-        if path is not None:
-            raise ConfigError("--resume", "a resumed run uses RUN_DIR/config.yaml: pass only overrides with --resume")
-        result = run(resume=ns.resume, overrides=overrides)
-    else:
-        result = run(load_config(ns.args))
+    path, overrides = _split(ns.args)
+    try:
+        if ns.resume:
+            if path is not None:
+                raise ConfigError("--resume", "a resumed run uses RUN_DIR/config.yaml: pass only overrides with --resume")
+            result = run(resume=ns.resume, overrides=overrides)
+        else:
+            result = run(load_config(ns.args))
+    except (TrainerFailed, TimeoutError) as e:
+        print(f"meshrl: run failed: {e}", file=sys.stderr)
+        return 1
     if result.metrics:
         last = result.metrics[-1]
         print(f"meshrl: {len(result.metrics)} steps in {result.run_dir} (reward {last.get('reward/mean', float('nan')):.3f} at step {int(last['step'])})")

@@ -30,6 +30,7 @@ from meshrl.metrics import MetricsWriter
 from meshrl.scoring import RewardFn, ScorerActor
 from meshrl.tokenizer import build_char_tokenizer
 from meshrl.trainer.actor import spawn_trainer
+from meshrl.trainer.checkpoint import write_atomic
 from meshrl.weightsync import WeightSync
 
 log = logging.getLogger("meshrl")
@@ -43,7 +44,29 @@ class GeneratorReplica:
     index: int
     procs: object
     actor: object
+    processes: dict = field(default_factory=dict)
+    """{"host", "pids": [(pid, start time)]}: the replica's proc and its vLLM engine processes."""
     last_stats: dict = field(default_factory=dict)
+
+    def kill_leftovers(self) -> int:
+        """SIGKILL what is still alive of this replica's processes (on this host): a killed
+        replica proc leaves its vLLM engine processes orphaned. Returns how many."""
+        import socket
+
+        import psutil
+
+        if self.processes.get("host") != socket.gethostname():
+            return 0  # on another host: its host mesh's shutdown ends them
+        killed = 0
+        for pid, started in self.processes.get("pids", []):
+            try:
+                proc = psutil.Process(pid)
+                if abs(proc.create_time() - started) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+                    proc.kill()
+                    killed += 1
+            except psutil.Error:
+                pass
+        return killed
 
 
 class TrainerFailed(RuntimeError):
@@ -118,7 +141,7 @@ class RLLoop:
         self.scorer = self.coord.spawn("scorer", ScorerActor, c.to_dict(), self.tokenizer_dir, self.buffer, self.source, self.reward_fn)
         await self.scorer.metrics.call_one()
 
-        self.trainer = await spawn_trainer(c, host_mesh=self.alloc.host_mesh("trainer"))
+        self.trainer = await spawn_trainer(c, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"))
         await self.trainer.publisher_handle()  # creates the publisher before its first step
         if self.resume:
             await self._restore()
@@ -139,17 +162,23 @@ class RLLoop:
         # its own proc mesh so that a crashed replica can be replaced alone.
         procs = self.alloc.host("generator", index).spawn_procs(per_host={"procs": 1})
         actor = procs.spawn(f"generator{index}", GeneratorActor)
-        await asyncio.wait_for(
-            actor.setup.call(c.to_dict(), self.initial_hf_dir, self.version, index), c.generator.startup_timeout_s
+        info = await asyncio.wait_for(
+            actor.setup.call_one(c.to_dict(), self.initial_hf_dir, self.version, index), c.generator.startup_timeout_s
         )
-        return GeneratorReplica(index, procs, actor.slice(procs=0))
+        return GeneratorReplica(index, procs, actor, info["processes"])
 
     # ---- one step ---------------------------------------------------------------------------
     async def step(self) -> dict[str, float]:
         """Train on one batch from the buffer, publish the new version, and record metrics."""
         c = self.config
         t0 = time.monotonic()
-        out = await self.trainer.train_from_buffer(self.buffer, c.batch_groups, c.buffer.get_timeout_s)
+        try:
+            out = await self.trainer.train_from_buffer(self.buffer, c.batch_groups, c.buffer.get_timeout_s)
+        except Exception as e:  # noqa: BLE001 - a dead trainer proc ends the run, resumably
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            has_ckpt = os.path.isfile(os.path.join(self.run_dir, "checkpoints", "latest"))
+            how = f"resume from the last checkpoint with: meshrl run --resume {self.run_dir}" if has_ckpt else "no checkpoint was written yet"
+            raise TrainerFailed(f"the trainer failed at version {self.version} ({type(e).__name__}: {first}); {how}") from e
         self.version = out["version"]
         # Generators move to the new version in the background while the trainer goes on;
         # 'block' (synchronous) waits for them before any prompt of the next batch is let out.
@@ -187,6 +216,7 @@ class RLLoop:
             await asyncio.wait_for(replica.procs.stop(), 30)
         except Exception:  # noqa: BLE001 - it is already gone
             pass
+        replica.kill_leftovers()
         fresh = await self._spawn_replica(replica.index)
         self.replicas[self.replicas.index(replica)] = fresh
         await self.weight_sync.reconnect(subscribers=[await r.actor.weight_sync_handle.call_one() for r in self.replicas])
@@ -245,6 +275,16 @@ class RLLoop:
             groups.setdefault(c.group_id, []).append(tok.decode(c.response_ids, skip_special_tokens=True))
         return [groups.get(-1 - i, []) for i in range(len(prompts))]
 
+    async def wait_for_generators(self) -> None:
+        """Until every replica runs the trainer's current version."""
+        if self._update_task is not None:
+            await self._finish_update()
+        await self._update_generators(self.version)
+
+    async def export_to(self, path: str) -> str:
+        """The current policy as a Hugging Face checkpoint at `path`."""
+        return await self.trainer.export_hf(path)
+
     async def pause_generation(self) -> None:
         await asyncio.gather(*(_awaited(r.actor.pause_generation.call_one()) for r in self.replicas))
 
@@ -275,6 +315,7 @@ class RLLoop:
             finally:
                 await self.source.requeue.call_one(gone.index)
                 await asyncio.wait_for(gone.procs.stop(), 60)
+                gone.kill_leftovers()
         added = []
         while len(self.replicas) < replicas:
             fresh = await self._spawn_replica(max((r.index for r in self.replicas), default=-1) + 1)
@@ -304,7 +345,7 @@ class RLLoop:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _write_atomic(os.path.join(root, "latest"), os.path.basename(path))
+        write_atomic(os.path.join(root, "latest"), os.path.basename(path))
         return path
 
     async def _restore(self) -> None:
@@ -353,6 +394,8 @@ class RLLoop:
                     await asyncio.wait_for(procs.stop(), 60)
                 except Exception:  # noqa: BLE001
                     pass
+        for r in self.replicas:
+            r.kill_leftovers()
         if getattr(self, "alloc", None) is not None:
             await self.alloc.__aexit__(None, None, None)
         if getattr(self, "metrics", None) is not None:
@@ -363,12 +406,3 @@ class RLLoop:
 
 async def _awaited(future):
     return await future
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -138,3 +138,29 @@ def test_metrics_jsonl_tensorboard_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     bad = subprocess.run([sys.executable, "-m", "meshrl", "plot", str(tmp_path / "none")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_reward_model_scores_through_the_same_interface(tmp_path, tokenizer_dir):
+    """A local sequence-classification checkpoint as the reward, via scoring.reward_model."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
+
+    cfg = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, head_dim=32, num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Qwen3ForSequenceClassification(cfg).eval()
+    path = tmp_path / "rm"
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    config = Config.from_dict({"scoring": {"reward_model": str(path)}})
+    scorer = Scorer(config, tokenizer_dir)
+    from meshrl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    comps = [Completion(tok.encode("a:", add_special_tokens=False), tok.encode(t, add_special_tokens=False), [-1.0] * len(t),
+                        [0] * len(t), "stop", 1, i) for i, t in enumerate(["123", "xyz"])]
+    td = asyncio.run(scorer.score_group(comps))
+    with torch.no_grad():
+        want = [float(model(**tok("a:" + t, return_tensors="pt")).logits[0, 0]) for t in ["123", "xyz"]]
+    assert td["reward"].tolist() == pytest.approx(want, abs=1e-5)
+    assert td["finish_reason"].tolist() == [0, 0]

@@ -42,10 +42,25 @@ def tiny(run_dir, **sections) -> dict:
     return cfg
 
 
+TEST_START = time.time()
+
+
 def meshrl_children() -> list[psutil.Process]:
-    """Processes started under this test process that are still alive (procs, engines)."""
+    """Live processes this test started: its descendants, and vLLM engine processes started
+    since the module began that were orphaned (their parent proc died) and would escape."""
     me = psutil.Process()
-    return [p for p in me.children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    procs = set(me.children(recursive=True))
+    for p in psutil.process_iter(["name", "create_time"]):
+        if (p.info["name"] or "").startswith("VLLM") and (p.info["create_time"] or 0) >= TEST_START:
+            procs.add(p)
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.Error:
+            pass
+    return alive
 
 
 def wait_no_children(timeout=60):
@@ -80,6 +95,10 @@ def test_async_run_bounded_staleness_and_outputs(async_run):
     assert os.path.getsize(os.path.join(d, "curves.png")) > 10_000
     groups = trained_groups(rows)
     assert len(groups) == len(set(groups)) == 6 * 4, "a group was trained twice or lost"
+    # Step 1 trains only on version-0 tokens, sampled by vLLM from the weights the trainer
+    # holds: the sampler's log-probs and the trainer's recomputed ones must agree (float32).
+    assert rows[0]["trainer/staleness_max"] == 0
+    assert rows[0]["trainer/logprob_mismatch"] < 2e-3, rows[0]["trainer/logprob_mismatch"]
     assert not wait_no_children(), "procs outlived the run"
 
 
@@ -154,6 +173,13 @@ def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_pat
         assert cell("s.loop.config.trainer.lr") == 5e-4
         groups = cell("s.generate(['a:', 'b:'])")
         assert len(groups) == 2 and all(len(g) == 4 for g in groups)
+        # After a weight sync the generator runs exactly the trainer's weights: its greedy
+        # completions equal those of a fresh engine started from the trainer's export.
+        cell("s.sync_generators()")
+        greedy = cell("s.generate(['a:', 'q:', 'z:'], temperature=0.0)")
+        export = cell(f"s.export({str(tmp_path / 'export')!r})")
+        fresh = fresh_engine_greedy(cfg, export, ["a:", "q:", "z:"], os.path.join(s_run_dir(cfg), "tokenizer"))
+        assert greedy == fresh, (greedy, fresh)
         cell("s.pause(); s.resume()")
         assert cell("s.buffer_state()")["buffer/puts"] > 0
         # kill the generator replica's proc: the next steps replace it and go on
@@ -168,6 +194,60 @@ def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_pat
     finally:
         shell.run_cell("s.stop()")
     assert not wait_no_children(), "procs outlived the session"
+
+
+def s_run_dir(cfg) -> str:
+    return os.path.abspath(cfg["logging"]["run_dir"])
+
+
+def fresh_engine_greedy(cfg: dict, checkpoint_dir: str, texts: list[str], tokenizer_dir: str) -> list[list[str]]:
+    """Greedy completions from a new generator actor started on `checkpoint_dir`."""
+    import asyncio
+
+    from monarch.actor import this_host
+
+    from meshrl.generator.actor import GeneratorActor
+    from meshrl.rollout import Prompt
+    from meshrl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    prompts = [Prompt(tok.encode(t, add_special_tokens=False), group_id=-1 - i, text=t) for i, t in enumerate(texts)]
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        try:
+            gen = procs.spawn("fresh", GeneratorActor)
+            await gen.setup.call(Config.from_dict(cfg).to_dict(), checkpoint_dir, 0, 0)
+            completions = await gen.generate.call_one(prompts, 0.0)
+            await gen.shutdown_engine.call()
+        finally:
+            await procs.stop()
+        groups = {}
+        for c in completions:
+            groups.setdefault(c.group_id, []).append(tok.decode(c.response_ids, skip_special_tokens=True))
+        return [groups[-1 - i] for i in range(len(texts))]
+
+    return asyncio.run(main())
+
+
+def test_process_launcher_runs_end_to_end(tmp_path):
+    """The Slurm-shaped path with Monarch's ProcessJob hosts standing in for nodes."""
+    cfg = tiny(tmp_path / "process", steps=2, launcher={"kind": "process", "hosts": 2}, trainer={"checkpoint_every": 0})
+    result = meshrl.run(cfg)
+    assert [int(r["step"]) for r in result.metrics] == [1, 2]
+    assert not wait_no_children(), "worker processes outlived the run"
+
+
+def test_torchx_local_scheduler_runs_the_tiny_default(tmp_path):
+    run_dir = tmp_path / "torchx"
+    out = subprocess.run(
+        ["torchx", "run", "--scheduler", "local_cwd", "meshrl/torchx_component.py:train", "--config", "configs/default.yaml",
+         "steps=2", f"logging.run_dir={run_dir}", "logging.plot=false", "logging.progress=false"],
+        capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
 
 
 def test_cli_bad_reward_path_exits_2(tmp_path):

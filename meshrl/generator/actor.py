@@ -55,7 +55,7 @@ class GeneratorActor(Actor):
         generator = Generator(config, checkpoint_dir, replica)
         startup_s = await generator.start(version)
         self.generator = generator
-        return {"replica": replica, "startup_s": startup_s, "version": version}
+        return {"replica": replica, "startup_s": startup_s, "version": version, "processes": _process_tree()}
 
     @endpoint
     async def generate(
@@ -161,6 +161,18 @@ class GeneratorActor(Actor):
         weight-sync subscriber in this process); `mode` overrides generator.update_mode.
         Returns the seconds generation was held."""
         return await self._gen().update_weights(version, tensors, mode)
+
+
+def _process_tree() -> dict:
+    """This proc and the engine processes vLLM started under it, as (pid, start time) on this
+    host: if this proc is killed, its engine processes are orphaned, and the controller
+    uses this list to stop them."""
+    import socket
+
+    import psutil
+
+    me = psutil.Process()
+    return {"host": socket.gethostname(), "pids": [(p.pid, p.create_time()) for p in [me, *me.children(recursive=True)]]}
 
 
 async def _awaited(future):

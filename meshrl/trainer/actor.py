@@ -426,18 +426,18 @@ class TrainerMesh:
         await asyncio.wait_for(self.procs.stop(), 60)
 
 
-async def spawn_trainer(config: Config, timeout_s: float = 600.0, host_mesh=None) -> TrainerMesh:
+async def spawn_trainer(config: Config, timeout_s: float = 600.0, host_mesh=None, hosts: int = 1) -> TrainerMesh:
     """Spawn the trainer procs, set up the elastic env, the actors and the sharded model.
 
-    `host_mesh`: a Monarch host mesh from a launcher (default: this host); each host gets
-    `trainer.procs / launcher.hosts` procs. The caller owns the returned mesh: `await mesh.stop()`.
+    `host_mesh`: a Monarch host mesh from a launcher (default: this host) spanning `hosts`
+    hosts; each gets `trainer.procs / hosts` procs. The caller owns the returned mesh:
+    `await mesh.stop()`.
     """
     from monarch.spmd import setup_torch_elastic_env_async
 
     n = config.trainer.procs
-    hosts = 1 if host_mesh is None else config.launcher.hosts
     if n % hosts:
-        raise ValueError(f"trainer.procs={n} must be a multiple of launcher.hosts={hosts}")
+        raise ValueError(f"trainer.procs={n} must be a multiple of the {hosts} trainer hosts")
     procs = (host_mesh or this_host()).spawn_procs(per_host={"procs": n // hosts})
     try:
         await asyncio.wait_for(setup_torch_elastic_env_async(procs), 60)

@@ -142,7 +142,8 @@ def _fsync_tree(path: str) -> None:
         _fsync_dir(root)
 
 
-def _write_atomic(path: str, text: str) -> None:
+def write_atomic(path: str, text: str) -> None:
+    """Write a small text file so that readers see the old or the new content, never a part."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write(text)
@@ -178,12 +179,12 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimi
     _barrier()
     if _rank() == 0:
         meta = {"step": step, "scheduler": scheduler.state_dict() if scheduler is not None else None, "extra": extra or {}}
-        _write_atomic(os.path.join(tmp, COMPLETE_MARKER), json.dumps(meta))
+        write_atomic(os.path.join(tmp, COMPLETE_MARKER), json.dumps(meta))
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _fsync_dir(root)
-        _write_atomic(os.path.join(root, LATEST), name)
+        write_atomic(os.path.join(root, LATEST), name)
     _barrier()
     return final
 
