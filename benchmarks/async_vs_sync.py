@@ -1,0 +1,202 @@
+"""Async vs sync: the same run (config, seed, steps, batch, group size, completion length)
+in synchronous on-policy mode (configs/sync.yaml) and in async mode (configs/default.yaml).
+
+Per mode: wall-clock per step, samples/s, trainer and generator idle fractions, reward
+against samples. From the sync run's own metrics (a sync step is generate G, then train T)
+it derives the ideal overlap bound (G + T) / max(G, T) and reports the fraction of it that
+async reaches. Steady-state numbers are medians over the steps after `--warmup`.
+
+    python benchmarks/async_vs_sync.py [--steps 16] [--max-new-tokens 48]
+
+Prints a table, writes benchmarks/results/async_vs_sync.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+sys.path.insert(0, ROOT)
+
+BENCH_MODEL = {"dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 768}
+"""About 3.2M parameters: big enough that training is visible next to generation on 2 cores
+(the embedded default model trains in about 0.06 s per step, 5x less than it generates)."""
+
+MODE_CONFIGS = {"sync": "configs/sync.yaml", "async": "configs/default.yaml"}
+ROW_KEYS = ("time/step_s", "trainer/wait_s", "trainer/step_time_s", "trainer/idle_frac", "generator/idle_frac",
+            "generator/tokens_per_s", "sync/publish_s", "sync/update_s", "sync/previous_update_wait_s",
+            "reward/mean", "reward/success_rate", "scoring/samples", "trainer/staleness_mean", "trainer/staleness_max")
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=16, help="optimizer steps per mode")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady-state medians")
+    p.add_argument("--batch-groups", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def bench_config(mode: str, args: argparse.Namespace, run_dir: str):
+    """The mode's shipped config with the shared problem size on top."""
+    from meshrl.api import as_config
+
+    overrides = [
+        f"steps={args.steps}", f"seed={args.seed}", f"batch_groups={args.batch_groups}",
+        f"generator.group_size={args.group_size}", f"generator.max_new_tokens={args.max_new_tokens}",
+        f"trainer.lr={args.lr}", "data.source=task:letters",
+        f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.progress=false", "logging.plot=false",
+    ] + [f"model.{k}={v}" for k, v in BENCH_MODEL.items()]
+    return as_config(os.path.join(ROOT, MODE_CONFIGS[mode]), overrides)
+
+
+def run_mode(mode: str, args: argparse.Namespace, run_dir: str) -> dict:
+    """Start a run, take `args.steps` steps, stop it; the per-step rows and the summary."""
+    from meshrl.api import Session
+
+    config = bench_config(mode, args, run_dir)
+    t0 = time.monotonic()
+    session = Session(config)
+    try:
+        session.start()
+        startup = time.monotonic() - t0
+        raw = session.step(args.steps)
+        hf_v0, tokenizer_dir = session.loop.initial_hf_dir, session.loop.tokenizer_dir
+    finally:
+        session.stop()
+    rows, samples = [], 0.0
+    for r in raw:
+        samples += r.get("scoring/samples", 0.0)
+        rows.append({"step": int(r["version"]), "samples": samples, **{k: float(r[k]) for k in ROW_KEYS if k in r}})
+    batch = args.batch_groups * args.group_size
+    return {"mode": mode, "startup_s": startup, "total_s": time.monotonic() - t0, "hf_v0": hf_v0,
+            "tokenizer_dir": tokenizer_dir, **summarize(rows, batch, args.warmup), "rows": rows}
+
+
+def _median(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else 0.0
+
+
+def summarize(rows: list[dict], batch: int, warmup: int) -> dict:
+    """Steady-state medians; G and T per step as the sync loop runs them one after the other."""
+    steady = rows[warmup:] or rows
+    step_s = _median(steady, "time/step_s")
+    gen_busy = [(1 - r["generator/idle_frac"]) * r["time/step_s"] for r in steady if "generator/idle_frac" in r]
+    return {
+        "step_s_median": step_s,
+        "samples_per_s": batch / step_s,
+        "trainer_idle_frac": _median(steady, "trainer/idle_frac"),
+        "generator_idle_frac": _median(steady, "generator/idle_frac"),
+        "generator_tokens_per_s": _median(steady, "generator/tokens_per_s"),
+        # G: generator busy time per step (at least one request in flight); T: the trainer's
+        # forward/backward/optimizer step plus staging the new version for weight sync
+        "G_s": statistics.median(gen_busy) if gen_busy else 0.0,
+        "T_s": _median(steady, "trainer/step_time_s") + _median(steady, "sync/publish_s"),
+        "trainer_wait_s": _median(steady, "trainer/wait_s"),
+        "update_s": _median(steady, "sync/update_s"),
+        "staleness_mean": _median(steady, "trainer/staleness_mean"),
+        "reward_last": statistics.mean(r["reward/mean"] for r in rows[-4:] if "reward/mean" in r) if rows else 0.0,
+        "reward_mean": statistics.mean(r["reward/mean"] for r in rows if "reward/mean" in r) if rows else 0.0,
+    }
+
+
+def overlap_bound(sync: dict, asyn: dict) -> dict:
+    """Ideal async speedup from the sync run's own G and T, and how much of it async reaches."""
+    G, T = sync["G_s"], sync["T_s"]
+    bound = (G + T) / max(G, T)
+    speedup = sync["step_s_median"] / asyn["step_s_median"]
+    return {
+        "G_s": G, "T_s": T, "other_s": max(0.0, sync["step_s_median"] - G - T),
+        "bound": bound, "speedup": speedup, "fraction_of_bound": (speedup - 1) / (bound - 1) if bound > 1 else 0.0,
+        "speedup_over_bound": speedup / bound,
+        # contention: the same work measured while the other side runs on the same 2 cores
+        "G_inflation": asyn["G_s"] / G if G else 0.0,
+        "T_inflation": asyn["T_s"] / T if T else 0.0,
+    }
+
+
+def plot(results: list[dict], out: str, extra_title: str = "") -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_t, ax_i) = plt.subplots(1, 3, figsize=(14, 3.8))
+    for res in results:
+        rows = res["rows"]
+        ax_r.plot([r["samples"] for r in rows], [r.get("reward/mean", float("nan")) for r in rows], marker=".", label=res["mode"])
+        ax_t.plot([r.get("step", i + 1) for i, r in enumerate(rows)], [r["time/step_s"] for r in rows], marker=".", label=res["mode"])
+    names = [r["mode"] for r in results if "trainer_idle_frac" in r]
+    x = range(len(names))
+    ax_i.bar([i - 0.2 for i in x], [r["trainer_idle_frac"] for r in results if "trainer_idle_frac" in r], 0.4, label="trainer")
+    ax_i.bar([i + 0.2 for i in x], [r["generator_idle_frac"] for r in results if "trainer_idle_frac" in r], 0.4, label="generator")
+    ax_i.set_xticks(list(x), names)
+    for ax, title, xl in ((ax_r, "reward vs samples generated", "samples"), (ax_t, "wall-clock per step", "step"),
+                          (ax_i, "idle fraction (median)", "")):
+        ax.set_title(title)
+        ax.set_xlabel(xl)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_t.set_ylabel("s")
+    fig.suptitle(extra_title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'mode':<8}{'step s':>9}{'samples/s':>11}{'trainer idle':>14}{'gen idle':>10}{'G s':>8}{'T s':>8}"
+          f"{'staleness':>11}{'reward (last 4)':>17}{'start-up s':>12}")
+    for r in results:
+        print(f"{r['mode']:<8}{r['step_s_median']:>9.3f}{r['samples_per_s']:>11.1f}{r.get('trainer_idle_frac', float('nan')):>14.2f}"
+              f"{r.get('generator_idle_frac', float('nan')):>10.2f}{r.get('G_s', float('nan')):>8.3f}{r.get('T_s', float('nan')):>8.3f}"
+              f"{r.get('staleness_mean', 0.0):>11.2f}{r['reward_last']:>17.3f}{r.get('startup_s', 0.0):>12.1f}")
+
+
+def machine() -> dict:
+    load = os.getloadavg()
+    return {"cpus": os.cpu_count(), "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "loadavg_1_5_15": [round(x, 2) for x in load], "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(p)
+    p.add_argument("--out", default=os.path.join(RESULTS, "async_vs_sync.json"))
+    args = p.parse_args()
+    t0 = time.monotonic()
+    load_before = machine()
+    with tempfile.TemporaryDirectory(prefix="meshrl-bench-") as root:
+        results = [run_mode(mode, args, os.path.join(root, mode)) for mode in ("sync", "async")]
+    sync, asyn = results
+    bound = overlap_bound(sync, asyn)
+    print_table(results)
+    print(f"\nsync step = G {bound['G_s']:.3f} s + T {bound['T_s']:.3f} s + other {bound['other_s']:.3f} s; "
+          f"ideal async speedup (G+T)/max(G,T) = {bound['bound']:.2f}x; measured {bound['speedup']:.2f}x "
+          f"= {100 * bound['fraction_of_bound']:.0f}% of the possible gain")
+    print(f"contention: G x{bound['G_inflation']:.2f}, T x{bound['T_inflation']:.2f} when both run at once on {os.cpu_count()} cores")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    for r in results:
+        r.pop("hf_v0", None)
+        r.pop("tokenizer_dir", None)
+    payload = {"args": vars(args), "model": BENCH_MODEL, "machine_before": load_before, "machine_after": machine(),
+               "results": results, "overlap": bound, "wall_s": time.monotonic() - t0}
+    with open(args.out, "w") as f:
+        json.dump(payload, f, indent=2)
+    png = plot(results, os.path.splitext(args.out)[0] + ".png",
+               f"async vs sync: {bound['speedup']:.2f}x of an ideal {bound['bound']:.2f}x")
+    print(f"wrote {args.out} and {png} in {time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

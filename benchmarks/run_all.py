@@ -1,0 +1,108 @@
+"""Run every benchmark once, in order, each bounded in time; results land in benchmarks/results/.
+
+    python benchmarks/run_all.py            # about 15-25 minutes on a 2-core CPU machine
+    python benchmarks/run_all.py --only async_vs_sync,scaling_model
+
+Each benchmark runs as its own process (one set of meshes and engines at a time: the
+machine has 2 cores), with a wall-clock limit; a failed or timed-out one is reported and
+the rest still run. trl_peer reuses the meshrl runs async_vs_sync just made (same problem
+size, same invocation) instead of repeating them. Writes results/run_all.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+
+# (name, arguments, time limit in s); small sizes so that all of them fit in about 25 minutes
+BENCHMARKS = [
+    ("weight_sync", ["weight_sync.py", "--sizes", "tiny,10M,100M", "--transports", "rdma,collective,files", "--versions", "2",
+                     "--out", os.path.join(RESULTS, "weight_sync.json")], 300),
+    ("generator_overhead", ["generator_overhead.py", "--out", os.path.join(RESULTS, "generator_overhead.json")], 300),
+    ("trainer_throughput", ["trainer_throughput.py", "--steps", "3"], 300),
+    ("async_vs_sync", ["async_vs_sync.py"], 600),
+    ("trl_peer", ["trl_peer.py", "--meshrl-json", os.path.join(RESULTS, "async_vs_sync.json")], 600),
+    ("scaling_model", ["scaling_model.py"], 120),
+]
+
+
+def run_one(name: str, argv: list[str], limit: float) -> dict:
+    print(f"\n==== {name} (limit {limit:.0f} s) ====", flush=True)
+    t0 = time.monotonic()
+    cmd = [sys.executable, os.path.join(HERE, argv[0]), *argv[1:]]
+    # own process group, so that a timeout also ends the procs and engines it started
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    # a silent, hung benchmark must not hold the read below forever: a timer kills it
+    timed_out = threading.Event()
+    watchdog = threading.Timer(limit, lambda: (timed_out.set(), _kill(proc.pid)))
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if _worth_showing(line):
+                print(line, end="", flush=True)
+        rc = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        _kill(proc.pid)
+        proc.wait(30)
+        rc = "timeout"
+    finally:
+        watchdog.cancel()
+    if timed_out.is_set():
+        rc = "timeout"
+    wall = time.monotonic() - t0
+    if name == "trainer_throughput" and rc == 0:  # it prints its result as a JSON line
+        for line in reversed(lines):
+            if line.startswith("{") and '"trainer_throughput"' in line:
+                with open(os.path.join(RESULTS, "trainer_throughput.json"), "w") as f:
+                    json.dump(json.loads(line), f, indent=2)
+                break
+    print(f"---- {name}: rc={rc} in {wall:.0f} s", flush=True)
+    return {"name": name, "rc": rc, "wall_s": wall, "command": " ".join(["python", "benchmarks/" + argv[0], *argv[1:]]),
+            "tail": "".join(lines[-15:]) if rc != 0 else ""}
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _worth_showing(line: str) -> bool:
+    """The benchmarks' own tables, not the engines' logs."""
+    noisy = ("INFO", "WARNING", "Warning", "warn(", "[actor=", "(EngineCore", "(Worker", "(MainProcess", "W1121", "I1121")
+    return not any(n in line for n in noisy)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=None, help="comma list of " + ",".join(b[0] for b in BENCHMARKS))
+    args = p.parse_args()
+    only = set(args.only.split(",")) if args.only else None
+    os.makedirs(RESULTS, exist_ok=True)
+    t0 = time.monotonic()
+    runs = [run_one(*b) for b in BENCHMARKS if only is None or b[0] in only]
+    print("\n| benchmark | rc | wall s |\n|---|---|---|")
+    for r in runs:
+        print(f"| {r['name']} | {r['rc']} | {r['wall_s']:.0f} |")
+    with open(os.path.join(RESULTS, "run_all.json"), "w") as f:
+        json.dump({"runs": runs, "loadavg_end": os.getloadavg(), "cpus": os.cpu_count(), "wall_s": time.monotonic() - t0}, f, indent=2)
+    print(f"total {time.monotonic() - t0:.0f} s")
+    if any(r["rc"] != 0 for r in runs):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The whole-loop peer: Hugging Face TRL's GRPOTrainer vs meshrl (sync and async), same problem.
+
+Same initial weights (meshrl's exported version-0 policy, RUN_DIR/hf/v0), same character
+tokenizer, same task and reward ('letters'), same group size, batch, learning rate,
+completion length, clipping and loss aggregation. Measured in one invocation, one system
+after the other (the machine has 2 cores). Reports samples/s and reward against samples
+for TRL and for meshrl in both modes, and whether the issue's target holds: meshrl async
+at least 2x TRL's samples/s at equal or better reward per sample.
+
+    python benchmarks/trl_peer.py [--steps 16] [--trl-steps 16]
+    python benchmarks/trl_peer.py --meshrl-json benchmarks/results/async_vs_sync.json  # reuse those runs
+
+Needs `pip install -c constraints.txt trl==1.16.0` (the `bench` extra). TRL generates with
+transformers `generate` (its default; its vLLM path is GPU-only), in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from async_vs_sync import RESULTS, add_common_args, bench_config, run_mode, summarize  # noqa: E402
+
+TARGET_SPEEDUP = 2.0
+
+
+def letters_dataset(n: int, seed: int):
+    """The same prompts meshrl's task source makes for epoch 0 (prompt i is a pure function of seed, i)."""
+    from datasets import Dataset
+
+    from meshrl.tasks import get_task
+
+    task = get_task("letters")
+    rows = [task.make(random.Random(f"{seed}/0/{i}")) for i in range(n)]
+    return Dataset.from_dict({"prompt": [p for p, _ in rows], "answer": [a for _, a in rows]})
+
+
+def letters_reward_for_trl(prompts, completions, answer, **_) -> list[float]:
+    """meshrl's own 'letters' reward, in TRL's reward-function signature."""
+    from meshrl.tasks import letters_reward
+
+    return [letters_reward(p, c, {"answer": a}) for p, c, a in zip(prompts, completions, answer)]
+
+
+def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str) -> dict:
+    """GRPOTrainer for `steps` optimizer steps, one generation batch per step, on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from meshrl.tokenizer import load_tokenizer
+
+    g = cfg.generator
+    batch = cfg.batch_groups * g.group_size
+    lcfg = cfg.trainer.loss
+    args = GRPOConfig(
+        output_dir=out_dir, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
+        seed=cfg.seed, max_steps=steps, disable_tqdm=True,
+        # one optimizer step on one freshly generated batch of batch_groups x group_size
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1, steps_per_generation=1,
+        num_generations=g.group_size, num_iterations=1, max_completion_length=g.max_new_tokens,
+        temperature=g.temperature, top_p=g.top_p, top_k=0,
+        # meshrl's optimizer and loss: constant lr AdamW, grad clip, token-mean (DAPO) aggregation,
+        # clip-higher, std-normalised group advantages, no KL
+        learning_rate=cfg.trainer.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=cfg.trainer.weight_decay, max_grad_norm=cfg.trainer.grad_clip,
+        loss_type="dapo", epsilon=lcfg.clip_low, epsilon_high=lcfg.clip_high, scale_rewards="group", beta=0.0,
+        shuffle_dataset=False, bf16=False, fp16=False,
+    )
+    tokenizer = load_tokenizer(tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.rows, self._t0 = [], [], None
+
+        def on_step_begin(self, args, state, control, **kw):
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self._t0)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                self.rows.append({"step": state.global_step, "reward/mean": float(logs["reward"])})
+
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=model, reward_funcs=letters_reward_for_trl, args=args, processing_class=tokenizer,
+                          train_dataset=letters_dataset(steps * cfg.batch_groups + cfg.batch_groups, cfg.seed),
+                          callbacks=[timer])
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    rows = [{**r, "time/step_s": t, "samples": (i + 1) * batch} for i, (r, t) in enumerate(zip(timer.rows, timer.times))]
+    steady = timer.times[1:] or timer.times  # the first step carries one-off costs
+    step_s = statistics.median(steady)
+    return {"mode": "trl", "steps": len(rows), "train_wall_s": wall, "step_s_median": step_s,
+            "samples_per_s": batch / step_s, "rows": rows, "threads": torch.get_num_threads()}
+
+
+def export_initial_policy(args: argparse.Namespace, root: str) -> tuple[str, str]:
+    """meshrl's version-0 policy and tokenizer, built in this process exactly as a run's
+    single-proc trainer builds them (the initial weights are a pure function of the seed)."""
+    import torch
+
+    from meshrl.tokenizer import build_char_tokenizer
+    from meshrl.trainer.actor import PolicyTrainer
+
+    trainer = PolicyTrainer(bench_config("sync", args, os.path.join(root, "export")), torch.device("cpu"))
+    return trainer.export_hf(os.path.join(root, "hf", "v0")), build_char_tokenizer(os.path.join(root, "tokenizer"))
+
+
+def reward_at_equal_samples(res: dict, upto: float) -> float:
+    """Mean reward of the steps whose cumulative sample count is at most `upto` (the shortest run's)."""
+    values = [r["reward/mean"] for r in res["rows"] if r["samples"] <= upto and "reward/mean" in r]
+    return statistics.mean(values) if values else float("nan")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(p)
+    p.add_argument("--trl-steps", type=int, default=None, help="TRL optimizer steps (default: --steps)")
+    p.add_argument("--meshrl-json", default=None,
+                   help="reuse the meshrl sync/async runs of this async_vs_sync.json (same problem size) instead of running them")
+    p.add_argument("--out", default=os.path.join(RESULTS, "trl_peer.json"))
+    args = p.parse_args()
+    t0 = time.monotonic()
+    batch = args.batch_groups * args.group_size
+    with tempfile.TemporaryDirectory(prefix="meshrl-bench-") as root:
+        if args.meshrl_json:
+            with open(args.meshrl_json) as f:
+                reused = json.load(f)
+            for key in ("batch_groups", "group_size", "max_new_tokens", "lr", "seed"):
+                if reused["args"][key] != getattr(args, key):
+                    raise SystemExit(f"{args.meshrl_json} was run with {key}={reused['args'][key]}, not {getattr(args, key)}")
+            meshrl = reused["results"]
+            hf_v0, tokenizer_dir = export_initial_policy(args, root)
+        else:
+            meshrl = [run_mode(mode, args, os.path.join(root, mode)) for mode in ("sync", "async")]
+            hf_v0, tokenizer_dir = meshrl[0]["hf_v0"], meshrl[0]["tokenizer_dir"]
+        cfg = bench_config("sync", args, os.path.join(root, "unused"))
+        trl = run_trl(hf_v0, tokenizer_dir, cfg, args.trl_steps or args.steps, os.path.join(root, "trl"))
+    trl.update(reward_last=statistics.mean(r["reward/mean"] for r in trl["rows"][-4:]),
+               reward_mean=statistics.mean(r["reward/mean"] for r in trl["rows"]))
+    results = [trl] + [{k: v for k, v in r.items() if k not in ("hf_v0", "tokenizer_dir")} for r in meshrl]
+    upto = min(r["rows"][-1]["samples"] for r in results)
+    for r in results:
+        r["reward_at_equal_samples"] = reward_at_equal_samples(r, upto)
+        # the fastest steady step: far less sensitive than the median to other jobs on the machine
+        r["step_s_min"] = min(x["time/step_s"] for x in r["rows"][args.warmup:] or r["rows"])
+        r["samples_per_s_best"] = batch / r["step_s_min"]
+    by = {r["mode"]: r for r in results}
+    ratio = by["async"]["samples_per_s"] / trl["samples_per_s"]
+    reward_ok = by["async"]["reward_at_equal_samples"] >= trl["reward_at_equal_samples"]
+    verdict = {"async_over_trl_samples_per_s": ratio,
+               "async_over_trl_best_step": by["async"]["samples_per_s_best"] / trl["samples_per_s_best"], "sync_over_trl_samples_per_s": by["sync"]["samples_per_s"] / trl["samples_per_s"],
+               "reward_async_minus_trl": by["async"]["reward_at_equal_samples"] - trl["reward_at_equal_samples"],
+               "target_speed_met": ratio >= TARGET_SPEEDUP, "target_reward_met": reward_ok,
+               "target_met": ratio >= TARGET_SPEEDUP and reward_ok, "equal_samples": upto}
+
+    print(f"\n{'system':<8}{'step s':>9}{'samples/s':>11}{'best step s':>13}{'best samples/s':>16}"
+          f"{'reward (<= %d samples)' % upto:>26}{'reward (last 4 steps)':>23}")
+    for r in results:
+        print(f"{r['mode']:<8}{r['step_s_median']:>9.3f}{r['samples_per_s']:>11.1f}{r['step_s_min']:>13.3f}{r['samples_per_s_best']:>16.1f}"
+              f"{r['reward_at_equal_samples']:>26.4f}{r['reward_last']:>23.4f}")
+    print(f"\nmeshrl async / TRL samples/s = {ratio:.2f}x (target {TARGET_SPEEDUP:.0f}x: {'met' if verdict['target_speed_met'] else 'NOT met'}; "
+          f"{verdict['async_over_trl_best_step']:.2f}x on the fastest steps); "
+          f"reward per sample {'equal or better' if reward_ok else 'WORSE'} "
+          f"({verdict['reward_async_minus_trl']:+.4f}); overall target {'met' if verdict['target_met'] else 'NOT met'}")
+    from async_vs_sync import machine, plot
+
+    payload = {"args": vars(args), "reused_meshrl_runs": args.meshrl_json, "machine": machine(), "results": results,
+               "verdict": verdict, "wall_s": time.monotonic() - t0}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(payload, f, indent=2)
+    png = plot(results, os.path.splitext(args.out)[0] + ".png", f"meshrl async vs TRL GRPOTrainer: {ratio:.2f}x samples/s")
+    print(f"wrote {args.out} and {png} in {time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
