@@ -85,8 +85,10 @@ class RLLoop:
         self.history: list[dict[str, float]] = []
         self.replicas: list[GeneratorReplica] = []
         self._update_task: asyncio.Task | None = None
+        self.replaced = 0
+        """Generator replicas replaced after a failure, over the run."""
+        self._replace_lock = asyncio.Lock()
         self._last_step_end = None
-        self._started = False
 
     # ---- start-up -----------------------------------------------------------------------
     async def __aenter__(self) -> "RLLoop":
@@ -154,7 +156,6 @@ class RLLoop:
         for r in self.replicas:
             await r.actor.start_generation.call_one(self.source, self.scorer)
         self._last_step_end = time.monotonic()
-        self._started = True
 
     async def _spawn_replica(self, index: int) -> GeneratorReplica:
         c = self.config
@@ -171,7 +172,6 @@ class RLLoop:
     async def step(self) -> dict[str, float]:
         """Train on one batch from the buffer, publish the new version, and record metrics."""
         c = self.config
-        t0 = time.monotonic()
         try:
             out = await self.trainer.train_from_buffer(self.buffer, c.batch_groups, c.buffer.get_timeout_s)
         except Exception as e:  # noqa: BLE001 - a dead trainer proc ends the run, resumably
@@ -188,7 +188,7 @@ class RLLoop:
         if c.generator.update_mode == "block":
             out["sync/update_s"] = await self._finish_update()
         await self.source.set_version.call_one(self.version)
-        row = await self._collect_metrics(out, time.monotonic() - t0)
+        row = await self._collect_metrics(out)
         if c.trainer.checkpoint_every and self.version % c.trainer.checkpoint_every == 0:
             await self.checkpoint()
         return row
@@ -210,6 +210,11 @@ class RLLoop:
 
     async def _replace_replica(self, replica: GeneratorReplica, error: Exception) -> None:
         """A generator replica died: re-queue its prompts, start a fresh one, re-wire weights."""
+        async with self._replace_lock:  # a failed update and a health check may both see it
+            if replica in self.replicas:
+                await self._replace_replica_locked(replica, error)
+
+    async def _replace_replica_locked(self, replica: GeneratorReplica, error: Exception) -> None:
         log.warning("generator replica %d failed (%s); replacing it", replica.index, str(error).splitlines()[0][:200])
         requeued = await self.source.requeue.call_one(replica.index)
         try:
@@ -222,7 +227,7 @@ class RLLoop:
         await self.weight_sync.reconnect(subscribers=[await r.actor.weight_sync_handle.call_one() for r in self.replicas])
         await fresh.actor.sync_weights.call_one(self.version)
         await fresh.actor.start_generation.call_one(self.source, self.scorer)
-        self.replaced = getattr(self, "replaced", 0) + 1
+        self.replaced += 1
         log.warning("generator replica %d replaced; %d prompts re-queued", replica.index, requeued)
 
     async def check_generators(self) -> None:
@@ -233,7 +238,7 @@ class RLLoop:
             except Exception as e:  # noqa: BLE001
                 await self._replace_replica(r, e)
 
-    async def _collect_metrics(self, out: dict, step_s: float) -> dict[str, float]:
+    async def _collect_metrics(self, out: dict) -> dict[str, float]:
         now = time.monotonic()
         wall = now - self._last_step_end
         self._last_step_end = now
@@ -256,7 +261,7 @@ class RLLoop:
         if idle:
             row["generator/idle_frac"] = sum(idle) / len(idle)
         row["generator/tokens_per_s"] = tokens / max(wall, 1e-9)
-        row["generator/replicas_replaced"] = float(getattr(self, "replaced", 0))
+        row["generator/replicas_replaced"] = float(self.replaced)
         self.history.append({"step": self.version, **row})
         self.metrics.write(self.version, row)
         return row

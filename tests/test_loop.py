@@ -181,6 +181,10 @@ def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_pat
         fresh = fresh_engine_greedy(cfg, export, ["a:", "q:", "z:"], os.path.join(s_run_dir(cfg), "tokenizer"))
         assert greedy == fresh, (greedy, fresh)
         cell("s.pause(); s.resume()")
+        cell("s.scale_generators(2)")
+        assert cell("len(s.loop.replicas)") == 2
+        assert len(cell("s.step(1)")) == 1
+        cell("s.scale_generators(1)")
         assert cell("s.buffer_state()")["buffer/puts"] > 0
         # kill the generator replica's proc: the next steps replace it and go on
         pid = cell("s.loop.replicas[0].actor.stats.call_one().get()['pid']")
