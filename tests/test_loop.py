@@ -19,6 +19,7 @@ import pytest
 import meshrl
 from meshrl.config import Config
 from meshrl.data import PromptSource
+from meshrl.loop import TrainerFailed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -252,6 +253,21 @@ def test_torchx_local_scheduler_runs_the_tiny_default(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_dead_trainer_stops_the_run_with_a_resumable_message(tmp_path):
+    cfg = tiny(tmp_path / "trainer_dies", trainer={"checkpoint_every": 1})
+    session = meshrl.Session(cfg)
+    try:
+        session.start()
+        session.step(1)
+        pid = session._call(session.loop.trainer.shard_info(), 60)[0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(TrainerFailed, match="meshrl run --resume"):
+            session.step(1)
+    finally:
+        session.stop()
+    assert not wait_no_children(), "procs outlived the failed run"
 
 
 def test_cli_bad_reward_path_exits_2(tmp_path):

@@ -210,7 +210,7 @@ class PolicyTrainer:
 
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.model.parameters())
         full = sum(p.numel() for p in self.model.parameters())
-        info = {"rank": self.rank, "world": self.world, "local_params": local, "full_params": full}
+        info = {"rank": self.rank, "world": self.world, "local_params": local, "full_params": full, "pid": os.getpid()}
         if self.model_config.family in MOE_FAMILIES:
             for name, p in self.model.named_parameters():
                 if "experts" in name and name.endswith("w1_EFD"):
