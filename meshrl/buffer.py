@@ -290,14 +290,6 @@ class ReplayBufferActor(Actor):
         return await asyncio.to_thread(self.buffer.put, group, timeout)
 
     @concurrent_endpoint
-    async def put_groups(self, groups: list[TensorDict], timeout: float | None = None) -> int:
-        """Put several groups in order; returns how many were accepted."""
-        accepted = 0
-        for group in groups:
-            accepted += await asyncio.to_thread(self.buffer.put, group, timeout)
-        return accepted
-
-    @concurrent_endpoint
     async def sample(self, num_groups: int, current_version: int, timeout: float | None = None) -> TensorDict:
         return await asyncio.to_thread(self.buffer.sample, num_groups, current_version, timeout)
 

@@ -281,10 +281,10 @@ class RLLoop:
         return [groups.get(-1 - i, []) for i in range(len(prompts))]
 
     async def wait_for_generators(self) -> None:
-        """Until every replica runs the trainer's current version."""
+        """Until every replica runs the trainer's current version: each step starts the
+        update to its new version, so waiting for the pending update is enough."""
         if self._update_task is not None:
             await self._finish_update()
-        await self._update_generators(self.version)
 
     async def export_to(self, path: str) -> str:
         """The current policy as a Hugging Face checkpoint at `path`."""

@@ -35,8 +35,6 @@ FINISH_REASONS = {"stop": 0, "length": 1, "abort": 2, "failed": 3}
 
 PAD_VERSION = -1
 
-TOKEN_KEYS = ("response_ids", "response_mask", "sampler_logprobs", "versions")
-OPTIONAL_TOKEN_KEYS = ("routed_experts", "sampling_kept")
 
 
 @dataclass

@@ -162,10 +162,5 @@ class ScorerActor(Actor):
         return accepted
 
     @concurrent_endpoint
-    async def score(self, completions: list[Completion]) -> TensorDict:
-        """Score without putting anywhere (REPL and tests)."""
-        return await self.scorer.score_group(completions)
-
-    @concurrent_endpoint
     async def metrics(self) -> dict[str, float]:
         return {**self.scorer.metrics(), "scoring/busy_s": self.score_s}
