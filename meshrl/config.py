@@ -110,6 +110,8 @@ class TrainerConfig:
     """Sequences per forward/backward; gradients accumulate over micro-batches."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer runs. `auto`: CUDA when available, else CPU."""
+    cpus: str = ""
+    """CPU cores the trainer procs are pinned to, as a Linux CPU list (`0-3`, `0,2`); `|` separates the lists of a host's procs by local rank (`0-3|4-7`). Empty: no pinning. On CPU it keeps training off the generators' cores so the two overlap instead of sharing (see meshrl/placement.py)."""
     checkpoint_every: int = 0
     """Save a distributed checkpoint every this many steps. 0: only at the end of the run."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -142,6 +144,8 @@ class GeneratorConfig:
     """Return MoE routed-expert ids per token and layer, for routing replay."""
     startup_timeout_s: float = 300.0
     """Seconds an engine may take to start before the run fails."""
+    cpus: str = ""
+    """CPU cores the replicas are pinned to (their vLLM CPU workers bind their threads there), as a Linux CPU list; `|` separates per-replica lists, replica i taking list i modulo their count (`4-5|6-7`). Empty: no pinning, vLLM binds to all cores."""
 
 
 @dataclass
@@ -383,6 +387,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)  # YAML reads `cpus: 3` or `x=3` as a number; the text is meant
         raise ConfigError(path, f"expected a string, got {_describe(value)}")
     raise ConfigError(path, f"unsupported type {tp!r}")  # a meshrl bug, not a user error
 
@@ -409,6 +415,20 @@ def _closest(name: str, candidates: list[str]) -> str | None:
 
 
 # ---- validation of relations between fields ----------------------------------------------
+def _check_cpus(need, path: str, spec: str, min_per_list: int, on_this_machine: bool) -> None:
+    from meshrl.placement import parse_cpu_lists
+
+    try:
+        lists = parse_cpu_lists(spec)
+    except ValueError as e:
+        need(False, path, f"{e}: write a CPU list like '0-3' or '0,2', '|' between procs")
+    allowed = sorted(os.sched_getaffinity(0))
+    for cpus in lists:
+        need(len(cpus) >= min_per_list, path, f"each list needs at least {min_per_list} cores (one per generator.tp worker), got {cpus}")
+        if on_this_machine:
+            need(set(cpus) <= set(allowed), path, f"cores {sorted(set(cpus) - set(allowed))} do not exist here (this machine has {allowed}): use those, or empty for no pinning")
+
+
 def validate(c: Config) -> None:
     """Check values and relations that types alone cannot; raise the first problem found."""
 
@@ -469,6 +489,9 @@ def validate(c: Config) -> None:
     need(g.max_num_seqs >= g.group_size, "generator.max_num_seqs", f"{g.max_num_seqs} cannot hold one group of generator.group_size={g.group_size}")
     need(0 < g.gpu_memory_utilization <= 1, "generator.gpu_memory_utilization", f"must be in (0, 1], got {g.gpu_memory_utilization}")
     need(g.startup_timeout_s > 0, "generator.startup_timeout_s", f"must be positive, got {g.startup_timeout_s}")
+    here = c.launcher.kind in ("local", "process")  # these hosts are this machine: check the cores exist
+    _check_cpus(need, "trainer.cpus", t.cpus, 1, here)
+    _check_cpus(need, "generator.cpus", g.cpus, g.tp, here)
 
     b = c.buffer
     need(b.depth >= 0, "buffer.depth", f"must be at least 0 (0 = synchronous), got {b.depth}")

@@ -60,6 +60,10 @@ def test_overrides_dict_and_code_agree():
         ({"data": {"source": "prompts.csv"}}, "data.source", ".jsonl"),
         ({"scoring": {"reward_fn": "not_an_import_path"}}, "scoring.reward_fn", "module:function"),
         ({"trainer": "fast"}, "trainer", "mapping"),
+        ({"trainer": {"cpus": "0-x"}}, "trainer.cpus", "CPU list"),
+        ({"trainer": {"cpus": "3-1"}}, "trainer.cpus", "backwards"),
+        ({"generator": {"cpus": "4096"}}, "generator.cpus", "do not exist here"),
+        ({"generator": {"tp": 2, "cpus": "0"}}, "generator.cpus", "at least 2 cores"),
     ],
 )
 def test_bad_values_name_the_field(data, field, words):

@@ -24,6 +24,7 @@ from monarch.actor import Actor, current_rank, endpoint
 
 from meshrl.config import Config
 from meshrl.generator.loop import Generator
+from meshrl.placement import cpus_for, pin_this_process, vllm_threads_bind
 from meshrl.rollout import Completion, Prompt
 
 PROMPT_TIMEOUT_S = 120.0
@@ -52,6 +53,12 @@ class GeneratorActor(Actor):
         config = Config.from_dict(config_dict)
         if replica is None:
             replica = current_rank().rank
+        cpus = cpus_for(config.generator.cpus, replica)
+        if cpus is not None:
+            # vLLM's engine-core process inherits the affinity; its CPU workers bind their
+            # OpenMP threads to exactly these cores (one list per tensor-parallel worker).
+            pin_this_process(cpus)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_threads_bind(cpus, config.generator.tp)
         generator = Generator(config, checkpoint_dir, replica)
         startup_s = await generator.start(version)
         self.generator = generator

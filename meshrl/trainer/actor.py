@@ -23,6 +23,7 @@ from tensordict import TensorDict
 from monarch.actor import Actor, endpoint, this_host
 
 from meshrl.config import Config
+from meshrl.placement import cpus_for, pin_this_process
 from meshrl.rollout import PAD_VERSION, group_slices, pack_for_trainer, unpack_token_values
 from meshrl.trainer import checkpoint as ckpt
 from meshrl.trainer.logprobs import token_logprobs
@@ -243,6 +244,9 @@ class TrainerActor(Actor):
             device = torch.device("cpu")
             # procs of one host share its cores: don't oversubscribe them
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        cpus = cpus_for(config.trainer.cpus, int(os.environ.get("LOCAL_RANK", 0)))
+        if cpus is not None:
+            pin_this_process(cpus)  # also sizes torch's thread pool to the pinned cores
         if world > 1 and not dist.is_initialized():
             from datetime import timedelta
 
