@@ -134,12 +134,24 @@ def test_resume_continues_numbering_without_repeating_or_skipping_prompts(async_
     assert not wait_no_children()
 
 
-def test_sync_mode_trains_only_on_policy(tmp_path):
+def test_sync_mode_trains_only_on_policy_on_pinned_cores(tmp_path):
+    # Pinned placement where the machine allows it: trainer on core 0, generator on core 1.
+    cores = sorted(os.sched_getaffinity(0))
+    trainer_cpus, generator_cpus = (str(cores[0]), str(cores[1])) if len(cores) >= 2 else ("", "")
     cfg = tiny(tmp_path / "sync", steps=3, buffer={"depth": 0, "max_lag": 0},
-               generator={"update_mode": "block"}, trainer={"loss": {"correction": "none"}, "checkpoint_every": 0})
-    result = meshrl.run(cfg)
-    assert len(result.metrics) == 3
-    assert all(r["trainer/staleness_max"] == 0 for r in result.metrics)
+               generator={"update_mode": "block", "cpus": generator_cpus},
+               trainer={"loss": {"correction": "none"}, "checkpoint_every": 0, "cpus": trainer_cpus})
+    with meshrl.Session(cfg) as session:
+        session.start()
+        if trainer_cpus:
+            (info,) = session._call(session.loop.trainer.shard_info())
+            assert os.sched_getaffinity(info["pid"]) == {cores[0]}
+            pids = [pid for pid, _ in session.loop.replicas[0].processes["pids"]]
+            assert len(pids) >= 2  # the replica proc and vLLM's engine core
+            assert all(os.sched_getaffinity(pid) == {cores[1]} for pid in pids)
+        metrics = session.step(3)
+    assert len(metrics) == 3
+    assert all(r["trainer/staleness_max"] == 0 for r in metrics)
     assert not wait_no_children()
 
 
