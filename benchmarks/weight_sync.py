@@ -1,7 +1,9 @@
 """Weight sync: time from "step done" (publish called) to "every subscriber holds the new
 version", per transport and model size, next to the raw speed of the same transport moving
 the same bytes in one piece (one big RDMA read, one broadcast of one flat buffer, one file
-written then read), measured in the same run.
+written then read), measured right after each timed version, under the same conditions
+(the page cache and this VM's memory make single transfers vary several-fold), into a
+destination buffer that is reused, as a subscriber's are. Both are reported as medians.
 
     python benchmarks/weight_sync.py --sizes tiny,10M,100M,500M --transports rdma,collective,files
 
@@ -71,10 +73,12 @@ class BenchTrainer(Actor):
     @endpoint
     def publish(self, version: int) -> tuple[float, float]:
         """(wall time when publish was called, seconds publish blocked the caller)."""
+        for _, p in self.params:
+            p.add_(1)  # the "step" that made this version changes the live weights
+        # Not after publish: on 2 cores the next step's CPU work would slow the transfer
+        # down, which measures CPU contention rather than the transport (raw runs alone).
         start = time.time()
         copy_s = self.publisher.publish(version, self.params)
-        for _, p in self.params:
-            p.add_(1)  # the next "step" changes the live weights
         return start, copy_s
 
     # ---- raw transport, same bytes in one piece --------------------------------------------
@@ -106,7 +110,14 @@ class BenchTrainer(Actor):
 
 class BenchGenerator(Actor):
     def __init__(self, cfg: dict):
-        self.subscriber = Subscriber(WeightSyncConfig(**cfg))
+        self.subscriber = Subscriber(WeightSyncConfig(**cfg), shared_memory=True)  # as the real generator
+        self._dst = torch.empty(0, dtype=torch.uint8)
+
+    def _raw_dst(self, nbytes: int) -> torch.Tensor:
+        """The raw transfers' destination, allocated (and first touched) once per size."""
+        if self._dst.numel() != nbytes:
+            self._dst = torch.zeros(nbytes, dtype=torch.uint8)
+        return self._dst
 
     @endpoint
     async def weight_sync_handle(self):
@@ -120,7 +131,7 @@ class BenchGenerator(Actor):
 
     @endpoint
     async def raw_rdma_read(self, buf, nbytes: int) -> float:
-        dst = torch.empty(nbytes, dtype=torch.uint8)
+        dst = self._raw_dst(nbytes)
         t0 = time.perf_counter()
         await buf.read_into(dst, timeout=300)
         return time.perf_counter() - t0
@@ -131,7 +142,7 @@ class BenchGenerator(Actor):
 
     @endpoint
     async def raw_broadcast(self, nbytes: int) -> float:
-        dst = torch.empty(nbytes, dtype=torch.uint8)
+        dst = self._raw_dst(nbytes)
         await asyncio.to_thread(broadcast_buckets, self._raw_pg, [dst], 300.0)
         return time.time()
 
@@ -139,9 +150,10 @@ class BenchGenerator(Actor):
     async def raw_file_read(self, path: str) -> float:
         from meshrl.weightsync.files import read_into
 
-        dst = torch.empty(os.path.getsize(path), dtype=torch.uint8)
+        dst = self._raw_dst(os.path.getsize(path))
         t0 = time.perf_counter()
-        read_into(path, dst, dst.numel())
+        with open(path, "rb", buffering=0) as f:
+            read_into(f, dst, dst.numel())
         return time.perf_counter() - t0
 
 
@@ -179,7 +191,7 @@ async def bench_transport(transport: str, sizes: list[str], args) -> list[dict]:
         version = 0
         for size in sizes:
             info = await trainer.build.call_one(size, args.dtype)
-            times, copies = [], []
+            times, copies, raws = [], [], []
             for i in range(args.versions + 2):  # two warm-up versions: both staging slots allocated, registered
                 version += 1
                 waiting = gens.fetch.call(version)
@@ -189,12 +201,13 @@ async def bench_transport(transport: str, sizes: list[str], args) -> list[dict]:
                 if i > 1:
                     times.append(done - start)
                     copies.append(copy_s)
-            raw = min([await raw_time(transport, trainer, gens, ws, info["bytes"], args.subscribers, tmpdir) for _ in range(2)])
+                    raws.append(await raw_time(transport, trainer, gens, ws, info["bytes"], args.subscribers, tmpdir))
+            raw = statistics.median(raws)
             sync_s = statistics.median(times)
             row = {
                 "transport": transport, "size": size, "params": info["params"], "bytes": info["bytes"],
-                "sync_s": sync_s, "sync_min_s": min(times), "publish_copy_s": statistics.median(copies),
-                "raw_s": raw, "sync_GBps": info["bytes"] * args.subscribers / sync_s / 1e9,
+                "sync_s": sync_s, "sync_min_s": min(times), "sync_times_s": times, "publish_copy_s": statistics.median(copies),
+                "raw_s": raw, "raw_min_s": min(raws), "raw_times_s": raws, "sync_GBps": info["bytes"] * args.subscribers / sync_s / 1e9,
                 "raw_GBps": info["bytes"] * args.subscribers / raw / 1e9, "fraction_of_raw": raw / sync_s,
             }
             rows.append(row)

@@ -190,6 +190,39 @@ def test_shared_memory_weights_round_trip():
         assert not os.path.exists(shared.path)
 
 
+def test_weight_sync_buffers_go_to_the_engine_in_place():
+    """Tensors fetched by weight sync (views of a shared receive buffer) are described to the
+    engine where they are; only tensors that need a cast (or live elsewhere) are copied."""
+    from meshrl.generator.weight_loading import to_shared_memory, views_of_shared_memory
+    from meshrl.weightsync.buffers import ReceiveBuffers
+    from meshrl.weightsync.layout import pack, plan_layout
+
+    named = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)), ("c", torch.randn(2, 2).to(torch.bfloat16))]
+    layout = plan_layout(named, 1 << 20)
+    bufs = ReceiveBuffers(shared_memory=True)
+    bufs.set_layout(layout)
+    flat = bufs.take()
+    pack(flat, layout, named)
+    fetched = bufs.hand_out(1, flat)
+    before = set(os.listdir("/dev/shm"))
+    for dtype, copied in ((None, set()), (torch.float32, {"c"}), (torch.bfloat16, {"a"})):
+        segments = to_shared_memory(fetched, dtype)
+        try:
+            in_place = [s for s in segments if not s.owned]
+            assert len(in_place) == 1 and in_place[0].path == flat.untyped_storage().filename
+            assert {m[0] for s in segments if s.owned for m in s.manifest} == copied
+            views = {}
+            for s in segments:
+                views.update(views_of_shared_memory(s.path, s.nbytes, s.manifest))
+            for name, t in named:
+                want = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                assert views[name].dtype == want.dtype and torch.equal(views[name], want)
+        finally:
+            for s in segments:
+                s.unlink()
+    assert set(os.listdir("/dev/shm")) == before, "copied segments are unlinked, in-place ones were never in /dev/shm"
+
+
 def test_versions_from_spans():
     from types import SimpleNamespace as NS
 
@@ -373,6 +406,51 @@ def test_tensor_update_equals_fresh_engine_from_checkpoint(world):
     ref = new_model.generate(torch.tensor([ps[0].prompt_ids]), do_sample=False, max_new_tokens=24, pad_token_id=0)
     assert updated[0].response_ids == ref[0, len(ps[0].prompt_ids):].tolist()
     restore(world, version + 1)
+
+
+class WeightsPublisher(Actor):
+    """A stand-in trainer rank publishing full HF-named tensors over weight sync."""
+
+    def __init__(self, weight_sync: dict):
+        from meshrl.config import WeightSyncConfig
+        from meshrl.weightsync import Publisher
+
+        self.publisher = Publisher(WeightSyncConfig(**weight_sync))
+
+    @endpoint
+    def weight_sync_handle(self):
+        return self.publisher.handle
+
+    @endpoint
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.publisher.publish(version, list(tensors.items()))
+
+
+@pytest.mark.slow
+def test_weight_sync_update_equals_loading_the_tensors(world):
+    """sync_weights: the subscriber fetches into its shared buffer and vLLM loads from that
+    buffer in place; the engine ends up exactly as when the same tensors are copied in."""
+    from meshrl.weightsync import WeightSync
+    from meshrl.config import WeightSyncConfig
+
+    gen = world["gen"]
+    weight_sync = {"transport": "rdma", "timeout_s": 60.0}
+    publisher = world["helpers"].spawn("weights_publisher", WeightsPublisher, weight_sync)
+    handles = [publisher.weight_sync_handle.call_one().get(timeout=CALL_S), gen.weight_sync_handle.call_one().get(timeout=CALL_S)]
+    ws = asyncio.run(WeightSync(WeightSyncConfig(**weight_sync)).connect(handles[0], handles[1:]))
+    new_model = tiny_qwen3(2)
+    version = gen.version.call_one().get(timeout=CALL_S) + 1
+    publisher.publish.call_one(version, new_model.state_dict()).get(timeout=CALL_S)
+    out = gen.sync_weights.call_one(version).get(timeout=CALL_S)
+    assert out["version"] == version
+    synced = gen.weights_checksum.call_one().get(timeout=CALL_S)
+    ps = prompts(2, first_group=400)
+    tokens = [c.response_ids for c in gen.generate.call_one(ps, 0.0, 16).get(timeout=CALL_S)]
+    gen.load_weights.call_one(version + 1, new_model.state_dict(), "block").get(timeout=CALL_S)
+    assert gen.weights_checksum.call_one().get(timeout=CALL_S) == synced
+    assert [c.response_ids for c in gen.generate.call_one(ps, 0.0, 16).get(timeout=CALL_S)] == tokens
+    ws.close()
+    restore(world, version + 2)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Weight sync on real local Monarch proc meshes: a stand-in trainer publishes real tensors,
 stand-in generators fetch them, for every transport.
 
-Checks: packing round trips; staging slots never hand out a torn version; under contention
-(publishing while readers pull) every fetched version is bit for bit one published
-version; killing the publishing proc mid-transfer is an error within the timeout, and a
-restarted publisher serves the next version.
+Checks: packing round trips; staging slots never hand out a torn version; receive buffers
+are shared-memory files that vanish with their last view; version files are valid
+safetensors; under contention (publishing far faster than readers pull) every fetched
+version is bit for bit one published version; killing the publishing proc mid-transfer is
+an error within the timeout, and a restarted publisher serves the next version.
 """
 
 import asyncio
@@ -52,7 +53,7 @@ def checksum(named) -> str:
     h = hashlib.sha1()
     for name, t in sorted(named.items() if isinstance(named, dict) else named):
         h.update(name.encode())
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
     return h.hexdigest()
 
 
@@ -124,6 +125,44 @@ def test_receive_buffers_shared_memory_and_handout():
     assert bufs.take().data_ptr() == a.data_ptr()  # freed once a newer version was handed out
 
 
+def test_shared_receive_buffer_is_a_named_file_closed_with_its_last_view():
+    from meshrl.weightsync.buffers import ReceiveBuffers
+
+    named = model_tensors()
+    layout = plan_layout(named, 1 << 20)
+    bufs = ReceiveBuffers(shared_memory=True)
+    bufs.set_layout(layout)
+    flat = bufs.take()
+    pack(flat, layout, named)
+    views = bufs.hand_out(1, flat)
+    path = views["lm_head.weight"].untyped_storage().filename
+    assert path is not None and os.path.exists(path)
+    other = torch.from_file(path, shared=True, size=layout.total_bytes, dtype=torch.uint8)  # what vLLM's process does
+    assert torch.equal(other, flat)
+    del other, flat, bufs
+    assert os.path.exists(path), "the caller's views keep the file"
+    views.clear()
+    assert not os.path.exists(path), "the last view gone, the file is gone (no /dev/shm entry ever)"
+
+
+def test_version_file_is_safetensors_and_reads_back(tmp_path):
+    from safetensors.torch import load_file
+
+    from meshrl.weightsync import files
+    from meshrl.weightsync.buffers import ReceiveBuffers
+
+    named = model_tensors()
+    layout = plan_layout(named, 1 << 20)
+    flat = allocate(layout)
+    pack(flat, layout, named)
+    path = str(tmp_path / "v.safetensors")
+    files.write_version(path, flat, layout, 7)
+    assert checksum(load_file(path)) == checksum(named)
+    bufs = ReceiveBuffers()
+    got = files.read_version(path, bufs)
+    assert checksum(unpack(got, bufs.layout)) == checksum(named)
+
+
 # ---- stand-in actors ---------------------------------------------------------------------------
 class StandInTrainer(Actor):
     """Holds live parameters it keeps stepping after each publish (so a live view would show)."""
@@ -150,14 +189,17 @@ class StandInTrainer(Actor):
 
     @endpoint
     def publish_many(self, first: int, count: int) -> dict:
-        """Publish versions back to back, faster than readers pull (checksums computed first)."""
-        sums = {v: checksum(version_tensors(self.base, v)) for v in range(first, first + count)}
-        for v in range(first, first + count):
-            for (_, p), (_, t) in zip(self.params, self.base):
-                torch.add(t, v, out=p)  # one pass: publishing must outpace the readers
-            self.publisher.publish(v, self.params)
-            for _, p in self.params:
-                p.fill_(-7)
+        """Publish versions back to back with nothing in between, far faster than readers
+        pull (a publish is one memcpy, a transfer many). Version v is one of three prebuilt
+        variants of the model plus a one-element stamp v: every version's bytes are unique,
+        and consecutive versions differ in every element. The stamp is scribbled over after
+        its publish, so a live view would show."""
+        variants = [version_tensors(self.base, k) for k in range(3)]
+        named = {v: variants[v % 3] + [("version_stamp", torch.tensor([float(v)]))] for v in range(first, first + count)}
+        sums = {v: checksum(n) for v, n in named.items()}
+        for v, n in named.items():
+            self.publisher.publish(v, n)
+            n[-1][1].fill_(-7)
         return {"checksums": sums, "slots": len(self.publisher.pool.slots)}
 
     @endpoint
@@ -175,7 +217,7 @@ class StandInTrainer(Actor):
 
 class StandInGenerator(Actor):
     def __init__(self, cfg: dict):
-        self.subscriber = Subscriber(WeightSyncConfig(**cfg))
+        self.subscriber = Subscriber(WeightSyncConfig(**cfg), shared_memory=True)  # as the real generator
 
     @endpoint
     async def weight_sync_handle(self):
@@ -230,6 +272,10 @@ def fault_hook():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_consistent_under_contention(transport, tmp_path):
+    """Readers pull while the publisher publishes 59 versions back to back, each far faster
+    than a transfer (~30 MB in 1 MB buckets), so every transfer overlaps several publishes.
+    Checked by breaking the lease protection (StagingPool._claim reusing leased slots):
+    every transport then delivered several torn versions and this test failed."""
     cfg = dict(transport=transport, bucket_mb=1, timeout_s=20.0, files_dir=str(tmp_path / "w"))
 
     async def main():
@@ -239,12 +285,14 @@ def test_consistent_under_contention(transport, tmp_path):
             got = await gens.fetch.call(1, 20.0)
             for _, (v, s, _) in got.items():
                 assert (v, s) == (1, first)
-            last = 25
+            last = 60
             readers = gens.fetch_until.call(last, 60.0)
             result = await trainer.publish_many.call_one(2, last - 1)
             published = {1: first, **result["checksums"]}
             assert len(set(published.values())) == last
-            for _, seen in (await readers).items():
+            seen_by_reader = [seen for _, seen in (await readers).items()]
+            assert any(len(seen) < last / 2 for seen in seen_by_reader), "the publisher must outpace the readers"
+            for seen in seen_by_reader:
                 assert seen[-1][0] == last
                 versions = [v for v, _ in seen]
                 assert versions == sorted(versions)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshrl.config import GeneratorConfig
-from meshrl.generator.weight_loading import pack_to_shared_memory
+from meshrl.generator.weight_loading import to_shared_memory
 
 WORKER_EXTENSION = "meshrl.generator.weight_loading.MeshrlWorkerExtension"
 
@@ -173,18 +173,21 @@ class VLLMEngine:
         self.version = version
 
     async def load_tensors(self, tensors: dict[str, torch.Tensor], timeout_s: float = 120.0) -> int:
-        """Load full HF-named tensors through shared memory into the (paused) engine."""
+        """Load full HF-named tensors through shared memory into the (paused) engine. Tensors
+        fetched by weight sync are read by the engine straight from the subscriber's buffer,
+        which stays unchanged until the next fetch (after this load has returned)."""
         import asyncio
 
         dtype = getattr(torch, self.dtype) if self.dtype in ("float32", "bfloat16", "float16") else None
-        shared = pack_to_shared_memory(tensors, dtype)
+        segments = to_shared_memory(tensors, dtype)
         try:
             loaded = await asyncio.wait_for(
-                self.llm.collective_rpc("meshrl_load_shared_weights", args=(shared.path, shared.nbytes, shared.manifest)),
+                self.llm.collective_rpc("meshrl_load_shared_weights", args=([(s.path, s.nbytes, s.manifest) for s in segments],)),
                 timeout_s,
             )
         finally:
-            shared.unlink()
+            for s in segments:
+                s.unlink()
         return int(loaded[0])
 
     async def reload_from_files_fallback(self, checkpoint_dir: str, timeout_s: float = 120.0) -> None:

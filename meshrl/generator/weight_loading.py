@@ -2,10 +2,12 @@
 
 `AsyncLLM` always runs its engine core (and, at tp=1, the model) in a separate process,
 so new weights must cross a process boundary. Tensors do not survive vLLM's RPC
-serialisation, so the generator process packs them into ONE shared-memory segment
-(/dev/shm, RAM, never a disk file) and sends only a small manifest (names, dtypes, shapes,
-offsets) through `collective_rpc`. The worker extension below maps the segment, views
-each tensor in place (no copy) and runs vLLM's in-place reload (`model_runner.
+serialisation, so only a small manifest (names, dtypes, shapes, offsets into shared-memory
+segments) goes through `collective_rpc`. Tensors fetched by weight sync already live in a
+shared-memory file (the subscriber's receive buffer): they are described where they are,
+with no copy. Any other tensor (or one that needs a dtype cast) is packed into ONE new
+segment (/dev/shm, RAM, never a disk file). The worker extension below maps the segments,
+views each tensor in place (no copy) and runs vLLM's in-place reload (`model_runner.
 reload_weights(weights_iterator=...)`), which calls the model's own `load_weights` and
 then the backend's post-load processing (the CPU backend repacks linear weights; loading
 tensors without that step leaves unusable parameters).
@@ -25,18 +27,56 @@ _ALIGN = 64  # byte alignment of each tensor inside the segment
 
 @dataclass
 class SharedWeights:
-    """A packed shared-memory segment holding one version's tensors; unlink when done."""
+    """A shared-memory segment holding tensors of one version; `unlink` when loaded."""
 
     path: str
     nbytes: int
     manifest: list[tuple[str, str, list[int], int]]
     """(name, dtype name, shape, byte offset) per tensor."""
+    owned: bool = True
+    """False: someone else's buffer (a weight-sync receive buffer), described in place."""
 
     def unlink(self) -> None:
+        if not self.owned:
+            return
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def to_shared_memory(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> list[SharedWeights]:
+    """Shared-memory segments holding `tensors` (floating ones as `dtype` when given): views
+    of a shared file that need no cast are described in place, the rest copied into one
+    new segment."""
+    in_place: dict[str, SharedWeights] = {}
+    to_copy = {}
+    for name, t in tensors.items():
+        where = _shared_file_of(t, dtype)
+        if where is None:
+            to_copy[name] = t
+            continue
+        path, nbytes, offset = where
+        segment = in_place.setdefault(path, SharedWeights(path, nbytes, [], owned=False))
+        segment.manifest.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset))
+    segments = list(in_place.values())
+    if to_copy:
+        segments.append(pack_to_shared_memory(to_copy, dtype))
+    return segments
+
+
+def _shared_file_of(t: torch.Tensor, dtype: torch.dtype | None) -> tuple[str, int, int] | None:
+    """(path, bytes, byte offset of `t`) of the shared file mapping `t` is a plain view of, if
+    another process can read `t` from it as is; None otherwise."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+        return None
+    storage = t.untyped_storage()
+    path = storage.filename  # set only for shared file mappings (torch.from_file(shared=True))
+    if path is None:
+        return None
+    return path, storage.nbytes(), t.storage_offset() * t.element_size()
 
 
 def pack_to_shared_memory(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> SharedWeights:
@@ -63,7 +103,7 @@ def pack_to_shared_memory(tensors: dict[str, torch.Tensor], dtype: torch.dtype |
 
 
 def views_of_shared_memory(path: str, nbytes: int, manifest) -> dict[str, torch.Tensor]:
-    """Map a segment written by `pack_to_shared_memory` and view each tensor (no copy)."""
+    """Map a segment described by `to_shared_memory` and view each tensor (no copy)."""
     segment = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
     out = {}
     for name, dtype_name, shape, start in manifest:
@@ -83,9 +123,12 @@ class MeshrlWorkerExtension:
     clash with the worker's own.
     """
 
-    def meshrl_load_shared_weights(self, path: str, nbytes: int, manifest: list) -> int:
-        """Load tensors from a shared-memory segment into the model; returns tensors loaded."""
-        weights = views_of_shared_memory(path, nbytes, manifest)
+    def meshrl_load_shared_weights(self, segments: list) -> int:
+        """Load tensors from shared-memory segments, given as (path, nbytes, manifest), into
+        the model; returns tensors loaded."""
+        weights = {}
+        for path, nbytes, manifest in segments:
+            weights.update(views_of_shared_memory(path, nbytes, manifest))
         # In-place reload: model.load_weights on checkpoint-format tensors, then the
         # backend's process_weights_after_loading (CPU repacking) on the touched layers.
         self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)

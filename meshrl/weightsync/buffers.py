@@ -24,7 +24,9 @@ class ReceiveBuffers:
     def set_layout(self, layout: Layout) -> None:
         with self.lock:
             if self.layout is None or self.layout.layout_id != layout.layout_id:
-                self.layout, self._free, self.latest = layout, [], None
+                # Same-size buffers are kept: allocating (and first touching) a big one is slow.
+                self._free = [b for b in self._free if b.numel() == layout.total_bytes]
+                self.layout, self.latest = layout, None
 
     def take(self) -> torch.Tensor:
         """A buffer nobody reads: neither handed out nor the latest complete one."""

@@ -1,7 +1,7 @@
 """`files` transport (the named fallback): one safetensors file per version in a shared
-directory, written from the staging snapshot by a background thread, made visible
-atomically (temp file + rename). Readers load the whole file into one flat buffer and view
-the tensors in place, as with the other transports."""
+directory, written straight from the staging snapshot by a background thread, made
+visible atomically (temp file + rename). Readers load the whole file into one flat buffer
+and view the tensors in place, as with the other transports."""
 
 from __future__ import annotations
 
@@ -11,18 +11,22 @@ import os
 import re
 import struct
 import threading
+from typing import BinaryIO
 
 import torch
-from safetensors.torch import save_file
 
-from meshrl.weightsync.layout import ALIGN, Layout, TensorMeta, unpack
+from meshrl.weightsync.buffers import ReceiveBuffers
+from meshrl.weightsync.layout import ALIGN, Layout, TensorMeta, dtype_from_name
 from meshrl.weightsync.staging import StagingPool
 
 log = logging.getLogger(__name__)
-KEEP = 3  # newest files kept; a reader holding an older one still has it open (POSIX)
+KEEP = 2  # newest files kept; a reader holding an older one still has it open (POSIX), and
+# one that listed a file just pruned lists again
 _NAME = re.compile(r"^v(\d{10})\.safetensors$")
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+           "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+           "BOOL": "bool"}
+_SAFETENSORS_DTYPE = {torch_name: st_name for st_name, torch_name in _DTYPES.items()}
 
 
 def version_path(directory: str, version: int) -> str:
@@ -60,8 +64,7 @@ class FileWriter:
             try:
                 final = version_path(self.directory, lease.version)
                 tmp = f"{final}.tmp{os.getpid()}"
-                views = unpack(lease.slot.flat, lease.slot.layout)
-                save_file(views, tmp, metadata={"version": str(lease.version)})
+                write_version(tmp, lease.slot.flat, lease.slot.layout, lease.version)
                 os.replace(tmp, final)  # atomic: readers see the whole file or none
                 self.written = lease.version
                 for old in versions_in(self.directory)[:-KEEP]:
@@ -76,11 +79,45 @@ class FileWriter:
                 self.pool.release(lease)
 
 
-def read_header(path: str) -> tuple[Layout, int]:
-    """Layout of a safetensors file (offsets into the whole file) and the file size."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+def write_version(path: str, flat: torch.Tensor, layout: Layout, version: int) -> None:
+    """Write a staged version as a safetensors file, each tensor's bytes straight from the
+    staging buffer (no serialised copy of the model). Larger elements come first, so with
+    the data section starting ALIGN-aligned every tensor is aligned for its dtype in the
+    file and in a reader's flat buffer (safetensors allows no gaps between tensors)."""
+    metas = sorted(layout.tensors, key=lambda m: -dtype_from_name(m.dtype).itemsize)
+    header, offset = {"__metadata__": {"version": str(version)}}, 0
+    for m in metas:
+        header[m.name] = {"dtype": _SAFETENSORS_DTYPE[m.dtype], "shape": list(m.shape), "data_offsets": [offset, offset + m.nbytes]}
+        offset += m.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % ALIGN)  # safetensors pads its header with spaces too
+    data = memoryview(flat.numpy())
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for m in metas:
+            f.write(data[m.offset : m.offset + m.nbytes])  # big writes bypass the file buffer
+
+
+def read_version(path: str, buffers: ReceiveBuffers) -> torch.Tensor:
+    """Read a version file into a free buffer of `buffers`, whose layout is set from the
+    file's header. The file is opened once: pruning it meanwhile does not matter (POSIX)."""
+    with open(path, "rb", buffering=0) as f:
+        layout, size = read_header(f)
+        buffers.set_layout(layout)
+        flat = buffers.take()
+        try:
+            f.seek(0)
+            read_into(f, flat, size)
+        except BaseException:
+            buffers.give_back(flat)
+            raise
+    return flat
+
+
+def read_header(f: BinaryIO) -> tuple[Layout, int]:
+    """Layout of an open safetensors file (offsets into the whole file) and the file size."""
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
     header.pop("__metadata__", None)
     base = 8 + n
     metas = []
@@ -88,18 +125,18 @@ def read_header(path: str) -> tuple[Layout, int]:
         a, b = info["data_offsets"]
         metas.append(TensorMeta(name, tuple(info["shape"]), _DTYPES[info["dtype"]], base + a, b - a))
     metas.sort(key=lambda m: m.offset)
-    size = os.path.getsize(path)
+    size = os.fstat(f.fileno()).st_size
     total = (size + ALIGN - 1) // ALIGN * ALIGN
     return Layout(tuple(metas), ((0, total),), total, f"file:{n}:{hash(tuple(metas))}"), size
 
 
-def read_into(path: str, flat: torch.Tensor, size: int) -> None:
-    """Read the whole file into the flat uint8 buffer (one syscall per chunk, no extra copy)."""
+def read_into(f: BinaryIO, flat: torch.Tensor, size: int) -> None:
+    """Read `size` bytes of an open, unbuffered file into the flat uint8 buffer (one syscall
+    per chunk, no extra copy)."""
     view = memoryview(flat.numpy()).cast("B")
-    with open(path, "rb", buffering=0) as f:
-        done = 0
-        while done < size:
-            n = f.readinto(view[done:size])
-            if not n:
-                raise OSError(f"{path} ended after {done} of {size} bytes")
-            done += n
+    done = 0
+    while done < size:
+        n = f.readinto(view[done:size])
+        if not n:
+            raise OSError(f"{f.name} ended after {done} of {size} bytes")
+        done += n

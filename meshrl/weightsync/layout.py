@@ -10,10 +10,14 @@ only.
 from __future__ import annotations
 
 import hashlib
+import os
+import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+
+from meshrl.weightsync.bytecopy import copy_pieces
 
 ALIGN = 64
 """Every tensor starts on a 64-byte boundary, so views of any dtype are aligned."""
@@ -76,24 +80,48 @@ def plan_layout(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) ->
 
 def allocate(layout: Layout, shared_memory: bool = False) -> torch.Tensor:
     """A flat uint8 buffer for `layout`; in shared memory if another process must map it."""
-    flat = torch.empty(layout.total_bytes, dtype=torch.uint8)
-    return flat.share_memory_() if shared_memory else flat
+    if shared_memory:
+        return shared_file_buffer(layout.total_bytes)
+    return torch.empty(layout.total_bytes, dtype=torch.uint8)
+
+
+def shared_file_buffer(nbytes: int) -> torch.Tensor:
+    """A flat uint8 buffer in an anonymous shared-memory file (memfd) that other processes on
+    this host can map by name, `buffer.untyped_storage().filename` (/proc/<pid>/fd/<fd>),
+    e.g. to load it into vLLM without a copy. The file has no directory entry, so nothing is
+    left behind in /dev/shm even when the process is killed; the fd (and so the name) lives
+    exactly as long as some tensor views the buffer."""
+    fd = os.memfd_create("meshrl-weights")  # close-on-exec: spawned processes open it by name
+    try:
+        os.ftruncate(fd, nbytes)
+        flat = torch.from_file(f"/proc/{os.getpid()}/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+    except BaseException:
+        os.close(fd)
+        raise
+    # torch keeps one Python object per live storage, so this runs when the last view is gone.
+    weakref.finalize(flat.untyped_storage(), os.close, fd)
+    return flat
 
 
 def pack(flat: torch.Tensor, layout: Layout, named: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy `named` (same order, names, shapes and dtypes as `layout`) into `flat`."""
+    host = []  # (dst, src) byte arrays, copied together at the end (see bytecopy)
     count = 0
     for meta, (name, t) in zip(layout.tensors, named):
         if name != meta.name or tuple(t.shape) != meta.shape or str(t.dtype).removeprefix("torch.") != meta.dtype:
             raise ValueError(f"tensor {name} {tuple(t.shape)} {t.dtype} does not match the layout entry {meta}")
         # Copy as raw bytes: a typed copy into a view of a big uint8 buffer took ~3 ms per
-        # tensor whatever its size (measured); the byte copy runs at memcpy speed. copy_
-        # also moves device tensors to the host buffer.
+        # tensor whatever its size (measured); the byte copy runs at memcpy speed.
         src = t.detach().contiguous().view(-1).view(torch.uint8)
-        flat[meta.offset : meta.offset + meta.nbytes].copy_(src)
+        dst = flat[meta.offset : meta.offset + meta.nbytes]
+        if src.device.type == "cpu":
+            host.append((dst.numpy(), src.numpy()))
+        else:
+            dst.copy_(src)  # device to host
         count += 1
     if count != len(layout.tensors):
         raise ValueError(f"got {count} tensors, the layout has {len(layout.tensors)}")
+    copy_pieces(host)
 
 
 def unpack(flat: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:

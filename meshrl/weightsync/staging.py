@@ -15,7 +15,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -46,6 +46,7 @@ class Lease:
     slot: Slot
     version: int
     generation: int
+    granted: float  # monotonic time the lease started; it lives lease_timeout_s from here
 
 
 class StagingPool:
@@ -59,6 +60,7 @@ class StagingPool:
         self._lock = threading.Condition()
         self._ids = itertools.count(1)
         self._by_id: dict[int, Lease] = {}  # for remote readers, which only keep the id
+        self._watchers: set[Callable[[], None]] = set()
 
     # ---- writer side ----------------------------------------------------------------------
     def publish(self, version: int, layout: Layout, named: Iterable[tuple[str, torch.Tensor]]) -> Slot:
@@ -76,7 +78,23 @@ class StagingPool:
             slot.version = version
             self.latest = slot
             self._lock.notify_all()
+            watchers = list(self._watchers)
+        for notify in watchers:
+            notify()
         return slot
+
+    def watch(self, notify: Callable[[], None]) -> Callable[[], None]:
+        """Call `notify()` (in the publishing thread, so it must be quick and thread-safe)
+        after every publish, until the returned function is called. Lets waiters that are
+        not threads (asyncio endpoints) wake on a publish instead of polling."""
+        with self._lock:
+            self._watchers.add(notify)
+
+        def unwatch() -> None:
+            with self._lock:
+                self._watchers.discard(notify)
+
+        return unwatch
 
     def _claim(self, layout: Layout) -> Slot:
         deadline = time.monotonic() + self.lease_timeout_s
@@ -106,8 +124,8 @@ class StagingPool:
             slot = self.latest
             if slot is None or slot.version < min_version:
                 return None
-            lease = Lease(next(self._ids), slot, slot.version, slot.generation)
-            slot.leases[lease.lease_id] = time.monotonic() + self.lease_timeout_s
+            lease = Lease(next(self._ids), slot, slot.version, slot.generation, time.monotonic())
+            slot.leases[lease.lease_id] = lease.granted + self.lease_timeout_s
             self._by_id[lease.lease_id] = lease
             return lease
 

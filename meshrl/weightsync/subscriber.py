@@ -2,8 +2,8 @@
 
 Use it inside the generator actor (see meshrl/weightsync/__init__.py for the wiring). The
 tensors of a fetch stay valid and unchanged until the next fetch returns; with
-`shared_memory=True` the buffers live in shared memory, so their storage can be handed to
-another process (vLLM's engine core).
+`shared_memory=True` the buffers are shared-memory files that another process (vLLM's
+engine core) maps by name (`layout.shared_file_buffer`), so they are loaded without a copy.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from meshrl.weightsync.spec import SyncSpec
 
 _SUBSCRIBERS: dict[str, "Subscriber"] = {}
 _ids = itertools.count()
-FILE_POLL_S = 0.02
+FILE_POLL_S = 0.002  # one listdir per poll (microseconds): a new file is seen within ~2 ms
 
 
 class Subscriber:
@@ -99,12 +99,8 @@ class Subscriber:
         while True:
             have = files.versions_in(directory)
             if have and have[-1] >= min_version:
-                path = files.version_path(directory, have[-1])
                 try:
-                    layout, size = files.read_header(path)
-                    self.buffers.set_layout(layout)
-                    flat = self.buffers.take()
-                    await asyncio.to_thread(files.read_into, path, flat, size)
+                    flat = await asyncio.to_thread(files.read_version, files.version_path(directory, have[-1]), self.buffers)
                     return have[-1], flat
                 except FileNotFoundError:
                     continue  # pruned between listing and opening: list again
