@@ -11,13 +11,13 @@ import os
 import re
 import struct
 import threading
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 import torch
 
 from meshrl.weightsync.buffers import ReceiveBuffers
 from meshrl.weightsync.layout import ALIGN, Layout, TensorMeta, dtype_from_name
-from meshrl.weightsync.staging import StagingPool
+from meshrl.weightsync.staging import Lease, StagingPool
 
 log = logging.getLogger(__name__)
 KEEP = 2  # newest files kept; a reader holding an older one still has it open (POSIX), and
@@ -42,7 +42,8 @@ def versions_in(directory: str) -> list[int]:
 
 
 class FileWriter:
-    """Writes each new staged version to `directory`; skips versions published while busy."""
+    """Writes each new staged version to `directory`, starting while `publish` still copies
+    it (each tensor once its bytes are in); skips versions published while busy."""
 
     def __init__(self, pool: StagingPool, directory: str, poll_s: float = 0.2):
         os.makedirs(directory, exist_ok=True)
@@ -58,32 +59,51 @@ class FileWriter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            lease = self.pool.wait_acquire(self.written + 1, self.poll_s)
+            lease = self.pool.wait_acquire(self.written + 1, self.poll_s, filling=True)
             if lease is None:
                 continue
             try:
-                final = version_path(self.directory, lease.version)
-                tmp = f"{final}.tmp{os.getpid()}"
-                write_version(tmp, lease.slot.flat, lease.slot.layout, lease.version)
-                os.replace(tmp, final)  # atomic: readers see the whole file or none
-                self.written = lease.version
-                for old in versions_in(self.directory)[:-KEEP]:
-                    try:
-                        os.remove(version_path(self.directory, old))
-                    except FileNotFoundError:
-                        pass
+                self._write(lease)
             except Exception as e:  # noqa: BLE001 - surfaced through Publisher.check
                 log.warning("writing weights version %d failed: %s", lease.version, e)
                 self.error = e
-            finally:
-                self.pool.release(lease)
+
+    def _write(self, lease: Lease) -> None:
+        """Write the leased version to a temp file and rename it into place, unless the
+        slot changed under the write: its publish failed (and raised to its caller), or the
+        lease expired."""
+        final = version_path(self.directory, lease.version)
+        tmp = f"{final}.tmp{os.getpid()}"
+        try:
+            complete = write_version(tmp, lease.slot.flat, lease.slot.layout, lease.version, lambda end: self.pool.wait_packed(lease, end))
+            if self.pool.release(lease) and complete:
+                os.replace(tmp, final)  # atomic: readers see the whole file or none
+                self.written = lease.version
+                self._prune()
+        finally:
+            self.pool.release(lease)  # no-op if released above
+            _remove(tmp)  # no-op if renamed
+
+    def _prune(self) -> None:
+        for old in versions_in(self.directory)[:-KEEP]:
+            _remove(version_path(self.directory, old))
 
 
-def write_version(path: str, flat: torch.Tensor, layout: Layout, version: int) -> None:
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def write_version(path: str, flat: torch.Tensor, layout: Layout, version: int,
+                  wait_packed: Callable[[int], bool] | None = None) -> bool:
     """Write a staged version as a safetensors file, each tensor's bytes straight from the
     staging buffer (no serialised copy of the model). Larger elements come first, so with
     the data section starting ALIGN-aligned every tensor is aligned for its dtype in the
-    file and in a reader's flat buffer (safetensors allows no gaps between tensors)."""
+    file and in a reader's flat buffer (safetensors allows no gaps between tensors).
+    `wait_packed(end)`, if given, waits until the buffer's bytes below `end` are final
+    (False: they never will be, and writing stops). Returns whether the file is complete."""
     metas = sorted(layout.tensors, key=lambda m: -dtype_from_name(m.dtype).itemsize)
     header, offset = {"__metadata__": {"version": str(version)}}, 0
     for m in metas:
@@ -95,7 +115,10 @@ def write_version(path: str, flat: torch.Tensor, layout: Layout, version: int) -
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for m in metas:
+            if wait_packed is not None and not wait_packed(m.offset + m.nbytes):
+                return False
             f.write(data[m.offset : m.offset + m.nbytes])  # big writes bypass the file buffer
+    return True
 
 
 def read_version(path: str, buffers: ReceiveBuffers) -> torch.Tensor:

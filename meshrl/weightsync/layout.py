@@ -13,7 +13,7 @@ import hashlib
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -103,9 +103,13 @@ def shared_file_buffer(nbytes: int) -> torch.Tensor:
     return flat
 
 
-def pack(flat: torch.Tensor, layout: Layout, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy `named` (same order, names, shapes and dtypes as `layout`) into `flat`."""
+def pack(flat: torch.Tensor, layout: Layout, named: Iterable[tuple[str, torch.Tensor]],
+         progress: Callable[[int], None] | None = None) -> None:
+    """Copy `named` (same order, names, shapes and dtypes as `layout`) into `flat`.
+    `progress(end)`, if given, is called as the copy advances: every byte of `flat` below
+    `end` holds its final value."""
     host = []  # (dst, src) byte arrays, copied together at the end (see bytecopy)
+    host_starts = []  # offset of each host tensor in `flat`
     count = 0
     for meta, (name, t) in zip(layout.tensors, named):
         if name != meta.name or tuple(t.shape) != meta.shape or str(t.dtype).removeprefix("torch.") != meta.dtype:
@@ -116,12 +120,14 @@ def pack(flat: torch.Tensor, layout: Layout, named: Iterable[tuple[str, torch.Te
         dst = flat[meta.offset : meta.offset + meta.nbytes]
         if src.device.type == "cpu":
             host.append((dst.numpy(), src.numpy()))
+            host_starts.append(meta.offset)
         else:
-            dst.copy_(src)  # device to host
+            dst.copy_(src)  # device to host, done before any host copy starts
         count += 1
     if count != len(layout.tensors):
         raise ValueError(f"got {count} tensors, the layout has {len(layout.tensors)}")
-    copy_pieces(host)
+    host_starts.append(layout.total_bytes)
+    copy_pieces(host, None if progress is None else lambda done: progress(host_starts[done]))
 
 
 def unpack(flat: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:

@@ -7,6 +7,9 @@ reader copies is exactly one published version. A lease that outlives `lease_tim
 (a dead reader) expires and its slot may be reused; `release` then returns False so the
 reader knows its copy may be torn. The pool grows to `max_slots` under contention and
 waits (bounded) for a release beyond that.
+
+A background writer in the publishing process may also lease the version still being
+copied (`filling=True`) and follow the copy with `wait_packed`, so writing overlaps it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Slot:
     flat: torch.Tensor
     version: int = -1
     generation: int = 0  # bumped whenever the bytes start changing
+    packed: int = 0  # every byte below this holds `version` (the whole buffer once published)
     leases: dict[int, float] = field(default_factory=dict)  # lease id -> deadline (monotonic)
     transport_state: dict = field(default_factory=dict)  # e.g. RDMA buffer handles of this slot
 
@@ -57,6 +61,7 @@ class StagingPool:
         self.shared_memory = shared_memory
         self.slots: list[Slot] = []
         self.latest: Slot | None = None
+        self.filling: Slot | None = None  # the slot `publish` is copying into
         self._lock = threading.Condition()
         self._ids = itertools.count(1)
         self._by_id: dict[int, Lease] = {}  # for remote readers, which only keep the id
@@ -69,19 +74,29 @@ class StagingPool:
         if self.latest is not None and version <= self.latest.version:
             raise ValueError(f"version {version} is not newer than the published {self.latest.version}")
         slot = self._claim(layout)
+        with self._lock:
+            slot.version, slot.packed, self.filling = version, 0, slot
+            self._lock.notify_all()
         try:
-            pack(slot.flat, layout, named)
+            pack(slot.flat, layout, named, progress=lambda end: self._packed(slot, end))
         except BaseException:
-            slot.version = -1
+            with self._lock:
+                # Abandoned: a lease taken on it while filling now reads as torn.
+                slot.version, slot.generation, self.filling = -1, slot.generation + 1, None
+                self._lock.notify_all()
             raise
         with self._lock:
-            slot.version = version
-            self.latest = slot
+            slot.packed, self.latest, self.filling = layout.total_bytes, slot, None
             self._lock.notify_all()
             watchers = list(self._watchers)
         for notify in watchers:
             notify()
         return slot
+
+    def _packed(self, slot: Slot, end: int) -> None:
+        with self._lock:
+            slot.packed = end
+            self._lock.notify_all()
 
     def watch(self, notify: Callable[[], None]) -> Callable[[], None]:
         """Call `notify()` (in the publishing thread, so it must be quick and thread-safe)
@@ -118,10 +133,12 @@ class StagingPool:
                 self._lock.wait(min(0.05, deadline - now))
 
     # ---- reader side ----------------------------------------------------------------------
-    def acquire(self, min_version: int = -1) -> Lease | None:
-        """Lease the latest slot if it holds a version >= `min_version`, else None."""
+    def acquire(self, min_version: int = -1, filling: bool = False) -> Lease | None:
+        """Lease the latest slot if it holds a version >= `min_version`, else None. With
+        `filling`, the version being published is leased if there is one (its bytes are
+        final only below `slot.packed`: see `wait_packed`)."""
         with self._lock:
-            slot = self.latest
+            slot = self.filling if filling and self.filling is not None else self.latest
             if slot is None or slot.version < min_version:
                 return None
             lease = Lease(next(self._ids), slot, slot.version, slot.generation, time.monotonic())
@@ -129,15 +146,27 @@ class StagingPool:
             self._by_id[lease.lease_id] = lease
             return lease
 
-    def wait_acquire(self, min_version: int, timeout: float) -> Lease | None:
+    def wait_acquire(self, min_version: int, timeout: float, filling: bool = False) -> Lease | None:
         deadline = time.monotonic() + timeout
         with self._lock:
             while True:
-                lease = self.acquire(min_version)
+                lease = self.acquire(min_version, filling)
                 remaining = deadline - time.monotonic()
                 if lease is not None or remaining <= 0:
                     return lease
                 self._lock.wait(remaining)
+
+    def wait_packed(self, lease: Lease, end: int) -> bool:
+        """Wait until the leased slot's bytes below `end` hold the leased version; False if
+        its publish failed, so they never will. Bounded by the lease timeout."""
+        deadline = time.monotonic() + self.lease_timeout_s
+        with self._lock:
+            while lease.slot.generation == lease.generation and lease.slot.packed < end:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WeightSyncTimeout(f"version {lease.version} was not copied within {self.lease_timeout_s:.0f}s")
+                self._lock.wait(remaining)
+            return lease.slot.generation == lease.generation
 
     def release(self, lease: Lease | int) -> bool:
         """End a lease (or lease id); True if the slot still held the leased bytes, i.e. the
