@@ -26,8 +26,8 @@ RESULTS = os.path.join(HERE, "results")
 
 # (name, arguments, time limit in s); small sizes so that all of them fit in about 25 minutes
 BENCHMARKS = [
-    ("weight_sync", ["weight_sync.py", "--sizes", "tiny,10M,100M", "--transports", "rdma,collective,files", "--versions", "2",
-                     "--out", os.path.join(RESULTS, "weight_sync.json")], 300),
+    ("weight_sync", ["weight_sync.py", "--sizes", "tiny,10M,100M,500M", "--transports", "rdma,collective,files", "--versions", "3",
+                     "--out", os.path.join(RESULTS, "weight_sync.json")], 600),
     ("generator_overhead", ["generator_overhead.py", "--out", os.path.join(RESULTS, "generator_overhead.json")], 300),
     ("trainer_throughput", ["trainer_throughput.py", "--steps", "3"], 300),
     ("async_vs_sync", ["async_vs_sync.py"], 600),

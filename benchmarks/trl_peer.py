@@ -193,7 +193,7 @@ def main() -> None:
               f"{vs:>38}{r['reward_last']:>23.4f}")
     print(f"\nmeshrl async / TRL samples/s = {ratio:.2f}x (target {TARGET_SPEEDUP:.0f}x: {'met' if verdict['target_speed_met'] else 'NOT met'}; "
           f"{verdict['async_over_trl_best_step']:.2f}x on the fastest steps); "
-          f"reward per sample {'equal or better' if reward_ok else 'WORSE'} "
+          f"reward per sample {'equal, better or within noise' if reward_ok else 'WORSE'} "
           f"({gap['gap']:+.3f} +- {gap['stderr']:.3f}; TRL seed-to-seed {noise['gap']:+.3f}); overall target {'met' if verdict['target_met'] else 'NOT met'}")
     if "ceiling_over_trl_samples_per_s" in verdict:
         print(f"ceiling here: an async step takes at least max(G, T) = {verdict['async_step_floor_s']:.3f} s "
