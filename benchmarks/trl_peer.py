@@ -56,8 +56,9 @@ def reward_for_trl(task_name: str):
     return task_reward
 
 
-def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str) -> dict:
-    """GRPOTrainer for `steps` optimizer steps, one generation batch per step, on CPU."""
+def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str, dtype: str = "float32") -> dict:
+    """GRPOTrainer for `steps` optimizer steps, one generation batch per step, on CPU.
+    `dtype` bfloat16: TRL's `bf16=True` (accelerate autocasts; master weights float32)."""
     import torch
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -79,7 +80,7 @@ def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str) -
         learning_rate=cfg.trainer.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=cfg.trainer.weight_decay, max_grad_norm=cfg.trainer.grad_clip,
         loss_type="dapo", epsilon=lcfg.clip_low, epsilon_high=lcfg.clip_high, scale_rewards="group", beta=0.0,
-        shuffle_dataset=False, bf16=False, fp16=False,
+        shuffle_dataset=False, bf16=dtype == "bfloat16", fp16=False,
     )
     tokenizer = load_tokenizer(tokenizer_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -111,7 +112,7 @@ def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str) -
             for i, (r, t) in enumerate(zip(timer.rows, timer.times))]
     steady = timer.times[1:] or timer.times  # the first step carries one-off costs
     step_s = statistics.median(steady)
-    return {"mode": "trl", "steps": len(rows), "train_wall_s": wall, "step_s_median": step_s,
+    return {"mode": "trl", "dtype": dtype, "steps": len(rows), "train_wall_s": wall, "step_s_median": step_s,
             "samples_per_s": batch / step_s, "rows": rows, "threads": torch.get_num_threads()}
 
 
@@ -131,6 +132,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(p)
     p.add_argument("--trl-steps", type=int, default=None, help="TRL optimizer steps (default: --steps)")
+    p.add_argument("--trl-dtypes", default="float32,bfloat16",
+                   help="TRL precisions to try; the fastest is the reference (TRL at its best setting on this machine)")
     p.add_argument("--meshrl-json", default=None,
                    help="reuse the meshrl sync/async runs of this async_vs_sync.json (same problem size) instead of running them")
     p.add_argument("--out", default=os.path.join(RESULTS, "trl_peer.json"))
@@ -141,23 +144,26 @@ def main() -> None:
         if args.meshrl_json:
             with open(args.meshrl_json) as f:
                 reused = json.load(f)
-            for key in ("batch_groups", "group_size", "max_new_tokens", "lr", "seed", "task"):
-                if reused["args"][key] != getattr(args, key):
-                    raise SystemExit(f"{args.meshrl_json} was run with {key}={reused['args'][key]}, not {getattr(args, key)}")
+            for key in ("batch_groups", "group_size", "max_new_tokens", "lr", "seed", "task", "dtype"):
+                if reused["args"].get(key) != getattr(args, key):
+                    raise SystemExit(f"{args.meshrl_json} was run with {key}={reused['args'].get(key)}, not {getattr(args, key)}")
             meshrl = reused["results"]
             hf_v0, tokenizer_dir = export_initial_policy(args, root)
         else:
             meshrl = [run_mode(mode, args, os.path.join(root, mode)) for mode in ("sync", "async")]
             hf_v0, tokenizer_dir = meshrl[0]["hf_v0"], meshrl[0]["tokenizer_dir"]
         cfg = bench_config("sync", args, os.path.join(root, "unused"))
-        trl = run_trl(hf_v0, tokenizer_dir, cfg, args.trl_steps or args.steps, os.path.join(root, "trl"))
+        steps = args.trl_steps or args.steps
+        tried = [run_trl(hf_v0, tokenizer_dir, cfg, steps, os.path.join(root, f"trl-{d}"), d) for d in args.trl_dtypes.split(",")]
+        trl = min(tried, key=lambda t: t["step_s_median"])
+        others = [{**t, "mode": f"trl-{t['dtype']}"} for t in tried if t is not trl]
         # TRL's own seed-to-seed spread (same initial weights, other sampling seed): the noise floor
         cfg.seed = args.seed + 1
-        trl_noise = {**run_trl(hf_v0, tokenizer_dir, cfg, args.trl_steps or args.steps, os.path.join(root, "trl2")), "mode": f"trl-seed{cfg.seed}"}
-    for t in (trl, trl_noise):
+        trl_noise = {**run_trl(hf_v0, tokenizer_dir, cfg, steps, os.path.join(root, "trl2"), trl["dtype"]), "mode": f"trl-seed{cfg.seed}"}
+    for t in [trl, trl_noise] + others:
         t.update(reward_last=statistics.mean(r["reward/mean"] for r in t["rows"][-4:]),
                  reward_mean=statistics.mean(r["reward/mean"] for r in t["rows"]))
-    results = [trl, trl_noise] + [{k: v for k, v in r.items() if k not in ("hf_v0", "tokenizer_dir")} for r in meshrl]
+    results = [trl, trl_noise] + others + [{k: v for k, v in r.items() if k not in ("hf_v0", "tokenizer_dir")} for r in meshrl]
     for r in results:
         # reward against TRL's at equal samples the generating policy was trained on
         r["reward_vs_trl"] = reward_gap(r["rows"], trl["rows"]) if r is not trl else None
@@ -184,12 +190,13 @@ def main() -> None:
         verdict["async_step_floor_s"] = max(G, T)
         verdict["ceiling_over_trl_samples_per_s"] = trl["step_s_median"] / max(G, T)
 
-    print(f"\n{'system':<8}{'step s':>9}{'samples/s':>11}{'best step s':>13}{'best samples/s':>16}"
+    print(f"TRL reference: {trl['dtype']} (fastest of {args.trl_dtypes})")
+    print(f"\n{'system':<14}{'step s':>9}{'samples/s':>11}{'best step s':>13}{'best samples/s':>16}"
           f"{'reward - TRL (equal policy samples)':>38}{'reward (last 4 steps)':>23}")
     for r in results:
         g = r["reward_vs_trl"]
         vs = f"{g['gap']:+.3f} +- {g['stderr']:.3f}" if g else "reference"
-        print(f"{r['mode']:<8}{r['step_s_median']:>9.3f}{r['samples_per_s']:>11.1f}{r['step_s_min']:>13.3f}{r['samples_per_s_best']:>16.1f}"
+        print(f"{r['mode']:<14}{r['step_s_median']:>9.3f}{r['samples_per_s']:>11.1f}{r['step_s_min']:>13.3f}{r['samples_per_s_best']:>16.1f}"
               f"{vs:>38}{r['reward_last']:>23.4f}")
     print(f"\nmeshrl async / TRL samples/s = {ratio:.2f}x (target {TARGET_SPEEDUP:.0f}x: {'met' if verdict['target_speed_met'] else 'NOT met'}; "
           f"{verdict['async_over_trl_best_step']:.2f}x on the fastest steps); "

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshrl.config import Config, ModelConfig
+from meshrl.config import Config, ConfigError, ModelConfig
 from meshrl.rollout import Completion, assign_advantages, from_completions, pack_for_trainer, unpack_token_values
 from meshrl.trainer import checkpoint as ckpt
 from meshrl.trainer.actor import PolicyTrainer, micro_batch_count, rank_rows, spawn_trainer
@@ -107,6 +107,29 @@ def test_micro_batches_sum_to_the_full_batch_loss():
     assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5
     assert a["tokens"] == float(pack_for_trainer(batch)["loss_mask"].sum())
     assert a["staleness_max"] == 1.0 and 0 < a["staleness_mean"] < 1  # lags 0 / 1
+
+
+def test_bf16_compute_on_cpu_tracks_float32_and_keeps_float32_state():
+    batch = make_batch(version=1)
+    fp32 = PolicyTrainer(make_config(), CPU)
+    bf16 = PolicyTrainer(make_config(compute_dtype="bfloat16"), CPU)
+    assert fp32.compute_dtype == torch.float32 and bf16.compute_dtype == torch.bfloat16
+    # the attention of every layer runs float32 under autocast (the bf16 CPU backward is slow)
+    seen = []
+    for module in bf16.model.modules():
+        if type(module).__name__ == "ScaledDotProductAttention":
+            module.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    _, lp32 = fp32.compute_logprobs(batch)
+    _, lp16 = bf16.compute_logprobs(batch)
+    assert seen and all(dt == (torch.bfloat16, torch.float32) for dt in seen)  # wrapped inside the hook
+    assert lp16.dtype == torch.float32
+    mask = lp32 != 0
+    assert 0 < (lp16 - lp32)[mask].abs().max() < 0.1  # bf16 matmuls: close, not equal
+    a, b = fp32.train_step(batch, current_version=1), bf16.train_step(batch, current_version=1)
+    assert abs(a["loss"] - b["loss"]) < 0.05 and abs(a["grad_norm"] - b["grad_norm"]) < 0.05 * a["grad_norm"]
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())  # master weights
+    with pytest.raises(ConfigError, match="trainer.compute_dtype"):
+        make_config(compute_dtype="float16")
 
 
 def test_checkpoint_root_ignores_an_interrupted_save(tmp_path):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from monarch.actor import Actor, endpoint, this_host
 
+from meshrl.compat import titan_float32_attention_under_cpu_autocast
 from meshrl.config import Config
 from meshrl.placement import cpus_for, pin_this_process
 from meshrl.rollout import PAD_VERSION, group_slices, pack_for_trainer, unpack_token_values
@@ -29,7 +30,7 @@ from meshrl.trainer import checkpoint as ckpt
 from meshrl.trainer.logprobs import token_logprobs
 from meshrl.trainer.losses import policy_loss, reduce_metrics
 from meshrl.trainer.model import MOE_FAMILIES, build_model, model_args_from_hf
-from meshrl.trainer.parallelize import parallelism_config, parallelize
+from meshrl.trainer.parallelize import compute_dtype, parallelism_config, parallelize
 
 
 def rank_rows(td: TensorDict, rank: int, world: int) -> list[int]:
@@ -66,16 +67,23 @@ class PolicyTrainer:
             self.ref_model, _ = build_model(mcfg, device, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism)
             self.ref_model.load_state_dict(self.model.state_dict())
             self.ref_model.requires_grad_(False)
+        self.compute_dtype = compute_dtype(tcfg, device.type)
+        if device.type == "cpu" and self.compute_dtype != torch.float32:
+            for model in (self.model, self.ref_model):
+                if model is not None:
+                    titan_float32_attention_under_cpu_autocast(model)
         self.dims = None
         if dist.is_initialized():
             from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
-            self.model, self.dims = parallelize(self.model, self.specs.parallelize_fn, self.parallelism, world_size, device.type)
+            self.model, self.dims = parallelize(self.model, self.specs.parallelize_fn, self.parallelism, world_size, device.type,
+                                                self.compute_dtype)
             # losses are normalised by global token/sequence counts: ranks' gradients must
             # add up, not average (TorchTitan's own trainer does the same)
             disable_fsdp_gradient_division(self.model)
             if self.ref_model is not None:
-                self.ref_model, _ = parallelize(self.ref_model, self.specs.parallelize_fn, self.parallelism, world_size, device.type)
+                self.ref_model, _ = parallelize(self.ref_model, self.specs.parallelize_fn, self.parallelism, world_size, device.type,
+                                                self.compute_dtype)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, foreach=True)
         warmup = tcfg.warmup_steps
@@ -87,7 +95,14 @@ class PolicyTrainer:
     def _logprobs(self, model, packed: TensorDict, with_entropy: bool = False, score_mask=None):
         tokens = packed["tokens"].to(self.device)
         mask = (packed["loss_mask"] if score_mask is None else score_mask).to(self.device)
-        return token_logprobs(model, tokens, mask, self.config.generator.temperature, with_entropy=with_entropy)
+        with self.autocast():
+            return token_logprobs(model, tokens, mask, self.config.generator.temperature, with_entropy=with_entropy)
+
+    def autocast(self):
+        """Autocast to `trainer.compute_dtype` where FSDP2's param dtype does not already
+        give it (CPU, or an unsharded GPU proc). Log-probs come out float32 either way."""
+        on = self.compute_dtype != torch.float32 and (self.device.type == "cpu" or self.dims is None)
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=on)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TensorDict) -> tuple[list[int], torch.Tensor]:

@@ -30,7 +30,15 @@ def parallelism_config(tcfg: TrainerConfig, world_size: int, device_type: str):
     return parallelism
 
 
-def parallelize(model: nn.Module, parallelize_fn, parallelism, world_size: int, device_type: str):
+def compute_dtype(tcfg: TrainerConfig, device_type: str) -> torch.dtype:
+    """The dtype forward/backward compute in (`trainer.compute_dtype` resolved for the device)."""
+    if tcfg.compute_dtype == "auto":
+        return torch.float32 if device_type == "cpu" else torch.bfloat16
+    return getattr(torch, tcfg.compute_dtype)
+
+
+def parallelize(model: nn.Module, parallelize_fn, parallelism, world_size: int, device_type: str,
+                dtype: torch.dtype = torch.float32):
     """Apply the family's TorchTitan parallelize function; returns (model, ParallelDims).
 
     Needs torch.distributed initialised. Parameters become DTensors sharded over the
@@ -45,9 +53,11 @@ def parallelize(model: nn.Module, parallelize_fn, parallelism, world_size: int, 
         titan_use_cpu_device_type()
     dims = ParallelDims.from_config(parallelism, world_size)
     dims.build_mesh()
-    # float32 compute on CPU (no fast bf16 matmul there, and exact parity tests);
-    # bf16 params with float32 reduction on GPU, as TorchTitan trains by default.
-    training = TrainingConfig(mixed_precision_param="float32" if device_type == "cpu" else "bfloat16")
+    # GPU: FSDP2 mixed precision (params cast to `dtype`, float32 reduction), as TorchTitan
+    # trains. CPU: params stay float32 and the trainer autocasts instead, so that a single
+    # unsharded proc gets the same bf16 compute (see PolicyTrainer.autocast).
+    param_dtype = "float32" if device_type == "cpu" else str(dtype).removeprefix("torch.")
+    training = TrainingConfig(mixed_precision_param=param_dtype)
     model = parallelize_fn(
         model, parallel_dims=dims, training=training, parallelism=parallelism,
         compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp",
