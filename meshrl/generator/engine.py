@@ -83,7 +83,7 @@ class VLLMEngine:
         return AsyncEngineArgs(
             model=self.checkpoint_dir,
             skip_tokenizer_init=True,  # token-id prompts in, token ids out
-            enforce_eager=True,
+            enforce_eager=not self.gen.compile,
             dtype=self.dtype,
             tensor_parallel_size=self.gen.tp,
             max_num_seqs=self.max_num_seqs,
