@@ -57,16 +57,34 @@ class GeneratorReplica:
 
         if self.processes.get("host") != socket.gethostname():
             return 0  # on another host: its host mesh's shutdown ends them
-        killed = 0
+        killed, segments = 0, set()
         for pid, started in self.processes.get("pids", []):
             try:
                 proc = psutil.Process(pid)
                 if abs(proc.create_time() - started) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+                    segments |= _shared_memory_segments(pid)
                     proc.kill()
                     killed += 1
             except psutil.Error:
                 pass
+        # vLLM's shared-memory queues are unlinked by the process that made them, which was
+        # killed: remove their names (memory is freed once the last mapping is gone, so a
+        # process still using one is not affected).
+        for path in segments:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         return killed
+
+
+def _shared_memory_segments(pid: int) -> set[str]:
+    """POSIX shared-memory files Python made (`psm_*`) that process `pid` has mapped."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {line.split(None, 5)[5].strip() for line in f if "/dev/shm/psm_" in line}
+    except (OSError, IndexError):
+        return set()
 
 
 class TrainerFailed(RuntimeError):
