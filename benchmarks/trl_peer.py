@@ -144,7 +144,7 @@ def main() -> None:
         if args.meshrl_json:
             with open(args.meshrl_json) as f:
                 reused = json.load(f)
-            for key in ("batch_groups", "group_size", "max_new_tokens", "lr", "seed", "task", "dtype"):
+            for key in ("batch_groups", "group_size", "max_new_tokens", "lr", "seed", "task", "dtype", "compile"):
                 if reused["args"].get(key) != getattr(args, key):
                     raise SystemExit(f"{args.meshrl_json} was run with {key}={reused['args'].get(key)}, not {getattr(args, key)}")
             meshrl = reused["results"]

@@ -65,24 +65,28 @@ def titan_force_sum_reduction(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def titan_float32_attention_under_cpu_autocast(model: torch.nn.Module) -> int:
-    """Run each inner SDPA attention in float32 while the rest of the model autocasts to bf16.
+def titan_float32_islands_under_cpu_autocast(model: torch.nn.Module) -> int:
+    """Run attention and RMSNorm in float32 while the matmuls autocast to bf16 (in place).
 
-    CPU autocast casts `scaled_dot_product_attention` to bf16, and its CPU flash-attention
-    backward in bf16 is about 7x slower than in float32 (measured 20 ms vs 3 ms per layer
-    for 16 x 61 tokens, head dim 32; 470 ms of a 1.3 s step). The matmuls, where bf16 pays
-    (AMX), stay in bf16. Wraps the instances' `forward` in place; returns how many.
+    - Attention: CPU autocast casts `scaled_dot_product_attention` to bf16, and its CPU
+      flash-attention backward in bf16 is about 7x slower than in float32 (measured 20 ms
+      vs 3 ms per layer for 16 x 61 tokens, head dim 32; 470 ms of a 1.3 s step).
+    - RMSNorm: a bf16 input with float32 weights misses the fused kernel (torch warns
+      "Mismatch dtype between input and weight") and runs as separate pow/mean/mul ops.
+    The matmuls, where bf16 pays (AMX), stay bf16. Wraps the instances' `forward`;
+    returns how many.
     """
     from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.nn_modules import RMSNorm
 
     wrapped = 0
     for module in model.modules():
-        if isinstance(module, ScaledDotProductAttention):
+        if isinstance(module, (ScaledDotProductAttention, RMSNorm)):
             inner = module.forward
 
-            def forward(q, k, v, *args, _inner=inner, **kwargs):
+            def forward(*tensors, _inner=inner, **kwargs):
                 with torch.autocast("cpu", enabled=False):
-                    return _inner(q.float(), k.float(), v.float(), *args, **kwargs)
+                    return _inner(*(t.float() if torch.is_tensor(t) else t for t in tensors), **kwargs)
 
             module.forward = forward
             wrapped += 1

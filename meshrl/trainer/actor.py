@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from monarch.actor import Actor, endpoint, this_host
 
-from meshrl.compat import titan_float32_attention_under_cpu_autocast
+from meshrl.compat import titan_float32_islands_under_cpu_autocast
 from meshrl.config import Config
 from meshrl.placement import cpus_for, pin_this_process
 from meshrl.rollout import PAD_VERSION, group_slices, pack_for_trainer, unpack_token_values
@@ -71,7 +71,7 @@ class PolicyTrainer:
         if device.type == "cpu" and self.compute_dtype != torch.float32:
             for model in (self.model, self.ref_model):
                 if model is not None:
-                    titan_float32_attention_under_cpu_autocast(model)
+                    titan_float32_islands_under_cpu_autocast(model)
         self.dims = None
         if dist.is_initialized():
             from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
