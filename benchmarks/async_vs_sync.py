@@ -43,7 +43,7 @@ def fast_bf16() -> bool:
 
 MODE_CONFIGS = {"sync": "configs/sync.yaml", "async": "configs/default.yaml"}
 ROW_KEYS = ("time/step_s", "trainer/wait_s", "trainer/step_time_s", "trainer/idle_frac", "generator/idle_frac",
-            "generator/tokens_per_s", "sync/publish_s", "sync/update_s", "sync/previous_update_wait_s",
+            "generator/tokens_per_s", "sync/publish_s", "sync/update_s", "sync/previous_update_s", "sync/previous_update_wait_s",
             "reward/mean", "reward/success_rate", "scoring/samples", "trainer/staleness_mean", "trainer/staleness_max")
 
 
