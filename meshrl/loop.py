@@ -271,8 +271,9 @@ class RLLoop:
         row["time/step_s"] = wall
         row["trainer/idle_frac"] = min(1.0, out.get("trainer/wait_s", 0.0) / max(wall, 1e-9))
         # Generator stats are read in the background, right after the previous step: a replica
-        # answers only once its weight update is done (~80 ms measured on a busy core), and
-        # waiting for that here would put it on the trainer's critical path every step.
+        # answers only once the weight update just sent to it is done (75-87 ms measured on a
+        # busy core, concurrent endpoint or not), and waiting for that here would put it on
+        # the trainer's critical path every step.
         snapshot = self._snapshot_task or asyncio.create_task(self._read_generator_stats())
         self._snapshot_task = None
         buffer_metrics, scorer_metrics, stats_read = await asyncio.gather(

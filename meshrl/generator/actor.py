@@ -110,8 +110,9 @@ class GeneratorActor(Actor):
     async def version(self) -> int:
         return self._gen().version
 
-    # Concurrent: the controller reads stats every step while a weight update (a sequential
-    # endpoint) may still be running; waiting behind it put ~80 ms on the trainer's path.
+    # Concurrent: read-only, so it need not queue behind a weight update (a sequential
+    # endpoint). The proc is busy during an update all the same, so the controller reads
+    # stats off its critical path (RLLoop._collect_metrics).
     @concurrent_endpoint
     async def stats(self) -> dict:
         return {**self._gen().stats(), "pid": os.getpid()}
