@@ -194,16 +194,10 @@ def test_weight_sync_buffers_go_to_the_engine_in_place():
     """Tensors fetched by weight sync (views of a shared receive buffer) are described to the
     engine where they are; only tensors that need a cast (or live elsewhere) are copied."""
     from meshrl.generator.weight_loading import to_shared_memory, views_of_shared_memory
-    from meshrl.weightsync.buffers import ReceiveBuffers
-    from meshrl.weightsync.layout import pack, plan_layout
+    from tests.test_weightsync import fetched_into_shared_buffer
 
     named = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)), ("c", torch.randn(2, 2).to(torch.bfloat16))]
-    layout = plan_layout(named, 1 << 20)
-    bufs = ReceiveBuffers(shared_memory=True)
-    bufs.set_layout(layout)
-    flat = bufs.take()
-    pack(flat, layout, named)
-    fetched = bufs.hand_out(1, flat)
+    bufs, flat, fetched = fetched_into_shared_buffer(named)
     before = set(os.listdir("/dev/shm"))
     for dtype, copied in ((None, set()), (torch.float32, {"c"}), (torch.bfloat16, {"a"})):
         segments = to_shared_memory(fetched, dtype)

@@ -143,17 +143,23 @@ def test_staging_lease_on_a_version_being_copied_follows_the_copy():
             assert errors and pool.latest.version == 1 and pool.acquire(2) is None
 
 
-def test_receive_buffers_shared_memory_and_handout():
+def fetched_into_shared_buffer(named: list[tuple[str, torch.Tensor]]):
+    """`named` as a subscriber's fetch leaves it: packed into a shared-memory receive buffer
+    and handed out as version 1. Returns (the ReceiveBuffers, the flat buffer, the views)."""
     from meshrl.weightsync.buffers import ReceiveBuffers
 
-    named = model_tensors()
     layout = plan_layout(named, 1 << 20)
     bufs = ReceiveBuffers(shared_memory=True)
     bufs.set_layout(layout)
-    a = bufs.take()
-    assert a.is_shared() and a.numel() == layout.total_bytes
-    pack(a, layout, named)
-    views = bufs.hand_out(1, a)
+    flat = bufs.take()
+    pack(flat, layout, named)
+    return bufs, flat, bufs.hand_out(1, flat)
+
+
+def test_receive_buffers_shared_memory_and_handout():
+    named = model_tensors()
+    bufs, a, views = fetched_into_shared_buffer(named)
+    assert a.is_shared() and a.numel() == bufs.layout.total_bytes
     assert checksum(views) == checksum(named)
     b = bufs.take()
     assert b.data_ptr() != a.data_ptr(), "the handed-out buffer must not be reused before the next fetch"
@@ -162,18 +168,10 @@ def test_receive_buffers_shared_memory_and_handout():
 
 
 def test_shared_receive_buffer_is_a_named_file_closed_with_its_last_view():
-    from meshrl.weightsync.buffers import ReceiveBuffers
-
-    named = model_tensors()
-    layout = plan_layout(named, 1 << 20)
-    bufs = ReceiveBuffers(shared_memory=True)
-    bufs.set_layout(layout)
-    flat = bufs.take()
-    pack(flat, layout, named)
-    views = bufs.hand_out(1, flat)
+    bufs, flat, views = fetched_into_shared_buffer(model_tensors())
     path = views["lm_head.weight"].untyped_storage().filename
     assert path is not None and os.path.exists(path)
-    other = torch.from_file(path, shared=True, size=layout.total_bytes, dtype=torch.uint8)  # what vLLM's process does
+    other = torch.from_file(path, shared=True, size=flat.numel(), dtype=torch.uint8)  # what vLLM's process does
     assert torch.equal(other, flat)
     del other, flat, bufs
     assert os.path.exists(path), "the caller's views keep the file"
