@@ -56,9 +56,11 @@ def reward_for_trl(task_name: str):
     return task_reward
 
 
-def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str, dtype: str = "float32") -> dict:
+def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str, setting: str = "float32") -> dict:
     """GRPOTrainer for `steps` optimizer steps, one generation batch per step, on CPU.
-    `dtype` bfloat16: TRL's `bf16=True` (accelerate autocasts; master weights float32)."""
+    `setting`: a dtype, bfloat16 being TRL's `bf16=True` (accelerate autocasts; master
+    weights float32), with `+compile` for the Trainer's `torch_compile=True`."""
+    dtype, _, extra = setting.partition("+")
     import torch
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -80,7 +82,7 @@ def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str, d
         learning_rate=cfg.trainer.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=cfg.trainer.weight_decay, max_grad_norm=cfg.trainer.grad_clip,
         loss_type="dapo", epsilon=lcfg.clip_low, epsilon_high=lcfg.clip_high, scale_rewards="group", beta=0.0,
-        shuffle_dataset=False, bf16=dtype == "bfloat16", fp16=False,
+        shuffle_dataset=False, bf16=dtype == "bfloat16", fp16=False, torch_compile=extra == "compile",
     )
     tokenizer = load_tokenizer(tokenizer_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -112,7 +114,7 @@ def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str, d
             for i, (r, t) in enumerate(zip(timer.rows, timer.times))]
     steady = timer.times[1:] or timer.times  # the first step carries one-off costs
     step_s = statistics.median(steady)
-    return {"mode": "trl", "dtype": dtype, "steps": len(rows), "train_wall_s": wall, "step_s_median": step_s,
+    return {"mode": "trl", "setting": setting, "steps": len(rows), "train_wall_s": wall, "step_s_median": step_s,
             "samples_per_s": batch / step_s, "rows": rows, "threads": torch.get_num_threads()}
 
 
@@ -124,7 +126,9 @@ def export_initial_policy(args: argparse.Namespace, root: str) -> tuple[str, str
     from meshrl.tokenizer import build_char_tokenizer
     from meshrl.trainer.actor import PolicyTrainer
 
-    trainer = PolicyTrainer(bench_config("sync", args, os.path.join(root, "export")), torch.device("cpu"))
+    config = bench_config("sync", args, os.path.join(root, "export"))
+    config.trainer.compile = False  # nothing runs here, and dynamo's settings stay TRL's defaults
+    trainer = PolicyTrainer(config, torch.device("cpu"))
     return trainer.export_hf(os.path.join(root, "hf", "v0")), build_char_tokenizer(os.path.join(root, "tokenizer"))
 
 
@@ -132,8 +136,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(p)
     p.add_argument("--trl-steps", type=int, default=None, help="TRL optimizer steps (default: --steps)")
-    p.add_argument("--trl-dtypes", default="float32,bfloat16",
-                   help="TRL precisions to try; the fastest is the reference (TRL at its best setting on this machine)")
+    p.add_argument("--trl-settings", default="float32,bfloat16,float32+compile",
+                   help="TRL settings to try (a dtype, +compile for torch_compile=True); the fastest is the reference (TRL at its best setting on this machine)")
     p.add_argument("--meshrl-json", default=None,
                    help="reuse the meshrl sync/async runs of this async_vs_sync.json (same problem size) instead of running them")
     p.add_argument("--out", default=os.path.join(RESULTS, "trl_peer.json"))
@@ -154,12 +158,12 @@ def main() -> None:
             hf_v0, tokenizer_dir = meshrl[0]["hf_v0"], meshrl[0]["tokenizer_dir"]
         cfg = bench_config("sync", args, os.path.join(root, "unused"))
         steps = args.trl_steps or args.steps
-        tried = [run_trl(hf_v0, tokenizer_dir, cfg, steps, os.path.join(root, f"trl-{d}"), d) for d in args.trl_dtypes.split(",")]
+        tried = [run_trl(hf_v0, tokenizer_dir, cfg, steps, os.path.join(root, f"trl-{x}"), x) for x in args.trl_settings.split(",")]
         trl = min(tried, key=lambda t: t["step_s_median"])
-        others = [{**t, "mode": f"trl-{t['dtype']}"} for t in tried if t is not trl]
+        others = [{**t, "mode": f"trl-{t['setting']}"} for t in tried if t is not trl]
         # TRL's own seed-to-seed spread (same initial weights, other sampling seed): the noise floor
         cfg.seed = args.seed + 1
-        trl_noise = {**run_trl(hf_v0, tokenizer_dir, cfg, steps, os.path.join(root, "trl2"), trl["dtype"]), "mode": f"trl-seed{cfg.seed}"}
+        trl_noise = {**run_trl(hf_v0, tokenizer_dir, cfg, steps, os.path.join(root, "trl2"), trl["setting"]), "mode": f"trl-seed{cfg.seed}"}
     for t in [trl, trl_noise] + others:
         t.update(reward_last=statistics.mean(r["reward/mean"] for r in t["rows"][-4:]),
                  reward_mean=statistics.mean(r["reward/mean"] for r in t["rows"]))
@@ -191,7 +195,7 @@ def main() -> None:
         verdict["async_step_floor_s"] = max(G, T)
         verdict["ceiling_over_trl_samples_per_s"] = trl["step_s_median"] / max(G, T)
 
-    print(f"TRL reference: {trl['dtype']} (fastest of {args.trl_dtypes})")
+    print(f"TRL reference: {trl['setting']} (fastest of {args.trl_settings})")
     print(f"\n{'system':<14}{'step s':>9}{'samples/s':>11}{'best step s':>13}{'best samples/s':>16}"
           f"{'reward - TRL (equal policy samples)':>38}{'reward (last 4 steps)':>23}")
     for r in results:

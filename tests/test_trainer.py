@@ -133,6 +133,30 @@ def test_bf16_compute_on_cpu_tracks_float32_and_keeps_float32_state():
         make_config(compute_dtype="float16")
 
 
+def test_compiled_blocks_train_like_eager_without_recompiling_per_batch_shape(monkeypatch):
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch._dynamo.config, "assume_static_by_default", True)  # put back afterwards
+    shape = {"batch_groups": 4, "generator": {"group_size": 4, "max_new_tokens": 16}}
+    eager = PolicyTrainer(Config.from_dict({"model": {"family": "qwen3"}, **shape, "trainer": {"micro_batch_size": 16}}), CPU)
+    compiled = PolicyTrainer(Config.from_dict({"model": {"family": "qwen3"}, **shape,
+                                               "trainer": {"micro_batch_size": 16, "compile": True}}), CPU)
+    before = sum(counters["stats"].values())
+    compiled.warm_up()
+    graphs = counters["stats"]["unique_graphs"]
+    assert sum(counters["stats"].values()) > before  # the blocks compiled in the warm-up, not in a step
+    for seed in range(3):  # ragged prompt and response lengths, 3 or 4 groups: a new shape each step
+        batch = make_batch(groups=4 - seed % 2, seed=seed, version=seed)
+        a, b = eager.train_step(batch, current_version=seed), compiled.train_step(batch, current_version=seed)
+        assert abs(a["loss"] - b["loss"]) < 1e-4 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"])
+    assert counters["stats"]["unique_graphs"] == graphs, "a new batch shape recompiled the blocks"
+    assert [n for n, _ in eager.model.named_parameters()] == [n for n, _ in compiled.model.named_parameters()]
+    for p, q in zip(eager.model.parameters(), compiled.model.parameters()):  # Adam moves each by ~lr (5e-3) a step
+        torch.testing.assert_close(p, q, atol=1e-3, rtol=0)
+    exported = dict(compiled.hf_state_dict())
+    assert exported.keys() == dict(eager.hf_state_dict()).keys()
+
+
 def test_checkpoint_root_ignores_an_interrupted_save(tmp_path):
     trainer = PolicyTrainer(make_config(), CPU)
     trainer.train_step(make_batch())

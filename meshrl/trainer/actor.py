@@ -30,7 +30,7 @@ from meshrl.trainer import checkpoint as ckpt
 from meshrl.trainer.logprobs import token_logprobs
 from meshrl.trainer.losses import policy_loss, reduce_metrics
 from meshrl.trainer.model import MOE_FAMILIES, build_model, model_args_from_hf
-from meshrl.trainer.parallelize import compute_dtype, parallelism_config, parallelize
+from meshrl.trainer.parallelize import compile_config, compile_unsharded, compute_dtype, parallelism_config, parallelize
 
 
 def rank_rows(td: TensorDict, rank: int, world: int) -> list[int]:
@@ -73,17 +73,22 @@ class PolicyTrainer:
                 if model is not None:
                     titan_float32_islands_under_cpu_autocast(model)
         self.dims = None
+        compile_cfg = compile_config(tcfg)
         if dist.is_initialized():
             from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
             self.model, self.dims = parallelize(self.model, self.specs.parallelize_fn, self.parallelism, world_size, device.type,
-                                                self.compute_dtype)
+                                                self.compute_dtype, compile_cfg)
             # losses are normalised by global token/sequence counts: ranks' gradients must
             # add up, not average (TorchTitan's own trainer does the same)
             disable_fsdp_gradient_division(self.model)
             if self.ref_model is not None:
                 self.ref_model, _ = parallelize(self.ref_model, self.specs.parallelize_fn, self.parallelism, world_size, device.type,
-                                                self.compute_dtype)
+                                                self.compute_dtype, compile_cfg)
+        else:
+            for model in (self.model, self.ref_model):
+                if model is not None:
+                    compile_unsharded(model, self.parallelism, compile_cfg)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, foreach=True)
         warmup = tcfg.warmup_steps
@@ -103,6 +108,27 @@ class PolicyTrainer:
         give it (CPU, or an unsharded GPU proc). Log-probs come out float32 either way."""
         on = self.compute_dtype != torch.float32 and (self.device.type == "cpu" or self.dims is None)
         return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=on)
+
+    def warm_up(self) -> None:
+        """Run forward and backward once on a dummy batch, leaving weights, optimizer and step
+        as they were: with `trainer.compile` the blocks compile here, in setup, while the
+        generators start, rather than in the first step. Every rank calls it (collectives)."""
+        # About a real micro-batch's shape: inductor guards some kernels on the element count
+        # (a [3, 17] warm-up recompiled at the first step), and rows != length, since
+        # dynamo ties equal sizes together. No RNG draws.
+        c = self.config
+        rows = min(c.trainer.micro_batch_size, c.batch_groups * c.generator.group_size)
+        length = min(c.generator.max_new_tokens + 16, 512)
+        length += length == rows
+        tokens = (torch.arange(rows * length, device=self.device) % self.model_config.vocab_size).view(rows, length)
+        mask = torch.ones_like(tokens, dtype=torch.bool)
+        with self.autocast():
+            logprobs, _ = token_logprobs(self.model, tokens, mask, self.config.generator.temperature)
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    token_logprobs(self.ref_model, tokens, mask, self.config.generator.temperature)
+        logprobs.sum().backward()
+        self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TensorDict) -> tuple[list[int], torch.Tensor]:
@@ -267,6 +293,8 @@ class TrainerActor(Actor):
 
             dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10))
         self.trainer = PolicyTrainer(config, device, rank, world)
+        if config.trainer.compile:
+            self.trainer.warm_up()
         return self.trainer.shard_info()
 
     def _need(self) -> PolicyTrainer:

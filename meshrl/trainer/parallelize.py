@@ -37,12 +37,36 @@ def compute_dtype(tcfg: TrainerConfig, device_type: str) -> torch.dtype:
     return getattr(torch, tcfg.compute_dtype)
 
 
+def compile_config(tcfg: TrainerConfig):
+    """TorchTitan's CompileConfig for `trainer.compile` (the model's blocks; meshrl has its own loss)."""
+    from torchtitan.config import CompileConfig
+
+    if tcfg.compile:
+        # TorchTitan compiles blocks for pretraining's fixed sequence length. RL batches
+        # change length and micro-batch rows every step, and each new static shape
+        # recompiled (about 17 s per dim on a CPU core, measured) until dynamo marks that
+        # dim dynamic. So shapes are dynamic from the first compile; parameters stay static.
+        torch._dynamo.config.assume_static_by_default = False
+    return CompileConfig(enable=tcfg.compile, components=["model"])
+
+
+def compile_unsharded(model: nn.Module, parallelism, compile_cfg) -> None:
+    """TorchTitan's per-block compile for a model that `parallelize` does not see (no
+    torch.distributed: a single process outside a trainer mesh)."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.compile import apply_compile
+
+    if compile_cfg.enable:
+        apply_compile(model, compile_config=compile_cfg, parallel_dims=ParallelDims.from_config(parallelism, 1))
+
+
 def parallelize(model: nn.Module, parallelize_fn, parallelism, world_size: int, device_type: str,
-                dtype: torch.dtype = torch.float32):
+                dtype: torch.dtype = torch.float32, compile_cfg=None):
     """Apply the family's TorchTitan parallelize function; returns (model, ParallelDims).
 
     Needs torch.distributed initialised. Parameters become DTensors sharded over the
-    `fsdp` mesh dim (experts over `ep` x `efsdp` for MoE).
+    `fsdp` mesh dim (experts over `ep` x `efsdp` for MoE). `compile_cfg`: a CompileConfig
+    (`compile_config`), applied by TorchTitan per block before FSDP wraps them.
     """
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -60,7 +84,7 @@ def parallelize(model: nn.Module, parallelize_fn, parallelism, world_size: int, 
     training = TrainingConfig(mixed_precision_param=param_dtype)
     model = parallelize_fn(
         model, parallel_dims=dims, training=training, parallelism=parallelism,
-        compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp",
+        compile_config=compile_cfg or CompileConfig(enable=False), ac_config=None, dump_folder="/tmp",
     )
     if device_type == "cpu":
         titan_force_sum_reduction(model)
