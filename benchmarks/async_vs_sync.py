@@ -161,24 +161,35 @@ def _median(rows: list[dict], key: str) -> float:
     return statistics.median(values) if values else 0.0
 
 
+def _mean(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return statistics.mean(values) if values else 0.0
+
+
 def summarize(rows: list[dict], batch: int, warmup: int) -> dict:
-    """Steady-state medians; G and T per step as the sync loop runs them one after the other."""
+    """Steady-state figures; G and T per step as the sync loop runs them one after the other.
+
+    Throughput and idle fractions are totals over the steady steps (mean step time), not
+    medians: async steps can alternate short and long (a wait for the next batch every
+    other step), and a median of such steps would overstate samples/s."""
     steady = rows[warmup:] or rows
-    step_s = _median(steady, "time/step_s")
+    wall = sum(r["time/step_s"] for r in steady)
+    step_s = wall / len(steady)
     gen_busy = [(1 - r["generator/idle_frac"]) * r["time/step_s"] for r in steady if "generator/idle_frac" in r]
     return {
-        "step_s_median": step_s,
+        "step_s": step_s,
+        "step_s_median": _median(steady, "time/step_s"),
         "samples_per_s": batch / step_s,
-        "trainer_idle_frac": _median(steady, "trainer/idle_frac"),
-        "generator_idle_frac": _median(steady, "generator/idle_frac"),
+        "trainer_idle_frac": sum(r.get("trainer/wait_s", 0.0) for r in steady) / wall,
+        "generator_idle_frac": 1 - sum(gen_busy) / wall if gen_busy else 0.0,
         "generator_tokens_per_s": _median(steady, "generator/tokens_per_s"),
         # G: generator busy time per step (at least one request in flight); T: the trainer's
         # forward/backward/optimizer step plus staging the new version for weight sync
-        "G_s": statistics.median(gen_busy) if gen_busy else 0.0,
-        "T_s": _median(steady, "trainer/step_time_s") + _median(steady, "sync/publish_s"),
-        "trainer_wait_s": _median(steady, "trainer/wait_s"),
+        "G_s": statistics.mean(gen_busy) if gen_busy else 0.0,
+        "T_s": _mean(steady, "trainer/step_time_s") + _mean(steady, "sync/publish_s"),
+        "trainer_wait_s": _mean(steady, "trainer/wait_s"),
         "update_s": _median(steady, "sync/update_s"),
-        "staleness_mean": _median(steady, "trainer/staleness_mean"),
+        "staleness_mean": _mean(steady, "trainer/staleness_mean"),
         "reward_last": statistics.mean(r["reward/mean"] for r in rows[-4:] if "reward/mean" in r) if rows else 0.0,
         "reward_mean": statistics.mean(r["reward/mean"] for r in rows if "reward/mean" in r) if rows else 0.0,
     }
@@ -188,9 +199,9 @@ def overlap_bound(sync: dict, asyn: dict) -> dict:
     """Ideal async speedup from the sync run's own G and T, and how much of it async reaches."""
     G, T = sync["G_s"], sync["T_s"]
     bound = (G + T) / max(G, T)
-    speedup = sync["step_s_median"] / asyn["step_s_median"]
+    speedup = sync["step_s"] / asyn["step_s"]
     return {
-        "G_s": G, "T_s": T, "other_s": max(0.0, sync["step_s_median"] - G - T),
+        "G_s": G, "T_s": T, "other_s": max(0.0, sync["step_s"] - G - T),
         "bound": bound, "speedup": speedup, "fraction_of_bound": (speedup - 1) / (bound - 1) if bound > 1 else 0.0,
         "speedup_over_bound": speedup / bound,
         # contention: the same work measured while the other side runs on the same 2 cores
@@ -230,10 +241,10 @@ def plot(results: list[dict], out: str, extra_title: str = "") -> str:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'mode':<8}{'step s':>9}{'samples/s':>11}{'trainer idle':>14}{'gen idle':>10}{'G s':>8}{'T s':>8}"
+    print(f"\n{'mode':<8}{'mean step s':>12}{'samples/s':>11}{'trainer idle':>14}{'gen idle':>10}{'G s':>8}{'T s':>8}"
           f"{'staleness':>11}{'reward (last 4)':>17}{'start-up s':>12}")
     for r in results:
-        print(f"{r['mode']:<8}{r['step_s_median']:>9.3f}{r['samples_per_s']:>11.1f}{r.get('trainer_idle_frac', float('nan')):>14.2f}"
+        print(f"{r['mode']:<8}{r['step_s']:>12.3f}{r['samples_per_s']:>11.1f}{r.get('trainer_idle_frac', float('nan')):>14.2f}"
               f"{r.get('generator_idle_frac', float('nan')):>10.2f}{r.get('G_s', float('nan')):>8.3f}{r.get('T_s', float('nan')):>8.3f}"
               f"{r.get('staleness_mean', 0.0):>11.2f}{r['reward_last']:>17.3f}{r.get('startup_s', 0.0):>12.1f}")
 

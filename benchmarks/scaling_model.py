@@ -85,9 +85,9 @@ def main() -> None:
     # check 1: the loop's own points
     predicted_async = max(G0, T0)
     check_loop = {
-        "sync_step_measured_s": sync_run["step_s_median"], "sync_step_model_s": G0 + T0 + avs["overlap"]["other_s"],
-        "async_step_measured_s": async_run["step_s_median"], "async_step_model_s": predicted_async,
-        "async_model_error": predicted_async / async_run["step_s_median"] - 1,
+        "sync_step_measured_s": sync_run["step_s"], "sync_step_model_s": G0 + T0 + avs["overlap"]["other_s"],
+        "async_step_measured_s": async_run["step_s"], "async_step_model_s": predicted_async,
+        "async_model_error": predicted_async / async_run["step_s"] - 1,
         "contention_G": avs["overlap"]["G_inflation"], "contention_T": avs["overlap"]["T_inflation"],
     }
     grid = []
@@ -95,7 +95,7 @@ def main() -> None:
         for replicas in (1, 2, 4, 8):
             grid.append(predict(G0, T0, n_ratio, replicas, bytes0 * n_ratio, fit, pulls, block_s))
 
-    busy_rate = sync_run["generator_tokens_per_s"] * sync_run["step_s_median"] / G0 if G0 else 0.0
+    busy_rate = sync_run["generator_tokens_per_s"] * sync_run["step_s"] / G0 if G0 else 0.0
     print(f"benchmark model: {n0 / 1e6:.2f}M params; sync step G0={G0:.3f} s, T0={T0:.3f} s; "
           f"one replica decodes {busy_rate:.0f} tok/s while busy")
     print("\nweight-sync fit: sync_s = fixed + bytes / bandwidth")
@@ -103,7 +103,7 @@ def main() -> None:
     for t, f in fits.items():
         errs = " ".join(f"{c['bytes'] / 2**20:.0f}MiB:{100 * c['error']:+.0f}%" for c in f["check"])
         print(f"{t:<11}{1e3 * f['fixed_s']:>10.1f}{f['GBps']:>8.2f}   {errs}")
-    print(f"\nloop check: async step model max(G,T) = {predicted_async:.3f} s vs measured {async_run['step_s_median']:.3f} s "
+    print(f"\nloop check: async step model max(G,T) = {predicted_async:.3f} s vs measured {async_run['step_s']:.3f} s "
           f"({100 * check_loop['async_model_error']:+.0f}%): on 2 shared cores G grew x{check_loop['contention_G']:.2f} "
           f"and T x{check_loop['contention_T']:.2f} when they overlapped")
     print(f"\npredictions ({args.transport} sync; each replica and the trainer on their own devices)")

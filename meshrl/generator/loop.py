@@ -79,6 +79,7 @@ class Generator:
         self._seqs_in_flight = 0  # vLLM requests submitted and not finished
         self._reserved = 0  # request slots the loop has reserved for admitted groups
         self._groups_in_flight = 0  # groups admitted and not yet handed to the sink
+        self._fetching = 0  # slots reserved while their prompt is being fetched
         self._stopping = False
         self._user_paused = False
         self._loop_task: asyncio.Task | None = None
@@ -195,38 +196,54 @@ class Generator:
                 await self._open.wait()
                 async with self._capacity:
                     await self._capacity.wait_for(
-                        lambda: self._stopping or (self._reserved + n <= self.gen.max_num_seqs and self._groups_in_flight < 2 * max_groups)
+                        lambda: self._stopping or (self._reserved + n <= self.gen.max_num_seqs
+                                                   and self._groups_in_flight + self._fetching < 2 * max_groups)
                     )
                 if self._stopping:
                     break
-                await self._open.wait()
-                # Fetch a prompt for every free group slot at once: the calls pipeline, so a
-                # start (or a burst of finished groups) does not pay one round trip per group.
-                free = min((self.gen.max_num_seqs - self._reserved) // n, 2 * max_groups - self._groups_in_flight)
-                # None means "no prompt now" (the source holds a call at most a poll interval
-                # while admission is closed), so a slot left empty is simply asked for again.
-                prompts = await asyncio.gather(*(next_prompt() for _ in range(max(1, free))))
-                if all(p is None for p in prompts):
-                    await asyncio.sleep(IDLE_POLL_S)  # a source that answers None at once is not spun on
-                # An update may have closed the gate while prompts were fetched: admit groups
-                # only once it reopens (block mode counts admitted groups).
-                await self._open.wait()
-                for prompt in prompts:
-                    if prompt is None:
-                        continue
-                    if self._stopping:
-                        self._groups_dropped += 1
-                        continue
-                    self._groups_in_flight += 1
-                    self._reserved += n
-                    task = asyncio.create_task(self._group_to_sink(prompt, put))
-                    self._group_tasks.add(task)
-                    task.add_done_callback(self._group_tasks.discard)
+                # One fetch per free slot, each group started the moment its prompt arrives.
+                # The source holds a call while admission is closed; awaiting a slot's fetch
+                # together with the others left prompts that had come waiting for the slowest
+                # (the source's poll interval, about 1 s, every other step: measured).
+                self._reserved += n
+                self._fetching += 1
+                task = asyncio.create_task(self._fetch_group(next_prompt, put))
+                self._group_tasks.add(task)
+                task.add_done_callback(self._group_tasks.discard)
             if self._group_tasks:
                 await asyncio.gather(*list(self._group_tasks), return_exceptions=True)
         except BaseException as e:  # surfaced by stats() and stop()
             self._loop_error = e
             raise
+
+    async def _fetch_group(self, next_prompt, put) -> None:
+        """Fill one reserved slot: fetch a prompt and generate its group, or give the slot back."""
+        admitted = False
+        try:
+            # None means "no prompt now" (the source holds a call at most a poll interval
+            # while admission is closed); the slot is given back and asked for again.
+            prompt = await next_prompt()
+            if prompt is None:
+                await asyncio.sleep(IDLE_POLL_S)  # a source that answers None at once is not spun on
+                return
+            # An update may have closed the gate while the prompt was fetched: start the group
+            # only once it reopens (block mode counts admitted groups).
+            await self._open.wait()
+            if self._stopping:
+                self._groups_dropped += 1
+                return
+            self._groups_in_flight += 1
+            admitted = True
+        except Exception as e:  # a source that failed or timed out ends the loop
+            self._loop_error = e
+            self._stopping = True
+            return
+        finally:
+            self._fetching -= 1
+            if not admitted:
+                self._reserved -= self.gen.group_size
+            await self._notify()
+        await self._group_to_sink(prompt, put)
 
     async def _group_to_sink(self, prompt: Prompt, put) -> None:
         try:
