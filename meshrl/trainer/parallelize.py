@@ -41,13 +41,15 @@ def compile_config(tcfg: TrainerConfig):
     """TorchTitan's CompileConfig for `trainer.compile` (the model's blocks; meshrl has its own loss)."""
     from torchtitan.config import CompileConfig
 
-    if tcfg.compile:
-        # TorchTitan compiles blocks for pretraining's fixed sequence length. RL batches
-        # change length and micro-batch rows every step, and each new static shape
-        # recompiled (about 17 s per dim on a CPU core, measured) until dynamo marks that
-        # dim dynamic. So shapes are dynamic from the first compile; parameters stay static.
-        torch._dynamo.config.assume_static_by_default = False
     return CompileConfig(enable=tcfg.compile, components=["model"])
+
+
+def _dynamic_shapes_from_the_first_compile() -> None:
+    # TorchTitan compiles blocks for pretraining's fixed sequence length. RL batches change
+    # length and micro-batch rows every step, and each new static shape recompiled (about
+    # 17 s per dim on a CPU core, measured) until dynamo marked that dim dynamic. So this
+    # proc's compiles treat shapes as dynamic from the start; parameters stay static.
+    torch._dynamo.config.assume_static_by_default = False
 
 
 def compile_unsharded(model: nn.Module, parallelism, compile_cfg) -> None:
@@ -57,6 +59,7 @@ def compile_unsharded(model: nn.Module, parallelism, compile_cfg) -> None:
     from torchtitan.distributed.compile import apply_compile
 
     if compile_cfg.enable:
+        _dynamic_shapes_from_the_first_compile()
         apply_compile(model, compile_config=compile_cfg, parallel_dims=ParallelDims.from_config(parallelism, 1))
 
 
@@ -82,6 +85,8 @@ def parallelize(model: nn.Module, parallelize_fn, parallelism, world_size: int, 
     # unsharded proc gets the same bf16 compute (see PolicyTrainer.autocast).
     param_dtype = "float32" if device_type == "cpu" else str(dtype).removeprefix("torch.")
     training = TrainingConfig(mixed_precision_param=param_dtype)
+    if compile_cfg is not None and compile_cfg.enable:
+        _dynamic_shapes_from_the_first_compile()
     model = parallelize_fn(
         model, parallel_dims=dims, training=training, parallelism=parallelism,
         compile_config=compile_cfg or CompileConfig(enable=False), ac_config=None, dump_folder="/tmp",
