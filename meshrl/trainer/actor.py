@@ -113,9 +113,10 @@ class PolicyTrainer:
         """Run forward and backward once on a dummy batch, leaving weights, optimizer and step
         as they were: with `trainer.compile` the blocks compile here, in setup, while the
         generators start, rather than in the first step. Every rank calls it (collectives)."""
-        # About a real micro-batch's shape: inductor guards some kernels on the element count
-        # (a [3, 17] warm-up recompiled at the first step), and rows != length, since
-        # dynamo ties equal sizes together. No RNG draws.
+        # About a real micro-batch's shape (a 16-token prompt plus the full response, capped
+        # at 512): inductor guards some kernels on the element count, and a [3, 17] warm-up
+        # recompiled at the first step. rows != length, since dynamo ties equal sizes
+        # together. No RNG draws.
         c = self.config
         rows = min(c.trainer.micro_batch_size, c.batch_groups * c.generator.group_size)
         length = min(c.generator.max_new_tokens + 16, 512)
