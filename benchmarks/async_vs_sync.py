@@ -4,7 +4,8 @@ in synchronous on-policy mode (configs/sync.yaml) and in async mode (configs/def
 Per mode: wall-clock per step, samples/s, trainer and generator idle fractions, reward
 against samples. From the sync run's own metrics (a sync step is generate G, then train T)
 it derives the ideal overlap bound (G + T) / max(G, T) and reports the fraction of it that
-async reaches. Steady-state numbers are medians over the steps after `--warmup`.
+async reaches. Steady-state numbers cover the steps after `--warmup`: samples/s and idle
+fractions from their totals (the mean step), per-step costs as means.
 
     python benchmarks/async_vs_sync.py [--steps 16] [--max-new-tokens 48]
 
@@ -49,7 +50,7 @@ ROW_KEYS = ("time/step_s", "trainer/wait_s", "trainer/step_time_s", "trainer/idl
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=16, help="optimizer steps per mode")
-    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady-state medians")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady-state figures")
     p.add_argument("--batch-groups", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -227,7 +228,7 @@ def plot(results: list[dict], out: str, extra_title: str = "") -> str:
     ax_i.bar([i + 0.2 for i in x], [r["generator_idle_frac"] for r in results if "trainer_idle_frac" in r], 0.4, label="generator")
     ax_i.set_xticks(list(x), names)
     for ax, title, xl in ((ax_r, "reward vs samples the policy was trained on", "samples"), (ax_t, "wall-clock per step", "step"),
-                          (ax_i, "idle fraction (median)", "")):
+                          (ax_i, "idle fraction (of the steady steps)", "")):
         ax.set_title(title)
         ax.set_xlabel(xl)
         ax.grid(alpha=0.3)
