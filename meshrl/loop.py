@@ -55,25 +55,25 @@ class GeneratorReplica:
 
         return self.processes.get("host") == socket.gethostname()
 
-    def _live_processes(self) -> list:
-        """psutil handles of this replica's processes that still run (this host only)."""
+    @staticmethod
+    def _running(pid: int, started: float):
+        """The psutil handle of `pid` if it still runs and is the process that started at
+        `started` (not a later one given the same pid); None otherwise."""
         import psutil
 
-        live = []
-        for pid, started in self.processes.get("pids", []):
-            try:
-                proc = psutil.Process(pid)
-                if abs(proc.create_time() - started) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
-                    live.append(proc)
-            except psutil.Error:
-                pass
-        return live
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - started) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+                return proc
+        except psutil.Error:
+            pass
+        return None
 
     def proc_alive(self) -> bool:
         """Whether the replica's own proc (the first of `processes`) still runs on this host:
         a check with no round trip to the replica, which answers only between weight updates."""
         pids = self.processes.get("pids", [])
-        return bool(pids) and any(p.pid == pids[0][0] for p in self._live_processes())
+        return bool(pids) and self._running(*pids[0]) is not None
 
     def kill_leftovers(self) -> int:
         """SIGKILL what is still alive of this replica's processes (on this host): a killed
@@ -83,7 +83,10 @@ class GeneratorReplica:
         if not self.on_this_host():
             return 0  # on another host: its host mesh's shutdown ends them
         killed, segments = 0, set()
-        for proc in self._live_processes():
+        for pid, started in self.processes.get("pids", []):
+            proc = self._running(pid, started)
+            if proc is None:
+                continue
             try:
                 segments |= _shared_memory_segments(proc.pid)
                 proc.kill()
