@@ -108,3 +108,26 @@ def vllm_cpu_defaults(startup_timeout_s: float | None = None) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if startup_timeout_s is not None:
         os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(int(max(1, startup_timeout_s))))
+
+
+def vllm_cpu_single_worker_executor(tensor_parallel_size: int):
+    """The in-process worker executor for a one-worker CPU engine; None where vLLM's own
+    choice stands (a GPU, or several CPU workers).
+
+    vLLM's CPU platform replaces the single-worker executor ("uni") with the multiprocess
+    one, so that each worker sets its OpenMP threads in a fresh process. Under `AsyncLLM` the
+    engine core is already a fresh process of its own, and the extra worker process costs
+    every decode step a hand-off: a shared-memory queue with a spin-wait, and a context
+    switch when both share a core. Measured on one core, 128 sequences x 48 tokens of the
+    benchmark model: 7-17% less decode time in process, with the same outputs; with two
+    OpenMP threads the worker still binds both cores. The platform only replaces the string
+    "uni", so the executor is named by its class.
+    """
+    from vllm.platforms import current_platform
+
+    if tensor_parallel_size != 1 or not current_platform.is_cpu():
+        return None
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    return UniProcExecutor
+

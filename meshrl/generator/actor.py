@@ -16,6 +16,7 @@ other endpoint (updates, pause, stats, stop) stays responsive while it runs.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 
@@ -61,6 +62,13 @@ class GeneratorActor(Actor):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_threads_bind(cpus, config.generator.tp)
         generator = Generator(config, checkpoint_dir, replica)
         startup_s = await generator.start(version)
+        # This process is vLLM's front-end: it makes Python objects for every decoded token.
+        # A full collection then walks everything loaded so far (torch, vLLM, Monarch), about
+        # 0.3 s on one core every few hundred steps: 8% of decode time, measured. Freezing
+        # the start-up heap leaves the collector only what is made afterwards (as vLLM does
+        # in its engine core).
+        gc.collect()
+        gc.freeze()
         self.generator = generator
         return {"replica": replica, "startup_s": startup_s, "version": version, "processes": _process_tree()}
 
