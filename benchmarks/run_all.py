@@ -1,6 +1,6 @@
 """Run every benchmark once, in order, each bounded in time; results land in benchmarks/results/.
 
-    python benchmarks/run_all.py            # about 15-25 minutes on a 2-core CPU machine
+    python benchmarks/run_all.py            # about 20-25 minutes on a 2-core CPU machine
     python benchmarks/run_all.py --only async_vs_sync,scaling_model
 
 Each benchmark runs as its own process (one set of meshes and engines at a time: the
@@ -30,7 +30,7 @@ BENCHMARKS = [
                      "--out", os.path.join(RESULTS, "weight_sync.json")], 600),
     ("generator_overhead", ["generator_overhead.py", "--out", os.path.join(RESULTS, "generator_overhead.json")], 300),
     ("trainer_throughput", ["trainer_throughput.py", "--steps", "3"], 300),
-    ("async_vs_sync", ["async_vs_sync.py"], 600),
+    ("async_vs_sync", ["async_vs_sync.py"], 900),
     ("trl_peer", ["trl_peer.py", "--meshrl-json", os.path.join(RESULTS, "async_vs_sync.json")], 600),
     ("scaling_model", ["scaling_model.py"], 120),
 ]

@@ -5,7 +5,10 @@ tokenizer, same task and reward (`--task`, default 'digits'), same group size, b
 completion length, clipping and loss aggregation. Measured in one invocation, one system
 after the other (the machine has 2 cores). Reports samples/s and reward against samples
 for TRL and for meshrl in both modes, and whether the issue's target holds: meshrl async
-at least 2x TRL's samples/s at equal or better reward per sample.
+at least 2x TRL's samples/s at equal or better reward per sample. Every system runs at
+each seed of `--seeds` (TRL from that seed's meshrl initial weights): speed is the mean
+over the seeds, and the reward verdict takes async - TRL seed by seed, with the spread
+between seeds as its noise.
 
     python benchmarks/trl_peer.py [--steps 16] [--trl-steps 16]
     python benchmarks/trl_peer.py --meshrl-json benchmarks/results/async_vs_sync.json  # reuse those runs
@@ -27,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from async_vs_sync import RESULTS, add_common_args, bench_config, reward_gap, run_mode  # noqa: E402
+from async_vs_sync import RESULTS, add_common_args, bench_config, mode_means, reward_gap, run_mode  # noqa: E402
 
 TARGET_SPEEDUP = 2.0
 
@@ -137,61 +140,76 @@ def main() -> None:
     add_common_args(p)
     p.add_argument("--trl-steps", type=int, default=None, help="TRL optimizer steps (default: --steps)")
     p.add_argument("--trl-settings", default="float32,bfloat16,float32+compile",
-                   help="TRL settings to try (a dtype, +compile for torch_compile=True); the fastest is the reference (TRL at its best setting on this machine)")
+                   help="TRL settings to try at the first seed (a dtype, +compile for torch_compile=True); the fastest is the reference (TRL at its best setting on this machine) and runs at the other seeds")
     p.add_argument("--meshrl-json", default=None,
-                   help="reuse the meshrl sync/async runs of this async_vs_sync.json (same problem size) instead of running them")
+                   help="reuse the meshrl sync/async runs of this async_vs_sync.json (same problem size and seeds) instead of running them")
     p.add_argument("--out", default=os.path.join(RESULTS, "trl_peer.json"))
     args = p.parse_args()
     t0 = time.monotonic()
     batch = args.batch_groups * args.group_size
+    seeds = [args.seed + i for i in range(max(1, args.seeds))]
     with tempfile.TemporaryDirectory(prefix="meshrl-bench-") as root:
         if args.meshrl_json:
             with open(args.meshrl_json) as f:
                 reused = json.load(f)
-            for key in ("batch_groups", "group_size", "max_new_tokens", "lr", "seed", "task", "dtype", "compile", "async_batches_in_flight"):
+            for key in ("batch_groups", "group_size", "max_new_tokens", "lr", "seed", "seeds", "task", "dtype", "compile",
+                        "async_batches_in_flight", "model"):
                 if reused["args"].get(key) != getattr(args, key):
                     raise SystemExit(f"{args.meshrl_json} was run with {key}={reused['args'].get(key)}, not {getattr(args, key)}")
             meshrl = reused["results"]
-            hf_v0, tokenizer_dir = export_initial_policy(args, root)
         else:
-            meshrl = [run_mode(mode, args, os.path.join(root, mode)) for mode in ("sync", "async")]
-            hf_v0, tokenizer_dir = meshrl[0]["hf_v0"], meshrl[0]["tokenizer_dir"]
-        cfg = bench_config("sync", args, os.path.join(root, "unused"))
+            meshrl = []
+            for i, seed in enumerate(seeds):
+                seed_args = argparse.Namespace(**{**vars(args), "seed": seed})
+                for mode in ("sync", "async"):
+                    name = mode if i == 0 else f"{mode}-seed{seed}"
+                    meshrl.append({**run_mode(mode, seed_args, os.path.join(root, name)), "mode": name, "base_mode": mode, "seed": seed})
+        means = {m: mode_means([r for r in meshrl if r["base_mode"] == m], batch) for m in ("sync", "async")}
         steps = args.trl_steps or args.steps
-        tried = [run_trl(hf_v0, tokenizer_dir, cfg, steps, os.path.join(root, f"trl-{x}"), x) for x in args.trl_settings.split(",")]
-        trl = min(tried, key=lambda t: t["step_s"])
-        others = [{**t, "mode": f"trl-{t['setting']}"} for t in tried if t is not trl]
-        # TRL's own seed-to-seed spread (same initial weights, other sampling seed): the noise floor
-        cfg.seed = args.seed + 1
-        trl_noise = {**run_trl(hf_v0, tokenizer_dir, cfg, steps, os.path.join(root, "trl2"), trl["setting"]), "mode": f"trl-seed{cfg.seed}"}
-    for t in [trl, trl_noise] + others:
+        trl_runs, others = [], []
+        for i, seed in enumerate(seeds):
+            seed_args = argparse.Namespace(**{**vars(args), "seed": seed})
+            hf_v0, tokenizer_dir = export_initial_policy(seed_args, os.path.join(root, f"seed{seed}"))
+            cfg = bench_config("sync", seed_args, os.path.join(root, "unused"))
+            settings = args.trl_settings.split(",") if i == 0 else [trl_runs[0]["setting"]]
+            tried = [run_trl(hf_v0, tokenizer_dir, cfg, steps, os.path.join(root, f"trl-{seed}-{x}"), x) for x in settings]
+            best = min(tried, key=lambda t: t["step_s"])
+            trl_runs.append({**best, "mode": "trl" if i == 0 else f"trl-seed{seed}", "seed": seed})
+            others += [{**t, "mode": f"trl-{t['setting']}", "seed": seed} for t in tried if t is not best]
+    for t in trl_runs + others:
         t.update(reward_last=statistics.mean(r["reward/mean"] for r in t["rows"][-4:]),
                  reward_mean=statistics.mean(r["reward/mean"] for r in t["rows"]))
-    results = [trl, trl_noise] + others + [{k: v for k, v in r.items() if k not in ("hf_v0", "tokenizer_dir")} for r in meshrl]
+    trl = trl_runs[0]
+    trl_sps = batch / statistics.mean(t["step_s"] for t in trl_runs)
+    results = trl_runs + others + [{k: v for k, v in r.items() if k not in ("hf_v0", "tokenizer_dir")} for r in meshrl]
+    trl_of_seed = {t["seed"]: t for t in trl_runs}
     for r in results:
-        # reward against TRL's at equal samples the generating policy was trained on
-        r["reward_vs_trl"] = reward_gap(r["rows"], trl["rows"]) if r is not trl else None
-    by = {r["mode"]: r for r in results}
-    ratio = by["async"]["samples_per_s"] / trl["samples_per_s"]
-    gap, noise = by["async"]["reward_vs_trl"], trl_noise["reward_vs_trl"]
-    # equal or better within noise: no further below TRL than TRL is from itself with another seed
-    reward_ok = bool(gap["points"]) and gap["gap"] >= -abs(noise["gap"]) - 2 * (gap["stderr"] if gap["stderr"] == gap["stderr"] else 0.0)
+        # reward against TRL's from the same initial weights, at equal samples the generating policy was trained on
+        ref = trl_of_seed.get(r.get("seed"))
+        r["reward_vs_trl"] = reward_gap(r["rows"], ref["rows"]) if ref is not None and r is not ref else None
+    ratio = means["async"]["samples_per_s"] / trl_sps
+    # per seed async - TRL; the noise is their spread between seeds (one seed: the within-run error)
+    gaps = [r["reward_vs_trl"] for r in results if r.get("base_mode") == "async" and r["reward_vs_trl"] and r["reward_vs_trl"]["points"]]
+    gap = statistics.mean(g["gap"] for g in gaps) if gaps else float("nan")
+    stderr = (statistics.stdev(g["gap"] for g in gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else gaps[0]["stderr"]) if gaps else float("nan")
+    reward_ok = bool(gaps) and gap >= -2 * (stderr if stderr == stderr else 0.0)
     verdict = {"async_over_trl_samples_per_s": ratio,
-               "sync_over_trl_samples_per_s": by["sync"]["samples_per_s"] / trl["samples_per_s"],
-               "reward_async_minus_trl": gap["gap"], "reward_async_minus_trl_stderr": gap["stderr"],
-               "reward_noise_trl_seeds": noise["gap"],
+               "sync_over_trl_samples_per_s": means["sync"]["samples_per_s"] / trl_sps,
+               "trl_samples_per_s": trl_sps, "seeds": len(seeds),
+               "reward_async_minus_trl": gap, "reward_async_minus_trl_stderr": stderr,
+               "reward_async_minus_trl_per_seed": [g["gap"] for g in gaps],
                "target_speed_met": ratio >= TARGET_SPEEDUP, "target_reward_met": reward_ok,
                "target_met": ratio >= TARGET_SPEEDUP and reward_ok}
     # What overlap alone can give on this machine: one step takes at least the longer of
     # generating a batch (G) and training on it (T), each on its own share of the cores,
-    # both measured in the sync run. TRL's step over that is the ratio's ceiling, unless
+    # both measured in the sync runs. TRL's step over that is the ratio's ceiling, unless
     # async also generates more cheaply than sync (more sequences in flight per decode step).
-    G, T = by["sync"].get("G_s", 0.0), by["sync"].get("T_s", 0.0)
+    G, T = means["sync"].get("G_s", 0.0), means["sync"].get("T_s", 0.0)
     if G and T:
         verdict["async_step_floor_s"] = max(G, T)
-        verdict["ceiling_over_trl_samples_per_s"] = trl["step_s"] / max(G, T)
+        verdict["ceiling_over_trl_samples_per_s"] = (batch / trl_sps) / max(G, T)
 
-    print(f"TRL reference: {trl['setting']} (fastest of {args.trl_settings})")
+    print(f"TRL reference: {trl['setting']} (fastest of {args.trl_settings} at seed {trl['seed']}), over {len(seeds)} seed(s)")
     print(f"\n{'system':<22}{'mean step s':>12}{'samples/s':>11}"
           f"{'reward - TRL (equal policy samples)':>38}{'reward (last 4 steps)':>23}")
     for r in results:
@@ -199,16 +217,20 @@ def main() -> None:
         vs = f"{g['gap']:+.3f} +- {g['stderr']:.3f}" if g else "reference"
         print(f"{r['mode']:<22}{r['step_s']:>12.3f}{r['samples_per_s']:>11.1f}"
               f"{vs:>38}{r['reward_last']:>23.4f}")
-    print(f"\nmeshrl async / TRL samples/s = {ratio:.2f}x (target {TARGET_SPEEDUP:.0f}x: {'met' if verdict['target_speed_met'] else 'NOT met'}); "
-          f"reward per sample {'equal, better or within noise' if reward_ok else 'WORSE'} "
-          f"({gap['gap']:+.3f} +- {gap['stderr']:.3f}; TRL seed-to-seed {noise['gap']:+.3f}); overall target {'met' if verdict['target_met'] else 'NOT met'}")
+    print(f"\nmeans over {len(seeds)} seed(s): TRL {trl_sps:.1f} samples/s, meshrl sync {means['sync']['samples_per_s']:.1f}, "
+          f"async {means['async']['samples_per_s']:.1f}")
+    print(f"meshrl async / TRL samples/s = {ratio:.2f}x (target {TARGET_SPEEDUP:.0f}x: {'met' if verdict['target_speed_met'] else 'NOT met'}); "
+          f"reward per sample, async - TRL per seed {', '.join(f'{g:+.3f}' for g in verdict['reward_async_minus_trl_per_seed'])}: "
+          f"mean {gap:+.3f} +- {stderr:.3f}, {'equal, better or within noise' if reward_ok else 'WORSE'}; "
+          f"overall target {'met' if verdict['target_met'] else 'NOT met'}")
     if "ceiling_over_trl_samples_per_s" in verdict:
-        print(f"overlap ceiling: max(G, T) = {verdict['async_step_floor_s']:.3f} s from the sync run gives "
+        print(f"overlap ceiling: max(G, T) = {verdict['async_step_floor_s']:.3f} s from the sync runs gives "
               f"{verdict['ceiling_over_trl_samples_per_s']:.2f}x TRL's samples/s; async beats it only by generating "
               f"more efficiently than sync (more sequences in flight)")
     from async_vs_sync import machine, plot
 
     payload = {"args": vars(args), "reused_meshrl_runs": args.meshrl_json, "machine": machine(), "results": results,
+               "means": {**means, "trl": {"samples_per_s": trl_sps, "runs": len(trl_runs)}},
                "verdict": verdict, "wall_s": time.monotonic() - t0}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

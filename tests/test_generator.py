@@ -123,7 +123,8 @@ def world(tmp_path_factory):
         assert info["version"] == 0
         source = helpers.spawn("source", PromptSource)
         sink = helpers.spawn("sink", CompletionSink)
-        yield {"root": root, "model": model, "ckpt": ckpt, "gen": gen, "source": source, "sink": sink, "helpers": helpers}
+        yield {"root": root, "model": model, "ckpt": ckpt, "gen": gen, "source": source, "sink": sink, "helpers": helpers,
+               "setup": info}
     finally:
         if gen is not None:
             try:
@@ -228,6 +229,16 @@ def test_versions_from_spans():
 
 
 @pytest.mark.slow
+def test_cpu_engine_runs_the_model_in_its_engine_core_process(world):
+    """One CPU worker runs inside vLLM's engine-core process (compat.vllm_cpu_single_worker_executor):
+    a separate worker process costs every decode step a hand-off on a shared core."""
+    import psutil
+
+    names = [psutil.Process(pid).name() for pid, _ in world["setup"]["processes"]["pids"] if psutil.pid_exists(pid)]
+    assert any("EngineCore" in n for n in names), names
+    assert not any("Worker" in n for n in names), names
+
+
 def test_greedy_matches_transformers(world):
     model, gen = world["model"], world["gen"]
     ps = prompts(3, first_group=10)
