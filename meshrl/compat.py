@@ -130,4 +130,3 @@ def vllm_cpu_single_worker_executor(tensor_parallel_size: int):
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     return UniProcExecutor
-

@@ -235,10 +235,11 @@ def test_cpu_engine_runs_the_model_in_its_engine_core_process(world):
     import psutil
 
     names = [psutil.Process(pid).name() for pid, _ in world["setup"]["processes"]["pids"] if psutil.pid_exists(pid)]
-    assert any("EngineCore" in n for n in names), names
+    assert any("EngineCor" in n for n in names), names  # the kernel's name keeps 15 characters
     assert not any("Worker" in n for n in names), names
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers(world):
     model, gen = world["model"], world["gen"]
     ps = prompts(3, first_group=10)
