@@ -283,10 +283,23 @@ def mode_means(runs: list[dict], batch: int) -> dict:
     return out
 
 
+def mean_gap(gaps: list[dict]) -> dict:
+    """The mean of per-seed reward gaps (`reward_gap` results), its standard error from their
+    spread between seeds (one seed: that run's within-run error), and whether the mean is
+    no worse than -2 standard errors."""
+    if not gaps:
+        return {"gap": float("nan"), "stderr": float("nan"), "per_seed": [], "seeds": 0, "within_noise_or_better": False}
+    values = [g["gap"] for g in gaps]
+    stderr = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else gaps[0]["stderr"]
+    mean = statistics.mean(values)
+    return {"gap": mean, "stderr": stderr, "per_seed": values, "seeds": len(values),
+            "within_noise_or_better": mean >= -2 * (stderr if stderr == stderr else 0.0)}
+
+
 def paired_reward_gap(results: list[dict], seeds: list[int]) -> dict:
     """Per seed, async's reward minus sync's at equal policy samples (same initial weights and
-    prompts); their mean, and its standard error from the spread between seeds: the run-to-run
-    noise, which one pair's within-run error does not see."""
+    prompts), summarised by `mean_gap`: the spread between seeds is the run-to-run noise,
+    which one pair's within-run error does not see."""
     per_seed = []
     for seed in seeds:
         pair = {r["base_mode"]: r for r in results if r["seed"] == seed}
@@ -294,14 +307,24 @@ def paired_reward_gap(results: list[dict], seeds: list[int]) -> dict:
             g = reward_gap(pair["async"]["rows"], pair["sync"]["rows"])
             if g["points"]:
                 per_seed.append(g)
-    if not per_seed:
-        return {"gap": float("nan"), "stderr": float("nan"), "per_seed": [], "seeds": 0, "within_noise_or_better": False}
-    gaps = [g["gap"] for g in per_seed]
-    # one seed: only the within-run error is there to go by
-    stderr = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else per_seed[0]["stderr"]
-    mean = statistics.mean(gaps)
-    return {"gap": mean, "stderr": stderr, "per_seed": gaps, "seeds": len(gaps),
-            "within_noise_or_better": mean >= -2 * (stderr if stderr == stderr else 0.0)}
+    return mean_gap(per_seed)
+
+
+def bench_seeds(args: argparse.Namespace) -> list[int]:
+    return [args.seed + i for i in range(max(1, args.seeds))]
+
+
+def run_seeds(args: argparse.Namespace, modes: list[str], root: str) -> list[dict]:
+    """Every mode at every seed of `--seeds`, seed by seed with the modes side by side (the
+    VM's speed drifts, and this spreads the drift over all modes). The first seed's runs
+    are named by their mode, the others `mode-seedN`."""
+    results = []
+    for i, seed in enumerate(bench_seeds(args)):
+        seed_args = argparse.Namespace(**{**vars(args), "seed": seed})
+        for mode in modes:
+            name = mode if i == 0 else f"{mode}-seed{seed}"
+            results.append({**run_mode(mode, seed_args, os.path.join(root, name)), "mode": name, "base_mode": mode, "seed": seed})
+    return results
 
 
 def main() -> None:
@@ -312,16 +335,10 @@ def main() -> None:
     t0 = time.monotonic()
     load_before = machine()
     modes = args.modes.split(",")
-    seeds = [args.seed + i for i in range(max(1, args.seeds))]
+    seeds = bench_seeds(args)
     batch = args.batch_groups * args.group_size
-    results = []
     with tempfile.TemporaryDirectory(prefix="meshrl-bench-") as root:
-        # seed by seed, the modes side by side: the VM's speed drifts, and this spreads the drift over both
-        for i, seed in enumerate(seeds):
-            seed_args = argparse.Namespace(**{**vars(args), "seed": seed})
-            for mode in modes:
-                name = mode if i == 0 else f"{mode}-seed{seed}"
-                results.append({**run_mode(mode, seed_args, os.path.join(root, name)), "mode": name, "base_mode": mode, "seed": seed})
+        results = run_seeds(args, modes, root)
     means = {m: mode_means([r for r in results if r["base_mode"] == m], batch) for m in modes}
     print_table(results)
     if not {"sync", "async"} <= set(modes):

@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from async_vs_sync import RESULTS, add_common_args, bench_config, mode_means, reward_gap, run_mode  # noqa: E402
+from async_vs_sync import RESULTS, add_common_args, bench_config, bench_seeds, mean_gap, mode_means, reward_gap, run_seeds  # noqa: E402
 
 TARGET_SPEEDUP = 2.0
 
@@ -147,7 +147,7 @@ def main() -> None:
     args = p.parse_args()
     t0 = time.monotonic()
     batch = args.batch_groups * args.group_size
-    seeds = [args.seed + i for i in range(max(1, args.seeds))]
+    seeds = bench_seeds(args)
     with tempfile.TemporaryDirectory(prefix="meshrl-bench-") as root:
         if args.meshrl_json:
             with open(args.meshrl_json) as f:
@@ -158,12 +158,7 @@ def main() -> None:
                     raise SystemExit(f"{args.meshrl_json} was run with {key}={reused['args'].get(key)}, not {getattr(args, key)}")
             meshrl = reused["results"]
         else:
-            meshrl = []
-            for i, seed in enumerate(seeds):
-                seed_args = argparse.Namespace(**{**vars(args), "seed": seed})
-                for mode in ("sync", "async"):
-                    name = mode if i == 0 else f"{mode}-seed{seed}"
-                    meshrl.append({**run_mode(mode, seed_args, os.path.join(root, name)), "mode": name, "base_mode": mode, "seed": seed})
+            meshrl = run_seeds(args, ["sync", "async"], root)
         means = {m: mode_means([r for r in meshrl if r["base_mode"] == m], batch) for m in ("sync", "async")}
         steps = args.trl_steps or args.steps
         trl_runs, others = [], []
@@ -188,16 +183,15 @@ def main() -> None:
         ref = trl_of_seed.get(r.get("seed"))
         r["reward_vs_trl"] = reward_gap(r["rows"], ref["rows"]) if ref is not None and r is not ref else None
     ratio = means["async"]["samples_per_s"] / trl_sps
-    # per seed async - TRL; the noise is their spread between seeds (one seed: the within-run error)
-    gaps = [r["reward_vs_trl"] for r in results if r.get("base_mode") == "async" and r["reward_vs_trl"] and r["reward_vs_trl"]["points"]]
-    gap = statistics.mean(g["gap"] for g in gaps) if gaps else float("nan")
-    stderr = (statistics.stdev(g["gap"] for g in gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else gaps[0]["stderr"]) if gaps else float("nan")
-    reward_ok = bool(gaps) and gap >= -2 * (stderr if stderr == stderr else 0.0)
+    # per seed async - TRL; the noise is their spread between seeds
+    summary = mean_gap([r["reward_vs_trl"] for r in results
+                        if r.get("base_mode") == "async" and r["reward_vs_trl"] and r["reward_vs_trl"]["points"]])
+    gap, stderr, reward_ok = summary["gap"], summary["stderr"], summary["within_noise_or_better"]
     verdict = {"async_over_trl_samples_per_s": ratio,
                "sync_over_trl_samples_per_s": means["sync"]["samples_per_s"] / trl_sps,
                "trl_samples_per_s": trl_sps, "seeds": len(seeds),
                "reward_async_minus_trl": gap, "reward_async_minus_trl_stderr": stderr,
-               "reward_async_minus_trl_per_seed": [g["gap"] for g in gaps],
+               "reward_async_minus_trl_per_seed": summary["per_seed"],
                "target_speed_met": ratio >= TARGET_SPEEDUP, "target_reward_met": reward_ok,
                "target_met": ratio >= TARGET_SPEEDUP and reward_ok}
     # What overlap alone can give on this machine: one step takes at least the longer of
