@@ -50,7 +50,7 @@ def read_metrics(run_dir: str) -> list[dict[str, float]]:
 
 
 PANELS = [
-    ("reward", ["reward/mean", "reward/success_rate"]),
+    ("reward", ["reward/mean", "reward/success_rate", "trainer/reward_mean"]),
     ("staleness (versions)", ["trainer/staleness_mean", "trainer/staleness_max"]),
     ("idle fraction", ["trainer/idle_frac", "generator/idle_frac"]),
     ("loss", ["trainer/loss"]),

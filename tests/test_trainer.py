@@ -107,6 +107,7 @@ def test_micro_batches_sum_to_the_full_batch_loss():
     assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5
     assert a["tokens"] == float(pack_for_trainer(batch)["loss_mask"].sum())
     assert a["staleness_max"] == 1.0 and 0 < a["staleness_mean"] < 1  # lags 0 / 1
+    assert a["reward_mean"] == pytest.approx(float(batch["reward"].mean()))  # the trained batch's own
 
 
 def test_bf16_compute_on_cpu_tracks_float32_and_keeps_float32_state():

@@ -204,6 +204,9 @@ class PolicyTrainer:
         out.update(
             version=self.step, grad_norm=float(grad_norm), logprob_mismatch=out.get("mismatch", 0.0),
             staleness_mean=float(merged["lag_sum"]) / tokens, staleness_max=float(merged["lag_max"]),
+            # the reward of the very samples this step trained on (the scorer's reward/mean
+            # covers what was scored since the last step, which in async mode is newer)
+            reward_mean=float(batch["reward"].float().mean()) if "reward" in batch.keys() else float("nan"),
             lr=self.scheduler.get_last_lr()[0], step_time_s=time.perf_counter() - t0,
             tokens_per_s=token_count / (time.perf_counter() - t0),
         )
