@@ -32,12 +32,12 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 sys.path.insert(0, ROOT)
 
 BENCH_MODEL = {"dim": 384, "n_layers": 6, "n_heads": 12, "n_kv_heads": 6, "ffn_dim": 1152}
-"""About 10.7M parameters. Sized so that one core of vLLM generation keeps up with one core
-of training while both run (G <= T under contention), as one provisions generator replicas
-on a cluster so the trainer never waits. Measured in the sixth session: G 0.90 s, T 0.75 s
-per 64 samples alone; T 0.84 s and G 0.88 s while both run. The fifth session's model (dim
-320, G 0.62-0.77 s against T 0.53-0.58 s) left the trainer idle 0.13-0.19 of each async
-step on a day the VM generated more slowly (README)."""
+"""About 10.7M parameters. Sized so that one core of vLLM generation about matches one core
+of training while both run, as one provisions generator replicas on a cluster so the
+trainer never waits. Measured in the sixth session: G 0.90 s, T 0.75 s per 64 samples
+alone; G 0.85 s, T 0.82 s while both run (training suffers more from sharing the memory
+system). The fifth session's model (dim 320: G 0.69-0.78 s against T 0.54-0.58 s on the
+same day) left the trainer idle 0.13-0.19 of each async step (README)."""
 
 
 def fast_bf16() -> bool:
