@@ -179,7 +179,8 @@ def main() -> None:
         t.update(reward_last=statistics.mean(r["reward"] for r in t["rows"][-4:]),
                  reward_mean=statistics.mean(r["reward"] for r in t["rows"]))
     trl = trl_runs[0]
-    trl_sps = batch / statistics.mean(t["step_s"] for t in trl_runs)
+    means["trl"] = mode_means(trl_runs, batch)
+    trl_sps = means["trl"]["samples_per_s"]
     results = trl_runs + others + [{k: v for k, v in r.items() if k not in ("hf_v0", "tokenizer_dir")} for r in meshrl]
     trl_of_seed = {t["seed"]: t for t in trl_runs}
     for r in results:
@@ -228,7 +229,7 @@ def main() -> None:
     from async_vs_sync import machine, plot
 
     payload = {"args": vars(args), "reused_meshrl_runs": args.meshrl_json, "machine": machine(), "results": results,
-               "means": {**means, "trl": {"samples_per_s": trl_sps, "runs": len(trl_runs)}},
+               "means": means,
                "verdict": verdict, "wall_s": time.monotonic() - t0}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

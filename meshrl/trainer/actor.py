@@ -206,7 +206,7 @@ class PolicyTrainer:
             staleness_mean=float(merged["lag_sum"]) / tokens, staleness_max=float(merged["lag_max"]),
             # the reward of the very samples this step trained on (the scorer's reward/mean
             # covers what was scored since the last step, which in async mode is newer)
-            reward_mean=float(batch["reward"].float().mean()) if "reward" in batch.keys() else float("nan"),
+            reward_mean=float(batch["reward"].mean()),
             lr=self.scheduler.get_last_lr()[0], step_time_s=time.perf_counter() - t0,
             tokens_per_s=token_count / (time.perf_counter() - t0),
         )
