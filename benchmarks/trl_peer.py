@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from async_vs_sync import RESULTS, add_common_args, bench_config, bench_seeds, mean_gap, mode_means, reward_gap, run_seeds  # noqa: E402
+from async_vs_sync import RESULTS, add_common_args, bench_config, bench_seeds, mean_gap, mode_means, reward_gap, run_seeds, time_to_reward  # noqa: E402
 
 TARGET_SPEEDUP = 2.0
 
@@ -154,13 +154,15 @@ def main() -> None:
         if args.meshrl_json:
             with open(args.meshrl_json) as f:
                 reused = json.load(f)
-            for key in ("batch_groups", "group_size", "max_new_tokens", "lr", "seed", "seeds", "task", "dtype", "compile",
+            for key in ("steps", "batch_groups", "group_size", "max_new_tokens", "lr", "seed", "seeds", "task", "dtype", "compile",
                         "async_batches_in_flight", "model"):
                 if reused["args"].get(key) != getattr(args, key):
                     raise SystemExit(f"{args.meshrl_json} was run with {key}={reused['args'].get(key)}, not {getattr(args, key)}")
             meshrl = reused["results"]
         else:
             meshrl = run_seeds(args, ["sync", "async"], root)
+        for r in meshrl:  # at this invocation's --reward-level, also for reused runs
+            r["time_to_reward_s"] = time_to_reward(r["rows"], args.reward_level)
         means = {m: mode_means([r for r in meshrl if r["base_mode"] == m], batch) for m in ("sync", "async")}
         steps = args.trl_steps or args.steps
         trl_runs, others = [], []
@@ -177,7 +179,8 @@ def main() -> None:
             trl_runs.append({**run, "mode": "trl" if i == 0 else f"trl-seed{seed}", "seed": seed})
     for t in trl_runs + others:
         t.update(reward_last=statistics.mean(r["reward"] for r in t["rows"][-4:]),
-                 reward_mean=statistics.mean(r["reward"] for r in t["rows"]))
+                 reward_mean=statistics.mean(r["reward"] for r in t["rows"]),
+                 time_to_reward_s=time_to_reward(t["rows"], args.reward_level))
     trl = trl_runs[0]
     means["trl"] = mode_means(trl_runs, batch)
     trl_sps = means["trl"]["samples_per_s"]
@@ -197,6 +200,7 @@ def main() -> None:
                "trl_samples_per_s": trl_sps, "seeds": len(seeds),
                "reward_async_minus_trl": gap, "reward_async_minus_trl_stderr": stderr,
                "reward_async_minus_trl_per_seed": summary["per_seed"],
+               "time_to_reward_s": {m: means[m]["time_to_reward_s"] for m in ("trl", "sync", "async")},
                "target_speed_met": ratio >= TARGET_SPEEDUP, "target_reward_met": reward_ok,
                "target_met": ratio >= TARGET_SPEEDUP and reward_ok}
     # What overlap alone can give on this machine: one step takes at least the longer of
@@ -222,6 +226,9 @@ def main() -> None:
           f"reward per sample, async - TRL per seed {', '.join(f'{g:+.3f}' for g in verdict['reward_async_minus_trl_per_seed'])}: "
           f"mean {gap:+.3f} +- {stderr:.3f}, {'equal, better or within noise' if reward_ok else 'WORSE'}; "
           f"overall target {'met' if verdict['target_met'] else 'NOT met'}")
+    reach = verdict["time_to_reward_s"]
+    print(f"training time to a trained-batch reward of {args.reward_level} (mean over seeds): "
+          + ", ".join(f"{m} {'never (some seed)' if t is None else f'{t:.1f} s'}" for m, t in reach.items()))
     if "ceiling_over_trl_samples_per_s" in verdict:
         print(f"overlap ceiling: max(G, T) = {verdict['async_step_floor_s']:.3f} s from the sync runs gives "
               f"{verdict['ceiling_over_trl_samples_per_s']:.2f}x TRL's samples/s; async beats it only by generating "
