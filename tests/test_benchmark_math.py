@@ -1,0 +1,56 @@
+"""The arithmetic behind benchmarks/README.md's verdicts: reward at equal policy samples,
+the seed-level noise, and the training time to a reward. Pure functions on made-up rows."""
+
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+from async_vs_sync import mean_gap, policy_samples, reward_gap, time_to_reward  # noqa: E402
+
+BATCH = 64
+
+
+def rows(rewards, staleness=0.0, step_s=1.0):
+    """Benchmark rows for steps 1..n as run_mode builds them."""
+    return [{"step": k, "reward": r, "time/step_s": step_s, "policy_samples": policy_samples(k, staleness, BATCH)}
+            for k, r in enumerate(rewards, start=1)]
+
+
+def test_a_lagging_measurement_of_the_same_learning_is_no_gap():
+    # The same policy curve (reward 0.1 per version) seen by an async run whose batches are
+    # two versions old: at step k it trains on version k - 3, so its rewards trail by two
+    # steps, and at equal policy samples the gap is zero.
+    curve = [0.1 * v for v in range(12)]
+    sync = rows(curve[:10])
+    lagged = rows([curve[max(0, k - 3)] for k in range(1, 11)], staleness=2.0)
+    g = reward_gap(lagged, sync)
+    assert g["points"] > 0 and g["gap"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_slower_learner_shows_a_negative_gap_and_fails_the_noise_rule():
+    sync = rows([0.1 * k for k in range(10)])
+    slower = rows([0.05 * k for k in range(10)])
+    g = reward_gap(slower, sync)
+    assert g["gap"] < -0.1
+    assert not mean_gap([g, g, {**g, "gap": g["gap"] * 1.1}])["within_noise_or_better"]
+
+
+def test_seed_noise_comes_from_the_spread_between_seeds():
+    m = mean_gap([{"gap": 0.1, "stderr": 0.0}, {"gap": -0.1, "stderr": 0.0}, {"gap": 0.0, "stderr": 0.0}])
+    assert m["gap"] == pytest.approx(0.0, abs=1e-12)
+    assert m["stderr"] == pytest.approx(0.1 / math.sqrt(3))
+    assert m["within_noise_or_better"] and m["seeds"] == 3
+    assert not mean_gap([])["within_noise_or_better"]
+
+
+def test_time_to_reward_counts_training_seconds_until_the_window_mean_reaches_the_level():
+    r = rows([0.1, 0.5, 0.7, 0.8, 0.9, 0.95], step_s=2.0)
+    # 3-step means: 0.433 (step 3), 0.667 (4), 0.8 (5): the level 0.7 is reached at step 5
+    assert time_to_reward(r, 0.7) == pytest.approx(10.0)
+    assert time_to_reward(r, 0.99) is None
+    # the window must be full: one early lucky batch does not count
+    assert time_to_reward(rows([0.9, 0.1, 0.1]), 0.5) is None
