@@ -95,7 +95,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-set", action="append", metavar="KEY=VALUE", help="extra config override for the sync run only")
     p.add_argument("--async-set", action="append", metavar="KEY=VALUE", help="extra config override for the async run only")
     p.add_argument("--reward-level", type=float, default=0.7,
-                   help="the reward whose wall-clock time to reach each run reports (trained batches, 3-step mean)")
+                   help="report each run's training time until its trained batches' reward (3-step mean) reaches this level")
     p.add_argument("--modes", default="sync,async", help="which modes to run")
     p.add_argument("--seeds", type=int, default=3,
                    help="run each mode with seeds seed .. seed + N - 1: means over them, and the spread of the paired reward gaps is the noise")
