@@ -20,6 +20,7 @@ Prints a table, writes benchmarks/results/async_vs_sync.json and .png.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -169,11 +170,11 @@ def policy_samples(step: int, staleness: float, batch: int) -> float:
 def reward_gap(rows: list[dict], reference: list[dict]) -> dict:
     """Mean reward of `rows` minus the reference's reward interpolated at the same policy
     samples (only where the reference covers them), with its standard error."""
-    ref = sorted((r["policy_samples"], r["reward"]) for r in reference if "reward" in r)
+    ref = sorted((r["policy_samples"], r["reward"]) for r in reference)
     gaps = []
     for r in rows:
         x = r["policy_samples"]
-        if "reward" not in r or not ref or not ref[0][0] <= x <= ref[-1][0]:
+        if not ref or not ref[0][0] <= x <= ref[-1][0]:
             continue
         for (x0, y0), (x1, y1) in zip(ref, ref[1:]):
             if x0 <= x <= x1:
@@ -277,8 +278,7 @@ def plot(results: list[dict], out: str, extra_title: str = "") -> str:
         style = {"color": SYSTEM_COLORS.get(system, "0.6"), "linestyle": SEED_STYLES[seeds.index(res.get("seed", 0)) % len(SEED_STYLES)],
                  "marker": ".", "markersize": 3, "linewidth": 1 if system == "probe" else 1.5, "label": res["mode"]}
         ax_r.plot([r["policy_samples"] for r in rows], [r["reward"] for r in rows], **style)
-        elapsed = [sum(r["time/step_s"] for r in rows[:i + 1]) for i in range(len(rows))]
-        ax_w.plot(elapsed, [r["reward"] for r in rows], **style)
+        ax_w.plot(list(itertools.accumulate(r["time/step_s"] for r in rows)), [r["reward"] for r in rows], **style)
         ax_t.plot([r.get("step", i + 1) for i, r in enumerate(rows)], [r["time/step_s"] for r in rows], **style)
     names = [r["mode"] for r in results if "trainer_idle_frac" in r]
     x = range(len(names))

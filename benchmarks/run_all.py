@@ -1,6 +1,6 @@
 """Run every benchmark once, in order, each bounded in time; results land in benchmarks/results/.
 
-    python benchmarks/run_all.py            # about 25 minutes on a 2-core CPU machine
+    python benchmarks/run_all.py            # about 19 minutes on a 2-core CPU machine
     python benchmarks/run_all.py --only async_vs_sync,scaling_model
 
 Each benchmark runs as its own process (one set of meshes and engines at a time: the
