@@ -25,7 +25,7 @@ from typing import Any, Coroutine
 
 from meshrl.config import Config, ConfigError, apply_overrides, load_yaml
 from meshrl.metrics import format_row, plot_run
-from meshrl.scoring import RewardFn
+from meshrl.rollout.env import RewardFn
 
 PROGRESS_KEYS = ("reward/mean", "trainer/loss", "trainer/staleness_max", "trainer/idle_frac")
 
@@ -106,10 +106,10 @@ class Session:
 
     # ---- the user's verbs --------------------------------------------------------------------
     def start(self) -> "Session":
-        """Allocate meshes, start trainer, generators, scorer and buffer; generation begins."""
+        """Allocate meshes, start the trainer, generators, episode queue and rollout workers; rollouts begin."""
         if self.loop is not None:
             return self
-        from meshrl.loop import RLLoop
+        from meshrl.controller.loop import RLLoop
 
         loop = RLLoop(self.config, resume=self._resume, reward_fn=self._reward_fn)
         self._call(loop.__aenter__())
@@ -131,7 +131,7 @@ class Session:
         bar = _progress(n, progress)
         try:
             for _ in range(n):
-                self._call(loop.check_generators(), 600)
+                self._call(loop.check_health(), 600)
                 row = self._call(loop.step(), self.config.buffer.get_timeout_s + 600)
                 rows.append(row)
                 if bar is not None:
@@ -147,7 +147,10 @@ class Session:
         return list(self._need().history)
 
     def buffer_state(self) -> dict[str, float]:
-        return self._call(_awaited(self._need().buffer.metrics.call_one()), 60)
+        """The episode queue's counters: groups ready, running and pending, staleness."""
+        from meshrl.compat import awaited
+
+        return self._call(awaited(self._need().queue.metrics.call_one()), 60)
 
     def pause(self) -> None:
         """Freeze generation (in-flight requests stay) until resume()."""
@@ -218,9 +221,6 @@ def run(config: Config | dict | str | None = None, *, resume: str | None = None,
     finally:
         session.stop()
 
-
-async def _awaited(future):
-    return await future
 
 
 def _progress(total: int, enabled: bool):

@@ -57,7 +57,7 @@ def _cmd_config_docs(ns: argparse.Namespace) -> int:
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     from meshrl.api import run
-    from meshrl.loop import TrainerFailed
+    from meshrl.controller.loop import TrainerFailed
 
     path, overrides = _split(ns.args)
     try:

@@ -1,12 +1,23 @@
-"""Patches that TorchTitan and vLLM need to run on CPU-only machines.
+"""Workarounds for Monarch, TorchTitan and vLLM, each one small function with its reason.
 
-Every patch is one small function with the reason beside it, so each can be dropped once
-upstream handles the case. Callers apply them explicitly (nothing is patched on import).
+Each can be dropped once upstream handles its case. Callers apply them explicitly
+(nothing is patched on import).
 """
 
 from __future__ import annotations
 
 import torch
+
+# ---- Monarch ----
+async def awaited(future):
+    """A Monarch future as a coroutine.
+
+    Monarch futures start only when awaited and are not asyncio awaitables of the kind
+    `asyncio.wait_for` / `gather` / `create_task` take, so a bounded or concurrent wait on
+    an endpoint call wraps it here first.
+    """
+    return await future
+
 
 # ---- TorchTitan on CPU ----
 def titan_use_sdpa_attention(model_config) -> None:
@@ -42,15 +53,6 @@ def titan_use_cpu_device_type() -> None:
         module.device_type = "cpu"
         if hasattr(module, "device_module"):
             module.device_module = torch.cpu
-
-
-def titan_cpu_spmd_backend(parallelism) -> None:
-    """Use the classic `partial_dtensor` SPMD path (in place on a ParallelismConfig).
-
-    The default `spmd_types` backend type-checks a multi-dimensional SPMD mesh that the
-    gloo/CPU path does not build; `partial_dtensor` is plain FSDP2 + DTensor EP.
-    """
-    parallelism.spmd_backend = "partial_dtensor"
 
 
 def titan_force_sum_reduction(model: torch.nn.Module) -> None:

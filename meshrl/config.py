@@ -157,19 +157,33 @@ class GeneratorConfig:
 @dataclass
 class BufferConfig:
     depth: int = 2
-    """Training batches the buffer holds: 0 synchronous (on-policy), 1 double buffer, K a bounded queue of K batches."""
+    """Batches admitted beyond the one the trainer trains next: 0 synchronous (on-policy), 1 a double buffer, K a bounded queue of K batches. Admission also never runs further ahead than `max_lag`."""
     max_lag: int | None = 2
-    """Reject tokens more than this many versions behind the trainer, at put and at sample time. None: no version rejection."""
+    """The staleness bound: no trained token is more than this many versions behind the trainer. Admission is derived from it (with `depth`), and tokens still too stale at sample time are masked or dropped. None: bounded by `depth` alone."""
     lag_granularity: Literal["token", "sequence"] = "token"
-    """`token`: stale tokens are masked out of the loss; `sequence`: a group whose oldest token is too stale is dropped whole."""
+    """`token`: stale tokens are masked out of the loss; `sequence`: a group whose oldest token is too stale is dropped whole (and replaced)."""
     sampling: str = "fifo"
-    """Which groups a batch takes: `fifo`, `random`, or an import path `module:callable(groups, n, rng) -> indices`."""
-    when_full: Literal["block", "evict_oldest"] = "block"
-    """A put into a full buffer waits (backpressure) or evicts the oldest group."""
-    put_timeout_s: float = 600.0
-    """Longest a producer waits for room before failing."""
+    """Which finished groups a batch takes: `fifo`, `random`, or an import path `module:callable(groups, n, rng) -> indices`."""
     get_timeout_s: float = 600.0
     """Longest the trainer waits for a batch before failing."""
+
+
+@dataclass
+class RolloutConfig:
+    workers: int = 1
+    """Rollout worker procs. Each plays groups of episodes and hosts their env instances: together they are the env pool."""
+    groups_per_worker: int = 0
+    """Groups one worker plays at once. 0: enough to keep every generator slot busy (2 x generator.replicas x generator.max_num_seqs / group_size / workers)."""
+    env: str | None = None
+    """Import path `module:Class` of an environment (reset/step, see meshrl/rollout/env.py), one instance per episode. None: the task's own env, or a single-turn env around the reward."""
+    env_args: dict = field(default_factory=dict)
+    """Keyword arguments for `env`'s constructor."""
+    max_turns: int = 8
+    """Most model turns in one episode; an episode still going then ends with finish_reason `length`."""
+    env_timeout_s: float = 30.0
+    """Longest one env call (reset or step) may take; a timeout or exception fails that episode (reward 0) and the run goes on."""
+    tool_parser: str = "hermes"
+    """How tool calls are read from model turns (tool envs): `hermes` (`<tool_call>{json}</tool_call>`, Qwen/Hermes), `compact` (a turn `!ARG` calls the env's first tool: for tiny models trained from scratch), or an import path `module:callable(text) -> list[ToolCall]`."""
 
 
 @dataclass
@@ -191,17 +205,15 @@ class ScoringConfig:
     reward_model: str | None = None
     """Local checkpoint directory of a reward model scored behind the same interface. None: no reward model."""
     timeout_s: float = 30.0
-    """Longest one reward call may take; a timeout or exception marks the sample failed (reward 0) and the run goes on."""
-    replicas: int = 1
-    """Scorer actors; scoring overlaps generation."""
+    """Longest one reward call may take; a timeout or exception fails the episode (reward 0) and the run goes on."""
 
 
 @dataclass
 class DataConfig:
     source: str = "task:digits"
-    """Prompts: `task:NAME` for a built-in procedural task (digits, letters, count, add, copy: see meshrl/tasks.py), or a local .jsonl / .parquet file."""
+    """Prompts: `task:NAME` for a built-in task (single-turn digits, letters, count, add, copy; multi-turn calc with a tool, guess: see meshrl/tasks.py), or a local .jsonl / .parquet file."""
     prompt_key: str = "prompt"
-    """Field holding the prompt text in file sources."""
+    """Field holding the prompt in file sources: text, or a list of chat messages (rendered with the tokenizer's chat template)."""
     answer_key: str = "answer"
     """Field holding the reference answer in file sources (passed to the reward function)."""
     shuffle: bool = True
@@ -259,7 +271,9 @@ class Config:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     """The generator mesh."""
     buffer: BufferConfig = field(default_factory=BufferConfig)
-    """The replay buffer between generators and trainer."""
+    """The episode queue between rollout workers and trainer: admission and the staleness bound."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout workers, environments and tools."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Weight transfer from trainer to generators."""
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
@@ -373,6 +387,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         if value not in choices:
             raise ConfigError(path, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
         return value
+    if tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(path, f"expected a mapping, got {_describe(value)}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -433,6 +451,20 @@ def _check_cpus(need, path: str, spec: str, min_per_list: int, on_this_machine: 
         need(len(cpus) >= min_per_list, path, f"each list needs at least {min_per_list} cores (one per generator.tp worker), got {cpus}")
         if on_this_machine:
             need(set(cpus) <= set(allowed), path, f"cores {sorted(set(cpus) - set(allowed))} do not exist here (this machine has {allowed}): use those, or empty for no pinning")
+
+
+def _check_import(need, path: str, value: str, what: str) -> None:
+    """`value` must be an import path `module:name` that imports, naming `what` it should be."""
+    import importlib
+
+    module, sep, attr = value.partition(":")
+    need(bool(sep and module and attr), path, f"{value!r} is not an import path 'module:name' of {what}")
+    try:
+        found = hasattr(importlib.import_module(module), attr)
+        problem = f"module {module!r} has no {attr!r}"
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's path to fix
+        found, problem = False, f"cannot import module {module!r} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    need(found, path, f"{value!r}: {problem}: give an importable 'module:name' of {what}")
 
 
 def validate(c: Config) -> None:
@@ -502,12 +534,11 @@ def validate(c: Config) -> None:
     b = c.buffer
     need(b.depth >= 0, "buffer.depth", f"must be at least 0 (0 = synchronous), got {b.depth}")
     need(b.max_lag is None or b.max_lag >= 0, "buffer.max_lag", f"a staleness bound must be at least 0 (or null for none), got {b.max_lag}")
-    need(b.put_timeout_s > 0, "buffer.put_timeout_s", f"must be positive, got {b.put_timeout_s}")
     need(b.get_timeout_s > 0, "buffer.get_timeout_s", f"must be positive, got {b.get_timeout_s}")
     if b.depth == 0:
         need(g.update_mode == "block", "generator.update_mode", f"buffer.depth=0 is synchronous on-policy training and needs update_mode 'block', got {g.update_mode!r}")
     if b.sampling not in ("fifo", "random"):
-        need(":" in b.sampling, "buffer.sampling", f"{b.sampling!r} is neither 'fifo', 'random' nor an import path 'module:callable'")
+        _check_import(need, "buffer.sampling", b.sampling, "'fifo', 'random' or a sampling function")
 
     w = c.weight_sync
     need(w.bucket_mb >= 1, "weight_sync.bucket_mb", f"must be at least 1, got {w.bucket_mb}")
@@ -515,11 +546,10 @@ def validate(c: Config) -> None:
 
     s = c.scoring
     if s.reward_fn is not None:
-        need(":" in s.reward_fn, "scoring.reward_fn", f"{s.reward_fn!r} must be an import path 'module:function'")
+        _check_import(need, "scoring.reward_fn", s.reward_fn, "a reward function")
     if s.reward_model is not None:
         need(os.path.isdir(s.reward_model), "scoring.reward_model", f"directory {s.reward_model!r} not found: give a local checkpoint directory or null")
     need(s.timeout_s > 0, "scoring.timeout_s", f"must be positive, got {s.timeout_s}")
-    need(s.replicas >= 1, "scoring.replicas", f"must be at least 1, got {s.replicas}")
 
     need(not (s.reward_fn and s.reward_model), "scoring.reward_model", "set either scoring.reward_fn or scoring.reward_model, not both")
     d = c.data
@@ -528,11 +558,25 @@ def validate(c: Config) -> None:
 
         name = d.source.removeprefix("task:")
         need(name in TASKS, "data.source", f"unknown built-in task {name!r}: use one of {', '.join('task:' + t for t in TASKS)}")
+        if TASKS[name].env is not None and c.rollout.env is None:
+            need(not (s.reward_fn or s.reward_model), "scoring.reward_fn",
+                 f"task:{name} is multi-turn and its env gives the reward: unset scoring.reward_fn / reward_model, or set rollout.env")
     else:
         need(d.source.endswith((".jsonl", ".parquet")), "data.source", f"{d.source!r} must be 'task:NAME' or a .jsonl/.parquet file")
         need(os.path.isfile(d.source), "data.source", f"file {d.source!r} not found: give a local .jsonl or .parquet file")
-        need(s.reward_fn is not None or s.reward_model is not None, "scoring.reward_fn", f"a file data source ({d.source}) needs a reward: set scoring.reward_fn or scoring.reward_model")
+        need(s.reward_fn is not None or s.reward_model is not None or c.rollout.env is not None, "scoring.reward_fn",
+             f"a file data source ({d.source}) needs a reward: set scoring.reward_fn, scoring.reward_model or rollout.env")
     need(d.num_prompts >= 1, "data.num_prompts", f"must be at least 1, got {d.num_prompts}")
+
+    r = c.rollout
+    need(r.workers >= 1, "rollout.workers", f"must be at least 1, got {r.workers}")
+    need(r.groups_per_worker >= 0, "rollout.groups_per_worker", f"must be at least 0 (0 = auto), got {r.groups_per_worker}")
+    need(r.max_turns >= 1, "rollout.max_turns", f"must be at least 1, got {r.max_turns}")
+    need(r.env_timeout_s > 0, "rollout.env_timeout_s", f"must be positive, got {r.env_timeout_s}")
+    if r.env is not None:
+        _check_import(need, "rollout.env", r.env, "an env class")
+    if r.tool_parser not in ("hermes", "compact"):
+        _check_import(need, "rollout.tool_parser", r.tool_parser, "'hermes', 'compact' or a parser function")
 
     la = c.launcher
     need(la.hosts >= 1, "launcher.hosts", f"must be at least 1, got {la.hosts}")

@@ -1,9 +1,13 @@
 """Built-in verifiable tasks: procedurally generated prompts with exact rewards.
 
 Each task makes prompt i of an epoch deterministically from a seed (so iteration resumes
-exactly) and scores a response with an exact rule. `reward(prompt, response, sample)`
-follows the reward-function signature every scorer uses; `sample["answer"]` holds the
-reference answer. Rewards are in [0, 1]; `sample["success"]` is set on a perfect score.
+exactly). A single-turn task scores a response with an exact rule:
+`reward(prompt, response, sample)` follows the reward-function signature, and
+`sample["answer"]` holds the reference answer. A multi-turn task brings its own env
+(meshrl/rollout/env.py), which plays the episode and gives the reward. Rewards are in
+[0, 1]; 1 is a perfect answer.
+
+Single-turn (raw text prompts):
 
 - digits:  "q:" -> any 8 digits. Credit per digit among the first 8 characters. A model
   trained from scratch starts near 1/10 per character and 0 success, and reaches a clear
@@ -13,14 +17,30 @@ reference answer. Rewards are in [0, 1]; `sample["success"]` is set on a perfect
 - count:   "q*3=" -> "qqq" and stop. Partial credit for the right letter, full for exact.
 - add:     "17+25=" -> "42". Exact match only.
 - copy:    "copy:hello=" -> "hello". Per-character credit.
+
+Multi-turn (chat messages, rendered by the tokenizer's chat template; both are learnable
+from scratch on a CPU by the tiny default model with the built-in character tokenizer):
+- calc:  "7*8" -> the model calls the calculator tool, then answers with its result.
+         Answering right is only possible by calling the tool and copying what it
+         returned. Credit: 0.2 for calling the tool, up to 0.3 more for the call's
+         argument (per character against the question), up to 0.5 more for the answer
+         (per character against the tool's correct result). Use `rollout.tool_parser:
+         compact` (a turn `!7*8` is a call) for models trained from scratch.
+- guess: a hidden digit; the model guesses, the env answers `+` (higher) or `-` (lower),
+         at most 4 guesses. 1.0 for a hit on the first guess, 0.1 less per extra guess.
 """
 
 from __future__ import annotations
 
+import ast
+import operator
 import random
 import string
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
+
+from meshrl.rollout.env import ModelTurn, StepResult
+from meshrl.rollout.tools import ToolEnv
 
 LETTERS_LENGTH = 8
 
@@ -28,10 +48,16 @@ LETTERS_LENGTH = 8
 @dataclass(frozen=True)
 class Task:
     name: str
-    make: Callable[[random.Random], tuple[str, str]]
-    """rng -> (prompt text, reference answer)"""
-    reward: Callable[[str, str, dict], float]
-    """(prompt, response, sample) -> reward in [0, 1]"""
+    make: Callable[[random.Random], tuple[Any, str]]
+    """rng -> (prompt: text or chat messages, reference answer)"""
+    reward: Callable[[str, str, dict], float] | None = None
+    """single-turn: (prompt, response, sample) -> reward in [0, 1]"""
+    env: Callable[[Any], Any] | None = None
+    """multi-turn: (run Config) -> a fresh env for one episode"""
+
+    def sample(self, rng: random.Random) -> dict:
+        prompt, answer = self.make(rng)
+        return {"prompt": prompt, "answer": answer}
 
 
 def _make_digits(rng: random.Random) -> tuple[str, str]:
@@ -89,12 +115,98 @@ def copy_reward(prompt: str, response: str, sample: dict) -> float:
     return sum(a == b for a, b in zip(response, target)) / max(len(target), len(response), 1)
 
 
+# ---- multi-turn ---------------------------------------------------------------------------------
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an integer arithmetic expression.
+
+    Args:
+        expression: digits with +, - and *, e.g. "7*8".
+    """
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        raise ValueError(f"cannot evaluate {expression!r}")
+
+    if len(expression) > 32:
+        raise ValueError("expression too long")
+    return str(ev(ast.parse(expression.strip(), mode="eval").body))
+
+
+def _make_calc(rng: random.Random) -> tuple[list[dict], str]:
+    a, b, op = rng.randint(0, 9), rng.randint(0, 9), rng.choice("+*")
+    question = f"{a}{op}{b}"
+    return [{"role": "user", "content": question}], calculator(question)
+
+
+def _agreement(got: str, want: str) -> float:
+    """Per-character agreement over the longer of the two."""
+    return sum(x == y for x, y in zip(got, want)) / max(len(got), len(want), 1)
+
+
+class CalcEnv(ToolEnv):
+    """The calculator task: a tool turn, then an answer copied from the tool's result."""
+
+    def __init__(self, config):
+        super().__init__([calculator], parser=config.rollout.tool_parser, max_tool_calls=2)
+        self.arguments: list[str] = []
+
+    async def step(self, turn: ModelTurn) -> StepResult:
+        calls = self.parser(turn.text)
+        self.arguments += [str(next(iter(c.arguments.values()), "")) for c in calls]
+        return await super().step(turn)
+
+    async def score(self, answer_text: str, sample: dict) -> float:
+        if not self.arguments:
+            return 0.0
+        question = sample["prompt"][-1]["content"]
+        called = 0.2 + 0.3 * max(_agreement(a.strip(), question) for a in self.arguments)
+        # the answer counts only where the tool gave the right result to copy
+        if sample["answer"] not in self.tool_results:
+            return called
+        return called + 0.5 * _agreement(answer_text.strip(), sample["answer"])
+
+
+GUESSES = 4
+
+
+def _make_guess(rng: random.Random) -> tuple[list[dict], str]:
+    return [{"role": "user", "content": "?"}], str(rng.randint(0, 9))
+
+
+class GuessEnv:
+    """The guessing game: a hidden digit, `+` / `-` feedback, at most GUESSES guesses."""
+
+    def __init__(self, config=None):
+        self.secret = ""
+
+    def reset(self, sample: dict) -> list[dict]:
+        self.secret = sample["answer"]
+        return sample["prompt"]
+
+    def step(self, turn: ModelTurn) -> StepResult:
+        guess = turn.text.strip()[:1]
+        if guess == self.secret:
+            return StepResult(reward=1.0 - 0.1 * turn.index, done=True)
+        if turn.index + 1 >= GUESSES:
+            return StepResult(reward=0.0, done=True)
+        hint = "?" if not guess.isdigit() else ("+" if self.secret > guess else "-")
+        return StepResult(observation=[{"role": "user", "content": hint}], done=False)
+
+
 TASKS: dict[str, Task] = {
     "digits": Task("digits", _make_digits, digits_reward),
     "letters": Task("letters", _make_letters, letters_reward),
     "count": Task("count", _make_count, count_reward),
     "add": Task("add", _make_add, add_reward),
     "copy": Task("copy", _make_copy, copy_reward),
+    "calc": Task("calc", _make_calc, env=CalcEnv),
+    "guess": Task("guess", _make_guess, env=GuessEnv),
 }
 
 

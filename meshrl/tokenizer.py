@@ -3,6 +3,10 @@
 No hub access at run time, so the embedded default and the tests use a character-level
 tokenizer that meshrl builds and saves as an ordinary Hugging Face tokenizer directory;
 every other code path loads it exactly like a real model's tokenizer.
+
+The character tokenizer carries a compact chat template (`CHAR_CHAT_TEMPLATE`) so that
+multi-turn tasks run on models trained from scratch through the same chat path as real
+checkpoints. Tiny models pay for every token of a turn, so the template spends three.
 """
 
 from __future__ import annotations
@@ -14,9 +18,26 @@ PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHAR_VOCAB_SIZE = 128
 """Vocab size of the character tokenizer (3 specials + printable ASCII, padded to 128)."""
 
+CHAR_ROLES = {"system": "S", "user": "U", "assistant": "A", "tool": "T"}
+CHAR_CHAT_TEMPLATE = (
+    "{%- set roles = " + repr(CHAR_ROLES) + " -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] not in roles -%}{{ raise_exception('no role char for ' + m['role']) }}{%- endif -%}"
+    "<bos>{{ roles[m['role']] }}{{ m['content'] or '' }}<eos>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<bos>A{%- endif -%}"
+)
+"""Chat template of the character tokenizer: each message is `<bos>` + a role char (S, U, A,
+T for system, user, assistant, tool) + its content + `<eos>`, nothing else, so a turn costs
+its content plus 3 tokens; the generation prompt is `<bos>A`. `<eos>` (the checkpoint's
+eos_token_id) ends a turn, so a model stops by sampling it. `tools=` is ignored: a model
+trained from scratch cannot discover a schema-shaped call by sampling, so its tool calls
+use the compact `!` convention of `meshrl.rollout.tools.compact` instead."""
+
 
 def build_char_tokenizer(path: str | os.PathLike) -> str:
-    """Build the character tokenizer and save it as a HF tokenizer directory at `path`."""
+    """Build the character tokenizer, with `CHAR_CHAT_TEMPLATE`, and save it as a HF tokenizer
+    directory at `path`. Ids are fixed: `<pad>` 0, `<bos>` 1, `<eos>` 2, then one per character."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
@@ -30,6 +51,7 @@ def build_char_tokenizer(path: str | os.PathLike) -> str:
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS)
     fast.model_max_length = 1 << 20
+    fast.chat_template = CHAR_CHAT_TEMPLATE
     os.makedirs(path, exist_ok=True)
     fast.save_pretrained(str(path))
     return str(path)

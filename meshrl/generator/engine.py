@@ -204,12 +204,6 @@ class VLLMEngine:
                 s.unlink()
         return int(loaded[0])
 
-    async def reload_from_files_fallback(self, checkpoint_dir: str, timeout_s: float = 120.0) -> None:
-        """Named fallback: reload weights from a safetensors checkpoint directory on disk."""
-        import asyncio
-
-        await asyncio.wait_for(self.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir}), timeout_s)
-
     async def weights_checksum(self) -> float:
         return float((await self.llm.collective_rpc("meshrl_weights_checksum"))[0])
 

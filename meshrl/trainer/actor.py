@@ -25,7 +25,8 @@ from monarch.actor import Actor, endpoint, this_host
 from meshrl.compat import titan_float32_islands_under_cpu_autocast
 from meshrl.config import Config
 from meshrl.placement import cpus_for, pin_this_process
-from meshrl.rollout import PAD_VERSION, group_slices, pack_for_trainer, unpack_token_values
+from meshrl.compat import awaited
+from meshrl.episode import PAD_VERSION, group_slices, trim
 from meshrl.trainer import checkpoint as ckpt
 from meshrl.trainer.logprobs import token_logprobs
 from meshrl.trainer.losses import policy_loss, reduce_metrics
@@ -58,7 +59,7 @@ class PolicyTrainer:
             hf_cfg, overrides = model_args_from_hf(mcfg.path)
             mcfg = hf_cfg
         self.model_config = mcfg
-        self.parallelism = parallelism_config(tcfg, world_size, device.type)
+        self.parallelism = parallelism_config(tcfg, world_size)
         self.model, self.specs = build_model(mcfg, device, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism)
         if mcfg.path is not None:
             ckpt.load_hf(self.model, self.specs, mcfg.path)
@@ -133,20 +134,19 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TensorDict) -> tuple[list[int], torch.Tensor]:
-        """This rank's share of `batch`: (row indices, [rows, R] log-probs of every response token)."""
+        """This rank's share of `batch`: (row indices, [rows, T] log-probs of every model token)."""
         rows = rank_rows(batch, self.rank, self.world)
         n_micro = micro_batch_count(batch, self.world, self.config.trainer.micro_batch_size)
         mb = self.config.trainer.micro_batch_size
+        T = batch["tokens"].shape[1]
         outs = []
         for i in range(n_micro):
             idx = rows[i * mb:(i + 1) * mb]
             part = batch[torch.tensor(idx or [0])]  # a rank with no rows left still runs the collectives
-            packed = pack_for_trainer(part)
-            lp, _ = self._logprobs(self.model, packed, score_mask=packed["versions"] != PAD_VERSION)
+            lp, _ = self._logprobs(self.model, part, score_mask=part["versions"] != PAD_VERSION)
             if idx:
-                outs.append(unpack_token_values(lp.cpu(), part))
-        R = batch["response_ids"].shape[1]
-        return rows, torch.cat(outs) if outs else torch.zeros(0, R)
+                outs.append(lp.cpu())
+        return rows, torch.cat(outs) if outs else torch.zeros(0, T)
 
     # ---- training -----------------------------------------------------------------------
     def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict[str, float]:
@@ -158,9 +158,8 @@ class PolicyTrainer:
         tcfg, lcfg = self.config.trainer, self.config.trainer.loss
         version = self.step if current_version is None else current_version
         # global denominators, so that micro-batch losses on all ranks sum to the batch loss
-        full = pack_for_trainer(batch)
-        token_count = int(full["loss_mask"].sum())
-        seq_count = int(full["loss_mask"].any(dim=1).sum())
+        token_count = int(batch["loss_mask"].sum())
+        seq_count = int(batch["loss_mask"].any(dim=1).sum())
         rows = rank_rows(batch, self.rank, self.world)
         mb = tcfg.micro_batch_size
         n_micro = micro_batch_count(batch, self.world, mb)
@@ -169,7 +168,7 @@ class PolicyTrainer:
         lag_sum, lag_max = torch.zeros(()), torch.zeros(())
         for i in range(n_micro):
             idx = rows[i * mb:(i + 1) * mb]
-            packed = pack_for_trainer(batch[torch.tensor(idx or [0])]).to(self.device)
+            packed = trim(batch[torch.tensor(idx or [0])]).to(self.device)
             want_entropy = lcfg.entropy_coef > 0
             logprobs, entropy = self._logprobs(self.model, packed, with_entropy=want_entropy)
             ref = None
@@ -320,15 +319,16 @@ class TrainerActor(Actor):
         return self.publisher.handle
 
     @endpoint
-    async def train_from_buffer(self, buffer, num_groups: int, timeout_s: float) -> dict:
-        """Rank 0 samples a batch from the replay buffer actor and shares it with the other
+    async def train_from_queue(self, queue, num_groups: int, timeout_s: float) -> dict:
+        """Rank 0 samples a batch from the episode queue actor and shares it with the other
         ranks (the controller never touches the data); all ranks train; the new version is
-        published into the weight-sync staging snapshot. Returns rank 0's metrics."""
+        published into the weight-sync staging snapshot, then told to the queue (which
+        admits new work for it). Returns rank 0's metrics."""
         trainer = self._need()
         t0 = time.perf_counter()
         batch = None
         if trainer.rank == 0:
-            batch = await buffer.sample.call_one(num_groups, trainer.step, timeout_s)
+            batch = await queue.sample.call_one(num_groups, trainer.step, timeout_s)
         if trainer.world > 1:
             box = [batch]
             dist.broadcast_object_list(box, src=0)
@@ -344,6 +344,8 @@ class TrainerActor(Actor):
             copy_s = 0.0
             for _ in named:
                 pass
+        if trainer.rank == 0:
+            await awaited(queue.set_version.call_one(trainer.step))
         metrics = {f"trainer/{k}": v for k, v in out.items() if k != "version"}
         metrics.update({
             "version": out["version"], "trainer/wait_s": wait_s,
@@ -431,9 +433,9 @@ class TrainerMesh:
         self.version = out["version"]
         return out
 
-    async def train_from_buffer(self, buffer, num_groups: int, timeout_s: float) -> dict:
-        """One step on a batch the trainer pulls from `buffer` itself; returns rank 0's metrics."""
-        out = (await self._all(self.actors.train_from_buffer, buffer, num_groups, timeout_s,
+    async def train_from_queue(self, queue, num_groups: int, timeout_s: float) -> dict:
+        """One step on a batch the trainer pulls from `queue` itself; returns rank 0's metrics."""
+        out = (await self._all(self.actors.train_from_queue, queue, num_groups, timeout_s,
                                timeout_s=timeout_s + self.timeout_s))[0]
         self.version = out["version"]
         return out
@@ -446,8 +448,8 @@ class TrainerMesh:
         await self._all(self.actors.set_lr, lr)
 
     async def compute_logprobs(self, batch: TensorDict) -> torch.Tensor:
-        """[B, R] log-probs of every response token under the current weights."""
-        out = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
+        """[B, T] log-probs of every model token under the current weights."""
+        out = torch.zeros(batch["tokens"].shape, dtype=torch.float32)
         for rows, values in await self._all(self.actors.compute_logprobs, batch):
             if rows:
                 out[rows] = values

@@ -1,7 +1,8 @@
-"""Per-token log-probs (and entropies) of response tokens under the trainer's model.
+"""Per-token log-probs (and entropies) of model tokens under the trainer's model.
 
-Layout is `rollout.pack_for_trainer`'s: row b is prompt + response, the logits at t-1
-predict token t, and `score_mask[b, t]` marks the tokens to score (the response tokens).
+Layout is the rollout batch's (meshrl/episode.py): row b is one episode's tokens, the
+logits at t-1 predict token t, and `score_mask[b, t]` marks the tokens to score (the
+model's own tokens).
 
 Memory: the decoder runs once to hidden states; the LM head then runs only on the scored
 positions, `chunk_size` tokens at a time, each chunk under activation checkpointing, so

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshrl.compat import titan_cpu_spmd_backend, titan_force_sum_reduction, titan_use_cpu_device_type
+from meshrl.compat import titan_force_sum_reduction, titan_use_cpu_device_type
 from meshrl.config import TrainerConfig
 
 
-def parallelism_config(tcfg: TrainerConfig, world_size: int, device_type: str):
+def parallelism_config(tcfg: TrainerConfig, world_size: int):
     """TorchTitan's ParallelismConfig for the trainer mesh: FSDP over all ranks (or dp_shard) x EP."""
     from torchtitan.config import ParallelismConfig
 
@@ -23,10 +23,10 @@ def parallelism_config(tcfg: TrainerConfig, world_size: int, device_type: str):
         data_parallel_replicate_degree=world_size // dp_shard,
         data_parallel_shard_degree=dp_shard,
         expert_parallel_degree=tcfg.ep,
+        # the classic FSDP2 + DTensor EP path: the default `spmd_types` backend type-checks a
+        # multi-dimensional SPMD mesh that the gloo/CPU path does not build
         spmd_backend="partial_dtensor",
     )
-    if device_type == "cpu":
-        titan_cpu_spmd_backend(parallelism)
     return parallelism
 
 

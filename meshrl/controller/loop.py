@@ -1,0 +1,320 @@
+"""The RL loop: meshes, wiring, and one training step at a time.
+
+    records --> EpisodeQueue --claim--> rollout workers <--turns--> generators (vLLM)
+                     ^   |                  (env.reset, model turn, env.step, ...)
+                     |   +<--finished groups--+
+                     |   +--batch--> trainer --publish v--> weight sync --> generators
+                     +------ version v (admission) ---+
+
+The loops run inside the actors: workers claim groups and play them against the
+generation service, the trainer pulls its batch from the queue and tells it the new
+version. The controller (`RLLoop`) only starts things, says "step", moves weights to the
+generators in the background, and reads metrics, so it is never on the data path.
+Synchronous on-policy training, one-step overlap and fully asynchronous training differ
+only in config (buffer.depth, buffer.max_lag, generator.update_mode), all applied by the
+queue's admission and the generator's version gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import torch
+
+from meshrl.compat import awaited
+from meshrl.config import Config
+from meshrl.controller.replicas import GeneratorPool, WorkerPool
+from meshrl.launch import allocate
+from meshrl.metrics import MetricsWriter
+from meshrl.queue import EpisodeQueueActor
+from meshrl.rollout.env import RewardFn
+from meshrl.tokenizer import build_char_tokenizer
+from meshrl.trainer.actor import spawn_trainer
+from meshrl.trainer.checkpoint import write_atomic
+from meshrl.weightsync import WeightSync
+
+log = logging.getLogger("meshrl")
+CHECKPOINT_FILE = "loop_state.pt"
+
+
+class TrainerFailed(RuntimeError):
+    """A trainer proc died: the run stops; resume it from its last checkpoint."""
+
+
+class RLLoop:
+    """Owns every mesh of one run. Use `async with RLLoop(config) as loop: await loop.step()`."""
+
+    def __init__(self, config: Config, run_dir: str | None = None, resume: bool = False, reward_fn: RewardFn | None = None):
+        self.config = config
+        self.run_dir = os.path.abspath(run_dir or config.logging.run_dir)
+        self.resume = resume
+        self.reward_fn = reward_fn
+        self.version = 0
+        self.history: list[dict[str, float]] = []
+        self.generators: GeneratorPool | None = None
+        self.workers: WorkerPool | None = None
+        self._update_task: asyncio.Task | None = None
+        self._snapshot_task: asyncio.Task | None = None
+        self._last_step_end = None
+
+    # ---- start-up -----------------------------------------------------------------------
+    async def __aenter__(self) -> "RLLoop":
+        try:
+            await self.start()
+        except BaseException:
+            await self.shutdown()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    def _install_fault_hook(self) -> None:
+        """Monarch's default answer to a proc that dies is to interrupt the client. A run
+        replaces dead generators and workers and reports a dead trainer itself, so failures
+        are only logged here and surface as errors of the calls that touch the dead procs."""
+        import monarch.actor
+
+        self._previous_fault_hook = monarch.actor.unhandled_fault_hook
+
+        def log_failure(failure) -> None:
+            log.warning("mesh failure: %s", str(failure).strip().splitlines()[0][:300])
+
+        monarch.actor.unhandled_fault_hook = log_failure
+
+    def _restore_fault_hook(self) -> None:
+        import monarch.actor
+
+        if getattr(self, "_previous_fault_hook", None) is not None:
+            monarch.actor.unhandled_fault_hook = self._previous_fault_hook
+            self._previous_fault_hook = None
+
+    async def start(self) -> None:
+        c = self.config
+        self._install_fault_hook()
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
+            f.write(c.to_yaml())
+        self.tokenizer_dir = c.model.tokenizer or c.model.path or build_char_tokenizer(os.path.join(self.run_dir, "tokenizer"))
+        self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard)
+        self.alloc = await allocate(c).__aenter__()
+
+        # The coordinator proc holds the episode queue; each rollout worker has a proc of its own.
+        self.coord = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1})
+        self.queue = self.coord.spawn("queue", EpisodeQueueActor, c.to_dict())
+        await self.queue.metrics.call_one()
+
+        self.trainer = await spawn_trainer(c, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"))
+        await self.trainer.publisher_handle()  # creates the publisher before its first step
+        if self.resume:
+            await self._restore()
+        initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"))
+        self.generators = GeneratorPool(c, self.alloc, initial, self.version, self._rewire)
+        await self.generators.start(c.generator.replicas)
+        self.weight_sync = await WeightSync(c.weight_sync).connect(await self.trainer.publisher_handle(), await self._subscribers())
+        self.workers = WorkerPool(c, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn)
+        await self.workers.start(self.generators.handles())
+        self._last_step_end = time.monotonic()
+
+    async def _subscribers(self) -> list:
+        return [await awaited(r.actor.weight_sync_handle.call_one()) for r in self.generators.replicas]
+
+    async def _rewire(self) -> None:
+        """After a replica was replaced or added: weight sync and the workers follow."""
+        await self.weight_sync.reconnect(subscribers=await self._subscribers())
+        if self.workers is not None:
+            await self.workers.set_generators(self.generators.handles())
+
+    # ---- one step ---------------------------------------------------------------------------
+    async def step(self) -> dict[str, float]:
+        """Train on one batch from the queue, move the generators to the new version in the
+        background, and record metrics."""
+        c = self.config
+        try:
+            out = await self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s)
+        except Exception as e:  # noqa: BLE001 - a dead trainer proc ends the run, resumably
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            has_ckpt = os.path.isfile(os.path.join(self.run_dir, "checkpoints", "latest"))
+            how = f"resume from the last checkpoint with: meshrl run --resume {self.run_dir}" if has_ckpt else "no checkpoint was written yet"
+            raise TrainerFailed(f"the trainer failed at version {self.version} ({type(e).__name__}: {first}); {how}") from e
+        self.version = out["version"]
+        if self._update_task is not None:  # in the background since the last step: usually done
+            t0 = time.monotonic()
+            out["sync/previous_update_s"] = await self._finish_update()
+            out["sync/previous_update_wait_s"] = time.monotonic() - t0
+        self._update_task = asyncio.create_task(self._update_generators(self.version))
+        row = await self._collect_metrics(out)
+        if c.trainer.checkpoint_every and self.version % c.trainer.checkpoint_every == 0:
+            await self.checkpoint()
+        return row
+
+    async def _update_generators(self, version: int) -> float:
+        t0 = time.monotonic()
+        await self.generators.update(version)
+        return time.monotonic() - t0
+
+    async def _finish_update(self) -> float:
+        task, self._update_task = self._update_task, None
+        return await task
+
+    async def check_health(self) -> None:
+        """Replace dead generator replicas and rollout workers (called between steps)."""
+        await self.generators.check(self.version)
+        await self.workers.check(self.generators.handles())
+
+    async def _collect_metrics(self, out: dict) -> dict[str, float]:
+        now = time.monotonic()
+        wall = now - self._last_step_end
+        self._last_step_end = now
+        row = {k: float(v) for k, v in out.items() if isinstance(v, (int, float))}
+        row["trained_groups"] = out.get("trained_groups", [])  # kept in history, not in metrics.jsonl
+        row["time/step_s"] = wall
+        row["trainer/idle_frac"] = min(1.0, out.get("trainer/wait_s", 0.0) / max(wall, 1e-9))
+        # Generator stats are read in the background, right after the previous step: a replica
+        # is busy applying the weight update just sent to it, and waiting for its answer here
+        # would put that on the trainer's critical path every step.
+        snapshot = self._snapshot_task or asyncio.create_task(self.generators.read_stats())
+        self._snapshot_task = None
+        queue_metrics, worker_metrics, stats_read = await asyncio.gather(
+            awaited(self.queue.metrics.call_one()), self.workers.metrics(), snapshot
+        )
+        row.update(queue_metrics)
+        row.update(worker_metrics)
+        idle, tokens, seconds = [], 0.0, 0.0
+        for r, at, stats in stats_read:
+            if stats is None or r not in self.generators.replicas:
+                continue
+            prev, r.last_stats = r.last_stats, stats
+            window, r.last_stats_at = (at - r.last_stats_at if r.last_stats_at is not None else wall), at
+            busy = stats.get("busy_s", 0.0) - prev.get("busy_s", 0.0)
+            idle.append(1.0 - min(1.0, busy / max(window, 1e-9)))
+            tokens += stats.get("tokens_generated", 0) - prev.get("tokens_generated", 0)
+            seconds = max(seconds, window)
+        if idle:
+            row["generator/idle_frac"] = sum(idle) / len(idle)
+        row["generator/tokens_per_s"] = tokens / max(seconds or wall, 1e-9)
+        row["generator/replicas_replaced"] = float(self.generators.replaced)
+        self.history.append({"step": self.version, **row})
+        self.metrics.write(self.version, row)
+        self._snapshot_task = asyncio.create_task(self.generators.read_stats())  # for the next step
+        return row
+
+    # ---- interactive control (Session) ------------------------------------------------------
+    async def generate_text(self, prompts: list[str], temperature: float | None = None) -> list[list[str]]:
+        """A group of completions (generator.group_size) per prompt text, from the current
+        policy on replica 0."""
+        from meshrl.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(self.tokenizer_dir)
+        gen = self.generators.replicas[0].actor
+        n = self.config.generator.group_size
+
+        async def one(text: str) -> str:
+            out = await awaited(gen.generate.call_one(tok.encode(text, add_special_tokens=False), None, temperature, 0))
+            return tok.decode(out.token_ids, skip_special_tokens=True)
+
+        return [list(await asyncio.gather(*(one(t) for _ in range(n)))) for t in prompts]
+
+    async def wait_for_generators(self) -> None:
+        """Until every replica runs the trainer's current version: each step starts the
+        update to its new version, so waiting for the pending update is enough."""
+        if self._update_task is not None:
+            await self._finish_update()
+
+    async def export_to(self, path: str) -> str:
+        """The current policy as a Hugging Face checkpoint at `path`."""
+        return await self.trainer.export_hf(path)
+
+    async def pause_generation(self) -> None:
+        await asyncio.gather(*(awaited(r.actor.pause_generation.call_one()) for r in self.generators.replicas))
+
+    async def resume_generation(self) -> None:
+        await asyncio.gather(*(awaited(r.actor.resume_generation.call_one()) for r in self.generators.replicas))
+
+    async def set_knobs(self, lr: float | None = None, max_lag: int | None = None) -> None:
+        """Change the learning rate or the staleness bound (admission follows it) between steps."""
+        if lr is not None:
+            if not lr > 0:
+                raise ValueError(f"lr must be positive, got {lr}")
+            await self.trainer.set_lr(lr)
+            self.config.trainer.lr = lr
+        if max_lag is not None:
+            if max_lag < 0:
+                raise ValueError(f"max_lag must be at least 0, got {max_lag}")
+            await awaited(self.queue.set_max_lag.call_one(max_lag))
+            self.config.buffer.max_lag = max_lag
+
+    async def scale_generators(self, replicas: int) -> None:
+        """Add or remove generator replicas; groups on a removed replica are played again."""
+        await self.generators.scale(replicas, self.version)
+        self.config.generator.replicas = replicas
+
+    # ---- checkpoint and resume ----------------------------------------------------------------
+    async def checkpoint(self) -> str:
+        """Trainer state (DCP), the episode queue and the metrics history, atomically."""
+        root = os.path.join(self.run_dir, "checkpoints")
+        trainer_dir = await self.trainer.save_checkpoint(os.path.join(root, "trainer"))
+        state = {
+            "version": self.version,
+            "trainer_dir": trainer_dir,
+            "queue": await awaited(self.queue.state_dict.call_one()),
+            "history": self.history,
+        }
+        path = os.path.join(root, f"step_{self.version:06d}_{CHECKPOINT_FILE}")
+        tmp = path + ".tmp"
+        torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        write_atomic(os.path.join(root, "latest"), os.path.basename(path))
+        return path
+
+    async def _restore(self) -> None:
+        root = os.path.join(self.run_dir, "checkpoints")
+        latest = os.path.join(root, "latest")
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"{self.run_dir} has no checkpoint to resume from ({latest} missing)")
+        with open(latest) as f:
+            state = torch.load(os.path.join(root, f.read().strip()), weights_only=False)
+        self.version = await self.trainer.load_checkpoint(state["trainer_dir"])
+        if self.version != state["version"]:
+            raise RuntimeError(f"trainer checkpoint is at version {self.version}, loop state at {state['version']}")
+        await awaited(self.queue.load_state_dict.call_one(state["queue"]))
+        self.history = state["history"]
+
+    # ---- the end -------------------------------------------------------------------------------
+    async def export(self) -> str:
+        return await self.trainer.export_hf(os.path.join(self.run_dir, "hf", "final"))
+
+    async def shutdown(self) -> None:
+        """Stop everything this loop started, on every exit path; never raises."""
+        for task in (self._snapshot_task, self._update_task):
+            if task is not None:
+                task.cancel()
+        if self.workers is not None:
+            await self.workers.shutdown()
+        if getattr(self, "queue", None) is not None:
+            try:
+                await asyncio.wait_for(awaited(self.queue.close.call_one()), 30)
+            except Exception:  # noqa: BLE001 - best effort; its proc is stopped below
+                pass
+        if self.generators is not None:
+            await self.generators.shutdown()
+        if getattr(self, "trainer", None) is not None:
+            try:
+                await self.trainer.stop()
+            except Exception:  # noqa: BLE001
+                pass
+        if getattr(self, "coord", None) is not None:
+            try:
+                await asyncio.wait_for(self.coord.stop(), 60)
+            except Exception:  # noqa: BLE001
+                pass
+        if getattr(self, "alloc", None) is not None:
+            await self.alloc.__aexit__(None, None, None)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
+        self._restore_fault_hook()

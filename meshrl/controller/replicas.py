@@ -1,0 +1,280 @@
+"""Generator replicas and rollout workers: started, watched, replaced and stopped here.
+
+Each generator replica and each rollout worker has its own proc mesh, so a crashed one is
+replaced alone while the run goes on. A killed replica proc leaves its vLLM engine
+processes orphaned and their shared-memory queues named in /dev/shm; `kill_leftovers`
+removes both, on every path that ends a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from meshrl.compat import awaited
+from meshrl.config import Config
+from meshrl.generator.actor import GeneratorActor
+from meshrl.rollout.worker import RolloutWorkerActor, summarize
+
+log = logging.getLogger("meshrl")
+
+
+def _running(pid: int, started: float):
+    """The psutil handle of `pid` if it still runs and is the process that started at
+    `started` (not a later one given the same pid); None otherwise."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - started) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    except psutil.Error:
+        pass
+    return None
+
+
+def _shared_memory_segments(pid: int) -> set[str]:
+    """POSIX shared-memory files Python made (`psm_*`) that process `pid` has mapped."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {line.split(None, 5)[5].strip() for line in f if "/dev/shm/psm_" in line}
+    except (OSError, IndexError):
+        return set()
+
+
+@dataclass
+class Member:
+    """One replica or worker: its own proc mesh and actor, and its processes on its host."""
+
+    index: int
+    procs: object
+    actor: object
+    host: str = ""
+    pids: list[tuple[int, float]] = field(default_factory=list)
+    """(pid, start time): the member's proc first, then (replicas) its vLLM engine processes."""
+    last_stats: dict = field(default_factory=dict)
+    last_stats_at: float | None = None
+
+    def on_this_host(self) -> bool:
+        return self.host == socket.gethostname()
+
+    def alive(self) -> bool:
+        """Whether the member's own proc still runs (on this host; no round trip)."""
+        return bool(self.pids) and _running(*self.pids[0]) is not None
+
+    def kill_leftovers(self) -> int:
+        """SIGKILL what is still alive of the member's processes on this host, and unlink the
+        shared-memory names they held (vLLM's queues are unlinked by their maker, which was
+        killed; memory is freed once the last mapping is gone). Returns how many."""
+        import psutil
+
+        if not self.on_this_host():
+            return 0  # on another host: its host mesh's shutdown ends them
+        killed, segments = 0, set()
+        for pid, started in self.pids:
+            proc = _running(pid, started)
+            if proc is None:
+                continue
+            try:
+                segments |= _shared_memory_segments(proc.pid)
+                proc.kill()
+                killed += 1
+            except psutil.Error:
+                pass
+        for path in segments:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        return killed
+
+    async def stop(self) -> None:
+        try:
+            await asyncio.wait_for(self.procs.stop(), 60)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.kill_leftovers()
+
+
+class GeneratorPool:
+    """The generator replicas: spawn, weight updates, health checks, replacement, rescale."""
+
+    def __init__(self, config: Config, alloc, checkpoint_dir: str, checkpoint_version: int,
+                 on_change: Callable[[], Awaitable[None]]):
+        # A replica starts from the Hugging Face export of `checkpoint_version`, then fetches
+        # the current version over weight sync.
+        self.config, self.alloc = config, alloc
+        self.checkpoint_dir, self.checkpoint_version = checkpoint_dir, checkpoint_version
+        self.on_change = on_change  # re-wires weight sync and the workers after a change
+        self.replicas: list[Member] = []
+        self.replaced = 0
+        self._lock = asyncio.Lock()  # a failed update and a health check may both see one death
+
+    def handles(self) -> list:
+        return [r.actor for r in self.replicas]
+
+    async def spawn(self, index: int) -> Member:
+        # One proc per replica (vLLM starts its own tensor-parallel workers inside it).
+        procs = self.alloc.host("generator", index).spawn_procs(per_host={"procs": 1})
+        actor = procs.spawn(f"generator{index}", GeneratorActor)
+        try:
+            info = await asyncio.wait_for(
+                actor.setup.call_one(self.config.to_dict(), self.checkpoint_dir, self.checkpoint_version, index), self.config.generator.startup_timeout_s
+            )
+        except BaseException:
+            await asyncio.wait_for(procs.stop(), 60)
+            raise
+        return Member(index, procs, actor, info["processes"]["host"], info["processes"]["pids"])
+
+    async def start(self, n: int) -> None:
+        for i in range(n):
+            self.replicas.append(await self.spawn(i))
+
+    async def update(self, version: int) -> None:
+        """Every replica fetches and applies `version`; a replica that fails is replaced."""
+        timeout = self.config.weight_sync.timeout_s + 30
+
+        async def one(r: Member) -> None:
+            try:
+                await asyncio.wait_for(awaited(r.actor.sync_weights.call_one(version)), timeout)
+            except Exception as e:  # noqa: BLE001 - a dead replica is replaced, the run goes on
+                await self.replace(r, e, version)
+
+        await asyncio.gather(*(one(r) for r in list(self.replicas)))
+
+    async def replace(self, replica: Member, error: BaseException, version: int) -> None:
+        async with self._lock:
+            if replica not in self.replicas:
+                return
+            log.warning("generator replica %d failed (%s); replacing it", replica.index, str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
+            await replica.stop()
+            fresh = await self.spawn(replica.index)
+            self.replicas[self.replicas.index(replica)] = fresh
+            await self.on_change()
+            await asyncio.wait_for(awaited(fresh.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
+            self.replaced += 1
+            log.warning("generator replica %d replaced", replica.index)
+
+    async def check(self, version: int) -> None:
+        """Replace any replica whose proc is gone. One on this host is checked by its pid
+        (asking it would wait behind the weight update it is applying); others are asked."""
+        for r in list(self.replicas):
+            if r.on_this_host():
+                if not r.alive():
+                    await self.replace(r, RuntimeError(f"its proc {r.pids[0][0]} exited"), version)
+                continue
+            try:
+                await asyncio.wait_for(awaited(r.actor.stats.call_one()), 30)
+            except Exception as e:  # noqa: BLE001
+                await self.replace(r, e, version)
+
+    async def scale(self, n: int, version: int) -> None:
+        if n < 1:
+            raise ValueError(f"need at least 1 generator replica, got {n}")
+        async with self._lock:
+            while len(self.replicas) > n:
+                gone = self.replicas.pop()
+                try:
+                    await asyncio.wait_for(awaited(gone.actor.shutdown_engine.call_one()), 60)
+                finally:
+                    await gone.stop()
+            added = []
+            while len(self.replicas) < n:
+                fresh = await self.spawn(max((r.index for r in self.replicas), default=-1) + 1)
+                self.replicas.append(fresh)
+                added.append(fresh)
+            await self.on_change()
+            for r in added:
+                await asyncio.wait_for(awaited(r.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
+
+    async def read_stats(self) -> list[tuple[Member, float, dict | None]]:
+        """(replica, controller clock, stats or None if it did not answer) for every replica."""
+        import time
+
+        async def read(r: Member):
+            try:
+                stats = await asyncio.wait_for(awaited(r.actor.stats.call_one()), 30)
+            except Exception:  # noqa: BLE001 - a dead replica is replaced at the next check
+                stats = None
+            return r, time.monotonic(), stats
+
+        return list(await asyncio.gather(*(read(r) for r in list(self.replicas))))
+
+    async def shutdown(self) -> None:
+        for r in self.replicas:
+            try:
+                await asyncio.wait_for(awaited(r.actor.shutdown_engine.call_one()), 30)
+            except Exception:  # noqa: BLE001 - best effort; the procs are stopped next
+                pass
+        for r in self.replicas:
+            await r.stop()
+        self.replicas = []
+
+
+class WorkerPool:
+    """The rollout workers (and the envs they host): spawn, watch, replace, metrics."""
+
+    def __init__(self, config: Config, alloc, tokenizer_dir: str, queue, reward_fn=None):
+        self.config, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn = config, alloc, tokenizer_dir, queue, reward_fn
+        self.workers: list[Member] = []
+        self.replaced = 0
+
+    async def spawn(self, index: int, generators: list) -> Member:
+        procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1})
+        actor = procs.spawn(f"rollout{index}", RolloutWorkerActor, self.config.to_dict(), self.tokenizer_dir, index, self.reward_fn)
+        try:
+            pid = await asyncio.wait_for(awaited(actor.start.call_one(self.queue, generators)), 300)
+        except BaseException:
+            await asyncio.wait_for(procs.stop(), 60)
+            raise
+        import psutil
+
+        return Member(index, procs, actor, socket.gethostname(), [(pid, psutil.Process(pid).create_time())])
+
+    async def start(self, generators: list) -> None:
+        for i in range(self.config.rollout.workers):
+            self.workers.append(await self.spawn(i, generators))
+
+    async def set_generators(self, generators: list) -> None:
+        await asyncio.gather(*(asyncio.wait_for(awaited(w.actor.set_generators.call_one(generators)), 60) for w in self.workers))
+
+    async def check(self, generators: list) -> None:
+        """Replace a worker whose proc is gone; the queue hands its groups out again."""
+        for w in list(self.workers):
+            if w.alive():
+                continue
+            log.warning("rollout worker %d died; replacing it", w.index)
+            await w.stop()
+            requeued = await awaited(self.queue.requeue.call_one(w.index))
+            self.workers[self.workers.index(w)] = await self.spawn(w.index, generators)
+            self.replaced += 1
+            log.warning("rollout worker %d replaced; %d groups re-queued", w.index, requeued)
+
+    async def metrics(self) -> dict[str, float]:
+        windows, failed, requeued = [], 0.0, 0.0
+        for w in self.workers:
+            try:
+                m = await asyncio.wait_for(awaited(w.actor.metrics.call_one()), 30)
+            except Exception:  # noqa: BLE001 - a dead worker is replaced at the next check
+                continue
+            windows += m["episodes"]
+            failed += m["failed_total"]
+            requeued += m["requeued_total"]
+        row = summarize(windows, failed)
+        row["rollout/requeued_groups"] = requeued
+        row["rollout/workers_replaced"] = float(self.replaced)
+        return row
+
+    async def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                await asyncio.wait_for(awaited(w.actor.stop_rollouts.call_one(10.0)), 30)
+            except Exception:  # noqa: BLE001 - best effort; the procs are stopped next
+                pass
+        for w in self.workers:
+            await w.stop()
+        self.workers = []

@@ -1,0 +1,255 @@
+"""Episodes: the unit of work, and the one TensorDict format the trainer reads.
+
+An episode is a sequence of turns. A turn is token ids with a role: `model` (sampled by
+the generator: each token has its sampler log-prob and the policy version that produced
+it) or `env` (the prompt, tool results, the env's replies and the chat template's glue).
+Token in, token out: sampled ids are kept exactly and env output is tokenized and
+appended, so the episode's ids are the very context every model turn saw.
+
+    turn -> Episode (one env instance, one conversation) -> group (n episodes of one prompt)
+
+A group packs into a rollout TensorDict, one row per episode, right-padded to T tokens:
+
+| key              | shape        | dtype   | meaning                                                      |
+|------------------|--------------|---------|--------------------------------------------------------------|
+| tokens           | [B, T]       | int64   | every token of the episode (pad: 0)                          |
+| loss_mask        | [B, T]       | bool    | True on model tokens that count in the loss (env tokens never)|
+| sampler_logprobs | [B, T]       | float32 | log-prob of each model token under its sampling distribution |
+| versions         | [B, T]       | int64   | policy version of each model token (PAD_VERSION elsewhere)    |
+| dense_reward     | [B, T]       | float32 | a turn's reward at its last model token (0 elsewhere)        |
+| reward           | [B]          | float32 | the episode's reward: the sum of its turns' rewards          |
+| advantage        | [B]          | float32 | group-normalised advantage                                   |
+| group_id         | [B]          | int64   | id shared by the episodes of one prompt                      |
+| sample_id        | [B]          | int64   | unique id of the episode                                     |
+| finish_reason    | [B]          | int64   | one of FINISH_REASONS' codes                                 |
+| model_turns      | [B]          | int64   | model turns in the episode                                   |
+| prompt_len       | [B]          | int64   | tokens before the first model token                          |
+| routed_experts   | [B, T, L, K] | int32   | optional: MoE expert ids per model token and layer           |
+
+Rows of one group are adjacent and travel together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import torch
+from tensordict import TensorDict
+
+FINISH_REASONS = {"stop": 0, "length": 1, "abort": 2, "failed": 3}
+"""`stop`: the env ended the episode; `length`: out of tokens or turns; `abort`: cut by a
+shutdown; `failed`: the env raised or timed out (reward 0)."""
+PAD_VERSION = -1
+Role = Literal["model", "env"]
+
+
+@dataclass
+class Turn:
+    role: Role
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    """model turns: the sampler's log-prob of each token."""
+    versions: list[int] = field(default_factory=list)
+    """model turns: the policy version of each token (a turn can span versions)."""
+    reward: float = 0.0
+    """the env's reward for this (model) turn."""
+    finish_reason: str | None = None
+    routed_experts: torch.Tensor | None = None
+    """model turns: [len, L, K] expert ids, when the engine returned them."""
+
+    def __post_init__(self) -> None:
+        if self.role == "model" and not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):
+            raise ValueError(
+                f"model turn: {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs and {len(self.versions)} versions"
+            )
+
+
+@dataclass
+class Episode:
+    group_id: int
+    sample_id: int
+    turns: list[Turn] = field(default_factory=list)
+    finish_reason: str = "stop"
+    tool_calls: int = 0
+    env_s: float = 0.0
+    """Seconds spent in the env's reset and step calls."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for turn in self.turns for t in turn.token_ids]
+
+    def __len__(self) -> int:
+        return sum(len(turn.token_ids) for turn in self.turns)
+
+    @property
+    def model_turns(self) -> list[Turn]:
+        return [t for t in self.turns if t.role == "model"]
+
+    @property
+    def reward(self) -> float:
+        return 0.0 if self.finish_reason == "failed" else sum(t.reward for t in self.turns)
+
+    @property
+    def env_tokens(self) -> int:
+        """Tokens the env added after the prompt (tool results, replies, template glue)."""
+        first_model = next((i for i, t in enumerate(self.turns) if t.role == "model"), len(self.turns))
+        return sum(len(t.token_ids) for t in self.turns[first_model:] if t.role == "env")
+
+    @property
+    def prompt_len(self) -> int:
+        n = 0
+        for turn in self.turns:
+            if turn.role == "model":
+                break
+            n += len(turn.token_ids)
+        return n
+
+
+def pack(episodes: Sequence[Episode]) -> TensorDict:
+    """Episodes (rows keep their order) as a rollout TensorDict; see the module docstring."""
+    if not episodes:
+        raise ValueError("pack needs at least one episode")
+    B = len(episodes)
+    T = max(max(len(e) for e in episodes), 1)
+    tokens = torch.zeros(B, T, dtype=torch.int64)
+    loss_mask = torch.zeros(B, T, dtype=torch.bool)
+    logprobs = torch.zeros(B, T, dtype=torch.float32)
+    versions = torch.full((B, T), PAD_VERSION, dtype=torch.int64)
+    dense = torch.zeros(B, T, dtype=torch.float32)
+    expert_shapes = {tuple(t.routed_experts.shape[1:]) for e in episodes for t in e.model_turns if t.routed_experts is not None}
+    experts = None
+    if expert_shapes:
+        if len(expert_shapes) != 1:
+            raise ValueError(f"routed_experts of one batch must share one [L, K] shape, got {sorted(expert_shapes)}")
+        experts = torch.full((B, T, *expert_shapes.pop()), -1, dtype=torch.int32)
+    for i, episode in enumerate(episodes):
+        at = 0
+        for turn in episode.turns:
+            n = len(turn.token_ids)
+            if n:
+                tokens[i, at : at + n] = torch.as_tensor(turn.token_ids, dtype=torch.int64)
+            if turn.role == "model" and n:
+                loss_mask[i, at : at + n] = True
+                logprobs[i, at : at + n] = torch.as_tensor(turn.logprobs, dtype=torch.float32)
+                versions[i, at : at + n] = torch.as_tensor(turn.versions, dtype=torch.int64)
+                dense[i, at + n - 1] = turn.reward
+                if experts is not None and turn.routed_experts is not None and turn.routed_experts.shape[0] == n:
+                    experts[i, at : at + n] = turn.routed_experts.to(torch.int32)
+            at += n
+    td = TensorDict(
+        {
+            "tokens": tokens,
+            "loss_mask": loss_mask,
+            "sampler_logprobs": logprobs,
+            "versions": versions,
+            "dense_reward": dense,
+            "reward": torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+            "advantage": torch.zeros(B, dtype=torch.float32),
+            "group_id": torch.tensor([e.group_id for e in episodes], dtype=torch.int64),
+            "sample_id": torch.tensor([e.sample_id for e in episodes], dtype=torch.int64),
+            "finish_reason": torch.tensor([FINISH_REASONS[e.finish_reason] for e in episodes], dtype=torch.int64),
+            "model_turns": torch.tensor([len(e.model_turns) for e in episodes], dtype=torch.int64),
+            "prompt_len": torch.tensor([e.prompt_len for e in episodes], dtype=torch.int64),
+        },
+        batch_size=[B],
+    )
+    if experts is not None:
+        td["routed_experts"] = experts
+    return td
+
+
+_PAD_VALUES = {"tokens": 0, "loss_mask": False, "sampler_logprobs": 0.0, "versions": PAD_VERSION, "dense_reward": 0.0,
+               "routed_experts": -1}
+
+
+def concat(batches: Sequence[TensorDict]) -> TensorDict:
+    """Concatenate rollout batches along B, padding the token dim to the widest."""
+    if not batches:
+        raise ValueError("concat needs at least one batch")
+    T = max(b["tokens"].shape[1] for b in batches)
+    keys = set(batches[0].keys())
+    if any(set(b.keys()) != keys for b in batches):
+        raise ValueError("cannot concat rollout batches with different keys")
+    return torch.cat([pad_tokens(b, T) for b in batches], dim=0)
+
+
+def pad_tokens(b: TensorDict, T: int) -> TensorDict:
+    """`b` with every per-token tensor right-padded (or cut) to T tokens."""
+    out = {}
+    for key, value in b.items():
+        if key in _PAD_VALUES:
+            missing = T - value.shape[1]
+            if missing > 0:
+                shape = list(value.shape)
+                shape[1] = missing
+                value = torch.cat([value, torch.full(shape, _PAD_VALUES[key], dtype=value.dtype)], dim=1)
+            else:
+                value = value[:, :T]
+        out[key] = value
+    return TensorDict(out, batch_size=b.batch_size)
+
+
+def trim(td: TensorDict) -> TensorDict:
+    """Cut trailing columns no row uses (a micro-batch of short rows from a long batch)."""
+    # An episode ends on a model turn, so its last model token is its last token.
+    cols = (td["versions"] != PAD_VERSION).any(dim=0).nonzero()
+    T = int(cols.max()) + 1 if cols.numel() else 1
+    return pad_tokens(td, T)
+
+
+def group_advantages(
+    reward: torch.Tensor, group_id: torch.Tensor, mode: Literal["grpo", "grpo_no_std", "rloo"] = "grpo", eps: float = 1e-6
+) -> torch.Tensor:
+    """Per-episode advantages normalised within each group.
+
+    grpo: (r - mean) / (std + eps), std unbiased; a group with zero variance gets 0.
+    grpo_no_std: r - mean (Dr.GRPO).
+    rloo: r - mean of the other episodes of the group = n/(n-1) * (r - mean).
+    """
+    reward = reward.to(torch.float32)
+    _, inverse, counts = torch.unique(group_id, return_inverse=True, return_counts=True)
+    G = counts.numel()
+    sums = torch.zeros(G).index_add_(0, inverse, reward)
+    n = counts.to(torch.float32)
+    mean = sums / n
+    centred = reward - mean[inverse]
+    if mode == "grpo_no_std":
+        return centred
+    if mode == "rloo":
+        if (counts < 2).any():
+            raise ValueError("rloo needs at least 2 samples per group")
+        return centred * (n / (n - 1))[inverse]
+    if mode == "grpo":
+        sq = torch.zeros(G).index_add_(0, inverse, centred**2)
+        std = torch.sqrt(sq / (n - 1).clamp(min=1))
+        return centred / (std[inverse] + eps)
+    raise ValueError(f"unknown advantage mode {mode!r}")
+
+
+def assign_advantages(td: TensorDict, mode: str) -> TensorDict:
+    """Fill `advantage` from `reward` and `group_id` (in place; returns td)."""
+    td["advantage"] = group_advantages(td["reward"], td["group_id"], mode)
+    return td
+
+
+def staleness(td: TensorDict, current_version: int) -> torch.Tensor:
+    """[B, T] versions behind `current_version` of each model token (0 elsewhere)."""
+    lag = current_version - td["versions"]
+    return torch.where(td["versions"] == PAD_VERSION, torch.zeros_like(lag), lag)
+
+
+def sequence_staleness(td: TensorDict, current_version: int) -> torch.Tensor:
+    """[B] lag of each episode's oldest model token."""
+    return staleness(td, current_version).amax(dim=1)
+
+
+def group_slices(td: TensorDict) -> list[slice]:
+    """Row ranges of consecutive groups (rows of one group are adjacent)."""
+    gid = td["group_id"].tolist()
+    slices, start = [], 0
+    for i in range(1, len(gid) + 1):
+        if i == len(gid) or gid[i] != gid[start]:
+            slices.append(slice(start, i))
+            start = i
+    return slices

@@ -1,0 +1,216 @@
+"""The generation service of one replica: token ids in; tokens, log-probs and versions out.
+
+Plain asyncio around a `VLLMEngine`, so it runs inside the Monarch actor (actor.py) and in
+unit tests alike. Rollout workers call `generate` for every model turn of every live
+episode at once; vLLM batches them continuously. Each call is one sample (n=1), so one
+can be aborted and resumed from its prefix without touching the others.
+
+Versions: a call names the oldest policy version it accepts (`min_version`, from the
+episode queue's admission); it waits until this replica's weights are at least that new.
+Every returned token carries the version that produced it.
+
+Weight updates (`update_weights`) follow generator.update_mode, per request:
+- keep:  freeze the scheduler with requests in place, load, bump the version, resume.
+         Requests continue; tokens decoded afterwards carry the new version.
+- abort: end in-flight requests, load, resume; every aborted request is resubmitted as
+         prompt + tokens so far with the remaining budget, its tokens keeping their
+         original versions and log-probs.
+- drain: admit no new request, let in-flight ones finish, load, resume: every request
+         comes from one version.
+- block: as drain. Synchronous runs (buffer.depth=0) use it: the episode queue admits a
+         batch only at the trainer's version, so no request waits across an update.
+In every mode the engine runs no forward pass while weights load (it is paused or idle),
+so no step mixes two versions' parameters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import torch
+
+from meshrl.config import Config
+from meshrl.generator.engine import RequestResult, VLLMEngine
+
+UPDATE_MODES = ("keep", "abort", "drain", "block")
+
+
+class Generator:
+    """One replica's engine, version, update modes and request accounting."""
+
+    def __init__(self, config: Config, checkpoint_dir: str, replica: int = 0):
+        self.config = config
+        self.gen = config.generator
+        if self.gen.update_mode not in UPDATE_MODES:
+            raise ValueError(f"generator.update_mode must be one of {UPDATE_MODES}")
+        self.engine = VLLMEngine(
+            self.gen,
+            checkpoint_dir,
+            dtype=config.model.dtype,
+            max_model_len=config.model.max_seq_len,
+            seed=config.seed + replica,
+        )
+        self.replica = replica
+        self._request_ids = itertools.count()
+        # Admission gate: cleared while paused, updating or stopping; requests wait on it.
+        self._open = asyncio.Event()
+        self._open.set()
+        self._update_lock = asyncio.Lock()
+        self._changed = asyncio.Condition()  # requests finished, or the version moved
+        self._in_flight = 0  # vLLM requests submitted and not finished
+        self._stopping = False
+        self._user_paused = False
+        # stats
+        self._t_start = time.monotonic()
+        self._busy_s = 0.0
+        self._busy_since: float | None = None
+        self._requests_done = 0
+        self._resumed = 0
+        self.update_pauses: list[tuple[str, int, float]] = []
+        """(mode, version, seconds generation was held) for each update."""
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self, version: int = 0) -> float:
+        return await self.engine.start(version)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    # ---- the service ----------------------------------------------------------------------
+    async def generate(
+        self, token_ids: list[int], max_new_tokens: int | None = None, temperature: float | None = None, min_version: int = 0
+    ) -> RequestResult:
+        """One sample continuing `token_ids`, at most `max_new_tokens` (default
+        generator.max_new_tokens) and never past model.max_seq_len, from weights of
+        `min_version` or newer. finish_reason: stop, length or abort (the replica stops)."""
+        budget = min(max_new_tokens or self.gen.max_new_tokens, self.config.model.max_seq_len - len(token_ids))
+        if budget <= 0:
+            raise ValueError(f"a context of {len(token_ids)} tokens leaves no room under model.max_seq_len")
+        await self._wait_for_version(min_version)
+        out = RequestResult()
+        while True:
+            remaining = budget - len(out.token_ids)
+            if remaining <= 0:
+                out.finish_reason = "length"
+                return out
+            await self._open.wait()
+            if self._stopping:
+                out.finish_reason = "abort"
+                return out
+            self._request_started()
+            try:
+                part = await self.engine.run_request(f"r{self.replica}-{next(self._request_ids)}", token_ids + out.token_ids, remaining, temperature)
+            finally:
+                await self._request_ended()
+            out.token_ids += part.token_ids
+            out.logprobs += part.logprobs
+            out.versions += part.versions
+            if part.routed_experts is not None:
+                out.routed_experts = part.routed_experts if out.routed_experts is None else torch.cat([out.routed_experts, part.routed_experts])
+            if part.finish_reason == "abort" and not self._stopping:
+                self._resumed += 1  # aborted by an abort-mode update: resume from the prefix under the new weights
+                continue
+            out.finish_reason = part.finish_reason
+            return out
+
+    async def _wait_for_version(self, version: int) -> None:
+        if self.version >= version:
+            return
+        timeout = self.config.weight_sync.timeout_s + 30.0
+        try:
+            async with self._changed:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.version >= version or self._stopping), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"generator replica {self.replica} is at version {self.version}, not {version}, after {timeout:.0f}s") from None
+
+    def _request_started(self) -> None:
+        if self._in_flight == 0 and self._busy_since is None:
+            self._busy_since = time.monotonic()
+        self._in_flight += 1
+
+    async def _request_ended(self) -> None:
+        self._in_flight -= 1
+        self._requests_done += 1
+        if self._in_flight == 0 and self._busy_since is not None:
+            self._busy_s += time.monotonic() - self._busy_since
+            self._busy_since = None
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def pause(self) -> None:
+        """Hold generation: no new requests, in-flight requests frozen (engine keep-pause)."""
+        async with self._update_lock:
+            self._user_paused = True
+            self._open.clear()
+            await self.engine.pause("keep")
+
+    async def resume(self) -> None:
+        async with self._update_lock:
+            self._user_paused = False
+            await self.engine.resume()
+            self._open.set()
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """End every request (they return with finish_reason abort), bounded."""
+        self._stopping = True
+        self._user_paused = False
+        self._open.set()  # wake waiters so they see _stopping
+        async with self._changed:
+            self._changed.notify_all()
+        await asyncio.wait_for(self.engine.pause("abort"), timeout_s)
+        await self.engine.resume()
+
+    # ---- weights --------------------------------------------------------------------------
+    async def update_weights(self, version: int, tensors: dict[str, torch.Tensor], mode: str | None = None) -> float:
+        """Apply full HF-named tensors as `version`; returns seconds generation was held."""
+        mode = mode or self.gen.update_mode
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"update mode must be one of {UPDATE_MODES}, got {mode!r}")
+        timeout = self.config.weight_sync.timeout_s
+        async with self._update_lock:
+            self._open.clear()  # no new requests (or resumed prefixes) until the new version
+            t0 = time.monotonic()
+            try:
+                if mode in ("keep", "abort"):
+                    await self.engine.pause(mode)
+                else:
+                    # Our own drain (the gate is closed, so nothing new is submitted): every
+                    # request we submitted has finished. Then freeze the idle engine for the load.
+                    async with self._changed:
+                        await asyncio.wait_for(self._changed.wait_for(lambda: self._in_flight == 0), timeout)
+                    await self.engine.pause("keep")
+                await self.engine.load_tensors(tensors, timeout)
+                await self.engine.set_version(version)
+            finally:
+                if self._user_paused:  # paused by the user before the update: stay paused
+                    await self.engine.pause("keep")
+                else:
+                    await self.engine.resume()
+                    self._open.set()
+                async with self._changed:
+                    self._changed.notify_all()
+            held = time.monotonic() - t0
+            self.update_pauses.append((mode, version, held))
+            return held
+
+    # ---- stats ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        now = time.monotonic()
+        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+        tokens = self.engine.tokens_generated
+        return {
+            "version": self.version,
+            "tokens_generated": tokens,
+            "tokens_per_s": tokens / busy if busy > 0 else 0.0,
+            "busy_s": busy,
+            "idle_s": max(0.0, now - self._t_start - busy),
+            "requests_in_flight": max(0, self._in_flight),
+            "requests_done": self._requests_done,
+            "samples_resumed": self._resumed,
+            "updates": [{"mode": m, "version": v, "held_s": h} for m, v, h in self.update_pauses],
+        }

@@ -1,0 +1,351 @@
+"""The episode queue: the one place that owns admission, in-flight work and staleness.
+
+Every group of episodes (one prompt, `generator.group_size` episodes) is in one state:
+
+    PENDING --claim--> RUNNING --put--> READY --sample--> trained
+       ^                  |
+       +-----requeue------+   (its worker, generator or env failed; or the run resumed)
+
+- Admission. A rollout worker claims a group only while the run may start more work: the
+  trainer at version v trains batch v next, and a group admitted now is trained at the
+  latest `ahead` versions later, so at most (v + 1 + ahead) batches are ever admitted
+  (plus replacements for groups dropped as stale). ahead = min(depth, max_lag): depth 0
+  is synchronous (a batch is admitted only once the trainer is at its version), 1 a double
+  buffer, K a bounded queue.
+- Versions. A claim carries the queue's version, and the generator serves its requests
+  only with weights at least that new, so every token of a group admitted at v is from a
+  version >= v. With admission bounded as above, no trained token is more than `max_lag`
+  versions old; the check at sample time (mask stale tokens, or drop the group, by
+  `lag_granularity`) is the guard for what admission cannot know: stragglers overtaken by
+  later groups, and a bound tightened mid-run.
+- The policy version comes from the trainer alone (`sample` and `set_version`).
+- `state_dict` keeps READY groups and re-queues RUNNING ones on load: no episode is lost or
+  trained twice across a resume.
+
+`EpisodeQueue` is plain, thread-safe Python; `EpisodeQueueActor` serves it on a proc mesh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import random
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from monarch.actor import Actor, concurrent_endpoint
+from tensordict import TensorDict
+
+from meshrl import episode
+from meshrl.config import Config
+from meshrl.data import PromptNode
+
+SamplingPolicy = Callable[[Sequence[TensorDict], int, random.Random], list[int]]
+"""A plain callable choosing which `n` of the READY groups (oldest first) a batch takes."""
+
+
+def fifo(groups: Sequence[TensorDict], n: int, rng: random.Random) -> list[int]:
+    """The oldest `n` groups."""
+    return list(range(n))
+
+
+def uniform(groups: Sequence[TensorDict], n: int, rng: random.Random) -> list[int]:
+    """`n` groups uniformly at random, without replacement."""
+    return sorted(rng.sample(range(len(groups)), n))
+
+
+def resolve_policy(name: str) -> SamplingPolicy:
+    if name == "fifo":
+        return fifo
+    if name == "random":
+        return uniform
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass
+class Claim:
+    """One group handed to a rollout worker."""
+
+    group_id: int
+    sample: dict
+    """The data record: `prompt` (text or chat messages), `answer` and the task's fields."""
+    version: int
+    """Its tokens must come from this policy version or newer (the generator waits for it)."""
+
+
+class QueueClosed(RuntimeError):
+    """The queue was closed while a worker or the trainer waited on it."""
+
+
+class EpisodeQueue:
+    """Admission, the in-flight ledger, READY groups and the staleness bound. Thread-safe."""
+
+    def __init__(self, config: Config):
+        b = config.buffer
+        self.cfg = b
+        self.batch_groups = config.batch_groups
+        self.depth = b.depth
+        self.max_lag = 0 if b.depth == 0 else b.max_lag
+        self.policy = resolve_policy(b.sampling)
+        self.node = PromptNode(config.data, config.seed)
+        self.node.reset()
+        self.version = 0
+        self.next_group_id = 0
+        self.dropped = 0  # groups dropped as stale: admission replaces them
+        self.pending: deque[tuple[int, dict]] = deque()  # re-queued (group id, sample), handed out first
+        self.running: dict[int, tuple[dict, int, int]] = {}  # group id -> (sample, worker, claim version)
+        self.ready: deque[TensorDict] = deque()
+        self.consumed: list[int] = []  # group ids trained, in order
+        self._cond = threading.Condition()
+        self._rng = random.Random(config.seed)
+        self._closed = False
+        self._stats: Counter = Counter()
+        self._lag_hist: Counter[int] = Counter()
+
+    # ---- admission ----------------------------------------------------------------------------
+    @property
+    def ahead(self) -> int:
+        """Batches admitted beyond the one the trainer trains next."""
+        return self.depth if self.max_lag is None else min(self.depth, self.max_lag)
+
+    def _admissible(self) -> bool:
+        return self.next_group_id < (self.version + 1 + self.ahead) * self.batch_groups + self.dropped
+
+    def claim(self, worker: int, timeout: float) -> Claim | None:
+        """The next group for `worker`; None when nothing may start within `timeout` s (the
+        worker asks again) or the queue is closed."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._closed or self.pending or self._admissible(), timeout):
+                return None
+            if self._closed:
+                return None
+            if self.pending:
+                gid, sample = self.pending.popleft()
+            else:
+                gid, sample = self.next_group_id, next(self.node)
+                self.next_group_id += 1
+            self.running[gid] = (sample, worker, self.version)
+            return Claim(gid, sample, self.version)
+
+    def put(self, group_id: int, group: TensorDict) -> bool:
+        """A finished group. False if it is no longer this worker's to deliver (re-queued
+        after its worker was presumed dead) or it is too stale to train on."""
+        _check_one_group(group, group_id)
+        with self._cond:
+            if self.running.pop(group_id, None) is None:
+                self._stats["late_puts"] += 1
+                return False
+            group = self._admit(group)
+            if group is None:
+                return False
+            self.ready.append(group)
+            self._stats["puts"] += 1
+            self._cond.notify_all()
+            return True
+
+    def requeue(self, worker: int | None = None, group_ids: Sequence[int] | None = None) -> int:
+        """Hand RUNNING groups out again, first: those of `worker`, or the given ids, or all."""
+        with self._cond:
+            ids = sorted(
+                gid for gid, (_, holder, _) in self.running.items()
+                if (worker is None or holder == worker) and (group_ids is None or gid in group_ids)
+            )
+            for gid in ids:
+                self.pending.append((gid, self.running.pop(gid)[0]))
+            self._stats["requeued"] += len(ids)
+            self._cond.notify_all()
+            return len(ids)
+
+    # ---- the trainer ----------------------------------------------------------------------------
+    def sample(self, num_groups: int, current_version: int, timeout: float | None = None) -> TensorDict:
+        """`num_groups` READY groups as one batch for training version `current_version`;
+        waits for them at most `timeout` s (default buffer.get_timeout_s)."""
+        if num_groups > (1 + self.ahead) * self.batch_groups:
+            raise ValueError(f"cannot sample {num_groups} groups when at most {(1 + self.ahead) * self.batch_groups} are admitted")
+        timeout = self.cfg.get_timeout_s if timeout is None else timeout
+        start = time.monotonic()
+        with self._cond:
+            self._set_version(current_version)
+            while len(self.ready) < num_groups and not self._closed:
+                left = timeout - (time.monotonic() - start)
+                if left <= 0:
+                    raise TimeoutError(
+                        f"episode queue had {len(self.ready)} of {num_groups} groups after {timeout:.0f}s "
+                        f"({len(self.running)} running): rollouts are not arriving; raise buffer.get_timeout_s or check the generators"
+                    )
+                self._cond.wait(left)
+                self._set_version(current_version)
+            if self._closed:
+                raise QueueClosed("episode queue closed")
+            chosen = self.policy(list(self.ready), num_groups, self._rng)
+            if len(set(chosen)) != num_groups or not all(0 <= i < len(self.ready) for i in chosen):
+                raise ValueError(f"sampling policy {self.cfg.sampling!r} returned bad indices {chosen}")
+            picked = [self.ready[i] for i in chosen]
+            for i in sorted(chosen, reverse=True):
+                del self.ready[i]
+            batch = episode.concat(picked)
+            self.consumed += [int(g["group_id"][0]) for g in picked]
+            self._lag_hist.update(episode.staleness(batch, current_version)[batch["loss_mask"]].tolist())
+            self._stats["samples"] += 1
+            self._stats["consumer_wait_s"] += time.monotonic() - start
+            return batch
+
+    def set_version(self, version: int) -> None:
+        """The trainer's policy version: opens admission, re-checks READY groups."""
+        with self._cond:
+            self._set_version(version)
+            self._cond.notify_all()
+
+    def set_max_lag(self, max_lag: int | None) -> None:
+        """Change the staleness bound; admission follows at once (depth 0 stays on-policy)."""
+        if max_lag is not None and max_lag < 0:
+            raise ValueError(f"max_lag must be at least 0, got {max_lag}")
+        with self._cond:
+            self.max_lag = 0 if self.depth == 0 else max_lag
+            self.ready = deque(g for g in map(self._admit, self.ready) if g is not None)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # ---- staleness --------------------------------------------------------------------------------
+    def _set_version(self, version: int) -> None:
+        if version < self.version:
+            raise ValueError(f"policy version went backwards: {version} < {self.version}")
+        if version == self.version:
+            return
+        self.version = version
+        self.ready = deque(g for g in map(self._admit, self.ready) if g is not None)
+
+    def _admit(self, group: TensorDict) -> TensorDict | None:
+        """The group as it may be trained on at the current version, or None (dropped)."""
+        if self.max_lag is None:
+            return group
+        real = group["loss_mask"]
+        stale = (episode.staleness(group, self.version) > self.max_lag) & real
+        if not stale.any():
+            return group
+        if self.cfg.lag_granularity == "sequence" or stale.sum() == real.sum():
+            self._stats["dropped_stale_groups"] += 1
+            self._stats["dropped_stale_tokens"] += int(real.sum())
+            self.dropped += 1
+            return None
+        group = group.clone()
+        group["loss_mask"] = real & ~stale
+        self._stats["masked_stale_tokens"] += int(stale.sum())
+        return group
+
+    # ---- observability and resume ---------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        with self._cond:
+            s, hist = self._stats, self._lag_hist
+            tokens = sum(hist.values())
+            return {
+                "buffer/groups": float(len(self.ready)),
+                "buffer/running": float(len(self.running)),
+                "buffer/pending": float(len(self.pending)),
+                "buffer/admitted": float(self.next_group_id),
+                "buffer/puts": float(s["puts"]),
+                "buffer/samples": float(s["samples"]),
+                "buffer/requeued": float(s["requeued"]),
+                "buffer/late_puts": float(s["late_puts"]),
+                "buffer/dropped_stale_groups": float(s["dropped_stale_groups"]),
+                "buffer/dropped_stale_tokens": float(s["dropped_stale_tokens"]),
+                "buffer/masked_stale_tokens": float(s["masked_stale_tokens"]),
+                "buffer/consumer_wait_s": s["consumer_wait_s"],
+                "buffer/lag_mean": sum(k * v for k, v in hist.items()) / tokens if tokens else 0.0,
+                "buffer/lag_max": float(max(hist, default=0)),
+                **{f"buffer/lag_hist/{k}": float(v) for k, v in sorted(hist.items())},
+            }
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs; RUNNING groups are saved as pending."""
+        with self._cond:
+            pending = list(self.pending) + [(gid, sample) for gid, (sample, _, _) in self.running.items()]
+            return {
+                "node": self.node.state_dict(),
+                "version": self.version,
+                "next_group_id": self.next_group_id,
+                "dropped": self.dropped,
+                "pending": [{"group_id": gid, "sample": sample} for gid, sample in sorted(pending, key=lambda p: p[0])],
+                "ready": [g.to_dict() for g in self.ready],
+                "consumed": list(self.consumed),
+                "stats": dict(self._stats),
+                "lag_hist": dict(self._lag_hist),
+                "rng": self._rng.getstate(),
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._cond:
+            self.node.reset(state["node"])
+            self.version = state["version"]
+            self.next_group_id = state["next_group_id"]
+            self.dropped = state["dropped"]
+            self.pending = deque((p["group_id"], p["sample"]) for p in state["pending"])
+            self.running = {}
+            self.ready = deque(TensorDict.from_dict(g, batch_size=[len(g["group_id"])]) for g in state["ready"])
+            self.consumed = list(state["consumed"])
+            self._stats = Counter(state["stats"])
+            self._lag_hist = Counter(state["lag_hist"])
+            self._rng.setstate(state["rng"])
+            self._cond.notify_all()
+
+
+def _check_one_group(group: TensorDict, group_id: int) -> None:
+    gids = group["group_id"]
+    if gids.numel() == 0 or not bool((gids == group_id).all()):
+        raise ValueError(f"a put takes one whole group: every row with group_id {group_id}")
+
+
+class EpisodeQueueActor(Actor):
+    """Serves an EpisodeQueue. Every endpoint is concurrent and blocking waits run off the
+    event loop, so a worker waiting for admission never holds up the trainer's sample."""
+
+    def __init__(self, config: dict):
+        self.queue = EpisodeQueue(Config.from_dict(config))
+
+    @concurrent_endpoint
+    async def claim(self, worker: int, timeout: float) -> Claim | None:
+        return await asyncio.to_thread(self.queue.claim, worker, timeout)
+
+    @concurrent_endpoint
+    async def put(self, group_id: int, group: TensorDict) -> bool:
+        return self.queue.put(group_id, group)
+
+    @concurrent_endpoint
+    async def requeue(self, worker: int | None = None, group_ids: list[int] | None = None) -> int:
+        return self.queue.requeue(worker, group_ids)
+
+    @concurrent_endpoint
+    async def sample(self, num_groups: int, current_version: int, timeout: float | None = None) -> TensorDict:
+        return await asyncio.to_thread(self.queue.sample, num_groups, current_version, timeout)
+
+    @concurrent_endpoint
+    async def set_version(self, version: int) -> None:
+        self.queue.set_version(version)
+
+    @concurrent_endpoint
+    async def set_max_lag(self, max_lag: int | None) -> None:
+        self.queue.set_max_lag(max_lag)
+
+    @concurrent_endpoint
+    async def metrics(self) -> dict[str, float]:
+        return self.queue.metrics()
+
+    @concurrent_endpoint
+    async def state_dict(self) -> dict:
+        return self.queue.state_dict()
+
+    @concurrent_endpoint
+    async def load_state_dict(self, state: dict) -> None:
+        self.queue.load_state_dict(state)
+
+    @concurrent_endpoint
+    async def close(self) -> None:
+        self.queue.close()

@@ -1,0 +1,310 @@
+"""Rollout workers: actors that play groups of episodes and hand them to the episode queue.
+
+    claim = queue.claim(worker)                        # a group: one record, admitted at version v
+    for each of generator.group_size episodes, concurrently:
+        obs = env.reset(record)
+        loop: model turn  <- generator.generate(episode ids, min_version=v)
+              env turn    <- env.step(model turn)       (observation, reward, done)
+    queue.put(group)                                    # packed TensorDict with advantages
+
+A worker runs many groups at once, so the generators see every live episode's model turn
+as one continuously batched stream. Each episode sticks to one generator replica (its
+prefix cache stays warm) and keeps its env instance in this process: the worker procs are
+the env pool (`rollout.workers`). Failures stay small:
+- an env that raises or exceeds `rollout.env_timeout_s` fails its episode (reward 0,
+  finish_reason `failed`, counted in `episode/failed`); the group still trains;
+- a generator call that fails (a dead replica) re-queues the whole group, which is played
+  again from its start: no episode is lost or trained twice;
+- a dead worker proc is replaced by the controller, and the queue re-queues its groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+
+from monarch.actor import Actor, concurrent_endpoint, endpoint
+
+from meshrl.compat import awaited
+from meshrl.config import Config
+from meshrl.episode import Episode, Turn, assign_advantages, pack
+from meshrl.rollout.chat import ChatRenderer
+from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, call_bounded
+
+log = logging.getLogger("meshrl")
+
+CLAIM_POLL_S = 1.0
+"""How long the queue holds one claim before answering None (then asked again)."""
+RETRY_AFTER_S = 1.0
+"""Pause of a slot whose group was re-queued after a generator failure."""
+
+
+class GenerationFailed(RuntimeError):
+    """A generator call failed: the group is re-queued, not trained."""
+
+
+def env_factory(config: Config, reward_fn=None):
+    """() -> a fresh Env per episode: `rollout.env`, else the task's own env, else a
+    SingleTurnEnv around the run's reward (passed in code, scoring.*, or the task's)."""
+    from meshrl.scoring import import_callable, resolve_reward
+    from meshrl.tasks import get_task
+
+    r = config.rollout
+    if r.env:
+        cls = import_callable(r.env)
+        return lambda: cls(**r.env_args)
+    if config.data.source.startswith("task:") and reward_fn is None:
+        task = get_task(config.data.source.removeprefix("task:"))
+        if task.env is not None:
+            return lambda: task.env(config)
+    reward = resolve_reward(config, reward_fn)
+    return lambda: SingleTurnEnv(reward, config.scoring.timeout_s)
+
+
+class RolloutWorker:
+    """Plays groups of episodes: plain asyncio, usable in the actor and in tests alike."""
+
+    def __init__(self, config: Config, tokenizer_dir: str, worker: int = 0, reward_fn=None):
+        from meshrl.tokenizer import load_tokenizer
+
+        self.config = config
+        self.worker = worker
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.make_env = env_factory(config, reward_fn)
+        self.generators: list = []
+        self._load: list[int] = []  # requests in flight per generator, for least-loaded choice
+        self._renderers: dict[str, ChatRenderer] = {}
+        self._task: asyncio.Task | None = None
+        self._groups: set[asyncio.Task] = set()
+        self._stopping = False
+        self.window: list[dict[str, float]] = []  # per-episode stats since the last metrics()
+        self.failed_total = 0
+        self.requeued_total = 0
+        self.error: str | None = None
+
+    # ---- generators ---------------------------------------------------------------------------
+    def set_generators(self, generators: list) -> None:
+        """The replicas to send model turns to (after a replacement or a rescale)."""
+        self.generators = list(generators)
+        self._load = [0] * len(self.generators)
+
+    def _pick(self) -> int:
+        if not self.generators:
+            raise GenerationFailed("no generator replica")
+        return min(range(len(self.generators)), key=self._load.__getitem__)
+
+    async def _generate(self, replica: int, ids: list[int], budget: int, version: int):
+        if replica >= len(self.generators):
+            raise GenerationFailed("its generator replica was removed")
+        gen = self.generators[replica]
+        self._load[replica] += 1
+        try:
+            timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
+            return await asyncio.wait_for(awaited(gen.generate.call_one(ids, budget, None, version)), timeout)
+        except Exception as e:  # noqa: BLE001 - any failure of the call: the group is played again
+            raise GenerationFailed(f"generator replica {replica}: {type(e).__name__}: {str(e).strip()[:200]}") from e
+        finally:
+            if replica < len(self._load) and self.generators and gen is self.generators[replica]:
+                self._load[replica] -= 1
+
+    def _renderer(self, env: Env) -> ChatRenderer:
+        tools = getattr(env, "tools_schema", None) or None
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._renderers:
+            self._renderers[key] = ChatRenderer(self.tokenizer, tools=tools)
+        return self._renderers[key]
+
+    # ---- one episode, one group ------------------------------------------------------------------
+    async def play_episode(self, group_id: int, sample_id: int, record: dict, version: int, replica: int) -> Episode:
+        """One episode of `record`, model turns on generator `replica` at `version` or newer."""
+        c = self.config
+        env = self.make_env()
+        ep = Episode(group_id, sample_id)
+        timeout = c.rollout.env_timeout_s
+        try:
+            t0 = time.monotonic()
+            obs = await call_bounded(env.reset, dict(record), timeout=timeout)
+            ep.env_s += time.monotonic() - t0
+            renderer = self._renderer(env)
+            ep.turns.append(Turn("env", renderer.initial_ids(obs)))
+            for k in range(c.rollout.max_turns):
+                room = c.model.max_seq_len - len(ep)
+                if room <= 0:
+                    ep.finish_reason = "length"
+                    break
+                out = await self._generate(replica, ep.token_ids, min(c.generator.max_new_tokens, room), version)
+                turn = Turn("model", out.token_ids, out.logprobs, out.versions, finish_reason=out.finish_reason,
+                            routed_experts=out.routed_experts)
+                ep.turns.append(turn)
+                if out.finish_reason == "abort":
+                    raise GenerationFailed(f"generator replica {replica} is stopping")
+                t0 = time.monotonic()
+                step = await call_bounded(
+                    env.step, ModelTurn(self.tokenizer.decode(out.token_ids, skip_special_tokens=True), list(out.token_ids), out.finish_reason, k),
+                    timeout=timeout,
+                )
+                ep.env_s += time.monotonic() - t0
+                turn.reward = float(step.reward)
+                ep.tool_calls += int(step.info.get("tool_calls", 0)) if step.info else 0
+                if step.done:
+                    ep.finish_reason = out.finish_reason
+                    break
+                more = renderer.continuation_ids(out.token_ids, step.observation)
+                if len(ep) + len(more) >= c.model.max_seq_len:
+                    ep.finish_reason = "length"  # no room for the env's reply and another model turn
+                    break
+                ep.turns.append(Turn("env", more))
+            else:
+                ep.finish_reason = "length"  # rollout.max_turns model turns and the env is not done
+        except GenerationFailed:
+            raise
+        except Exception as e:  # noqa: BLE001 - the env's failure fails its episode, not the run
+            kind = "timed out" if isinstance(e, (asyncio.TimeoutError, TimeoutError)) else f"raised {type(e).__name__}: {str(e)[:200]}"
+            log.warning("env of episode %d (group %d) %s; marked failed", sample_id, group_id, kind)
+            ep.finish_reason = "failed"
+        finally:
+            close = getattr(env, "close", None)
+            if close is not None:
+                try:
+                    await call_bounded(close, timeout=timeout)
+                except Exception:  # noqa: BLE001 - a failing close is the env's problem alone
+                    pass
+        return ep
+
+    async def play_group(self, claim) -> list[Episode]:
+        n = self.config.generator.group_size
+        replica = self._pick()
+        return list(await asyncio.gather(*(
+            self.play_episode(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replica) for i in range(n)
+        )))
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def start(self, queue) -> None:
+        if self._task is not None and not self._task.done():
+            raise RuntimeError("rollout worker already running")
+        self._stopping = False
+        self._task = asyncio.create_task(self._run(queue))
+
+    def slots(self) -> int:
+        """Groups played at once: enough that the generators always have every slot busy."""
+        c = self.config
+        if c.rollout.groups_per_worker:
+            return c.rollout.groups_per_worker
+        seqs = 2 * c.generator.replicas * c.generator.max_num_seqs
+        return max(1, seqs // c.generator.group_size // c.rollout.workers)
+
+    async def _run(self, queue) -> None:
+        free = asyncio.Semaphore(self.slots())
+        try:
+            while not self._stopping:
+                await free.acquire()
+                try:
+                    claim = await asyncio.wait_for(awaited(queue.claim.call_one(self.worker, CLAIM_POLL_S)), CLAIM_POLL_S + 60)
+                except Exception:
+                    free.release()
+                    raise
+                if claim is None:
+                    free.release()
+                    continue
+                task = asyncio.create_task(self._deliver(queue, claim))
+                self._groups.add(task)
+                task.add_done_callback(lambda t: (self._groups.discard(t), free.release()))
+        except Exception as e:  # noqa: BLE001 - a lost queue ends the loop; stats() reports it
+            if not self._stopping:
+                self.error = f"{type(e).__name__}: {str(e)[:300]}"
+                log.warning("rollout worker %d stopped: %s", self.worker, self.error)
+
+    async def _deliver(self, queue, claim) -> None:
+        try:
+            episodes = await self.play_group(claim)
+        except GenerationFailed as e:
+            if self._stopping:
+                return
+            log.warning("group %d re-queued: %s", claim.group_id, e)
+            self.requeued_total += 1
+            await awaited(queue.requeue.call_one(None, [claim.group_id]))
+            await asyncio.sleep(RETRY_AFTER_S)
+            return
+        group = assign_advantages(pack(episodes), self.config.trainer.loss.advantage)
+        if self._stopping:
+            return
+        if not await asyncio.wait_for(awaited(queue.put.call_one(claim.group_id, group)), 120):
+            return  # re-queued meanwhile (this worker was presumed dead), or too stale: not ours to count
+        for ep in episodes:
+            failed = ep.finish_reason == "failed"
+            self.failed_total += failed
+            self.window.append({
+                "reward": ep.reward, "success": float(ep.reward >= 1.0 and not failed), "failed": float(failed),
+                "response_len": float(sum(len(t.token_ids) for t in ep.model_turns)), "turns": float(len(ep.model_turns)),
+                "tool_calls": float(ep.tool_calls), "env_tokens": float(ep.env_tokens), "env_s": ep.env_s,
+            })
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop claiming; groups in flight are dropped (the queue re-queues them on resume)."""
+        self._stopping = True
+        tasks = [t for t in [self._task, *self._groups] if t is not None]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    def metrics(self) -> list[dict[str, float]]:
+        window, self.window = self.window, []
+        return window
+
+
+def summarize(windows: list[dict[str, float]], failed_total: float = 0.0) -> dict[str, float]:
+    """Per-step episode metrics from the workers' per-episode windows."""
+    if not windows:
+        return {}
+    n = len(windows)
+
+    def mean(key: str) -> float:
+        return sum(w[key] for w in windows) / n
+
+    rewards = [w["reward"] for w in windows]
+    mu = sum(rewards) / n
+    return {
+        "reward/mean": mu,
+        "reward/std": (sum((r - mu) ** 2 for r in rewards) / (n - 1)) ** 0.5 if n > 1 else 0.0,
+        "reward/success_rate": mean("success"),
+        "response/length_mean": mean("response_len"),
+        "episode/count": float(n),
+        "episode/turns_mean": mean("turns"),
+        "episode/tool_calls_mean": mean("tool_calls"),
+        "episode/env_tokens_mean": mean("env_tokens"),
+        "episode/failed": sum(w["failed"] for w in windows),
+        "episode/failed_total": failed_total,
+        "episode/env_s": sum(w["env_s"] for w in windows),
+    }
+
+
+class RolloutWorkerActor(Actor):
+    """A rollout worker on a proc mesh: `start(queue, generators)` runs it in the background."""
+
+    def __init__(self, config: dict, tokenizer_dir: str, worker: int, reward_fn=None):
+        self.worker = RolloutWorker(Config.from_dict(config), tokenizer_dir, worker, reward_fn)
+
+    @endpoint
+    async def start(self, queue, generators: list) -> int:
+        """Start playing; returns this proc's pid (the controller watches it)."""
+        self.worker.set_generators(generators)
+        self.worker.start(queue)
+        return os.getpid()
+
+    @concurrent_endpoint
+    async def set_generators(self, generators: list) -> None:
+        self.worker.set_generators(generators)
+
+    @concurrent_endpoint
+    async def metrics(self) -> dict:
+        w = self.worker
+        return {"episodes": w.metrics(), "failed_total": w.failed_total, "requeued_total": w.requeued_total, "error": w.error}
+
+    @concurrent_endpoint
+    async def stop_rollouts(self, timeout_s: float = 30.0) -> None:
+        await self.worker.stop(timeout_s)
+
