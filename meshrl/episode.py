@@ -16,7 +16,7 @@ A group packs into a rollout TensorDict, one row per episode, right-padded to T 
 | loss_mask        | [B, T]       | bool    | True on model tokens that count in the loss (env tokens never)|
 | sampler_logprobs | [B, T]       | float32 | log-prob of each model token under its sampling distribution |
 | versions         | [B, T]       | int64   | policy version of each model token (PAD_VERSION elsewhere)    |
-| dense_reward     | [B, T]       | float32 | a turn's reward at its last model token (0 elsewhere)        |
+| dense_reward     | [B, T]       | float32 | a turn's reward at its last model token (0 elsewhere; rows sum to reward) |
 | reward           | [B]          | float32 | the episode's reward: the sum of its turns' rewards          |
 | advantage        | [B]          | float32 | group-normalised advantage                                   |
 | group_id         | [B]          | int64   | id shared by the episodes of one prompt                      |
@@ -133,7 +133,8 @@ def pack(episodes: Sequence[Episode]) -> TensorDict:
                 loss_mask[i, at : at + n] = True
                 logprobs[i, at : at + n] = torch.as_tensor(turn.logprobs, dtype=torch.float32)
                 versions[i, at : at + n] = torch.as_tensor(turn.versions, dtype=torch.int64)
-                dense[i, at + n - 1] = turn.reward
+                if episode.finish_reason != "failed":  # a failed episode earns nothing, turn by turn too
+                    dense[i, at + n - 1] = turn.reward
                 if experts is not None and turn.routed_experts is not None and turn.routed_experts.shape[0] == n:
                     experts[i, at : at + n] = turn.routed_experts.to(torch.int32)
             at += n

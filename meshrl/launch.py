@@ -43,6 +43,7 @@ from unittest import mock
 
 from monarch.actor import HostMesh, ProcMesh, this_host
 
+from meshrl.compat import awaited
 from meshrl.config import Config, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -209,7 +210,7 @@ class Allocation:
             # For slurm this blocks while the job queues (bounded by launcher.start_timeout_s).
             self._owned = dict(self._job.state(cached_path=None)._hosts)
             for name, mesh in self._owned.items():
-                await asyncio.wait_for(_awaitable(mesh.initialized), self.config.launcher.start_timeout_s)
+                await asyncio.wait_for(awaited(mesh.initialized), self.config.launcher.start_timeout_s)
                 logger.info("launcher: host mesh %r connected, %d hosts", name, mesh.sizes["hosts"])
             self._roles = _role_meshes(self._owned)
         except BaseException:
@@ -325,13 +326,9 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-async def _awaitable(future: Any) -> Any:
-    return await future
-
-
 async def _quietly(future: Any, what: str) -> None:
     """Await a Monarch stop/shutdown future with a timeout; log, don't raise: teardown goes on."""
     try:
-        await asyncio.wait_for(_awaitable(future), STOP_TIMEOUT_S)
+        await asyncio.wait_for(awaited(future), STOP_TIMEOUT_S)
     except Exception as e:  # an already-dead proc or host raises here: nothing left to stop
         logger.warning("launcher: %s failed: %s: %s", what, type(e).__name__, e)

@@ -20,12 +20,11 @@ Single-turn (raw text prompts):
 
 Multi-turn (chat messages, rendered by the tokenizer's chat template; both are learnable
 from scratch on a CPU by the tiny default model with the built-in character tokenizer):
-- calc:  "7*8" -> the model calls the calculator tool, then answers with its result.
+- calc:  "7-3" -> the model calls the calculator tool, then answers with its result.
          Answering right is only possible by calling the tool and copying what it
-         returned. Credit: 0.2 for calling the tool, up to 0.3 more for the call's
-         argument (per character against the question), up to 0.5 more for the answer
-         (per character against the tool's correct result). Use `rollout.tool_parser:
-         compact` (a turn `!7*8` is a call) for models trained from scratch.
+         returned. Credit: 0.2 for a call, 0.5 for a call that returned the answer, 1.0
+         for then answering with it (the number the reply starts with). Use `rollout.tool_parser: compact` (a turn `!` or
+         `!7-3` is a call) for models trained from scratch.
 - guess: a hidden digit; the model guesses, the env answers `+` (higher) or `-` (lower),
          at most 4 guesses. 1.0 for a hit on the first guess, 0.1 less per extra guess.
 """
@@ -35,6 +34,7 @@ from __future__ import annotations
 import ast
 import operator
 import random
+import re
 import string
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -120,7 +120,7 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 def calculator(expression: str) -> str:
-    """Evaluate an integer arithmetic expression.
+    """Evaluate an integer arithmetic expression; "?" when it is not one.
 
     Args:
         expression: digits with +, - and *, e.g. "7*8".
@@ -131,45 +131,53 @@ def calculator(expression: str) -> str:
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.left), ev(node.right))
-        raise ValueError(f"cannot evaluate {expression!r}")
+        raise ValueError
 
-    if len(expression) > 32:
-        raise ValueError("expression too long")
-    return str(ev(ast.parse(expression.strip(), mode="eval").body))
+    try:
+        return str(ev(ast.parse(expression.strip()[:32], mode="eval").body))
+    except (SyntaxError, ValueError, RecursionError):
+        return "?"  # short: every token of a tool reply lengthens the episode
+
+
+_LEADING_ARITHMETIC = re.compile(r"[\d+\-*() ]*")
+_LEADING_NUMBER = re.compile(r"\s*(-?\d+)")
 
 
 def _make_calc(rng: random.Random) -> tuple[list[dict], str]:
-    a, b, op = rng.randint(0, 9), rng.randint(0, 9), rng.choice("+*")
-    question = f"{a}{op}{b}"
-    return [{"role": "user", "content": question}], calculator(question)
-
-
-def _agreement(got: str, want: str) -> float:
-    """Per-character agreement over the longer of the two."""
-    return sum(x == y for x, y in zip(got, want)) / max(len(got), len(want), 1)
+    # one-digit results: the answer is copied from the tool in one token
+    result, op = rng.randint(0, 9), rng.choice("+-")
+    b = rng.randint(0, result) if op == "+" else rng.randint(0, 9 - result)
+    a = result - b if op == "+" else result + b
+    return [{"role": "user", "content": f"{a}{op}{b}"}], str(result)
 
 
 class CalcEnv(ToolEnv):
-    """The calculator task: a tool turn, then an answer copied from the tool's result."""
+    """The calculator task: one tool call, then an answer copied from the tool's result.
+
+    The tool evaluates the arithmetic its argument starts with, or the question's own when
+    the argument starts with none (`!` in the compact format): a tiny model learns one call
+    token, not to copy the question into the call. The answer is the number the reply
+    starts with. Answering right still needs the tool's result."""
 
     def __init__(self, config):
-        super().__init__([calculator], parser=config.rollout.tool_parser, max_tool_calls=2)
-        self.arguments: list[str] = []
+        super().__init__([self.calculator], parser=config.rollout.tool_parser, max_tool_calls=1)
 
-    async def step(self, turn: ModelTurn) -> StepResult:
-        calls = self.parser(turn.text)
-        self.arguments += [str(next(iter(c.arguments.values()), "")) for c in calls]
-        return await super().step(turn)
+    def calculator(self, expression: str = "") -> str:
+        """Evaluate the integer arithmetic (digits, +, -, *) the expression starts with.
+
+        Args:
+            expression: e.g. "7-3"; without arithmetic, the question's own expression.
+        """
+        arithmetic = _LEADING_ARITHMETIC.match(expression).group(0).strip()
+        return calculator(arithmetic or self.sample["prompt"][-1]["content"])
 
     async def score(self, answer_text: str, sample: dict) -> float:
-        if not self.arguments:
+        if not self.calls_made:
             return 0.0
-        question = sample["prompt"][-1]["content"]
-        called = 0.2 + 0.3 * max(_agreement(a.strip(), question) for a in self.arguments)
-        # the answer counts only where the tool gave the right result to copy
         if sample["answer"] not in self.tool_results:
-            return called
-        return called + 0.5 * _agreement(answer_text.strip(), sample["answer"])
+            return 0.2  # called the tool, but not on the question
+        answer = _LEADING_NUMBER.match(answer_text)
+        return 0.5 + 0.5 * (answer is not None and answer.group(1) == sample["answer"])
 
 
 GUESSES = 4

@@ -70,3 +70,57 @@ def qwen_style_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(build_qwen_style_tokenizer(tmp_path / "qwen_tok"), local_files_only=True)
+
+
+# ---- a generator actor with test-only endpoints ---------------------------------------------
+_TEST_ACTORS: dict = {}
+
+
+def _generator_test_actor():
+    """`GeneratorActor` plus the endpoints only tests use: weights carried in the message
+    (`load_weights`, small models) and the engine's weights checksum. Built on first use,
+    so that test modules that never spawn one do not import Monarch and vLLM's wrapper."""
+    from monarch.actor import concurrent_endpoint
+
+    from meshrl.generator.actor import GeneratorActor
+
+    class GeneratorTestActor(GeneratorActor):
+        @concurrent_endpoint
+        async def load_weights(self, version: int, tensors: dict, mode: str | None = None) -> float:
+            """Apply full HF-named tensors as `version` in `mode` (default generator.update_mode);
+            returns the seconds generation was held."""
+            return await self._gen().update_weights(version, tensors, mode)
+
+        @concurrent_endpoint
+        async def weights_checksum(self) -> float:
+            return await self._gen().engine.weights_checksum()
+
+    GeneratorTestActor.__module__ = __name__
+    GeneratorTestActor.__qualname__ = "GeneratorTestActor"
+    return GeneratorTestActor
+
+
+def __getattr__(name: str):
+    """`from tests.conftest import GeneratorTestActor` (also how a spawned proc finds the class)."""
+    if name == "GeneratorTestActor":
+        if name not in _TEST_ACTORS:
+            _TEST_ACTORS[name] = _generator_test_actor()
+        return _TEST_ACTORS[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---- hand-made episode groups -----------------------------------------------------------------
+def make_group(gid: int, n: int, versions: list[int], prompt_len: int = 3, advantage: str = "grpo_no_std"):
+    """A packed group of `n` single-turn episodes (group id `gid`, sample ids gid * 100 + i):
+    a `prompt_len`-token prompt, then one model turn whose tokens carry `versions`; episode
+    i has reward i. Advantages are filled in (`advantage` mode), as a rollout worker does."""
+    from meshrl.episode import Episode, Turn, assign_advantages, pack
+
+    episodes = [
+        Episode(gid, gid * 100 + i, [
+            Turn("env", list(range(1, prompt_len + 1))),
+            Turn("model", [7] * len(versions), [-0.5] * len(versions), list(versions), reward=float(i)),
+        ])
+        for i in range(n)
+    ]
+    return assign_advantages(pack(episodes), advantage)

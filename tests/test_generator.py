@@ -1,15 +1,20 @@
 """vLLM generator replicas on a real Monarch proc mesh, with real vLLM engines.
 
-One GeneratorActor (one engine) serves the whole module; a second one, started from a
-checkpoint on disk, is the reference for tensor weight updates. The test model is a tiny
-random Qwen3 whose EOS token can never be sampled (see `tiny_qwen3`), so long
-completions run to their token budget and a weight update reliably lands inside them.
+One generator actor (one engine) serves the whole module; a second one, started from a
+checkpoint on disk, is the reference for tensor weight updates. Tests drive the replica as
+rollout workers do: many concurrent `generate` calls, one sample each, and apply weight
+updates while tokens flow. The actor is `tests.conftest.GeneratorTestActor`: the production
+`GeneratorActor` plus the test-only `load_weights` (tensors in the message) and
+`weights_checksum` endpoints.
+
+The test model is a tiny random Qwen3 whose EOS token can never be sampled (see
+`tiny_qwen3`), so long completions run to their token budget and a weight update reliably
+lands inside them.
 """
 
 from __future__ import annotations
 
 import asyncio
-
 import os
 import time
 
@@ -17,13 +22,16 @@ import pytest
 import torch
 from monarch.actor import Actor, endpoint, this_host
 
+from meshrl.compat import awaited
 from meshrl.config import Config
-from meshrl.rollout import Completion, Prompt
+from meshrl.generator.engine import RequestResult
 from meshrl.tokenizer import build_char_tokenizer
 
 FORCED = 77  # the token id the "forced" weights make overwhelmingly likely
 EOS = 2
 CALL_S = 120.0
+FLOWING = 400
+"""Tokens generated before a test applies its update: the update lands mid-completion."""
 
 
 def tiny_qwen3(seed: int):
@@ -68,49 +76,22 @@ def save_checkpoint(model, path) -> str:
 
 
 def make_config(**generator) -> Config:
-    gen = {"group_size": 2, "max_new_tokens": 200, "temperature": 0.7, "max_num_seqs": 16, "update_mode": "keep"}
+    gen = {"max_new_tokens": 200, "temperature": 0.7, "max_num_seqs": 16, "update_mode": "keep"}
     gen.update(generator)
     return Config.from_dict({"model": {"max_seq_len": 256, "dtype": "float32"}, "generator": gen, "seed": 0})
 
 
-class PromptSource(Actor):
-    """Hands out a fixed list of prompts, then None."""
+def spawn_generator(procs, name: str, config: Config, ckpt: str, version: int = 0):
+    """A set-up generator replica (with the test endpoints) on `procs`; (actor, setup info)."""
+    from tests.conftest import GeneratorTestActor
 
-    def __init__(self):
-        self.prompts: list[Prompt] = []
-
-    @endpoint
-    async def load(self, prompts: list[Prompt]) -> None:
-        self.prompts = list(prompts)
-
-    @endpoint
-    async def next_prompt(self, timeout: float = 1.0, consumer: int = 0) -> Prompt | None:
-        if not self.prompts:
-            await asyncio.sleep(min(timeout, 0.1))  # like meshrl.data's source: hold, then None
-            return None
-        return self.prompts.pop(0)
-
-
-class CompletionSink(Actor):
-    """Collects every group pushed by a generator."""
-
-    def __init__(self):
-        self.groups: list[list[Completion]] = []
-
-    @endpoint
-    async def put_completions(self, completions: list[Completion]) -> None:
-        self.groups.append(completions)
-
-    @endpoint
-    async def take(self) -> list[list[Completion]]:
-        groups, self.groups = self.groups, []
-        return groups
+    gen = procs.spawn(name, GeneratorTestActor)
+    info = gen.setup.call_one(config.to_dict(), ckpt, version).get(timeout=300)
+    return gen, info
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from meshrl.generator.actor import GeneratorActor
-
     root = tmp_path_factory.mktemp("generator")
     model = tiny_qwen3(0)
     ckpt = save_checkpoint(model, root / "ckpt")
@@ -118,13 +99,9 @@ def world(tmp_path_factory):
     helpers = this_host().spawn_procs(per_host={"procs": 1})
     gen = None
     try:
-        gen = procs.spawn("generator", GeneratorActor)
-        info = gen.setup.call_one(make_config().to_dict(), ckpt, 0).get(timeout=300)
+        gen, info = spawn_generator(procs, "generator", make_config(), ckpt)
         assert info["version"] == 0
-        source = helpers.spawn("source", PromptSource)
-        sink = helpers.spawn("sink", CompletionSink)
-        yield {"root": root, "model": model, "ckpt": ckpt, "gen": gen, "source": source, "sink": sink, "helpers": helpers,
-               "setup": info}
+        yield {"root": root, "model": model, "ckpt": ckpt, "gen": gen, "helpers": helpers, "setup": info}
     finally:
         if gen is not None:
             try:
@@ -135,9 +112,10 @@ def world(tmp_path_factory):
         helpers.stop().get(timeout=60)
 
 
-def prompts(n: int, first_group: int = 0, length: int = 5) -> list[Prompt]:
-    g = torch.Generator().manual_seed(first_group)
-    return [Prompt(prompt_ids=[1] + torch.randint(3, 99, (length - 1,), generator=g).tolist(), group_id=first_group + i) for i in range(n)]
+def prompts(n: int, seed: int = 0, length: int = 5) -> list[list[int]]:
+    """`n` prompts of `length` token ids (BOS, then random ids), a pure function of `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return [[1] + torch.randint(3, 99, (length - 1,), generator=g).tolist() for _ in range(n)]
 
 
 def hf_logprobs(model, prompt_ids: list[int], response_ids: list[int], temperature: float) -> torch.Tensor:
@@ -148,25 +126,99 @@ def hf_logprobs(model, prompt_ids: list[int], response_ids: list[int], temperatu
     return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(response_ids)[:, None])[:, 0]
 
 
-def run_continuous(world, groups: list[Prompt], update) -> list[list[Completion]]:
-    """Generate `groups` with the background loop; call `update()` once tokens flow."""
-    gen = world["gen"]
-    world["source"].load.call_one(groups).get(timeout=CALL_S)
-    before = gen.stats.call_one().get(timeout=CALL_S)["tokens_generated"]
-    gen.start_generation.call_one(world["source"], world["sink"]).get(timeout=CALL_S)
+def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=n, eos_token_id=EOS, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def generate_all(gen, requests: list[list[int]], max_new_tokens: int | None = None, temperature: float | None = None,
+                 min_version: int = 0) -> list[RequestResult]:
+    """One concurrent `generate` call per request (vLLM batches them); results in order."""
+
+    async def main():
+        calls = [awaited(gen.generate.call_one(ids, max_new_tokens, temperature, min_version)) for ids in requests]
+        return await asyncio.wait_for(asyncio.gather(*calls), CALL_S)
+
+    return asyncio.run(main())
+
+
+class RequestDriver(Actor):
+    """A stand-in rollout worker on a proc of its own: sends `generate` calls to a replica,
+    at most `window` in flight (a new one as soon as one returns), and collects the results."""
+
+    def __init__(self):
+        self.task: asyncio.Task | None = None
+        self.finished = 0
+
+    @endpoint
+    async def start(self, gen, requests: list[list[int]], window: int, max_new_tokens: int | None = None,
+                    temperature: float | None = None) -> None:
+        if self.task is not None and not self.task.done():
+            raise RuntimeError("already driving requests")
+        self.finished = 0
+        self.task = asyncio.create_task(self._drive(gen, requests, window, max_new_tokens, temperature))
+
+    async def _drive(self, gen, requests, window, max_new_tokens, temperature) -> tuple[list[RequestResult], float]:
+        slots = asyncio.Semaphore(window)
+
+        async def one(ids):
+            async with slots:
+                out = await gen.generate.call_one(ids, max_new_tokens, temperature, 0)
+                self.finished += 1
+                return out
+
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(one(ids) for ids in requests))
+        return results, time.monotonic() - t0
+
+    @endpoint
+    async def finished_count(self) -> int:
+        return self.finished
+
+    @endpoint
+    async def results(self, timeout: float = CALL_S) -> tuple[list[RequestResult], float]:
+        """Every request's result, in order, and the seconds from the first call to the last answer."""
+        return await asyncio.wait_for(asyncio.shield(self.task), timeout)
+
+
+async def wait_for_tokens(gen, before: int, n: int, pending=()) -> None:
+    """Until the replica has generated `n` tokens since `before` (none of `pending` done yet)."""
     deadline = time.monotonic() + 60
-    while gen.stats.call_one().get(timeout=CALL_S)["tokens_generated"] - before < 400:
+    while (await gen.stats.call_one())["tokens_generated"] - before < n:
         assert time.monotonic() < deadline, "no tokens generated"
-        time.sleep(0.02)
-    update()
-    out: list[list[Completion]] = []
-    while len(out) < len(groups):
-        assert time.monotonic() < deadline + 60, f"only {len(out)} of {len(groups)} groups arrived"
-        out += world["sink"].take.call_one().get(timeout=CALL_S)
-        time.sleep(0.05)
-    stats = gen.stop_generation.call_one(10.0).get(timeout=CALL_S)
-    assert stats["loop_error"] is None
-    return out
+        assert not any(c.done() for c in pending), "a request finished before tokens flowed"
+        await asyncio.sleep(0.02)
+
+
+def run_with_update(gen, requests: list[list[int]], update, late: list[list[int]] = (), driver=None):
+    """Generate `requests` concurrently (from this process, or from `driver`'s proc); once
+    tokens flow (FLOWING of them), send `update()` (an endpoint call, returning its Monarch
+    future), then the `late` requests right after it. Returns (the update's result, the
+    results of `requests`, the results of `late`)."""
+
+    async def main():
+        before = (await gen.stats.call_one())["tokens_generated"]
+        calls = []
+        if driver is not None:
+            await driver.start.call_one(gen, requests, len(requests))
+        else:
+            calls = [asyncio.ensure_future(awaited(gen.generate.call_one(ids))) for ids in requests]
+        await wait_for_tokens(gen, before, FLOWING, calls)
+        if driver is not None:
+            assert await driver.finished_count.call_one() == 0, "a request finished before the update"
+        # Calls from one client to a replica's concurrent endpoints start in the order they
+        # were sent: the update closes admission before the late requests start.
+        updating = asyncio.ensure_future(awaited(update()))
+        late_calls = [asyncio.ensure_future(awaited(gen.generate.call_one(ids))) for ids in late]
+        out = await asyncio.wait_for(updating, CALL_S)
+        if driver is not None:
+            results, _ = await driver.results.call_one()
+        else:
+            results = await asyncio.wait_for(asyncio.gather(*calls), CALL_S)
+        late_results = await asyncio.wait_for(asyncio.gather(*late_calls), CALL_S)
+        return out, results, late_results
+
+    return asyncio.run(main())
 
 
 def restore(world, version: int) -> None:
@@ -228,6 +280,77 @@ def test_versions_from_spans():
     assert _versions_from_spans(None, 2, 5) == [5, 5]
 
 
+# ---- the service's version gate, on a stand-in engine (no vLLM) ---------------------------------
+class FakeEngine:
+    """The VLLMEngine surface the service uses: every request yields its whole budget of
+    token 5, stamped with the engine's version, one event-loop turn later."""
+
+    def __init__(self, gen, checkpoint_dir, **_):
+        self.version = 0
+        self.tokens_generated = 0
+
+    async def start(self, version: int = 0) -> float:
+        self.version = version
+        return 0.0
+
+    def shutdown(self) -> None:
+        pass
+
+    async def run_request(self, request_id, token_ids, max_tokens, temperature=None) -> RequestResult:
+        await asyncio.sleep(0)
+        self.tokens_generated += max_tokens
+        return RequestResult([5] * max_tokens, [-1.0] * max_tokens, [self.version] * max_tokens, "length")
+
+    async def pause(self, mode: str) -> None:
+        pass
+
+    async def resume(self) -> None:
+        pass
+
+    async def load_tensors(self, tensors, timeout_s: float = 120.0) -> int:
+        return len(tensors)
+
+    async def set_version(self, version: int) -> None:
+        self.version = version
+
+
+def test_min_version_waits_for_the_version_and_times_out_naming_it(monkeypatch):
+    import meshrl.generator.service as service
+
+    monkeypatch.setattr(service, "VLLMEngine", FakeEngine)
+    monkeypatch.setattr(service, "VERSION_WAIT_SLACK_S", 0.0)
+    config = Config.from_dict({"generator": {"max_new_tokens": 4}, "weight_sync": {"timeout_s": 0.5}})
+
+    async def main():
+        gen = service.Generator(config, "unused", replica=3)
+        await gen.start(2)
+        # already there: no wait
+        assert (await gen.generate([1, 7], min_version=2)).versions == [2] * 4
+        # waits until an update brings the replica to the version, then runs on it
+        waiting = asyncio.ensure_future(gen.generate([1, 7], min_version=3))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and gen.stats()["requests_in_flight"] == 0
+        await gen.update_weights(3, {}, "keep")
+        out = await asyncio.wait_for(waiting, 5)
+        assert out.versions == [3] * 4 and out.finish_reason == "length"
+        # never reached: a clean TimeoutError naming both versions, after timeout_s (+ slack)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"replica 3 is at version 3, not 5"):
+            await gen.generate([1, 7], min_version=5)
+        assert 0.4 < time.monotonic() - t0 < 5
+        # the replica is not wedged by the timed-out wait
+        assert (await gen.generate([1, 7])).versions == [3] * 4
+        # stopping releases a request waiting for a version: it ends as aborted, no tokens
+        waiting = asyncio.ensure_future(gen.generate([1, 7], min_version=9))
+        await asyncio.sleep(0.05)
+        await gen.stop(5.0)
+        out = await asyncio.wait_for(waiting, 5)
+        assert out.finish_reason == "abort" and out.token_ids == []
+
+    asyncio.run(main())
+
+
+# ---- a real engine on a proc mesh -----------------------------------------------------------------
 @pytest.mark.slow
 def test_cpu_engine_runs_the_model_in_its_engine_core_process(world):
     """One CPU worker runs inside vLLM's engine-core process (compat.vllm_cpu_single_worker_executor):
@@ -242,41 +365,42 @@ def test_cpu_engine_runs_the_model_in_its_engine_core_process(world):
 @pytest.mark.slow
 def test_greedy_matches_transformers(world):
     model, gen = world["model"], world["gen"]
-    ps = prompts(3, first_group=10)
-    completions = gen.generate.call_one(ps, 0.0, 24).get(timeout=CALL_S)
-    assert len(completions) == 3 * 2
-    assert len({c.sample_id for c in completions}) == 6
-    for c in completions:
-        ref = model.generate(torch.tensor([c.prompt_ids]), do_sample=False, max_new_tokens=24, eos_token_id=EOS, pad_token_id=0)
-        assert c.response_ids == ref[0, len(c.prompt_ids):].tolist()
-        assert c.finish_reason == "length" and c.versions == [0] * 24
-        assert c.group_id in {p.group_id for p in ps}
+    v = gen.version.call_one().get(timeout=CALL_S)
+    ps = prompts(3, seed=10)
+    requests = [p for p in ps for _ in range(2)]  # two samples of each prompt, as a group
+    results = generate_all(gen, requests, 24, 0.0)
+    assert len(results) == 3 * 2
+    for ids, r in zip(requests, results):
+        assert r.token_ids == hf_greedy(model, ids, 24)
+        assert r.finish_reason == "length" and r.versions == [v] * 24
+        assert len(r.logprobs) == 24
 
 
 @pytest.mark.slow
 def test_sampler_logprobs_match_recomputation(world):
     # processed_logprobs: the returned log-prob is under the temperature-scaled distribution.
     model, gen = world["model"], world["gen"]
-    completions = gen.generate.call_one(prompts(4, first_group=20), None, 24).get(timeout=CALL_S)  # T = 0.7
+    requests = [p for p in prompts(4, seed=20) for _ in range(2)]
+    results = generate_all(gen, requests, 24)  # T = 0.7
     worst, worst_raw = 0.0, float("inf")
-    for c in completions:
-        ref = hf_logprobs(model, c.prompt_ids, c.response_ids, 0.7)
-        raw = hf_logprobs(model, c.prompt_ids, c.response_ids, 1.0)
-        got = torch.tensor(c.logprobs, dtype=torch.float64)
+    for ids, r in zip(requests, results):
+        ref = hf_logprobs(model, ids, r.token_ids, 0.7)
+        raw = hf_logprobs(model, ids, r.token_ids, 1.0)
+        got = torch.tensor(r.logprobs, dtype=torch.float64)
         worst = max(worst, (got - ref).abs().max().item())
         worst_raw = min(worst_raw, (got - raw).abs().max().item())
     assert worst < 2e-3, f"sampler log-probs differ from log_softmax(logits/T) by {worst}"  # float32 kernels
     assert worst_raw > 1e-2, "log-probs look like T=1 (raw) log-probs, not the sampling distribution"
 
 
-def _check_switch(c: Completion, new_version: int) -> int:
+def _check_switch(r: RequestResult, new_version: int) -> int:
     """Versions are old...old new...new, every new token is FORCED with log-prob ~0 and no
     old token looks forced. Returns the switch index."""
-    switch = next((i for i, v in enumerate(c.versions) if v == new_version), len(c.versions))
-    assert all(v < new_version for v in c.versions[:switch]) and all(v == new_version for v in c.versions[switch:])
-    assert all(t == FORCED for t in c.response_ids[switch:]), (switch, c.response_ids)
-    assert all(lp > -1e-3 for lp in c.logprobs[switch:])
-    assert all(lp < -0.05 for lp in c.logprobs[:switch]), "an old-version token came from the new weights"
+    switch = next((i for i, v in enumerate(r.versions) if v == new_version), len(r.versions))
+    assert all(v < new_version for v in r.versions[:switch]) and all(v == new_version for v in r.versions[switch:])
+    assert all(t == FORCED for t in r.token_ids[switch:]), (switch, r.token_ids)
+    assert all(lp > -1e-3 for lp in r.logprobs[switch:])
+    assert all(lp < -0.05 for lp in r.logprobs[:switch]), "an old-version token came from the new weights"
     return switch
 
 
@@ -285,42 +409,41 @@ def test_keep_update_switches_version_at_the_right_token(world):
     gen = world["gen"]
     forced = forced_state_dict(world["model"])
     v0 = gen.version.call_one().get(timeout=CALL_S)
-    held = []
-    groups = run_continuous(
-        world, prompts(6, first_group=100), lambda: held.append(gen.load_weights.call_one(v0 + 1, forced, "keep").get(timeout=CALL_S))
-    )
-    completions = [c for g in groups for c in g]
-    assert sorted(c.group_id for g in groups for c in g[:1]) == list(range(100, 106))
+    requests = [p for p in prompts(6, seed=100) for _ in range(2)]
+    driver = world["helpers"].spawn("keep_driver", RequestDriver)  # as a rollout worker would, from its own proc
+    held, results, _ = run_with_update(gen, requests, lambda: gen.load_weights.call_one(v0 + 1, forced, "keep"), driver=driver)
+    assert len(results) == len(requests), "every request answered exactly once"
     spanning = 0
-    for c in completions:
-        assert len(c.response_ids) == 200 and c.finish_reason == "length"
-        switch = _check_switch(c, v0 + 1)
+    for r in results:
+        assert len(r.token_ids) == 200 and r.finish_reason == "length"
+        switch = _check_switch(r, v0 + 1)
         spanning += 0 < switch < 200
     assert spanning >= 1, "the update should land inside some completions"
-    assert held[0] < 5.0
+    assert held < 5.0
     restore(world, v0 + 2)
 
 
 @pytest.mark.slow
 def test_abort_update_resumes_prefixes_without_loss_or_duplicates(world):
-    gen = world["gen"]
-    forced = forced_state_dict(world["model"])
+    model, gen = world["model"], world["gen"]
+    forced = forced_state_dict(model)
     v0 = gen.version.call_one().get(timeout=CALL_S)
     resumed_before = gen.stats.call_one().get(timeout=CALL_S)["samples_resumed"]
-    groups = run_continuous(
-        world, prompts(6, first_group=200), lambda: gen.load_weights.call_one(v0 + 1, forced, "abort").get(timeout=CALL_S)
-    )
-    assert sorted(g[0].group_id for g in groups) == list(range(200, 206)), "each group exactly once"
-    completions = [c for g in groups for c in g]
-    assert all(len(g) == 2 and len({c.group_id for c in g}) == 1 for g in groups)
-    assert len({c.sample_id for c in completions}) == len(completions)
+    requests = [p for p in prompts(6, seed=200) for _ in range(2)]
+    _, results, _ = run_with_update(gen, requests, lambda: gen.load_weights.call_one(v0 + 1, forced, "abort"))
+    assert len(results) == len(requests), "every request answered exactly once"
     spanning = 0
-    for c in completions:
+    for ids, r in zip(requests, results):
         # no token lost: full budget, the old-version prefix kept with its own log-probs
-        assert len(c.response_ids) == len(c.logprobs) == len(c.versions) == 200
-        assert c.finish_reason == "length"
-        switch = _check_switch(c, v0 + 1)
+        assert len(r.token_ids) == len(r.logprobs) == len(r.versions) == 200
+        assert r.finish_reason == "length"
+        switch = _check_switch(r, v0 + 1)
         spanning += 0 < switch < 200
+        # ...and no token lost or repeated at the seam: each prefix token's log-prob is the
+        # old model's given exactly the tokens before it
+        if switch:
+            ref = hf_logprobs(model, ids, r.token_ids[:switch], 0.7)
+            assert (torch.tensor(r.logprobs[:switch], dtype=torch.float64) - ref).abs().max().item() < 2e-3
     assert spanning >= 1
     assert gen.stats.call_one().get(timeout=CALL_S)["samples_resumed"] - resumed_before >= spanning
     restore(world, v0 + 2)
@@ -328,59 +451,76 @@ def test_abort_update_resumes_prefixes_without_loss_or_duplicates(world):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["drain", "block"])
-def test_drain_and_block_updates_keep_each_completion_on_one_version(world, mode):
-    # 10 groups of 2 > max_num_seqs 16: some groups run before the update, some after.
+def test_drain_and_block_updates_keep_each_request_on_one_version(world, mode):
+    # 20 requests > max_num_seqs 16: vLLM queues some behind the others. Every request sent
+    # before the update finishes on the old version; those sent after it wait and run on the new.
     gen = world["gen"]
     forced = forced_state_dict(world["model"])
     v0 = gen.version.call_one().get(timeout=CALL_S)
-    groups = run_continuous(
-        world, prompts(10, first_group=400), lambda: gen.load_weights.call_one(v0 + 1, forced, mode).get(timeout=CALL_S)
-    )
-    assert sorted(g[0].group_id for g in groups) == list(range(400, 410))
+    requests = [p for p in prompts(10, seed=400) for _ in range(2)]
+    late = [p for p in prompts(3, seed=450) for _ in range(2)]
+    _, results, late_results = run_with_update(gen, requests, lambda: gen.load_weights.call_one(v0 + 1, forced, mode), late)
     seen = set()
-    for g in groups:
-        versions = {v for c in g for v in c.versions}
-        assert len(versions) == 1, f"{mode}: group {g[0].group_id} mixes versions {versions}"
+    for i, r in enumerate(results + late_results):
+        versions = set(r.versions)
+        assert len(versions) == 1, f"{mode}: request {i} mixes versions {versions}"
         (v,) = versions
         seen.add(v)
-        for c in g:
-            assert len(c.response_ids) == 200
-            assert all(t == FORCED for t in c.response_ids) == (v == v0 + 1)
+        assert len(r.token_ids) == 200
+        assert all(t == FORCED for t in r.token_ids) == (v == v0 + 1)
+    assert {v for r in results for v in r.versions} == {v0}, "in-flight requests drain on the old version"
+    assert {v for r in late_results for v in r.versions} == {v0 + 1}
     assert seen == {v0, v0 + 1}
     restore(world, v0 + 2)
 
 
 @pytest.mark.slow
+def test_min_version_waits_for_the_update(world):
+    """A request naming a version the replica has not reached waits for the update that
+    brings it, and every token it returns comes from that version."""
+    model, gen = world["model"], world["gen"]
+    v0 = gen.version.call_one().get(timeout=CALL_S)
+    ids = prompts(1, seed=800)[0]
+
+    async def main():
+        waiting = asyncio.ensure_future(awaited(gen.generate.call_one(ids, 16, 0.0, v0 + 1)))
+        await asyncio.sleep(1.0)
+        assert not waiting.done(), "a request for a newer version ran on the old one"
+        assert (await gen.stats.call_one())["requests_in_flight"] == 0
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        await gen.load_weights.call_one(v0 + 1, sd, "keep")
+        return await asyncio.wait_for(waiting, CALL_S)
+
+    out = asyncio.run(main())
+    assert out.versions == [v0 + 1] * 16 and out.token_ids == hf_greedy(model, ids, 16)
+
+
+@pytest.mark.slow
 def test_pause_holds_generation_until_resume(world):
     gen = world["gen"]
-    world["source"].load.call_one(prompts(2, first_group=500)).get(timeout=CALL_S)
-    before = gen.stats.call_one().get(timeout=CALL_S)["tokens_generated"]
-    gen.start_generation.call_one(world["source"], world["sink"]).get(timeout=CALL_S)
-    try:
-        deadline = time.monotonic() + 60
-        while gen.stats.call_one().get(timeout=CALL_S)["tokens_generated"] == before:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        gen.pause_generation.call_one().get(timeout=CALL_S)
-        held = gen.stats.call_one().get(timeout=CALL_S)["tokens_generated"]
-        time.sleep(0.5)
-        assert gen.stats.call_one().get(timeout=CALL_S)["tokens_generated"] == held
-        assert world["sink"].take.call_one().get(timeout=CALL_S) == []
-        gen.resume_generation.call_one().get(timeout=CALL_S)
-        groups = []
-        while len(groups) < 2:
-            assert time.monotonic() < deadline
-            groups += world["sink"].take.call_one().get(timeout=CALL_S)
-            time.sleep(0.05)
-        assert all(len(c.response_ids) == 200 for g in groups for c in g)
-    finally:
-        gen.stop_generation.call_one(10.0).get(timeout=CALL_S)
+    driver = world["helpers"].spawn("pause_driver", RequestDriver)
+
+    async def main():
+        before = (await gen.stats.call_one())["tokens_generated"]
+        await driver.start.call_one(gen, prompts(4, seed=500), 4)
+        try:
+            await wait_for_tokens(gen, before, 1)
+            await gen.pause_generation.call_one()
+            held = (await gen.stats.call_one())["tokens_generated"]
+            await asyncio.sleep(0.5)
+            assert (await gen.stats.call_one())["tokens_generated"] == held
+            assert await driver.finished_count.call_one() == 0
+        finally:
+            await gen.resume_generation.call_one()
+        results, _ = await driver.results.call_one()
+        return results
+
+    results = asyncio.run(main())
+    assert len(results) == 4 and all(len(r.token_ids) == 200 and r.finish_reason == "length" for r in results)
 
 
 @pytest.mark.slow
 def test_tensor_update_equals_fresh_engine_from_checkpoint(world):
-    from meshrl.generator.actor import GeneratorActor
-
     gen = world["gen"]
     new_model = tiny_qwen3(1)
     new_ckpt = save_checkpoint(new_model, world["root"] / "ckpt_new")
@@ -388,16 +528,15 @@ def test_tensor_update_equals_fresh_engine_from_checkpoint(world):
     checksum_before = gen.weights_checksum.call_one().get(timeout=CALL_S)
     gen.load_weights.call_one(version, new_model.state_dict(), "block").get(timeout=CALL_S)
     assert gen.weights_checksum.call_one().get(timeout=CALL_S) != checksum_before
-    ps = prompts(3, first_group=300)
-    updated = gen.generate.call_one(ps, 0.0, 24).get(timeout=CALL_S)
-    assert all(c.versions == [version] * len(c.response_ids) for c in updated)
+    requests = [p for p in prompts(3, seed=300) for _ in range(2)]
+    updated = generate_all(gen, requests, 24, 0.0)
+    assert all(r.versions == [version] * len(r.token_ids) for r in updated)
 
     procs = this_host().spawn_procs(per_host={"procs": 1})
     fresh = None
     try:
-        fresh = procs.spawn("fresh", GeneratorActor)
-        fresh.setup.call_one(make_config().to_dict(), new_ckpt, version).get(timeout=300)
-        reference = fresh.generate.call_one(ps, 0.0, 24).get(timeout=CALL_S)
+        fresh, _ = spawn_generator(procs, "fresh", make_config(), new_ckpt, version)
+        reference = generate_all(fresh, requests, 24, 0.0)
         assert gen.weights_checksum.call_one().get(timeout=CALL_S) == pytest.approx(
             fresh.weights_checksum.call_one().get(timeout=CALL_S), rel=1e-6
         )
@@ -406,11 +545,11 @@ def test_tensor_update_equals_fresh_engine_from_checkpoint(world):
             fresh.shutdown_engine.call_one().get(timeout=60)
         procs.stop().get(timeout=60)
     for a, b in zip(updated, reference):
-        assert a.response_ids == b.response_ids
+        assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
     # and the new weights really are the checkpoint's: HF agrees on the greedy tokens
-    ref = new_model.generate(torch.tensor([ps[0].prompt_ids]), do_sample=False, max_new_tokens=24, pad_token_id=0)
-    assert updated[0].response_ids == ref[0, len(ps[0].prompt_ids):].tolist()
+    ref = new_model.generate(torch.tensor([requests[0]]), do_sample=False, max_new_tokens=24, pad_token_id=0)
+    assert updated[0].token_ids == ref[0, len(requests[0]):].tolist()
     restore(world, version + 1)
 
 
@@ -418,27 +557,23 @@ def test_tensor_update_equals_fresh_engine_from_checkpoint(world):
 def test_compiled_engine_generates_the_loaded_weights(world):
     """generator.compile: vLLM's torch.compile'd model reads the weights a version loads in
     place (the compiled graph must not have captured the old parameters)."""
-    from meshrl.generator.actor import GeneratorActor
-
     new_model = tiny_qwen3(2)
-    ps = prompts(2, first_group=700)
+    requests = prompts(2, seed=700)
     procs = this_host().spawn_procs(per_host={"procs": 1})
     gen = None
     try:
-        gen = procs.spawn("compiled", GeneratorActor)
-        gen.setup.call_one(make_config(compile=True).to_dict(), world["ckpt"], 0).get(timeout=300)
-        before = gen.generate.call_one(ps, 0.0, 16).get(timeout=CALL_S)
+        gen, _ = spawn_generator(procs, "compiled", make_config(compile=True), world["ckpt"])
+        before = generate_all(gen, requests, 16, 0.0)
         gen.load_weights.call_one(1, new_model.state_dict(), "block").get(timeout=CALL_S)
-        after = gen.generate.call_one(ps, 0.0, 16).get(timeout=CALL_S)
+        after = generate_all(gen, requests, 16, 0.0)
     finally:
         if gen is not None:
             gen.shutdown_engine.call_one().get(timeout=60)
         procs.stop().get(timeout=60)
-    for old, new in zip(before, after):
-        for model, c in ((world["model"], old), (new_model, new)):
-            ref = model.generate(torch.tensor([c.prompt_ids]), do_sample=False, max_new_tokens=16, eos_token_id=EOS, pad_token_id=0)
-            assert c.response_ids == ref[0, len(c.prompt_ids):].tolist()
-    assert all(c.versions == [1] * 16 for c in after)
+    for ids, old, new in zip(requests, before, after):
+        assert old.token_ids == hf_greedy(world["model"], ids, 16)
+        assert new.token_ids == hf_greedy(new_model, ids, 16)
+    assert all(r.versions == [1] * 16 for r in after)
 
 
 class WeightsPublisher(Actor):
@@ -463,8 +598,8 @@ class WeightsPublisher(Actor):
 def test_weight_sync_update_equals_loading_the_tensors(world):
     """sync_weights: the subscriber fetches into its shared buffer and vLLM loads from that
     buffer in place; the engine ends up exactly as when the same tensors are copied in."""
-    from meshrl.weightsync import WeightSync
     from meshrl.config import WeightSyncConfig
+    from meshrl.weightsync import WeightSync
 
     gen = world["gen"]
     weight_sync = {"transport": "rdma", "timeout_s": 60.0}
@@ -477,11 +612,11 @@ def test_weight_sync_update_equals_loading_the_tensors(world):
     out = gen.sync_weights.call_one(version).get(timeout=CALL_S)
     assert out["version"] == version
     synced = gen.weights_checksum.call_one().get(timeout=CALL_S)
-    ps = prompts(2, first_group=400)
-    tokens = [c.response_ids for c in gen.generate.call_one(ps, 0.0, 16).get(timeout=CALL_S)]
+    requests = prompts(2, seed=400)
+    tokens = [r.token_ids for r in generate_all(gen, requests, 16, 0.0)]
     gen.load_weights.call_one(version + 1, new_model.state_dict(), "block").get(timeout=CALL_S)
     assert gen.weights_checksum.call_one().get(timeout=CALL_S) == synced
-    assert [c.response_ids for c in gen.generate.call_one(ps, 0.0, 16).get(timeout=CALL_S)] == tokens
+    assert [r.token_ids for r in generate_all(gen, requests, 16, 0.0)] == tokens
     ws.close()
     restore(world, version + 2)
 

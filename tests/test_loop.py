@@ -1,8 +1,9 @@
 """The whole loop end to end: real Monarch meshes, real vLLM generators, real TorchTitan trainer.
 
 Expensive (each run starts a vLLM engine and a trainer mesh), so the runs are few and shared:
-one asynchronous run that checkpoints and is then resumed, one synchronous run, and one
-interactive Session (driven through IPython) that also survives a killed generator and a
+one asynchronous run that checkpoints and is then resumed, one synchronous run, one
+multi-turn run of a user's env given by import path, and one interactive Session (driven
+through IPython) that also survives a killed generator, a killed rollout worker and a
 raising reward function.
 """
 
@@ -18,8 +19,9 @@ import pytest
 
 import meshrl
 from meshrl.config import Config
-from meshrl.data import PromptSource
-from meshrl.loop import TrainerFailed
+from meshrl.controller.loop import TrainerFailed
+from meshrl.data import PromptNode
+from meshrl.rollout.env import StepResult
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -75,6 +77,12 @@ def trained_groups(result_rows) -> list[int]:
     return [g for row in result_rows for g in row.get("trained_groups", [])]
 
 
+def nothing_stale(rows) -> bool:
+    """Admission alone kept the bound: no token was masked and no group dropped as stale."""
+    last = rows[-1]
+    return last["buffer/masked_stale_tokens"] == 0 and last["buffer/dropped_stale_groups"] == 0
+
+
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("async") / "run"
@@ -87,6 +95,7 @@ def test_async_run_bounded_staleness_and_outputs(async_run):
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(r["trainer/staleness_max"] <= 1 for r in rows), [r["trainer/staleness_max"] for r in rows]
     assert any(r["trainer/staleness_max"] > 0 for r in rows), "async mode never overlapped generation with training"
+    assert nothing_stale(rows), "stale tokens were masked or dropped: admission did not hold the bound"
     d = async_run.run_dir
     assert os.path.isfile(os.path.join(d, "metrics.jsonl"))
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(d, "tensorboard")))
@@ -110,27 +119,24 @@ def test_resume_continues_numbering_without_repeating_or_skipping_prompts(async_
     assert [int(r["step"]) for r in rows] == list(range(1, 10))
     resumed = trained_groups(rows[6:])
     assert not set(resumed) & set(first), "a prompt trained before the interruption was trained again"
-    # The prompts the resumed run handed out are exactly those an uninterrupted source
-    # hands out under the same group ids.
+    # The prompts the resumed run handed out are exactly those an uninterrupted run hands
+    # out under the same group ids: group i is the i-th record of the prompt stream.
     state = __import__("torch").load(
         os.path.join(result.run_dir, "checkpoints", open(os.path.join(result.run_dir, "checkpoints", "latest")).read().strip()),
         weights_only=False,
-    )
-    consumed = state["source"]["consumed"]
-    assert len(consumed) == len(set(consumed)), "a prompt reached the buffer twice"
-    config = Config.from_dict({**tiny(tmp_path / "x"), "batch_groups": 4})
-    fresh = PromptSource(config, os.path.join(result.run_dir, "tokenizer"))
-    fresh.ahead = 10_000  # hand out freely
-    reference = {}
-    for _ in range(max(consumed) + 64):
-        p = fresh.next_prompt(1.0)
-        reference[p.group_id] = p.text
-    for p in state["source"]["pending"]:  # prompts in flight at the end carry the same text
-        assert reference[p["group_id"]] == p["text"]
-    # no gap: every group id below the newest consumed one was consumed, or is pending or buffered
-    pending = {p["group_id"] for p in state["source"]["pending"]}
-    buffered = {int(g["group_id"][0]) for g in state["buffer"]["groups"]}
-    assert set(range(max(consumed) + 1)) <= set(consumed) | pending | buffered
+    )["queue"]
+    consumed = state["consumed"]
+    assert len(consumed) == len(set(consumed)), "a group was trained twice"
+    assert consumed[:len(first)] == first
+    node = PromptNode(Config.from_dict(tiny(tmp_path / "x")).data, 0)
+    node.reset()
+    reference = [next(node)["prompt"] for _ in range(max(consumed) + 64)]
+    for p in state["pending"]:  # groups in flight at the end carry the same prompt
+        assert reference[p["group_id"]] == p["sample"]["prompt"]
+    # no gap: every group id below the newest consumed one was consumed, or is pending or ready
+    pending = {p["group_id"] for p in state["pending"]}
+    ready = {int(g["group_id"][0]) for g in state["ready"]}
+    assert set(range(max(consumed) + 1)) <= set(consumed) | pending | ready
     assert not wait_no_children()
 
 
@@ -146,12 +152,15 @@ def test_sync_mode_trains_only_on_policy_on_pinned_cores(tmp_path):
         if trainer_cpus:
             (info,) = session._call(session.loop.trainer.shard_info())
             assert os.sched_getaffinity(info["pid"]) == {cores[0]}
-            pids = [pid for pid, _ in session.loop.replicas[0].processes["pids"]]
+            pids = [pid for pid, _ in session.loop.generators.replicas[0].pids]
             assert len(pids) >= 2  # the replica proc and vLLM's engine core
             assert all(os.sched_getaffinity(pid) == {cores[1]} for pid in pids)
         metrics = session.step(3)
     assert len(metrics) == 3
     assert all(r["trainer/staleness_max"] == 0 for r in metrics)
+    # depth 0 forces max_lag 0, so a stale token would be masked before the trainer saw it:
+    # staleness 0 alone proves nothing; nothing masked or dropped does.
+    assert nothing_stale(metrics), "sync mode generated ahead of the trainer"
     assert not wait_no_children()
 
 
@@ -195,19 +204,23 @@ def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_pat
         assert greedy == fresh, (greedy, fresh)
         cell("s.pause(); s.resume()")
         cell("s.scale_generators(2)")
-        assert cell("len(s.loop.replicas)") == 2
+        assert cell("len(s.loop.generators.replicas)") == 2
         assert len(cell("s.step(1)")) == 1
         cell("s.scale_generators(1)")
         assert cell("s.buffer_state()")["buffer/puts"] > 0
         # kill the generator replica's proc: the next steps replace it and go on
-        pid = cell("s.loop.replicas[0].actor.stats.call_one().get()['pid']")
+        pid = cell("s.loop.generators.replicas[0].actor.stats.call_one().get()['pid']")
         os.kill(pid, signal.SIGKILL)
         rows = cell("s.step(3)")
         assert rows[-1]["generator/replicas_replaced"] >= 1
+        # kill the rollout worker's proc (it hosts the envs): replaced, its groups re-queued
+        os.kill(cell("s.loop.workers.workers[0].pids[0][0]"), signal.SIGKILL)
+        rows = cell("s.step(3)")
+        assert rows[-1]["rollout/workers_replaced"] >= 1
         all_rows = cell("s.metrics()")
         groups = trained_groups(all_rows)
-        assert len(groups) == len(set(groups)), "a group was trained twice after the generator was replaced"
-        assert sum(r.get("scoring/failed", 0) for r in all_rows) > 0, "the raising reward was never counted"
+        assert len(groups) == len(set(groups)), "a group was trained twice after a replacement"
+        assert sum(r.get("episode/failed", 0) for r in all_rows) > 0, "the raising reward was never counted"
     finally:
         shell.run_cell("s.stop()")
     assert not wait_no_children(), "procs outlived the session"
@@ -224,27 +237,56 @@ def fresh_engine_greedy(cfg: dict, checkpoint_dir: str, texts: list[str], tokeni
     from monarch.actor import this_host
 
     from meshrl.generator.actor import GeneratorActor
-    from meshrl.rollout import Prompt
     from meshrl.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir)
-    prompts = [Prompt(tok.encode(t, add_special_tokens=False), group_id=-1 - i, text=t) for i, t in enumerate(texts)]
+    n = Config.from_dict(cfg).generator.group_size
 
     async def main():
         procs = this_host().spawn_procs(per_host={"procs": 1})
         try:
             gen = procs.spawn("fresh", GeneratorActor)
             await gen.setup.call(Config.from_dict(cfg).to_dict(), checkpoint_dir, 0, 0)
-            completions = await gen.generate.call_one(prompts, 0.0)
+            groups = []
+            for t in texts:
+                outs = [await gen.generate.call_one(tok.encode(t, add_special_tokens=False), None, 0.0, 0) for _ in range(n)]
+                groups.append([tok.decode(o.token_ids, skip_special_tokens=True) for o in outs])
             await gen.shutdown_engine.call()
         finally:
             await procs.stop()
-        groups = {}
-        for c in completions:
-            groups.setdefault(c.group_id, []).append(tok.decode(c.response_ids, skip_special_tokens=True))
-        return [groups[-1 - i] for i in range(len(texts))]
+        return groups
 
     return asyncio.run(main())
+
+
+class ThreeTurnEnv:
+    """A user's env, given by import path: the user speaks after each of the model's first
+    two turns, whatever it said; the reward counts digits in the last turn."""
+
+    def __init__(self, replies: int = 2):
+        self.replies = replies
+
+    def reset(self, sample: dict) -> list[dict]:
+        return [{"role": "user", "content": sample["prompt"]}]
+
+    async def step(self, turn) -> StepResult:
+        if turn.index < self.replies:
+            return StepResult(observation=[{"role": "user", "content": "more"}], done=False)
+        return StepResult(reward=sum(ch.isdigit() for ch in turn.text[:4]) / 4, done=True)
+
+
+def test_user_env_by_import_path_plays_multi_turn_episodes(tmp_path):
+    cfg = tiny(tmp_path / "multi", steps=3, trainer={"checkpoint_every": 0},
+               rollout={"env": "tests.test_loop:ThreeTurnEnv", "env_args": {"replies": 2}, "max_turns": 4},
+               generator={"max_new_tokens": 4})
+    rows = meshrl.run(cfg).metrics
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    turns = [r["episode/turns_mean"] for r in rows if "episode/turns_mean" in r]
+    assert turns and all(t == 3 for t in turns), turns
+    assert all(r["episode/env_tokens_mean"] > 0 for r in rows if "episode/env_tokens_mean" in r)
+    assert all(r["episode/failed"] == 0 for r in rows if "episode/failed" in r)
+    assert nothing_stale(rows)
+    assert not wait_no_children()
 
 
 def test_process_launcher_runs_end_to_end(tmp_path):

@@ -34,6 +34,9 @@ from meshrl.config import Config
 from meshrl.generator.engine import RequestResult, VLLMEngine
 
 UPDATE_MODES = ("keep", "abort", "drain", "block")
+VERSION_WAIT_SLACK_S = 30.0
+"""A request waits for its `min_version` at most weight_sync.timeout_s (one version's
+transfer) plus this (the trainer's step and the update itself)."""
 
 
 class Generator:
@@ -121,12 +124,12 @@ class Generator:
     async def _wait_for_version(self, version: int) -> None:
         if self.version >= version:
             return
-        timeout = self.config.weight_sync.timeout_s + 30.0
+        timeout = self.config.weight_sync.timeout_s + VERSION_WAIT_SLACK_S
         try:
             async with self._changed:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self.version >= version or self._stopping), timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"generator replica {self.replica} is at version {self.version}, not {version}, after {timeout:.0f}s") from None
+            raise TimeoutError(f"generator replica {self.replica} is at version {self.version}, not {version}, after {timeout:g}s") from None
 
     def _request_started(self) -> None:
         if self._in_flight == 0 and self._busy_since is None:

@@ -308,7 +308,7 @@ class TrainerActor(Actor):
     # ---- the RL loop's step: pull a batch, train, publish the new version -------------------
     @endpoint
     async def weight_sync_handle(self):
-        """The publisher's handle on the publishing rank (0), None elsewhere (weightsync.connect)."""
+        """The publisher's handle on the publishing rank (0), None elsewhere (the controller connects it to the generators)."""
         trainer = self._need()
         if trainer.rank != 0:
             return None

@@ -94,9 +94,3 @@ def parallelize(model: nn.Module, parallelize_fn, parallelism, world_size: int, 
     if device_type == "cpu":
         titan_force_sum_reduction(model)
     return model, dims
-
-
-def is_sharded(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)

@@ -25,7 +25,7 @@ Generator actor::
 
 Controller::
 
-    ws = await meshrl.weightsync.connect(cfg.weight_sync, trainer_mesh, generator_mesh)
+    ws = await WeightSync(cfg.weight_sync).connect(publisher_handle, subscriber_handles)
     ...after a trainer (or generator) restart:
     await ws.reconnect(publisher=new_handle)
 
@@ -33,7 +33,7 @@ Controller::
 failure is a WeightSyncError (WeightSyncTimeout for timeouts) within weight_sync.timeout_s.
 """
 
-from meshrl.weightsync.connect import HANDLE_ENDPOINT, WeightSync, connect
+from meshrl.weightsync.connect import HANDLE_ENDPOINT, WeightSync
 from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
 from meshrl.weightsync.layout import Layout, plan_layout
 from meshrl.weightsync.publisher import Publisher, PublisherAgent
@@ -41,5 +41,5 @@ from meshrl.weightsync.subscriber import Subscriber, SubscriberAgent
 
 __all__ = [
     "HANDLE_ENDPOINT", "Layout", "Publisher", "PublisherAgent", "Subscriber", "SubscriberAgent",
-    "WeightSync", "WeightSyncError", "WeightSyncTimeout", "connect", "plan_layout",
+    "WeightSync", "WeightSyncError", "WeightSyncTimeout", "plan_layout",
 ]

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from meshrl.compat import awaited
 from meshrl.config import WeightSyncConfig
 from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
 from meshrl.weightsync.spec import SyncSpec
@@ -59,7 +60,7 @@ class WeightSync:
         calls = [publisher.configure.call_one(spec)]
         calls += [s.configure.call_one(spec, rank + 1, publisher) for rank, s in enumerate(self.subscribers)]
         try:
-            await asyncio.wait_for(asyncio.gather(*[_await(c) for c in calls]), self.cfg.timeout_s + 10.0)
+            await asyncio.wait_for(asyncio.gather(*[awaited(c) for c in calls]), self.cfg.timeout_s + 10.0)
         except asyncio.TimeoutError:
             raise WeightSyncTimeout(f"connecting {len(calls)} weight-sync peers took over {self.cfg.timeout_s:.0f}s") from None
         except Exception as e:  # noqa: BLE001 - an ActorError from a peer's configure
@@ -74,22 +75,8 @@ class WeightSync:
     async def status(self) -> dict:
         """Versions and errors of every peer, e.g. to decide on a `reconnect`."""
         calls = [self.publisher.status.call_one()] + [s.status.call_one() for s in self.subscribers]
-        got = await asyncio.wait_for(asyncio.gather(*[_await(c) for c in calls], return_exceptions=True), self.cfg.timeout_s)
+        got = await asyncio.wait_for(asyncio.gather(*[awaited(c) for c in calls], return_exceptions=True), self.cfg.timeout_s)
         return {"publisher": got[0], "subscribers": got[1:]}
 
     def close(self) -> None:
         self._store = None  # the store server stops with the object
-
-
-async def connect(cfg: WeightSyncConfig, trainer_mesh, generator_mesh, endpoint: str = HANDLE_ENDPOINT) -> WeightSync:
-    """Ask the trainer mesh (its first rank publishes) and the generator mesh for their
-    weight-sync handles through `endpoint`, then connect them."""
-    trainer_handles = await getattr(trainer_mesh, endpoint).call()
-    generator_handles = await getattr(generator_mesh, endpoint).call()
-    publisher = next(h for _, h in trainer_handles.items() if h is not None)
-    subscribers = [h for _, h in generator_handles.items()]
-    return await WeightSync(cfg).connect(publisher, subscribers)
-
-
-async def _await(x):
-    return await x

@@ -59,11 +59,6 @@ class Publisher:
     def latest_version(self) -> int:
         return self.pool.latest.version if self.pool.latest is not None else -1
 
-    def check(self) -> None:
-        """Raise the background transport's error, if it had one (reconnect to recover)."""
-        if self._background is not None and self._background.error is not None:
-            raise WeightSyncError(f"weight transport failed: {self._background.error}") from self._background.error
-
     def configure(self, spec: SyncSpec) -> None:
         """(Re)connect to subscribers; called by the controller through the sidecar."""
         self.close_transport()
