@@ -141,6 +141,7 @@ class EpisodeQueue:
                 return False
             group = self._admit(group)
             if group is None:
+                self._cond.notify_all()  # dropped as stale: admission replaces it, wake a waiting worker
                 return False
             self.ready.append(group)
             self._stats["puts"] += 1
@@ -222,6 +223,7 @@ class EpisodeQueue:
             return
         self.version = version
         self.ready = deque(g for g in map(self._admit, self.ready) if g is not None)
+        self._cond.notify_all()  # admission opened (the trainer's sample can move the version too)
 
     def _admit(self, group: TensorDict) -> TensorDict | None:
         """The group as it may be trained on at the current version, or None (dropped)."""

@@ -22,8 +22,8 @@ Multi-turn (chat messages, rendered by the tokenizer's chat template; both are l
 from scratch on a CPU by the tiny default model with the built-in character tokenizer):
 - calc:  "7-3" -> the model calls the calculator tool, then answers with its result.
          Answering right is only possible by calling the tool and copying what it
-         returned. Credit: 0.2 for a call, 0.5 for a call that returned the answer, 1.0
-         for then answering with it (the number the reply starts with). Use `rollout.tool_parser: compact` (a turn `!` or
+         returned. Credit: 0.2 for a call, 0.5 for a call that returned the answer, 0.6
+         for then answering with a number (the first number in the reply), 1.0 for the right one. Use `rollout.tool_parser: compact` (a turn `!` or
          `!7-3` is a call) for models trained from scratch.
 - guess: a hidden digit; the model guesses, the env answers `+` (higher) or `-` (lower),
          at most 4 guesses. 1.0 for a hit on the first guess, 0.1 less per extra guess.
@@ -140,7 +140,7 @@ def calculator(expression: str) -> str:
 
 
 _LEADING_ARITHMETIC = re.compile(r"[\d+\-*() ]*")
-_LEADING_NUMBER = re.compile(r"\s*(-?\d+)")
+_FIRST_NUMBER = re.compile(r"-?\d+")
 
 
 def _make_calc(rng: random.Random) -> tuple[list[dict], str]:
@@ -156,8 +156,8 @@ class CalcEnv(ToolEnv):
 
     The tool evaluates the arithmetic its argument starts with, or the question's own when
     the argument starts with none (`!` in the compact format): a tiny model learns one call
-    token, not to copy the question into the call. The answer is the number the reply
-    starts with. Answering right still needs the tool's result."""
+    token, not to copy the question into the call. The answer is the first number in the
+    reply. Answering right still needs the tool's result."""
 
     def __init__(self, config):
         super().__init__([self.calculator], parser=config.rollout.tool_parser, max_tool_calls=1)
@@ -176,8 +176,10 @@ class CalcEnv(ToolEnv):
             return 0.0
         if sample["answer"] not in self.tool_results:
             return 0.2  # called the tool, but not on the question
-        answer = _LEADING_NUMBER.match(answer_text)
-        return 0.5 + 0.5 * (answer is not None and answer.group(1) == sample["answer"])
+        answer = _FIRST_NUMBER.search(answer_text)
+        if answer is None:
+            return 0.5
+        return 0.6 + 0.4 * (answer.group(0) == sample["answer"])  # a number at all: a step toward copying one
 
 
 GUESSES = 4

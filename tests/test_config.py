@@ -58,7 +58,28 @@ def test_overrides_dict_and_code_agree():
         ({"model": {"path": "/no/such/dir"}}, "model.path", "not found"),
         ({"model": {"dim": 60, "n_heads": 7}}, "model.dim", "divisible"),
         ({"data": {"source": "prompts.csv"}}, "data.source", ".jsonl"),
-        ({"scoring": {"reward_fn": "not_an_import_path"}}, "scoring.reward_fn", "module:function"),
+        ({"scoring": {"reward_fn": "not_an_import_path"}}, "scoring.reward_fn", "import path 'module:name'"),
+        ({"scoring": {"reward_fn": "no_such_module_xyz:score"}}, "scoring.reward_fn", "cannot import module 'no_such_module_xyz'"),
+        ({"scoring": {"reward_fn": "meshrl.tasks:no_such_reward"}}, "scoring.reward_fn", "has no 'no_such_reward'"),
+        # fields the episode redesign removed
+        ({"scoring": {"replicas": 2}}, "scoring.replicas", "unknown field"),
+        ({"buffer": {"when_full": "block"}}, "buffer.when_full", "unknown field"),
+        ({"buffer": {"put_timeout_s": 60}}, "buffer.put_timeout_s", "unknown field"),
+        ({"buffer": {"sampling": "no_such_module_xyz:pick"}}, "buffer.sampling", "cannot import"),
+        # the rollout section
+        ({"rollout": {"env": "no_such_module_xyz:MazeEnv"}}, "rollout.env", "cannot import module 'no_such_module_xyz'"),
+        ({"rollout": {"env": "meshrl.tasks:NoSuchEnv"}}, "rollout.env", "has no 'NoSuchEnv'"),
+        ({"rollout": {"env": "meshrl.tasks.GuessEnv"}}, "rollout.env", "import path 'module:name'"),
+        ({"rollout": {"env_args": ["x"]}}, "rollout.env_args", "mapping"),
+        ({"rollout": {"workers": 0}}, "rollout.workers", "at least 1"),
+        ({"rollout": {"groups_per_worker": -1}}, "rollout.groups_per_worker", "at least 0"),
+        ({"rollout": {"max_turns": 0}}, "rollout.max_turns", "at least 1"),
+        ({"rollout": {"env_timeout_s": 0}}, "rollout.env_timeout_s", "positive"),
+        ({"rollout": {"tool_parser": "xml"}}, "rollout.tool_parser", "'hermes', 'compact' or a parser function"),
+        ({"rollout": {"enviroment": "x"}}, "rollout.enviroment", "unknown field"),
+        # a multi-turn task's env gives its reward
+        ({"data": {"source": "task:calc"}, "scoring": {"reward_fn": "tests.test_data_scoring:exact"}}, "scoring.reward_fn", "multi-turn"),
+        ({"data": {"source": "task:guess"}, "scoring": {"reward_model": "/"}}, "scoring.reward_fn", "multi-turn"),
         ({"trainer": "fast"}, "trainer", "mapping"),
         ({"trainer": {"cpus": "0-x"}}, "trainer.cpus", "CPU list"),
         ({"trainer": {"cpus": "3-1"}}, "trainer.cpus", "backwards"),
@@ -86,6 +107,51 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     broken.write_text("trainer: [unclosed\n")
     out = meshrl_cli("config", "show", str(broken))
     assert out.returncode == 2 and "not valid YAML" in out.stderr
+
+
+def test_rollout_section_and_what_it_allows(tmp_path):
+    c = Config()
+    assert (c.rollout.workers, c.rollout.env, c.rollout.env_args, c.rollout.max_turns, c.rollout.tool_parser) == (1, None, {}, 8, "hermes")
+    assert not hasattr(c.scoring, "replicas") and not hasattr(c.buffer, "when_full") and not hasattr(c.buffer, "put_timeout_s")
+    # a user's env by import path, with its arguments; it may bring its own reward
+    user = Config.from_dict(apply_overrides({}, ["rollout.env=meshrl.tasks:GuessEnv", "rollout.env_args={config: null}",
+                                                 "rollout.tool_parser=tests.test_config:no_calls"]))
+    assert user.rollout.env == "meshrl.tasks:GuessEnv" and user.rollout.env_args == {"config": None}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "?", "answer": "3"}\n')
+    assert Config.from_dict({"data": {"source": str(rows)}, "rollout": {"env": "meshrl.tasks:GuessEnv"}}).scoring.reward_fn is None
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict({"data": {"source": str(rows)}})
+    assert info.value.field_path == "scoring.reward_fn" and "rollout.env" in str(info.value)
+    # a multi-turn task plays its own env; with rollout.env set, a reward function may come along
+    assert Config.from_dict({"data": {"source": "task:calc"}, "rollout": {"tool_parser": "compact"}}).data.source == "task:calc"
+    Config.from_dict({"data": {"source": "task:calc"}, "rollout": {"env": "meshrl.tasks:GuessEnv"},
+                      "scoring": {"reward_fn": "tests.test_data_scoring:exact"}})
+
+
+def no_calls(text):
+    return []
+
+
+def test_tool_use_config_is_the_multi_turn_default():
+    path = os.path.join(ROOT, "configs/tool-use.yaml")
+    assert path in glob.glob(os.path.join(ROOT, "configs/*.yaml"))  # so test_every_shipped_config_shows covers it
+    c = Config.from_yaml(path)
+    assert c.data.source == "task:calc" and c.rollout.tool_parser == "compact" and c.rollout.max_turns >= 2
+
+
+def test_cli_bad_import_paths_are_one_line_before_any_mesh(tmp_path):
+    """A bad rollout.env or scoring.reward_fn stops `meshrl run` at once: one line naming the
+    field, exit 2, and no run directory made (nothing was started)."""
+    run_dir = tmp_path / "run"
+    for override, field in [("rollout.env=no_such_module_xyz:MazeEnv", "rollout.env"),
+                            ("scoring.reward_fn=no_such_module_xyz:score", "scoring.reward_fn")]:
+        out = meshrl_cli("run", override, f"logging.run_dir={run_dir}")
+        assert out.returncode == 2, (override, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+        assert field in lines[0] and override.split("=")[1] in lines[0], lines[0]
+        assert not run_dir.exists()
 
 
 def test_every_field_is_documented_and_reference_is_current():

@@ -1,21 +1,33 @@
-"""Prompt sources (tasks, JSONL, Parquet; resumable), rewards, the scorer, metrics and plots."""
+"""Prompt sources (tasks, JSONL, Parquet; resumable), task rewards and envs, rollout workers
+playing episodes against a scripted generator, rewards, metrics and plots."""
 
 import asyncio
+import inspect
 import json
 import os
+import random
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from meshrl import episode
 from meshrl.config import Config
-from meshrl.data import PromptNode, PromptSource
+from meshrl.data import PromptNode
+from meshrl.generator.engine import RequestResult
 from meshrl.metrics import MetricsWriter, plot_run, read_metrics
-from meshrl.rollout import Completion
-from meshrl.scoring import Scorer
-from meshrl.tasks import TASKS
+from meshrl.queue import Claim, EpisodeQueue
+from meshrl.rollout.chat import ChatRenderer
+from meshrl.rollout.env import ModelTurn, SingleTurnEnv
+from meshrl.rollout.worker import GenerationFailed, RolloutWorker, env_factory, summarize
+from meshrl.scoring import resolve_reward
+from meshrl.tasks import TASKS, CalcEnv, GuessEnv
 from meshrl.tokenizer import build_char_tokenizer
+
+SINGLE_TURN = sorted(name for name, task in TASKS.items() if task.env is None)
+MULTI_TURN = sorted(name for name, task in TASKS.items() if task.env is not None)
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +35,23 @@ def tokenizer_dir(tmp_path_factory):
     return build_char_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
-def test_tasks_reward_their_own_answer_fully(name):
-    import random
+# ---- tasks ----------------------------------------------------------------------------------------
+def test_tasks_are_single_or_multi_turn():
+    assert MULTI_TURN == ["calc", "guess"] and "digits" in SINGLE_TURN
+    for name, task in TASKS.items():
+        assert (task.reward is None) != (task.env is None), name
+        a, b = task.sample(random.Random(5)), task.sample(random.Random(5))
+        assert a == b and set(a) == {"prompt", "answer"}, name  # a pure function of the rng
+        if task.env is not None:
+            assert isinstance(a["prompt"], list) and a["prompt"][-1]["role"] == "user"  # chat messages
 
+
+@pytest.mark.parametrize("name", SINGLE_TURN)
+def test_single_turn_tasks_reward_their_own_answer_fully(name):
     task = TASKS[name]
     for i in range(20):
-        prompt, answer = task.make(random.Random(i))
+        sample = task.sample(random.Random(i))
+        prompt, answer = sample["prompt"], sample["answer"]
         if name == "digits":
             answer = "01234567"  # any digits are right
         assert task.reward(prompt, answer, {"answer": answer}) == 1.0
@@ -37,6 +59,77 @@ def test_tasks_reward_their_own_answer_fully(name):
         assert 0.0 <= task.reward(prompt, "zz9", {"answer": answer}) < 1.0
 
 
+async def play_by_hand(env, sample: dict, texts: list[str]):
+    """The env's step results for model turns `texts` (stops when the env is done)."""
+    obs = env.reset(sample)
+    obs = await obs if inspect.isawaitable(obs) else obs
+    assert obs == sample["prompt"]
+    results = []
+    for k, text in enumerate(texts):
+        result = env.step(ModelTurn(text, [], "stop", k))
+        result = await result if inspect.isawaitable(result) else result
+        results.append(result)
+        if result.done:
+            break
+    return results
+
+
+def test_calc_env_by_hand():
+    config = Config.from_dict({"data": {"source": "task:calc"}, "rollout": {"tool_parser": "compact"}})
+
+    def play(sample, texts):
+        return asyncio.run(play_by_hand(TASKS["calc"].env(config), sample, texts))
+
+    for i in range(20):
+        sample = TASKS["calc"].sample(random.Random(i))
+        question, answer = sample["prompt"][-1]["content"], sample["answer"]
+        # a perfect episode: call the tool (on the question's own expression, or spelled out), copy its result
+        for call in ("!", "!" + question):
+            called, answered = play(sample, [call, answer])
+            assert not called.done and called.reward == 0.0 and called.info == {"tool_calls": 1}
+            assert [(m["role"], m["content"]) for m in called.observation] == [("tool", answer)]
+            assert answered.done and answered.reward == 1.0
+        # partial credits
+        other = str((int(answer) + 1) % 10)
+        assert [r.reward for r in play(sample, [answer])] == [0.0]  # no call: no credit
+        assert play(sample, ["!" + other, answer])[-1].reward == 0.2  # a call, not on the question
+        assert play(sample, ["!", "x"])[-1].reward == 0.5  # the call returned the answer
+        assert play(sample, ["!", other])[-1].reward == 0.6  # then a number, the wrong one
+        assert play(sample, ["!", "!"])[-1].reward == 0.5  # one call only: the second turn is the answer
+    # the hermes format reaches the same tool
+    hermes = Config.from_dict({"data": {"source": "task:calc"}})
+    sample = {"prompt": [{"role": "user", "content": "7-3"}], "answer": "4"}
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "7-3"}}</tool_call>'
+    called, answered = asyncio.run(play_by_hand(CalcEnv(hermes), sample, [call, "4"]))
+    assert called.observation[0]["content"] == "4" and answered.reward == 1.0
+
+
+def test_guess_env_by_hand():
+    for secret in map(str, range(10)):
+        sample = {"prompt": [{"role": "user", "content": "?"}], "answer": secret}
+        [hit] = asyncio.run(play_by_hand(GuessEnv(), sample, [secret]))
+        assert hit.done and hit.reward == 1.0  # a perfect episode
+        # a binary search: each miss is told higher or lower; 0.1 less per extra guess
+        lo, hi, guesses = 0, 9, []
+        while True:
+            guess = str((lo + hi) // 2)
+            guesses.append(guess)
+            if guess == secret:
+                break
+            lo, hi = (int(guess) + 1, hi) if int(guess) < int(secret) else (lo, int(guess) - 1)
+        results = asyncio.run(play_by_hand(GuessEnv(), sample, guesses))
+        assert len(results) == len(guesses) <= 4
+        for guess, r in zip(guesses[:-1], results):
+            assert not r.done and r.reward == 0.0
+            assert r.observation == [{"role": "user", "content": "+" if int(secret) > int(guess) else "-"}]
+        assert results[-1].done and results[-1].reward == pytest.approx(1.0 - 0.1 * (len(guesses) - 1))
+    sample = {"prompt": [{"role": "user", "content": "?"}], "answer": "5"}
+    results = asyncio.run(play_by_hand(GuessEnv(), sample, ["x", "1", "9", "2", "5"]))
+    assert results[0].observation == [{"role": "user", "content": "?"}]  # not a digit
+    assert len(results) == 4 and results[-1].done and results[-1].reward == 0.0  # out of guesses
+
+
+# ---- prompt sources -------------------------------------------------------------------------------
 def test_task_node_resumes_exactly():
     cfg = Config.from_dict({"data": {"source": "task:add", "num_prompts": 7}})
     a = PromptNode(cfg.data, seed=3)
@@ -74,55 +167,295 @@ def exact(prompt, response, sample):
     return float(response == sample["answer"])
 
 
-def test_source_gates_by_version_requeues_and_resumes(tokenizer_dir):
-    cfg = Config.from_dict({"batch_groups": 2, "buffer": {"depth": 0}, "generator": {"update_mode": "block"}})
-    src = PromptSource(cfg, tokenizer_dir)
-    p = [src.next_prompt(0.1) for _ in range(2)]
-    assert [x.group_id for x in p] == [0, 1]
-    assert src.next_prompt(0.1) is None, "synchronous: one batch per version"
-    src.set_version(1)
-    p2 = src.next_prompt(0.1)
-    assert p2.group_id == 2
-    src.acknowledge([0])
-    src.received([2])
-    assert src.requeue(consumer=0) == 1  # group 2 is with the scorer: not the generator's to lose
-    assert src.requeue(group_ids=[1]) == 0  # already re-queued
-    assert src.next_prompt(0.1).group_id == 1  # re-queued prompts come first
-    state = src.state_dict()
-    assert sorted(x["group_id"] for x in state["pending"]) == [1, 2]
-    other = PromptSource(cfg, tokenizer_dir)
-    other.load_state_dict(state)
-    other.set_version(1)
-    resumed = [other.next_prompt(0.1).group_id for _ in range(3)]
-    assert resumed == [1, 2, 3]  # in-flight prompts handed out again, then the stream continues
+# ---- rollout workers --------------------------------------------------------------------------------
+class ScriptedGenerator:
+    """Stands in for a generator replica: `generate.call_one(ids, budget, temperature,
+    min_version)` returns an awaitable RequestResult. `reply(ids)` gives the sampled ids (or
+    raises); each token gets log-prob -0.5 and version max(min_version, self.version)."""
+
+    def __init__(self, reply, version: int = 0, delay: float = 0.0):
+        self.reply, self.version, self.delay = reply, version, delay
+        self.calls: list[tuple[list[int], int, int]] = []  # (context ids, budget, min_version)
+        self.generate = SimpleNamespace(call_one=self._call_one)
+
+    def _call_one(self, ids, budget, temperature, min_version):
+        self.calls.append((list(ids), budget, min_version))
+
+        async def run():
+            await asyncio.sleep(self.delay)
+            out = list(self.reply(list(ids)))[:budget]
+            v = max(min_version, self.version)
+            return RequestResult(out, [-0.5] * len(out), [v] * len(out), "stop" if out and out[-1] == 2 else "length")
+
+        return run()
 
 
-def test_scorer_marks_raising_and_slow_rewards_failed(tokenizer_dir):
-    cfg = Config.from_dict({"scoring": {"timeout_s": 0.2}})
+def replies_in_order(tok, texts: list[str]):
+    """reply(ids) giving `texts` in turn, each ended by the end-of-turn token."""
+    left = list(texts)
+    return lambda ids: tok.encode(left.pop(0), add_special_tokens=False) + [tok.eos_token_id]
+
+
+class EndpointsOf:
+    """An EpisodeQueue behind the actor calling convention: `q.claim.call_one(...)` is awaitable."""
+
+    def __init__(self, queue: EpisodeQueue):
+        self.queue = queue
+
+    def __getattr__(self, name):
+        fn = getattr(self.queue, name)
+        return SimpleNamespace(call_one=lambda *args: asyncio.to_thread(fn, *args))
+
+
+async def play_through_queue(worker: RolloutWorker, queue: EpisodeQueue, episodes: int, timeout: float = 30) -> "episode.TensorDict":
+    """Run the worker's loop against `queue` until it has delivered `episodes` episodes; the batch trained next."""
+    worker.start(EndpointsOf(queue))
+    try:
+        batch = await asyncio.to_thread(queue.sample, queue.batch_groups, queue.version, timeout)
+        deadline = time.monotonic() + 10
+        while len(worker.window) < episodes and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # the put has landed; the worker counts its episodes next
+        return batch
+    finally:
+        await worker.stop()
+
+
+def single_turn_config(**extra) -> Config:
+    return Config.from_dict({"batch_groups": 1, "buffer": {"depth": 0}, "generator": {"group_size": 4, "update_mode": "block"},
+                             "data": {"source": "task:letters"}, **extra})
+
+
+def texts_of(batch, tok) -> list[str]:
+    return [tok.decode(batch["tokens"][i][batch["loss_mask"][i]].tolist(), skip_special_tokens=True)
+            for i in range(batch.batch_size[0])]
+
+
+def test_worker_fails_episodes_whose_reward_raises_or_times_out(tokenizer_dir):
+    config = single_turn_config(scoring={"timeout_s": 0.2})
 
     def flaky(prompt, response, sample):
+        assert prompt == sample["prompt"] and sample["finish_reason"] == "stop" and sample["response_ids"][-1] == 2
         if response == "boom":
             raise RuntimeError("bad reward")
         if response == "slow":
             time.sleep(1.0)
         return float(len(response))
 
-    from meshrl.tokenizer import load_tokenizer
+    worker = RolloutWorker(config, tokenizer_dir, reward_fn=flaky)
+    worker.set_generators([ScriptedGenerator(replies_in_order(worker.tokenizer, ["ab", "boom", "slow", "abcd"]))])
+    queue = EpisodeQueue(config)
+    batch = asyncio.run(play_through_queue(worker, queue, 4))
+    # episodes run concurrently: which row got which reply is not fixed, so match by text
+    texts = texts_of(batch, worker.tokenizer)
+    assert sorted(texts) == ["ab", "abcd", "boom", "slow"]
+    want = {"ab": (2.0, "stop"), "boom": (0.0, "failed"), "slow": (0.0, "failed"), "abcd": (4.0, "stop")}
+    assert batch["reward"].tolist() == [want[t][0] for t in texts]
+    assert batch["finish_reason"].tolist() == [episode.FINISH_REASONS[want[t][1]] for t in texts]
+    assert abs(float(batch["advantage"].sum())) < 1e-5
+    assert worker.failed_total == 2
+    m = summarize(worker.metrics(), worker.failed_total)
+    assert m["episode/failed"] == 2 and m["episode/failed_total"] == 2 and m["reward/mean"] == 1.5
+    assert m["episode/count"] == 4 and worker.window == []
 
-    tok = load_tokenizer(tokenizer_dir)
-    scorer = Scorer(cfg, tokenizer_dir, reward_fn=flaky)
-    comps = [
-        Completion([4], tok.encode(text, add_special_tokens=False), [-1.0] * len(text), [0] * len(text), "stop", 5, i)
-        for i, text in enumerate(["ab", "boom", "slow", "abcd"])
+
+def test_multi_turn_episode_is_token_in_token_out(tokenizer_dir):
+    """A guess episode through the character tokenizer's chat template: the episode's ids are
+    the prompt's, then each model turn's sampled ids and each env reply's ids, appended."""
+    config = Config.from_dict({"data": {"source": "task:guess"}, "generator": {"max_new_tokens": 4}})
+    worker = RolloutWorker(config, tokenizer_dir)
+    tok = worker.tokenizer
+    gen = ScriptedGenerator(replies_in_order(tok, ["3", "7", "5"]), version=4)
+    worker.set_generators([gen])
+    record = {"prompt": [{"role": "user", "content": "?"}], "answer": "5"}
+    ep = asyncio.run(worker.play_episode(7, 71, record, version=2, replica=0))
+
+    renderer = ChatRenderer(tok)
+    want = renderer.initial_ids(record["prompt"])
+    env_ids = []
+    for k, (text, hint) in enumerate(zip("375", ["+", "-", None])):
+        context, budget, min_version = gen.calls[k]
+        assert context == want and min_version == 2  # each model turn saw exactly the episode so far
+        assert budget == 4
+        model_ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+        want = want + model_ids
+        if hint:
+            more = renderer.continuation_ids(model_ids, [{"role": "user", "content": hint}])
+            env_ids.append(more)
+            want = want + more
+    assert len(gen.calls) == 3 and ep.token_ids == want
+    # ... which is the whole conversation as the chat template writes it
+    messages = [*record["prompt"], {"role": "assistant", "content": "3"}, {"role": "user", "content": "+"},
+                {"role": "assistant", "content": "7"}, {"role": "user", "content": "-"}, {"role": "assistant", "content": "5"}]
+    assert tok.decode(ep.token_ids, skip_special_tokens=False) == tok.apply_chat_template(messages, tokenize=False)
+    assert [t.role for t in ep.turns] == ["env", "model", "env", "model", "env", "model"]
+    assert len(ep.model_turns) == 3 and [t.reward for t in ep.model_turns] == [0.0, 0.0, pytest.approx(0.8)]
+    assert all(t.versions == [4, 4] and t.logprobs == [-0.5, -0.5] for t in ep.model_turns)
+    assert ep.reward == pytest.approx(0.8) and ep.finish_reason == "stop" and ep.tool_calls == 0
+    assert ep.env_tokens == sum(map(len, env_ids)) and ep.prompt_len == len(renderer.initial_ids(record["prompt"]))
+    td = episode.pack([ep])
+    assert td["tokens"][0].tolist() == want
+    assert td["loss_mask"][0].sum() == 6 and td["model_turns"].tolist() == [3]
+
+
+def test_tool_episode_counts_calls_and_env_tokens(tokenizer_dir):
+    config = Config.from_dict({"data": {"source": "task:calc"}, "rollout": {"tool_parser": "compact"}})
+    worker = RolloutWorker(config, tokenizer_dir)
+    tok = worker.tokenizer
+    gen = ScriptedGenerator(replies_in_order(tok, ["!", "4"]))
+    worker.set_generators([gen])
+    record = {"prompt": [{"role": "user", "content": "7-3"}], "answer": "4"}
+    ep = asyncio.run(worker.play_episode(0, 0, record, version=0, replica=0))
+    assert ep.reward == 1.0 and ep.tool_calls == 1 and len(ep.model_turns) == 2 and ep.finish_reason == "stop"
+    messages = [*record["prompt"], {"role": "assistant", "content": "!"}, {"role": "tool", "content": "4"},
+                {"role": "assistant", "content": "4"}]
+    assert tok.decode(ep.token_ids, skip_special_tokens=False) == tok.apply_chat_template(messages, tokenize=False)
+    assert gen.calls[1][0] == ep.token_ids[:-2]  # the answer turn saw the tool's result
+    assert ep.env_tokens == len(tok.encode("<bos>T4<eos><bos>A", add_special_tokens=False)) == 6
+
+
+def test_an_episode_out_of_turns_ends_on_a_model_turn(tokenizer_dir):
+    config = Config.from_dict({"data": {"source": "task:guess"}, "rollout": {"max_turns": 2}})
+    worker = RolloutWorker(config, tokenizer_dir)
+    worker.set_generators([ScriptedGenerator(replies_in_order(worker.tokenizer, ["1", "2"]))])
+    ep = asyncio.run(worker.play_episode(0, 0, {"prompt": [{"role": "user", "content": "?"}], "answer": "9"}, 0, 0))
+    assert ep.finish_reason == "length" and ep.reward == 0.0
+    assert [t.role for t in ep.turns] == ["env", "model", "env", "model"]  # no reply nobody answers
+    td = episode.pack([ep])
+    assert episode.trim(td)["tokens"].shape == td["tokens"].shape
+
+
+def test_a_failing_generator_call_fails_the_group_not_its_episodes(tokenizer_dir):
+    config = single_turn_config()
+    worker = RolloutWorker(config, tokenizer_dir, reward_fn=exact)
+    claim = Claim(3, {"prompt": "a:", "answer": "aa"}, 0)
+    calls = []
+
+    def reply(ids):
+        calls.append(ids)
+        if len(calls) == 2:
+            raise RuntimeError("replica died")
+        return [5, 5, 2]
+
+    worker.set_generators([ScriptedGenerator(reply)])
+    with pytest.raises(GenerationFailed, match="replica 0: RuntimeError: replica died"):
+        asyncio.run(worker.play_group(claim))
+    # a replica that stops mid-turn (finish_reason abort) fails the group too
+    aborting = ScriptedGenerator(lambda ids: [5])
+    worker.set_generators([aborting])
+
+    async def aborted(*args):
+        return RequestResult([5], [-0.5], [0], "abort")
+
+    aborting.generate = SimpleNamespace(call_one=aborted)
+    with pytest.raises(GenerationFailed, match="stopping"):
+        asyncio.run(worker.play_group(claim))
+    worker.set_generators([])
+    with pytest.raises(GenerationFailed, match="no generator"):
+        asyncio.run(worker.play_group(claim))
+
+
+def test_a_failing_generator_stops_the_rest_of_its_group(tokenizer_dir):
+    """One episode's generator call fails: the group's other episodes are cancelled (their
+    envs closed), not left generating for a group that is played again anyway."""
+    config = single_turn_config()
+    closed = []
+
+    class Env(SingleTurnEnv):
+        def close(self):
+            closed.append(1)
+
+    worker = RolloutWorker(config, tokenizer_dir, reward_fn=exact)
+    worker.make_env = lambda: Env(exact)
+    started = []
+
+    async def call(ids, budget, temperature, min_version):
+        started.append(1)
+        if len(started) == 1:
+            await asyncio.sleep(0.05)
+            raise RuntimeError("replica died")
+        await asyncio.sleep(30)
+
+    gen = SimpleNamespace(generate=SimpleNamespace(call_one=call))
+    worker.set_generators([gen])
+
+    async def main():
+        t0 = time.monotonic()
+        with pytest.raises(GenerationFailed):
+            await worker.play_group(Claim(0, {"prompt": "a:", "answer": ""}, 0))
+        elapsed = time.monotonic() - t0
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return elapsed, left
+
+    elapsed, left = asyncio.run(main())
+    assert elapsed < 5 and left == []
+    assert len(started) == 4 and len(closed) == 4  # every env closed, the cancelled ones too
+    assert worker._load == [0]
+
+
+def test_a_requeued_group_is_played_again_from_its_start(tokenizer_dir):
+    config = single_turn_config()
+    worker = RolloutWorker(config, tokenizer_dir, reward_fn=exact)
+    failures = [RuntimeError("replica died")]
+
+    def reply(ids):
+        if failures:
+            raise failures.pop()
+        return worker.tokenizer.encode("a", add_special_tokens=False) + [2]
+
+    gen = ScriptedGenerator(reply)
+    worker.set_generators([gen])
+    queue = EpisodeQueue(config)
+    batch = asyncio.run(play_through_queue(worker, queue, 4))
+    assert batch["group_id"].tolist() == [0] * 4 and batch["finish_reason"].tolist() == [0] * 4
+    assert worker.requeued_total == 1 and queue.metrics()["buffer/requeued"] == 1
+    assert queue.consumed == [0] and queue.next_group_id == 1  # the same group, trained once
+    assert len(gen.calls) >= 5  # the failed attempt's calls, then all 4 episodes from the start
+
+
+def test_env_factory_picks_the_env():
+    guess = env_factory(Config.from_dict({"data": {"source": "task:guess"}}))
+    assert isinstance(guess(), GuessEnv) and guess() is not guess()  # one env per episode
+    single = env_factory(Config.from_dict({"data": {"source": "task:letters"}}))()
+    assert isinstance(single, SingleTurnEnv) and single.reward_fn is TASKS["letters"].reward
+    # a reward passed in code is played through a SingleTurnEnv whatever the task
+    assert env_factory(Config.from_dict({"data": {"source": "task:letters"}}), reward_fn=exact)().reward_fn is exact
+    user = env_factory(Config.from_dict({"rollout": {"env": "tests.test_data_scoring:EchoEnv", "env_args": {"greeting": "hi"}}}))()
+    assert isinstance(user, EchoEnv) and user.greeting == "hi"
+
+
+class EchoEnv:
+    def __init__(self, greeting: str):
+        self.greeting = greeting
+
+    def reset(self, sample):
+        return self.greeting
+
+    def step(self, turn):
+        from meshrl.rollout.env import StepResult
+
+        return StepResult(reward=1.0)
+
+
+def test_summarize_per_episode_windows():
+    assert summarize([]) == {}
+    windows = [
+        {"reward": r, "success": float(r >= 1.0), "failed": f, "response_len": n, "turns": t, "tool_calls": c,
+         "env_tokens": e, "env_s": s}
+        for r, f, n, t, c, e, s in [(1.0, 0.0, 4.0, 2.0, 1.0, 6.0, 0.5), (0.0, 1.0, 2.0, 1.0, 0.0, 0.0, 0.25),
+                                    (0.5, 0.0, 6.0, 3.0, 2.0, 9.0, 0.25)]
     ]
-    td = asyncio.run(scorer.score_group(comps))
-    assert td["reward"].tolist() == [2.0, 0.0, 0.0, 4.0]
-    assert td["finish_reason"].tolist() == [0, 3, 3, 0]
-    assert abs(float(td["advantage"].sum())) < 1e-5
-    m = scorer.metrics()
-    assert m["scoring/failed"] == 2 and m["reward/mean"] == 1.5
+    m = summarize(windows, failed_total=7.0)
+    assert m["reward/mean"] == pytest.approx(0.5)
+    assert m["reward/std"] == pytest.approx(0.5)  # unbiased: sqrt(((0.5)^2 + (0.5)^2 + 0) / 2)
+    assert m["reward/success_rate"] == pytest.approx(1 / 3)
+    assert m["response/length_mean"] == pytest.approx(4.0)
+    assert m["episode/count"] == 3 and m["episode/turns_mean"] == pytest.approx(2.0)
+    assert m["episode/tool_calls_mean"] == pytest.approx(1.0) and m["episode/env_tokens_mean"] == pytest.approx(5.0)
+    assert m["episode/failed"] == 1 and m["episode/failed_total"] == 7.0 and m["episode/env_s"] == pytest.approx(1.0)
+    assert summarize(windows[:1])["reward/std"] == 0.0
 
 
+# ---- metrics, rewards ----------------------------------------------------------------------------------
 def test_metrics_jsonl_tensorboard_and_plot(tmp_path):
     w = MetricsWriter(str(tmp_path))
     for step in range(1, 6):
@@ -141,7 +474,8 @@ def test_metrics_jsonl_tensorboard_and_plot(tmp_path):
 
 
 def test_reward_model_scores_through_the_same_interface(tmp_path, tokenizer_dir):
-    """A local sequence-classification checkpoint as the reward, via scoring.reward_model."""
+    """A local sequence-classification checkpoint as the reward, via scoring.reward_model,
+    played by a rollout worker through a SingleTurnEnv."""
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
 
@@ -152,15 +486,19 @@ def test_reward_model_scores_through_the_same_interface(tmp_path, tokenizer_dir)
     path = tmp_path / "rm"
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
-    config = Config.from_dict({"scoring": {"reward_model": str(path)}})
-    scorer = Scorer(config, tokenizer_dir)
-    from meshrl.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(tokenizer_dir)
-    comps = [Completion(tok.encode("a:", add_special_tokens=False), tok.encode(t, add_special_tokens=False), [-1.0] * len(t),
-                        [0] * len(t), "stop", 1, i) for i, t in enumerate(["123", "xyz"])]
-    td = asyncio.run(scorer.score_group(comps))
+    config = Config.from_dict({"scoring": {"reward_model": str(path)}, "generator": {"group_size": 2}})
+    assert isinstance(env_factory(config)(), SingleTurnEnv)
+    worker = RolloutWorker(config, tokenizer_dir)
+    tok = worker.tokenizer
+    worker.set_generators([ScriptedGenerator(replies_in_order(tok, ["123", "xyz"]))])
+    episodes = asyncio.run(worker.play_group(Claim(1, {"prompt": "a:", "answer": ""}, 0)))
+    td = episode.pack(episodes)
+    texts = texts_of(td, tok)
+    assert sorted(texts) == ["123", "xyz"]
     with torch.no_grad():
-        want = [float(model(**tok("a:" + t, return_tensors="pt")).logits[0, 0]) for t in ["123", "xyz"]]
+        want = [float(model(**tok("a:" + t, return_tensors="pt")).logits[0, 0]) for t in texts]
     assert td["reward"].tolist() == pytest.approx(want, abs=1e-5)
     assert td["finish_reason"].tolist() == [0, 0]
+    # the same function, called directly
+    fn = resolve_reward(config)
+    assert fn("a:", "123", {}) == pytest.approx(want[texts.index("123")], abs=1e-5)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshrl.config import LossConfig
-from meshrl.rollout import group_advantages
+from meshrl.episode import group_advantages
 from meshrl.trainer.losses import policy_loss, reduce_metrics
 
 CORRECTIONS = ["none", "tis", "mis_token", "mis_seq", "icepop", "decoupled", "opsm"]

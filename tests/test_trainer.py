@@ -14,28 +14,40 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshrl.config import Config, ConfigError, ModelConfig
-from meshrl.rollout import Completion, assign_advantages, from_completions, pack_for_trainer, unpack_token_values
+from meshrl.config import Config, ConfigError, LossConfig, ModelConfig
+from meshrl.episode import Episode, Turn, assign_advantages, pack
+from meshrl.trainer import actor as trainer_actor
 from meshrl.trainer import checkpoint as ckpt
 from meshrl.trainer.actor import PolicyTrainer, micro_batch_count, rank_rows, spawn_trainer
 from meshrl.trainer.logprobs import token_logprobs
+from meshrl.trainer.losses import CORRECTIONS, policy_loss
 from meshrl.trainer.model import build_model, model_args_from_hf
 
 CPU = torch.device("cpu")
 
 
-def make_batch(groups: int = 4, group_size: int = 4, seed: int = 0, version: int = 0):
-    """A scored rollout batch of random tokens with ragged prompts and responses."""
+def make_batch(groups: int = 4, group_size: int = 4, seed: int = 0, version: int = 0, turns: int = 1):
+    """A scored rollout batch (episode.pack) of random tokens with ragged prompts and responses.
+
+    With `turns` > 1 the episodes are multi-turn: model turns separated by env turns (tool
+    results, replies) of ragged length, and some episodes end with an env turn."""
     rng = random.Random(seed)
-    comps, sid = [], 0
+    episodes, sid = [], 0
     for g in range(groups):
         prompt = [1] + [rng.randrange(3, 100) for _ in range(rng.randrange(3, 8))]
         for _ in range(group_size):
-            n = rng.randrange(2, 12)
-            comps.append(Completion(prompt, [rng.randrange(3, 100) for _ in range(n)], [-4 * rng.random() for _ in range(n)],
-                                    [max(0, version - rng.randrange(0, 2))] * n, "stop", g, sid, reward=rng.random()))
+            ep = Episode(g, sid, [Turn("env", prompt)])
+            for t in range(turns):
+                if t:
+                    ep.turns.append(Turn("env", [rng.randrange(3, 100) for _ in range(rng.randrange(1, 6))]))
+                n = rng.randrange(2, 12)
+                ep.turns.append(Turn("model", [rng.randrange(3, 100) for _ in range(n)], [-4 * rng.random() for _ in range(n)],
+                                     [max(0, version - rng.randrange(0, 2))] * n, reward=rng.random() / turns))
+            if turns > 1 and rng.random() < 0.5:
+                ep.turns.append(Turn("env", [rng.randrange(3, 100) for _ in range(rng.randrange(1, 4))]))
+            episodes.append(ep)
             sid += 1
-    return assign_advantages(from_completions(comps), "grpo")
+    return assign_advantages(pack(episodes), "grpo")
 
 
 def make_config(family: str = "qwen3", procs: int = 1, **trainer) -> Config:
@@ -58,8 +70,8 @@ def test_rank_rows_split_whole_groups_and_micro_batches_match():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_direct_log_softmax(temperature):
     model, _ = build_model(ModelConfig(family="qwen3"), seed=3)
-    packed = pack_for_trainer(make_batch())
-    tokens, mask = packed["tokens"], packed["loss_mask"]
+    batch = make_batch(turns=2)
+    tokens, mask = batch["tokens"], batch["loss_mask"]
     lp, ent = token_logprobs(model, tokens, mask, temperature, with_entropy=True, chunk_size=7)
     logits = model(tokens).float() / temperature
     ref_all = F.log_softmax(logits[:, :-1], -1)
@@ -98,16 +110,106 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, family):
         assert torch.equal(model2(tokens), model(tokens))
 
 
-def test_micro_batches_sum_to_the_full_batch_loss():
-    batch = make_batch(version=2)  # token versions 1 and 2
+@pytest.mark.parametrize("turns", [1, 3])
+def test_micro_batches_sum_to_the_full_batch_loss(turns):
+    batch = make_batch(version=2, turns=turns)  # token versions 1 and 2
     small = PolicyTrainer(make_config(micro_batch_size=3), CPU)
     whole = PolicyTrainer(make_config(micro_batch_size=64), CPU)
     a, b = small.train_step(batch, current_version=2), whole.train_step(batch, current_version=2)
     assert a["version"] == b["version"] == 1
     assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5
-    assert a["tokens"] == float(pack_for_trainer(batch)["loss_mask"].sum())
+    assert a["tokens"] == float(batch["loss_mask"].sum())
     assert a["staleness_max"] == 1.0 and 0 < a["staleness_mean"] < 1  # lags 0 / 1
     assert a["reward_mean"] == pytest.approx(float(batch["reward"].mean()))  # the trained batch's own
+
+
+GARBAGE = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 7.0, -123.0, 0.0])
+
+
+def garbage_like(x: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return GARBAGE[torch.randint(len(GARBAGE), x.shape, generator=g)].to(x.dtype)
+
+
+def after_last_model_token(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] True after each row's last model token: context for no model token."""
+    last = torch.where(mask, torch.arange(mask.shape[1]), -1).amax(dim=1, keepdim=True)
+    return torch.arange(mask.shape[1]) > last
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+@pytest.mark.parametrize("correction", sorted(CORRECTIONS))
+def test_env_tokens_never_train_in_the_loss(correction, aggregation):
+    """Whatever the per-token inputs hold at env positions (prompt, tool results, replies,
+    padding): the loss is the same, and its gradient there is exactly zero."""
+    batch = make_batch(turns=3, seed=5)
+    mask = batch["loss_mask"]
+    env = ~mask
+    assert env[:, batch["prompt_len"].max():].any() and mask.any()  # env tokens between model turns
+    cfg = LossConfig(correction=correction, aggregation=aggregation, kl_coef=0.1, entropy_coef=0.01)
+    g = torch.Generator().manual_seed(1)
+    lp = torch.where(mask, batch["sampler_logprobs"] + 0.3 * torch.randn(mask.shape, generator=g), 0.0)
+    inputs = {  # as the trainer has them: log-probs and entropies 0 off the scored positions
+        "logprobs": lp, "sampler": batch["sampler_logprobs"], "prox": torch.where(mask, lp + 0.1 * torch.randn(mask.shape, generator=g), 0.0),
+        "ref": torch.where(mask, lp - 0.2 * torch.rand(mask.shape, generator=g), 0.0),
+        "entropy": torch.where(mask, torch.rand(mask.shape, generator=g), 0.0),
+    }
+
+    def loss_and_grad(values):
+        logprobs = values["logprobs"].clone().requires_grad_()
+        loss, _ = policy_loss(logprobs, values["sampler"], batch["advantage"], mask, cfg, prox_logprobs=values["prox"],
+                              ref_logprobs=values["ref"], entropy=values["entropy"],
+                              token_count=int(mask.sum()), seq_count=int(mask.any(1).sum()))
+        loss.backward()
+        return loss.detach(), logprobs.grad
+
+    loss, grad = loss_and_grad(inputs)
+    assert torch.isfinite(loss) and (grad[env] == 0).all()
+    assert (grad[mask] != 0).any()
+    changed = {k: torch.where(env, garbage_like(v, seed=i), v) for i, (k, v) in enumerate(inputs.items())}
+    loss2, grad2 = loss_and_grad(changed)
+    assert torch.equal(loss, loss2)
+    assert torch.equal(grad[mask], grad2[mask]) and (grad2[env] == 0).all()
+
+
+def test_env_tokens_never_train_in_a_train_step(monkeypatch):
+    """A PolicyTrainer step on multi-turn episodes: garbage sampler log-probs at every env
+    position, and other ids where they are context for no model token, leave the loss and
+    every parameter gradient unchanged; the loss has zero gradient on the trainer's
+    log-probs at env positions."""
+    batch = make_batch(turns=3, seed=2, version=1)
+    mask = batch["loss_mask"]
+    changed = batch.clone()
+    changed["sampler_logprobs"] = torch.where(mask, batch["sampler_logprobs"], garbage_like(batch["sampler_logprobs"], 3))
+    trailing = after_last_model_token(mask)
+    assert trailing.any() and (trailing & (batch["tokens"] != 0)).any()  # env turns and padding after the last model turn
+    changed["tokens"] = torch.where(trailing, torch.randint(3, 100, mask.shape), batch["tokens"])
+    assert not torch.equal(changed["tokens"], batch["tokens"])
+
+    seen = []
+
+    def spy(logprobs, sampler_logprobs, advantage, loss_mask, cfg, **kwargs):
+        logprobs.retain_grad()
+        seen.append((logprobs, loss_mask.clone()))
+        return policy_loss(logprobs, sampler_logprobs, advantage, loss_mask, cfg, **kwargs)
+
+    monkeypatch.setattr(trainer_actor, "policy_loss", spy)
+    steps = []
+    for b in (batch, changed):
+        trainer = PolicyTrainer(make_config(), CPU)
+        out = trainer.train_step(b, current_version=1)
+        steps.append((out, {n: p.grad.clone() for n, p in trainer.model.named_parameters()}))
+    (a, grads_a), (b, grads_b) = steps
+    assert a["tokens"] == b["tokens"] == float(mask.sum())
+    assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] and a["mismatch"] == b["mismatch"]
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+    assert len(seen) == 2 * micro_batch_count(batch, 1, 3)
+    for logprobs, loss_mask in seen:
+        assert logprobs.grad is not None
+        assert (logprobs.grad[~loss_mask] == 0).all()  # env tokens: exactly no gradient
+        assert (logprobs.grad[loss_mask] != 0).any()
 
 
 def test_bf16_compute_on_cpu_tracks_float32_and_keeps_float32_state():
@@ -134,6 +236,7 @@ def test_bf16_compute_on_cpu_tracks_float32_and_keeps_float32_state():
         make_config(compute_dtype="float16")
 
 
+@pytest.mark.slow  # about 17 s on 2 cores: the blocks compile
 def test_compiled_blocks_train_like_eager_without_recompiling_per_batch_shape(monkeypatch):
     from torch._dynamo.utils import counters
 
@@ -204,7 +307,7 @@ def test_fsdp2_mesh_matches_single_process(loop, dense_mesh, tmp_path):
     got = run(loop, dense_mesh.compute_logprobs(batch))
     ref_rows, ref = reference.compute_logprobs(batch)
     torch.testing.assert_close(got[ref_rows], ref, atol=1e-5, rtol=1e-5)
-    assert (got[batch["response_mask"]] < 0).all()
+    assert (got[batch["loss_mask"]] < 0).all() and (got[~batch["loss_mask"]] == 0).all()
 
 
 @pytest.mark.slow
@@ -213,13 +316,12 @@ def test_sharded_export_matches_transformers(loop, dense_mesh, tmp_path):
 
     out = run(loop, dense_mesh.export_hf(str(tmp_path / "hf")))
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    batch = make_batch(seed=11)
-    packed = pack_for_trainer(batch)
+    batch = make_batch(seed=11, turns=2)
     with torch.no_grad():
-        lp, _ = token_logprobs_from_hf(hf, packed)
+        lp, _ = token_logprobs_from_hf(hf, batch)
     mesh_lp = run(loop, dense_mesh.compute_logprobs(batch))
-    expected = unpack_token_values(lp, batch) * batch["response_mask"]
-    torch.testing.assert_close(mesh_lp * batch["response_mask"], expected, atol=1e-4, rtol=1e-4)
+    expected = lp * batch["loss_mask"]
+    torch.testing.assert_close(mesh_lp * batch["loss_mask"], expected, atol=1e-4, rtol=1e-4)
     sd = run(loop, dense_mesh.hf_state_dict())
     assert "model.layers.0.self_attn.q_proj.weight" in sd and sd["model.embed_tokens.weight"].shape == (128, 64)
 

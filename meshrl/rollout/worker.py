@@ -152,13 +152,16 @@ class RolloutWorker:
                 if step.done:
                     ep.finish_reason = out.finish_reason
                     break
+                if k + 1 == c.rollout.max_turns:
+                    # rollout.max_turns model turns and the env is not done: its reply would go
+                    # unanswered, so it is not appended (an episode ends on a model turn)
+                    ep.finish_reason = "length"
+                    break
                 more = renderer.continuation_ids(out.token_ids, step.observation)
                 if len(ep) + len(more) >= c.model.max_seq_len:
                     ep.finish_reason = "length"  # no room for the env's reply and another model turn
                     break
                 ep.turns.append(Turn("env", more))
-            else:
-                ep.finish_reason = "length"  # rollout.max_turns model turns and the env is not done
         except GenerationFailed:
             raise
         except Exception as e:  # noqa: BLE001 - the env's failure fails its episode, not the run
@@ -177,9 +180,17 @@ class RolloutWorker:
     async def play_group(self, claim) -> list[Episode]:
         n = self.config.generator.group_size
         replica = self._pick()
-        return list(await asyncio.gather(*(
-            self.play_episode(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replica) for i in range(n)
-        )))
+        tasks = [asyncio.ensure_future(self.play_episode(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replica))
+                 for i in range(n)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            # gather leaves the other episodes running when one fails: the group is played again
+            # from its start, so stop them (and close their envs) before it is re-queued
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     # ---- the loop ------------------------------------------------------------------------------
     def start(self, queue) -> None:
