@@ -229,8 +229,27 @@ def group_advantages(
 
 
 def assign_advantages(td: TensorDict, mode: str) -> TensorDict:
-    """Fill `advantage` from `reward` and `group_id` (in place; returns td)."""
-    td["advantage"] = group_advantages(td["reward"], td["group_id"], mode)
+    """Fill `advantage` from `reward` and `group_id` (in place; returns td).
+
+    A failed episode (its env raised or timed out) says nothing about the policy: it takes
+    no part in its group's statistics, and its tokens leave the loss (advantage 0, mask off).
+    A group with fewer than two episodes left gets advantage 0 under `rloo`."""
+    failed = td["finish_reason"] == FINISH_REASONS["failed"]
+    advantage = torch.zeros_like(td["reward"])
+    ok = ~failed
+    if ok.any():
+        reward, gid = td["reward"][ok], td["group_id"][ok]
+        if mode == "rloo":
+            _, inverse, counts = torch.unique(gid, return_inverse=True, return_counts=True)
+            alone = counts[inverse] < 2
+            adv = torch.zeros_like(reward)
+            if (~alone).any():
+                adv[~alone] = group_advantages(reward[~alone], gid[~alone], mode)
+        else:
+            adv = group_advantages(reward, gid, mode)
+        advantage[ok] = adv
+    td["advantage"] = advantage
+    td["loss_mask"] = td["loss_mask"] & ok[:, None]
     return td
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import random
 import threading
 import time
@@ -75,6 +76,8 @@ class Claim:
     """The data record: `prompt` (text or chat messages), `answer` and the task's fields."""
     version: int
     """Its tokens must come from this policy version or newer (the generator waits for it)."""
+    token: int = -1
+    """Names this claim: only a put with it is taken (a re-claimed group's earlier holder is refused)."""
 
 
 class QueueClosed(RuntimeError):
@@ -97,7 +100,8 @@ class EpisodeQueue:
         self.next_group_id = 0
         self.dropped = 0  # groups dropped as stale: admission replaces them
         self.pending: deque[tuple[int, dict]] = deque()  # re-queued (group id, sample), handed out first
-        self.running: dict[int, tuple[dict, int, int]] = {}  # group id -> (sample, worker, claim version)
+        self.running: dict[int, tuple[dict, int, int, int]] = {}  # group id -> (sample, worker, claim version, token)
+        self._tokens = itertools.count()
         self.ready: deque[TensorDict] = deque()
         self.consumed: list[int] = []  # group ids trained, in order
         self._cond = threading.Condition()
@@ -117,28 +121,32 @@ class EpisodeQueue:
 
     def claim(self, worker: int, timeout: float) -> Claim | None:
         """The next group for `worker`; None when nothing may start within `timeout` s (the
-        worker asks again) or the queue is closed."""
+        worker asks again). Raises QueueClosed once the queue is closed."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._closed or self.pending or self._admissible(), timeout):
                 return None
             if self._closed:
-                return None
+                raise QueueClosed("episode queue closed")
             if self.pending:
                 gid, sample = self.pending.popleft()
             else:
                 gid, sample = self.next_group_id, next(self.node)
                 self.next_group_id += 1
-            self.running[gid] = (sample, worker, self.version)
-            return Claim(gid, sample, self.version)
+            token = next(self._tokens)
+            self.running[gid] = (sample, worker, self.version, token)
+            return Claim(gid, sample, self.version, token)
 
-    def put(self, group_id: int, group: TensorDict) -> bool:
-        """A finished group. False if it is no longer this worker's to deliver (re-queued
-        after its worker was presumed dead) or it is too stale to train on."""
+    def put(self, group_id: int, group: TensorDict, token: int | None = None) -> bool:
+        """A finished group, delivered under its claim's `token`. False if it is no longer
+        this claim's to deliver (re-queued, and perhaps claimed again, after its worker was
+        presumed dead) or it is too stale to train on. Without a token any holder may put."""
         _check_one_group(group, group_id)
         with self._cond:
-            if self.running.pop(group_id, None) is None:
+            entry = self.running.get(group_id)
+            if entry is None or (token is not None and entry[3] != token):
                 self._stats["late_puts"] += 1
                 return False
+            del self.running[group_id]
             group = self._admit(group)
             if group is None:
                 self._cond.notify_all()  # dropped as stale: admission replaces it, wake a waiting worker
@@ -152,7 +160,7 @@ class EpisodeQueue:
         """Hand RUNNING groups out again, first: those of `worker`, or the given ids, or all."""
         with self._cond:
             ids = sorted(
-                gid for gid, (_, holder, _) in self.running.items()
+                gid for gid, (_, holder, _, _) in self.running.items()
                 if (worker is None or holder == worker) and (group_ids is None or gid in group_ids)
             )
             for gid in ids:
@@ -269,7 +277,7 @@ class EpisodeQueue:
     def state_dict(self) -> dict:
         """Everything a resumed run needs; RUNNING groups are saved as pending."""
         with self._cond:
-            pending = list(self.pending) + [(gid, sample) for gid, (sample, _, _) in self.running.items()]
+            pending = list(self.pending) + [(gid, entry[0]) for gid, entry in self.running.items()]
             return {
                 "node": self.node.state_dict(),
                 "version": self.version,
@@ -317,8 +325,8 @@ class EpisodeQueueActor(Actor):
         return await asyncio.to_thread(self.queue.claim, worker, timeout)
 
     @concurrent_endpoint
-    async def put(self, group_id: int, group: TensorDict) -> bool:
-        return self.queue.put(group_id, group)
+    async def put(self, group_id: int, group: TensorDict, token: int | None = None) -> bool:
+        return self.queue.put(group_id, group, token)
 
     @concurrent_endpoint
     async def requeue(self, worker: int | None = None, group_ids: list[int] | None = None) -> int:

@@ -226,8 +226,9 @@ def single_turn_config(**extra) -> Config:
 
 
 def texts_of(batch, tok) -> list[str]:
-    return [tok.decode(batch["tokens"][i][batch["loss_mask"][i]].tolist(), skip_special_tokens=True)
-            for i in range(batch.batch_size[0])]
+    """Each row's model tokens, decoded (failed rows too: their loss mask is off)."""
+    model = batch["versions"] != episode.PAD_VERSION
+    return [tok.decode(batch["tokens"][i][model[i]].tolist(), skip_special_tokens=True) for i in range(batch.batch_size[0])]
 
 
 def test_worker_fails_episodes_whose_reward_raises_or_times_out(tokenizer_dir):
@@ -252,6 +253,9 @@ def test_worker_fails_episodes_whose_reward_raises_or_times_out(tokenizer_dir):
     assert batch["reward"].tolist() == [want[t][0] for t in texts]
     assert batch["finish_reason"].tolist() == [episode.FINISH_REASONS[want[t][1]] for t in texts]
     assert abs(float(batch["advantage"].sum())) < 1e-5
+    failed = [want[t][1] == "failed" for t in texts]  # out of the loss and of the group's statistics
+    assert [not row.any() for row in batch["loss_mask"]] == failed
+    assert all(a == 0 for a, f in zip(batch["advantage"].tolist(), failed) if f)
     assert worker.failed_total == 2
     m = summarize(worker.metrics(), worker.failed_total)
     assert m["episode/failed"] == 2 and m["episode/failed_total"] == 2 and m["reward/mean"] == 1.5

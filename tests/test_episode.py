@@ -122,9 +122,14 @@ def test_group_advantages_against_direct_formula(mode):
     assert adv[5] == 0.0 and adv[6] == 0.0 and all(math.isfinite(a) for a in adv)
 
 
-def test_assign_advantages_fills_the_batch():
+def test_assign_advantages_fills_the_batch_and_leaves_failed_episodes_out():
     td = episode.assign_advantages(episode.pack(episodes()), "grpo_no_std")
-    assert td["advantage"].tolist() == pytest.approx([0.375, -0.375, 1.0, -1.0])
+    # group 1 is the aborted episode and the failed one: the failure is not a sample of the
+    # policy, so the aborted episode is alone in its group (advantage 0)
+    assert td["advantage"].tolist() == pytest.approx([0.375, -0.375, 0.0, 0.0])
+    assert td["loss_mask"][:3].any(dim=1).all() and not td["loss_mask"][3].any()
+    rloo = episode.assign_advantages(episode.pack(episodes()), "rloo")  # one episode left: 0, not an error
+    assert rloo["advantage"][2:].tolist() == [0.0, 0.0] and rloo["advantage"][0] > 0
 
 
 def test_staleness_per_token_and_sequence():

@@ -12,7 +12,8 @@ as one continuously batched stream. Each episode sticks to one generator replica
 prefix cache stays warm) and keeps its env instance in this process: the worker procs are
 the env pool (`rollout.workers`). Failures stay small:
 - an env that raises or exceeds `rollout.env_timeout_s` fails its episode (reward 0,
-  finish_reason `failed`, counted in `episode/failed`); the group still trains;
+  finish_reason `failed`, counted in `episode/failed`): it leaves the loss and its group's
+  statistics, and the rest of its group still trains;
 - a generator call that fails (a dead replica) re-queues the whole group, which is played
   again from its start: no episode is lost or trained twice;
 - a dead worker proc is replaced by the controller, and the queue re-queues its groups.
@@ -242,7 +243,7 @@ class RolloutWorker:
         group = assign_advantages(pack(episodes), self.config.trainer.loss.advantage)
         if self._stopping:
             return
-        if not await asyncio.wait_for(awaited(queue.put.call_one(claim.group_id, group)), 120):
+        if not await asyncio.wait_for(awaited(queue.put.call_one(claim.group_id, group, claim.token)), 120):
             return  # re-queued meanwhile (this worker was presumed dead), or too stale: not ours to count
         for ep in episodes:
             failed = ep.finish_reason == "failed"
