@@ -13,6 +13,7 @@ and the noise is the spread of those paired gaps: an async run's reward curve va
 run to run with its timing, so one pair of runs cannot tell a gap from noise.
 
     python benchmarks/async_vs_sync.py [--steps 24] [--lr 2e-4] [--max-new-tokens 48] [--seeds 3]
+    python benchmarks/async_vs_sync.py --task calc --set rollout.tool_parser=compact ...   # multi-turn (run_all: multi_turn)
 
 Prints a table, writes benchmarks/results/async_vs_sync.json and .png.
 """
@@ -54,7 +55,7 @@ def fast_bf16() -> bool:
 MODE_CONFIGS = {"sync": "configs/sync.yaml", "async": "configs/default.yaml"}
 ROW_KEYS = ("time/step_s", "trainer/wait_s", "trainer/step_time_s", "trainer/idle_frac", "generator/idle_frac",
             "generator/tokens_per_s", "sync/publish_s", "sync/update_s", "sync/previous_update_s", "sync/previous_update_wait_s",
-            "reward/mean", "reward/success_rate", "scoring/samples", "trainer/reward_mean", "trainer/staleness_mean", "trainer/staleness_max",
+            "reward/mean", "reward/success_rate", "episode/count", "trainer/reward_mean", "trainer/staleness_mean", "trainer/staleness_max",
             "trainer/logprob_mismatch")
 
 
@@ -93,6 +94,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="generator.cpus (default: the second half; '' shares all cores)")
     p.add_argument("--async-batches-in-flight", type=int, default=2,
                    help="async only: generator.max_num_seqs = this many batches (sync decodes one batch at a time by construction)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="extra config override for every run (e.g. a multi-turn task's rollout.*)")
     p.add_argument("--sync-set", action="append", metavar="KEY=VALUE", help="extra config override for the sync run only")
     p.add_argument("--async-set", action="append", metavar="KEY=VALUE", help="extra config override for the async run only")
     p.add_argument("--reward-level", type=float, default=0.7,
@@ -122,7 +124,7 @@ def bench_config(mode: str, args: argparse.Namespace, run_dir: str):
         # batches too: vLLM's cost per decode step is mostly fixed on CPU, so decoding 128
         # sequences at once takes about 1.6x the time of 64 (measured), not 2x.
         overrides.append(f"generator.max_num_seqs={args.async_batches_in_flight * args.batch_groups * args.group_size}")
-    overrides += getattr(args, f"{mode}_set", None) or []
+    overrides += (getattr(args, "set", None) or []) + (getattr(args, f"{mode}_set", None) or [])
     return as_config(os.path.join(ROOT, MODE_CONFIGS[mode]), overrides)
 
 
@@ -137,12 +139,13 @@ def run_mode(mode: str, args: argparse.Namespace, run_dir: str) -> dict:
         session.start()
         startup = time.monotonic() - t0
         raw = session.step(args.steps)
-        hf_v0, tokenizer_dir = session.loop.initial_hf_dir, session.loop.tokenizer_dir
+        # the version-0 policy the run exported for its generators (RUN_DIR/hf/v0)
+        hf_v0, tokenizer_dir = os.path.join(session.run_dir, "hf", "v0"), session.loop.tokenizer_dir
     finally:
         session.stop()
     rows, samples = [], 0.0
     for r in raw:
-        samples += r.get("scoring/samples", 0.0)
+        samples += r.get("episode/count", 0.0)  # episodes finished (scored) since the last step
         row = {"step": int(r["version"]), "samples": samples, **{k: float(r[k]) for k in ROW_KEYS if k in r}}
         # The trained batch's own reward and mean version: in async mode the scorer's
         # reward/mean covers the samples scored since the last step, newer than the batch.
@@ -234,7 +237,8 @@ def summarize(rows: list[dict], batch: int, warmup: int) -> dict:
         "G_s": statistics.mean(gen_busy) if gen_busy else 0.0,
         "T_s": _mean(steady, "trainer/step_time_s") + _mean(steady, "sync/publish_s"),
         "trainer_wait_s": _mean(steady, "trainer/wait_s"),
-        "update_s": _median(steady, "sync/update_s"),
+        # the generators' weight update: runs in the background of the next step, reported there
+        "update_s": _median(steady, "sync/update_s") or _median(steady, "sync/previous_update_s"),
         "staleness_mean": _mean(steady, "trainer/staleness_mean"),
         # mean |log mu - log pi| per trained token: the sampler/trainer numerics in sync mode,
         # plus the policy's drift over the batch's staleness in async mode

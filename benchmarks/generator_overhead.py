@@ -1,12 +1,15 @@
-"""Generator overhead: the GeneratorActor on a Monarch mesh vs plain vLLM `LLM.generate`.
+"""Generator overhead: the generation service (GeneratorActor on a Monarch mesh) vs plain vLLM `LLM.generate`.
 
 Same checkpoint, prompts and engine settings in one run (engines run one after the other:
 the machine has 2 cores). Measures decode throughput of
   1. vLLM `LLM.generate` (n = group_size, one call for all prompts),
-  2. the actor's one-shot `generate` endpoint (one vLLM request per sample),
-  3. the actor's continuous loop (prompt source actor -> generator -> sink actor),
+  2. the service from this process: one concurrent `generate` call per sample, all at once
+     (one vLLM request each, batched by vLLM),
+  3. the service from a stand-in rollout worker on a proc of its own, which keeps
+     max_num_seqs calls in flight and sends the next as soon as one returns (the
+     continuous path: a worker's model turns to a replica),
 and how long generation is held by a weight update in each mode (keep, abort, drain,
-block) while the continuous loop runs. Prints a table and writes JSON.
+block) while requests flow. Prints a table and writes JSON.
 
     python benchmarks/generator_overhead.py [--out benchmarks/results/generator_overhead.json]
 """
@@ -14,6 +17,7 @@ block) while the continuous loop runs. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -22,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-GROUPS, GROUP_SIZE, NEW_TOKENS, PROMPT_LEN = 24, 4, 128, 16
+GROUPS, GROUP_SIZE, NEW_TOKENS, PROMPT_LEN, MAX_NUM_SEQS = 24, 4, 128, 16, 64
 
 
 def build_checkpoint(root: str) -> str:
@@ -31,10 +35,15 @@ def build_checkpoint(root: str) -> str:
     return save_checkpoint(tiny_qwen3(0), os.path.join(root, "ckpt"))
 
 
-def make_prompts(first_group: int = 0):
+def make_prompts(seed: int = 0) -> list[list[int]]:
     from tests.test_generator import prompts
 
-    return prompts(GROUPS, first_group=first_group, length=PROMPT_LEN)
+    return prompts(GROUPS, seed=seed, length=PROMPT_LEN)
+
+
+def make_requests(seed: int = 0) -> list[list[int]]:
+    """One request per sample: each prompt GROUP_SIZE times (the service takes n = 1 calls)."""
+    return [p for p in make_prompts(seed) for _ in range(GROUP_SIZE)]
 
 
 def bench_plain_vllm(ckpt: str) -> dict:
@@ -45,12 +54,12 @@ def bench_plain_vllm(ckpt: str) -> dict:
     from vllm.inputs import TokensPrompt
 
     t0 = time.monotonic()
-    llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_num_seqs=64,
+    llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_num_seqs=MAX_NUM_SEQS,
               max_model_len=256, seed=0, logprobs_mode="processed_logprobs")
     startup = time.monotonic() - t0
     try:
         sp = SamplingParams(n=GROUP_SIZE, temperature=1.0, max_tokens=NEW_TOKENS, logprobs=0, stop_token_ids=[2])
-        reqs = [TokensPrompt(prompt_token_ids=p.prompt_ids) for p in make_prompts(1000)]
+        reqs = [TokensPrompt(prompt_token_ids=p) for p in make_prompts(1000)]
         llm.generate(reqs[:2], sp, use_tqdm=False)  # warm-up
         t0 = time.monotonic()
         outs = llm.generate(reqs, sp, use_tqdm=False)
@@ -62,16 +71,38 @@ def bench_plain_vllm(ckpt: str) -> dict:
     return {"startup_s": startup, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
 
 
+async def _generate_all(gen, requests: list[list[int]]) -> list:
+    from meshrl.compat import awaited
+
+    return await asyncio.gather(*(awaited(gen.generate.call_one(ids)) for ids in requests))
+
+
+async def _update_while_generating(gen, requests: list[list[int]], version: int, weights, mode: str) -> dict:
+    """Send every request; once about a quarter of their tokens are out (mid-completion),
+    apply `weights` as `version` in `mode`; wait for all of them."""
+    from meshrl.compat import awaited
+
+    before = (await gen.stats.call_one())["tokens_generated"]
+    calls = [asyncio.ensure_future(awaited(gen.generate.call_one(ids))) for ids in requests]
+    while (await gen.stats.call_one())["tokens_generated"] - before < len(requests) * NEW_TOKENS // 4:
+        await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    held = await gen.load_weights.call_one(version, weights, mode)
+    call = time.monotonic() - t0
+    results = await asyncio.wait_for(asyncio.gather(*calls), 300)
+    return {"held_s": held, "call_s": call, "completions_spanning_versions": sum(len(set(r.versions)) > 1 for r in results)}
+
+
 def bench_actor(ckpt: str) -> dict:
     from monarch.actor import this_host
 
     from meshrl.config import Config
-    from meshrl.generator.actor import GeneratorActor
-    from tests.test_generator import CompletionSink, PromptSource, tiny_qwen3
+    from tests.conftest import GeneratorTestActor  # GeneratorActor + load_weights (tensors in the message)
+    from tests.test_generator import RequestDriver, tiny_qwen3
 
     config = Config.from_dict({
         "model": {"max_seq_len": 256, "dtype": "float32"},
-        "generator": {"group_size": GROUP_SIZE, "max_new_tokens": NEW_TOKENS, "temperature": 1.0, "max_num_seqs": 64},
+        "generator": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "max_num_seqs": MAX_NUM_SEQS},
     })
     weights = tiny_qwen3(0).state_dict()
     procs = this_host().spawn_procs(per_host={"procs": 1})
@@ -79,52 +110,34 @@ def bench_actor(ckpt: str) -> dict:
     gen = None
     out: dict = {}
     try:
-        gen = procs.spawn("generator", GeneratorActor)
+        gen = procs.spawn("generator", GeneratorTestActor)
         out["startup_s"] = gen.setup.call_one(config.to_dict(), ckpt, 0).get(timeout=300)["startup_s"]
-        gen.generate.call_one(make_prompts(2000)[:2]).get(timeout=120)  # warm-up
-        t0 = time.monotonic()
-        completions = gen.generate.call_one(make_prompts(1000)).get(timeout=300)
-        wall = time.monotonic() - t0
-        tokens = sum(len(c.response_ids) for c in completions)
-        out["one_shot"] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+        asyncio.run(_generate_all(gen, make_requests(2000)[:2 * GROUP_SIZE]))  # warm-up
 
-        source = helpers.spawn("source", PromptSource)
-        sink = helpers.spawn("sink", CompletionSink)
-        # continuous loop, no updates
-        source.load.call_one(make_prompts(1000)).get(timeout=60)
+        # 2. every sample's call at once, from this process
+        requests = make_requests(1000)
         t0 = time.monotonic()
-        gen.start_generation.call_one(source, sink).get(timeout=60)
-        got = []
-        while len(got) < GROUPS:
-            got += sink.take.call_one().get(timeout=60)
-            time.sleep(0.01)
+        results = asyncio.run(_generate_all(gen, requests))
         wall = time.monotonic() - t0
-        stats = gen.stop_generation.call_one(10.0).get(timeout=60)
-        tokens = sum(len(c.response_ids) for g in got for c in g)
-        # the actor's own stats, cumulative since setup (warm-up, one-shot and this loop);
+        tokens = sum(len(r.token_ids) for r in results)
+        out["service"] = {"requests": len(requests), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+
+        # 3. from a stand-in rollout worker's proc, max_num_seqs calls in flight
+        driver = helpers.spawn("driver", RequestDriver)
+        driver.start.call_one(gen, requests, MAX_NUM_SEQS).get(timeout=60)
+        results, wall = driver.results.call_one(300).get(timeout=330)
+        stats = gen.stats.call_one().get(timeout=60)
+        tokens = sum(len(r.token_ids) for r in results)
+        # the actor's own stats, cumulative since setup (warm-up and both runs above);
         # busy = time with at least one vLLM request in flight
-        out["continuous"] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                             "actor_stats": {k: stats[k] for k in ("tokens_generated", "busy_s", "idle_s", "tokens_per_s")}}
+        out["service_from_worker"] = {"requests": len(requests), "in_flight": MAX_NUM_SEQS, "tokens": tokens, "wall_s": wall,
+                                      "tokens_per_s": tokens / wall,
+                                      "actor_stats": {k: stats[k] for k in ("tokens_generated", "busy_s", "idle_s", "tokens_per_s")}}
 
-        # one update per mode while the loop runs (same weights: the cost, not the effect)
+        # one update per mode while requests flow (same weights: the cost, not the effect)
         pauses = {}
         for i, mode in enumerate(("keep", "abort", "drain", "block")):
-            source.load.call_one(make_prompts(3000 + 100 * i)).get(timeout=60)
-            before = gen.stats.call_one().get(timeout=60)["tokens_generated"]
-            gen.start_generation.call_one(source, sink).get(timeout=60)
-            # update once about a quarter of this round's tokens are out: mid-completion
-            while gen.stats.call_one().get(timeout=60)["tokens_generated"] - before < GROUPS * GROUP_SIZE * NEW_TOKENS // 4:
-                time.sleep(0.01)
-            t0 = time.monotonic()
-            held = gen.load_weights.call_one(i + 1, weights, mode).get(timeout=120)
-            call = time.monotonic() - t0
-            got = []
-            while len(got) < GROUPS:
-                got += sink.take.call_one().get(timeout=60)
-                time.sleep(0.01)
-            gen.stop_generation.call_one(10.0).get(timeout=60)
-            spans = sum(len(set(c.versions)) > 1 for g in got for c in g)
-            pauses[mode] = {"held_s": held, "call_s": call, "completions_spanning_versions": spans}
+            pauses[mode] = asyncio.run(_update_while_generating(gen, make_requests(3000 + 100 * i), i + 1, weights, mode))
         out["update_pauses"] = pauses
     finally:
         if gen is not None:
@@ -145,19 +158,21 @@ def main() -> None:
         actor = bench_actor(ckpt)
     result = {
         "setup": {"groups": GROUPS, "group_size": GROUP_SIZE, "new_tokens": NEW_TOKENS, "prompt_len": PROMPT_LEN,
-                  "model": "random Qwen3, hidden 64, 2 layers, vocab 128, float32", "cpus": os.cpu_count()},
+                  "max_num_seqs": MAX_NUM_SEQS, "model": "random Qwen3, hidden 64, 2 layers, vocab 128, float32",
+                  "cpus": os.cpu_count()},
         "plain_vllm": plain,
         "actor": actor,
-        "overhead_one_shot": 1 - actor["one_shot"]["tokens_per_s"] / plain["tokens_per_s"],
-        "overhead_continuous": 1 - actor["continuous"]["tokens_per_s"] / plain["tokens_per_s"],
+        "overhead_service": 1 - actor["service"]["tokens_per_s"] / plain["tokens_per_s"],
+        "overhead_service_from_worker": 1 - actor["service_from_worker"]["tokens_per_s"] / plain["tokens_per_s"],
         "total_s": time.monotonic() - t_start,
     }
     rows = [("plain vLLM LLM.generate", plain["tokens_per_s"], plain["wall_s"]),
-            ("GeneratorActor.generate (one-shot)", actor["one_shot"]["tokens_per_s"], actor["one_shot"]["wall_s"]),
-            ("GeneratorActor continuous loop", actor["continuous"]["tokens_per_s"], actor["continuous"]["wall_s"])]
-    print(f"\n{'path':<38}{'tok/s':>10}{'wall s':>10}")
+            ("service, all calls at once", actor["service"]["tokens_per_s"], actor["service"]["wall_s"]),
+            (f"service from a worker proc, {MAX_NUM_SEQS} in flight", actor["service_from_worker"]["tokens_per_s"],
+             actor["service_from_worker"]["wall_s"])]
+    print(f"\n{'path':<44}{'tok/s':>10}{'wall s':>10}")
     for name, tps, wall in rows:
-        print(f"{name:<38}{tps:>10.0f}{wall:>10.2f}")
+        print(f"{name:<44}{tps:>10.0f}{wall:>10.2f}")
     print(f"\n{'update mode':<12}{'held s':>10}{'call s':>10}{'spanning':>10}")
     for mode, p in actor["update_pauses"].items():
         print(f"{mode:<12}{p['held_s']:>10.3f}{p['call_s']:>10.3f}{p['completions_spanning_versions']:>10}")

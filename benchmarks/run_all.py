@@ -33,6 +33,11 @@ BENCHMARKS = [
     ("async_vs_sync", ["async_vs_sync.py"], 900),
     ("trl_peer", ["trl_peer.py", "--meshrl-json", os.path.join(RESULTS, "async_vs_sync.json")], 600),
     ("scaling_model", ["scaling_model.py"], 120),
+    # multi-turn episodes (configs/tool-use.yaml's task and model): a tool call, then an answer
+    ("multi_turn", ["async_vs_sync.py", "--task", "calc", "--set", "rollout.tool_parser=compact", "--set", "rollout.max_turns=3",
+                    "--max-new-tokens", "6", "--lr", "5e-3", "--steps", "60", "--seeds", "2", "--no-compile", "--dtype", "float32",
+                    "--reward-level", "0.4", "--model", "dim=64", "--model", "n_layers=2", "--model", "n_heads=2",
+                    "--model", "n_kv_heads=1", "--model", "ffn_dim=128", "--out", os.path.join(RESULTS, "multi_turn.json")], 900),
 ]
 
 

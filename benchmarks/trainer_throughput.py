@@ -19,22 +19,24 @@ import time
 import torch
 
 from meshrl.config import Config
-from meshrl.rollout import Completion, assign_advantages, from_completions, pack_for_trainer
+from meshrl.episode import Episode, Turn, assign_advantages, pack
 from meshrl.trainer.actor import PolicyTrainer, spawn_trainer
 
 MODEL = {"family": "qwen3", "dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 768, "vocab_size": 128}
 
 
 def make_batch(groups: int, group_size: int, prompt_len: int, response_len: int, seed: int):
+    """A rollout batch of single-turn episodes (prompt, then one model turn of version 0)."""
     rng = random.Random(seed)
-    comps = []
+    episodes = []
     for g in range(groups):
         prompt = [1] + [rng.randrange(3, 100) for _ in range(prompt_len - 1)]
         for k in range(group_size):
             resp = [rng.randrange(3, 100) for _ in range(response_len)]
-            comps.append(Completion(prompt, resp, [-2.0] * response_len, [0] * response_len, "length", g,
-                                    g * group_size + k, reward=rng.random()))
-    return assign_advantages(from_completions(comps), "grpo")
+            turns = [Turn("env", list(prompt)),
+                     Turn("model", resp, [-2.0] * response_len, [0] * response_len, reward=rng.random(), finish_reason="length")]
+            episodes.append(Episode(g, g * group_size + k, turns, finish_reason="length"))
+    return assign_advantages(pack(episodes), "grpo")
 
 
 def summarize(name: str, times: list[float], tokens: int) -> dict:
@@ -77,7 +79,7 @@ def main() -> None:
     p.add_argument("--response-len", type=int, default=48)
     args = p.parse_args()
     batches = [make_batch(args.groups, args.group_size, args.prompt_len, args.response_len, s) for s in range(args.steps + 1)]
-    tokens = int(pack_for_trainer(batches[0])["loss_mask"].sum())
+    tokens = int(batches[0]["loss_mask"].sum())
     base = {"model": MODEL, "trainer": {"micro_batch_size": 16, "lr": 1e-4}}
     single_cfg = Config.from_dict({**base, "trainer": {**base["trainer"], "procs": 1}})
     mesh_cfg = Config.from_dict({**base, "trainer": {**base["trainer"], "procs": args.procs}})

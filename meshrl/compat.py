@@ -19,6 +19,37 @@ async def awaited(future):
     return await future
 
 
+def endpoint_for_callers_that_may_die(method):
+    """A concurrent endpoint whose answer is dropped, with a warning, when its caller is gone.
+
+    Monarch hands an undeliverable reply back to the actor that sent it and fails that
+    actor (the documented `_handle_undeliverable_message` hook is never called for endpoint
+    replies in 0.7). A generator replica and the episode queue answer many rollout workers;
+    one worker that dies, is replaced, or is stopped before them at shutdown would take the
+    replica and its engine, or the whole queue, down with it. So the endpoint answers on an
+    explicit port that does not return undeliverable messages. Callers see a plain endpoint:
+    `actor.method.call_one(*args) -> result`, errors as ActorError.
+    """
+    import logging
+
+    from monarch.actor import ActorError, concurrent_endpoint
+
+    async def answer(self, port, *args, **kwargs) -> None:
+        port.return_undeliverable = False
+        try:
+            try:
+                result = await method(self, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - the caller's error, as a plain endpoint sends it
+                port.exception(ActorError(e, f"Actor call {method.__qualname__} failed."))
+                return
+            port.send(result)
+        except Exception as e:  # noqa: BLE001 - raising here would fail the actor
+            logging.getLogger("meshrl").warning("%s: could not answer a call (%s: %s)", method.__qualname__, type(e).__name__, str(e)[:200])
+
+    answer.__name__, answer.__qualname__, answer.__doc__ = method.__name__, method.__qualname__, method.__doc__
+    return concurrent_endpoint(explicit_response_port=True)(answer)
+
+
 # ---- TorchTitan on CPU ----
 def titan_use_sdpa_attention(model_config) -> None:
     """Swap every layer's inner attention config for TorchTitan's causal SDPA (in place).

@@ -41,6 +41,7 @@ from monarch.actor import Actor, concurrent_endpoint
 from tensordict import TensorDict
 
 from meshrl import episode
+from meshrl.compat import endpoint_for_callers_that_may_die
 from meshrl.config import Config
 from meshrl.data import PromptNode
 
@@ -315,16 +316,17 @@ def _check_one_group(group: TensorDict, group_id: int) -> None:
 
 class EpisodeQueueActor(Actor):
     """Serves an EpisodeQueue. Every endpoint is concurrent and blocking waits run off the
-    event loop, so a worker waiting for admission never holds up the trainer's sample."""
+    event loop, so a worker waiting for admission never holds up the trainer's sample; the
+    workers' endpoints outlive a worker that dies while its call is answered."""
 
     def __init__(self, config: dict):
         self.queue = EpisodeQueue(Config.from_dict(config))
 
-    @concurrent_endpoint
+    @endpoint_for_callers_that_may_die
     async def claim(self, worker: int, timeout: float) -> Claim | None:
         return await asyncio.to_thread(self.queue.claim, worker, timeout)
 
-    @concurrent_endpoint
+    @endpoint_for_callers_that_may_die
     async def put(self, group_id: int, group: TensorDict, token: int | None = None) -> bool:
         return self.queue.put(group_id, group, token)
 

@@ -124,3 +124,73 @@ def make_group(gid: int, n: int, versions: list[int], prompt_len: int = 3, advan
         for i in range(n)
     ]
     return assign_advantages(pack(episodes), advantage)
+
+
+# ---- a trainer actor and mesh with test-only endpoints -----------------------------------------
+def _trainer_test_classes() -> dict:
+    """`TrainerActor` / `TrainerMesh` plus what only tests use: scoring a batch on the mesh,
+    full HF weights in the message (small models) and each rank's local parameter and
+    optimizer shards. Built on first use, like GeneratorTestActor; spawn them with
+    `spawn_trainer(..., actor_class=InspectableTrainerActor, mesh_class=InspectableTrainerMesh)`."""
+    import torch
+    from monarch.actor import endpoint
+    from tensordict import TensorDict
+
+    from meshrl.trainer.actor import TrainerActor, TrainerMesh
+
+    class InspectableTrainerActor(TrainerActor):
+        @endpoint
+        async def compute_logprobs(self, batch: TensorDict) -> tuple[list[int], torch.Tensor]:
+            return self._need().compute_logprobs(batch)
+
+        @endpoint
+        async def get_hf_state_dict(self, dtype: str | None = None) -> dict[str, torch.Tensor] | None:
+            """Full HF-named weights on rank 0 (None elsewhere). Small models only: bulk
+            transfer belongs to the weight-sync transport, which iterates `hf_state_dict()` in-proc."""
+            sd = dict(self._need().hf_state_dict(getattr(torch, dtype) if dtype else None))
+            return sd if self._need().rank == 0 else None
+
+        @endpoint
+        async def get_params(self) -> dict[str, torch.Tensor]:
+            """This rank's local shards of every parameter (tests compare them bit for bit)."""
+            from torch.distributed.tensor import DTensor
+
+            return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+                    for n, p in self._need().model.named_parameters()}
+
+        @endpoint
+        async def get_optimizer_state(self) -> dict:
+            """This rank's optimizer state with local tensors."""
+            from torch.distributed.tensor import DTensor
+
+            state = self._need().optimizer.state_dict()["state"]
+            return {k: {n: (v.to_local() if isinstance(v, DTensor) else v).clone() for n, v in s.items()} for k, s in state.items()}
+
+    class InspectableTrainerMesh(TrainerMesh):
+        async def compute_logprobs(self, batch: TensorDict) -> torch.Tensor:
+            """[B, T] log-probs of every model token under the current weights."""
+            out = torch.zeros(batch["tokens"].shape, dtype=torch.float32)
+            for rows, values in await self._all(self.actors.compute_logprobs, batch):
+                if rows:
+                    out[rows] = values
+            return out
+
+        async def hf_state_dict(self, dtype: str | None = None) -> dict[str, torch.Tensor]:
+            return (await self._all(self.actors.get_hf_state_dict, dtype))[0]
+
+    classes = {"InspectableTrainerActor": InspectableTrainerActor, "InspectableTrainerMesh": InspectableTrainerMesh}
+    for name, cls in classes.items():
+        cls.__module__, cls.__qualname__ = __name__, name
+    return classes
+
+
+_generator_getattr = __getattr__
+
+
+def __getattr__(name: str):  # noqa: F811 - extends the one above with the trainer classes
+    """`from tests.conftest import InspectableTrainerActor` (also how a spawned proc finds it)."""
+    if name in ("InspectableTrainerActor", "InspectableTrainerMesh"):
+        if name not in _TEST_ACTORS:
+            _TEST_ACTORS.update(_trainer_test_classes())
+        return _TEST_ACTORS[name]
+    return _generator_getattr(name)

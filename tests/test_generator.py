@@ -25,6 +25,7 @@ from monarch.actor import Actor, endpoint, this_host
 from meshrl.compat import awaited
 from meshrl.config import Config
 from meshrl.generator.engine import RequestResult
+from meshrl.rollout.env import StepResult
 from meshrl.tokenizer import build_char_tokenizer
 
 FORCED = 77  # the token id the "forced" weights make overwhelmingly likely
@@ -520,6 +521,30 @@ def test_pause_holds_generation_until_resume(world):
 
 
 @pytest.mark.slow
+def test_a_caller_gone_mid_request_does_not_fail_the_replica(world):
+    """A rollout worker's proc stops (it died, or was stopped first at shutdown) while its
+    requests run: their answers cannot be delivered, and the replica serves on."""
+    gen = world["gen"]
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        driver = procs.spawn("doomed_driver", RequestDriver)
+        before = gen.stats.call_one().get(timeout=CALL_S)["tokens_generated"]
+        # many short requests, a new one as each returns: answers are always on their way
+        driver.start.call_one(gen, prompts(2000, seed=900), 16, 4).get(timeout=CALL_S)
+        asyncio.run(wait_for_tokens(gen, before, FLOWING))
+    finally:
+        procs.stop().get(timeout=60)
+    deadline = time.monotonic() + 60
+    while gen.stats.call_one().get(timeout=CALL_S)["requests_in_flight"] > 0:
+        assert time.monotonic() < deadline, "the orphaned requests never finished"
+        time.sleep(0.05)
+    time.sleep(0.5)  # the last undeliverable answers come back
+    v = gen.version.call_one().get(timeout=CALL_S)
+    (out,) = generate_all(gen, prompts(1, seed=901), 8, 0.0)
+    assert out.finish_reason == "length" and out.versions == [v] * 8
+
+
+@pytest.mark.slow
 def test_tensor_update_equals_fresh_engine_from_checkpoint(world):
     gen = world["gen"]
     new_model = tiny_qwen3(1)
@@ -623,3 +648,66 @@ def test_weight_sync_update_equals_loading_the_tensors(world):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+class ThreeTurns:
+    """A user env of token ids: three model turns whatever they say, ENV_REPLY after each
+    of the first two."""
+
+    def reset(self, sample: dict) -> list[int]:
+        return sample["prompt"]
+
+    def step(self, turn) -> StepResult:
+        if turn.index < 2:
+            return StepResult(observation=list(ENV_REPLY), done=False)
+        return StepResult(reward=1.0, done=True)
+
+
+ENV_REPLY = (5, 6, 7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_multi_turn_episodes_spanning_an_update_carry_the_right_version_on_every_token(world, mode):
+    """Rollout workers' episodes (3 model turns, env turns between) against the replica while
+    its weights change mid-episode: every model token's version is the version of the
+    weights that produced it (the new weights sample FORCED with log-prob ~0), versions never
+    go back within an episode, and env tokens carry none."""
+    from meshrl.episode import PAD_VERSION, pack
+    from meshrl.queue import Claim
+    from meshrl.rollout.worker import RolloutWorker
+
+    gen = world["gen"]
+    forced = forced_state_dict(world["model"])
+    v0 = gen.version.call_one().get(timeout=CALL_S)
+    config = Config.from_dict({**make_config(max_new_tokens=50, group_size=2).to_dict(),
+                               "rollout": {"env": "tests.test_generator:ThreeTurns", "max_turns": 4}})
+    worker = RolloutWorker(config, world["ckpt"])
+    worker.set_generators([gen])
+    claims = [Claim(gid, {"prompt": ids}, v0) for gid, ids in enumerate(prompts(6, seed=700 + len(mode)))]
+
+    async def main():
+        before = (await gen.stats.call_one())["tokens_generated"]
+        groups = [asyncio.ensure_future(worker.play_group(c)) for c in claims]
+        await wait_for_tokens(gen, before, 2 * FLOWING, groups)
+        await asyncio.wait_for(awaited(gen.load_weights.call_one(v0 + 1, forced, mode)), CALL_S)
+        return await asyncio.wait_for(asyncio.gather(*groups), 2 * CALL_S)
+
+    episodes = [ep for group in asyncio.run(main()) for ep in group]
+    assert len(episodes) == 12 and all(ep.finish_reason == "length" and len(ep.model_turns) == 3 for ep in episodes)
+    turns_on_both, spanning = 0, 0
+    for ep in episodes:
+        versions = [v for t in ep.model_turns for v in t.versions]
+        assert versions == sorted(versions), "a version went back within an episode"
+        for turn in ep.model_turns:
+            assert len(turn.token_ids) == 50
+            switch = _check_switch(RequestResult(turn.token_ids, turn.logprobs, turn.versions, "length"), v0 + 1)
+            spanning += 0 < switch < 50
+        turns_on_both += len({t.versions[0] for t in ep.model_turns}) > 1
+        assert [tuple(t.token_ids) for t in ep.turns if t.role == "env"][1:] == [ENV_REPLY, ENV_REPLY]
+    assert turns_on_both >= 1, "the update should land between some episodes' turns"
+    assert spanning >= 1, "the update should land inside some turns"
+    td = pack(episodes)
+    env = ~td["loss_mask"] & (td["tokens"] != 0)
+    assert (td["versions"][env] == PAD_VERSION).all()
+    restore(world, v0 + 2)

@@ -22,6 +22,7 @@ from meshrl.trainer.actor import PolicyTrainer, micro_batch_count, rank_rows, sp
 from meshrl.trainer.logprobs import token_logprobs
 from meshrl.trainer.losses import CORRECTIONS, policy_loss
 from meshrl.trainer.model import build_model, model_args_from_hf
+from tests.conftest import InspectableTrainerActor, InspectableTrainerMesh
 
 CPU = torch.device("cpu")
 
@@ -56,6 +57,11 @@ def make_config(family: str = "qwen3", procs: int = 1, **trainer) -> Config:
 
 def run(loop, coro, timeout: float = 300):
     return loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+
+def spawn_inspectable(config: Config):
+    """A trainer mesh with the test-only endpoints (tests.conftest) on top of the production ones."""
+    return spawn_trainer(config, actor_class=InspectableTrainerActor, mesh_class=InspectableTrainerMesh)
 
 
 # ---- single process ----------------------------------------------------------------------
@@ -284,7 +290,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def dense_mesh(loop):
-    mesh = run(loop, spawn_trainer(make_config(procs=2)))
+    mesh = run(loop, spawn_inspectable(make_config(procs=2)))
     try:
         yield mesh
     finally:
@@ -360,7 +366,7 @@ def test_dcp_checkpoint_restores_bit_identical_state(loop, dense_mesh, tmp_path)
 @pytest.mark.slow
 def test_moe_trains_with_experts_split_across_ranks(loop):
     cfg = make_config("qwen3_moe", procs=2, ep=2)
-    mesh = run(loop, spawn_trainer(cfg))
+    mesh = run(loop, spawn_trainer(cfg))  # production actor: train_step and shard_info are its own
     try:
         info = run(loop, mesh.shard_info())
         assert [i["local_experts"] for i in info] == [2, 2] and info[0]["num_experts"] == 4

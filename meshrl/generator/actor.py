@@ -19,6 +19,7 @@ import time
 
 from monarch.actor import Actor, concurrent_endpoint, current_rank, endpoint
 
+from meshrl.compat import endpoint_for_callers_that_may_die
 from meshrl.config import Config
 from meshrl.generator.engine import RequestResult
 from meshrl.generator.service import Generator
@@ -62,11 +63,12 @@ class GeneratorActor(Actor):
         self.generator = generator
         return {"replica": replica, "startup_s": startup_s, "version": version, "processes": _process_tree()}
 
-    @concurrent_endpoint
+    @endpoint_for_callers_that_may_die
     async def generate(
         self, token_ids: list[int], max_new_tokens: int | None = None, temperature: float | None = None, min_version: int = 0
     ) -> RequestResult:
-        """One sample continuing `token_ids` (see Generator.generate)."""
+        """One sample continuing `token_ids` (see Generator.generate). Its caller, a rollout
+        worker, may be gone by the time it is answered: the answer is then dropped."""
         return await self._gen().generate(token_ids, max_new_tokens, temperature, min_version)
 
     @concurrent_endpoint

@@ -366,11 +366,8 @@ class TrainerActor(Actor):
 
     @endpoint
     async def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict:
+        """One step on a batch the controller sends (benchmarks; the RL loop uses `train_from_queue`)."""
         return self._need().train_step(batch, current_version)
-
-    @endpoint
-    async def compute_logprobs(self, batch: TensorDict) -> tuple[list[int], torch.Tensor]:
-        return self._need().compute_logprobs(batch)
 
     @endpoint
     async def export_hf(self, path: str) -> str:
@@ -383,29 +380,6 @@ class TrainerActor(Actor):
     @endpoint
     async def load_checkpoint(self, path: str) -> int:
         return self._need().load_checkpoint(path)
-
-    @endpoint
-    async def get_hf_state_dict(self, dtype: str | None = None) -> dict[str, torch.Tensor] | None:
-        """Full HF-named weights on rank 0 (None elsewhere). Small models / tests only: bulk
-        transfer belongs to the weight-sync transport, which iterates `hf_state_dict()` in-proc."""
-        sd = dict(self._need().hf_state_dict(getattr(torch, dtype) if dtype else None))
-        return sd if self._need().rank == 0 else None
-
-    @endpoint
-    async def get_params(self) -> dict[str, torch.Tensor]:
-        """This rank's local shards of every parameter (tests compare them bit for bit)."""
-        from torch.distributed.tensor import DTensor
-
-        return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
-                for n, p in self._need().model.named_parameters()}
-
-    @endpoint
-    async def get_optimizer_state(self) -> dict:
-        """This rank's optimizer state with local tensors (tests)."""
-        from torch.distributed.tensor import DTensor
-
-        state = self._need().optimizer.state_dict()["state"]
-        return {k: {n: (v.to_local() if isinstance(v, DTensor) else v).clone() for n, v in s.items()} for k, s in state.items()}
 
     @endpoint
     async def shard_info(self) -> dict:
@@ -447,14 +421,6 @@ class TrainerMesh:
     async def set_lr(self, lr: float) -> None:
         await self._all(self.actors.set_lr, lr)
 
-    async def compute_logprobs(self, batch: TensorDict) -> torch.Tensor:
-        """[B, T] log-probs of every model token under the current weights."""
-        out = torch.zeros(batch["tokens"].shape, dtype=torch.float32)
-        for rows, values in await self._all(self.actors.compute_logprobs, batch):
-            if rows:
-                out[rows] = values
-        return out
-
     async def export_hf(self, path: str) -> str:
         return (await self._all(self.actors.export_hf, path))[0]
 
@@ -464,9 +430,6 @@ class TrainerMesh:
     async def load_checkpoint(self, path: str) -> int:
         self.version = (await self._all(self.actors.load_checkpoint, path))[0]
         return self.version
-
-    async def hf_state_dict(self, dtype: str | None = None) -> dict[str, torch.Tensor]:
-        return (await self._all(self.actors.get_hf_state_dict, dtype))[0]
 
     async def shard_info(self) -> list[dict]:
         return await self._all(self.actors.shard_info)
@@ -479,12 +442,16 @@ class TrainerMesh:
         await asyncio.wait_for(self.procs.stop(), 60)
 
 
-async def spawn_trainer(config: Config, timeout_s: float = 600.0, host_mesh=None, hosts: int = 1) -> TrainerMesh:
+async def spawn_trainer(config: Config, timeout_s: float = 600.0, host_mesh=None, hosts: int = 1, *,
+                        actor_class: type[TrainerActor] = TrainerActor,
+                        mesh_class: type[TrainerMesh] = TrainerMesh) -> TrainerMesh:
     """Spawn the trainer procs, set up the elastic env, the actors and the sharded model.
 
     `host_mesh`: a Monarch host mesh from a launcher (default: this host) spanning `hosts`
     hosts; each gets `trainer.procs / hosts` procs. The caller owns the returned mesh:
-    `await mesh.stop()`.
+    `await mesh.stop()`. `actor_class` / `mesh_class`: subclasses to spawn and return
+    instead (tests add inspection endpoints this way; the procs must be able to import
+    `actor_class` by its module path).
     """
     from monarch.spmd import setup_torch_elastic_env_async
 
@@ -494,8 +461,8 @@ async def spawn_trainer(config: Config, timeout_s: float = 600.0, host_mesh=None
     procs = (host_mesh or this_host()).spawn_procs(per_host={"procs": n // hosts})
     try:
         await asyncio.wait_for(setup_torch_elastic_env_async(procs), 60)
-        actors = procs.spawn("trainer", TrainerActor)
-        mesh = TrainerMesh(procs, actors, n, timeout_s)
+        actors = procs.spawn("trainer", actor_class)
+        mesh = mesh_class(procs, actors, n, timeout_s)
         await mesh._all(actors.setup, config.to_dict(), timeout_s=timeout_s)
         return mesh
     except BaseException:
