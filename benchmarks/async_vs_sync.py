@@ -320,8 +320,22 @@ def _seconds(t: float | None) -> str:
 
 
 def machine() -> dict:
+    """The machine a result was measured on: CPUs differ (AMX or not), and so do the figures."""
     load = os.getloadavg()
-    return {"cpus": os.cpu_count(), "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"cpus": os.cpu_count(), "cpu_model": model, "cpu_flags": [f for f in wanted if f in flags],
+            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "loadavg_1_5_15": [round(x, 2) for x in load], "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

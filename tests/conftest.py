@@ -97,16 +97,7 @@ def _generator_test_actor():
 
     GeneratorTestActor.__module__ = __name__
     GeneratorTestActor.__qualname__ = "GeneratorTestActor"
-    return GeneratorTestActor
-
-
-def __getattr__(name: str):
-    """`from tests.conftest import GeneratorTestActor` (also how a spawned proc finds the class)."""
-    if name == "GeneratorTestActor":
-        if name not in _TEST_ACTORS:
-            _TEST_ACTORS[name] = _generator_test_actor()
-        return _TEST_ACTORS[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return {"GeneratorTestActor": GeneratorTestActor}
 
 
 # ---- hand-made episode groups -----------------------------------------------------------------
@@ -184,13 +175,18 @@ def _trainer_test_classes() -> dict:
     return classes
 
 
-_generator_getattr = __getattr__
+_TEST_CLASS_BUILDERS = {
+    "GeneratorTestActor": _generator_test_actor,
+    "InspectableTrainerActor": _trainer_test_classes,
+    "InspectableTrainerMesh": _trainer_test_classes,
+}
 
 
-def __getattr__(name: str):  # noqa: F811 - extends the one above with the trainer classes
-    """`from tests.conftest import InspectableTrainerActor` (also how a spawned proc finds it)."""
-    if name in ("InspectableTrainerActor", "InspectableTrainerMesh"):
-        if name not in _TEST_ACTORS:
-            _TEST_ACTORS.update(_trainer_test_classes())
-        return _TEST_ACTORS[name]
-    return _generator_getattr(name)
+def __getattr__(name: str):
+    """`from tests.conftest import GeneratorTestActor` (and the trainer's test classes): also
+    how a spawned proc finds the class, by its module path."""
+    if name not in _TEST_CLASS_BUILDERS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _TEST_ACTORS:
+        _TEST_ACTORS.update(_TEST_CLASS_BUILDERS[name]())
+    return _TEST_ACTORS[name]
