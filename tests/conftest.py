@@ -100,6 +100,23 @@ def _generator_test_actor():
     return {"GeneratorTestActor": GeneratorTestActor}
 
 
+# ---- weight sync ---------------------------------------------------------------------------------
+def fetched_into_shared_buffer(named):
+    """`named` (a list of (name, tensor)) as a subscriber's fetch leaves it: packed into a
+    shared-memory receive buffer and handed out as version 1. Returns (the ReceiveBuffers,
+    the flat buffer, the views)."""
+    from meshrl.weightsync import plan_layout
+    from meshrl.weightsync.buffers import ReceiveBuffers
+    from meshrl.weightsync.layout import pack
+
+    layout = plan_layout(named, 1 << 20)
+    bufs = ReceiveBuffers(shared_memory=True)
+    bufs.set_layout(layout)
+    flat = bufs.take()
+    pack(flat, layout, named)
+    return bufs, flat, bufs.hand_out(1, flat)
+
+
 # ---- hand-made episode groups -----------------------------------------------------------------
 def make_group(gid: int, n: int, versions: list[int], prompt_len: int = 3, advantage: str = "grpo_no_std"):
     """A packed group of `n` single-turn episodes (group id `gid`, sample ids gid * 100 + i):

@@ -248,7 +248,7 @@ def test_weight_sync_buffers_go_to_the_engine_in_place():
     """Tensors fetched by weight sync (views of a shared receive buffer) are described to the
     engine where they are; only tensors that need a cast (or live elsewhere) are copied."""
     from meshrl.generator.weight_loading import to_shared_memory, views_of_shared_memory
-    from tests.test_weightsync import fetched_into_shared_buffer
+    from tests.conftest import fetched_into_shared_buffer
 
     named = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)), ("c", torch.randn(2, 2).to(torch.bfloat16))]
     bufs, flat, fetched = fetched_into_shared_buffer(named)

@@ -26,6 +26,7 @@ from meshrl.config import WeightSyncConfig
 from meshrl.weightsync import Publisher, Subscriber, WeightSync, WeightSyncError, plan_layout
 from meshrl.weightsync.layout import allocate, pack, unpack
 from meshrl.weightsync.staging import StagingPool
+from tests.conftest import fetched_into_shared_buffer
 
 TRANSPORTS = ["rdma", "collective", "files"]
 
@@ -142,19 +143,6 @@ def test_staging_lease_on_a_version_being_copied_follows_the_copy():
             assert checksum(unpack(lease.slot.flat, layout)) == checksum(named)
         else:  # a publish that failed half way: its writer was told, nobody can lease it
             assert errors and pool.latest.version == 1 and pool.acquire(2) is None
-
-
-def fetched_into_shared_buffer(named: list[tuple[str, torch.Tensor]]):
-    """`named` as a subscriber's fetch leaves it: packed into a shared-memory receive buffer
-    and handed out as version 1. Returns (the ReceiveBuffers, the flat buffer, the views)."""
-    from meshrl.weightsync.buffers import ReceiveBuffers
-
-    layout = plan_layout(named, 1 << 20)
-    bufs = ReceiveBuffers(shared_memory=True)
-    bufs.set_layout(layout)
-    flat = bufs.take()
-    pack(flat, layout, named)
-    return bufs, flat, bufs.hand_out(1, flat)
 
 
 def test_receive_buffers_shared_memory_and_handout():
