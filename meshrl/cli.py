@@ -72,7 +72,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         return 1
     if result.metrics:
         last = result.metrics[-1]
-        print(f"meshrl: {len(result.metrics)} steps in {result.run_dir} (reward {last.get('reward/mean', float('nan')):.3f} at step {int(last['step'])})")
+        # the trained batch's reward: every step has one (a step may finish no new episode)
+        print(f"meshrl: {len(result.metrics)} steps in {result.run_dir} (reward {last['trainer/reward_mean']:.3f} at step {int(last['step'])})")
     return 0
 
 

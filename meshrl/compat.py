@@ -12,9 +12,10 @@ import torch
 async def awaited(future):
     """A Monarch future as a coroutine.
 
-    Monarch futures start only when awaited and are not asyncio awaitables of the kind
-    `asyncio.wait_for` / `gather` / `create_task` take, so a bounded or concurrent wait on
-    an endpoint call wraps it here first.
+    Monarch futures start only when awaited and are not coroutines: `asyncio.create_task`
+    and `ensure_future` refuse them, and a future handed to `wait_for` or `gather` before
+    it is awaited has not started its call. Wrapping it here makes a bounded or concurrent
+    wait on an endpoint call behave like any coroutine's.
     """
     return await future
 

@@ -18,8 +18,9 @@ The loop asks for one host mesh per role and spawns its proc meshes on it:
 
 Host plan (`plan_hosts`): one host holds every role. With more hosts, the trainer and the
 generators get disjoint hosts (trainer hosts = ceil(trainer.procs / gpus_per_host) when
-hosts have GPUs, else a share proportional to procs), and the coordinator (one proc: buffer,
-prompts, scorer) shares the first trainer host rather than taking a whole node.
+hosts have GPUs, else a share proportional to procs), and the coordinator (the episode
+queue's proc and the rollout workers, which host the envs) shares the first trainer host
+rather than taking a whole node.
 
 Procs on attached hosts outlive a controller that exits or crashes, so `Allocation.stop()`
 stops every proc mesh spawned through it, shuts the host meshes down and kills the job, on

@@ -136,6 +136,9 @@ class RLLoop:
         try:
             out = await self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s)
         except Exception as e:  # noqa: BLE001 - a dead trainer proc ends the run, resumably
+            if "rollouts are not arriving" in str(e):
+                raise TimeoutError(f"no batch for version {self.version} within buffer.get_timeout_s={c.buffer.get_timeout_s:.0f}s: "
+                                   "rollouts are not arriving; check the generators and envs") from e
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             has_ckpt = os.path.isfile(os.path.join(self.run_dir, "checkpoints", "latest"))
             how = f"resume from the last checkpoint with: meshrl run --resume {self.run_dir}" if has_ckpt else "no checkpoint was written yet"

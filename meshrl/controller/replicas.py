@@ -3,12 +3,13 @@
 Each generator replica and each rollout worker has its own proc mesh, so a crashed one is
 replaced alone while the run goes on. A killed replica proc leaves its vLLM engine
 processes orphaned and their shared-memory queues named in /dev/shm; `kill_leftovers`
-removes both, on every path that ends a replica.
+removes both whenever a started replica is stopped or replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import socket
@@ -21,6 +22,8 @@ from meshrl.generator.actor import GeneratorActor
 from meshrl.rollout.worker import RolloutWorkerActor, summarize
 
 log = logging.getLogger("meshrl")
+WORKER_ID_STRIDE = 1 << 20
+"""Worker ids in the queue are index + stride * incarnation."""
 
 
 def _running(pid: int, started: float):
@@ -58,6 +61,8 @@ class Member:
     """(pid, start time): the member's proc first, then (replicas) its vLLM engine processes."""
     last_stats: dict = field(default_factory=dict)
     last_stats_at: float | None = None
+    ident: int = -1
+    """Workers: the id the episode queue knows this one by."""
 
     def on_this_host(self) -> bool:
         return self.host == socket.gethostname()
@@ -142,7 +147,10 @@ class GeneratorPool:
             try:
                 await asyncio.wait_for(awaited(r.actor.sync_weights.call_one(version)), timeout)
             except Exception as e:  # noqa: BLE001 - a dead replica is replaced, the run goes on
-                await self.replace(r, e, version)
+                try:
+                    await self.replace(r, e, version)
+                except Exception as failed:  # noqa: BLE001 - the next health check tries again
+                    log.warning("generator replica %d could not be replaced yet: %s", r.index, str(failed)[:200])
 
         await asyncio.gather(*(one(r) for r in list(self.replicas)))
 
@@ -176,18 +184,21 @@ class GeneratorPool:
         if n < 1:
             raise ValueError(f"need at least 1 generator replica, got {n}")
         async with self._lock:
-            while len(self.replicas) > n:
-                gone = self.replicas.pop()
-                try:
-                    await asyncio.wait_for(awaited(gone.actor.shutdown_engine.call_one()), 60)
-                finally:
-                    await gone.stop()
             added = []
-            while len(self.replicas) < n:
-                fresh = await self.spawn(max((r.index for r in self.replicas), default=-1) + 1)
-                self.replicas.append(fresh)
-                added.append(fresh)
-            await self.on_change()
+            try:
+                while len(self.replicas) > n:
+                    gone = self.replicas.pop()
+                    try:
+                        await asyncio.wait_for(awaited(gone.actor.shutdown_engine.call_one()), 60)
+                    except Exception as e:  # noqa: BLE001 - it is stopped below either way
+                        log.warning("generator replica %d did not shut down cleanly: %s", gone.index, str(e)[:200])
+                    await gone.stop()
+                while len(self.replicas) < n:
+                    fresh = await self.spawn(max((r.index for r in self.replicas), default=-1) + 1)
+                    self.replicas.append(fresh)
+                    added.append(fresh)
+            finally:
+                await self.on_change()  # the workers never keep a stopped replica
             for r in added:
                 await asyncio.wait_for(awaited(r.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
 
@@ -222,18 +233,22 @@ class WorkerPool:
         self.config, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn = config, alloc, tokenizer_dir, queue, reward_fn
         self.workers: list[Member] = []
         self.replaced = 0
+        self._incarnations = itertools.count()
 
     async def spawn(self, index: int, generators: list) -> Member:
+        # Every worker the run starts has its own id in the queue's ledger: a claim granted to
+        # a dead worker after its groups were re-queued is never mistaken for its replacement's.
+        ident = index + WORKER_ID_STRIDE * next(self._incarnations)
         procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1})
-        actor = procs.spawn(f"rollout{index}", RolloutWorkerActor, self.config.to_dict(), self.tokenizer_dir, index, self.reward_fn)
+        actor = procs.spawn(f"rollout{index}", RolloutWorkerActor, self.config.to_dict(), self.tokenizer_dir, ident, self.reward_fn)
         try:
-            pid = await asyncio.wait_for(awaited(actor.start.call_one(self.queue, generators)), 300)
+            where = await asyncio.wait_for(awaited(actor.start.call_one(self.queue, generators)), 300)
         except BaseException:
             await asyncio.wait_for(procs.stop(), 60)
             raise
-        import psutil
-
-        return Member(index, procs, actor, socket.gethostname(), [(pid, psutil.Process(pid).create_time())])
+        member = Member(index, procs, actor, where["host"], where["pids"])
+        member.ident = ident
+        return member
 
     async def start(self, generators: list) -> None:
         for i in range(self.config.rollout.workers):
@@ -243,13 +258,21 @@ class WorkerPool:
         await asyncio.gather(*(asyncio.wait_for(awaited(w.actor.set_generators.call_one(generators)), 60) for w in self.workers))
 
     async def check(self, generators: list) -> None:
-        """Replace a worker whose proc is gone; the queue hands its groups out again."""
+        """Replace a worker whose proc is gone (checked by pid on this host, asked elsewhere);
+        the queue hands its groups out again."""
         for w in list(self.workers):
-            if w.alive():
-                continue
+            if w.on_this_host():
+                if w.alive():
+                    continue
+            else:
+                try:
+                    await asyncio.wait_for(awaited(w.actor.metrics.call_one()), 30)
+                    continue
+                except Exception:  # noqa: BLE001 - gone: replaced below
+                    pass
             log.warning("rollout worker %d died; replacing it", w.index)
             await w.stop()
-            requeued = await awaited(self.queue.requeue.call_one(w.index))
+            requeued = await asyncio.wait_for(awaited(self.queue.requeue.call_one(w.ident)), 60)
             self.workers[self.workers.index(w)] = await self.spawn(w.index, generators)
             self.replaced += 1
             log.warning("rollout worker %d replaced; %d groups re-queued", w.index, requeued)

@@ -179,7 +179,9 @@ class Generator:
             self._open.clear()  # no new requests (or resumed prefixes) until the new version
             t0 = time.monotonic()
             try:
-                if mode in ("keep", "abort"):
+                if self._user_paused:
+                    pass  # frozen by the user (keep-pause): nothing runs, and a drain would wait forever
+                elif mode in ("keep", "abort"):
                     await self.engine.pause(mode)
                 else:
                     # Our own drain (the gate is closed, so nothing new is submitted): every

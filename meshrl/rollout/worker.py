@@ -76,7 +76,8 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.make_env = env_factory(config, reward_fn)
         self.generators: list = []
-        self._load: list[int] = []  # requests in flight per generator, for least-loaded choice
+        self._load: list[int] = []  # groups playing on each replica, for the least-loaded choice
+        self._failed: set[int] = set()  # replicas whose calls failed, skipped until the next set_generators
         self._renderers: dict[str, ChatRenderer] = {}
         self._task: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
@@ -90,26 +91,26 @@ class RolloutWorker:
     def set_generators(self, generators: list) -> None:
         """The replicas to send model turns to (after a replacement or a rescale)."""
         self.generators = list(generators)
-        self._load = [0] * len(self.generators)
+        self._load = (self._load + [0] * len(self.generators))[:len(self.generators)]
+        self._failed = set()
 
     def _pick(self) -> int:
+        """The least-loaded replica, preferring those whose calls have not failed: a dead
+        replica answers at once, and would otherwise draw every new group until replaced."""
         if not self.generators:
             raise GenerationFailed("no generator replica")
-        return min(range(len(self.generators)), key=self._load.__getitem__)
+        healthy = [i for i in range(len(self.generators)) if i not in self._failed] or list(range(len(self.generators)))
+        return min(healthy, key=self._load.__getitem__)
 
     async def _generate(self, replica: int, ids: list[int], budget: int, version: int):
         if replica >= len(self.generators):
             raise GenerationFailed("its generator replica was removed")
-        gen = self.generators[replica]
-        self._load[replica] += 1
         try:
             timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
-            return await asyncio.wait_for(awaited(gen.generate.call_one(ids, budget, None, version)), timeout)
+            return await asyncio.wait_for(awaited(self.generators[replica].generate.call_one(ids, budget, None, version)), timeout)
         except Exception as e:  # noqa: BLE001 - any failure of the call: the group is played again
+            self._failed.add(replica)
             raise GenerationFailed(f"generator replica {replica}: {type(e).__name__}: {str(e).strip()[:200]}") from e
-        finally:
-            if replica < len(self._load) and self.generators and gen is self.generators[replica]:
-                self._load[replica] -= 1
 
     def _renderer(self, env: Env) -> ChatRenderer:
         tools = getattr(env, "tools_schema", None) or None
@@ -181,6 +182,7 @@ class RolloutWorker:
     async def play_group(self, claim) -> list[Episode]:
         n = self.config.generator.group_size
         replica = self._pick()
+        self._load[replica] += 1
         tasks = [asyncio.ensure_future(self.play_episode(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replica))
                  for i in range(n)]
         try:
@@ -192,6 +194,9 @@ class RolloutWorker:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        finally:
+            if replica < len(self._load):
+                self._load[replica] = max(0, self._load[replica] - 1)
 
     # ---- the loop ------------------------------------------------------------------------------
     def start(self, queue) -> None:
@@ -210,40 +215,46 @@ class RolloutWorker:
 
     async def _run(self, queue) -> None:
         free = asyncio.Semaphore(self.slots())
-        try:
-            while not self._stopping:
-                await free.acquire()
-                try:
-                    claim = await asyncio.wait_for(awaited(queue.claim.call_one(self.worker, CLAIM_POLL_S)), CLAIM_POLL_S + 60)
-                except Exception:
-                    free.release()
-                    raise
-                if claim is None:
-                    free.release()
-                    continue
-                task = asyncio.create_task(self._deliver(queue, claim))
-                self._groups.add(task)
-                task.add_done_callback(lambda t: (self._groups.discard(t), free.release()))
-        except Exception as e:  # noqa: BLE001 - a lost queue ends the loop; stats() reports it
-            if not self._stopping:
+        while not self._stopping:
+            await free.acquire()
+            try:
+                claim = await asyncio.wait_for(awaited(queue.claim.call_one(self.worker, CLAIM_POLL_S)), CLAIM_POLL_S + 60)
+            except Exception as e:  # noqa: BLE001 - a slow or failed claim is asked again; a closed queue ends the loop
+                free.release()
+                if self._stopping or "episode queue closed" in str(e):
+                    return
                 self.error = f"{type(e).__name__}: {str(e)[:300]}"
-                log.warning("rollout worker %d stopped: %s", self.worker, self.error)
+                log.warning("rollout worker %d: a claim failed (%s); asking again", self.worker, self.error)
+                await asyncio.sleep(RETRY_AFTER_S)
+                continue
+            if claim is None:
+                free.release()
+                continue
+            task = asyncio.create_task(self._deliver(queue, claim))
+            self._groups.add(task)
+            task.add_done_callback(lambda t: (self._groups.discard(t), free.release()))
 
     async def _deliver(self, queue, claim) -> None:
+        """Play the claimed group and put it; on any failure hand it back to the queue, so it
+        never stays RUNNING under a worker that is alive but gave it up."""
         try:
             episodes = await self.play_group(claim)
-        except GenerationFailed as e:
+            group = assign_advantages(pack(episodes), self.config.trainer.loss.advantage)
+            if self._stopping:
+                return
+            accepted = await asyncio.wait_for(awaited(queue.put.call_one(claim.group_id, group, claim.token)), 120)
+        except Exception as e:  # noqa: BLE001 - a failed generator call, put or packing: played again
             if self._stopping:
                 return
             log.warning("group %d re-queued: %s", claim.group_id, e)
             self.requeued_total += 1
-            await awaited(queue.requeue.call_one(None, [claim.group_id]))
+            try:
+                await asyncio.wait_for(awaited(queue.requeue.call_one(None, [claim.group_id])), 60)
+            except Exception as lost:  # noqa: BLE001 - the controller re-queues it with this worker
+                log.warning("group %d could not be re-queued: %s", claim.group_id, lost)
             await asyncio.sleep(RETRY_AFTER_S)
             return
-        group = assign_advantages(pack(episodes), self.config.trainer.loss.advantage)
-        if self._stopping:
-            return
-        if not await asyncio.wait_for(awaited(queue.put.call_one(claim.group_id, group, claim.token)), 120):
+        if not accepted:
             return  # re-queued meanwhile (this worker was presumed dead), or too stale: not ours to count
         for ep in episodes:
             failed = ep.finish_reason == "failed"
@@ -301,11 +312,16 @@ class RolloutWorkerActor(Actor):
         self.worker = RolloutWorker(Config.from_dict(config), tokenizer_dir, worker, reward_fn)
 
     @endpoint
-    async def start(self, queue, generators: list) -> int:
-        """Start playing; returns this proc's pid (the controller watches it)."""
+    async def start(self, queue, generators: list) -> dict:
+        """Start playing; returns {"host", "pids": [(pid, start time)]} of this proc (the
+        controller watches it)."""
+        import socket
+
+        import psutil
+
         self.worker.set_generators(generators)
         self.worker.start(queue)
-        return os.getpid()
+        return {"host": socket.gethostname(), "pids": [(os.getpid(), psutil.Process().create_time())]}
 
     @concurrent_endpoint
     async def set_generators(self, generators: list) -> None:

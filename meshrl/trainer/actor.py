@@ -203,9 +203,9 @@ class PolicyTrainer:
         out.update(
             version=self.step, grad_norm=float(grad_norm), logprob_mismatch=out.get("mismatch", 0.0),
             staleness_mean=float(merged["lag_sum"]) / tokens, staleness_max=float(merged["lag_max"]),
-            # the reward of the very samples this step trained on (the scorer's reward/mean
-            # covers what was scored since the last step, which in async mode is newer)
-            reward_mean=float(batch["reward"].mean()),
+            # the reward of the very episodes this step trained on (reward/mean covers those
+            # finished since the last step, newer in async mode); failed ones did not train
+            reward_mean=_trained_reward(batch),
             lr=self.scheduler.get_last_lr()[0], step_time_s=time.perf_counter() - t0,
             tokens_per_s=token_count / (time.perf_counter() - t0),
         )
@@ -265,6 +265,14 @@ class PolicyTrainer:
                     info["expert_placements"] = str(getattr(p, "placements", None))
                     break
         return info
+
+
+def _trained_reward(batch: TensorDict) -> float:
+    """Mean reward over the batch's episodes that trained (not failed); 0 if none did."""
+    from meshrl.episode import FINISH_REASONS
+
+    ok = batch["finish_reason"] != FINISH_REASONS["failed"]
+    return float(batch["reward"][ok].mean()) if ok.any() else 0.0
 
 
 class TrainerActor(Actor):
