@@ -33,13 +33,13 @@ Controller::
 failure is a WeightSyncError (WeightSyncTimeout for timeouts) within weight_sync.timeout_s.
 """
 
-from meshrl.weightsync.connect import HANDLE_ENDPOINT, WeightSync
+from meshrl.weightsync.connect import WeightSync
 from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
 from meshrl.weightsync.layout import Layout, plan_layout
 from meshrl.weightsync.publisher import Publisher, PublisherAgent
 from meshrl.weightsync.subscriber import Subscriber, SubscriberAgent
 
 __all__ = [
-    "HANDLE_ENDPOINT", "Layout", "Publisher", "PublisherAgent", "Subscriber", "SubscriberAgent",
+    "Layout", "Publisher", "PublisherAgent", "Subscriber", "SubscriberAgent",
     "WeightSync", "WeightSyncError", "WeightSyncTimeout", "plan_layout",
 ]

@@ -15,10 +15,6 @@ from meshrl.config import WeightSyncConfig
 from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
 from meshrl.weightsync.spec import SyncSpec
 
-HANDLE_ENDPOINT = "weight_sync_handle"
-"""The endpoint the trainer and generator actors expose: it returns `self.publisher.handle`
-(trainer, publishing rank) or `self.subscriber.handle` (generator)."""
-
 
 class WeightSync:
     """Owns the connection between one publisher and its subscribers.
