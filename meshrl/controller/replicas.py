@@ -266,7 +266,7 @@ class WorkerPool:
                     continue
             else:
                 try:
-                    await asyncio.wait_for(awaited(w.actor.metrics.call_one()), 30)
+                    await asyncio.wait_for(awaited(w.actor.health.call_one()), 30)
                     continue
                 except Exception:  # noqa: BLE001 - gone: replaced below
                     pass

@@ -328,6 +328,11 @@ class RolloutWorkerActor(Actor):
         self.worker.set_generators(generators)
 
     @concurrent_endpoint
+    async def health(self) -> str | None:
+        """The last error of the claim loop, or None (the controller asks, to see the proc lives)."""
+        return self.worker.error
+
+    @concurrent_endpoint
     async def metrics(self) -> dict:
         w = self.worker
         return {"episodes": w.metrics(), "failed_total": w.failed_total, "requeued_total": w.requeued_total, "error": w.error}
