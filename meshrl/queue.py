@@ -216,7 +216,7 @@ class EpisodeQueue:
             raise ValueError(f"max_lag must be at least 0, got {max_lag}")
         with self._cond:
             self.max_lag = 0 if self.depth == 0 else max_lag
-            self.ready = deque(g for g in map(self._admit, self.ready) if g is not None)
+            self._recheck_ready()
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -231,8 +231,12 @@ class EpisodeQueue:
         if version == self.version:
             return
         self.version = version
-        self.ready = deque(g for g in map(self._admit, self.ready) if g is not None)
+        self._recheck_ready()
         self._cond.notify_all()  # admission opened (the trainer's sample can move the version too)
+
+    def _recheck_ready(self) -> None:
+        """Apply the current version and bound to every READY group (mask or drop)."""
+        self.ready = deque(g for g in map(self._admit, self.ready) if g is not None)
 
     def _admit(self, group: TensorDict) -> TensorDict | None:
         """The group as it may be trained on at the current version, or None (dropped)."""
