@@ -15,18 +15,20 @@ blocking call that works the same in scripts, IPython and Jupyter; every call is
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-import sys
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Coroutine
 
-from meshrl.config import Config, ConfigError, apply_overrides, load_yaml
+from meshrl.config import Config, ConfigError, apply_overrides, load_yaml, preflight
+from meshrl.logs import console
 from meshrl.metrics import format_row, plot_run
 from meshrl.rollout.env import RewardFn
 
+log = logging.getLogger("meshrl")
 PROGRESS_KEYS = ("reward/mean", "trainer/loss", "trainer/staleness_max", "trainer/idle_frac")
 
 
@@ -69,12 +71,14 @@ class Session:
     def __init__(self, config: Config | dict | str | None = None, *, resume: str | None = None,
                  reward_fn: RewardFn | None = None, overrides: list[str] | None = None):
         self.config = resume_config(resume, overrides) if resume else as_config(config, overrides)
+        preflight(self.config)  # a bad path or an unwritable run directory fails here, before any mesh
         if threading.current_thread() is threading.main_thread():
             from meshrl.launch import exit_on_sigterm
 
             exit_on_sigterm()  # SIGTERM (scheduler preemption) runs the same cleanup as Ctrl-C
         self._resume = resume is not None
         self._reward_fn = reward_fn
+        self._interrupted = None  # the call a signal interrupted, left running
         self.loop = None
         self._thread_loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._thread_loop.run_forever, name="meshrl-session", daemon=True)
@@ -88,6 +92,11 @@ class Session:
         except FutureTimeout:
             future.cancel()
             raise TimeoutError(f"meshrl session call took over {timeout:.0f}s") from None
+        except (KeyboardInterrupt, SystemExit):
+            # Ctrl-C or SIGTERM: the call goes on in the session thread, so that a step in
+            # flight can still finish before `save_on_interrupt` checkpoints.
+            self._interrupted = future
+            raise
         except BaseException:
             future.cancel()
             raise
@@ -182,6 +191,32 @@ class Session:
     def checkpoint(self) -> str:
         return self._call(self._need().checkpoint(), 600)
 
+    def save_on_interrupt(self, timeout_s: float) -> str | None:
+        """After Ctrl-C or SIGTERM: let the interrupted step finish if it can within half of
+        `timeout_s` (otherwise close the queue, so the trainer stops waiting for a batch),
+        then checkpoint, all within `timeout_s`. Returns the checkpoint, None if none was
+        written in time."""
+        from meshrl.compat import awaited
+
+        loop, deadline = self._need(), time.monotonic() + timeout_s
+        step, self._interrupted = self._interrupted, None
+        if step is not None and not step.done():
+            try:
+                step.result(timeout_s / 2)
+            except BaseException:  # noqa: BLE001 - a step that fails or times out is given up
+                pass
+            if not step.done():
+                try:
+                    self._call(awaited(loop.queue.close.call_one()), 10)
+                    step.result(max(1.0, deadline - time.monotonic()))
+                except BaseException:  # noqa: BLE001
+                    pass
+        try:
+            return self._call(loop.checkpoint(), max(1.0, deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - reported by the caller as "no checkpoint"
+            log.warning("no checkpoint written on interrupt: %s", str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+            return None
+
     def finish(self) -> RunResult:
         """Final checkpoint, Hugging Face export and curves."""
         loop = self._need()
@@ -215,11 +250,24 @@ def run(config: Config | dict | str | None = None, *, resume: str | None = None,
     try:
         session.start()
         remaining = session.config.steps - session.version
-        if remaining > 0:
-            session.step(remaining, progress=session.config.logging.progress)
+        try:
+            if remaining > 0:
+                session.step(remaining, progress=session.config.logging.progress)
+        except (KeyboardInterrupt, SystemExit) as stop:
+            ckpt = session.save_on_interrupt(session.config.trainer.interrupt_checkpoint_timeout_s)
+            raise Interrupted(session.run_dir, session.version, ckpt, stop) from None
         return session.finish()
     finally:
         session.stop()
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C or SIGTERM, after checkpointing what it could."""
+
+    def __init__(self, run_dir: str, version: int, checkpoint: str | None, cause: BaseException):
+        self.run_dir, self.version, self.checkpoint = run_dir, version, checkpoint
+        self.exit_status = cause.code if isinstance(cause, SystemExit) and isinstance(cause.code, int) else 130
+        super().__init__(f"interrupted at step {version}")
 
 
 
@@ -228,4 +276,4 @@ def _progress(total: int, enabled: bool):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="meshrl", unit="step", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, desc="meshrl", unit="step", file=console(), dynamic_ncols=True)

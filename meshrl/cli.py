@@ -12,9 +12,12 @@ stderr naming the field and the fix, and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
-from meshrl.config import Config, ConfigError, apply_overrides, load_yaml, reference_markdown
+from meshrl.config import Config, ConfigError, apply_overrides, load_yaml, preflight, reference_markdown
+from meshrl.logs import console, quiet_console
 
 USAGE_ERROR = 2
 
@@ -56,25 +59,58 @@ def _cmd_config_docs(ns: argparse.Namespace) -> int:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from meshrl.api import run
-    from meshrl.controller.loop import TrainerFailed
+    from meshrl.api import resume_config
 
     path, overrides = _split(ns.args)
+    overrides += ["logging.verbose=true"] if ns.verbose else []
+    if ns.resume:
+        if path is not None:
+            raise ConfigError("--resume", "a resumed run uses RUN_DIR/config.yaml: pass only overrides with --resume")
+        config = resume_config(ns.resume, overrides)
+    else:
+        config = load_config([path, *overrides] if path else overrides)
+    preflight(config)  # bad inputs end here, in one line, before any output is redirected
+    out = sys.stderr if config.logging.verbose else quiet_console(config.logging.run_dir)
+    run_dir = os.path.abspath(config.logging.run_dir)
+    where = "" if config.logging.verbose else f"; library output in {os.path.join(run_dir, 'logs')} (--verbose shows it here)"
+    what = f"resuming {run_dir}" if ns.resume else f"training {path or 'the embedded default'} in {run_dir}"
+    print(f"meshrl: {what}{where}", file=out)
+
+    from meshrl.api import Interrupted, run
+    from meshrl.controller.loop import TrainerFailed
+
+    start = time.monotonic()
     try:
-        if ns.resume:
-            if path is not None:
-                raise ConfigError("--resume", "a resumed run uses RUN_DIR/config.yaml: pass only overrides with --resume")
-            result = run(resume=ns.resume, overrides=overrides)
-        else:
-            result = run(load_config(ns.args))
+        result = run(resume=ns.resume, overrides=overrides) if ns.resume else run(config)
     except (TrainerFailed, TimeoutError) as e:
-        print(f"meshrl: run failed: {e}", file=sys.stderr)
+        print(f"meshrl: run failed: {e}", file=out)
         return 1
-    if result.metrics:
-        last = result.metrics[-1]
-        # the trained batch's reward: every step has one (a step may finish no new episode)
-        print(f"meshrl: {len(result.metrics)} steps in {result.run_dir} (reward {last['trainer/reward_mean']:.3f} at step {int(last['step'])})")
+    except Interrupted as e:
+        how = (f"checkpoint at step {e.version}; continue with: meshrl run --resume {e.run_dir}" if e.checkpoint
+               else "no checkpoint could be written in time")
+        print(f"meshrl: stopped at step {e.version} by {'SIGTERM' if e.exit_status == 143 else 'an interrupt'}: {how}", file=out)
+        return e.exit_status
+    except KeyboardInterrupt:
+        print("meshrl: interrupted while starting; nothing trained yet", file=out)
+        return 130
+    print(summary_line(result, time.monotonic() - start), file=out)
     return 0
+
+
+def summary_line(result, wall_s: float) -> str:
+    """Steps, the trained batches' reward at the first and last step, throughput, results.
+    The reward is `trainer/reward_mean`: every step trains a batch and has one, while
+    `reward/mean` covers only the episodes that finished during the step."""
+    rows = [r for r in result.metrics if "trainer/reward_mean" in r]
+    if not rows:
+        return f"meshrl: no step trained; results in {result.run_dir}"
+    first, last = rows[0], rows[-1]
+    samples = sum(r.get("trainer/seqs", 0.0) for r in result.metrics)
+    train_s = sum(r.get("time/step_s", 0.0) for r in result.metrics)
+    rate = f", {samples / train_s:.1f} samples/s" if train_s > 0 and samples else ""
+    return (f"meshrl: step {int(last['step'])} reached in {wall_s:.0f} s{rate}; trained reward {first['trainer/reward_mean']:.3f} "
+            f"(step {int(first['step'])}) -> {last['trainer/reward_mean']:.3f} (step {int(last['step'])}); "
+            f"results in {result.run_dir} (metrics.jsonl, curves.png, hf/final)")
 
 
 def _cmd_plot(ns: argparse.Namespace) -> int:
@@ -94,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train: the embedded default, or CONFIG with overrides")
     run.add_argument("args", nargs="*", metavar="CONFIG|section.field=value")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    run.add_argument("--verbose", action="store_true", help="show vLLM, Monarch and torch output on the terminal (default: RUN_DIR/logs/)")
     run.set_defaults(func=_cmd_run)
 
     config = sub.add_parser("config", help="inspect configs")
@@ -117,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except ConfigError as e:
-        print(f"meshrl: config error: {e}", file=sys.stderr)
+        print(f"meshrl: config error: {e}", file=console())
         return USAGE_ERROR
 
 

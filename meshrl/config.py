@@ -114,10 +114,14 @@ class TrainerConfig:
     """Dtype of forward/backward compute; master weights, optimizer state and gradient reduction stay float32. `auto`: bfloat16 on CUDA (FSDP2 mixed precision), float32 on CPU. `bfloat16` on CPU autocasts the matmuls (attention and RMSNorm stay float32) and pays on CPUs with AMX (Sapphire Rapids and later: about 1.9x per step on the benchmark model); float32 keeps trainer and generator log-probs closest."""
     compile: bool = False
     """torch.compile each transformer block (TorchTitan's per-block compile), with dynamic shapes because RL batches change length every step. The compile runs in setup, alongside the generators' start-up (about 10 s on a CPU core for the benchmark model; cached under /tmp/torchinductor_$USER). It makes a training step about 1.4x faster on CPU in bf16 and 1.1x in float32 (benchmark model). Off by default because short runs and tests are dominated by start-up."""
-    cpus: str = ""
-    """CPU cores the trainer procs are pinned to, as a Linux CPU list (`0-3`, `0,2`); `|` separates the lists of a host's procs by local rank (`0-3|4-7`). Empty: no pinning. On CPU it keeps training off the generators' cores so the two overlap instead of sharing (see meshrl/placement.py)."""
+    cpus: str = "auto"
+    """CPU cores the trainer procs are pinned to, as a Linux CPU list (`0-3`, `0,2`); `|` separates the lists of a host's procs by local rank (`0-3|4-7`). `auto`: a CPU trainer on this machine gets the cores the generators do not (half), each proc's thread pool sized to its cores; a GPU trainer is not pinned. Empty: no pinning. See meshrl/placement.py."""
     checkpoint_every: int = 0
-    """Save a distributed checkpoint every this many steps. 0: only at the end of the run."""
+    """Save a distributed checkpoint every this many steps. 0: by time only (`checkpoint_every_s`), and at the end of the run."""
+    checkpoint_every_s: float = 1800.0
+    """Also save one when this many seconds have passed since the last, so a crash loses at most that much training whatever a step costs. 0: off."""
+    interrupt_checkpoint_timeout_s: float = 120.0
+    """On Ctrl-C or SIGTERM (scheduler preemption) the run lets the step in flight finish and checkpoints, within this many seconds, then stops; `meshrl run --resume` continues from there. Keep it under the scheduler's grace period (Slurm's KillWait)."""
     loss: LossConfig = field(default_factory=LossConfig)
     """The policy loss and its off-policy corrections."""
 
@@ -150,8 +154,8 @@ class GeneratorConfig:
     """Return MoE routed-expert ids per token and layer, for routing replay."""
     startup_timeout_s: float = 300.0
     """Seconds an engine may take to start before the run fails."""
-    cpus: str = ""
-    """CPU cores the replicas are pinned to (their vLLM CPU workers bind their threads there), as a Linux CPU list; `|` separates per-replica lists, replica i taking list i modulo their count (`4-5|6-7`). Empty: no pinning, vLLM binds to all cores."""
+    cpus: str = "auto"
+    """CPU cores the replicas are pinned to (their vLLM CPU workers bind their threads there), as a Linux CPU list; `|` separates per-replica lists, replica i taking list i modulo their count (`4-5|6-7`). `auto`: with a CPU trainer on this machine, half the cores, split between replicas (at least `tp` each). Empty: no pinning, vLLM binds its threads itself."""
 
 
 @dataclass
@@ -252,6 +256,8 @@ class LoggingConfig:
     """Show a console progress bar."""
     plot: bool = True
     """Draw reward, staleness and utilisation curves to PNG at the end of the run."""
+    verbose: bool = False
+    """Leave library output (vLLM, Monarch, torch) on the terminal. Off: each proc's output goes to RUN_DIR/logs/ROLE.log and the console shows meshrl's own lines (`meshrl run --verbose` turns it on; so does MESHRL_VERBOSE=1)."""
 
 
 @dataclass
@@ -507,6 +513,8 @@ def validate(c: Config) -> None:
     need(t.grad_clip >= 0, "trainer.grad_clip", f"must be at least 0 (0 disables), got {t.grad_clip}")
     need(t.micro_batch_size >= 1, "trainer.micro_batch_size", f"must be at least 1, got {t.micro_batch_size}")
     need(t.checkpoint_every >= 0, "trainer.checkpoint_every", f"must be at least 0, got {t.checkpoint_every}")
+    need(t.checkpoint_every_s >= 0, "trainer.checkpoint_every_s", f"must be at least 0 (0 = off), got {t.checkpoint_every_s}")
+    need(t.interrupt_checkpoint_timeout_s > 0, "trainer.interrupt_checkpoint_timeout_s", f"must be positive, got {t.interrupt_checkpoint_timeout_s}")
     loss = t.loss
     need(0 <= loss.clip_low < 1, "trainer.loss.clip_low", f"must be in [0, 1), got {loss.clip_low}")
     need(loss.clip_high >= 0, "trainer.loss.clip_high", f"must be at least 0, got {loss.clip_high}")
@@ -641,3 +649,39 @@ def _show_type(tp: Any) -> str:
     if tp is type(None):
         return "null"
     return tp.__name__
+
+
+# ---- checks against this machine, before any mesh starts ------------------------------------
+def preflight(c: Config) -> None:
+    """What `validate` cannot see from the values alone: a run directory that can be written,
+    and model and tokenizer directories that load. Run once before any mesh starts; raises
+    ConfigError naming the field and the fix."""
+    run_dir = os.path.abspath(c.logging.run_dir)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, f".meshrl-write-check-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError("logging.run_dir", f"cannot write to {run_dir!r} ({e.strerror or type(e).__name__}): choose a writable directory") from None
+    m = c.model
+    if m.path is not None:
+        from meshrl.trainer.model import model_args_from_hf
+
+        try:
+            model_args_from_hf(m.path)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError("model.path", f"{m.path!r} does not load as a checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                              "point it at a Hugging Face checkpoint directory of a qwen3, qwen3_moe, llama or deepseek_v3 model") from None
+        if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(m.path)):
+            raise ConfigError("model.path", f"{m.path!r} has a config.json but no weight files (*.safetensors): point it at a complete checkpoint directory")
+    tokenizer_dir, field_path = (m.tokenizer, "model.tokenizer") if m.tokenizer else (m.path, "model.path")
+    if tokenizer_dir is not None:
+        from meshrl.tokenizer import load_tokenizer
+
+        try:
+            load_tokenizer(tokenizer_dir)
+        except Exception as e:  # noqa: BLE001 - whatever transformers raises, the directory is the user's to fix
+            raise ConfigError(field_path, f"no tokenizer loads from {tokenizer_dir!r} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): "
+                              "give a directory holding a Hugging Face tokenizer (tokenizer.json or tokenizer_config.json)") from None

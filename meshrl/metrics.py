@@ -16,17 +16,22 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsWriter:
-    """Appends step rows to RUN_DIR/metrics.jsonl and, optionally, TensorBoard events."""
+    """Appends step rows to RUN_DIR/metrics.jsonl and, optionally, TensorBoard events.
 
-    def __init__(self, run_dir: str, tensorboard: bool = True):
+    `keep_until`: the step the run starts from (0 for a new run, the restored step for a
+    resumed one). Rows and events of later steps are cut, so no step appears twice."""
+
+    def __init__(self, run_dir: str, tensorboard: bool = True, keep_until: int = 0):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
+        _truncate_rows(self.path, keep_until)
         self._file = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            # TensorBoard hides the events of steps >= purge_step written before this point
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=keep_until + 1)
 
     def write(self, step: int, row: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
@@ -39,6 +44,28 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _truncate_rows(path: str, keep_until: int) -> None:
+    """Keep the rows of steps <= keep_until in the JSONL file at `path`, atomically."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if _step_of(line) <= keep_until]
+    if len(kept) == len(lines):
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except json.JSONDecodeError:  # a row torn by a crash mid-write
+        return math.inf
 
 
 def read_metrics(run_dir: str) -> list[dict[str, float]]:

@@ -9,7 +9,15 @@ cores, the CPU analogue of device placement.
 Syntax (Linux CPU lists, as in `taskset -c`): `"0-3"`, `"0,2,5-7"`; `|` separates the lists
 of the processes of one host, by local index: `"0-3|4-7"` pins the first trainer proc (or
 generator replica) of each host to cores 0-3 and the second to 4-7. One list is shared by
-all of a host's procs.
+all of a host's procs. `""` pins nothing.
+
+`"auto"` (the default) splits this host's cores when the trainer runs on CPU: the
+generators take half (at least `tp` per replica), the trainer the rest, and each process
+sizes its thread pools to its own cores. This holds in synchronous mode too, where the
+roles take turns: an idle role's thread pools still spin-wait and poll on every core, and
+each role ran faster alone on its half than sharing all of them (measurements in
+benchmarks/README.md, "Placement"). With a GPU trainer, or hosts this process cannot see
+(Slurm, TorchX), `auto` pins nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +27,54 @@ import os
 import torch
 
 
+AUTO = "auto"
+
+
+def auto_placement(config, cores: list[int] | None = None) -> tuple[str, str]:
+    """`(trainer.cpus, generator.cpus)` with each `auto` resolved for this host (`cores`:
+    the cores this process may use). Explicit settings are returned unchanged."""
+    t, g = config.trainer, config.generator
+    if AUTO not in (t.cpus, g.cpus):
+        return t.cpus, g.cpus
+    cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    if cuda or config.launcher.kind not in ("local", "process"):
+        return ("" if t.cpus == AUTO else t.cpus), ("" if g.cpus == AUTO else g.cpus)
+    # cores an explicit setting took are not handed out again
+    taken = {c for spec in (t.cpus, g.cpus) if spec != AUTO for cpus in parse_cpu_lists(spec) for c in cpus}
+    free = [c for c in cores if c not in taken]
+    share = len(free) // 2 if t.cpus == AUTO else len(free)  # with the trainer placed, the rest
+    per_replica = max(g.tp, share // g.replicas) if g.cpus == AUTO else 0
+    gen_cores = free[len(free) - per_replica * g.replicas:] if per_replica else []
+    train_cores = free[: len(free) - len(gen_cores)] if t.cpus == AUTO else []
+    if g.cpus == AUTO:
+        g_spec = "|".join(_cpu_list(gen_cores[i * per_replica:(i + 1) * per_replica]) for i in range(g.replicas))
+        if len(free) < per_replica * g.replicas + (1 if t.cpus == AUTO else 0):
+            g_spec = ""  # too few cores to give each role its own
+    else:
+        g_spec = g.cpus
+    if t.cpus == AUTO:
+        t_spec = _split_evenly(train_cores, t.procs) if g_spec else ""
+    else:
+        t_spec = t.cpus
+    return t_spec, g_spec
+
+
+def _split_evenly(cores: list[int], procs: int) -> str:
+    """One list per proc when there are enough cores; else one list the procs share."""
+    if len(cores) < procs or procs == 1:
+        return _cpu_list(cores)
+    per = len(cores) // procs
+    return "|".join(_cpu_list(cores[i * per:(i + 1) * per]) for i in range(procs))
+
+
+def _cpu_list(cores: list[int]) -> str:
+    return ",".join(map(str, cores))
+
+
 def parse_cpu_lists(spec: str) -> list[list[int]]:
     """`"0-1|2,3"` -> [[0, 1], [2, 3]]; `""` -> []. Raises ValueError on bad syntax."""
-    if not spec.strip():
+    if not spec.strip() or spec == AUTO:
         return []
     lists = []
     for part in spec.split("|"):
@@ -61,6 +114,12 @@ def pin_this_process(cpus: list[int]) -> None:
         except (ProcessLookupError, OSError):
             pass  # the thread exited meanwhile
     torch.set_num_threads(len(cpus))
+
+
+def size_light_process() -> None:
+    """For the coordinator and rollout-worker procs, which do no heavy tensor math: one
+    intra-op thread, so that their pools never spin on the trainer's or generators' cores."""
+    torch.set_num_threads(1)
 
 
 def vllm_threads_bind(cpus: list[int], tp: int) -> str:

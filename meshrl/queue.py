@@ -44,6 +44,8 @@ from meshrl import episode
 from meshrl.compat import endpoint_for_callers_that_may_die
 from meshrl.config import Config
 from meshrl.data import PromptNode
+from meshrl.logs import capture_role_output
+from meshrl.placement import size_light_process
 
 SamplingPolicy = Callable[[Sequence[TensorDict], int, random.Random], list[int]]
 """A plain callable choosing which `n` of the READY groups (oldest first) a batch takes."""
@@ -324,7 +326,10 @@ class EpisodeQueueActor(Actor):
     workers' endpoints outlive a worker that dies while its call is answered."""
 
     def __init__(self, config: dict):
-        self.queue = EpisodeQueue(Config.from_dict(config))
+        config = Config.from_dict(config)
+        capture_role_output(config, "queue")
+        size_light_process()
+        self.queue = EpisodeQueue(config)
 
     @endpoint_for_callers_that_may_die
     async def claim(self, worker: int, timeout: float) -> Claim | None:

@@ -7,6 +7,10 @@ import string
 
 import pytest
 
+# Test procs keep their output on the terminal, where pytest shows it with a failure; the
+# console tests run `meshrl` in a subprocess without this, to check the quiet default.
+os.environ.setdefault("MESHRL_VERBOSE", "1")
+
 NL = "{{ '\\n' }}"  # HF renders templates with trim_blocks, which eats a literal newline after a tag
 QWEN_STYLE_TEMPLATE = (
     "{% if tools %}"

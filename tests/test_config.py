@@ -154,6 +154,34 @@ def test_cli_bad_import_paths_are_one_line_before_any_mesh(tmp_path):
         assert not run_dir.exists()
 
 
+def test_cli_unusable_paths_are_one_line_before_any_mesh(tmp_path):
+    """A run directory that cannot be written, and model or tokenizer directories that do
+    not load, stop `meshrl run` with one line naming the field, exit 2, before anything starts."""
+    not_a_model = tmp_path / "not_a_model"
+    not_a_model.mkdir()
+    (not_a_model / "config.json").write_text('{"model_type": "bert", "vocab_size": 10}')
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 128, "hidden_size": 8, "num_hidden_layers": 1, '
+                                            '"num_attention_heads": 1, "intermediate_size": 8}')
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    run_dir = tmp_path / "run"
+    for override, field in [("logging.run_dir=/proc/meshrl-cannot-write", "logging.run_dir"),
+                            (f"logging.run_dir={blocker}/run", "logging.run_dir"),
+                            (f"model.path={not_a_model}", "model.path"),
+                            (f"model.path={no_weights}", "model.path"),
+                            (f"model.tokenizer={empty}", "model.tokenizer")]:
+        args = [override] if override.startswith("logging.") else [override, f"logging.run_dir={run_dir}"]
+        out = meshrl_cli("run", *args)
+        assert out.returncode == 2, (override, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in out.stderr and field in lines[0], (override, out.stderr)
+        assert not os.path.exists(run_dir / "logs"), "something started"
+
+
 def test_every_field_is_documented_and_reference_is_current():
     def walk(cls):
         docs = field_docs(cls)

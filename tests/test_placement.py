@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from meshrl.config import Config
-from meshrl.placement import cpus_for, parse_cpu_lists, vllm_threads_bind
+from meshrl.placement import auto_placement, cpus_for, parse_cpu_lists, vllm_threads_bind
 
 
 def test_parse_and_select():
@@ -21,6 +21,31 @@ def test_parse_and_select():
         parse_cpu_lists("a")
     with pytest.raises(ValueError):
         vllm_threads_bind([1], 2)
+
+
+def auto(cores, **sections):
+    config = Config.from_dict({"trainer": {"device": "cpu"}, **sections})
+    return auto_placement(config, cores)
+
+
+def test_auto_splits_the_cores_between_the_roles():
+    assert auto([0, 1]) == ("0", "1")  # the 2-core default: one core each
+    assert auto(list(range(8))) == ("0,1,2,3", "4,5,6,7")
+    assert auto(list(range(8)), generator={"replicas": 2}) == ("0,1,2,3", "4,5|6,7")
+    assert auto(list(range(8)), trainer={"device": "cpu", "procs": 2, "dp_shard": 2}) == ("0,1|2,3", "4,5,6,7")
+    assert auto(list(range(4)), generator={"replicas": 1, "tp": 3}) == ("0", "1,2,3")  # tp workers need a core each
+    # sync mode too: each role runs alone on its half (see meshrl/placement.py)
+    assert auto([0, 1], buffer={"depth": 0, "max_lag": 0}, generator={"update_mode": "block"}) == ("0", "1")
+
+
+def test_auto_yields_to_explicit_settings_gpus_and_small_hosts():
+    assert auto([0, 1, 2, 3], trainer={"device": "cpu", "cpus": "0"}) == ("0", "1,2,3")  # the generators take what is left
+    assert auto([0, 1, 2, 3], generator={"cpus": "1"}) == ("0,2,3", "1")
+    assert auto([0, 1, 2, 3], trainer={"device": "cpu", "cpus": ""}, generator={"cpus": ""}) == ("", "")
+    assert auto([0]) == ("", "")  # one core: nothing to split
+    assert auto([0, 1], generator={"tp": 2}) == ("", "")  # no core left for the trainer
+    assert auto([0, 1], launcher={"kind": "slurm"}) == ("", "")  # hosts this process cannot see
+    assert auto_placement(Config.from_dict({"trainer": {"device": "cuda"}}), [0, 1]) == ("", "")
 
 
 def test_yaml_number_is_a_cpu_list():

@@ -29,11 +29,12 @@ from meshrl.config import Config
 from meshrl.controller.replicas import GeneratorPool, WorkerPool
 from meshrl.launch import allocate
 from meshrl.metrics import MetricsWriter
+from meshrl.placement import auto_placement
 from meshrl.queue import EpisodeQueueActor
 from meshrl.rollout.env import RewardFn
 from meshrl.tokenizer import build_char_tokenizer
 from meshrl.trainer.actor import spawn_trainer
-from meshrl.trainer.checkpoint import write_atomic
+from meshrl.trainer.checkpoint import checkpoint_step, write_atomic
 from meshrl.weightsync import WeightSync
 
 log = logging.getLogger("meshrl")
@@ -50,6 +51,7 @@ class RLLoop:
     def __init__(self, config: Config, run_dir: str | None = None, resume: bool = False, reward_fn: RewardFn | None = None):
         self.config = config
         self.run_dir = os.path.abspath(run_dir or config.logging.run_dir)
+        config.logging.run_dir = self.run_dir  # every actor writes its log under it
         self.resume = resume
         self.reward_fn = reward_fn
         self.version = 0
@@ -97,9 +99,10 @@ class RLLoop:
         self._install_fault_hook()
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
-            f.write(c.to_yaml())
+            f.write(c.to_yaml())  # as given: `auto` placement is resolved again on the host that resumes it
+        c.trainer.cpus, c.generator.cpus = auto_placement(c)
+        log.info("placement: trainer cpus %r, generator cpus %r", c.trainer.cpus or "any", c.generator.cpus or "any")
         self.tokenizer_dir = c.model.tokenizer or c.model.path or build_char_tokenizer(os.path.join(self.run_dir, "tokenizer"))
-        self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard)
         self.alloc = await allocate(c).__aenter__()
 
         # The coordinator proc holds the episode queue; each rollout worker has a proc of its own.
@@ -111,6 +114,9 @@ class RLLoop:
         await self.trainer.publisher_handle()  # creates the publisher before its first step
         if self.resume:
             await self._restore()
+        # Rows past the restored step belong to steps about to be trained again: cut them.
+        self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version)
+        self._last_checkpoint = time.monotonic()
         initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"))
         self.generators = GeneratorPool(c, self.alloc, initial, self.version, self._rewire)
         await self.generators.start(c.generator.replicas)
@@ -150,7 +156,8 @@ class RLLoop:
             out["sync/previous_update_wait_s"] = time.monotonic() - t0
         self._update_task = asyncio.create_task(self._update_generators(self.version))
         row = await self._collect_metrics(out)
-        if c.trainer.checkpoint_every and self.version % c.trainer.checkpoint_every == 0:
+        every, every_s = c.trainer.checkpoint_every, c.trainer.checkpoint_every_s
+        if every and self.version % every == 0 or every_s and time.monotonic() - self._last_checkpoint >= every_s:
             await self.checkpoint()
         return row
 
@@ -260,6 +267,9 @@ class RLLoop:
         """Trainer state (DCP), the episode queue and the metrics history, atomically."""
         root = os.path.join(self.run_dir, "checkpoints")
         trainer_dir = await self.trainer.save_checkpoint(os.path.join(root, "trainer"))
+        # After an interrupted step the trainer may have finished a step the loop never saw
+        # (its metrics row is lost, its weights are not).
+        self.version = max(self.version, checkpoint_step(trainer_dir))
         state = {
             "version": self.version,
             "trainer_dir": trainer_dir,
@@ -273,6 +283,7 @@ class RLLoop:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         write_atomic(os.path.join(root, "latest"), os.path.basename(path))
+        self._last_checkpoint = time.monotonic()
         return path
 
     async def _restore(self) -> None:

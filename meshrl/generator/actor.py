@@ -23,6 +23,7 @@ from meshrl.compat import endpoint_for_callers_that_may_die
 from meshrl.config import Config
 from meshrl.generator.engine import RequestResult
 from meshrl.generator.service import Generator
+from meshrl.logs import capture_role_output
 from meshrl.placement import cpus_for, pin_this_process, vllm_threads_bind
 
 
@@ -46,6 +47,7 @@ class GeneratorActor(Actor):
         config = Config.from_dict(config_dict)
         if replica is None:
             replica = current_rank().rank
+        capture_role_output(config, f"generator-{replica}")
         cpus = cpus_for(config.generator.cpus, replica)
         if cpus is not None:
             # vLLM's engine-core process inherits the affinity; its CPU workers bind their

@@ -32,6 +32,8 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 from meshrl.compat import awaited
 from meshrl.config import Config
 from meshrl.episode import Episode, Turn, assign_advantages, pack
+from meshrl.logs import capture_role_output
+from meshrl.placement import size_light_process
 from meshrl.rollout.chat import ChatRenderer
 from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, call_bounded
 
@@ -309,7 +311,10 @@ class RolloutWorkerActor(Actor):
     """A rollout worker on a proc mesh: `start(queue, generators)` runs it in the background."""
 
     def __init__(self, config: dict, tokenizer_dir: str, worker: int, reward_fn=None):
-        self.worker = RolloutWorker(Config.from_dict(config), tokenizer_dir, worker, reward_fn)
+        config = Config.from_dict(config)
+        capture_role_output(config, f"worker-{worker}")
+        size_light_process()
+        self.worker = RolloutWorker(config, tokenizer_dir, worker, reward_fn)
 
     @endpoint
     async def start(self, queue, generators: list) -> dict:

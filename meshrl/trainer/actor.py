@@ -24,6 +24,7 @@ from monarch.actor import Actor, endpoint, this_host
 
 from meshrl.compat import titan_float32_islands_under_cpu_autocast
 from meshrl.config import Config
+from meshrl.logs import capture_role_output
 from meshrl.placement import cpus_for, pin_this_process
 from meshrl.compat import awaited
 from meshrl.episode import PAD_VERSION, group_slices, trim
@@ -287,6 +288,7 @@ class TrainerActor(Actor):
         """Init torch.distributed from the elastic env, build and shard the model."""
         config = Config.from_dict(config_dict)
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        capture_role_output(config, f"trainer-{rank}")
         use_cuda = config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available())
         if use_cuda:
             # Monarch never sets CUDA_VISIBLE_DEVICES: pick this proc's GPU by local rank

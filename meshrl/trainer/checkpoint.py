@@ -201,6 +201,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
     return path
 
 
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The step a complete checkpoint directory holds."""
+    with open(os.path.join(resolve_checkpoint(path), COMPLETE_MARKER)) as f:
+        return int(json.load(f)["step"])
+
+
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any = None) -> dict:
     """Restore model, optimizer (and scheduler) in place from a checkpoint dir or root; returns its metadata.

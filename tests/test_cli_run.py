@@ -1,0 +1,102 @@
+"""`meshrl run` as a new user meets it: a quiet console, SIGTERM that checkpoints, and a
+resume that keeps step numbering without duplicate metric rows."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["batch_groups=4", "generator.group_size=4", "generator.max_num_seqs=16", "trainer.micro_batch_size=16"]
+LIBRARY_LINE = re.compile(r"\b(INFO|WARNING|DEBUG)\b \d\d-\d\d|nanobind|terminate called|Traceback|leaked")
+
+
+def quiet_env() -> dict:
+    env = dict(os.environ)
+    env.pop("MESHRL_VERBOSE", None)  # the user's default: library output to RUN_DIR/logs
+    return env
+
+
+def console_lines(text: str) -> list[str]:
+    """Lines as a terminal shows them: the progress bar redraws one line with \\r."""
+    return [line.split("\r")[-1] for line in text.split("\n") if line.split("\r")[-1].strip()]
+
+
+def steps_in(run_dir) -> list[int]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [int(json.loads(line)["step"]) for line in f if line.strip().endswith("}")]
+
+
+def leftovers(since: float) -> list[psutil.Process]:
+    """Monarch procs and vLLM engines started since `since` that still run."""
+    found = []
+    for p in psutil.process_iter(["name", "cmdline", "create_time"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if (p.info["create_time"] or 0) >= since and ("bootstrap_main" in cmd or (p.info["name"] or "").startswith("VLLM")):
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except psutil.Error:
+                pass
+    return found
+
+
+def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console(tmp_path):
+    run_dir = tmp_path / "run"
+    started = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "meshrl", "run", f"logging.run_dir={run_dir}", "steps=60", *SMALL],
+                            cwd=ROOT, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 400
+        while len(steps_in(run_dir)) < 6 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None, f"the run ended before it was stopped: {proc.stdout.read().decode()}"
+        assert len(steps_in(run_dir)) >= 6, "the run did not reach step 6"
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=180)[0].decode()  # bytes: text mode would turn the bar's \r into lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    lines = console_lines(out)
+    assert proc.returncode == 143, out
+    assert not any(LIBRARY_LINE.search(line) for line in lines), out
+    assert len(lines) <= 4, out  # start line, progress bar, the stop line
+    stop = re.search(r"stopped at step (\d+) by SIGTERM: checkpoint at step \1; continue with: meshrl run --resume", lines[-1])
+    assert stop, lines[-1]
+    stopped_at = int(stop.group(1))
+    assert steps_in(run_dir) == list(range(1, stopped_at + 1)), "the step in flight lost its row or a row was doubled"
+    logs = os.listdir(run_dir / "logs")
+    assert {"controller.log", "trainer-0.log", "generator-0.log", "queue.log", "worker-0.log"} <= set(logs), logs
+    assert "INFO" in (run_dir / "logs" / "generator-0.log").read_text(), "vLLM's lines did not reach its log"
+    deadline = time.monotonic() + 60
+    while leftovers(started) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not leftovers(started), "procs outlived the stopped run"
+
+    # A crash after the checkpoint left rows of steps that will be trained again: resume cuts them.
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": stopped_at + 1, "trainer/loss": 0.0}) + "\n" + '{"step": 99, "trainer/lo')
+    target = stopped_at + 4
+    resumed = subprocess.run([sys.executable, "-m", "meshrl", "run", "--resume", str(run_dir), f"steps={target}"],
+                             cwd=ROOT, env=quiet_env(), capture_output=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert steps_in(run_dir) == list(range(1, target + 1))
+    lines = console_lines((resumed.stdout + resumed.stderr).decode())
+    assert not any(LIBRARY_LINE.search(line) for line in lines), lines
+    last_row = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][-1]
+    summary = re.search(r"step (\d+) reached .* -> ([0-9.]+) \(step (\d+)\)", lines[-1])
+    assert summary and int(summary.group(1)) == target, lines[-1]
+    assert summary.group(2) == f"{last_row['trainer/reward_mean']:.3f}", (lines[-1], last_row)
+    assert "nan" not in lines[-1]
