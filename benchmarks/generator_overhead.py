@@ -151,6 +151,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generator_overhead.json"))
     args = parser.parse_args()
+    from async_vs_sync import machine
+
+    measured_on = machine()
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as root:
         ckpt = build_checkpoint(root)
@@ -160,6 +163,7 @@ def main() -> None:
         "setup": {"groups": GROUPS, "group_size": GROUP_SIZE, "new_tokens": NEW_TOKENS, "prompt_len": PROMPT_LEN,
                   "max_num_seqs": MAX_NUM_SEQS, "model": "random Qwen3, hidden 64, 2 layers, vocab 128, float32",
                   "cpus": os.cpu_count()},
+        "machine": measured_on,
         "plain_vllm": plain,
         "actor": actor,
         "overhead_service": 1 - actor["service"]["tokens_per_s"] / plain["tokens_per_s"],

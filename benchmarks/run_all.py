@@ -97,13 +97,17 @@ def main() -> None:
     args = p.parse_args()
     only = set(args.only.split(",")) if args.only else None
     os.makedirs(RESULTS, exist_ok=True)
+    from async_vs_sync import machine
+
+    measured_on = machine()
     t0 = time.monotonic()
     runs = [run_one(*b) for b in BENCHMARKS if only is None or b[0] in only]
     print("\n| benchmark | rc | wall s |\n|---|---|---|")
     for r in runs:
         print(f"| {r['name']} | {r['rc']} | {r['wall_s']:.0f} |")
     with open(os.path.join(RESULTS, "run_all.json"), "w") as f:
-        json.dump({"runs": runs, "loadavg_end": os.getloadavg(), "cpus": os.cpu_count(), "wall_s": time.monotonic() - t0}, f, indent=2)
+        json.dump({"runs": runs, "machine": measured_on, "loadavg_end": os.getloadavg(), "cpus": os.cpu_count(),
+                   "wall_s": time.monotonic() - t0}, f, indent=2)
     print(f"total {time.monotonic() - t0:.0f} s")
     if any(r["rc"] != 0 for r in runs):
         sys.exit(1)

@@ -113,7 +113,9 @@ def main() -> None:
         print(f"{g['n_ratio']:>6}{g['replicas']:>4}{g['G_s']:>9.3f}{g['T_s']:>9.3f}{g['S_s']:>9.3f}{g['sync_step_s']:>11.3f}"
               f"{g['async_step_s']:>12.3f}{g['speedup']:>9.2f}{g['trainer_idle_async']:>14.2f}{g['generator_idle_async']:>10.2f}  {g['bottleneck']}")
     payload = {"params_N0": n0, "generator_busy_tokens_per_s": busy_rate, "bytes_N0": bytes0, "G0_s": G0, "T0_s": T0, "sync_fits": fits, "transport": args.transport,
-               "check_loop": check_loop, "grid": grid}
+               "check_loop": check_loop, "grid": grid,
+               # measures nothing itself: the machines are those of its inputs
+               "inputs_machine": {"async_vs_sync": avs.get("machine_before"), "weight_sync": ws.get("machine")}}
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)
     png = plot(grid, os.path.splitext(args.out)[0] + ".png")

@@ -100,7 +100,9 @@ def main() -> None:
     print(f"{'setup':<28} {'step s (median)':>16} {'tokens/s':>10}")
     for r in rows:
         print(f"{r['setup']:<28} {r['step_s_median']:>16.3f} {r['tokens_per_s']:>10.0f}")
-    print(json.dumps({"benchmark": "trainer_throughput", "params": n_params, "results": rows}))
+    from async_vs_sync import machine
+
+    print(json.dumps({"benchmark": "trainer_throughput", "machine": machine(), "params": n_params, "results": rows}))
 
 
 if __name__ == "__main__":

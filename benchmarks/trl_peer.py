@@ -235,7 +235,8 @@ def main() -> None:
               f"more efficiently than sync (more sequences in flight)")
     from async_vs_sync import machine, plot
 
-    payload = {"args": vars(args), "reused_meshrl_runs": args.meshrl_json, "machine": machine(), "results": results,
+    payload = {"args": vars(args), "reused_meshrl_runs": args.meshrl_json, "machine": machine(),
+               "reused_meshrl_machine": reused.get("machine_before") if args.meshrl_json else None, "results": results,
                "means": means,
                "verdict": verdict, "wall_s": time.monotonic() - t0}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

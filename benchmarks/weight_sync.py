@@ -235,6 +235,9 @@ async def main() -> None:
     ap.add_argument("--versions", type=int, default=3, help="timed versions per size (after two warm-ups)")
     ap.add_argument("--out", default="benchmarks/results/weight_sync.json")
     args = ap.parse_args()
+    from async_vs_sync import machine
+
+    measured_on = machine()
     sizes = args.sizes.split(",")
     rows = []
     t0 = time.monotonic()
@@ -249,7 +252,7 @@ async def main() -> None:
               f"{tiny.get(r['transport'], float('nan')) * 1e3:.1f} |")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "rows": rows, "per_version_overhead_s": tiny, "wall_s": time.monotonic() - t0}, f, indent=2)
+        json.dump({"args": vars(args), "machine": measured_on, "rows": rows, "per_version_overhead_s": tiny, "wall_s": time.monotonic() - t0}, f, indent=2)
     print(f"\nwrote {args.out} in {time.monotonic() - t0:.0f} s")
 
 
