@@ -6,6 +6,8 @@ Each can be dropped once upstream handles its case. Callers apply them explicitl
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 # ---- Monarch ----
@@ -164,3 +166,66 @@ def vllm_cpu_single_worker_executor(tensor_parallel_size: int):
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     return UniProcExecutor
+
+
+# ---- torch.distributed: listen only where asked ----
+def tcp_store_listening_on(host: str, timeout, port: int = 0):
+    """A TCPStore server (`is_master=True`) that listens on `host`'s address only.
+
+    torch's TCPStore server listens on every interface, IPv4 and IPv6, whatever host it is
+    given (measured with torch 2.13: `ss -ltn` shows `*:PORT` for host "127.0.0.1"); the
+    host only tells clients where to connect. A store answers any client and asks for no
+    credentials, so a single-host run would be reachable from the network. The constructor
+    also takes a socket that is already listening (`master_listen_fd`): we bind that one to
+    `host` (a name: its first address) and `port` (0: a free one). A wildcard host is refused.
+    """
+    import ipaddress
+    import socket
+
+    from torch.distributed import TCPStore
+
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    if ipaddress.ip_address(addr[0].split("%")[0]).is_unspecified:
+        raise ValueError(f"refusing to listen on the wildcard address {addr[0]!r} (host {host!r}): name this host's own address")
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    # The store owns the socket from here (it closes it when the server stops).
+    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=sock.detach())
+
+
+@contextlib.contextmanager
+def gloo_default_device_on_loopback():
+    """Gloo groups created inside this block with gloo's default device, in this process or
+    in processes started inside it (they inherit its environment), listen on loopback.
+
+    Without an explicit device, a gloo group listens on the address this host's name
+    resolves to (or on GLOO_SOCKET_IFNAME's interface): a routable address on many hosts
+    (measured: with the hostname set to the host's 192.0.2.2, vLLM's engine and the trainer
+    listened there). Code that creates its groups through `init_process_group` or
+    `new_group` (vLLM's engine, TorchTitan) cannot pass a device; the environment variable,
+    read as each group is created, is the one way in. Use it only where every member of
+    those groups is on this host. The previous value is restored on exit.
+    """
+    import os
+    import socket
+
+    import psutil
+
+    loopback = [name for name, addrs in psutil.net_if_addrs().items()
+                if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs)]
+    old = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback[0] if loopback else "lo"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = old

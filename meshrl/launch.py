@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -248,6 +249,12 @@ class Allocation:
         if not self._started or self._stopped:
             raise RuntimeError("the allocation is not running: use `async with allocate(config) as alloc`")
         return self._roles[role]
+
+    def controller_address(self) -> str:
+        """Where procs reach this controller, for what it serves them (the weight-sync store):
+        loopback when every host is this machine (local, torchx, process), else this host's
+        name, as Slurm names hosts (and Monarch reaches them by it). Never a wildcard."""
+        return "127.0.0.1" if self.kind in ("local", "torchx", "process") else socket.gethostname()
 
     def hosts(self, role: str) -> int:
         """How many hosts the role's mesh spans."""

@@ -120,7 +120,7 @@ class RLLoop:
         initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"))
         self.generators = GeneratorPool(c, self.alloc, initial, self.version, self._rewire)
         await self.generators.start(c.generator.replicas)
-        self.weight_sync = await WeightSync(c.weight_sync).connect(await self.trainer.publisher_handle(), await self._subscribers())
+        self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address()).connect(await self.trainer.publisher_handle(), await self._subscribers())
         self.workers = WorkerPool(c, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn)
         await self.workers.start(self.generators.handles())
         self._last_step_end = time.monotonic()
@@ -139,6 +139,7 @@ class RLLoop:
         """Train on one batch from the queue, move the generators to the new version in the
         background, and record metrics."""
         c = self.config
+        call_start = time.monotonic()
         try:
             out = await self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s)
         except Exception as e:  # noqa: BLE001 - a dead trainer proc ends the run, resumably
@@ -150,6 +151,7 @@ class RLLoop:
             how = f"resume from the last checkpoint with: meshrl run --resume {self.run_dir}" if has_ckpt else "no checkpoint was written yet"
             raise TrainerFailed(f"the trainer failed at version {self.version} ({type(e).__name__}: {first}); {how}") from e
         self.version = out["version"]
+        out["time/trainer_call_s"] = time.monotonic() - call_start
         if self._update_task is not None:  # in the background since the last step: usually done
             t0 = time.monotonic()
             out["sync/previous_update_s"] = await self._finish_update()
@@ -182,6 +184,7 @@ class RLLoop:
         row = {k: float(v) for k, v in out.items() if isinstance(v, (int, float))}
         row["trained_groups"] = out.get("trained_groups", [])  # kept in history, not in metrics.jsonl
         row["time/step_s"] = wall
+        row["time/controller_s"] = max(0.0, wall - out.get("time/trainer_call_s", wall))  # the step's time outside the trainer's call
         row["trainer/idle_frac"] = min(1.0, out.get("trainer/wait_s", 0.0) / max(wall, 1e-9))
         # Generator stats are read in the background, right after the previous step: a replica
         # is busy applying the weight update just sent to it, and waiting for its answer here

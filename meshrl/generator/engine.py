@@ -104,7 +104,7 @@ class VLLMEngine:
 
     async def start(self, version: int = 0) -> float:
         """Start the engine (bounded by generator.startup_timeout_s); returns seconds taken."""
-        from meshrl.compat import vllm_cpu_defaults
+        from meshrl.compat import gloo_default_device_on_loopback, vllm_cpu_defaults
 
         vllm_cpu_defaults(self.gen.startup_timeout_s)
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -112,7 +112,9 @@ class VLLMEngine:
         t0 = time.monotonic()
         # Blocking construction: vLLM bounds the engine handshake by VLLM_ENGINE_READY_TIMEOUT_S,
         # which vllm_cpu_defaults set from startup_timeout_s (before vLLM was imported here).
-        self.llm = AsyncLLM.from_engine_args(self.engine_args())
+        # vLLM's groups span this engine's own processes only, all on this host: loopback.
+        with gloo_default_device_on_loopback():
+            self.llm = AsyncLLM.from_engine_args(self.engine_args())
         elapsed = time.monotonic() - t0
         if elapsed > self.gen.startup_timeout_s:
             self.shutdown()

@@ -12,6 +12,7 @@ Three layers, each usable on its own:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import time
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from monarch.actor import Actor, endpoint, this_host
 
-from meshrl.compat import titan_float32_islands_under_cpu_autocast
+from meshrl.compat import gloo_default_device_on_loopback, tcp_store_listening_on, titan_float32_islands_under_cpu_autocast
 from meshrl.config import Config
 from meshrl.logs import capture_role_output
 from meshrl.placement import cpus_for, pin_this_process
@@ -301,11 +302,11 @@ class TrainerActor(Actor):
         cpus = cpus_for(config.trainer.cpus, int(os.environ.get("LOCAL_RANK", 0)))
         if cpus is not None:
             pin_this_process(cpus)  # also sizes torch's thread pool to the pinned cores
-        if world > 1 and not dist.is_initialized():
-            from datetime import timedelta
-
-            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10))
-        self.trainer = PolicyTrainer(config, device, rank, world)
+        one_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+        with gloo_default_device_on_loopback() if one_host else contextlib.nullcontext():
+            if world > 1 and not dist.is_initialized():
+                init_process_group_listening_on("127.0.0.1" if one_host else os.environ["MASTER_ADDR"], rank, world, use_cuda)
+            self.trainer = PolicyTrainer(config, device, rank, world)
         if config.trainer.compile:
             self.trainer.warm_up()
         return self.trainer.shard_info()
@@ -450,6 +451,19 @@ class TrainerMesh:
         except Exception:
             pass  # the procs are stopped below either way
         await asyncio.wait_for(self.procs.stop(), 60)
+
+
+def init_process_group_listening_on(host: str, rank: int, world: int, use_cuda: bool) -> None:
+    """`init_process_group` from the elastic env, with rank 0's store listening on `host` only
+    (`env://` would start a store that listens on every interface)."""
+    from datetime import timedelta
+
+    timeout, port = timedelta(minutes=10), int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        store = tcp_store_listening_on(host, timeout, port)
+    else:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 async def spawn_trainer(config: Config, timeout_s: float = 600.0, host_mesh=None, hosts: int = 1, *,

@@ -12,8 +12,10 @@ error the sender/receiver stop, and the controller re-creates the group under a 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import pickle
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -36,8 +38,22 @@ def make_group(spec: SyncSpec, rank: int) -> tuple[dist.Store, dist.ProcessGroup
     timeout = timedelta(seconds=spec.timeout_s)
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(spec.group_name, store)
-    pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
+    if _is_loopback(spec.store_host):
+        # Every peer is on this host: listen on loopback. (Gloo's default device listens on
+        # the address the hostname resolves to, or on GLOO_SOCKET_IFNAME's interface; with
+        # peers on other hosts that is the address they reach.)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.store_host)]
+        pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, opts)
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
     return prefixed, pg
+
+
+def _is_loopback(host: str) -> bool:
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback
+               for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
 
 
 def broadcast_buckets(pg: dist.ProcessGroup, buckets, timeout_s: float) -> None:

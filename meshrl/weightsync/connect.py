@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from meshrl.compat import awaited
+from meshrl.compat import awaited, tcp_store_listening_on
 from meshrl.config import WeightSyncConfig
 from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
 from meshrl.weightsync.spec import SyncSpec
@@ -35,11 +35,11 @@ class WeightSync:
         if cfg.transport == "files" and self.files_dir is None:
             self.files_dir = tempfile.mkdtemp(prefix="meshrl-weights-")
         if cfg.transport == "collective":
-            # Procs on this host reach the loopback address; with procs on other hosts, pass
-            # an address of the controller they can reach (e.g. socket.gethostname()).
+            # The store listens on this address only (it asks clients for no credentials).
+            # Procs on this host reach loopback; with procs on other hosts, pass the
+            # controller's own address as they reach it (e.g. socket.gethostname()).
             self._store_host = store_host or "127.0.0.1"
-            self._store = dist.TCPStore(self._store_host, 0, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=cfg.timeout_s))
+            self._store = tcp_store_listening_on(self._store_host, timedelta(seconds=cfg.timeout_s))
 
     def spec(self) -> SyncSpec:
         common = dict(transport=self.cfg.transport, timeout_s=self.cfg.timeout_s, files_dir=self.files_dir)
