@@ -11,6 +11,7 @@ call that raises or times out fails its episode (reward 0), is counted, and the 
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable
 
@@ -53,4 +54,16 @@ def resolve_reward(config: Config, reward_fn: RewardFn | None = None) -> RewardF
         return reward_model_fn(config.scoring.reward_model)
     if config.scoring.reward_fn:
         return import_callable(config.scoring.reward_fn)
-    return get_task(config.data.source.removeprefix("task:")).reward
+    return inline(get_task(config.data.source.removeprefix("task:")).reward)
+
+
+def inline(reward: Callable[..., float]) -> RewardFn:
+    """A built-in task's reward as a coroutine function: it is exact and takes microseconds,
+    so it runs on the worker's event loop instead of a thread hop per episode (a user's
+    sync reward function, which may be slow, still runs in a thread)."""
+
+    @functools.wraps(reward)  # keeps the name, and the function as __wrapped__
+    async def score(prompt: str, response: str, sample: dict) -> float:
+        return reward(prompt, response, sample)
+
+    return score

@@ -177,6 +177,8 @@ class ScriptedGenerator:
         self.reply, self.version, self.delay = reply, version, delay
         self.calls: list[tuple[list[int], int, int]] = []  # (context ids, budget, min_version)
         self.generate = SimpleNamespace(call_one=self._call_one)
+        self.generate_many = SimpleNamespace(call_one=self._call_many)
+        self.messages = 0  # generate_many calls: one carries the turns asked for together
 
     def _call_one(self, ids, budget, temperature, min_version):
         self.calls.append((list(ids), budget, min_version))
@@ -186,6 +188,16 @@ class ScriptedGenerator:
             out = list(self.reply(list(ids)))[:budget]
             v = max(min_version, self.version)
             return RequestResult(out, [-0.5] * len(out), [v] * len(out), "stop" if out and out[-1] == 2 else "length")
+
+        return run()
+
+    def _call_many(self, requests):
+        """As GeneratorActor.generate_many: a failed sample comes back as its error text."""
+        self.messages += 1
+
+        async def run():
+            results = await asyncio.gather(*(self._call_one(*r) for r in requests), return_exceptions=True)
+            return [f"{type(r).__name__}: {r}" if isinstance(r, BaseException) else r for r in results]
 
         return run()
 
@@ -340,17 +352,20 @@ def test_a_failing_generator_call_fails_the_group_not_its_episodes(tokenizer_dir
             raise RuntimeError("replica died")
         return [5, 5, 2]
 
-    worker.set_generators([ScriptedGenerator(reply)])
+    scripted = ScriptedGenerator(reply)
+    worker.set_generators([scripted])
     with pytest.raises(GenerationFailed, match="replica 0: RuntimeError: replica died"):
         asyncio.run(worker.play_group(claim))
+    # the group's episodes asked for their turns together: one message carried them all
+    assert len(calls) == config.generator.group_size and scripted.messages == 1
     # a replica that stops mid-turn (finish_reason abort) fails the group too
     aborting = ScriptedGenerator(lambda ids: [5])
     worker.set_generators([aborting])
 
-    async def aborted(*args):
-        return RequestResult([5], [-0.5], [0], "abort")
+    async def aborted(requests):
+        return [RequestResult([5], [-0.5], [0], "abort") for _ in requests]
 
-    aborting.generate = SimpleNamespace(call_one=aborted)
+    aborting.generate_many = SimpleNamespace(call_one=aborted)
     with pytest.raises(GenerationFailed, match="stopping"):
         asyncio.run(worker.play_group(claim))
     worker.set_generators([])
@@ -364,7 +379,15 @@ def test_a_failing_generator_stops_the_rest_of_its_group(tokenizer_dir):
     config = single_turn_config()
     closed = []
 
+    resets = []
+
     class Env(SingleTurnEnv):
+        async def reset(self, sample):
+            resets.append(1)
+            if len(resets) == 1:  # this episode asks later, in a message of its own
+                await asyncio.sleep(0.1)
+            return await super().reset(sample)
+
         def close(self):
             closed.append(1)
 
@@ -372,14 +395,14 @@ def test_a_failing_generator_stops_the_rest_of_its_group(tokenizer_dir):
     worker.make_env = lambda: Env(exact)
     started = []
 
-    async def call(ids, budget, temperature, min_version):
-        started.append(1)
-        if len(started) == 1:
+    async def call(requests):
+        started.extend(requests)
+        if len(requests) == 1:  # the late episode's turn fails; the others' never return
             await asyncio.sleep(0.05)
             raise RuntimeError("replica died")
         await asyncio.sleep(30)
 
-    gen = SimpleNamespace(generate=SimpleNamespace(call_one=call))
+    gen = SimpleNamespace(generate_many=SimpleNamespace(call_one=call))
     worker.set_generators([gen])
 
     async def main():
@@ -420,7 +443,7 @@ def test_env_factory_picks_the_env():
     guess = env_factory(Config.from_dict({"data": {"source": "task:guess"}}))
     assert isinstance(guess(), GuessEnv) and guess() is not guess()  # one env per episode
     single = env_factory(Config.from_dict({"data": {"source": "task:letters"}}))()
-    assert isinstance(single, SingleTurnEnv) and single.reward_fn is TASKS["letters"].reward
+    assert isinstance(single, SingleTurnEnv) and single.reward_fn.__wrapped__ is TASKS["letters"].reward
     # a reward passed in code is played through a SingleTurnEnv whatever the task
     assert env_factory(Config.from_dict({"data": {"source": "task:letters"}}), reward_fn=exact)().reward_fn is exact
     user = env_factory(Config.from_dict({"rollout": {"env": "tests.test_data_scoring:EchoEnv", "env_args": {"greeting": "hi"}}}))()

@@ -13,6 +13,7 @@ queues behind them. The replica's `Generator` (service.py) orders updates and re
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import time
@@ -72,6 +73,17 @@ class GeneratorActor(Actor):
         """One sample continuing `token_ids` (see Generator.generate). Its caller, a rollout
         worker, may be gone by the time it is answered: the answer is then dropped."""
         return await self._gen().generate(token_ids, max_new_tokens, temperature, min_version)
+
+    @endpoint_for_callers_that_may_die
+    async def generate_many(self, requests: list[tuple]) -> list[RequestResult | str]:
+        """Several independent samples in one call, each `(token_ids, max_new_tokens,
+        temperature, min_version)` as for `generate`: the model turns a rollout worker's
+        episodes asked for in the same instant (a group's first turns, notably), so that one
+        message carries them instead of one each. A sample that fails comes back as its
+        error text; the others are not affected."""
+        gen = self._gen()
+        results = await asyncio.gather(*(gen.generate(*r) for r in requests), return_exceptions=True)
+        return [f"{type(r).__name__}: {str(r).strip()[:200]}" if isinstance(r, BaseException) else r for r in results]
 
     @concurrent_endpoint
     async def pause_generation(self) -> None:

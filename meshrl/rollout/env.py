@@ -96,7 +96,7 @@ class SingleTurnEnv:
         self.reward_fn = reward_fn
         self.timeout_s = timeout_s
 
-    def reset(self, sample: dict) -> Observation:
+    async def reset(self, sample: dict) -> Observation:  # a coroutine: no thread hop for a dict lookup
         self.sample = sample
         return sample["prompt"]
 

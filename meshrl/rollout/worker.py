@@ -43,6 +43,8 @@ CLAIM_POLL_S = 1.0
 """How long the queue holds one claim before answering None (then asked again)."""
 RETRY_AFTER_S = 1.0
 """Pause of a slot whose group was re-queued after a generator failure."""
+COALESCE_S = 0.002
+"""Model turns asked for within this long of the first go to a replica in one message."""
 
 
 class GenerationFailed(RuntimeError):
@@ -83,6 +85,8 @@ class RolloutWorker:
         self._renderers: dict[str, ChatRenderer] = {}
         self._task: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
+        self._waiting: dict[int, list] = {}  # replica -> model turns not yet sent, with their futures
+        self._calls: set[asyncio.Task] = set()  # generate_many calls in flight
         self._stopping = False
         self.window: list[dict[str, float]] = []  # per-episode stats since the last metrics()
         self.failed_total = 0
@@ -105,14 +109,51 @@ class RolloutWorker:
         return min(healthy, key=self._load.__getitem__)
 
     async def _generate(self, replica: int, ids: list[int], budget: int, version: int):
+        """One model turn on `replica`. Turns asked for within COALESCE_S of each other go
+        to the replica in one `generate_many` message: a group's episodes ask together."""
         if replica >= len(self.generators):
             raise GenerationFailed("its generator replica was removed")
-        try:
-            timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
-            return await asyncio.wait_for(awaited(self.generators[replica].generate.call_one(ids, budget, None, version)), timeout)
-        except Exception as e:  # noqa: BLE001 - any failure of the call: the group is played again
+        future = asyncio.get_running_loop().create_future()
+        waiting = self._waiting.setdefault(replica, [])
+        waiting.append(((ids, budget, None, version), future))
+        if len(waiting) == 1:
+            asyncio.get_running_loop().call_later(COALESCE_S, self._send, replica)
+        out = await future
+        if isinstance(out, str):  # this sample failed on the replica: the group is played again
             self._failed.add(replica)
-            raise GenerationFailed(f"generator replica {replica}: {type(e).__name__}: {str(e).strip()[:200]}") from e
+            raise GenerationFailed(f"generator replica {replica}: {out}")
+        return out
+
+    def _send(self, replica: int) -> None:
+        batch = self._waiting.pop(replica, [])
+        if not batch:
+            return
+        task = asyncio.ensure_future(self._call_many(replica, batch))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+        def abandon(_) -> None:  # every episode waiting on the call is gone (its group failed)
+            if all(future.done() for _, future in batch) and not task.done():
+                task.cancel()
+
+        for _, future in batch:
+            future.add_done_callback(abandon)
+
+    async def _call_many(self, replica: int, batch: list) -> None:
+        try:
+            if replica >= len(self.generators):
+                raise GenerationFailed("its generator replica was removed")
+            timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
+            results = await asyncio.wait_for(awaited(self.generators[replica].generate_many.call_one([r for r, _ in batch])), timeout)
+        except asyncio.CancelledError:  # the worker is stopping
+            for _, future in batch:
+                future.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of the call fails each of its samples
+            results = [f"{type(e).__name__}: {str(e).strip()[:200]}"] * len(batch)
+        for (_, future), result in zip(batch, results):
+            if not future.done():
+                future.set_result(result)
 
     def _renderer(self, env: Env) -> ChatRenderer:
         tools = getattr(env, "tools_schema", None) or None
