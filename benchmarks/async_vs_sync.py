@@ -86,12 +86,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="generator.compile and trainer.compile: vLLM's compiled model and TorchTitan's compiled blocks "
                         "(default on: 1.35x decode and 1.4x training step in bf16, for ~20 s more start-up)")
-    half = max(1, (os.cpu_count() or 2) // 2)
-    split = os.cpu_count() and os.cpu_count() >= 2
-    p.add_argument("--trainer-cpus", default=f"0-{half - 1}" if split else "",
-                   help="trainer.cpus (default: the first half of the cores; '' shares all cores)")
-    p.add_argument("--generator-cpus", default=f"{half}-{os.cpu_count() - 1}" if split else "",
-                   help="generator.cpus (default: the second half; '' shares all cores)")
+    p.add_argument("--trainer-cpus", default="auto", help="trainer.cpus (default: the shipped 'auto' placement; '' shares all cores)")
+    p.add_argument("--generator-cpus", default="auto", help="generator.cpus (default: the shipped 'auto' placement; '' shares all cores)")
     p.add_argument("--async-batches-in-flight", type=int, default=2,
                    help="async only: generator.max_num_seqs = this many batches (sync decodes one batch at a time by construction)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="extra config override for every run (e.g. a multi-turn task's rollout.*)")

@@ -13,7 +13,8 @@ all of a host's procs. `""` pins nothing.
 
 `"auto"` (the default) splits this host's cores when the trainer runs on CPU: the
 generators take half (at least `tp` per replica), the trainer the rest, and each process
-sizes its thread pools to its own cores. This holds in synchronous mode too, where the
+sizes its thread pools to its own cores; the queue and rollout-worker procs share the
+trainer's cores. This holds in synchronous mode too, where the
 roles take turns: an idle role's thread pools still spin-wait and poll on every core, and
 each role ran faster alone on its half than sharing all of them (measurements in
 benchmarks/README.md, "Placement"). With a GPU trainer, or hosts this process cannot see
@@ -116,9 +117,14 @@ def pin_this_process(cpus: list[int]) -> None:
     torch.set_num_threads(len(cpus))
 
 
-def size_light_process() -> None:
+def place_light_process(config) -> None:
     """For the coordinator and rollout-worker procs, which do no heavy tensor math: one
-    intra-op thread, so that their pools never spin on the trainer's or generators' cores."""
+    intra-op thread, and with the trainer pinned, its first proc's cores. Their work (env
+    steps, packing, messages) then never takes the generators' cores, where decoding is the
+    step's critical path, and the trainer, which waits while they work, has room for it."""
+    cpus = cpus_for(config.trainer.cpus, 0)
+    if cpus is not None and set(cpus) <= os.sched_getaffinity(0):
+        pin_this_process(cpus)
     torch.set_num_threads(1)
 
 

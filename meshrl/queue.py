@@ -45,7 +45,7 @@ from meshrl.compat import endpoint_for_callers_that_may_die
 from meshrl.config import Config
 from meshrl.data import PromptNode
 from meshrl.logs import capture_role_output
-from meshrl.placement import size_light_process
+from meshrl.placement import place_light_process
 
 SamplingPolicy = Callable[[Sequence[TensorDict], int, random.Random], list[int]]
 """A plain callable choosing which `n` of the READY groups (oldest first) a batch takes."""
@@ -328,7 +328,7 @@ class EpisodeQueueActor(Actor):
     def __init__(self, config: dict):
         config = Config.from_dict(config)
         capture_role_output(config, "queue")
-        size_light_process()
+        place_light_process(config)
         self.queue = EpisodeQueue(config)
 
     @endpoint_for_callers_that_may_die

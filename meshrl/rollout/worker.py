@@ -33,7 +33,7 @@ from meshrl.compat import awaited
 from meshrl.config import Config
 from meshrl.episode import Episode, Turn, assign_advantages, pack
 from meshrl.logs import capture_role_output
-from meshrl.placement import size_light_process
+from meshrl.placement import place_light_process
 from meshrl.rollout.chat import ChatRenderer
 from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, call_bounded
 
@@ -354,7 +354,7 @@ class RolloutWorkerActor(Actor):
     def __init__(self, config: dict, tokenizer_dir: str, worker: int, reward_fn=None):
         config = Config.from_dict(config)
         capture_role_output(config, f"worker-{worker}")
-        size_light_process()
+        place_light_process(config)
         self.worker = RolloutWorker(config, tokenizer_dir, worker, reward_fn)
 
     @endpoint
