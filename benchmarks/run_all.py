@@ -38,6 +38,12 @@ BENCHMARKS = [
                     "--max-new-tokens", "6", "--lr", "5e-3", "--steps", "60", "--seeds", "2", "--no-compile", "--dtype", "float32",
                     "--reward-level", "0.4", "--model", "dim=64", "--model", "n_layers=2", "--model", "n_heads=2",
                     "--model", "n_kv_heads=1", "--model", "ffn_dim=128", "--out", os.path.join(RESULTS, "multi_turn.json")], 900),
+    # where a step's time and CPU go; then the small problem side by side with TRL
+    ("step_floor", ["step_floor.py", "--out", os.path.join(RESULTS, "step_floor.json")], 900),
+    ("trl_small", ["trl_peer.py", "--seeds", "1", "--steps", "40", "--max-new-tokens", "8", "--dtype", "float32", "--no-compile",
+                   *[a for k, v in (("dim", 128), ("n_layers", 4), ("n_heads", 4), ("n_kv_heads", 2), ("ffn_dim", 384))
+                     for a in ("--model", f"{k}={v}")],
+                   "--trl-settings", "float32,float32+compile", "--out", os.path.join(RESULTS, "trl_small.json")], 1500),
 ]
 
 

@@ -17,7 +17,7 @@ sizes its thread pools to its own cores; the queue and rollout-worker procs shar
 trainer's cores. This holds in synchronous mode too, where the
 roles take turns: an idle role's thread pools still spin-wait and poll on every core, and
 each role ran faster alone on its half than sharing all of them (measurements in
-benchmarks/README.md, "Placement"). With a GPU trainer, or hosts this process cannot see
+benchmarks/README.md, section 6). With a GPU trainer, or hosts this process cannot see
 (Slurm, TorchX), `auto` pins nothing.
 """
 
