@@ -136,6 +136,12 @@ class Session:
     def step(self, n: int = 1, progress: bool = False) -> list[dict[str, float]]:
         """Train `n` steps; returns their metric rows."""
         loop = self._need()
+        earlier, self._interrupted = self._interrupted, None
+        if earlier is not None and not earlier.done():  # a step that Ctrl-C left running: never two at once
+            try:
+                earlier.result(self.config.buffer.get_timeout_s + 600)
+            except Exception:  # noqa: BLE001 - its failure was the interrupted call's to report
+                pass
         rows = []
         bar = _progress(n, progress)
         try:

@@ -14,11 +14,10 @@ all of a host's procs. `""` pins nothing.
 `"auto"` (the default) splits this host's cores when the trainer runs on CPU: the
 generators take half (at least `tp` per replica), the trainer the rest, and each process
 sizes its thread pools to its own cores; the queue and rollout-worker procs share the
-trainer's cores. This holds in synchronous mode too, where the
-roles take turns: an idle role's thread pools still spin-wait and poll on every core, and
-each role ran faster alone on its half than sharing all of them (measurements in
-benchmarks/README.md, section 6). With a GPU trainer, or hosts this process cannot see
-(Slurm, TorchX), `auto` pins nothing.
+trainer's cores. This holds in synchronous mode too, where the roles take turns: an idle
+role's thread pools still spin-wait and poll on every core, and each role ran faster alone
+on its half than sharing all of them (measurements in benchmarks/README.md, section 6).
+With a GPU trainer, or hosts this process cannot see (Slurm, TorchX), `auto` pins nothing.
 """
 
 from __future__ import annotations
