@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 
 from meshrl.config import Config, ConfigError, apply_overrides, load_yaml, preflight, reference_markdown
 from meshrl.logs import console, quiet_console
@@ -93,6 +94,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("meshrl: interrupted while starting; nothing trained yet", file=out)
         return 130
+    except Exception as e:  # noqa: BLE001 - one line here, the traceback in the controller's log
+        traceback.print_exc()  # to stderr: RUN_DIR/logs/controller.log unless --verbose
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        where = "above" if config.logging.verbose else os.path.join(run_dir, "logs", "controller.log")
+        print(f"meshrl: run failed: {type(e).__name__}: {first} (traceback: {where})", file=out)
+        return 1
     print(summary_line(result, time.monotonic() - start), file=out)
     return 0
 

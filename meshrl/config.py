@@ -665,6 +665,12 @@ def preflight(c: Config) -> None:
         os.remove(probe)
     except OSError as e:
         raise ConfigError("logging.run_dir", f"cannot write to {run_dir!r} ({e.strerror or type(e).__name__}): choose a writable directory") from None
+    if c.generator.return_routed_experts:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("generator.return_routed_experts", "vLLM returns routed experts only with its model runner V2, "
+                              "which needs Triton on a GPU: set it false on this CPU machine")
     m = c.model
     if m.path is not None:
         from meshrl.trainer.model import model_args_from_hf
