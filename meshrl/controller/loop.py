@@ -39,6 +39,8 @@ from meshrl.weightsync import WeightSync
 
 log = logging.getLogger("meshrl")
 CHECKPOINT_FILE = "loop_state.pt"
+HEALTH_CHECK_S = 5.0
+"""How often a step waiting for its batch checks that generators and workers are alive."""
 
 
 class TrainerFailed(RuntimeError):
@@ -141,7 +143,7 @@ class RLLoop:
         c = self.config
         call_start = time.monotonic()
         try:
-            out = await self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s)
+            out = await self._watching(asyncio.ensure_future(self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s)))
         except Exception as e:  # noqa: BLE001 - a dead trainer proc ends the run, resumably
             if "rollouts are not arriving" in str(e):
                 raise TimeoutError(f"no batch for version {self.version} within buffer.get_timeout_s={c.buffer.get_timeout_s:.0f}s: "
@@ -173,9 +175,27 @@ class RLLoop:
         return await task
 
     async def check_health(self) -> None:
-        """Replace dead generator replicas and rollout workers (called between steps)."""
+        """Replace dead generator replicas and rollout workers (between steps, and every
+        HEALTH_CHECK_S during one)."""
         await self.generators.check(self.version)
         await self.workers.check(self.generators.handles())
+
+    async def _watching(self, call: asyncio.Future):
+        """The trainer's call, with dead replicas and workers replaced while it waits: one
+        that dies mid-step holds groups its batch needs, which would otherwise come back
+        only when the batch timed out."""
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=HEALTH_CHECK_S)
+                if done:
+                    return call.result()
+                try:
+                    await self.check_health()
+                except Exception as e:  # noqa: BLE001 - the next check tries again
+                    log.warning("health check during a step failed: %s", (str(e).splitlines() or [type(e).__name__])[0][:200])
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
 
     async def _collect_metrics(self, out: dict) -> dict[str, float]:
         now = time.monotonic()
