@@ -18,7 +18,7 @@ import time
 import traceback
 
 from meshrl.config import Config, ConfigError, apply_overrides, load_yaml, preflight, reference_markdown
-from meshrl.logs import console, quiet_console
+from meshrl.logs import console, quiet_console, verbose
 
 USAGE_ERROR = 2
 
@@ -71,9 +71,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     else:
         config = load_config([path, *overrides] if path else overrides)
     preflight(config)  # bad inputs end here, in one line, before any output is redirected
-    out = sys.stderr if config.logging.verbose else quiet_console(config.logging.run_dir)
+    loud = verbose(config) or config.launcher.dry_run  # a dry run's output is the job description
+    out = sys.stderr if loud else quiet_console(config.logging.run_dir)
     run_dir = os.path.abspath(config.logging.run_dir)
-    where = "" if config.logging.verbose else f"; library output in {os.path.join(run_dir, 'logs')} (--verbose shows it here)"
+    where = "" if loud else f"; library output in {os.path.join(run_dir, 'logs')} (--verbose shows it here)"
     what = f"resuming {run_dir}" if ns.resume else f"training {path or 'the embedded default'} in {run_dir}"
     print(f"meshrl: {what}{where}", file=out)
 
@@ -94,10 +95,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("meshrl: interrupted while starting; nothing trained yet", file=out)
         return 130
+    except ConfigError:
+        raise  # one line and exit 2, from main()
     except Exception as e:  # noqa: BLE001 - one line here, the traceback in the controller's log
         traceback.print_exc()  # to stderr: RUN_DIR/logs/controller.log unless --verbose
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        where = "above" if config.logging.verbose else os.path.join(run_dir, "logs", "controller.log")
+        where = "above" if loud else os.path.join(run_dir, "logs", "controller.log")
         print(f"meshrl: run failed: {type(e).__name__}: {first} (traceback: {where})", file=out)
         return 1
     print(summary_line(result, time.monotonic() - start), file=out)

@@ -63,10 +63,15 @@ def console() -> TextIO:
     return _console if _console is not None else sys.stderr
 
 
+def verbose(config) -> bool:
+    """Library output stays on the terminal: `logging.verbose`, or MESHRL_VERBOSE=1."""
+    return config.logging.verbose or os.environ.get("MESHRL_VERBOSE") == "1"
+
+
 def capture_role_output(config, role: str) -> None:
     """Called by each actor as it starts: its proc's output goes to RUN_DIR/logs/ROLE.log,
     unless `logging.verbose` (or MESHRL_VERBOSE=1 in the environment) keeps it on the
     terminal."""
-    if config.logging.verbose or os.environ.get("MESHRL_VERBOSE") == "1":
+    if verbose(config):
         return
     capture_process_output(os.path.abspath(config.logging.run_dir), role)
