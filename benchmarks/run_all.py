@@ -23,6 +23,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
+sys.path.insert(0, HERE)
+from step_floor import SMALL_MODEL  # noqa: E402  the small problem, one definition
 
 # (name, arguments, time limit in s); small sizes so that all of them fit in about 25 minutes
 BENCHMARKS = [
@@ -41,8 +43,7 @@ BENCHMARKS = [
     # where a step's time and CPU go; then the small problem side by side with TRL
     ("step_floor", ["step_floor.py", "--out", os.path.join(RESULTS, "step_floor.json")], 900),
     ("trl_small", ["trl_peer.py", "--seeds", "1", "--steps", "40", "--max-new-tokens", "8", "--dtype", "float32", "--no-compile",
-                   *[a for k, v in (("dim", 128), ("n_layers", 4), ("n_heads", 4), ("n_kv_heads", 2), ("ffn_dim", 384))
-                     for a in ("--model", f"{k}={v}")],
+                   *[a for k, v in SMALL_MODEL.items() for a in ("--model", f"{k}={v}")],
                    "--trl-settings", "float32,float32+compile", "--out", os.path.join(RESULTS, "trl_small.json")], 1500),
 ]
 
