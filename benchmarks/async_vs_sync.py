@@ -56,7 +56,7 @@ MODE_CONFIGS = {"sync": "configs/sync.yaml", "async": "configs/default.yaml"}
 ROW_KEYS = ("time/step_s", "trainer/wait_s", "trainer/step_time_s", "trainer/idle_frac", "generator/idle_frac",
             "generator/tokens_per_s", "sync/publish_s", "sync/update_s", "sync/previous_update_s", "sync/previous_update_wait_s",
             "reward/mean", "reward/success_rate", "episode/count", "trainer/reward_mean", "trainer/staleness_mean", "trainer/staleness_max",
-            "trainer/logprob_mismatch")
+            "trainer/logprob_mismatch", "trainer/tokens", "buffer/straggler_s")
 
 
 def bench_model(args: argparse.Namespace) -> dict:
@@ -142,7 +142,8 @@ def run_mode(mode: str, args: argparse.Namespace, run_dir: str) -> dict:
     rows, samples = [], 0.0
     for r in raw:
         samples += r.get("episode/count", 0.0)  # episodes finished (scored) since the last step
-        row = {"step": int(r["version"]), "samples": samples, **{k: float(r[k]) for k in ROW_KEYS if k in r}}
+        row = {"step": int(r["version"]), "samples": samples, **{k: float(r[k]) for k in ROW_KEYS if k in r},
+               "response_lengths": r.get("response_lengths", [])}  # of the episodes finished since the last step
         # The trained batch's own reward and mean version: in async mode the scorer's
         # reward/mean covers the samples scored since the last step, newer than the batch.
         row["reward"] = row["trainer/reward_mean"]

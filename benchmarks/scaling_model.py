@@ -61,6 +61,98 @@ def predict(G0: float, T0: float, n_ratio: float, replicas: int, bytes_: float, 
             "bottleneck": "generation" if G > T + S else ("weight sync" if S > T else "training")}
 
 
+# ---- length distributions ---------------------------------------------------------------------
+# A decode step advances every running sequence by one token. On a GPU a decode step is
+# memory-bound: it costs about the same at any occupancy, so an engine's tokens/s scale with
+# how full it is, and a batch waiting on its longest sequences runs mostly empty.
+GPU_SCENARIOS = {
+    # tokens/s of one H100 generating long traces, from the survey's figures (512 rollouts of
+    # 32K tokens: about 45 min for 7B, 3.7 h for 32B); KV cache room in tokens: 80 GB less
+    # bf16 weights and working memory, over K/V bytes per token (7B: 28 layers x 4 KV heads x
+    # 128 x 2 x 2 B = 57 KB; 32B: 64 x 8 x 128 x 2 x 2 B = 262 KB)
+    "7B": {"params": 7.6e9, "decode_tokens_per_s": 6300.0, "kv_tokens": 960_000},
+    "32B": {"params": 32.8e9, "decode_tokens_per_s": 1260.0, "kv_tokens": 38_000},
+}
+H100_BF16_FLOPS, TRAIN_MFU = 989e12, 0.4
+GPU_BATCH, MAX_SEQS = 512, 256  # rollouts per step (64 prompts x 8), vLLM's default max_num_seqs
+
+
+def batch_makespan(lengths: list[int], capacity: int) -> int:
+    """Decode steps to generate `lengths` alone on `capacity` slots (a sync step)."""
+    import heapq
+
+    running: list[int] = []
+    for n in lengths:
+        start = heapq.heappop(running) if len(running) == capacity else 0
+        heapq.heappush(running, start + n)
+    return max(running)
+
+
+def stream_steps_per_batch(lengths: list[int], capacity: int, batch: int, drain: bool) -> float:
+    """Decode steps per `batch` finished sequences when a freed slot takes the next sequence
+    at once (async, keep or abort: the weight update swaps between decode steps). `drain`:
+    once per batch (each weight update) nothing is admitted until every running sequence has
+    finished, so a request never spans two versions."""
+    import heapq
+    from collections import deque
+
+    pending, running, now, done, ends = deque(lengths), [], 0, 0, []
+    while pending or running:
+        while pending and len(running) < capacity:
+            heapq.heappush(running, now + pending.popleft())
+        now = heapq.heappop(running)
+        done += 1
+        if done % batch == 0:
+            ends.append(now)
+            while drain and running:
+                now = heapq.heappop(running)
+                done += 1
+                if done % batch == 0:
+                    ends.append(now)
+    return (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else float(now)
+
+
+def lognormal_lengths(median: float, sigma: float, longest: int, count: int, seed: int = 0) -> list[int]:
+    """The longtail task's length law (meshrl/tasks.py target_length) at another scale."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    return [max(1, min(longest, round(median * math.exp(rng.gauss(0.0, sigma))))) for _ in range(count)]
+
+
+def length_predictions(sigma: float, tail_ratio: float, batches: int = 40) -> list[dict]:
+    """Sync, async keep and async drain at GPU scale: one H100 generating, one training, for
+    7B and 32B models and traces of at most 8K and 32K tokens (median = max / tail_ratio)."""
+    rows = []
+    for name, m in GPU_SCENARIOS.items():
+        for longest in (8192, 32768):
+            lengths = lognormal_lengths(longest / tail_ratio, sigma, longest, GPU_BATCH * batches)
+            mean_len = sum(lengths) / len(lengths)
+            capacity = max(1, min(MAX_SEQS, int(m["kv_tokens"] / mean_len)))
+            step_s = capacity / m["decode_tokens_per_s"]  # one decode step of a full engine
+            G = {"sync": statistics_mean(batch_makespan(lengths[i:i + GPU_BATCH], capacity) for i in range(0, len(lengths), GPU_BATCH)),
+                 "keep": stream_steps_per_batch(lengths, capacity, GPU_BATCH, drain=False),
+                 "drain": stream_steps_per_batch(lengths, capacity, GPU_BATCH, drain=True)}
+            G = {k: v * step_s for k, v in G.items()}
+            T = GPU_BATCH * mean_len * 6 * m["params"] / (H100_BF16_FLOPS * TRAIN_MFU)
+            step = {"sync": G["sync"] + T, "keep": max(G["keep"], T), "drain": max(G["drain"], T)}
+            rows.append({
+                "model": name, "max_tokens": longest, "median_tokens": longest / tail_ratio, "mean_tokens": mean_len,
+                "engine_seqs": capacity, "G_s": G, "T_s": T, "step_s": step,
+                "trainer_idle": {k: 1 - T / v for k, v in step.items()},
+                "generator_idle": {"sync": T / step["sync"], "keep": 1 - G["keep"] / step["keep"], "drain": 1 - G["drain"] / step["drain"]},
+                "keep_over_sync": step["sync"] / step["keep"], "drain_over_sync": step["sync"] / step["drain"],
+                "overlap_bound": (G["sync"] + T) / max(G["sync"], T),
+            })
+    return rows
+
+
+def statistics_mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--transport", default="collective", choices=["rdma", "collective", "files"])

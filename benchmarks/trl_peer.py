@@ -35,15 +35,45 @@ from async_vs_sync import RESULTS, add_common_args, bench_config, bench_seeds, m
 TARGET_SPEEDUP = 2.0
 
 
-def task_dataset(task_name: str, n: int, seed: int):
-    """The same prompts meshrl's task source makes for epoch 0 (prompt i is a pure function of seed, i)."""
+def task_dataset(task_name: str, n: int, seed: int, data=None):
+    """The same records meshrl's task source makes for epoch 0 (record i is a pure function
+    of seed, i): prompt, answer and the task's own fields."""
     from datasets import Dataset
 
     from meshrl.tasks import get_task
 
     task = get_task(task_name)
-    rows = [task.make(random.Random(f"{seed}/0/{i}")) for i in range(n)]
-    return Dataset.from_dict({"prompt": [p for p, _ in rows], "answer": [a for _, a in rows]})
+    return Dataset.from_list([task.sample(random.Random(f"{seed}/0/{i}"), data) for i in range(n)])
+
+
+def cap_at_budgets(model, tokenizer, dataset) -> None:
+    """Give TRL's generation meshrl's per-prompt token budgets (a record's `max_new_tokens`):
+    `model.generate` stops each row once it has that many new tokens. TRL has no such knob.
+    transformers pads a stopped row, and TRL counts a row up to its first end-of-sequence
+    token, so the pad is the end-of-sequence token (GRPOConfig.generation_kwargs): a row cut
+    at its budget then trains one token more than in meshrl, an end it did not sample."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    budget_of = dict(zip(dataset["prompt"], dataset["max_new_tokens"]))
+
+    class Budgets(StoppingCriteria):
+        def __init__(self, prompt_ids):
+            self.start = prompt_ids.shape[1]
+            texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+            self.budgets = torch.tensor([budget_of[t] for t in texts], device=prompt_ids.device)
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids.shape[1] - self.start >= self.budgets
+
+    generate = model.generate
+
+    def generate_within_budgets(*args, **kwargs):
+        criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        criteria.append(Budgets(kwargs["input_ids"]))
+        return generate(*args, stopping_criteria=criteria, **kwargs)
+
+    model.generate = generate_within_budgets
 
 
 def reward_for_trl(task_name: str):
@@ -89,6 +119,11 @@ def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str, s
     )
     tokenizer = load_tokenizer(tokenizer_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    task = cfg.data.source.removeprefix("task:")
+    dataset = task_dataset(task, steps * cfg.batch_groups + cfg.batch_groups, cfg.seed, cfg.data)
+    if "max_new_tokens" in dataset.column_names:
+        cap_at_budgets(model, tokenizer, dataset)
+        args.generation_kwargs = {**(args.generation_kwargs or {}), "pad_token_id": tokenizer.eos_token_id}
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -105,10 +140,8 @@ def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str, s
                 self.rows.append({"step": state.global_step, "reward": float(logs["reward"])})
 
     timer = StepTimer()
-    task = cfg.data.source.removeprefix("task:")
     trainer = GRPOTrainer(model=model, reward_funcs=reward_for_trl(task), args=args, processing_class=tokenizer,
-                          train_dataset=task_dataset(task, steps * cfg.batch_groups + cfg.batch_groups, cfg.seed),
-                          callbacks=[timer])
+                          train_dataset=dataset, callbacks=[timer])
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0

@@ -213,9 +213,23 @@ class ScoringConfig:
 
 
 @dataclass
+class LengthTailConfig:
+    median: int = 8
+    """Median target length, in tokens, of the longtail tasks' answers."""
+    sigma: float = 1.4
+    """Spread of the target length: lognormal with this sigma, so the 95th percentile is exp(1.645 sigma) times the median (1.0: 5.2x, 1.2: 7.2x, 1.4: 10x). Early in a run answers run to their budgets, which lifts the short ones most, so the produced tail is thinner than the targets'."""
+    max: int = 160
+    """Longest target length in tokens; longer draws are clipped to it. At least 20x the median gives a reasoning-like tail."""
+    slack: float = 0.25
+    """Each answer's token budget: its target length x (1 + slack) + 2. A model that does not stop is cut there (finish_reason `length`)."""
+    turns_max: int = 4
+    """task:longtail_chat: rounds per episode, from 1 to this, heavy-tailed too (P(k) proportional to 1/k^2)."""
+
+
+@dataclass
 class DataConfig:
     source: str = "task:digits"
-    """Prompts: `task:NAME` for a built-in task (single-turn digits, letters, count, add, copy; multi-turn calc with a tool, guess: see meshrl/tasks.py), or a local .jsonl / .parquet file."""
+    """Prompts: `task:NAME` for a built-in task (single-turn digits, letters, count, add, copy, longtail with heavy-tailed lengths; multi-turn calc with a tool, guess, longtail_chat: see meshrl/tasks.py), or a local .jsonl / .parquet file."""
     prompt_key: str = "prompt"
     """Field holding the prompt in file sources: text, or a list of chat messages (rendered with the tokenizer's chat template)."""
     answer_key: str = "answer"
@@ -224,6 +238,8 @@ class DataConfig:
     """Shuffle prompts (with the run seed)."""
     num_prompts: int = 100000
     """Prompts a built-in task generates per epoch."""
+    lengths: LengthTailConfig = field(default_factory=LengthTailConfig)
+    """Heavy-tailed answer lengths of task:longtail and task:longtail_chat (ignored by the other sources)."""
 
 
 @dataclass
@@ -575,6 +591,8 @@ def validate(c: Config) -> None:
         need(s.reward_fn is not None or s.reward_model is not None or c.rollout.env is not None, "scoring.reward_fn",
              f"a file data source ({d.source}) needs a reward: set scoring.reward_fn, scoring.reward_model or rollout.env")
     need(d.num_prompts >= 1, "data.num_prompts", f"must be at least 1, got {d.num_prompts}")
+    if d.source in ("task:longtail", "task:longtail_chat"):
+        _check_lengths(need, c)
 
     r = c.rollout
     need(r.workers >= 1, "rollout.workers", f"must be at least 1, got {r.workers}")
@@ -592,6 +610,25 @@ def validate(c: Config) -> None:
     need(la.start_timeout_s > 0, "launcher.start_timeout_s", f"must be positive, got {la.start_timeout_s}")
     parts = la.time_limit.split(":")
     need(len(parts) == 3 and all(p.isdigit() for p in parts), "launcher.time_limit", f"{la.time_limit!r} must look like HH:MM:SS")
+
+
+def _check_lengths(need, c: Config) -> None:
+    """The longtail tasks' length tail must fit the generation budget and the context."""
+    from meshrl.tasks import answer_budget
+
+    n = c.data.lengths
+    need(n.median >= 1, "data.lengths.median", f"must be at least 1, got {n.median}")
+    need(n.max >= n.median, "data.lengths.max", f"must be at least data.lengths.median ({n.median}), got {n.max}")
+    need(n.sigma >= 0, "data.lengths.sigma", f"must be at least 0, got {n.sigma}")
+    need(n.slack >= 0, "data.lengths.slack", f"must be at least 0, got {n.slack}")
+    need(1 <= n.turns_max <= c.rollout.max_turns, "data.lengths.turns_max",
+         f"must be from 1 to rollout.max_turns ({c.rollout.max_turns}), got {n.turns_max}")
+    budget = answer_budget(n.max, n.slack)
+    need(c.generator.max_new_tokens >= budget, "generator.max_new_tokens",
+         f"must be at least {budget} (the budget of the longest longtail answer, data.lengths.max x (1 + slack) + 2), got {c.generator.max_new_tokens}; "
+         "raise it or lower data.lengths.max")
+    need(c.model.max_seq_len >= budget + 16, "model.max_seq_len",
+         f"must be at least {budget + 16} (the longest longtail answer's budget plus its prompt), got {c.model.max_seq_len}")
 
 
 # ---- the generated reference --------------------------------------------------------------

@@ -74,7 +74,7 @@ class PromptNode(BaseNode[dict]):
         if self.records is not None:
             return dict(self.records[i])
         # A task prompt is a pure function of (seed, epoch, i): nothing to store.
-        return self.task.sample(random.Random(f"{self.seed}/{self.epoch}/{i}"))
+        return self.task.sample(random.Random(f"{self.seed}/{self.epoch}/{i}"), self.cfg)
 
     def get_state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}

@@ -106,6 +106,8 @@ class EpisodeQueue:
         self.running: dict[int, tuple[dict, int, int, int]] = {}  # group id -> (sample, worker, claim version, token)
         self._tokens = itertools.count()
         self.ready: deque[TensorDict] = deque()
+        self._ready_at: dict[int, float] = {}  # group id -> when it was put (READY)
+        self._straggler_s = 0.0
         self.consumed: list[int] = []  # group ids trained, in order
         self._cond = threading.Condition()
         self._rng = random.Random(config.seed)
@@ -155,6 +157,7 @@ class EpisodeQueue:
                 self._cond.notify_all()  # dropped as stale: admission replaces it, wake a waiting worker
                 return False
             self.ready.append(group)
+            self._ready_at[group_id] = time.monotonic()
             self._stats["puts"] += 1
             self._cond.notify_all()
             return True
@@ -200,7 +203,9 @@ class EpisodeQueue:
             for i in sorted(chosen, reverse=True):
                 del self.ready[i]
             batch = episode.concat(picked)
-            self.consumed += [int(g["group_id"][0]) for g in picked]
+            ids = [int(g["group_id"][0]) for g in picked]
+            self.consumed += ids
+            self._straggler_s = straggler_wait(start, [self._ready_at.pop(gid, start) for gid in ids])
             self._lag_hist.update(episode.staleness(batch, current_version)[batch["loss_mask"]].tolist())
             self._stats["samples"] += 1
             self._stats["consumer_wait_s"] += time.monotonic() - start
@@ -239,6 +244,8 @@ class EpisodeQueue:
     def _recheck_ready(self) -> None:
         """Apply the current version and bound to every READY group (mask or drop)."""
         self.ready = deque(g for g in map(self._admit, self.ready) if g is not None)
+        kept = {int(g["group_id"][0]) for g in self.ready}
+        self._ready_at = {gid: t for gid, t in self._ready_at.items() if gid in kept}
 
     def _admit(self, group: TensorDict) -> TensorDict | None:
         """The group as it may be trained on at the current version, or None (dropped)."""
@@ -276,6 +283,7 @@ class EpisodeQueue:
                 "buffer/dropped_stale_tokens": float(s["dropped_stale_tokens"]),
                 "buffer/masked_stale_tokens": float(s["masked_stale_tokens"]),
                 "buffer/consumer_wait_s": s["consumer_wait_s"],
+                "buffer/straggler_s": self._straggler_s,
                 "buffer/lag_mean": sum(k * v for k, v in hist.items()) / tokens if tokens else 0.0,
                 "buffer/lag_max": float(max(hist, default=0)),
                 **{f"buffer/lag_hist/{k}": float(v) for k, v in sorted(hist.items())},
@@ -312,6 +320,18 @@ class EpisodeQueue:
             self._lag_hist = Counter(state["lag_hist"])
             self._rng.setstate(state["rng"])
             self._cond.notify_all()
+
+
+def straggler_wait(asked_at: float, ready_at: list[float]) -> float:
+    """The part of the trainer's wait for a batch spent after half of its groups were READY:
+    time lost to the batch's longest episodes. Zero when the batch was complete before the
+    trainer asked (async at its best); the last group minus the median one when the trainer
+    waited for the whole batch to be generated (sync)."""
+    if not ready_at:
+        return 0.0
+    times = sorted(ready_at)
+    half = times[(len(times) - 1) // 2]
+    return max(0.0, times[-1] - max(asked_at, half))
 
 
 def _check_one_group(group: TensorDict, group_id: int) -> None:

@@ -17,6 +17,15 @@ Single-turn (raw text prompts):
 - count:   "q*3=" -> "qqq" and stop. Partial credit for the right letter, full for exact.
 - add:     "17+25=" -> "42". Exact match only.
 - copy:    "copy:hello=" -> "hello". Per-character credit.
+- longtail: "37:" -> 37 digits and stop, n heavy-tailed like reasoning traces
+           (`data.lengths`: lognormal around a median, clipped at a max of 20x or more).
+           Each prompt carries its own token budget (`max_new_tokens`, n plus a slack):
+           a model that does not stop is cut there. Credit per digit among the first n
+           characters, over the longer of n and the response: exactly 1 only for n digits
+           and a stop. From scratch a model learns digits within tens of steps (as in
+           digits), stopping at the right count far more slowly, so response lengths follow
+           the targets' tail throughout a run: a workload for stragglers
+           (configs/long-tail.yaml, benchmarks/long_tail.py).
 
 Multi-turn (chat messages, rendered by the tokenizer's chat template; both are learnable
 from scratch on a CPU by the tiny default model with the built-in character tokenizer):
@@ -27,11 +36,15 @@ from scratch on a CPU by the tiny default model with the built-in character toke
          `!7-3` is a call) for models trained from scratch.
 - guess: a hidden digit; the model guesses, the env answers `+` (higher) or `-` (lower),
          at most 4 guesses. 1.0 for a hit on the first guess, 0.1 less per extra guess.
+- longtail_chat: longtail's question ("37") asked for 1 to `data.lengths.turns_max` rounds
+         (P(k) proportional to 1/k^2), one heavy-tailed length and budget per round; the
+         mean of the rounds' credit.
 """
 
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import random
 import re
@@ -39,6 +52,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from meshrl.config import DataConfig, LengthTailConfig
 from meshrl.rollout.env import ModelTurn, StepResult
 from meshrl.rollout.tools import ToolEnv
 
@@ -48,21 +62,20 @@ LETTERS_LENGTH = 8
 @dataclass(frozen=True)
 class Task:
     name: str
-    make: Callable[[random.Random], tuple[Any, str]]
-    """rng -> (prompt: text or chat messages, reference answer)"""
+    make: Callable[[random.Random, DataConfig], dict[str, Any]]
+    """(rng, the run's data config) -> the record: `prompt` (text or chat messages), the
+    reference `answer`, and the task's own fields"""
     reward: Callable[[str, str, dict], float] | None = None
     """single-turn: (prompt, response, sample) -> reward in [0, 1]"""
     env: Callable[[Any], Any] | None = None
     """multi-turn: (run Config) -> a fresh env for one episode"""
 
-    def sample(self, rng: random.Random) -> dict:
-        prompt, answer = self.make(rng)
-        return {"prompt": prompt, "answer": answer}
+    def sample(self, rng: random.Random, data: DataConfig | None = None) -> dict[str, Any]:
+        return self.make(rng, data or DataConfig())
 
 
-def _make_digits(rng: random.Random) -> tuple[str, str]:
-    c = rng.choice(string.ascii_lowercase)
-    return f"{c}:", ""
+def _make_digits(rng: random.Random, data: DataConfig) -> dict[str, Any]:
+    return {"prompt": f"{rng.choice(string.ascii_lowercase)}:", "answer": ""}
 
 
 def digits_reward(prompt: str, response: str, sample: dict) -> float:
@@ -70,9 +83,9 @@ def digits_reward(prompt: str, response: str, sample: dict) -> float:
     return sum(ch.isdigit() for ch in response[:LETTERS_LENGTH]) / LETTERS_LENGTH
 
 
-def _make_letters(rng: random.Random) -> tuple[str, str]:
+def _make_letters(rng: random.Random, data: DataConfig) -> dict[str, Any]:
     c = rng.choice(string.ascii_lowercase)
-    return f"{c}:", c * LETTERS_LENGTH
+    return {"prompt": f"{c}:", "answer": c * LETTERS_LENGTH}
 
 
 def letters_reward(prompt: str, response: str, sample: dict) -> float:
@@ -81,9 +94,9 @@ def letters_reward(prompt: str, response: str, sample: dict) -> float:
     return sum(a == b for a, b in zip(response, target)) / len(target)
 
 
-def _make_count(rng: random.Random) -> tuple[str, str]:
+def _make_count(rng: random.Random, data: DataConfig) -> dict[str, Any]:
     c, n = rng.choice(string.ascii_lowercase), rng.randint(1, 5)
-    return f"{c}*{n}=", c * n
+    return {"prompt": f"{c}*{n}=", "answer": c * n}
 
 
 def count_reward(prompt: str, response: str, sample: dict) -> float:
@@ -94,9 +107,9 @@ def count_reward(prompt: str, response: str, sample: dict) -> float:
     return 0.5 * sum(a == b for a, b in zip(response, target)) / max(len(target), len(response))
 
 
-def _make_add(rng: random.Random) -> tuple[str, str]:
+def _make_add(rng: random.Random, data: DataConfig) -> dict[str, Any]:
     a, b = rng.randint(0, 99), rng.randint(0, 99)
-    return f"{a}+{b}=", str(a + b)
+    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
 
 
 def add_reward(prompt: str, response: str, sample: dict) -> float:
@@ -104,9 +117,9 @@ def add_reward(prompt: str, response: str, sample: dict) -> float:
     return float(response.strip() == sample["answer"])
 
 
-def _make_copy(rng: random.Random) -> tuple[str, str]:
+def _make_copy(rng: random.Random, data: DataConfig) -> dict[str, Any]:
     word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 8)))
-    return f"copy:{word}=", word
+    return {"prompt": f"copy:{word}=", "answer": word}
 
 
 def copy_reward(prompt: str, response: str, sample: dict) -> float:
@@ -143,12 +156,12 @@ _LEADING_ARITHMETIC = re.compile(r"[\d+\-*() ]*")
 _FIRST_NUMBER = re.compile(r"-?\d+")
 
 
-def _make_calc(rng: random.Random) -> tuple[list[dict], str]:
+def _make_calc(rng: random.Random, data: DataConfig) -> dict[str, Any]:
     # one-digit results: the answer is copied from the tool in one token
     result, op = rng.randint(0, 9), rng.choice("+-")
     b = rng.randint(0, result) if op == "+" else rng.randint(0, 9 - result)
     a = result - b if op == "+" else result + b
-    return [{"role": "user", "content": f"{a}{op}{b}"}], str(result)
+    return {"prompt": [{"role": "user", "content": f"{a}{op}{b}"}], "answer": str(result)}
 
 
 class CalcEnv(ToolEnv):
@@ -185,8 +198,8 @@ class CalcEnv(ToolEnv):
 GUESSES = 4
 
 
-def _make_guess(rng: random.Random) -> tuple[list[dict], str]:
-    return [{"role": "user", "content": "?"}], str(rng.randint(0, 9))
+def _make_guess(rng: random.Random, data: DataConfig) -> dict[str, Any]:
+    return {"prompt": [{"role": "user", "content": "?"}], "answer": str(rng.randint(0, 9))}
 
 
 class GuessEnv:
@@ -209,6 +222,60 @@ class GuessEnv:
         return StepResult(observation=[{"role": "user", "content": hint}], done=False)
 
 
+# ---- heavy-tailed lengths -------------------------------------------------------------------------
+def target_length(rng: random.Random, lengths: LengthTailConfig) -> int:
+    """A target answer length: lognormal around `lengths.median`, clipped to [1, lengths.max]."""
+    return max(1, min(lengths.max, round(lengths.median * math.exp(rng.gauss(0.0, lengths.sigma)))))
+
+
+def answer_budget(target: int, slack: float) -> int:
+    """Token budget of an answer `target` tokens long: room to overshoot a little, then cut."""
+    return math.ceil(target * (1 + slack)) + 2
+
+
+def _make_longtail(rng: random.Random, data: DataConfig) -> dict[str, Any]:
+    n = target_length(rng, data.lengths)
+    return {"prompt": f"{n}:", "answer": str(n), "max_new_tokens": answer_budget(n, data.lengths.slack)}
+
+
+def longtail_reward(prompt: str, response: str, sample: dict) -> float:
+    """Digits among the first n characters, over the longer of n and the response: 1 only
+    for exactly n digits and a stop."""
+    n = int(sample["answer"])
+    return sum(ch.isdigit() for ch in response[:n]) / max(n, len(response))
+
+
+def _make_longtail_chat(rng: random.Random, data: DataConfig) -> dict[str, Any]:
+    turns = range(1, data.lengths.turns_max + 1)
+    rounds = rng.choices(turns, weights=[1 / k**2 for k in turns])[0]
+    answers = [target_length(rng, data.lengths) for _ in range(rounds)]
+    return {"prompt": [{"role": "user", "content": str(answers[0])}], "answer": answers}
+
+
+class LongtailChatEnv:
+    """task:longtail_chat: round after round the user asks for n digits. Each answer is
+    scored like task:longtail and within its own budget; the episode's reward is the mean
+    over its rounds, so a round never reached (the context ran out) counts 0."""
+
+    def __init__(self, config):
+        self.slack = config.data.lengths.slack
+        self.answers: list[int] = []
+        self.max_new_tokens: int | None = None
+
+    def reset(self, sample: dict) -> list[dict]:
+        self.answers = sample["answer"]
+        self.max_new_tokens = answer_budget(self.answers[0], self.slack)
+        return sample["prompt"]
+
+    def step(self, turn: ModelTurn) -> StepResult:
+        reward = longtail_reward("", turn.text, {"answer": self.answers[turn.index]}) / len(self.answers)
+        following = turn.index + 1
+        if following == len(self.answers):
+            return StepResult(reward=reward, done=True)
+        self.max_new_tokens = answer_budget(self.answers[following], self.slack)
+        return StepResult(observation=[{"role": "user", "content": str(self.answers[following])}], reward=reward, done=False)
+
+
 TASKS: dict[str, Task] = {
     "digits": Task("digits", _make_digits, digits_reward),
     "letters": Task("letters", _make_letters, letters_reward),
@@ -217,6 +284,8 @@ TASKS: dict[str, Task] = {
     "copy": Task("copy", _make_copy, copy_reward),
     "calc": Task("calc", _make_calc, env=CalcEnv),
     "guess": Task("guess", _make_guess, env=GuessEnv),
+    "longtail": Task("longtail", _make_longtail, longtail_reward),
+    "longtail_chat": Task("longtail_chat", _make_longtail_chat, env=LongtailChatEnv),
 }
 
 

@@ -86,6 +86,13 @@ def test_overrides_dict_and_code_agree():
         ({"trainer": {"cpus": "3-1"}}, "trainer.cpus", "backwards"),
         ({"generator": {"cpus": "4096"}}, "generator.cpus", "do not exist here"),
         ({"generator": {"tp": 2, "cpus": "0"}}, "generator.cpus", "at least 2 cores"),
+        # the longtail tasks' tail must fit the budget and the context
+        ({"data": {"source": "task:longtail"}}, "generator.max_new_tokens", "at least 202"),
+        ({"data": {"source": "task:longtail", "lengths": {"max": 4}}}, "data.lengths.max", "at least data.lengths.median"),
+        ({"data": {"source": "task:longtail_chat", "lengths": {"max": 8, "turns_max": 9}}, "generator": {"max_new_tokens": 12}},
+         "data.lengths.turns_max", "rollout.max_turns"),
+        ({"data": {"source": "task:longtail", "lengths": {"max": 100}}, "generator": {"max_new_tokens": 128}, "model": {"max_seq_len": 140}},
+         "model.max_seq_len", "at least 143"),
     ],
 )
 def test_bad_values_name_the_field(data, field, words):

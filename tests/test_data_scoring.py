@@ -23,7 +23,7 @@ from meshrl.rollout.chat import ChatRenderer
 from meshrl.rollout.env import ModelTurn, SingleTurnEnv
 from meshrl.rollout.worker import GenerationFailed, RolloutWorker, env_factory, summarize
 from meshrl.scoring import resolve_reward
-from meshrl.tasks import TASKS, CalcEnv, GuessEnv
+from meshrl.tasks import TASKS, CalcEnv, GuessEnv, LongtailChatEnv, answer_budget
 from meshrl.tokenizer import build_char_tokenizer
 
 SINGLE_TURN = sorted(name for name, task in TASKS.items() if task.env is None)
@@ -37,11 +37,11 @@ def tokenizer_dir(tmp_path_factory):
 
 # ---- tasks ----------------------------------------------------------------------------------------
 def test_tasks_are_single_or_multi_turn():
-    assert MULTI_TURN == ["calc", "guess"] and "digits" in SINGLE_TURN
+    assert MULTI_TURN == ["calc", "guess", "longtail_chat"] and "digits" in SINGLE_TURN
     for name, task in TASKS.items():
         assert (task.reward is None) != (task.env is None), name
         a, b = task.sample(random.Random(5)), task.sample(random.Random(5))
-        assert a == b and set(a) == {"prompt", "answer"}, name  # a pure function of the rng
+        assert a == b and {"prompt", "answer"} <= set(a), name  # a pure function of the rng
         if task.env is not None:
             assert isinstance(a["prompt"], list) and a["prompt"][-1]["role"] == "user"  # chat messages
 
@@ -54,9 +54,11 @@ def test_single_turn_tasks_reward_their_own_answer_fully(name):
         prompt, answer = sample["prompt"], sample["answer"]
         if name == "digits":
             answer = "01234567"  # any digits are right
-        assert task.reward(prompt, answer, {"answer": answer}) == 1.0
-        assert task.reward(prompt, "", {"answer": answer}) == 0.0
-        assert 0.0 <= task.reward(prompt, "zz9", {"answer": answer}) < 1.0
+        if name == "longtail":
+            answer = "5" * int(answer)  # any n digits are right
+        assert task.reward(prompt, answer, sample) == 1.0
+        assert task.reward(prompt, "", sample) == 0.0
+        assert 0.0 <= task.reward(prompt, "zz9", sample) < 1.0
 
 
 async def play_by_hand(env, sample: dict, texts: list[str]):
@@ -130,6 +132,46 @@ def test_guess_env_by_hand():
 
 
 # ---- prompt sources -------------------------------------------------------------------------------
+def test_longtail_lengths_have_the_configured_tail():
+    """task:longtail's targets: lognormal around the median, 95th percentile >= 5x it, clipped
+    at lengths.max (20x), each prompt budgeted its target plus the slack."""
+    data = Config.from_dict({"data": {"source": "task:longtail"}, "generator": {"max_new_tokens": 208}}).data
+    samples = [TASKS["longtail"].sample(random.Random(i), data) for i in range(4000)]
+    lengths = sorted(int(s["answer"]) for s in samples)
+    median, p95 = lengths[len(lengths) // 2], lengths[int(0.95 * len(lengths))]
+    assert median == data.lengths.median and p95 >= 5 * median
+    assert lengths[0] >= 1 and lengths[-1] == data.lengths.max >= 20 * median
+    reward = TASKS["longtail"].reward
+    for s in samples[:50]:
+        n = int(s["answer"])
+        assert s["prompt"] == f"{n}:" and s["max_new_tokens"] == answer_budget(n, data.lengths.slack) > n
+        assert reward(s["prompt"], "7" * n, s) == 1.0
+        assert reward(s["prompt"], "7" * (n + 1), s) < 1.0  # did not stop in time
+        assert reward(s["prompt"], "7" * (n - 1), s) < 1.0  # stopped early
+        assert reward(s["prompt"], "7" * (n - 1) + "x", s) < 1.0
+    # the tail is the config's: no spread, every target is the median
+    flat = Config.from_dict({"data": {"source": "task:longtail", "lengths": {"sigma": 0.0, "median": 5, "max": 10}}, "generator": {"max_new_tokens": 16}}).data
+    assert {TASKS["longtail"].sample(random.Random(i), flat)["answer"] for i in range(50)} == {"5"}
+
+
+def test_longtail_chat_env_by_hand():
+    config = Config.from_dict({"data": {"source": "task:longtail_chat"}, "generator": {"max_new_tokens": 208}})
+    samples = [TASKS["longtail_chat"].sample(random.Random(i), config.data) for i in range(2000)]
+    rounds = [len(s["answer"]) for s in samples]
+    assert min(rounds) == 1 and max(rounds) == config.data.lengths.turns_max and sum(r == 1 for r in rounds) > len(rounds) / 2
+    for sample in samples[:40]:
+        env = LongtailChatEnv(config)
+        results = asyncio.run(play_by_hand(env, sample, ["5" * n for n in sample["answer"]]))  # a perfect episode
+        assert [r.done for r in results] == [False] * (len(sample["answer"]) - 1) + [True]
+        assert sum(r.reward for r in results) == pytest.approx(1.0)
+        for r, n in zip(results, sample["answer"][1:]):  # each round asks for the next answer
+            assert r.observation == [{"role": "user", "content": str(n)}]
+        assert env.max_new_tokens == answer_budget(sample["answer"][-1], config.data.lengths.slack)  # each round's own budget
+    long = next(s for s in samples if len(s["answer"]) >= 3)
+    half = asyncio.run(play_by_hand(LongtailChatEnv(config), long, ["5" * long["answer"][0], "x"]))
+    assert half[0].reward == pytest.approx(1 / len(long["answer"])) and half[1].reward == 0.0
+
+
 def test_task_node_resumes_exactly():
     cfg = Config.from_dict({"data": {"source": "task:add", "num_prompts": 7}})
     a = PromptNode(cfg.data, seed=3)
@@ -329,6 +371,28 @@ def test_tool_episode_counts_calls_and_env_tokens(tokenizer_dir):
     assert ep.env_tokens == len(tok.encode("<bos>T4<eos><bos>A", add_special_tokens=False)) == 6
 
 
+def test_each_turn_gets_its_envs_token_budget(tokenizer_dir):
+    """A record's `max_new_tokens` budgets a single-turn reply; a multi-turn env sets each
+    turn's; generator.max_new_tokens caps both."""
+    config = Config.from_dict({"data": {"source": "task:longtail_chat", "lengths": {"median": 4, "max": 20}},
+                               "generator": {"max_new_tokens": 30}})
+    worker = RolloutWorker(config, tokenizer_dir)
+    gen = ScriptedGenerator(replies_in_order(worker.tokenizer, ["11", "22222", "3" * 40]))
+    worker.set_generators([gen])
+    record = {"prompt": [{"role": "user", "content": "2"}], "answer": [2, 5, 40]}
+    ep = asyncio.run(worker.play_episode(0, 0, record, 0, 0))
+    assert [budget for _, budget, _ in gen.calls] == [answer_budget(2, 0.25), answer_budget(5, 0.25), 30]
+    assert ep.model_turns[-1].finish_reason == "length" and ep.reward == pytest.approx(2 / 3 + 30 / 40 / 3)
+
+    single = RolloutWorker(single_turn_config(generator={"group_size": 4, "update_mode": "block", "max_new_tokens": 20}),
+                           tokenizer_dir, reward_fn=exact)
+    gen = ScriptedGenerator(lambda ids: [5] * 30)
+    single.set_generators([gen])
+    for budget, want in ((7, 7), (None, 20), (50, 20)):
+        asyncio.run(single.play_episode(0, 0, {"prompt": "q:", "answer": "", "max_new_tokens": budget}, 0, 0))
+        assert gen.calls[-1][1] == want
+
+
 def test_an_episode_out_of_turns_ends_on_a_model_turn(tokenizer_dir):
     config = Config.from_dict({"data": {"source": "task:guess"}, "rollout": {"max_turns": 2}})
     worker = RolloutWorker(config, tokenizer_dir)
@@ -476,6 +540,8 @@ def test_summarize_per_episode_windows():
     assert m["reward/std"] == pytest.approx(0.5)  # unbiased: sqrt(((0.5)^2 + (0.5)^2 + 0) / 2)
     assert m["reward/success_rate"] == pytest.approx(1 / 3)
     assert m["response/length_mean"] == pytest.approx(4.0)
+    assert m["response_lengths"] == [2.0, 4.0, 6.0] and m["response/length_p50"] == 4.0
+    assert m["response/length_p95"] == m["response/length_max"] == 6.0
     assert m["episode/count"] == 3 and m["episode/turns_mean"] == pytest.approx(2.0)
     assert m["episode/tool_calls_mean"] == pytest.approx(1.0) and m["episode/env_tokens_mean"] == pytest.approx(5.0)
     assert m["episode/failed"] == 1 and m["episode/failed_total"] == 7.0 and m["episode/env_s"] == pytest.approx(1.0)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from meshrl import episode
 from meshrl.config import Config
-from meshrl.queue import EpisodeQueue, EpisodeQueueActor, QueueClosed
+from meshrl.queue import EpisodeQueue, EpisodeQueueActor, QueueClosed, straggler_wait
 from tests.conftest import make_group
 
 
@@ -84,6 +84,21 @@ def newest_first(groups, n, rng):
 
 def twice_the_first(groups, n, rng):
     return [0] * n
+
+
+def test_straggler_wait_is_the_wait_after_half_the_batch_arrived():
+    assert straggler_wait(10.0, []) == 0.0
+    assert straggler_wait(10.0, [1.0, 2.0, 3.0]) == 0.0  # ready before the trainer asked
+    assert straggler_wait(0.0, [1.0, 2.0, 3.0, 9.0]) == 7.0  # sync: the last group against the median one
+    assert straggler_wait(2.5, [1.0, 2.0, 3.0, 9.0]) == 6.5  # asked after half had arrived
+    # the queue reports the last batch's: a sync batch whose last group lags
+    q = make_queue(batch_groups=4, depth=0, get_timeout_s=30)
+    claims = claim_all(q)
+    for c in claims[:3]:
+        assert deliver(q, c)
+    threading.Timer(0.3, deliver, (q, claims[3])).start()
+    q.sample(4, 0)
+    assert 0.25 <= q.metrics()["buffer/straggler_s"] < 5
 
 
 def test_random_policy_and_custom_callable():

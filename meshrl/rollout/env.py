@@ -12,6 +12,11 @@ the tokenizer's chat template) or a list of token ids (appended as they are). Me
 be sync or async; a rollout worker bounds every call by `rollout.env_timeout_s`, and an
 env that raises or times out fails its episode (reward 0), not the run.
 
+An env may also hold a `max_new_tokens` attribute: the token budget of the next model turn
+(None or absent: `generator.max_new_tokens`, which also caps it). Setting it in `reset` and
+`step` gives each turn its own budget. A single-turn env takes it from the record's
+`max_new_tokens` field, so a data row can carry its own budget.
+
 A user's env is any class with these two methods, named by import path in YAML
 (`rollout.env: mypkg.envs:MazeEnv`, constructed with `rollout.env_args`); one instance
 plays one episode. Single-turn tasks and reward functions run as a `SingleTurnEnv`.
@@ -87,9 +92,10 @@ def prompt_text(observation: Observation) -> str:
 class SingleTurnEnv:
     """One prompt, one model turn, one reward: every single-turn task and reward function.
 
-    `reset` hands out `sample["prompt"]` (text or chat messages); `step` scores the reply
-    with `reward_fn(prompt, response, sample)`, where `sample` also carries the reference
-    answer, the task's extra fields, `finish_reason` and `response_ids`.
+    `reset` hands out `sample["prompt"]` (text or chat messages), and the record's
+    `max_new_tokens` (if any) budgets the reply; `step` scores the reply with
+    `reward_fn(prompt, response, sample)`, where `sample` also carries the reference answer,
+    the task's extra fields, `finish_reason` and `response_ids`.
     """
 
     def __init__(self, reward_fn: RewardFn, timeout_s: float = 30.0):
@@ -98,6 +104,7 @@ class SingleTurnEnv:
 
     async def reset(self, sample: dict) -> Observation:  # a coroutine: no thread hop for a dict lookup
         self.sample = sample
+        self.max_new_tokens = sample.get("max_new_tokens")
         return sample["prompt"]
 
     async def step(self, turn: ModelTurn) -> StepResult:

@@ -180,7 +180,8 @@ class RolloutWorker:
                 if room <= 0:
                     ep.finish_reason = "length"
                     break
-                out = await self._generate(replica, ep.token_ids, min(c.generator.max_new_tokens, room), version)
+                budget = min(c.generator.max_new_tokens, room, getattr(env, "max_new_tokens", None) or room)
+                out = await self._generate(replica, ep.token_ids, budget, version)
                 turn = Turn("model", out.token_ids, out.logprobs, out.versions, finish_reason=out.finish_reason,
                             routed_experts=out.routed_experts)
                 ep.turns.append(turn)
@@ -322,7 +323,7 @@ class RolloutWorker:
         return window
 
 
-def summarize(windows: list[dict[str, float]], failed_total: float = 0.0) -> dict[str, float]:
+def summarize(windows: list[dict[str, float]], failed_total: float = 0.0) -> dict:
     """Per-step episode metrics from the workers' per-episode windows."""
     if not windows:
         return {}
@@ -333,11 +334,16 @@ def summarize(windows: list[dict[str, float]], failed_total: float = 0.0) -> dic
 
     rewards = [w["reward"] for w in windows]
     mu = sum(rewards) / n
+    lengths = sorted(w["response_len"] for w in windows)
     return {
+        "response_lengths": lengths,  # every episode's, for length distributions: in the history, not in metrics.jsonl
         "reward/mean": mu,
         "reward/std": (sum((r - mu) ** 2 for r in rewards) / (n - 1)) ** 0.5 if n > 1 else 0.0,
         "reward/success_rate": mean("success"),
         "response/length_mean": mean("response_len"),
+        "response/length_p50": lengths[n // 2],
+        "response/length_p95": lengths[min(n - 1, int(0.95 * n))],
+        "response/length_max": lengths[-1],
         "episode/count": float(n),
         "episode/turns_mean": mean("turns"),
         "episode/tool_calls_mean": mean("tool_calls"),
