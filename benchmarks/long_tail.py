@@ -89,22 +89,36 @@ def run_trl_seeds(args: argparse.Namespace, seeds: list[int], root: str) -> list
     return runs
 
 
-def cpu_check(sync_runs: list[dict], means: dict, capacity: int, batch: int) -> dict:
-    """The scaling model's engine simulation with this machine's figures, against the runs:
-    the seconds of one sync decode step from G over the batches' longest answers, the answer
-    lengths the sync runs produced."""
+def cpu_check(sync_runs: list[dict], means: dict, capacity: int, batch: int, warmup: int) -> dict:
+    """The scaling model's engine simulation on this machine's figures, against the runs.
+
+    A decode step here costs step_s + token_s per running sequence: fitted on the sync
+    steps, whose generator busy time is step_s x (decode steps: the batch's longest answer)
+    + token_s x (tokens: the batch's answers summed). The simulation then predicts the
+    decode steps of keep and drain from the answer lengths the sync runs produced."""
     from scaling_model import batch_makespan, stream_steps_per_batch
 
+    xs, ys = [], []
+    for run in sync_runs:
+        for row in run["rows"][warmup:]:
+            if row["response_lengths"] and "generator/idle_frac" in row:
+                xs.append((max(row["response_lengths"]), sum(row["response_lengths"])))
+                ys.append((1 - row["generator/idle_frac"]) * row["time/step_s"])
+    # least squares without an intercept: y = a x0 + b x1
+    s00, s01, s11 = sum(x[0] ** 2 for x in xs), sum(x[0] * x[1] for x in xs), sum(x[1] ** 2 for x in xs)
+    t0, t1 = sum(x[0] * y for x, y in zip(xs, ys)), sum(x[1] * y for x, y in zip(xs, ys))
+    det = s00 * s11 - s01 ** 2
+    step_s, token_s = (s11 * t0 - s01 * t1) / det, (s00 * t1 - s01 * t0) / det
     lengths = [int(n) for r in sync_runs for n in r["lengths"]]
-    longest = statistics.mean(r["longest_per_step"] for r in sync_runs)
-    per_step = means["sync"]["G_s"] / max(longest, 1.0)
+    tokens = statistics.mean(lengths) * batch
+    steps = {"sync": statistics.mean(batch_makespan(lengths[i:i + batch], batch) for i in range(0, len(lengths) - batch + 1, batch)),
+             "keep": stream_steps_per_batch(lengths, capacity, batch, drain=False),
+             "drain": stream_steps_per_batch(lengths, capacity, batch, drain=True)}
+    G = {k: step_s * v + token_s * tokens for k, v in steps.items()}
     T = means["sync"]["T_s"]
-    G = {"sync": statistics.mean(batch_makespan(lengths[i:i + batch], capacity) for i in range(0, len(lengths) - batch + 1, batch)),
-         "keep": stream_steps_per_batch(lengths, capacity, batch, drain=False),
-         "drain": stream_steps_per_batch(lengths, capacity, batch, drain=True)}
-    G = {k: v * per_step for k, v in G.items()}
     predicted = {"sync": G["sync"] + T, "keep": max(G["keep"], T), "drain": max(G["drain"], T)}
-    out = {"decode_step_s": per_step, "engine_seqs": capacity, "G_s": G, "T_s": T, "step_s": predicted}
+    out = {"decode_step_s": step_s, "per_sequence_s": token_s, "share_per_sequence_full_engine": token_s * capacity / (step_s + token_s * capacity),
+           "engine_seqs": capacity, "decode_steps": steps, "G_s": G, "T_s": T, "step_s": predicted}
     for mode in ("keep", "drain"):
         if mode in means:
             ratio, measured = predicted["sync"] / predicted[mode], means["sync"]["step_s"] / means[mode]["step_s"]
@@ -191,7 +205,9 @@ def report(args, results: list[dict], means: dict, gaps: dict, modes: list[str],
           f"{bounds['straggler_factor']:.2f}x more, {bounds['overlap_and_stragglers_bound']:.2f}x in all; keep reached {speedup:.2f}x, "
           f"{bounds['keep_over_overlap_bound']:.2f}x the overlap bound")
     capacity = args.async_batches_in_flight * batch
-    bounds["cpu_check"] = check = cpu_check([r for r in results if r["base_mode"] == "sync"], means, capacity, batch)
+    bounds["cpu_check"] = check = cpu_check([r for r in results if r["base_mode"] == "sync"], means, capacity, batch, args.warmup)
+    print(f"a decode step here: {1e3 * check['decode_step_s']:.2f} ms + {1e3 * check['per_sequence_s']:.3f} ms per running sequence "
+          f"({100 * check['share_per_sequence_full_engine']:.0f}% of a full engine's step is per sequence; a GPU's is near 0 until compute-bound)")
     for m in ("keep", "drain"):
         if f"{m}_over_sync" in check:
             c = check[f"{m}_over_sync"]

@@ -45,6 +45,8 @@ BENCHMARKS = [
     ("trl_small", ["trl_peer.py", "--seeds", "1", "--steps", "40", "--max-new-tokens", "8", "--dtype", "float32", "--no-compile",
                    *[a for k, v in SMALL_MODEL.items() for a in ("--model", f"{k}={v}")],
                    "--trl-settings", "float32,float32+compile", "--out", os.path.join(RESULTS, "trl_small.json")], 1500),
+    # heavy-tailed answer lengths: sync, keep, abort, drain and TRL
+    ("long_tail", ["long_tail.py", "--out", os.path.join(RESULTS, "long_tail.json")], 1200),
 ]
 
 

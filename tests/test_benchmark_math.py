@@ -54,3 +54,35 @@ def test_time_to_reward_counts_training_seconds_until_the_window_mean_reaches_th
     assert time_to_reward(r, 0.99) is None
     # the window must be full: one early lucky batch does not count
     assert time_to_reward(rows([0.9, 0.1, 0.1]), 0.5) is None
+
+
+# ---- the engine simulation of benchmarks/scaling_model.py (long_tail.py's predictions) ----------------
+def test_a_sync_batch_waits_for_its_longest_sequence():
+    from scaling_model import batch_makespan
+
+    assert batch_makespan([5, 3, 2, 7], capacity=4) == 7  # all at once: the longest sets it
+    assert batch_makespan([5, 3, 2, 7], capacity=2) == 12  # 5 | 3 then 2 then 7 (starts at 5)
+    assert batch_makespan([4] * 8, capacity=2) == 16
+
+
+def test_a_full_engine_needs_total_tokens_over_slots_per_batch():
+    from scaling_model import stream_steps_per_batch
+
+    assert stream_steps_per_batch([1] * 100, capacity=10, batch=10, drain=False) == 1.0
+    # one long sequence per batch: keep overtakes it, drain waits for it at every update
+    lengths = ([20] + [1] * 9) * 20
+    keep = stream_steps_per_batch(lengths, capacity=10, batch=10, drain=False)
+    drain = stream_steps_per_batch(lengths, capacity=10, batch=10, drain=True)
+    assert keep == pytest.approx(sum(lengths) / len(lengths) * 10 / 10, rel=0.25) and drain >= 19
+
+
+def test_gpu_predictions_follow_the_tail():
+    from scaling_model import length_predictions, lognormal_lengths
+
+    lengths = sorted(lognormal_lengths(400, 1.4, 8192, 20000))
+    assert lengths[len(lengths) * 95 // 100] / lengths[len(lengths) // 2] == pytest.approx(math.exp(1.645 * 1.4), rel=0.1)
+    for row in length_predictions(1.4, 20, batches=6):
+        s = row["step_s"]
+        assert s["keep"] <= min(s["drain"], s["sync"])  # partial rollouts never lose to whole completions here
+        assert row["keep_over_sync"] >= row["overlap_bound"] * 0.999  # and gain at least what overlap alone gives
+        assert 0 <= row["trainer_idle"]["keep"] < row["trainer_idle"]["sync"] < 1

@@ -289,6 +289,24 @@ def test_user_env_by_import_path_plays_multi_turn_episodes(tmp_path):
     assert not wait_no_children()
 
 
+def test_longtail_chat_turns_and_lengths_vary_within_budgets(tmp_path):
+    """task:longtail_chat on the real loop: episodes of 1-3 rounds, each answer within its
+    round's own budget, lengths spread like the configured tail."""
+    from meshrl.tasks import answer_budget
+
+    lengths = {"median": 3, "sigma": 1.0, "max": 24, "slack": 0.25, "turns_max": 3}
+    cfg = tiny(tmp_path / "longtail", steps=3, trainer={"checkpoint_every": 0}, rollout={"max_turns": 3},
+               data={"source": "task:longtail_chat", "lengths": lengths}, generator={"max_new_tokens": 32})
+    result = meshrl.run(cfg)
+    rows = [r for r in result.metrics if "episode/turns_mean" in r]
+    assert rows and max(r["episode/turns_mean"] for r in rows) > 1  # some episodes went on past their first round
+    per_turn_cap = answer_budget(lengths["max"], lengths["slack"])
+    assert all(r["response/length_max"] <= 3 * per_turn_cap for r in rows)
+    assert any(r["response/length_p95"] >= 2 * r["response/length_p50"] for r in rows)
+    assert all(r["episode/failed"] == 0 for r in rows) and nothing_stale(result.metrics)
+    assert not wait_no_children()
+
+
 def test_process_launcher_runs_end_to_end(tmp_path):
     """The Slurm-shaped path with Monarch's ProcessJob hosts standing in for nodes."""
     cfg = tiny(tmp_path / "process", steps=2, launcher={"kind": "process", "hosts": 2}, trainer={"checkpoint_every": 0})
