@@ -4,6 +4,7 @@
     meshrl config show [CONFIG.yaml] [section.field=value ...]
     meshrl config docs [--check FILE]
     meshrl plot RUN_DIR [--out FILE.png]
+    meshrl worker --address IP:PORT          # serve this host to a launcher.kind=workers run
 
 Bad input (unknown key, wrong type, impossible sizes, missing paths) prints one line on
 stderr naming the field and the fix, and exits with status 2.
@@ -133,6 +134,17 @@ def _cmd_plot(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_worker(ns: argparse.Namespace) -> int:
+    from meshrl.launch import run_worker
+
+    try:
+        run_worker(ns.address)
+    except ValueError as e:
+        print(f"meshrl: worker: {e}", file=console())
+        return USAGE_ERROR
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrl", description="Asynchronous RL post-training on Monarch meshes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", metavar="RUN_DIR")
     plot.add_argument("--out", metavar="FILE.png", help="default: RUN_DIR/curves.png")
     plot.set_defaults(func=_cmd_plot)
+
+    worker = sub.add_parser("worker", help="serve this host to a controller (launcher.kind=workers) until it shuts the host down")
+    worker.add_argument("--address", required=True, metavar="IP:PORT", help="this host's own address and a free port (never a wildcard)")
+    worker.set_defaults(func=_cmd_worker)
     return parser
 
 

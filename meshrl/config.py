@@ -244,10 +244,14 @@ class DataConfig:
 
 @dataclass
 class LauncherConfig:
-    kind: Literal["local", "process", "slurm", "torchx"] = "local"
-    """Where meshes run: `local` (this machine), `process` (`launcher.hosts` local worker processes standing in for Slurm hosts: the Slurm code path, testable anywhere), `slurm` (an allocation submitted through Monarch's SlurmJob), or `torchx` (this process already runs inside a job launched from `meshrl/torchx_component.py:train`; meshes use its host)."""
+    kind: Literal["local", "process", "slurm", "torchx", "workers"] = "local"
+    """Where meshes run: `local` (this machine), `process` (`launcher.hosts` local worker processes standing in for Slurm hosts: the Slurm code path, testable anywhere), `slurm` (an allocation submitted through Monarch's SlurmJob), `torchx` (this process already runs inside a job launched from `meshrl/torchx_component.py:train`; meshes use its host), or `workers` (hosts already running `meshrl worker --address IP:PORT`, listed in `launcher.workers`; this process attaches to them over Monarch's TCP transport, as to a Slurm allocation's; see docs/multihost.md)."""
     hosts: int = 1
-    """Hosts to allocate (process/slurm). One host holds every role; with more, hosts split between trainer and generator (by GPUs when `gpus_per_host` > 0, else in proportion to their procs) and the coordinator shares the first trainer host."""
+    """Hosts to allocate (process/slurm; with `workers`, the number of `launcher.workers`). One host holds every role; with more, hosts split between trainer and generator (by GPUs when `gpus_per_host` > 0, else in proportion to their procs), and the coordinator (episode queue, rollout workers and their envs) shares the first generator host, where every model turn is asked for."""
+    workers: list[str] = field(default_factory=list)
+    """launcher.kind=workers: `IP:PORT` of each host's `meshrl worker`, in host order (the trainer hosts first, then the generator hosts)."""
+    address: str | None = None
+    """launcher.kind=workers: this controller's own IP as the hosts reach it. Its Monarch channel and the weight-sync store listen on it and nowhere else. Required with `workers`; must be an address of this machine."""
     gpus_per_host: int = 0
     """GPUs per host (slurm/torchx). 0 on CPU-only clusters."""
     partition: str | None = None
@@ -606,10 +610,42 @@ def validate(c: Config) -> None:
 
     la = c.launcher
     need(la.hosts >= 1, "launcher.hosts", f"must be at least 1, got {la.hosts}")
+    if la.kind == "workers":
+        _check_workers(need, c)
+    else:
+        need(not la.workers, "launcher.workers", f"only launcher.kind=workers attaches to workers, not {la.kind!r}: set the kind or drop the list")
     need(la.gpus_per_host >= 0, "launcher.gpus_per_host", f"must be at least 0, got {la.gpus_per_host}")
     need(la.start_timeout_s > 0, "launcher.start_timeout_s", f"must be positive, got {la.start_timeout_s}")
     parts = la.time_limit.split(":")
     need(len(parts) == 3 and all(p.isdigit() for p in parts), "launcher.time_limit", f"{la.time_limit!r} must look like HH:MM:SS")
+
+
+def _check_workers(need, c: Config) -> None:
+    """Hosts given as `meshrl worker` addresses, and this controller's own address on their network."""
+    import ipaddress
+
+    la = c.launcher
+    need(len(la.workers) >= 1, "launcher.workers", "launcher.kind=workers needs the IP:PORT of at least one `meshrl worker`")
+    need(la.hosts in (1, len(la.workers)), "launcher.hosts", f"is {la.hosts} but launcher.workers lists {len(la.workers)}: drop launcher.hosts (the workers are the hosts)")
+    for i, w in enumerate(la.workers):
+        ip, _, port = w.rpartition(":")
+        try:
+            bad = ipaddress.ip_address(ip.strip("[]")).is_unspecified or not 0 < int(port) < 65536
+        except ValueError:
+            bad = True
+        need(not bad, f"launcher.workers[{i}]", f"{w!r} must be IP:PORT of a `meshrl worker` (an address of its host, not a wildcard or a name)")
+    need(la.address is not None, "launcher.address", "launcher.kind=workers needs this controller's own IP, as the workers reach it")
+    try:
+        ok = not ipaddress.ip_address(la.address).is_unspecified and la.address in _local_addresses()
+    except ValueError:
+        ok = False
+    need(ok, "launcher.address", f"{la.address!r} is not an address of this machine: give one of {', '.join(sorted(_local_addresses()))}")
+
+
+def _local_addresses() -> set[str]:
+    import psutil
+
+    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs if a.family.name in ("AF_INET", "AF_INET6")}
 
 
 def _check_lengths(need, c: Config) -> None:

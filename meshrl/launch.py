@@ -15,12 +15,17 @@ The loop asks for one host mesh per role and spawns its proc meshes on it:
   this process is the controller (run it on a login node) and attaches to the workers.
 - `torchx`: this process already runs inside a job launched from
   `meshrl/torchx_component.py:train`, which asks for one host; meshes use that host.
+- `workers`: hosts already running `meshrl worker --address IP:PORT` (`run_worker`), listed
+  in `launcher.workers`. This process attaches to them over Monarch's TCP transport, as
+  Monarch attaches to a Slurm allocation's workers, and listens on `launcher.address` only.
+  Each worker's procs bind what they serve to their host's address (`host_address()`).
 
 Host plan (`plan_hosts`): one host holds every role. With more hosts, the trainer and the
 generators get disjoint hosts (trainer hosts = ceil(trainer.procs / gpus_per_host) when
 hosts have GPUs, else a share proportional to procs), and the coordinator (the episode
-queue's proc and the rollout workers, which host the envs) shares the first trainer host
-rather than taking a whole node.
+queue's proc and the rollout workers, which host the envs) shares the first generator
+host rather than taking a whole node: the rollout workers ask the generators for every
+model turn, and only finished groups travel on to the trainer.
 
 Procs on attached hosts outlive a controller that exits or crashes, so `Allocation.stop()`
 stops every proc mesh spawned through it, shuts the host meshes down and kills the job, on
@@ -53,6 +58,8 @@ logger = logging.getLogger(__name__)
 ROLES = ("trainer", "generator", "coord")
 SHARED_MESH = "hosts"
 """The mesh name when one host holds every role."""
+HOST_ADDRESS_ENV = "MESHRL_HOST_ADDRESS"
+"""Set by `meshrl worker` to its host's address; the procs on that host inherit it."""
 STOP_TIMEOUT_S = 30.0
 """Longest wait for one proc mesh or host mesh to stop before moving on to the next."""
 
@@ -66,18 +73,19 @@ def plan_hosts(config: Config) -> dict[str, int]:
     stay on one host), otherwise a ConfigError says what to change.
     """
     la = config.launcher
+    hosts = len(la.workers) if la.kind == "workers" else la.hosts
     trainer_procs = config.trainer.procs
     generator_procs = config.generator.replicas * config.generator.tp
-    if la.hosts == 1:
+    if hosts == 1:
         return {SHARED_MESH: 1}
     if la.gpus_per_host > 0:
         trainer_hosts = math.ceil(trainer_procs / la.gpus_per_host)
     else:  # CPU hosts: share the hosts in proportion to the procs each role runs
-        trainer_hosts = round(la.hosts * trainer_procs / (trainer_procs + generator_procs))
-        trainer_hosts = min(max(trainer_hosts, 1), la.hosts - 1)
-    generator_hosts = la.hosts - trainer_hosts
+        trainer_hosts = round(hosts * trainer_procs / (trainer_procs + generator_procs))
+        trainer_hosts = min(max(trainer_hosts, 1), hosts - 1)
+    generator_hosts = hosts - trainer_hosts
     if generator_hosts < 1:
-        raise ConfigError("launcher.hosts", f"{la.hosts} hosts leave none for the generators after {trainer_hosts} trainer hosts ({trainer_procs} procs at {la.gpus_per_host} GPUs per host): raise launcher.hosts")
+        raise ConfigError("launcher.hosts", f"{hosts} hosts leave none for the generators after {trainer_hosts} trainer hosts ({trainer_procs} procs at {la.gpus_per_host} GPUs per host): raise launcher.hosts")
     if trainer_procs % trainer_hosts:
         raise ConfigError("trainer.procs", f"{trainer_procs} procs do not split evenly over {trainer_hosts} trainer hosts: use a multiple of {trainer_hosts}")
     if generator_procs % generator_hosts or (generator_procs // generator_hosts) % config.generator.tp:
@@ -88,11 +96,11 @@ def plan_hosts(config: Config) -> dict[str, int]:
 
 
 def _role_meshes(meshes: dict[str, HostMesh]) -> dict[str, HostMesh]:
-    """Map each role to its host mesh; the coordinator gets the first trainer host."""
+    """Map each role to its host mesh; the coordinator gets the first generator host."""
     if SHARED_MESH in meshes:
         return {role: meshes[SHARED_MESH] for role in ROLES}
-    trainer = meshes["trainer"]
-    return {"trainer": trainer, "generator": meshes["generator"], "coord": trainer.slice(hosts=slice(0, 1))}
+    generator = meshes["generator"]
+    return {"trainer": meshes["trainer"], "generator": generator, "coord": generator.slice(hosts=slice(0, 1))}
 
 
 # ---- Monarch jobs ------------------------------------------------------------------------
@@ -202,15 +210,18 @@ class Allocation:
         _LIVE.add(self)
         self._install_sigterm()
         try:
-            if self.kind == "process":
-                from monarch.job import ProcessJob
-
-                self._job = ProcessJob(plan_hosts(self.config))
+            if self.kind == "workers":
+                self._owned = _attach_workers(self.config)
             else:
-                self._job = _slurm_job(self.config)
-            # cached_path=None: always a fresh allocation, never a stale one from an earlier run.
-            # For slurm this blocks while the job queues (bounded by launcher.start_timeout_s).
-            self._owned = dict(self._job.state(cached_path=None)._hosts)
+                if self.kind == "process":
+                    from monarch.job import ProcessJob
+
+                    self._job = ProcessJob(plan_hosts(self.config))
+                else:
+                    self._job = _slurm_job(self.config)
+                # cached_path=None: always a fresh allocation, never a stale one from an earlier run.
+                # For slurm this blocks while the job queues (bounded by launcher.start_timeout_s).
+                self._owned = dict(self._job.state(cached_path=None)._hosts)
             for name, mesh in self._owned.items():
                 await asyncio.wait_for(awaited(mesh.initialized), self.config.launcher.start_timeout_s)
                 logger.info("launcher: host mesh %r connected, %d hosts", name, mesh.sizes["hosts"])
@@ -252,8 +263,11 @@ class Allocation:
 
     def controller_address(self) -> str:
         """Where procs reach this controller, for what it serves them (the weight-sync store):
-        loopback when every host is this machine (local, torchx, process), else this host's
-        name, as Slurm names hosts (and Monarch reaches them by it). Never a wildcard."""
+        loopback when every host is this machine (local, torchx, process), the address the
+        launcher names (workers), else this host's name, as Slurm names hosts (and Monarch
+        reaches them by it). Never a wildcard."""
+        if self.kind == "workers":
+            return self.config.launcher.address
         return "127.0.0.1" if self.kind in ("local", "torchx", "process") else socket.gethostname()
 
     def hosts(self, role: str) -> int:
@@ -300,6 +314,58 @@ class Allocation:
             self._old_sigterm = None
 
 
+def _attach_workers(config: Config) -> dict[str, HostMesh]:
+    """Host meshes over the running `meshrl worker`s, in plan order (trainer hosts first).
+    The controller's own Monarch channel listens on `launcher.address` only."""
+    from monarch.actor import attach_to_workers, enable_transport
+
+    la = config.launcher
+    enable_transport(f"tcp://{la.address}:0")
+    meshes, first = {}, 0
+    for name, count in plan_hosts(config).items():
+        workers = [f"tcp://{w}" for w in la.workers[first:first + count]]
+        meshes[name] = attach_to_workers(name=name, ca="trust_all_connections", workers=workers)
+        first += count
+    return meshes
+
+
+def host_address() -> str | None:
+    """The address this proc's host serves on (set by `meshrl worker`); None on a host
+    that `meshrl worker` did not start (local runs, ProcessJob, Slurm)."""
+    return os.environ.get(HOST_ADDRESS_ENV) or None
+
+
+def run_worker(address: str) -> None:
+    """Serve this host to a controller (`launcher.kind=workers`) until it shuts the host down.
+
+    Monarch's host agent listens on `address` (IP:PORT of this host, never a wildcard); the
+    procs it spawns use Unix sockets and send to other hosts from this address; what they
+    serve themselves (gloo, torch.distributed stores) they bind to it too (`host_address()`).
+    """
+    import ipaddress
+
+    ip, _, port = address.rpartition(":")
+    if ipaddress.ip_address(ip.strip("[]")).is_unspecified:
+        raise ValueError(f"refusing to listen on the wildcard address {ip!r}: give this host's own address")
+    os.environ[HOST_ADDRESS_ENV] = ip.strip("[]")
+    # what the procs of this host serve on Monarch's default transport, and gloo's default device
+    os.environ["HYPERACTOR_MESH_DEFAULT_TRANSPORT"] = f"tcp://{ip}:0"
+    os.environ["GLOO_SOCKET_IFNAME"] = _interface_of(ip.strip("[]"))
+    from monarch.actor import run_worker_loop_forever
+
+    exit_on_sigterm()
+    run_worker_loop_forever(address=f"tcp://{ip}:{port}", ca="trust_all_connections")
+
+
+def _interface_of(ip: str) -> str:
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == ip for a in addrs):
+            return name
+    raise ValueError(f"{ip} is not an address of this host: give one of its own")
+
+
 def allocate(config: Config) -> Allocation:
     """The hosts for a run, per `config.launcher`; use as `async with allocate(config) as alloc`.
 
@@ -307,7 +373,7 @@ def allocate(config: Config) -> Allocation:
     """
     if config.launcher.dry_run:
         raise ConfigError("launcher.dry_run", "a dry run starts no hosts: print meshrl.launch.describe_job(config) instead")
-    if config.launcher.kind in ("process", "slurm"):
+    if config.launcher.kind in ("process", "slurm", "workers"):
         plan_hosts(config)  # fail on an impossible plan before anything starts
     return Allocation(config)
 

@@ -211,3 +211,132 @@ def __getattr__(name: str):
     if name not in _TEST_ACTORS:
         _TEST_ACTORS.update(_TEST_CLASS_BUILDERS[name]())
     return _TEST_ACTORS[name]
+
+
+# ---- two hosts on one machine: network namespaces joined by a veth pair ---------------------------
+class NetnsHosts:
+    """Network namespaces "hosts" A (10.77.0.1) and B (10.77.0.2), joined by a veth pair; each
+    with its own loopback. `run(host, cmd)` starts a process inside one, `listeners(host)`
+    lists what listens there (`ss`), `stop()` kills whatever still runs inside and deletes
+    them (the veth pair goes with them)."""
+
+    ADDRESSES = {"a": "10.77.0.1", "b": "10.77.0.2"}
+
+    def __init__(self):
+        tag = f"{os.getpid() % 100000}"
+        self.names = {h: f"meshrl-{tag}-{h}" for h in self.ADDRESSES}
+        self.links = {h: f"mrl{tag}{h}" for h in self.ADDRESSES}
+        self.procs: list = []
+
+    def _ip(self, *args: str) -> None:
+        import subprocess
+
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    def start(self) -> "NetnsHosts":
+        try:
+            for h in self.names:
+                self._ip("netns", "add", self.names[h])
+            self._ip("link", "add", self.links["a"], "type", "veth", "peer", "name", self.links["b"])
+            for h, addr in self.ADDRESSES.items():
+                self._ip("link", "set", self.links[h], "netns", self.names[h])
+                self._ip("-n", self.names[h], "addr", "add", f"{addr}/24", "dev", self.links[h])
+                self._ip("-n", self.names[h], "link", "set", self.links[h], "up")
+                self._ip("-n", self.names[h], "link", "set", "lo", "up")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def run(self, host: str, cmd: list[str], log_path) -> "subprocess.Popen":
+        import subprocess
+
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.names[host], *cmd], stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.procs.append(proc)
+        return proc
+
+    def worker(self, host: str, port: int, log_path) -> "subprocess.Popen":
+        import sys
+
+        return self.run(host, [sys.executable, "-m", "meshrl", "worker", "--address", f"{self.ADDRESSES[host]}:{port}"], log_path)
+
+    def pids(self, host: str) -> list[int]:
+        import subprocess
+
+        out = subprocess.run(["ip", "netns", "pids", self.names[host]], capture_output=True, text=True, timeout=30).stdout
+        return [int(p) for p in out.split()]
+
+    def kill(self, host: str) -> None:
+        """Every process inside `host`, at once: the host dies."""
+        import signal
+
+        for pid in self.pids(host):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def listeners(self, host: str) -> set[tuple[str, str]]:
+        """(protocol, local address) of every listening TCP socket and unconnected UDP socket in `host`."""
+        import subprocess
+
+        out = subprocess.run(["ip", "netns", "exec", self.names[host], "ss", "-Hltun"], capture_output=True, text=True, timeout=30).stdout
+        found = set()
+        for line in out.splitlines():
+            fields = line.split()
+            if len(fields) >= 5:
+                found.add((fields[0], fields[4].rsplit(":", 1)[0].strip("[]")))
+        return found
+
+    def stop(self) -> None:
+        import subprocess
+        import time
+
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for h in self.names:
+            self.kill(h)
+        deadline = time.monotonic() + 30
+        while any(self.pids(h) for h in self.names) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for name in self.names.values():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+def netns_unavailable() -> str | None:
+    """Why two network namespaces cannot be made here (not root, no `ip`), or None."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("ss") is None:
+        return "network namespaces need iproute2 (`ip`, `ss`)"
+    probe = f"meshrl-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()[:200]}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return None
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    why = netns_unavailable()
+    if why:
+        pytest.skip(f"two hosts on one machine: {why}")
+    hosts = NetnsHosts().start()
+    try:
+        yield hosts
+    finally:
+        hosts.stop()

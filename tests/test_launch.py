@@ -79,7 +79,7 @@ def test_process_hosts_run_each_role_and_stop(tmp_path):
     # each proc runs under the worker ("host") its role was given
     assert {ppid for _, ppid, _ in seen["trainer"]} == {workers["trainer_0"], workers["trainer_1"]}
     assert seen["generator"][0][1] == workers["generator_0"]
-    assert seen["coord"][0][1] == workers["trainer_0"]  # the coordinator shares the first trainer host
+    assert seen["coord"][0][1] == workers["generator_0"]  # the coordinator shares the first generator host
     assert _wait_gone(pids + list(workers.values())) == []
 
 

@@ -216,10 +216,11 @@ class RLLoop:
         )
         row.update(queue_metrics)
         row.update(worker_metrics)
-        idle, tokens, seconds = [], 0.0, 0.0
+        idle, tokens, seconds, versions = [], 0.0, 0.0, []
         for r, at, stats in stats_read:
             if stats is None or r not in self.generators.replicas:
                 continue
+            versions.append(stats.get("version", 0))
             prev, r.last_stats = r.last_stats, stats
             window, r.last_stats_at = (at - r.last_stats_at if r.last_stats_at is not None else wall), at
             busy = stats.get("busy_s", 0.0) - prev.get("busy_s", 0.0)
@@ -228,6 +229,7 @@ class RLLoop:
             seconds = max(seconds, window)
         if idle:
             row["generator/idle_frac"] = sum(idle) / len(idle)
+            row["generator/version"] = float(min(versions))  # the oldest replica's weights, read after the previous step
         row["generator/tokens_per_s"] = tokens / max(seconds or wall, 1e-9)
         row["generator/replicas_replaced"] = float(self.generators.replaced)
         self.history.append({"step": self.version, **row})

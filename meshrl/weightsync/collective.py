@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from meshrl.launch import host_address
 from meshrl.weightsync.buffers import ReceiveBuffers
 from meshrl.weightsync.errors import WeightSyncError
 from meshrl.weightsync.layout import Layout
@@ -38,13 +39,14 @@ def make_group(spec: SyncSpec, rank: int) -> tuple[dist.Store, dist.ProcessGroup
     timeout = timedelta(seconds=spec.timeout_s)
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(spec.group_name, store)
-    if _is_loopback(spec.store_host):
-        # Every peer is on this host: listen on loopback. (Gloo's default device listens on
-        # the address the hostname resolves to, or on GLOO_SOCKET_IFNAME's interface; with
-        # peers on other hosts that is the address they reach.)
+    # Every peer on this host: listen on loopback. Peers on other hosts: on the address the
+    # launcher gave this host (`meshrl worker`). Otherwise gloo's default device, which
+    # listens on the address the hostname resolves to (or GLOO_SOCKET_IFNAME's interface).
+    listen_on = spec.store_host if _is_loopback(spec.store_host) else host_address()
+    if listen_on is not None:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.store_host)]
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=listen_on)]
         pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, opts)
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
