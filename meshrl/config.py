@@ -417,6 +417,11 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, dict):
             return dict(value)
         raise ConfigError(path, f"expected a mapping, got {_describe(value)}")
+    if origin is list:
+        if isinstance(value, (list, tuple)):
+            (item,) = typing.get_args(tp)
+            return [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        raise ConfigError(path, f"expected a list, got {_describe(value)}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -636,10 +641,10 @@ def _check_workers(need, c: Config) -> None:
         need(not bad, f"launcher.workers[{i}]", f"{w!r} must be IP:PORT of a `meshrl worker` (an address of its host, not a wildcard or a name)")
     need(la.address is not None, "launcher.address", "launcher.kind=workers needs this controller's own IP, as the workers reach it")
     try:
-        ok = not ipaddress.ip_address(la.address).is_unspecified and la.address in _local_addresses()
+        ok = not ipaddress.ip_address(la.address).is_unspecified
     except ValueError:
         ok = False
-    need(ok, "launcher.address", f"{la.address!r} is not an address of this machine: give one of {', '.join(sorted(_local_addresses()))}")
+    need(ok, "launcher.address", f"{la.address!r} must be an IP of this controller (not a wildcard or a name)")
 
 
 def _local_addresses() -> set[str]:
@@ -738,6 +743,8 @@ def preflight(c: Config) -> None:
         os.remove(probe)
     except OSError as e:
         raise ConfigError("logging.run_dir", f"cannot write to {run_dir!r} ({e.strerror or type(e).__name__}): choose a writable directory") from None
+    if c.launcher.kind == "workers" and c.launcher.address not in _local_addresses():
+        raise ConfigError("launcher.address", f"{c.launcher.address!r} is not an address of this machine: give one of {', '.join(sorted(_local_addresses()))}")
     if c.generator.return_routed_experts:
         import torch
 

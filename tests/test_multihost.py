@@ -26,9 +26,9 @@ PORT = 26600
 def two_host_config(run_dir, hosts, **sections) -> dict:
     a, b = hosts.ADDRESSES["a"], hosts.ADDRESSES["b"]
     cfg = {
-        "steps": 8, "batch_groups": 4,
-        "generator": {"group_size": 4, "max_new_tokens": 8, "max_num_seqs": 16, "startup_timeout_s": 120},
-        "trainer": {"micro_batch_size": 16, "checkpoint_every": 0},
+        "steps": 16, "batch_groups": 8,
+        "generator": {"group_size": 8, "max_new_tokens": 8, "max_num_seqs": 64, "startup_timeout_s": 120},
+        "trainer": {"micro_batch_size": 64, "checkpoint_every": 0},
         "buffer": {"get_timeout_s": 120},
         "weight_sync": {"timeout_s": 60},
         "launcher": {"kind": "workers", "workers": [f"{a}:{PORT}", f"{b}:{PORT}"], "address": a, "start_timeout_s": 120},
@@ -85,17 +85,14 @@ def test_two_hosts_train_across_the_link(two_hosts, tmp_path, transport):
     log = (tmp_path / f"{transport}-controller.log").read_text()
     assert controller.returncode == 0, log[-3000:]
     rows = rows_of(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["step"] for r in rows] == list(range(1, 17))
     # weights crossed the link every step: host B's generators serve newer and newer versions
     versions = [r["generator/version"] for r in rows if "generator/version" in r]
-    assert versions == sorted(versions) and versions[-1] >= 5, versions
+    assert versions == sorted(versions) and versions[-1] >= 12, versions
     assert all(r["trainer/staleness_max"] <= 2 for r in rows)
-    first, last = rows[0]["trainer/reward_mean"], sum(r["trainer/reward_mean"] for r in rows[-2:]) / 2
-    assert last > first + 0.05, [r["trainer/reward_mean"] for r in rows]
-    # nothing listened anywhere but on its own host's address (or its own loopback)
+    first, last = (sum(r["trainer/reward_mean"] for r in part) / 3 for part in (rows[:3], rows[-3:]))
+    assert last > first + 0.1, [round(r["trainer/reward_mean"], 3) for r in rows]
+    # nothing listened anywhere but on the address its host was given: not a wildcard, not loopback
     for h, listeners in seen.items():
-        own = {two_hosts.ADDRESSES[h], "127.0.0.1", "::1"}
-        assert listeners, f"host {h}: no listener seen at all"
-        assert {addr for _, addr in listeners} <= own, f"host {h} listened on {sorted(listeners)}"
-    assert ("tcp", two_hosts.ADDRESSES["b"]) in seen["b"] and ("tcp", two_hosts.ADDRESSES["a"]) in seen["a"]
+        assert listeners == {("tcp", two_hosts.ADDRESSES[h])}, f"host {h} listened on {sorted(listeners)}"
     assert wait_empty(two_hosts) == {"a": [], "b": []}, "processes outlived the run"
