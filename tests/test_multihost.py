@@ -96,3 +96,40 @@ def test_two_hosts_train_across_the_link(two_hosts, tmp_path, transport):
     for h, listeners in seen.items():
         assert listeners == {("tcp", two_hosts.ADDRESSES[h])}, f"host {h} listened on {sorted(listeners)}"
     assert wait_empty(two_hosts) == {"a": [], "b": []}, "processes outlived the run"
+
+
+def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
+    """Host B (generators, queue, rollout workers) dies mid-run: the run stops within its
+    timeouts with one line naming the checkpoint, and `--resume` on fresh workers finishes it."""
+    run_dir = tmp_path / "run"
+    cfg = two_host_config(run_dir, two_hosts, steps=12, trainer={"checkpoint_every": 2})
+    controller = start_run(two_hosts, tmp_path, cfg, "down")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while controller.poll() is None and time.monotonic() < deadline:
+        if os.path.isfile(run_dir / "metrics.jsonl") and len(rows_of(run_dir)) >= 5:
+            break
+        time.sleep(0.2)
+    assert controller.poll() is None, "the run ended before host B was taken down"
+    two_hosts.kill("b")
+    t0 = time.monotonic()
+    watch(two_hosts, controller, RUN_TIMEOUT_S)
+    stopped_s = time.monotonic() - t0
+    log = (tmp_path / "down-controller.log").read_text()
+    assert controller.returncode != 0, log[-3000:]
+    lines = [line for line in log.splitlines() if line.startswith("meshrl:")]
+    failed = [line for line in lines if "run failed" in line]
+    assert len(failed) == 1 and "episode queue stopped answering" in failed[0] and f"meshrl run --resume {run_dir}" in failed[0], log[-3000:]
+    assert os.path.isfile(run_dir / "checkpoints" / "latest")
+    assert wait_empty(two_hosts) == {"a": [], "b": []}, "processes outlived the stopped run"
+    done = len(rows_of(run_dir))
+    assert 4 <= done < 12
+
+    # fresh workers on both hosts; the run continues from its last checkpoint
+    controller = start_run(two_hosts, tmp_path, cfg, "resumed", resume=True)
+    watch(two_hosts, controller, RUN_TIMEOUT_S)
+    log = (tmp_path / "resumed-controller.log").read_text()
+    assert controller.returncode == 0, log[-3000:]
+    steps = [r["step"] for r in rows_of(run_dir)]
+    assert steps == list(range(1, 13)), steps
+    assert wait_empty(two_hosts) == {"a": [], "b": []}
+    print(f"host B down: the run stopped {stopped_s:.0f} s later, at step {done}")

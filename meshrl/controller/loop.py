@@ -44,7 +44,7 @@ HEALTH_CHECK_S = 5.0
 
 
 class TrainerFailed(RuntimeError):
-    """A trainer proc died: the run stops; resume it from its last checkpoint."""
+    """A trainer proc died, or the host its batches come from: the run stops; resume it from its last checkpoint."""
 
 
 class RLLoop:
@@ -151,6 +151,9 @@ class RLLoop:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             has_ckpt = os.path.isfile(os.path.join(self.run_dir, "checkpoints", "latest"))
             how = f"resume from the last checkpoint with: meshrl run --resume {self.run_dir}" if has_ckpt else "no checkpoint was written yet"
+            if not await self._queue_answers():  # the trainer's call failed because the batches' source did
+                raise TrainerFailed(f"the episode queue stopped answering at version {self.version}: its host "
+                                    f"(the coordinator's, with the rollout workers) is down or unreachable; {how}") from e
             raise TrainerFailed(f"the trainer failed at version {self.version} ({type(e).__name__}: {first}); {how}") from e
         self.version = out["version"]
         out["time/trainer_call_s"] = time.monotonic() - call_start
@@ -164,6 +167,13 @@ class RLLoop:
         if every and self.version % every == 0 or every_s and time.monotonic() - self._last_checkpoint >= every_s:
             await self.checkpoint()
         return row
+
+    async def _queue_answers(self, timeout_s: float = 10.0) -> bool:
+        try:
+            await asyncio.wait_for(awaited(self.queue.metrics.call_one()), timeout_s)
+            return True
+        except Exception:  # noqa: BLE001 - dead, unreachable or too slow: all the same here
+            return False
 
     async def _update_generators(self, version: int) -> float:
         t0 = time.monotonic()
