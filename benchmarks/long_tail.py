@@ -39,10 +39,11 @@ from async_vs_sync import (  # noqa: E402
     RESULTS, SYSTEM_COLORS, add_common_args, bench_seeds, machine, mean_gap, mode_means, reward_gap, run_mode, time_to_reward,
 )
 
+from meshrl.config import ModelConfig  # noqa: E402  (importable once async_vs_sync put the repo root on the path)
+
 TARGET_SPEEDUP = 2.0
-MODEL = {"dim": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 128}
-"""The embedded default's model: generation, not training, is the bottleneck, as in RL at scale."""
-ASYNC_MODES = ("keep", "abort", "drain")
+MODEL_SIZES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+"""Taken from the embedded default's model: generation, not training, is the bottleneck, as in RL at scale."""
 COLORS = {**SYSTEM_COLORS, "keep": "tab:red", "abort": "tab:orange", "drain": "tab:purple"}
 
 
@@ -130,7 +131,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(p)
     p.set_defaults(task="longtail", steps=30, seeds=2, lr=5e-3, max_new_tokens=208, compile=False, reward_level=0.5,
-                   modes="sync,keep,abort,drain", model=[f"{k}={v}" for k, v in MODEL.items()])
+                   modes="sync,keep,abort,drain", model=[f"{k}={getattr(ModelConfig(), k)}" for k in MODEL_SIZES])
     p.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True, help="also run TRL GRPOTrainer (needs the bench extra)")
     p.add_argument("--out", default=os.path.join(RESULTS, "long_tail.json"))
     args = p.parse_args()

@@ -33,7 +33,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
-from async_vs_sync import BENCH_MODEL, RESULTS, machine  # noqa: E402
+from async_vs_sync import RESULTS, bench_model, machine  # noqa: E402
 from tests.conftest import NetnsHosts, netns_unavailable  # noqa: E402
 
 PORT = 26700
@@ -43,13 +43,9 @@ def run_once(hosts: NetnsHosts, root: str, name: str, transport: str, across: bo
     a, b = hosts.ADDRESSES["a"], hosts.ADDRESSES["b"]
     workers = [f"{a}:{PORT}", f"{b}:{PORT}"] if across else [f"{a}:{PORT}"]
     run_dir = os.path.join(root, name)
-    model = dict(BENCH_MODEL)
-    for item in args.model or []:
-        key, _, value = item.partition("=")
-        model[key] = int(value)
     cfg = {
         "steps": args.steps, "batch_groups": 4,
-        "model": model,
+        "model": bench_model(args),
         "generator": {"group_size": 4, "max_new_tokens": 8, "max_num_seqs": 32},
         "trainer": {"micro_batch_size": 16, "checkpoint_every": 0},
         "weight_sync": {"transport": transport},

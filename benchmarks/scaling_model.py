@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -131,7 +132,7 @@ def length_predictions(sigma: float, tail_ratio: float, batches: int = 40) -> li
             mean_len = sum(lengths) / len(lengths)
             capacity = max(1, min(MAX_SEQS, int(m["kv_tokens"] / mean_len)))
             step_s = capacity / m["decode_tokens_per_s"]  # one decode step of a full engine
-            G = {"sync": statistics_mean(batch_makespan(lengths[i:i + GPU_BATCH], capacity) for i in range(0, len(lengths), GPU_BATCH)),
+            G = {"sync": statistics.mean(batch_makespan(lengths[i:i + GPU_BATCH], capacity) for i in range(0, len(lengths), GPU_BATCH)),
                  "keep": stream_steps_per_batch(lengths, capacity, GPU_BATCH, drain=False),
                  "drain": stream_steps_per_batch(lengths, capacity, GPU_BATCH, drain=True)}
             G = {k: v * step_s for k, v in G.items()}
@@ -146,11 +147,6 @@ def length_predictions(sigma: float, tail_ratio: float, batches: int = 40) -> li
                 "overlap_bound": (G["sync"] + T) / max(G["sync"], T),
             })
     return rows
-
-
-def statistics_mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
 
 
 def main() -> None:

@@ -633,9 +633,9 @@ def _check_workers(need, c: Config) -> None:
     need(len(la.workers) >= 1, "launcher.workers", "launcher.kind=workers needs the IP:PORT of at least one `meshrl worker`")
     need(la.hosts in (1, len(la.workers)), "launcher.hosts", f"is {la.hosts} but launcher.workers lists {len(la.workers)}: drop launcher.hosts (the workers are the hosts)")
     for i, w in enumerate(la.workers):
-        ip, _, port = w.rpartition(":")
         try:
-            bad = ipaddress.ip_address(ip.strip("[]")).is_unspecified or not 0 < int(port) < 65536
+            ip_and_port(w)
+            bad = False
         except ValueError:
             bad = True
         need(not bad, f"launcher.workers[{i}]", f"{w!r} must be IP:PORT of a `meshrl worker` (an address of its host, not a wildcard or a name)")
@@ -645,6 +645,19 @@ def _check_workers(need, c: Config) -> None:
     except ValueError:
         ok = False
     need(ok, "launcher.address", f"{la.address!r} must be an IP of this controller (not a wildcard or a name)")
+
+
+def ip_and_port(address: str) -> tuple[str, int]:
+    """`IP:PORT` (`[IPv6]:PORT` too) as (IP, port); ValueError for a name, a wildcard or a bad port."""
+    import ipaddress
+
+    host, _, port = address.rpartition(":")
+    ip = host.strip("[]")
+    if ipaddress.ip_address(ip).is_unspecified:
+        raise ValueError(f"refusing the wildcard address {ip!r}: give a host's own address")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"port {port} is out of range")
+    return ip, int(port)
 
 
 def _local_addresses() -> set[str]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import math
 import os
@@ -50,8 +51,8 @@ from unittest import mock
 
 from monarch.actor import HostMesh, ProcMesh, this_host
 
-from meshrl.compat import awaited
-from meshrl.config import Config, ConfigError
+from meshrl.compat import awaited, gloo_default_device_on_loopback
+from meshrl.config import Config, ConfigError, ip_and_port
 
 logger = logging.getLogger(__name__)
 
@@ -335,6 +336,13 @@ def host_address() -> str | None:
     return os.environ.get(HOST_ADDRESS_ENV) or None
 
 
+def gloo_on_this_host():
+    """A context for gloo groups whose members all run on this host: they listen on
+    loopback, or on a host `meshrl worker` serves, on its named address (the worker gave
+    gloo that interface already)."""
+    return gloo_default_device_on_loopback() if host_address() is None else contextlib.nullcontext()
+
+
 def run_worker(address: str) -> None:
     """Serve this host to a controller (`launcher.kind=workers`) until it shuts the host down.
 
@@ -342,19 +350,16 @@ def run_worker(address: str) -> None:
     procs it spawns use Unix sockets and send to other hosts from this address; what they
     serve themselves (gloo, torch.distributed stores) they bind to it too (`host_address()`).
     """
-    import ipaddress
-
-    ip, _, port = address.rpartition(":")
-    if ipaddress.ip_address(ip.strip("[]")).is_unspecified:
-        raise ValueError(f"refusing to listen on the wildcard address {ip!r}: give this host's own address")
-    os.environ[HOST_ADDRESS_ENV] = ip.strip("[]")
+    ip, port = ip_and_port(address)
+    url = f"[{ip}]" if ":" in ip else ip
+    os.environ[HOST_ADDRESS_ENV] = ip
     # what the procs of this host serve on Monarch's default transport, and gloo's default device
-    os.environ["HYPERACTOR_MESH_DEFAULT_TRANSPORT"] = f"tcp://{ip}:0"
-    os.environ["GLOO_SOCKET_IFNAME"] = _interface_of(ip.strip("[]"))
+    os.environ["HYPERACTOR_MESH_DEFAULT_TRANSPORT"] = f"tcp://{url}:0"
+    os.environ["GLOO_SOCKET_IFNAME"] = _interface_of(ip)
     from monarch.actor import run_worker_loop_forever
 
     exit_on_sigterm()
-    run_worker_loop_forever(address=f"tcp://{ip}:{port}", ca="trust_all_connections")
+    run_worker_loop_forever(address=f"tcp://{url}:{port}", ca="trust_all_connections")
 
 
 def _interface_of(ip: str) -> str:

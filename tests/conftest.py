@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import string
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -229,8 +234,6 @@ class NetnsHosts:
         self.procs: list = []
 
     def _ip(self, *args: str) -> None:
-        import subprocess
-
         subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
     def start(self) -> "NetnsHosts":
@@ -248,30 +251,22 @@ class NetnsHosts:
             raise
         return self
 
-    def run(self, host: str, cmd: list[str], log_path) -> "subprocess.Popen":
-        import subprocess
-
+    def run(self, host: str, cmd: list[str], log_path) -> subprocess.Popen:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(["ip", "netns", "exec", self.names[host], *cmd], stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.procs.append(proc)
         return proc
 
-    def worker(self, host: str, port: int, log_path) -> "subprocess.Popen":
-        import sys
-
+    def worker(self, host: str, port: int, log_path) -> subprocess.Popen:
         return self.run(host, [sys.executable, "-m", "meshrl", "worker", "--address", f"{self.ADDRESSES[host]}:{port}"], log_path)
 
     def pids(self, host: str) -> list[int]:
-        import subprocess
-
         out = subprocess.run(["ip", "netns", "pids", self.names[host]], capture_output=True, text=True, timeout=30).stdout
         return [int(p) for p in out.split()]
 
     def kill(self, host: str) -> None:
         """Every process inside `host`, at once: the host dies."""
-        import signal
-
         for pid in self.pids(host):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -280,8 +275,6 @@ class NetnsHosts:
 
     def listeners(self, host: str) -> set[tuple[str, str]]:
         """(protocol, local address) of every listening TCP socket and unconnected UDP socket in `host`."""
-        import subprocess
-
         out = subprocess.run(["ip", "netns", "exec", self.names[host], "ss", "-Hltun"], capture_output=True, text=True, timeout=30).stdout
         found = set()
         for line in out.splitlines():
@@ -291,12 +284,9 @@ class NetnsHosts:
         return found
 
     def stop(self) -> None:
-        import subprocess
-        import time
-
         for proc in self.procs:
             try:
-                os.killpg(proc.pid, 9)
+                os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         for h in self.names:
@@ -315,9 +305,6 @@ class NetnsHosts:
 
 def netns_unavailable() -> str | None:
     """Why two network namespaces cannot be made here (not root, no `ip`), or None."""
-    import shutil
-    import subprocess
-
     if os.geteuid() != 0:
         return "network namespaces need root"
     if shutil.which("ip") is None or shutil.which("ss") is None:

@@ -14,7 +14,6 @@ token decoded before a pause keeps the old version even when it is delivered aft
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -105,8 +104,8 @@ class VLLMEngine:
 
     async def start(self, version: int = 0) -> float:
         """Start the engine (bounded by generator.startup_timeout_s); returns seconds taken."""
-        from meshrl.compat import gloo_default_device_on_loopback, vllm_cpu_defaults
-        from meshrl.launch import host_address
+        from meshrl.compat import vllm_cpu_defaults
+        from meshrl.launch import gloo_on_this_host
 
         vllm_cpu_defaults(self.gen.startup_timeout_s)
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -116,7 +115,7 @@ class VLLMEngine:
         # which vllm_cpu_defaults set from startup_timeout_s (before vLLM was imported here).
         # vLLM's groups span this engine's own processes only, all on this host: loopback, or
         # on a host `meshrl worker` serves, its named address (the worker set gloo's interface).
-        with gloo_default_device_on_loopback() if host_address() is None else contextlib.nullcontext():
+        with gloo_on_this_host():
             self.llm = AsyncLLM.from_engine_args(self.engine_args())
         elapsed = time.monotonic() - t0
         if elapsed > self.gen.startup_timeout_s:

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from monarch.actor import Actor, endpoint, this_host
 
-from meshrl.compat import gloo_default_device_on_loopback, tcp_store_listening_on, titan_float32_islands_under_cpu_autocast
-from meshrl.launch import host_address
+from meshrl.compat import tcp_store_listening_on, titan_float32_islands_under_cpu_autocast
+from meshrl.launch import gloo_on_this_host, host_address
 from meshrl.config import Config
 from meshrl.logs import capture_role_output
 from meshrl.placement import cpus_for, pin_this_process
@@ -306,10 +306,9 @@ class TrainerActor(Actor):
         # One trainer host: its groups listen on loopback, or on the address `meshrl worker`
         # named for this host (and set gloo's interface to). Across hosts: on MASTER_ADDR.
         one_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
-        named = host_address()
-        with gloo_default_device_on_loopback() if one_host and named is None else contextlib.nullcontext():
+        with gloo_on_this_host() if one_host else contextlib.nullcontext():
             if world > 1 and not dist.is_initialized():
-                init_process_group_listening_on((named or "127.0.0.1") if one_host else os.environ["MASTER_ADDR"], rank, world, use_cuda)
+                init_process_group_listening_on((host_address() or "127.0.0.1") if one_host else os.environ["MASTER_ADDR"], rank, world, use_cuda)
             self.trainer = PolicyTrainer(config, device, rank, world)
         if config.trainer.compile:
             self.trainer.warm_up()
