@@ -149,24 +149,35 @@ class RLLoop:
                 raise TimeoutError(f"no batch for version {self.version} within buffer.get_timeout_s={c.buffer.get_timeout_s:.0f}s: "
                                    "rollouts are not arriving; check the generators and envs") from e
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            has_ckpt = os.path.isfile(os.path.join(self.run_dir, "checkpoints", "latest"))
-            how = f"resume from the last checkpoint with: meshrl run --resume {self.run_dir}" if has_ckpt else "no checkpoint was written yet"
             if not await self._queue_answers():  # the trainer's call failed because the batches' source did
-                raise TrainerFailed(f"the episode queue stopped answering at version {self.version}: its host "
-                                    f"(the coordinator's, with the rollout workers) is down or unreachable; {how}") from e
-            raise TrainerFailed(f"the trainer failed at version {self.version} ({type(e).__name__}: {first}); {how}") from e
+                raise self._queue_lost() from e
+            raise TrainerFailed(f"the trainer failed at version {self.version} ({type(e).__name__}: {first}); {self._how_to_resume()}") from e
         self.version = out["version"]
         out["time/trainer_call_s"] = time.monotonic() - call_start
-        if self._update_task is not None:  # in the background since the last step: usually done
-            t0 = time.monotonic()
-            out["sync/previous_update_s"] = await self._finish_update()
-            out["sync/previous_update_wait_s"] = time.monotonic() - t0
-        self._update_task = asyncio.create_task(self._update_generators(self.version))
-        row = await self._collect_metrics(out)
-        every, every_s = c.trainer.checkpoint_every, c.trainer.checkpoint_every_s
-        if every and self.version % every == 0 or every_s and time.monotonic() - self._last_checkpoint >= every_s:
-            await self.checkpoint()
+        try:
+            if self._update_task is not None:  # in the background since the last step: usually done
+                t0 = time.monotonic()
+                out["sync/previous_update_s"] = await self._finish_update()
+                out["sync/previous_update_wait_s"] = time.monotonic() - t0
+            self._update_task = asyncio.create_task(self._update_generators(self.version))
+            row = await self._collect_metrics(out)
+            every, every_s = c.trainer.checkpoint_every, c.trainer.checkpoint_every_s
+            if every and self.version % every == 0 or every_s and time.monotonic() - self._last_checkpoint >= every_s:
+                await self.checkpoint()
+        except Exception as e:  # noqa: BLE001 - the coordinator's host can go down between two calls too
+            if not await self._queue_answers():
+                raise self._queue_lost() from e
+            raise
         return row
+
+    def _how_to_resume(self) -> str:
+        if os.path.isfile(os.path.join(self.run_dir, "checkpoints", "latest")):
+            return f"resume from the last checkpoint with: meshrl run --resume {self.run_dir}"
+        return "no checkpoint was written yet"
+
+    def _queue_lost(self) -> TrainerFailed:
+        return TrainerFailed(f"the episode queue stopped answering at version {self.version}: its host "
+                             f"(the coordinator's, with the rollout workers) is down or unreachable; {self._how_to_resume()}")
 
     async def _queue_answers(self, timeout_s: float = 10.0) -> bool:
         try:
