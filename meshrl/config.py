@@ -229,17 +229,43 @@ class LengthTailConfig:
 @dataclass
 class DataConfig:
     source: str = "task:digits"
-    """Prompts: `task:NAME` for a built-in task (single-turn digits, letters, count, add, copy, longtail with heavy-tailed lengths; multi-turn calc with a tool, guess, longtail_chat: see meshrl/tasks.py), or a local .jsonl / .parquet file."""
+    """Prompts: `task:NAME` for a built-in task (single-turn digits, letters, count, add, copy, longtail with heavy-tailed lengths; multi-turn calc with a tool, guess, longtail_chat: see meshrl/tasks.py), `reasoning_gym:NAME` for a reasoning-gym task scored by its own verifier (`pip install 'meshrl[reasoning]'`; configured by `data.task_args`), a local .jsonl / .parquet file, or a directory written by `datasets`' `save_to_disk`."""
     prompt_key: str = "prompt"
-    """Field holding the prompt in file sources: text, or a list of chat messages (rendered with the tokenizer's chat template)."""
+    """Field holding the prompt in file sources: text, or a list of chat messages (system, user and earlier turns, rendered with the tokenizer's chat template). With `messages`-style rows whose last message is the assistant's, that message is the reference answer (when the row has no `answer_key` field) and is not part of the prompt."""
     answer_key: str = "answer"
     """Field holding the reference answer in file sources (passed to the reward function)."""
     shuffle: bool = True
     """Shuffle prompts (with the run seed)."""
     num_prompts: int = 100000
-    """Prompts a built-in task generates per epoch."""
+    """Prompts a built-in or reasoning-gym task generates per epoch."""
+    task_args: dict = field(default_factory=dict)
+    """Keyword arguments of a `reasoning_gym:NAME` task's config (e.g. `{min_digits: 1, max_digits: 2}` for basic_arithmetic); its `seed` and `size` come from the run's seed and `num_prompts`."""
     lengths: LengthTailConfig = field(default_factory=LengthTailConfig)
     """Heavy-tailed answer lengths of task:longtail and task:longtail_chat (ignored by the other sources)."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate the policy on held-out prompts every this many steps, and at the last step. 0: off. Evaluation plays episodes on the generators beside training, so training slows only by the generation it needs."""
+    source: str | None = None
+    """Held-out prompts, in any form `data.source` takes (same `prompt_key`, `answer_key` and `task_args`). None: the training task (`task:` or `reasoning_gym:`) drawn from a seed stream of its own; a file or dataset source needs one given here."""
+    num_prompts: int = 32
+    """Prompts per evaluation (the first of the held-out source, in its order)."""
+    k: int = 4
+    """Samples per prompt at `generator.temperature` for pass@k and the mean sampled reward; one greedy answer per prompt gives the accuracy."""
+
+
+@dataclass
+class DistillConfig:
+    teacher: str | None = None
+    """On-policy distillation: a local Hugging Face checkpoint of the teacher, run on a vLLM engine of its own, which scores every token of the student's episodes. Each model token's advantage becomes `kl_weight x (teacher log-prob - student log-prob)` (reverse KL, per token), plus `reward_weight x` the task's group advantage. None: off (plain RL)."""
+    kl_weight: float = 1.0
+    """Weight of the per-token reverse-KL advantage."""
+    reward_weight: float = 0.0
+    """Weight of the task reward's group advantage mixed in (0: pure distillation)."""
+    cpus: str = ""
+    """CPU cores the teacher's engine is pinned to (Linux CPU list). Empty: not pinned."""
 
 
 @dataclass
@@ -276,6 +302,12 @@ class LoggingConfig:
     """Show a console progress bar."""
     plot: bool = True
     """Draw reward, staleness and utilisation curves to PNG at the end of the run."""
+    wandb: bool = False
+    """Also log every step's metrics to Weights & Biases (the `wandb` package torchtitan brings), into RUN_DIR/wandb."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """`offline`: write the W&B run to disk only (sync it later with `wandb sync RUN_DIR/wandb/offline-run-*`); `online`: send it to the W&B server the environment names (WANDB_API_KEY, WANDB_BASE_URL)."""
+    wandb_project: str = "meshrl"
+    """W&B project name."""
     verbose: bool = False
     """Leave library output (vLLM, Monarch, torch) on the terminal. Off: each proc's output goes to RUN_DIR/logs/ROLE.log and the console shows meshrl's own lines (`meshrl run --verbose` turns it on; so does MESHRL_VERBOSE=1)."""
 
@@ -306,6 +338,10 @@ class Config:
     """Rewards."""
     data: DataConfig = field(default_factory=DataConfig)
     """The prompt source."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation on held-out prompts during training."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher checkpoint."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     """Where the meshes run."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -586,22 +622,38 @@ def validate(c: Config) -> None:
 
     need(not (s.reward_fn and s.reward_model), "scoring.reward_model", "set either scoring.reward_fn or scoring.reward_model, not both")
     d = c.data
-    if d.source.startswith("task:"):
+    _check_source(need, c, "data.source", d.source)
+    if source_kind(d.source) == "task":
         from meshrl.tasks import TASKS
 
         name = d.source.removeprefix("task:")
-        need(name in TASKS, "data.source", f"unknown built-in task {name!r}: use one of {', '.join('task:' + t for t in TASKS)}")
         if TASKS[name].env is not None and c.rollout.env is None:
             need(not (s.reward_fn or s.reward_model), "scoring.reward_fn",
                  f"task:{name} is multi-turn and its env gives the reward: unset scoring.reward_fn / reward_model, or set rollout.env")
-    else:
-        need(d.source.endswith((".jsonl", ".parquet")), "data.source", f"{d.source!r} must be 'task:NAME' or a .jsonl/.parquet file")
-        need(os.path.isfile(d.source), "data.source", f"file {d.source!r} not found: give a local .jsonl or .parquet file")
+    elif source_kind(d.source) in ("file", "dataset"):
         need(s.reward_fn is not None or s.reward_model is not None or c.rollout.env is not None, "scoring.reward_fn",
              f"a file data source ({d.source}) needs a reward: set scoring.reward_fn, scoring.reward_model or rollout.env")
     need(d.num_prompts >= 1, "data.num_prompts", f"must be at least 1, got {d.num_prompts}")
+    need(not d.task_args or source_kind(d.source) == "reasoning_gym", "data.task_args", f"only a reasoning_gym: source takes task arguments, not {d.source!r}: drop them")
     if d.source in ("task:longtail", "task:longtail_chat"):
         _check_lengths(need, c)
+
+    e = c.eval
+    need(e.every >= 0, "eval.every", f"must be at least 0 (0 = off), got {e.every}")
+    need(e.num_prompts >= 1, "eval.num_prompts", f"must be at least 1, got {e.num_prompts}")
+    need(e.k >= 1, "eval.k", f"must be at least 1, got {e.k}")
+    if e.source is not None:
+        _check_source(need, c, "eval.source", e.source)
+    elif e.every:
+        need(source_kind(d.source) in ("task", "reasoning_gym"), "eval.source",
+             f"a file or dataset source ({d.source}) has no held-out part of its own: give eval.source a held-out file")
+
+    di = c.distill
+    if di.teacher is not None:
+        need(os.path.isfile(os.path.join(di.teacher, "config.json")), "distill.teacher", f"{di.teacher!r} is not a Hugging Face checkpoint directory (no config.json): give the teacher's local checkpoint, or null")
+        need(di.kl_weight >= 0 and di.reward_weight >= 0, "distill.kl_weight", f"weights must be at least 0, got kl_weight={di.kl_weight}, reward_weight={di.reward_weight}")
+        need(di.kl_weight > 0 or di.reward_weight > 0, "distill.kl_weight", "kl_weight and reward_weight are both 0: nothing to learn from")
+        _check_cpus(need, "distill.cpus", di.cpus, 1, c.launcher.kind in ("local", "process"))
 
     r = c.rollout
     need(r.workers >= 1, "rollout.workers", f"must be at least 1, got {r.workers}")
@@ -623,6 +675,54 @@ def validate(c: Config) -> None:
     need(la.start_timeout_s > 0, "launcher.start_timeout_s", f"must be positive, got {la.start_timeout_s}")
     parts = la.time_limit.split(":")
     need(len(parts) == 3 and all(p.isdigit() for p in parts), "launcher.time_limit", f"{la.time_limit!r} must look like HH:MM:SS")
+
+
+EXTRAS = {"reasoning_gym": "reasoning", "math_verify": "math", "openenv": "envs"}
+"""Optional packages and the meshrl extra that installs each."""
+
+
+def missing_extra(module: str) -> str | None:
+    """None when `module` imports; else the one line telling how to install its extra."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec(module) is not None:
+            return None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, or a broken parent
+        pass
+    return f"needs the optional package {module!r}: pip install 'meshrl[{EXTRAS.get(module, module)}]'"
+
+
+def source_kind(source: str) -> str:
+    """`task`, `reasoning_gym`, `file` (.jsonl / .parquet) or `dataset` (a save_to_disk directory)."""
+    if source.startswith("task:"):
+        return "task"
+    if source.startswith("reasoning_gym:"):
+        return "reasoning_gym"
+    return "file" if source.endswith((".jsonl", ".parquet")) else "dataset"
+
+
+def _check_source(need, c: Config, path: str, source: str) -> None:
+    """A prompt source that exists and whose package is installed."""
+    kind = source_kind(source)
+    if kind == "task":
+        from meshrl.tasks import TASKS
+
+        name = source.removeprefix("task:")
+        need(name in TASKS, path, f"unknown built-in task {name!r}: use one of {', '.join('task:' + t for t in TASKS)}")
+    elif kind == "reasoning_gym":
+        problem = missing_extra("reasoning_gym")
+        need(problem is None, path, f"{source} {problem}")
+        from reasoning_gym.factory import DATASETS
+
+        name = source.removeprefix("reasoning_gym:")
+        need(name in DATASETS, path, f"reasoning-gym has no task {name!r}: see reasoning_gym.factory.DATASETS (e.g. basic_arithmetic, chain_sum, leg_counting)")
+    elif kind == "file":
+        need(os.path.isfile(source), path, f"file {source!r} not found: give a local .jsonl or .parquet file")
+    else:
+        need(os.path.isdir(source), path, f"{source!r} must be 'task:NAME', 'reasoning_gym:NAME', a .jsonl/.parquet file or a datasets save_to_disk directory")
+        need(os.path.isfile(os.path.join(source, "dataset_info.json")) or os.path.isfile(os.path.join(source, "dataset_dict.json")), path,
+             f"directory {source!r} is not a datasets save_to_disk directory (no dataset_info.json): save it with Dataset.save_to_disk")
 
 
 def _check_workers(need, c: Config) -> None:
