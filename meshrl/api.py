@@ -190,6 +190,13 @@ class Session:
         """Wait until every generator replica runs the trainer's current version."""
         self._call(self._need().wait_for_generators(), self.config.weight_sync.timeout_s + 120)
 
+    def evaluate(self) -> dict[str, float] | None:
+        """Evaluate the current policy on the held-out prompts (eval.*) now; its `eval/`
+        metrics, also written to the run's metrics (None if it failed: see the log)."""
+        from meshrl.evaluation import eval_timeout_s
+
+        return self._call(self._need().evaluate_now(), 2 * eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
+
     def export(self, path: str) -> str:
         """Write the current policy as a Hugging Face checkpoint directory; returns its path."""
         return self._call(self._need().export_to(path), 600)
@@ -226,6 +233,9 @@ class Session:
     def finish(self) -> RunResult:
         """Final checkpoint, Hugging Face export and curves."""
         loop = self._need()
+        from meshrl.evaluation import eval_timeout_s
+
+        self._call(loop.finish_evaluation(), eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
         ckpt = self._call(loop.checkpoint(), 600)
         hf = self._call(loop.export(), 600)
         png = plot_run(loop.run_dir) if self.config.logging.plot and loop.history else None

@@ -3,6 +3,7 @@
     meshrl run [CONFIG.yaml] [section.field=value ...] [--resume RUN_DIR]
     meshrl config show [CONFIG.yaml] [section.field=value ...]
     meshrl config docs [--check FILE]
+    meshrl eval RUN_DIR|CHECKPOINT [CONFIG.yaml] [section.field=value ...] [--out DIR]
     meshrl plot RUN_DIR [--out FILE.png]
     meshrl worker --address IP:PORT          # serve this host to a launcher.kind=workers run
 
@@ -124,6 +125,48 @@ def summary_line(result, wall_s: float) -> str:
             f"results in {result.run_dir} (metrics.jsonl, curves.png, hf/final)")
 
 
+def _cmd_eval(ns: argparse.Namespace) -> int:
+    """Evaluate a run's final export (or any Hugging Face checkpoint) on the held-out prompts
+    of the run's config (eval.*), with one generator replica and one rollout worker."""
+    import asyncio
+
+    from meshrl.evaluation import evaluate_checkpoint, resolve_target, write_results
+
+    run_dir, checkpoint = resolve_target(ns.target)
+    path, overrides = _split(ns.args)
+    if path is None and run_dir is not None:
+        path = os.path.join(run_dir, "config.yaml")
+    data = apply_overrides(load_yaml(path) if path else {}, overrides)
+    data.setdefault("eval", {})["every"] = data.get("eval", {}).get("every") or 1  # validates the held-out source
+    out_dir = os.path.abspath(ns.out or (os.path.join(run_dir, "eval") if run_dir else f"eval-{os.path.basename(checkpoint.rstrip('/'))}"))
+    data["logging"] = {**data.get("logging", {}), "run_dir": out_dir}
+    data["launcher"] = {"kind": "local"}
+    data["generator"] = {**data.get("generator", {}), "replicas": 1, "cpus": ""}
+    config = Config.from_dict(data)
+    preflight(config)
+    has_tokenizer = any(os.path.isfile(os.path.join(checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer_dir = (checkpoint if has_tokenizer else config.model.tokenizer or
+                     (os.path.join(run_dir, "tokenizer") if run_dir and os.path.isdir(os.path.join(run_dir, "tokenizer")) else None))
+    if tokenizer_dir is None:
+        raise ConfigError("model.tokenizer", f"{checkpoint!r} holds no tokenizer: give model.tokenizer=DIR")
+    out = sys.stderr if verbose(config) else quiet_console(out_dir)
+    from meshrl.data import eval_records
+
+    records = eval_records(config)
+    print(f"meshrl: evaluating {checkpoint} on {len(records)} held-out prompts ({config.eval.k} samples each)", file=out)
+    try:
+        metrics, results = asyncio.run(evaluate_checkpoint(config, checkpoint, tokenizer_dir))
+    except Exception as e:  # noqa: BLE001 - one line here, the traceback in the log
+        traceback.print_exc()
+        print(f"meshrl: eval failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}", file=out)
+        return 1
+    write_results(os.path.join(out_dir, "eval.json"), metrics, results, records)
+    k = config.eval.k
+    print(f"meshrl: greedy accuracy {metrics['eval/greedy_accuracy']:.3f}, pass@{k} {metrics[f'eval/pass@{k}']:.3f}, "
+          f"mean reward {metrics['eval/reward_mean']:.3f}; results in {os.path.join(out_dir, 'eval.json')}", file=out)
+    return 0
+
+
 def _cmd_plot(ns: argparse.Namespace) -> int:
     from meshrl.metrics import plot_run
 
@@ -163,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     docs = config_sub.add_parser("docs", help="print the config reference (Markdown)")
     docs.add_argument("--check", metavar="FILE", help="exit 1 if FILE differs from the generated reference")
     docs.set_defaults(func=_cmd_config_docs)
+
+    evaluate = sub.add_parser("eval", help="evaluate a run's final export or a checkpoint on held-out prompts (eval.*)")
+    evaluate.add_argument("target", metavar="RUN_DIR|CHECKPOINT")
+    evaluate.add_argument("args", nargs="*", metavar="CONFIG|section.field=value")
+    evaluate.add_argument("--out", metavar="DIR", help="where eval.json and logs go (default: RUN_DIR/eval)")
+    evaluate.set_defaults(func=_cmd_eval)
 
     plot = sub.add_parser("plot", help="draw a run's reward, staleness and utilisation curves to PNG")
     plot.add_argument("run_dir", metavar="RUN_DIR")

@@ -717,6 +717,9 @@ def _check_source(need, c: Config, path: str, source: str) -> None:
 
         name = source.removeprefix("reasoning_gym:")
         need(name in DATASETS, path, f"reasoning-gym has no task {name!r}: see reasoning_gym.factory.DATASETS (e.g. basic_arithmetic, chain_sum, leg_counting)")
+        from meshrl.data import reasoning_gym_dataset
+
+        reasoning_gym_dataset(name, c.data.task_args, c.seed, 1)  # bad task_args: a ConfigError naming them
     elif kind == "file":
         need(os.path.isfile(source), path, f"file {source!r} not found: give a local .jsonl or .parquet file")
     else:

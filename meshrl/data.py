@@ -1,46 +1,140 @@
-"""Prompts: from the built-in tasks or JSONL/Parquet files, through torchdata, resumable.
+"""Prompts: built-in or reasoning-gym tasks, JSONL/Parquet files or `datasets` directories; resumable.
 
 `PromptNode` is a torchdata `BaseNode` over one source's records, shuffled per epoch with
 the run seed; its state is (epoch, index), so a resumed run continues exactly where it
 stopped. A record is a dict with `prompt` (text, or a list of chat messages) and `answer`,
 plus whatever else the source holds; the episode queue (meshrl/queue.py) hands records
-out to rollout workers, whose env turns them into episodes.
+out to rollout workers, whose env turns them into episodes. Records cross actor
+boundaries, so they hold plain picklable, JSON-able values only.
+
+Task and reasoning-gym sources are generated, never stored: record i of an epoch is a pure
+function of (seed, epoch, i). That is what makes resuming exact without saving data, and
+what gives evaluation (`eval_records`) a held-out stream: the same generator under a seed
+string of its own, which no training epoch uses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
-from typing import Any
+from typing import Any, Callable
 
 from torchdata.nodes import BaseNode
 
-from meshrl.config import DataConfig
+from meshrl.config import Config, ConfigError, DataConfig, missing_extra, source_kind
 from meshrl.tasks import get_task
 
 
 def load_records(cfg: DataConfig) -> list[dict[str, Any]] | None:
-    """Records of a file source as dicts with "prompt" and "answer"; None for a task source."""
-    if cfg.source.startswith("task:"):
+    """Records of a file or `datasets` source, in their stored order; None for a generated
+    (task or reasoning-gym) source."""
+    kind = source_kind(cfg.source)
+    if kind == "task":
         get_task(cfg.source.removeprefix("task:"))  # fail early on a bad name
+        return None
+    if kind == "reasoning_gym":
         return None
     if cfg.source.endswith(".jsonl"):
         with open(cfg.source) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-    else:
+    elif cfg.source.endswith(".parquet"):
         import pyarrow.parquet as pq
 
         rows = pq.read_table(cfg.source).to_pylist()
-    records = []
-    for i, row in enumerate(rows):
-        if cfg.prompt_key not in row:
-            raise KeyError(f"{cfg.source} record {i} has no {cfg.prompt_key!r} field (data.prompt_key)")
-        extra = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.answer_key)}
-        prompt = row[cfg.prompt_key]
-        records.append({"prompt": prompt if isinstance(prompt, list) else str(prompt), "answer": row.get(cfg.answer_key), **extra})
+    else:
+        rows = _saved_dataset(cfg.source).to_list()
+    records = [_record(cfg, i, row) for i, row in enumerate(rows)]
     if not records:
         raise ValueError(f"{cfg.source} holds no records")
     return records
+
+
+def _saved_dataset(path: str):
+    """A `datasets` save_to_disk directory as one Dataset: a DatasetDict's `train` split, or its only split."""
+    from datasets import DatasetDict, load_from_disk
+
+    data = load_from_disk(path)  # local files only: never the hub
+    if not isinstance(data, DatasetDict):
+        return data
+    if "train" in data:
+        return data["train"]
+    if len(data) == 1:
+        return next(iter(data.values()))
+    raise ValueError(f"{path} holds splits {sorted(data)} and none is 'train': save the split to train on alone, "
+                     "or name it 'train'")
+
+
+def _record(cfg: DataConfig, i: int, row: dict) -> dict[str, Any]:
+    """One stored row as a record. A chat prompt ending with the assistant's message holds its
+    reference answer there (the usual `messages` layout of SFT data): that message leaves the
+    prompt, since the model is to write it, and is the answer unless the row has its own."""
+    if cfg.prompt_key not in row:
+        raise KeyError(f"{cfg.source} record {i} has no {cfg.prompt_key!r} field (data.prompt_key)")
+    prompt, answer = row[cfg.prompt_key], row.get(cfg.answer_key)
+    if isinstance(prompt, list):
+        for m in prompt:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+                raise ValueError(f"{cfg.source} record {i}: {cfg.prompt_key!r} holds {m!r}, not a chat message "
+                                 "(a dict with 'role' and 'content')")
+        if prompt and prompt[-1]["role"] == "assistant":
+            if cfg.answer_key not in row:
+                answer = prompt[-1]["content"]
+            prompt = prompt[:-1]
+        if not prompt:
+            raise ValueError(f"{cfg.source} record {i}: {cfg.prompt_key!r} has no message before the assistant's answer")
+    else:
+        prompt = str(prompt)
+    extra = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.answer_key)}
+    return {"prompt": prompt, "answer": answer, **extra}
+
+
+# ---- generated sources ----------------------------------------------------------------------------
+Generator = Callable[[int, int], dict]
+"""(epoch, i) -> record i of that epoch."""
+
+
+def generator(cfg: DataConfig, seed: str, size: int) -> Generator:
+    """A task or reasoning-gym source's records as a pure function of (`seed`, epoch, i)."""
+    if source_kind(cfg.source) == "task":
+        task = get_task(cfg.source.removeprefix("task:"))
+        return lambda epoch, i: task.sample(random.Random(f"{seed}/{epoch}/{i}"), cfg)
+    name = cfg.source.removeprefix("reasoning_gym:")
+    current: dict[int, Any] = {}  # the epoch's dataset object: made once per epoch, not per record
+
+    def record(epoch: int, i: int) -> dict:
+        if epoch not in current:
+            current.clear()
+            # reasoning-gym seeds item i with dataset seed + i; seeds drawn at random from 2^31
+            # keep epochs' (and evaluation's) item streams apart in all but a ~size/2^30 chance
+            current[epoch] = reasoning_gym_dataset(name, cfg.task_args, random.Random(f"{seed}/{epoch}").randrange(2**31), size)
+        return reasoning_gym_record(current[epoch][i])
+
+    return record
+
+
+def reasoning_gym_dataset(name: str, task_args: dict, seed: int, size: int):
+    """reasoning-gym's dataset object for task `name`; a bad `data.task_args` is a ConfigError."""
+    problem = missing_extra("reasoning_gym")
+    if problem:
+        raise ImportError(f"reasoning_gym:{name} {problem}")
+    import reasoning_gym
+
+    try:
+        return reasoning_gym.create_dataset(name, seed=seed, size=size, **task_args)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise ConfigError("data.task_args", f"reasoning_gym:{name} rejects {task_args} with size={size} "
+                          f"({type(e).__name__}: {e}): fix data.task_args or data.num_prompts") from None
+
+
+def reasoning_gym_record(entry: dict) -> dict:
+    """A reasoning-gym item as a record: its question as chat messages under reasoning-gym's
+    own system prompt (which asks for the final answer in <answer></answer> tags, where its
+    scorer looks), and the item's answer and metadata, which its `score_answer` reads."""
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    return {**entry, "prompt": [{"role": "system", "content": SYSTEM_PROMPTS["default"]},
+                                {"role": "user", "content": entry["question"]}]}
 
 
 class PromptNode(BaseNode[dict]):
@@ -50,7 +144,7 @@ class PromptNode(BaseNode[dict]):
         super().__init__()
         self.cfg, self.seed = cfg, seed
         self.records = load_records(cfg)
-        self.task = None if self.records is not None else get_task(cfg.source.removeprefix("task:"))
+        self.generate = None if self.records is not None else generator(cfg, str(seed), cfg.num_prompts)
         self.size = len(self.records) if self.records is not None else cfg.num_prompts
 
     def reset(self, initial_state: dict | None = None) -> None:
@@ -61,7 +155,7 @@ class PromptNode(BaseNode[dict]):
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(self.size))
-        if self.cfg.shuffle and self.records is not None:
+        if self.cfg.shuffle and self.records is not None:  # generated records are random already
             random.Random(f"{self.seed}/{epoch}").shuffle(order)
         return order
 
@@ -73,8 +167,20 @@ class PromptNode(BaseNode[dict]):
         self.index += 1
         if self.records is not None:
             return dict(self.records[i])
-        # A task prompt is a pure function of (seed, epoch, i): nothing to store.
-        return self.task.sample(random.Random(f"{self.seed}/{self.epoch}/{i}"), self.cfg)
+        return self.generate(self.epoch, i)
 
     def get_state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}
+
+
+def eval_records(config: Config) -> list[dict]:
+    """The run's held-out prompts, the same on every call: the first `eval.num_prompts` records
+    of `eval.source` in stored order, or of the training task drawn under the seed string
+    "SEED/eval", a stream no training epoch ("SEED/EPOCH") draws from."""
+    e = config.eval
+    data = config.data if e.source is None else dataclasses.replace(config.data, source=e.source)
+    records = load_records(data)
+    if records is not None:
+        return records[:e.num_prompts]
+    make = generator(data, f"{config.seed}/eval", e.num_prompts)
+    return [make(0, i) for i in range(e.num_prompts)]

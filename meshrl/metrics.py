@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from typing import Iterable
 
 METRICS_FILE = "metrics.jsonl"
@@ -21,7 +22,7 @@ class MetricsWriter:
     `keep_until`: the step the run starts from (0 for a new run, the restored step for a
     resumed one). Rows and events of later steps are cut, so no step appears twice."""
 
-    def __init__(self, run_dir: str, tensorboard: bool = True, keep_until: int = 0):
+    def __init__(self, run_dir: str, tensorboard: bool = True, keep_until: int = 0, wandb: dict | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
         _truncate_rows(self.path, keep_until)
@@ -32,6 +33,7 @@ class MetricsWriter:
 
             # TensorBoard hides the events of steps >= purge_step written before this point
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=keep_until + 1)
+        self._wandb = _start_wandb(run_dir, keep_until, **wandb) if wandb else None
 
     def write(self, step: int, row: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
@@ -39,11 +41,37 @@ class MetricsWriter:
         if self._tb is not None:
             for key, value in clean.items():
                 self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log({"step": step, **clean})
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.finish()
+            wandb.teardown()  # stops the wandb-core service process it started
+
+
+def _start_wandb(run_dir: str, keep_until: int, project: str, mode: str, config: dict):
+    """A W&B run in RUN_DIR/wandb. A resumed meshrl run continues the same W&B run (its id
+    is kept in the run directory). Every metric is plotted against the row's `step` field,
+    not W&B's own counter, so an evaluation row that lands after later steps' rows and the
+    rows of re-trained steps keep their steps. wandb's own output stays off the console."""
+    import wandb
+
+    id_file = os.path.join(run_dir, "wandb", "run_id")
+    os.makedirs(os.path.dirname(id_file), exist_ok=True)
+    run_id = open(id_file).read().strip() if keep_until and os.path.isfile(id_file) else uuid.uuid4().hex[:12]
+    with open(id_file, "w") as f:
+        f.write(run_id)
+    run = wandb.init(project=project, dir=run_dir, id=run_id, resume="allow", mode=mode, config=config,
+                     name=os.path.basename(os.path.abspath(run_dir)), settings=wandb.Settings(silent=True, console="off"))
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step")
+    return run
 
 
 def _truncate_rows(path: str, keep_until: int) -> None:
@@ -78,6 +106,7 @@ def read_metrics(run_dir: str) -> list[dict[str, float]]:
 
 PANELS = [
     ("reward", ["reward/mean", "reward/success_rate", "trainer/reward_mean"]),
+    ("held-out eval", ["eval/greedy_accuracy", "eval/pass@", "eval/reward_mean"]),
     ("staleness (versions)", ["trainer/staleness_mean", "trainer/staleness_max"]),
     ("idle fraction", ["trainer/idle_frac", "generator/idle_frac"]),
     ("loss", ["trainer/loss"]),
@@ -93,8 +122,12 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
 
     rows = read_metrics(run_dir)
     out = out or os.path.join(run_dir, "curves.png")
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
-    for ax, (title, keys) in zip(axes, PANELS):
+    names = sorted({k for r in rows for k in r})
+    panels = [(title, [n for key in keys for n in names if n == key or key.endswith("@") and n.startswith(key)])
+              for title, keys in PANELS]
+    panels = [(title, keys) for title, keys in panels if keys or title != "held-out eval"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    for ax, (title, keys) in zip(axes, panels):
         for key in keys:
             points = [(r["step"], r[key]) for r in rows if key in r]
             if points:

@@ -2,7 +2,8 @@
 
 A reward function is any Python callable `(prompt: str, response: str, sample: dict) ->
 float`, sync or async, given by import path (`scoring.reward_fn`) or passed in code.
-`sample` carries the reference answer and the task's extra fields. A reward model
+`sample` carries the reference answer and the task's extra fields. A `reasoning_gym:`
+source is scored by its task's own verifier (meshrl/verifiers.py). A reward model
 (`scoring.reward_model`, a local Hugging Face sequence-classification checkpoint) is
 wrapped into the same signature. The run's reward becomes the `SingleTurnEnv` every
 episode plays (meshrl/rollout/env.py), which bounds each call by `scoring.timeout_s`: a
@@ -17,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from meshrl.config import Config
+from meshrl.config import Config, source_kind
 from meshrl.rollout.env import RewardFn
 from meshrl.tasks import get_task
 
@@ -47,13 +48,18 @@ def reward_model_fn(path: str) -> RewardFn:
 
 
 def resolve_reward(config: Config, reward_fn: RewardFn | None = None) -> RewardFn:
-    """The run's reward: passed in code, else scoring.reward_model, scoring.reward_fn, or the task's own."""
+    """The run's reward: passed in code, else scoring.reward_model, scoring.reward_fn, or the
+    task's own (a built-in task's exact rule, a reasoning-gym task's verifier)."""
     if reward_fn is not None:
         return reward_fn
     if config.scoring.reward_model:
         return reward_model_fn(config.scoring.reward_model)
     if config.scoring.reward_fn:
         return import_callable(config.scoring.reward_fn)
+    if source_kind(config.data.source) == "reasoning_gym":
+        from meshrl.verifiers import reasoning_gym_reward
+
+        return reasoning_gym_reward(config)
     return inline(get_task(config.data.source.removeprefix("task:")).reward)
 
 

@@ -7,6 +7,18 @@ exactly). A single-turn task scores a response with an exact rule:
 (meshrl/rollout/env.py), which plays the episode and gives the reward. Rewards are in
 [0, 1]; 1 is a perfect answer.
 
+These stay beside reasoning-gym's tasks (`data.source: reasoning_gym:NAME`) because a
+~100K-parameter model with the character tokenizer learns them from scratch in minutes on a
+CPU, as the tests, examples and benchmarks need; reasoning-gym's nearest tasks are out of
+its reach. basic_arithmetic cut down to `add` (`+`, two 1-2 digit terms) asks "Calculate
+5 + 33." under its 424-character system prompt: about 450 character tokens through the
+chat template, past the default 256-token context, against "17+25="'s 6; and it scores
+only an answer inside `<answer></answer>` (19 characters against 2, past the default
+8-token budget), which a model from scratch never samples by chance, so it never sees a
+reward. Nothing there covers the rest: letter_counting counts a letter in a ~115-character
+sentence (not `count`'s writing it n times), spell_backward reverses a word (not `copy`),
+and digits, letters and longtail train output format and length, not reasoning.
+
 Single-turn (raw text prompts):
 
 - digits:  "q:" -> any 8 digits. Credit per digit among the first 8 characters. A model

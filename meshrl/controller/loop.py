@@ -62,6 +62,7 @@ class RLLoop:
         self.workers: WorkerPool | None = None
         self._update_task: asyncio.Task | None = None
         self._snapshot_task: asyncio.Task | None = None
+        self._eval_task: asyncio.Task | None = None
         self._last_step_end = None
 
     # ---- start-up -----------------------------------------------------------------------
@@ -117,7 +118,8 @@ class RLLoop:
         if self.resume:
             await self._restore()
         # Rows past the restored step belong to steps about to be trained again: cut them.
-        self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version)
+        wandb = dict(project=c.logging.wandb_project, mode=c.logging.wandb_mode, config=c.to_dict()) if c.logging.wandb else None
+        self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version, wandb=wandb)
         self._last_checkpoint = time.monotonic()
         initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"))
         self.generators = GeneratorPool(c, self.alloc, initial, self.version, self._rewire)
@@ -125,6 +127,10 @@ class RLLoop:
         self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address()).connect(await self.trainer.publisher_handle(), await self._subscribers())
         self.workers = WorkerPool(c, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn)
         await self.workers.start(self.generators.handles())
+        if c.eval.every:
+            from meshrl.data import eval_records
+
+            self.eval_records = eval_records(c)
         self._last_step_end = time.monotonic()
 
     async def _subscribers(self) -> list:
@@ -161,6 +167,7 @@ class RLLoop:
                 out["sync/previous_update_wait_s"] = time.monotonic() - t0
             self._update_task = asyncio.create_task(self._update_generators(self.version))
             row = await self._collect_metrics(out)
+            self._evaluate_if_due()
             every, every_s = c.trainer.checkpoint_every, c.trainer.checkpoint_every_s
             if every and self.version % every == 0 or every_s and time.monotonic() - self._last_checkpoint >= every_s:
                 await self.checkpoint()
@@ -178,6 +185,56 @@ class RLLoop:
     def _queue_lost(self) -> TrainerFailed:
         return TrainerFailed(f"the episode queue stopped answering at version {self.version}: its host "
                              f"(the coordinator's, with the rollout workers) is down or unreachable; {self._how_to_resume()}")
+
+    # ---- evaluation beside training (meshrl/evaluation.py) ------------------------------------
+    def _evaluate_if_due(self) -> None:
+        """Start the evaluation of this version in the background every eval.every steps and
+        at the last one. One runs at a time: a due one is skipped while the previous still
+        runs, except the last step's, which waits for it."""
+        every = self.config.eval.every
+        last = self.version >= self.config.steps
+        if not every or not (self.version % every == 0 or last):
+            return
+        previous = self._eval_task
+        if previous is not None and not previous.done() and not last:
+            log.warning("evaluation of step %d skipped: the previous one still runs", self.version)
+            return
+        self._eval_task = asyncio.create_task(self._evaluate(self.version, previous))
+
+    async def _evaluate(self, version: int, previous: asyncio.Task | None = None) -> dict[str, float] | None:
+        from meshrl.evaluation import eval_timeout_s, evaluate_on, write_results
+
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
+        try:
+            worker = self.workers.workers[0].actor
+            row, results = await evaluate_on(worker, self.eval_records, version, self.config.eval.k,
+                                             eval_timeout_s(self.config, len(self.eval_records)))
+            os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
+            write_results(os.path.join(self.run_dir, "eval", f"step_{version:06d}.json"), row, results, self.eval_records)
+        except Exception as e:  # noqa: BLE001 - a failed evaluation is reported, training goes on
+            log.warning("evaluation of step %d failed: %s", version, (str(e).strip().splitlines() or [type(e).__name__])[0][:200])
+            return None
+        self.history.append({"step": version, **row})
+        self.metrics.write(version, row)
+        k = self.config.eval.k
+        log.info("eval at step %d: greedy accuracy %.3f, pass@%d %.3f, mean reward %.3f",
+                 version, row["eval/greedy_accuracy"], k, row[f"eval/pass@{k}"], row["eval/reward_mean"])
+        return row
+
+    async def finish_evaluation(self) -> dict[str, float] | None:
+        """Wait for the evaluation in flight (the last step's, at the end of a run)."""
+        task, self._eval_task = self._eval_task, None
+        return await task if task is not None else None
+
+    async def evaluate_now(self) -> dict[str, float] | None:
+        """Evaluate the current version now (interactive sessions), after any in flight."""
+        if not getattr(self, "eval_records", None):
+            from meshrl.data import eval_records
+
+            self.eval_records = eval_records(self.config)
+        self._eval_task = asyncio.create_task(self._evaluate(self.version, self._eval_task))
+        return await self.finish_evaluation()
 
     async def _queue_answers(self, timeout_s: float = 10.0) -> bool:
         try:
@@ -281,8 +338,13 @@ class RLLoop:
             await self._finish_update()
 
     async def export_to(self, path: str) -> str:
-        """The current policy as a Hugging Face checkpoint at `path`."""
-        return await self.trainer.export_hf(path)
+        """The current policy as a Hugging Face checkpoint at `path`, with its tokenizer, so
+        that transformers, vLLM and `meshrl eval` load it alone."""
+        from meshrl.tokenizer import load_tokenizer
+
+        path = await self.trainer.export_hf(path)
+        load_tokenizer(self.tokenizer_dir).save_pretrained(path)
+        return path
 
     async def pause_generation(self) -> None:
         await asyncio.gather(*(awaited(r.actor.pause_generation.call_one()) for r in self.generators.replicas))
@@ -347,11 +409,11 @@ class RLLoop:
 
     # ---- the end -------------------------------------------------------------------------------
     async def export(self) -> str:
-        return await self.trainer.export_hf(os.path.join(self.run_dir, "hf", "final"))
+        return await self.export_to(os.path.join(self.run_dir, "hf", "final"))
 
     async def shutdown(self) -> None:
         """Stop everything this loop started, on every exit path; never raises."""
-        for task in (self._snapshot_task, self._update_task):
+        for task in (self._snapshot_task, self._update_task, self._eval_task):
             if task is not None:
                 task.cancel()
         if self.workers is not None:

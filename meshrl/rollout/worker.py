@@ -69,6 +69,19 @@ def env_factory(config: Config, reward_fn=None):
     return lambda: SingleTurnEnv(reward, config.scoring.timeout_s)
 
 
+def eval_view(config: Config) -> Config:
+    """The config as evaluation plays it: a `task:` or `reasoning_gym:` eval.source brings its
+    own env or verifier; any other eval source is scored like the training data."""
+    import dataclasses
+
+    from meshrl.config import source_kind
+
+    source = config.eval.source
+    if source is None or source_kind(source) not in ("task", "reasoning_gym"):
+        return config
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, source=source))
+
+
 class RolloutWorker:
     """Plays groups of episodes: plain asyncio, usable in the actor and in tests alike."""
 
@@ -79,6 +92,7 @@ class RolloutWorker:
         self.worker = worker
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.make_env = env_factory(config, reward_fn)
+        self.make_eval_env = env_factory(eval_view(config), reward_fn) if config.eval.source else self.make_env
         self.generators: list = []
         self._load: list[int] = []  # groups playing on each replica, for the least-loaded choice
         self._failed: set[int] = set()  # replicas whose calls failed, skipped until the next set_generators
@@ -108,14 +122,15 @@ class RolloutWorker:
         healthy = [i for i in range(len(self.generators)) if i not in self._failed] or list(range(len(self.generators)))
         return min(healthy, key=self._load.__getitem__)
 
-    async def _generate(self, replica: int, ids: list[int], budget: int, version: int):
-        """One model turn on `replica`. Turns asked for within COALESCE_S of each other go
-        to the replica in one `generate_many` message: a group's episodes ask together."""
+    async def _generate(self, replica: int, ids: list[int], budget: int, version: int, temperature: float | None = None):
+        """One model turn on `replica` (at `temperature`; None: generator.temperature). Turns
+        asked for within COALESCE_S of each other go to the replica in one `generate_many`
+        message: a group's episodes ask together."""
         if replica >= len(self.generators):
             raise GenerationFailed("its generator replica was removed")
         future = asyncio.get_running_loop().create_future()
         waiting = self._waiting.setdefault(replica, [])
-        waiting.append(((ids, budget, None, version), future))
+        waiting.append(((ids, budget, temperature, version), future))
         if len(waiting) == 1:
             asyncio.get_running_loop().call_later(COALESCE_S, self._send, replica)
         out = await future
@@ -163,10 +178,13 @@ class RolloutWorker:
         return self._renderers[key]
 
     # ---- one episode, one group ------------------------------------------------------------------
-    async def play_episode(self, group_id: int, sample_id: int, record: dict, version: int, replica: int) -> Episode:
-        """One episode of `record`, model turns on generator `replica` at `version` or newer."""
+    async def play_episode(self, group_id: int, sample_id: int, record: dict, version: int, replica: int,
+                           temperature: float | None = None, make_env=None) -> Episode:
+        """One episode of `record`, model turns on generator `replica` at `version` or newer
+        (at `temperature`; None: generator.temperature), with an env from `make_env` (None:
+        the run's)."""
         c = self.config
-        env = self.make_env()
+        env = (make_env or self.make_env)()
         ep = Episode(group_id, sample_id)
         timeout = c.rollout.env_timeout_s
         try:
@@ -181,7 +199,7 @@ class RolloutWorker:
                     ep.finish_reason = "length"
                     break
                 budget = min(c.generator.max_new_tokens, room, getattr(env, "max_new_tokens", None) or room)
-                out = await self._generate(replica, ep.token_ids, budget, version)
+                out = await self._generate(replica, ep.token_ids, budget, version, temperature)
                 turn = Turn("model", out.token_ids, out.logprobs, out.versions, finish_reason=out.finish_reason,
                             routed_experts=out.routed_experts)
                 ep.turns.append(turn)
@@ -241,6 +259,36 @@ class RolloutWorker:
         finally:
             if replica < len(self._load):
                 self._load[replica] = max(0, self._load[replica] - 1)
+
+    async def evaluate(self, records: list[dict], version: int, k: int) -> list[dict]:
+        """Each record played once greedily and `k` times at generator.temperature, beside
+        the training groups, on generators at `version` or newer: per record, the greedy
+        and sampled episodes' rewards and the versions their tokens came from. An episode
+        whose generator call fails is played again (on the least-loaded replica)."""
+
+        async def one(i: int, record: dict, temperature: float | None) -> Episode:
+            for attempt in range(3):
+                replica = self._pick()
+                self._load[replica] += 1
+                try:
+                    return await self.play_episode(-1, i, record, version, replica, temperature, self.make_eval_env)
+                except GenerationFailed:
+                    if attempt == 2:
+                        raise
+                    await asyncio.sleep(RETRY_AFTER_S)
+                finally:
+                    if replica < len(self._load):
+                        self._load[replica] = max(0, self._load[replica] - 1)
+
+        async def record_result(i: int, record: dict) -> dict:
+            episodes = await asyncio.gather(one(i, record, 0.0), *(one(i, record, None) for _ in range(k)))
+            versions = [v for ep in episodes for t in ep.model_turns for v in t.versions]
+            return {"greedy": episodes[0].reward, "samples": [ep.reward for ep in episodes[1:]],
+                    "failed": sum(ep.finish_reason == "failed" for ep in episodes),
+                    "greedy_text": self.tokenizer.decode([x for t in episodes[0].model_turns for x in t.token_ids], skip_special_tokens=True),
+                    "version_min": min(versions, default=version), "version_max": max(versions, default=version)}
+
+        return list(await asyncio.gather(*(record_result(i, r) for i, r in enumerate(records))))
 
     # ---- the loop ------------------------------------------------------------------------------
     def start(self, queue) -> None:
@@ -378,6 +426,10 @@ class RolloutWorkerActor(Actor):
     @concurrent_endpoint
     async def set_generators(self, generators: list) -> None:
         self.worker.set_generators(generators)
+
+    @concurrent_endpoint
+    async def evaluate(self, records: list[dict], version: int, k: int) -> list[dict]:
+        return await self.worker.evaluate(records, version, k)
 
     @concurrent_endpoint
     async def health(self) -> str | None:

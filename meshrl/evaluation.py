@@ -1,0 +1,110 @@
+"""Evaluation on held-out prompts: greedy accuracy, pass@k and mean reward.
+
+During training (`eval.every`) the controller hands the held-out records to a rollout
+worker, which plays them on the generators beside the training groups: one greedy episode
+and `eval.k` sampled ones per prompt, through the run's own env and reward. Training waits
+for none of it; it only shares the generators. The last step is always evaluated, after
+which the generators hold the final weights and nothing updates them, so
+`meshrl eval RUN_DIR` on the final export reproduces that evaluation's greedy accuracy.
+Each evaluation's metrics and every prompt's greedy answer go to RUN_DIR/eval/step_N.json
+(`meshrl eval`'s to RUN_DIR/eval/eval.json), its metrics to the run's metrics as `eval/...`.
+
+`meshrl eval` starts what an evaluation needs and nothing more: one generator replica on
+the checkpoint and one rollout worker, on a local mesh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+
+from meshrl.compat import awaited
+from meshrl.config import Config, ConfigError
+
+log = logging.getLogger("meshrl")
+SUCCESS = 1.0
+"""A reward at least this high is a solved prompt (accuracy, pass@k), as in reward/success_rate."""
+
+
+def summarize_eval(results: list[dict], k: int) -> dict[str, float]:
+    """`eval/...` metrics from `RolloutWorker.evaluate`'s per-record results."""
+    n = len(results)
+    samples = [r for res in results for r in res["samples"]]
+    return {
+        "eval/greedy_accuracy": sum(res["greedy"] >= SUCCESS for res in results) / n,
+        "eval/greedy_reward": sum(res["greedy"] for res in results) / n,
+        f"eval/pass@{k}": sum(any(r >= SUCCESS for r in res["samples"]) for res in results) / n,
+        "eval/reward_mean": sum(samples) / max(len(samples), 1),
+        "eval/prompts": float(n),
+        "eval/failed": float(sum(res["failed"] for res in results)),
+        "eval/version_min": float(min(res["version_min"] for res in results)),
+        "eval/version_max": float(max(res["version_max"] for res in results)),
+    }
+
+
+async def evaluate_on(worker_actor, records: list[dict], version: int, k: int, timeout_s: float) -> tuple[dict[str, float], list[dict]]:
+    """One evaluation on a rollout worker actor: its metrics and per-record results."""
+    results = await asyncio.wait_for(awaited(worker_actor.evaluate.call_one(records, version, k)), timeout_s)
+    return summarize_eval(results, k), results
+
+
+def eval_timeout_s(config: Config, n_records: int) -> float:
+    """Generous: every episode of the evaluation one after another, each at most its model turns."""
+    return config.weight_sync.timeout_s + config.generator.startup_timeout_s + 10.0 * n_records * (config.eval.k + 1) * config.rollout.max_turns
+
+
+def resolve_target(path: str) -> tuple[str | None, str]:
+    """(run directory or None, checkpoint directory) for `meshrl eval PATH`: a run directory
+    (its final export, else its newest), or a Hugging Face checkpoint (inside a run's
+    hf/ folder, that run's config applies)."""
+    path = os.path.abspath(path)
+    if os.path.isfile(os.path.join(path, "config.yaml")):
+        hf = os.path.join(path, "hf")
+        exports = sorted((d for d in os.listdir(hf) if os.path.isfile(os.path.join(hf, d, "config.json"))),
+                         key=lambda d: (d == "final", int(d[1:]) if d[1:].isdigit() else -1)) if os.path.isdir(hf) else []
+        if not exports:
+            raise ConfigError("RUN_DIR", f"{path!r} has no Hugging Face export under hf/: nothing to evaluate")
+        return path, os.path.join(hf, exports[-1])
+    if os.path.isfile(os.path.join(path, "config.json")):
+        run_dir = os.path.dirname(os.path.dirname(path))
+        return (run_dir if os.path.isfile(os.path.join(run_dir, "config.yaml")) else None), path
+    raise ConfigError("RUN_DIR", f"{path!r} is neither a meshrl run directory (config.yaml) nor a Hugging Face checkpoint (config.json)")
+
+
+async def evaluate_checkpoint(config: Config, checkpoint_dir: str, tokenizer_dir: str) -> tuple[dict[str, float], list[dict]]:
+    """Evaluate `checkpoint_dir` on `config`'s held-out prompts: one generator replica and
+    one rollout worker on a local mesh, stopped on every exit path."""
+    from meshrl.controller.replicas import GeneratorPool
+    from meshrl.data import eval_records
+    from meshrl.launch import allocate
+    from meshrl.rollout.worker import RolloutWorkerActor
+
+    records = eval_records(config)
+    async with allocate(config) as alloc:
+        async def no_rewiring() -> None:
+            return None
+
+        generators = GeneratorPool(config, alloc, checkpoint_dir, 0, no_rewiring)
+        procs = None
+        try:
+            await generators.start(1)
+            procs = alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1})
+            worker = procs.spawn("eval_worker", RolloutWorkerActor, config.to_dict(), tokenizer_dir, 0)
+            await asyncio.wait_for(awaited(worker.set_generators.call_one(generators.handles())), 300)
+            return await evaluate_on(worker, records, 0, config.eval.k, eval_timeout_s(config, len(records)))
+        finally:
+            if procs is not None:
+                try:
+                    await asyncio.wait_for(procs.stop(), 60)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            await generators.shutdown()
+
+
+def write_results(path: str, metrics: dict[str, float], results: list[dict], records: list[dict]) -> None:
+    """The metrics and every prompt's greedy answer and rewards, as JSON."""
+    rows = [{"prompt": rec.get("prompt"), "answer": rec.get("answer"), **res} for rec, res in zip(records, results)]
+    with open(path, "w") as f:
+        json.dump({"metrics": metrics, "prompts": rows}, f, indent=1, default=str)

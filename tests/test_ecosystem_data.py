@@ -1,0 +1,194 @@
+"""The field's data and checkers: math-verify and reasoning-gym rewards, reasoning-gym sources,
+chat-message files and `datasets` directories, held-out eval prompts, and the one-line hint
+when an optional extra is missing. Fast: no engines, everything built locally."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from meshrl.config import Config
+from meshrl.data import PromptNode, eval_records, load_records
+from meshrl.rollout.chat import ChatRenderer
+from meshrl.scoring import resolve_reward
+from meshrl.verifiers import final_answer, math_answer, reasoning_gym_reward
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RG = {"source": "reasoning_gym:basic_arithmetic", "num_prompts": 6, "task_args": {"max_digits": 2}}
+
+
+# ---- math-verify ------------------------------------------------------------------------------
+@pytest.mark.parametrize("gold, response, reward", [
+    ("0.5", "so it is 1/2", 1.0),
+    ("1/2", "0.5", 1.0),
+    ("0.5", r"first \boxed{3}, then \boxed{\frac{1}{2}}", 1.0),  # the last box counts
+    (r"\frac{1}{2}", "<answer>\\frac12</answer>", 1.0),
+    ("72", "The answer: 72 apples.", 1.0),
+    ("0.5", r"\boxed{\frac{1}{3}}", 0.0),
+    ("3", "I think 4", 0.0),
+    ("3", "no idea", 0.0),
+])
+def test_math_answer(gold, response, reward):
+    assert math_answer("", response, {"answer": gold}) == reward
+
+
+def test_final_answer_prefers_box_then_tag_then_number():
+    assert final_answer(r"7 <answer>8</answer> \boxed{x^{2}}") == "x^{2}"
+    assert final_answer("7 <answer> 8 </answer> 9") == "8"
+    assert final_answer("7 then -1,000.5") == "-1,000.5"
+
+
+def test_math_answer_off_the_main_thread():
+    """Rewards run in worker threads, where math-verify's SIGALRM timeouts would raise."""
+    got = []
+    t = threading.Thread(target=lambda: got.append(math_answer("", r"\boxed{\frac{2}{4}}", {"answer": "0.5"})))
+    t.start()
+    t.join()
+    assert got == [1.0]
+
+
+# ---- reasoning-gym ------------------------------------------------------------------------------
+def test_reasoning_gym_source_is_deterministic_and_resumes():
+    config = Config.from_dict({"data": RG})
+    a = PromptNode(config.data, seed=5)
+    a.reset()
+    first = [next(a) for _ in range(8)]  # crosses an epoch boundary
+    state = a.state_dict()
+    rest = [next(a) for _ in range(5)]
+    b = PromptNode(config.data, seed=5)
+    b.reset(state)
+    assert [next(b) for _ in range(5)] == rest
+    c = PromptNode(config.data, seed=5)
+    c.reset()
+    assert [next(c) for _ in range(8)] == first
+    assert [r["question"] for r in first[:6]] != [r["question"] for r in first[6:] + rest[:4]]  # epochs differ
+    record = first[0]
+    system, user = record["prompt"]
+    assert system["role"] == "system" and "<answer>" in system["content"]
+    assert user == {"role": "user", "content": record["question"]}
+    assert record["metadata"]["source_dataset"] == "basic_arithmetic"
+    assert json.loads(json.dumps(record))["answer"] == record["answer"]  # records travel between actors
+
+
+def test_reasoning_gym_scorer():
+    config = Config.from_dict({"data": RG})
+    node = PromptNode(config.data, seed=0)
+    node.reset()
+    record = next(node)
+    for score in (resolve_reward(config), reasoning_gym_reward(config)):
+        assert score("", f"Thinking... <answer>{record['answer']}</answer>", record) == 1.0
+        assert score("", f"<answer>{record['answer']}1</answer>", record) < 1.0
+        assert score("", record["answer"], record) == 0.0  # no tags: no answer
+
+
+def test_reasoning_gym_bad_task_args_name_the_field():
+    config = Config.from_dict({"data": {**RG, "task_args": {"no_such_arg": 1}}})
+    node = PromptNode(config.data, seed=0)
+    node.reset()
+    with pytest.raises(ValueError, match="data.task_args: reasoning_gym:basic_arithmetic rejects"):
+        next(node)
+
+
+# ---- chat messages in files and datasets directories ----------------------------------------------
+ROWS = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i}+1?"},
+                  {"role": "assistant", "content": str(i + 1)}], "level": i}
+    for i in range(4)
+]
+
+
+def _write(tmp_path, fmt: str, rows: list[dict]) -> str:
+    if fmt == "jsonl":
+        path = tmp_path / "chat.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "chat.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        from datasets import Dataset, DatasetDict
+
+        path = tmp_path / "chat_ds"
+        data = Dataset.from_list(rows)
+        (DatasetDict({"test": data.select([0]), "train": data}) if fmt == "datasetdict" else data).save_to_disk(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "dataset", "datasetdict"])
+def test_chat_rows_load_and_render(tmp_path, fmt, qwen_style_tokenizer):
+    config = Config.from_dict({"data": {"source": _write(tmp_path, fmt, ROWS), "prompt_key": "messages"},
+                               "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}})
+    node = PromptNode(config.data, seed=0)
+    node.reset()
+    records = sorted((next(node) for _ in range(4)), key=lambda r: r["level"])
+    renderer = ChatRenderer(qwen_style_tokenizer)
+    for i, r in enumerate(records):
+        assert r["answer"] == str(i + 1) and [m["role"] for m in r["prompt"]] == ["system", "user"]
+        text = qwen_style_tokenizer.decode(renderer.initial_ids(r["prompt"]))
+        assert text == f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{i}+1?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_rows_keep_their_own_answer_and_reject_bad_messages(tmp_path):
+    rows = [{"messages": ROWS[0]["messages"], "answer": "one"},
+            {"messages": [{"role": "user", "content": "hi"}]}]
+    records = load_records(Config.from_dict({"data": {"source": _write(tmp_path, "jsonl", rows), "prompt_key": "messages"},
+                                             "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}}).data)
+    assert records[0]["answer"] == "one" and records[0]["prompt"][-1]["role"] == "user"  # the assistant turn still leaves
+    assert records[1]["answer"] is None and records[1]["prompt"] == [{"role": "user", "content": "hi"}]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = Config.from_dict({"data": {"source": _write(bad, "jsonl", [ROWS[0], {"messages": [{"content": "no role"}]}]),
+                                        "prompt_key": "messages"}, "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}})
+    with pytest.raises(ValueError, match="record 1.*'role' and 'content'"):
+        load_records(config.data)
+
+
+def test_datasetdict_without_train_needs_one_split(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    data = Dataset.from_list(ROWS)
+    DatasetDict({"a": data, "b": data}).save_to_disk(str(tmp_path / "two"))
+    DatasetDict({"only": data}).save_to_disk(str(tmp_path / "one"))
+    cfg = lambda d: Config.from_dict({"data": {"source": str(tmp_path / d), "prompt_key": "messages"},
+                                      "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}}).data
+    assert len(load_records(cfg("one"))) == 4
+    with pytest.raises(ValueError, match=r"splits \['a', 'b'\] and none is 'train'"):
+        load_records(cfg("two"))
+
+
+# ---- held-out evaluation prompts ---------------------------------------------------------------
+@pytest.mark.parametrize("data", [{"source": "task:copy", "num_prompts": 50}, {**RG, "task_args": {}, "num_prompts": 50}])
+def test_eval_records_are_held_out_and_fixed(data):
+    config = Config.from_dict({"data": data, "eval": {"num_prompts": 20}})
+    held_out = eval_records(config)
+    assert len(held_out) == 20 and held_out == eval_records(config)
+    node = PromptNode(config.data, config.seed)
+    node.reset()
+    training = {json.dumps(next(node)["prompt"]) for _ in range(150)}  # three epochs
+    assert not training & {json.dumps(r["prompt"]) for r in held_out}
+    assert eval_records(Config.from_dict({"data": data, "eval": {"num_prompts": 20}, "seed": 1})) != held_out
+
+
+def test_eval_records_from_a_file_in_stored_order(tmp_path):
+    config = Config.from_dict({"data": {"source": "task:add", "prompt_key": "messages"},
+                               "eval": {"source": _write(tmp_path, "jsonl", ROWS), "num_prompts": 3}})
+    assert [r["answer"] for r in eval_records(config)] == ["1", "2", "3"]
+
+
+# ---- a missing extra: one line naming the pip install ------------------------------------------
+@pytest.mark.parametrize("blocked, override, extra", [
+    ("reasoning_gym", "data.source=reasoning_gym:basic_arithmetic", "reasoning"),
+    ("math_verify", "scoring.reward_fn=meshrl.verifiers:math_answer", "math"),
+])
+def test_missing_extra_is_one_line(blocked, override, extra):
+    code = (f"import sys; sys.modules[{blocked!r}] = None; from meshrl.cli import main; "
+            f"sys.exit(main(['config', 'show', {override!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert f"pip install 'meshrl[{extra}]'" in lines[0]

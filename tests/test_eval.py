@@ -1,0 +1,70 @@
+"""Evaluation during training and `meshrl eval`, on the real loop (one run, then one eval)."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import meshrl
+from meshrl.config import ConfigError
+from meshrl.evaluation import resolve_target, summarize_eval
+from tests.test_loop import tiny, wait_no_children
+
+
+def test_summarize_eval_counts_solved_prompts():
+    results = [
+        {"greedy": 1.0, "samples": [0.0, 1.0], "failed": 0, "version_min": 3, "version_max": 4},
+        {"greedy": 0.5, "samples": [0.5, 0.25], "failed": 1, "version_min": 4, "version_max": 4},
+    ]
+    m = summarize_eval(results, k=2)
+    assert m["eval/greedy_accuracy"] == 0.5 and m["eval/greedy_reward"] == 0.75
+    assert m["eval/pass@2"] == 0.5 and m["eval/reward_mean"] == pytest.approx(1.75 / 4)
+    assert (m["eval/failed"], m["eval/version_min"], m["eval/version_max"]) == (1.0, 3.0, 4.0)
+
+
+def test_resolve_target(tmp_path):
+    run = tmp_path / "run"
+    for name in ("v0", "v3", "final"):
+        (run / "hf" / name).mkdir(parents=True)
+        (run / "hf" / name / "config.json").write_text("{}")
+    (run / "config.yaml").write_text("steps: 1\n")
+    assert resolve_target(str(run)) == (str(run), str(run / "hf" / "final"))
+    assert resolve_target(str(run / "hf" / "v3")) == (str(run), str(run / "hf" / "v3"))
+    (run / "hf" / "final" / "config.json").unlink()
+    assert resolve_target(str(run))[1] == str(run / "hf" / "v3")
+    with pytest.raises(ConfigError, match="neither"):
+        resolve_target(str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_eval_during_training_is_reproduced_by_meshrl_eval(tmp_path):
+    """eval.every=2 over 4 steps writes eval/ rows (also to W&B offline) and each prompt's
+    greedy answer; `meshrl eval RUN_DIR` on the final export gives the same greedy answers."""
+    cfg = tiny(tmp_path / "run", steps=4, trainer={"checkpoint_every": 0}, eval={"every": 2, "num_prompts": 8, "k": 2},
+               logging={"progress": False, "wandb": True})
+    result = meshrl.run(cfg)
+    run_dir = result.run_dir
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        evals = [r for r in map(json.loads, f) if "eval/greedy_accuracy" in r]
+    assert [int(r["step"]) for r in evals] == [2, 4], evals
+    last = evals[-1]
+    assert last["eval/prompts"] == 8 and "eval/pass@2" in last and last["eval/failed"] == 0
+    assert last["eval/version_min"] == last["eval/version_max"] == 4  # the final eval saw only the final weights
+    with open(os.path.join(run_dir, "eval", "step_000004.json")) as f:
+        in_training = json.load(f)
+    wandb_files = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "*.wandb"))
+    assert wandb_files and b"eval/greedy_accuracy" in open(wandb_files[0], "rb").read()
+
+    done = subprocess.run([sys.executable, "-m", "meshrl", "eval", run_dir], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "greedy accuracy" in done.stderr
+    with open(os.path.join(run_dir, "eval", "eval.json")) as f:
+        again = json.load(f)
+    assert [p["greedy_text"] for p in again["prompts"]] == [p["greedy_text"] for p in in_training["prompts"]]
+    assert again["metrics"]["eval/greedy_accuracy"] == last["eval/greedy_accuracy"]
+    assert again["metrics"]["eval/greedy_reward"] == pytest.approx(last["eval/greedy_reward"])
+    assert not wait_no_children()
