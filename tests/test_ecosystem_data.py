@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from meshrl.config import Config
+from meshrl.config import Config, ConfigError
 from meshrl.data import PromptNode, eval_records, load_records
 from meshrl.rollout.chat import ChatRenderer
 from meshrl.scoring import resolve_reward
@@ -85,11 +85,9 @@ def test_reasoning_gym_scorer():
 
 
 def test_reasoning_gym_bad_task_args_name_the_field():
-    config = Config.from_dict({"data": {**RG, "task_args": {"no_such_arg": 1}}})
-    node = PromptNode(config.data, seed=0)
-    node.reset()
-    with pytest.raises(ValueError, match="data.task_args: reasoning_gym:basic_arithmetic rejects"):
-        next(node)
+    """Found by validation, before any mesh starts."""
+    with pytest.raises(ConfigError, match="data.task_args: reasoning_gym:basic_arithmetic rejects"):
+        Config.from_dict({"data": {**RG, "task_args": {"no_such_arg": 1}}})
 
 
 # ---- chat messages in files and datasets directories ----------------------------------------------
