@@ -19,6 +19,8 @@ A group packs into a rollout TensorDict, one row per episode, right-padded to T 
 | dense_reward     | [B, T]       | float32 | a turn's reward at its last model token (0 elsewhere; rows sum to reward) |
 | reward           | [B]          | float32 | the episode's reward: the sum of its turns' rewards          |
 | advantage        | [B]          | float32 | group-normalised advantage                                   |
+| teacher_logprobs | [B, T]       | float32 | optional (distillation): teacher's log-prob of each model token (0 elsewhere) |
+| token_advantage  | [B, T]       | float32 | optional (distillation): per-token advantage; the loss uses it instead of `advantage` |
 | group_id         | [B]          | int64   | id shared by the episodes of one prompt                      |
 | sample_id        | [B]          | int64   | unique id of the episode                                     |
 | finish_reason    | [B]          | int64   | one of FINISH_REASONS' codes                                 |
@@ -26,7 +28,9 @@ A group packs into a rollout TensorDict, one row per episode, right-padded to T 
 | prompt_len       | [B]          | int64   | tokens before the first model token                          |
 | routed_experts   | [B, T, L, K] | int32   | optional: MoE expert ids per model token and layer           |
 
-Rows of one group are adjacent and travel together.
+Rows of one group are adjacent and travel together. The two optional distillation keys
+come from meshrl/distill.py: `pack` writes `teacher_logprobs` when the model turns carry
+a teacher's scores, `assign_distill_advantages` adds `token_advantage`.
 """
 
 from __future__ import annotations
@@ -57,12 +61,17 @@ class Turn:
     finish_reason: str | None = None
     routed_experts: torch.Tensor | None = None
     """model turns: [len, L, K] expert ids, when the engine returned them."""
+    teacher_logprobs: list[float] | None = None
+    """model turns, on-policy distillation: a teacher's log-prob of each token given the
+    episode's tokens before it (see meshrl/distill.py); None: not scored."""
 
     def __post_init__(self) -> None:
         if self.role == "model" and not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):
             raise ValueError(
                 f"model turn: {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs and {len(self.versions)} versions"
             )
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.teacher_logprobs)} teacher log-probs")
 
 
 @dataclass
@@ -107,7 +116,12 @@ class Episode:
 
 
 def pack(episodes: Sequence[Episode]) -> TensorDict:
-    """Episodes (rows keep their order) as a rollout TensorDict; see the module docstring."""
+    """Episodes (rows keep their order) as a rollout TensorDict; see the module docstring.
+
+    `teacher_logprobs` is written when any model turn carries a teacher's scores; then every
+    model turn of an episode that did not fail must carry them (a failed episode leaves the
+    loss, so its turns may be unscored), else a ValueError: a silent 0 would read as a
+    confident teacher."""
     if not episodes:
         raise ValueError("pack needs at least one episode")
     B = len(episodes)
@@ -123,6 +137,13 @@ def pack(episodes: Sequence[Episode]) -> TensorDict:
         if len(expert_shapes) != 1:
             raise ValueError(f"routed_experts of one batch must share one [L, K] shape, got {sorted(expert_shapes)}")
         experts = torch.full((B, T, *expert_shapes.pop()), -1, dtype=torch.int32)
+    teacher = None
+    if any(t.teacher_logprobs is not None for e in episodes for t in e.model_turns):
+        teacher = torch.zeros(B, T, dtype=torch.float32)
+        for e in episodes:
+            unscored = [t for t in e.model_turns if t.teacher_logprobs is None and t.token_ids]
+            if unscored and e.finish_reason != "failed":
+                raise ValueError(f"episode {e.sample_id}: {len(unscored)} model turn(s) without teacher log-probs")
     for i, episode in enumerate(episodes):
         at = 0
         for turn in episode.turns:
@@ -137,6 +158,8 @@ def pack(episodes: Sequence[Episode]) -> TensorDict:
                     dense[i, at + n - 1] = turn.reward
                 if experts is not None and turn.routed_experts is not None and turn.routed_experts.shape[0] == n:
                     experts[i, at : at + n] = turn.routed_experts.to(torch.int32)
+                if teacher is not None and turn.teacher_logprobs is not None:
+                    teacher[i, at : at + n] = torch.as_tensor(turn.teacher_logprobs, dtype=torch.float32)
             at += n
     td = TensorDict(
         {
@@ -157,11 +180,13 @@ def pack(episodes: Sequence[Episode]) -> TensorDict:
     )
     if experts is not None:
         td["routed_experts"] = experts
+    if teacher is not None:
+        td["teacher_logprobs"] = teacher
     return td
 
 
 _PAD_VALUES = {"tokens": 0, "loss_mask": False, "sampler_logprobs": 0.0, "versions": PAD_VERSION, "dense_reward": 0.0,
-               "routed_experts": -1}
+               "routed_experts": -1, "teacher_logprobs": 0.0, "token_advantage": 0.0}
 
 
 def concat(batches: Sequence[TensorDict]) -> TensorDict:

@@ -327,3 +327,27 @@ def two_hosts():
         yield hosts
     finally:
         hosts.stop()
+
+
+def build_digit_teacher(path: str | os.PathLike, seed: int = 0) -> str:
+    """A distillation teacher for the default model's shapes and the character tokenizer: a
+    random Qwen3 whose every next-token distribution leans to the digits (hidden dim 0
+    of every embedding is a positive constant that the digits' lm_head rows read strongly),
+    saved as a Hugging Face checkpoint."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from meshrl.tokenizer import build_char_tokenizer, load_tokenizer
+
+    tok = load_tokenizer(build_char_tokenizer(os.path.join(str(path), "tokenizer")))
+    digits = tok.convert_tokens_to_ids(list(string.digits))
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 0.5
+        model.lm_head.weight[digits, 0] = 0.6  # about 80% of each next token's mass on the digits
+    model.save_pretrained(str(path))
+    return str(path)

@@ -59,6 +59,7 @@ class RLLoop:
         self.version = 0
         self.history: list[dict[str, float]] = []
         self.generators: GeneratorPool | None = None
+        self.teacher: GeneratorPool | None = None
         self.workers: WorkerPool | None = None
         self._update_task: asyncio.Task | None = None
         self._snapshot_task: asyncio.Task | None = None
@@ -125,7 +126,12 @@ class RLLoop:
         self.generators = GeneratorPool(c, self.alloc, initial, self.version, self._rewire)
         await self.generators.start(c.generator.replicas)
         self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address()).connect(await self.trainer.publisher_handle(), await self._subscribers())
-        self.workers = WorkerPool(c, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn)
+        teacher = None
+        if c.distill.teacher:  # on-policy distillation: a replica on the teacher's checkpoint scores every episode
+            self.teacher = GeneratorPool(c, self.alloc, c.distill.teacher, 0, self._rewire_teacher, teacher=True)
+            await self.teacher.start(1)
+            teacher = self.teacher.handles()[0]
+        self.workers = WorkerPool(c, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn, teacher)
         await self.workers.start(self.generators.handles())
         if c.eval.every:
             from meshrl.data import eval_records
@@ -141,6 +147,10 @@ class RLLoop:
         await self.weight_sync.reconnect(subscribers=await self._subscribers())
         if self.workers is not None:
             await self.workers.set_generators(self.generators.handles())
+
+    async def _rewire_teacher(self) -> None:
+        if self.workers is not None:
+            await self.workers.set_teacher(self.teacher.handles()[0])
 
     # ---- one step ---------------------------------------------------------------------------
     async def step(self) -> dict[str, float]:
@@ -256,6 +266,8 @@ class RLLoop:
         """Replace dead generator replicas and rollout workers (between steps, and every
         HEALTH_CHECK_S during one)."""
         await self.generators.check(self.version)
+        if self.teacher is not None:
+            await self.teacher.check(0)
         await self.workers.check(self.generators.handles())
 
     async def _watching(self, call: asyncio.Future):
@@ -423,8 +435,9 @@ class RLLoop:
                 await asyncio.wait_for(awaited(self.queue.close.call_one()), 30)
             except Exception:  # noqa: BLE001 - best effort; its proc is stopped below
                 pass
-        if self.generators is not None:
-            await self.generators.shutdown()
+        for pool in (self.generators, self.teacher):
+            if pool is not None:
+                await pool.shutdown()
         if getattr(self, "trainer", None) is not None:
             try:
                 await self.trainer.stop()

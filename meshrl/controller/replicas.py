@@ -109,9 +109,11 @@ class GeneratorPool:
     """The generator replicas: spawn, weight updates, health checks, replacement, rescale."""
 
     def __init__(self, config: Config, alloc, checkpoint_dir: str, checkpoint_version: int,
-                 on_change: Callable[[], Awaitable[None]]):
+                 on_change: Callable[[], Awaitable[None]], teacher: bool = False):
         # A replica starts from the Hugging Face export of `checkpoint_version`, then fetches
-        # the current version over weight sync.
+        # the current version over weight sync. A teacher pool (on-policy distillation,
+        # meshrl/distill.py) scores episodes on a fixed checkpoint: no weight sync ever.
+        self.teacher = teacher
         self.config, self.alloc = config, alloc
         self.checkpoint_dir, self.checkpoint_version = checkpoint_dir, checkpoint_version
         self.on_change = on_change  # re-wires weight sync and the workers after a change
@@ -119,16 +121,21 @@ class GeneratorPool:
         self.replaced = 0
         self._lock = asyncio.Lock()  # a failed update and a health check may both see one death
 
+    @property
+    def _role(self) -> str:
+        return "teacher" if self.teacher else "generator"
+
     def handles(self) -> list:
         return [r.actor for r in self.replicas]
 
     async def spawn(self, index: int) -> Member:
         # One proc per replica (vLLM starts its own tensor-parallel workers inside it).
         procs = self.alloc.host("generator", index).spawn_procs(per_host={"procs": 1})
-        actor = procs.spawn(f"generator{index}", GeneratorActor)
+        actor = procs.spawn(f"{'teacher' if self.teacher else 'generator'}{index}", GeneratorActor)
         try:
             info = await asyncio.wait_for(
-                actor.setup.call_one(self.config.to_dict(), self.checkpoint_dir, self.checkpoint_version, index), self.config.generator.startup_timeout_s
+                actor.setup.call_one(self.config.to_dict(), self.checkpoint_dir, self.checkpoint_version, index, self.teacher),
+                self.config.generator.startup_timeout_s,
             )
         except BaseException:
             await asyncio.wait_for(procs.stop(), 60)
@@ -158,14 +165,15 @@ class GeneratorPool:
         async with self._lock:
             if replica not in self.replicas:
                 return
-            log.warning("generator replica %d failed (%s); replacing it", replica.index, str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
+            log.warning("%s replica %d failed (%s); replacing it", self._role, replica.index, str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
             await replica.stop()
             fresh = await self.spawn(replica.index)
             self.replicas[self.replicas.index(replica)] = fresh
             await self.on_change()
-            await asyncio.wait_for(awaited(fresh.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
+            if not self.teacher:
+                await asyncio.wait_for(awaited(fresh.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
             self.replaced += 1
-            log.warning("generator replica %d replaced", replica.index)
+            log.warning("%s replica %d replaced", self._role, replica.index)
 
     async def check(self, version: int) -> None:
         """Replace any replica whose proc is gone. One on this host is checked by its pid
@@ -229,8 +237,9 @@ class GeneratorPool:
 class WorkerPool:
     """The rollout workers (and the envs they host): spawn, watch, replace, metrics."""
 
-    def __init__(self, config: Config, alloc, tokenizer_dir: str, queue, reward_fn=None):
+    def __init__(self, config: Config, alloc, tokenizer_dir: str, queue, reward_fn=None, teacher=None):
         self.config, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn = config, alloc, tokenizer_dir, queue, reward_fn
+        self.teacher = teacher  # the distillation teacher's scoring replica, or None
         self.workers: list[Member] = []
         self.replaced = 0
         self._incarnations = itertools.count()
@@ -242,7 +251,7 @@ class WorkerPool:
         procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1})
         actor = procs.spawn(f"rollout{index}", RolloutWorkerActor, self.config.to_dict(), self.tokenizer_dir, ident, self.reward_fn)
         try:
-            where = await asyncio.wait_for(awaited(actor.start.call_one(self.queue, generators)), 300)
+            where = await asyncio.wait_for(awaited(actor.start.call_one(self.queue, generators, self.teacher)), 300)
         except BaseException:
             await asyncio.wait_for(procs.stop(), 60)
             raise
@@ -256,6 +265,10 @@ class WorkerPool:
 
     async def set_generators(self, generators: list) -> None:
         await asyncio.gather(*(asyncio.wait_for(awaited(w.actor.set_generators.call_one(generators)), 60) for w in self.workers))
+
+    async def set_teacher(self, teacher) -> None:
+        self.teacher = teacher
+        await asyncio.gather(*(asyncio.wait_for(awaited(w.actor.set_teacher.call_one(teacher)), 60) for w in self.workers))
 
     async def check(self, generators: list) -> None:
         """Replace a worker whose proc is gone (checked by pid on this host, asked elsewhere);

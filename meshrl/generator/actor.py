@@ -9,6 +9,12 @@ queues behind them. The replica's `Generator` (service.py) orders updates and re
     result = await gen.generate.call_one(token_ids, max_new_tokens, temperature, min_version)
     await gen.sync_weights.call_one(version)          # over weight sync, in update_mode
     await gen.shutdown_engine.call_one()
+
+A distillation teacher is the same actor set up with `teacher=True` on the teacher's
+checkpoint (pinned to distill.cpus, scoring at generator.temperature, never updated):
+
+    await teacher.setup.call_one(config.to_dict(), config.distill.teacher, 0, 0, teacher=True)
+    scores = await teacher.score_many.call_one([episode.token_ids, ...])
 """
 
 from __future__ import annotations
@@ -41,21 +47,25 @@ class GeneratorActor(Actor):
         return self.generator
 
     @endpoint
-    async def setup(self, config_dict: dict, checkpoint_dir: str, version: int = 0, replica: int | None = None) -> dict:
-        """Start the engine on `checkpoint_dir` as policy `version`; returns start-up info."""
+    async def setup(
+        self, config_dict: dict, checkpoint_dir: str, version: int = 0, replica: int | None = None, teacher: bool = False
+    ) -> dict:
+        """Start the engine on `checkpoint_dir` as policy `version`; returns start-up info.
+        `teacher`: a distillation teacher's scoring replica (see Generator), pinned to
+        distill.cpus instead of generator.cpus."""
         if self.generator is not None:
             raise RuntimeError("GeneratorActor is already set up")
         config = Config.from_dict(config_dict)
         if replica is None:
             replica = current_rank().rank
-        capture_role_output(config, f"generator-{replica}")
-        cpus = cpus_for(config.generator.cpus, replica)
+        capture_role_output(config, f"{'teacher' if teacher else 'generator'}-{replica}")
+        cpus = cpus_for(config.distill.cpus if teacher else config.generator.cpus, replica)
         if cpus is not None:
             # vLLM's engine-core process inherits the affinity; its CPU workers bind their
             # OpenMP threads to exactly these cores (one list per tensor-parallel worker).
             pin_this_process(cpus)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_threads_bind(cpus, config.generator.tp)
-        generator = Generator(config, checkpoint_dir, replica)
+        generator = Generator(config, checkpoint_dir, replica, teacher=teacher)
         startup_s = await generator.start(version)
         # This process is vLLM's front-end: it makes Python objects for every decoded token.
         # A full collection then walks everything loaded so far (torch, vLLM, Monarch), about
@@ -83,6 +93,15 @@ class GeneratorActor(Actor):
         error text; the others are not affected."""
         gen = self._gen()
         results = await asyncio.gather(*(gen.generate(*r) for r in requests), return_exceptions=True)
+        return [f"{type(r).__name__}: {str(r).strip()[:200]}" if isinstance(r, BaseException) else r for r in results]
+
+    @endpoint_for_callers_that_may_die
+    async def score_many(self, sequences: list[list[int]]) -> list[list[float] | str]:
+        """For each token-id sequence, the log-prob of each token given the ones before it
+        (position 0: 0.0; see Generator.score), all scored at once (vLLM batches them). A
+        sequence that fails comes back as its error text; the others are not affected."""
+        gen = self._gen()
+        results = await asyncio.gather(*(gen.score(ids) for ids in sequences), return_exceptions=True)
         return [f"{type(r).__name__}: {str(r).strip()[:200]}" if isinstance(r, BaseException) else r for r in results]
 
     @concurrent_endpoint

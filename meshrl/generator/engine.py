@@ -6,6 +6,20 @@ from (after temperature, top-k and top-p). With top_p=1 and top_k=-1 this equals
 log_softmax(logits / T), which is what the trainer computes at the same temperature. (With
 top-k/top-p the kept set is renormalised: the trainer sees the difference as off-policy.)
 
+Scoring (`score`, for a distillation teacher): vLLM's prompt log-probs give the log-prob
+of every token of a sequence given the ones before it, in one prefill. They are computed
+from the model's logits with no sampling step (no temperature, top-k or top-p, whatever the
+request's sampling parameters), so a teacher that must score at generator.temperature
+scales its logits by 1/T in the model itself (`set_logit_temperature`). Prompt log-probs
+exist only for positions the engine computes in that request: a prefix served from the
+prefix cache has none (vLLM fills only rows from the first computed token on). vLLM
+therefore skips the cache lookup for such requests (`skip_reading_prefix_cache` defaults to
+True with `prompt_logprobs`); `score` sets it explicitly, so the whole sequence is
+prefilled and every position scored. Its blocks are still written to the cache (salted by
+version, as generation's are). The last token is scored at the request's one sampling step
+instead (`logprob_token_ids`), so a sequence as long as the context still fits. Memory: the
+prefill materialises float32 logits [prefill chunk tokens x vocab] for the prompt rows.
+
 Versions: vLLM stamps every engine step's outputs with the engine's current "weight
 version" and reports, on a request's final output, the spans of output tokens produced
 under each version. Weights and version change only while the scheduler is paused, so a
@@ -75,6 +89,10 @@ class VLLMEngine:
         self.version = 0
         self.tokens_generated = 0
         """Tokens received so far, counted as they stream in (live progress for stats)."""
+        self.tokens_scored = 0
+        """Tokens scored by `score` so far."""
+        self.logit_temperature = 1.0
+        """The model's logits are divided by this (`set_logit_temperature`)."""
 
     # ---- lifecycle ------------------------------------------------------------------------
     def engine_args(self):
@@ -169,6 +187,65 @@ class VLLMEngine:
         if len(result.logprobs) != len(result.token_ids):
             raise RuntimeError(f"request {request_id}: {len(result.token_ids)} tokens but {len(result.logprobs)} logprobs")
         return result
+
+    # ---- scoring --------------------------------------------------------------------------
+    def scoring_params(self, last_token: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            # The one token vLLM must generate is thrown away, but its step scores `last_token`:
+            # at temperature 1 with no top-k/top-p its processed log-probs are log_softmax of
+            # the logits, as the prompt rows' are.
+            temperature=1.0,
+            top_p=1.0,
+            top_k=-1,
+            max_tokens=1,
+            prompt_logprobs=0,  # the log-prob of each prompt token itself, no alternatives
+            logprob_token_ids=[last_token],
+            skip_reading_prefix_cache=True,  # cached positions would have no log-probs (module doc)
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def score(self, request_id: str, token_ids: list[int]) -> list[float]:
+        """The log-prob of each of `token_ids` given the ones before it, under this engine's
+        weights at its logit temperature (1 unless `set_logit_temperature`). Position 0 has
+        no predecessor and gets 0.0, as in the trainer's `token_logprobs`.
+
+        One request: all tokens but the last are its prompt, scored by vLLM's prompt
+        log-probs (one prefill); the last is scored at the request's one sampling step
+        (`logprob_token_ids`). So a sequence of max_model_len tokens fits, as a generated
+        episode can be that long, where a prompt of all of them would be refused (vLLM
+        must leave room for one new token)."""
+        from vllm.inputs import TokensPrompt
+
+        if len(token_ids) < 2:
+            return [0.0] * len(token_ids)
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids[:-1]), cache_salt=f"v{self.version}")
+        final = None
+        async for out in self.llm.generate(prompt, self.scoring_params(token_ids[-1]), request_id):
+            final = out
+        plp = final.prompt_logprobs if final is not None else None
+        step = final.outputs[0].logprobs if final is not None and final.outputs else None
+        if plp is None or len(plp) != len(token_ids) - 1 or not step or token_ids[-1] not in step[0]:
+            raise RuntimeError(f"request {request_id}: no log-probs for its {len(token_ids)} tokens (aborted?)")
+        # plp[i]: {token id: Logprob} at prompt position i (None at 0); with prompt_logprobs=0
+        # it holds the actual token (and nothing else, unless the token is also the top-1).
+        scores = [0.0] + [plp[i][tok].logprob for i, tok in enumerate(token_ids[:-1]) if i > 0]
+        scores.append(step[0][token_ids[-1]].logprob)
+        self.tokens_scored += len(token_ids)
+        return scores
+
+    async def set_logit_temperature(self, temperature: float) -> None:
+        """Divide the model's logits by `temperature` (every worker, until changed again): prompt
+        log-probs, which skip the sampler's temperature, are then log_softmax(logits / T), the
+        trainer's `token_logprobs` at T. Sampling then applies its own temperature on top: meant
+        for an engine that only scores (a distillation teacher)."""
+        if temperature <= 0:
+            raise ValueError(f"logit temperature must be positive, got {temperature}")
+        await self.llm.collective_rpc("meshrl_set_logit_scale", args=(1.0 / temperature,))
+        self.logit_temperature = temperature
 
     # ---- pausing and weights ----------------------------------------------------------------
     async def pause(self, mode: str) -> None:

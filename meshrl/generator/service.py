@@ -21,6 +21,11 @@ Weight updates (`update_weights`) follow generator.update_mode, per request:
          batch only at the trainer's version, so no request waits across an update.
 In every mode the engine runs no forward pass while weights load (it is paused or idle),
 so no step mixes two versions' parameters.
+
+Scoring (`score`): the log-prob of every token of a sequence, for on-policy distillation.
+A teacher is a replica built with `teacher=True` on the teacher's checkpoint: it scores at
+generator.temperature (its logits are divided by it, so it must not sample for the
+student), and it never receives weights.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ transfer) plus this (the trainer's step and the update itself)."""
 class Generator:
     """One replica's engine, version, update modes and request accounting."""
 
-    def __init__(self, config: Config, checkpoint_dir: str, replica: int = 0):
+    def __init__(self, config: Config, checkpoint_dir: str, replica: int = 0, teacher: bool = False):
         self.config = config
         self.gen = config.generator
         if self.gen.update_mode not in UPDATE_MODES:
@@ -55,6 +60,7 @@ class Generator:
             seed=config.seed + replica,
         )
         self.replica = replica
+        self.teacher = teacher
         self._request_ids = itertools.count()
         # Admission gate: cleared while paused, updating or stopping; requests wait on it.
         self._open = asyncio.Event()
@@ -75,7 +81,10 @@ class Generator:
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, version: int = 0) -> float:
-        return await self.engine.start(version)
+        elapsed = await self.engine.start(version)
+        if self.teacher and self.gen.temperature != 1.0:
+            await self.engine.set_logit_temperature(self.gen.temperature)
+        return elapsed
 
     @property
     def version(self) -> int:
@@ -120,6 +129,19 @@ class Generator:
                 continue
             out.finish_reason = part.finish_reason
             return out
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """The log-prob of each of `token_ids` given the ones before it (position 0: 0.0), at
+        this replica's logit temperature (generator.temperature for a teacher, else 1); see
+        VLLMEngine.score. Waits while the replica is paused or updating, like `generate`."""
+        await self._open.wait()
+        if self._stopping:
+            raise RuntimeError(f"generator replica {self.replica} is stopping")
+        self._request_started()
+        try:
+            return await self.engine.score(f"s{self.replica}-{next(self._request_ids)}", token_ids)
+        finally:
+            await self._request_ended()
 
     async def _wait_for_version(self, version: int) -> None:
         if self.version >= version:
@@ -211,6 +233,7 @@ class Generator:
         return {
             "version": self.version,
             "tokens_generated": tokens,
+            "tokens_scored": self.engine.tokens_scored,
             "tokens_per_s": tokens / busy if busy > 0 else 0.0,
             "busy_s": busy,
             "idle_s": max(0.0, now - self._t_start - busy),

@@ -134,6 +134,23 @@ class MeshrlWorkerExtension:
         self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
         return len(weights)
 
+    def meshrl_set_logit_scale(self, scale: float) -> int:
+        """Multiply the logits by `scale` (relative to the model's own logit scale): a scoring
+        engine's logit temperature (VLLMEngine.set_logit_temperature). vLLM's LogitsProcessor
+        applies its `scale` after any soft-cap, to the logits both sampling and prompt
+        log-probs read. Returns the processors changed; a model with none is an error."""
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+        changed = 0
+        for module in self.model_runner.get_model().modules():
+            if isinstance(module, LogitsProcessor):
+                base = module.__dict__.setdefault("_meshrl_base_scale", module.scale)
+                module.scale = base * scale
+                changed += 1
+        if not changed:
+            raise RuntimeError("no LogitsProcessor in the model: cannot scale its logits")
+        return changed
+
     def meshrl_weights_checksum(self) -> float:
         """Sum of all parameters as float64 (tests: did the weights change?)."""
         model = self.model_runner.get_model()

@@ -31,6 +31,7 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.compat import awaited
 from meshrl.config import Config
+from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, pack
 from meshrl.logs import capture_role_output
 from meshrl.placement import place_light_process
@@ -94,6 +95,7 @@ class RolloutWorker:
         self.make_env = env_factory(config, reward_fn)
         self.make_eval_env = env_factory(eval_view(config), reward_fn) if config.eval.source else self.make_env
         self.generators: list = []
+        self.teacher = None  # on-policy distillation: the teacher's scoring replica (meshrl/distill.py)
         self._load: list[int] = []  # groups playing on each replica, for the least-loaded choice
         self._failed: set[int] = set()  # replicas whose calls failed, skipped until the next set_generators
         self._renderers: dict[str, ChatRenderer] = {}
@@ -184,10 +186,11 @@ class RolloutWorker:
         (at `temperature`; None: generator.temperature), with an env from `make_env` (None:
         the run's)."""
         c = self.config
-        env = (make_env or self.make_env)()
+        env = None
         ep = Episode(group_id, sample_id)
         timeout = c.rollout.env_timeout_s
         try:
+            env = (make_env or self.make_env)()  # a constructor that raises (bad env_args) fails the episode, not the group
             t0 = time.monotonic()
             obs = await call_bounded(env.reset, dict(record), timeout=timeout)
             ep.env_s += time.monotonic() - t0
@@ -331,7 +334,7 @@ class RolloutWorker:
         never stays RUNNING under a worker that is alive but gave it up."""
         try:
             episodes = await self.play_group(claim)
-            group = assign_advantages(pack(episodes), self.config.trainer.loss.advantage)
+            group = await self._packed(episodes)
             if self._stopping:
                 return
             accepted = await asyncio.wait_for(awaited(queue.put.call_one(claim.group_id, group, claim.token)), 120)
@@ -356,6 +359,23 @@ class RolloutWorker:
                 "response_len": float(sum(len(t.token_ids) for t in ep.model_turns)), "turns": float(len(ep.model_turns)),
                 "tool_calls": float(ep.tool_calls), "env_tokens": float(ep.env_tokens), "env_s": ep.env_s,
             })
+
+    async def _packed(self, episodes: list[Episode]):
+        """The group as the trainer reads it: advantages from the rewards or, under
+        distillation, per token from the teacher's scores of every episode that did not fail
+        (a failed score fails the call: the group is played again)."""
+        loss = self.config.trainer.loss
+        if self.teacher is None:
+            return assign_advantages(pack(episodes), loss.advantage)
+        scored = [ep for ep in episodes if ep.finish_reason != "failed"]
+        timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
+        scores = await asyncio.wait_for(awaited(self.teacher.score_many.call_one([ep.token_ids for ep in scored])), timeout) if scored else []
+        for ep, score in zip(scored, scores):
+            if isinstance(score, str):
+                raise GenerationFailed(f"the teacher could not score episode {ep.sample_id}: {score}")
+            attach_teacher_logprobs(ep, score)
+        d = self.config.distill
+        return assign_distill_advantages(pack(episodes), d.kl_weight, d.reward_weight, loss.advantage)
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Stop claiming; groups in flight are dropped (the queue re-queues them on resume)."""
@@ -412,7 +432,7 @@ class RolloutWorkerActor(Actor):
         self.worker = RolloutWorker(config, tokenizer_dir, worker, reward_fn)
 
     @endpoint
-    async def start(self, queue, generators: list) -> dict:
+    async def start(self, queue, generators: list, teacher=None) -> dict:
         """Start playing; returns {"host", "pids": [(pid, start time)]} of this proc (the
         controller watches it)."""
         import socket
@@ -420,12 +440,17 @@ class RolloutWorkerActor(Actor):
         import psutil
 
         self.worker.set_generators(generators)
+        self.worker.teacher = teacher
         self.worker.start(queue)
         return {"host": socket.gethostname(), "pids": [(os.getpid(), psutil.Process().create_time())]}
 
     @concurrent_endpoint
     async def set_generators(self, generators: list) -> None:
         self.worker.set_generators(generators)
+
+    @concurrent_endpoint
+    async def set_teacher(self, teacher) -> None:
+        self.worker.teacher = teacher
 
     @concurrent_endpoint
     async def evaluate(self, records: list[dict], version: int, k: int) -> list[dict]:

@@ -4,8 +4,11 @@ Per token t of sequence i, with r = pi_theta / pi_prox (the PPO ratio against th
 own policy before this optimizer step) and rho = pi_prox / mu (the behaviour gap between
 that policy and the sampler mu that produced the token):
 
-    loss_it = -w_it * min(r_it * A_i, clip(r_it, 1 - clip_low, 1 + clip_high) * A_i)
+    loss_it = -w_it * min(r_it * A_it, clip(r_it, 1 - clip_low, 1 + clip_high) * A_it)
               + kl_coef * k3(pi_theta || pi_ref)_it - entropy_coef * H_it
+
+A_it is the sequence's advantage A_i on every token, or a per-token advantage when the
+batch has one (on-policy distillation, meshrl/distill.py).
 
 w is the off-policy correction weight, a function of rho only and never differentiated:
 
@@ -16,6 +19,7 @@ w is the off-policy correction weight, a function of rho only and never differen
     icepop     rho * 1[low <= rho <= high]                  IcePop band mask
     decoupled  rho                                          AReaL decoupled PPO (needs pi_prox)
     opsm       0 for the whole sequence when A_i < 0 and mean_t log(mu / pi_prox) > delta, else 1
+               (per-token advantages: 0 for the tokens with A_it < 0 of such a sequence)
 
 Tokens a correction drops still count in the aggregation's denominators (they add a zero),
 so the denominators depend on `loss_mask` alone and a caller can compute them globally:
@@ -36,7 +40,7 @@ Tensor = torch.Tensor
 Count = int | float | Tensor | None
 
 
-# ---- correction weights: (log_rho [B,T], mask [B,T], adv [B,1], cfg) -> (weight, keep) ---------
+# ---- correction weights: (log_rho [B,T], mask [B,T], adv [B,1] or [B,T], cfg) -> (weight, keep) -
 # log_rho is 0 on padding, detached. `keep` marks tokens the correction leaves in the loss.
 def _no_correction(log_rho: Tensor, mask: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
     return torch.ones_like(log_rho), torch.ones_like(mask)
@@ -131,7 +135,7 @@ def policy_loss(
     Args:
       logprobs: [B,T] trainer log-probs of the tokens (with grad).
       sampler_logprobs: [B,T] log mu, the inference engine's log-probs of the same tokens.
-      advantages: [B] per-sequence advantages.
+      advantages: [B] per-sequence advantages, or [B,T] per-token ones (read on `loss_mask` only).
       loss_mask: [B,T] True on tokens that count in the loss.
       prox_logprobs: [B,T] the trainer's log-probs before this optimizer step (pi_old /
         pi_prox). None: `logprobs.detach()` (one optimizer step per batch: r = 1 in value,
@@ -152,13 +156,14 @@ def policy_loss(
         raise ValueError("correction 'decoupled' needs prox_logprobs: the trainer's log-probs before this optimizer step")
     if cfg.kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs from the reference model")
-    if advantages.dim() != 1 or advantages.shape[0] != logprobs.shape[0]:
-        raise ValueError(f"advantages must be [B]={logprobs.shape[0]}, got {tuple(advantages.shape)}")
+    if tuple(advantages.shape) not in (tuple(logprobs.shape[:1]), tuple(logprobs.shape)):
+        raise ValueError(f"advantages must be [B]={logprobs.shape[0]} or [B,T]={tuple(logprobs.shape)}, got {tuple(advantages.shape)}")
 
     mask = loss_mask.bool()
     lp = logprobs.float()
     prox = lp.detach() if prox_logprobs is None else prox_logprobs.detach().float()
-    adv = advantages.detach().float()[:, None]
+    adv = advantages.detach().float()
+    adv = adv[:, None] if adv.dim() == 1 else torch.where(mask, adv, 0.0)  # [B,1] or [B,T]; padding may hold anything
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
 
     # PPO-clip surrogate. Log-ratios are zeroed off the mask *before* exp: padding can hold
@@ -213,6 +218,7 @@ _PER_TOKEN_MEANS = {
     "mismatch": "mismatch_sum",
     "kl": "kl_sum",
     "entropy": "entropy_sum",
+    "distill_reverse_kl": "distill_reverse_kl_sum",  # added by the trainer for distillation batches
 }
 
 
@@ -220,9 +226,10 @@ def reduce_metrics(metrics: Sequence[Mapping[str, Tensor | float]]) -> dict[str,
     """Combine `policy_loss` metrics of several micro-batches (or ranks) into floats.
 
     `_sum` keys add up and `_max` keys take the max; then per-token sums become means over
-    tokens_sum (clip_frac, is_weight_mean, masked_frac, mismatch, kl, entropy), `_max` keys
-    keep their name, and loss / tokens / seqs are the totals (each call's loss is already a
-    normalised contribution, so their sum is the batch loss). Across ranks: all-reduce each
+    tokens_sum (clip_frac, is_weight_mean, masked_frac, mismatch, kl, entropy,
+    distill_reverse_kl), `_max` keys keep their name, and loss / tokens / seqs are the
+    totals (each call's loss is already a normalised contribution, so their sum is the
+    batch loss). Across ranks: all-reduce each
     `_sum` tensor with SUM and each `_max` with MAX first, then pass the one merged dict.
     """
     totals: dict[str, float] = {}
