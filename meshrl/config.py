@@ -249,7 +249,9 @@ class EvalConfig:
     every: int = 0
     """Evaluate the policy on held-out prompts every this many steps, and at the last step. 0: off. Evaluation plays episodes on the generators beside training, so training slows only by the generation it needs."""
     source: str | None = None
-    """Held-out prompts, in any form `data.source` takes (same `prompt_key`, `answer_key` and `task_args`). None: the training task (`task:` or `reasoning_gym:`) drawn from a seed stream of its own; a file or dataset source needs one given here."""
+    """Held-out prompts, in any form `data.source` takes (read with data's `prompt_key` and `answer_key`). None: the training task (`task:` or `reasoning_gym:`) drawn from a seed stream of its own; a file or dataset source needs one given here. A `task:` or `reasoning_gym:` eval source is scored by its own reward; any other by the run's."""
+    task_args: dict = field(default_factory=dict)
+    """Keyword arguments of a `reasoning_gym:` eval.source's config (as `data.task_args` for training); only with eval.source set."""
     num_prompts: int = 32
     """Prompts per evaluation (the first of the held-out source, in its order)."""
     k: int = 4
@@ -622,7 +624,7 @@ def validate(c: Config) -> None:
 
     need(not (s.reward_fn and s.reward_model), "scoring.reward_model", "set either scoring.reward_fn or scoring.reward_model, not both")
     d = c.data
-    _check_source(need, c, "data.source", d.source)
+    _check_source(need, c, "data.source", d.source, d.task_args)
     if source_kind(d.source) == "task":
         from meshrl.tasks import TASKS
 
@@ -643,9 +645,11 @@ def validate(c: Config) -> None:
     need(e.num_prompts >= 1, "eval.num_prompts", f"must be at least 1, got {e.num_prompts}")
     need(e.k >= 1, "eval.k", f"must be at least 1, got {e.k}")
     if e.source is not None:
-        _check_source(need, c, "eval.source", e.source)
-    elif e.every:
-        need(source_kind(d.source) in ("task", "reasoning_gym"), "eval.source",
+        _check_source(need, c, "eval.source", e.source, e.task_args)
+        need(not e.task_args or source_kind(e.source) == "reasoning_gym", "eval.task_args", f"only a reasoning_gym: eval.source takes task arguments, not {e.source!r}: drop them")
+    else:
+        need(not e.task_args, "eval.task_args", "eval.task_args go with an eval.source of its own: set eval.source, or drop them (the training task's data.task_args apply)")
+        need(not e.every or source_kind(d.source) in ("task", "reasoning_gym"), "eval.source",
              f"a file or dataset source ({d.source}) has no held-out part of its own: give eval.source a held-out file")
 
     di = c.distill
@@ -702,7 +706,7 @@ def source_kind(source: str) -> str:
     return "file" if source.endswith((".jsonl", ".parquet")) else "dataset"
 
 
-def _check_source(need, c: Config, path: str, source: str) -> None:
+def _check_source(need, c: Config, path: str, source: str, task_args: dict) -> None:
     """A prompt source that exists and whose package is installed."""
     kind = source_kind(source)
     if kind == "task":
@@ -719,7 +723,7 @@ def _check_source(need, c: Config, path: str, source: str) -> None:
         need(name in DATASETS, path, f"reasoning-gym has no task {name!r}: see reasoning_gym.factory.DATASETS (e.g. basic_arithmetic, chain_sum, leg_counting)")
         from meshrl.data import reasoning_gym_dataset
 
-        reasoning_gym_dataset(name, c.data.task_args, c.seed, 1)  # bad task_args: a ConfigError naming them
+        reasoning_gym_dataset(name, task_args, c.seed, 1, path.replace("source", "task_args"))  # bad ones: a ConfigError naming them
     elif kind == "file":
         need(os.path.isfile(source), path, f"file {source!r} not found: give a local .jsonl or .parquet file")
     else:

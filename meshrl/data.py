@@ -113,8 +113,8 @@ def generator(cfg: DataConfig, seed: str, size: int) -> Generator:
     return record
 
 
-def reasoning_gym_dataset(name: str, task_args: dict, seed: int, size: int):
-    """reasoning-gym's dataset object for task `name`; a bad `data.task_args` is a ConfigError."""
+def reasoning_gym_dataset(name: str, task_args: dict, seed: int, size: int, field: str = "data.task_args"):
+    """reasoning-gym's dataset object for task `name`; bad `task_args` are a ConfigError naming `field`."""
     problem = missing_extra("reasoning_gym")
     if problem:
         raise ImportError(f"reasoning_gym:{name} {problem}")
@@ -123,8 +123,8 @@ def reasoning_gym_dataset(name: str, task_args: dict, seed: int, size: int):
     try:
         return reasoning_gym.create_dataset(name, seed=seed, size=size, **task_args)
     except (TypeError, ValueError, AssertionError) as e:
-        raise ConfigError("data.task_args", f"reasoning_gym:{name} rejects {task_args} with size={size} "
-                          f"({type(e).__name__}: {e}): fix data.task_args or data.num_prompts") from None
+        raise ConfigError(field, f"reasoning_gym:{name} rejects {task_args} with size={size} "
+                          f"({type(e).__name__}: {e}): fix {field} or data.num_prompts") from None
 
 
 def reasoning_gym_record(entry: dict) -> dict:
@@ -178,7 +178,7 @@ def eval_records(config: Config) -> list[dict]:
     of `eval.source` in stored order, or of the training task drawn under the seed string
     "SEED/eval", a stream no training epoch ("SEED/EPOCH") draws from."""
     e = config.eval
-    data = config.data if e.source is None else dataclasses.replace(config.data, source=e.source)
+    data = config.data if e.source is None else dataclasses.replace(config.data, source=e.source, task_args=e.task_args)
     records = load_records(data)
     if records is not None:
         return records[:e.num_prompts]

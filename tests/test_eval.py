@@ -68,3 +68,24 @@ def test_eval_during_training_is_reproduced_by_meshrl_eval(tmp_path):
     assert again["metrics"]["eval/greedy_accuracy"] == last["eval/greedy_accuracy"]
     assert again["metrics"]["eval/greedy_reward"] == pytest.approx(last["eval/greedy_reward"])
     assert not wait_no_children()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_reasoning_gym_training_with_another_reasoning_gym_task_held_out(tmp_path):
+    """reasoning-gym tasks run unchanged: training prompts and rewards from one task (chat
+    messages under its system prompt, scored by its own verifier in the rollout worker),
+    evaluation on another task with that task's verifier."""
+    cfg = tiny(tmp_path / "rg", steps=2, trainer={"checkpoint_every": 0}, model={"max_seq_len": 768},
+               data={"source": "reasoning_gym:basic_arithmetic", "task_args": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
+               eval={"every": 2, "source": "reasoning_gym:chain_sum", "task_args": {"min_terms": 3, "max_terms": 3}, "num_prompts": 4, "k": 1})
+    rows = meshrl.run(cfg).metrics
+    trained = [r for r in rows if "trainer/reward_mean" in r]
+    evals = [r for r in rows if "eval/greedy_accuracy" in r]
+    assert [int(r["step"]) for r in trained] == [1, 2] and len(evals) == 1
+    assert all(r.get("episode/failed", 0) == 0 for r in rows) and evals[0]["eval/failed"] == 0
+    with open(os.path.join(cfg["logging"]["run_dir"], "eval", "step_000002.json")) as f:
+        prompts = json.load(f)["prompts"]
+    assert all(p["prompt"][0]["role"] == "system" and "<answer>" in p["prompt"][0]["content"] for p in prompts)
+    assert all(p["prompt"][1]["content"].count("+") + p["prompt"][1]["content"].count("-") >= 2 for p in prompts)  # chain_sum's three terms
+    assert not wait_no_children()

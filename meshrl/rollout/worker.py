@@ -80,7 +80,7 @@ def eval_view(config: Config) -> Config:
     source = config.eval.source
     if source is None or source_kind(source) not in ("task", "reasoning_gym"):
         return config
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, source=source))
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, source=source, task_args=config.eval.task_args))
 
 
 class RolloutWorker:
