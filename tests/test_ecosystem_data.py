@@ -179,6 +179,22 @@ def test_eval_records_from_a_file_in_stored_order(tmp_path):
 
 
 # ---- a missing extra: one line naming the pip install ------------------------------------------
+def test_base_install_works_without_the_extras():
+    """With reasoning-gym, math-verify and openenv-core all missing, every meshrl module but
+    the OpenEnv adapter imports and the default config validates; the adapter says which
+    extra to install."""
+    code = ("import sys, pkgutil, importlib, meshrl\n"
+            "for m in ('reasoning_gym', 'math_verify', 'openenv'): sys.modules[m] = None\n"
+            "names = [m.name for m in pkgutil.walk_packages(meshrl.__path__, 'meshrl.') if m.name not in ('meshrl.rollout.openenv', 'meshrl.__main__')]\n"
+            "for name in names: importlib.import_module(name)\n"
+            "from meshrl.cli import main\n"
+            "assert main(['config', 'show']) == 0\n"
+            "try:\n    import meshrl.rollout.openenv\nexcept ImportError as e:\n    print(e, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "pip install 'meshrl[envs]'" in done.stderr
+
+
 @pytest.mark.parametrize("blocked, override, extra", [
     ("reasoning_gym", "data.source=reasoning_gym:basic_arithmetic", "reasoning"),
     ("math_verify", "scoring.reward_fn=meshrl.verifiers:math_answer", "math"),
