@@ -88,6 +88,8 @@ class LossConfig:
     """Weight of the KL penalty to the reference (initial) policy. 0 disables it and the reference model."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus. 0 disables it."""
+    sampling_mask: bool = True
+    """Score each trained token under the distribution the sampler drew it from: with generator.top_k / top_p, the logits at generator.temperature truncated by vLLM's rule and renormalised, as the sampler's processed log-probs are. IS ratios then compare like with like, and the policy trained is the one that samples. No effect at top_p=1, top_k=-1. Off: the full-vocabulary log-prob (the truncation shows up as off-policy mismatch)."""
 
 
 @dataclass

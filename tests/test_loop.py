@@ -346,3 +346,15 @@ def test_cli_bad_reward_path_exits_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "meshrl", "run", "scoring.reward_fn=nosuch"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "scoring.reward_fn" in out.stderr
+
+
+def test_sampling_mask_replay_matches_the_samplers_processed_logprobs(tmp_path):
+    """At top_p=0.9 and top_k=20, step 1 trains version-0 tokens with version-0 weights: the
+    trainer's log-probs under the replayed truncation equal vLLM's processed log-probs."""
+    cfg = tiny(tmp_path / "mask", steps=1, trainer={"checkpoint_every": 0},
+               generator={"top_p": 0.9, "top_k": 20, "temperature": 0.8})
+    row = meshrl.run(cfg).metrics[0]
+    assert row["trainer/staleness_max"] == 0
+    assert row["trainer/logprob_mismatch"] < 2e-3, row["trainer/logprob_mismatch"]
+    assert row["trainer/sampling_mask_miss_frac"] == 0.0
+    assert not wait_no_children()

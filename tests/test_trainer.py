@@ -95,6 +95,45 @@ def test_logprobs_match_direct_log_softmax(temperature):
     torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(20, 0.9), (-1, 0.9), (20, 1.0), (3, 0.5)])
+def test_sampling_mask_replays_vllms_truncation(top_k, top_p):
+    """With top-k / top-p the trainer scores each token under vLLM's own truncated and
+    renormalised distribution (vLLM's PyTorch rule, called here as the reference); a
+    sampled token outside the kept set keeps its full log-prob and counts as a miss."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    model, _ = build_model(ModelConfig(family="qwen3"), seed=3)
+    batch = make_batch(turns=2)
+    tokens, mask = batch["tokens"], batch["loss_mask"]
+    misses: list = []
+    lp, _ = token_logprobs(model, tokens, mask, 0.7, chunk_size=7, top_k=top_k, top_p=top_p, misses=misses)
+    with torch.no_grad():
+        logits = model(tokens).float()[:, :-1] / 0.7
+    flat = logits.reshape(-1, logits.shape[-1])
+    n = flat.shape[0]
+    truncated = apply_top_k_top_p_pytorch(flat.clone(), torch.full((n,), top_k) if top_k > 0 else None,
+                                          torch.full((n,), top_p) if top_p < 1 else None)
+    processed = F.log_softmax(truncated, -1).view_as(logits).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    full = F.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    inside = processed.isfinite()
+    ref = torch.zeros_like(lp)
+    ref[:, 1:] = torch.where(inside, processed, full)
+    scored = mask.clone()
+    scored[:, 0] = False
+    torch.testing.assert_close(lp[scored], ref[scored], atol=1e-5, rtol=1e-5)
+    assert misses[0].item() == (~inside & scored[:, 1:]).sum().item()
+    assert (~inside & scored[:, 1:]).any() and (inside & scored[:, 1:]).any()  # both cases are exercised
+    assert (lp[scored] >= full[scored[:, 1:]] - 1e-6).all()  # renormalised over fewer tokens: never less likely
+
+
+def test_sampling_mask_changes_nothing_without_truncation():
+    model, _ = build_model(ModelConfig(family="qwen3"), seed=3)
+    batch = make_batch(turns=2)
+    a, _ = token_logprobs(model, batch["tokens"], batch["loss_mask"], 1.0)
+    b, _ = token_logprobs(model, batch["tokens"], batch["loss_mask"], 1.0, top_k=-1, top_p=1.0, misses=[])
+    assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama3"])
 def test_export_loads_in_transformers_with_equal_logits(tmp_path, family):
     from transformers import AutoModelForCausalLM

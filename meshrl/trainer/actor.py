@@ -101,11 +101,13 @@ class PolicyTrainer:
         """Optimizer steps taken = the version of the current weights."""
 
     # ---- scoring ------------------------------------------------------------------------
-    def _logprobs(self, model, packed: TensorDict, with_entropy: bool = False, score_mask=None):
+    def _logprobs(self, model, packed: TensorDict, with_entropy: bool = False, score_mask=None, misses: list | None = None):
         tokens = packed["tokens"].to(self.device)
         mask = (packed["loss_mask"] if score_mask is None else score_mask).to(self.device)
+        g = self.config.generator
+        top_k, top_p = (g.top_k, g.top_p) if self.config.trainer.loss.sampling_mask else (-1, 1.0)
         with self.autocast():
-            return token_logprobs(model, tokens, mask, self.config.generator.temperature, with_entropy=with_entropy)
+            return token_logprobs(model, tokens, mask, g.temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p, misses=misses)
 
     def autocast(self):
         """Autocast to `trainer.compute_dtype` where FSDP2's param dtype does not already
@@ -173,7 +175,8 @@ class PolicyTrainer:
             idx = rows[i * mb:(i + 1) * mb]
             packed = trim(batch[torch.tensor(idx or [0])]).to(self.device)
             want_entropy = lcfg.entropy_coef > 0
-            logprobs, entropy = self._logprobs(self.model, packed, with_entropy=want_entropy)
+            misses: list = []
+            logprobs, entropy = self._logprobs(self.model, packed, with_entropy=want_entropy, misses=misses)
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
@@ -187,6 +190,8 @@ class PolicyTrainer:
                 prox_logprobs=logprobs.detach(), ref_logprobs=ref, entropy=entropy,
                 token_count=token_count, seq_count=seq_count,
             )
+            if self.config.trainer.loss.sampling_mask and (self.config.generator.top_k > 0 or self.config.generator.top_p < 1):
+                m["sampling_mask_miss_sum"] = misses[0]  # sampled tokens outside the trainer's kept set
             if distill:  # reduce_metrics: distill_reverse_kl, the token mean of log mu - log pi_teacher
                 gap = packed["sampler_logprobs"] - packed["teacher_logprobs"]
                 m["distill_reverse_kl_sum"] = torch.where(packed["loss_mask"], gap, 0.0).sum().detach()

@@ -4,6 +4,14 @@ Layout is the rollout batch's (meshrl/episode.py): row b is one episode's tokens
 logits at t-1 predict token t, and `score_mask[b, t]` marks the tokens to score (the
 model's own tokens).
 
+Sampling-mask replay: with top-k or top-p the sampler draws from the logits at the
+temperature truncated to a kept set and renormalised, and reports that log-prob. The same
+truncation is applied here (`truncate`, vLLM's PyTorch rule: top-k first, then top-p over
+what is left, keeping at least the most likely token), so trainer and sampler score the
+same distribution. The kept set is recomputed from the trainer's logits; a sampled token
+outside it (the two models' logits differ enough to move the edge) keeps its full-vocabulary
+log-prob, is counted in `misses`, and its gap shows as mismatch for the IS correction.
+
 Memory: the decoder runs once to hidden states; the LM head then runs only on the scored
 positions, `chunk_size` tokens at a time, each chunk under activation checkpointing, so
 the float32 [tokens x vocab] logits exist one chunk at a time, in forward and in backward.
@@ -17,13 +25,40 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+def kept_set(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor | None:
+    """[N, V] bool: the tokens vLLM's sampler keeps from `logits` (already at the temperature)
+    with `top_k` (-1: off) and `top_p` (1: off); None when nothing is truncated. Ties at the
+    top-k edge are kept, and top-p drops the least likely tokens whose cumulative mass is at
+    most 1 - top_p, never the most likely one, as in vLLM's `apply_top_k_top_p_pytorch`."""
+    if top_k <= 0 and top_p >= 1.0:
+        return None
+    with torch.no_grad():
+        ordered, order = logits.float().sort(dim=-1)  # ascending
+        drop = torch.zeros_like(ordered, dtype=torch.bool)
+        if 0 < top_k < ordered.shape[-1]:
+            drop = ordered < ordered[:, -top_k:-top_k + 1]
+        if top_p < 1.0:
+            mass = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
+            drop |= mass <= 1 - top_p
+            drop[:, -1] = False
+        return torch.empty_like(drop).scatter_(-1, order, ~drop)
+
+
 def _chunk_logprobs(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    with_entropy: bool, top_k: int = -1, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logits = lm_head(hidden).float() / temperature
-    logp = F.log_softmax(logits, dim=-1)
+    keep = kept_set(logits, top_k, top_p)
+    full = F.log_softmax(logits, dim=-1)
+    logp, misses = full, full.new_zeros(())
+    if keep is not None:
+        logp = F.log_softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+        inside = keep.gather(-1, targets[:, None]).squeeze(-1)
+        misses = (~inside).sum().float()
     token_logp = logp.gather(-1, targets[:, None]).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else token_logp.new_zeros(())
-    return token_logp, entropy
+    if keep is not None:
+        token_logp = torch.where(inside, token_logp, full.gather(-1, targets[:, None]).squeeze(-1))
+    entropy = -(logp.exp() * logp.masked_fill(logp.isinf(), 0.0)).sum(-1) if with_entropy else token_logp.new_zeros(())
+    return token_logp, entropy, misses
 
 
 def hidden_states(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -43,11 +78,16 @@ def token_logprobs(
     *,
     with_entropy: bool = False,
     chunk_size: int = 1024,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    misses: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [B, T] of `tokens[b, t]` given `tokens[b, :t]` at `temperature`, where `score_mask`.
+    """Log-probs [B, T] of `tokens[b, t]` given `tokens[b, :t]` at `temperature`, truncated to
+    the sampler's kept set by `top_k` / `top_p` (see the module docstring), where `score_mask`.
 
     Returns (logprobs, entropy or None), both [B, T] float32 and 0 outside `score_mask`
     (position 0 is never scored: nothing predicts it). Differentiable when grad is enabled.
+    `misses`, a list, gets the count of scored tokens outside their kept set appended.
     """
     B, T = tokens.shape
     mask = score_mask.clone()
@@ -56,18 +96,21 @@ def token_logprobs(
     h_sel = h[:, :-1][mask[:, 1:]]  # [N, D]: hidden state at t-1 for each scored token t
     targets = tokens[mask]
     lm_head = model.lm_head
-    lps, ents = [], []
+    lps, ents, missed = [], [], []
     recompute = torch.is_grad_enabled()
     for start in range(0, h_sel.shape[0], chunk_size):
-        args = (lm_head, h_sel[start:start + chunk_size], targets[start:start + chunk_size], temperature, with_entropy)
-        lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
+        args = (lm_head, h_sel[start:start + chunk_size], targets[start:start + chunk_size], temperature, with_entropy, top_k, top_p)
+        lp, ent, miss = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
         lps.append(lp)
         ents.append(ent)
+        missed.append(miss.detach())
+    if misses is not None:
+        misses.append(torch.stack(missed).sum() if missed else torch.zeros((), device=tokens.device))
     zeros = torch.zeros(B, T, dtype=torch.float32, device=tokens.device)
     if not lps:
         # Nothing to score: still touch the LM head with weight 0, so every parameter gets a
         # gradient and FSDP's reduce-scatters stay in step with the other ranks.
-        lp, _ = _chunk_logprobs(lm_head, h[:1, 0], tokens[:1, 0], temperature, False)
+        lp, _, _ = _chunk_logprobs(lm_head, h[:1, 0], tokens[:1, 0], temperature, False)
         return zeros + 0.0 * lp.sum(), (zeros if with_entropy else None)
     logprobs = zeros.masked_scatter(mask, torch.cat(lps))
     entropy = zeros.masked_scatter(mask, torch.cat(ents)) if with_entropy else None
