@@ -3,8 +3,9 @@
 Log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, so the log-prob it
 returns for a sampled token is taken from the distribution the token was actually drawn
 from (after temperature, top-k and top-p). With top_p=1 and top_k=-1 this equals
-log_softmax(logits / T), which is what the trainer computes at the same temperature. (With
-top-k/top-p the kept set is renormalised: the trainer sees the difference as off-policy.)
+log_softmax(logits / T), which is what the trainer computes at the same temperature; with
+top-k/top-p the trainer applies the same truncation (trainer.loss.sampling_mask,
+meshrl/trainer/logprobs.py).
 
 Scoring (`score`, for a distillation teacher): vLLM's prompt log-probs give the log-prob
 of every token of a sequence given the ones before it, in one prefill. They are computed
