@@ -302,7 +302,8 @@ def test_longtail_chat_turns_and_lengths_vary_within_budgets(tmp_path):
     assert rows and max(r["episode/turns_mean"] for r in rows) > 1  # some episodes went on past their first round
     per_turn_cap = answer_budget(lengths["max"], lengths["slack"])
     assert all(r["response/length_max"] <= 3 * per_turn_cap for r in rows)
-    assert any(r["response/length_p95"] >= 2 * r["response/length_p50"] for r in rows)
+    pooled = sorted(n for r in result.metrics for n in r.get("response_lengths", []))  # every episode of the run
+    assert pooled[int(0.95 * len(pooled))] >= 2 * pooled[len(pooled) // 2], pooled
     assert all(r["episode/failed"] == 0 for r in rows) and nothing_stale(result.metrics)
     assert not wait_no_children()
 
