@@ -289,6 +289,7 @@ class FakeEngine:
     def __init__(self, gen, checkpoint_dir, **_):
         self.version = 0
         self.tokens_generated = 0
+        self.tokens_scored = 0
 
     async def start(self, version: int = 0) -> float:
         self.version = version

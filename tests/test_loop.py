@@ -2,9 +2,11 @@
 
 Expensive (each run starts a vLLM engine and a trainer mesh), so the runs are few and shared:
 one asynchronous run that checkpoints and is then resumed, one synchronous run, one
-multi-turn run of a user's env given by import path, and one interactive Session (driven
+multi-turn run of a user's env given by import path, one interactive Session (driven
 through IPython) that also survives a killed generator, a killed rollout worker and a
-raising reward function.
+raising reward function, and short runs of the features that need the whole loop
+(heavy-tailed chat rounds, launchers, sampling-mask replay, on-policy distillation with a
+teacher replica).
 """
 
 import json
@@ -358,4 +360,23 @@ def test_sampling_mask_replay_matches_the_samplers_processed_logprobs(tmp_path):
     assert row["trainer/staleness_max"] == 0
     assert row["trainer/logprob_mismatch"] < 2e-3, row["trainer/logprob_mismatch"]
     assert row["trainer/sampling_mask_miss_frac"] == 0.0
+    assert not wait_no_children()
+
+
+def test_distillation_run_pulls_the_student_toward_the_teacher(tmp_path):
+    """A student from scratch, trained on the teacher's per-token reverse KL alone (no task
+    reward), on the real loop with the teacher on its own vLLM replica: its reverse KL to the
+    teacher falls, and with it the student takes up the teacher's taste for digits."""
+    from tests.conftest import build_digit_teacher
+
+    teacher = build_digit_teacher(tmp_path / "teacher")
+    cfg = tiny(tmp_path / "run", steps=12, trainer={"checkpoint_every": 0}, distill={"teacher": teacher})
+    rows = [r for r in meshrl.run(cfg).metrics if "trainer/distill_reverse_kl" in r]
+    assert len(rows) == 12
+    kl = [r["trainer/distill_reverse_kl"] for r in rows]
+    reward = [r["trainer/reward_mean"] for r in rows]
+    first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
+    assert last < 0.7 * first, (kl, reward)
+    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.1, (kl, reward)
+    print("reverse KL", [round(x, 3) for x in kl], "reward", [round(x, 3) for x in reward])
     assert not wait_no_children()
