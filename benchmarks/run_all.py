@@ -47,6 +47,8 @@ BENCHMARKS = [
                    "--trl-settings", "float32,float32+compile", "--out", os.path.join(RESULTS, "trl_small.json")], 1500),
     # heavy-tailed answer lengths: sync, keep, abort, drain and TRL
     ("long_tail", ["long_tail.py", "--out", os.path.join(RESULTS, "long_tail.json")], 1200),
+    # on-policy distillation against RL alone: a teacher trained by RL, then students taught each way
+    ("distill", ["distill.py", "--out", os.path.join(RESULTS, "distill.json")], 2400),
 ]
 
 
