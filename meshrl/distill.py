@@ -26,7 +26,9 @@ Flow in a rollout worker, per group:
     scores = await teacher.score_many.call_one([e.token_ids for e in episodes])
     for e, s in zip(episodes, scores): attach_teacher_logprobs(e, s)   # str: a failed score
     group = assign_distill_advantages(pack(episodes), kl_weight, reward_weight, mode)
-    metrics = distill_metrics(group)
+
+The trainer reports `trainer/distill_reverse_kl`, the token mean of log mu - log pi_teacher
+over each trained batch: an estimate of KL(student || teacher) along the student's samples.
 """
 
 from __future__ import annotations
@@ -74,28 +76,3 @@ def assign_distill_advantages(td: TensorDict, kl_weight: float, reward_weight: f
     td["token_advantage"] = torch.where(mask, per_token, torch.zeros_like(per_token)).to(torch.float32)
     return td
 
-
-def episode_reverse_kl(td: TensorDict) -> torch.Tensor:
-    """[B] mean over each episode's loss tokens of log mu - log pi_teacher: a per-token
-    estimate of KL(student || teacher) along the episode (0 for a row with no loss token).
-    Single tokens can be negative; the expectation over the student's samples is >= 0."""
-    mask = td["loss_mask"]
-    gap = torch.where(mask, td["sampler_logprobs"] - td["teacher_logprobs"], torch.zeros_like(td["sampler_logprobs"]))
-    return gap.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-
-
-def distill_metrics(td: TensorDict) -> dict[str, float]:
-    """Token means over the batch's loss tokens: `distill/reverse_kl` (log mu - log
-    pi_teacher), `distill/teacher_logprob`, `distill/sampler_logprob`; and `distill/tokens`."""
-    mask = td["loss_mask"]
-    n = int(mask.sum())
-    if n == 0:
-        return {"distill/reverse_kl": 0.0, "distill/teacher_logprob": 0.0, "distill/sampler_logprob": 0.0, "distill/tokens": 0.0}
-    teacher = td["teacher_logprobs"][mask].double()
-    sampler = td["sampler_logprobs"][mask].double()
-    return {
-        "distill/reverse_kl": float((sampler - teacher).mean()),
-        "distill/teacher_logprob": float(teacher.mean()),
-        "distill/sampler_logprob": float(sampler.mean()),
-        "distill/tokens": float(n),
-    }

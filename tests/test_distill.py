@@ -18,7 +18,7 @@ from monarch.actor import concurrent_endpoint, this_host
 from meshrl import episode
 from meshrl.compat import awaited
 from meshrl.config import LossConfig
-from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs, distill_metrics, episode_reverse_kl
+from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import FINISH_REASONS, Episode, Turn, assign_advantages, pack
 from meshrl.generator.actor import GeneratorActor
 from meshrl.trainer.losses import CORRECTIONS, policy_loss, reduce_metrics
@@ -96,18 +96,6 @@ def test_token_advantage_is_weighted_reverse_kl_plus_group_advantage(mode):
                     assert got == 0.0
             at += len(turn.token_ids)
         assert (td["token_advantage"][b, at:] == 0).all()
-
-
-def test_distill_metrics_and_per_episode_reverse_kl():
-    td = assign_distill_advantages(pack(scored_episodes()), 1.0, 0.0, "grpo")
-    gaps = [[-0.25, 1.0, 0.3], [0.0, -0.2, 1.0], [-1.5], []]  # sampler - teacher per loss token
-    rkl = episode_reverse_kl(td)
-    assert rkl.tolist() == pytest.approx([sum(g) / len(g) if g else 0.0 for g in gaps], abs=1e-6)
-    flat = [x for g in gaps for x in g]
-    m = distill_metrics(td)
-    assert m["distill/tokens"] == len(flat)
-    assert m["distill/reverse_kl"] == pytest.approx(sum(flat) / len(flat), abs=1e-6)
-    assert m["distill/teacher_logprob"] == pytest.approx((-0.25 - 2.0 - 0.4 - 0.2 - 0.1 - 1.4 - 0.5) / 7, abs=1e-6)
 
 
 def test_unscored_batch_is_accepted_only_when_every_episode_failed():
