@@ -229,3 +229,22 @@ def gloo_default_device_on_loopback():
             os.environ.pop("GLOO_SOCKET_IFNAME", None)
         else:
             os.environ["GLOO_SOCKET_IFNAME"] = old
+
+
+async def openenv_unread_message(client, timeout_s: float = 1.0) -> str | None:
+    """The message still waiting, unread, on an OpenEnv client's WebSocket (None if none).
+
+    openenv-core 0.3.0: a server that holds its `max_concurrent_envs` sessions sends its
+    CAPACITY_REACHED refusal and closes the socket at once, so the client's reset usually
+    fails with ConnectionClosed instead of that refusal, which is left on the socket. The
+    client has no public way to read it: this reads its private `_ws`.
+    """
+    import asyncio
+
+    ws = getattr(client, "_ws", None)
+    if ws is None:
+        return None
+    try:
+        return str(await asyncio.wait_for(ws.recv(), timeout_s))
+    except Exception:  # noqa: BLE001 - nothing readable
+        return None

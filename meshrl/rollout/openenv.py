@@ -30,6 +30,7 @@ import typing
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
+from meshrl.compat import openenv_unread_message
 from meshrl.config import missing_extra
 from meshrl.rollout.env import ModelTurn, Observation, StepResult
 from meshrl.scoring import import_callable
@@ -302,15 +303,8 @@ def _accepted(fn, kwargs: dict) -> dict:
 
 
 async def _server_full(error: Exception, client: EnvClient) -> bool:
-    """Whether a failed connect-and-reset met a full server. The server sends its refusal
-    and closes at once, so the client may find the connection closed when it sends reset:
-    the refusal then still waits, unread, on the connection."""
+    """Whether a failed connect-and-reset met a full server (its refusal may be left unread
+    on the closed connection: meshrl.compat.openenv_unread_message)."""
     if _CAPACITY in str(error):
         return True
-    ws = getattr(client, "_ws", None)
-    if not isinstance(error, ConnectionClosed) or ws is None:
-        return False
-    try:
-        return _CAPACITY in str(await asyncio.wait_for(ws.recv(), 1.0))
-    except Exception:  # noqa: BLE001 - nothing readable: not a refusal
-        return False
+    return isinstance(error, ConnectionClosed) and _CAPACITY in (await openenv_unread_message(client) or "")
