@@ -273,6 +273,18 @@ class DistillConfig:
 
 
 @dataclass
+class LoRAConfig:
+    rank: int = 0
+    """LoRA rank. 0: off (full fine-tuning). Above 0: the base weights are frozen, the trainer's optimizer holds the adapters only, and weight sync sends the adapter alone, loaded through vLLM's LoRA support."""
+    alpha: float = 16.0
+    """Scaling numerator: an adapter's update is scaled by alpha / rank."""
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Projections that get an adapter, by Hugging Face module name (attention: q_proj, k_proj, v_proj, o_proj; MLP: gate_proj, up_proj, down_proj). MoE families adapt attention and their dense and shared-expert MLPs; routed experts stay frozen."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input while training (the generator samples without it)."""
+
+
+@dataclass
 class LauncherConfig:
     kind: Literal["local", "process", "slurm", "torchx", "workers"] = "local"
     """Where meshes run: `local` (this machine), `process` (`launcher.hosts` local worker processes standing in for Slurm hosts: the Slurm code path, testable anywhere), `slurm` (an allocation submitted through Monarch's SlurmJob), `torchx` (this process already runs inside a job launched from `meshrl/torchx_component.py:train`; meshes use its host), or `workers` (hosts already running `meshrl worker --address IP:PORT`, listed in `launcher.workers`; this process attaches to them over Monarch's TCP transport, as to a Slurm allocation's; see docs/multihost.md)."""
@@ -346,6 +358,8 @@ class Config:
     """Evaluation on held-out prompts during training."""
     distill: DistillConfig = field(default_factory=DistillConfig)
     """On-policy distillation from a teacher checkpoint."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters: train and sync only them."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     """Where the meshes run."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -660,6 +674,20 @@ def validate(c: Config) -> None:
         need(di.kl_weight >= 0 and di.reward_weight >= 0, "distill.kl_weight", f"weights must be at least 0, got kl_weight={di.kl_weight}, reward_weight={di.reward_weight}")
         need(di.kl_weight > 0 or di.reward_weight > 0, "distill.kl_weight", "kl_weight and reward_weight are both 0: nothing to learn from")
         _check_cpus(need, "distill.cpus", di.cpus, 1, c.launcher.kind in ("local", "process"))
+
+    lo = c.lora
+    need(0 <= lo.rank <= 512, "lora.rank", f"must be in [0, 512] (0 = off; vLLM's LoRA kernels go up to 512), got {lo.rank}")
+    if lo.rank > 0:
+        from meshrl.trainer.lora import TITAN_NAMES
+
+        need(lo.alpha > 0, "lora.alpha", f"must be positive, got {lo.alpha}")
+        need(0 <= lo.dropout < 1, "lora.dropout", f"must be in [0, 1), got {lo.dropout}")
+        need(bool(lo.targets), "lora.targets", "name at least one projection, or set lora.rank=0")
+        unknown = sorted(set(lo.targets) - set(TITAN_NAMES))
+        need(not unknown, "lora.targets", f"unknown {unknown}: choose from {sorted(TITAN_NAMES)}")
+        need(("k_proj" in lo.targets) == ("v_proj" in lo.targets), "lora.targets",
+             "k_proj and v_proj go together (TorchTitan builds both from one config): list both or neither")
+        need(c.model.family != "deepseek_v3", "lora.targets", "LoRA is not mapped onto deepseek_v3's MLA projections: use qwen3, llama3 or qwen3_moe")
 
     r = c.rollout
     need(r.workers >= 1, "rollout.workers", f"must be at least 1, got {r.workers}")

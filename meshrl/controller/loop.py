@@ -122,7 +122,7 @@ class RLLoop:
         wandb = dict(project=c.logging.wandb_project, mode=c.logging.wandb_mode, config=c.to_dict()) if c.logging.wandb else None
         self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version, wandb=wandb)
         self._last_checkpoint = time.monotonic()
-        initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"))
+        initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"), self._lora_base_dir())
         self.generators = GeneratorPool(c, self.alloc, initial, self.version, self._rewire)
         await self.generators.start(c.generator.replicas)
         self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address()).connect(await self.trainer.publisher_handle(), await self._subscribers())
@@ -354,9 +354,14 @@ class RLLoop:
         that transformers, vLLM and `meshrl eval` load it alone."""
         from meshrl.tokenizer import load_tokenizer
 
-        path = await self.trainer.export_hf(path)
+        path = await self.trainer.export_hf(path, self._lora_base_dir())
         load_tokenizer(self.tokenizer_dir).save_pretrained(path)
         return path
+
+    def _lora_base_dir(self) -> str:
+        """Where a from-scratch LoRA policy's frozen base weights are exported (its adapters'
+        PEFT base): once per run, beside the versions."""
+        return os.path.join(self.run_dir, "hf", "base")
 
     async def pause_generation(self) -> None:
         await asyncio.gather(*(awaited(r.actor.pause_generation.call_one()) for r in self.generators.replicas))

@@ -39,6 +39,10 @@ from meshrl.config import GeneratorConfig
 from meshrl.generator.weight_loading import to_shared_memory
 
 WORKER_EXTENSION = "meshrl.generator.weight_loading.MeshrlWorkerExtension"
+ADAPTER_ID = 1
+"""vLLM's id of the policy's LoRA adapter: one adapter, replaced in place at each version."""
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The max_lora_rank values vLLM accepts."""
 
 
 @dataclass
@@ -78,8 +82,16 @@ class VLLMEngine:
         max_model_len: int = 256,
         seed: int = 0,
         max_num_seqs: int | None = None,
+        adapter_dir: str | None = None,
     ):
         self.gen = gen
+        self.adapter_dir = adapter_dir
+        self.adapter_config: dict | None = None
+        """The PEFT config of the LoRA adapter every request runs with (None: no adapter)."""
+        if adapter_dir is not None:
+            with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+                self.adapter_config = json.load(f)
+            checkpoint_dir = self.adapter_config["base_model_name_or_path"]
         self.checkpoint_dir = checkpoint_dir
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -119,7 +131,24 @@ class VLLMEngine:
             # shares the engine's core on CPU, 12% of the decode time of 128 sequences on
             # one core (measured). meshrl keeps its own generator stats.
             disable_log_stats=True,
+            **self._lora_args(),
         )
+
+    def _lora_args(self) -> dict:
+        if self.adapter_config is None:
+            return {}
+        rank = self.adapter_config["r"]
+        # vLLM sizes its LoRA buffers by max_lora_rank, one of a fixed set of values
+        return dict(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= rank))
+
+    def lora_request(self):
+        """The policy's adapter, named by every generation request (None: no adapter). Its path
+        is the adapter the engine starts on; later versions replace it in place (load_adapter)."""
+        if self.adapter_config is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest("meshrl-policy", ADAPTER_ID, self.adapter_dir)
 
     async def start(self, version: int = 0) -> float:
         """Start the engine (bounded by generator.startup_timeout_s); returns seconds taken."""
@@ -172,7 +201,7 @@ class VLLMEngine:
         # cache_salt: a new version never reuses prefix-cache blocks computed by old weights.
         prompt = TokensPrompt(prompt_token_ids=list(token_ids), cache_salt=f"v{self.version}")
         result = RequestResult()
-        async for out in self.llm.generate(prompt, self.sampling_params(max_tokens, temperature), request_id):
+        async for out in self.llm.generate(prompt, self.sampling_params(max_tokens, temperature), request_id, lora_request=self.lora_request()):
             c = out.outputs[0]
             new = list(c.token_ids)
             result.token_ids += new
@@ -281,6 +310,22 @@ class VLLMEngine:
                 self.llm.collective_rpc("meshrl_load_shared_weights", args=([(s.path, s.nbytes, s.manifest) for s in segments],)),
                 timeout_s,
             )
+        finally:
+            for s in segments:
+                s.unlink()
+        return int(loaded[0])
+
+    async def load_adapter(self, tensors: dict[str, torch.Tensor], timeout_s: float = 120.0) -> int:
+        """Replace the policy's LoRA adapter by PEFT-named `tensors` (the paused engine's
+        requests continue with it), through shared memory as `load_tensors` does."""
+        import asyncio
+
+        if self.adapter_config is None:
+            raise RuntimeError("this engine runs no adapter: start it with adapter_dir")
+        segments = to_shared_memory(tensors)
+        try:
+            loaded = await asyncio.wait_for(self.llm.collective_rpc(
+                "meshrl_load_adapter", args=([(s.path, s.nbytes, s.manifest) for s in segments], self.adapter_config, ADAPTER_ID)), timeout_s)
         finally:
             for s in segments:
                 s.unlink()

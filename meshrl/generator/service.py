@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 import torch
 
@@ -58,6 +59,9 @@ class Generator:
             dtype=config.model.dtype,
             max_model_len=config.model.max_seq_len,
             seed=config.seed + replica,
+            # LoRA: the engine runs the base model with the policy's adapter, which the
+            # trainer exports beside each checkpoint it hands the generators
+            adapter_dir=os.path.join(checkpoint_dir, "adapter") if config.lora.rank > 0 and not teacher else None,
         )
         self.replica = replica
         self.teacher = teacher
@@ -192,7 +196,8 @@ class Generator:
 
     # ---- weights --------------------------------------------------------------------------
     async def update_weights(self, version: int, tensors: dict[str, torch.Tensor], mode: str | None = None) -> float:
-        """Apply full HF-named tensors as `version`; returns seconds generation was held."""
+        """Apply `version`'s tensors (full HF-named weights, or with LoRA the PEFT-named
+        adapter); returns seconds generation was held."""
         mode = mode or self.gen.update_mode
         if mode not in UPDATE_MODES:
             raise ValueError(f"update mode must be one of {UPDATE_MODES}, got {mode!r}")
@@ -211,7 +216,10 @@ class Generator:
                     async with self._changed:
                         await asyncio.wait_for(self._changed.wait_for(lambda: self._in_flight == 0), timeout)
                     await self.engine.pause("keep")
-                await self.engine.load_tensors(tensors, timeout)
+                if self.engine.adapter_config is not None:
+                    await self.engine.load_adapter(tensors, timeout)  # LoRA: the adapter alone
+                else:
+                    await self.engine.load_tensors(tensors, timeout)
                 await self.engine.set_version(version)
             finally:
                 if self._user_paused:  # paused by the user before the update: stay paused

@@ -134,6 +134,29 @@ class MeshrlWorkerExtension:
         self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
         return len(weights)
 
+    def meshrl_load_adapter(self, segments: list, peft_config: dict, adapter_id: int) -> int:
+        """Replace LoRA adapter `adapter_id` by the PEFT-named tensors in the segments, and
+        make it active; returns tensors loaded. Requests naming the adapter use it from the
+        engine's next step on (the engine is paused while this runs). The tensors are cloned:
+        vLLM keeps the adapter's own tensors, while the segments are reused or unlinked."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        weights = {}
+        for path, nbytes, manifest in segments:
+            weights.update({k: v.clone() for k, v in views_of_shared_memory(path, nbytes, manifest).items()})
+        worker_manager = self.model_runner.lora_manager
+        helper = PEFTHelper.from_dict(peft_config)
+        helper.validate_legal(worker_manager.lora_config)
+        # on the host, as vLLM's own loader keeps them: activation copies them into the layers' buffers
+        lora = LoRAModel.from_lora_tensors(adapter_id, weights, helper, device="cpu",
+                                           dtype=worker_manager.lora_config.lora_dtype, model_vocab_size=worker_manager.vocab_size)
+        manager = worker_manager._adapter_manager
+        manager.remove_adapter(adapter_id)
+        manager.add_adapter(lora)
+        manager.activate_adapter(adapter_id)
+        return len(weights)
+
     def meshrl_set_logit_scale(self, scale: float) -> int:
         """Multiply the logits by `scale` (relative to the model's own logit scale): a scoring
         engine's logit temperature (VLLMEngine.set_logit_temperature). vLLM's LogitsProcessor

@@ -31,6 +31,7 @@ from meshrl.placement import cpus_for, pin_this_process
 from meshrl.compat import awaited
 from meshrl.episode import PAD_VERSION, group_slices, trim
 from meshrl.trainer import checkpoint as ckpt
+from meshrl.trainer import lora
 from meshrl.trainer.logprobs import token_logprobs
 from meshrl.trainer.losses import policy_loss, reduce_metrics
 from meshrl.trainer.model import MOE_FAMILIES, build_model, model_args_from_hf
@@ -63,12 +64,14 @@ class PolicyTrainer:
             mcfg = hf_cfg
         self.model_config = mcfg
         self.parallelism = parallelism_config(tcfg, world_size)
-        self.model, self.specs = build_model(mcfg, device, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism)
+        self.model, self.specs = build_model(mcfg, device, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism,
+                                             lora=config.lora)
         if mcfg.path is not None:
             ckpt.load_hf(self.model, self.specs, mcfg.path)
         self.ref_model = None
         if tcfg.loss.kl_coef > 0:  # frozen copy of the initial policy for the KL penalty
-            self.ref_model, _ = build_model(mcfg, device, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism)
+            self.ref_model, _ = build_model(mcfg, device, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism,
+                                            lora=config.lora)
             self.ref_model.load_state_dict(self.model.state_dict())
             self.ref_model.requires_grad_(False)
         self.compute_dtype = compute_dtype(tcfg, device.type)
@@ -94,11 +97,14 @@ class PolicyTrainer:
                 if model is not None:
                     compile_unsharded(model, self.parallelism, compile_cfg)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, foreach=True)
+        # with LoRA only the adapters train: the optimizer (and its state) holds them alone
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay, foreach=True)
         warmup = tcfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.step = 0
         """Optimizer steps taken = the version of the current weights."""
+        self._base_exported: str | None = None  # LoRA: where the base weights were exported
 
     # ---- scoring ------------------------------------------------------------------------
     def _logprobs(self, model, packed: TensorDict, with_entropy: bool = False, score_mask=None, misses: list | None = None):
@@ -249,10 +255,33 @@ class PolicyTrainer:
         """Full HF-named weights, one tensor at a time (collective: iterate on every rank)."""
         return ckpt.hf_state_dict(self.model, self.specs, dtype)
 
-    def export_hf(self, path: str, dtype: torch.dtype | None = None) -> str:
+    def sync_state_dict(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """What weight sync publishes each version: the full HF-named weights, or with LoRA
+        the PEFT-named adapter alone (collective: iterate on every rank)."""
+        if self.config.lora.rank > 0:
+            return lora.adapter_state_dict(self.model, self.specs.adapter_cls(self.specs.titan_config, None), dtype)
+        return self.hf_state_dict(dtype)
+
+    def export_hf(self, path: str, dtype: torch.dtype | None = None, base_dir: str | None = None) -> str:
+        """A HF checkpoint of the current policy at `path` (LoRA: merged), and with LoRA its
+        PEFT adapter in `path/adapter`, over the base model: `model.path`, or the from-scratch
+        base weights exported once to `base_dir`. Collective."""
         dtype = dtype or getattr(torch, self.config.model.dtype)
         source = os.path.join(self.config.model.path, "config.json") if self.config.model.path else None
-        return ckpt.export_hf(self.model, self.specs, path, dtype, source_config=source)
+        out = ckpt.export_hf(self.model, self.specs, path, dtype, source_config=source)
+        if self.config.lora.rank > 0:
+            base = self.config.model.path
+            if base is None:
+                if base_dir is None:
+                    raise ValueError("a from-scratch LoRA model needs base_dir to export its base weights to")
+                base = os.path.abspath(base_dir)
+                if base != self._base_exported:  # the base never changes: once per place (every rank alike)
+                    ckpt.export_hf(self.model, self.specs, base, dtype, merge_lora=False)
+                    self._base_exported = base
+            tensors = dict(self.sync_state_dict(dtype))
+            if self.rank == 0:
+                lora.write_adapter(os.path.join(out, "adapter"), tensors, self.config.lora, base)
+        return out
 
     def save_checkpoint(self, root: str) -> str:
         return ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler)
@@ -361,7 +390,7 @@ class TrainerActor(Actor):
         out = trainer.train_step(batch, trainer.step)
         t1 = time.perf_counter()
         # Gathering full tensors is collective: every rank walks the iterator to its end.
-        named = trainer.hf_state_dict(getattr(torch, trainer.config.model.dtype))
+        named = trainer.sync_state_dict(getattr(torch, trainer.config.model.dtype))
         if trainer.rank == 0 and self.publisher is not None:
             copy_s = self.publisher.publish(trainer.step, named)
         else:
@@ -394,8 +423,8 @@ class TrainerActor(Actor):
         return self._need().train_step(batch, current_version)
 
     @endpoint
-    async def export_hf(self, path: str) -> str:
-        return self._need().export_hf(path)
+    async def export_hf(self, path: str, base_dir: str | None = None) -> str:
+        return self._need().export_hf(path, base_dir=base_dir)
 
     @endpoint
     async def save_checkpoint(self, root: str) -> str:
@@ -445,8 +474,8 @@ class TrainerMesh:
     async def set_lr(self, lr: float) -> None:
         await self._all(self.actors.set_lr, lr)
 
-    async def export_hf(self, path: str) -> str:
-        return (await self._all(self.actors.export_hf, path))[0]
+    async def export_hf(self, path: str, base_dir: str | None = None) -> str:
+        return (await self._all(self.actors.export_hf, path, base_dir))[0]
 
     async def save_checkpoint(self, root: str) -> str:
         return (await self._all(self.actors.save_checkpoint, root))[0]

@@ -43,21 +43,31 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- HF names ------------------------------------------------------------------------------
-def hf_state_dict(model: nn.Module, specs: ModelSpecs, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_state_dict(model: nn.Module, specs: ModelSpecs, dtype: torch.dtype | None = None,
+                  merge_lora: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full unsharded tensor) for every weight of `model`, one parameter at a time.
 
     DTensors are gathered with `.full_tensor()` per entry (peak extra memory: one full
     parameter). Collective under FSDP/EP: call it on every rank and exhaust it everywhere.
+    A LoRA model yields its merged weights (W + alpha/r B A) under the base names, or with
+    `merge_lora=False` its base weights.
     """
+    from meshrl.trainer.lora import lora_modules, merged_weight
+
     adapter = specs.adapter_cls(specs.titan_config, None)
+    adapted = {f"{fqn}.weight": m for fqn, m in lora_modules(model).items()} if merge_lora else {}
     for name, tensor in model.state_dict().items():
+        if ".lora_a." in name or ".lora_b." in name:
+            continue  # folded into the base weight below
         full = _full(tensor.detach())
+        if name in adapted:
+            full = merged_weight(adapted[name], full)
         for hf_name, hf_tensor in adapter.to_hf({name: full}).items():
             yield hf_name, (hf_tensor if dtype is None else hf_tensor.to(dtype)).contiguous()
 
 
 def export_hf(model: nn.Module, specs: ModelSpecs, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-              source_config: str | os.PathLike | None = None) -> str:
+              source_config: str | os.PathLike | None = None, merge_lora: bool = True) -> str:
     """Write `out_dir` (config.json + model.safetensors) from the current weights; returns the path.
 
     Collective under FSDP: call on every rank; rank 0 writes. The directory appears
@@ -66,7 +76,7 @@ def export_hf(model: nn.Module, specs: ModelSpecs, out_dir: str | os.PathLike, d
     """
     from safetensors.torch import save_file
 
-    tensors = {name: t.cpu() for name, t in hf_state_dict(model, specs, dtype)}
+    tensors = {name: t.cpu() for name, t in hf_state_dict(model, specs, dtype, merge_lora)}
     out_dir = os.path.abspath(out_dir)
     if _rank() == 0:
         config = dict(specs.hf_config)
@@ -108,8 +118,9 @@ def load_hf(model: nn.Module, specs: ModelSpecs, path: str | os.PathLike) -> Non
     adapter = specs.adapter_cls(specs.titan_config, str(path))
     titan = adapter.from_hf(read_hf_tensors(path))
     own = model.state_dict()
-    # buffers (RoPE caches, MoE load-balancing biases) are not HF weights
-    missing = [name for name, _ in model.named_parameters() if name not in titan]
+    # buffers (RoPE caches, MoE load-balancing biases) are not HF weights; LoRA adapters
+    # keep their initialisation (B = 0: the loaded model is the checkpoint's)
+    missing = [name for name, _ in model.named_parameters() if name not in titan and ".lora_" not in name]
     if missing:
         raise KeyError(f"{path} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     with torch.no_grad():

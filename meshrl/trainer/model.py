@@ -128,19 +128,24 @@ def hf_config_dict(cfg: ModelConfig, tie: bool = False, rope_theta: float | None
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0, hf_overrides: dict | None = None,
-                parallelism=None):
+                parallelism=None, lora=None):
     """Build and initialise a TorchTitan model for `cfg`; returns (module, ModelSpecs).
 
     The model is materialised and initialised on `device` with `seed` before any
     sharding, so every rank (and every world size) starts from identical weights.
     `hf_overrides` carries checkpoint-only settings (tie, rope_theta, norm_eps, head_dim).
     `parallelism` (a TorchTitan ParallelismConfig) sets the modules' sharding plans (EP/TP)
-    before they are built, as TorchTitan's own trainer does.
+    before they are built, as TorchTitan's own trainer does. `lora` (a LoRAConfig with
+    rank > 0): adapters on its targets, every other weight frozen (meshrl/trainer/lora.py).
     """
     if cfg.family not in _FAMILIES:
         raise ValueError(f"unknown model family {cfg.family!r}; choose one of {sorted(_FAMILIES)}")
     hf_overrides = hf_overrides or {}
     titan_config, adapter_cls, parallelize_fn = _FAMILIES[cfg.family](cfg, **hf_overrides)
+    if lora is not None and lora.rank > 0:
+        from meshrl.trainer import lora as adapters
+
+        titan_config = adapters.convert_config(titan_config, lora)
     titan_use_sdpa_attention(titan_config)
     if parallelism is not None:
         titan_config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
@@ -148,6 +153,8 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int 
     with torch.device(device):
         model = titan_config.build()
         model.init_weights(buffer_device=torch.device(device))
+    if lora is not None and lora.rank > 0:
+        adapters.add_dropout(model, lora.dropout)
     hf = hf_config_dict(cfg, **{k: v for k, v in hf_overrides.items() if k in ("tie", "rope_theta", "norm_eps")}) \
         if cfg.family != "deepseek_v3" else {}
     return model, ModelSpecs(cfg.family, titan_config, adapter_cls, parallelize_fn, hf)
