@@ -90,6 +90,8 @@ class LossConfig:
     """Weight of the entropy bonus. 0 disables it."""
     sampling_mask: bool = True
     """Score each trained token under the distribution the sampler drew it from: with generator.top_k / top_p, the logits at generator.temperature truncated by vLLM's rule and renormalised, as the sampler's processed log-probs are. IS ratios then compare like with like, and the policy trained is the one that samples. No effect at top_p=1, top_k=-1. Off: the full-vocabulary log-prob (the truncation shows up as off-policy mismatch)."""
+    routing_replay: bool = True
+    """MoE only: the trainer's routers send each token to the experts the sampler chose (ids from generator.return_routed_experts), with gate weights from the trainer's live router scores, so gradients still reach the router. Tokens without sampler data (prompt, padding) route live. No effect without routed_experts in the batch."""
 
 
 @dataclass

@@ -351,3 +351,24 @@ def build_digit_teacher(path: str | os.PathLike, seed: int = 0) -> str:
         model.lm_head.weight[digits, 0] = 0.6  # about 80% of each next token's mass on the digits
     model.save_pretrained(str(path))
     return str(path)
+
+
+def build_lora_base(path: str | os.PathLike, seed: int = 0, head_scale: float = 8.0) -> str:
+    """A LoRA base for the default model's shapes and the character tokenizer: the
+    from-scratch policy with its lm_head scaled by `head_scale`. A LoRA leaves the head and the final
+    norm frozen, and the from-scratch head (std 0.02) caps every token's probability near
+    uniform: at most 0.113 of the mass can go to the 10 digits whatever the hidden state.
+    A pretrained base has a sharp head; this one stands in for it."""
+    import torch
+
+    from meshrl.config import ModelConfig
+    from meshrl.tokenizer import build_char_tokenizer
+    from meshrl.trainer import checkpoint as ckpt
+    from meshrl.trainer.model import build_model
+
+    model, specs = build_model(ModelConfig(), seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    out = ckpt.export_hf(model, specs, path)
+    build_char_tokenizer(out)
+    return out

@@ -62,6 +62,11 @@ def test_overrides_dict_and_code_agree():
         ({"scoring": {"reward_fn": "not_an_import_path"}}, "scoring.reward_fn", "import path 'module:name'"),
         ({"scoring": {"reward_fn": "no_such_module_xyz:score"}}, "scoring.reward_fn", "cannot import module 'no_such_module_xyz'"),
         ({"scoring": {"reward_fn": "meshrl.tasks:no_such_reward"}}, "scoring.reward_fn", "has no 'no_such_reward'"),
+        ({"lora": {"rank": 8, "targets": ["qkv"]}}, "lora.targets", "unknown ['qkv']"),
+        ({"lora": {"rank": 8, "targets": ["k_proj"]}}, "lora.targets", "go together"),
+        ({"lora": {"rank": -1}}, "lora.rank", "[0, 512]"),
+        ({"lora": {"rank": 8, "dropout": 1.0}}, "lora.dropout", "[0, 1)"),
+        ({"lora": {"rank": 8}, "model": {"family": "deepseek_v3"}}, "lora.targets", "deepseek_v3"),
         # fields the episode redesign removed
         ({"scoring": {"replicas": 2}}, "scoring.replicas", "unknown field"),
         ({"buffer": {"when_full": "block"}}, "buffer.when_full", "unknown field"),

@@ -247,7 +247,8 @@ class VLLMEngine:
         log-probs (one prefill); the last is scored at the request's one sampling step
         (`logprob_token_ids`). So a sequence of max_model_len tokens fits, as a generated
         episode can be that long, where a prompt of all of them would be refused (vLLM
-        must leave room for one new token)."""
+        must leave room for one new token). Base weights only: scoring engines (teachers) run
+        no adapter, and vLLM's CPU LoRA kernels fail on prompt log-prob rows."""
         from vllm.inputs import TokensPrompt
 
         if len(token_ids) < 2:

@@ -35,6 +35,7 @@ from meshrl.trainer import lora
 from meshrl.trainer.logprobs import token_logprobs
 from meshrl.trainer.losses import policy_loss, reduce_metrics
 from meshrl.trainer.model import MOE_FAMILIES, build_model, model_args_from_hf
+from meshrl.trainer.routing import input_positions
 from meshrl.trainer.parallelize import compile_config, compile_unsharded, compute_dtype, parallelism_config, parallelize
 
 
@@ -107,13 +108,18 @@ class PolicyTrainer:
         self._base_exported: str | None = None  # LoRA: where the base weights were exported
 
     # ---- scoring ------------------------------------------------------------------------
-    def _logprobs(self, model, packed: TensorDict, with_entropy: bool = False, score_mask=None, misses: list | None = None):
+    def _logprobs(self, model, packed: TensorDict, with_entropy: bool = False, score_mask=None, misses: list | None = None,
+                  replay: bool = True):
         tokens = packed["tokens"].to(self.device)
         mask = (packed["loss_mask"] if score_mask is None else score_mask).to(self.device)
         g = self.config.generator
         top_k, top_p = (g.top_k, g.top_p) if self.config.trainer.loss.sampling_mask else (-1, 1.0)
+        routed = None  # MoE routing replay: the policy's routers take the sampler's expert choices
+        if replay and self.config.trainer.loss.routing_replay and "routed_experts" in packed.keys():
+            routed = input_positions(packed["routed_experts"]).to(self.device)
         with self.autocast():
-            return token_logprobs(model, tokens, mask, g.temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p, misses=misses)
+            return token_logprobs(model, tokens, mask, g.temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p,
+                                  misses=misses, routed_experts=routed)
 
     def autocast(self):
         """Autocast to `trainer.compute_dtype` where FSDP2's param dtype does not already
@@ -186,7 +192,7 @@ class PolicyTrainer:
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref, _ = self._logprobs(self.ref_model, packed)
+                    ref, _ = self._logprobs(self.ref_model, packed, replay=False)  # another model: its own routing
             # on-policy distillation (meshrl/distill.py): per-token advantages replace the [B] ones
             distill = "token_advantage" in packed.keys()
             # One optimizer step per batch: the weights before the update are the weights of

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from meshrl.trainer.routing import replay_routing
+
 
 def kept_set(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor | None:
     """[N, V] bool: the tokens vLLM's sampler keeps from `logits` (already at the temperature)
@@ -81,6 +83,7 @@ def token_logprobs(
     top_k: int = -1,
     top_p: float = 1.0,
     misses: list | None = None,
+    routed_experts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of `tokens[b, t]` given `tokens[b, :t]` at `temperature`, truncated to
     the sampler's kept set by `top_k` / `top_p` (see the module docstring), where `score_mask`.
@@ -88,11 +91,15 @@ def token_logprobs(
     Returns (logprobs, entropy or None), both [B, T] float32 and 0 outside `score_mask`
     (position 0 is never scored: nothing predicts it). Differentiable when grad is enabled.
     `misses`, a list, gets the count of scored tokens outside their kept set appended.
+    `routed_experts` [B, T, L, K] (by input position, -1 = none): MoE routing replay for the
+    decoder forward (meshrl/trainer/routing.py); None routes live.
     """
     B, T = tokens.shape
     mask = score_mask.clone()
     mask[:, 0] = False
-    h = hidden_states(model, tokens)
+    # MoE routing replay covers the decoder only: the LM head (recomputed in backward) has no router.
+    with replay_routing(model, routed_experts):
+        h = hidden_states(model, tokens)
     h_sel = h[:, :-1][mask[:, 1:]]  # [N, D]: hidden state at t-1 for each scored token t
     targets = tokens[mask]
     lm_head = model.lm_head

@@ -81,24 +81,70 @@ def _llama3_config(cfg: ModelConfig, rope_theta: float = 500000.0, **_):
     ), l.Llama3StateDictAdapter, l.parallelize_llama
 
 
-def _deepseek_v3_config(cfg: ModelConfig, **_):
+# DeepSeek-V3 settings that ModelConfig's sizes do not name, under their HF config.json keys.
+# `_dsv3_settings` fills them for a from-scratch model; a HF checkpoint brings its own
+# (model_args_from_hf passes the ones that differ as build_model overrides).
+DSV3_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace",
+             "intermediate_size", "n_shared_experts", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")
+
+
+def _dsv3_settings(cfg: ModelConfig, **overrides) -> dict:
+    head = cfg.dim // cfg.n_heads
+    settings = dict(
+        # No query compression: a tiny model gains nothing from it; both TorchTitan (0) and HF (None) support it.
+        q_lora_rank=None,
+        # DeepSeek-V3's latent sizes whatever the model's width: vLLM serves deepseek_v3 through
+        # its MLA backends, and the CPU one (like FlashMLA) caches only a 512 + 64 = 576 latent.
+        kv_lora_rank=512, qk_rope_head_dim=64,
+        # the per-head sizes that ModelConfig names; MLA's kv_b_proj expands the latent to them
+        qk_nope_head_dim=head, v_head_dim=head,
+        # The first layer dense, the rest MoE (DeepSeek-V3's layout), as long as one MoE layer remains.
+        first_k_dense_replace=min(1, cfg.n_layers - 1), intermediate_size=cfg.ffn_dim, n_shared_experts=1,
+        # HF's router always runs group-limited top-k; one group of all experts makes that a plain top-k.
+        n_group=1, topk_group=1,
+        # DeepSeek-V3's noaux_tc routing: sigmoid scores, top-k weights renormalised; a scale of 1
+        # keeps a from-scratch model's routed output at the size of one expert's.
+        norm_topk_prob=True, routed_scaling_factor=1.0,
+    )
+    unknown = set(overrides) - set(settings)
+    if unknown:
+        raise ValueError(f"unknown deepseek_v3 settings {sorted(unknown)}; known: {sorted(settings)}")
+    settings.update(overrides)
+    return settings
+
+
+def _deepseek_v3_config(cfg: ModelConfig, rope_theta: float = 10000.0, norm_eps: float = 1e-6, **overrides):
     import torchtitan.models.deepseek_v3 as d
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear
 
-    head = cfg.dim // cfg.n_heads
-    rope_dim = max(2, head // 2)
+    s = _dsv3_settings(cfg, **overrides)
+    groups = s["n_group"] if s["n_group"] and s["n_group"] > 1 else None  # one group: no group-limited step
     layers = d._build_dsv3_layers(
-        n_layers=cfg.n_layers, n_dense_layers=min(1, cfg.n_layers - 1), dim=cfg.dim, n_heads=cfg.n_heads,
-        q_lora_rank=0, kv_lora_rank=cfg.dim, qk_nope_head_dim=head, qk_rope_head_dim=rope_dim, v_head_dim=head,
-        mscale=1.0, dense_hidden_dim=cfg.ffn_dim, moe_hidden_dim=cfg.ffn_dim, num_experts=cfg.num_experts,
-        num_shared_experts=1, router_top_k=cfg.experts_top_k, router_score_func="softmax",
+        n_layers=cfg.n_layers, n_dense_layers=s["first_k_dense_replace"], dim=cfg.dim, n_heads=cfg.n_heads,
+        q_lora_rank=s["q_lora_rank"] or 0, kv_lora_rank=s["kv_lora_rank"], qk_nope_head_dim=s["qk_nope_head_dim"],
+        qk_rope_head_dim=s["qk_rope_head_dim"], v_head_dim=s["v_head_dim"],
+        mscale=1.0, dense_hidden_dim=s["intermediate_size"], moe_hidden_dim=cfg.ffn_dim, num_experts=cfg.num_experts,
+        num_shared_experts=s["n_shared_experts"], router_top_k=cfg.experts_top_k,
+        # HF's DeepseekV3TopkRouter always scores with a sigmoid and adds e_score_correction_bias
+        # for the choice only; TorchTitan's router does the same with the MoE's expert_bias_E
+        # buffer (kept by the default load_balance_coeff), which the state-dict adapter maps to
+        # e_score_correction_bias in both directions.
+        router_score_func="sigmoid", router_route_norm=s["norm_topk_prob"], router_route_scale=s["routed_scaling_factor"],
+        router_num_expert_groups=groups, router_num_limited_groups=s["topk_group"] if groups else None,
         attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
-        rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=cfg.max_seq_len, theta=10000.0),
+        # ComplexRoPE rotates adjacent pairs: HF's `rope_interleave: true` layout. No YaRN scaling:
+        # a from-scratch model has no pretraining length to extend.
+        rope=ComplexRoPE.Config(dim=s["qk_rope_head_dim"], max_seq_len=cfg.max_seq_len, theta=rope_theta),
     )
+    for layer in layers:
+        # TorchTitan's RMSNorm defaults to eps 1e-5; HF uses rms_norm_eps for the block norms
+        # but its MLA latent norms (q_a_layernorm, kv_a_layernorm) keep DeepseekV3RMSNorm's 1e-6.
+        layer.attention_norm.eps = layer.ffn_norm.eps = norm_eps
+        layer.attention.kv_norm.eps = layer.attention.q_norm.eps = 1e-6
     return d.DeepSeekV3Model.Config(
         vocab_size=cfg.vocab_size, dim=cfg.dim,
         tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.dim, param_init=d._EMBEDDING_INIT),
-        norm=d.RMSNorm.Config(normalized_shape=cfg.dim, param_init=d._NORM_INIT),
+        norm=d.RMSNorm.Config(normalized_shape=cfg.dim, eps=norm_eps, param_init=d._NORM_INIT),
         lm_head=Linear.Config(in_features=cfg.dim, out_features=cfg.vocab_size, param_init=d._output_linear_init(cfg.dim)),
         layers=layers, mtp_layers=[],
     ), d.DeepSeekV3StateDictAdapter, d.parallelize_deepseekv3
@@ -107,8 +153,12 @@ def _deepseek_v3_config(cfg: ModelConfig, **_):
 _FAMILIES = {"qwen3": _qwen3_config, "qwen3_moe": _qwen3_config, "llama3": _llama3_config, "deepseek_v3": _deepseek_v3_config}
 
 
-def hf_config_dict(cfg: ModelConfig, tie: bool = False, rope_theta: float | None = None, norm_eps: float = 1e-6) -> dict:
-    """The HF config.json matching a from-scratch TorchTitan model of these sizes."""
+def hf_config_dict(cfg: ModelConfig, tie: bool = False, rope_theta: float | None = None, norm_eps: float = 1e-6,
+                   **dsv3) -> dict:
+    """The HF config.json matching a from-scratch TorchTitan model of these sizes.
+
+    `dsv3`: deepseek_v3 settings (DSV3_KEYS) that differ from the from-scratch ones.
+    """
     base = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
                 num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
                 max_position_embeddings=cfg.max_seq_len, rms_norm_eps=norm_eps, tie_word_embeddings=tie,
@@ -124,6 +174,19 @@ def hf_config_dict(cfg: ModelConfig, tie: bool = False, rope_theta: float | None
     if cfg.family == "llama3":
         return dict(base, architectures=["LlamaForCausalLM"], model_type="llama", intermediate_size=cfg.ffn_dim,
                     rope_theta=rope_theta or 500000.0, hidden_act="silu", rms_norm_eps=1e-5)
+    if cfg.family == "deepseek_v3":
+        if tie:
+            raise ValueError("deepseek_v3 is built with untied embeddings")
+        theta = rope_theta or 10000.0
+        # MLA gives every head its own key and value: HF repeats kv heads by
+        # num_attention_heads / num_key_value_heads, so they must be equal (n_kv_heads is unused).
+        return dict(base, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_key_value_heads=cfg.n_heads,
+                    moe_intermediate_size=cfg.ffn_dim, n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_top_k,
+                    **_dsv3_settings(cfg, **dsv3), topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1,
+                    # the rotary pairs are adjacent dims, as TorchTitan's ComplexRoPE rotates them
+                    rope_interleave=True, rope_theta=theta, rope_parameters={"rope_type": "default", "rope_theta": theta},
+                    # no multi-token-prediction layers are built or exported
+                    num_nextn_predict_layers=0, hidden_act="silu", attention_dropout=0.0)
     raise NotImplementedError(f"HF export of {cfg.family!r} is not supported yet")
 
 
@@ -155,8 +218,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int 
         model.init_weights(buffer_device=torch.device(device))
     if lora is not None and lora.rank > 0:
         adapters.add_dropout(model, lora.dropout)
-    hf = hf_config_dict(cfg, **{k: v for k, v in hf_overrides.items() if k in ("tie", "rope_theta", "norm_eps")}) \
-        if cfg.family != "deepseek_v3" else {}
+    hf = hf_config_dict(cfg, **{k: v for k, v in hf_overrides.items() if k in ("tie", "rope_theta", "norm_eps") + DSV3_KEYS})
     return model, ModelSpecs(cfg.family, titan_config, adapter_cls, parallelize_fn, hf)
 
 
@@ -184,4 +246,39 @@ def model_args_from_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
         overrides["norm_eps"] = float(hf.get("rms_norm_eps", 1e-6))
         if hf.get("head_dim") and hf["head_dim"] != cfg.dim // cfg.n_heads:
             overrides["head_dim"] = hf["head_dim"]
+    if family == "deepseek_v3":
+        overrides.update(_dsv3_overrides_from_hf(path, hf, cfg))
     return cfg, overrides
+
+
+def _dsv3_overrides_from_hf(path, hf: dict, cfg: ModelConfig) -> dict:
+    """The build_model overrides for a deepseek_v3 config.json: the settings that differ from a from-scratch model's."""
+    from transformers import DeepseekV3Config
+
+    # Read through transformers' own config class: keys a config.json leaves out take the
+    # defaults transformers (and so the checkpoint's authors) would use, and rope settings
+    # are normalised into rope_parameters whichever spelling the file uses. Unsupported
+    # settings raise ValueError, which config validation reports against model.path.
+    try:
+        c = DeepseekV3Config.from_dict(hf)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: not a valid deepseek_v3 config.json ({e})") from None
+    rope = c.rope_parameters or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"{path}: deepseek_v3 rope_type {rope.get('rope_type')!r} is not mapped onto TorchTitan yet; "
+                         "only the default (unscaled) rotary embedding is")
+    if not c.rope_interleave:
+        raise ValueError(f"{path}: deepseek_v3 with rope_interleave false is not mapped: TorchTitan rotates adjacent pairs")
+    if c.tie_word_embeddings:
+        raise ValueError(f"{path}: deepseek_v3 with tied embeddings is not mapped")
+    if c.num_key_value_heads != c.num_attention_heads:
+        raise ValueError(f"{path}: deepseek_v3 with num_key_value_heads != num_attention_heads is not MLA")
+    if c.hidden_act != "silu":
+        raise ValueError(f"{path}: deepseek_v3 hidden_act {c.hidden_act!r}: TorchTitan's experts use silu")
+    read = {key: getattr(c, key) for key in DSV3_KEYS}
+    read["n_group"], read["topk_group"] = read["n_group"] or 1, read["topk_group"] or 1
+    defaults = _dsv3_settings(cfg)
+    overrides: dict[str, Any] = {k: v for k, v in read.items() if v != defaults[k]}
+    overrides["rope_theta"] = float(rope.get("rope_theta", 10000.0))
+    overrides["norm_eps"] = float(c.rms_norm_eps)
+    return overrides
