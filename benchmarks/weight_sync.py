@@ -9,6 +9,9 @@ destination buffer that is reused, as a subscriber's are. Both are reported as m
 
 Prints a table and writes JSON (--out). `tiny` (about 0.1M parameters) gives the fixed
 per-version overhead. Models are random tensors with the shapes of a Qwen3-like dense model.
+With `--lora-rank R`, each size also gets a row for LoRA's adapter-only sync (rank R on the
+seven projections of every layer, PEFT names), timed in the same run right after the full
+model, with `adapter_over_full_time` (its sync time over the full model's).
 """
 
 from __future__ import annotations
@@ -55,6 +58,16 @@ def model_shapes(size: str) -> list[tuple[str, tuple[int, ...]]]:
     return shapes + [("model.norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))]
 
 
+def adapter_shapes(size: str, rank: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A rank-`rank` LoRA adapter on every projection of `size`, as meshrl syncs it (PEFT names)."""
+    out = []
+    for name, shape in model_shapes(size):
+        if name.endswith("_proj.weight"):
+            module = "base_model.model." + name.removesuffix(".weight")
+            out += [(module + ".lora_A.weight", (rank, shape[1])), (module + ".lora_B.weight", (shape[0], rank))]
+    return out
+
+
 class BenchTrainer(Actor):
     def __init__(self, cfg: dict):
         self.publisher = Publisher(WeightSyncConfig(**cfg))
@@ -65,9 +78,10 @@ class BenchTrainer(Actor):
         return self.publisher.handle
 
     @endpoint
-    def build(self, size: str, dtype: str) -> dict:
+    def build(self, size: str, dtype: str, lora_rank: int = 0) -> dict:
         self.params = []  # free the previous model first
-        self.params = [(n, torch.empty(s, dtype=getattr(torch, dtype)).normal_()) for n, s in model_shapes(size)]
+        shapes = adapter_shapes(size, lora_rank) if lora_rank else model_shapes(size)
+        self.params = [(n, torch.empty(s, dtype=getattr(torch, dtype)).normal_()) for n, s in shapes]
         return {"params": sum(t.numel() for _, t in self.params), "bytes": sum(t.numel() * t.element_size() for _, t in self.params)}
 
     @endpoint
@@ -189,8 +203,9 @@ async def bench_transport(transport: str, sizes: list[str], args) -> list[dict]:
             spec = ws.spec()
             await asyncio.gather(trainer.raw_group.call_one(spec), *[g.raw_group.call_one(spec, r + 1) for r, g in enumerate(subs_actors(gens, args.subscribers))])
         version = 0
-        for size in sizes:
-            info = await trainer.build.call_one(size, args.dtype)
+        runs = [(size, rank) for size in sizes for rank in ([0, args.lora_rank] if args.lora_rank else [0])]
+        for size, rank in runs:
+            info = await trainer.build.call_one(size, args.dtype, rank)
             times, copies, raws = [], [], []
             for i in range(args.versions + 2):  # two warm-up versions: both staging slots allocated, registered
                 version += 1
@@ -205,13 +220,16 @@ async def bench_transport(transport: str, sizes: list[str], args) -> list[dict]:
             raw = statistics.median(raws)
             sync_s = statistics.median(times)
             row = {
-                "transport": transport, "size": size, "params": info["params"], "bytes": info["bytes"],
+                "transport": transport, "size": f"{size}+lora{rank}" if rank else size, "params": info["params"], "bytes": info["bytes"],
                 "sync_s": sync_s, "sync_min_s": min(times), "sync_times_s": times, "publish_copy_s": statistics.median(copies),
                 "raw_s": raw, "raw_min_s": min(raws), "raw_times_s": raws, "sync_GBps": info["bytes"] * args.subscribers / sync_s / 1e9,
                 "raw_GBps": info["bytes"] * args.subscribers / raw / 1e9, "fraction_of_raw": raw / sync_s,
             }
+            if rank:  # the full model of this size was timed just before, in this run
+                full = next(r for r in reversed(rows) if r["size"] == size)
+                row.update(adapter_over_full_time=sync_s / full["sync_s"], adapter_over_full_bytes=info["bytes"] / full["bytes"])
             rows.append(row)
-            print(f"{transport:10s} {size:>5s} {info['params'] / 1e6:8.1f}M {info['bytes'] / 2**20:9.1f} MiB "
+            print(f"{transport:10s} {row['size']:>5s} {info['params'] / 1e6:8.1f}M {info['bytes'] / 2**20:9.1f} MiB "
                   f"sync {sync_s * 1e3:8.1f} ms  copy {row['publish_copy_s'] * 1e3:7.1f} ms  raw {raw * 1e3:8.1f} ms  "
                   f"fraction {row['fraction_of_raw']:5.2f}", flush=True)
     finally:
@@ -232,6 +250,7 @@ async def main() -> None:
     ap.add_argument("--subscribers", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--lora-rank", type=int, default=0, help="also time each size's rank-R LoRA adapter (0: off)")
     ap.add_argument("--versions", type=int, default=3, help="timed versions per size (after two warm-ups)")
     ap.add_argument("--out", default="benchmarks/results/weight_sync.json")
     args = ap.parse_args()
