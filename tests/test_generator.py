@@ -290,6 +290,7 @@ class FakeEngine:
         self.version = 0
         self.tokens_generated = 0
         self.tokens_scored = 0
+        self.adapter_config = None  # no LoRA adapter: updates load full weights
 
     async def start(self, version: int = 0) -> float:
         self.version = version
