@@ -21,9 +21,9 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshrl.config import LoRAConfig
+from meshrl.trainer.checkpoint import _full
 
 TITAN_NAMES = {"q_proj": "wq", "k_proj": "wkv", "v_proj": "wkv", "o_proj": "wo",
                "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -54,10 +54,6 @@ def add_dropout(model: nn.Module, p: float) -> None:
         return
     for module in lora_modules(model).values():
         module.lora_a.register_forward_pre_hook(lambda m, args: (F.dropout(args[0], p, m.training),) + args[1:])
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def hf_module_names(model: nn.Module, adapter) -> dict[str, str]:
