@@ -146,6 +146,43 @@ def vllm_cpu_defaults(startup_timeout_s: float | None = None) -> None:
         os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(int(max(1, startup_timeout_s))))
 
 
+def vllm_runs_lora_on(moe: bool) -> bool:
+    """Whether the generators can run the policy's LoRA adapter (adapter-only weight sync).
+
+    vLLM's CPU backend runs every MoE layer of a LoRA-enabled engine through its Triton MoE
+    kernel, even with adapters on attention alone; the CPU build has no Triton backend and
+    the engine dies at its first step. There, a MoE policy's LoRA is synced merged into its
+    full weights (as without LoRA), and the generators run no adapter.
+    """
+    return not moe or torch.cuda.is_available()
+
+
+def vllm_cpu_moe_prepack_after_reload(model: torch.nn.Module, loaded: set[str]) -> int:
+    """Re-run the CPU MoE prepack on the expert layers an in-place reload just wrote.
+
+    vLLM's CPU MoE kernel keeps its expert weights prepacked (`process_weights_after_loading`
+    of its CPU experts). An in-place reload (`reload_weights`) treats a second load as a
+    weight update and skips that step (unquantized_fused_moe_method._setup_kernel), so the
+    checkpoint-layout values land in the prepacked storage and the experts compute garbage
+    (reloading a model's own expert weights moved its log-probs by 0.05). Only the layers
+    whose weights were in `loaded` (HF names) were reloaded; the others still hold packed
+    weights and must not be packed twice. Returns the layers repacked.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    repacked = 0
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or not hasattr(module, "w13_weight"):
+            continue
+        prefix = name[: name.index(".experts") + len(".experts")] if ".experts" in name else name
+        if any(w.startswith(prefix + ".") for w in loaded):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
 def vllm_cpu_single_worker_executor(tensor_parallel_size: int):
     """The in-process worker executor for a one-worker CPU engine; None where vLLM's own
     choice stands (a GPU, or several CPU workers).

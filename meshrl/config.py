@@ -155,7 +155,7 @@ class GeneratorConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory a vLLM engine may take (GPU only)."""
     return_routed_experts: bool = False
-    """Return MoE routed-expert ids per token and layer, for routing replay."""
+    """MoE only: return the expert ids each sampled token was routed to, per layer, for routing replay (trainer.loss.routing_replay). On GPU vLLM returns them (model runner V2); on CPU meshrl's worker extension records them from vLLM's router hook (meshrl/generator/routing_capture.py)."""
     startup_timeout_s: float = 300.0
     """Seconds an engine may take to start before the run fails."""
     cpus: str = "auto"
@@ -897,23 +897,21 @@ def preflight(c: Config) -> None:
         raise ConfigError("logging.run_dir", f"cannot write to {run_dir!r} ({e.strerror or type(e).__name__}): choose a writable directory") from None
     if c.launcher.kind == "workers" and c.launcher.address not in _local_addresses():
         raise ConfigError("launcher.address", f"{c.launcher.address!r} is not an address of this machine: give one of {', '.join(sorted(_local_addresses()))}")
-    if c.generator.return_routed_experts:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("generator.return_routed_experts", "vLLM returns routed experts only with its model runner V2, "
-                              "which needs Triton on a GPU: set it false on this CPU machine")
     m = c.model
     if m.path is not None:
         from meshrl.trainer.model import model_args_from_hf
 
         try:
-            model_args_from_hf(m.path)
+            family = model_args_from_hf(m.path)[0].family
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError("model.path", f"{m.path!r} does not load as a checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
                               "point it at a Hugging Face checkpoint directory of a qwen3, qwen3_moe, llama or deepseek_v3 model") from None
         if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(m.path)):
             raise ConfigError("model.path", f"{m.path!r} has a config.json but no weight files (*.safetensors): point it at a complete checkpoint directory")
+    else:
+        family = m.family
+    if c.generator.return_routed_experts and family not in ("qwen3_moe", "deepseek_v3"):
+        raise ConfigError("generator.return_routed_experts", f"routed experts exist only in MoE models, and the policy is {family}: set it false")
     tokenizer_dir, field_path = (m.tokenizer, "model.tokenizer") if m.tokenizer else (m.path, "model.path")
     if tokenizer_dir is not None:
         from meshrl.tokenizer import load_tokenizer

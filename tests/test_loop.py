@@ -405,3 +405,22 @@ def test_lora_run_on_fsdp2_trains_the_adapter_alone_and_reward_rises(tmp_path):
     assert (final / "adapter" / "adapter_model.safetensors").is_file() and (final / "model.safetensors").is_file()
     print("LoRA reward", [round(x, 3) for x in reward])
     assert not wait_no_children()
+
+
+def test_lora_on_moe_under_ep_replays_the_samplers_routing(tmp_path):
+    """LoRA on qwen3_moe, trainer on 2 ranks with expert parallelism, synchronous: the
+    generator records each sampled token's experts (on CPU through meshrl's capture), the
+    trainer replays them, and step 2 trains on tokens sampled after the first weight sync.
+    Its train/inference mismatch stays at step 1's: the synced weights are the trainer's
+    (on CPU a MoE LoRA is synced merged, and the experts reloaded through vLLM's prepack)."""
+    cfg = tiny(tmp_path / "run", steps=2, model={"family": "qwen3_moe", "num_experts": 8},
+               lora={"rank": 8, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+               generator={"return_routed_experts": True, "update_mode": "block"}, buffer={"depth": 0},
+               trainer={"checkpoint_every": 0, "procs": 2, "ep": 2, "lr": 0.02})
+    rows = [r for r in meshrl.run(cfg).metrics if "trainer/reward_mean" in r]
+    assert len(rows) == 2 and all("trainer/routing_replay_changed_frac" in r for r in rows)
+    mismatch = [r["trainer/logprob_mismatch"] for r in rows]
+    assert max(mismatch) < 2e-3, mismatch  # TorchTitan's experts compute in bf16: about 1e-4
+    assert (tmp_path / "run" / "hf" / "final" / "adapter" / "adapter_model.safetensors").is_file()
+    print("MoE LoRA mismatch", mismatch, "replay changed", [r["trainer/routing_replay_changed_frac"] for r in rows])
+    assert not wait_no_children()

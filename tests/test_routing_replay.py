@@ -127,6 +127,19 @@ def test_replay_of_a_model_on_its_own_routing_changes_nothing():
     assert torch.allclose(plain, replayed, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3"])
+def test_replay_reports_where_it_overrode_the_live_routing(case):
+    cfg, a, b, tokens = _models(case)
+    routing_a, routing_b = _route(a, tokens), _route(b, tokens)
+    routing_a[0, :5] = -1  # no data: routes live, not counted
+    changed: list = []
+    with torch.no_grad(), replay_routing(b, routing_a, changed):
+        b(tokens)
+    assert len(changed) == 1 and changed[0].shape == (B, T)
+    assert torch.equal(changed[0], routing_differs(routing_b, routing_a))
+    assert changed[0].any() and not changed[0][0, :5].any()
+
+
 def test_shape_mismatch_and_no_data():
     cfg, a, _, tokens = _models("qwen3_moe")
     with pytest.raises(ValueError, match="layers"):
@@ -192,3 +205,53 @@ def test_the_trainer_replays_a_batchs_routed_experts():
             t.compute_logprobs(batch)
         same = (rec.experts == chosen).all(-1).all(-1)[positions.bool() & (batch["versions"] != PAD_VERSION)]
         assert same.all() if replays else not same.all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vllm_routed_experts_are_the_trainers_and_replay_makes_them_equal(tmp_path):
+    """A real vLLM engine (on CPU through meshrl/generator/routing_capture.py) returns, for
+    every sampled token, the experts each MoE layer chose in the forward that produced it. On
+    the same float32 weights the trainer's live routers choose the same experts for (nearly)
+    every token: a row filed under the wrong request or position would agree only by chance.
+    Replaying the sampler's rows makes the trainer's routing equal them everywhere."""
+    from monarch.actor import this_host
+
+    from meshrl.config import Config
+    from meshrl.tokenizer import build_char_tokenizer
+    from meshrl.trainer import checkpoint as ckpt
+    from tests.test_generator import prompts, spawn_generator
+
+    cfg = ModelConfig(family="qwen3_moe", n_layers=3, num_experts=8, experts_top_k=2, dim=64, n_heads=2, n_kv_heads=1)
+    model, specs = build_model(cfg, seed=0)
+    with torch.no_grad():  # decisive routers and a peaked head: routing well off its top-k edges
+        for _, router in moe_routers(model):
+            router.gate.weight.mul_(20.0)
+        model.lm_head.weight.mul_(8.0)
+    path = ckpt.export_hf(model, specs, tmp_path / "moe")
+    build_char_tokenizer(path)
+    model.eval()
+
+    asked = prompts(8, seed=3, length=6)
+    config = Config.from_dict({"model": {"path": path},
+                               "generator": {"return_routed_experts": True, "max_new_tokens": 24, "temperature": 1.0, "max_num_seqs": 8}})
+    gen, _ = spawn_generator(this_host().spawn_procs(per_host={"procs": 1}), "moe", config, path)
+    try:
+        outs = gen.generate_many.call_one([(p, 24, None, 0) for p in asked]).get(timeout=120)
+    finally:
+        gen.shutdown_engine.call_one().get(timeout=60)
+
+    differ = total = 0
+    for prompt, out in zip(asked, outs):
+        assert not isinstance(out, str), out
+        n = len(out.token_ids)
+        assert out.routed_experts is not None and tuple(out.routed_experts.shape) == (n, cfg.n_layers, cfg.experts_top_k)
+        tokens = torch.tensor([prompt + out.token_ids])
+        rows = slice(len(prompt) - 1, len(prompt) - 1 + n)  # the forwards that produced the sampled tokens
+        sampler = torch.full((1, tokens.shape[1], cfg.n_layers, cfg.experts_top_k), -1, dtype=torch.int32)
+        sampler[0, rows] = out.routed_experts.sort(-1).values.to(torch.int32)
+        live, replayed = _route(model, tokens)[:, rows], _route(model, tokens, replay=sampler)[:, rows]
+        differ += routing_differs(live, sampler[:, rows]).sum().item()
+        assert torch.equal(replayed, sampler[:, rows])
+        total += n
+    assert total > 8 * 10 and differ <= 0.02 * total, (differ, total)

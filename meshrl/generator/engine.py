@@ -106,6 +106,11 @@ class VLLMEngine:
         """Tokens scored by `score` so far."""
         self.logit_temperature = 1.0
         """The model's logits are divided by this (`set_logit_temperature`)."""
+        self.capture_routing = gen.return_routed_experts and not torch.cuda.is_available()
+        """Routed experts come from meshrl's capture on the worker (routing_capture.py: vLLM's
+        V1 runner, the CPU one, returns none) instead of vLLM's own (runner V2, GPU)."""
+        self.routing_shape: tuple[int, int] | None = None
+        """[layers, top-k] of one token's captured routing (set by `start`)."""
 
     # ---- lifecycle ------------------------------------------------------------------------
     def engine_args(self):
@@ -124,7 +129,7 @@ class VLLMEngine:
             max_model_len=self.max_model_len,
             gpu_memory_utilization=self.gen.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
-            enable_return_routed_experts=self.gen.return_routed_experts,
+            enable_return_routed_experts=self.gen.return_routed_experts and not self.capture_routing,
             worker_extension_cls=WORKER_EXTENSION,
             seed=self.seed,
             # vLLM's own per-step stats (Prometheus, iteration logs) cost its front-end, which
@@ -169,6 +174,8 @@ class VLLMEngine:
         if elapsed > self.gen.startup_timeout_s:
             self.shutdown()
             raise TimeoutError(f"vLLM engine took {elapsed:.0f}s to start (generator.startup_timeout_s={self.gen.startup_timeout_s})")
+        if self.capture_routing:
+            self.routing_shape = tuple((await self.llm.collective_rpc("meshrl_capture_routing"))[0])
         await self.set_version(version)
         return elapsed
 
@@ -214,9 +221,20 @@ class VLLMEngine:
                 if c.routed_experts is not None:
                     experts = torch.as_tensor(c.routed_experts)
                     result.routed_experts = experts[-len(result.token_ids):] if result.token_ids else experts[:0]
+        if self.capture_routing:
+            result.routed_experts = await self.captured_routing(request_id, len(result.token_ids))
         if len(result.logprobs) != len(result.token_ids):
             raise RuntimeError(f"request {request_id}: {len(result.token_ids)} tokens but {len(result.logprobs)} logprobs")
         return result
+
+    async def captured_routing(self, request_id: str, n: int) -> torch.Tensor | None:
+        """[n, L, K] expert ids of a finished request's n sampled tokens, from the worker's capture."""
+        data = (await self.llm.collective_rpc("meshrl_routed_experts", args=([(request_id, n)],)))[0][0]
+        if data is None:
+            return None
+        if not n:
+            return torch.zeros(0, *self.routing_shape, dtype=torch.int16)
+        return torch.frombuffer(bytearray(data), dtype=torch.int16).view(n, *self.routing_shape)
 
     # ---- scoring --------------------------------------------------------------------------
     def scoring_params(self, last_token: int):

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import time
 import torch
 
+from meshrl.compat import vllm_runs_lora_on
 from meshrl.config import Config
 from meshrl.generator.engine import RequestResult, VLLMEngine
 
@@ -43,6 +45,13 @@ UPDATE_MODES = ("keep", "abort", "drain", "block")
 VERSION_WAIT_SLACK_S = 30.0
 """A request waits for its `min_version` at most weight_sync.timeout_s (one version's
 transfer) plus this (the trainer's step and the update itself)."""
+
+
+def runs_lora(checkpoint_dir: str) -> bool:
+    """Whether a LoRA policy's generator runs its adapter: see compat.vllm_runs_lora_on."""
+    with open(os.path.join(checkpoint_dir, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    return vllm_runs_lora_on(moe=model_type in ("qwen3_moe", "deepseek_v3"))
 
 
 class Generator:
@@ -61,7 +70,7 @@ class Generator:
             seed=config.seed + replica,
             # LoRA: the engine runs the base model with the policy's adapter, which the
             # trainer exports beside each checkpoint it hands the generators
-            adapter_dir=os.path.join(checkpoint_dir, "adapter") if config.lora.rank > 0 and not teacher else None,
+            adapter_dir=os.path.join(checkpoint_dir, "adapter") if config.lora.rank > 0 and not teacher and runs_lora(checkpoint_dir) else None,
         )
         self.replica = replica
         self.teacher = teacher

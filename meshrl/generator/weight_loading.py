@@ -132,6 +132,12 @@ class MeshrlWorkerExtension:
         # In-place reload: model.load_weights on checkpoint-format tensors, then the
         # backend's process_weights_after_loading (CPU repacking) on the touched layers.
         self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from meshrl.compat import vllm_cpu_moe_prepack_after_reload
+
+            vllm_cpu_moe_prepack_after_reload(self.model_runner.get_model(), set(weights))
         return len(weights)
 
     def meshrl_load_adapter(self, segments: list, peft_config: dict, adapter_id: int) -> int:
@@ -173,6 +179,25 @@ class MeshrlWorkerExtension:
         if not changed:
             raise RuntimeError("no LogitsProcessor in the model: cannot scale its logits")
         return changed
+
+    def meshrl_capture_routing(self) -> list[int]:
+        """Record every request's routed experts on this V1 worker (generator.routing_capture);
+        returns the [layers, top-k] shape of a token's row."""
+        from meshrl.generator.routing_capture import RoutingCapture
+
+        if getattr(self, "_meshrl_routing", None) is None:
+            self._meshrl_routing = RoutingCapture.install(self.model_runner)
+        return list(self._meshrl_routing.step.shape[1:])
+
+    def meshrl_routed_experts(self, requests: list[tuple[str, int]]) -> list[bytes | None]:
+        """For each (request id, sampled tokens n): its [n, layers, top-k] int16 expert ids as
+        bytes (tensors do not cross vLLM's RPC), or None if this worker saw no such request."""
+        capture = self._meshrl_routing
+        out = []
+        for request_id, n in requests:
+            rows = capture.take(request_id, n)
+            out.append(None if rows is None else rows.numpy().tobytes())
+        return out
 
     def meshrl_weights_checksum(self) -> float:
         """Sum of all parameters as float64 (tests: did the weights change?)."""

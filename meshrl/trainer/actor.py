@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from monarch.actor import Actor, endpoint, this_host
 
-from meshrl.compat import tcp_store_listening_on, titan_float32_islands_under_cpu_autocast
+from meshrl.compat import tcp_store_listening_on, titan_float32_islands_under_cpu_autocast, vllm_runs_lora_on
 from meshrl.launch import gloo_on_this_host, host_address
 from meshrl.config import Config
 from meshrl.logs import capture_role_output
@@ -109,7 +109,7 @@ class PolicyTrainer:
 
     # ---- scoring ------------------------------------------------------------------------
     def _logprobs(self, model, packed: TensorDict, with_entropy: bool = False, score_mask=None, misses: list | None = None,
-                  replay: bool = True):
+                  replay: bool = True, replay_changed: list | None = None):
         tokens = packed["tokens"].to(self.device)
         mask = (packed["loss_mask"] if score_mask is None else score_mask).to(self.device)
         g = self.config.generator
@@ -119,7 +119,7 @@ class PolicyTrainer:
             routed = input_positions(packed["routed_experts"]).to(self.device)
         with self.autocast():
             return token_logprobs(model, tokens, mask, g.temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p,
-                                  misses=misses, routed_experts=routed)
+                                  misses=misses, routed_experts=routed, replay_changed=replay_changed)
 
     def autocast(self):
         """Autocast to `trainer.compute_dtype` where FSDP2's param dtype does not already
@@ -188,7 +188,8 @@ class PolicyTrainer:
             packed = trim(batch[torch.tensor(idx or [0])]).to(self.device)
             want_entropy = lcfg.entropy_coef > 0
             misses: list = []
-            logprobs, entropy = self._logprobs(self.model, packed, with_entropy=want_entropy, misses=misses)
+            replay_changed: list = []
+            logprobs, entropy = self._logprobs(self.model, packed, with_entropy=want_entropy, misses=misses, replay_changed=replay_changed)
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
@@ -204,6 +205,10 @@ class PolicyTrainer:
             )
             if self.config.trainer.loss.sampling_mask and (self.config.generator.top_k > 0 or self.config.generator.top_p < 1):
                 m["sampling_mask_miss_sum"] = misses[0]  # sampled tokens outside the trainer's kept set
+            if replay_changed:  # trained tokens whose forward replay moved off the live routers' choice
+                at_token = torch.zeros_like(packed["loss_mask"])
+                at_token[:, 1:] = replay_changed[0][:, :-1]
+                m["routing_replay_changed_sum"] = (at_token & packed["loss_mask"]).sum().float()
             if distill:  # reduce_metrics: distill_reverse_kl, the token mean of log mu - log pi_teacher
                 gap = packed["sampler_logprobs"] - packed["teacher_logprobs"]
                 m["distill_reverse_kl_sum"] = torch.where(packed["loss_mask"], gap, 0.0).sum().detach()
@@ -263,10 +268,15 @@ class PolicyTrainer:
 
     def sync_state_dict(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """What weight sync publishes each version: the full HF-named weights, or with LoRA
-        the PEFT-named adapter alone (collective: iterate on every rank)."""
-        if self.config.lora.rank > 0:
-            return lora.adapter_state_dict(self.model, self.specs.adapter_cls(self.specs.titan_config, None), dtype)
+        the PEFT-named adapter alone where the generators run it (compat.vllm_runs_lora_on;
+        elsewhere the merged weights). Collective: iterate on every rank."""
+        if self.config.lora.rank > 0 and vllm_runs_lora_on(moe=self.model_config.family in MOE_FAMILIES):
+            return self.adapter_state_dict(dtype)
         return self.hf_state_dict(dtype)
+
+    def adapter_state_dict(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapter, PEFT-named (collective)."""
+        return lora.adapter_state_dict(self.model, self.specs.adapter_cls(self.specs.titan_config, None), dtype)
 
     def export_hf(self, path: str, dtype: torch.dtype | None = None, base_dir: str | None = None) -> str:
         """A HF checkpoint of the current policy at `path` (LoRA: merged), and with LoRA its
@@ -284,7 +294,7 @@ class PolicyTrainer:
                 if base != self._base_exported:  # the base never changes: once per place (every rank alike)
                     ckpt.export_hf(self.model, self.specs, base, dtype, merge_lora=False)
                     self._base_exported = base
-            tensors = dict(self.sync_state_dict(dtype))
+            tensors = dict(self.adapter_state_dict(dtype))
             if self.rank == 0:
                 lora.write_adapter(os.path.join(out, "adapter"), tensors, self.config.lora, base)
         return out

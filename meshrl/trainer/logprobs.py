@@ -84,6 +84,7 @@ def token_logprobs(
     top_p: float = 1.0,
     misses: list | None = None,
     routed_experts: torch.Tensor | None = None,
+    replay_changed: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of `tokens[b, t]` given `tokens[b, :t]` at `temperature`, truncated to
     the sampler's kept set by `top_k` / `top_p` (see the module docstring), where `score_mask`.
@@ -92,13 +93,14 @@ def token_logprobs(
     (position 0 is never scored: nothing predicts it). Differentiable when grad is enabled.
     `misses`, a list, gets the count of scored tokens outside their kept set appended.
     `routed_experts` [B, T, L, K] (by input position, -1 = none): MoE routing replay for the
-    decoder forward (meshrl/trainer/routing.py); None routes live.
+    decoder forward (meshrl/trainer/routing.py); None routes live. `replay_changed`, a list,
+    gets the [B, T] positions where replay overrode the live routing (`replay_routing`).
     """
     B, T = tokens.shape
     mask = score_mask.clone()
     mask[:, 0] = False
     # MoE routing replay covers the decoder only: the LM head (recomputed in backward) has no router.
-    with replay_routing(model, routed_experts):
+    with replay_routing(model, routed_experts, replay_changed):
         h = hidden_states(model, tokens)
     h_sel = h[:, :-1][mask[:, 1:]]  # [N, D]: hidden state at t-1 for each scored token t
     targets = tokens[mask]

@@ -40,6 +40,7 @@ from torch import nn
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _REPLAY = "_meshrl_replay_ids"  # [B, T, K] long, or None: this router's ids for the current forward
 _RECORD = "_meshrl_record"  # list collecting this router's chosen ids, or None
+_CHANGED = "_meshrl_changed"  # list collecting where replay overrode this router's own choice, or None
 
 
 def moe_routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -85,6 +86,10 @@ def _router_hook(router: nn.Module, args, output):
             raise ValueError(f"replayed routing {tuple(replay.shape)} does not match the router's top-k {tuple(topk_ids.shape)}")
         replay = replay.to(topk_ids.device)
         valid = ((replay >= 0) & (replay < router.num_experts)).all(dim=-1, keepdim=True)
+        changed = getattr(router, _CHANGED, None)
+        if changed is not None:
+            own = topk_ids.sort(dim=-1).values != replay.sort(dim=-1).values
+            changed.append((own.any(dim=-1) & valid.squeeze(-1)).detach())
         topk_ids = torch.where(valid, replay, topk_ids)
         # TokenChoiceTopKRouter.forward's steps after the top-k choice, on the chosen ids.
         topk_scores = scores.gather(dim=-1, index=topk_ids)
@@ -102,6 +107,7 @@ def _install(router: nn.Module) -> None:
         router._meshrl_routing_hook = True
         setattr(router, _REPLAY, None)
         setattr(router, _RECORD, None)
+        setattr(router, _CHANGED, None)
 
 
 def _layer_slot(index: int, ordinal: int, n_layers: int, n_moe: int, L: int) -> int:
@@ -113,13 +119,16 @@ def _layer_slot(index: int, ordinal: int, n_layers: int, n_moe: int, L: int) -> 
 
 
 @contextmanager
-def replay_routing(model: nn.Module, routed_experts: torch.Tensor | None) -> Iterator[None]:
+def replay_routing(model: nn.Module, routed_experts: torch.Tensor | None, changed: list | None = None) -> Iterator[None]:
     """Within the block, every MoE router of `model` routes token [b, t] in layer l to
     `routed_experts[b, t, l]` (see the module docstring for the layout and the -1 rule).
 
     `routed_experts`: [B, T, L, K] ints matching the forward's tokens [B, T]; None (or a
     model without MoE layers) makes this a no-op. Keep the block open over every forward
     that must replay, including a recomputation in backward (activation checkpointing).
+    `changed`, a list, gets one [B, T] bool appended at the block's end: the positions where
+    the replayed experts differ from the router's own choice in at least one layer (of the
+    block's first forward).
     """
     routers = moe_routers(model) if routed_experts is not None else []
     if not routers:
@@ -129,14 +138,20 @@ def replay_routing(model: nn.Module, routed_experts: torch.Tensor | None) -> Ite
         raise ValueError(f"routed_experts must be [B, T, L, K], got shape {tuple(routed_experts.shape)}")
     n_layers, L = _num_layers(model), routed_experts.shape[2]
     ids = routed_experts.long()
+    seen: list[list[torch.Tensor]] = [[] for _ in routers]
     try:
         for ordinal, (index, router) in enumerate(routers):
             _install(router)
             setattr(router, _REPLAY, ids[:, :, _layer_slot(index, ordinal, n_layers, len(routers), L)])
+            setattr(router, _CHANGED, seen[ordinal] if changed is not None else None)
         yield
     finally:
         for _, router in routers:
             setattr(router, _REPLAY, None)
+            setattr(router, _CHANGED, None)
+    if changed is not None and all(seen):
+        flags = torch.stack([calls[0].reshape(ids.shape[:2]) for calls in seen])
+        changed.append(flags.any(dim=0))
 
 
 class RoutingRecord:
