@@ -31,7 +31,7 @@ import torch
 class RoutingCapture:
     """Installed on one vLLM V1 worker by `install`; see the module docstring."""
 
-    def __init__(self, num_layers: int, top_k: int, max_tokens: int, keep_finished: int = 4096):
+    def __init__(self, num_layers: int, top_k: int, max_tokens: int, keep_finished: int = 1024):
         self.step = torch.full((max_tokens, num_layers, top_k), -1, dtype=torch.int16)
         self.written = 0  # rows of `step` the last forward wrote
         self.plan: tuple | None = None
