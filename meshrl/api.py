@@ -23,9 +23,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Coroutine
 
-from meshrl.config import Config, ConfigError, apply_overrides, load_yaml, preflight
+from meshrl.config import Config, ConfigError, apply_overrides, load_yaml
 from meshrl.logs import console
 from meshrl.metrics import format_row, plot_run
+from meshrl.preflight import check, preflight
 from meshrl.rollout.env import RewardFn
 
 log = logging.getLogger("meshrl")
@@ -260,6 +261,7 @@ def run(config: Config | dict | str | None = None, *, resume: str | None = None,
         if config.launcher.dry_run:
             from meshrl.launch import describe_job
 
+            check(config)  # a dry run starts nothing: no run directory to write, no model to load
             print(describe_job(config))
             return RunResult(os.path.abspath(config.logging.run_dir), [], None, None, None)
     session = Session(config, resume=resume, reward_fn=reward_fn, overrides=overrides)

@@ -19,8 +19,9 @@ import sys
 import time
 import traceback
 
-from meshrl.config import Config, ConfigError, apply_overrides, load_yaml, preflight, reference_markdown
+from meshrl.config import Config, ConfigError, apply_overrides, load_yaml, reference_markdown
 from meshrl.logs import console, quiet_console, verbose
+from meshrl.preflight import check, preflight
 
 USAGE_ERROR = 2
 
@@ -45,7 +46,9 @@ def load_config(args: list[str]) -> Config:
 
 
 def _cmd_config_show(ns: argparse.Namespace) -> int:
-    print(load_config(ns.args).to_yaml(), end="")
+    config = load_config(ns.args)
+    check(config)  # an unknown task, a missing extra or a bad import path: one line, exit 2
+    print(config.to_yaml(), end="")
     return 0
 
 

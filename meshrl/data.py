@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 from torchdata.nodes import BaseNode
 
-from meshrl.config import Config, ConfigError, DataConfig, missing_extra, source_kind
+from meshrl.config import Config, ConfigError, DataConfig, source_kind
+from meshrl.imports import missing_extra
 from meshrl.tasks import get_task
 
 

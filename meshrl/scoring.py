@@ -13,23 +13,14 @@ call that raises or times out fails its episode (reward 0), is counted, and the 
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Callable
 
 import torch
 
 from meshrl.config import Config, source_kind
+from meshrl.imports import import_callable
 from meshrl.rollout.env import RewardFn
 from meshrl.tasks import get_task
-
-
-def import_callable(path: str) -> Callable:
-    """The object at import path `module:name`; ImportError saying what is missing."""
-    module, _, attr = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ImportError(f"cannot import {path!r}: {e}") from None
 
 
 def reward_model_fn(path: str) -> RewardFn:

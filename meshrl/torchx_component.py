@@ -17,6 +17,7 @@ import torchx
 import torchx.specs as specs
 
 from meshrl.config import Config, apply_overrides, load_yaml
+from meshrl.preflight import check
 
 
 def train(
@@ -41,7 +42,8 @@ def train(
         python: the Python interpreter on the host
         max_retries: scheduler retries on failure
     """
-    resolved = Config.from_dict(apply_overrides(load_yaml(config), list(overrides)))  # fail at submit time, not on the cluster
+    resolved = Config.from_dict(apply_overrides(load_yaml(config), list(overrides)))
+    check(resolved)  # fail at submit time, not on the cluster
     if resolved.launcher.hosts != 1:
         raise ValueError(f"launcher.hosts={resolved.launcher.hosts}: a TorchX job runs meshrl on one host; use launcher.kind=slurm for several")
     return specs.AppDef(

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import re
 
-from meshrl.config import Config, missing_extra
+from meshrl.config import Config
+from meshrl.imports import missing_extra
 from meshrl.rollout.env import RewardFn
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

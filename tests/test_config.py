@@ -5,11 +5,13 @@ import glob
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import yaml
 
 from meshrl.config import Config, ConfigError, apply_overrides, field_docs, reference_markdown
+from meshrl.preflight import check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,9 +103,30 @@ def test_overrides_dict_and_code_agree():
 )
 def test_bad_values_name_the_field(data, field, words):
     with pytest.raises(ConfigError) as info:
-        Config.from_dict(data)
+        check(Config.from_dict(data))  # the values' own checks, then the domain's
     assert info.value.field_path == field
     assert words in str(info.value)
+
+
+def test_building_a_config_imports_no_domain():
+    """Config.from_dict checks only what the values show: a config naming an unknown task
+    builds without importing meshrl.tasks or torch, and preflight's `check` refuses it."""
+    code = textwrap.dedent("""
+        import sys
+        from meshrl.config import Config, ConfigError
+        config = Config.from_dict({"data": {"source": "task:nosuch"}})
+        assert "meshrl.tasks" not in sys.modules and "torch" not in sys.modules
+        from meshrl.preflight import check
+        try:
+            check(config)
+        except ConfigError as e:
+            print(e.field_path)
+            print(e)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    field, message = done.stdout.strip().splitlines()
+    assert field == "data.source" and "unknown built-in task 'nosuch'" in message
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
@@ -126,19 +149,26 @@ def test_rollout_section_and_what_it_allows(tmp_path):
     assert (c.rollout.workers, c.rollout.env, c.rollout.env_args, c.rollout.max_turns, c.rollout.tool_parser) == (1, None, {}, 8, "hermes")
     assert not hasattr(c.scoring, "replicas") and not hasattr(c.buffer, "when_full") and not hasattr(c.buffer, "put_timeout_s")
     # a user's env by import path, with its arguments; it may bring its own reward
-    user = Config.from_dict(apply_overrides({}, ["rollout.env=meshrl.tasks:GuessEnv", "rollout.env_args={config: null}",
-                                                 "rollout.tool_parser=tests.test_config:no_calls"]))
+    user = checked(apply_overrides({}, ["rollout.env=meshrl.tasks:GuessEnv", "rollout.env_args={config: null}",
+                                        "rollout.tool_parser=tests.test_config:no_calls"]))
     assert user.rollout.env == "meshrl.tasks:GuessEnv" and user.rollout.env_args == {"config": None}
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "?", "answer": "3"}\n')
-    assert Config.from_dict({"data": {"source": str(rows)}, "rollout": {"env": "meshrl.tasks:GuessEnv"}}).scoring.reward_fn is None
+    assert checked({"data": {"source": str(rows)}, "rollout": {"env": "meshrl.tasks:GuessEnv"}}).scoring.reward_fn is None
     with pytest.raises(ConfigError) as info:
-        Config.from_dict({"data": {"source": str(rows)}})
+        check(Config.from_dict({"data": {"source": str(rows)}}))
     assert info.value.field_path == "scoring.reward_fn" and "rollout.env" in str(info.value)
     # a multi-turn task plays its own env; with rollout.env set, a reward function may come along
-    assert Config.from_dict({"data": {"source": "task:calc"}, "rollout": {"tool_parser": "compact"}}).data.source == "task:calc"
-    Config.from_dict({"data": {"source": "task:calc"}, "rollout": {"env": "meshrl.tasks:GuessEnv"},
-                      "scoring": {"reward_fn": "tests.test_data_scoring:exact"}})
+    assert checked({"data": {"source": "task:calc"}, "rollout": {"tool_parser": "compact"}}).data.source == "task:calc"
+    checked({"data": {"source": "task:calc"}, "rollout": {"env": "meshrl.tasks:GuessEnv"},
+             "scoring": {"reward_fn": "tests.test_data_scoring:exact"}})
+
+
+def checked(data: dict) -> Config:
+    """The config built from `data` and through preflight's domain checks."""
+    config = Config.from_dict(data)
+    check(config)
+    return config
 
 
 def no_calls(text):

@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from meshrl.config import Config, ConfigError
+from meshrl.preflight import check
 from meshrl.data import PromptNode, eval_records, load_records
 from meshrl.rollout.chat import ChatRenderer
 from meshrl.scoring import resolve_reward
@@ -87,7 +88,7 @@ def test_reasoning_gym_scorer():
 def test_reasoning_gym_bad_task_args_name_the_field():
     """Found by validation, before any mesh starts."""
     with pytest.raises(ConfigError, match="data.task_args: reasoning_gym:basic_arithmetic rejects"):
-        Config.from_dict({"data": {**RG, "task_args": {"no_such_arg": 1}}})
+        check(Config.from_dict({"data": {**RG, "task_args": {"no_such_arg": 1}}}))
 
 
 # ---- chat messages in files and datasets directories ----------------------------------------------

@@ -38,7 +38,7 @@ import time
 import torch
 
 from meshrl.compat import vllm_runs_lora_on
-from meshrl.config import Config
+from meshrl.config import MOE_FAMILIES, Config
 from meshrl.generator.engine import RequestResult, VLLMEngine
 
 UPDATE_MODES = ("keep", "abort", "drain", "block")
@@ -51,7 +51,7 @@ def runs_lora(checkpoint_dir: str) -> bool:
     """Whether a LoRA policy's generator runs its adapter: see compat.vllm_runs_lora_on."""
     with open(os.path.join(checkpoint_dir, "config.json")) as f:
         model_type = json.load(f).get("model_type")
-    return vllm_runs_lora_on(moe=model_type in ("qwen3_moe", "deepseek_v3"))
+    return vllm_runs_lora_on(moe=model_type in MOE_FAMILIES)
 
 
 class Generator:

@@ -31,12 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from meshrl.compat import openenv_unread_message
-from meshrl.config import missing_extra
+from meshrl.imports import import_callable, missing_extra
 from meshrl.rollout.env import ModelTurn, Observation, StepResult
-from meshrl.scoring import import_callable
 
 _MISSING = missing_extra("openenv")
-if _MISSING is not None:  # fail at config validation, where rollout.env is imported, not mid-run
+if _MISSING is not None:  # fail at preflight, where rollout.env is imported, not mid-run
     raise ImportError(f"meshrl.rollout.openenv {_MISSING}")
 
 # Loading openenv takes seconds (its package imports its server side and gradio): here, at

@@ -19,9 +19,7 @@ from typing import Any
 import torch
 
 from meshrl.compat import titan_use_sdpa_attention
-from meshrl.config import ModelConfig
-
-MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
+from meshrl.config import MOE_FAMILIES, ModelConfig
 
 
 @dataclass

@@ -1,0 +1,29 @@
+"""The run configuration, plain data: `from meshrl.config import Config, ConfigError, ...`.
+
+sections.py holds the dataclasses, loading.py YAML and overrides, checks.py the checks the
+values answer alone, reference.py the generated docs. Nothing here imports meshrl above
+it; checks that need the domain live in meshrl/preflight.py.
+"""
+
+from meshrl.config.checks import VLLM_HEAD_SIZES, ip_and_port, source_kind, validate
+from meshrl.config.loading import ConfigError, apply_overrides, load_yaml
+from meshrl.config.reference import field_docs, reference_markdown
+from meshrl.config.sections import (
+    MOE_FAMILIES,
+    BufferConfig,
+    Config,
+    DataConfig,
+    DistillConfig,
+    EvalConfig,
+    GeneratorConfig,
+    LauncherConfig,
+    LengthTailConfig,
+    LoggingConfig,
+    LoRAConfig,
+    LossConfig,
+    ModelConfig,
+    RolloutConfig,
+    ScoringConfig,
+    TrainerConfig,
+    WeightSyncConfig,
+)

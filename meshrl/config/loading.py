@@ -1,0 +1,167 @@
+"""From YAML text and dotted overrides to typed config objects.
+
+`load_yaml` reads a file into a nested dict, `apply_overrides` lays `section.field=value`
+arguments over it, and `build` turns the dict into a config dataclass, coercing each value
+to its field's annotated type. Everything a user can get wrong here (a missing file, bad
+YAML, an unknown key, a value of the wrong type) is one `ConfigError` naming the field.
+This module knows no section by name: it reads the dataclasses it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value: `field` names the dotted path, the message says the fix."""
+
+    def __init__(self, field_path: str, message: str):
+        self.field_path = field_path
+        super().__init__(f"{field_path}: {message}" if field_path else message)
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError("", f"config file {str(path)!r} not found: pass the path of a YAML file (see configs/)")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError("", f"{path} is not valid YAML{where}: fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path} must hold a mapping of config sections, not a {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) onto a nested dict copy."""
+    data = _deepcopy_dict(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("", f"override {item!r} must look like section.field=value")
+        node = data
+        parts = key.strip().split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section: remove the trailing keys")
+            node = child
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            node[parts[-1]] = raw
+    return data
+
+
+def _deepcopy_dict(data: dict) -> dict:
+    return {k: _deepcopy_dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def build(cls: type, data: Any, prefix: str = "") -> Any:
+    """The dataclass `cls` from a mapping (or an instance of it), every value coerced to its
+    field's type; `prefix` is the dotted path of `cls` in the tree, for error messages."""
+    if dataclasses.is_dataclass(data) and isinstance(data, cls):
+        data = dataclasses.asdict(data)
+    if not isinstance(data, dict):
+        raise ConfigError(prefix, f"must be a mapping of fields, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            close = _closest(str(key), names)
+            hint = f"; did you mean {close!r}?" if close else f"; known fields: {', '.join(names)}"
+            raise ConfigError(dotted(prefix, str(key)), f"unknown field{hint}")
+    kwargs = {}
+    for name in names:
+        if name in data:
+            kwargs[name] = _coerce(hints[name], data[name], dotted(prefix, name))
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(path, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(path, f"expected a mapping, got {_describe(value)}")
+    if origin is list:
+        if isinstance(value, (list, tuple)):
+            (item,) = typing.get_args(tp)
+            return [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        raise ConfigError(path, f"expected a list, got {_describe(value)}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(path, f"expected true or false, got {_describe(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(path, f"expected an integer, got {_describe(value)}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-5" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(path, f"expected a number, got {_describe(value)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)  # YAML reads `cpus: 3` or `x=3` as a number; the text is meant
+        raise ConfigError(path, f"expected a string, got {_describe(value)}")
+    raise ConfigError(path, f"unsupported type {tp!r}")  # a meshrl bug, not a user error
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}" if value is not None else "null"
+
+
+def _type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    return " or ".join(names.get(a, getattr(a, "__name__", str(a))) for a in args) + " or null"
+
+
+def dotted(prefix: str, name: str) -> str:
+    """The dotted path of field `name` under section `prefix` (`""` at the top level)."""
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return match[0] if match else None

@@ -1,0 +1,382 @@
+"""The run configuration: a tree of typed dataclasses, plain data.
+
+Every field has a safe default and a docstring (the string literal right below it); the
+config reference (`meshrl config docs`, docs/config.md) is generated from those
+docstrings, so it cannot drift from the code. Configs load from YAML, from a dict, or in
+code, and take dotted command-line overrides (`trainer.lr=1e-5`). Building a `Config`
+checks what the values alone can show (config/checks.py); what needs the tasks, user code
+or this machine's files is checked one floor up, in meshrl/preflight.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from meshrl.config.checks import validate
+from meshrl.config.loading import apply_overrides, build, load_yaml
+
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
+"""The mixture-of-experts values of `model.family`."""
+
+
+@dataclass
+class ModelConfig:
+    family: Literal["qwen3", "qwen3_moe", "llama3", "deepseek_v3"] = "qwen3"
+    """Model family from TorchTitan's registry. `qwen3_moe` and `deepseek_v3` are mixture-of-experts."""
+    path: str | None = None
+    """Local Hugging Face checkpoint directory (config.json + *.safetensors) to start from. None: initialise from scratch with the sizes below."""
+    tokenizer: str | None = None
+    """Local Hugging Face tokenizer directory. None: the checkpoint directory if `path` is set, else meshrl's built-in character tokenizer."""
+    vocab_size: int = 128
+    """Vocabulary size (from-scratch models only). Must cover the tokenizer; 128 fits the built-in character tokenizer."""
+    dim: int = 64
+    """Hidden size (from-scratch models only; a checkpoint brings its own)."""
+    n_layers: int = 2
+    """Number of transformer blocks (from-scratch models only)."""
+    n_heads: int = 2
+    """Attention heads (from-scratch models only). Must divide `dim`; the head size dim / n_heads must be one vLLM's attention supports (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)."""
+    n_kv_heads: int = 1
+    """Key/value heads for grouped-query attention (from-scratch models only). Must divide `n_heads`."""
+    ffn_dim: int = 128
+    """Feed-forward hidden size (from-scratch models only); per expert for MoE families."""
+    num_experts: int = 4
+    """Routed experts per MoE layer (MoE families only)."""
+    experts_top_k: int = 2
+    """Experts each token is routed to (MoE families only). At most `num_experts`."""
+    max_seq_len: int = 256
+    """Longest prompt + response, in tokens."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the generator copy and exported checkpoints. The trainer keeps float32 master weights."""
+
+    @property
+    def moe(self) -> bool:
+        """Whether `family` is a mixture-of-experts one (MOE_FAMILIES)."""
+        return self.family in MOE_FAMILIES
+
+
+@dataclass
+class LossConfig:
+    advantage: Literal["grpo", "grpo_no_std", "rloo"] = "grpo"
+    """Group advantage: `grpo` (reward minus group mean, over group std), `grpo_no_std` (Dr.GRPO: no std division), `rloo` (leave-one-out mean)."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    """How per-token losses reduce: mean over all tokens, mean over sequences of token means, or mean over sequences of token sums (Dr.GRPO)."""
+    clip_low: float = 0.2
+    """PPO clip epsilon below 1: ratios under 1 - clip_low are clipped."""
+    clip_high: float = 0.28
+    """PPO clip epsilon above 1 (clip-higher: set above clip_low to keep exploration)."""
+    correction: Literal["none", "tis", "mis_token", "mis_seq", "icepop", "decoupled", "opsm"] = "tis"
+    """Off-policy correction against the sampler's log-probs: truncated IS, masked IS (token or sequence), IcePop band mask, decoupled PPO with a proximal policy, or off-policy sequence masking."""
+    is_cap: float = 2.0
+    """Cap C for TIS weights and threshold for MIS masks."""
+    icepop_low: float = 0.5
+    """Lower edge of IcePop's kept band of IS ratios."""
+    icepop_high: float = 5.0
+    """Upper edge of IcePop's kept band of IS ratios."""
+    opsm_delta: float = 1e-4
+    """OPSM: drop a negative-advantage sequence when its mean log(mu / pi) exceeds this."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference (initial) policy. 0 disables it and the reference model."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus. 0 disables it."""
+    sampling_mask: bool = True
+    """Score each trained token under the distribution the sampler drew it from: with generator.top_k / top_p, the logits at generator.temperature truncated by vLLM's rule and renormalised, as the sampler's processed log-probs are. IS ratios then compare like with like, and the policy trained is the one that samples. No effect at top_p=1, top_k=-1. Off: the full-vocabulary log-prob (the truncation shows up as off-policy mismatch)."""
+    routing_replay: bool = True
+    """MoE only: the trainer's routers send each token to the experts the sampler chose (ids from generator.return_routed_experts), with gate weights from the trainer's live router scores, so gradients still reach the router. Tokens without sampler data (prompt, padding) route live. No effect without routed_experts in the batch."""
+
+
+@dataclass
+class TrainerConfig:
+    procs: int = 1
+    """Trainer processes (one GPU each on GPU machines)."""
+    dp_shard: int = -1
+    """FSDP2 data-parallel shard degree. -1: all trainer procs."""
+    ep: int = 1
+    """Expert-parallel degree for MoE models. Must divide `trainer.procs` and `model.num_experts`."""
+    lr: float = 5e-3
+    """AdamW learning rate. The default suits the tiny from-scratch default model; pretrained checkpoints want about 1e-6 to 1e-5."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+    grad_clip: float = 1.0
+    """Gradient norm clip. 0 disables clipping."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward; gradients accumulate over micro-batches."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer runs. `auto`: CUDA when available, else CPU."""
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of forward/backward compute; master weights, optimizer state and gradient reduction stay float32. `auto`: bfloat16 on CUDA (FSDP2 mixed precision), float32 on CPU. `bfloat16` on CPU autocasts the matmuls (attention and RMSNorm stay float32) and pays on CPUs with AMX (Sapphire Rapids and later: about 1.9x per step on the benchmark model); float32 keeps trainer and generator log-probs closest."""
+    compile: bool = False
+    """torch.compile each transformer block (TorchTitan's per-block compile), with dynamic shapes because RL batches change length every step. The compile runs in setup, alongside the generators' start-up (about 10 s on a CPU core for the benchmark model; cached under /tmp/torchinductor_$USER). It makes a training step about 1.4x faster on CPU in bf16 and 1.1x in float32 (benchmark model). Off by default because short runs and tests are dominated by start-up."""
+    cpus: str = "auto"
+    """CPU cores the trainer procs are pinned to, as a Linux CPU list (`0-3`, `0,2`); `|` separates the lists of a host's procs by local rank (`0-3|4-7`). `auto`: a CPU trainer on this machine gets the cores the generators do not (half), each proc's thread pool sized to its cores; a GPU trainer is not pinned. Empty: no pinning. See meshrl/placement.py."""
+    checkpoint_every: int = 0
+    """Save a distributed checkpoint every this many steps. 0: by time only (`checkpoint_every_s`), and at the end of the run."""
+    checkpoint_every_s: float = 1800.0
+    """Also save one when this many seconds have passed since the last, so a crash loses at most that much training whatever a step costs. 0: off."""
+    interrupt_checkpoint_timeout_s: float = 120.0
+    """On Ctrl-C or SIGTERM (scheduler preemption) the run lets the step in flight finish and checkpoints, within this many seconds, then stops; `meshrl run --resume` continues from there. Keep it under the scheduler's grace period (Slurm's KillWait)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The policy loss and its off-policy corrections."""
+
+
+@dataclass
+class GeneratorConfig:
+    replicas: int = 1
+    """vLLM engine replicas, each an actor on the generator mesh."""
+    tp: int = 1
+    """Tensor-parallel degree inside one replica."""
+    group_size: int = 8
+    """Completions per prompt (the GRPO group size, vLLM's `n`)."""
+    max_new_tokens: int = 8
+    """Longest response, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature. The trainer scores tokens at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling. -1 disables it."""
+    update_mode: Literal["keep", "abort", "drain", "block"] = "keep"
+    """How a new policy version is applied while generating: keep in-flight requests across the swap, abort and resume them from their prefix, drain them first, or block (synchronous)."""
+    max_num_seqs: int = 64
+    """Most sequences one engine decodes at once."""
+    compile: bool = False
+    """Run vLLM's compiled model (torch.compile, plus CUDA graphs on GPU) instead of eager mode. On a CPU it decodes the benchmark model about 1.35x faster for 15-30 s more start-up per engine (compiled code is cached in ~/.cache/vllm). Off by default: short runs and tests are dominated by start-up."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory a vLLM engine may take (GPU only)."""
+    return_routed_experts: bool = False
+    """MoE only: return the expert ids each sampled token was routed to, per layer, for routing replay (trainer.loss.routing_replay). On GPU vLLM returns them (model runner V2); on CPU meshrl's worker extension records them from vLLM's router hook (meshrl/generator/routing_capture.py)."""
+    startup_timeout_s: float = 300.0
+    """Seconds an engine may take to start before the run fails."""
+    cpus: str = "auto"
+    """CPU cores the replicas are pinned to (their vLLM CPU workers bind their threads there), as a Linux CPU list; `|` separates per-replica lists, replica i taking list i modulo their count (`4-5|6-7`). `auto`: with a CPU trainer on this machine, half the cores, split between replicas (at least `tp` each). Empty: no pinning, vLLM binds its threads itself."""
+
+
+@dataclass
+class BufferConfig:
+    depth: int = 2
+    """Batches admitted beyond the one the trainer trains next: 0 synchronous (on-policy), 1 a double buffer, K a bounded queue of K batches. Admission also never runs further ahead than `max_lag`."""
+    max_lag: int | None = 2
+    """The staleness bound: no trained token is more than this many versions behind the trainer. Admission is derived from it (with `depth`), and tokens still too stale at sample time are masked or dropped. None: bounded by `depth` alone."""
+    lag_granularity: Literal["token", "sequence"] = "token"
+    """`token`: stale tokens are masked out of the loss; `sequence`: a group whose oldest token is too stale is dropped whole (and replaced)."""
+    sampling: str = "fifo"
+    """Which finished groups a batch takes: `fifo`, `random`, or an import path `module:callable(groups, n, rng) -> indices`."""
+    get_timeout_s: float = 600.0
+    """Longest the trainer waits for a batch before failing."""
+
+
+@dataclass
+class RolloutConfig:
+    workers: int = 1
+    """Rollout worker procs. Each plays groups of episodes and hosts their env instances: together they are the env pool."""
+    groups_per_worker: int = 0
+    """Groups one worker plays at once. 0: enough to keep every generator slot busy (2 x generator.replicas x generator.max_num_seqs / group_size / workers)."""
+    env: str | None = None
+    """Import path `module:Class` of an environment (reset/step, see meshrl/rollout/env.py), one instance per episode. None: the task's own env, or a single-turn env around the reward."""
+    env_args: dict = field(default_factory=dict)
+    """Keyword arguments for `env`'s constructor."""
+    max_turns: int = 8
+    """Most model turns in one episode; an episode still going then ends with finish_reason `length`."""
+    env_timeout_s: float = 30.0
+    """Longest one env call (reset or step) may take; a timeout or exception fails that episode (reward 0) and the run goes on."""
+    tool_parser: str = "hermes"
+    """How tool calls are read from model turns (tool envs): `hermes` (`<tool_call>{json}</tool_call>`, Qwen/Hermes), `compact` (a turn `!ARG` calls the env's first tool: for tiny models trained from scratch), or an import path `module:callable(text) -> list[ToolCall]`."""
+
+
+@dataclass
+class WeightSyncConfig:
+    transport: Literal["rdma", "collective", "files"] = "collective"
+    """How weights travel: Monarch RDMA buffers, a NCCL/gloo broadcast group, or (named fallback) safetensors files."""
+    bucket_mb: int = 256
+    """Size of the packed transfer buckets, in MiB."""
+    timeout_s: float = 120.0
+    """Longest one version's transfer may take before it is an error."""
+    files_dir: str | None = None
+    """Directory for the `files` transport. None: a folder in the run directory."""
+
+
+@dataclass
+class ScoringConfig:
+    reward_fn: str | None = None
+    """Import path `module:function` of a reward function (prompt, response, sample) -> float, sync or async. None: the task's built-in exact reward."""
+    reward_model: str | None = None
+    """Local checkpoint directory of a reward model scored behind the same interface. None: no reward model."""
+    timeout_s: float = 30.0
+    """Longest one reward call may take; a timeout or exception fails the episode (reward 0) and the run goes on."""
+
+
+@dataclass
+class LengthTailConfig:
+    median: int = 8
+    """Median target length, in tokens, of the longtail tasks' answers."""
+    sigma: float = 1.4
+    """Spread of the target length: lognormal with this sigma, so the 95th percentile is exp(1.645 sigma) times the median (1.0: 5.2x, 1.2: 7.2x, 1.4: 10x). Early in a run answers run to their budgets, which lifts the short ones most, so the produced tail is thinner than the targets'."""
+    max: int = 160
+    """Longest target length in tokens; longer draws are clipped to it. At least 20x the median gives a reasoning-like tail."""
+    slack: float = 0.25
+    """Each answer's token budget: its target length x (1 + slack) + 2. A model that does not stop is cut there (finish_reason `length`)."""
+    turns_max: int = 4
+    """task:longtail_chat: rounds per episode, from 1 to this, heavy-tailed too (P(k) proportional to 1/k^2)."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "task:digits"
+    """Prompts: `task:NAME` for a built-in task (single-turn digits, letters, count, add, copy, longtail with heavy-tailed lengths; multi-turn calc with a tool, guess, longtail_chat: see meshrl/tasks.py), `reasoning_gym:NAME` for a reasoning-gym task scored by its own verifier (`pip install 'meshrl[reasoning]'`; configured by `data.task_args`), a local .jsonl / .parquet file, or a directory written by `datasets`' `save_to_disk`."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt in file sources: text, or a list of chat messages (system, user and earlier turns, rendered with the tokenizer's chat template). With `messages`-style rows whose last message is the assistant's, that message is the reference answer (when the row has no `answer_key` field) and is not part of the prompt."""
+    answer_key: str = "answer"
+    """Field holding the reference answer in file sources (passed to the reward function)."""
+    shuffle: bool = True
+    """Shuffle prompts (with the run seed)."""
+    num_prompts: int = 100000
+    """Prompts a built-in or reasoning-gym task generates per epoch."""
+    task_args: dict = field(default_factory=dict)
+    """Keyword arguments of a `reasoning_gym:NAME` task's config (e.g. `{min_digits: 1, max_digits: 2}` for basic_arithmetic); its `seed` and `size` come from the run's seed and `num_prompts`."""
+    lengths: LengthTailConfig = field(default_factory=LengthTailConfig)
+    """Heavy-tailed answer lengths of task:longtail and task:longtail_chat (ignored by the other sources)."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate the policy on held-out prompts every this many steps, and at the last step. 0: off. Evaluation plays episodes on the generators beside training, so training slows only by the generation it needs."""
+    source: str | None = None
+    """Held-out prompts, in any form `data.source` takes (read with data's `prompt_key` and `answer_key`). None: the training task (`task:` or `reasoning_gym:`) drawn from a seed stream of its own; a file or dataset source needs one given here. A `task:` or `reasoning_gym:` eval source is scored by its own reward; any other by the run's."""
+    task_args: dict = field(default_factory=dict)
+    """Keyword arguments of a `reasoning_gym:` eval.source's config (as `data.task_args` for training); only with eval.source set."""
+    num_prompts: int = 32
+    """Prompts per evaluation (the first of the held-out source, in its order)."""
+    k: int = 4
+    """Samples per prompt at `generator.temperature` for pass@k and the mean sampled reward; one greedy answer per prompt gives the accuracy."""
+
+
+@dataclass
+class DistillConfig:
+    teacher: str | None = None
+    """On-policy distillation: a local Hugging Face checkpoint of the teacher, run on a vLLM engine of its own, which scores every token of the student's episodes. Each model token's advantage becomes `kl_weight x (teacher log-prob - student log-prob)` (reverse KL, per token), plus `reward_weight x` the task's group advantage. None: off (plain RL)."""
+    kl_weight: float = 1.0
+    """Weight of the per-token reverse-KL advantage."""
+    reward_weight: float = 0.0
+    """Weight of the task reward's group advantage mixed in (0: pure distillation)."""
+    cpus: str = ""
+    """CPU cores the teacher's engine is pinned to (Linux CPU list). Empty: not pinned."""
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 0
+    """LoRA rank. 0: off (full fine-tuning). Above 0: the base weights are frozen, the trainer's optimizer holds the adapters only, and weight sync sends the adapter alone, loaded through vLLM's LoRA support."""
+    alpha: float = 16.0
+    """Scaling numerator: an adapter's update is scaled by alpha / rank."""
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Projections that get an adapter, by Hugging Face module name (attention: q_proj, k_proj, v_proj, o_proj; MLP: gate_proj, up_proj, down_proj). MoE families adapt attention and their dense and shared-expert MLPs; routed experts stay frozen."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input while training (the generator samples without it)."""
+
+
+@dataclass
+class LauncherConfig:
+    kind: Literal["local", "process", "slurm", "torchx", "workers"] = "local"
+    """Where meshes run: `local` (this machine), `process` (`launcher.hosts` local worker processes standing in for Slurm hosts: the Slurm code path, testable anywhere), `slurm` (an allocation submitted through Monarch's SlurmJob), `torchx` (this process already runs inside a job launched from `meshrl/torchx_component.py:train`; meshes use its host), or `workers` (hosts already running `meshrl worker --address IP:PORT`, listed in `launcher.workers`; this process attaches to them over Monarch's TCP transport, as to a Slurm allocation's; see docs/multihost.md)."""
+    hosts: int = 1
+    """Hosts to allocate (process/slurm; with `workers`, the number of `launcher.workers`). One host holds every role; with more, hosts split between trainer and generator (by GPUs when `gpus_per_host` > 0, else in proportion to their procs), and the coordinator (episode queue, rollout workers and their envs) shares the first generator host, where every model turn is asked for."""
+    workers: list[str] = field(default_factory=list)
+    """launcher.kind=workers: `IP:PORT` of each host's `meshrl worker`, in host order (the trainer hosts first, then the generator hosts)."""
+    address: str | None = None
+    """launcher.kind=workers: this controller's own IP as the hosts reach it. Its Monarch channel and the weight-sync store listen on it and nowhere else. Required with `workers`; must be an address of this machine."""
+    gpus_per_host: int = 0
+    """GPUs per host (slurm/torchx). 0 on CPU-only clusters."""
+    partition: str | None = None
+    """Slurm partition. None: the cluster default."""
+    time_limit: str = "01:00:00"
+    """Slurm wall-clock limit, HH:MM:SS."""
+    dry_run: bool = False
+    """Render the job (sbatch script or TorchX AppDef) and print it instead of submitting."""
+    account: str | None = None
+    """Slurm account to charge (`#SBATCH --account`). None: the cluster default."""
+    start_timeout_s: float = 1800.0
+    """Longest wait for the allocation to start running and its hosts to connect (queueing included); then the job is cancelled."""
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/latest"
+    """Where metrics, TensorBoard events, checkpoints and exports go."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    progress: bool = True
+    """Show a console progress bar."""
+    plot: bool = True
+    """Draw reward, staleness and utilisation curves to PNG at the end of the run."""
+    wandb: bool = False
+    """Also log every step's metrics to Weights & Biases (the `wandb` package torchtitan brings), into RUN_DIR/wandb."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """`offline`: write the W&B run to disk only (sync it later with `wandb sync RUN_DIR/wandb/offline-run-*`); `online`: send it to the W&B server the environment names (WANDB_API_KEY, WANDB_BASE_URL)."""
+    wandb_project: str = "meshrl"
+    """W&B project name."""
+    verbose: bool = False
+    """Leave library output (vLLM, Monarch, torch) on the terminal. Off: each proc's output goes to RUN_DIR/logs/ROLE.log and the console shows meshrl's own lines (`meshrl run --verbose` turns it on; so does MESHRL_VERBOSE=1)."""
+
+
+@dataclass
+class Config:
+    """A whole meshrl run."""
+
+    steps: int = 40
+    """Optimizer steps (policy versions) to train."""
+    batch_groups: int = 8
+    """Prompt groups per training batch (batch size = batch_groups * generator.group_size)."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The trainer mesh."""
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    """The generator mesh."""
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    """The episode queue between rollout workers and trainer: admission and the staleness bound."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout workers, environments and tools."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Weight transfer from trainer to generators."""
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    """Rewards."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The prompt source."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation on held-out prompts during training."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher checkpoint."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters: train and sync only them."""
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    """Where the meshes run."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and outputs."""
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "Config":
+        """The config from nested sections, typed and checked as far as its values go;
+        meshrl.preflight checks what needs the tasks, user code or files."""
+        config = build(cls, data or {})
+        validate(config)
+        return config
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> "Config":
+        return cls.from_dict(apply_overrides(load_yaml(path), overrides or []))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -1,0 +1,34 @@
+"""Code meshrl loads by name: user callables given as import paths, and optional packages.
+
+A config names user code as `module:name` (scoring.reward_fn, rollout.env, ...), and some
+features need a package only an extra installs (`pip install 'meshrl[reasoning]'`). Both
+are looked up here, so that a missing one fails with a message saying what to do.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Callable
+
+EXTRAS = {"reasoning_gym": "reasoning", "math_verify": "math", "openenv": "envs"}
+"""Optional packages and the meshrl extra that installs each."""
+
+
+def import_callable(path: str) -> Callable:
+    """The object at import path `module:name`; ImportError saying what is missing."""
+    module, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"cannot import {path!r}: {e}") from None
+
+
+def missing_extra(module: str) -> str | None:
+    """None when `module` imports; else the one line telling how to install its extra."""
+    try:
+        if importlib.util.find_spec(module) is not None:
+            return None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, or a broken parent
+        pass
+    return f"needs the optional package {module!r}: pip install 'meshrl[{EXTRAS.get(module, module)}]'"

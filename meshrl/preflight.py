@@ -1,0 +1,182 @@
+"""Checks before a run starts: what a config's values cannot show alone.
+
+`check(config)` asks the domain: that a `task:` source names a built-in task (and a
+multi-turn one gets its reward from its env), that a `reasoning_gym:` task exists with the
+arguments given, that user code named by import path imports, that LoRA targets map onto
+the trainer's projections, that a longtail tail fits the generation budget, and that the
+files and directories the config names are there. `preflight(config)` adds this machine:
+a run directory it can write, a launcher address of its own, model and tokenizer
+directories that load. Both raise the first problem as one `ConfigError` naming the field
+and the fix. The CLI, the API and the TorchX component call them before any mesh starts;
+nothing below them imports this module.
+
+Paths are checked here rather than in config/checks.py: whether a file exists is a fact
+of the filesystem the launching process sees, not of the values, and each actor that
+rebuilds its config from a dict, on whatever host, need not ask it again. A prompt source
+is checked whole in one place: that it exists, that its package is installed, and that
+something scores it. Modules that bring torch are imported only by the checks that need
+them, so that `meshrl config show` stays quick.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from meshrl.config import MOE_FAMILIES, Config, ConfigError, source_kind
+from meshrl.imports import missing_extra
+from meshrl.tasks import TASKS, answer_budget
+
+
+def check(c: Config) -> None:
+    """The domain checks of a built config (reads files, writes none); raise the first problem."""
+
+    def need(ok: bool, path: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(path, message)
+
+    m = c.model
+    if m.path is not None:
+        need(os.path.isdir(m.path), "model.path", f"directory {m.path!r} not found: give a local Hugging Face checkpoint directory, or null to initialise from scratch")
+        need(os.path.isfile(os.path.join(m.path, "config.json")), "model.path", f"{m.path!r} has no config.json: point it at a Hugging Face checkpoint directory")
+    if m.tokenizer is not None:
+        need(os.path.isdir(m.tokenizer), "model.tokenizer", f"directory {m.tokenizer!r} not found: give a local tokenizer directory, or null for the default")
+
+    b = c.buffer
+    if b.sampling not in ("fifo", "random"):
+        _check_import(need, "buffer.sampling", b.sampling, "'fifo', 'random' or a sampling function")
+
+    s = c.scoring
+    if s.reward_fn is not None:
+        _check_import(need, "scoring.reward_fn", s.reward_fn, "a reward function")
+    if s.reward_model is not None:
+        need(os.path.isdir(s.reward_model), "scoring.reward_model", f"directory {s.reward_model!r} not found: give a local checkpoint directory or null")
+
+    d = c.data
+    _check_source(need, c, "data.source", d.source, d.task_args)
+    if source_kind(d.source) == "task":
+        name = d.source.removeprefix("task:")
+        if TASKS[name].env is not None and c.rollout.env is None:
+            need(not (s.reward_fn or s.reward_model), "scoring.reward_fn",
+                 f"task:{name} is multi-turn and its env gives the reward: unset scoring.reward_fn / reward_model, or set rollout.env")
+    elif source_kind(d.source) in ("file", "dataset"):
+        need(s.reward_fn is not None or s.reward_model is not None or c.rollout.env is not None, "scoring.reward_fn",
+             f"a file data source ({d.source}) needs a reward: set scoring.reward_fn, scoring.reward_model or rollout.env")
+    if d.source in ("task:longtail", "task:longtail_chat"):
+        _check_budget(need, c)
+
+    if c.eval.source is not None:
+        _check_source(need, c, "eval.source", c.eval.source, c.eval.task_args)
+
+    di = c.distill
+    if di.teacher is not None:
+        need(os.path.isfile(os.path.join(di.teacher, "config.json")), "distill.teacher", f"{di.teacher!r} is not a Hugging Face checkpoint directory (no config.json): give the teacher's local checkpoint, or null")
+
+    lo = c.lora
+    if lo.rank > 0:
+        from meshrl.trainer.lora import TITAN_NAMES
+
+        unknown = sorted(set(lo.targets) - set(TITAN_NAMES))
+        need(not unknown, "lora.targets", f"unknown {unknown}: choose from {sorted(TITAN_NAMES)}")
+
+    r = c.rollout
+    if r.env is not None:
+        _check_import(need, "rollout.env", r.env, "an env class")
+    if r.tool_parser not in ("hermes", "compact"):
+        _check_import(need, "rollout.tool_parser", r.tool_parser, "'hermes', 'compact' or a parser function")
+
+
+def preflight(c: Config) -> None:
+    """`check`, then what only this machine can answer: a run directory that can be written,
+    a launcher address of its own, and model and tokenizer directories that load. Run once
+    before any mesh starts; raises ConfigError naming the field and the fix."""
+    check(c)
+    run_dir = os.path.abspath(c.logging.run_dir)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, f".meshrl-write-check-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError("logging.run_dir", f"cannot write to {run_dir!r} ({e.strerror or type(e).__name__}): choose a writable directory") from None
+    if c.launcher.kind == "workers" and c.launcher.address not in _local_addresses():
+        raise ConfigError("launcher.address", f"{c.launcher.address!r} is not an address of this machine: give one of {', '.join(sorted(_local_addresses()))}")
+    m = c.model
+    if m.path is not None:
+        from meshrl.trainer.model import model_args_from_hf
+
+        try:
+            family = model_args_from_hf(m.path)[0].family
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError("model.path", f"{m.path!r} does not load as a checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                              "point it at a Hugging Face checkpoint directory of a qwen3, qwen3_moe, llama or deepseek_v3 model") from None
+        if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(m.path)):
+            raise ConfigError("model.path", f"{m.path!r} has a config.json but no weight files (*.safetensors): point it at a complete checkpoint directory")
+    else:
+        family = m.family
+    if c.generator.return_routed_experts and family not in MOE_FAMILIES:
+        raise ConfigError("generator.return_routed_experts", f"routed experts exist only in MoE models, and the policy is {family}: set it false")
+    tokenizer_dir, field_path = (m.tokenizer, "model.tokenizer") if m.tokenizer else (m.path, "model.path")
+    if tokenizer_dir is not None:
+        from meshrl.tokenizer import load_tokenizer
+
+        try:
+            load_tokenizer(tokenizer_dir)
+        except Exception as e:  # noqa: BLE001 - whatever transformers raises, the directory is the user's to fix
+            raise ConfigError(field_path, f"no tokenizer loads from {tokenizer_dir!r} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): "
+                              "give a directory holding a Hugging Face tokenizer (tokenizer.json or tokenizer_config.json)") from None
+
+
+def _check_source(need, c: Config, path: str, source: str, task_args: dict) -> None:
+    """A prompt source that exists and whose package is installed."""
+    kind = source_kind(source)
+    if kind == "task":
+        name = source.removeprefix("task:")
+        need(name in TASKS, path, f"unknown built-in task {name!r}: use one of {', '.join('task:' + t for t in TASKS)}")
+    elif kind == "reasoning_gym":
+        problem = missing_extra("reasoning_gym")
+        need(problem is None, path, f"{source} {problem}")
+        from reasoning_gym.factory import DATASETS
+
+        name = source.removeprefix("reasoning_gym:")
+        need(name in DATASETS, path, f"reasoning-gym has no task {name!r}: see reasoning_gym.factory.DATASETS (e.g. basic_arithmetic, chain_sum, leg_counting)")
+        from meshrl.data import reasoning_gym_dataset
+
+        reasoning_gym_dataset(name, task_args, c.seed, 1, path.replace("source", "task_args"))  # bad ones: a ConfigError naming them
+    elif kind == "file":
+        need(os.path.isfile(source), path, f"file {source!r} not found: give a local .jsonl or .parquet file")
+    else:
+        need(os.path.isdir(source), path, f"{source!r} must be 'task:NAME', 'reasoning_gym:NAME', a .jsonl/.parquet file or a datasets save_to_disk directory")
+        need(os.path.isfile(os.path.join(source, "dataset_info.json")) or os.path.isfile(os.path.join(source, "dataset_dict.json")), path,
+             f"directory {source!r} is not a datasets save_to_disk directory (no dataset_info.json): save it with Dataset.save_to_disk")
+
+
+def _check_import(need, path: str, value: str, what: str) -> None:
+    """`value` must be an import path `module:name` that imports, naming `what` it should be."""
+    module, sep, attr = value.partition(":")
+    need(bool(sep and module and attr), path, f"{value!r} is not an import path 'module:name' of {what}")
+    try:
+        found = hasattr(importlib.import_module(module), attr)
+        problem = f"module {module!r} has no {attr!r}"
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's path to fix
+        found, problem = False, f"cannot import module {module!r} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    need(found, path, f"{value!r}: {problem}: give an importable 'module:name' of {what}")
+
+
+def _check_budget(need, c: Config) -> None:
+    """The longtail tasks' longest answer must fit the generation budget and the context
+    (the tail's own ranges are checked with the values, in config/checks.py)."""
+    n = c.data.lengths
+    budget = answer_budget(n.max, n.slack)
+    need(c.generator.max_new_tokens >= budget, "generator.max_new_tokens",
+         f"must be at least {budget} (the budget of the longest longtail answer, data.lengths.max x (1 + slack) + 2), got {c.generator.max_new_tokens}; "
+         "raise it or lower data.lengths.max")
+    need(c.model.max_seq_len >= budget + 16, "model.max_seq_len",
+         f"must be at least {budget + 16} (the longest longtail answer's budget plus its prompt), got {c.model.max_seq_len}")
+
+
+def _local_addresses() -> set[str]:
+    import psutil
+
+    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs if a.family.name in ("AF_INET", "AF_INET6")}
