@@ -20,7 +20,8 @@ import torch
 
 from meshrl.config import Config
 from meshrl.episode import Episode, Turn, assign_advantages, pack
-from meshrl.trainer.actor import PolicyTrainer, spawn_trainer
+from meshrl.trainer.actor import spawn_trainer
+from meshrl.trainer.policy import PolicyTrainer
 
 MODEL = {"family": "qwen3", "dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 768, "vocab_size": 128}
 

@@ -160,7 +160,7 @@ def export_initial_policy(args: argparse.Namespace, root: str) -> tuple[str, str
     import torch
 
     from meshrl.tokenizer import build_char_tokenizer
-    from meshrl.trainer.actor import PolicyTrainer
+    from meshrl.trainer.policy import PolicyTrainer
 
     config = bench_config("sync", args, os.path.join(root, "export"))
     config.trainer.compile = False  # nothing runs here, and dynamo's settings stay TRL's defaults

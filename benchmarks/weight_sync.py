@@ -29,7 +29,9 @@ import torch
 from monarch.actor import Actor, endpoint, this_host
 
 from meshrl.config import WeightSyncConfig
-from meshrl.weightsync import Publisher, Subscriber, WeightSync
+from meshrl.weightsync.connect import WeightSync
+from meshrl.weightsync.publisher import Publisher
+from meshrl.weightsync.subscriber import Subscriber
 from meshrl.weightsync.collective import broadcast_buckets, make_group
 
 # name -> (dim, ffn, layers, vocab); about the named number of parameters

@@ -194,7 +194,7 @@ class Session:
     def evaluate(self) -> dict[str, float] | None:
         """Evaluate the current policy on the held-out prompts (eval.*) now; its `eval/`
         metrics, also written to the run's metrics (None if it failed: see the log)."""
-        from meshrl.evaluation import eval_timeout_s
+        from meshrl.controller.evaluation import eval_timeout_s
 
         return self._call(self._need().evaluate_now(), 2 * eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
 
@@ -234,7 +234,7 @@ class Session:
     def finish(self) -> RunResult:
         """Final checkpoint, Hugging Face export and curves."""
         loop = self._need()
-        from meshrl.evaluation import eval_timeout_s
+        from meshrl.controller.evaluation import eval_timeout_s
 
         self._call(loop.finish_evaluation(), eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
         ckpt = self._call(loop.checkpoint(), 600)

@@ -133,7 +133,7 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
     of the run's config (eval.*), with one generator replica and one rollout worker."""
     import asyncio
 
-    from meshrl.evaluation import evaluate_checkpoint, resolve_target, write_results
+    from meshrl.controller.evaluation import evaluate_checkpoint, resolve_target, write_results
 
     run_dir, checkpoint = resolve_target(ns.target)
     path, overrides = _split(ns.args)

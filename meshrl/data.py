@@ -3,7 +3,7 @@
 `PromptNode` is a torchdata `BaseNode` over one source's records, shuffled per epoch with
 the run seed; its state is (epoch, index), so a resumed run continues exactly where it
 stopped. A record is a dict with `prompt` (text, or a list of chat messages) and `answer`,
-plus whatever else the source holds; the episode queue (meshrl/queue.py) hands records
+plus whatever else the source holds; the episode queue (meshrl/queue/) hands records
 out to rollout workers, whose env turns them into episodes. Records cross actor
 boundaries, so they hold plain picklable, JSON-able values only.
 

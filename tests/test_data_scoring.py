@@ -21,7 +21,8 @@ from meshrl.metrics import MetricsWriter, plot_run, read_metrics
 from meshrl.queue import Claim, EpisodeQueue
 from meshrl.rollout.chat import ChatRenderer
 from meshrl.rollout.env import ModelTurn, SingleTurnEnv
-from meshrl.rollout.worker import GenerationFailed, RolloutWorker, env_factory, summarize
+from meshrl.agent.turns import GenerationFailed
+from meshrl.agent.worker import RolloutWorker, env_factory, summarize
 from meshrl.scoring import resolve_reward
 from meshrl.tasks import TASKS, CalcEnv, GuessEnv, LongtailChatEnv, answer_budget
 from meshrl.tokenizer import build_char_tokenizer
@@ -480,7 +481,7 @@ def test_a_failing_generator_stops_the_rest_of_its_group(tokenizer_dir):
     elapsed, left = asyncio.run(main())
     assert elapsed < 5 and left == []
     assert len(started) == 4 and len(closed) == 4  # every env closed, the cancelled ones too
-    assert worker._load == [0]
+    assert worker.turns.load == [0]
 
 
 def test_a_requeued_group_is_played_again_from_its_start(tokenizer_dir):

@@ -184,7 +184,7 @@ def test_trainer_step_on_token_advantages():
     """A PolicyTrainer step on token_advantage = advantage on every loss token is the RL step;
     micro-batching a distillation batch (trim, pad) does not change its loss; the step reports
     distill_reverse_kl, the token mean of sampler - teacher log-probs."""
-    from meshrl.trainer.actor import PolicyTrainer
+    from meshrl.trainer.policy import PolicyTrainer
     from tests.test_trainer import CPU, make_batch
     from tests.test_trainer import make_config as trainer_config
 

@@ -10,7 +10,7 @@ import pytest
 
 import meshrl
 from meshrl.config import ConfigError
-from meshrl.evaluation import resolve_target, summarize_eval
+from meshrl.controller.evaluation import resolve_target, summarize_eval
 from tests.test_loop import tiny, wait_no_children
 
 

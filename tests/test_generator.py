@@ -608,7 +608,7 @@ class WeightsPublisher(Actor):
 
     def __init__(self, weight_sync: dict):
         from meshrl.config import WeightSyncConfig
-        from meshrl.weightsync import Publisher
+        from meshrl.weightsync.publisher import Publisher
 
         self.publisher = Publisher(WeightSyncConfig(**weight_sync))
 
@@ -626,7 +626,7 @@ def test_weight_sync_update_equals_loading_the_tensors(world):
     """sync_weights: the subscriber fetches into its shared buffer and vLLM loads from that
     buffer in place; the engine ends up exactly as when the same tensors are copied in."""
     from meshrl.config import WeightSyncConfig
-    from meshrl.weightsync import WeightSync
+    from meshrl.weightsync.connect import WeightSync
 
     gen = world["gen"]
     weight_sync = {"transport": "rdma", "timeout_s": 60.0}
@@ -677,7 +677,7 @@ def test_multi_turn_episodes_spanning_an_update_carry_the_right_version_on_every
     go back within an episode, and env tokens carry none."""
     from meshrl.episode import PAD_VERSION, pack
     from meshrl.queue import Claim
-    from meshrl.rollout.worker import RolloutWorker
+    from meshrl.agent.worker import RolloutWorker
 
     gen = world["gen"]
     forced = forced_state_dict(world["model"])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from meshrl.config import Config
-from meshrl.trainer.actor import PolicyTrainer
+from meshrl.trainer.policy import PolicyTrainer
 from meshrl.trainer.lora import PEFT_PREFIX
 from tests.conftest import build_lora_base, make_group
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from meshrl import episode
 from meshrl.config import Config
-from meshrl.queue import EpisodeQueue, EpisodeQueueActor, QueueClosed, straggler_wait
+from meshrl.queue import EpisodeQueue, QueueClosed, straggler_wait
+from meshrl.queue.actor import EpisodeQueueActor
 from tests.conftest import make_group
 
 

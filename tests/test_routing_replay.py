@@ -177,7 +177,7 @@ def test_the_trainer_replays_a_batchs_routed_experts():
     trainer.loss.routing_replay off they route live and differ."""
     from meshrl.config import Config
     from meshrl.episode import PAD_VERSION
-    from meshrl.trainer.actor import PolicyTrainer
+    from meshrl.trainer.policy import PolicyTrainer
     from tests.conftest import make_group
 
     def trainer(replay: bool) -> PolicyTrainer:

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 
 from meshrl.config import Config, ConfigError, LossConfig, ModelConfig
 from meshrl.episode import Episode, Turn, assign_advantages, pack
-from meshrl.trainer import actor as trainer_actor
+from meshrl.trainer import policy as trainer_policy
 from meshrl.trainer import checkpoint as ckpt
-from meshrl.trainer.actor import PolicyTrainer, micro_batch_count, rank_rows, spawn_trainer
+from meshrl.trainer.actor import spawn_trainer
+from meshrl.trainer.policy import PolicyTrainer, micro_batch_count, rank_rows
 from meshrl.trainer.logprobs import token_logprobs
 from meshrl.trainer.losses import CORRECTIONS, policy_loss
 from meshrl.trainer.model import build_model, model_args_from_hf
@@ -238,7 +239,7 @@ def test_env_tokens_never_train_in_a_train_step(monkeypatch):
         seen.append((logprobs, loss_mask.clone()))
         return policy_loss(logprobs, sampler_logprobs, advantage, loss_mask, cfg, **kwargs)
 
-    monkeypatch.setattr(trainer_actor, "policy_loss", spy)
+    monkeypatch.setattr(trainer_policy, "policy_loss", spy)
     steps = []
     for b in (batch, changed):
         trainer = PolicyTrainer(make_config(), CPU)

@@ -23,7 +23,10 @@ import monarch.actor
 from monarch.actor import Actor, endpoint, this_host
 
 from meshrl.config import WeightSyncConfig
-from meshrl.weightsync import Publisher, Subscriber, WeightSync, WeightSyncError, plan_layout
+from meshrl.weightsync import WeightSyncError, plan_layout
+from meshrl.weightsync.connect import WeightSync
+from meshrl.weightsync.publisher import Publisher
+from meshrl.weightsync.subscriber import Subscriber
 from meshrl.weightsync.layout import allocate, pack, unpack
 from meshrl.weightsync.staging import StagingPool
 from tests.conftest import fetched_into_shared_buffer

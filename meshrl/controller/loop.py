@@ -30,12 +30,12 @@ from meshrl.controller.replicas import GeneratorPool, WorkerPool
 from meshrl.launch import allocate
 from meshrl.metrics import MetricsWriter
 from meshrl.placement import auto_placement
-from meshrl.queue import EpisodeQueueActor
+from meshrl.queue.actor import EpisodeQueueActor
 from meshrl.rollout.env import RewardFn
 from meshrl.tokenizer import build_char_tokenizer
 from meshrl.trainer.actor import spawn_trainer
 from meshrl.trainer.checkpoint import checkpoint_step, write_atomic
-from meshrl.weightsync import WeightSync
+from meshrl.weightsync.connect import WeightSync
 
 log = logging.getLogger("meshrl")
 CHECKPOINT_FILE = "loop_state.pt"
@@ -196,7 +196,7 @@ class RLLoop:
         return TrainerFailed(f"the episode queue stopped answering at version {self.version}: its host "
                              f"(the coordinator's, with the rollout workers) is down or unreachable; {self._how_to_resume()}")
 
-    # ---- evaluation beside training (meshrl/evaluation.py) ------------------------------------
+    # ---- evaluation beside training (controller/evaluation.py) ------------------------------
     def _evaluate_if_due(self) -> None:
         """Start the evaluation of this version in the background every eval.every steps and
         at the last one. One runs at a time: a due one is skipped while the previous still
@@ -212,7 +212,7 @@ class RLLoop:
         self._eval_task = asyncio.create_task(self._evaluate(self.version, previous))
 
     async def _evaluate(self, version: int, previous: asyncio.Task | None = None) -> dict[str, float] | None:
-        from meshrl.evaluation import eval_timeout_s, evaluate_on, write_results
+        from meshrl.controller.evaluation import eval_timeout_s, evaluate_on, write_results
 
         if previous is not None:
             await asyncio.gather(previous, return_exceptions=True)

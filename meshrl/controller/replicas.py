@@ -19,7 +19,8 @@ from typing import Awaitable, Callable
 from meshrl.compat import awaited
 from meshrl.config import Config
 from meshrl.generator.actor import GeneratorActor
-from meshrl.rollout.worker import RolloutWorkerActor, summarize
+from meshrl.agent.actor import RolloutWorkerActor
+from meshrl.agent.worker import summarize
 
 log = logging.getLogger("meshrl")
 WORKER_ID_STRIDE = 1 << 20

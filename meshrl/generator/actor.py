@@ -126,7 +126,7 @@ class GeneratorActor(Actor):
     async def weight_sync_handle(self):
         """This replica's weight-sync subscriber handle (see meshrl.weightsync)."""
         if self.subscriber is None:
-            from meshrl.weightsync import Subscriber
+            from meshrl.weightsync.subscriber import Subscriber
 
             # shared memory: the fetched tensors are handed on to vLLM's engine-core process
             self.subscriber = Subscriber(self._gen().config.weight_sync, shared_memory=True)

@@ -158,7 +158,7 @@ class VLLMEngine:
     async def start(self, version: int = 0) -> float:
         """Start the engine (bounded by generator.startup_timeout_s); returns seconds taken."""
         from meshrl.compat import vllm_cpu_defaults
-        from meshrl.launch import gloo_on_this_host
+        from meshrl.host import gloo_on_this_host
 
         vllm_cpu_defaults(self.gen.startup_timeout_s)
         from vllm.v1.engine.async_llm import AsyncLLM

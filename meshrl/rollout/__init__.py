@@ -1,2 +1,3 @@
-"""The rollout side: envs (env.py), tools and chat rendering (tools.py, chat.py), and the
-rollout workers that play episodes against the generation service (worker.py)."""
+"""What episodes are played against: the env protocol (env.py), tools (tools.py), chat
+rendering (chat.py) and OpenEnv environments (openenv.py). The rollout workers that play
+them live in `meshrl/agent/`."""

@@ -5,5 +5,8 @@
 - logprobs.py: chunked per-token log-probs / entropies of response tokens.
 - losses.py: the GRPO policy loss and its off-policy corrections.
 - checkpoint.py: HF export/import, the HF-named weight stream, atomic DCP checkpoints.
-- actor.py: `PolicyTrainer` (one rank), `TrainerActor` (Monarch), `spawn_trainer` -> `TrainerMesh`.
+- lora.py: LoRA adapters on TorchTitan modules, PEFT export.
+- routing.py: MoE routing replay.
+- policy.py: `PolicyTrainer`, one rank in plain PyTorch (no Monarch).
+- actor.py: the Monarch shell: `TrainerActor`, `spawn_trainer` -> `TrainerMesh`.
 """

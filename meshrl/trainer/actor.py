@@ -1,10 +1,9 @@
 """The trainer mesh: one `TrainerActor` per Monarch proc, each one rank of an FSDP2/EP job.
 
-Three layers, each usable on its own:
-- `PolicyTrainer`: one rank's model, optimizer and schedule, plain Python (no Monarch).
-  `train_step` splits the batch over data-parallel ranks by whole groups, accumulates
-  micro-batch gradients normalised by global counts, clips and steps AdamW.
-- `TrainerActor`: the Monarch actor that inits torch.distributed and wraps a PolicyTrainer.
+The Monarch shell around `meshrl/trainer/policy.py`'s `PolicyTrainer` (the plain-PyTorch
+rank):
+- `TrainerActor`: inits torch.distributed from the elastic env, pins its cores, wraps a
+  PolicyTrainer, pulls batches from the episode queue and publishes each new version.
 - `TrainerMesh` / `spawn_trainer`: the controller's handle (spawn procs, elastic env,
   actors, setup; call endpoints with timeouts; stop everything on every exit path).
 """
@@ -13,324 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import time
-from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from monarch.actor import Actor, endpoint, this_host
 
-from meshrl.compat import tcp_store_listening_on, titan_float32_islands_under_cpu_autocast, vllm_runs_lora_on
-from meshrl.launch import gloo_on_this_host, host_address
+from meshrl.compat import awaited, tcp_store_listening_on
 from meshrl.config import Config
+from meshrl.host import gloo_on_this_host, host_address
 from meshrl.logs import capture_role_output
 from meshrl.placement import cpus_for, pin_this_process
-from meshrl.compat import awaited
-from meshrl.episode import PAD_VERSION, group_slices, trim
-from meshrl.trainer import checkpoint as ckpt
-from meshrl.trainer import lora
-from meshrl.trainer.logprobs import token_logprobs
-from meshrl.trainer.losses import policy_loss, reduce_metrics
-from meshrl.trainer.model import MOE_FAMILIES, build_model, model_args_from_hf
-from meshrl.trainer.routing import input_positions
-from meshrl.trainer.parallelize import compile_config, compile_unsharded, compute_dtype, parallelism_config, parallelize
-
-
-def rank_rows(td: TensorDict, rank: int, world: int) -> list[int]:
-    """Rows of `td` that data-parallel `rank` trains on: a contiguous share of whole groups."""
-    groups = group_slices(td)
-    per, extra = divmod(len(groups), world)
-    start = rank * per + min(rank, extra)
-    mine = groups[start:start + per + (1 if rank < extra else 0)]
-    return [i for s in mine for i in range(s.start, s.stop)]
-
-
-def micro_batch_count(td: TensorDict, world: int, micro_batch_size: int) -> int:
-    """Micro-batches every rank runs: the most any rank needs (collectives must stay in step)."""
-    return max(1, max(math.ceil(len(rank_rows(td, r, world)) / micro_batch_size) for r in range(world)))
-
-
-class PolicyTrainer:
-    """One rank of the trainer: model (sharded when world > 1), AdamW, warm-up schedule, version."""
-
-    def __init__(self, config: Config, device: torch.device, rank: int = 0, world_size: int = 1):
-        self.config, self.device, self.rank, self.world = config, device, rank, world_size
-        mcfg, tcfg = config.model, config.trainer
-        overrides: dict = {}
-        if mcfg.path is not None:
-            hf_cfg, overrides = model_args_from_hf(mcfg.path)
-            mcfg = hf_cfg
-        self.model_config = mcfg
-        self.parallelism = parallelism_config(tcfg, world_size)
-        self.model, self.specs = build_model(mcfg, device, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism,
-                                             lora=config.lora)
-        if mcfg.path is not None:
-            ckpt.load_hf(self.model, self.specs, mcfg.path)
-        self.ref_model = None
-        if tcfg.loss.kl_coef > 0:  # frozen copy of the initial policy for the KL penalty
-            self.ref_model, _ = build_model(mcfg, device, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism,
-                                            lora=config.lora)
-            self.ref_model.load_state_dict(self.model.state_dict())
-            self.ref_model.requires_grad_(False)
-        self.compute_dtype = compute_dtype(tcfg, device.type)
-        if device.type == "cpu" and self.compute_dtype != torch.float32:
-            for model in (self.model, self.ref_model):
-                if model is not None:
-                    titan_float32_islands_under_cpu_autocast(model)
-        self.dims = None
-        compile_cfg = compile_config(tcfg)
-        if dist.is_initialized():
-            from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
-
-            self.model, self.dims = parallelize(self.model, self.specs.parallelize_fn, self.parallelism, world_size, device.type,
-                                                self.compute_dtype, compile_cfg)
-            # losses are normalised by global token/sequence counts: ranks' gradients must
-            # add up, not average (TorchTitan's own trainer does the same)
-            disable_fsdp_gradient_division(self.model)
-            if self.ref_model is not None:
-                self.ref_model, _ = parallelize(self.ref_model, self.specs.parallelize_fn, self.parallelism, world_size, device.type,
-                                                self.compute_dtype, compile_cfg)
-        else:
-            for model in (self.model, self.ref_model):
-                if model is not None:
-                    compile_unsharded(model, self.parallelism, compile_cfg)
-        self.model.train()
-        # with LoRA only the adapters train: the optimizer (and its state) holds them alone
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay, foreach=True)
-        warmup = tcfg.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-        self.step = 0
-        """Optimizer steps taken = the version of the current weights."""
-        self._base_exported: str | None = None  # LoRA: where the base weights were exported
-
-    # ---- scoring ------------------------------------------------------------------------
-    def _logprobs(self, model, packed: TensorDict, with_entropy: bool = False, score_mask=None, misses: list | None = None,
-                  replay: bool = True, replay_changed: list | None = None):
-        tokens = packed["tokens"].to(self.device)
-        mask = (packed["loss_mask"] if score_mask is None else score_mask).to(self.device)
-        g = self.config.generator
-        top_k, top_p = (g.top_k, g.top_p) if self.config.trainer.loss.sampling_mask else (-1, 1.0)
-        routed = None  # MoE routing replay: the policy's routers take the sampler's expert choices
-        if replay and self.config.trainer.loss.routing_replay and "routed_experts" in packed.keys():
-            routed = input_positions(packed["routed_experts"]).to(self.device)
-        with self.autocast():
-            return token_logprobs(model, tokens, mask, g.temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p,
-                                  misses=misses, routed_experts=routed, replay_changed=replay_changed)
-
-    def autocast(self):
-        """Autocast to `trainer.compute_dtype` where FSDP2's param dtype does not already
-        give it (CPU, or an unsharded GPU proc). Log-probs come out float32 either way."""
-        on = self.compute_dtype != torch.float32 and (self.device.type == "cpu" or self.dims is None)
-        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=on)
-
-    def warm_up(self) -> None:
-        """Run forward and backward once on a dummy batch, leaving weights, optimizer and step
-        as they were: with `trainer.compile` the blocks compile here, in setup, while the
-        generators start, rather than in the first step. Every rank calls it (collectives)."""
-        # About a real micro-batch's shape (a 16-token prompt plus the full response, capped
-        # at 512): inductor guards some kernels on the element count, and a [3, 17] warm-up
-        # recompiled at the first step. rows != length, since dynamo ties equal sizes
-        # together. No RNG draws.
-        c = self.config
-        rows = min(c.trainer.micro_batch_size, c.batch_groups * c.generator.group_size)
-        length = min(c.generator.max_new_tokens + 16, 512)
-        length += length == rows
-        tokens = (torch.arange(rows * length, device=self.device) % self.model_config.vocab_size).view(rows, length)
-        mask = torch.ones_like(tokens, dtype=torch.bool)
-        with self.autocast():
-            logprobs, _ = token_logprobs(self.model, tokens, mask, self.config.generator.temperature)
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    token_logprobs(self.ref_model, tokens, mask, self.config.generator.temperature)
-        logprobs.sum().backward()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    @torch.no_grad()
-    def compute_logprobs(self, batch: TensorDict) -> tuple[list[int], torch.Tensor]:
-        """This rank's share of `batch`: (row indices, [rows, T] log-probs of every model token)."""
-        rows = rank_rows(batch, self.rank, self.world)
-        n_micro = micro_batch_count(batch, self.world, self.config.trainer.micro_batch_size)
-        mb = self.config.trainer.micro_batch_size
-        T = batch["tokens"].shape[1]
-        outs = []
-        for i in range(n_micro):
-            idx = rows[i * mb:(i + 1) * mb]
-            part = batch[torch.tensor(idx or [0])]  # a rank with no rows left still runs the collectives
-            lp, _ = self._logprobs(self.model, part, score_mask=part["versions"] != PAD_VERSION)
-            if idx:
-                outs.append(lp.cpu())
-        return rows, torch.cat(outs) if outs else torch.zeros(0, T)
-
-    # ---- training -----------------------------------------------------------------------
-    def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict[str, float]:
-        """One optimizer step on `batch` (the full batch; every rank gets the same one).
-
-        Returns metrics and `version`, the policy version the step produced (= steps taken).
-        """
-        t0 = time.perf_counter()
-        tcfg, lcfg = self.config.trainer, self.config.trainer.loss
-        version = self.step if current_version is None else current_version
-        # global denominators, so that micro-batch losses on all ranks sum to the batch loss
-        token_count = int(batch["loss_mask"].sum())
-        seq_count = int(batch["loss_mask"].any(dim=1).sum())
-        rows = rank_rows(batch, self.rank, self.world)
-        mb = tcfg.micro_batch_size
-        n_micro = micro_batch_count(batch, self.world, mb)
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics: list[dict[str, torch.Tensor]] = []
-        lag_sum, lag_max = torch.zeros(()), torch.zeros(())
-        for i in range(n_micro):
-            idx = rows[i * mb:(i + 1) * mb]
-            packed = trim(batch[torch.tensor(idx or [0])]).to(self.device)
-            want_entropy = lcfg.entropy_coef > 0
-            misses: list = []
-            replay_changed: list = []
-            logprobs, entropy = self._logprobs(self.model, packed, with_entropy=want_entropy, misses=misses, replay_changed=replay_changed)
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref, _ = self._logprobs(self.ref_model, packed, replay=False)  # another model: its own routing
-            # on-policy distillation (meshrl/distill.py): per-token advantages replace the [B] ones
-            distill = "token_advantage" in packed.keys()
-            # One optimizer step per batch: the weights before the update are the weights of
-            # this forward, so pi_prox is its detached value (no second forward needed).
-            loss, m = policy_loss(
-                logprobs, packed["sampler_logprobs"], packed["token_advantage" if distill else "advantage"], packed["loss_mask"], lcfg,
-                prox_logprobs=logprobs.detach(), ref_logprobs=ref, entropy=entropy,
-                token_count=token_count, seq_count=seq_count,
-            )
-            if self.config.trainer.loss.sampling_mask and (self.config.generator.top_k > 0 or self.config.generator.top_p < 1):
-                m["sampling_mask_miss_sum"] = misses[0]  # sampled tokens outside the trainer's kept set
-            if replay_changed:  # trained tokens whose forward replay moved off the live routers' choice
-                at_token = torch.zeros_like(packed["loss_mask"])
-                at_token[:, 1:] = replay_changed[0][:, :-1]
-                m["routing_replay_changed_sum"] = (at_token & packed["loss_mask"]).sum().float()
-            if distill:  # reduce_metrics: distill_reverse_kl, the token mean of log mu - log pi_teacher
-                gap = packed["sampler_logprobs"] - packed["teacher_logprobs"]
-                m["distill_reverse_kl_sum"] = torch.where(packed["loss_mask"], gap, 0.0).sum().detach()
-            if not idx:  # padding micro-batch: gradient of zero, metrics of nothing
-                loss = loss * 0.0
-                m = {k: torch.zeros_like(v) for k, v in m.items()}
-            loss.backward()
-            metrics.append({k: v.detach().cpu() for k, v in m.items()})
-            if idx:
-                mask = packed["loss_mask"].cpu()
-                lag = (version - packed["versions"].cpu()).clamp(min=0)
-                lag_sum += (lag * mask).sum()
-                lag_max = torch.maximum(lag_max, torch.where(mask, lag, 0).max() if mask.any() else lag_max)
-        grad_norm = self._clip_grads(tcfg.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-        merged = self._reduce_across_ranks(metrics, lag_sum, lag_max)
-        out = reduce_metrics([merged])
-        out.pop("lag_max", None)
-        tokens = max(out.get("tokens", 0.0), 1.0)
-        out.update(
-            version=self.step, grad_norm=float(grad_norm), logprob_mismatch=out.get("mismatch", 0.0),
-            staleness_mean=float(merged["lag_sum"]) / tokens, staleness_max=float(merged["lag_max"]),
-            # the reward of the very episodes this step trained on (reward/mean covers those
-            # finished since the last step, newer in async mode); failed ones did not train
-            reward_mean=_trained_reward(batch),
-            lr=self.scheduler.get_last_lr()[0], step_time_s=time.perf_counter() - t0,
-            tokens_per_s=token_count / (time.perf_counter() - t0),
-        )
-        return out
-
-    def _clip_grads(self, max_norm: float) -> torch.Tensor:
-        from torchtitan.distributed.utils import clip_grad_norm_
-
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        ep = self.dims is not None and self.dims.ep_enabled
-        return clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True, ep_enabled=ep).detach().cpu()
-
-    def _reduce_across_ranks(self, metrics: list[dict[str, torch.Tensor]], lag_sum, lag_max) -> dict[str, torch.Tensor]:
-        keys = sorted(metrics[0])
-        sums = torch.stack([sum(m[k] for m in metrics).float() for k in keys if k.endswith("_sum")] + [lag_sum.float()])
-        maxes = torch.stack([max(m[k] for m in metrics).float() for k in keys if k.endswith("_max")] + [lag_max.float()])
-        if dist.is_initialized() and self.world > 1:
-            sums, maxes = sums.to(self.device), maxes.to(self.device)
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-            sums, maxes = sums.cpu(), maxes.cpu()
-        out = dict(zip([k for k in keys if k.endswith("_sum")] + ["lag_sum"], sums))
-        out.update(zip([k for k in keys if k.endswith("_max")] + ["lag_max"], maxes))
-        return out
-
-    # ---- weights out and in -------------------------------------------------------------
-    def hf_state_dict(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named weights, one tensor at a time (collective: iterate on every rank)."""
-        return ckpt.hf_state_dict(self.model, self.specs, dtype)
-
-    def sync_state_dict(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """What weight sync publishes each version: the full HF-named weights, or with LoRA
-        the PEFT-named adapter alone where the generators run it (compat.vllm_runs_lora_on;
-        elsewhere the merged weights). Collective: iterate on every rank."""
-        if self.config.lora.rank > 0 and vllm_runs_lora_on(moe=self.model_config.family in MOE_FAMILIES):
-            return self.adapter_state_dict(dtype)
-        return self.hf_state_dict(dtype)
-
-    def adapter_state_dict(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """The LoRA adapter, PEFT-named (collective)."""
-        return lora.adapter_state_dict(self.model, self.specs.adapter_cls(self.specs.titan_config, None), dtype)
-
-    def export_hf(self, path: str, dtype: torch.dtype | None = None, base_dir: str | None = None) -> str:
-        """A HF checkpoint of the current policy at `path` (LoRA: merged), and with LoRA its
-        PEFT adapter in `path/adapter`, over the base model: `model.path`, or the from-scratch
-        base weights exported once to `base_dir`. Collective."""
-        dtype = dtype or getattr(torch, self.config.model.dtype)
-        source = os.path.join(self.config.model.path, "config.json") if self.config.model.path else None
-        out = ckpt.export_hf(self.model, self.specs, path, dtype, source_config=source)
-        if self.config.lora.rank > 0:
-            base = self.config.model.path
-            if base is None:
-                if base_dir is None:
-                    raise ValueError("a from-scratch LoRA model needs base_dir to export its base weights to")
-                base = os.path.abspath(base_dir)
-                if base != self._base_exported:  # the base never changes: once per place (every rank alike)
-                    ckpt.export_hf(self.model, self.specs, base, dtype, merge_lora=False)
-                    self._base_exported = base
-            tensors = dict(self.adapter_state_dict(dtype))
-            if self.rank == 0:
-                lora.write_adapter(os.path.join(out, "adapter"), tensors, self.config.lora, base)
-        return out
-
-    def save_checkpoint(self, root: str) -> str:
-        return ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler)
-
-    def load_checkpoint(self, path: str) -> int:
-        meta = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
-        self.step = int(meta["step"])
-        return self.step
-
-    def shard_info(self) -> dict[str, Any]:
-        """Local vs full parameter counts (and routed experts held here, for MoE)."""
-        from torch.distributed.tensor import DTensor
-
-        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.model.parameters())
-        full = sum(p.numel() for p in self.model.parameters())
-        info = {"rank": self.rank, "world": self.world, "local_params": local, "full_params": full, "pid": os.getpid()}
-        if self.model_config.family in MOE_FAMILIES:
-            for name, p in self.model.named_parameters():
-                if "experts" in name and name.endswith("w1_EFD"):
-                    local_p = p.to_local() if isinstance(p, DTensor) else p
-                    info["local_experts"] = int(local_p.shape[0])
-                    info["num_experts"] = int(p.shape[0])
-                    info["expert_placements"] = str(getattr(p, "placements", None))
-                    break
-        return info
-
-
-def _trained_reward(batch: TensorDict) -> float:
-    """Mean reward over the batch's episodes that trained (not failed); 0 if none did."""
-    from meshrl.episode import FINISH_REASONS
-
-    ok = batch["finish_reason"] != FINISH_REASONS["failed"]
-    return float(batch["reward"][ok].mean()) if ok.any() else 0.0
+from meshrl.trainer.policy import PolicyTrainer
 
 
 class TrainerActor(Actor):
@@ -382,7 +77,7 @@ class TrainerActor(Actor):
         if trainer.rank != 0:
             return None
         if self.publisher is None:
-            from meshrl.weightsync import Publisher
+            from meshrl.weightsync.publisher import Publisher
 
             self.publisher = Publisher(trainer.config.weight_sync)
         return self.publisher.handle

@@ -23,7 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from meshrl.trainer.lora import lora_modules, merged_weight
 from meshrl.trainer.model import ModelSpecs
+from meshrl.trainer.parallelize import full_tensor
 
 LATEST = "latest"
 COMPLETE_MARKER = "meshrl_complete.json"
@@ -38,10 +40,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 # ---- HF names ------------------------------------------------------------------------------
 def hf_state_dict(model: nn.Module, specs: ModelSpecs, dtype: torch.dtype | None = None,
                   merge_lora: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -52,14 +50,12 @@ def hf_state_dict(model: nn.Module, specs: ModelSpecs, dtype: torch.dtype | None
     A LoRA model yields its merged weights (W + alpha/r B A) under the base names, or with
     `merge_lora=False` its base weights.
     """
-    from meshrl.trainer.lora import lora_modules, merged_weight
-
     adapter = specs.adapter_cls(specs.titan_config, None)
     adapted = {f"{fqn}.weight": m for fqn, m in lora_modules(model).items()} if merge_lora else {}
     for name, tensor in model.state_dict().items():
         if ".lora_a." in name or ".lora_b." in name:
             continue  # folded into the base weight below
-        full = _full(tensor.detach())
+        full = full_tensor(tensor.detach())
         if name in adapted:
             full = merged_weight(adapted[name], full)
         for hf_name, hf_tensor in adapter.to_hf({name: full}).items():

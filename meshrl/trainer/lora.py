@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshrl.config import LoRAConfig
-from meshrl.trainer.checkpoint import _full
+from meshrl.trainer.parallelize import full_tensor
 
 TITAN_NAMES = {"q_proj": "wq", "k_proj": "wkv", "v_proj": "wkv", "o_proj": "wo",
                "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -71,7 +71,7 @@ def hf_module_names(model: nn.Module, adapter) -> dict[str, str]:
 def merged_weight(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """`weight` (the module's full base weight) with its adapter folded in: W + alpha/r B A.
     Collective under FSDP (the adapters are gathered)."""
-    a, b = _full(module.lora_a.weight.detach()), _full(module.lora_b.weight.detach())
+    a, b = full_tensor(module.lora_a.weight.detach()), full_tensor(module.lora_b.weight.detach())
     return weight + module._lora_scaling * (b.float() @ a.float()).to(weight.dtype)
 
 
@@ -82,7 +82,7 @@ def adapter_state_dict(model: nn.Module, adapter, dtype: torch.dtype | None = No
     for fqn, hf in hf_module_names(model, adapter).items():
         module = modules[fqn]
         for peft, part in (("lora_A", module.lora_a), ("lora_B", module.lora_b)):
-            t = _full(part.weight.detach())
+            t = full_tensor(part.weight.detach())
             yield f"{PEFT_PREFIX}{hf}.{peft}.weight", (t if dtype is None else t.to(dtype)).contiguous()
 
 

@@ -20,6 +20,7 @@ import torch
 
 from meshrl.compat import titan_use_sdpa_attention
 from meshrl.config import MOE_FAMILIES, ModelConfig
+from meshrl.trainer import lora as adapters
 
 
 @dataclass
@@ -204,8 +205,6 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int 
     hf_overrides = hf_overrides or {}
     titan_config, adapter_cls, parallelize_fn = _FAMILIES[cfg.family](cfg, **hf_overrides)
     if lora is not None and lora.rank > 0:
-        from meshrl.trainer import lora as adapters
-
         titan_config = adapters.convert_config(titan_config, lora)
     titan_use_sdpa_attention(titan_config)
     if parallelism is not None:

@@ -14,6 +14,14 @@ from meshrl.compat import titan_force_sum_reduction, titan_use_cpu_device_type
 from meshrl.config import TrainerConfig
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a sharded DTensor (a collective: every rank calls it in step);
+    a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def parallelism_config(tcfg: TrainerConfig, world_size: int):
     """TorchTitan's ParallelismConfig for the trainer mesh: FSDP over all ranks (or dp_shard) x EP."""
     from torchtitan.config import ParallelismConfig

@@ -4,7 +4,7 @@ How the pieces plug in (three small additions, no base class needed):
 
 Trainer actor (the rank that holds the gathered, HF-named tensors)::
 
-    from meshrl.weightsync import Publisher
+    from meshrl.weightsync.publisher import Publisher
     self.publisher = Publisher(cfg.weight_sync)          # in __init__ or setup, inside the actor
     @endpoint
     def weight_sync_handle(self):                        # async def if the actor's endpoints are async
@@ -14,7 +14,7 @@ Trainer actor (the rank that holds the gathered, HF-named tensors)::
 
 Generator actor::
 
-    from meshrl.weightsync import Subscriber
+    from meshrl.weightsync.subscriber import Subscriber
     self.subscriber = Subscriber(cfg.weight_sync, shared_memory=True)
     @endpoint
     async def weight_sync_handle(self):
@@ -29,17 +29,25 @@ Controller::
     ...after a trainer (or generator) restart:
     await ws.reconnect(publisher=new_handle)
 
+    from meshrl.weightsync.connect import WeightSync
+
 `fetch` returns views into one flat buffer, valid until the next fetch returns. Every
 failure is a WeightSyncError (WeightSyncTimeout for timeouts) within weight_sync.timeout_s.
+
+The package itself exposes the pure pieces, which import torch and the standard library
+only: the bucket layout and packing (layout.py, bytecopy.py), the staging snapshots
+(staging.py), the receive buffers (buffers.py), the broadcast and file transports
+(collective.py, files.py). The Monarch agents live in publisher.py, subscriber.py and
+rdma.py; import them from there.
 """
 
-from meshrl.weightsync.connect import WeightSync
+from meshrl.weightsync.buffers import ReceiveBuffers
 from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
-from meshrl.weightsync.layout import Layout, plan_layout
-from meshrl.weightsync.publisher import Publisher, PublisherAgent
-from meshrl.weightsync.subscriber import Subscriber, SubscriberAgent
+from meshrl.weightsync.layout import Layout, allocate, pack, plan_layout, unpack
+from meshrl.weightsync.spec import SyncSpec
+from meshrl.weightsync.staging import StagingPool
 
 __all__ = [
-    "Layout", "Publisher", "PublisherAgent", "Subscriber", "SubscriberAgent",
-    "WeightSync", "WeightSyncError", "WeightSyncTimeout", "plan_layout",
+    "Layout", "ReceiveBuffers", "StagingPool", "SyncSpec", "WeightSyncError", "WeightSyncTimeout",
+    "allocate", "pack", "plan_layout", "unpack",
 ]

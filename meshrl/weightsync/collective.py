@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from meshrl.launch import host_address
+from meshrl.host import host_address
 from meshrl.weightsync.buffers import ReceiveBuffers
 from meshrl.weightsync.errors import WeightSyncError
 from meshrl.weightsync.layout import Layout

@@ -18,7 +18,7 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, this_proc
 
 from meshrl.config import WeightSyncConfig
-from meshrl.weightsync import rdma
+from meshrl.weightsync.rdma import serve_acquire
 from meshrl.weightsync.collective import CollectiveSender
 from meshrl.weightsync.errors import WeightSyncError
 from meshrl.weightsync.files import FileWriter
@@ -97,7 +97,7 @@ class PublisherAgent(Actor):
 
     @concurrent_endpoint
     async def acquire(self, min_version: int, have_layout: str | None, have_slots: list[int], wait_s: float):
-        return await rdma.serve_acquire(self.publisher.pool, min_version, have_layout, have_slots, wait_s)
+        return await serve_acquire(self.publisher.pool, min_version, have_layout, have_slots, wait_s)
 
     @concurrent_endpoint
     async def release(self, lease_id: int) -> bool:

@@ -79,7 +79,7 @@ async def evaluate_checkpoint(config: Config, checkpoint_dir: str, tokenizer_dir
     from meshrl.controller.replicas import GeneratorPool
     from meshrl.data import eval_records
     from meshrl.launch import allocate
-    from meshrl.rollout.worker import RolloutWorkerActor
+    from meshrl.agent.actor import RolloutWorkerActor
 
     records = eval_records(config)
     async with allocate(config) as alloc:

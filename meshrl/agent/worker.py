@@ -1,4 +1,4 @@
-"""Rollout workers: actors that play groups of episodes and hand them to the episode queue.
+"""Rollout workers: play groups of episodes and hand them to the episode queue.
 
     claim = queue.claim(worker)                        # a group: one record, admitted at version v
     for each of generator.group_size episodes, concurrently:
@@ -17,6 +17,9 @@ the env pool (`rollout.workers`). Failures stay small:
 - a generator call that fails (a dead replica) re-queues the whole group, which is played
   again from its start: no episode is lost or trained twice;
 - a dead worker proc is replaced by the controller, and the queue re-queues its groups.
+
+`RolloutWorker` is plain asyncio (no Monarch): the actor in `actor.py` serves it on a
+proc, tests drive it directly. Turns reach the generators through `turns.py`.
 """
 
 from __future__ import annotations
@@ -24,19 +27,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
-
-from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.compat import awaited
 from meshrl.config import Config
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, pack
-from meshrl.logs import capture_role_output
-from meshrl.placement import place_light_process
 from meshrl.rollout.chat import ChatRenderer
 from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, call_bounded
+from meshrl.agent.turns import GenerationFailed, TurnBatcher
 
 log = logging.getLogger("meshrl")
 
@@ -44,18 +43,13 @@ CLAIM_POLL_S = 1.0
 """How long the queue holds one claim before answering None (then asked again)."""
 RETRY_AFTER_S = 1.0
 """Pause of a slot whose group was re-queued after a generator failure."""
-COALESCE_S = 0.002
-"""Model turns asked for within this long of the first go to a replica in one message."""
-
-
-class GenerationFailed(RuntimeError):
-    """A generator call failed: the group is re-queued, not trained."""
 
 
 def env_factory(config: Config, reward_fn=None):
     """() -> a fresh Env per episode: `rollout.env`, else the task's own env, else a
     SingleTurnEnv around the run's reward (passed in code, scoring.*, or the task's)."""
-    from meshrl.scoring import import_callable, resolve_reward
+    from meshrl.imports import import_callable
+    from meshrl.scoring import resolve_reward
     from meshrl.tasks import get_task
 
     r = config.rollout
@@ -94,83 +88,20 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.make_env = env_factory(config, reward_fn)
         self.make_eval_env = env_factory(eval_view(config), reward_fn) if config.eval.source else self.make_env
-        self.generators: list = []
+        self.turns = TurnBatcher(config)
         self.teacher = None  # on-policy distillation: the teacher's scoring replica (meshrl/distill.py)
-        self._load: list[int] = []  # groups playing on each replica, for the least-loaded choice
-        self._failed: set[int] = set()  # replicas whose calls failed, skipped until the next set_generators
         self._renderers: dict[str, ChatRenderer] = {}
         self._task: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
-        self._waiting: dict[int, list] = {}  # replica -> model turns not yet sent, with their futures
-        self._calls: set[asyncio.Task] = set()  # generate_many calls in flight
         self._stopping = False
         self.window: list[dict[str, float]] = []  # per-episode stats since the last metrics()
         self.failed_total = 0
         self.requeued_total = 0
         self.error: str | None = None
 
-    # ---- generators ---------------------------------------------------------------------------
     def set_generators(self, generators: list) -> None:
         """The replicas to send model turns to (after a replacement or a rescale)."""
-        self.generators = list(generators)
-        self._load = (self._load + [0] * len(self.generators))[:len(self.generators)]
-        self._failed = set()
-
-    def _pick(self) -> int:
-        """The least-loaded replica, preferring those whose calls have not failed: a dead
-        replica answers at once, and would otherwise draw every new group until replaced."""
-        if not self.generators:
-            raise GenerationFailed("no generator replica")
-        healthy = [i for i in range(len(self.generators)) if i not in self._failed] or list(range(len(self.generators)))
-        return min(healthy, key=self._load.__getitem__)
-
-    async def _generate(self, replica: int, ids: list[int], budget: int, version: int, temperature: float | None = None):
-        """One model turn on `replica` (at `temperature`; None: generator.temperature). Turns
-        asked for within COALESCE_S of each other go to the replica in one `generate_many`
-        message: a group's episodes ask together."""
-        if replica >= len(self.generators):
-            raise GenerationFailed("its generator replica was removed")
-        future = asyncio.get_running_loop().create_future()
-        waiting = self._waiting.setdefault(replica, [])
-        waiting.append(((ids, budget, temperature, version), future))
-        if len(waiting) == 1:
-            asyncio.get_running_loop().call_later(COALESCE_S, self._send, replica)
-        out = await future
-        if isinstance(out, str):  # this sample failed on the replica: the group is played again
-            self._failed.add(replica)
-            raise GenerationFailed(f"generator replica {replica}: {out}")
-        return out
-
-    def _send(self, replica: int) -> None:
-        batch = self._waiting.pop(replica, [])
-        if not batch:
-            return
-        task = asyncio.ensure_future(self._call_many(replica, batch))
-        self._calls.add(task)
-        task.add_done_callback(self._calls.discard)
-
-        def abandon(_) -> None:  # every episode waiting on the call is gone (its group failed)
-            if all(future.done() for _, future in batch) and not task.done():
-                task.cancel()
-
-        for _, future in batch:
-            future.add_done_callback(abandon)
-
-    async def _call_many(self, replica: int, batch: list) -> None:
-        try:
-            if replica >= len(self.generators):
-                raise GenerationFailed("its generator replica was removed")
-            timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
-            results = await asyncio.wait_for(awaited(self.generators[replica].generate_many.call_one([r for r, _ in batch])), timeout)
-        except asyncio.CancelledError:  # the worker is stopping
-            for _, future in batch:
-                future.cancel()
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure of the call fails each of its samples
-            results = [f"{type(e).__name__}: {str(e).strip()[:200]}"] * len(batch)
-        for (_, future), result in zip(batch, results):
-            if not future.done():
-                future.set_result(result)
+        self.turns.set_generators(generators)
 
     def _renderer(self, env: Env) -> ChatRenderer:
         tools = getattr(env, "tools_schema", None) or None
@@ -202,7 +133,7 @@ class RolloutWorker:
                     ep.finish_reason = "length"
                     break
                 budget = min(c.generator.max_new_tokens, room, getattr(env, "max_new_tokens", None) or room)
-                out = await self._generate(replica, ep.token_ids, budget, version, temperature)
+                out = await self.turns.generate(replica, ep.token_ids, budget, version, temperature)
                 turn = Turn("model", out.token_ids, out.logprobs, out.versions, finish_reason=out.finish_reason,
                             routed_experts=out.routed_experts)
                 ep.turns.append(turn)
@@ -246,8 +177,7 @@ class RolloutWorker:
 
     async def play_group(self, claim) -> list[Episode]:
         n = self.config.generator.group_size
-        replica = self._pick()
-        self._load[replica] += 1
+        replica = self.turns.acquire()
         tasks = [asyncio.ensure_future(self.play_episode(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replica))
                  for i in range(n)]
         try:
@@ -260,8 +190,7 @@ class RolloutWorker:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         finally:
-            if replica < len(self._load):
-                self._load[replica] = max(0, self._load[replica] - 1)
+            self.turns.release(replica)
 
     async def evaluate(self, records: list[dict], version: int, k: int) -> list[dict]:
         """Each record played once greedily and `k` times at generator.temperature, beside
@@ -271,8 +200,7 @@ class RolloutWorker:
 
         async def one(i: int, record: dict, temperature: float | None) -> Episode:
             for attempt in range(3):
-                replica = self._pick()
-                self._load[replica] += 1
+                replica = self.turns.acquire()
                 try:
                     return await self.play_episode(-1, i, record, version, replica, temperature, self.make_eval_env)
                 except GenerationFailed:
@@ -280,8 +208,7 @@ class RolloutWorker:
                         raise
                     await asyncio.sleep(RETRY_AFTER_S)
                 finally:
-                    if replica < len(self._load):
-                        self._load[replica] = max(0, self._load[replica] - 1)
+                    self.turns.release(replica)
 
         async def record_result(i: int, record: dict) -> dict:
             episodes = await asyncio.gather(one(i, record, 0.0), *(one(i, record, None) for _ in range(k)))
@@ -420,53 +347,3 @@ def summarize(windows: list[dict[str, float]], failed_total: float = 0.0) -> dic
         "episode/failed_total": failed_total,
         "episode/env_s": sum(w["env_s"] for w in windows),
     }
-
-
-class RolloutWorkerActor(Actor):
-    """A rollout worker on a proc mesh: `start(queue, generators)` runs it in the background."""
-
-    def __init__(self, config: dict, tokenizer_dir: str, worker: int, reward_fn=None):
-        config = Config.from_dict(config)
-        capture_role_output(config, f"worker-{worker}")
-        place_light_process(config)
-        self.worker = RolloutWorker(config, tokenizer_dir, worker, reward_fn)
-
-    @endpoint
-    async def start(self, queue, generators: list, teacher=None) -> dict:
-        """Start playing; returns {"host", "pids": [(pid, start time)]} of this proc (the
-        controller watches it)."""
-        import socket
-
-        import psutil
-
-        self.worker.set_generators(generators)
-        self.worker.teacher = teacher
-        self.worker.start(queue)
-        return {"host": socket.gethostname(), "pids": [(os.getpid(), psutil.Process().create_time())]}
-
-    @concurrent_endpoint
-    async def set_generators(self, generators: list) -> None:
-        self.worker.set_generators(generators)
-
-    @concurrent_endpoint
-    async def set_teacher(self, teacher) -> None:
-        self.worker.teacher = teacher
-
-    @concurrent_endpoint
-    async def evaluate(self, records: list[dict], version: int, k: int) -> list[dict]:
-        return await self.worker.evaluate(records, version, k)
-
-    @concurrent_endpoint
-    async def health(self) -> str | None:
-        """The last error of the claim loop, or None (the controller asks, to see the proc lives)."""
-        return self.worker.error
-
-    @concurrent_endpoint
-    async def metrics(self) -> dict:
-        w = self.worker
-        return {"episodes": w.metrics(), "failed_total": w.failed_total, "requeued_total": w.requeued_total, "error": w.error}
-
-    @concurrent_endpoint
-    async def stop_rollouts(self, timeout_s: float = 30.0) -> None:
-        await self.worker.stop(timeout_s)
-

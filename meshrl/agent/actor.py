@@ -1,0 +1,63 @@
+"""A rollout worker on a proc mesh: `RolloutWorkerActor`, the Monarch shell around
+`worker.py`'s `RolloutWorker`. `start(queue, generators)` runs it in the background."""
+
+from __future__ import annotations
+
+import os
+
+from monarch.actor import Actor, concurrent_endpoint, endpoint
+
+from meshrl.agent.worker import RolloutWorker
+from meshrl.config import Config
+from meshrl.logs import capture_role_output
+from meshrl.placement import place_light_process
+
+
+class RolloutWorkerActor(Actor):
+    """A rollout worker on a proc mesh: `start(queue, generators)` runs it in the background."""
+
+    def __init__(self, config: dict, tokenizer_dir: str, worker: int, reward_fn=None):
+        config = Config.from_dict(config)
+        capture_role_output(config, f"worker-{worker}")
+        place_light_process(config)
+        self.worker = RolloutWorker(config, tokenizer_dir, worker, reward_fn)
+
+    @endpoint
+    async def start(self, queue, generators: list, teacher=None) -> dict:
+        """Start playing; returns {"host", "pids": [(pid, start time)]} of this proc (the
+        controller watches it)."""
+        import socket
+
+        import psutil
+
+        self.worker.set_generators(generators)
+        self.worker.teacher = teacher
+        self.worker.start(queue)
+        return {"host": socket.gethostname(), "pids": [(os.getpid(), psutil.Process().create_time())]}
+
+    @concurrent_endpoint
+    async def set_generators(self, generators: list) -> None:
+        self.worker.set_generators(generators)
+
+    @concurrent_endpoint
+    async def set_teacher(self, teacher) -> None:
+        self.worker.teacher = teacher
+
+    @concurrent_endpoint
+    async def evaluate(self, records: list[dict], version: int, k: int) -> list[dict]:
+        return await self.worker.evaluate(records, version, k)
+
+    @concurrent_endpoint
+    async def health(self) -> str | None:
+        """The last error of the claim loop, or None (the controller asks, to see the proc lives)."""
+        return self.worker.error
+
+    @concurrent_endpoint
+    async def metrics(self) -> dict:
+        w = self.worker
+        return {"episodes": w.metrics(), "failed_total": w.failed_total, "requeued_total": w.requeued_total, "error": w.error}
+
+    @concurrent_endpoint
+    async def stop_rollouts(self, timeout_s: float = 30.0) -> None:
+        await self.worker.stop(timeout_s)
+

@@ -1,0 +1,105 @@
+"""Model turns to generator replicas: which replica plays a group, and one message per burst.
+
+Every episode of a group sticks to one replica (its prefix cache stays warm); a new group
+goes to the least-loaded replica, skipping those whose calls failed (a dead replica
+answers at once, and would otherwise draw every new group until it is replaced). Model
+turns asked for within `COALESCE_S` of the first go to a replica in one `generate_many`
+message: a group's episodes ask together, so a replica receives one message, not
+`group_size`. A failed call fails each of its turns with `GenerationFailed`, and the
+worker plays the group again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from meshrl.compat import awaited
+from meshrl.config import Config
+
+COALESCE_S = 0.002
+"""Model turns asked for within this long of the first go to a replica in one message."""
+
+
+class GenerationFailed(RuntimeError):
+    """A generator call failed: the group is re-queued, not trained."""
+
+
+class TurnBatcher:
+    """The worker's link to the generator replicas (Monarch actor handles, or anything with
+    a `generate_many.call_one(requests)` that returns a future)."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.generators: list = []
+        self.load: list[int] = []  # groups playing on each replica, for the least-loaded choice
+        self._failed: set[int] = set()  # replicas whose calls failed, skipped until the next set_generators
+        self._waiting: dict[int, list] = {}  # replica -> model turns not yet sent, with their futures
+        self._calls: set[asyncio.Task] = set()  # generate_many calls in flight
+
+    def set_generators(self, generators: list) -> None:
+        """The replicas to send model turns to (after a replacement or a rescale)."""
+        self.generators = list(generators)
+        self.load = (self.load + [0] * len(self.generators))[:len(self.generators)]
+        self._failed = set()
+
+    def acquire(self) -> int:
+        """A replica for a new group: the least-loaded, preferring those whose calls have not
+        failed. Hand it back with `release` when the group is done."""
+        if not self.generators:
+            raise GenerationFailed("no generator replica")
+        healthy = [i for i in range(len(self.generators)) if i not in self._failed] or list(range(len(self.generators)))
+        replica = min(healthy, key=self.load.__getitem__)
+        self.load[replica] += 1
+        return replica
+
+    def release(self, replica: int) -> None:
+        if replica < len(self.load):
+            self.load[replica] = max(0, self.load[replica] - 1)
+
+    async def generate(self, replica: int, ids: list[int], budget: int, version: int, temperature: float | None = None):
+        """One model turn on `replica` (at `temperature`; None: generator.temperature). Turns
+        asked for within COALESCE_S of each other go to the replica in one `generate_many`
+        message: a group's episodes ask together."""
+        if replica >= len(self.generators):
+            raise GenerationFailed("its generator replica was removed")
+        future = asyncio.get_running_loop().create_future()
+        waiting = self._waiting.setdefault(replica, [])
+        waiting.append(((ids, budget, temperature, version), future))
+        if len(waiting) == 1:
+            asyncio.get_running_loop().call_later(COALESCE_S, self._send, replica)
+        out = await future
+        if isinstance(out, str):  # this sample failed on the replica: the group is played again
+            self._failed.add(replica)
+            raise GenerationFailed(f"generator replica {replica}: {out}")
+        return out
+
+    def _send(self, replica: int) -> None:
+        batch = self._waiting.pop(replica, [])
+        if not batch:
+            return
+        task = asyncio.ensure_future(self._call_many(replica, batch))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+        def abandon(_) -> None:  # every episode waiting on the call is gone (its group failed)
+            if all(future.done() for _, future in batch) and not task.done():
+                task.cancel()
+
+        for _, future in batch:
+            future.add_done_callback(abandon)
+
+    async def _call_many(self, replica: int, batch: list) -> None:
+        try:
+            if replica >= len(self.generators):
+                raise GenerationFailed("its generator replica was removed")
+            timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
+            results = await asyncio.wait_for(awaited(self.generators[replica].generate_many.call_one([r for r, _ in batch])), timeout)
+        except asyncio.CancelledError:  # the worker is stopping
+            for _, future in batch:
+                future.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of the call fails each of its samples
+            results = [f"{type(e).__name__}: {str(e).strip()[:200]}"] * len(batch)
+        for (_, future), result in zip(batch, results):
+            if not future.done():
+                future.set_result(result)

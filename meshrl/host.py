@@ -1,0 +1,42 @@
+"""This proc's host on the network: the address it serves on, and where gloo groups listen.
+
+A host started by `meshrl worker --address IP:PORT` records IP in the environment
+(`HOST_ADDRESS_ENV`), and every proc it spawns binds what it serves (gloo groups,
+torch.distributed stores) to that address. A host no worker started (local runs,
+ProcessJob, Slurm) has no such address: groups whose members all live on it listen on
+loopback. Plain standard library and psutil: trainer, generator and weight-sync cores
+read it without importing Monarch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from meshrl.compat import gloo_default_device_on_loopback
+
+HOST_ADDRESS_ENV = "MESHRL_HOST_ADDRESS"
+"""Set by `meshrl worker` to the IP it serves on; read by every proc it spawns."""
+
+
+def host_address() -> str | None:
+    """The address this proc's host serves on (set by `meshrl worker`); None on a host
+    that `meshrl worker` did not start (local runs, ProcessJob, Slurm)."""
+    return os.environ.get(HOST_ADDRESS_ENV) or None
+
+
+def gloo_on_this_host():
+    """A context for gloo groups whose members all run on this host: they listen on
+    loopback, or on a host `meshrl worker` serves, on its named address (the worker gave
+    gloo that interface already)."""
+    return gloo_default_device_on_loopback() if host_address() is None else contextlib.nullcontext()
+
+
+def interface_of(ip: str) -> str:
+    """The network interface that holds `ip`; ValueError if no interface of this host does."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == ip for a in addrs):
+            return name
+    raise ValueError(f"{ip} is not an address of this host: give one of its own")

@@ -1,0 +1,214 @@
+"""The `Allocation`: host meshes for each role, and every proc mesh spawned on them, stopped
+on every exit path.
+
+`launcher.kind` local and torchx use this host for every role; process (Monarch's
+ProcessJob, local worker processes standing in for hosts), slurm (`slurm.py`) and workers
+(`workers.py`) get host meshes from a job or from attached hosts, per the host plan
+(`hosts.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import signal
+import socket
+from typing import Any
+
+from monarch.actor import HostMesh, ProcMesh, this_host
+
+from meshrl.compat import awaited
+from meshrl.config import Config, ConfigError
+from meshrl.launch.hosts import ROLES, plan_hosts, role_meshes
+from meshrl.launch.signals import exit_on_sigterm, in_main_thread
+from meshrl.launch.slurm import render_sbatch, slurm_job
+from meshrl.launch.workers import attach_workers
+
+logger = logging.getLogger("meshrl.launch")
+
+STOP_TIMEOUT_S = 30.0
+"""Longest wait for one proc mesh or host mesh to stop before moving on to the next."""
+
+
+def allocate(config: Config) -> Allocation:
+    """The hosts for a run, per `config.launcher`; use as `async with allocate(config) as alloc`.
+
+    A dry run submits nothing: print `describe_job(config)` instead.
+    """
+    if config.launcher.dry_run:
+        raise ConfigError("launcher.dry_run", "a dry run starts no hosts: print meshrl.launch.describe_job(config) instead")
+    if config.launcher.kind in ("process", "slurm", "workers"):
+        plan_hosts(config)  # fail on an impossible plan before anything starts
+    return Allocation(config)
+
+
+def describe_job(config: Config) -> str:
+    """What `allocate(config)` would start, as text: the host plan, plus the sbatch script for slurm."""
+    kind = config.launcher.kind
+    if kind in ("local", "torchx"):
+        where = "this host" if kind == "local" else "this host (inside a TorchX job)"
+        return f"launcher.kind={kind}: trainer, generator and coord on {where}\n"
+    plan = ", ".join(f"{name}={n}" for name, n in plan_hosts(config).items())
+    text = f"launcher.kind={kind}: host meshes {plan}; coord on the first trainer host\n"
+    if kind == "slurm":
+        text += render_sbatch(config)
+    return text
+
+
+# ---- the allocation ----------------------------------------------------------------------
+_LIVE: set["Allocation"] = set()
+"""Allocations not yet stopped, for the atexit safety net."""
+
+
+@atexit.register
+def _kill_live_jobs() -> None:
+    # The controller is exiting without having stopped: kill the jobs (synchronous, no event loop
+    # needed) so no worker outlives it. Proc meshes on this host die with their parent.
+    for alloc in list(_LIVE):
+        alloc._kill_job()
+
+
+class Allocation:
+    """Host meshes for each role; an async context manager that stops what it started.
+
+    Create with `allocate(config)`. Inside `async with`, `host_mesh(role)` gives the role's
+    HostMesh and `spawn_procs(role, procs)` spreads `procs` processes evenly over its hosts
+    (use it rather than `host_mesh(role).spawn_procs`, whose `per_host` counts are per host
+    and are not stopped by `stop()`).
+    """
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.kind = config.launcher.kind
+        self._job: Any = None  # the Monarch job (process/slurm), None for local/torchx
+        self._owned: dict[str, HostMesh] = {}  # host meshes from the job, shut down on stop
+        self._roles: dict[str, HostMesh] = {}
+        self._procs: list[ProcMesh] = []
+        self._old_sigterm: Any = None
+        self._started = False
+        self._stopped = False
+
+    # -- lifecycle --
+    async def start(self) -> "Allocation":
+        """Start (process/slurm: submit and connect to) the hosts; idempotent."""
+        if self._started:
+            return self
+        self._started = True
+        if self.kind in ("local", "torchx"):
+            host = this_host()
+            self._roles = {role: host for role in ROLES}
+            return self
+        _LIVE.add(self)
+        self._install_sigterm()
+        try:
+            if self.kind == "workers":
+                self._owned = attach_workers(self.config)
+            else:
+                if self.kind == "process":
+                    from monarch.job import ProcessJob
+
+                    self._job = ProcessJob(plan_hosts(self.config))
+                else:
+                    self._job = slurm_job(self.config)
+                # cached_path=None: always a fresh allocation, never a stale one from an earlier run.
+                # For slurm this blocks while the job queues (bounded by launcher.start_timeout_s).
+                self._owned = dict(self._job.state(cached_path=None)._hosts)
+            for name, mesh in self._owned.items():
+                await asyncio.wait_for(awaited(mesh.initialized), self.config.launcher.start_timeout_s)
+                logger.info("launcher: host mesh %r connected, %d hosts", name, mesh.sizes["hosts"])
+            self._roles = role_meshes(self._owned)
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def stop(self) -> None:
+        """Stop every proc mesh spawned here, shut down the host meshes, kill the job. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            for procs in reversed(self._procs):
+                await _quietly(procs.stop(), "proc mesh stop")
+            for name, mesh in self._owned.items():
+                await _quietly(mesh.shutdown(), f"host mesh {name!r} shutdown")
+        finally:
+            self._procs.clear()
+            self._kill_job()
+            self._restore_sigterm()
+
+    async def __aenter__(self) -> "Allocation":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- meshes --
+    def host_mesh(self, role: str) -> HostMesh:
+        """The HostMesh the `role` ("trainer", "generator" or "coord") spawns its procs on."""
+        if role not in ROLES:
+            raise KeyError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+        if not self._started or self._stopped:
+            raise RuntimeError("the allocation is not running: use `async with allocate(config) as alloc`")
+        return self._roles[role]
+
+    def controller_address(self) -> str:
+        """Where procs reach this controller, for what it serves them (the weight-sync store):
+        loopback when every host is this machine (local, torchx, process), the address the
+        launcher names (workers), else this host's name, as Slurm names hosts (and Monarch
+        reaches them by it). Never a wildcard."""
+        if self.kind == "workers":
+            return self.config.launcher.address
+        return "127.0.0.1" if self.kind in ("local", "torchx", "process") else socket.gethostname()
+
+    def hosts(self, role: str) -> int:
+        """How many hosts the role's mesh spans."""
+        return self.host_mesh(role).sizes.get("hosts", 1)  # this_host() has no "hosts" dimension
+
+    def host(self, role: str, index: int) -> HostMesh:
+        """One host of the role's mesh, round-robin by `index`: where item `index` of the role
+        (a generator replica, say) spawns procs that must share a host (its `tp` procs)."""
+        mesh = self.host_mesh(role)
+        if "hosts" not in mesh.sizes:
+            return mesh
+        h = index % mesh.sizes["hosts"]
+        return mesh.slice(hosts=slice(h, h + 1))
+
+    def spawn_procs(self, role: str, procs: int, **kwargs: Any) -> ProcMesh:
+        """Spawn `procs` processes for `role`, split evenly over its hosts; stopped by `stop()`.
+
+        Keyword arguments go to `HostMesh.spawn_procs` (bootstrap, name, bootstrap_command...).
+        """
+        hosts = self.hosts(role)
+        if procs < 1 or procs % hosts:
+            raise ValueError(f"{procs} {role} procs do not split evenly over its {hosts} hosts")
+        mesh = self.host_mesh(role).spawn_procs(per_host={"procs": procs // hosts}, **kwargs)
+        self._procs.append(mesh)
+        return mesh
+
+    # -- safety nets --
+    def _kill_job(self) -> None:
+        _LIVE.discard(self)
+        job, self._job = self._job, None
+        if job is not None:
+            try:
+                job.kill()
+            except Exception:
+                logger.exception("launcher: killing the %s job failed; check for leftover workers", self.kind)
+
+    def _install_sigterm(self) -> None:
+        self._old_sigterm = exit_on_sigterm()
+
+    def _restore_sigterm(self) -> None:
+        if self._old_sigterm is not None and in_main_thread():
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+
+async def _quietly(future: Any, what: str) -> None:
+    """Await a Monarch stop/shutdown future with a timeout; log, don't raise: teardown goes on."""
+    try:
+        await asyncio.wait_for(awaited(future), STOP_TIMEOUT_S)
+    except Exception as e:  # an already-dead proc or host raises here: nothing left to stop
+        logger.warning("launcher: %s failed: %s: %s", what, type(e).__name__, e)

@@ -1,0 +1,53 @@
+"""The host plan: how many hosts each role's mesh gets, decided from the config alone.
+
+Pure: no Monarch, no network. One host holds every role; with more, the trainer and the
+generators get disjoint hosts and the coordinator shares the first generator host.
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshrl.config import Config, ConfigError
+
+ROLES = ("trainer", "generator", "coord")
+SHARED_MESH = "hosts"
+"""The mesh name when one host holds every role."""
+
+
+def plan_hosts(config: Config) -> dict[str, int]:
+    """Named host meshes and their host counts for `launcher.hosts` hosts.
+
+    {"hosts": 1} for one host; else {"trainer": t, "generator": g} with t + g = hosts.
+    Each role's procs must split evenly over its hosts (a generator replica's `tp` procs
+    stay on one host), otherwise a ConfigError says what to change.
+    """
+    la = config.launcher
+    hosts = len(la.workers) if la.kind == "workers" else la.hosts
+    trainer_procs = config.trainer.procs
+    generator_procs = config.generator.replicas * config.generator.tp
+    if hosts == 1:
+        return {SHARED_MESH: 1}
+    if la.gpus_per_host > 0:
+        trainer_hosts = math.ceil(trainer_procs / la.gpus_per_host)
+    else:  # CPU hosts: share the hosts in proportion to the procs each role runs
+        trainer_hosts = round(hosts * trainer_procs / (trainer_procs + generator_procs))
+        trainer_hosts = min(max(trainer_hosts, 1), hosts - 1)
+    generator_hosts = hosts - trainer_hosts
+    if generator_hosts < 1:
+        raise ConfigError("launcher.hosts", f"{hosts} hosts leave none for the generators after {trainer_hosts} trainer hosts ({trainer_procs} procs at {la.gpus_per_host} GPUs per host): raise launcher.hosts")
+    if trainer_procs % trainer_hosts:
+        raise ConfigError("trainer.procs", f"{trainer_procs} procs do not split evenly over {trainer_hosts} trainer hosts: use a multiple of {trainer_hosts}")
+    if generator_procs % generator_hosts or (generator_procs // generator_hosts) % config.generator.tp:
+        raise ConfigError("generator.replicas", f"{config.generator.replicas} replicas x tp {config.generator.tp} do not split evenly over {generator_hosts} generator hosts (whole replicas per host): change generator.replicas or launcher.hosts")
+    if la.gpus_per_host > 0 and generator_procs // generator_hosts > la.gpus_per_host:
+        raise ConfigError("launcher.hosts", f"{generator_procs} generator procs need more than the {generator_hosts} hosts x {la.gpus_per_host} GPUs left after the trainer: raise launcher.hosts")
+    return {"trainer": trainer_hosts, "generator": generator_hosts}
+
+
+def role_meshes(meshes: dict) -> dict:
+    """Map each role to its host mesh; the coordinator gets the first generator host."""
+    if SHARED_MESH in meshes:
+        return {role: meshes[SHARED_MESH] for role in ROLES}
+    generator = meshes["generator"]
+    return {"trainer": meshes["trainer"], "generator": generator, "coord": generator.slice(hosts=slice(0, 1))}

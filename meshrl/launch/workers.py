@@ -1,0 +1,49 @@
+"""`launcher.kind=workers`: hosts that run `meshrl worker --address IP:PORT`, attached over TCP.
+
+`run_worker` is the host side; `attach_workers` the controller's, which listens on
+`launcher.address` only. Each worker's procs bind what they serve to their host's
+address (`meshrl.host.host_address()`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from meshrl.config import Config, ip_and_port
+from meshrl.host import HOST_ADDRESS_ENV, interface_of
+from meshrl.launch.hosts import plan_hosts
+from meshrl.launch.signals import exit_on_sigterm
+
+
+def attach_workers(config: Config) -> dict:
+    """Host meshes over the running `meshrl worker`s, in plan order (trainer hosts first).
+    The controller's own Monarch channel listens on `launcher.address` only."""
+    from monarch.actor import attach_to_workers, enable_transport
+
+    la = config.launcher
+    enable_transport(f"tcp://{la.address}:0")
+    meshes, first = {}, 0
+    for name, count in plan_hosts(config).items():
+        workers = [f"tcp://{w}" for w in la.workers[first:first + count]]
+        meshes[name] = attach_to_workers(name=name, ca="trust_all_connections", workers=workers)
+        first += count
+    return meshes
+
+
+def run_worker(address: str) -> None:
+    """Serve this host to a controller (`launcher.kind=workers`) until it shuts the host down.
+
+    Monarch's host agent listens on `address` (IP:PORT of this host, never a wildcard); the
+    procs it spawns use Unix sockets and send to other hosts from this address; what they
+    serve themselves (gloo, torch.distributed stores) they bind to it too (`host_address()`).
+    """
+    ip, port = ip_and_port(address)
+    url = f"[{ip}]" if ":" in ip else ip
+    os.environ[HOST_ADDRESS_ENV] = ip
+    # what the procs of this host serve on Monarch's default transport, and gloo's default device
+    os.environ["HYPERACTOR_MESH_DEFAULT_TRANSPORT"] = f"tcp://{url}:0"
+    os.environ["GLOO_SOCKET_IFNAME"] = interface_of(ip)
+    from monarch.actor import run_worker_loop_forever
+
+    exit_on_sigterm()
+    run_worker_loop_forever(address=f"tcp://{url}:{port}", ca="trust_all_connections")

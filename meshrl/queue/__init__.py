@@ -1,0 +1,10 @@
+"""The episode queue between rollout workers and the trainer (config section `buffer`).
+
+buffer.py: `EpisodeQueue`, which owns admission, in-flight work and staleness (plain
+Python, no Monarch); actor.py: `EpisodeQueueActor`, which serves it on the coordinator's
+proc mesh.
+"""
+
+from meshrl.queue.buffer import Claim, EpisodeQueue, QueueClosed, fifo, resolve_policy, straggler_wait, uniform
+
+__all__ = ["Claim", "EpisodeQueue", "QueueClosed", "fifo", "resolve_policy", "straggler_wait", "uniform"]

@@ -1,0 +1,67 @@
+"""The episode queue on a proc mesh: `EpisodeQueueActor`, the Monarch shell around
+`meshrl/queue/buffer.py`'s `EpisodeQueue`."""
+
+from __future__ import annotations
+
+import asyncio
+
+from monarch.actor import Actor, concurrent_endpoint
+from tensordict import TensorDict
+
+from meshrl.compat import endpoint_for_callers_that_may_die
+from meshrl.config import Config
+from meshrl.logs import capture_role_output
+from meshrl.placement import place_light_process
+from meshrl.queue.buffer import Claim, EpisodeQueue
+
+
+class EpisodeQueueActor(Actor):
+    """Serves an EpisodeQueue. Every endpoint is concurrent and blocking waits run off the
+    event loop, so a worker waiting for admission never holds up the trainer's sample; the
+    workers' endpoints outlive a worker that dies while its call is answered."""
+
+    def __init__(self, config: dict):
+        config = Config.from_dict(config)
+        capture_role_output(config, "queue")
+        place_light_process(config)
+        self.queue = EpisodeQueue(config)
+
+    @endpoint_for_callers_that_may_die
+    async def claim(self, worker: int, timeout: float) -> Claim | None:
+        return await asyncio.to_thread(self.queue.claim, worker, timeout)
+
+    @endpoint_for_callers_that_may_die
+    async def put(self, group_id: int, group: TensorDict, token: int | None = None) -> bool:
+        return self.queue.put(group_id, group, token)
+
+    @concurrent_endpoint
+    async def requeue(self, worker: int | None = None, group_ids: list[int] | None = None) -> int:
+        return self.queue.requeue(worker, group_ids)
+
+    @concurrent_endpoint
+    async def sample(self, num_groups: int, current_version: int, timeout: float | None = None) -> TensorDict:
+        return await asyncio.to_thread(self.queue.sample, num_groups, current_version, timeout)
+
+    @concurrent_endpoint
+    async def set_version(self, version: int) -> None:
+        self.queue.set_version(version)
+
+    @concurrent_endpoint
+    async def set_max_lag(self, max_lag: int | None) -> None:
+        self.queue.set_max_lag(max_lag)
+
+    @concurrent_endpoint
+    async def metrics(self) -> dict[str, float]:
+        return self.queue.metrics()
+
+    @concurrent_endpoint
+    async def state_dict(self) -> dict:
+        return self.queue.state_dict()
+
+    @concurrent_endpoint
+    async def load_state_dict(self, state: dict) -> None:
+        self.queue.load_state_dict(state)
+
+    @concurrent_endpoint
+    async def close(self) -> None:
+        self.queue.close()
