@@ -2,6 +2,7 @@
 
     meshrl run [CONFIG.yaml] [section.field=value ...] [--resume RUN_DIR]
     meshrl config show [CONFIG.yaml] [section.field=value ...]
+    meshrl config plan [CONFIG.yaml] [section.field=value ...]   # the device plan (also: meshrl run --plan)
     meshrl config docs [--check FILE]
     meshrl eval RUN_DIR|CHECKPOINT [CONFIG.yaml] [section.field=value ...] [--out DIR]
     meshrl plot RUN_DIR [--out FILE.png]
@@ -52,6 +53,15 @@ def _cmd_config_show(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_plan(ns: argparse.Namespace) -> int:
+    from meshrl.launch.devices import plan_devices
+
+    config = load_config(ns.args)
+    check(config)
+    print(plan_devices(config).table(), end="")
+    return 0
+
+
 def _cmd_config_docs(ns: argparse.Namespace) -> int:
     text = reference_markdown() + "\n"
     if ns.check:
@@ -67,6 +77,10 @@ def _cmd_config_docs(ns: argparse.Namespace) -> int:
 def _cmd_run(ns: argparse.Namespace) -> int:
     from meshrl.api import resume_config
 
+    if ns.plan:
+        if ns.resume:
+            raise ConfigError("--plan", "prints the plan of a config: pass the config and overrides, not --resume")
+        return _cmd_config_plan(ns)
     path, overrides = _split(ns.args)
     overrides += ["logging.verbose=true"] if ns.verbose else []
     if ns.resume:
@@ -199,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("args", nargs="*", metavar="CONFIG|section.field=value")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     run.add_argument("--verbose", action="store_true", help="show vLLM, Monarch and torch output on the terminal (default: RUN_DIR/logs/)")
+    run.add_argument("--plan", action="store_true", help="print which GPUs every proc would hold, and exit")
     run.set_defaults(func=_cmd_run)
 
     config = sub.add_parser("config", help="inspect configs")
@@ -206,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print the resolved config")
     show.add_argument("args", nargs="*", metavar="CONFIG|section.field=value")
     show.set_defaults(func=_cmd_config_show)
+    plan = config_sub.add_parser("plan", help="print the device plan: which GPUs every proc of every role holds")
+    plan.add_argument("args", nargs="*", metavar="CONFIG|section.field=value")
+    plan.set_defaults(func=_cmd_config_plan)
     docs = config_sub.add_parser("docs", help="print the config reference (Markdown)")
     docs.add_argument("--check", metavar="FILE", help="exit 1 if FILE differs from the generated reference")
     docs.set_defaults(func=_cmd_config_docs)

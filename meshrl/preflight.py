@@ -25,6 +25,7 @@ import os
 
 from meshrl.config import MOE_FAMILIES, Config, ConfigError, source_kind
 from meshrl.imports import missing_extra
+from meshrl.launch.devices import plan_devices
 from meshrl.tasks import TASKS, answer_budget
 
 
@@ -87,10 +88,12 @@ def check(c: Config) -> None:
 
 
 def preflight(c: Config) -> None:
-    """`check`, then what only this machine can answer: a run directory that can be written,
-    a launcher address of its own, and model and tokenizer directories that load. Run once
-    before any mesh starts; raises ConfigError naming the field and the fix."""
+    """`check`, then what only this machine can answer: a device plan that fits its GPUs, a
+    run directory that can be written, a launcher address of its own, and model and
+    tokenizer directories that load. Run once before any mesh starts; raises ConfigError
+    naming the field and the fix."""
     check(c)
+    plan_devices(c)  # every proc gets GPUs of its own, or one line saying which field to change
     run_dir = os.path.abspath(c.logging.run_dir)
     try:
         os.makedirs(run_dir, exist_ok=True)

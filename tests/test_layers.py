@@ -34,7 +34,7 @@ PURE = [
     # the generation service (vLLM is imported when an engine starts, not before)
     "meshrl.generator.service", "meshrl.generator.engine", "meshrl.generator.weight_loading",
     # the host plan
-    "meshrl.launch.hosts",
+    "meshrl.launch.hosts", "meshrl.launch.devices",
 ]
 
 SHELLS = ["meshrl.trainer.actor", "meshrl.generator.actor", "meshrl.agent.actor", "meshrl.queue.actor",

@@ -292,7 +292,7 @@ class LauncherConfig:
     address: str | None = None
     """launcher.kind=workers: this controller's own IP as the hosts reach it. Its Monarch channel and the weight-sync store listen on it and nowhere else. Required with `workers`; must be an address of this machine."""
     gpus_per_host: int = 0
-    """GPUs per host (slurm/torchx). 0 on CPU-only clusters."""
+    """GPUs per host, for the device plan (`meshrl config plan`) and the Slurm job. 0: for `local` and `process` runs the GPUs this host has (none on a CPU machine); elsewhere none (a CPU-only cluster)."""
     partition: str | None = None
     """Slurm partition. None: the cluster default."""
     time_limit: str = "01:00:00"

@@ -27,7 +27,8 @@ import torch
 from meshrl.compat import awaited
 from meshrl.config import Config
 from meshrl.controller.replicas import GeneratorPool, WorkerPool
-from meshrl.launch import allocate
+from meshrl.launch.allocation import allocate, with_env
+from meshrl.launch.devices import plan_devices
 from meshrl.metrics import MetricsWriter
 from meshrl.placement import auto_placement
 from meshrl.queue.actor import EpisodeQueueActor
@@ -110,7 +111,7 @@ class RLLoop:
         self.alloc = await allocate(c).__aenter__()
 
         # The coordinator proc holds the episode queue; each rollout worker has a proc of its own.
-        self.coord = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1})
+        self.coord = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=with_env([plan_devices(c).env("coord")]))
         self.queue = self.coord.spawn("queue", EpisodeQueueActor, c.to_dict())
         await self.queue.metrics.call_one()
 

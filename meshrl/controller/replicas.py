@@ -19,6 +19,8 @@ from typing import Awaitable, Callable
 from meshrl.compat import awaited
 from meshrl.config import Config
 from meshrl.generator.actor import GeneratorActor
+from meshrl.launch.allocation import with_env
+from meshrl.launch.devices import plan_devices
 from meshrl.agent.actor import RolloutWorkerActor
 from meshrl.agent.worker import summarize
 
@@ -118,6 +120,7 @@ class GeneratorPool:
         self.config, self.alloc = config, alloc
         self.checkpoint_dir, self.checkpoint_version = checkpoint_dir, checkpoint_version
         self.on_change = on_change  # re-wires weight sync and the workers after a change
+        self.plan = plan_devices(config)
         self.replicas: list[Member] = []
         self.replaced = 0
         self._lock = asyncio.Lock()  # a failed update and a health check may both see one death
@@ -131,7 +134,8 @@ class GeneratorPool:
 
     async def spawn(self, index: int) -> Member:
         # One proc per replica (vLLM starts its own tensor-parallel workers inside it).
-        procs = self.alloc.host("generator", index).spawn_procs(per_host={"procs": 1})
+        envs = [self.plan.env(self._role, index)]  # its GPUs, before CUDA initialises
+        procs = self.alloc.host("generator", index).spawn_procs(per_host={"procs": 1}, bootstrap_command=with_env(envs))
         actor = procs.spawn(f"{'teacher' if self.teacher else 'generator'}{index}", GeneratorActor)
         try:
             info = await asyncio.wait_for(
@@ -249,7 +253,7 @@ class WorkerPool:
         # Every worker the run starts has its own id in the queue's ledger: a claim granted to
         # a dead worker after its groups were re-queued is never mistaken for its replacement's.
         ident = index + WORKER_ID_STRIDE * next(self._incarnations)
-        procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1})
+        procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=with_env([plan_devices(self.config).env("coord")]))
         actor = procs.spawn(f"rollout{index}", RolloutWorkerActor, self.config.to_dict(), self.tokenizer_dir, ident, self.reward_fn)
         try:
             where = await asyncio.wait_for(awaited(actor.start.call_one(self.queue, generators, self.teacher)), 300)

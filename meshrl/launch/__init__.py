@@ -33,14 +33,15 @@ every exit path of `async with`; an atexit hook and a SIGTERM handler back it up
 
 The package, a module per path: `hosts.py` (the host plan, pure), `allocation.py` (the
 `Allocation` every run goes through: local, process, torchx), `slurm.py` (Monarch's
-SlurmJob), `workers.py` (`meshrl worker` hosts), `signals.py` (SIGTERM as SystemExit).
+SlurmJob), `workers.py` (`meshrl worker` hosts), `signals.py` (SIGTERM as SystemExit), `devices.py` (the
+device plan: which GPUs every proc holds, pure).
 """
 
 import importlib
 
 _WHERE = {
-    "Allocation": "allocation", "allocate": "allocation", "describe_job": "allocation",
-    "ROLES": "hosts", "plan_hosts": "hosts",
+    "Allocation": "allocation", "allocate": "allocation", "describe_job": "allocation", "with_env": "allocation",
+    "ROLES": "hosts", "plan_hosts": "hosts", "DevicePlan": "devices", "plan_devices": "devices",
     "exit_on_sigterm": "signals", "render_sbatch": "slurm", "run_worker": "workers",
 }
 """Each public name and its module, imported on first use: `meshrl.launch.hosts` (the pure

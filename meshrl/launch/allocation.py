@@ -31,6 +31,19 @@ STOP_TIMEOUT_S = 30.0
 """Longest wait for one proc mesh or host mesh to stop before moving on to the next."""
 
 
+def with_env(envs: list[dict[str, str]]):
+    """A `bootstrap_command` for `spawn_procs`: the proc at rank i of the new mesh starts with
+    `envs[i]` added to its environment, before Python runs in it, so before CUDA initialises
+    (the device plan's `CUDA_VISIBLE_DEVICES`). None, Monarch's default command, when every
+    env is empty."""
+    if not any(envs):
+        return None
+    from monarch.actor import default_bootstrap_cmd
+
+    base = default_bootstrap_cmd()
+    return lambda point: base.with_env(envs[point.rank])
+
+
 def allocate(config: Config) -> Allocation:
     """The hosts for a run, per `config.launcher`; use as `async with allocate(config) as alloc`.
 

@@ -23,6 +23,8 @@ from monarch.actor import Actor, endpoint, this_host
 from meshrl.compat import awaited, tcp_store_listening_on
 from meshrl.config import Config
 from meshrl.host import gloo_on_this_host, host_address
+from meshrl.launch.allocation import with_env
+from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV, plan_devices
 from meshrl.logs import capture_role_output
 from meshrl.placement import cpus_for, pin_this_process
 from meshrl.trainer.policy import PolicyTrainer
@@ -43,8 +45,9 @@ class TrainerActor(Actor):
         capture_role_output(config, f"trainer-{rank}")
         use_cuda = config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available())
         if use_cuda:
-            # Monarch never sets CUDA_VISIBLE_DEVICES: pick this proc's GPU by local rank
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            # The device plan started this proc seeing its one GPU; without a plan (Monarch
+            # never sets CUDA_VISIBLE_DEVICES) the local rank picks it.
+            torch.cuda.set_device(0 if PLAN_ENV in os.environ else int(os.environ.get("LOCAL_RANK", 0)))
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
@@ -147,7 +150,8 @@ class TrainerActor(Actor):
 
     @endpoint
     async def shard_info(self) -> dict:
-        return self._need().shard_info()
+        """The rank's shard sizes, pid, and the devices it was started with (the plan's)."""
+        return {**self._need().shard_info(), "devices": [os.environ.get(DEVICE_ENV), os.environ.get(PLAN_ENV)]}
 
     @endpoint
     async def teardown(self) -> None:
@@ -235,7 +239,9 @@ async def spawn_trainer(config: Config, timeout_s: float = 600.0, host_mesh=None
     n = config.trainer.procs
     if n % hosts:
         raise ValueError(f"trainer.procs={n} must be a multiple of the {hosts} trainer hosts")
-    procs = (host_mesh or this_host()).spawn_procs(per_host={"procs": n // hosts})
+    plan = plan_devices(config)  # each rank starts seeing only its own GPU
+    procs = (host_mesh or this_host()).spawn_procs(per_host={"procs": n // hosts},
+                                                   bootstrap_command=with_env(plan.envs("trainer", list(range(n)))))
     try:
         await asyncio.wait_for(setup_torch_elastic_env_async(procs), 60)
         actors = procs.spawn("trainer", actor_class)

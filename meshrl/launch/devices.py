@@ -1,0 +1,199 @@
+"""The device plan: which GPUs every proc of every role holds, decided before any mesh starts.
+
+    plan = plan_devices(config)          # ConfigError (field + fix) when it does not fit
+    print(plan.table())                  # `meshrl config plan`
+    plan.env("generator", 3)             # {"CUDA_VISIBLE_DEVICES": "4,5"}: set before the proc starts
+
+Roles that hold devices: trainer ranks (one GPU each), generator replicas (`generator.tp`
+GPUs each) and the distillation teacher (one replica, `tp` GPUs). Hosts come from the host
+plan (`hosts.py`): on one host every role shares its GPUs; on split hosts the trainer's
+hosts hold the trainer ranks, the generator hosts the replicas (round-robin, as the
+allocation spawns them) and the teacher on the first generator host.
+
+Each proc is started with `CUDA_VISIBLE_DEVICES` naming exactly its GPUs (by their index
+on its host), so vLLM, its tensor-parallel workers and torch see only those, and every proc
+uses its device 0. Procs that hold no GPU (episode queue, rollout workers) see none.
+GPUs per host: `launcher.gpus_per_host`, else those this host has (local and process
+launchers only: the controller's host is then the run's host).
+
+Layout: `disaggregated` (every role on GPUs of its own) is the only GPU layout today; a
+plan that needs more GPUs than a host has is refused with the fields to change. A CPU
+trainer (`trainer.device=cpu`) holds no GPU and leaves them all to the generators. Without
+GPUs the plan is `cpu`: no device is named, cores are placed by `meshrl/placement.py`.
+Pure: the standard library and the config, no torch import and no CUDA initialisation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from meshrl.config import Config, ConfigError
+from meshrl.launch.hosts import SHARED_MESH, plan_hosts
+
+DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
+PLAN_ENV = "MESHRL_DEVICE_PLAN"
+"""Set in every proc the plan placed on GPUs: its role and index (`generator 3`). Such a proc
+sees only its own GPUs and uses its device 0."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One proc's place: its role and index, the host mesh and host it runs on, its GPUs."""
+
+    role: str
+    """`trainer` (index = rank), `generator` (index = replica) or `teacher`."""
+    index: int
+    mesh: str
+    """The host mesh it is spawned on: `hosts` (one host), `trainer` or `generator`."""
+    host: int
+    """Which host of that mesh."""
+    gpus: tuple[int, ...]
+    """GPU indices on that host; empty on CPU."""
+
+
+@dataclass
+class DevicePlan:
+    layout: str
+    """`cpu` or `disaggregated`."""
+    gpus_per_host: int
+    hosts: dict[str, int]
+    """The host plan: host mesh name -> hosts."""
+    slots: list[Slot] = field(default_factory=list)
+
+    def slot(self, role: str, index: int) -> Slot:
+        for s in self.slots:
+            if s.role == role and s.index == index:
+                return s
+        raise KeyError(f"no {role} {index} in the device plan")
+
+    def env(self, role: str, index: int = 0) -> dict[str, str]:
+        """The environment a proc of `role` starts with: its GPUs (none for roles that hold
+        none, such as the queue and the rollout workers); empty on a CPU plan."""
+        if self.layout == "cpu":
+            return {}
+        if role not in ("trainer", "generator", "teacher"):
+            return {DEVICE_ENV: ""}
+        return {DEVICE_ENV: ",".join(map(str, self.slot(role, index).gpus)), PLAN_ENV: f"{role} {index}"}
+
+    def envs(self, role: str, indices: list[int]) -> list[dict[str, str]]:
+        return [self.env(role, i) for i in indices]
+
+    def table(self) -> str:
+        """The plan as a text table, one row per proc that holds devices."""
+        head = f"device plan: {self.layout}, {self.gpus_per_host} GPUs per host, host meshes " + \
+               ", ".join(f"{name}={n}" for name, n in self.hosts.items())
+        rows = [("role", "index", "host", "GPUs")]
+        for s in self.slots:
+            rows.append((s.role, str(s.index), f"{s.mesh}[{s.host}]", ",".join(map(str, s.gpus)) or "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        idle = self.idle()
+        if idle:
+            lines.append("idle GPUs: " + "; ".join(f"{mesh}[{h}]: {','.join(map(str, g))}" for (mesh, h), g in sorted(idle.items())))
+        return "\n".join(lines) + "\n"
+
+    def idle(self) -> dict[tuple[str, int], list[int]]:
+        """GPUs no proc holds, per (host mesh, host)."""
+        if self.layout == "cpu":
+            return {}
+        used: dict[tuple[str, int], set[int]] = {}
+        for s in self.slots:
+            used.setdefault((s.mesh, s.host), set()).update(s.gpus)
+        out = {}
+        for mesh, n in self.hosts.items():
+            for h in range(n):
+                free = [g for g in range(self.gpus_per_host) if g not in used.get((mesh, h), set())]
+                if free:
+                    out[(mesh, h)] = free
+        return out
+
+
+def detected_gpus() -> int:
+    """GPUs this process may use: those `CUDA_VISIBLE_DEVICES` names, else those the NVIDIA
+    driver lists (read from /proc, so CUDA is not initialised here), else 0."""
+    visible = os.environ.get(DEVICE_ENV)
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len([d for d in os.listdir("/proc/driver/nvidia/gpus")])
+    except OSError:
+        return 0
+
+
+def gpus_per_host(config: Config) -> int:
+    """`launcher.gpus_per_host`, else this host's GPUs where this host is the run's host."""
+    la = config.launcher
+    if la.gpus_per_host > 0 or la.kind not in ("local", "process"):
+        return la.gpus_per_host
+    return detected_gpus()
+
+
+def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
+    """The device plan of `config` with `gpus` per host (None: `gpus_per_host(config)`).
+    Raises ConfigError naming the field to change when it does not fit."""
+    g = gpus_per_host(config) if gpus is None else gpus
+    hosts = plan_hosts(config)
+    t, gen = config.trainer, config.generator
+    if g == 0:
+        if t.device == "cuda":
+            raise ConfigError("trainer.device", f"is cuda but no GPU was found ({_where(config)}): set launcher.gpus_per_host, or trainer.device=auto")
+        return DevicePlan("cpu", 0, hosts, [Slot("trainer", r, *_trainer_host(config, hosts, r), ()) for r in range(t.procs)]
+                          + [Slot("generator", i, *_generator_host(hosts, i), ()) for i in range(gen.replicas)]
+                          + ([Slot("teacher", 0, *_generator_host(hosts, 0), ())] if config.distill.teacher else []))
+    plan = DevicePlan("disaggregated", g, hosts)
+    taken: dict[tuple[str, int], int] = {}  # (mesh, host) -> GPUs handed out so far
+
+    def take(role: str, index: int, mesh: str, host: int, n: int, field_path: str) -> None:
+        first = taken.get((mesh, host), 0)
+        if first + n > g:
+            raise ConfigError(field_path, _no_fit(config, hosts, g))
+        taken[(mesh, host)] = first + n
+        plan.slots.append(Slot(role, index, mesh, host, tuple(range(first, first + n))))
+
+    for r in range(t.procs):  # a CPU trainer (trainer.device=cpu) beside GPU generators holds none
+        take("trainer", r, *_trainer_host(config, hosts, r), 0 if t.device == "cpu" else 1, "trainer.procs")
+    for i in range(gen.replicas):
+        take("generator", i, *_generator_host(hosts, i), gen.tp, "generator.replicas")
+    if config.distill.teacher:
+        take("teacher", 0, *_generator_host(hosts, 0), gen.tp, "distill.teacher")
+    return plan
+
+
+def _trainer_host(config: Config, hosts: dict[str, int], rank: int) -> tuple[str, int]:
+    if SHARED_MESH in hosts:
+        return SHARED_MESH, 0
+    return "trainer", rank // (config.trainer.procs // hosts["trainer"])  # spawn_procs fills hosts in order
+
+
+def _generator_host(hosts: dict[str, int], replica: int) -> tuple[str, int]:
+    if SHARED_MESH in hosts:
+        return SHARED_MESH, 0
+    return "generator", replica % hosts["generator"]  # Allocation.host: round-robin by index
+
+
+def _where(config: Config) -> str:
+    la = config.launcher
+    return f"launcher.gpus_per_host={la.gpus_per_host}" if la.gpus_per_host or la.kind not in ("local", "process") \
+        else f"{DEVICE_ENV}={os.environ.get(DEVICE_ENV)!r}" if DEVICE_ENV in os.environ else "no NVIDIA driver on this host"
+
+
+def _no_fit(config: Config, hosts: dict[str, int], g: int) -> str:
+    t, gen = config.trainer, config.generator
+    teacher = gen.tp if config.distill.teacher else 0
+    if SHARED_MESH in hosts:
+        ranks = 0 if t.device == "cpu" else t.procs
+        need = ranks + gen.replicas * gen.tp + teacher
+        room = max(0, (g - ranks - teacher) // gen.tp)
+        if room >= 1:
+            fix = f"generator.replicas={room}"
+        elif g - gen.tp - teacher >= 1:
+            fix = f"trainer.procs={g - gen.tp - teacher}"
+        else:  # one GPU, or fewer than one trainer rank and one replica need
+            fix = "trainer.device=cpu (the trainer on CPU beside GPU generators; trainer and generators sharing one GPU is not built yet)"
+        return (f"the plan needs {need} GPUs on one host (trainer.procs={ranks} + generator.replicas={gen.replicas} x generator.tp={gen.tp}"
+                f"{f' + the teacher {teacher}' if teacher else ''}), and the host has {g}: set {fix}, or raise launcher.hosts")
+    per_trainer_host = t.procs // hosts["trainer"]
+    per_gen_host = -(-gen.replicas // hosts["generator"]) * gen.tp + teacher
+    return (f"{hosts['trainer']} trainer hosts x {per_trainer_host} ranks and {hosts['generator']} generator hosts x {per_gen_host} GPUs "
+            f"do not fit {g} GPUs per host: lower trainer.procs or generator.replicas, or raise launcher.hosts")

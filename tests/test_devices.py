@@ -1,0 +1,122 @@
+"""The device plan: every proc of every role gets GPUs of its own, before CUDA initialises.
+
+The plan is pure and is tested on fake GPU counts (`launcher.gpus_per_host`); the real
+procs a run spawns are then checked to start with exactly the devices the plan gave them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from meshrl.config import Config, ConfigError
+from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV, plan_devices
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config(**sections) -> Config:
+    return Config.from_dict(sections)
+
+
+def assert_disjoint(plan) -> None:
+    """No GPU of any host is held by two procs."""
+    seen: dict[tuple[str, int, int], str] = {}
+    for s in plan.slots:
+        for gpu in s.gpus:
+            key = (s.mesh, s.host, gpu)
+            assert key not in seen, f"{s.role} {s.index} and {seen[key]} share GPU {gpu} of {s.mesh}[{s.host}]"
+            seen[key] = f"{s.role} {s.index}"
+            assert 0 <= gpu < plan.gpus_per_host
+
+
+def test_one_node_of_eight_gpus():
+    plan = plan_devices(config(trainer={"procs": 4}, generator={"replicas": 2, "tp": 2}, launcher={"gpus_per_host": 8}))
+    assert plan.layout == "disaggregated" and plan.hosts == {"hosts": 1}
+    assert [s.gpus for s in plan.slots if s.role == "trainer"] == [(0,), (1,), (2,), (3,)]
+    assert [s.gpus for s in plan.slots if s.role == "generator"] == [(4, 5), (6, 7)]
+    assert_disjoint(plan)
+    assert plan.idle() == {}
+    assert plan.env("generator", 1) == {DEVICE_ENV: "6,7", PLAN_ENV: "generator 1"}
+    assert plan.env("coord") == {DEVICE_ENV: ""}  # the queue and the workers hold no GPU
+    assert "generator  1      hosts[0]  6,7" in plan.table()
+
+
+def test_the_shipped_gpu_config_fits_two_nodes_of_eight():
+    with open(os.path.join(ROOT, "configs/qwen3-0.6b-gpu.yaml")) as f:
+        plan = plan_devices(Config.from_dict(yaml.safe_load(f)))
+    assert plan.hosts == {"trainer": 1, "generator": 1}
+    assert sorted(s.gpus for s in plan.slots if s.role == "generator") == [(i,) for i in range(8)]  # not all on GPU 0
+    assert {s.mesh for s in plan.slots if s.role == "generator"} == {"generator"}
+    assert_disjoint(plan)
+
+
+def test_split_hosts_round_robin_tp_and_teacher(tmp_path):
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    plan = plan_devices(config(trainer={"procs": 16}, generator={"replicas": 6, "tp": 2},
+                               distill={"teacher": str(teacher)},
+                               launcher={"kind": "slurm", "hosts": 4, "gpus_per_host": 8}))
+    assert plan.hosts == {"trainer": 2, "generator": 2}
+    assert [(s.mesh, s.host) for s in plan.slots if s.role == "trainer"] == [("trainer", r // 8) for r in range(16)]
+    gens = [s for s in plan.slots if s.role == "generator"]
+    assert [s.host for s in gens] == [0, 1, 0, 1, 0, 1]  # as Allocation.host hands them out
+    assert [s.gpus for s in gens if s.host == 0] == [(0, 1), (2, 3), (4, 5)]
+    assert plan.slot("teacher", 0).gpus == (6, 7) and plan.slot("teacher", 0).host == 0
+    assert_disjoint(plan)
+    assert plan.idle() == {("generator", 1): [6, 7]}
+
+
+def test_a_cpu_trainer_leaves_every_gpu_to_the_generators():
+    plan = plan_devices(config(trainer={"device": "cpu"}, launcher={"gpus_per_host": 1}))
+    assert plan.slot("trainer", 0).gpus == () and plan.slot("generator", 0).gpus == (0,)
+    assert plan_devices(config()).layout == "cpu" and plan_devices(config()).env("generator", 0) == {}
+
+
+@pytest.mark.parametrize("sections, field, words", [
+    ({"launcher": {"gpus_per_host": 1}}, "generator.replicas", "trainer.device=cpu"),
+    ({"trainer": {"procs": 4}, "generator": {"replicas": 6}, "launcher": {"gpus_per_host": 8}}, "generator.replicas", "set generator.replicas=4"),
+    ({"trainer": {"procs": 2}, "generator": {"replicas": 2, "tp": 4}, "launcher": {"gpus_per_host": 8}}, "generator.replicas", "set generator.replicas=1"),
+    ({"trainer": {"device": "cuda"}}, "trainer.device", "no GPU was found"),
+])
+def test_a_plan_that_does_not_fit_names_the_field_and_the_fix(sections, field, words):
+    with pytest.raises(ConfigError) as info:
+        plan_devices(config(**sections))
+    assert info.value.field_path == field and words in str(info.value)
+
+
+def test_cli_prints_the_plan_and_refuses_one_that_does_not_fit():
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "meshrl", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    shown = cli("config", "plan", "configs/qwen3-0.6b-gpu.yaml")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("device plan: disaggregated, 8 GPUs per host") and "generator  7      generator[0]  7" in shown.stdout
+    refused = cli("run", "--plan", "launcher.gpus_per_host=1")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "generator.replicas" in refused.stderr
+
+
+@pytest.mark.slow
+def test_trainer_procs_start_with_exactly_their_planned_devices():
+    """Real trainer ranks (Monarch procs, TorchTitan model on CPU) spawned under a fake
+    4-GPU plan: each proc starts with its own GPU named in its environment."""
+    from meshrl.trainer.actor import spawn_trainer
+
+    c = config(trainer={"procs": 2}, launcher={"gpus_per_host": 4})
+    assert [s.gpus for s in plan_devices(c).slots if s.role == "trainer"] == [(0,), (1,)]
+
+    async def main():
+        mesh = await spawn_trainer(c, timeout_s=300)
+        try:
+            return await mesh.shard_info()
+        finally:
+            await mesh.stop()
+
+    infos = asyncio.run(asyncio.wait_for(main(), 600))
+    assert [(info["rank"], info["devices"]) for info in infos] == [(0, ["0", "trainer 0"]), (1, ["1", "trainer 1"])]
