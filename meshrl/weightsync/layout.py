@@ -78,11 +78,26 @@ def plan_layout(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) ->
     return Layout(tuple(metas), tuple(buckets), total, digest)
 
 
-def allocate(layout: Layout, shared_memory: bool = False) -> torch.Tensor:
-    """A flat uint8 buffer for `layout`; in shared memory if another process must map it."""
+def allocate(layout: Layout, shared_memory: bool = False, pinned: bool = False) -> torch.Tensor:
+    """A flat uint8 buffer for `layout`; in shared memory if another process must map it.
+    `pinned`: page-locked, so copies from GPU tensors into it run at the link's speed
+    (pageable memory goes through a bounce buffer); needs CUDA."""
     if shared_memory:
-        return shared_file_buffer(layout.total_bytes)
-    return torch.empty(layout.total_bytes, dtype=torch.uint8)
+        flat = shared_file_buffer(layout.total_bytes)
+        if pinned:
+            _register_pinned(flat)
+        return flat
+    return torch.empty(layout.total_bytes, dtype=torch.uint8, pin_memory=pinned)
+
+
+def _register_pinned(flat: torch.Tensor) -> None:
+    """Page-lock memory torch did not allocate (a memfd mapping) for as long as it lives."""
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = flat.data_ptr(), flat.numel()
+    status = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(status) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (status {int(status)})")
+    weakref.finalize(flat.untyped_storage(), cudart.cudaHostUnregister, ptr)
 
 
 def shared_file_buffer(nbytes: int) -> torch.Tensor:
@@ -111,6 +126,7 @@ def pack(flat: torch.Tensor, layout: Layout, named: Iterable[tuple[str, torch.Te
     host = []  # (dst, src) byte arrays, copied together at the end (see bytecopy)
     host_starts = []  # offset of each host tensor in `flat`
     count = 0
+    device_copies = False
     for meta, (name, t) in zip(layout.tensors, named):
         if name != meta.name or tuple(t.shape) != meta.shape or str(t.dtype).removeprefix("torch.") != meta.dtype:
             raise ValueError(f"tensor {name} {tuple(t.shape)} {t.dtype} does not match the layout entry {meta}")
@@ -122,10 +138,15 @@ def pack(flat: torch.Tensor, layout: Layout, named: Iterable[tuple[str, torch.Te
             host.append((dst.numpy(), src.numpy()))
             host_starts.append(meta.offset)
         else:
-            dst.copy_(src)  # device to host, done before any host copy starts
+            # device to host: queued without waiting into pinned memory (the stream runs them
+            # in order), synchronised once below before any host copy or progress report
+            dst.copy_(src, non_blocking=flat.is_pinned())
+            device_copies = True
         count += 1
     if count != len(layout.tensors):
         raise ValueError(f"got {count} tensors, the layout has {len(layout.tensors)}")
+    if device_copies:
+        torch.cuda.synchronize()
     host_starts.append(layout.total_bytes)
     copy_pieces(host, None if progress is None else lambda done: progress(host_starts[done]))
 

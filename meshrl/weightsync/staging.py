@@ -54,11 +54,14 @@ class Lease:
 
 
 class StagingPool:
-    def __init__(self, lease_timeout_s: float, max_slots: int = 4, shared_memory: bool = False):
+    def __init__(self, lease_timeout_s: float, max_slots: int = 4, shared_memory: bool = False, pinned: bool | None = None):
         assert max_slots >= 2, "two slots at least: one being read, one being written"
         self.lease_timeout_s = lease_timeout_s
         self.max_slots = max_slots
         self.shared_memory = shared_memory
+        self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        """Page-locked slots (the default where CUDA is): a GPU trainer's copy into staging
+        runs at the link's speed, and RDMA or a broadcast reads them without a bounce."""
         self.slots: list[Slot] = []
         self.latest: Slot | None = None
         self.filling: Slot | None = None  # the slot `publish` is copying into
@@ -125,7 +128,7 @@ class StagingPool:
                         slot.version = -1
                         return slot
                 if len(self.slots) < self.max_slots:
-                    slot = Slot(len(self.slots), layout, allocate(layout, self.shared_memory))
+                    slot = Slot(len(self.slots), layout, allocate(layout, self.shared_memory, self.pinned))
                     self.slots.append(slot)
                     return slot
                 if now >= deadline:
