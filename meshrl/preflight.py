@@ -5,7 +5,7 @@ multi-turn one gets its reward from its env), that a `reasoning_gym:` task exist
 arguments given, that user code named by import path imports, that LoRA targets map onto
 the trainer's projections, that a longtail tail fits the generation budget, and that the
 files and directories the config names are there. `preflight(config)` adds this machine:
-a run directory it can write, a launcher address of its own, model and tokenizer
+a device plan that fits its GPUs (meshrl/launch/devices.py), a run directory it can write, a launcher address of its own, model and tokenizer
 directories that load. Both raise the first problem as one `ConfigError` naming the field
 and the fix. The CLI, the API and the TorchX component call them before any mesh starts;
 nothing below them imports this module.
