@@ -177,6 +177,36 @@ class BufferConfig:
 
 
 @dataclass
+class SandboxConfig:
+    backend: Literal["bwrap"] = "bwrap"
+    """Isolation tool for model-written code (the `python` tool, coding tasks' hidden tests): `bwrap` (bubblewrap; Debian package `bubblewrap`). There is no unsandboxed mode: a missing or broken tool stops the run at preflight."""
+    python: str = "auto"
+    """Interpreter inside the sandbox. `auto`: the system's /usr/bin/python3, else this Python's installation (its prefix mounted read-only). A path outside /usr must be under `ro_paths`."""
+    ro_paths: list[str] = field(default_factory=list)
+    """Extra host paths mounted read-only inside (a virtual environment with the packages the code may import). Nothing else of the host's files is visible besides /usr and /etc."""
+    pool_size: int = 2
+    """Sandboxes kept started and waiting (namespaces made, interpreter loaded) per rollout worker; each runs one call and is replaced. 0: every call starts its own."""
+    max_concurrent: int = 4
+    """Calls running at once per rollout worker; more wait their turn."""
+    wall_timeout_s: float = 5.0
+    """Wall-clock limit of one call (from the moment the code is handed over); the whole sandbox is killed then."""
+    cpu_time_s: int = 3
+    """CPU-time limit of each process in the sandbox (RLIMIT_CPU), in seconds."""
+    memory_mb: int = 512
+    """Address-space limit of each process in the sandbox (RLIMIT_AS), in MiB."""
+    max_processes: int = 32
+    """Processes and threads the sandbox may hold at once (RLIMIT_NPROC, counted in its own user namespace as an unprivileged uid)."""
+    max_file_mb: int = 16
+    """Largest file a sandboxed process may write (RLIMIT_FSIZE), in MiB."""
+    workspace_mb: int = 32
+    """Size of the private tmpfs workspace (/tmp, the working directory), in MiB."""
+    max_output_bytes: int = 65536
+    """Bytes of stdout plus stderr kept from one call; a program that writes more is killed (limit `output`)."""
+    uid: int = 65534
+    """When meshrl runs as root: the unprivileged uid that bubblewrap and the code run as (root is exempt from RLIMIT_NPROC). Ignored otherwise (the sandbox runs as the calling user)."""
+
+
+@dataclass
 class RolloutConfig:
     workers: int = 1
     """Rollout worker procs. Each plays groups of episodes and hosts their env instances: together they are the env pool."""
@@ -192,6 +222,8 @@ class RolloutConfig:
     """Longest one env call (reset or step) may take; a timeout or exception fails that episode (reward 0) and the run goes on."""
     tool_parser: str = "hermes"
     """How tool calls are read from model turns (tool envs): `hermes` (`<tool_call>{json}</tool_call>`, Qwen/Hermes), `compact` (a turn `!ARG` calls the env's first tool: for tiny models trained from scratch), or an import path `module:callable(text) -> list[ToolCall]`."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Where model-written code runs (meshrl/rollout/sandbox.py): isolation, limits, the warm pool."""
 
 
 @dataclass
@@ -700,6 +732,12 @@ def validate(c: Config) -> None:
         _check_import(need, "rollout.env", r.env, "an env class")
     if r.tool_parser not in ("hermes", "compact"):
         _check_import(need, "rollout.tool_parser", r.tool_parser, "'hermes', 'compact' or a parser function")
+    sb = r.sandbox
+    for name, low in (("pool_size", 0), ("max_concurrent", 1), ("cpu_time_s", 1), ("memory_mb", 64), ("max_processes", 4),
+                      ("max_file_mb", 1), ("workspace_mb", 1), ("max_output_bytes", 1024)):
+        need(getattr(sb, name) >= low, f"rollout.sandbox.{name}", f"must be at least {low}, got {getattr(sb, name)}")
+    need(0 < sb.wall_timeout_s <= 3600, "rollout.sandbox.wall_timeout_s", f"must be in (0, 3600], got {sb.wall_timeout_s}")
+    need(sb.uid > 0, "rollout.sandbox.uid", f"must be an unprivileged uid (not 0), got {sb.uid}")
 
     la = c.launcher
     need(la.hosts >= 1, "launcher.hosts", f"must be at least 1, got {la.hosts}")
@@ -921,3 +959,7 @@ def preflight(c: Config) -> None:
         except Exception as e:  # noqa: BLE001 - whatever transformers raises, the directory is the user's to fix
             raise ConfigError(field_path, f"no tokenizer loads from {tokenizer_dir!r} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): "
                               "give a directory holding a Hugging Face tokenizer (tokenizer.json or tokenizer_config.json)") from None
+    from meshrl.rollout.sandbox import check_sandbox, needs_sandbox  # moves to meshrl/preflight.py
+
+    if needs_sandbox(c):
+        check_sandbox(c)

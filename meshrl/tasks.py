@@ -81,6 +81,8 @@ class Task:
     """single-turn: (prompt, response, sample) -> reward in [0, 1]"""
     env: Callable[[Any], Any] | None = None
     """multi-turn: (run Config) -> a fresh env for one episode"""
+    sandbox: bool = False
+    """the task runs model-written code (meshrl/rollout/sandbox.py): preflight checks the sandbox"""
 
     def sample(self, rng: random.Random, data: DataConfig | None = None) -> dict[str, Any]:
         return self.make(rng, data or DataConfig())
