@@ -265,7 +265,7 @@ class LengthTailConfig:
 @dataclass
 class DataConfig:
     source: str = "task:digits"
-    """Prompts: `task:NAME` for a built-in task (single-turn digits, letters, count, add, copy, longtail with heavy-tailed lengths; multi-turn calc with a tool, guess, longtail_chat: see meshrl/tasks.py), `reasoning_gym:NAME` for a reasoning-gym task scored by its own verifier (`pip install 'meshrl[reasoning]'`; configured by `data.task_args`), a local .jsonl / .parquet file, or a directory written by `datasets`' `save_to_disk`."""
+    """Prompts: `task:NAME` for a built-in task (single-turn digits, letters, count, add, copy, longtail with heavy-tailed lengths; multi-turn calc with a tool, pyexpr with a sandboxed python tool, code with hidden tests run in the sandbox, guess, longtail_chat: see meshrl/tasks.py), `reasoning_gym:NAME` for a reasoning-gym task scored by its own verifier (`pip install 'meshrl[reasoning]'`; configured by `data.task_args`), a local .jsonl / .parquet file, or a directory written by `datasets`' `save_to_disk`."""
     prompt_key: str = "prompt"
     """Field holding the prompt in file sources: text, or a list of chat messages (system, user and earlier turns, rendered with the tokenizer's chat template). With `messages`-style rows whose last message is the assistant's, that message is the reference answer (when the row has no `answer_key` field) and is not part of the prompt."""
     answer_key: str = "answer"

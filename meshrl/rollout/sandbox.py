@@ -8,7 +8,7 @@
 Each call runs in a fresh sandbox made by `bwrap` (bubblewrap): new user, pid, network,
 mount, IPC, UTS and cgroup namespaces; the network namespace has only its own loopback,
 so nothing of the host's network (not even its 127.0.0.1) is reachable. The file system
-is /usr and /etc read-only (plus `ro_paths`), a fresh /proc of its own pid namespace, a
+is a read-only root holding /usr and /etc (read-only too, plus `ro_paths`), a fresh /proc of its own pid namespace, a
 minimal read-only /dev, and one private tmpfs of `workspace_mb` at /tmp, which is the
 working directory and HOME: the run directory, the user's home and /work do not exist in
 there. The environment is cleared (PATH, HOME, LANG only), and the parent's environment
@@ -76,6 +76,7 @@ def _request():
     os.close(fd)
     sys.stdin = open(0, "r", closefd=False)
     sys.argv = ["main.py", *req["argv"]]
+    sys.path.insert(0, os.getcwd())  # as `python main.py` in the workspace: its files import
     return compile(req["code"], "main.py", "exec")
 def _main(code):
     try:
@@ -172,7 +173,7 @@ def bwrap_argv(config: SandboxConfig) -> list[str]:
     for path in [*extra, *config.ro_paths]:
         argv += ["--ro-bind", path, path]
     argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
-             "--size", str(config.workspace_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
+             "--size", str(config.workspace_mb << 20), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
              "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
              "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONUNBUFFERED", "1"]
     limits = [("RLIMIT_CPU", config.cpu_time_s, config.cpu_time_s + 1),
@@ -284,10 +285,8 @@ class Sandbox:
         """Run `code` as __main__ in this sandbox (once). Bounded by the wall limit."""
         assert self.proc is not None and self.proc.stdin is not None
         cfg = self.config
+        _check_files(files)
         files = dict(files or {})
-        for path in files:
-            if os.path.isabs(path) or ".." in path.split("/") or not path.strip("/"):
-                raise ValueError(f"sandbox file {path!r}: give a relative path inside the workspace")
         if stdin is not None:
             files["stdin.txt"] = stdin
         request = json.dumps({"code": code, "files": files, "stdin": stdin, "argv": list(argv or [])}).encode()
@@ -348,6 +347,12 @@ class Sandbox:
         return SandboxResult(stdout, stderr, exit_code, limit, duration, truncated=bool(hit and hit[0] == "output"))
 
 
+def _check_files(files: dict[str, str] | None) -> None:
+    for path in files or {}:
+        if os.path.isabs(path) or ".." in path.split("/") or not path.strip("/"):
+            raise ValueError(f"sandbox file {path!r}: give a relative path inside the workspace")
+
+
 def _limit_from(exit_code: int | None, stderr: str) -> str | None:
     if exit_code in _SIG:
         return _SIG[exit_code]
@@ -360,19 +365,19 @@ def _limit_from(exit_code: int | None, stderr: str) -> str | None:
 
 
 def _read_child_pid(fd: int) -> int:
-    """bwrap's --info-fd JSON: the `child-pid` (the sandbox's pid 1 in the host's pid namespace)."""
+    """The `child-pid` of bwrap's --info-fd JSON: the sandbox's pid 1 in the host's pid
+    namespace. Read to EOF: bwrap writes the JSON in pieces, and closing the pipe early would
+    kill it with SIGPIPE."""
     data = b""
     try:
-        while True:
-            match = re.search(rb'"child-pid":\s*(\d+)', data)
-            if match:
-                return int(match.group(1))
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise OSError("bwrap closed --info-fd without a child-pid")
+        while chunk := os.read(fd, 4096):
             data += chunk
     finally:
         os.close(fd)
+    match = re.search(rb'"child-pid":\s*(\d+)', data)
+    if match is None:
+        raise OSError(f"bwrap wrote no child-pid to --info-fd: {data[:200]!r}")
+    return int(match.group(1))
 
 
 # ---- the pool -------------------------------------------------------------------------------------
@@ -425,10 +430,14 @@ class SandboxPool:
         the config's)."""
         if self._closed:
             raise SandboxError("the sandbox pool is closed")
+        _check_files(files)
         async with self._semaphore():
             self.calls += 1
             box, cold = await self._take()
-            result = await box.run(code, files=files, stdin=stdin, argv=argv, timeout_s=timeout_s)
+            try:
+                result = await box.run(code, files=files, stdin=stdin, argv=argv, timeout_s=timeout_s)
+            finally:
+                await box.kill()  # a call that failed before running (a bad file name) ends its sandbox too
             result.cold = cold
             return result
 
