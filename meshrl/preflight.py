@@ -24,8 +24,9 @@ import importlib
 import os
 
 from meshrl.config import MOE_FAMILIES, Config, ConfigError, source_kind
-from meshrl.imports import missing_extra
+from meshrl.imports import import_callable, missing_extra
 from meshrl.launch.devices import plan_devices
+from meshrl.rollout.sandbox import check_sandbox
 from meshrl.tasks import TASKS, answer_budget
 
 
@@ -129,6 +130,21 @@ def preflight(c: Config) -> None:
         except Exception as e:  # noqa: BLE001 - whatever transformers raises, the directory is the user's to fix
             raise ConfigError(field_path, f"no tokenizer loads from {tokenizer_dir!r} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): "
                               "give a directory holding a Hugging Face tokenizer (tokenizer.json or tokenizer_config.json)") from None
+    if needs_sandbox(c):
+        check_sandbox(c)  # the isolation tool works here; model-written code never runs unsandboxed
+
+
+def needs_sandbox(c: Config) -> bool:
+    """Whether the run executes model-written code: a built-in task or an env marked as using the sandbox."""
+    if c.rollout.env:
+        try:
+            return bool(getattr(import_callable(c.rollout.env), "uses_sandbox", False))
+        except ImportError:
+            return False  # reported by check()
+    if source_kind(c.data.source) == "task":
+        task = TASKS.get(c.data.source.removeprefix("task:"))
+        return bool(task and task.sandbox)
+    return False
 
 
 def _check_source(need, c: Config, path: str, source: str, task_args: dict) -> None:

@@ -46,6 +46,15 @@ from scratch on a CPU by the tiny default model with the built-in character toke
          returned. Credit: 0.2 for a call, 0.5 for a call that returned the answer, 0.6
          for then answering with a number (the first number in the reply), 1.0 for the right one. Use `rollout.tool_parser: compact` (a turn `!` or
          `!7-3` is a call) for models trained from scratch.
+- pyexpr: "7**5%9" -> the model calls the `python` tool (run in the sandbox,
+         meshrl/rollout/sandbox.py), then answers with what it printed: a one-digit value
+         the tiny model cannot compute but can read off the tool. Credit as in calc. With
+         `rollout.tool_parser: compact`, a turn `!` runs the question itself, `!CODE` runs
+         CODE (a lone expression prints its value). configs/code-tool.yaml.
+- code:  a coding task with hidden tests, the tiny version of meshrl.rollout.coding:CodeEnv.
+         "0:2 1:3" shows f(0) and f(1) of f(x) = x+k or x*k; the answer is the body of
+         `f=lambda x:`, e.g. `x+2`, and the reward is the fraction of the hidden tests
+         f(0)..f(4) it passes, run in the sandbox. One model turn (no tool calls).
 - guess: a hidden digit; the model guesses, the env answers `+` (higher) or `-` (lower),
          at most 4 guesses. 1.0 for a hit on the first guess, 0.1 less per extra guess.
 - longtail_chat: longtail's question ("37") asked for 1 to `data.lengths.turns_max` rounds
@@ -65,6 +74,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from meshrl.config import DataConfig, LengthTailConfig
+from meshrl.rollout.coding import CodeEnv, PythonToolEnv
 from meshrl.rollout.env import ModelTurn, StepResult
 from meshrl.rollout.tools import ToolEnv
 
@@ -81,6 +91,8 @@ class Task:
     """single-turn: (prompt, response, sample) -> reward in [0, 1]"""
     env: Callable[[Any], Any] | None = None
     """multi-turn: (run Config) -> a fresh env for one episode"""
+    sandbox: bool = False
+    """the task runs model-written code (meshrl/rollout/sandbox.py): preflight checks the sandbox"""
 
     def sample(self, rng: random.Random, data: DataConfig | None = None) -> dict[str, Any]:
         return self.make(rng, data or DataConfig())
@@ -207,6 +219,52 @@ class CalcEnv(ToolEnv):
         return 0.6 + 0.4 * (answer.group(0) == sample["answer"])  # a number at all: a step toward copying one
 
 
+def _make_pyexpr(rng: random.Random, data: DataConfig) -> dict[str, Any]:
+    a, b, m = rng.randint(2, 9), rng.randint(2, 9), rng.randint(3, 9)
+    return {"prompt": [{"role": "user", "content": f"{a}**{b}%{m}"}], "answer": str(a**b % m)}
+
+
+class PyExprEnv(PythonToolEnv):
+    """task:pyexpr: one `python` call, then an answer read off its output. The tool runs the
+    code it is given, or the question itself when given none (`!` in the compact format), so
+    a tiny model learns one call token before it could learn to copy code into the call."""
+
+    def __init__(self, config):
+        super().__init__(config, max_tool_calls=1, tool_reply_chars=40)
+
+    async def python(self, code: str = "") -> str:
+        """Run Python code in a sandbox and return what it printed.
+
+        Args:
+            code: the program; a lone expression prints its value; empty: the question.
+        """
+        return await super().python(code if code.strip() else self.sample["prompt"][-1]["content"])
+
+    async def score(self, answer_text: str, sample: dict) -> float:
+        if not self.calls_made:
+            return 0.0
+        if sample["answer"] not in [r.strip() for r in self.tool_results]:
+            return 0.2  # called the tool, but it did not print the answer
+        answer = _FIRST_NUMBER.search(answer_text)
+        if answer is None:
+            return 0.5
+        return 0.6 + 0.4 * (answer.group(0) == sample["answer"])
+
+
+def _make_code(rng: random.Random, data: DataConfig) -> dict[str, Any]:
+    k, op = rng.randint(0, 4), rng.choice("+*")
+    f = (lambda x: x + k) if op == "+" else (lambda x: x * k)
+    return {"prompt": [{"role": "user", "content": f"0:{f(0)} 1:{f(1)}"}], "answer": f"x{op}{k}",
+            "tests": [f"assert f({x})=={f(x)}" for x in range(5)], "template": "f=lambda x:{answer}"}
+
+
+class TinyCodeEnv(CodeEnv):
+    """task:code: the answer is scored by the record's hidden tests in the sandbox, no tool calls."""
+
+    def __init__(self, config):
+        super().__init__(config, max_tool_calls=0)
+
+
 GUESSES = 4
 
 
@@ -295,6 +353,8 @@ TASKS: dict[str, Task] = {
     "add": Task("add", _make_add, add_reward),
     "copy": Task("copy", _make_copy, copy_reward),
     "calc": Task("calc", _make_calc, env=CalcEnv),
+    "pyexpr": Task("pyexpr", _make_pyexpr, env=PyExprEnv, sandbox=True),
+    "code": Task("code", _make_code, env=TinyCodeEnv, sandbox=True),
     "guess": Task("guess", _make_guess, env=GuessEnv),
     "longtail": Task("longtail", _make_longtail, longtail_reward),
     "longtail_chat": Task("longtail_chat", _make_longtail_chat, env=LongtailChatEnv),

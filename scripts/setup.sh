@@ -13,4 +13,14 @@ else
   # ("torchvision::nms does not exist"); meshrl needs none of these.
   python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# bubblewrap: the sandbox for model-written code (meshrl/rollout/sandbox.py). Installed when
+# root with apt; otherwise the sandbox tests skip, saying why, and sandboxed tasks stop at preflight.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }) \
+      || echo "setup: could not install bubblewrap (apt-get failed): the sandbox tests will skip" >&2
+  else
+    echo "setup: bwrap not found; install the bubblewrap package for the code sandbox (tests that need it skip)" >&2
+  fi
+fi
 python -c "import meshrl, torch, monarch, torchtitan, vllm, tensordict; print('meshrl set up: torch', torch.__version__, '| vllm', vllm.__version__)"

@@ -38,7 +38,7 @@ def tokenizer_dir(tmp_path_factory):
 
 # ---- tasks ----------------------------------------------------------------------------------------
 def test_tasks_are_single_or_multi_turn():
-    assert MULTI_TURN == ["calc", "guess", "longtail_chat"] and "digits" in SINGLE_TURN
+    assert MULTI_TURN == ["calc", "code", "guess", "longtail_chat", "pyexpr"] and "digits" in SINGLE_TURN
     for name, task in TASKS.items():
         assert (task.reward is None) != (task.env is None), name
         a, b = task.sample(random.Random(5)), task.sample(random.Random(5))

@@ -21,7 +21,8 @@ PURE = [
     "meshrl.config", "meshrl.episode", "meshrl.placement", "meshrl.metrics", "meshrl.logs", "meshrl.host",
     "meshrl.imports", "meshrl.tokenizer", "meshrl.compat",
     # the domain and the checks that need it
-    "meshrl.rollout.env", "meshrl.rollout.tools", "meshrl.rollout.chat", "meshrl.tasks", "meshrl.data",
+    "meshrl.rollout.env", "meshrl.rollout.tools", "meshrl.rollout.chat", "meshrl.rollout.sandbox", "meshrl.rollout.coding",
+    "meshrl.tasks", "meshrl.data",
     "meshrl.scoring", "meshrl.verifiers", "meshrl.distill", "meshrl.preflight",
     # the queue's policy and the rollout worker
     "meshrl.queue", "meshrl.queue.buffer", "meshrl.agent.turns", "meshrl.agent.worker",

@@ -55,6 +55,9 @@ def env_factory(config: Config, reward_fn=None):
     r = config.rollout
     if r.env:
         cls = import_callable(r.env)
+        from_config = getattr(cls, "from_config", None)  # envs that read the run's config (the sandbox's)
+        if from_config is not None:
+            return lambda: from_config(config, **r.env_args)
         return lambda: cls(**r.env_args)
     if config.data.source.startswith("task:") and reward_fn is None:
         task = get_task(config.data.source.removeprefix("task:"))

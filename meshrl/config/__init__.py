@@ -23,6 +23,7 @@ from meshrl.config.sections import (
     LossConfig,
     ModelConfig,
     RolloutConfig,
+    SandboxConfig,
     ScoringConfig,
     TrainerConfig,
     WeightSyncConfig,

@@ -164,6 +164,12 @@ def validate(c: Config) -> None:
     need(r.groups_per_worker >= 0, "rollout.groups_per_worker", f"must be at least 0 (0 = auto), got {r.groups_per_worker}")
     need(r.max_turns >= 1, "rollout.max_turns", f"must be at least 1, got {r.max_turns}")
     need(r.env_timeout_s > 0, "rollout.env_timeout_s", f"must be positive, got {r.env_timeout_s}")
+    sb = r.sandbox
+    for name, low in (("pool_size", 0), ("max_concurrent", 1), ("cpu_time_s", 1), ("memory_mb", 64), ("max_processes", 4),
+                      ("max_file_mb", 1), ("workspace_mb", 1), ("max_output_bytes", 1024)):
+        need(getattr(sb, name) >= low, f"rollout.sandbox.{name}", f"must be at least {low}, got {getattr(sb, name)}")
+    need(0 < sb.wall_timeout_s <= 3600, "rollout.sandbox.wall_timeout_s", f"must be in (0, 3600], got {sb.wall_timeout_s}")
+    need(sb.uid > 0, "rollout.sandbox.uid", f"must be an unprivileged uid (not 0), got {sb.uid}")
 
     la = c.launcher
     need(la.hosts >= 1, "launcher.hosts", f"must be at least 1, got {la.hosts}")

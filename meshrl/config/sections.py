@@ -172,6 +172,36 @@ class BufferConfig:
 
 
 @dataclass
+class SandboxConfig:
+    backend: Literal["bwrap"] = "bwrap"
+    """Isolation tool for model-written code (the `python` tool, coding tasks' hidden tests): `bwrap` (bubblewrap; Debian package `bubblewrap`). There is no unsandboxed mode: a missing or broken tool stops the run at preflight."""
+    python: str = "auto"
+    """Interpreter inside the sandbox. `auto`: the system's /usr/bin/python3, else this Python's installation (its prefix mounted read-only). A path outside /usr must be under `ro_paths`."""
+    ro_paths: list[str] = field(default_factory=list)
+    """Extra host paths mounted read-only inside (a virtual environment with the packages the code may import). Nothing else of the host's files is visible besides /usr and /etc."""
+    pool_size: int = 2
+    """Sandboxes kept started and waiting (namespaces made, interpreter loaded) per rollout worker; each runs one call and is replaced. 0: every call starts its own."""
+    max_concurrent: int = 4
+    """Calls running at once per rollout worker; more wait their turn."""
+    wall_timeout_s: float = 5.0
+    """Wall-clock limit of one call (from the moment the code is handed over); the whole sandbox is killed then."""
+    cpu_time_s: int = 3
+    """CPU-time limit of each process in the sandbox (RLIMIT_CPU), in seconds."""
+    memory_mb: int = 512
+    """Address-space limit of each process in the sandbox (RLIMIT_AS), in MiB."""
+    max_processes: int = 32
+    """Processes and threads the sandbox may hold at once (RLIMIT_NPROC, counted in its own user namespace as an unprivileged uid)."""
+    max_file_mb: int = 16
+    """Largest file a sandboxed process may write (RLIMIT_FSIZE), in MiB."""
+    workspace_mb: int = 32
+    """Size of the private tmpfs workspace (/tmp, the working directory), in MiB."""
+    max_output_bytes: int = 65536
+    """Bytes of stdout plus stderr kept from one call; a program that writes more is killed (limit `output`)."""
+    uid: int = 65534
+    """When meshrl runs as root: the unprivileged uid that bubblewrap and the code run as (root is exempt from RLIMIT_NPROC). Ignored otherwise (the sandbox runs as the calling user)."""
+
+
+@dataclass
 class RolloutConfig:
     workers: int = 1
     """Rollout worker procs. Each plays groups of episodes and hosts their env instances: together they are the env pool."""
@@ -187,6 +217,8 @@ class RolloutConfig:
     """Longest one env call (reset or step) may take; a timeout or exception fails that episode (reward 0) and the run goes on."""
     tool_parser: str = "hermes"
     """How tool calls are read from model turns (tool envs): `hermes` (`<tool_call>{json}</tool_call>`, Qwen/Hermes), `compact` (a turn `!ARG` calls the env's first tool: for tiny models trained from scratch), or an import path `module:callable(text) -> list[ToolCall]`."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Where model-written code runs (meshrl/rollout/sandbox.py): isolation, limits, the warm pool."""
 
 
 @dataclass
@@ -228,7 +260,7 @@ class LengthTailConfig:
 @dataclass
 class DataConfig:
     source: str = "task:digits"
-    """Prompts: `task:NAME` for a built-in task (single-turn digits, letters, count, add, copy, longtail with heavy-tailed lengths; multi-turn calc with a tool, guess, longtail_chat: see meshrl/tasks.py), `reasoning_gym:NAME` for a reasoning-gym task scored by its own verifier (`pip install 'meshrl[reasoning]'`; configured by `data.task_args`), a local .jsonl / .parquet file, or a directory written by `datasets`' `save_to_disk`."""
+    """Prompts: `task:NAME` for a built-in task (single-turn digits, letters, count, add, copy, longtail with heavy-tailed lengths; multi-turn calc with a tool, pyexpr with a sandboxed python tool, code with hidden tests run in the sandbox, guess, longtail_chat: see meshrl/tasks.py), `reasoning_gym:NAME` for a reasoning-gym task scored by its own verifier (`pip install 'meshrl[reasoning]'`; configured by `data.task_args`), a local .jsonl / .parquet file, or a directory written by `datasets`' `save_to_disk`."""
     prompt_key: str = "prompt"
     """Field holding the prompt in file sources: text, or a list of chat messages (system, user and earlier turns, rendered with the tokenizer's chat template). With `messages`-style rows whose last message is the assistant's, that message is the reference answer (when the row has no `answer_key` field) and is not part of the prompt."""
     answer_key: str = "answer"
