@@ -58,11 +58,16 @@ def reference(lp, mu, adv, mask, cfg, prox_logprobs=None, ref_logprobs=None, ent
                 w = rho
             elif cfg.correction == "opsm":
                 w = 0.0 if (A < 0 and seq_gap > cfg.opsm_delta) else 1.0
-            unclipped, clipped = r * A, min(max(r, lo), hi) * A
-            if unclipped <= clipped:
-                l, g = -w * unclipped, -w * r * A  # d r / d lp = r
+            if cfg.clip_against == "sampler":
+                R = math.exp(lp[i][t] - mu[i][t]) if lp[i][t] - mu[i][t] < 700 else math.inf  # pi_theta / mu
+                l = -w * r * A
+                g = 0.0 if (A > 0 and R > hi) or (A < 0 and R < lo) else -w * r * A
             else:
-                l, g = -w * clipped, 0.0  # the clipped branch is constant in lp
+                unclipped, clipped = r * A, min(max(r, lo), hi) * A
+                if unclipped <= clipped:
+                    l, g = -w * unclipped, -w * r * A  # d r / d lp = r
+                else:
+                    l, g = -w * clipped, 0.0  # the clipped branch is constant in lp
             if ref is not None and cfg.kl_coef > 0:
                 d = ref[i][t] - lp[i][t]
                 l += cfg.kl_coef * (math.exp(d) - d - 1)
@@ -176,15 +181,18 @@ def test_metrics_match_loops():
             if not mask[i, t]:
                 continue
             tokens += 1
-            r, A = math.exp(lp[i, t] - prox[i, t]), adv[i].item()
-            clipped += (A > 0 and r > 1.28) or (A < 0 and r < 0.8)
+            R, A = math.exp(lp[i, t] - mu[i, t]), adv[i].item()  # the clip's ratio: against the sampler
+            clipped += (A > 0 and R > 1.28) or (A < 0 and R < 0.8)
             mismatch += abs(mu[i, t].item() - prox[i, t].item())
             weight_sum += min(math.exp(prox[i, t] - mu[i, t]), 2.0)
             d = (ref[i, t] - lp[i, t]).item()
             kl += math.exp(d) - d - 1
             entropy += ent[i, t].item()
     assert (m["tokens_sum"], m["seqs_sum"], m["clip_frac_sum"], m["masked_sum"]) == (tokens, 3, clipped, 0)
-    assert clipped == 3  # r = 1.42 with A > 0 (row 0), r = 0.74 with A < 0 (rows 1, 2)
+    assert clipped == 5  # pi_theta / mu = 2.01 and 7.54 with A > 0 (row 0); 0.78, 0.61 and 0.61 with A < 0 (rows 1, 2)
+    # Anchored on pi_prox instead, the clip sees r = 1.42 with A > 0 (row 0), r = 0.74 with A < 0 (rows 1, 2).
+    _, _, m_prox = run_loss(lp, mu, adv, mask, dataclasses.replace(cfg, clip_against="proximal"), prox_logprobs=prox, ref_logprobs=ref)
+    assert m_prox["clip_frac_sum"] == 3
     assert m["is_weight_max"] == 2.0
     for key, value in (("mismatch_sum", mismatch), ("is_weight_sum", weight_sum), ("kl_sum", kl), ("entropy_sum", entropy)):
         assert m[key].item() == pytest.approx(value, rel=1e-5), key
@@ -202,8 +210,9 @@ def test_metrics_match_loops():
     clip_low=st.floats(0.05, 0.3),
     clip_high=st.floats(0.05, 0.5),
     with_prox=st.booleans(),
+    clip_against=st.sampled_from(["sampler", "proximal"]),
 )
-def test_matches_reference_random(data, B, T, correction, aggregation, clip_low, clip_high, with_prox):
+def test_matches_reference_random(data, B, T, correction, aggregation, clip_low, clip_high, with_prox, clip_against):
     def tensor(lo, hi):
         values = data.draw(st.lists(st.floats(lo, hi, width=32), min_size=B * T, max_size=B * T))
         return torch.tensor(values, dtype=torch.float32).view(B, T)
@@ -213,7 +222,7 @@ def test_matches_reference_random(data, B, T, correction, aggregation, clip_low,
     mu = (lp if prox is None else prox) + tensor(-1.5, 1.5)
     mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=B * T, max_size=B * T))).view(B, T)
     adv = torch.tensor(data.draw(st.lists(st.floats(-2, 2, width=32), min_size=B, max_size=B)))
-    cfg = LossConfig(correction=correction, aggregation=aggregation, clip_low=clip_low, clip_high=clip_high)
+    cfg = LossConfig(correction=correction, aggregation=aggregation, clip_low=clip_low, clip_high=clip_high, clip_against=clip_against)
     assert_matches(lp, mu, adv, mask, cfg, prox_logprobs=prox)
 
 
@@ -295,6 +304,29 @@ def test_extreme_ppo_ratios_are_finite_and_clipped():
     # A > 0: r = 1e6 clipped (no gradient), r = 1e-6 unclipped. A < 0: the reverse.
     assert grad[0, 0] == 0 and grad[0, 1] != 0 and grad[1, 0] != 0 and grad[1, 1] == 0
     assert m["clip_frac_sum"] == 2
+
+
+def test_one_step_per_batch_clips_against_the_sampler():
+    """Issue 34: with one optimizer step per batch (no prox_logprobs) the ratio to the
+    trainer's own policy is 1, so a clip on it never acts and a stale batch keeps pushing
+    tokens the versions since its sampling already pushed (TIS even doubles them). The clip
+    must measure pi_theta / mu: a token whose probability already rose 1.5x since it was
+    sampled (A > 0) or fell to 0.7x (A < 0) gets no gradient; one within the band does."""
+    mu = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    R = torch.tensor([[1.5, 1.1, 0.7], [0.7, 0.9, 1.5]])  # pi_theta / mu
+    lp = mu + R.log()
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    cfg = LossConfig(correction="tis")  # the default anchor
+    _, grad, m = assert_matches(lp, mu, adv, mask, cfg)
+    assert grad[0, 0] == 0 and grad[1, 0] == 0  # moved past the band in the advantage's direction: clipped
+    assert grad[0, 1] < 0 and grad[1, 1] > 0  # within the band: pushed, weight min(rho, C)
+    assert grad[0, 2] < 0 and grad[1, 2] > 0  # moved against the advantage: still pushed back
+    assert grad[1, 2].item() == pytest.approx(1.5 / 6)  # -w * A / tokens, w = min(rho, C) = 1.5
+    assert m["clip_frac_sum"] == 2
+    # The former anchor (the trainer's own policy) clips nothing and pushes every token.
+    _, grad_prox, m_prox = run_loss(lp, mu, adv, mask, dataclasses.replace(cfg, clip_against="proximal"))
+    assert m_prox["clip_frac_sum"] == 0 and (grad_prox != 0).all()
 
 
 def test_clip_higher_is_asymmetric():

@@ -428,3 +428,28 @@ def test_kl_reference_and_entropy_bonus_paths():
     assert first["kl"] == 0.0 and first["entropy"] > 0  # the reference starts equal to the policy
     second = trainer.train_step(make_batch(seed=1))
     assert second["kl"] > 0 and second["version"] == 2  # the policy moved, the reference did not
+
+
+def test_stale_batches_are_clipped_against_the_sampler():
+    """Issue 34: async training steps on batches sampled by older versions. With one optimizer
+    step per batch the ratio to the trainer's own policy is 1, so a clip on it never acted:
+    clip_frac read 0.0 on every step while stale batches kept pushing tokens the versions
+    since their sampling already pushed, until the policy fell off a cliff. Trained again
+    and again on what version 0 sampled, the policy must soon hit the clip (measured from
+    the sampler's log-probs), and the drift metrics must see how far it went."""
+    config = make_config(lr=0.05)
+    trainer = PolicyTrainer(config, CPU)
+    batch = make_batch(seed=3, version=0)
+    rows, lp = trainer.compute_logprobs(batch)
+    batch["sampler_logprobs"] = torch.where(batch["loss_mask"], lp, 0.0)  # sampled by version 0 itself
+    outs = [trainer.train_step(batch, current_version=v) for v in range(4)]
+    first, second, last = outs[0], outs[1], outs[-1]
+    assert first["clip_frac"] == 0.0 and first["mismatch_fresh"] < 1e-5  # on-policy: nothing to clip, no gap
+    assert "kl_prev_version" not in first
+    assert second["kl_prev_version"] > 0 and "mismatch_fresh" not in second  # every token is one version old
+    assert second["kl_prev_version"] == pytest.approx(second["kl_sampler"])
+    assert last["clip_frac"] > 0  # 0.0 when the clip measured pi_theta against itself
+    assert last["kl_sampler"] > second["kl_sampler"]
+    assert last["is_ratio_p1"] <= last["is_ratio_p50"] <= last["is_ratio_p99"]
+    assert all(o["entropy"] > 0 for o in outs)
+    assert 0.0 <= first["zero_variance_groups"] <= 1.0

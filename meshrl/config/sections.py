@@ -69,6 +69,8 @@ class LossConfig:
     """PPO clip epsilon below 1: ratios under 1 - clip_low are clipped."""
     clip_high: float = 0.28
     """PPO clip epsilon above 1 (clip-higher: set above clip_low to keep exploration)."""
+    clip_against: Literal["sampler", "proximal"] = "sampler"
+    """The old policy the PPO clip measures its ratio against. `sampler`: the log-probs of the policy that sampled each token (pi_theta / mu), so the trust region spans the whole staleness lag: a token whose probability has already moved past 1 + clip_high (positive advantage) or under 1 - clip_low (negative) since it was sampled gets no more gradient, however many versions trained in between. `proximal`: the trainer's own log-probs before this optimizer step (pi_theta / pi_prox); with one optimizer step per batch that ratio is 1, so the clip never acts and nothing bounds how far stale batches push the policy (async runs drifted and collapsed this way). The correction's IS weight applies either way."""
     correction: Literal["none", "tis", "mis_token", "mis_seq", "icepop", "decoupled", "opsm"] = "tis"
     """Off-policy correction against the sampler's log-probs: truncated IS, masked IS (token or sequence), IcePop band mask, decoupled PPO with a proximal policy, or off-policy sequence masking."""
     is_cap: float = 2.0

@@ -4,8 +4,21 @@ Per token t of sequence i, with r = pi_theta / pi_prox (the PPO ratio against th
 own policy before this optimizer step) and rho = pi_prox / mu (the behaviour gap between
 that policy and the sampler mu that produced the token):
 
-    loss_it = -w_it * min(r_it * A_it, clip(r_it, 1 - clip_low, 1 + clip_high) * A_it)
-              + kl_coef * k3(pi_theta || pi_ref)_it - entropy_coef * H_it
+    loss_it = -w_it * S_it + kl_coef * k3(pi_theta || pi_ref)_it - entropy_coef * H_it
+
+The surrogate S depends on the clip's anchor, `cfg.clip_against`:
+
+    sampler   S = r * A, with its gradient stopped where the clip is active on R = pi_theta / mu
+              (A > 0 and R > 1 + clip_high, or A < 0 and R < 1 - clip_low)
+    proximal  S = min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)
+
+With one optimizer step per batch, pi_prox is the trainer's policy of this very forward, so
+r = 1 in value: a clip on r never acts, and nothing stops a batch sampled a few versions ago
+from pushing a token further the way the versions in between already pushed it (with `tis`,
+a token whose probability rose since it was sampled is even pushed harder, up to is_cap).
+The `sampler` anchor measures the step from the policy that sampled the token, across the
+whole staleness lag, as PPO's old policy; where it does not clip, the gradient is the same
+as `proximal`'s (w * A * grad log pi_theta).
 
 A_it is the sequence's advantage A_i on every token, or a per-token advantage when the
 batch has one (on-policy distillation, meshrl/distill.py).
@@ -168,12 +181,21 @@ def policy_loss(
 
     # PPO-clip surrogate. Log-ratios are zeroed off the mask *before* exp: padding can hold
     # anything (-inf, garbage), and an inf there would turn masked-out gradients into NaN.
+    mu = sampler_logprobs.detach().float()
     ratio = torch.where(mask, lp - prox, zero).exp()
-    clipped_ratio = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
-    surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
+    if cfg.clip_against == "sampler":
+        # The clip decides on pi_theta / mu (module doc): a clipped token keeps its value and
+        # loses its gradient; an unclipped one has r's gradient, weighted by the correction.
+        behaviour_ratio = torch.where(mask, lp.detach() - mu, zero).exp()  # may be inf: only compared
+        clipped = ((adv > 0) & (behaviour_ratio > 1 + cfg.clip_high)) | ((adv < 0) & (behaviour_ratio < 1 - cfg.clip_low))
+        surrogate = torch.where(clipped, ratio.detach() * adv, ratio * adv)
+    else:
+        clipped_ratio = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+        surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
+        clipped = clipped_ratio * adv < ratio * adv
 
     # Off-policy correction from the behaviour gap rho = pi_prox / mu; never differentiated.
-    log_rho = torch.where(mask, prox - sampler_logprobs.detach().float(), zero)
+    log_rho = torch.where(mask, prox - mu, zero)
     weight, keep = CORRECTIONS[cfg.correction](log_rho, mask, adv, cfg)
 
     per_token = -weight * surrogate
@@ -197,7 +219,7 @@ def policy_loss(
             "tokens_sum": mask.sum().float(),
             "seqs_sum": mask.any(dim=1).sum().float(),
             "loss_sum": loss.detach().clone(),
-            "clip_frac_sum": on_mask(clipped_ratio * adv < ratio * adv).sum(),
+            "clip_frac_sum": on_mask(clipped).sum(),
             "is_weight_sum": on_mask(weight).sum(),
             "is_weight_max": torch.cat([on_mask(weight).flatten(), zero[None]]).max(),  # weights >= 0; no host sync
             "masked_sum": on_mask(~keep).sum(),

@@ -175,10 +175,11 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         metrics: list[dict[str, torch.Tensor]] = []
         lag_sum, lag_max = torch.zeros(()), torch.zeros(())
+        gaps: list[torch.Tensor] = []  # log pi - log mu of this rank's loss tokens, for quantiles
         for i in range(n_micro):
             idx = rows[i * mb:(i + 1) * mb]
             packed = trim(batch[torch.tensor(idx or [0])]).to(self.device)
-            want_entropy = lcfg.entropy_coef > 0
+            want_entropy = True  # the bonus when entropy_coef > 0; the trainer/entropy metric always
             misses: list = []
             replay_changed: list = []
             logprobs, entropy = self._logprobs(self.model, packed, with_entropy=want_entropy, misses=misses, replay_changed=replay_changed)
@@ -204,6 +205,9 @@ class PolicyTrainer:
             if distill:  # reduce_metrics: distill_reverse_kl, the token mean of log mu - log pi_teacher
                 gap = packed["sampler_logprobs"] - packed["teacher_logprobs"]
                 m["distill_reverse_kl_sum"] = torch.where(packed["loss_mask"], gap, 0.0).sum().detach()
+            m.update(_drift_sums(logprobs.detach(), packed, version))
+            if idx:
+                gaps.append(torch.where(packed["loss_mask"], logprobs.detach() - packed["sampler_logprobs"].float(), 0.0)[packed["loss_mask"]].cpu())
             if not idx:  # padding micro-batch: gradient of zero, metrics of nothing
                 loss = loss * 0.0
                 m = {k: torch.zeros_like(v) for k, v in m.items()}
@@ -231,6 +235,8 @@ class PolicyTrainer:
             lr=self.scheduler.get_last_lr()[0], step_time_s=time.perf_counter() - t0,
             tokens_per_s=token_count / (time.perf_counter() - t0),
         )
+        out.update(_drift_metrics(merged, torch.cat(gaps) if gaps else torch.zeros(0)))
+        out["zero_variance_groups"] = zero_variance_share(batch)
         return out
 
     def _clip_grads(self, max_norm: float) -> torch.Tensor:
@@ -315,6 +321,64 @@ class PolicyTrainer:
                     info["expert_placements"] = str(getattr(p, "placements", None))
                     break
         return info
+
+
+def _drift_sums(logprobs: torch.Tensor, packed: TensorDict, version: int) -> dict[str, torch.Tensor]:
+    """Per-micro-batch sums behind `_drift_metrics` (summed across micro-batches and ranks).
+
+    log rho = log pi_theta - log mu per loss token. Tokens of lag 0 were sampled by the very
+    weights being trained: their gap is the engine's own (numerics, a prefix cached under older
+    weights in keep mode), with no policy movement in it. Tokens of lag 1 were sampled by the
+    previous version, so k3(rho) = rho - 1 - log rho over them estimates KL(pi_prev || pi_theta)."""
+    mask = packed["loss_mask"]
+    log_rho = torch.where(mask, logprobs.float() - packed["sampler_logprobs"].float(), 0.0)
+    k3 = torch.where(mask, log_rho.clamp(max=30.0).exp() - 1 - log_rho, 0.0)
+    lag = version - packed["versions"]
+    fresh, previous = mask & (lag == 0), mask & (lag == 1)
+    return {
+        "fresh_tokens_sum": fresh.sum().float(),
+        "fresh_mismatch_sum": torch.where(fresh, log_rho.abs(), 0.0).sum(),
+        "previous_tokens_sum": previous.sum().float(),
+        "kl_previous_sum": torch.where(previous, k3, 0.0).sum(),
+        "kl_sampler_sum": k3.sum(),
+    }
+
+
+def _drift_metrics(merged: dict[str, torch.Tensor], gaps: torch.Tensor) -> dict[str, float]:
+    """How far the policy being trained is from the policies that sampled its batch.
+
+    - mismatch_fresh: mean |log mu - log pi_theta| over tokens sampled by the current version
+      (the engine's gap alone; `mismatch` adds the policy's movement across the lag).
+    - kl_prev_version: KL(pi_{v-1} || pi_v), the last optimizer step's size, estimated (k3) on
+      the tokens the previous version sampled; absent when there are none (synchronous runs).
+    - kl_sampler: KL(mu || pi_theta) (k3) over every loss token, the whole lag included.
+    - is_ratio_p1 / p50 / p99 and logprob_gap_p99: quantiles of rho = pi_theta / mu and of
+      |log rho| over this rank's loss tokens (rank 0's share of the batch with several ranks)."""
+    tokens = max(float(merged.get("tokens_sum", 0.0)), 1.0)
+    out = {"kl_sampler": float(merged["kl_sampler_sum"]) / tokens}
+    if float(merged["fresh_tokens_sum"]) > 0:
+        out["mismatch_fresh"] = float(merged["fresh_mismatch_sum"]) / float(merged["fresh_tokens_sum"])
+    if float(merged["previous_tokens_sum"]) > 0:
+        out["kl_prev_version"] = float(merged["kl_previous_sum"]) / float(merged["previous_tokens_sum"])
+    if gaps.numel():
+        q = torch.quantile(gaps.double(), torch.tensor([0.01, 0.5, 0.99], dtype=torch.float64))
+        out.update(is_ratio_p1=float(q[0].exp()), is_ratio_p50=float(q[1].exp()), is_ratio_p99=float(q[2].exp()),
+                   logprob_gap_p99=float(torch.quantile(gaps.double().abs(), 0.99)))
+    return out
+
+
+def zero_variance_share(batch: TensorDict) -> float:
+    """Share of the batch's groups whose trained episodes (failed ones left out) all have the
+    same reward: their advantages are all 0, so they carry no policy gradient."""
+    from meshrl.episode import FINISH_REASONS
+
+    slices = group_slices(batch)
+    ok = batch["finish_reason"] != FINISH_REASONS["failed"]
+    flat = 0
+    for s in slices:
+        rewards = batch["reward"][s][ok[s]]
+        flat += rewards.numel() < 2 or bool((rewards == rewards[0]).all())
+    return flat / max(len(slices), 1)
 
 
 def _trained_reward(batch: TensorDict) -> float:
