@@ -67,7 +67,7 @@ def iter_rows(source: str, batch_rows: int = 1024) -> Iterator[tuple[int, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    yield n, json.loads(line)
+                    yield n, json.loads(line.rstrip())
                 except json.JSONDecodeError as e:
                     raise DataError(f"{source}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
     elif source.endswith(".parquet"):
