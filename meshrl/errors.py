@@ -49,13 +49,14 @@ def source_location(obj) -> str | None:
 
 def user_location(exc: BaseException) -> str | None:
     """`file:line` of the innermost frame of the user's code in `exc`'s traceback: outside
-    meshrl and the standard library, preferring a file outside the installed packages."""
+    meshrl and the standard library, preferring a file outside the installed packages.
+    None when there is none (the call itself failed: a wrong signature)."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
     frames = [f for f in frames if not os.path.abspath(f.filename).startswith(_MESHRL_DIR)]
     outside_stdlib = [f for f in frames if not os.path.abspath(f.filename).startswith(_STDLIB_DIRS)
                       or os.path.abspath(f.filename).startswith(_PACKAGE_DIRS)]
     own = [f for f in outside_stdlib if not os.path.abspath(f.filename).startswith(_PACKAGE_DIRS)]
-    for candidates in (own, outside_stdlib, frames):
+    for candidates in (own, outside_stdlib):
         if candidates:
             return f"{shown_path(candidates[-1].filename)}:{candidates[-1].lineno}"
     return None

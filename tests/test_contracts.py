@@ -173,6 +173,24 @@ def test_a_reward_is_a_finite_number():
             as_reward(bad, "reward function f")
 
 
+def test_each_reward_call_is_under_the_contract():
+    from meshrl.rollout.env import SingleTurnEnv
+
+    def one_step(fn, timeout_s=5.0):
+        env = SingleTurnEnv(fn, timeout_s)
+        asyncio.run(env.reset({"prompt": "q:", "answer": ""}))
+        with pytest.raises(Exception) as info:
+            asyncio.run(env.step(ModelTurn("a", [], "stop")))
+        return describe(info.value, "worker-0")
+
+    assert one_step(reward_two_args) == ("worker-0: TypeError: reward_two_args() takes 2 positional arguments but 3 were given "
+                                         f"({HERE}:{line_of(reward_two_args)})")  # the call itself failed: the function's line
+    assert one_step(reward_nan) == (f"worker-0: ContractError: reward function tests.test_contracts:reward_nan returned nan: "
+                                    f"expected a finite number ({HERE}:{line_of(reward_nan)})")
+    assert one_step(reward_slow, 0.2).startswith(  # (then this test's own line: it is the caller here)
+        "worker-0: TimeoutError: reward function tests.test_contracts:reward_slow took longer than scoring.timeout_s=0.2s")
+
+
 # ---- one line for a failure of the user's code ----------------------------------------------------
 def test_a_failure_is_one_line_with_the_users_file_and_line_and_the_log():
     try:
@@ -317,9 +335,9 @@ def test_queue_fails_on_a_bad_generated_record_and_a_bad_sampling_policy(monkeyp
 
 
 # ---- before the run: one line, exit 2, nothing started --------------------------------------------
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "MESHRL_VERBOSE"}
-    return subprocess.run([sys.executable, "-m", "meshrl", *args], capture_output=True, text=True, cwd=ROOT, timeout=180, env=env)
+    return subprocess.run([sys.executable, "-m", "meshrl", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
 
 
 def test_cli_refuses_the_issues_cases_in_one_line_before_any_mesh(tmp_path):
@@ -402,7 +420,7 @@ def console_of(out: subprocess.CompletedProcess) -> list[str]:
 @pytest.mark.timeout(600)
 def test_a_gym_tuple_env_from_outside_meshrl_trains(tmp_path):
     run_dir = tmp_path / "run"
-    out = cli("run", "rollout.env=tests.test_contracts:GymDigitsEnv", "steps=3", *SMALL, f"logging.run_dir={run_dir}")
+    out = cli("run", "rollout.env=tests.test_contracts:GymDigitsEnv", "steps=3", *SMALL, f"logging.run_dir={run_dir}", timeout=540)
     lines = console_of(out)
     assert out.returncode == 0, lines
     assert not any("WARNING" in line or "failed" in line for line in lines), lines
@@ -417,7 +435,7 @@ def test_a_gym_tuple_env_from_outside_meshrl_trains(tmp_path):
 def test_a_run_whose_every_episode_fails_warns_once_then_stops_resumably(tmp_path):
     run_dir = tmp_path / "run"
     out = cli("run", "rollout.env=tests.test_contracts:StepRaisesEnv", "contracts.stop_after_failed_steps=2", "steps=20", *SMALL,
-              f"logging.run_dir={run_dir}")
+              f"logging.run_dir={run_dir}", timeout=540)
     lines = console_of(out)
     assert out.returncode == 1, lines
     reason = (f"worker-0: ZeroDivisionError: division by zero ({HERE}:{line_of(StepRaisesEnv.step) + 1}; "
@@ -444,9 +462,9 @@ def test_a_bad_row_found_by_the_queue_is_one_line_not_a_supervision_trace(tmp_pa
     rows.write_text('{"prompt": "a:", "answer": "1"}\n{"prompt": "b:", "answer": "2"}\n{"prompt": "c:", answer: 3}\n')
     run_dir = tmp_path / "run"
     out = cli("run", f"data.source={rows}", "scoring.reward_fn=tests.test_data_scoring:exact", "contracts.data_check_s=0", "steps=2",
-              *SMALL, f"logging.run_dir={run_dir}")
+              *SMALL, f"logging.run_dir={run_dir}", timeout=540)
     lines = console_of(out)
     assert out.returncode == 1, lines
     assert lines[-1] == (f"meshrl: run failed: queue: DataError: {rows}:3: not valid JSON (Expecting property name enclosed in double quotes "
-                         f"at column 32) (log: {run_dir / 'logs' / 'queue.log'})"), lines
+                         f"at column 18) (log: {run_dir / 'logs' / 'queue.log'})"), lines
     assert not any(re.search(r"Traceback|MeshFailure|SupervisionError", line) for line in lines), lines

@@ -34,7 +34,7 @@ import time
 
 from meshrl.compat import awaited
 from meshrl.config import Config
-from meshrl.errors import describe, one_line
+from meshrl.errors import describe, one_line, source_location, user_location
 from meshrl.logs import role_log
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, pack
@@ -192,6 +192,10 @@ class RolloutWorker:
             if str(e):
                 raise  # the env's own TimeoutError
             raise TimeoutError(f"env {callable_name(type(env))}: {method} took longer than rollout.env_timeout_s={timeout:g}s") from None
+        except Exception as e:
+            if user_location(e) is None:  # the call itself failed (a wrong signature): point at the method
+                e.where = source_location(fn)
+            raise
 
     async def play_group(self, claim) -> list[Episode]:
         n = self.config.generator.group_size

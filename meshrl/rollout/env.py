@@ -44,7 +44,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, Union, runtime_checkable
 
-from meshrl.errors import source_location
+from meshrl.errors import source_location, user_location
 
 Message = dict[str, Any]
 Observation = Union[str, list[Message], list[int]]
@@ -236,6 +236,12 @@ async def call_reward(fn: RewardFn, prompt: str, response: str, sample: dict, ti
     name = f"reward function {callable_name(fn)}"
     try:
         value = await call_bounded(fn, prompt, response, sample, timeout=timeout_s)
-    except (asyncio.TimeoutError, TimeoutError):
-        raise TimeoutError(f"{name} took longer than scoring.timeout_s={timeout_s:g}s") from None
+    except (asyncio.TimeoutError, TimeoutError) as e:
+        if not str(e):
+            raise TimeoutError(f"{name} took longer than scoring.timeout_s={timeout_s:g}s") from None
+        raise
+    except Exception as e:
+        if user_location(e) is None:  # the call itself failed (a wrong signature): point at the function
+            e.where = _where(fn)
+        raise
     return as_reward(value, name, _where(fn))
