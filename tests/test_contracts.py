@@ -249,6 +249,41 @@ def test_worker_carries_the_first_failure_to_the_metrics(tokenizer_dir, quiet):
     assert EndpointsOf  # the queue behind the actor calling convention, as the worker sees it
 
 
+def test_the_breaker_warns_once_per_failure_and_stops_after_k_failed_steps(tmp_path, caplog):
+    """The controller's rule on each step's row (the loop's own method; its checkpoint, which
+    needs the meshes, is recorded instead: the whole run is test_a_run_whose_every_episode_fails...)."""
+    from meshrl.controller.loop import EpisodesFailed, RLLoop
+
+    loop = RLLoop(Config.from_dict({"contracts": {"warn_failed_frac": 0.5, "stop_after_failed_steps": 2},
+                                    "logging": {"run_dir": str(tmp_path)}}))
+    saved = []
+
+    async def checkpoint():
+        saved.append(loop.version)
+
+    loop.checkpoint = checkpoint
+    first = "worker-0: KeyError: 'x17' (envs.py:3; log: L)"
+
+    def step(version, count, failed, reason=first):
+        loop.version = version
+        row = {"episode/count": float(count), "episode/failed": float(failed)}
+        if failed:
+            row["episode/first_failure"] = reason
+        asyncio.run(loop._watch_failures(row))
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+    assert step(1, 8, 4) == []  # half: not more than warn_failed_frac
+    assert step(2, 8, 5) == [f"step 2: 5 of 8 episodes failed; the first: {first}"]
+    assert len(step(3, 8, 8, first.replace("17", "18"))) == 1  # the same failure on another record: not again
+    assert len(step(4, 8, 7, "worker-0: TypeError: bad (envs.py:9; log: L)")) == 2  # a new one is shown
+    assert step(5, 0, 0) and saved == []  # nothing finished: counts neither way
+    step(6, 8, 8)
+    with pytest.raises(EpisodesFailed, match=r"^every episode of the last 2 steps failed; the first of step 7: worker-0: KeyError: 'x17' .*"
+                                             r"continue from the checkpoint at step 7 with: meshrl run --resume "):
+        step(7, 4, 4)
+    assert saved == [7]
+
+
 # ---- data: every row checked, the first bad one as FILE:LINE ----------------------------------------
 def test_a_bad_row_is_file_and_line(tmp_path):
     from meshrl.config import DataConfig
