@@ -193,7 +193,7 @@ class RolloutWorker:
                 raise  # the env's own TimeoutError
             raise TimeoutError(f"env {callable_name(type(env))}: {method} took longer than rollout.env_timeout_s={timeout:g}s") from None
         except Exception as e:
-            if user_location(e) is None:  # the call itself failed (a wrong signature): point at the method
+            if getattr(e, "where", None) is None and user_location(e) is None:  # the call itself failed (a wrong signature): point at the method
                 e.where = source_location(fn)
             raise
 

@@ -241,7 +241,7 @@ async def call_reward(fn: RewardFn, prompt: str, response: str, sample: dict, ti
             raise TimeoutError(f"{name} took longer than scoring.timeout_s={timeout_s:g}s") from None
         raise
     except Exception as e:
-        if user_location(e) is None:  # the call itself failed (a wrong signature): point at the function
+        if getattr(e, "where", None) is None and user_location(e) is None:  # the call itself failed (a wrong signature): point at the function
             e.where = _where(fn)
         raise
     return as_reward(value, name, _where(fn))
