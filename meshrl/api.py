@@ -72,7 +72,7 @@ class Session:
     def __init__(self, config: Config | dict | str | None = None, *, resume: str | None = None,
                  reward_fn: RewardFn | None = None, overrides: list[str] | None = None):
         self.config = resume_config(resume, overrides) if resume else as_config(config, overrides)
-        preflight(self.config)  # a bad path or an unwritable run directory fails here, before any mesh
+        preflight(self.config, reward_fn)  # a bad path, an unwritable run directory, bad data or user code fails here, before any mesh
         if threading.current_thread() is threading.main_thread():
             from meshrl.launch import exit_on_sigterm
 

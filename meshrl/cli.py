@@ -8,8 +8,9 @@
     meshrl plot RUN_DIR [--out FILE.png]
     meshrl worker --address IP:PORT          # serve this host to a launcher.kind=workers run
 
-Bad input (unknown key, wrong type, impossible sizes, missing paths) prints one line on
-stderr naming the field and the fix, and exits with status 2.
+Bad input (unknown key, wrong type, impossible sizes, missing paths; a data row without its
+prompt, an env or reward function that breaks its contract: docs/contracts.md) prints one
+line on stderr naming the field or the file and line, and exits with status 2.
 """
 
 from __future__ import annotations
@@ -98,12 +99,13 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     print(f"meshrl: {what}{where}", file=out)
 
     from meshrl.api import Interrupted, run
-    from meshrl.controller.loop import TrainerFailed
+    from meshrl.controller.loop import RunFailed
+    from meshrl.errors import one_line
 
     start = time.monotonic()
     try:
         result = run(resume=ns.resume, overrides=overrides) if ns.resume else run(config)
-    except (TrainerFailed, TimeoutError) as e:
+    except (RunFailed, TimeoutError) as e:
         print(f"meshrl: run failed: {e}", file=out)
         return 1
     except Interrupted as e:
@@ -118,6 +120,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         raise  # one line and exit 2, from main()
     except Exception as e:  # noqa: BLE001 - one line here, the traceback in the controller's log
         traceback.print_exc()  # to stderr: RUN_DIR/logs/controller.log unless --verbose
+        line = one_line(e)  # the user's code failing in an actor: its own line, not Monarch's text
+        if line is not None:
+            print(f"meshrl: run failed: {line}", file=out)
+            return 1
         first = (str(e).strip().splitlines() or [""])[0][:300]
         where = "above" if loud else os.path.join(run_dir, "logs", "controller.log")
         print(f"meshrl: run failed: {type(e).__name__}: {first} (traceback: {where})", file=out)
@@ -250,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except ConfigError as e:
-        print(f"meshrl: config error: {e}", file=console())
+        print(f"meshrl: {e.kind}: {e}", file=console())
         return USAGE_ERROR
 
 

@@ -7,6 +7,13 @@ plus whatever else the source holds; the episode queue (meshrl/queue/) hands rec
 out to rollout workers, whose env turns them into episodes. Records cross actor
 boundaries, so they hold plain picklable, JSON-able values only.
 
+A stored source is read row by row (`iter_rows`): every row must parse and hold its prompt,
+and the first that does not is a `DataError` whose message is `FILE:LINE: what is wrong`
+(LINE counts the file's lines for JSONL, rows from 1 for Parquet and `datasets`).
+`check_source` runs that over a whole source, bounded in time, before any mesh starts
+(meshrl/preflight.py); the episode queue meets the same error with the same line if a row
+past that bound, or a generated record, is bad.
+
 Task and reasoning-gym sources are generated, never stored: record i of an epoch is a pure
 function of (seed, epoch, i). That is what makes resuming exact without saving data, and
 what gives evaluation (`eval_records`) a held-out stream: the same generator under a seed
@@ -18,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Iterator
 
 from torchdata.nodes import BaseNode
 
@@ -27,28 +35,76 @@ from meshrl.imports import missing_extra
 from meshrl.tasks import get_task
 
 
+class DataError(ValueError):
+    """A row that cannot be a record; the message is `FILE:LINE: what is wrong`."""
+
+
 def load_records(cfg: DataConfig) -> list[dict[str, Any]] | None:
     """Records of a file or `datasets` source, in their stored order; None for a generated
-    (task or reasoning-gym) source."""
+    (task or reasoning-gym) source. DataError at the first bad row."""
     kind = source_kind(cfg.source)
     if kind == "task":
         get_task(cfg.source.removeprefix("task:"))  # fail early on a bad name
         return None
     if kind == "reasoning_gym":
         return None
-    if cfg.source.endswith(".jsonl"):
-        with open(cfg.source) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    elif cfg.source.endswith(".parquet"):
+    records = [_record(cfg, f"{cfg.source}:{n}", row) for n, row in iter_rows(cfg.source)]
+    if not records:
+        raise DataError(f"{cfg.source}: holds no records")
+    return records
+
+
+def iter_rows(source: str, batch_rows: int = 1024) -> Iterator[tuple[int, Any]]:
+    """(line or row number from 1, row) of a .jsonl / .parquet file or a `datasets`
+    directory, streamed; a line that does not parse is a DataError naming it."""
+    if source.endswith(".jsonl"):
+        with open(source, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{source}:{n}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+                if not line.strip():
+                    continue
+                try:
+                    yield n, json.loads(line.rstrip())
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{source}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+    elif source.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(cfg.source).to_pylist()
+        n = 0
+        for batch in pq.ParquetFile(source).iter_batches(batch_size=batch_rows):
+            for row in batch.to_pylist():
+                n += 1
+                yield n, row
     else:
-        rows = _saved_dataset(cfg.source).to_list()
-    records = [_record(cfg, i, row) for i, row in enumerate(rows)]
-    if not records:
-        raise ValueError(f"{cfg.source} holds no records")
-    return records
+        data = _saved_dataset(source)
+        n = 0
+        for batch in data.iter(batch_size=batch_rows):
+            keys = list(batch)
+            for values in zip(*(batch[k] for k in keys)):
+                n += 1
+                yield n, dict(zip(keys, values))
+
+
+def check_source(cfg: DataConfig, time_limit_s: float) -> tuple[dict | None, int, bool]:
+    """Read a stored source row by row for at most `time_limit_s` s, each made a record as
+    the queue will make it. Returns (the first record, rows checked, whether that was all
+    of them); DataError at the first bad row. A generated source: (None, 0, True)."""
+    if source_kind(cfg.source) not in ("file", "dataset"):
+        return None, 0, True
+    deadline = time.monotonic() + time_limit_s
+    first, count = None, 0
+    for n, row in iter_rows(cfg.source):
+        record = _record(cfg, f"{cfg.source}:{n}", row)
+        first = first if first is not None else record
+        count += 1
+        if count % 256 == 0 and time.monotonic() > deadline:
+            return first, count, False
+    if first is None:
+        raise DataError(f"{cfg.source}: holds no records")
+    return first, count, True
 
 
 def _saved_dataset(path: str):
@@ -66,27 +122,33 @@ def _saved_dataset(path: str):
                      "or name it 'train'")
 
 
-def _record(cfg: DataConfig, i: int, row: dict) -> dict[str, Any]:
-    """One stored row as a record. A chat prompt ending with the assistant's message holds its
+def _record(cfg: DataConfig, where: str, row: Any) -> dict[str, Any]:
+    """One stored row as a record; DataError(`where: what is wrong`) when it cannot be one.
+    A chat prompt ending with the assistant's message holds its
     reference answer there (the usual `messages` layout of SFT data): that message leaves the
     prompt, since the model is to write it, and is the answer unless the row has its own."""
-    if cfg.prompt_key not in row:
-        raise KeyError(f"{cfg.source} record {i} has no {cfg.prompt_key!r} field (data.prompt_key)")
-    prompt, answer = row[cfg.prompt_key], row.get(cfg.answer_key)
+    key = cfg.prompt_key
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a {type(row).__name__} where a record (an object with a {key!r} field) is expected")
+    if key not in row:
+        keys = ", ".join(map(repr, list(row)[:8])) or "none"
+        raise DataError(f"{where}: no {key!r} field (data.prompt_key); the row's fields: {keys}")
+    prompt, answer = row[key], row.get(cfg.answer_key)
+    if prompt is None or isinstance(prompt, dict):
+        raise DataError(f"{where}: {key!r} is {json.dumps(prompt)[:60]}: expected text or a list of chat messages")
     if isinstance(prompt, list):
         for m in prompt:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
-                raise ValueError(f"{cfg.source} record {i}: {cfg.prompt_key!r} holds {m!r}, not a chat message "
-                                 "(a dict with 'role' and 'content')")
+                raise DataError(f"{where}: {key!r} holds {str(m)[:60]!s}, not a chat message (a dict with 'role' and 'content')")
         if prompt and prompt[-1]["role"] == "assistant":
             if cfg.answer_key not in row:
                 answer = prompt[-1]["content"]
             prompt = prompt[:-1]
         if not prompt:
-            raise ValueError(f"{cfg.source} record {i}: {cfg.prompt_key!r} has no message before the assistant's answer")
+            raise DataError(f"{where}: {key!r} has no message before the assistant's answer")
     else:
         prompt = str(prompt)
-    extra = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.answer_key)}
+    extra = {k: v for k, v in row.items() if k not in (key, cfg.answer_key)}
     return {"prompt": prompt, "answer": answer, **extra}
 
 

@@ -83,6 +83,8 @@ class Episode:
     tool_calls: int = 0
     env_s: float = 0.0
     """Seconds spent in the env's reset and step calls."""
+    failure: str | None = None
+    """Why it failed, in one line (meshrl/errors.py), when finish_reason is `failed`."""
 
     @property
     def token_ids(self) -> list[int]:

@@ -25,6 +25,12 @@ def log_path(run_dir: str, role: str) -> str:
     return os.path.join(run_dir, LOG_DIR, f"{role}.log")
 
 
+def role_log(config, role: str) -> str | None:
+    """The file a role's output goes to (RUN_DIR/logs/ROLE.log); None when it stays on the
+    terminal (`logging.verbose`)."""
+    return None if verbose(config) else log_path(os.path.abspath(config.logging.run_dir), role)
+
+
 def capture_process_output(run_dir: str, role: str) -> str:
     """Point this process's stdout and stderr (the descriptors, so C++ and child processes
     follow) at RUN_DIR/logs/ROLE.log, appended; returns the path."""

@@ -10,6 +10,17 @@ directories that load. Both raise the first problem as one `ConfigError` naming 
 and the fix. The CLI, the API and the TorchX component call them before any mesh starts;
 nothing below them imports this module.
 
+The user's own code and data are checked here too (the table is docs/contracts.md): `check`
+refuses a `rollout.env` that is neither an env class nor a function that can make one from
+`rollout.env_args`, and a reward function that cannot be called as (prompt, response,
+sample); `preflight` reads every row of a file source (bounded by
+`contracts.data_check_s`; the first bad one as `FILE:LINE: what is wrong`) and, with
+`contracts.probe`, runs the user's code once on the first record: the env constructed, its
+`reset` and one `step` on an empty model turn (only a return that breaks the contract
+counts there: the turn is not a real one), the reward function called with the record's
+answer as the response. Each problem is one line and exit 2 (`ConfigError` of kind `data
+error` or `contract error`).
+
 Paths are checked here rather than in config/checks.py: whether a file exists is a fact
 of the filesystem the launching process sees, not of the values, and each actor that
 rebuilds its config from a dict, on whatever host, need not ask it again. A prompt source
@@ -20,12 +31,18 @@ them, so that `meshrl config show` stays quick.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import os
+import threading
+from typing import Any, Callable
 
 from meshrl.config import MOE_FAMILIES, Config, ConfigError, source_kind
+from meshrl.errors import first_line, source_location, user_location
 from meshrl.imports import import_callable, missing_extra
 from meshrl.launch.devices import plan_devices
+from meshrl.rollout.env import ContractError, ModelTurn, RewardFn, as_observation, as_step_result, call_bounded, call_reward, callable_name, prompt_text
 from meshrl.rollout.sandbox import check_sandbox
 from meshrl.tasks import TASKS, answer_budget
 
@@ -51,6 +68,7 @@ def check(c: Config) -> None:
     s = c.scoring
     if s.reward_fn is not None:
         _check_import(need, "scoring.reward_fn", s.reward_fn, "a reward function")
+        _check_reward_signature(import_callable(s.reward_fn), "scoring.reward_fn")
     if s.reward_model is not None:
         need(os.path.isdir(s.reward_model), "scoring.reward_model", f"directory {s.reward_model!r} not found: give a local checkpoint directory or null")
 
@@ -84,17 +102,21 @@ def check(c: Config) -> None:
     r = c.rollout
     if r.env is not None:
         _check_import(need, "rollout.env", r.env, "an env class")
+        _check_env_maker(r.env, r.env_args)
     if r.tool_parser not in ("hermes", "compact"):
         _check_import(need, "rollout.tool_parser", r.tool_parser, "'hermes', 'compact' or a parser function")
 
 
-def preflight(c: Config) -> None:
+def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
     """`check`, then what only this machine can answer: a device plan that fits its GPUs, a
-    run directory that can be written, a launcher address of its own, and model and
-    tokenizer directories that load. Run once before any mesh starts; raises ConfigError
-    naming the field and the fix."""
+    run directory that can be written, a launcher address of its own, model and tokenizer
+    directories that load, the sandbox where the run executes model-written code, and the
+    user's data, env and reward (`reward_fn`: one passed in code) on a real record. Run
+    before any mesh starts; raises ConfigError naming the field and the fix."""
     check(c)
     plan_devices(c)  # every proc gets GPUs of its own, or one line saying which field to change
+    if reward_fn is not None:
+        _check_reward_signature(reward_fn, "reward_fn")
     run_dir = os.path.abspath(c.logging.run_dir)
     try:
         os.makedirs(run_dir, exist_ok=True)
@@ -132,6 +154,188 @@ def preflight(c: Config) -> None:
                               "give a directory holding a Hugging Face tokenizer (tokenizer.json or tokenizer_config.json)") from None
     if needs_sandbox(c):
         check_sandbox(c)  # the isolation tool works here; model-written code never runs unsandboxed
+    check_user_code(c, reward_fn)
+
+
+# ---- the user's data and code --------------------------------------------------------------------
+_checked: set[tuple[str, int]] = set()
+"""Configs (and code-passed reward functions) whose data and code passed `check_user_code`
+in this process: the CLI checks before the console is quieted and `run` again, once is enough."""
+
+
+def check_user_code(c: Config, reward_fn: RewardFn | None = None) -> None:
+    """The data source's rows, then (contracts.probe) the env and reward function run once on
+    its first record. ConfigError (kind `data error` or `contract error`) at the first problem."""
+    key = (c.to_yaml(), id(reward_fn))
+    if key in _checked:
+        return
+    record = _first_record(c)
+    if c.eval.every and c.eval.source is not None and source_kind(c.eval.source) in ("file", "dataset"):
+        import dataclasses
+
+        _first_record(dataclasses.replace(c, data=dataclasses.replace(c.data, source=c.eval.source)))
+    if c.contracts.probe and c.rollout.env is not None:
+        _probe_env(c, record)
+    elif c.contracts.probe and (reward_fn is not None or c.scoring.reward_fn is not None):
+        fn, field = (reward_fn, "reward_fn") if reward_fn is not None else (import_callable(c.scoring.reward_fn), "scoring.reward_fn")
+        _probe_reward(c, fn, field, record)
+    _checked.add(key)
+
+
+def _first_record(c: Config) -> dict:
+    """The source's first record; a stored source is read row by row first (bounded by
+    contracts.data_check_s), the first bad row a ConfigError `FILE:LINE: what is wrong`."""
+    from meshrl.data import DataError, check_source, generator, iter_rows, _record
+
+    d = c.data
+    try:
+        if source_kind(d.source) in ("file", "dataset"):
+            if c.contracts.data_check_s > 0:
+                first, rows, complete = check_source(d, c.contracts.data_check_s)
+                if not complete:
+                    import logging
+
+                    logging.getLogger("meshrl").warning(
+                        "%s: checked the first %d rows in contracts.data_check_s=%gs; the rest are checked as the run reads them",
+                        d.source, rows, c.contracts.data_check_s)
+                return first
+            for n, row in iter_rows(d.source):
+                return _record(d, f"{d.source}:{n}", row)
+            raise DataError(f"{d.source}: holds no records")
+        return generator(d, str(c.seed), 1)(0, 0)
+    except DataError as e:
+        raise ConfigError("", str(e), kind="data error") from None
+
+
+def _check_env_maker(path: str, env_args: dict) -> None:
+    """`rollout.env` must name an env class (with `reset` and `step`) or a function that
+    makes an env from rollout.env_args."""
+    maker = import_callable(path)
+    if inspect.isclass(maker):
+        missing = [m for m in ("reset", "step") if not callable(getattr(maker, m, None))]
+        if missing:
+            raise ConfigError("rollout.env", f"{path!r} is a class without {' and '.join(missing)}: expected an env class "
+                              "(reset(sample) -> observation, step(turn) -> StepResult or a gym tuple; see docs/contracts.md)",
+                              kind="contract error")
+    elif not callable(maker):
+        raise ConfigError("rollout.env", f"{path!r} is a {type(maker).__name__}, not an env class or a function returning an env",
+                          kind="contract error")
+    try:
+        inspect.signature(maker).bind(**env_args)
+    except TypeError as e:
+        what = "its constructor" if inspect.isclass(maker) else "it"
+        raise ConfigError("rollout.env", f"{path!r} cannot make an env from rollout.env_args {env_args}: {what} says {e}; "
+                          "expected an env class, or a function returning an env, that takes rollout.env_args as keyword arguments",
+                          kind="contract error") from None
+    except ValueError:
+        pass  # no signature to read (some builtins): the probe calls it
+
+
+def _check_reward_signature(fn: Callable, field: str) -> None:
+    """A reward function must be callable as fn(prompt, response, sample)."""
+    if not callable(fn):
+        raise ConfigError(field, f"{callable_name(fn)} is a {type(fn).__name__}, not a function", kind="contract error")
+    try:
+        inspect.signature(fn).bind("prompt", "response", {})
+    except TypeError as e:
+        raise ConfigError(field, f"reward function {callable_name(fn)} cannot be called as (prompt, response, sample): {e}; "
+                          "expected def reward(prompt: str, response: str, sample: dict) -> float", kind="contract error") from None
+    except ValueError:
+        pass  # no signature to read: the probe calls it
+
+
+def _run_probe(make: Callable[[], Any], limit_s: float) -> Any:
+    """`asyncio.run(make())` on a thread of its own, abandoned after `limit_s` (a hung user
+    call cannot hold the command); its exception is raised here."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(make())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="meshrl-preflight-probe", daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    if thread.is_alive():
+        raise TimeoutError(f"took longer than {limit_s:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _raised(e: BaseException, what: str) -> str:
+    where = getattr(e, "where", None) or user_location(e)
+    return f"{what} raised {type(e).__name__}: {first_line(str(e)) or '(no message)'}" + (f" ({where})" if where else "")
+
+
+def _probe_env(c: Config, record: dict) -> None:
+    """Construct the env, reset it on `record`, step it once on an empty model turn, close it."""
+    r = c.rollout
+    maker, timeout = import_callable(r.env), r.env_timeout_s
+    source = c.data.source
+
+    def fail(message: str) -> ConfigError:
+        return ConfigError("rollout.env", message, kind="contract error")
+
+    async def probe() -> None:
+        try:
+            env = maker(**r.env_args)
+        except Exception as e:  # noqa: BLE001 - the user's constructor
+            raise fail(_raised(e, f"making the env {r.env!r} with rollout.env_args {r.env_args}")) from None
+        name = f"env {callable_name(type(env))}"
+        missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+        if missing:
+            raise fail(f"{r.env!r} made {str(env)[:60]!r} ({type(env).__name__}), which has no {' or '.join(missing)} method: expected an env")
+        try:
+            try:
+                as_observation(await call_bounded(env.reset, dict(record), timeout=timeout), env)
+            except ContractError as e:
+                raise fail(f"{e} ({e.where})" if e.where else str(e)) from None
+            except (asyncio.TimeoutError, TimeoutError):
+                raise fail(f"{name}: reset of the first record of {source} took longer than rollout.env_timeout_s={timeout:g}s") from None
+            except Exception as e:  # noqa: BLE001 - the user's reset
+                raise fail(_raised(e, f"{name}: reset of the first record of {source}")) from None
+            try:
+                as_step_result(await call_bounded(env.step, ModelTurn("", [], "stop", 0), timeout=timeout), env)
+            except ContractError as e:
+                raise fail(f"{e}, on an empty first model turn" + (f" ({e.where})" if e.where else "")) from None
+            except Exception:  # noqa: BLE001 - an empty turn is not a real one: the run's own calls are checked
+                pass
+        finally:
+            close = getattr(env, "close", None)
+            if callable(close):
+                try:
+                    await call_bounded(close, timeout=timeout)
+                except Exception:  # noqa: BLE001 - a failing close is the env's problem alone
+                    pass
+
+    try:
+        _run_probe(probe, 4 * timeout + 10)
+    except TimeoutError as e:  # the whole probe (a constructor that hangs)
+        raise fail(f"trying env {r.env!r} on the first record {e}: raise rollout.env_timeout_s, or set contracts.probe=false") from None
+
+
+def _probe_reward(c: Config, fn: RewardFn, field: str, record: dict) -> None:
+    """Call the reward function on `record`, its answer as the response, under the contract."""
+    answer = record.get("answer")
+    sample = {**record, "finish_reason": "stop", "response_ids": []}
+    timeout = c.scoring.timeout_s
+    name = f"reward function {callable_name(fn)}"
+
+    async def probe() -> float:
+        return await call_reward(fn, prompt_text(record["prompt"]), answer if isinstance(answer, str) else "", sample, timeout)
+
+    try:
+        _run_probe(probe, timeout + 10)
+    except ContractError as e:
+        where = e.where or source_location(fn)
+        raise ConfigError(field, f"{e}, on the first record of {c.data.source}" + (f" ({where})" if where else ""), kind="contract error") from None
+    except (asyncio.TimeoutError, TimeoutError) as e:
+        raise ConfigError(field, f"{first_line(str(e)) or name + ' timed out'}, on the first record of {c.data.source}", kind="contract error") from None
+    except Exception as e:  # noqa: BLE001 - the user's function
+        raise ConfigError(field, _raised(e, f"{name}, on the first record of {c.data.source},"), kind="contract error") from None
 
 
 def needs_sandbox(c: Config) -> bool:

@@ -143,7 +143,7 @@ def test_chat_rows_keep_their_own_answer_and_reject_bad_messages(tmp_path):
     bad.mkdir()
     config = Config.from_dict({"data": {"source": _write(bad, "jsonl", [ROWS[0], {"messages": [{"content": "no role"}]}]),
                                         "prompt_key": "messages"}, "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}})
-    with pytest.raises(ValueError, match="record 1.*'role' and 'content'"):
+    with pytest.raises(ValueError, match=r"\.jsonl:2: 'messages' holds .*'role' and 'content'"):  # FILE:LINE
         load_records(config.data)
 
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from meshrl import episode
 from meshrl.config import Config
+from meshrl.errors import UserCodeError
 from meshrl.queue import EpisodeQueue, QueueClosed, straggler_wait
 from meshrl.queue.actor import EpisodeQueueActor
 from tests.conftest import make_group
@@ -116,8 +117,11 @@ def test_random_policy_and_custom_callable():
     bad = make_queue(depth=4, max_lag=None, sampling="tests.test_queue:twice_the_first")
     for c in claim_all(bad):
         deliver(bad, c)
-    with pytest.raises(ValueError, match="bad indices"):
-        bad.sample(2, 0)
+    with pytest.raises(UserCodeError, match=r"^queue: ValueError: sampling policy 'tests.test_queue:twice_the_first' returned \[0, 0\]: "
+                       "expected 2 distinct indices"):
+        bad.sample(2, 0)  # the user's policy broke its contract: the queue closes on that one line
+    with pytest.raises(UserCodeError, match="twice_the_first"):
+        bad.claim(0, 0.1)
 
 
 # ---- admission ----------------------------------------------------------------------------------

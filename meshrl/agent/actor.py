@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import os
+import traceback
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.agent.worker import RolloutWorker
 from meshrl.config import Config
-from meshrl.logs import capture_role_output
+from meshrl.errors import UserCodeError, describe
+from meshrl.logs import capture_role_output, role_log
 from meshrl.placement import place_light_process
 
 
@@ -20,7 +22,17 @@ class RolloutWorkerActor(Actor):
         config = Config.from_dict(config)
         capture_role_output(config, f"worker-{worker}")
         place_light_process(config)
-        self.worker = RolloutWorker(config, tokenizer_dir, worker, reward_fn)
+        try:
+            self._worker, self.failure = RolloutWorker(config, tokenizer_dir, worker, reward_fn), None
+        except Exception as e:  # noqa: BLE001 - the user's env or reward failed to load: `start` answers its one line
+            traceback.print_exc()  # to this role's log
+            self._worker, self.failure = None, describe(e, f"worker-{worker}", role_log(config, f"worker-{worker}"))
+
+    @property
+    def worker(self) -> RolloutWorker:
+        if self._worker is None:
+            raise UserCodeError(self.failure)
+        return self._worker
 
     @endpoint
     async def start(self, queue, generators: list, teacher=None) -> dict:
@@ -55,7 +67,8 @@ class RolloutWorkerActor(Actor):
     @concurrent_endpoint
     async def metrics(self) -> dict:
         w = self.worker
-        return {"episodes": w.metrics(), "failed_total": w.failed_total, "requeued_total": w.requeued_total, "error": w.error}
+        return {"episodes": w.metrics(), "failed_total": w.failed_total, "requeued_total": w.requeued_total, "error": w.error,
+                "first_failure": w.take_first_failure()}
 
     @concurrent_endpoint
     async def stop_rollouts(self, timeout_s: float = 30.0) -> None:

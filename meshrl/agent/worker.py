@@ -11,9 +11,12 @@ A worker runs many groups at once, so the generators see every live episode's mo
 as one continuously batched stream. Each episode sticks to one generator replica (its
 prefix cache stays warm) and keeps its env instance in this process: the worker procs are
 the env pool (`rollout.workers`). Failures stay small:
-- an env that raises or exceeds `rollout.env_timeout_s` fails its episode (reward 0,
-  finish_reason `failed`, counted in `episode/failed`): it leaves the loss and its group's
-  statistics, and the rest of its group still trains;
+- an env that raises, exceeds `rollout.env_timeout_s` or breaks its contract (a `reset`
+  or `step` that returns what meshrl/rollout/env.py does not allow) fails its episode
+  (reward 0, finish_reason `failed`, counted in `episode/failed`): it leaves the loss and
+  its group's statistics, and the rest of its group still trains. The first failure of a
+  metrics window is kept as one line (meshrl/errors.py), for the controller's warning
+  and its breaker (`contracts.*`);
 - a generator call that fails (a dead replica) re-queues the whole group, which is played
   again from its start: no episode is lost or trained twice;
 - a dead worker proc is replaced by the controller, and the queue re-queues its groups.
@@ -31,10 +34,12 @@ import time
 
 from meshrl.compat import awaited
 from meshrl.config import Config
+from meshrl.errors import describe, one_line, source_location, user_location
+from meshrl.logs import role_log
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, pack
 from meshrl.rollout.chat import ChatRenderer
-from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, call_bounded
+from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name
 from meshrl.agent.turns import GenerationFailed, TurnBatcher
 
 log = logging.getLogger("meshrl")
@@ -101,6 +106,9 @@ class RolloutWorker:
         self.failed_total = 0
         self.requeued_total = 0
         self.error: str | None = None
+        self.first_failure: str | None = None  # the first failed episode's reason since the last metrics()
+        self.role = f"worker-{worker}"  # as its actor names its log (meshrl/agent/actor.py)
+        self.log = role_log(config, self.role)
 
     def set_generators(self, generators: list) -> None:
         """The replicas to send model turns to (after a replacement or a rescale)."""
@@ -126,7 +134,7 @@ class RolloutWorker:
         try:
             env = (make_env or self.make_env)()  # a constructor that raises (bad env_args) fails the episode, not the group
             t0 = time.monotonic()
-            obs = await call_bounded(env.reset, dict(record), timeout=timeout)
+            obs = as_observation(await self._env_call(env, "reset", dict(record)), env)
             ep.env_s += time.monotonic() - t0
             renderer = self._renderer(env)
             ep.turns.append(Turn("env", renderer.initial_ids(obs)))
@@ -143,13 +151,12 @@ class RolloutWorker:
                 if out.finish_reason == "abort":
                     raise GenerationFailed(f"generator replica {replica} is stopping")
                 t0 = time.monotonic()
-                step = await call_bounded(
-                    env.step, ModelTurn(self.tokenizer.decode(out.token_ids, skip_special_tokens=True), list(out.token_ids), out.finish_reason, k),
-                    timeout=timeout,
-                )
+                step = as_step_result(await self._env_call(
+                    env, "step", ModelTurn(self.tokenizer.decode(out.token_ids, skip_special_tokens=True), list(out.token_ids), out.finish_reason, k),
+                ), env)
                 ep.env_s += time.monotonic() - t0
-                turn.reward = float(step.reward)
-                ep.tool_calls += int(step.info.get("tool_calls", 0)) if step.info else 0
+                turn.reward = step.reward
+                ep.tool_calls += int(step.info.get("tool_calls", 0) or 0)
                 if step.done:
                     ep.finish_reason = out.finish_reason
                     break
@@ -166,8 +173,8 @@ class RolloutWorker:
         except GenerationFailed:
             raise
         except Exception as e:  # noqa: BLE001 - the env's failure fails its episode, not the run
-            kind = "timed out" if isinstance(e, (asyncio.TimeoutError, TimeoutError)) else f"raised {type(e).__name__}: {str(e)[:200]}"
-            log.warning("env of episode %d (group %d) %s; marked failed", sample_id, group_id, kind)
+            ep.failure = describe(e, self.role, self.log)
+            log.warning("episode %d (group %d) failed: %s", sample_id, group_id, ep.failure)
             ep.finish_reason = "failed"
         finally:
             close = getattr(env, "close", None)
@@ -177,6 +184,21 @@ class RolloutWorker:
                 except Exception:  # noqa: BLE001 - a failing close is the env's problem alone
                     pass
         return ep
+
+    async def _env_call(self, env: Env, method: str, arg):
+        """`env.method(arg)`, bounded by rollout.env_timeout_s; a timeout says which call."""
+        timeout = self.config.rollout.env_timeout_s
+        fn = getattr(env, method)
+        try:
+            return await call_bounded(fn, arg, timeout=timeout)
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            if str(e):
+                raise  # the env's own TimeoutError
+            raise TimeoutError(f"env {callable_name(type(env))}: {method} took longer than rollout.env_timeout_s={timeout:g}s") from None
+        except Exception as e:
+            if getattr(e, "where", None) is None and user_location(e) is None:  # the call itself failed (a wrong signature): point at the method
+                e.where = source_location(fn)
+            raise
 
     async def play_group(self, claim) -> list[Episode]:
         n = self.config.generator.group_size
@@ -246,8 +268,8 @@ class RolloutWorker:
                 claim = await asyncio.wait_for(awaited(queue.claim.call_one(self.worker, CLAIM_POLL_S)), CLAIM_POLL_S + 60)
             except Exception as e:  # noqa: BLE001 - a slow or failed claim is asked again; a closed queue ends the loop
                 free.release()
-                if self._stopping or "episode queue closed" in str(e):
-                    return
+                if self._stopping or "episode queue closed" in str(e) or one_line(e) is not None:
+                    return  # closed, or failed on the user's data: the controller reports it
                 self.error = f"{type(e).__name__}: {str(e)[:300]}"
                 log.warning("rollout worker %d: a claim failed (%s); asking again", self.worker, self.error)
                 await asyncio.sleep(RETRY_AFTER_S)
@@ -284,6 +306,8 @@ class RolloutWorker:
         for ep in episodes:
             failed = ep.finish_reason == "failed"
             self.failed_total += failed
+            if failed and self.first_failure is None:
+                self.first_failure = ep.failure
             self.window.append({
                 "reward": ep.reward, "success": float(ep.reward >= 1.0 and not failed), "failed": float(failed),
                 "response_len": float(sum(len(t.token_ids) for t in ep.model_turns)), "turns": float(len(ep.model_turns)),
@@ -320,9 +344,16 @@ class RolloutWorker:
         window, self.window = self.window, []
         return window
 
+    def take_first_failure(self) -> str | None:
+        """The first failed episode's reason since the last call (one line), or None."""
+        first, self.first_failure = self.first_failure, None
+        return first
 
-def summarize(windows: list[dict[str, float]], failed_total: float = 0.0) -> dict:
-    """Per-step episode metrics from the workers' per-episode windows."""
+
+def summarize(windows: list[dict[str, float]], failed_total: float = 0.0, first_failure: str | None = None) -> dict:
+    """Per-step episode metrics from the workers' per-episode windows; with `first_failure`
+    (the first failed episode's reason, one line) as `episode/first_failure`, a string
+    kept in the history and not in metrics.jsonl."""
     if not windows:
         return {}
     n = len(windows)
@@ -349,4 +380,5 @@ def summarize(windows: list[dict[str, float]], failed_total: float = 0.0) -> dic
         "episode/failed": sum(w["failed"] for w in windows),
         "episode/failed_total": failed_total,
         "episode/env_s": sum(w["env_s"] for w in windows),
+        **({"episode/first_failure": first_failure} if first_failure else {}),
     }

@@ -12,6 +12,7 @@ from meshrl.config.sections import (
     MOE_FAMILIES,
     BufferConfig,
     Config,
+    ContractsConfig,
     DataConfig,
     DistillConfig,
     EvalConfig,

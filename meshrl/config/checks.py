@@ -120,6 +120,11 @@ def validate(c: Config) -> None:
     need(s.timeout_s > 0, "scoring.timeout_s", f"must be positive, got {s.timeout_s}")
     need(not (s.reward_fn and s.reward_model), "scoring.reward_model", "set either scoring.reward_fn or scoring.reward_model, not both")
 
+    k = c.contracts
+    need(k.data_check_s >= 0, "contracts.data_check_s", f"must be at least 0 (0 = no check before the run), got {k.data_check_s}")
+    need(0 <= k.warn_failed_frac <= 1, "contracts.warn_failed_frac", f"must be in [0, 1] (1 = never warn), got {k.warn_failed_frac}")
+    need(k.stop_after_failed_steps >= 0, "contracts.stop_after_failed_steps", f"must be at least 0 (0 = never stop), got {k.stop_after_failed_steps}")
+
     d = c.data
     need(d.num_prompts >= 1, "data.num_prompts", f"must be at least 1, got {d.num_prompts}")
     need(not d.task_args or source_kind(d.source) == "reasoning_gym", "data.task_args", f"only a reasoning_gym: source takes task arguments, not {d.source!r}: drop them")

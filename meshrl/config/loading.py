@@ -20,10 +20,13 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A bad config value: `field` names the dotted path, the message says the fix."""
+    """A bad config value: `field` names the dotted path, the message says the fix. `kind`
+    says what was found bad: the config (the default), or the user's data or code it names
+    (`data error`, `contract error`: meshrl/preflight.py)."""
 
-    def __init__(self, field_path: str, message: str):
+    def __init__(self, field_path: str, message: str, kind: str = "config error"):
         self.field_path = field_path
+        self.kind = kind
         super().__init__(f"{field_path}: {message}" if field_path else message)
 
 

@@ -246,6 +246,18 @@ class ScoringConfig:
 
 
 @dataclass
+class ContractsConfig:
+    probe: bool = True
+    """Before any mesh starts, call the user's code once on the first data record: construct a `rollout.env` and `reset` it, call a reward function (`scoring.reward_fn`, or one passed in code) on the record's answer as the response. A wrong return, an exception or a timeout (`rollout.env_timeout_s`, `scoring.timeout_s`) stops the run with one line, exit 2. Off: for an env too costly to construct twice; the same checks still apply to every call during the run. See docs/contracts.md."""
+    data_check_s: float = 60.0
+    """Seconds the check before the run may spend reading a `.jsonl`, `.parquet` or `datasets` source row by row (each parsed, its prompt field checked); the first bad row stops the run as `FILE:LINE: what is wrong`, exit 2. A source too big to finish in time is checked that far, and the rest when the episode queue reads it (a bad row then ends the run with the same line). 0: no check before the run."""
+    warn_failed_frac: float = 0.25
+    """A step in which more than this share of the episodes failed (an env or reward that raised, timed out or broke its contract) gets one warning line on the console, with the first failure and its log file: once per distinct failure. 1: never."""
+    stop_after_failed_steps: int = 3
+    """When every episode of this many consecutive steps failed, the run checkpoints (resumable with `meshrl run --resume`) and stops with the first failure, exit 1. 0: never stop."""
+
+
+@dataclass
 class LengthTailConfig:
     median: int = 8
     """Median target length, in tokens, of the longtail tasks' answers."""
@@ -383,6 +395,8 @@ class Config:
     """Weight transfer from trainer to generators."""
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     """Rewards."""
+    contracts: ContractsConfig = field(default_factory=ContractsConfig)
+    """Checks of the user's env, reward and data: before the run, and the failure breaker during it."""
     data: DataConfig = field(default_factory=DataConfig)
     """The prompt source."""
     eval: EvalConfig = field(default_factory=EvalConfig)

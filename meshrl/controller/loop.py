@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 
 import torch
@@ -27,6 +28,7 @@ import torch
 from meshrl.compat import awaited
 from meshrl.config import Config
 from meshrl.controller.replicas import GeneratorPool, WorkerPool
+from meshrl.errors import one_line
 from meshrl.launch.allocation import allocate, with_env
 from meshrl.launch.devices import plan_devices
 from meshrl.metrics import MetricsWriter
@@ -42,10 +44,26 @@ log = logging.getLogger("meshrl")
 CHECKPOINT_FILE = "loop_state.pt"
 HEALTH_CHECK_S = 5.0
 """How often a step waiting for its batch checks that generators and workers are alive."""
+MAX_FAILURE_WARNINGS = 5
+"""Distinct episode failures shown on the console in one run; later ones are in the metrics and logs."""
 
 
-class TrainerFailed(RuntimeError):
+class RunFailed(RuntimeError):
+    """The run stopped on a failure it can tell in one line (the message); `meshrl run` exits 1."""
+
+
+class TrainerFailed(RunFailed):
     """A trainer proc died, or the host its batches come from: the run stops; resume it from its last checkpoint."""
+
+
+class UserCodeFailed(RunFailed):
+    """The user's code failed inside an actor (a data source, a sampling policy): the message
+    is its one line, `role: ExceptionType: message (file:line; log: PATH)` (meshrl/errors.py)."""
+
+
+class EpisodesFailed(RunFailed):
+    """Every episode of `contracts.stop_after_failed_steps` consecutive steps failed: the run
+    checkpointed and stopped, with the first failure's line."""
 
 
 class RLLoop:
@@ -66,13 +84,18 @@ class RLLoop:
         self._snapshot_task: asyncio.Task | None = None
         self._eval_task: asyncio.Task | None = None
         self._last_step_end = None
+        self._failed_steps = 0  # consecutive steps in which every episode failed
+        self._warned: set[str] = set()  # failures already shown on the console
 
     # ---- start-up -----------------------------------------------------------------------
     async def __aenter__(self) -> "RLLoop":
         try:
             await self.start()
-        except BaseException:
+        except BaseException as e:
             await self.shutdown()
+            line = one_line(e) if isinstance(e, Exception) else None
+            if line is not None:  # the user's data or code failed in an actor as it started
+                raise UserCodeFailed(line) from e
             raise
         return self
 
@@ -162,6 +185,9 @@ class RLLoop:
         try:
             out = await self._watching(asyncio.ensure_future(self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s)))
         except Exception as e:  # noqa: BLE001 - a dead trainer proc ends the run, resumably
+            line = one_line(e)
+            if line is not None:  # the user's data or code failed in the queue: its one line, not the trainer's trace
+                raise UserCodeFailed(line) from e
             if "rollouts are not arriving" in str(e):
                 raise TimeoutError(f"no batch for version {self.version} within buffer.get_timeout_s={c.buffer.get_timeout_s:.0f}s: "
                                    "rollouts are not arriving; check the generators and envs") from e
@@ -178,6 +204,7 @@ class RLLoop:
                 out["sync/previous_update_wait_s"] = time.monotonic() - t0
             self._update_task = asyncio.create_task(self._update_generators(self.version))
             row = await self._collect_metrics(out)
+            await self._watch_failures(row)
             self._evaluate_if_due()
             every, every_s = c.trainer.checkpoint_every, c.trainer.checkpoint_every_s
             if every and self.version % every == 0 or every_s and time.monotonic() - self._last_checkpoint >= every_s:
@@ -187,6 +214,27 @@ class RLLoop:
                 raise self._queue_lost() from e
             raise
         return row
+
+    async def _watch_failures(self, row: dict) -> None:
+        """The failure breaker: a warning line when more than contracts.warn_failed_frac of
+        the step's episodes failed (once per distinct failure), and a checkpoint and
+        EpisodesFailed when every episode of contracts.stop_after_failed_steps steps in a
+        row failed. A step in which no episode finished counts neither way."""
+        k = self.config.contracts
+        count, failed = row.get("episode/count", 0.0), row.get("episode/failed", 0.0)
+        if count <= 0:
+            return
+        first = row.get("episode/first_failure") or "(no reason reported)"
+        if failed > k.warn_failed_frac * count:
+            key = re.sub(r"\d+", "#", first.split(": ", 1)[-1])  # the same failure from another worker or record
+            if key not in self._warned and len(self._warned) < MAX_FAILURE_WARNINGS:
+                self._warned.add(key)
+                log.warning("step %d: %d of %d episodes failed; the first: %s", self.version, failed, count, first)
+        self._failed_steps = self._failed_steps + 1 if failed >= count else 0
+        if k.stop_after_failed_steps and self._failed_steps >= k.stop_after_failed_steps:
+            await self.checkpoint()
+            raise EpisodesFailed(f"every episode of the last {self._failed_steps} steps failed; the first of step {self.version}: {first}; "
+                                 f"fix it, then continue from the checkpoint at step {self.version} with: meshrl run --resume {self.run_dir}")
 
     def _how_to_resume(self) -> str:
         if os.path.isfile(os.path.join(self.run_dir, "checkpoints", "latest")):

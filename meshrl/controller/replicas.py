@@ -296,7 +296,7 @@ class WorkerPool:
             log.warning("rollout worker %d replaced; %d groups re-queued", w.index, requeued)
 
     async def metrics(self) -> dict[str, float]:
-        windows, failed, requeued = [], 0.0, 0.0
+        windows, failed, requeued, first = [], 0.0, 0.0, None
         for w in self.workers:
             try:
                 m = await asyncio.wait_for(awaited(w.actor.metrics.call_one()), 30)
@@ -305,7 +305,8 @@ class WorkerPool:
             windows += m["episodes"]
             failed += m["failed_total"]
             requeued += m["requeued_total"]
-        row = summarize(windows, failed)
+            first = first or m.get("first_failure")
+        row = summarize(windows, failed, first)
         row["rollout/requeued_groups"] = requeued
         row["rollout/workers_replaced"] = float(self.replaced)
         return row

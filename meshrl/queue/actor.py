@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import asyncio
+import traceback
 
 from monarch.actor import Actor, concurrent_endpoint
 from tensordict import TensorDict
 
 from meshrl.compat import endpoint_for_callers_that_may_die
 from meshrl.config import Config
-from meshrl.logs import capture_role_output
+from meshrl.errors import UserCodeError, describe
+from meshrl.logs import capture_role_output, role_log
 from meshrl.placement import place_light_process
 from meshrl.queue.buffer import Claim, EpisodeQueue
 
@@ -24,7 +26,17 @@ class EpisodeQueueActor(Actor):
         config = Config.from_dict(config)
         capture_role_output(config, "queue")
         place_light_process(config)
-        self.queue = EpisodeQueue(config)
+        try:
+            self._queue, self.failure = EpisodeQueue(config), None
+        except Exception as e:  # noqa: BLE001 - a bad data source: every call answers its one line, no supervision trace
+            traceback.print_exc()  # to this role's log
+            self._queue, self.failure = None, describe(e, "queue", role_log(config, "queue"))
+
+    @property
+    def queue(self) -> EpisodeQueue:
+        if self._queue is None:
+            raise UserCodeError(self.failure)
+        return self._queue
 
     @endpoint_for_callers_that_may_die
     async def claim(self, worker: int, timeout: float) -> Claim | None:

@@ -21,6 +21,9 @@ Every group of episodes (one prompt, `generator.group_size` episodes) is in one 
 - The policy version comes from the trainer alone (`sample` and `set_version`).
 - `state_dict` keeps READY groups and re-queues RUNNING ones on load: no episode is lost or
   trained twice across a resume.
+- The user's code here (a data source's records, a `buffer.sampling` policy) failing closes
+  the queue: `failure` holds the one line (meshrl/errors.py), and every claim and sample
+  from then on raises it as a `UserCodeError`, which the controller reports.
 
 `EpisodeQueue` is plain, thread-safe Python (no Monarch); `meshrl/queue/actor.py`'s
 `EpisodeQueueActor` serves it on a proc mesh.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import logging
 import random
 import threading
 import time
@@ -42,6 +46,8 @@ from tensordict import TensorDict
 from meshrl import episode
 from meshrl.config import Config
 from meshrl.data import PromptNode
+from meshrl.errors import UserCodeError, describe
+from meshrl.logs import role_log
 
 SamplingPolicy = Callable[[Sequence[TensorDict], int, random.Random], list[int]]
 """A plain callable choosing which `n` of the READY groups (oldest first) a batch takes."""
@@ -110,6 +116,21 @@ class EpisodeQueue:
         self._closed = False
         self._stats: Counter = Counter()
         self._lag_hist: Counter[int] = Counter()
+        self.failure: str | None = None
+        self._log = role_log(config, "queue")
+
+    def _failed(self, exc: BaseException) -> UserCodeError:
+        """The user's code failed (the lock held): close the queue on its one line."""
+        self.failure = describe(exc, "queue", self._log)
+        logging.getLogger("meshrl").error("the episode queue stops: %s", self.failure, exc_info=exc)
+        self._closed = True
+        self._cond.notify_all()
+        return UserCodeError(self.failure)
+
+    def _raise_closed(self) -> None:
+        if self.failure is not None:
+            raise UserCodeError(self.failure)
+        raise QueueClosed("episode queue closed")
 
     # ---- admission ----------------------------------------------------------------------------
     @property
@@ -127,11 +148,15 @@ class EpisodeQueue:
             if not self._cond.wait_for(lambda: self._closed or self.pending or self._admissible(), timeout):
                 return None
             if self._closed:
-                raise QueueClosed("episode queue closed")
+                self._raise_closed()
             if self.pending:
                 gid, sample = self.pending.popleft()
             else:
-                gid, sample = self.next_group_id, next(self.node)
+                try:
+                    sample = next(self.node)
+                except Exception as e:  # noqa: BLE001 - a bad record of the user's source ends the run, in one line
+                    raise self._failed(e) from None
+                gid = self.next_group_id
                 self.next_group_id += 1
             token = next(self._tokens)
             self.running[gid] = (sample, worker, self.version, token)
@@ -191,10 +216,14 @@ class EpisodeQueue:
                 self._cond.wait(left)
                 self._set_version(current_version)
             if self._closed:
-                raise QueueClosed("episode queue closed")
-            chosen = self.policy(list(self.ready), num_groups, self._rng)
-            if len(set(chosen)) != num_groups or not all(0 <= i < len(self.ready) for i in chosen):
-                raise ValueError(f"sampling policy {self.cfg.sampling!r} returned bad indices {chosen}")
+                self._raise_closed()
+            try:
+                chosen = list(self.policy(list(self.ready), num_groups, self._rng))
+                if len(set(chosen)) != num_groups or not all(isinstance(i, int) and 0 <= i < len(self.ready) for i in chosen):
+                    raise ValueError(f"sampling policy {self.cfg.sampling!r} returned {str(chosen)[:80]}: expected {num_groups} "
+                                     f"distinct indices into the {len(self.ready)} ready groups")
+            except Exception as e:  # noqa: BLE001 - the user's policy: the run ends, in one line
+                raise self._failed(e) from None
             picked = [self.ready[i] for i in chosen]
             for i in sorted(chosen, reverse=True):
                 del self.ready[i]

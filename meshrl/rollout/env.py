@@ -3,7 +3,7 @@
     obs = await env.reset(sample)                 # the prompt: text, chat messages or token ids
     while True:
         turn = <the model's reply to everything so far>
-        result = await env.step(turn)             # observation, reward, done, info
+        result = await env.step(turn)             # a StepResult, or a gym tuple
         if result.done: break
         <result.observation is appended to the episode, then the model speaks again>
 
@@ -17,9 +17,22 @@ An env may also hold a `max_new_tokens` attribute: the token budget of the next 
 `step` gives each turn its own budget. A single-turn env takes it from the record's
 `max_new_tokens` field, so a data row can carry its own budget.
 
-A user's env is any class with these two methods, named by import path in YAML
-(`rollout.env: mypkg.envs:MazeEnv`, constructed with `rollout.env_args`); one instance
-plays one episode. Single-turn tasks and reward functions run as a `SingleTurnEnv`.
+A user's env is any class with these two methods (or a function returning such an
+object), named by import path in YAML (`rollout.env: mypkg.envs:MazeEnv`, called with
+`rollout.env_args`); one instance plays one episode. Single-turn tasks and reward
+functions run as a `SingleTurnEnv`.
+
+The contract, checked on every call (`as_observation`, `as_step_result`, `as_reward`):
+- `reset` returns an observation, or gymnasium's `(observation, info)`: a tuple of two
+  whose first item is an observation and whose second is a dict. An observation is never
+  a tuple, so this reading is unambiguous; any other tuple is refused.
+- `step` returns a `StepResult`, the gym tuple `(observation, reward, done, info)`, or
+  gymnasium's `(observation, reward, terminated, truncated, info)` (done = terminated or
+  truncated). The reward is a finite number (a bool counts as 0 or 1), `done` a bool, `info`
+  a dict or None, and an episode that goes on needs an observation.
+- a reward function returns a finite number.
+Anything else raises `ContractError`, one line naming the env or function, the method,
+what it returned and what is expected: the episode fails with it, as with any exception.
 """
 
 from __future__ import annotations
@@ -27,8 +40,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, Union, runtime_checkable
+
+from meshrl.errors import source_location, user_location
 
 Message = dict[str, Any]
 Observation = Union[str, list[Message], list[int]]
@@ -66,6 +82,108 @@ class Env(Protocol):
     def reset(self, sample: dict) -> Observation | Awaitable[Observation]: ...
 
     def step(self, turn: ModelTurn) -> StepResult | Awaitable[StepResult]: ...
+
+
+class ContractError(Exception):
+    """User code returned what its contract with meshrl does not allow; `where` is the
+    file:line of the method or function that returned it."""
+
+    def __init__(self, message: str, where: str | None = None):
+        super().__init__(message)
+        self.where = where
+
+
+def callable_name(fn) -> str:
+    """`module:qualname` of a function, method or class (a bound method names its class)."""
+    fn = inspect.unwrap(fn) if callable(fn) else fn
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not inspect.isclass(owner) and not inspect.ismodule(owner):
+        owner_type = type(owner)
+        return f"{owner_type.__module__}:{owner_type.__qualname__}.{getattr(fn, '__name__', '?')}"
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return f"{module}:{getattr(fn, '__qualname__', None) or type(fn).__qualname__}"
+
+
+def _where(fn) -> str | None:
+    return source_location(fn) if fn is not None else None
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def is_observation(value: Any) -> bool:
+    """Text, a list of chat messages (dicts with `role` and `content`) or a list of token ids."""
+    if isinstance(value, str):
+        return True
+    if not isinstance(value, list):
+        return False
+    return (all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+            or all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value))
+
+
+OBSERVATION = "text, a list of chat messages ({'role', 'content'} dicts) or a list of token ids"
+
+
+def as_reward(value: Any, what: str, where: str | None = None) -> float:
+    """`value` as a finite float; ContractError naming `what` returned it otherwise."""
+    if isinstance(value, (numbers.Real, bool)) or (hasattr(type(value), "__float__") and not isinstance(value, (str, bytes))):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is not None:
+            if not math.isfinite(number):
+                raise ContractError(f"{what} returned {number}: expected a finite number", where)
+            return number
+    raise ContractError(f"{what} returned {_shown(value)}: expected a finite number", where)
+
+
+def as_observation(value: Any, env: Any) -> Observation:
+    """What `env.reset` returned, as an observation: one, or gymnasium's (observation, info)."""
+    if is_observation(value):
+        return value
+    if isinstance(value, tuple) and len(value) == 2 and is_observation(value[0]) and isinstance(value[1], dict):
+        return value[0]
+    raise ContractError(f"env {callable_name(type(env))}: reset returned {_shown(value)}: expected {OBSERVATION}, "
+                        "or gymnasium's (observation, info)", _where(getattr(env, "reset", None)))
+
+
+def as_step_result(value: Any, env: Any) -> StepResult:
+    """What `env.step` returned, as a StepResult: one, a gym 4-tuple or a gymnasium 5-tuple."""
+    name, where = f"env {callable_name(type(env))}", _where(getattr(env, "step", None))
+    if isinstance(value, StepResult):
+        observation, reward, done, info = value.observation, value.reward, value.done, value.info
+    elif isinstance(value, tuple) and len(value) == 4:
+        observation, reward, done, info = value
+    elif isinstance(value, tuple) and len(value) == 5:
+        observation, reward, terminated, truncated, info = value
+        if not (_is_bool(terminated) and _is_bool(truncated)):
+            raise ContractError(f"{name}: step returned terminated={_shown(terminated)}, truncated={_shown(truncated)}: expected bools", where)
+        done = bool(terminated) or bool(truncated)
+    else:
+        raise ContractError(f"{name}: step returned {_shown(value)}: expected a StepResult, the gym tuple (observation, reward, done, info) "
+                            "or gymnasium's (observation, reward, terminated, truncated, info)", where)
+    reward = as_reward(reward, f"{name}: step's reward", where)
+    if not _is_bool(done):
+        raise ContractError(f"{name}: step returned done={_shown(done)}: expected a bool", where)
+    if info is None:
+        info = {}
+    if not isinstance(info, dict):
+        raise ContractError(f"{name}: step returned info={_shown(info)}: expected a dict or None", where)
+    if not done and not is_observation(observation):
+        raise ContractError(f"{name}: step returned done=False with observation {_shown(observation)}: "
+                            f"expected {OBSERVATION} for the model's next turn", where)
+    return StepResult(observation, reward, bool(done), info)
+
+
+def _is_bool(value: Any) -> bool:
+    try:
+        return type(value).__name__ in ("bool", "bool_") or (isinstance(value, numbers.Integral) and value in (0, 1))
+    except (TypeError, ValueError):
+        return False
 
 
 async def call_bounded(fn: Callable, *args: Any, timeout: float) -> Any:
@@ -109,8 +227,21 @@ class SingleTurnEnv:
 
     async def step(self, turn: ModelTurn) -> StepResult:
         sample = {**self.sample, "finish_reason": turn.finish_reason, "response_ids": turn.token_ids}
-        value = await call_bounded(self.reward_fn, prompt_text(self.sample["prompt"]), turn.text, sample, timeout=self.timeout_s)
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"reward is {value}")
+        value = await call_reward(self.reward_fn, prompt_text(self.sample["prompt"]), turn.text, sample, self.timeout_s)
         return StepResult(reward=value, done=True)
+
+
+async def call_reward(fn: RewardFn, prompt: str, response: str, sample: dict, timeout_s: float) -> float:
+    """One reward call under the contract: bounded by `timeout_s`, a finite number back."""
+    name = f"reward function {callable_name(fn)}"
+    try:
+        value = await call_bounded(fn, prompt, response, sample, timeout=timeout_s)
+    except (asyncio.TimeoutError, TimeoutError) as e:
+        if not str(e):
+            raise TimeoutError(f"{name} took longer than scoring.timeout_s={timeout_s:g}s") from None
+        raise
+    except Exception as e:
+        if getattr(e, "where", None) is None and user_location(e) is None:  # the call itself failed (a wrong signature): point at the function
+            e.where = _where(fn)
+        raise
+    return as_reward(value, name, _where(fn))
