@@ -18,8 +18,9 @@ from meshrl.launch.hosts import plan_hosts
 
 
 def slurm_job(config: Config) -> Any:
-    from monarch.job import SlurmJob
+    from meshrl.compat import slurm_job_class
 
+    SlurmJob = slurm_job_class()
     la = config.launcher
     return SlurmJob(
         meshes=plan_hosts(config),

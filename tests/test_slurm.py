@@ -1,0 +1,95 @@
+"""meshrl on a real Slurm cluster: two nodes in network namespaces (tests/conftest.py's
+`slurm_cluster`: munged, slurmctld, one slurmd per node, a slurm.conf of the run's own).
+
+The controller (`meshrl run ... launcher.kind=slurm`) runs on node a, as on a login node
+that is also in the cluster: it submits through Monarch's SlurmJob, attaches to the
+allocation's workers and trains across both nodes; every test checks that the allocation
+is released (squeue empty) and that no process is left on either node. Skipped, with the
+reason, where the cluster cannot be made (not root, Slurm not installed:
+`bash scripts/setup-slurm.sh`).
+"""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+RUN_TIMEOUT_S = 300.0
+DAEMONS = ("munged", "slurmctld", "slurmd", ": slurmscriptd")  # slurmscriptd names itself ": slurmscriptd"
+
+
+def slurm_config(run_dir, **sections) -> dict:
+    cfg = {
+        "steps": 10, "batch_groups": 8,
+        "generator": {"group_size": 8, "max_new_tokens": 8, "max_num_seqs": 64, "startup_timeout_s": 120},
+        "trainer": {"micro_batch_size": 64, "checkpoint_every": 0},
+        "buffer": {"get_timeout_s": 120},
+        "weight_sync": {"timeout_s": 60},
+        "launcher": {"kind": "slurm", "hosts": 2, "time_limit": "00:30:00", "start_timeout_s": 120},
+        "logging": {"run_dir": str(run_dir), "progress": False, "tensorboard": False, "plot": False},
+    }
+    for section, values in sections.items():
+        cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
+    return cfg
+
+
+def start_controller(cluster, tmp_path, name: str, args: list[str]):
+    """`meshrl run ARGS` on node a, with this checkout on PYTHONPATH (the job's workers get
+    the controller's environment, as sbatch exports it)."""
+    env = {**cluster.env, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    return cluster.hosts.run("a", [sys.executable, "-m", "meshrl", "run", *args], tmp_path / f"{name}.log", env=env)
+
+
+def write_config(tmp_path, name: str, cfg: dict) -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def wait_exit(proc, timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except Exception:
+        proc.kill()
+        pytest.fail(f"the controller did not end within {timeout:.0f}s")
+
+
+def rows_of(run_dir) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def leftovers(cluster, timeout: float = 60) -> dict[str, list[str]]:
+    """Jobs squeue still lists and processes other than the cluster's daemons on each node,
+    once they have had `timeout` to go."""
+    deadline = time.monotonic() + timeout
+    while True:
+        jobs = cluster.jobs()
+        procs = {h: cluster.processes(h, exclude=DAEMONS) for h in ("a", "b")}
+        if (not jobs and not any(procs.values())) or time.monotonic() > deadline:
+            return {"jobs": jobs, **procs}
+        time.sleep(0.5)
+
+
+def test_two_nodes_train_through_sbatch(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = slurm_config(run_dir)
+    t0 = time.monotonic()
+    controller = start_controller(slurm_cluster, tmp_path, "plain", [write_config(tmp_path, "plain", cfg)])
+    rc = wait_exit(controller, RUN_TIMEOUT_S)
+    log = (tmp_path / "plain.log").read_text()
+    assert rc == 0, log[-4000:] + slurm_cluster.logs()
+    rows = rows_of(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    versions = [r["generator/version"] for r in rows if "generator/version" in r]
+    assert versions == sorted(versions) and versions[-1] >= 6, versions
+    assert leftovers(slurm_cluster) == {"jobs": [], "a": [], "b": []}
+    print(f"two-node Slurm run: {time.monotonic() - t0:.0f} s")
