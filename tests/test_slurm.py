@@ -19,18 +19,18 @@ import yaml
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-RUN_TIMEOUT_S = 300.0
+RUN_TIMEOUT_S = 600.0
 DAEMONS = ("munged", "slurmctld", "slurmd", ": slurmscriptd")  # slurmscriptd names itself ": slurmscriptd"
 
 
 def slurm_config(run_dir, **sections) -> dict:
     cfg = {
         "steps": 10, "batch_groups": 8,
-        "generator": {"group_size": 8, "max_new_tokens": 8, "max_num_seqs": 64, "startup_timeout_s": 120},
+        "generator": {"group_size": 8, "max_new_tokens": 8, "max_num_seqs": 64, "startup_timeout_s": 300},
         "trainer": {"micro_batch_size": 64, "checkpoint_every": 0},
-        "buffer": {"get_timeout_s": 120},
+        "buffer": {"get_timeout_s": 300},
         "weight_sync": {"timeout_s": 60},
-        "launcher": {"kind": "slurm", "hosts": 2, "time_limit": "00:30:00", "start_timeout_s": 120},
+        "launcher": {"kind": "slurm", "hosts": 2, "time_limit": "00:30:00", "start_timeout_s": 300},
         "logging": {"run_dir": str(run_dir), "progress": False, "tensorboard": False, "plot": False},
     }
     for section, values in sections.items():
@@ -93,3 +93,40 @@ def test_two_nodes_train_through_sbatch(slurm_cluster, tmp_path):
     assert versions == sorted(versions) and versions[-1] >= 6, versions
     assert leftovers(slurm_cluster) == {"jobs": [], "a": [], "b": []}
     print(f"two-node Slurm run: {time.monotonic() - t0:.0f} s")
+
+
+def job_ids(cluster) -> list[str]:
+    return [line.split()[0] for line in cluster.jobs()]
+
+
+def wait_rows(run_dir, controller, n: int, timeout: float = RUN_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while controller.poll() is None and time.monotonic() < deadline and len(rows_of(run_dir)) < n:
+        time.sleep(0.2)
+    assert controller.poll() is None and len(rows_of(run_dir)) >= n, f"the run ended or stalled before step {n}"
+
+
+def test_slurm_sigterm_checkpoints_and_resubmits(slurm_cluster, tmp_path):
+    """`scancel --signal=TERM` mid-run (what the `--signal` warning before the time limit and
+    preemption send): the run finishes its step, checkpoints, releases the allocation and,
+    with launcher.max_resubmits, submits a fresh one that continues to the last step with
+    the same step numbering and no metric row twice."""
+    run_dir = tmp_path / "run"
+    cfg = slurm_config(run_dir, steps=8, launcher={"max_resubmits": 1})
+    t0 = time.monotonic()
+    controller = start_controller(slurm_cluster, tmp_path, "preempt", [write_config(tmp_path, "preempt", cfg)])
+    wait_rows(run_dir, controller, 3)
+    (first_job,) = job_ids(slurm_cluster)
+    slurm_cluster.cmd("scancel", "--signal=TERM", first_job)
+    rc = wait_exit(controller, RUN_TIMEOUT_S)
+    log = (tmp_path / "preempt.log").read_text()
+    assert rc == 0, log[-4000:] + slurm_cluster.logs()
+    stopped = [line for line in log.splitlines() if line.startswith("meshrl: stopped at step")]
+    assert len(stopped) == 1 and "by Slurm's SIGTERM to the allocation: checkpoint at step" in stopped[0], log[-3000:]
+    assert "meshrl: resubmitting (1 of launcher.max_resubmits=1)" in log
+    steps = [r["step"] for r in rows_of(run_dir)]
+    assert steps == list(range(1, 9)), steps
+    jobs = sorted(f.split("_")[1] for f in os.listdir(run_dir / "slurm") if f.endswith(".out"))
+    assert len(jobs) == 2 and first_job in jobs, jobs  # a second allocation finished the run
+    assert leftovers(slurm_cluster) == {"jobs": [], "a": [], "b": []}
+    print(f"Slurm SIGTERM at step {stopped[0].split()[4]}, resubmitted and finished: {time.monotonic() - t0:.0f} s")
