@@ -288,30 +288,17 @@ async def openenv_unread_message(client, timeout_s: float = 1.0) -> str | None:
 
 
 # ---- Monarch on Slurm 22.05 ----
-def slurm_job_class():
-    """Monarch's `SlurmJob`, reading `squeue --json` as Slurm releases before 24.05 write it.
+def slurm_job_info_newer_shape(job: dict | None) -> dict | None:
+    """One job of `squeue --json`, in the shape Monarch's `SlurmJob` reads.
 
     SlurmJob reads a job's `job_state` as a list and its hosts from
     `job_resources.nodes.allocation[].name`, the shape of Slurm 24.05 and later. Slurm 22.05
     (Debian 12's) writes `job_state` as a string and the hosts as
     `job_resources.allocated_nodes[].nodename` (a list, or a dict by index before 22.05), and
     there SlurmJob cancels its own job while waiting for it to start ('str' object has no
-    attribute 'get'). The subclass rewrites the older shape into the newer one before
-    SlurmJob reads it; newer output passes through unchanged.
+    attribute 'get'). Rewrite the older shape into the newer one before SlurmJob reads it
+    (`meshrl.launch.slurm`'s SlurmJob subclass does); newer output passes through unchanged.
     """
-    from monarch.job import SlurmJob
-
-    class SlurmJobAnyVersion(SlurmJob):
-        def _get_job_info_json(self, job_id: str):
-            return slurm_job_info_newer_shape(super()._get_job_info_json(job_id))
-
-    SlurmJobAnyVersion.__qualname__ = "SlurmJobAnyVersion"
-    return SlurmJobAnyVersion
-
-
-def slurm_job_info_newer_shape(job: dict | None) -> dict | None:
-    """One job of `squeue --json`, with `job_state` a list and the allocated hosts under
-    `job_resources.nodes.allocation[].name` (what Monarch's SlurmJob reads)."""
     if not job:
         return job
     job = dict(job)

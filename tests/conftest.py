@@ -496,14 +496,23 @@ class SlurmCluster:
             self._wait(lambda: os.path.exists(self.munge_socket), timeout, "munged to open its socket")
             self.daemons["slurmctld"] = self.hosts.run("a", ["slurmctld", "-D", "-i", "-f", self.conf],
                                                        os.path.join(self.root, "slurmctld.out"), env=self.env)
-            for h, n in zip(("a", "b"), self.nodes):
-                self.daemons[f"slurmd-{h}"] = self.hosts.run(h, ["slurmd", "-D", "-f", self.conf, "-N", n],
-                                                              os.path.join(self.root, f"slurmd-{n}.out"), env=self.env)
+            for h in ("a", "b"):
+                self.start_slurmd(h)
             self._wait(self._nodes_idle, timeout, "both nodes to be idle in sinfo")
         except BaseException:
             self.stop()
             raise
         return self
+
+    def start_slurmd(self, host: str) -> None:
+        node = self.hosts.hostnames[host]
+        self.daemons[f"slurmd-{host}"] = self.hosts.run(host, ["slurmd", "-D", "-f", self.conf, "-N", node],
+                                                       os.path.join(self.root, f"slurmd-{node}.out"), env=self.env)
+
+    def restart_node(self, host: str, timeout: float = 90) -> None:
+        """Bring back a node whose processes were all killed: a fresh slurmd, until both nodes are idle."""
+        self.start_slurmd(host)
+        self._wait(self._nodes_idle, timeout, f"node {host} to come back")
 
     def _wait(self, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

@@ -169,6 +169,10 @@ def test_slurm_dry_run_renders_monarchs_sbatch_script(tmp_path):
     for line in ("#SBATCH --time=02:30:00", "#SBATCH --partition=gpu", "#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --account=rl"):
         assert line in script.splitlines()
     assert "run_worker_loop_forever" in script and script.startswith("#!/bin/bash")
+    # SIGTERM ahead of the time limit, relayed to the controller by each node's slurm_worker; meshrl resubmits, Slurm does not requeue
+    for line in ("#SBATCH --signal=TERM@180", "#SBATCH --no-requeue"):
+        assert line in script.splitlines()
+    assert f"-m meshrl.launch.slurm_worker --notify {tmp_path / 'run' / 'slurm'} -c 'import os" in script
     # rendering must not switch this process's Monarch transport (SlurmJob() sets TCP)
     assert monarch.config.get_global_config()["default_transport"] == transport
     text = describe_job(config)

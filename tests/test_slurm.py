@@ -17,7 +17,7 @@ import time
 import pytest
 import yaml
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 RUN_TIMEOUT_S = 600.0
 DAEMONS = ("munged", "slurmctld", "slurmd", ": slurmscriptd")  # slurmscriptd names itself ": slurmscriptd"
@@ -130,3 +130,91 @@ def test_slurm_sigterm_checkpoints_and_resubmits(slurm_cluster, tmp_path):
     assert len(jobs) == 2 and first_job in jobs, jobs  # a second allocation finished the run
     assert leftovers(slurm_cluster) == {"jobs": [], "a": [], "b": []}
     print(f"Slurm SIGTERM at step {stopped[0].split()[4]}, resubmitted and finished: {time.monotonic() - t0:.0f} s")
+
+
+def meshrl_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("meshrl:")]
+
+
+def test_no_slurm_on_path_is_one_line(tmp_path):
+    """Where Slurm's commands are missing, launcher.kind=slurm says so in one line, exit 2."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "meshrl", "run", "launcher.kind=slurm", "launcher.hosts=2", f"logging.run_dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": str(tmp_path)})
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshrl: config error: launcher.kind: slurm needs Slurm's commands on PATH"), out.stderr
+
+
+def test_unknown_partition_is_one_line(slurm_cluster, tmp_path):
+    controller = start_controller(slurm_cluster, tmp_path, "nopart", ["launcher.kind=slurm", "launcher.hosts=2", "launcher.partition=gpu",
+                                                                     f"logging.run_dir={tmp_path / 'run'}"])
+    assert wait_exit(controller, 120) == 2
+    lines = meshrl_lines((tmp_path / "nopart.log").read_text())
+    assert lines == [f"meshrl: config error: launcher.partition: no partition 'gpu' on this cluster: give one of "
+                     f"{slurm_cluster.PARTITION}, {slurm_cluster.CLOSED_PARTITION}, or null for the default"], lines
+    assert slurm_cluster.jobs() == []
+
+
+def test_a_job_that_never_starts_is_cancelled(slurm_cluster, tmp_path):
+    """A partition whose nodes never come (here: one that is down): after
+    launcher.start_timeout_s the job is cancelled, not left queued, and the run fails in one line."""
+    cfg = slurm_config(tmp_path / "run", launcher={"partition": slurm_cluster.CLOSED_PARTITION, "start_timeout_s": 8})
+    t0 = time.monotonic()
+    controller = start_controller(slurm_cluster, tmp_path, "never", [write_config(tmp_path, "never", cfg)])
+    rc = wait_exit(controller, 180)
+    waited = time.monotonic() - t0
+    log = (tmp_path / "never.log").read_text()
+    assert rc == 1, log[-3000:]
+    failed = [line for line in meshrl_lines(log) if "run failed" in line]
+    assert len(failed) == 1 and "did not start within launcher.start_timeout_s=8 s, pending: PartitionDown; it was cancelled" in failed[0], log[-3000:]
+    assert leftovers(slurm_cluster, timeout=20) == {"jobs": [], "a": [], "b": []}
+    print(f"never-starting job cancelled; the run ended {waited:.0f} s after it started")
+
+
+def test_torchx_job_trains_on_slurm(slurm_cluster, tmp_path):
+    """`torchx run -s slurm meshrl/torchx_component.py:train`: a real sbatch job that trains
+    on one node (launcher.kind=torchx inside it); the component refuses several hosts."""
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    cfg = slurm_config(run_dir, steps=4)
+    cfg.pop("launcher")
+    config = write_config(tmp_path, "torchx", cfg)
+    component = os.path.join(os.getcwd(), "meshrl", "torchx_component.py")
+    env = {**os.environ, **slurm_cluster.env, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torchx.cli.main", "run", "-s", "slurm", "-cfg", f"partition={slurm_cluster.PARTITION}", f"{component}:train",
+           "--config", config, "--cpu", "2", "--python", sys.executable]
+    out = subprocess.run(slurm_cluster.command("a", cmd), capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0 and "slurm://" in out.stdout, out.stdout + out.stderr
+    t0 = time.monotonic()
+    assert leftovers(slurm_cluster, timeout=RUN_TIMEOUT_S)["jobs"] == [], "the TorchX job did not end"
+    logs = "".join(p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("slurm-*.err"))
+    assert [r["step"] for r in rows_of(run_dir)] == [1, 2, 3, 4], logs
+    assert leftovers(slurm_cluster) == {"jobs": [], "a": [], "b": []}
+    print(f"TorchX job on Slurm: {time.monotonic() - t0:.0f} s after submission")
+
+
+def test_a_lost_node_stops_the_run_resumably(slurm_cluster, tmp_path):
+    """Node b (generators, episode queue, rollout workers) dies mid-run, slurmd and all: the
+    run stops with one line naming `meshrl run --resume RUN_DIR`, a checkpoint is there, and
+    once the node is back nothing of the job is left. (Last in this module: it takes a node down.)"""
+    run_dir = tmp_path / "run"
+    cfg = slurm_config(run_dir, steps=12, trainer={"checkpoint_every": 2})
+    controller = start_controller(slurm_cluster, tmp_path, "lost", [write_config(tmp_path, "lost", cfg)])
+    wait_rows(run_dir, controller, 4)
+    slurm_cluster.hosts.kill("b")
+    t0 = time.monotonic()
+    rc = wait_exit(controller, RUN_TIMEOUT_S)
+    stopped_s = time.monotonic() - t0
+    log = (tmp_path / "lost.log").read_text()
+    assert rc != 0, log[-3000:]
+    resumable = [line for line in meshrl_lines(log) if f"meshrl run --resume {run_dir}" in line]
+    assert len(resumable) == 1, log[-3000:]
+    assert os.path.isfile(run_dir / "checkpoints" / "latest")
+    done = len(rows_of(run_dir))
+    assert 4 <= done < 12
+    slurm_cluster.restart_node("b")
+    assert leftovers(slurm_cluster) == {"jobs": [], "a": [], "b": []}
+    print(f"node b lost at step {done}: the run stopped {stopped_s:.0f} s later: {resumable[0]}")

@@ -28,12 +28,38 @@ def slurm_dir(config: Config) -> str:
     return os.path.abspath(os.path.join(config.logging.run_dir, "slurm"))
 
 
-def slurm_job(config: Config) -> Any:
-    from meshrl.compat import slurm_job_class
+def _slurm_job_class() -> type:
+    """Monarch's SlurmJob, reading Slurm 22.05's `squeue --json` too (meshrl.compat), and
+    saying why a job that did not start in time waited (its pending reason) when it gives up."""
+    from monarch.job import SlurmJob
 
-    SlurmJob = slurm_job_class()
+    from meshrl.compat import slurm_job_info_newer_shape
+
+    class MeshrlSlurmJob(SlurmJob):
+        _pending_reason: str = ""
+
+        def _get_job_info_json(self, job_id: str):
+            job = slurm_job_info_newer_shape(super()._get_job_info_json(job_id))
+            if job:
+                self._pending_reason = str(job.get("state_reason") or "")
+            return job
+
+        def _wait_for_job_start(self, job_id: str, expected_nodes: int, timeout: int | None = None):
+            try:
+                return super()._wait_for_job_start(job_id, expected_nodes, timeout)
+            except RuntimeError as e:  # SlurmJob cancelled the job before raising
+                if str(e).startswith("Timeout waiting"):
+                    reason = f", pending: {self._pending_reason}" if self._pending_reason not in ("", "None") else ""
+                    raise TimeoutError(f"Slurm job {job_id} did not start within launcher.start_timeout_s={timeout} s{reason}; "
+                                       "it was cancelled: raise launcher.start_timeout_s, or choose another launcher.partition") from None
+                raise
+
+    return MeshrlSlurmJob
+
+
+def slurm_job(config: Config) -> Any:
     la = config.launcher
-    return SlurmJob(
+    return _slurm_job_class()(
         meshes=plan_hosts(config),
         # the controller's interpreter (a venv on a shared filesystem), running Monarch's worker
         # under slurm_worker, which relays Slurm's SIGTERM to the controller (SignalWatch)
