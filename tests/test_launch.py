@@ -203,3 +203,22 @@ def test_torchx_component_refuses_several_hosts():
     assert app.roles[0].num_replicas == 1 and app.roles[0].resource.gpu == 0
     with pytest.raises(ValueError, match="launcher.kind=slurm"):
         train("launcher.hosts=2", config=os.path.join(ROOT, "configs/default.yaml"))
+
+
+def test_squeue_json_of_slurm_22_05_reads_as_monarch_expects():
+    """Slurm 22.05's `squeue --json` job (state a string, hosts under allocated_nodes) in the
+    shape Monarch's SlurmJob reads (24.05's); the newer shape passes through unchanged."""
+    from meshrl.compat import slurm_job_info_newer_shape
+
+    old = {"job_id": 7, "job_state": "RUNNING", "state_reason": "None",
+           "job_resources": {"nodes": "n1,n2", "allocated_hosts": 2,
+                             "allocated_nodes": [{"nodename": "n1", "cpus_used": 0}, {"nodename": "n2", "cpus_used": 0}]}}
+    new = slurm_job_info_newer_shape(old)
+    assert new["job_state"] == ["RUNNING"]
+    assert [n["name"] for n in new["job_resources"]["nodes"]["allocation"]] == ["n1", "n2"]
+    assert old["job_state"] == "RUNNING"  # the input is left as it was
+    pending = slurm_job_info_newer_shape({"job_state": "PENDING", "job_resources": {}})
+    assert pending["job_state"] == ["PENDING"] and pending["job_resources"]["nodes"]["allocation"] == []
+    current = {"job_state": ["RUNNING"], "job_resources": {"nodes": {"allocation": [{"name": "n1"}]}}}
+    assert slurm_job_info_newer_shape(current) == current
+    assert slurm_job_info_newer_shape(None) is None

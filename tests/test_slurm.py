@@ -187,7 +187,10 @@ def test_torchx_job_trains_on_slurm(slurm_cluster, tmp_path):
     cmd = [sys.executable, "-m", "torchx.cli.main", "run", "-s", "slurm", "-cfg", f"partition={slurm_cluster.PARTITION}", f"{component}:train",
            "--config", config, "--cpu", "2", "--python", sys.executable]
     out = subprocess.run(slurm_cluster.command("a", cmd), capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert out.returncode == 0 and "slurm://" in out.stdout, out.stdout + out.stderr
+    assert "Launched app: slurm://torchx/" in out.stderr, out.stdout + out.stderr
+    # After submitting, `torchx run` asks the job's status from sacct, which needs Slurm's
+    # accounting (slurmdbd); this cluster has none, so that last call fails, and only it.
+    assert out.returncode == 0 or "Command '['sacct', '--parsable2'" in out.stderr, out.stdout + out.stderr
     t0 = time.monotonic()
     assert leftovers(slurm_cluster, timeout=RUN_TIMEOUT_S)["jobs"] == [], "the TorchX job did not end"
     logs = "".join(p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("slurm-*.err"))
