@@ -95,11 +95,16 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     except Interrupted as e:
         from meshrl.launch.slurm import allocation_signaled
 
-        how = (f"checkpoint at step {e.version}; continue with: meshrl run --resume {e.run_dir}" if e.checkpoint
-               else "no checkpoint could be written in time")
+        last = last_checkpoint_step(e.run_dir)
+        if e.checkpoint:
+            how = f"checkpoint at step {e.version}; continue with: meshrl run --resume {e.run_dir}"
+        elif last is not None:  # the procs went with the allocation (a lost node): the periodic checkpoint stands
+            how = f"no checkpoint could be written in time; the last is at step {last}: continue from it with: meshrl run --resume {e.run_dir}"
+        else:
+            how = "no checkpoint could be written in time"
         by = "Slurm's SIGTERM to the allocation" if allocation_signaled() else "SIGTERM" if e.exit_status == 143 else "an interrupt"
         print(f"meshrl: stopped at step {e.version} by {by}: {how}", file=out)
-        if allocation_signaled() and e.checkpoint:
+        if allocation_signaled() and last is not None:
             _resubmit(config, e.run_dir, ns.verbose, out)  # returns only when no resubmission is left
         return e.exit_status
     except KeyboardInterrupt:
@@ -115,6 +120,16 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         return 1
     print(summary_line(result, time.monotonic() - start), file=out)
     return 0
+
+
+def last_checkpoint_step(run_dir: str) -> int | None:
+    """The step of RUN_DIR's latest checkpoint (what `--resume` continues from), None if none."""
+    try:
+        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
+            name = f.read().strip()  # step_000012_loop_state.pt
+        return int(name.split("_")[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 RESUBMITS_ENV = "MESHRL_RESUBMITS"

@@ -45,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_sigterm(signum, frame) -> None:
         node = os.environ.get("SLURM_NODEID", "?")
-        with open(path, "a") as f:
-            f.write(f"{time.time():.3f} node {node} ({os.uname().nodename})\n")
+        try:
+            with open(path, "a") as f:
+                f.write(f"{time.time():.3f} node {node} ({os.uname().nodename})\n")
+        except OSError as e:  # the worker goes on; the controller then learns of the end from its hosts
+            print(f"meshrl.launch.slurm_worker: could not write {path}: {e}", file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGTERM, on_sigterm)
     while True:
