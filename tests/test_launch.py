@@ -208,8 +208,14 @@ def test_torchx_component_refuses_several_hosts():
 def test_squeue_json_of_slurm_22_05_reads_as_monarch_expects():
     """Slurm 22.05's `squeue --json` job (state a string, hosts under allocated_nodes) in the
     shape Monarch's SlurmJob reads (24.05's); the newer shape passes through unchanged."""
-    from meshrl.compat import slurm_job_info_newer_shape
+    import json
 
+    from meshrl.compat import slurm_job_info_newer_shape, squeue_json_job
+
+    finished = {"job_id": 6, "job_state": "COMPLETED", "job_resources": {}}
+    listing = json.dumps({"jobs": [finished, {"job_id": 7, "job_state": "PENDING", "job_resources": {}}]})
+    assert squeue_json_job(listing, "7")["job_state"] == ["PENDING"]  # 22.05 lists every job, whatever --job says
+    assert squeue_json_job(listing, "8") is None
     old = {"job_id": 7, "job_state": "RUNNING", "state_reason": "None",
            "job_resources": {"nodes": "n1,n2", "allocated_hosts": 2,
                              "allocated_nodes": [{"nodename": "n1", "cpus_used": 0}, {"nodename": "n2", "cpus_used": 0}]}}

@@ -33,13 +33,18 @@ def _slurm_job_class() -> type:
     saying why a job that did not start in time waited (its pending reason) when it gives up."""
     from monarch.job import SlurmJob
 
-    from meshrl.compat import slurm_job_info_newer_shape
+    from meshrl.compat import squeue_json_job
 
     class MeshrlSlurmJob(SlurmJob):
         _pending_reason: str = ""
 
         def _get_job_info_json(self, job_id: str):
-            job = slurm_job_info_newer_shape(super()._get_job_info_json(job_id))
+            try:
+                out = subprocess.run(["squeue", "--job", job_id, "--json"], capture_output=True, text=True, check=True, timeout=60)
+                job = squeue_json_job(out.stdout, job_id)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError) as e:
+                logger.warning("launcher: squeue on job %s failed: %s", job_id, getattr(e, "stderr", None) or e)
+                return None
             if job:
                 self._pending_reason = str(job.get("state_reason") or "")
             return job
