@@ -136,8 +136,8 @@ class Allocation:
         try:
             for procs in reversed(self._procs):
                 await _quietly(procs.stop(), "proc mesh stop")
-            for name, mesh in self._owned.items():
-                await _quietly(mesh.shutdown(), f"host mesh {name!r} shutdown")
+            # together: a mesh whose hosts are gone waits out its timeout, the others need not wait behind it
+            await asyncio.gather(*(_quietly(mesh.shutdown(), f"host mesh {name!r} shutdown") for name, mesh in self._owned.items()))
         finally:
             self._procs.clear()
             self._kill_job()
