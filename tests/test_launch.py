@@ -228,3 +228,17 @@ def test_squeue_json_of_slurm_22_05_reads_as_monarch_expects():
     current = {"job_state": ["RUNNING"], "job_resources": {"nodes": {"allocation": [{"name": "n1"}]}}}
     assert slurm_job_info_newer_shape(current) == current
     assert slurm_job_info_newer_shape(None) is None
+
+
+def test_slurm_signal_and_resubmit_knobs_are_checked():
+    def problem(launcher: dict, **rest) -> str:
+        with pytest.raises(ConfigError) as e:
+            Config.from_dict({"launcher": launcher, **rest})
+        return str(e.value)
+
+    assert Config.from_dict({"launcher": {"kind": "slurm", "hosts": 2, "max_resubmits": 3}}).launcher.signal_before_s == 180
+    assert "launcher.signal_before_s" in problem({"kind": "slurm", "time_limit": "00:02:00"})  # the warning would come before the start
+    assert "launcher.signal_before_s" in problem({"kind": "slurm", "signal_before_s": 60})  # no time left after the interrupt checkpoint
+    assert Config.from_dict({"launcher": {"kind": "slurm", "signal_before_s": 60}, "trainer": {"interrupt_checkpoint_timeout_s": 30}})
+    assert "launcher.max_resubmits" in problem({"kind": "local", "max_resubmits": 1})
+    assert "launcher.max_resubmits" in problem({"kind": "slurm", "max_resubmits": -1})
