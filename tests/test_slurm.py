@@ -3,10 +3,10 @@
 
 The controller (`meshrl run ... launcher.kind=slurm`) runs on node a, as on a login node
 that is also in the cluster: it submits through Monarch's SlurmJob, attaches to the
-allocation's workers and trains across both nodes; every test checks that the allocation
-is released (squeue empty) and that no process is left on either node. Skipped, with the
-reason, where the cluster cannot be made (not root, Slurm not installed:
-`bash scripts/setup-slurm.sh`).
+allocation's workers and trains across both nodes; every test that submits checks that
+the allocation is released (squeue empty) and that no process is left on either node.
+The cluster's tests are skipped, with the reason, where it cannot be made (not root, Slurm
+not installed: `bash scripts/setup-slurm.sh`).
 """
 
 import json
@@ -102,6 +102,9 @@ def test_two_nodes_train_and_resubmit_after_slurms_sigterm(slurm_cluster, tmp_pa
     t0 = time.monotonic()
     controller = start_controller(slurm_cluster, tmp_path, "preempt", [write_config(tmp_path, "preempt", cfg)])
     wait_rows(run_dir, controller, 3)
+    # node b runs the slurm_worker task, Monarch's worker and the procs spawned there (generator, episode queue)
+    on_b = [p for p in slurm_cluster.processes("b", exclude=DAEMONS + ("slurmstepd",)) if "python" in p]
+    assert len(on_b) >= 4, on_b
     (first_job,) = job_ids(slurm_cluster)
     slurm_cluster.cmd("scancel", "--signal=TERM", first_job)
     rc = wait_exit(controller, RUN_TIMEOUT_S)
