@@ -401,6 +401,8 @@ def slurm_unavailable() -> str | None:
     why = netns_unavailable()
     if why:
         return why
+    if shutil.which("unshare") is None:
+        return "named hosts need util-linux's `unshare`"
     path = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
     missing = [c for c in SLURM_COMMANDS if shutil.which(c, path=path) is None]
     if missing:
