@@ -91,6 +91,8 @@ class Session:
         try:
             return future.result(timeout)
         except FutureTimeout:
+            if future.done():  # the call itself raised TimeoutError (the same class since Python 3.11)
+                raise
             future.cancel()
             raise TimeoutError(f"meshrl session call took over {timeout:.0f}s") from None
         except (KeyboardInterrupt, SystemExit):

@@ -109,9 +109,19 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         print(f"meshrl: run failed: {e}", file=out)
         return 1
     except Interrupted as e:
-        how = (f"checkpoint at step {e.version}; continue with: meshrl run --resume {e.run_dir}" if e.checkpoint
-               else "no checkpoint could be written in time")
-        print(f"meshrl: stopped at step {e.version} by {'SIGTERM' if e.exit_status == 143 else 'an interrupt'}: {how}", file=out)
+        from meshrl.launch.slurm import allocation_signaled
+
+        last = last_checkpoint_step(e.run_dir)
+        if e.checkpoint:
+            how = f"checkpoint at step {e.version}; continue with: meshrl run --resume {e.run_dir}"
+        elif last is not None:  # the procs went with the allocation (a lost node): the periodic checkpoint stands
+            how = f"no checkpoint could be written in time; the last is at step {last}: continue from it with: meshrl run --resume {e.run_dir}"
+        else:
+            how = "no checkpoint could be written in time"
+        by = "Slurm's SIGTERM to the allocation" if allocation_signaled() else "SIGTERM" if e.exit_status == 143 else "an interrupt"
+        print(f"meshrl: stopped at step {e.version} by {by}: {how}", file=out)
+        if allocation_signaled() and last is not None:
+            _resubmit(config, e.run_dir, ns.verbose, out)  # returns only when no resubmission is left
         return e.exit_status
     except KeyboardInterrupt:
         print("meshrl: interrupted while starting; nothing trained yet", file=out)
@@ -130,6 +140,37 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         return 1
     print(summary_line(result, time.monotonic() - start), file=out)
     return 0
+
+
+def last_checkpoint_step(run_dir: str) -> int | None:
+    """The step of RUN_DIR's latest checkpoint (what `--resume` continues from), None if none."""
+    try:
+        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
+            name = f.read().strip()  # step_000012_loop_state.pt
+        return int(name.split("_")[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+RESUBMITS_ENV = "MESHRL_RESUBMITS"
+"""How many times this run's controller has resubmitted itself after a Slurm signal."""
+
+
+def _resubmit(config: Config, run_dir: str, loud: bool, out) -> None:
+    """Slurm signaled the allocation and the run checkpointed: while `launcher.max_resubmits`
+    allows, replace this process by `meshrl run --resume RUN_DIR`, which submits a fresh
+    allocation and continues with the same step numbering (its allocation was released
+    already). A fresh process, not a second run in this one: Monarch's client state from the
+    released allocation goes with it."""
+    done = int(os.environ.get(RESUBMITS_ENV, "0"))
+    if done >= config.launcher.max_resubmits:
+        return
+    print(f"meshrl: resubmitting ({done + 1} of launcher.max_resubmits={config.launcher.max_resubmits}): "
+          f"a fresh allocation continues {run_dir} from its checkpoint", file=out)
+    for stream in (out, sys.stdout, sys.stderr):
+        stream.flush()
+    os.environ[RESUBMITS_ENV] = str(done + 1)
+    os.execv(sys.executable, [sys.executable, "-m", "meshrl", "run", "--resume", run_dir, *(["--verbose"] if loud else [])])
 
 
 def summary_line(result, wall_s: float) -> str:

@@ -7,6 +7,7 @@ Each can be dropped once upstream handles its case. Callers apply them explicitl
 from __future__ import annotations
 
 import contextlib
+import json
 
 import torch
 
@@ -285,3 +286,40 @@ async def openenv_unread_message(client, timeout_s: float = 1.0) -> str | None:
         return str(await asyncio.wait_for(ws.recv(), timeout_s))
     except Exception:  # noqa: BLE001 - nothing readable
         return None
+
+
+# ---- Monarch on Slurm 22.05 ----
+def squeue_json_job(squeue_json: str, job_id: str) -> dict | None:
+    """Job `job_id` from the output of `squeue --job JOB_ID --json`, in the shape Monarch's
+    `SlurmJob` reads; None when squeue does not list it.
+
+    SlurmJob takes the first job of that output, reads its `job_state` as a list and its
+    hosts from `job_resources.nodes.allocation[].name`: the output of Slurm 24.05 and later.
+    Slurm 22.05 (Debian 12's) ignores `--job` when it writes JSON and lists every job it
+    still holds, finished ones included, so the first is often another job (SlurmJob then
+    takes a finished one for its own, and cancels its own job as no longer active); it
+    writes `job_state` as a string and the hosts as `job_resources.allocated_nodes[].nodename`
+    (a list, or a dict by index before 22.05), on which SlurmJob fails ('str' object has no
+    attribute 'get'). So: pick the job by id, and rewrite the older shape into the newer one
+    (newer output passes through unchanged). `meshrl.launch.slurm`'s SlurmJob subclass
+    reads squeue through this.
+    """
+    jobs = [j for j in json.loads(squeue_json).get("jobs", []) if str(j.get("job_id")) == str(job_id)]
+    return slurm_job_info_newer_shape(jobs[0]) if jobs else None
+
+
+def slurm_job_info_newer_shape(job: dict | None) -> dict | None:
+    """One job of `squeue --json` with `job_state` a list and the allocated hosts under
+    `job_resources.nodes.allocation[].name` (see `squeue_json_job`)."""
+    if not job:
+        return job
+    job = dict(job)
+    if isinstance(job.get("job_state"), str):
+        job["job_state"] = [job["job_state"]]
+    resources = dict(job.get("job_resources") or {})
+    if not isinstance(resources.get("nodes"), dict):
+        nodes = resources.get("allocated_nodes") or []
+        nodes = list(nodes.values()) if isinstance(nodes, dict) else nodes
+        resources["nodes"] = {"allocation": [{"name": n["nodename"]} for n in nodes if "nodename" in n]}
+        job["job_resources"] = resources
+    return job

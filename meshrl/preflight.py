@@ -5,9 +5,10 @@ multi-turn one gets its reward from its env), that a `reasoning_gym:` task exist
 arguments given, that user code named by import path imports, that LoRA targets map onto
 the trainer's projections, that a longtail tail fits the generation budget, and that the
 files and directories the config names are there. `preflight(config)` adds this machine:
-a device plan that fits its GPUs (meshrl/launch/devices.py), a run directory it can write, a launcher address of its own, model and tokenizer
-directories that load. Both raise the first problem as one `ConfigError` naming the field
-and the fix. The CLI, the API and the TorchX component call them before any mesh starts;
+a device plan that fits its GPUs (meshrl/launch/devices.py), a run directory it can write, a
+launcher address of its own, Slurm's commands and the partition asked for
+(launcher.kind=slurm), model and tokenizer directories that load. Both raise the first
+problem as one `ConfigError` naming the field and the fix. The CLI, the API and the TorchX component call them before any mesh starts;
 nothing below them imports this module.
 
 The user's own code and data are checked here too (the table is docs/contracts.md): `check`
@@ -128,6 +129,8 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
         raise ConfigError("logging.run_dir", f"cannot write to {run_dir!r} ({e.strerror or type(e).__name__}): choose a writable directory") from None
     if c.launcher.kind == "workers" and c.launcher.address not in _local_addresses():
         raise ConfigError("launcher.address", f"{c.launcher.address!r} is not an address of this machine: give one of {', '.join(sorted(_local_addresses()))}")
+    if c.launcher.kind == "slurm" and not c.launcher.dry_run:
+        _check_slurm(c)
     m = c.model
     if m.path is not None:
         from meshrl.trainer.model import model_args_from_hf
@@ -397,6 +400,34 @@ def _check_budget(need, c: Config) -> None:
          "raise it or lower data.lengths.max")
     need(c.model.max_seq_len >= budget + 16, "model.max_seq_len",
          f"must be at least {budget + 16} (the longest longtail answer's budget plus its prompt), got {c.model.max_seq_len}")
+
+
+SLURM_COMMANDS = ("sbatch", "squeue", "scancel", "sinfo")
+"""What launcher.kind=slurm runs on the controller's machine: submit, watch, cancel, and list partitions."""
+
+
+def _check_slurm(c: Config) -> None:
+    """Slurm's commands on PATH, a controller that answers, and the partition asked for."""
+    import shutil
+    import subprocess
+
+    missing = [cmd for cmd in SLURM_COMMANDS if shutil.which(cmd) is None]
+    if missing:
+        raise ConfigError("launcher.kind", f"slurm needs Slurm's commands on PATH and {', '.join(missing)} is not: run meshrl on a login node of the cluster "
+                          "(or use launcher.kind=process to try the multi-host path on this machine)")
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise ConfigError("launcher.kind", "sinfo did not answer within 60 s: Slurm's controller is unreachable from this machine") from None
+    if out.returncode != 0:
+        why = (out.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        raise ConfigError("launcher.kind", f"sinfo failed ({why}): Slurm's controller is unreachable from this machine, or SLURM_CONF points elsewhere")
+    partitions = [p.rstrip("*") for p in out.stdout.split()]
+    p = c.launcher.partition
+    if p is not None and p not in partitions:
+        raise ConfigError("launcher.partition", f"no partition {p!r} on this cluster: give one of {', '.join(partitions) or '(none listed)'}, or null for the default")
+    if p is None and not any(name.endswith("*") for name in out.stdout.split()):
+        raise ConfigError("launcher.partition", f"this cluster has no default partition: name one of {', '.join(partitions) or '(none listed)'}")
 
 
 def _local_addresses() -> set[str]:

@@ -6,9 +6,17 @@
 
 The job is one host running the meshrl controller with `launcher.kind=torchx`, which puts
 every role's procs on that host (meshrl.launch). Its resources come from the config: GPUs
-= `launcher.gpus_per_host`. Multi-host runs use `launcher.kind=slurm` (Monarch's SlurmJob)
-instead: a TorchX job does not tell the controller where its other hosts' Monarch workers
-listen. (Monarch 0.7.0 ships no TorchX component of its own.)
+= `launcher.gpus_per_host`. On Slurm it is a real sbatch job (tests/test_slurm.py submits
+one to a two-node cluster and trains in it).
+
+Why one host: a run over several hosts needs a Monarch worker on each host and a
+controller that knows every worker's address and Monarch service identity. Monarch 0.7.0
+hands those over only in the job it submits itself (`SlurmJob`: its own sbatch script
+exports the identities, and the controller, outside the job, reads the hosts from
+`squeue`). TorchX's Slurm scheduler writes a different script (one heterogeneous srun
+group per role, the same entrypoint in every replica, `--kill-on-bad-exit`, its own
+requeue), and Monarch ships no TorchX component or bootstrap that turns a TorchX job's
+replicas into a host mesh. Multi-host runs use `launcher.kind=slurm` from a login node.
 """
 
 from typing import Optional
@@ -45,7 +53,8 @@ def train(
     resolved = Config.from_dict(apply_overrides(load_yaml(config), list(overrides)))
     check(resolved)  # fail at submit time, not on the cluster
     if resolved.launcher.hosts != 1:
-        raise ValueError(f"launcher.hosts={resolved.launcher.hosts}: a TorchX job runs meshrl on one host; use launcher.kind=slurm for several")
+        raise ValueError(f"launcher.hosts={resolved.launcher.hosts}: a TorchX job runs meshrl on one host (Monarch 0.7.0 turns only its own SlurmJob's "
+                         "hosts into a host mesh, not a TorchX job's replicas); use launcher.kind=slurm for several")
     return specs.AppDef(
         name="meshrl",
         roles=[

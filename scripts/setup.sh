@@ -23,4 +23,9 @@ if ! command -v bwrap >/dev/null 2>&1; then
     echo "setup: bwrap not found; install the bubblewrap package for the code sandbox (tests that need it skip)" >&2
   fi
 fi
+# Slurm and munge for the test suite's two-node cluster (tests/test_slurm.py), where the
+# machine lets us install them; elsewhere those tests skip and say why.
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+  bash scripts/setup-slurm.sh
+fi
 python -c "import meshrl, torch, monarch, torchtitan, vllm, tensordict; print('meshrl set up: torch', torch.__version__, '| vllm', vllm.__version__)"

@@ -227,10 +227,15 @@ class NetnsHosts:
 
     ADDRESSES = {"a": "10.77.0.1", "b": "10.77.0.2"}
 
-    def __init__(self):
+    def __init__(self, hostnames: bool = False):
         tag = f"{os.getpid() % 100000}"
         self.names = {h: f"meshrl-{tag}-{h}" for h in self.ADDRESSES}
         self.links = {h: f"mrl{tag}{h}" for h in self.ADDRESSES}
+        self.hostnames = {h: f"mrl{tag}{h}" for h in self.ADDRESSES} if hostnames else {}
+        """With `hostnames`, each host has a name of its own (a UTS namespace per process
+        started by `run`) that resolves, inside both hosts, to its address (an /etc/hosts of
+        their own, which `ip netns exec` mounts from /etc/netns/NAME/hosts): as cluster
+        nodes are named, and as Slurm and Monarch's SlurmJob reach them."""
         self.procs: list = []
 
     def _ip(self, *args: str) -> None:
@@ -246,15 +251,27 @@ class NetnsHosts:
                 self._ip("-n", self.names[h], "addr", "add", f"{addr}/24", "dev", self.links[h])
                 self._ip("-n", self.names[h], "link", "set", self.links[h], "up")
                 self._ip("-n", self.names[h], "link", "set", "lo", "up")
+            if self.hostnames:
+                table = "127.0.0.1 localhost\n" + "".join(f"{self.ADDRESSES[h]} {n}\n" for h, n in self.hostnames.items())
+                for name in self.names.values():
+                    os.makedirs(f"/etc/netns/{name}", exist_ok=True)
+                    with open(f"/etc/netns/{name}/hosts", "w") as f:
+                        f.write(table)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def run(self, host: str, cmd: list[str], log_path) -> subprocess.Popen:
+    def command(self, host: str, cmd: list[str]) -> list[str]:
+        """`cmd` as run inside `host` (with its own hostname when the hosts have names)."""
+        if self.hostnames:
+            cmd = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.hostnames[host], *cmd]
+        return ["ip", "netns", "exec", self.names[host], *cmd]
+
+    def run(self, host: str, cmd: list[str], log_path, env: dict | None = None) -> subprocess.Popen:
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(["ip", "netns", "exec", self.names[host], *cmd], stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            proc = subprocess.Popen(self.command(host, cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.procs.append(proc)
         return proc
 
@@ -301,6 +318,7 @@ class NetnsHosts:
                 pass
         for name in self.names.values():
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+            shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
 def netns_unavailable() -> str | None:
@@ -372,3 +390,216 @@ def build_lora_base(path: str | os.PathLike, seed: int = 0, head_scale: float = 
     out = ckpt.export_hf(model, specs, path)
     build_char_tokenizer(out)
     return out
+
+
+# ---- a throwaway two-node Slurm cluster on those hosts ---------------------------------------------
+SLURM_COMMANDS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "squeue", "scancel", "sinfo", "scontrol")
+
+
+def slurm_unavailable() -> str | None:
+    """Why a Slurm cluster cannot be made here, or None. `scripts/setup-slurm.sh` installs it."""
+    why = netns_unavailable()
+    if why:
+        return why
+    if shutil.which("unshare") is None:
+        return "named hosts need util-linux's `unshare`"
+    path = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
+    missing = [c for c in SLURM_COMMANDS if shutil.which(c, path=path) is None]
+    if missing:
+        return f"{', '.join(missing)} not installed (bash scripts/setup-slurm.sh, as root, installs Slurm and munge)"
+    return None
+
+
+class SlurmCluster:
+    """Slurm on `NetnsHosts(hostnames=True)`: munged with a fresh key on its own socket,
+    slurmctld on host a, one slurmd per host, all from a slurm.conf written for the run under
+    `root`. Nothing is read from or written to /etc/slurm or /etc/munge: every client command
+    finds this cluster through `SLURM_CONF` (`env`), and must run inside a host (`command`):
+    the controller listens on host a's address only.
+
+    No cgroups (they cannot be delegated here): processes are tracked by their parent
+    (proctrack/linuxproc), tasks are not bound (task/none), nothing is accounted. Partition
+    `debug` (the default) holds both nodes; `closed` holds them too but is down, so a job
+    submitted there queues and never starts. `stop()` cancels every job and ends every
+    daemon; the hosts' own `stop()` kills whatever is left inside them.
+    """
+
+    PARTITION = "debug"
+    CLOSED_PARTITION = "closed"
+    KILL_WAIT_S = 10
+    """Slurm's KillWait: seconds between a cancelled job's SIGTERM and its SIGKILL."""
+
+    def __init__(self, hosts: NetnsHosts, root):
+        if not hosts.hostnames:
+            raise ValueError("a Slurm cluster needs hosts with names: NetnsHosts(hostnames=True)")
+        self.hosts = hosts
+        self.root = os.path.abspath(str(root))
+        self.conf = os.path.join(self.root, "slurm.conf")
+        self.munge_socket = os.path.join(self.root, "munge", "munge.socket")
+        self.nodes = [hosts.hostnames[h] for h in ("a", "b")]
+        self.env = {"SLURM_CONF": self.conf, "PATH": f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"}
+        self.daemons: dict[str, subprocess.Popen] = {}
+
+    # -- files --
+    def _write_munge_key(self) -> str:
+        d = os.path.join(self.root, "munge")
+        os.makedirs(d, exist_ok=True)
+        os.chmod(d, 0o711)  # munged wants its socket's directory searchable by all
+        key = os.path.join(d, "munge.key")
+        with open(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o400), "wb") as f:
+            f.write(os.urandom(1024))
+        return key
+
+    def _write_conf(self) -> None:
+        r, (a, b) = self.root, self.nodes
+        addr = self.hosts.ADDRESSES
+        lines = [
+            "ClusterName=meshrltest",
+            f"SlurmctldHost={a}({addr['a']})",
+            "SlurmUser=root", "SlurmdUser=root",
+            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket}",
+            f"StateSaveLocation={r}/ctld", f"SlurmdSpoolDir={r}/spool-%n",
+            f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd-%n.pid",
+            f"SlurmctldLogFile={r}/slurmctld.log", f"SlurmdLogFile={r}/slurmd-%n.log",
+            "SlurmctldDebug=info", "SlurmdDebug=info",
+            # no cgroups: track a job's processes by parentage, bind nothing, account nothing
+            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+            "SelectType=select/linear", "SchedulerType=sched/builtin", "MpiDefault=none",
+            "SlurmdParameters=config_overrides", "ReturnToService=2", "MailProg=/bin/true",
+            f"KillWait={self.KILL_WAIT_S}", "MinJobAge=5", "InactiveLimit=0", "SlurmdTimeout=30",
+            f"NodeName={a} NodeAddr={addr['a']} CPUs=2 RealMemory=1000 State=UNKNOWN",
+            f"NodeName={b} NodeAddr={addr['b']} CPUs=2 RealMemory=1000 State=UNKNOWN",
+            f"PartitionName={self.PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+            f"PartitionName={self.CLOSED_PARTITION} Nodes=ALL MaxTime=INFINITE State=DOWN",
+        ]
+        os.makedirs(os.path.join(r, "ctld"), exist_ok=True)
+        for n in self.nodes:
+            os.makedirs(os.path.join(r, f"spool-{n}"), exist_ok=True)
+        with open(self.conf, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        # slurmd initializes a cgroup plugin even when nothing uses it, and finds no cgroup
+        # filesystem under the /sys that `ip netns exec` mounts: name the plugin (v1 mounts
+        # nothing until asked) rather than let it probe, and let it mount nothing.
+        with open(os.path.join(r, "cgroup.conf"), "w") as f:
+            f.write("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
+
+    # -- lifecycle --
+    def start(self, timeout: float = 60) -> "SlurmCluster":
+        os.makedirs(self.root, exist_ok=True)
+        try:
+            key = self._write_munge_key()
+            self._write_conf()
+            m = os.path.join(self.root, "munge")
+            self.daemons["munged"] = self.hosts.run("a", [
+                "munged", "--foreground", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
+                f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"],
+                os.path.join(self.root, "munged.out"))
+            self._wait(lambda: os.path.exists(self.munge_socket), timeout, "munged to open its socket")
+            self.daemons["slurmctld"] = self.hosts.run("a", ["slurmctld", "-D", "-i", "-f", self.conf],
+                                                       os.path.join(self.root, "slurmctld.out"), env=self.env)
+            for h in ("a", "b"):
+                self.start_slurmd(h)
+            self._wait(self._nodes_idle, timeout, "both nodes to be idle in sinfo")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_slurmd(self, host: str) -> None:
+        node = self.hosts.hostnames[host]
+        self.daemons[f"slurmd-{host}"] = self.hosts.run(host, ["slurmd", "-D", "-f", self.conf, "-N", node],
+                                                       os.path.join(self.root, f"slurmd-{node}.out"), env=self.env)
+
+    def restart_node(self, host: str, timeout: float = 90) -> None:
+        """Bring back a node whose processes were all killed: a fresh slurmd, until both nodes are idle."""
+        self.start_slurmd(host)
+        self._wait(self._nodes_idle, timeout, f"node {host} to come back")
+
+    def _wait(self, ready, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            for name, proc in self.daemons.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({proc.returncode}) waiting for {what}: {self.logs()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {what}: {self.logs()}")
+            time.sleep(0.3)
+
+    def _nodes_idle(self) -> bool:
+        out = self.cmd("sinfo", "-h", "-N", "-p", self.PARTITION, "-o", "%N %t", check=False).stdout.split()
+        return sorted(out[0::2]) == sorted(self.nodes) and all(s == "idle" for s in out[1::2])
+
+    def logs(self, tail: int = 2000) -> str:
+        out = []
+        for name in sorted(os.listdir(self.root)) if os.path.isdir(self.root) else []:
+            if name.endswith((".log", ".out")):
+                with open(os.path.join(self.root, name), errors="replace") as f:
+                    out.append(f"--- {name}\n{f.read()[-tail:]}")
+        return "\n".join(out)
+
+    def command(self, host: str, cmd: list[str]) -> list[str]:
+        return self.hosts.command(host, cmd)
+
+    def cmd(self, *args: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
+        """A Slurm client command, run inside host a."""
+        return subprocess.run(self.hosts.command("a", list(args)), capture_output=True, text=True, check=check,
+                              timeout=timeout, env={**os.environ, **self.env})
+
+    def processes(self, host: str, exclude: tuple[str, ...] = ()) -> list[str]:
+        """`PID COMMAND` of every process inside `host`, but those whose command starts with one of `exclude`."""
+        found = []
+        for pid in self.hosts.pids(host):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            words = [a.decode(errors="replace") for a in argv if a]
+            if words and os.path.basename(words[0]) not in exclude and " ".join(words) not in exclude:
+                found.append(f"{pid} {' '.join(words)[:200]}")
+        return found
+
+    def jobs(self) -> list[str]:
+        """`JOBID STATE` of every job squeue still lists."""
+        return self.cmd("squeue", "-h", "-o", "%i %T").stdout.split("\n")[:-1]
+
+    def wait_no_jobs(self, timeout: float = 60) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while (jobs := self.jobs()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return jobs
+
+    def stop(self) -> None:
+        if "slurmctld" in self.daemons and self.daemons["slurmctld"].poll() is None:
+            try:
+                self.cmd("scancel", "--full", "--user=root", check=False, timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for name in sorted(self.daemons, key=lambda n: n == "munged"):  # munged last: the others talk to it
+            proc = self.daemons[name]
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout=10)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        self.daemons.clear()
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A two-node Slurm cluster (`SlurmCluster`) on fresh named hosts, for one test module."""
+    why = slurm_unavailable()
+    if why:
+        pytest.skip(f"Slurm cluster: {why}")
+    hosts = NetnsHosts(hostnames=True).start()
+    cluster = SlurmCluster(hosts, tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        hosts.stop()

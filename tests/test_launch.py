@@ -169,6 +169,10 @@ def test_slurm_dry_run_renders_monarchs_sbatch_script(tmp_path):
     for line in ("#SBATCH --time=02:30:00", "#SBATCH --partition=gpu", "#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --account=rl"):
         assert line in script.splitlines()
     assert "run_worker_loop_forever" in script and script.startswith("#!/bin/bash")
+    # SIGTERM ahead of the time limit, relayed to the controller by each node's slurm_worker; meshrl resubmits, Slurm does not requeue
+    for line in ("#SBATCH --signal=TERM@180", "#SBATCH --no-requeue"):
+        assert line in script.splitlines()
+    assert f"-m meshrl.launch.slurm_worker --notify {tmp_path / 'run' / 'slurm'} -c 'import os" in script
     # rendering must not switch this process's Monarch transport (SlurmJob() sets TCP)
     assert monarch.config.get_global_config()["default_transport"] == transport
     text = describe_job(config)
@@ -199,3 +203,42 @@ def test_torchx_component_refuses_several_hosts():
     assert app.roles[0].num_replicas == 1 and app.roles[0].resource.gpu == 0
     with pytest.raises(ValueError, match="launcher.kind=slurm"):
         train("launcher.hosts=2", config=os.path.join(ROOT, "configs/default.yaml"))
+
+
+def test_squeue_json_of_slurm_22_05_reads_as_monarch_expects():
+    """Slurm 22.05's `squeue --json` job (state a string, hosts under allocated_nodes) in the
+    shape Monarch's SlurmJob reads (24.05's); the newer shape passes through unchanged."""
+    import json
+
+    from meshrl.compat import slurm_job_info_newer_shape, squeue_json_job
+
+    finished = {"job_id": 6, "job_state": "COMPLETED", "job_resources": {}}
+    listing = json.dumps({"jobs": [finished, {"job_id": 7, "job_state": "PENDING", "job_resources": {}}]})
+    assert squeue_json_job(listing, "7")["job_state"] == ["PENDING"]  # 22.05 lists every job, whatever --job says
+    assert squeue_json_job(listing, "8") is None
+    old = {"job_id": 7, "job_state": "RUNNING", "state_reason": "None",
+           "job_resources": {"nodes": "n1,n2", "allocated_hosts": 2,
+                             "allocated_nodes": [{"nodename": "n1", "cpus_used": 0}, {"nodename": "n2", "cpus_used": 0}]}}
+    new = slurm_job_info_newer_shape(old)
+    assert new["job_state"] == ["RUNNING"]
+    assert [n["name"] for n in new["job_resources"]["nodes"]["allocation"]] == ["n1", "n2"]
+    assert old["job_state"] == "RUNNING"  # the input is left as it was
+    pending = slurm_job_info_newer_shape({"job_state": "PENDING", "job_resources": {}})
+    assert pending["job_state"] == ["PENDING"] and pending["job_resources"]["nodes"]["allocation"] == []
+    current = {"job_state": ["RUNNING"], "job_resources": {"nodes": {"allocation": [{"name": "n1"}]}}}
+    assert slurm_job_info_newer_shape(current) == current
+    assert slurm_job_info_newer_shape(None) is None
+
+
+def test_slurm_signal_and_resubmit_knobs_are_checked():
+    def problem(launcher: dict, **rest) -> str:
+        with pytest.raises(ConfigError) as e:
+            Config.from_dict({"launcher": launcher, **rest})
+        return str(e.value)
+
+    assert Config.from_dict({"launcher": {"kind": "slurm", "hosts": 2, "max_resubmits": 3}}).launcher.signal_before_s == 180
+    assert "launcher.signal_before_s" in problem({"kind": "slurm", "time_limit": "00:02:00"})  # the warning would come before the start
+    assert "launcher.signal_before_s" in problem({"kind": "slurm", "signal_before_s": 60})  # no time left after the interrupt checkpoint
+    assert Config.from_dict({"launcher": {"kind": "slurm", "signal_before_s": 60}, "trainer": {"interrupt_checkpoint_timeout_s": 30}})
+    assert "launcher.max_resubmits" in problem({"kind": "local", "max_resubmits": 1})
+    assert "launcher.max_resubmits" in problem({"kind": "slurm", "max_resubmits": -1})

@@ -186,6 +186,13 @@ def validate(c: Config) -> None:
     need(la.start_timeout_s > 0, "launcher.start_timeout_s", f"must be positive, got {la.start_timeout_s}")
     parts = la.time_limit.split(":")
     need(len(parts) == 3 and all(p.isdigit() for p in parts), "launcher.time_limit", f"{la.time_limit!r} must look like HH:MM:SS")
+    need(la.max_resubmits >= 0, "launcher.max_resubmits", f"must be at least 0, got {la.max_resubmits}")
+    need(la.max_resubmits == 0 or la.kind == "slurm", "launcher.max_resubmits", f"only launcher.kind=slurm resubmits itself, not {la.kind!r}: set it to 0")
+    if la.kind == "slurm":
+        limit_s = int(parts[0]) * 3600 + int(parts[1]) * 60 + int(parts[2])
+        need(0 < la.signal_before_s < limit_s, "launcher.signal_before_s", f"must be positive and below the time limit ({la.time_limit} = {limit_s} s), got {la.signal_before_s}")
+        need(la.signal_before_s > c.trainer.interrupt_checkpoint_timeout_s, "launcher.signal_before_s",
+             f"{la.signal_before_s} s leaves no time to stop after the interrupt checkpoint (trainer.interrupt_checkpoint_timeout_s={c.trainer.interrupt_checkpoint_timeout_s:g}): raise it or lower that timeout")
 
 
 def _check_cpus(need, path: str, spec: str, min_per_list: int, on_this_machine: bool) -> None:

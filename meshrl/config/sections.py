@@ -349,6 +349,10 @@ class LauncherConfig:
     """Slurm account to charge (`#SBATCH --account`). None: the cluster default."""
     start_timeout_s: float = 1800.0
     """Longest wait for the allocation to start running and its hosts to connect (queueing included); then the job is cancelled."""
+    signal_before_s: int = 180
+    """Slurm: ask for SIGTERM this many seconds before the time limit (`#SBATCH --signal=TERM@N`). On it, as on `scancel` or preemption, the run lets the step in flight finish, checkpoints within trainer.interrupt_checkpoint_timeout_s, and releases the allocation; keep it above that timeout. Slurm may send it up to a minute early."""
+    max_resubmits: int = 0
+    """Slurm: after Slurm signaled the allocation and the run checkpointed, submit a fresh allocation and continue the run from that checkpoint (same step numbering), up to this many times. 0: stop, and print the `meshrl run --resume RUN_DIR` that continues it."""
 
 
 @dataclass

@@ -13,6 +13,8 @@ The loop asks for one host mesh per role and spawns its proc meshes on it:
   (Monarch's `ProcessJob`). Same host plan and code path as `slurm`, runnable anywhere.
 - `slurm`: one sbatch allocation of `launcher.hosts` nodes through Monarch's `SlurmJob`;
   this process is the controller (run it on a login node) and attaches to the workers.
+  Slurm's SIGTERM to the job (time-limit warning, preemption, scancel) reaches it through
+  the nodes (`slurm_worker.py`), and it checkpoints, stops, and may resubmit itself.
 - `torchx`: this process already runs inside a job launched from
   `meshrl/torchx_component.py:train`, which asks for one host; meshes use that host.
 - `workers`: hosts already running `meshrl worker --address IP:PORT` (`run_worker`), listed
@@ -33,7 +35,8 @@ every exit path of `async with`; an atexit hook and a SIGTERM handler back it up
 
 The package, a module per path: `hosts.py` (the host plan, pure), `allocation.py` (the
 `Allocation` every run goes through: local, process, torchx), `slurm.py` (Monarch's
-SlurmJob), `workers.py` (`meshrl worker` hosts), `signals.py` (SIGTERM as SystemExit), `devices.py` (the
+SlurmJob, the SIGTERM relay's controller side), `slurm_worker.py` (each Slurm node's task),
+`workers.py` (`meshrl worker` hosts), `signals.py` (SIGTERM as SystemExit), `devices.py` (the
 device plan: which GPUs every proc holds, pure).
 """
 

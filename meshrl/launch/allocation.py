@@ -22,7 +22,7 @@ from meshrl.compat import awaited
 from meshrl.config import Config, ConfigError
 from meshrl.launch.hosts import ROLES, plan_hosts, role_meshes
 from meshrl.launch.signals import exit_on_sigterm, in_main_thread
-from meshrl.launch.slurm import render_sbatch, slurm_job
+from meshrl.launch.slurm import SignalWatch, render_sbatch, slurm_dir, slurm_job
 from meshrl.launch.workers import attach_workers
 
 logger = logging.getLogger("meshrl.launch")
@@ -99,6 +99,7 @@ class Allocation:
         self._roles: dict[str, HostMesh] = {}
         self._procs: list[ProcMesh] = []
         self._old_sigterm: Any = None
+        self._watch: SignalWatch | None = None  # slurm: relays Slurm's SIGTERM to this process
         self._started = False
         self._stopped = False
 
@@ -127,6 +128,8 @@ class Allocation:
                 # cached_path=None: always a fresh allocation, never a stale one from an earlier run.
                 # For slurm this blocks while the job queues (bounded by launcher.start_timeout_s).
                 self._owned = dict(self._job.state(cached_path=None)._hosts)
+                if self.kind == "slurm":
+                    self._watch = SignalWatch(slurm_dir(self.config), self._job._slurm_job_id)
             for name, mesh in self._owned.items():
                 await asyncio.wait_for(awaited(mesh.initialized), self.config.launcher.start_timeout_s)
                 logger.info("launcher: host mesh %r connected, %d hosts", name, mesh.sizes["hosts"])
@@ -141,11 +144,13 @@ class Allocation:
         if self._stopped:
             return
         self._stopped = True
+        if self._watch is not None:  # first: cancelling the job signals its workers, who would note it
+            self._watch.stop()
         try:
             for procs in reversed(self._procs):
                 await _quietly(procs.stop(), "proc mesh stop")
-            for name, mesh in self._owned.items():
-                await _quietly(mesh.shutdown(), f"host mesh {name!r} shutdown")
+            # together: a mesh whose hosts are gone waits out its timeout, the others need not wait behind it
+            await asyncio.gather(*(_quietly(mesh.shutdown(), f"host mesh {name!r} shutdown") for name, mesh in self._owned.items()))
         finally:
             self._procs.clear()
             self._kill_job()

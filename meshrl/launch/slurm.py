@@ -6,9 +6,13 @@ to the allocation's workers. `render_sbatch` shows the script without submitting
 
 from __future__ import annotations
 
+import logging
 import os
+import shlex
+import signal
 import subprocess
 import sys
+import threading
 import types
 from typing import Any
 from unittest import mock
@@ -16,20 +20,64 @@ from unittest import mock
 from meshrl.config import Config
 from meshrl.launch.hosts import plan_hosts
 
+logger = logging.getLogger("meshrl.launch")
 
-def slurm_job(config: Config) -> Any:
+
+def slurm_dir(config: Config) -> str:
+    """RUN_DIR/slurm: the job's output files and the workers' signal notes (a shared filesystem)."""
+    return os.path.abspath(os.path.join(config.logging.run_dir, "slurm"))
+
+
+def _slurm_job_class() -> type:
+    """Monarch's SlurmJob, reading Slurm 22.05's `squeue --json` too (meshrl.compat), and
+    saying why a job that did not start in time waited (its pending reason) when it gives up."""
     from monarch.job import SlurmJob
 
+    from meshrl.compat import squeue_json_job
+
+    class MeshrlSlurmJob(SlurmJob):
+        _pending_reason: str = ""
+
+        def _get_job_info_json(self, job_id: str):
+            try:
+                out = subprocess.run(["squeue", "--job", job_id, "--json"], capture_output=True, text=True, check=True, timeout=60)
+                job = squeue_json_job(out.stdout, job_id)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError) as e:
+                logger.warning("launcher: squeue on job %s failed: %s", job_id, getattr(e, "stderr", None) or e)
+                return None
+            if job:
+                self._pending_reason = str(job.get("state_reason") or "")
+            return job
+
+        def _wait_for_job_start(self, job_id: str, expected_nodes: int, timeout: int | None = None):
+            try:
+                return super()._wait_for_job_start(job_id, expected_nodes, timeout)
+            except RuntimeError as e:  # SlurmJob cancelled the job before raising
+                if str(e).startswith("Timeout waiting"):
+                    reason = f", pending: {self._pending_reason}" if self._pending_reason not in ("", "None") else ""
+                    raise TimeoutError(f"Slurm job {job_id} did not start within launcher.start_timeout_s={timeout} s{reason}; "
+                                       "it was cancelled: raise launcher.start_timeout_s, or choose another launcher.partition") from None
+                raise
+
+    return MeshrlSlurmJob
+
+
+def slurm_job(config: Config) -> Any:
     la = config.launcher
-    return SlurmJob(
+    return _slurm_job_class()(
         meshes=plan_hosts(config),
-        python_exe=sys.executable,  # the controller's interpreter: a venv on a shared filesystem
+        # the controller's interpreter (a venv on a shared filesystem), running Monarch's worker
+        # under slurm_worker, which relays Slurm's SIGTERM to the controller (SignalWatch)
+        python_exe=f"{sys.executable} -m meshrl.launch.slurm_worker --notify {shlex.quote(slurm_dir(config))}",
+        # SIGTERM ahead of the time limit; no requeue by Slurm: a requeued job would start
+        # workers that no controller attaches to (meshrl resubmits itself instead)
+        slurm_args=[f"--signal=TERM@{la.signal_before_s}", "--no-requeue"],
         job_name="meshrl",
         time_limit=la.time_limit,
         partition=la.partition,
         account=la.account,
         gpus_per_node=la.gpus_per_host or None,
-        log_dir=os.path.abspath(os.path.join(config.logging.run_dir, "slurm")),
+        log_dir=slurm_dir(config),
         job_start_timeout=int(la.start_timeout_s),
     )
 
@@ -62,3 +110,43 @@ def render_sbatch(config: Config) -> str:
         job = slurm_job(config)
         job._submit_slurm_job(sum(plan_hosts(config).values()))
     return scripts[0]
+
+
+# ---- Slurm's SIGTERM, relayed from the nodes ---------------------------------------------------
+_SIGNALED = threading.Event()
+"""Set once a watched allocation was signaled by Slurm; read by `allocation_signaled()`."""
+
+
+def allocation_signaled() -> bool:
+    """Whether Slurm signaled an allocation of this process (preemption, the time-limit
+    warning, scancel), rather than someone stopping the controller itself."""
+    return _SIGNALED.is_set()
+
+
+class SignalWatch:
+    """Watches for the note a node's `slurm_worker` writes when Slurm sends the job SIGTERM,
+    and then sends this controller SIGTERM: the run stops as on any SIGTERM (the step in
+    flight finishes, a checkpoint is written within trainer.interrupt_checkpoint_timeout_s,
+    meshes stop, the job is cancelled), and `allocation_signaled()` says why."""
+
+    POLL_S = 1.0
+
+    def __init__(self, directory: str, job_id: str):
+        from meshrl.launch.slurm_worker import notify_path
+
+        self.path = notify_path(directory, job_id)
+        self.job_id = job_id
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"slurm-signal-{job_id}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.POLL_S):
+            if os.path.exists(self.path):
+                _SIGNALED.set()
+                logger.warning("launcher: Slurm sent SIGTERM to job %s (preemption, time limit or scancel): checkpointing and stopping", self.job_id)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
