@@ -151,10 +151,11 @@ def test_per_token_advantages_constant_along_t_equal_the_sequence_ones(correctio
 
 
 def test_per_token_advantages_weight_each_token():
-    """correction none, token_mean, pi_prox = pi_theta: d loss / d logprob_t = -A_t / n on loss tokens."""
+    """correction none, token_mean, the clip measured against pi_prox = pi_theta (so it never
+    acts): d loss / d logprob_t = -A_t / n on loss tokens."""
     lp, mu, _, mask, _ = loss_inputs(2)
     adv = torch.randn(lp.shape, generator=torch.Generator().manual_seed(3)).double()
-    cfg = dataclasses.replace(LossConfig(), correction="none", aggregation="token_mean")
+    cfg = dataclasses.replace(LossConfig(), correction="none", aggregation="token_mean", clip_against="proximal")
     x = lp.clone().requires_grad_(True)
     loss, _ = policy_loss(x, mu, adv, mask, cfg)
     loss.backward()
