@@ -487,6 +487,7 @@ def test_invariants_single_thread(ops, depth, batch_groups, max_lag, granularity
         every = [g for s in states for g in s]
         assert len(every) == len(set(every)), states
         assert len(every) + q.dropped == q.next_group_id
+        assert sorted(every + q.dropped_ids) == list(range(q.next_group_id))  # and the dropped ones are named
         # so work in flight or waiting is bounded like a queue of (1 + ahead) batches
         assert len(ready) + len(pending) + len(q.running) <= (1 + ahead) * batch_groups
         assert len(q.consumed) == version * batch_groups

@@ -117,6 +117,7 @@ class EpisodeQueue:
         self._ready_at: dict[int, float] = {}  # group id -> when it was put (READY)
         self._straggler_s = 0.0
         self.consumed: list[int] = []  # group ids trained, in order
+        self.dropped_ids: list[int] = []  # group ids dropped (stale, or without signal), in order
         self._cond = threading.Condition()
         self._rng = random.Random(config.seed)
         self._closed = False
@@ -170,6 +171,7 @@ class EpisodeQueue:
                 if self._flat_dropped < self.max_dropped_per_batch:
                     self._flat_dropped += 1
                     self.dropped += 1
+                    self.dropped_ids.append(group_id)
                     self._stats["dropped_zero_variance_groups"] += 1
                     ok = group["finish_reason"] != episode.FINISH_REASONS["failed"]
                     self._flat_reward[0] += float(group["reward"][ok].sum())
@@ -284,6 +286,7 @@ class EpisodeQueue:
             self._stats["dropped_stale_groups"] += 1
             self._stats["dropped_stale_tokens"] += int(real.sum())
             self.dropped += 1
+            self.dropped_ids.append(int(group["group_id"][0]))
             return None
         group = group.clone()
         group["loss_mask"] = real & ~stale
@@ -334,6 +337,7 @@ class EpisodeQueue:
                 "pending": [{"group_id": gid, "sample": sample} for gid, sample in sorted(pending, key=lambda p: p[0])],
                 "ready": [g.to_dict() for g in self.ready],
                 "consumed": list(self.consumed),
+                "dropped_ids": list(self.dropped_ids),
                 "stats": dict(self._stats),
                 "lag_hist": dict(self._lag_hist),
                 "rng": self._rng.getstate(),
@@ -351,6 +355,7 @@ class EpisodeQueue:
             self.running = {}
             self.ready = deque(TensorDict.from_dict(g, batch_size=[len(g["group_id"])]) for g in state["ready"])
             self.consumed = list(state["consumed"])
+            self.dropped_ids = list(state.get("dropped_ids", []))  # absent from older checkpoints
             self._stats = Counter(state["stats"])
             self._lag_hist = Counter(state["lag_hist"])
             self._rng.setstate(state["rng"])
