@@ -171,8 +171,8 @@ class BufferConfig:
     """Which finished groups a batch takes: `fifo`, `random`, or an import path `module:callable(groups, n, rng) -> indices`."""
     get_timeout_s: float = 600.0
     """Longest the trainer waits for a batch before failing."""
-    dynamic_sampling: bool = True
-    """Dynamic sampling (DAPO): a finished group that carries no gradient (its trained episodes all scored the same, so every advantage is 0) is dropped at the queue, not trained, and admission starts a replacement, so a batch is made of groups with signal. Bounded by `max_dropped_per_batch`. Its episodes still count in `reward/mean` and `buffer/sampled_reward_mean`; `trainer/reward_mean` then covers only the groups with signal. See docs/stability.md."""
+    dynamic_sampling: bool = False
+    """Dynamic sampling (DAPO): a finished group that carries no gradient (its trained episodes all scored the same, so every advantage is 0) is dropped at the queue, not trained, and admission starts a replacement, so a batch is made of groups with signal. Bounded by `max_dropped_per_batch`. Its episodes still count in `reward/mean` and `buffer/sampled_reward_mean`; `trainer/reward_mean` then covers only the groups with signal. Off by default: on the tool-use config it sped the first climb but drove the policy entropy to 0.01 nats and one run to reward 0 (docs/stability.md has the runs)."""
     max_dropped_per_batch: int | None = None
     """Dynamic sampling's bound: at most this many groups are dropped for carrying no signal between two batches the trainer takes; past it they are kept and trained (counted in `buffer/kept_zero_variance_groups`), so a task where every episode scores the same costs at most this much extra generation per batch and never stalls. None: `batch_groups` (at most twice the generation per batch). 0 drops nothing."""
 
