@@ -14,8 +14,8 @@ not go unnoticed until its summary line. `CliffWatch` follows two per-step serie
 Each kind raises one alarm and then stays quiet until its series is healthy again. The
 alarm names the last good checkpoint: the newest one written before the first unhealthy
 window began (the fall happened inside that window, and a checkpoint written during it
-may hold the falling policy). Pure Python:
-the controller (meshrl/controller/loop.py) feeds it each step's row and logs the line.
+may hold the falling policy). Pure Python: the controller (meshrl/controller/loop.py)
+feeds it each step's row and logs the line.
 """
 
 from __future__ import annotations
