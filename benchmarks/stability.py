@@ -129,7 +129,7 @@ def measure(config_name: str, mode: str, seed: int, steps: int, extra: list[str]
     config = run_config(config_name, mode, seed, steps, extra, run_dir)
     key = json.dumps({**config.to_dict(), "logging": None}, sort_keys=True, default=str)
     if key in cache:
-        return {**cache[key], "config": config_name, "same_run_as": cache[key]["name"]}
+        return {**cache[key], "config": config_name, "name": f"{config_name}/{mode}/seed{seed}", "same_run_as": cache[key]["name"]}
     alarms: list[str] = []
     out = run_once(config, alarms)
     rewards = [r["reward"] for r in out["rows"]]
