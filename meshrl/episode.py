@@ -280,6 +280,21 @@ def assign_advantages(td: TensorDict, mode: str) -> TensorDict:
     return td
 
 
+def without_signal(group: TensorDict) -> bool:
+    """Whether one packed group carries no policy gradient: its trained episodes (failed ones
+    left out) all have the same reward, or fewer than two trained, so every group advantage
+    is 0; and no per-token advantage (distillation) is non-zero on a trained token. Compared
+    on the rewards, not the advantages: equal float rewards can leave a rounding residue in
+    a normalised advantage."""
+    ok = group["finish_reason"] != FINISH_REASONS["failed"]
+    rewards = group["reward"][ok]
+    if rewards.numel() >= 2 and not bool((rewards == rewards[0]).all()):
+        return False
+    if "token_advantage" in group.keys():
+        return not bool((group["token_advantage"][group["loss_mask"]] != 0).any())
+    return True
+
+
 def staleness(td: TensorDict, current_version: int) -> torch.Tensor:
     """[B, T] versions behind `current_version` of each model token (0 elsewhere)."""
     lag = current_version - td["versions"]

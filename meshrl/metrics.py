@@ -105,7 +105,8 @@ def read_metrics(run_dir: str) -> list[dict[str, float]]:
 
 
 PANELS = [
-    ("reward", ["reward/mean", "reward/success_rate", "trainer/reward_mean"]),
+    ("reward", ["reward/mean", "reward/success_rate", "trainer/reward_mean", "buffer/sampled_reward_mean"]),
+    ("stability", ["trainer/entropy", "trainer/zero_variance_groups"]),
     ("held-out eval", ["eval/greedy_accuracy", "eval/pass@", "eval/reward_mean"]),
     ("staleness (versions)", ["trainer/staleness_mean", "trainer/staleness_max"]),
     ("idle fraction", ["trainer/idle_frac", "generator/idle_frac"]),

@@ -86,3 +86,21 @@ def test_gpu_predictions_follow_the_tail():
         assert s["keep"] <= min(s["drain"], s["sync"])  # partial rollouts never lose to whole completions here
         assert row["keep_over_sync"] >= row["overlap_bound"] * 0.999  # and gain at least what overlap alone gives
         assert 0 <= row["trainer_idle"]["keep"] < row["trainer_idle"]["sync"] < 1
+
+
+# ---- benchmarks/stability.py ----------------------------------------------------------------------
+def test_stability_tenths_and_collapse_verdict():
+    from stability import run_summary, tenths
+
+    assert tenths([float(i) for i in range(20)]) == [0.5 + 2 * i for i in range(10)]
+    assert tenths([1.0, 3.0]) == [1.0, 3.0]  # under ten steps: one value each
+    # the issue-34 run: a 0.5 plateau, then 0 for the last 20 of 150 steps
+    collapsed = run_summary([min(0.5, s / 90) for s in range(130)] + [0.0] * 20)
+    assert collapsed["collapsed"] and collapsed["best_tenth"] == pytest.approx(0.5) and collapsed["last_tenth"] < 0.1
+    assert 10 <= collapsed["steps_below_half_best"] <= 20
+    # a climb that holds its plateau: no collapse, and the slow start does not count as "below"
+    held = run_summary([min(0.6, s / 50) for s in range(150)])
+    assert not held["collapsed"] and held["steps_below_half_best"] == 0 and held["first_tenth"] < 0.2
+    # a dip that recovers is counted but is no collapse
+    dip = run_summary([0.6] * 60 + [0.1] * 30 + [0.6] * 60)
+    assert not dip["collapsed"] and dip["steps_below_half_best"] > 0

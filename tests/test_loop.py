@@ -135,10 +135,13 @@ def test_resume_continues_numbering_without_repeating_or_skipping_prompts(async_
     reference = [next(node)["prompt"] for _ in range(max(consumed) + 64)]
     for p in state["pending"]:  # groups in flight at the end carry the same prompt
         assert reference[p["group_id"]] == p["sample"]["prompt"]
-    # no gap: every group id below the newest consumed one was consumed, or is pending or ready
+    # no gap: every group id below the newest consumed one was consumed, or is pending or
+    # ready, or was dropped (without signal, under dynamic sampling; or stale)
     pending = {p["group_id"] for p in state["pending"]}
     ready = {int(g["group_id"][0]) for g in state["ready"]}
-    assert set(range(max(consumed) + 1)) <= set(consumed) | pending | ready
+    dropped = set(state["dropped_ids"])
+    assert len(dropped) == state["stats"].get("dropped_zero_variance_groups", 0) + state["stats"].get("dropped_stale_groups", 0)
+    assert set(range(max(consumed) + 1)) <= set(consumed) | pending | ready | dropped
     assert not wait_no_children()
 
 

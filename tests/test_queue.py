@@ -20,6 +20,9 @@ from tests.conftest import make_group
 
 
 def make_queue(batch_groups: int = 1, seed: int = 0, **buffer) -> EpisodeQueue:
+    """A queue; dynamic sampling is off unless asked for (size_of gives one-episode groups,
+    which carry no signal and which it would drop)."""
+    buffer.setdefault("dynamic_sampling", False)
     data = {"batch_groups": batch_groups, "seed": seed, "buffer": buffer}
     if buffer.get("depth") == 0:
         data["generator"] = {"update_mode": "block"}  # synchronous runs need it
@@ -219,6 +222,94 @@ def test_version_rejection_token_masks():
     assert q.dropped == 1 and q.metrics()["buffer/dropped_stale_groups"] == 1
 
 
+# ---- dynamic sampling ---------------------------------------------------------------------------
+def flat_group(gid: int, n: int, version: int, reward: float = 0.0, failed: int | None = None, token_advantage: bool = False):
+    """A packed group of `n` episodes that all scored `reward`; episode `failed` (if given)
+    failed with a different reward; `token_advantage`: a distillation group with per-token
+    advantages on its model tokens."""
+    from meshrl.episode import Episode, Turn, assign_advantages, pack
+
+    episodes = [Episode(gid, gid * 100 + i, [Turn("env", [1, 2]), Turn("model", [7, 8], [-0.5, -0.5], [version, version], reward=reward)],
+                        finish_reason="failed" if i == failed else "stop")
+                for i in range(n)]
+    if failed is not None:
+        episodes[failed].turns[-1].reward = reward + 1.0  # ignored: it failed
+    group = assign_advantages(pack(episodes), "grpo")
+    if token_advantage:
+        group["token_advantage"] = torch.where(group["loss_mask"], 0.25, 0.0)
+    return group
+
+
+def test_without_signal_is_equal_rewards_of_trained_episodes():
+    assert episode.without_signal(flat_group(0, 4, 0))
+    assert episode.without_signal(flat_group(0, 4, 0, reward=0.7))
+    assert episode.without_signal(flat_group(0, 1, 0))  # one episode: no baseline, no signal
+    assert episode.without_signal(flat_group(0, 3, 0, failed=1))  # the failed one's reward does not count
+    assert not episode.without_signal(make_group(0, 2, [0]))  # rewards 0 and 1
+    assert not episode.without_signal(flat_group(0, 4, 0, token_advantage=True))  # distillation: signal per token
+
+
+def test_dynamic_sampling_drops_flat_groups_and_admission_replaces_them():
+    q = make_queue(batch_groups=2, depth=0, dynamic_sampling=True, get_timeout_s=30)
+    c0, c1 = claim_all(q)
+    assert q.put(c0.group_id, flat_group(0, 4, 0, reward=1.0), c0.token)  # delivered (True), not trained
+    assert deliver(q, c1)
+    assert len(q.ready) == 1 and q.dropped == 1
+    [c2] = claim_all(q)  # one replacement admitted, no more
+    assert c2.group_id == 2 and c2.version == 0
+    assert deliver(q, c2)
+    batch = q.sample(2, 0)
+    assert batch["group_id"].unique_consecutive().tolist() == [1, 2]
+    m = q.metrics()
+    assert m["buffer/dropped_zero_variance_groups"] == 1 and m["buffer/kept_zero_variance_groups"] == 0
+    # the sampled reward counts the dropped group: 4 x 1.0 + group 1 (0, 1) + group 2 (0, 1, 2)
+    assert m["buffer/sampled_reward_mean"] == pytest.approx((4 * 1.0 + 1 + 3) / 9)
+    assert m["buffer/dropped_stale_groups"] == 0
+    assert q.consumed == [1, 2]
+
+
+def test_dynamic_sampling_is_bounded_per_batch_then_trains_what_there_is():
+    """Every episode scores 0: at most max_dropped_per_batch groups are dropped between two
+    batches, then flat groups are kept, and the batch completes."""
+    q = make_queue(batch_groups=2, depth=0, dynamic_sampling=True, max_dropped_per_batch=3, get_timeout_s=30)
+    for version in range(3):
+        played = 0
+        while len(q.ready) < 2 and played < 20:
+            claims = claim_all(q)
+            assert claims, "admission stopped before the batch was full"
+            for c in claims:
+                assert q.put(c.group_id, flat_group(c.group_id, 4, version), c.token)
+                played += 1
+        assert played == 2 + 3  # the batch plus the cap, never more
+        batch = q.sample(2, version)
+        assert len(batch["group_id"].unique()) == 2 and all(episode.without_signal(batch[s]) for s in episode.group_slices(batch))
+        assert q.metrics()["buffer/sampled_reward_mean"] == 0.0
+        q.set_version(version + 1)
+    m = q.metrics()
+    assert m["buffer/dropped_zero_variance_groups"] == 9 and m["buffer/kept_zero_variance_groups"] == 6
+    # a cap of 0 drops nothing; dynamic sampling off drops nothing
+    for buffer in ({"dynamic_sampling": True, "max_dropped_per_batch": 0}, {"dynamic_sampling": False}):
+        q = make_queue(batch_groups=1, depth=0, **buffer)
+        [c] = claim_all(q)
+        assert q.put(c.group_id, flat_group(c.group_id, 4, 0), c.token)
+        assert q.dropped == 0 and len(q.ready) == 1
+
+
+def test_dynamic_sampling_default_cap_is_one_batch_and_survives_a_resume():
+    q = make_queue(batch_groups=2, depth=1, max_lag=1, dynamic_sampling=True)
+    assert q.max_dropped_per_batch == 2
+    claims = claim_all(q)
+    assert q.put(claims[0].group_id, flat_group(claims[0].group_id, 2, 0), claims[0].token)
+    state = q.state_dict()
+    r = make_queue(batch_groups=2, depth=1, max_lag=1, dynamic_sampling=True)
+    r.load_state_dict(state)
+    assert r.dropped == 1 and r._flat_dropped == 1 and r.metrics() == {**q.metrics(), "buffer/running": 0.0, "buffer/pending": 3.0}
+    r.requeue()
+    for c in claim_all(r)[:2]:
+        assert r.put(c.group_id, flat_group(c.group_id, 2, 0), c.token)
+    assert r.dropped == 2 and len(r.ready) == 1  # the second drop reached the cap of 2; the third is kept
+
+
 def test_a_drop_or_a_new_version_wakes_waiting_workers():
     """Admission opened by a stale drop (at put) or by the trainer's sample at a new version
     starts a waiting worker at once, not at its next poll."""
@@ -339,14 +430,18 @@ ops = st.lists(
     max_lag=st.one_of(st.none(), st.integers(0, 2)),
     granularity=st.sampled_from(["token", "sequence"]),
     sampling=st.sampled_from(["fifo", "random"]),
+    max_dropped=st.one_of(st.none(), st.integers(0, 2)),  # None: dynamic sampling off
 )
-def test_invariants_single_thread(ops, depth, batch_groups, max_lag, granularity, sampling):
-    q = make_queue(batch_groups, seed=3, depth=depth, max_lag=max_lag, lag_granularity=granularity, sampling=sampling)
+def test_invariants_single_thread(ops, depth, batch_groups, max_lag, granularity, sampling, max_dropped):
+    # one group in three has a single episode (size_of): no signal, dropped under dynamic sampling
+    dynamic = {} if max_dropped is None else {"dynamic_sampling": True, "max_dropped_per_batch": max_dropped}
+    q = make_queue(batch_groups, seed=3, depth=depth, max_lag=max_lag, lag_granularity=granularity, sampling=sampling, **dynamic)
     bound = q.max_lag
     ahead = q.ahead
     version = 0
     held: dict[int, tuple[int, int]] = {}  # group id -> (worker, claim version), as the workers see it
     samples: dict[int, dict] = {}
+    flat_since_train = 0  # groups dropped without signal since the last batch
     for op in ops:
         if op[0] == "claim":
             c = q.claim(op[1], 0)
@@ -360,6 +455,7 @@ def test_invariants_single_thread(ops, depth, batch_groups, max_lag, granularity
             # tokens come from the claim's version or newer, and never from the future
             versions = [cv, max(cv, version - op[2]), version]
             late = gid not in q.running
+            dropped_before = q.dropped
             ok = q.put(gid, make_group(gid, size_of(gid), versions))
             lag = version - cv
             if late:
@@ -370,6 +466,10 @@ def test_invariants_single_thread(ops, depth, batch_groups, max_lag, granularity
                 assert not ok
             else:
                 assert ok  # its stale tokens are masked
+            if ok:  # delivered: dropped if it has no signal, within the cap since the last batch
+                flat = size_of(gid) == 1
+                assert q.dropped - dropped_before == (flat and max_dropped is not None and flat_since_train < max_dropped)
+                flat_since_train += q.dropped - dropped_before
         elif op[0] == "requeue":
             ids = sorted(g for g, (_, w, _, _) in q.running.items() if w == op[1])
             assert q.requeue(worker=op[1]) == len(ids)
@@ -379,6 +479,7 @@ def test_invariants_single_thread(ops, depth, batch_groups, max_lag, granularity
             except TimeoutError:
                 continue  # the trainer would wait for the workers
             check_batch(batch, {g: size_of(g) for g in range(q.next_group_id)}, version, bound)
+            flat_since_train = 0
             version += 1
             q.set_version(version)
         # admission: never more than (v + 1 + ahead) batches, plus replacements of dropped groups
@@ -390,6 +491,7 @@ def test_invariants_single_thread(ops, depth, batch_groups, max_lag, granularity
         every = [g for s in states for g in s]
         assert len(every) == len(set(every)), states
         assert len(every) + q.dropped == q.next_group_id
+        assert sorted(every + q.dropped_ids) == list(range(q.next_group_id))  # and the dropped ones are named
         # so work in flight or waiting is bounded like a queue of (1 + ahead) batches
         assert len(ready) + len(pending) + len(q.running) <= (1 + ahead) * batch_groups
         assert len(q.consumed) == version * batch_groups

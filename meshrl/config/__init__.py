@@ -10,6 +10,7 @@ from meshrl.config.loading import ConfigError, apply_overrides, load_yaml
 from meshrl.config.reference import field_docs, reference_markdown
 from meshrl.config.sections import (
     MOE_FAMILIES,
+    AlarmConfig,
     BufferConfig,
     Config,
     ContractsConfig,

@@ -109,6 +109,13 @@ def validate(c: Config) -> None:
     need(b.depth >= 0, "buffer.depth", f"must be at least 0 (0 = synchronous), got {b.depth}")
     need(b.max_lag is None or b.max_lag >= 0, "buffer.max_lag", f"a staleness bound must be at least 0 (or null for none), got {b.max_lag}")
     need(b.get_timeout_s > 0, "buffer.get_timeout_s", f"must be positive, got {b.get_timeout_s}")
+    need(b.max_dropped_per_batch is None or b.max_dropped_per_batch >= 0, "buffer.max_dropped_per_batch",
+         f"must be at least 0 (or null for batch_groups), got {b.max_dropped_per_batch}")
+    a = c.alarm
+    need(a.window >= 1, "alarm.window", f"must be at least 1, got {a.window}")
+    need(0 < a.reward_drop < 1, "alarm.reward_drop", f"a fraction of the best window's reward, in (0, 1), got {a.reward_drop}")
+    need(a.min_best_reward >= 0, "alarm.min_best_reward", f"must be at least 0, got {a.min_best_reward}")
+    need(a.entropy_floor >= 0, "alarm.entropy_floor", f"must be at least 0 (0 = off), got {a.entropy_floor}")
     if b.depth == 0:
         need(g.update_mode == "block", "generator.update_mode", f"buffer.depth=0 is synchronous on-policy training and needs update_mode 'block', got {g.update_mode!r}")
 

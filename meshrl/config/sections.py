@@ -171,6 +171,24 @@ class BufferConfig:
     """Which finished groups a batch takes: `fifo`, `random`, or an import path `module:callable(groups, n, rng) -> indices`."""
     get_timeout_s: float = 600.0
     """Longest the trainer waits for a batch before failing."""
+    dynamic_sampling: bool = False
+    """Dynamic sampling (DAPO): a finished group that carries no gradient (its trained episodes all scored the same, so every advantage is 0) is dropped at the queue, not trained, and admission starts a replacement, so a batch is made of groups with signal. Bounded by `max_dropped_per_batch`. Its episodes still count in `reward/mean` and `buffer/sampled_reward_mean`; `trainer/reward_mean` then covers only the groups with signal. Off by default: on the tool-use config it sped the first climb but drove the policy entropy to 0.01 nats and one run to reward 0 (docs/stability.md has the runs)."""
+    max_dropped_per_batch: int | None = None
+    """Dynamic sampling's bound: at most this many groups are dropped for carrying no signal between two batches the trainer takes; past it they are kept and trained (counted in `buffer/kept_zero_variance_groups`), so a task where every episode scores the same costs at most this much extra generation per batch and never stalls. None: `batch_groups` (at most twice the generation per batch). 0 drops nothing."""
+
+
+@dataclass
+class AlarmConfig:
+    enabled: bool = True
+    """Watch the run for a cliff and say so on the console in one line, naming the step of the last good checkpoint (meshrl/stability.py). It only reports: training goes on."""
+    window: int = 10
+    """Steps per window: reward and entropy are judged on their mean over the last `window` steps."""
+    reward_drop: float = 0.5
+    """Reward cliff: the last window's mean reward (`buffer/sampled_reward_mean`) falls under this fraction of the best window mean so far."""
+    min_best_reward: float = 0.1
+    """A reward cliff needs a best window mean of at least this: a run that has not learned anything yet cannot fall."""
+    entropy_floor: float = 0.02
+    """Entropy cliff: the last window's mean policy entropy (`trainer/entropy`, nats per trained token) falls under this. A policy that learns its task legitimately gets sharp, so the floor sits under what the shipped tool-use config's policies reach (0.05 to 0.6 at 150-300 steps; with dynamic sampling on they went to 0.01, and the alarm fired); 0 turns the entropy alarm off."""
 
 
 @dataclass
@@ -413,6 +431,8 @@ class Config:
     """Where the meshes run."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics and outputs."""
+    alarm: AlarmConfig = field(default_factory=AlarmConfig)
+    """The run-level alarm: one console line when the reward or the policy entropy falls off a cliff."""
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

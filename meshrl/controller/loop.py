@@ -35,6 +35,7 @@ from meshrl.metrics import MetricsWriter
 from meshrl.placement import auto_placement
 from meshrl.queue.actor import EpisodeQueueActor
 from meshrl.rollout.env import RewardFn
+from meshrl.stability import CliffWatch
 from meshrl.tokenizer import build_char_tokenizer
 from meshrl.trainer.actor import spawn_trainer
 from meshrl.trainer.checkpoint import checkpoint_step, write_atomic
@@ -86,6 +87,7 @@ class RLLoop:
         self._last_step_end = None
         self._failed_steps = 0  # consecutive steps in which every episode failed
         self._warned: set[str] = set()  # failures already shown on the console
+        self.watch = CliffWatch.from_config(config.alarm) if config.alarm.enabled else None
 
     # ---- start-up -----------------------------------------------------------------------
     async def __aenter__(self) -> "RLLoop":
@@ -209,6 +211,7 @@ class RLLoop:
             every, every_s = c.trainer.checkpoint_every, c.trainer.checkpoint_every_s
             if every and self.version % every == 0 or every_s and time.monotonic() - self._last_checkpoint >= every_s:
                 await self.checkpoint()
+            self._watch_cliffs(row)
         except Exception as e:  # noqa: BLE001 - the coordinator's host can go down between two calls too
             if not await self._queue_answers():
                 raise self._queue_lost() from e
@@ -235,6 +238,15 @@ class RLLoop:
             await self.checkpoint()
             raise EpisodesFailed(f"every episode of the last {self._failed_steps} steps failed; the first of step {self.version}: {first}; "
                                  f"fix it, then continue from the checkpoint at step {self.version} with: meshrl run --resume {self.run_dir}")
+
+    def _watch_cliffs(self, row: dict) -> None:
+        """The run-level alarm (meshrl/stability.py): one console line per cliff, after this
+        step's checkpoint (if any) so that it counts as written before the cliff showed."""
+        if self.watch is None:
+            return
+        for alarm in self.watch.update(self.version, row):
+            row[f"alarm/{alarm.kind}"] = self.history[-1][f"alarm/{alarm.kind}"] = 1.0
+            log.warning("%s", alarm.line(self.config.alarm.window, self.config.alarm.reward_drop))
 
     def _how_to_resume(self) -> str:
         if os.path.isfile(os.path.join(self.run_dir, "checkpoints", "latest")):
@@ -458,6 +470,8 @@ class RLLoop:
         os.replace(tmp, path)
         write_atomic(os.path.join(root, "latest"), os.path.basename(path))
         self._last_checkpoint = time.monotonic()
+        if self.watch is not None:
+            self.watch.checkpointed(self.version)
         return path
 
     async def _restore(self) -> None:
@@ -472,6 +486,12 @@ class RLLoop:
             raise RuntimeError(f"trainer checkpoint is at version {self.version}, loop state at {state['version']}")
         await awaited(self.queue.load_state_dict.call_one(state["queue"]))
         self.history = state["history"]
+        if self.watch is not None:  # the alarm picks up where it was, checkpoints included, silently
+            saved = {int(name[5:11]) for name in os.listdir(root) if name.startswith("step_") and name.endswith(CHECKPOINT_FILE)}
+            for row in self.history:
+                if row.get("step") in saved:
+                    self.watch.checkpointed(int(row["step"]))
+                self.watch.update(int(row.get("step", 0)), row)
 
     # ---- the end -------------------------------------------------------------------------------
     async def export(self) -> str:

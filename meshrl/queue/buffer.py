@@ -9,7 +9,7 @@ Every group of episodes (one prompt, `generator.group_size` episodes) is in one 
 - Admission. A rollout worker claims a group only while the run may start more work: the
   trainer at version v trains batch v next, and a group admitted now is trained at the
   latest `ahead` versions later, so at most (v + 1 + ahead) batches are ever admitted
-  (plus replacements for groups dropped as stale). ahead = min(depth, max_lag): depth 0
+  (plus replacements for dropped groups). ahead = min(depth, max_lag): depth 0
   is synchronous (a batch is admitted only once the trainer is at its version), 1 a double
   buffer, K a bounded queue.
 - Versions. A claim carries the queue's version, and the generator serves its requests
@@ -18,6 +18,13 @@ Every group of episodes (one prompt, `generator.group_size` episodes) is in one 
   versions old; the check at sample time (mask stale tokens, or drop the group, by
   `lag_granularity`) is the guard for what admission cannot know: stragglers overtaken by
   later groups, and a bound tightened mid-run.
+- Dynamic sampling (`buffer.dynamic_sampling`). A group whose episodes all scored the same
+  carries no gradient (`episode.without_signal`): `put` drops it, as it drops a stale one,
+  and admission starts a replacement. At most `max_dropped_per_batch` are dropped between
+  two batches the trainer takes; past that they are kept and trained, so a task on which
+  everything scores the same costs a bounded amount of extra generation and never stalls.
+  Dropped groups were played by the current policy: their rewards still count in
+  `buffer/sampled_reward_mean`.
 - The policy version comes from the trainer alone (`sample` and `set_version`).
 - `state_dict` keeps READY groups and re-queues RUNNING ones on load: no episode is lost or
   trained twice across a resume.
@@ -103,7 +110,12 @@ class EpisodeQueue:
         self.node.reset()
         self.version = 0
         self.next_group_id = 0
-        self.dropped = 0  # groups dropped as stale: admission replaces them
+        self.dropped = 0  # groups dropped (stale, or without signal): admission replaces them
+        self.dynamic_sampling = b.dynamic_sampling
+        self.max_dropped_per_batch = config.batch_groups if b.max_dropped_per_batch is None else b.max_dropped_per_batch
+        self._flat_dropped = 0  # groups dropped without signal since the trainer's last batch
+        self._flat_reward = [0.0, 0]  # their episodes' reward sum and count (failed ones left out)
+        self._sampled_reward: float | None = None  # the last batch's, with the groups dropped while it filled
         self.pending: deque[tuple[int, dict]] = deque()  # re-queued (group id, sample), handed out first
         self.running: dict[int, tuple[dict, int, int, int]] = {}  # group id -> (sample, worker, claim version, token)
         self._tokens = itertools.count()
@@ -111,6 +123,7 @@ class EpisodeQueue:
         self._ready_at: dict[int, float] = {}  # group id -> when it was put (READY)
         self._straggler_s = 0.0
         self.consumed: list[int] = []  # group ids trained, in order
+        self.dropped_ids: list[int] = []  # group ids dropped (stale, or without signal), in order
         self._cond = threading.Condition()
         self._rng = random.Random(config.seed)
         self._closed = False
@@ -165,7 +178,9 @@ class EpisodeQueue:
     def put(self, group_id: int, group: TensorDict, token: int | None = None) -> bool:
         """A finished group, delivered under its claim's `token`. False if it is no longer
         this claim's to deliver (re-queued, and perhaps claimed again, after its worker was
-        presumed dead) or it is too stale to train on. Without a token any holder may put."""
+        presumed dead) or it is too stale to train on. Without a token any holder may put.
+        A group dropped by dynamic sampling is True: delivered, its episodes count, it is
+        only not trained."""
         _check_one_group(group, group_id)
         with self._cond:
             entry = self.running.get(group_id)
@@ -177,6 +192,18 @@ class EpisodeQueue:
             if group is None:
                 self._cond.notify_all()  # dropped as stale: admission replaces it, wake a waiting worker
                 return False
+            if self.dynamic_sampling and episode.without_signal(group):
+                if self._flat_dropped < self.max_dropped_per_batch:
+                    self._flat_dropped += 1
+                    self.dropped += 1
+                    self.dropped_ids.append(group_id)
+                    self._stats["dropped_zero_variance_groups"] += 1
+                    ok = group["finish_reason"] != episode.FINISH_REASONS["failed"]
+                    self._flat_reward[0] += float(group["reward"][ok].sum())
+                    self._flat_reward[1] += int(ok.sum())
+                    self._cond.notify_all()  # admission replaces it: wake a waiting worker
+                    return True  # delivered, and its episodes count; it is only not trained
+                self._stats["kept_zero_variance_groups"] += 1
             self.ready.append(group)
             self._ready_at[group_id] = time.monotonic()
             self._stats["puts"] += 1
@@ -232,6 +259,10 @@ class EpisodeQueue:
             self.consumed += ids
             self._straggler_s = straggler_wait(start, [self._ready_at.pop(gid, start) for gid in ids])
             self._lag_hist.update(episode.staleness(batch, current_version)[batch["loss_mask"]].tolist())
+            ok = batch["finish_reason"] != episode.FINISH_REASONS["failed"]
+            total, count = float(batch["reward"][ok].sum()) + self._flat_reward[0], int(ok.sum()) + self._flat_reward[1]
+            self._sampled_reward = total / count if count else 0.0
+            self._flat_dropped, self._flat_reward = 0, [0.0, 0]
             self._stats["samples"] += 1
             self._stats["consumer_wait_s"] += time.monotonic() - start
             return batch
@@ -284,6 +315,7 @@ class EpisodeQueue:
             self._stats["dropped_stale_groups"] += 1
             self._stats["dropped_stale_tokens"] += int(real.sum())
             self.dropped += 1
+            self.dropped_ids.append(int(group["group_id"][0]))
             return None
         group = group.clone()
         group["loss_mask"] = real & ~stale
@@ -307,11 +339,17 @@ class EpisodeQueue:
                 "buffer/dropped_stale_groups": float(s["dropped_stale_groups"]),
                 "buffer/dropped_stale_tokens": float(s["dropped_stale_tokens"]),
                 "buffer/masked_stale_tokens": float(s["masked_stale_tokens"]),
+                "buffer/dropped_zero_variance_groups": float(s["dropped_zero_variance_groups"]),
+                "buffer/kept_zero_variance_groups": float(s["kept_zero_variance_groups"]),
                 "buffer/consumer_wait_s": s["consumer_wait_s"],
                 "buffer/straggler_s": self._straggler_s,
                 "buffer/lag_mean": sum(k * v for k, v in hist.items()) / tokens if tokens else 0.0,
                 "buffer/lag_max": float(max(hist, default=0)),
                 **{f"buffer/lag_hist/{k}": float(v) for k, v in sorted(hist.items())},
+                # the mean reward of the last batch's episodes and of the groups dropped without
+                # signal while it filled: the sampling policy's reward, which trainer/reward_mean
+                # (groups with signal only) misstates under dynamic sampling
+                **({"buffer/sampled_reward_mean": self._sampled_reward} if self._sampled_reward is not None else {}),
             }
 
     def state_dict(self) -> dict:
@@ -323,9 +361,12 @@ class EpisodeQueue:
                 "version": self.version,
                 "next_group_id": self.next_group_id,
                 "dropped": self.dropped,
+                "flat_dropped": self._flat_dropped,
+                "flat_reward": list(self._flat_reward),
                 "pending": [{"group_id": gid, "sample": sample} for gid, sample in sorted(pending, key=lambda p: p[0])],
                 "ready": [g.to_dict() for g in self.ready],
                 "consumed": list(self.consumed),
+                "dropped_ids": list(self.dropped_ids),
                 "stats": dict(self._stats),
                 "lag_hist": dict(self._lag_hist),
                 "rng": self._rng.getstate(),
@@ -337,10 +378,13 @@ class EpisodeQueue:
             self.version = state["version"]
             self.next_group_id = state["next_group_id"]
             self.dropped = state["dropped"]
+            self._flat_dropped = state.get("flat_dropped", 0)  # absent from checkpoints before dynamic sampling
+            self._flat_reward = list(state.get("flat_reward", [0.0, 0]))
             self.pending = deque((p["group_id"], p["sample"]) for p in state["pending"])
             self.running = {}
             self.ready = deque(TensorDict.from_dict(g, batch_size=[len(g["group_id"])]) for g in state["ready"])
             self.consumed = list(state["consumed"])
+            self.dropped_ids = list(state.get("dropped_ids", []))  # absent from older checkpoints
             self._stats = Counter(state["stats"])
             self._lag_hist = Counter(state["lag_hist"])
             self._rng.setstate(state["rng"])

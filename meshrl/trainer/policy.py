@@ -368,17 +368,12 @@ def _drift_metrics(merged: dict[str, torch.Tensor], gaps: torch.Tensor) -> dict[
 
 
 def zero_variance_share(batch: TensorDict) -> float:
-    """Share of the batch's groups whose trained episodes (failed ones left out) all have the
-    same reward: their advantages are all 0, so they carry no policy gradient."""
-    from meshrl.episode import FINISH_REASONS
+    """Share of the batch's groups that carry no policy gradient (`episode.without_signal`):
+    their trained episodes all have the same reward, so their advantages are all 0."""
+    from meshrl.episode import without_signal
 
     slices = group_slices(batch)
-    ok = batch["finish_reason"] != FINISH_REASONS["failed"]
-    flat = 0
-    for s in slices:
-        rewards = batch["reward"][s][ok[s]]
-        flat += rewards.numel() < 2 or bool((rewards == rewards[0]).all())
-    return flat / max(len(slices), 1)
+    return sum(without_signal(batch[s]) for s in slices) / max(len(slices), 1)
 
 
 def _trained_reward(batch: TensorDict) -> float:
