@@ -248,12 +248,13 @@ class WorkerPool:
         self.workers: list[Member] = []
         self.replaced = 0
         self._incarnations = itertools.count()
+        self._bootstrap = with_env([plan_devices(config).env("coord")])  # no GPU for the workers' procs
 
     async def spawn(self, index: int, generators: list) -> Member:
         # Every worker the run starts has its own id in the queue's ledger: a claim granted to
         # a dead worker after its groups were re-queued is never mistaken for its replacement's.
         ident = index + WORKER_ID_STRIDE * next(self._incarnations)
-        procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=with_env([plan_devices(self.config).env("coord")]))
+        procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=self._bootstrap)
         actor = procs.spawn(f"rollout{index}", RolloutWorkerActor, self.config.to_dict(), self.tokenizer_dir, ident, self.reward_fn)
         try:
             where = await asyncio.wait_for(awaited(actor.start.call_one(self.queue, generators, self.teacher)), 300)
