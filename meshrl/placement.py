@@ -18,6 +18,8 @@ trainer's cores. This holds in synchronous mode too, where the roles take turns:
 role's thread pools still spin-wait and poll on every core, and each role ran faster alone
 on its half than sharing all of them (measurements in benchmarks/README.md, section 6).
 With a GPU trainer, or hosts this process cannot see (Slurm, TorchX), `auto` pins nothing.
+Under `placement=colocate` the roles take turns (generation never runs during a training
+step), so `auto` gives every role all of this host's cores.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def auto_placement(config, cores: list[int] | None = None) -> tuple[str, str]:
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     if cuda or config.launcher.kind not in ("local", "process"):
         return ("" if t.cpus == AUTO else t.cpus), ("" if g.cpus == AUTO else g.cpus)
+    if config.placement == "colocate":  # the roles take turns: each gets every core in its turn
+        every = _cpu_list(cores)
+        return (every if t.cpus == AUTO else t.cpus), (every if g.cpus == AUTO else g.cpus)
     # cores an explicit setting took are not handed out again
     taken = {c for spec in (t.cpus, g.cpus) if spec != AUTO for cpus in parse_cpu_lists(spec) for c in cpus}
     free = [c for c in cores if c not in taken]

@@ -78,10 +78,42 @@ def test_a_cpu_trainer_leaves_every_gpu_to_the_generators():
     assert plan_devices(config()).layout == "cpu" and plan_devices(config()).env("generator", 0) == {}
 
 
+def test_colocated_plans_share_the_gpus_and_auto_picks_them_only_when_the_roles_do_not_fit():
+    one = plan_devices(config(launcher={"gpus_per_host": 1}))  # placement auto, one GPU: trainer and engine share it
+    assert one.layout == "colocated" and one.placement == "colocate"
+    assert one.slot("trainer", 0).gpus == one.slot("generator", 0).gpus == (0,)
+    assert one.env("generator", 0) == {DEVICE_ENV: "0", PLAN_ENV: "generator 0"} and one.env("coord") == {DEVICE_ENV: ""}
+    node = plan_devices(config(placement="colocate", trainer={"procs": 8}, generator={"replicas": 4, "tp": 2}, launcher={"gpus_per_host": 8}))
+    assert [s.gpus for s in node.slots if s.role == "trainer"] == [(r,) for r in range(8)]
+    assert [s.gpus for s in node.slots if s.role == "generator"] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert node.idle() == {} and "colocated (placement colocate)" in node.table()
+    # auto splits wherever the roles fit one GPU each, on several hosts and on CPU
+    assert plan_devices(config(launcher={"gpus_per_host": 2})).placement == "split"
+    assert plan_devices(config(generator={"replicas": 2}, launcher={"gpus_per_host": 2})).placement == "colocate"
+    assert plan_devices(config(launcher={"kind": "process", "hosts": 2, "gpus_per_host": 1})).placement == "split"
+    assert plan_devices(config()).placement == "split" and plan_devices(config(placement="colocate")).layout == "cpu"
+    # what a split host leaves idle, and the count that would use it
+    assert "(generator.replicas=7 would use them)" in plan_devices(config(launcher={"gpus_per_host": 8})).table()
+
+
+@pytest.mark.parametrize("sections, field", [
+    ({"placement": "colocate", "launcher": {"kind": "process", "hosts": 2}}, "placement"),
+    ({"placement": "colocate", "distill": {"teacher": "/x"}}, "placement"),
+    ({"weight_sync": {"transport": "shm"}, "launcher": {"kind": "process", "hosts": 2}}, "weight_sync.transport"),
+])
+def test_colocation_and_shm_need_one_host(sections, field):
+    with pytest.raises(ConfigError) as info:
+        config(**sections)
+    assert info.value.field_path == field
+
+
 @pytest.mark.parametrize("sections, field, words", [
-    ({"launcher": {"gpus_per_host": 1}}, "generator.replicas", "trainer.device=cpu"),
-    ({"trainer": {"procs": 4}, "generator": {"replicas": 6}, "launcher": {"gpus_per_host": 8}}, "generator.replicas", "set generator.replicas=4"),
-    ({"trainer": {"procs": 2}, "generator": {"replicas": 2, "tp": 4}, "launcher": {"gpus_per_host": 8}}, "generator.replicas", "set generator.replicas=1"),
+    ({"placement": "split", "launcher": {"gpus_per_host": 1}}, "generator.replicas", "set placement=colocate"),
+    ({"placement": "colocate", "generator": {"replicas": 3}, "launcher": {"gpus_per_host": 2}}, "generator.replicas", "set generator.replicas=2"),
+    ({"placement": "colocate", "trainer": {"procs": 4}, "launcher": {"gpus_per_host": 2}}, "trainer.procs", "set trainer.procs=2"),
+    ({"placement": "colocate", "trainer": {"device": "cpu"}, "launcher": {"gpus_per_host": 2}}, "placement", "set placement=split"),
+    ({"placement": "split", "trainer": {"procs": 4}, "generator": {"replicas": 6}, "launcher": {"gpus_per_host": 8}}, "generator.replicas", "set generator.replicas=4"),
+    ({"placement": "split", "trainer": {"procs": 2}, "generator": {"replicas": 2, "tp": 4}, "launcher": {"gpus_per_host": 8}}, "generator.replicas", "set generator.replicas=1"),
     ({"trainer": {"device": "cuda"}}, "trainer.device", "no GPU was found"),
 ])
 def test_a_plan_that_does_not_fit_names_the_field_and_the_fix(sections, field, words):
@@ -96,8 +128,8 @@ def test_cli_prints_the_plan_and_refuses_one_that_does_not_fit():
 
     shown = cli("config", "plan", "configs/qwen3-0.6b-gpu.yaml")
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.startswith("device plan: disaggregated, 8 GPUs per host") and "generator  7      generator[0]  7" in shown.stdout
-    refused = cli("run", "--plan", "launcher.gpus_per_host=1")
+    assert shown.stdout.startswith("device plan: disaggregated (placement split), 8 GPUs per host") and "generator  7      generator[0]  7" in shown.stdout
+    refused = cli("run", "--plan", "placement=split", "launcher.gpus_per_host=1")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "generator.replicas" in refused.stderr
 

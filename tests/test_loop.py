@@ -169,6 +169,35 @@ def test_sync_mode_trains_only_on_policy_on_pinned_cores(tmp_path):
     assert not wait_no_children()
 
 
+def test_colocated_mode_takes_turns_on_every_core_and_loads_weights_in_place(tmp_path):
+    """placement=colocate on CPU: trainer and engine share every core, the engine sleeps
+    through each training step (no token arrives then), weights reach it from the trainer's
+    shared-memory snapshot, one step off the policy (max_lag 1), then synchronous (max_lag 0),
+    where a wrong or stale weight load would show as a sampler/trainer log-prob gap."""
+    cores = set(os.sched_getaffinity(0))
+    cfg = tiny(tmp_path / "colocate", steps=6, placement="colocate", buffer={"max_lag": 1},
+               trainer={"checkpoint_every": 0, "loss": {"correction": "none"}})
+    with meshrl.Session(cfg) as session:
+        session.start()
+        loop = session.loop
+        assert loop.config.placement == "colocate" and loop.config.weight_sync.transport == "shm"
+        (info,) = session._call(loop.trainer.shard_info())
+        assert os.sched_getaffinity(info["pid"]) == cores
+        assert all(os.sched_getaffinity(pid) == cores for pid, _ in loop.generators.replicas[0].pids)
+        one_off = session.step(4)
+        session.set(max_lag=0)
+        synchronous = session.step(2)
+        session.sync_generators()
+        ((_, _, stats),) = session._call(loop.generators.read_stats())
+    assert all(r["trainer/staleness_max"] <= 1 and r["colocate/sleep_s"] >= 0 for r in one_off)
+    assert all(r["trainer/staleness_max"] == 0 for r in synchronous[1:])  # the first was admitted one step off
+    assert nothing_stale(one_off)  # (the bound tightened at step 5 masks the batch admitted one step off before it)
+    assert stats["sleeps"] >= 6 and stats["tokens_while_asleep"] == 0, stats
+    assert stats["version"] == 6
+    assert synchronous[-1]["trainer/logprob_mismatch"] < 2e-3, synchronous[-1]["trainer/logprob_mismatch"]
+    assert not wait_no_children()
+
+
 def raising_reward(prompt, response, sample):
     """Raises on every sample whose response starts with an even character code."""
     if response and ord(response[0]) % 2 == 0:

@@ -145,6 +145,30 @@ def test_depth_zero_admits_one_batch_per_version():
     assert q.max_lag == 0 and q.claim(0, 0.0) is None  # depth 0 stays on-policy
 
 
+@pytest.mark.parametrize("max_lag, lead", [(0, 0), (1, 1), (2, 1), (None, 1)])
+def test_colocated_admits_a_batch_at_its_version_and_one_step_off_takes_the_weights_held(max_lag, lead):
+    q = EpisodeQueue(Config.from_dict({"batch_groups": 2, "placement": "colocate", "buffer": {"depth": 3, "max_lag": max_lag, "dynamic_sampling": False}}))
+    assert q.ahead == 0 and q.max_lag == lead  # depth has no effect: nothing is generated during a step
+    first = claim_all(q)
+    assert [c.group_id for c in first] == [0, 1] and {c.version for c in first} == {0}
+    assert not q.wait_ready(2, 0.05)
+    for c in first:
+        deliver(q, c)
+    assert q.wait_ready(2, 0.0) and q.claim(0, 0.05) is None
+    q.sample(2, 0)
+    assert q.claim(0, 0.05) is None, "admitted during the trainer's step"
+    q.set_version(1)  # the step is done; its weights are still on their way to the generators
+    second = claim_all(q)
+    assert [c.group_id for c in second] == [2, 3] and {c.version for c in second} == {1 - lead}
+    for c in second:
+        deliver(q, c, [1 - lead])
+    batch = q.sample(2, 1)
+    assert int(batch["loss_mask"].sum()) > 0 and q.metrics()["buffer/masked_stale_tokens"] == 0
+    q.set_max_lag(0)
+    q.set_version(2)
+    assert {c.version for c in claim_all(q)} == {2}
+
+
 @pytest.mark.parametrize("depth, max_lag", [(1, None), (2, 2), (3, 1), (1, 3), (4, None), (2, 0)])
 def test_admission_is_v_plus_one_plus_ahead_batches(depth, max_lag):
     bg = 2

@@ -31,7 +31,7 @@ from meshrl.weightsync.layout import allocate, pack, unpack
 from meshrl.weightsync.staging import StagingPool
 from tests.conftest import fetched_into_shared_buffer
 
-TRANSPORTS = ["rdma", "collective", "files"]
+TRANSPORTS = ["rdma", "collective", "files", "shm"]
 
 
 def model_tensors(scale: int = 1) -> list[tuple[str, torch.Tensor]]:
@@ -365,12 +365,18 @@ def test_publisher_killed_mid_transfer_then_recovers(transport, tmp_path, fault_
             waiting = gens.fetch.call(2, timeout)
             await asyncio.sleep(0.5)  # readers are now waiting for version 2
             t0 = time.monotonic()
+            s2 = None
             try:
                 # files: die before the 150 MB file is written; others: once bytes are moving
-                await trainer.publish_then_die.call_one(2, 0.001 if transport == "files" else 0.02)
+                s2 = await trainer.publish_then_die.call_one(2, 0.001 if transport == "files" else 0.02)
             except Exception:  # noqa: BLE001 - the kill may beat the reply
                 pass
             for _, (v, msg, waited) in (await waiting).items():
+                if transport == "shm" and v == 2:
+                    # nothing moves: a reader that mapped the slot before the kill keeps the
+                    # dead publisher's file, which nobody can rewrite any more
+                    assert s2 is None or msg == s2
+                    continue
                 assert v is None, f"expected an error, got version {v}"
                 assert "WeightSync" in msg
                 assert waited <= timeout + 3.0

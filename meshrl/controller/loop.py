@@ -30,7 +30,7 @@ from meshrl.config import Config
 from meshrl.controller.replicas import GeneratorPool, WorkerPool
 from meshrl.errors import one_line
 from meshrl.launch.allocation import allocate, with_env
-from meshrl.launch.devices import plan_devices
+from meshrl.launch.devices import plan_devices, resolve_placement
 from meshrl.metrics import MetricsWriter
 from meshrl.placement import auto_placement
 from meshrl.queue.actor import EpisodeQueueActor
@@ -130,8 +130,11 @@ class RLLoop:
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             f.write(c.to_yaml())  # as given: `auto` placement is resolved again on the host that resumes it
+        c.placement = resolve_placement(c)
+        if c.placement == "colocate":  # the handoff: the engines load from the trainer's snapshot in place
+            c.weight_sync.transport = "shm"
         c.trainer.cpus, c.generator.cpus = auto_placement(c)
-        log.info("placement: trainer cpus %r, generator cpus %r", c.trainer.cpus or "any", c.generator.cpus or "any")
+        log.info("placement: %s, trainer cpus %r, generator cpus %r", c.placement, c.trainer.cpus or "any", c.generator.cpus or "any")
         self.tokenizer_dir = c.model.tokenizer or c.model.path or build_char_tokenizer(os.path.join(self.run_dir, "tokenizer"))
         self.alloc = await allocate(c).__aenter__()
 
@@ -183,8 +186,11 @@ class RLLoop:
         """Train on one batch from the queue, move the generators to the new version in the
         background, and record metrics."""
         c = self.config
-        call_start = time.monotonic()
+        handoff, call_start = {}, time.monotonic()
         try:
+            if c.placement == "colocate":
+                handoff = await self._hand_devices_to_trainer()
+                call_start = time.monotonic()
             out = await self._watching(asyncio.ensure_future(self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s)))
         except Exception as e:  # noqa: BLE001 - a dead trainer proc ends the run, resumably
             line = one_line(e)
@@ -199,7 +205,12 @@ class RLLoop:
             raise TrainerFailed(f"the trainer failed at version {self.version} ({type(e).__name__}: {first}); {self._how_to_resume()}") from e
         self.version = out["version"]
         out["time/trainer_call_s"] = time.monotonic() - call_start
+        out.update(handoff)
         try:
+            if c.placement == "colocate":
+                t0 = time.monotonic()
+                await self.generators.wake()
+                out["colocate/wake_s"] = time.monotonic() - t0
             if self._update_task is not None:  # in the background since the last step: usually done
                 t0 = time.monotonic()
                 out["sync/previous_update_s"] = await self._finish_update()
@@ -217,6 +228,24 @@ class RLLoop:
                 raise self._queue_lost() from e
             raise
         return row
+
+    async def _hand_devices_to_trainer(self) -> dict[str, float]:
+        """placement=colocate, before the trainer's call: the previous weight load done, the
+        batch complete (nothing more is admitted until the trainer's next version), then the
+        generators asleep, their devices the trainer's until `wake`."""
+        c = self.config
+        out = {}
+        t0 = time.monotonic()
+        if self._update_task is not None:
+            out["sync/previous_update_s"] = await self._finish_update()
+        ready = await self._watching(asyncio.ensure_future(awaited(self.queue.wait_ready.call_one(c.batch_groups, c.buffer.get_timeout_s))))
+        if not ready:  # the trainer's own wait reports it, with the queue's counts
+            return out
+        out["colocate/generate_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        await self.generators.sleep()
+        out["colocate/sleep_s"] = time.monotonic() - t0
+        return out
 
     async def _watch_failures(self, row: dict) -> None:
         """The failure breaker: a warning line when more than contracts.warn_failed_frac of

@@ -114,6 +114,15 @@ class GeneratorActor(Actor):
         await self._gen().resume()
 
     @concurrent_endpoint
+    async def sleep(self) -> None:
+        """placement=colocate: give the devices to the trainer until `wake` (see Generator.sleep)."""
+        await self._gen().sleep()
+
+    @concurrent_endpoint
+    async def wake(self) -> None:
+        await self._gen().wake()
+
+    @concurrent_endpoint
     async def version(self) -> int:
         return self._gen().version
 
@@ -141,7 +150,10 @@ class GeneratorActor(Actor):
         t0 = time.monotonic()
         got, tensors = await self.subscriber.fetch(version=version)
         fetch_s = time.monotonic() - t0
-        held_s = await self._gen().update_weights(got, tensors)
+        try:
+            held_s = await self._gen().update_weights(got, tensors)
+        finally:
+            await self.subscriber.loaded()  # shm: the trainer's slot is free again
         return {"version": got, "fetch_s": fetch_s, "held_s": held_s}
 
     @concurrent_endpoint

@@ -83,8 +83,12 @@ class VLLMEngine:
         seed: int = 0,
         max_num_seqs: int | None = None,
         adapter_dir: str | None = None,
+        sleep_mode: bool = False,
     ):
         self.gen = gen
+        self.sleep_mode = sleep_mode and torch.cuda.is_available()
+        """vLLM's sleep mode (GPU only: its CuMem allocator): `sleep` frees the engine's GPU
+        memory for a colocated trainer. On CPU there is nothing to free and `sleep` pauses."""
         self.adapter_dir = adapter_dir
         self.adapter_config: dict | None = None
         """The PEFT config of the LoRA adapter every request runs with (None: no adapter)."""
@@ -136,6 +140,7 @@ class VLLMEngine:
             # shares the engine's core on CPU, 12% of the decode time of 128 sequences on
             # one core (measured). meshrl keeps its own generator stats.
             disable_log_stats=True,
+            enable_sleep_mode=self.sleep_mode,
             **self._lora_args(),
         )
 
@@ -311,6 +316,22 @@ class VLLMEngine:
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
+
+    async def sleep(self) -> None:
+        """Stop generating and, with sleep mode (GPU), free the KV cache and move the weights
+        to host memory (level 1), so a colocated trainer has the GPU; requests in flight are
+        aborted (there should be none: the loop sleeps the engine once its batch is done)."""
+        if self.sleep_mode:
+            await self.llm.sleep(level=1, mode="abort")
+        else:
+            await self.pause("keep")
+
+    async def wake_up(self) -> None:
+        """Undo `sleep`: weights and KV cache back on the GPU, scheduling resumed."""
+        if self.sleep_mode:
+            await self.llm.wake_up()
+        else:
+            await self.resume()
 
     async def set_version(self, version: int) -> None:
         await self.llm.update_weight_version(str(version))

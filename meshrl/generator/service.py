@@ -71,6 +71,7 @@ class Generator:
             # LoRA: the engine runs the base model with the policy's adapter, which the
             # trainer exports beside each checkpoint it hands the generators
             adapter_dir=os.path.join(checkpoint_dir, "adapter") if config.lora.rank > 0 and not teacher and runs_lora(checkpoint_dir) else None,
+            sleep_mode=config.placement == "colocate",
         )
         self.replica = replica
         self.teacher = teacher
@@ -89,6 +90,9 @@ class Generator:
         self._busy_since: float | None = None
         self._requests_done = 0
         self._resumed = 0
+        self._sleeps = 0
+        self._asleep_from: int | None = None
+        self._tokens_asleep = 0
         self.update_pauses: list[tuple[str, int, float]] = []
         """(mode, version, seconds generation was held) for each update."""
 
@@ -193,6 +197,25 @@ class Generator:
             await self.engine.resume()
             self._open.set()
 
+    async def sleep(self) -> None:
+        """placement=colocate, while the trainer steps: no requests, and on GPU the engine's
+        memory freed (VLLMEngine.sleep). Requests that arrive wait for `wake`."""
+        async with self._update_lock:
+            self._user_paused = True
+            self._open.clear()
+            await self.engine.sleep()
+            self._sleeps += 1
+            self._asleep_from = self.engine.tokens_generated
+
+    async def wake(self) -> None:
+        async with self._update_lock:
+            if self._asleep_from is not None:  # tokens that arrived while asleep: generation overlapped a step
+                self._tokens_asleep += self.engine.tokens_generated - self._asleep_from
+                self._asleep_from = None
+            self._user_paused = False
+            await self.engine.wake_up()
+            self._open.set()
+
     async def stop(self, timeout_s: float = 30.0) -> None:
         """End every request (they return with finish_reason abort), bounded."""
         self._stopping = True
@@ -257,5 +280,7 @@ class Generator:
             "requests_in_flight": max(0, self._in_flight),
             "requests_done": self._requests_done,
             "samples_resumed": self._resumed,
+            "sleeps": self._sleeps,
+            "tokens_while_asleep": self._tokens_asleep,
             "updates": [{"mode": m, "version": v, "held_s": h} for m, v, h in self.update_pauses],
         }

@@ -16,10 +16,14 @@ uses its device 0. Procs that hold no GPU (episode queue, rollout workers) see n
 GPUs per host: `launcher.gpus_per_host`, else those this host has (local and process
 launchers only: the controller's host is then the run's host).
 
-Layout: `disaggregated` (every role on GPUs of its own) is the only GPU layout today; a
-plan that needs more GPUs than a host has is refused with the fields to change. A CPU
-trainer (`trainer.device=cpu`) holds no GPU and leaves them all to the generators. Without
-GPUs the plan is `cpu`: no device is named, cores are placed by `meshrl/placement.py`.
+Layouts (`placement`, resolved by `resolve_placement`):
+- `disaggregated` (placement=split): every role on GPUs of its own; a plan that needs more
+  GPUs than a host has is refused with the fields to change. A CPU trainer
+  (`trainer.device=cpu`) holds no GPU and leaves them all to the generators.
+- `colocated` (placement=colocate, one host): trainer rank r on GPU r, generator replica i on
+  GPUs i*tp .. i*tp+tp-1, the same GPUs time-sliced (the loop sleeps the engines during a
+  training step). It fits when trainer.procs and replicas x tp each fit the host's GPUs.
+Without GPUs the plan is `cpu`: no device is named, cores are placed by `meshrl/placement.py`.
 Pure: the standard library and the config, no torch import and no CUDA initialisation.
 """
 
@@ -55,11 +59,13 @@ class Slot:
 @dataclass
 class DevicePlan:
     layout: str
-    """`cpu` or `disaggregated`."""
+    """`cpu`, `disaggregated` or `colocated`."""
     gpus_per_host: int
     hosts: dict[str, int]
     """The host plan: host mesh name -> hosts."""
     slots: list[Slot] = field(default_factory=list)
+    placement: str = "split"
+    """The resolved `placement`: `split` or `colocate` (on CPU too, where no GPU is named)."""
 
     def slot(self, role: str, index: int) -> Slot:
         for s in self.slots:
@@ -81,7 +87,7 @@ class DevicePlan:
 
     def table(self) -> str:
         """The plan as a text table, one row per proc that holds devices."""
-        head = f"device plan: {self.layout}, {self.gpus_per_host} GPUs per host, host meshes " + \
+        head = f"device plan: {self.layout} (placement {self.placement}), {self.gpus_per_host} GPUs per host, host meshes " + \
                ", ".join(f"{name}={n}" for name, n in self.hosts.items())
         rows = [("role", "index", "host", "GPUs")]
         for s in self.slots:
@@ -90,8 +96,17 @@ class DevicePlan:
         lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         idle = self.idle()
         if idle:
-            lines.append("idle GPUs: " + "; ".join(f"{mesh}[{h}]: {','.join(map(str, g))}" for (mesh, h), g in sorted(idle.items())))
+            lines.append("idle GPUs: " + "; ".join(f"{mesh}[{h}]: {','.join(map(str, g))}" for (mesh, h), g in sorted(idle.items()))
+                         + self._idle_hint(idle))
         return "\n".join(lines) + "\n"
+
+    def _idle_hint(self, idle: dict[tuple[str, int], list[int]]) -> str:
+        """On one split host, the generator.replicas that would use the idle GPUs."""
+        gens = [s for s in self.slots if s.role == "generator"]
+        if self.layout != "disaggregated" or SHARED_MESH not in self.hosts or not gens:
+            return ""
+        more = len(idle[(SHARED_MESH, 0)]) // len(gens[0].gpus)
+        return f" (generator.replicas={len(gens) + more} would use them)" if more else ""
 
     def idle(self) -> dict[tuple[str, int], list[int]]:
         """GPUs no proc holds, per (host mesh, host)."""
@@ -129,11 +144,42 @@ def gpus_per_host(config: Config) -> int:
     return detected_gpus()
 
 
+def _split_gpus_needed(config: Config) -> int:
+    """GPUs one host needs for every role on GPUs of its own."""
+    t, gen = config.trainer, config.generator
+    return (0 if t.device == "cpu" else t.procs) + gen.replicas * gen.tp + (gen.tp if config.distill.teacher else 0)
+
+
+def resolve_placement(config: Config, gpus: int | None = None) -> str:
+    """`split` or `colocate`: `config.placement`, with `auto` decided for `gpus` per host (None:
+    `gpus_per_host(config)`): colocate on one GPU host where the roles do not fit one each
+    and do fit sharing, split everywhere else (CPU machines, several hosts, a CPU trainer)."""
+    if config.placement != "auto":
+        return config.placement
+    g = gpus_per_host(config) if gpus is None else gpus
+    t, gen = config.trainer, config.generator
+    if g == 0 or config.launcher.hosts > 1 or t.device == "cpu" or config.distill.teacher:
+        return "split"
+    if _split_gpus_needed(config) <= g:
+        return "split"
+    return "colocate" if t.procs <= g and gen.replicas * gen.tp <= g else "split"
+
+
 def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
     """The device plan of `config` with `gpus` per host (None: `gpus_per_host(config)`).
     Raises ConfigError naming the field to change when it does not fit."""
     g = gpus_per_host(config) if gpus is None else gpus
     hosts = plan_hosts(config)
+    t, gen = config.trainer, config.generator
+    placement = resolve_placement(config, g)
+    if g and placement == "colocate":
+        return _colocated(config, g, hosts)
+    plan = _split(config, g, hosts)
+    plan.placement = placement
+    return plan
+
+
+def _split(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
     t, gen = config.trainer, config.generator
     if g == 0:
         if t.device == "cuda":
@@ -158,6 +204,21 @@ def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
     if config.distill.teacher:
         take("teacher", 0, *_generator_host(hosts, 0), gen.tp, "distill.teacher")
     return plan
+
+
+def _colocated(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
+    """Trainer ranks and generator replicas on the same GPUs of the one host."""
+    t, gen = config.trainer, config.generator
+    if t.device == "cpu":
+        raise ConfigError("placement", "colocate shares GPUs between trainer and generators, and trainer.device=cpu: set placement=split")
+    if t.procs > g:
+        raise ConfigError("trainer.procs", f"placement=colocate puts one trainer rank on each GPU, and the host has {g}: set trainer.procs={g} or fewer")
+    if gen.replicas * gen.tp > g:
+        raise ConfigError("generator.replicas", f"placement=colocate puts generator.replicas={gen.replicas} x generator.tp={gen.tp} GPUs on a host of {g}: "
+                                                f"set generator.replicas={max(1, g // gen.tp)}" + ("" if gen.tp <= g else f" and generator.tp={g}"))
+    slots = [Slot("trainer", r, SHARED_MESH, 0, (r,)) for r in range(t.procs)]
+    slots += [Slot("generator", i, SHARED_MESH, 0, tuple(range(i * gen.tp, (i + 1) * gen.tp))) for i in range(gen.replicas)]
+    return DevicePlan("colocated", g, hosts, slots, "colocate")
 
 
 def _trainer_host(config: Config, hosts: dict[str, int], rank: int) -> tuple[str, int]:
@@ -190,7 +251,7 @@ def _no_fit(config: Config, hosts: dict[str, int], g: int) -> str:
         elif g - gen.tp - teacher >= 1:
             fix = f"trainer.procs={g - gen.tp - teacher}"
         else:  # one GPU, or fewer than one trainer rank and one replica need
-            fix = "trainer.device=cpu (the trainer on CPU beside GPU generators; trainer and generators sharing one GPU is not built yet)"
+            fix = "placement=colocate (trainer and generators sharing the GPUs, time-sliced)"
         return (f"the plan needs {need} GPUs on one host (trainer.procs={ranks} + generator.replicas={gen.replicas} x generator.tp={gen.tp}"
                 f"{f' + the teacher {teacher}' if teacher else ''}), and the host has {g}: set {fix}, or raise launcher.hosts")
     per_trainer_host = t.procs // hosts["trainer"]

@@ -11,7 +11,8 @@ Every group of episodes (one prompt, `generator.group_size` episodes) is in one 
   latest `ahead` versions later, so at most (v + 1 + ahead) batches are ever admitted
   (plus replacements for dropped groups). ahead = min(depth, max_lag): depth 0
   is synchronous (a batch is admitted only once the trainer is at its version), 1 a double
-  buffer, K a bounded queue.
+  buffer, K a bounded queue. Under placement=colocate ahead is 0 (the roles take turns),
+  and with max_lag 1 a claim accepts weights one version old (`_min_version`).
 - Versions. A claim carries the queue's version, and the generator serves its requests
   only with weights at least that new, so every token of a group admitted at v is from a
   version >= v. With admission bounded as above, no trained token is more than `max_lag`
@@ -103,8 +104,11 @@ class EpisodeQueue:
         b = config.buffer
         self.cfg = b
         self.batch_groups = config.batch_groups
-        self.depth = b.depth
-        self.max_lag = 0 if b.depth == 0 else b.max_lag
+        self.colocated = config.placement == "colocate"
+        if self.colocated:  # nothing is generated during a training step: a batch is admitted at its version
+            self.depth, self.max_lag = 0, 0 if b.max_lag == 0 else 1
+        else:
+            self.depth, self.max_lag = b.depth, 0 if b.depth == 0 else b.max_lag
         self.policy = resolve_policy(b.sampling)
         self.node = PromptNode(config.data, config.seed)
         self.node.reset()
@@ -173,7 +177,13 @@ class EpisodeQueue:
                 self.next_group_id += 1
             token = next(self._tokens)
             self.running[gid] = (sample, worker, self.version, token)
-            return Claim(gid, sample, self.version, token)
+            return Claim(gid, sample, self._min_version(), token)
+
+    def _min_version(self) -> int:
+        """The oldest weights a claim's tokens may come from: the queue's version, except one
+        step off the policy under placement=colocate, where the batch of version v starts on
+        the weights the generators hold while v is still being loaded."""
+        return max(0, self.version - self.max_lag) if self.colocated else self.version
 
     def put(self, group_id: int, group: TensorDict, token: int | None = None) -> bool:
         """A finished group, delivered under its claim's `token`. False if it is no longer
@@ -267,6 +277,15 @@ class EpisodeQueue:
             self._stats["consumer_wait_s"] += time.monotonic() - start
             return batch
 
+    def wait_ready(self, num_groups: int, timeout: float) -> bool:
+        """Wait until `num_groups` groups are READY (a batch the trainer can take at once);
+        False after `timeout` s. Raises if the queue closes."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._closed or len(self.ready) >= num_groups, timeout)
+            if self._closed:
+                self._raise_closed()
+            return ok
+
     def set_version(self, version: int) -> None:
         """The trainer's policy version: opens admission, re-checks READY groups."""
         with self._cond:
@@ -278,7 +297,10 @@ class EpisodeQueue:
         if max_lag is not None and max_lag < 0:
             raise ValueError(f"max_lag must be at least 0, got {max_lag}")
         with self._cond:
-            self.max_lag = 0 if self.depth == 0 else max_lag
+            if self.colocated:
+                self.max_lag = 0 if max_lag == 0 else 1
+            else:
+                self.max_lag = 0 if self.depth == 0 else max_lag
             self._recheck_ready()
             self._cond.notify_all()
 

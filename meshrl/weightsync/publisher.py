@@ -2,8 +2,8 @@
 
 Use it inside the trainer actor on the publishing rank (see meshrl/weightsync/__init__.py
 for the wiring). `publish` only copies into a staging slot; the transport (RDMA reads
-served by a sidecar actor, a broadcast thread, a file-writer thread) runs in the
-background, so the next training step overlaps the transfer.
+served by a sidecar actor, a broadcast thread, a file-writer thread; with `shm` the
+generators lease and map the slot itself) runs in the background, so the next training step overlaps the transfer.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from monarch.actor import Actor, concurrent_endpoint, this_proc
 
 from meshrl.config import WeightSyncConfig
 from meshrl.weightsync.rdma import serve_acquire
+from meshrl.weightsync.shared import serve_acquire_shared
 from meshrl.weightsync.collective import CollectiveSender
 from meshrl.weightsync.errors import WeightSyncError
 from meshrl.weightsync.files import FileWriter
@@ -33,7 +34,8 @@ _ids = itertools.count()
 class Publisher:
     def __init__(self, cfg: WeightSyncConfig, max_slots: int = 4):
         self.cfg = cfg
-        self.pool = StagingPool(lease_timeout_s=cfg.timeout_s, max_slots=max_slots)
+        # shm: the slots are shared-memory files the generators on this host map and load from
+        self.pool = StagingPool(lease_timeout_s=cfg.timeout_s, max_slots=max_slots, shared_memory=cfg.transport == "shm")
         self.layout: Layout | None = None
         self.spec: SyncSpec | None = None
         self._background: CollectiveSender | FileWriter | None = None
@@ -66,7 +68,7 @@ class Publisher:
             self._background = CollectiveSender(self.pool, spec)  # blocks until every rank joined
         elif spec.transport == "files":
             self._background = FileWriter(self.pool, spec.files_dir)
-        elif spec.transport != "rdma":
+        elif spec.transport not in ("rdma", "shm"):
             raise WeightSyncError(f"unknown transport {spec.transport!r}")
         self.spec = spec
 
@@ -98,6 +100,10 @@ class PublisherAgent(Actor):
     @concurrent_endpoint
     async def acquire(self, min_version: int, have_layout: str | None, have_slots: list[int], wait_s: float):
         return await serve_acquire(self.publisher.pool, min_version, have_layout, have_slots, wait_s)
+
+    @concurrent_endpoint
+    async def acquire_shared(self, min_version: int, wait_s: float):
+        return await serve_acquire_shared(self.publisher.pool, min_version, wait_s)
 
     @concurrent_endpoint
     async def release(self, lease_id: int) -> bool:

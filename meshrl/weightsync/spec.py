@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SyncSpec:
-    transport: str  # "rdma" | "collective" | "files"
+    transport: str  # "rdma" | "collective" | "files" | "shm"
     timeout_s: float
     files_dir: str | None = None
     # collective only: the controller's TCPStore, the group size and a name unique per

@@ -4,6 +4,8 @@ Use it inside the generator actor (see meshrl/weightsync/__init__.py for the wir
 tensors of a fetch stay valid and unchanged until the next fetch returns; with
 `shared_memory=True` the buffers are shared-memory files that another process (vLLM's
 engine core) maps by name (`layout.shared_file_buffer`), so they are loaded without a copy.
+With the `shm` transport they are the publisher's staging slot itself, leased until
+`loaded()` (or the next fetch).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from meshrl.weightsync.buffers import ReceiveBuffers
 from meshrl.weightsync.collective import CollectiveReceiver, wait_latest
 from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
 from meshrl.weightsync.rdma import RdmaReader
+from meshrl.weightsync.shared import SharedReader
 from meshrl.weightsync.spec import SyncSpec
 
 _SUBSCRIBERS: dict[str, "Subscriber"] = {}
@@ -38,6 +41,7 @@ class Subscriber:
         self.spec: SyncSpec | None = None
         self._receiver: CollectiveReceiver | None = None
         self._reader: RdmaReader | None = None
+        self._shared: SharedReader | None = None
         self.key = f"{os.getpid()}-{next(_ids)}"
         _SUBSCRIBERS[self.key] = self
         self.handle = this_proc().spawn(f"weightsync_subscriber_{self.key}", SubscriberAgent, self.key)
@@ -49,6 +53,8 @@ class Subscriber:
             self._receiver = CollectiveReceiver(spec, rank, self.buffers)  # blocks until all joined
         elif spec.transport == "rdma":
             self._reader = RdmaReader(publisher, self.buffers)
+        elif spec.transport == "shm":
+            self._shared = SharedReader(publisher)
         elif spec.transport != "files":
             raise WeightSyncError(f"unknown transport {spec.transport!r}")
         self.spec = spec
@@ -56,7 +62,7 @@ class Subscriber:
     def close_transport(self) -> None:
         if self._receiver is not None:
             self._receiver.close()
-        self._receiver = self._reader = None
+        self._receiver = self._reader = self._shared = None
 
     def close(self) -> None:
         self.close_transport()
@@ -76,6 +82,14 @@ class Subscriber:
             min_version, wait_s = self.version + 1, 0.0  # anything newer right now, else keep ours
         else:
             min_version, wait_s = (0 if version is None else version), timeout
+        if self.spec.transport == "shm":  # views of the publisher's slot itself, leased
+            got = await self._shared.fetch(min_version, wait_s, timeout)
+            if got is None and self.tensors is not None and version is None:
+                return self.version, self.tensors
+            if got is not None:
+                self.version, self.tensors = got
+                return got
+            raise WeightSyncTimeout(f"no weights version >= {min_version} arrived within {timeout:.1f}s (shm)")
         got = await self._receive(min_version, wait_s, timeout)
         if got is None:
             if version is None and self.tensors is not None:
@@ -84,6 +98,13 @@ class Subscriber:
         self.version, flat = got
         self.tensors = self.buffers.hand_out(self.version, flat)
         return self.version, self.tensors
+
+    async def loaded(self) -> None:
+        """The tensors of the last fetch were loaded and will not be read again: with `shm`
+        this ends their lease on the publisher's slot (WeightSyncError if it had expired, so
+        the load may have read a rewritten slot); other transports own their buffers."""
+        if self._shared is not None:
+            await self._shared.release(self.cfg.timeout_s)
 
     async def _receive(self, min_version: int, wait_s: float, timeout: float) -> tuple[int, torch.Tensor] | None:
         """(version, flat buffer) of a version >= min_version available within wait_s, or None."""

@@ -1,0 +1,84 @@
+"""`shm` transport (one host): generators read the trainer's staging slot where it lies.
+
+The publisher's staging slots are anonymous shared-memory files (memfd). A subscriber leases
+the newest slot through the publisher's sidecar, maps it by name (`/proc/PID/fd/N`) and
+hands out views of it: nothing is copied between the trainer's snapshot and the engine's
+own load (vLLM's engine core maps the same file, `generator/weight_loading.py`). The lease
+is held while the views are in use: until `release` (the generator calls it once its
+engine has loaded them) or the next fetch, and a leased slot is never rewritten, so the
+engine loads exactly one version. Procs on other hosts cannot map the file: the config
+check refuses `shm` with more than one host.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import torch
+
+from meshrl.weightsync.errors import WeightSyncError
+from meshrl.weightsync.layout import Layout, unpack
+from meshrl.weightsync.rdma import _bounded, wait_for_lease
+from meshrl.weightsync.staging import Slot, StagingPool
+
+
+def slot_name(slot: Slot) -> tuple[str, str]:
+    """(path another process maps the slot by, a key unique to this slot's buffer): the path
+    alone is not unique, as a closed slot's fd number is reused by the next allocation."""
+    key = slot.transport_state.get("shm")
+    if key is None:
+        key = slot.transport_state["shm"] = uuid.uuid4().hex
+    path = slot.flat.untyped_storage().filename
+    if path is None:
+        raise WeightSyncError("the staging slot is not in shared memory: the publisher was not made for the shm transport")
+    return path, key
+
+
+async def serve_acquire_shared(pool: StagingPool, min_version: int, wait_s: float) -> dict | None:
+    """Publisher side: lease a version >= min_version (waiting up to wait_s) and name its slot."""
+    lease = await wait_for_lease(pool, min_version, wait_s)
+    if lease is None:
+        return None
+    path, key = slot_name(lease.slot)
+    return {"lease_id": lease.lease_id, "version": lease.version, "layout": lease.slot.layout,
+            "path": path, "key": key, "nbytes": lease.slot.flat.numel()}
+
+
+class SharedReader:
+    """Subscriber side: the slots it has mapped and the lease it holds."""
+
+    def __init__(self, agent):
+        self.agent = agent
+        self.mapped: dict[str, torch.Tensor] = {}  # slot key -> its mapping
+        self.lease_id: int | None = None
+
+    async def fetch(self, min_version: int, wait_s: float, timeout_s: float) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """Lease the newest version >= min_version and view its tensors in place; None if none
+        appeared within wait_s. The lease of the previous fetch ends once this one is held."""
+        reply = await _bounded(self.agent.acquire_shared.call_one(min_version, wait_s), wait_s + timeout_s, "lease a staged version")
+        if reply is None:
+            return None
+        await self.release(timeout_s, quiet=True)
+        self.lease_id = reply["lease_id"]
+        flat = self.mapped.get(reply["key"])
+        if flat is None:
+            flat = torch.from_file(reply["path"], shared=True, size=reply["nbytes"], dtype=torch.uint8)
+            if len(self.mapped) >= 8:  # slots of an older layout: their files close with the mapping
+                self.mapped.pop(next(iter(self.mapped)))
+            self.mapped[reply["key"]] = flat
+        layout: Layout = reply["layout"]
+        return reply["version"], unpack(flat, layout)
+
+    async def release(self, timeout_s: float, quiet: bool = False) -> None:
+        """End the lease held (its views must no longer be read). Raises WeightSyncError if it
+        had expired (held past weight_sync.timeout_s), as the slot may then have been rewritten
+        while it was read; `quiet`: the views were dropped unread, nothing to report."""
+        lease_id, self.lease_id = self.lease_id, None
+        if lease_id is None:
+            return
+        t0 = time.monotonic()
+        intact = await _bounded(self.agent.release.call_one(lease_id), timeout_s, "release the lease")
+        if not intact and not quiet:
+            raise WeightSyncError(f"the lease on a staged version expired while it was read ({time.monotonic() - t0:.1f}s to release): "
+                                  "raise weight_sync.timeout_s")
