@@ -52,7 +52,7 @@ def fast_bf16() -> bool:
         return False
 
 
-MODE_CONFIGS = {"sync": "configs/sync.yaml", "async": "configs/default.yaml"}
+MODE_CONFIGS = {"sync": "configs/sync.yaml", "async": "configs/default.yaml", "colocate": "configs/colocate.yaml"}
 ROW_KEYS = ("time/step_s", "trainer/wait_s", "trainer/step_time_s", "trainer/idle_frac", "generator/idle_frac",
             "generator/tokens_per_s", "sync/publish_s", "sync/update_s", "sync/previous_update_s", "sync/previous_update_wait_s",
             "reward/mean", "reward/success_rate", "episode/count", "trainer/reward_mean", "trainer/staleness_mean", "trainer/staleness_max",
@@ -260,7 +260,7 @@ def overlap_bound(sync: dict, asyn: dict) -> dict:
     }
 
 
-SYSTEM_COLORS = {"sync": "tab:green", "async": "tab:red", "trl": "tab:blue"}
+SYSTEM_COLORS = {"sync": "tab:green", "async": "tab:red", "colocate": "tab:purple", "trl": "tab:blue"}
 SEED_STYLES = ("-", "--", ":", "-.")
 
 

@@ -42,7 +42,7 @@ BENCHMARKS = [
                     "--model", "n_kv_heads=1", "--model", "ffn_dim=128", "--out", os.path.join(RESULTS, "multi_turn.json")], 900),
     # where a step's time and CPU go; then the small problem side by side with TRL
     ("step_floor", ["step_floor.py", "--out", os.path.join(RESULTS, "step_floor.json")], 900),
-    ("trl_small", ["trl_peer.py", "--seeds", "1", "--steps", "40", "--max-new-tokens", "8", "--dtype", "float32", "--no-compile",
+    ("trl_small", ["trl_peer.py", "--seeds", "1", "--steps", "40", "--max-new-tokens", "8", "--dtype", "float32", "--no-compile", "--modes", "sync,async,colocate",
                    *[a for k, v in SMALL_MODEL.items() for a in ("--model", f"{k}={v}")],
                    "--trl-settings", "float32,float32+compile", "--out", os.path.join(RESULTS, "trl_small.json")], 1500),
     # heavy-tailed answer lengths: sync, keep, abort, drain and TRL

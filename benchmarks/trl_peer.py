@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from async_vs_sync import RESULTS, add_common_args, bench_config, bench_seeds, mean_gap, mode_means, reward_gap, run_seeds, time_to_reward  # noqa: E402
+from async_vs_sync import MODE_CONFIGS, RESULTS, add_common_args, bench_config, bench_seeds, mean_gap, mode_means, reward_gap, run_seeds, time_to_reward  # noqa: E402
 
 TARGET_SPEEDUP = 2.0
 
@@ -193,10 +193,11 @@ def main() -> None:
                     raise SystemExit(f"{args.meshrl_json} was run with {key}={reused['args'].get(key)}, not {getattr(args, key)}")
             meshrl = reused["results"]
         else:
-            meshrl = run_seeds(args, ["sync", "async"], root)
+            meshrl = run_seeds(args, sorted({"sync", "async", *args.modes.split(",")}, key=list(MODE_CONFIGS).index), root)
         for r in meshrl:  # at this invocation's --reward-level, also for reused runs
             r["time_to_reward_s"] = time_to_reward(r["rows"], args.reward_level)
-        means = {m: mode_means([r for r in meshrl if r["base_mode"] == m], batch) for m in ("sync", "async")}
+        modes = [m for m in MODE_CONFIGS if any(r["base_mode"] == m for r in meshrl)]
+        means = {m: mode_means([r for r in meshrl if r["base_mode"] == m], batch) for m in modes}
         steps = args.trl_steps or args.steps
         trl_runs, others = [], []
         for i, seed in enumerate(seeds):
@@ -236,6 +237,12 @@ def main() -> None:
                "time_to_reward_s": {m: means[m]["time_to_reward_s"] for m in ("trl", "sync", "async")},
                "target_speed_met": ratio >= TARGET_SPEEDUP, "target_reward_met": reward_ok,
                "target_met": ratio >= TARGET_SPEEDUP and reward_ok}
+    if "colocate" in means:  # placement=colocate: the roles taking turns on every core, as TRL's one process does
+        colocated = mean_gap([r["reward_vs_trl"] for r in results
+                              if r.get("base_mode") == "colocate" and r["reward_vs_trl"] and r["reward_vs_trl"]["points"]])
+        verdict.update(colocate_over_trl_samples_per_s=means["colocate"]["samples_per_s"] / trl_sps,
+                       reward_colocate_minus_trl=colocated["gap"], reward_colocate_minus_trl_stderr=colocated["stderr"],
+                       time_to_reward_s={m: means[m]["time_to_reward_s"] for m in ("trl", *modes)})
     # What overlap alone can give on this machine: one step takes at least the longer of
     # generating a batch (G) and training on it (T), each on its own share of the cores,
     # both measured in the sync runs. TRL's step over that is the ratio's ceiling, unless
@@ -253,8 +260,11 @@ def main() -> None:
         vs = f"{g['gap']:+.3f} +- {g['stderr']:.3f}" if g else "reference"
         print(f"{r['mode']:<22}{r['step_s']:>12.3f}{r['samples_per_s']:>11.1f}"
               f"{vs:>38}{r['reward_last']:>23.4f}")
-    print(f"\nmeans over {len(seeds)} seed(s): TRL {trl_sps:.1f} samples/s, meshrl sync {means['sync']['samples_per_s']:.1f}, "
-          f"async {means['async']['samples_per_s']:.1f}")
+    print(f"\nmeans over {len(seeds)} seed(s): TRL {trl_sps:.1f} samples/s, meshrl "
+          + ", ".join(f"{m} {means[m]['samples_per_s']:.1f}" for m in modes))
+    if "colocate" in means:
+        print(f"meshrl colocate / TRL samples/s = {verdict['colocate_over_trl_samples_per_s']:.2f}x; reward per sample, colocate - TRL "
+              f"{verdict['reward_colocate_minus_trl']:+.3f} +- {verdict['reward_colocate_minus_trl_stderr']:.3f}")
     print(f"meshrl async / TRL samples/s = {ratio:.2f}x (target {TARGET_SPEEDUP:.0f}x: {'met' if verdict['target_speed_met'] else 'NOT met'}); "
           f"reward per sample, async - TRL per seed {', '.join(f'{g:+.3f}' for g in verdict['reward_async_minus_trl_per_seed'])}: "
           f"mean {gap:+.3f} +- {stderr:.3f}, {'equal, better or within noise' if reward_ok else 'WORSE'}; "
