@@ -264,7 +264,7 @@ async def main() -> None:
     t0 = time.monotonic()
     for transport in args.transports.split(","):
         rows += await bench_transport(transport, sizes, args)
-    print(f"\n| transport | size | params | MiB | sync ms | publish copy ms | raw ms | fraction of raw | overhead ms (tiny) |")
+    print("\n| transport | size | params | MiB | sync ms | publish copy ms | raw ms | fraction of raw | overhead ms (tiny) |")
     print("|---|---|---|---|---|---|---|---|---|")
     tiny = {r["transport"]: r["sync_s"] for r in rows if r["size"] == "tiny"}
     for r in rows:

@@ -17,7 +17,7 @@ from meshrl import episode
 from meshrl.config import Config
 from meshrl.data import PromptNode
 from meshrl.generator.engine import RequestResult
-from meshrl.metrics import MetricsWriter, plot_run, read_metrics
+from meshrl.metrics import MetricsWriter, read_metrics
 from meshrl.queue import Claim, EpisodeQueue
 from meshrl.rollout.chat import ChatRenderer
 from meshrl.rollout.env import ModelTurn, SingleTurnEnv

@@ -19,7 +19,7 @@ from meshrl import episode
 from meshrl.compat import awaited
 from meshrl.config import LossConfig
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
-from meshrl.episode import FINISH_REASONS, Episode, Turn, assign_advantages, pack
+from meshrl.episode import Episode, Turn, assign_advantages, pack
 from meshrl.generator.actor import GeneratorActor
 from meshrl.trainer.losses import CORRECTIONS, policy_loss, reduce_metrics
 from tests.test_generator import CALL_S, hf_logprobs, make_config, prompts, save_checkpoint, tiny_qwen3

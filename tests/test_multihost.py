@@ -10,12 +10,13 @@ reason, where namespaces cannot be made (not root).
 
 import json
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 import yaml
+
+from tests import conftest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -25,18 +26,8 @@ PORT = 26600
 
 def two_host_config(run_dir, hosts, **sections) -> dict:
     a, b = hosts.ADDRESSES["a"], hosts.ADDRESSES["b"]
-    cfg = {
-        "steps": 16, "batch_groups": 8,
-        "generator": {"group_size": 8, "max_new_tokens": 8, "max_num_seqs": 64, "startup_timeout_s": 120},
-        "trainer": {"micro_batch_size": 64, "checkpoint_every": 0},
-        "buffer": {"get_timeout_s": 120},
-        "weight_sync": {"timeout_s": 60},
-        "launcher": {"kind": "workers", "workers": [f"{a}:{PORT}", f"{b}:{PORT}"], "address": a, "start_timeout_s": 120},
-        "logging": {"run_dir": str(run_dir), "progress": False, "tensorboard": False, "plot": False},
-    }
-    for section, values in sections.items():
-        cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
-    return cfg
+    launcher = {"kind": "workers", "workers": [f"{a}:{PORT}", f"{b}:{PORT}"], "address": a, "start_timeout_s": 120}
+    return conftest.two_host_config(run_dir, launcher, 16, 120, **sections)
 
 
 def start_run(hosts, tmp_path, cfg: dict, name: str, resume: bool = False):

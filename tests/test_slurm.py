@@ -17,6 +17,8 @@ import time
 import pytest
 import yaml
 
+from tests.conftest import two_host_config
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 RUN_TIMEOUT_S = 600.0
@@ -24,18 +26,8 @@ DAEMONS = ("munged", "slurmctld", "slurmd", ": slurmscriptd")  # slurmscriptd na
 
 
 def slurm_config(run_dir, **sections) -> dict:
-    cfg = {
-        "steps": 10, "batch_groups": 8,
-        "generator": {"group_size": 8, "max_new_tokens": 8, "max_num_seqs": 64, "startup_timeout_s": 300},
-        "trainer": {"micro_batch_size": 64, "checkpoint_every": 0},
-        "buffer": {"get_timeout_s": 300},
-        "weight_sync": {"timeout_s": 60},
-        "launcher": {"kind": "slurm", "hosts": 2, "time_limit": "00:30:00", "start_timeout_s": 300},
-        "logging": {"run_dir": str(run_dir), "progress": False, "tensorboard": False, "plot": False},
-    }
-    for section, values in sections.items():
-        cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
-    return cfg
+    launcher = {"kind": "slurm", "hosts": 2, "time_limit": "00:30:00", "start_timeout_s": 300}
+    return two_host_config(run_dir, launcher, 10, 300, **sections)
 
 
 def start_controller(cluster, tmp_path, name: str, args: list[str]):

@@ -170,7 +170,6 @@ def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
     Raises ConfigError naming the field to change when it does not fit."""
     g = gpus_per_host(config) if gpus is None else gpus
     hosts = plan_hosts(config)
-    t, gen = config.trainer, config.generator
     placement = resolve_placement(config, g)
     if g and placement == "colocate":
         return _colocated(config, g, hosts)

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from meshrl.host import host_address
 from meshrl.weightsync.buffers import ReceiveBuffers
 from meshrl.weightsync.errors import WeightSyncError
-from meshrl.weightsync.layout import Layout
 from meshrl.weightsync.spec import SyncSpec
 from meshrl.weightsync.staging import StagingPool
 
