@@ -29,8 +29,8 @@ from meshrl.compat import awaited
 from meshrl.config import Config
 from meshrl.controller.replicas import GeneratorPool, WorkerPool
 from meshrl.errors import one_line
-from meshrl.launch.allocation import allocate, with_env
-from meshrl.launch.devices import plan_devices, resolve_placement
+from meshrl.launch.allocation import allocate
+from meshrl.launch.devices import resolve_placement
 from meshrl.metrics import MetricsWriter
 from meshrl.placement import auto_placement
 from meshrl.queue.actor import EpisodeQueueActor
@@ -139,11 +139,11 @@ class RLLoop:
         self.alloc = await allocate(c).__aenter__()
 
         # The coordinator proc holds the episode queue; each rollout worker has a proc of its own.
-        self.coord = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=with_env([plan_devices(c).env("coord")]))
+        self.coord = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap("coord"))
         self.queue = self.coord.spawn("queue", EpisodeQueueActor, c.to_dict())
         await self.queue.metrics.call_one()
 
-        self.trainer = await spawn_trainer(c, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"))
+        self.trainer = await spawn_trainer(c, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan)
         await self.trainer.publisher_handle()  # creates the publisher before its first step
         if self.resume:
             await self._restore()

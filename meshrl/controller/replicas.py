@@ -19,8 +19,6 @@ from typing import Awaitable, Callable
 from meshrl.compat import awaited
 from meshrl.config import Config
 from meshrl.generator.actor import GeneratorActor
-from meshrl.launch.allocation import with_env
-from meshrl.launch.devices import plan_devices
 from meshrl.agent.actor import RolloutWorkerActor
 from meshrl.agent.worker import summarize
 
@@ -120,7 +118,6 @@ class GeneratorPool:
         self.config, self.alloc = config, alloc
         self.checkpoint_dir, self.checkpoint_version = checkpoint_dir, checkpoint_version
         self.on_change = on_change  # re-wires weight sync and the workers after a change
-        self.plan = plan_devices(config)
         self.replicas: list[Member] = []
         self.replaced = 0
         self._lock = asyncio.Lock()  # a failed update and a health check may both see one death
@@ -134,8 +131,8 @@ class GeneratorPool:
 
     async def spawn(self, index: int) -> Member:
         # One proc per replica (vLLM starts its own tensor-parallel workers inside it).
-        envs = [self.plan.env(self._role, index)]  # its GPUs, before CUDA initialises
-        procs = self.alloc.host("generator", index).spawn_procs(per_host={"procs": 1}, bootstrap_command=with_env(envs))
+        # its GPUs, before CUDA initialises
+        procs = self.alloc.host("generator", index).spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap(self._role, [index]))
         actor = procs.spawn(f"{'teacher' if self.teacher else 'generator'}{index}", GeneratorActor)
         try:
             info = await asyncio.wait_for(
@@ -265,7 +262,7 @@ class WorkerPool:
         self.workers: list[Member] = []
         self.replaced = 0
         self._incarnations = itertools.count()
-        self._bootstrap = with_env([plan_devices(config).env("coord")])  # no GPU for the workers' procs
+        self._bootstrap = alloc.bootstrap("coord")  # no GPU for the workers' procs
 
     async def spawn(self, index: int, generators: list) -> Member:
         # Every worker the run starts has its own id in the queue's ledger: a claim granted to

@@ -20,6 +20,7 @@ from monarch.actor import HostMesh, ProcMesh, this_host
 
 from meshrl.compat import awaited
 from meshrl.config import Config, ConfigError
+from meshrl.launch.devices import plan_devices
 from meshrl.launch.hosts import ROLES, plan_hosts, role_meshes
 from meshrl.launch.signals import exit_on_sigterm, in_main_thread
 from meshrl.launch.slurm import SignalWatch, render_sbatch, slurm_dir, slurm_job
@@ -94,6 +95,8 @@ class Allocation:
     def __init__(self, config: Config):
         self.config = config
         self.kind = config.launcher.kind
+        self.plan = plan_devices(config)
+        """The device plan, decided once for the run: every role's procs start from it (`env`)."""
         self._job: Any = None  # the Monarch job (process/slurm), None for local/torchx
         self._owned: dict[str, HostMesh] = {}  # host meshes from the job, shut down on stop
         self._roles: dict[str, HostMesh] = {}
@@ -102,6 +105,11 @@ class Allocation:
         self._watch: SignalWatch | None = None  # slurm: relays Slurm's SIGTERM to this process
         self._started = False
         self._stopped = False
+
+    def bootstrap(self, role: str, indices: list[int] | None = None):
+        """The `bootstrap_command` for procs of `role` (one per index; `coord` and the rollout
+        workers: one proc, no GPU): each starts with its devices from the plan."""
+        return with_env(self.plan.envs(role, indices or [0]))
 
     # -- lifecycle --
     async def start(self) -> "Allocation":

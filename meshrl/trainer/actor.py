@@ -223,13 +223,14 @@ def init_process_group_listening_on(host: str, rank: int, world: int, use_cuda: 
     dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
-async def spawn_trainer(config: Config, timeout_s: float = 600.0, host_mesh=None, hosts: int = 1, *,
+async def spawn_trainer(config: Config, timeout_s: float = 600.0, host_mesh=None, hosts: int = 1, *, plan=None,
                         actor_class: type[TrainerActor] = TrainerActor,
                         mesh_class: type[TrainerMesh] = TrainerMesh) -> TrainerMesh:
     """Spawn the trainer procs, set up the elastic env, the actors and the sharded model.
 
     `host_mesh`: a Monarch host mesh from a launcher (default: this host) spanning `hosts`
-    hosts; each gets `trainer.procs / hosts` procs. The caller owns the returned mesh:
+    hosts; each gets `trainer.procs / hosts` procs, each started with its GPU from `plan` (the
+    run's device plan; default: the config's, decided here). The caller owns the returned mesh:
     `await mesh.stop()`. `actor_class` / `mesh_class`: subclasses to spawn and return
     instead (tests add inspection endpoints this way; the procs must be able to import
     `actor_class` by its module path).
@@ -239,7 +240,7 @@ async def spawn_trainer(config: Config, timeout_s: float = 600.0, host_mesh=None
     n = config.trainer.procs
     if n % hosts:
         raise ValueError(f"trainer.procs={n} must be a multiple of the {hosts} trainer hosts")
-    plan = plan_devices(config)  # each rank starts seeing only its own GPU
+    plan = plan or plan_devices(config)  # each rank starts seeing only its own GPU
     procs = (host_mesh or this_host()).spawn_procs(per_host={"procs": n // hosts},
                                                    bootstrap_command=with_env(plan.envs("trainer", list(range(n)))))
     try:
