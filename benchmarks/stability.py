@@ -13,10 +13,12 @@ the trained batch plus the groups dynamic sampling dropped while it filled; it e
 (mean reward over each tenth), the steps below half of the best tenth (the trailing
 tenth-long mean, counted once the run has first reached half its best), the entropy trace,
 the share of zero-variance groups, and the alarms the run raised (meshrl/stability.py). A
-collapse is the last tenth's mean under half of the best tenth's.
+collapse is the last tenth's mean under half of the best tenth's. Per config, async's reward
+minus sync's at the same step, paired by seed, with the spread between seeds as its noise.
 
     python benchmarks/stability.py [--configs default,tool-use,long-tail,sync] [--modes async,sync]
         [--seeds 3] [--first-seed 0] [--steps-factor 2 | --steps N] [--set KEY=VALUE ...]
+    python benchmarks/stability.py --from-json benchmarks/results/stability.json   # summarise again
 
 Prints a table per run and per config, writes benchmarks/results/stability.json and one
 plot per config (stability_CONFIG.png).
@@ -37,7 +39,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
-from async_vs_sync import RESULTS, SEED_STYLES, SYSTEM_COLORS, machine  # noqa: E402
+from async_vs_sync import RESULTS, SEED_STYLES, SYSTEM_COLORS, machine, mean_gap, reward_gap  # noqa: E402
 
 CONFIGS = {"default": "configs/default.yaml", "tool-use": "configs/tool-use.yaml", "long-tail": "configs/long-tail.yaml",
            "sync": "configs/sync.yaml"}
@@ -149,6 +151,44 @@ def measure(config_name: str, mode: str, seed: int, steps: int, extra: list[str]
     return result
 
 
+def async_minus_sync(runs: list[dict]) -> dict:
+    """Per seed, the async run's sampled reward minus the sync run's at the same step (the same
+    samples: one batch a step in both), then `mean_gap` over seeds: the spread between seeds
+    is the noise. Seeds without both runs are left out."""
+    gaps = []
+    for seed in sorted({r["seed"] for r in runs}):
+        pair = {r["mode"]: r for r in runs if r["seed"] == seed}
+        if "async" in pair and "sync" in pair:
+            at_step = [[{"policy_samples": row["step"], "reward": row["reward"]} for row in pair[m]["rows"]] for m in ("async", "sync")]
+            gap = reward_gap(*at_step)
+            if gap["points"]:
+                gaps.append(gap)
+    return mean_gap(gaps)
+
+
+def summarize(results: list[dict], configs: list[str], modes: list[str]) -> dict:
+    """Per config and mode: mean first/last/best tenth over seeds and the collapses; per config,
+    async - sync paired by seed. Printed as a table."""
+    per_config = {}
+    print(f"\n{'config':<11}{'mode':<7}{'runs':>5}{'collapses':>11}{'first':>8}{'last':>8}{'best':>8}{'async - sync (paired by seed)':>34}")
+    for name in configs:
+        runs = [r for r in results if r["config"] == name]
+        paired = async_minus_sync(runs)
+        for mode in modes:
+            mine = [r for r in runs if r["mode"] == mode]
+            if not mine:
+                continue
+            summary = {k: statistics.mean(r[k] for r in mine) for k in ("first_tenth", "last_tenth", "best_tenth")}
+            summary.update(runs=len(mine), collapses=sum(r["collapsed"] for r in mine))
+            per_config[f"{name}/{mode}"] = summary
+            vs = f"{paired['gap']:+.3f} +- {paired['stderr']:.3f} ({paired['seeds']} seeds)" if mode == "async" and paired["seeds"] else ""
+            print(f"{name:<11}{mode:<7}{len(mine):>5}{summary['collapses']:>11}{summary['first_tenth']:>8.3f}"
+                  f"{summary['last_tenth']:>8.3f}{summary['best_tenth']:>8.3f}{vs:>34}")
+        if paired["seeds"]:
+            per_config[f"{name}/async_minus_sync"] = paired
+    return per_config
+
+
 def plot(results: list[dict], config_name: str, out: str) -> str:
     import matplotlib
 
@@ -189,7 +229,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="steps for every run (instead of --steps-factor)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override for every run")
     p.add_argument("--out", default=os.path.join(RESULTS, "stability.json"))
+    p.add_argument("--from-json", default=None, metavar="PATH", help="summarise and plot the runs of an earlier stability.json again, running nothing")
     args = p.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        configs = list(dict.fromkeys(r["config"] for r in saved["results"]))
+        saved["per_config"] = summarize(saved["results"], configs, list(dict.fromkeys(r["mode"] for r in saved["results"])))
+        with open(args.out, "w") as f:
+            json.dump(saved, f, indent=2)
+        for name in configs:
+            plot([r for r in saved["results"] if r["config"] == name], name, f"{os.path.splitext(args.out)[0]}_{name}.png")
+        return
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     t0 = time.monotonic()
     before = machine()
@@ -200,18 +251,7 @@ def main() -> None:
             for seed in seeds:
                 for mode in args.modes.split(","):
                     results.append(measure(name, mode, seed, steps, args.set, root, cache))
-    per_config = {}
-    print(f"\n{'config':<11}{'mode':<7}{'runs':>5}{'collapses':>11}{'first':>8}{'last':>8}{'best':>8}")
-    for name in args.configs.split(","):
-        for mode in args.modes.split(","):
-            runs = [r for r in results if r["config"] == name and r["mode"] == mode]
-            if not runs:
-                continue
-            summary = {k: statistics.mean(r[k] for r in runs) for k in ("first_tenth", "last_tenth", "best_tenth")}
-            summary.update(runs=len(runs), collapses=sum(r["collapsed"] for r in runs))
-            per_config[f"{name}/{mode}"] = summary
-            print(f"{name:<11}{mode:<7}{len(runs):>5}{summary['collapses']:>11}{summary['first_tenth']:>8.3f}"
-                  f"{summary['last_tenth']:>8.3f}{summary['best_tenth']:>8.3f}")
+    per_config = summarize(results, args.configs.split(","), args.modes.split(","))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "seeds": seeds, "machine_before": before, "machine_after": machine(), "per_config": per_config,

@@ -101,6 +101,16 @@ def test_stability_tenths_and_collapse_verdict():
     # a climb that holds its plateau: no collapse, and the slow start does not count as "below"
     held = run_summary([min(0.6, s / 50) for s in range(150)])
     assert not held["collapsed"] and held["steps_below_half_best"] == 0 and held["first_tenth"] < 0.2
+    # async against sync, paired by seed: one seed behind, one ahead, equal on average
+    from stability import async_minus_sync
+
+    def run(mode, seed, rewards):
+        return {"mode": mode, "seed": seed, "rows": [{"step": i + 1, "reward": r} for i, r in enumerate(rewards)]}
+
+    paired = async_minus_sync([run("async", 0, [0.2] * 10), run("sync", 0, [0.3] * 10),
+                               run("async", 1, [0.4] * 10), run("sync", 1, [0.3] * 10), run("async", 2, [0.9] * 10)])
+    assert paired["seeds"] == 2 and paired["per_seed"] == pytest.approx([-0.1, 0.1]) and paired["gap"] == pytest.approx(0.0)
+    assert paired["within_noise_or_better"]
     # a dip that recovers is counted but is no collapse
     dip = run_summary([0.6] * 60 + [0.1] * 30 + [0.6] * 60)
     assert not dip["collapsed"] and dip["steps_below_half_best"] > 0
