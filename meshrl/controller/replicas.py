@@ -130,8 +130,8 @@ class GeneratorPool:
         return [r.actor for r in self.replicas]
 
     async def spawn(self, index: int) -> Member:
-        # One proc per replica (vLLM starts its own tensor-parallel workers inside it).
-        # its GPUs, before CUDA initialises
+        # One proc per replica (vLLM starts its own tensor-parallel workers inside it), started
+        # with its GPUs from the plan, before CUDA initialises.
         procs = self.alloc.host("generator", index).spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap(self._role, [index]))
         actor = procs.spawn(f"{'teacher' if self.teacher else 'generator'}{index}", GeneratorActor)
         try:
