@@ -39,7 +39,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
-from async_vs_sync import RESULTS, SEED_STYLES, SYSTEM_COLORS, machine, mean_gap, reward_gap  # noqa: E402
+from async_vs_sync import RESULTS, SEED_STYLES, SYSTEM_COLORS, machine, mean_gap, policy_samples, reward_gap  # noqa: E402
 
 CONFIGS = {"default": "configs/default.yaml", "tool-use": "configs/tool-use.yaml", "long-tail": "configs/long-tail.yaml",
            "sync": "configs/sync.yaml"}
@@ -152,15 +152,17 @@ def measure(config_name: str, mode: str, seed: int, steps: int, extra: list[str]
 
 
 def async_minus_sync(runs: list[dict]) -> dict:
-    """Per seed, the async run's sampled reward minus the sync run's at the same step (the same
-    samples: one batch a step in both), then `mean_gap` over seeds: the spread between seeds
-    is the noise. Seeds without both runs are left out."""
+    """Per seed, the async run's sampled reward minus the sync run's at equal policy samples
+    (section 1's measure: a batch trained at step k was sampled by version k - 1 - staleness;
+    one batch a step in both modes), then `mean_gap` over seeds: the spread between seeds is
+    the noise. Seeds without both runs are left out."""
     gaps = []
     for seed in sorted({r["seed"] for r in runs}):
         pair = {r["mode"]: r for r in runs if r["seed"] == seed}
         if "async" in pair and "sync" in pair:
-            at_step = [[{"policy_samples": row["step"], "reward": row["reward"]} for row in pair[m]["rows"]] for m in ("async", "sync")]
-            gap = reward_gap(*at_step)
+            at_samples = [[{"policy_samples": policy_samples(row["step"], row.get("trainer/staleness_mean", 0.0), 1), "reward": row["reward"]}
+                           for row in pair[m]["rows"]] for m in ("async", "sync")]
+            gap = reward_gap(*at_samples)
             if gap["points"]:
                 gaps.append(gap)
     return mean_gap(gaps)
