@@ -28,7 +28,7 @@ from step_floor import SMALL_MODEL  # noqa: E402  the small problem, one definit
 
 # (name, arguments, time limit in s); small sizes so that all of them fit in about 25 minutes
 BENCHMARKS = [
-    ("weight_sync", ["weight_sync.py", "--sizes", "tiny,10M,100M,500M", "--transports", "rdma,collective,files", "--versions", "3",
+    ("weight_sync", ["weight_sync.py", "--sizes", "tiny,10M,100M,500M", "--transports", "rdma,collective,files,shm", "--versions", "3",
                      "--out", os.path.join(RESULTS, "weight_sync.json")], 600),
     ("generator_overhead", ["generator_overhead.py", "--out", os.path.join(RESULTS, "generator_overhead.json")], 300),
     ("trainer_throughput", ["trainer_throughput.py", "--steps", "3"], 300),

@@ -1,11 +1,12 @@
 """Weight sync: time from "step done" (publish called) to "every subscriber holds the new
 version", per transport and model size, next to the raw speed of the same transport moving
 the same bytes in one piece (one big RDMA read, one broadcast of one flat buffer, one file
-written then read), measured right after each timed version, under the same conditions
+written then read; for `shm`, whose subscribers map the publisher's snapshot, one copy into
+a shared-memory file), measured right after each timed version, under the same conditions
 (the page cache and this VM's memory make single transfers vary several-fold), into a
 destination buffer that is reused, as a subscriber's are. Both are reported as medians.
 
-    python benchmarks/weight_sync.py --sizes tiny,10M,100M,500M --transports rdma,collective,files
+    python benchmarks/weight_sync.py --sizes tiny,10M,100M,500M --transports rdma,collective,files,shm
 
 Prints a table and writes JSON (--out). `tiny` (about 0.1M parameters) gives the fixed
 per-version overhead. Models are random tensors with the shapes of a Qwen3-like dense model.
@@ -182,6 +183,11 @@ async def raw_time(transport: str, trainer, gens, ws: WeightSync, nbytes: int, n
         t0 = time.time()
         ends = await asyncio.gather(trainer.raw_broadcast.call_one(), gens.raw_broadcast.call(nbytes))
         return max([ends[0]] + [t for _, t in ends[1].items()]) - t0
+    if transport == "shm":  # the least a handoff through shared memory costs: one copy into a shared file
+        path = os.path.join("/dev/shm", f"meshrl-raw-{os.getpid()}.bin")
+        write_s = await trainer.raw_file_write.call_one(path)
+        os.remove(path)
+        return write_s
     path = os.path.join(tmpdir, "raw.bin")
     write_s = await trainer.raw_file_write.call_one(path)
     read_s = max(t for _, t in (await gens.raw_file_read.call(path)).items())
@@ -248,7 +254,7 @@ def subs_actors(gens, n: int) -> list:
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="tiny,10M,100M,500M", help=f"comma list of {','.join(SIZES)}")
-    ap.add_argument("--transports", default="rdma,collective,files")
+    ap.add_argument("--transports", default="rdma,collective,files,shm")
     ap.add_argument("--subscribers", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--bucket-mb", type=int, default=256)
