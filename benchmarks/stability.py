@@ -1,11 +1,13 @@
 """Stability: do runs hold what they learn? Every shipped CPU config, async and sync, several seeds.
 
-For each config (configs/default.yaml, tool-use.yaml, long-tail.yaml, sync.yaml) at
+For each config (configs/default.yaml, tool-use.yaml, long-tail.yaml, sync.yaml, colocate.yaml) at
 `--steps-factor` times its own step count (default 2x), seed by seed, in each mode:
   async   buffer.depth 2, max_lag 2, generator.update_mode keep, trainer.loss.correction tis
   sync    buffer.depth 0, max_lag 0, generator.update_mode block, trainer.loss.correction none
-Everything else is the config as shipped. A (config, mode) pair whose run would be the same
-as another's (sync.yaml in sync mode is default.yaml in sync mode) runs once and is shared.
+Under placement=colocate (colocate.yaml) `async` is one step off the policy (max_lag 2
+counts as 1 there) and `sync` synchronous. Everything else is the config as shipped. A
+(config, mode) pair whose run would be the same as another's (sync.yaml in sync mode is
+default.yaml in sync mode) runs once and is shared.
 
 Per run, on the reward of the policy that sampled each batch (`buffer/sampled_reward_mean`:
 the trained batch plus the groups dynamic sampling dropped while it filled; it equals
@@ -14,9 +16,10 @@ the trained batch plus the groups dynamic sampling dropped while it filled; it e
 tenth-long mean, counted once the run has first reached half its best), the entropy trace,
 the share of zero-variance groups, and the alarms the run raised (meshrl/stability.py). A
 collapse is the last tenth's mean under half of the best tenth's. Per config, async's reward
-minus sync's at the same step, paired by seed, with the spread between seeds as its noise.
+minus sync's at equal policy samples, paired by seed, with the spread between seeds as its
+noise.
 
-    python benchmarks/stability.py [--configs default,tool-use,long-tail,sync] [--modes async,sync]
+    python benchmarks/stability.py [--configs default,tool-use,long-tail,sync,colocate] [--modes async,sync]
         [--seeds 3] [--first-seed 0] [--steps-factor 2 | --steps N] [--set KEY=VALUE ...]
     python benchmarks/stability.py --from-json benchmarks/results/stability.json   # summarise again
 
@@ -42,7 +45,9 @@ sys.path.insert(0, ROOT)
 from async_vs_sync import RESULTS, SEED_STYLES, SYSTEM_COLORS, machine, mean_gap, policy_samples, reward_gap  # noqa: E402
 
 CONFIGS = {"default": "configs/default.yaml", "tool-use": "configs/tool-use.yaml", "long-tail": "configs/long-tail.yaml",
-           "sync": "configs/sync.yaml"}
+           "sync": "configs/sync.yaml", "colocate": "configs/colocate.yaml"}
+"""The shipped CPU configs but code-tool.yaml, the sandbox's demonstration, whose 150 steps alone
+take about 12 minutes on 2 cores."""
 MODES = {
     "async": ["buffer.depth=2", "buffer.max_lag=2", "generator.update_mode=keep", "trainer.loss.correction=tis"],
     "sync": ["buffer.depth=0", "buffer.max_lag=0", "generator.update_mode=block", "trainer.loss.correction=none"],
