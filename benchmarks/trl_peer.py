@@ -180,6 +180,10 @@ def main() -> None:
                    help="reuse the meshrl sync/async runs of this async_vs_sync.json (same problem size and seeds) instead of running them")
     p.add_argument("--out", default=os.path.join(RESULTS, "trl_peer.json"))
     args = p.parse_args()
+    try:
+        import trl  # noqa: F401 - before any run: without it the meshrl runs would be thrown away
+    except ImportError:
+        raise SystemExit("trl_peer.py needs TRL: pip install -c constraints.txt trl==1.16.0 (the `bench` extra)") from None
     t0 = time.monotonic()
     batch = args.batch_groups * args.group_size
     seeds = bench_seeds(args)
