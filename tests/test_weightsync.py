@@ -261,6 +261,10 @@ class StandInGenerator(Actor):
             return None, f"{type(e).__name__}: {e}", time.monotonic() - t0
 
     @endpoint
+    async def loaded(self) -> None:
+        await self.subscriber.loaded()
+
+    @endpoint
     async def fetch_until(self, last: int, timeout: float, scale: int) -> list:
         """Pull the newest version over and over until `last` arrived. Every new version is
         compared with what `publish_many` (or `publish`, for version 1) made of it: exactly,
@@ -340,6 +344,31 @@ def test_consistent_under_contention(transport, tmp_path):
             status = await ws.status()
             assert status["publisher"]["latest_version"] == last + 1 and status["publisher"]["error"] is None
             assert [st["version"] for st in status["subscribers"]] == [last + 1, last + 1]
+        finally:
+            await gen_procs.stop()
+            await trainer_procs.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_shm_views_are_never_handed_out_again_once_their_lease_ended():
+    """A generator that loaded version 1 ends its lease (`loaded`); the slot is then reused
+    by later versions. Asking for version 1 again must lease anew (the newest), not hand
+    out the old views, which now show another version's bytes."""
+    cfg = dict(transport="shm", bucket_mb=1, timeout_s=20.0)
+
+    async def main():
+        trainer_procs, gen_procs, trainer, gens, ws = await start(cfg, scale=1)
+        try:
+            first = await trainer.publish.call_one(1)
+            for _, (v, s, _) in (await gens.fetch.call(1, 20.0)).items():
+                assert (v, s) == (1, first)
+            await gens.loaded.call()
+            later = {v: await trainer.publish.call_one(v) for v in range(2, 8)}  # every slot rewritten
+            for _, (v, s, _) in (await gens.fetch.call(1, 20.0)).items():
+                assert (v, s) == (7, later[7])
         finally:
             await gen_procs.stop()
             await trainer_procs.stop()

@@ -76,28 +76,27 @@ class Subscriber:
         timeout = self.cfg.timeout_s if timeout is None else timeout
         if self.spec is None:
             raise WeightSyncError("this subscriber is not connected: call WeightSync.connect from the controller first")
-        if version is not None and version <= self.version:
-            return self.version, self.tensors  # already held: no transfer
-        if version is None and self.version >= 0:
+        # Held: the tensors of the last fetch, still valid (shm: still leased; views whose
+        # lease `loaded()` ended are never handed out again, the slot is leased anew).
+        held = self.version >= 0 and (self._shared is None or self._shared.lease_id is not None)
+        if held and version is not None and version <= self.version:
+            return self.version, self.tensors  # no transfer
+        if held and version is None:
             min_version, wait_s = self.version + 1, 0.0  # anything newer right now, else keep ours
         else:
             min_version, wait_s = (0 if version is None else version), timeout
         if self.spec.transport == "shm":  # views of the publisher's slot itself, leased
             got = await self._shared.fetch(min_version, wait_s, timeout)
-            if got is None and self.tensors is not None and version is None:
-                return self.version, self.tensors
+        else:
+            got = await self._receive(min_version, wait_s, timeout)
             if got is not None:
-                self.version, self.tensors = got
-                return got
-            raise WeightSyncTimeout(f"no weights version >= {min_version} arrived within {timeout:.1f}s (shm)")
-        got = await self._receive(min_version, wait_s, timeout)
+                got = got[0], self.buffers.hand_out(got[0], got[1])
         if got is None:
-            if version is None and self.tensors is not None:
+            if held and version is None:
                 return self.version, self.tensors
             raise WeightSyncTimeout(f"no weights version >= {min_version} arrived within {timeout:.1f}s ({self.spec.transport})")
-        self.version, flat = got
-        self.tensors = self.buffers.hand_out(self.version, flat)
-        return self.version, self.tensors
+        self.version, self.tensors = got
+        return got
 
     async def loaded(self) -> None:
         """The tensors of the last fetch were loaded and will not be read again: with `shm`
