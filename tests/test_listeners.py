@@ -32,6 +32,9 @@ def small_run(run_dir) -> dict:
         "batch_groups": 2,
         "generator": {"group_size": 4, "max_new_tokens": 8, "max_num_seqs": 8},
         "trainer": {"micro_batch_size": 8, "checkpoint_every": 0},
+        # the transport that listens most: a store in the controller and a gloo group (a
+        # one-host run's default, shm, opens no socket for weights)
+        "weight_sync": {"transport": "collective"},
         "logging": {"run_dir": str(run_dir), "progress": False, "plot": False, "tensorboard": False},
     }
 

@@ -119,12 +119,14 @@ def validate(c: Config) -> None:
     if b.depth == 0:
         need(g.update_mode == "block", "generator.update_mode", f"buffer.depth=0 is synchronous on-policy training and needs update_mode 'block', got {g.update_mode!r}")
 
-    if c.placement == "colocate":
-        need(c.launcher.hosts == 1, "placement", f"colocate shares one host's devices between trainer and generators, and launcher.hosts={c.launcher.hosts}: set launcher.hosts=1, or placement=split")
-        need(not c.distill.teacher, "placement", "colocate runs no distillation teacher (it would need a third engine on the same devices): set placement=split")
     w = c.weight_sync
-    need(w.transport != "shm" or c.launcher.hosts == 1, "weight_sync.transport",
-         f"shm maps the trainer's memory, so trainer and generators must share a host, and launcher.hosts={c.launcher.hosts}: use collective or rdma")
+    hosts = len(c.launcher.workers) if c.launcher.kind == "workers" else c.launcher.hosts
+    if c.placement == "colocate":
+        need(hosts == 1, "placement", f"colocate shares one host's devices between trainer and generators, and the run has {hosts} hosts: set launcher.hosts=1, or placement=split")
+        need(not c.distill.teacher, "placement", "colocate runs no distillation teacher (it would need a third engine on the same devices): set placement=split")
+        need(w.transport in ("auto", "shm"), "weight_sync.transport", f"placement=colocate hands weights over through shared memory, not {w.transport}: set auto or shm")
+    need(w.transport != "shm" or hosts == 1, "weight_sync.transport",
+         f"shm maps the trainer's memory, so trainer and generators must share a host, and the run has {hosts} hosts: use auto, collective or rdma")
     need(w.bucket_mb >= 1, "weight_sync.bucket_mb", f"must be at least 1, got {w.bucket_mb}")
     need(w.timeout_s > 0, "weight_sync.timeout_s", f"must be positive, got {w.timeout_s}")
 

@@ -243,8 +243,8 @@ class RolloutConfig:
 
 @dataclass
 class WeightSyncConfig:
-    transport: Literal["rdma", "collective", "files", "shm"] = "collective"
-    """How weights travel: Monarch RDMA buffers, a NCCL/gloo broadcast group, `shm` (one host only: the generators map the trainer's staging snapshot, a shared-memory file, and load from it, with no transfer and no receive copy; placement=colocate's handoff on CPU), or (named fallback) safetensors files."""
+    transport: Literal["auto", "rdma", "collective", "files", "shm"] = "auto"
+    """How weights travel: Monarch RDMA buffers, a gloo broadcast group (`collective`), `shm` (one host only: the generators map the trainer's staging snapshot, a shared-memory file, and load from it, with no transfer and no receive copy; placement=colocate's handoff), or (named fallback) safetensors files. `auto`: `shm` when trainer and generators share one host, else `collective`."""
     bucket_mb: int = 256
     """Size of the packed transfer buckets, in MiB."""
     timeout_s: float = 120.0

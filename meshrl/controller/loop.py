@@ -31,6 +31,7 @@ from meshrl.controller.replicas import GeneratorPool, WorkerPool
 from meshrl.errors import one_line
 from meshrl.launch.allocation import allocate
 from meshrl.launch.devices import resolve_placement
+from meshrl.launch.hosts import resolve_transport
 from meshrl.metrics import MetricsWriter
 from meshrl.placement import auto_placement
 from meshrl.queue.actor import EpisodeQueueActor
@@ -130,11 +131,10 @@ class RLLoop:
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             f.write(c.to_yaml())  # as given: `auto` placement is resolved again on the host that resumes it
-        c.placement = resolve_placement(c)
-        if c.placement == "colocate":  # the handoff: the engines load from the trainer's snapshot in place
-            c.weight_sync.transport = "shm"
+        c.placement, c.weight_sync.transport = resolve_placement(c), resolve_transport(c)
         c.trainer.cpus, c.generator.cpus = auto_placement(c)
-        log.info("placement: %s, trainer cpus %r, generator cpus %r", c.placement, c.trainer.cpus or "any", c.generator.cpus or "any")
+        log.info("placement: %s, trainer cpus %r, generator cpus %r, weight transport %s", c.placement, c.trainer.cpus or "any",
+                 c.generator.cpus or "any", c.weight_sync.transport)
         self.tokenizer_dir = c.model.tokenizer or c.model.path or build_char_tokenizer(os.path.join(self.run_dir, "tokenizer"))
         self.alloc = await allocate(c).__aenter__()
 
