@@ -321,22 +321,22 @@ class NetnsHosts:
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
-def two_host_config(run_dir, launcher: dict, steps: int, wait_s: float, **sections) -> dict:
+def two_host_config(run_dir, wait_s: float, defaults: dict, **sections) -> dict:
     """The small problem (8 groups of 8, one micro-batch) run across two hosts, as
-    tests/test_multihost.py and tests/test_slurm.py run it: `launcher` says how the hosts are
-    reached, `wait_s` bounds an engine's start-up and the trainer's wait for a batch.
-    `sections` are merged in, section by section."""
+    tests/test_multihost.py and tests/test_slurm.py run it: `wait_s` bounds an engine's
+    start-up and the trainer's wait for a batch; `defaults` (the test module's: its launcher
+    and steps), then `sections` (the test's own), are merged in, section by section."""
     cfg = {
-        "steps": steps, "batch_groups": 8,
+        "batch_groups": 8,
         "generator": {"group_size": 8, "max_new_tokens": 8, "max_num_seqs": 64, "startup_timeout_s": wait_s},
         "trainer": {"micro_batch_size": 64, "checkpoint_every": 0},
         "buffer": {"get_timeout_s": wait_s},
         "weight_sync": {"timeout_s": 60},
-        "launcher": launcher,
         "logging": {"run_dir": str(run_dir), "progress": False, "tensorboard": False, "plot": False},
     }
-    for section, values in sections.items():
-        cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
+    for layer in (defaults, sections):
+        for section, values in layer.items():
+            cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
     return cfg
 
 

@@ -27,7 +27,7 @@ PORT = 26600
 def two_host_config(run_dir, hosts, **sections) -> dict:
     a, b = hosts.ADDRESSES["a"], hosts.ADDRESSES["b"]
     launcher = {"kind": "workers", "workers": [f"{a}:{PORT}", f"{b}:{PORT}"], "address": a, "start_timeout_s": 120}
-    return conftest.two_host_config(run_dir, launcher, 16, 120, **sections)
+    return conftest.two_host_config(run_dir, 120, {"steps": 16, "launcher": launcher}, **sections)
 
 
 def start_run(hosts, tmp_path, cfg: dict, name: str, resume: bool = False):

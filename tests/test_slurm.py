@@ -27,7 +27,7 @@ DAEMONS = ("munged", "slurmctld", "slurmd", ": slurmscriptd")  # slurmscriptd na
 
 def slurm_config(run_dir, **sections) -> dict:
     launcher = {"kind": "slurm", "hosts": 2, "time_limit": "00:30:00", "start_timeout_s": 300}
-    return two_host_config(run_dir, launcher, 10, 300, **sections)
+    return two_host_config(run_dir, 300, {"steps": 10, "launcher": launcher}, **sections)
 
 
 def start_controller(cluster, tmp_path, name: str, args: list[str]):
