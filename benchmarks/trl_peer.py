@@ -20,6 +20,7 @@ transformers `generate` (its default; its vLLM path is GPU-only), in this proces
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -180,10 +181,8 @@ def main() -> None:
                    help="reuse the meshrl sync/async runs of this async_vs_sync.json (same problem size and seeds) instead of running them")
     p.add_argument("--out", default=os.path.join(RESULTS, "trl_peer.json"))
     args = p.parse_args()
-    try:
-        import trl  # noqa: F401 - before any run: without it the meshrl runs would be thrown away
-    except ImportError:
-        raise SystemExit("trl_peer.py needs TRL: pip install -c constraints.txt trl==1.16.0 (the `bench` extra)") from None
+    if importlib.util.find_spec("trl") is None:  # before any run: without TRL the meshrl runs would be thrown away
+        raise SystemExit("trl_peer.py needs TRL: pip install -c constraints.txt trl==1.16.0 (the `bench` extra)")
     t0 = time.monotonic()
     batch = args.batch_groups * args.group_size
     seeds = bench_seeds(args)
