@@ -304,11 +304,20 @@ class FakeEngine:
         self.tokens_generated += max_tokens
         return RequestResult([5] * max_tokens, [-1.0] * max_tokens, [self.version] * max_tokens, "length")
 
+    running = True
+    """False while paused or asleep: the scheduler runs nothing."""
+
     async def pause(self, mode: str) -> None:
-        pass
+        self.running = False
 
     async def resume(self) -> None:
-        pass
+        self.running = True
+
+    async def sleep(self) -> None:
+        self.running = False
+
+    async def wake_up(self, resume: bool = True) -> None:
+        self.running = resume
 
     async def load_tensors(self, tensors, timeout_s: float = 120.0) -> int:
         return len(tensors)
@@ -349,6 +358,48 @@ def test_min_version_waits_for_the_version_and_times_out_naming_it(monkeypatch):
         await gen.stop(5.0)
         out = await asyncio.wait_for(waiting, 5)
         assert out.finish_reason == "abort" and out.token_ids == []
+
+    asyncio.run(main())
+
+
+def test_a_pause_outlasts_sleep_and_wake_until_resume(monkeypatch):
+    """placement=colocate sleeps and wakes the engine around every training step: a user's
+    `pause` made before or during a sleep holds until the user's `resume`, not the next wake."""
+    import meshrl.generator.service as service
+
+    monkeypatch.setattr(service, "VLLMEngine", FakeEngine)
+    config = Config.from_dict({"generator": {"max_new_tokens": 2}})
+
+    async def held(gen) -> asyncio.Future:
+        waiting = asyncio.ensure_future(gen.generate([1, 7]))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and not gen.engine.running
+        return waiting
+
+    async def main():
+        gen = service.Generator(config, "unused")
+        await gen.start(0)
+        for order in ("pause first", "sleep first"):
+            if order == "pause first":
+                await gen.pause()
+                await gen.sleep()
+            else:
+                await gen.sleep()
+                await gen.pause()
+            await gen.wake()
+            waiting = await held(gen)
+            await gen.update_weights(1, {}, "keep")  # an update while paused keeps it paused
+            assert not gen.engine.running and not waiting.done()
+            await gen.resume()
+            assert (await asyncio.wait_for(waiting, 5)).finish_reason == "length" and gen.engine.running
+        # a resume while asleep leaves the engine asleep until the wake
+        await gen.sleep()
+        await gen.pause()
+        await gen.resume()
+        waiting = await held(gen)
+        await gen.wake()
+        assert (await asyncio.wait_for(waiting, 5)).finish_reason == "length"
+        assert gen.stats()["sleeps"] == 3
 
     asyncio.run(main())
 

@@ -326,11 +326,14 @@ class VLLMEngine:
         else:
             await self.pause("keep")
 
-    async def wake_up(self) -> None:
-        """Undo `sleep`: weights and KV cache back on the GPU, scheduling resumed."""
+    async def wake_up(self, resume: bool = True) -> None:
+        """Undo `sleep`: weights and KV cache back on the GPU, and scheduling resumed unless
+        `resume` is False (a user's pause outlasts the sleep: the engine stays frozen)."""
         if self.sleep_mode:
             await self.llm.wake_up()
-        else:
+            if not resume:
+                await self.pause("keep")
+        elif resume:
             await self.resume()
 
     async def set_version(self, version: int) -> None:

@@ -83,7 +83,8 @@ class Generator:
         self._changed = asyncio.Condition()  # requests finished, or the version moved
         self._in_flight = 0  # vLLM requests submitted and not finished
         self._stopping = False
-        self._user_paused = False
+        self._user_paused = False  # `pause` until `resume`
+        self._asleep = False  # `sleep` until `wake` (placement=colocate)
         # stats
         self._t_start = time.monotonic()
         self._busy_s = 0.0
@@ -185,41 +186,47 @@ class Generator:
             self._changed.notify_all()
 
     async def pause(self) -> None:
-        """Hold generation: no new requests, in-flight requests frozen (engine keep-pause)."""
+        """Hold generation: no new requests, in-flight requests frozen (engine keep-pause).
+        Holds until `resume`, whatever `sleep` and `wake` do in between."""
         async with self._update_lock:
             self._user_paused = True
             self._open.clear()
-            await self.engine.pause("keep")
+            if not self._asleep:  # asleep: the engine runs nothing already
+                await self.engine.pause("keep")
 
     async def resume(self) -> None:
         async with self._update_lock:
             self._user_paused = False
-            await self.engine.resume()
-            self._open.set()
+            if not self._asleep:  # asleep: `wake` resumes
+                await self.engine.resume()
+                self._open.set()
 
     async def sleep(self) -> None:
         """placement=colocate, while the trainer steps: no requests, and on GPU the engine's
         memory freed (VLLMEngine.sleep). Requests that arrive wait for `wake`."""
         async with self._update_lock:
-            self._user_paused = True
+            self._asleep = True
             self._open.clear()
             await self.engine.sleep()
             self._sleeps += 1
             self._asleep_from = self.engine.tokens_generated
 
     async def wake(self) -> None:
+        """Undo `sleep`: the engine's memory is back, and generation resumes unless the user
+        paused it (then it stays frozen until `resume`)."""
         async with self._update_lock:
             if self._asleep_from is not None:  # tokens that arrived while asleep: generation overlapped a step
                 self._tokens_asleep += self.engine.tokens_generated - self._asleep_from
                 self._asleep_from = None
-            self._user_paused = False
-            await self.engine.wake_up()
-            self._open.set()
+            self._asleep = False
+            await self.engine.wake_up(resume=not self._user_paused)
+            if not self._user_paused:
+                self._open.set()
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """End every request (they return with finish_reason abort), bounded."""
         self._stopping = True
-        self._user_paused = False
+        self._user_paused = self._asleep = False
         self._open.set()  # wake waiters so they see _stopping
         async with self._changed:
             self._changed.notify_all()
@@ -238,8 +245,8 @@ class Generator:
             self._open.clear()  # no new requests (or resumed prefixes) until the new version
             t0 = time.monotonic()
             try:
-                if self._user_paused:
-                    pass  # frozen by the user (keep-pause): nothing runs, and a drain would wait forever
+                if self._user_paused or self._asleep:
+                    pass  # frozen (user pause or asleep): nothing runs, and a drain would wait forever
                 elif mode in ("keep", "abort"):
                     await self.engine.pause(mode)
                 else:
@@ -254,7 +261,7 @@ class Generator:
                     await self.engine.load_tensors(tensors, timeout)
                 await self.engine.set_version(version)
             finally:
-                if self._user_paused:  # paused by the user before the update: stay paused
+                if self._user_paused or self._asleep:  # frozen before the update: stay frozen
                     await self.engine.pause("keep")
                 else:
                     await self.engine.resume()
