@@ -208,7 +208,7 @@ async def bench_transport(transport: str, sizes: list[str], args) -> list[dict]:
         subs = [h for _, h in (await gens.weight_sync_handle.call()).items()]
         ws = await WeightSync(WeightSyncConfig(**cfg)).connect(pub, subs)
         if transport == "collective":
-            spec = ws.spec()
+            spec = ws.spec(args.subscribers)
             await asyncio.gather(trainer.raw_group.call_one(spec), *[g.raw_group.call_one(spec, r + 1) for r, g in enumerate(subs_actors(gens, args.subscribers))])
         version = 0
         runs = [(size, rank) for size in sizes for rank in ([0, args.lora_rank] if args.lora_rank else [0])]

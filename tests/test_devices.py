@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from meshrl.config import Config, ConfigError
-from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV, plan_devices
+from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV, plan_devices, resolve_transport, weight_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,6 +94,20 @@ def test_colocated_plans_share_the_gpus_and_auto_picks_them_only_when_the_roles_
     assert plan_devices(config()).placement == "split" and plan_devices(config(placement="colocate")).layout == "cpu"
     # what a split host leaves idle, and the count that would use it
     assert "(generator.replicas=7 would use them)" in plan_devices(config(launcher={"gpus_per_host": 8})).table()
+
+
+def test_auto_transport_keeps_gpu_weights_on_the_gpus_and_one_cpu_host_in_shared_memory():
+    def chosen(**sections) -> tuple[str, str]:
+        c = config(**sections)
+        return resolve_transport(c), weight_backend(plan_devices(c))
+
+    assert chosen() == ("shm", "gloo")  # one CPU host: the generators map the trainer's snapshot
+    assert chosen(launcher={"gpus_per_host": 2}) == ("collective", "nccl")  # GPUs of their own: GPU buckets over NCCL
+    assert chosen(launcher={"gpus_per_host": 1})[0] == "shm"  # colocated on one GPU
+    assert chosen(trainer={"device": "cpu"}, launcher={"gpus_per_host": 1}) == ("shm", "gloo")  # a CPU trainer has no GPU bucket
+    assert chosen(launcher={"kind": "process", "hosts": 2, "gpus_per_host": 1}) == ("collective", "nccl")
+    assert chosen(launcher={"kind": "process", "hosts": 2}) == ("collective", "gloo")
+    assert chosen(weight_sync={"transport": "rdma"}, launcher={"gpus_per_host": 2})[0] == "rdma"  # a choice is kept
 
 
 @pytest.mark.parametrize("sections, field", [

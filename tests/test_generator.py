@@ -673,14 +673,17 @@ class WeightsPublisher(Actor):
 
 
 @pytest.mark.slow
-def test_weight_sync_update_equals_loading_the_tensors(world):
+@pytest.mark.parametrize("transport", ["rdma", "collective"])
+def test_weight_sync_update_equals_loading_the_tensors(world, transport):
     """sync_weights: the subscriber fetches into its shared buffer and vLLM loads from that
-    buffer in place; the engine ends up exactly as when the same tensors are copied in."""
+    buffer in place (rdma), or the engine's worker is the broadcast group's rank and loads
+    from its own receive buffer (collective); the engine ends up exactly as when the same
+    tensors are copied in."""
     from meshrl.config import WeightSyncConfig
     from meshrl.weightsync.connect import WeightSync
 
     gen = world["gen"]
-    weight_sync = {"transport": "rdma", "timeout_s": 60.0}
+    weight_sync = {"transport": transport, "timeout_s": 60.0}
     publisher = world["helpers"].spawn("weights_publisher", WeightsPublisher, weight_sync)
     handles = [publisher.weight_sync_handle.call_one().get(timeout=CALL_S), gen.weight_sync_handle.call_one().get(timeout=CALL_S)]
     ws = asyncio.run(WeightSync(WeightSyncConfig(**weight_sync)).connect(handles[0], handles[1:]))
@@ -689,6 +692,8 @@ def test_weight_sync_update_equals_loading_the_tensors(world):
     publisher.publish.call_one(version, new_model.state_dict()).get(timeout=CALL_S)
     out = gen.sync_weights.call_one(version).get(timeout=CALL_S)
     assert out["version"] == version
+    status = asyncio.run(ws.status())["subscribers"][0]
+    assert status["in_engine"] == (transport == "collective") and status["error"] is None
     synced = gen.weights_checksum.call_one().get(timeout=CALL_S)
     requests = prompts(2, seed=400)
     tokens = [r.token_ids for r in generate_all(gen, requests, 16, 0.0)]

@@ -189,6 +189,29 @@ def test_version_file_is_safetensors_and_reads_back(tmp_path):
     assert checksum(unpack(got, bufs.layout)) == checksum(named)
 
 
+def test_a_two_buffer_receiver_lets_the_next_version_replace_the_unfetched_one():
+    """max_buffers=2 (a GPU receiver, each buffer a copy of the model on the engine's GPU):
+    the buffer handed out is never written, a receive goes into the latest unfetched
+    version's buffer when no other is free, and a loaded buffer serves the next receive."""
+    from meshrl.weightsync.buffers import ReceiveBuffers
+
+    layout = plan_layout(model_tensors(), 1 << 20)
+    bufs = ReceiveBuffers(max_buffers=2)
+    bufs.set_layout(layout)
+    first = bufs.take()
+    bufs.complete(1, first)
+    assert bufs.take_latest(2) is None and bufs.take_latest(2, exact=True) is None
+    version, views = bufs.take_latest(1, exact=True)
+    assert version == 1 and bufs.handed_out[1] is first
+    second = bufs.take()
+    bufs.complete(2, second)
+    third = bufs.take()  # no buffer free: version 2, unfetched, is replaced by the one arriving
+    assert third is second and bufs.latest is None and third is not first
+    bufs.complete(3, third)
+    bufs.drop_handed_out()  # version 1 loaded: its buffer serves the next receive
+    assert bufs.take() is first and bufs.take_latest(1)[0] == 3
+
+
 # ---- stand-in actors ---------------------------------------------------------------------------
 class StandInTrainer(Actor):
     """Holds live parameters it keeps stepping after each publish (so a live view would show)."""

@@ -137,8 +137,10 @@ class GeneratorActor(Actor):
         if self.subscriber is None:
             from meshrl.weightsync.subscriber import Subscriber
 
-            # shared memory: the fetched tensors are handed on to vLLM's engine-core process
-            self.subscriber = Subscriber(self._gen().config.weight_sync, shared_memory=True)
+            # shared memory: the fetched tensors are handed on to vLLM's engine-core process;
+            # a collective group's ranks are the engine's workers themselves (on their GPUs)
+            gen = self._gen()
+            self.subscriber = Subscriber(gen.config.weight_sync, shared_memory=True, engine=gen.engine)
         return self.subscriber.handle
 
     @concurrent_endpoint

@@ -29,6 +29,7 @@ token decoded before a pause keeps the old version even when it is delivered aft
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -41,6 +42,8 @@ from meshrl.generator.weight_loading import to_shared_memory
 WORKER_EXTENSION = "meshrl.generator.weight_loading.MeshrlWorkerExtension"
 ADAPTER_ID = 1
 """vLLM's id of the policy's LoRA adapter: one adapter, replaced in place at each version."""
+RECEIVED_POLL_S = 0.005
+"""How often `take_received` asks the workers for a received version while it waits."""
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The max_lora_rank values vLLM accepts."""
 
@@ -103,6 +106,7 @@ class VLLMEngine:
         self.max_num_seqs = max_num_seqs or gen.max_num_seqs
         self.stop_token_ids = eos_token_ids(checkpoint_dir)
         self.llm = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.version = 0
         self.tokens_generated = 0
         """Tokens received so far, counted as they stream in (live progress for stats)."""
@@ -179,6 +183,7 @@ class VLLMEngine:
         if elapsed > self.gen.startup_timeout_s:
             self.shutdown()
             raise TimeoutError(f"vLLM engine took {elapsed:.0f}s to start (generator.startup_timeout_s={self.gen.startup_timeout_s})")
+        self.loop = asyncio.get_running_loop()  # the loop `self.llm` serves (other threads submit to it)
         if self.capture_routing:
             self.routing_shape = tuple((await self.llm.collective_rpc("meshrl_capture_routing"))[0])
         await self.set_version(version)
@@ -372,6 +377,57 @@ class VLLMEngine:
         finally:
             for s in segments:
                 s.unlink()
+        return int(loaded[0])
+
+    # ---- weights received by the engine's own workers (weight_sync.transport=collective) -----
+    @property
+    def receive_ranks(self) -> int:
+        """Ranks this engine holds in a weight-sync broadcast group: one per worker."""
+        return self.gen.tp
+
+    async def receive_weights(self, spec, first_rank: int) -> None:
+        """Have every worker join the broadcast group `spec` (worker i as `first_rank` + i) and
+        receive each version into its own device's memory (module weight_loading)."""
+        from dataclasses import asdict
+
+        # vLLM's RPC carries plain data: the spec goes as a dict
+        await self.llm.collective_rpc("meshrl_ws_connect", args=(asdict(spec), first_rank))
+        # The group forms once every peer joined; a worker's failed join is an error now,
+        # not a publisher left waiting out the timeout.
+        deadline = time.monotonic() + spec.timeout_s
+        while not all(await self.llm.collective_rpc("meshrl_ws_joined")):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the engine's workers did not join the weight-sync group within {spec.timeout_s:.0f}s")
+            await asyncio.sleep(RECEIVED_POLL_S)
+
+    async def stop_receiving(self) -> None:
+        await self.llm.collective_rpc("meshrl_ws_close")
+
+    async def take_received(self, min_version: int, wait_s: float) -> int | None:
+        """The newest version >= min_version every worker has received, handed out for
+        `load_received`; None if none arrived within wait_s. Polls the workers (a small RPC
+        the engine core answers between steps)."""
+        import asyncio
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            version = min(await self.llm.collective_rpc("meshrl_ws_ready"))
+            if version >= min_version:
+                if all(await self.llm.collective_rpc("meshrl_ws_take", args=(version,))):
+                    return version
+                continue  # a worker received a newer one meanwhile: agree on that one
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(RECEIVED_POLL_S)
+
+    async def load_received(self, version: int, timeout_s: float = 120.0) -> int:
+        """Load the handed-out received `version` into the (paused) engine, in place from the
+        workers' receive buffers (the LoRA adapter, when the engine runs one)."""
+        import asyncio
+
+        dtype = self.dtype if self.dtype in ("float32", "bfloat16", "float16") else None
+        adapter = (self.adapter_config, ADAPTER_ID) if self.adapter_config is not None else None
+        loaded = await asyncio.wait_for(self.llm.collective_rpc("meshrl_ws_load", args=(version, dtype, adapter)), timeout_s)
         return int(loaded[0])
 
     async def weights_checksum(self) -> float:

@@ -40,6 +40,7 @@ import torch
 from meshrl.compat import vllm_runs_lora_on
 from meshrl.config import MOE_FAMILIES, Config
 from meshrl.generator.engine import RequestResult, VLLMEngine
+from meshrl.weightsync.spec import ReceivedInEngine
 
 UPDATE_MODES = ("keep", "abort", "drain", "block")
 VERSION_WAIT_SLACK_S = 30.0
@@ -234,9 +235,10 @@ class Generator:
         await self.engine.resume()
 
     # ---- weights --------------------------------------------------------------------------
-    async def update_weights(self, version: int, tensors: dict[str, torch.Tensor], mode: str | None = None) -> float:
+    async def update_weights(self, version: int, tensors: dict[str, torch.Tensor] | ReceivedInEngine, mode: str | None = None) -> float:
         """Apply `version`'s tensors (full HF-named weights, or with LoRA the PEFT-named
-        adapter); returns seconds generation was held."""
+        adapter; or ReceivedInEngine: already received by the engine's workers); returns
+        seconds generation was held."""
         mode = mode or self.gen.update_mode
         if mode not in UPDATE_MODES:
             raise ValueError(f"update mode must be one of {UPDATE_MODES}, got {mode!r}")
@@ -255,7 +257,9 @@ class Generator:
                     async with self._changed:
                         await asyncio.wait_for(self._changed.wait_for(lambda: self._in_flight == 0), timeout)
                     await self.engine.pause("keep")
-                if self.engine.adapter_config is not None:
+                if isinstance(tensors, ReceivedInEngine):
+                    await self.engine.load_received(tensors.version, timeout)  # already in the workers
+                elif self.engine.adapter_config is not None:
                     await self.engine.load_adapter(tensors, timeout)  # LoRA: the adapter alone
                 else:
                     await self.engine.load_tensors(tensors, timeout)

@@ -16,6 +16,7 @@ tensors without that step leaves unusable parameters).
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -116,6 +117,57 @@ def views_of_shared_memory(path: str, nbytes: int, manifest) -> dict[str, torch.
     return out
 
 
+class WorkerReceive:
+    """The collective weight receiver a vLLM worker runs (`meshrl_ws_*`): joins the group in
+    a thread, then receives every broadcast version into buffers on the worker's device. On
+    a GPU the buffers are GPU memory and the group NCCL (SyncSpec.backend): a version goes
+    from the trainer's GPU buckets to this GPU and into the model without touching the host.
+    A GPU keeps two copies of the model's bytes at most (the newest version and the one
+    being received); leave room for them under generator.gpu_memory_utilization."""
+
+    def __init__(self, spec, rank: int, device: torch.device):
+        from meshrl.weightsync.buffers import ReceiveBuffers
+
+        on_gpu = device.type == "cuda"
+        self.buffers = ReceiveBuffers(device=device if on_gpu else None, max_buffers=2 if on_gpu else 3)
+        self.receiver = None
+        self.error: BaseException | None = None
+        self.loaded_version = -1
+        self._closed = threading.Event()
+        threading.Thread(target=self._join, args=(spec, rank, device), name="meshrl-ws-join", daemon=True).start()
+
+    def _join(self, spec, rank: int, device: torch.device) -> None:
+        from meshrl.weightsync.collective import CollectiveReceiver
+
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread
+            receiver = CollectiveReceiver(spec, rank, self.buffers)
+        except BaseException as e:  # noqa: BLE001 - reported by ready()
+            self.error = e
+            return
+        self.receiver = receiver
+        if self._closed.is_set():
+            receiver.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self.receiver is not None:
+            self.receiver.close()
+
+    def joined(self) -> bool:
+        if self.error is not None:
+            raise RuntimeError(f"joining the weight-sync group failed: {self.error}")
+        return self.receiver is not None
+
+    def ready(self) -> int:
+        error = self.error or (self.receiver.error if self.receiver is not None else None)
+        if error is not None:
+            raise RuntimeError(f"weight receive failed: {error}")
+        with self.buffers.lock:
+            return self.buffers.latest[0] if self.buffers.latest is not None else -1
+
+
 class MeshrlWorkerExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`); called via collective_rpc.
 
@@ -129,6 +181,9 @@ class MeshrlWorkerExtension:
         weights = {}
         for path, nbytes, manifest in segments:
             weights.update(views_of_shared_memory(path, nbytes, manifest))
+        return self._meshrl_reload(weights)
+
+    def _meshrl_reload(self, weights: dict) -> int:
         # In-place reload: model.load_weights on checkpoint-format tensors, then the
         # backend's process_weights_after_loading (CPU repacking) on the touched layers.
         self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
@@ -143,14 +198,19 @@ class MeshrlWorkerExtension:
     def meshrl_load_adapter(self, segments: list, peft_config: dict, adapter_id: int) -> int:
         """Replace LoRA adapter `adapter_id` by the PEFT-named tensors in the segments, and
         make it active; returns tensors loaded. Requests naming the adapter use it from the
-        engine's next step on (the engine is paused while this runs). The tensors are cloned:
-        vLLM keeps the adapter's own tensors, while the segments are reused or unlinked."""
+        engine's next step on (the engine is paused while this runs)."""
+        weights = {}
+        for path, nbytes, manifest in segments:
+            weights.update(views_of_shared_memory(path, nbytes, manifest))
+        return self._meshrl_set_adapter(weights, peft_config, adapter_id)
+
+    def _meshrl_set_adapter(self, weights: dict, peft_config: dict, adapter_id: int) -> int:
+        # The tensors are cloned: vLLM keeps the adapter's own tensors, while the buffers they
+        # came from are reused or unlinked.
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
-        weights = {}
-        for path, nbytes, manifest in segments:
-            weights.update({k: v.clone() for k, v in views_of_shared_memory(path, nbytes, manifest).items()})
+        weights = {k: v.to("cpu", copy=True) for k, v in weights.items()}
         worker_manager = self.model_runner.lora_manager
         helper = PEFTHelper.from_dict(peft_config)
         helper.validate_legal(worker_manager.lora_config)
@@ -162,6 +222,57 @@ class MeshrlWorkerExtension:
         manager.add_adapter(lora)
         manager.activate_adapter(adapter_id)
         return len(weights)
+
+    # ---- weight sync received by the worker itself (the collective transport) ----------------
+    def meshrl_ws_connect(self, spec: dict, first_rank: int) -> int:
+        """Join the weight-sync broadcast group `spec` (a SyncSpec's fields) as rank `first_rank` + this worker's rank, into
+        buffers on this worker's device (its GPU, or host memory). The group forms when every
+        peer has joined, so the join runs in a thread and the engine serves meanwhile; a
+        failed join shows in `meshrl_ws_ready`. Returns the rank."""
+        from meshrl.weightsync.spec import SyncSpec
+
+        self.meshrl_ws_close()
+        self._meshrl_ws = WorkerReceive(SyncSpec(**spec), first_rank + self.rank, self.device)
+        return first_rank + self.rank
+
+    def meshrl_ws_close(self) -> None:
+        if getattr(self, "_meshrl_ws", None) is not None:
+            self._meshrl_ws.close()
+            self._meshrl_ws = None
+
+    def meshrl_ws_joined(self) -> bool:
+        """Whether the group has formed (raises the join's error if it failed)."""
+        return self._meshrl_ws.joined()
+
+    def meshrl_ws_ready(self) -> int:
+        """The newest version received completely and not yet taken (-1: none); raises the
+        receiver's error if it failed."""
+        return self._meshrl_ws.ready()
+
+    def meshrl_ws_take(self, version: int) -> bool:
+        """Hand out the received `version` for `meshrl_ws_load` if it is still the newest; False
+        if a newer one replaced it since `meshrl_ws_ready` (ask again)."""
+        return self._meshrl_ws.buffers.take_latest(version, exact=True) is not None
+
+    def meshrl_ws_load(self, version: int, dtype: str | None, adapter: tuple | None = None) -> int:
+        """Load the handed-out `version` into the model (or, with `adapter` = (peft config, id),
+        into the LoRA adapter) from the receive buffer in place, floating tensors cast to
+        `dtype`; then the buffer serves the next receive. Returns tensors loaded; 0 when
+        `version` is the one loaded last (nothing to do)."""
+        ws = self._meshrl_ws
+        got = ws.buffers.handed_out
+        if got is None or got[0] != version:
+            if version == ws.loaded_version:
+                return 0
+            raise RuntimeError(f"weight version {version} was not handed out in this worker (have {got[0] if got else None})")
+        cast = getattr(torch, dtype) if dtype else None
+        weights = {k: v.to(cast) if cast is not None and v.is_floating_point() and v.dtype != cast else v for k, v in got[2].items()}
+        try:
+            loaded = self._meshrl_set_adapter(weights, *adapter) if adapter else self._meshrl_reload(weights)
+        finally:
+            ws.buffers.drop_handed_out()
+        ws.loaded_version = version
+        return loaded
 
     def meshrl_set_logit_scale(self, scale: float) -> int:
         """Multiply the logits by `scale` (relative to the model's own logit scale): a scoring

@@ -165,6 +165,27 @@ def resolve_placement(config: Config, gpus: int | None = None) -> str:
     return "colocate" if t.procs <= g and gen.replicas * gen.tp <= g else "split"
 
 
+def resolve_transport(config: Config) -> str:
+    """`weight_sync.transport` with `auto` decided: `collective` across hosts, and on one host
+    when trainer and generators hold GPUs of their own (an NCCL broadcast between GPU buckets,
+    no host hop); otherwise (one CPU host, or colocated on one GPU host) `shm`: the generators
+    map the trainer's snapshot and nothing moves."""
+    if config.weight_sync.transport != "auto":
+        return config.weight_sync.transport
+    if SHARED_MESH not in plan_hosts(config):
+        return "collective"
+    plan = plan_devices(config)
+    return "collective" if plan.layout == "disaggregated" and weight_backend(plan) == "nccl" else "shm"
+
+
+def weight_backend(plan: DevicePlan) -> str:
+    """The collective transport's backend: NCCL when the trainer and the generators hold
+    GPUs (their buckets stay there), gloo between host buffers otherwise (a CPU plan, or a
+    CPU trainer beside GPU generators)."""
+    on_gpus = all(s.gpus for s in plan.slots if s.role in ("trainer", "generator"))
+    return "nccl" if plan.layout != "cpu" and on_gpus else "gloo"
+
+
 def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
     """The device plan of `config` with `gpus` per host (None: `gpus_per_host(config)`).
     Raises ConfigError naming the field to change when it does not fit."""

@@ -15,14 +15,6 @@ SHARED_MESH = "hosts"
 """The mesh name when one host holds every role."""
 
 
-def resolve_transport(config: Config) -> str:
-    """`weight_sync.transport` with `auto` decided: `shm` when trainer and generators share
-    one host (nothing moves: the generators map the trainer's snapshot), else `collective`."""
-    if config.weight_sync.transport != "auto":
-        return config.weight_sync.transport
-    return "shm" if SHARED_MESH in plan_hosts(config) else "collective"
-
-
 def plan_hosts(config: Config) -> dict[str, int]:
     """Named host meshes and their host counts for `launcher.hosts` hosts.
 

@@ -1,5 +1,7 @@
-"""`collective` transport: a gloo (CPU) broadcast group from the publishing trainer rank
-(rank 0) to every subscriber, created once per connection.
+"""`collective` transport: a broadcast group from the publishing trainer rank (rank 0) to
+every subscriber, created once per connection: gloo between host buffers, or NCCL between
+GPU-resident buckets (`SyncSpec.backend`, every peer on a GPU). The same code runs both; on
+CPU machines the suite runs it with gloo.
 
 Signalling goes through the controller's TCPStore, not through the group: before each
 version the sender writes a small header (version, layout id, the layout itself only when
@@ -20,6 +22,7 @@ import threading
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from meshrl.host import host_address
@@ -34,10 +37,15 @@ HEADER_POLL_S = 0.002  # how often an idle receiver asks the store for the next 
 
 
 def make_group(spec: SyncSpec, rank: int) -> tuple[dist.Store, dist.ProcessGroup]:
-    """Join the store and create this rank's gloo group (all ranks must call it together)."""
+    """Join the store and create this rank's group (all ranks must call it together): NCCL
+    on this thread's current GPU when spec.backend is nccl, else gloo."""
     timeout = timedelta(seconds=spec.timeout_s)
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(spec.group_name, store)
+    if spec.backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return prefixed, dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, opts)
     # Every peer on this host: listen on loopback. Peers on other hosts: on the address the
     # launcher gave this host (`meshrl worker`). Otherwise gloo's default device, which
     # listens on the address the hostname resolves to (or GLOO_SOCKET_IFNAME's interface).
@@ -65,6 +73,10 @@ def broadcast_buckets(pg: dist.ProcessGroup, buckets, timeout_s: float) -> None:
     works = [pg.broadcast([b], opts) for b in buckets]
     for w in works:
         w.wait(timedelta(seconds=timeout_s))
+    if buckets and buckets[0].is_cuda:
+        # NCCL's wait only orders this thread's stream after the broadcast: the bytes are
+        # complete (for the sender: free to overwrite) once that stream has run.
+        torch.cuda.current_stream(buckets[0].device).synchronize()
 
 
 class CollectiveSender:
@@ -83,6 +95,8 @@ class CollectiveSender:
         self._stop.set()
 
     def _run(self) -> None:
+        if self.pool.device is not None:
+            torch.cuda.set_device(self.pool.device)  # the current device is per thread
         seq, layout_sent = 0, None
         while not self._stop.is_set():
             lease = self.pool.wait_acquire(self.sent_version + 1, POLL_S)
@@ -119,6 +133,8 @@ class CollectiveReceiver:
         self._stop.set()
 
     def _run(self) -> None:
+        if self.buffers.device is not None and torch.device(self.buffers.device).type == "cuda":
+            torch.cuda.set_device(self.buffers.device)  # the current device is per thread
         seq, layout = 0, None
         while not self._stop.is_set():
             key = f"hdr/{seq}"

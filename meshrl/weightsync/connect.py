@@ -23,8 +23,10 @@ class WeightSync:
     any trainer or generator proc, so a group can be re-created after one of them died.
     """
 
-    def __init__(self, cfg: WeightSyncConfig, store_host: str | None = None):
+    def __init__(self, cfg: WeightSyncConfig, store_host: str | None = None, backend: str = "gloo"):
         self.cfg = cfg
+        self.backend = backend
+        """collective: "nccl" when the publisher and every subscriber hold a GPU, else "gloo"."""
         self.publisher = None
         self.subscribers: list = []
         self._store: dist.TCPStore | None = None
@@ -41,20 +43,26 @@ class WeightSync:
             self._store_host = store_host or "127.0.0.1"
             self._store = tcp_store_listening_on(self._store_host, timedelta(seconds=cfg.timeout_s))
 
-    def spec(self) -> SyncSpec:
+    def spec(self, ranks: int) -> SyncSpec:
         common = dict(transport=self.cfg.transport, timeout_s=self.cfg.timeout_s, files_dir=self.files_dir)
         if self.cfg.transport != "collective":
             return SyncSpec(**common)
-        return SyncSpec(**common, store_host=self._store_host, store_port=self._store.port,
-                        world_size=1 + len(self.subscribers), group_name=f"ws-{self._tag}-{next(self._generation)}/")
+        return SyncSpec(**common, store_host=self._store_host, store_port=self._store.port, world_size=1 + ranks,
+                        group_name=f"ws-{self._tag}-{next(self._generation)}/", backend=self.backend)
 
     async def connect(self, publisher, subscribers: list) -> "WeightSync":
         """Connect the publisher's handle to every subscriber's handle (all at once, as a
         collective group needs every rank to join together). Bounded by timeout_s."""
         self.publisher, self.subscribers = publisher, list(subscribers)
-        spec = self.spec()
+        try:
+            # a subscriber whose engine's workers receive holds a rank per worker
+            counts = await asyncio.wait_for(asyncio.gather(*[awaited(s.ranks.call_one(self.cfg.transport)) for s in self.subscribers]), self.cfg.timeout_s)
+        except asyncio.TimeoutError:
+            raise WeightSyncTimeout(f"asking {len(self.subscribers)} weight-sync subscribers for their ranks took over {self.cfg.timeout_s:.0f}s") from None
+        spec = self.spec(sum(counts))
+        firsts = [1 + sum(counts[:i]) for i in range(len(counts))]
         calls = [publisher.configure.call_one(spec)]
-        calls += [s.configure.call_one(spec, rank + 1, publisher) for rank, s in enumerate(self.subscribers)]
+        calls += [s.configure.call_one(spec, first, publisher) for first, s in zip(firsts, self.subscribers)]
         try:
             await asyncio.wait_for(asyncio.gather(*[awaited(c) for c in calls]), self.cfg.timeout_s + 10.0)
         except asyncio.TimeoutError:

@@ -78,10 +78,13 @@ def plan_layout(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) ->
     return Layout(tuple(metas), tuple(buckets), total, digest)
 
 
-def allocate(layout: Layout, shared_memory: bool = False, pinned: bool = False) -> torch.Tensor:
+def allocate(layout: Layout, shared_memory: bool = False, pinned: bool = False, device: torch.device | None = None) -> torch.Tensor:
     """A flat uint8 buffer for `layout`; in shared memory if another process must map it.
     `pinned`: page-locked, so copies from GPU tensors into it run at the link's speed
-    (pageable memory goes through a bounce buffer); needs CUDA."""
+    (pageable memory goes through a bounce buffer); needs CUDA. `device`: a GPU-resident
+    buffer (an NCCL broadcast's bucket source or target) instead of host memory."""
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
     if shared_memory:
         flat = shared_file_buffer(layout.total_bytes)
         if pinned:
@@ -134,13 +137,14 @@ def pack(flat: torch.Tensor, layout: Layout, named: Iterable[tuple[str, torch.Te
         # tensor whatever its size (measured); the byte copy runs at memcpy speed.
         src = t.detach().contiguous().view(-1).view(torch.uint8)
         dst = flat[meta.offset : meta.offset + meta.nbytes]
-        if src.device.type == "cpu":
+        if src.device.type == "cpu" and flat.device.type == "cpu":
             host.append((dst.numpy(), src.numpy()))
             host_starts.append(meta.offset)
         else:
-            # device to host: queued without waiting into pinned memory (the stream runs them
-            # in order), synchronised once below before any host copy or progress report
-            dst.copy_(src, non_blocking=flat.is_pinned())
+            # a GPU on either side: queued without waiting (into pinned memory, or on the GPU
+            # itself; the stream runs them in order), synchronised once below before any host
+            # copy or progress report
+            dst.copy_(src, non_blocking=flat.is_pinned() or flat.is_cuda)
             device_copies = True
         count += 1
     if count != len(layout.tensors):

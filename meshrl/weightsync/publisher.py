@@ -65,6 +65,9 @@ class Publisher:
         """(Re)connect to subscribers; called by the controller through the sidecar."""
         self.close_transport()
         if spec.transport == "collective":
+            # NCCL: stage in GPU buckets on this rank's GPU (two copies of the model at most),
+            # so a version never leaves the GPU; gloo: host slots, pinned where CUDA is.
+            self.pool.use_device(torch.device("cuda", 0) if spec.backend == "nccl" else None, 2 if spec.backend == "nccl" else None)
             self._background = CollectiveSender(self.pool, spec)  # blocks until every rank joined
         elif spec.transport == "files":
             self._background = FileWriter(self.pool, spec.files_dir)

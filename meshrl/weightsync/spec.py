@@ -16,3 +16,14 @@ class SyncSpec:
     store_port: int | None = None
     world_size: int = 0
     group_name: str = ""
+    backend: str = "gloo"
+    """collective only: "gloo" (host buffers) or "nccl" (GPU-resident buckets, every peer on a GPU)."""
+
+
+@dataclass(frozen=True)
+class ReceivedInEngine:
+    """What `Subscriber.fetch` hands out when the collective receiver lives in the engine's
+    workers: the tensors stay there (on the GPU, on a GPU run) and the engine loads them in
+    place (`VLLMEngine.load_received`)."""
+
+    version: int

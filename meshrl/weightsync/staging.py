@@ -62,6 +62,9 @@ class StagingPool:
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         """Page-locked slots (the default where CUDA is): a GPU trainer's copy into staging
         runs at the link's speed, and RDMA or a broadcast reads them without a bounce."""
+        self.device: torch.device | None = None
+        """GPU-resident slots (`use_device`): an NCCL broadcast's sources, packed at the GPU's
+        speed with no host hop; None: host memory."""
         self.slots: list[Slot] = []
         self.latest: Slot | None = None
         self.filling: Slot | None = None  # the slot `publish` is copying into
@@ -69,6 +72,15 @@ class StagingPool:
         self._ids = itertools.count(1)
         self._by_id: dict[int, Lease] = {}  # for remote readers, which only keep the id
         self._watchers: set[Callable[[], None]] = set()
+
+    def use_device(self, device: torch.device | None, max_slots: int | None = None) -> None:
+        """Stage on `device` (None: host memory) from the next publish on; slots elsewhere are
+        dropped once their leases end. `max_slots` caps copies of the model kept there."""
+        with self._lock:
+            if device != self.device:
+                self.device, self.slots, self.latest = device, [], None
+            if max_slots is not None:
+                self.max_slots = max_slots
 
     # ---- writer side ----------------------------------------------------------------------
     def publish(self, version: int, layout: Layout, named: Iterable[tuple[str, torch.Tensor]]) -> Slot:
@@ -128,7 +140,7 @@ class StagingPool:
                         slot.version = -1
                         return slot
                 if len(self.slots) < self.max_slots:
-                    slot = Slot(len(self.slots), layout, allocate(layout, self.shared_memory, self.pinned))
+                    slot = Slot(len(self.slots), layout, allocate(layout, self.shared_memory, self.pinned, self.device))
                     self.slots.append(slot)
                     return slot
                 if now >= deadline:

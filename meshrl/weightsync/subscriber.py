@@ -6,6 +6,11 @@ tensors of a fetch stay valid and unchanged until the next fetch returns; with
 engine core) maps by name (`layout.shared_file_buffer`), so they are loaded without a copy.
 With the `shm` transport they are the publisher's staging slot itself, leased until
 `loaded()` (or the next fetch).
+
+Given the `engine` it feeds (a VLLMEngine), a `collective` subscriber has the engine's
+workers join the broadcast group themselves (one rank per worker), so every version lands in
+the memory of the device that runs the model, a GPU on a GPU run; `fetch` then returns
+`ReceivedInEngine` instead of tensors, which the engine loads where they are.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from meshrl.weightsync.collective import CollectiveReceiver, wait_latest
 from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
 from meshrl.weightsync.rdma import RdmaReader
 from meshrl.weightsync.shared import SharedReader
-from meshrl.weightsync.spec import SyncSpec
+from meshrl.weightsync.spec import ReceivedInEngine, SyncSpec
 
 _SUBSCRIBERS: dict[str, "Subscriber"] = {}
 _ids = itertools.count()
@@ -33,8 +38,11 @@ FILE_POLL_S = 0.002  # one listdir per poll (microseconds): a new file is seen w
 
 
 class Subscriber:
-    def __init__(self, cfg: WeightSyncConfig, shared_memory: bool = False):
+    def __init__(self, cfg: WeightSyncConfig, shared_memory: bool = False, engine=None):
         self.cfg = cfg
+        self.engine = engine
+        """A collective transport's receiving ranks live in this engine's workers (None: here)."""
+        self._in_engine = False
         self.buffers = ReceiveBuffers(shared_memory)
         self.version = -1  # newest version handed out by fetch
         self.tensors: dict[str, torch.Tensor] | None = None
@@ -49,7 +57,11 @@ class Subscriber:
     def configure(self, spec: SyncSpec, rank: int, publisher) -> None:
         """(Re)connect to a publisher; called by the controller through the sidecar."""
         self.close_transport()
-        if spec.transport == "collective":
+        if spec.transport == "collective" and self.engine is not None:
+            # the engine's loop serves its client; this runs in a worker thread (SubscriberAgent)
+            asyncio.run_coroutine_threadsafe(self.engine.receive_weights(spec, rank), self.engine.loop).result(spec.timeout_s)
+            self._in_engine = True
+        elif spec.transport == "collective":
             self._receiver = CollectiveReceiver(spec, rank, self.buffers)  # blocks until all joined
         elif spec.transport == "rdma":
             self._reader = RdmaReader(publisher, self.buffers)
@@ -62,13 +74,20 @@ class Subscriber:
     def close_transport(self) -> None:
         if self._receiver is not None:
             self._receiver.close()
+        if self._in_engine:  # the workers' receivers stop (not waited for: may run on the engine's loop)
+            asyncio.run_coroutine_threadsafe(self.engine.stop_receiving(), self.engine.loop)
         self._receiver = self._reader = self._shared = None
+        self._in_engine = False
+
+    def ranks(self, transport: str) -> int:
+        """Ranks this subscriber holds in a `transport` group: its engine's workers, or one."""
+        return self.engine.receive_ranks if transport == "collective" and self.engine is not None else 1
 
     def close(self) -> None:
         self.close_transport()
         _SUBSCRIBERS.pop(self.key, None)
 
-    async def fetch(self, version: int | None = None, timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+    async def fetch(self, version: int | None = None, timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor] | ReceivedInEngine]:
         """The newest published version, at least `version` (None: whatever is newest, which
         may be the one already held; waits only if nothing was ever received). Raises
         WeightSyncTimeout after `timeout` (default weight_sync.timeout_s) and
@@ -87,6 +106,13 @@ class Subscriber:
             min_version, wait_s = (0 if version is None else version), timeout
         if self.spec.transport == "shm":  # views of the publisher's slot itself, leased
             got = await self._shared.fetch(min_version, wait_s, timeout)
+        elif self._in_engine:  # received by the engine's workers: they load it in place
+            try:
+                got = await self.engine.take_received(min_version, wait_s)
+            except Exception as e:  # noqa: BLE001 - a worker's receive error, through vLLM's RPC
+                raise WeightSyncError(f"collective weight transfer failed in the engine: {e}") from e
+            if got is not None:
+                got = got, ReceivedInEngine(got)
         else:
             got = await self._receive(min_version, wait_s, timeout)
             if got is not None:
@@ -141,7 +167,11 @@ class SubscriberAgent(Actor):
         return os.getpid()
 
     @concurrent_endpoint
+    async def ranks(self, transport: str) -> int:
+        return _SUBSCRIBERS[self.key].ranks(transport)
+
+    @concurrent_endpoint
     async def status(self) -> dict:
         s = _SUBSCRIBERS[self.key]
         err = s._receiver.error if s._receiver is not None else None
-        return {"version": s.version, "error": repr(err) if err else None, "pid": os.getpid()}
+        return {"version": s.version, "error": repr(err) if err else None, "pid": os.getpid(), "in_engine": s._in_engine}
