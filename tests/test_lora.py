@@ -9,6 +9,7 @@ must then give, for every token they sample, the trainer's own log-prob at that 
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -121,20 +122,34 @@ def test_adapter_sync_equals_a_fresh_engine_loaded_with_the_exported_adapter(tmp
                 assert r.versions == sorted(r.versions) and set(r.versions) <= {version - 1, version}, (mode, r.versions)
                 if mode in ("drain", "block"):
                     assert len(set(r.versions)) == 1, (mode, r.versions)
-        final = trainer.export_hf(str(tmp_path / "v4"))
-        fresh, _ = spawn_generator(procs[1], "fresh", config, final, version=4)
+        # and one more over weight sync's collective transport, received by the engine's
+        # worker itself and loaded from its buffer into the adapter
+        from meshrl.config import WeightSyncConfig
+        from meshrl.weightsync.connect import WeightSync
+        from tests.test_generator import WeightsPublisher
+
+        weight_sync = {"transport": "collective", "timeout_s": 60.0}
+        publisher = procs[1].spawn("adapter_publisher", WeightsPublisher, weight_sync)
+        ws = asyncio.run(WeightSync(WeightSyncConfig(**weight_sync)).connect(
+            publisher.weight_sync_handle.call_one().get(timeout=60), [synced.weight_sync_handle.call_one().get(timeout=60)]))
+        randomise_adapters(trainer, 5)
+        publisher.publish.call_one(5, dict(trainer.sync_state_dict(torch.float32))).get(timeout=60)
+        assert synced.sync_weights.call_one(5).get(timeout=120)["version"] == 5
+        ws.close()
+        final = trainer.export_hf(str(tmp_path / "v5"))
+        fresh, _ = spawn_generator(procs[1], "fresh", config, final, version=5)
 
         # at temperature 1 each engine's log-prob of every token it samples is the trainer's
         trainer.model.eval()
         for gen in (synced, fresh):
             for p in asks:
-                r = gen.generate.call_one(p, 20, 1.0, 4).get(timeout=120)
+                r = gen.generate.call_one(p, 20, 1.0, 5).get(timeout=120)
                 ids = torch.tensor([p + r.token_ids])
                 with torch.no_grad():
                     logp = torch.log_softmax(trainer.model(ids)[0, len(p) - 1:-1].double(), -1)
                 want = logp.gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
                 torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, atol=1e-5, rtol=0)
-                assert set(r.versions) == {4}
+                assert set(r.versions) == {5}
     finally:
         for gen in (synced, fresh):
             if gen is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import pickle
 import socket
 import threading
@@ -25,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshrl.host import host_address
+from meshrl.host import host_address, interface_of
 from meshrl.weightsync.buffers import ReceiveBuffers
 from meshrl.weightsync.errors import WeightSyncError
 from meshrl.weightsync.spec import SyncSpec
@@ -42,14 +43,18 @@ def make_group(spec: SyncSpec, rank: int) -> tuple[dist.Store, dist.ProcessGroup
     timeout = timedelta(seconds=spec.timeout_s)
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(spec.group_name, store)
+    listen_on = spec.store_host if _is_loopback(spec.store_host) else host_address()
     if spec.backend == "nccl":
+        # NCCL's bootstrap sockets listen on the interface of the same address gloo would
+        # (loopback on one host), unless the user named one; its data goes GPU to GPU.
+        if listen_on is not None:
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface_of(socket.gethostbyname(listen_on)))
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return prefixed, dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, opts)
     # Every peer on this host: listen on loopback. Peers on other hosts: on the address the
     # launcher gave this host (`meshrl worker`). Otherwise gloo's default device, which
     # listens on the address the hostname resolves to (or GLOO_SOCKET_IFNAME's interface).
-    listen_on = spec.store_host if _is_loopback(spec.store_host) else host_address()
     if listen_on is not None:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
