@@ -48,7 +48,7 @@ def make_group(spec: SyncSpec, rank: int) -> tuple[dist.Store, dist.ProcessGroup
         # NCCL's bootstrap sockets listen on the interface of the same address gloo would
         # (loopback on one host), unless the user named one; its data goes GPU to GPU.
         if listen_on is not None:
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface_of(socket.gethostbyname(listen_on)))
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo" if _is_loopback(listen_on) else interface_of(socket.gethostbyname(listen_on)))
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return prefixed, dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, opts)

@@ -1,0 +1,99 @@
+"""GPU checks of the weight path's pure cores, torch only: skipped where there is no CUDA.
+
+On a GPU machine with torch and this source tree (no Monarch or vLLM needed):
+
+    python -m pytest -q tests/test_cuda.py
+
+They pin what the CPU suite cannot: packing into GPU-resident buckets, GPU staging slots,
+and the collective transport between GPU buckets in two processes (NCCL with two GPUs or
+more; with one, gloo moving the same CUDA tensors, as NCCL refuses two ranks on one GPU).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from datetime import timedelta
+
+import pytest
+import torch
+
+from meshrl.weightsync.buffers import ReceiveBuffers
+from meshrl.weightsync.collective import CollectiveReceiver, CollectiveSender, wait_latest
+from meshrl.weightsync.layout import allocate, pack, plan_layout, unpack
+from meshrl.weightsync.spec import SyncSpec
+from meshrl.weightsync.staging import StagingPool
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def model(version: int, device: str) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(version)
+    shapes = [(512, 256), (256,), (1000, 64), (3, 5, 7)]
+    return [(f"layer{i}.w", (torch.randn(s, generator=g) * (version + 1)).to(torch.bfloat16).to(device)) for i, s in enumerate(shapes)]
+
+
+def test_packing_into_a_gpu_bucket_equals_packing_into_host_memory():
+    for device in ("cuda", "cpu"):  # GPU tensors, and host tensors into a GPU bucket
+        named = model(1, device)
+        layout = plan_layout(named, 1 << 18)
+        host = allocate(layout)
+        pack(host, layout, [(n, t.cpu()) for n, t in named])
+        bucket = allocate(layout, device=torch.device("cuda"))
+        assert bucket.is_cuda
+        pack(bucket, layout, named)
+        assert torch.equal(bucket.cpu(), host)
+        assert all(torch.equal(v.cpu(), t.cpu()) for v, (_, t) in zip(unpack(bucket, layout).values(), named))
+
+
+def test_gpu_staging_slots_hold_each_version_apart():
+    pool = StagingPool(lease_timeout_s=30.0)
+    pool.use_device(torch.device("cuda", 0), max_slots=2)
+    named = model(1, "cuda")
+    layout = plan_layout(named, 1 << 18)
+    pool.publish(1, layout, named)
+    lease = pool.acquire(1)
+    pool.publish(2, layout, model(2, "cuda"))  # the leased slot is not overwritten
+    assert lease.slot.flat.is_cuda and lease.version == 1
+    assert torch.equal(unpack(lease.slot.flat, layout)["layer0.w"], named[0][1])
+    assert pool.release(lease)
+
+
+def _receive(spec: SyncSpec, device: int, out) -> None:
+    torch.cuda.set_device(device)
+    buffers = ReceiveBuffers(device=torch.device("cuda", device), max_buffers=2)
+    receiver = CollectiveReceiver(spec, 1, buffers)
+    import time
+
+    version, flat = wait_latest(buffers, receiver, 3, time.monotonic() + 60)
+    views = buffers.hand_out(version, flat)
+    out.put((version, flat.is_cuda, {k: v.float().sum().item() for k, v in views.items()}))
+    receiver.close()
+
+
+def test_a_version_moves_between_gpu_buckets_in_two_processes():
+    from meshrl.compat import tcp_store_listening_on
+
+    two = torch.cuda.device_count() >= 2
+    store = tcp_store_listening_on("127.0.0.1", timedelta(seconds=60))
+    spec = SyncSpec("collective", 60.0, store_host="127.0.0.1", store_port=store.port, world_size=2,
+                    group_name="cuda-test/", backend="nccl" if two else "gloo")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_receive, args=(spec, 1 if two else 0, out))
+    child.start()
+    try:
+        pool = StagingPool(lease_timeout_s=60.0)
+        pool.use_device(torch.device("cuda", 0), max_slots=2)
+        sender = CollectiveSender(pool, spec)  # returns once both ranks joined
+        for version in (1, 2, 3):
+            named = model(version, "cuda")
+            pool.publish(version, plan_layout(named, 1 << 18), named)
+        version, on_gpu, sums = out.get(timeout=120)
+        assert version == 3 and on_gpu
+        assert sums == {n: t.float().sum().item() for n, t in model(3, "cuda")}
+        assert sender.error is None
+        sender.close()
+    finally:
+        child.join(60)
+        if child.is_alive():
+            child.kill()
