@@ -76,7 +76,7 @@ def test_a_version_moves_between_gpu_buckets_in_two_processes():
     two = torch.cuda.device_count() >= 2
     store = tcp_store_listening_on("127.0.0.1", timedelta(seconds=60))
     spec = SyncSpec("collective", 60.0, store_host="127.0.0.1", store_port=store.port, world_size=2,
-                    group_name="cuda-test/", backend="nccl" if two else "gloo")
+                    group_name="cuda-test/", on_gpu=two)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     child = ctx.Process(target=_receive, args=(spec, 1 if two else 0, out))
@@ -97,3 +97,40 @@ def test_a_version_moves_between_gpu_buckets_in_two_processes():
         child.join(60)
         if child.is_alive():
             child.kill()
+
+
+def _open_and_sum(blob: bytes, out) -> None:
+    import pickle
+
+    from meshrl.weightsync.shared import open_ipc
+
+    handle, layout = pickle.loads(blob)
+    flat = open_ipc(handle)
+    out.put((flat.is_cuda, {k: v.float().sum().item() for k, v in unpack(flat, layout).items()}))
+
+
+def test_a_gpu_slot_is_read_in_another_process_through_a_cuda_ipc_handle():
+    """placement=colocate on one GPU: the engine's worker opens the trainer's GPU staging slot
+    by its IPC handle (weightsync.spec.GpuSlot) and reads that version, with no host copy."""
+    import pickle
+
+    from meshrl.weightsync.shared import ipc_handle
+
+    pool = StagingPool(lease_timeout_s=60.0)
+    pool.use_device(torch.device("cuda", 0), max_slots=2)
+    named = model(4, "cuda")
+    layout = plan_layout(named, 1 << 18)
+    pool.publish(4, layout, named)
+    lease = pool.acquire(4)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_open_and_sum, args=(pickle.dumps((ipc_handle(lease.slot.flat), layout)), out))
+    child.start()
+    try:
+        on_gpu, sums = out.get(timeout=120)
+        assert on_gpu and sums == {n: t.float().sum().item() for n, t in named}
+    finally:
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+        pool.release(lease)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from meshrl.config import Config, ConfigError
-from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV, plan_devices, resolve_transport, weight_backend
+from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV, plan_devices, resolve_transport, weights_on_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,17 +97,21 @@ def test_colocated_plans_share_the_gpus_and_auto_picks_them_only_when_the_roles_
 
 
 def test_auto_transport_keeps_gpu_weights_on_the_gpus_and_one_cpu_host_in_shared_memory():
-    def chosen(**sections) -> tuple[str, str]:
+    def chosen(**sections) -> tuple[str, bool]:
         c = config(**sections)
-        return resolve_transport(c), weight_backend(plan_devices(c))
+        transport = resolve_transport(c)
+        return transport, weights_on_gpu(plan_devices(c), transport)
 
-    assert chosen() == ("shm", "gloo")  # one CPU host: the generators map the trainer's snapshot
-    assert chosen(launcher={"gpus_per_host": 2}) == ("collective", "nccl")  # GPUs of their own: GPU buckets over NCCL
-    assert chosen(launcher={"gpus_per_host": 1})[0] == "shm"  # colocated on one GPU
-    assert chosen(trainer={"device": "cpu"}, launcher={"gpus_per_host": 1}) == ("shm", "gloo")  # a CPU trainer has no GPU bucket
-    assert chosen(launcher={"kind": "process", "hosts": 2, "gpus_per_host": 1}) == ("collective", "nccl")
-    assert chosen(launcher={"kind": "process", "hosts": 2}) == ("collective", "gloo")
-    assert chosen(weight_sync={"transport": "rdma"}, launcher={"gpus_per_host": 2})[0] == "rdma"  # a choice is kept
+    assert chosen() == ("shm", False)  # one CPU host: the generators map the trainer's snapshot
+    assert chosen(launcher={"gpus_per_host": 2}) == ("collective", True)  # GPUs of their own: GPU buckets over NCCL
+    assert chosen(launcher={"gpus_per_host": 1}) == ("shm", True)  # colocated on one GPU: CUDA IPC
+    assert chosen(trainer={"device": "cpu"}, launcher={"gpus_per_host": 1}) == ("shm", False)  # a CPU trainer has no GPU bucket
+    assert chosen(launcher={"kind": "process", "hosts": 2, "gpus_per_host": 1}) == ("collective", True)
+    assert chosen(launcher={"kind": "process", "hosts": 2}) == ("collective", False)
+    assert chosen(weight_sync={"transport": "rdma"}, launcher={"gpus_per_host": 2}) == ("rdma", False)  # a choice is kept
+    # shm between GPUs: IPC only where every replica shares trainer rank 0's GPU
+    assert chosen(weight_sync={"transport": "shm"}, launcher={"gpus_per_host": 2}) == ("shm", False)
+    assert chosen(placement="colocate", trainer={"procs": 2}, generator={"replicas": 2}, launcher={"gpus_per_host": 2}) == ("shm", False)
 
 
 @pytest.mark.parametrize("sections, field", [

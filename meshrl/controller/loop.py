@@ -30,7 +30,7 @@ from meshrl.config import Config
 from meshrl.controller.replicas import GeneratorPool, WorkerPool
 from meshrl.errors import one_line
 from meshrl.launch.allocation import allocate
-from meshrl.launch.devices import resolve_placement, resolve_transport, weight_backend
+from meshrl.launch.devices import resolve_placement, resolve_transport, weights_on_gpu
 from meshrl.metrics import MetricsWriter
 from meshrl.placement import auto_placement
 from meshrl.queue.actor import EpisodeQueueActor
@@ -153,7 +153,7 @@ class RLLoop:
         initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"), self._lora_base_dir())
         self.generators = GeneratorPool(c, self.alloc, initial, self.version, self._rewire)
         await self.generators.start(c.generator.replicas)
-        self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), weight_backend(self.alloc.plan)).connect(await self.trainer.publisher_handle(), await self._subscribers())
+        self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), weights_on_gpu(self.alloc.plan, c.weight_sync.transport)).connect(await self.trainer.publisher_handle(), await self._subscribers())
         teacher = None
         if c.distill.teacher:  # on-policy distillation: a replica on the teacher's checkpoint scores every episode
             self.teacher = GeneratorPool(c, self.alloc, c.distill.teacher, 0, self._rewire_teacher, teacher=True)

@@ -430,6 +430,16 @@ class VLLMEngine:
         loaded = await asyncio.wait_for(self.llm.collective_rpc("meshrl_ws_load", args=(version, dtype, adapter)), timeout_s)
         return int(loaded[0])
 
+    async def load_gpu_slot(self, slot, timeout_s: float = 120.0) -> int:
+        """Load a version from the trainer's GPU staging slot (a weightsync GpuSlot: one GPU
+        shared with the trainer) into the (paused) engine, in place through CUDA IPC."""
+        import asyncio
+
+        dtype = self.dtype if self.dtype in ("float32", "bfloat16", "float16") else None
+        adapter = (self.adapter_config, ADAPTER_ID) if self.adapter_config is not None else None
+        loaded = await asyncio.wait_for(self.llm.collective_rpc("meshrl_load_ipc", args=(slot.blob, dtype, adapter)), timeout_s)
+        return int(loaded[0])
+
     async def weights_checksum(self) -> float:
         return float((await self.llm.collective_rpc("meshrl_weights_checksum"))[0])
 

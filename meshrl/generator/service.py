@@ -40,7 +40,7 @@ import torch
 from meshrl.compat import vllm_runs_lora_on
 from meshrl.config import MOE_FAMILIES, Config
 from meshrl.generator.engine import RequestResult, VLLMEngine
-from meshrl.weightsync.spec import ReceivedInEngine
+from meshrl.weightsync.spec import GpuSlot, ReceivedInEngine
 
 UPDATE_MODES = ("keep", "abort", "drain", "block")
 VERSION_WAIT_SLACK_S = 30.0
@@ -235,9 +235,10 @@ class Generator:
         await self.engine.resume()
 
     # ---- weights --------------------------------------------------------------------------
-    async def update_weights(self, version: int, tensors: dict[str, torch.Tensor] | ReceivedInEngine, mode: str | None = None) -> float:
+    async def update_weights(self, version: int, tensors: dict[str, torch.Tensor] | ReceivedInEngine | GpuSlot, mode: str | None = None) -> float:
         """Apply `version`'s tensors (full HF-named weights, or with LoRA the PEFT-named
-        adapter; or ReceivedInEngine: already received by the engine's workers); returns
+        adapter; ReceivedInEngine: already received by the engine's workers; GpuSlot: the
+        trainer's GPU slot, through CUDA IPC); returns
         seconds generation was held."""
         mode = mode or self.gen.update_mode
         if mode not in UPDATE_MODES:
@@ -259,6 +260,8 @@ class Generator:
                     await self.engine.pause("keep")
                 if isinstance(tensors, ReceivedInEngine):
                     await self.engine.load_received(tensors.version, timeout)  # already in the workers
+                elif isinstance(tensors, GpuSlot):
+                    await self.engine.load_gpu_slot(tensors, timeout)  # the trainer's slot, on the GPU both share
                 elif self.engine.adapter_config is not None:
                     await self.engine.load_adapter(tensors, timeout)  # LoRA: the adapter alone
                 else:

@@ -117,10 +117,16 @@ def views_of_shared_memory(path: str, nbytes: int, manifest) -> dict[str, torch.
     return out
 
 
+def _cast(views: dict[str, torch.Tensor], dtype: str | None) -> dict[str, torch.Tensor]:
+    """Floating tensors as `dtype` (the engine's), the rest as they are."""
+    cast = getattr(torch, dtype) if dtype else None
+    return {k: v.to(cast) if cast is not None and v.is_floating_point() and v.dtype != cast else v for k, v in views.items()}
+
+
 class WorkerReceive:
     """The collective weight receiver a vLLM worker runs (`meshrl_ws_*`): joins the group in
     a thread, then receives every broadcast version into buffers on the worker's device. On
-    a GPU the buffers are GPU memory and the group NCCL (SyncSpec.backend): a version goes
+    a GPU the buffers are GPU memory and the group NCCL (SyncSpec.on_gpu): a version goes
     from the trainer's GPU buckets to this GPU and into the model without touching the host.
     A GPU keeps two copies of the model's bytes at most (the newest version and the one
     being received); leave room for them under generator.gpu_memory_utilization."""
@@ -223,6 +229,22 @@ class MeshrlWorkerExtension:
         manager.activate_adapter(adapter_id)
         return len(weights)
 
+    def meshrl_load_ipc(self, blob: bytes, dtype: str | None, adapter: tuple | None = None) -> int:
+        """Load a version from the trainer's GPU staging slot, named by a CUDA IPC handle and
+        its layout (weightsync.spec.GpuSlot), in place (floating tensors cast to `dtype`);
+        with `adapter` = (peft config, id), into the LoRA adapter. Returns tensors loaded."""
+        import pickle
+
+        from meshrl.weightsync.layout import unpack
+        from meshrl.weightsync.shared import open_ipc
+
+        handle, layout = pickle.loads(blob)
+        flat = open_ipc(handle)
+        weights = _cast(unpack(flat, layout), dtype)
+        loaded = self._meshrl_set_adapter(weights, *adapter) if adapter else self._meshrl_reload(weights)
+        torch.cuda.current_stream().synchronize()  # every copy out of the slot is done before its lease ends
+        return loaded
+
     # ---- weight sync received by the worker itself (the collective transport) ----------------
     def meshrl_ws_connect(self, spec: dict, first_rank: int) -> int:
         """Join the weight-sync broadcast group `spec` (a SyncSpec's fields) as rank `first_rank` + this worker's rank, into
@@ -265,8 +287,7 @@ class MeshrlWorkerExtension:
             if version == ws.loaded_version:
                 return 0
             raise RuntimeError(f"weight version {version} was not handed out in this worker (have {got[0] if got else None})")
-        cast = getattr(torch, dtype) if dtype else None
-        weights = {k: v.to(cast) if cast is not None and v.is_floating_point() and v.dtype != cast else v for k, v in got[2].items()}
+        weights = _cast(got[2], dtype)
         try:
             loaded = self._meshrl_set_adapter(weights, *adapter) if adapter else self._meshrl_reload(weights)
         finally:

@@ -175,15 +175,20 @@ def resolve_transport(config: Config) -> str:
     if SHARED_MESH not in plan_hosts(config):
         return "collective"
     plan = plan_devices(config)
-    return "collective" if plan.layout == "disaggregated" and weight_backend(plan) == "nccl" else "shm"
+    return "collective" if plan.layout == "disaggregated" and weights_on_gpu(plan, "collective") else "shm"
 
 
-def weight_backend(plan: DevicePlan) -> str:
-    """The collective transport's backend: NCCL when the trainer and the generators hold
-    GPUs (their buckets stay there), gloo between host buffers otherwise (a CPU plan, or a
-    CPU trainer beside GPU generators)."""
-    on_gpus = all(s.gpus for s in plan.slots if s.role in ("trainer", "generator"))
-    return "nccl" if plan.layout != "cpu" and on_gpus else "gloo"
+def weights_on_gpu(plan: DevicePlan, transport: str) -> bool:
+    """Whether versions stay in GPU memory (SyncSpec.on_gpu). `collective`: the trainer and
+    the generators all hold GPUs (not on a CPU plan, nor with a CPU trainer beside GPU
+    generators). `shm`: every replica is on trainer rank 0's one GPU (colocated there), the
+    only GPU a CUDA IPC handle of rank 0's slot reaches; elsewhere the slot is host memory."""
+    if plan.layout == "cpu" or not all(s.gpus for s in plan.slots if s.role in ("trainer", "generator")):
+        return False
+    if transport == "collective":
+        return True
+    publisher = plan.slot("trainer", 0).gpus
+    return transport == "shm" and all(s.gpus == publisher for s in plan.slots if s.role == "generator")
 
 
 def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:

@@ -1,6 +1,6 @@
 """`collective` transport: a broadcast group from the publishing trainer rank (rank 0) to
 every subscriber, created once per connection: gloo between host buffers, or NCCL between
-GPU-resident buckets (`SyncSpec.backend`, every peer on a GPU). The same code runs both; on
+GPU-resident buckets (`SyncSpec.on_gpu`: every peer on a GPU). The same code runs both; on
 CPU machines the suite runs it with gloo.
 
 Signalling goes through the controller's TCPStore, not through the group: before each
@@ -39,12 +39,12 @@ HEADER_POLL_S = 0.002  # how often an idle receiver asks the store for the next 
 
 def make_group(spec: SyncSpec, rank: int) -> tuple[dist.Store, dist.ProcessGroup]:
     """Join the store and create this rank's group (all ranks must call it together): NCCL
-    on this thread's current GPU when spec.backend is nccl, else gloo."""
+    on this thread's current GPU when spec.on_gpu, else gloo."""
     timeout = timedelta(seconds=spec.timeout_s)
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(spec.group_name, store)
     listen_on = spec.store_host if _is_loopback(spec.store_host) else host_address()
-    if spec.backend == "nccl":
+    if spec.on_gpu:
         # NCCL's bootstrap sockets listen on the interface of the same address gloo would
         # (loopback on one host), unless the user named one; its data goes GPU to GPU.
         if listen_on is not None:

@@ -23,10 +23,10 @@ class WeightSync:
     any trainer or generator proc, so a group can be re-created after one of them died.
     """
 
-    def __init__(self, cfg: WeightSyncConfig, store_host: str | None = None, backend: str = "gloo"):
+    def __init__(self, cfg: WeightSyncConfig, store_host: str | None = None, on_gpu: bool = False):
         self.cfg = cfg
-        self.backend = backend
-        """collective: "nccl" when the publisher and every subscriber hold a GPU, else "gloo"."""
+        self.on_gpu = on_gpu
+        """The publisher and every subscriber hold a GPU: versions stay in GPU memory (SyncSpec.on_gpu)."""
         self.publisher = None
         self.subscribers: list = []
         self._store: dist.TCPStore | None = None
@@ -44,11 +44,12 @@ class WeightSync:
             self._store = tcp_store_listening_on(self._store_host, timedelta(seconds=cfg.timeout_s))
 
     def spec(self, ranks: int) -> SyncSpec:
-        common = dict(transport=self.cfg.transport, timeout_s=self.cfg.timeout_s, files_dir=self.files_dir)
+        common = dict(transport=self.cfg.transport, timeout_s=self.cfg.timeout_s, files_dir=self.files_dir,
+                      on_gpu=self.on_gpu and self.cfg.transport in ("collective", "shm"))
         if self.cfg.transport != "collective":
             return SyncSpec(**common)
         return SyncSpec(**common, store_host=self._store_host, store_port=self._store.port, world_size=1 + ranks,
-                        group_name=f"ws-{self._tag}-{next(self._generation)}/", backend=self.backend)
+                        group_name=f"ws-{self._tag}-{next(self._generation)}/")
 
     async def connect(self, publisher, subscribers: list) -> "WeightSync":
         """Connect the publisher's handle to every subscriber's handle (all at once, as a

@@ -64,10 +64,10 @@ class Publisher:
     def configure(self, spec: SyncSpec) -> None:
         """(Re)connect to subscribers; called by the controller through the sidecar."""
         self.close_transport()
+        # On GPUs: stage in GPU buckets on this rank's GPU (two copies of the model at most),
+        # so a version never leaves the GPU; else host slots (pinned where CUDA is).
+        self.pool.use_device(torch.device("cuda", 0) if spec.on_gpu else None, 2 if spec.on_gpu else None)
         if spec.transport == "collective":
-            # NCCL: stage in GPU buckets on this rank's GPU (two copies of the model at most),
-            # so a version never leaves the GPU; gloo: host slots, pinned where CUDA is.
-            self.pool.use_device(torch.device("cuda", 0) if spec.backend == "nccl" else None, 2 if spec.backend == "nccl" else None)
             self._background = CollectiveSender(self.pool, spec)  # blocks until every rank joined
         elif spec.transport == "files":
             self._background = FileWriter(self.pool, spec.files_dir)

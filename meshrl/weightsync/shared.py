@@ -8,10 +8,15 @@ is held while the views are in use: until `release` (the generator calls it once
 engine has loaded them) or the next fetch, and a leased slot is never rewritten, so the
 engine loads exactly one version. Procs on other hosts cannot map the file: the config
 check refuses `shm` with more than one host.
+
+On one GPU shared by the trainer and the engine (SyncSpec.on_gpu), the slots are GPU memory
+and the lease names a CUDA IPC handle of the slot instead: the engine's worker opens it and
+loads from the trainer's GPU bucket with no host hop (`GpuSlot`).
 """
 
 from __future__ import annotations
 
+import pickle
 import time
 import uuid
 
@@ -20,7 +25,22 @@ import torch
 from meshrl.weightsync.errors import WeightSyncError
 from meshrl.weightsync.layout import Layout, unpack
 from meshrl.weightsync.rdma import _bounded, wait_for_lease
+from meshrl.weightsync.spec import GpuSlot
 from meshrl.weightsync.staging import Slot, StagingPool
+
+
+def ipc_handle(flat: torch.Tensor) -> bytes:
+    """A CUDA IPC handle of GPU buffer `flat`, pickled: a process on this host that sees the
+    same GPU opens it with `open_ipc` (no copy). The buffer must outlive every reader."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return pickle.dumps(reduce_tensor(flat))
+
+
+def open_ipc(blob: bytes) -> torch.Tensor:
+    """The GPU buffer an `ipc_handle` names, mapped into this process."""
+    rebuild, args = pickle.loads(blob)
+    return rebuild(*args)
 
 
 def slot_name(slot: Slot) -> tuple[str, str]:
@@ -40,6 +60,8 @@ async def serve_acquire_shared(pool: StagingPool, min_version: int, wait_s: floa
     lease = await wait_for_lease(pool, min_version, wait_s)
     if lease is None:
         return None
+    if lease.slot.flat.is_cuda:
+        return {"lease_id": lease.lease_id, "version": lease.version, "layout": lease.slot.layout, "ipc": ipc_handle(lease.slot.flat)}
     path, key = slot_name(lease.slot)
     return {"lease_id": lease.lease_id, "version": lease.version, "layout": lease.slot.layout,
             "path": path, "key": key, "nbytes": lease.slot.flat.numel()}
@@ -53,14 +75,17 @@ class SharedReader:
         self.mapped: dict[str, torch.Tensor] = {}  # slot key -> its mapping
         self.lease_id: int | None = None
 
-    async def fetch(self, min_version: int, wait_s: float, timeout_s: float) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """Lease the newest version >= min_version and view its tensors in place; None if none
-        appeared within wait_s. The lease of the previous fetch ends once this one is held."""
+    async def fetch(self, min_version: int, wait_s: float, timeout_s: float) -> tuple[int, dict[str, torch.Tensor] | GpuSlot] | None:
+        """Lease the newest version >= min_version and view its tensors in place (a GPU slot:
+        its IPC handle, for the engine to open); None if none appeared within wait_s. The
+        lease of the previous fetch ends once this one is held."""
         reply = await _bounded(self.agent.acquire_shared.call_one(min_version, wait_s), wait_s + timeout_s, "lease a staged version")
         if reply is None:
             return None
         await self.release(timeout_s, quiet=True)
         self.lease_id = reply["lease_id"]
+        if "ipc" in reply:
+            return reply["version"], GpuSlot(reply["version"], pickle.dumps((reply["ipc"], reply["layout"])))
         flat = self.mapped.get(reply["key"])
         if flat is None:
             flat = torch.from_file(reply["path"], shared=True, size=reply["nbytes"], dtype=torch.uint8)

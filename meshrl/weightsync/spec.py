@@ -16,8 +16,21 @@ class SyncSpec:
     store_port: int | None = None
     world_size: int = 0
     group_name: str = ""
-    backend: str = "gloo"
-    """collective only: "gloo" (host buffers) or "nccl" (GPU-resident buckets, every peer on a GPU)."""
+    on_gpu: bool = False
+    """Every peer holds a GPU: the versions stay in GPU memory. `collective` broadcasts GPU
+    buckets over NCCL (else gloo between host buffers); `shm` hands the engines CUDA IPC
+    handles of the trainer's GPU slot (else they map its shared-memory file)."""
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    """What `Subscriber.fetch` hands out with `shm` when the trainer's staging slot is on the
+    GPU the engine shares (placement=colocate on one GPU): a CUDA IPC handle of the slot with
+    its layout, pickled (`shared.ipc_handle`). The engine opens it and loads in place
+    (`VLLMEngine.load_gpu_slot`); it is valid while the subscriber holds the lease."""
+
+    version: int
+    blob: bytes
 
 
 @dataclass(frozen=True)
