@@ -411,11 +411,13 @@ class VLLMEngine:
 
         deadline = time.monotonic() + wait_s
         while True:
-            version = min(await self.llm.collective_rpc("meshrl_ws_ready"))
-            if version >= min_version:
-                if all(await self.llm.collective_rpc("meshrl_ws_take", args=(version,))):
-                    return version
-                continue  # a worker received a newer one meanwhile: agree on that one
+            # one round trip: each worker hands out its newest version >= min_version
+            taken = await self.llm.collective_rpc("meshrl_ws_take", args=(min_version,))
+            if min(taken) >= min_version:
+                if len(set(taken)) == 1:
+                    return taken[0]
+                min_version = max(taken)  # tp workers mid-way through a newer one: agree on it
+                continue
             if time.monotonic() >= deadline:
                 return None
             await asyncio.sleep(RECEIVED_POLL_S)

@@ -166,12 +166,14 @@ class WorkerReceive:
             raise RuntimeError(f"joining the weight-sync group failed: {self.error}")
         return self.receiver is not None
 
-    def ready(self) -> int:
+    def take(self, min_version: int) -> int:
         error = self.error or (self.receiver.error if self.receiver is not None else None)
         if error is not None:
             raise RuntimeError(f"weight receive failed: {error}")
         with self.buffers.lock:
-            return self.buffers.latest[0] if self.buffers.latest is not None else -1
+            self.buffers.take_latest(min_version)
+            held = self.buffers.handed_out
+            return held[0] if held is not None and held[0] >= min_version else -1
 
 
 class MeshrlWorkerExtension:
@@ -266,15 +268,11 @@ class MeshrlWorkerExtension:
         """Whether the group has formed (raises the join's error if it failed)."""
         return self._meshrl_ws.joined()
 
-    def meshrl_ws_ready(self) -> int:
-        """The newest version received completely and not yet taken (-1: none); raises the
-        receiver's error if it failed."""
-        return self._meshrl_ws.ready()
-
-    def meshrl_ws_take(self, version: int) -> bool:
-        """Hand out the received `version` for `meshrl_ws_load` if it is still the newest; False
-        if a newer one replaced it since `meshrl_ws_ready` (ask again)."""
-        return self._meshrl_ws.buffers.take_latest(version, exact=True) is not None
+    def meshrl_ws_take(self, min_version: int) -> int:
+        """Hand out the newest received version if it is >= min_version, for `meshrl_ws_load`;
+        returns the version handed out (the one already handed out, if no newer arrived), or
+        -1 if none is >= min_version yet. Raises the receiver's error if it failed."""
+        return self._meshrl_ws.take(min_version)
 
     def meshrl_ws_load(self, version: int, dtype: str | None, adapter: tuple | None = None) -> int:
         """Load the handed-out `version` into the model (or, with `adapter` = (peft config, id),

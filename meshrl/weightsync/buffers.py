@@ -63,11 +63,10 @@ class ReceiveBuffers:
             self.latest = (version, flat)
             self.lock.notify_all()
 
-    def take_latest(self, min_version: int, exact: bool = False) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """Hand out the latest complete version if it is >= min_version (`exact`: equal to it),
-        without waiting; else None."""
+    def take_latest(self, min_version: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """Hand out the latest complete version if it is >= min_version, without waiting; else None."""
         with self.lock:
-            if self.latest is None or self.latest[0] < min_version or (exact and self.latest[0] != min_version):
+            if self.latest is None or self.latest[0] < min_version:
                 return None
             (version, flat), self.latest = self.latest, None
             return version, self.hand_out(version, flat)
