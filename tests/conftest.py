@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -124,6 +125,25 @@ def fetched_into_shared_buffer(named):
     flat = bufs.take()
     pack(flat, layout, named)
     return bufs, flat, bufs.hand_out(1, flat)
+
+
+# ---- a child process (torch-only checks) -------------------------------------------------------
+@contextlib.contextmanager
+def child_process(target, *args):
+    """Run `target(*args, queue)` in a fresh (spawned) process; yields the queue it answers on,
+    and stops the process on the way out."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=target, args=(*args, out))
+    child.start()
+    try:
+        yield out
+    finally:
+        child.join(60)
+        if child.is_alive():
+            child.kill()
 
 
 # ---- hand-made episode groups -----------------------------------------------------------------

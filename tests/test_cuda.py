@@ -11,7 +11,6 @@ more; with one, gloo moving the same CUDA tensors, as NCCL refuses two ranks on 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from datetime import timedelta
 
 import pytest
@@ -22,6 +21,7 @@ from meshrl.weightsync.collective import CollectiveReceiver, CollectiveSender, w
 from meshrl.weightsync.layout import allocate, pack, plan_layout, unpack
 from meshrl.weightsync.spec import SyncSpec
 from meshrl.weightsync.staging import StagingPool
+from tests.conftest import child_process
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -77,11 +77,7 @@ def test_a_version_moves_between_gpu_buckets_in_two_processes():
     store = tcp_store_listening_on("127.0.0.1", timedelta(seconds=60))
     spec = SyncSpec("collective", 60.0, store_host="127.0.0.1", store_port=store.port, world_size=2,
                     group_name="cuda-test/", on_gpu=two)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    child = ctx.Process(target=_receive, args=(spec, 1 if two else 0, out))
-    child.start()
-    try:
+    with child_process(_receive, spec, 1 if two else 0) as out:
         pool = StagingPool(lease_timeout_s=60.0)
         pool.use_device(torch.device("cuda", 0), max_slots=2)
         sender = CollectiveSender(pool, spec)  # returns once both ranks joined
@@ -93,10 +89,6 @@ def test_a_version_moves_between_gpu_buckets_in_two_processes():
         assert sums == {n: t.float().sum().item() for n, t in model(3, "cuda")}
         assert sender.error is None
         sender.close()
-    finally:
-        child.join(60)
-        if child.is_alive():
-            child.kill()
 
 
 def _open_and_sum(blob: bytes, out) -> None:
@@ -122,15 +114,9 @@ def test_a_gpu_slot_is_read_in_another_process_through_a_cuda_ipc_handle():
     layout = plan_layout(named, 1 << 18)
     pool.publish(4, layout, named)
     lease = pool.acquire(4)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    child = ctx.Process(target=_open_and_sum, args=(pickle.dumps((ipc_handle(lease.slot.flat), layout)), out))
-    child.start()
     try:
-        on_gpu, sums = out.get(timeout=120)
-        assert on_gpu and sums == {n: t.float().sum().item() for n, t in named}
+        with child_process(_open_and_sum, pickle.dumps((ipc_handle(lease.slot.flat), layout))) as out:
+            on_gpu, sums = out.get(timeout=120)
+            assert on_gpu and sums == {n: t.float().sum().item() for n, t in named}
     finally:
-        child.join(60)
-        if child.is_alive():
-            child.kill()
         pool.release(lease)

@@ -349,10 +349,7 @@ class VLLMEngine:
         """Load full HF-named tensors through shared memory into the (paused) engine. Tensors
         fetched by weight sync are read by the engine straight from the subscriber's buffer,
         which stays unchanged until the next fetch (after this load has returned)."""
-        import asyncio
-
-        dtype = getattr(torch, self.dtype) if self.dtype in ("float32", "bfloat16", "float16") else None
-        segments = to_shared_memory(tensors, dtype)
+        segments = to_shared_memory(tensors, None if self.load_dtype is None else getattr(torch, self.load_dtype))
         try:
             loaded = await asyncio.wait_for(
                 self.llm.collective_rpc("meshrl_load_shared_weights", args=([(s.path, s.nbytes, s.manifest) for s in segments],)),
@@ -366,8 +363,6 @@ class VLLMEngine:
     async def load_adapter(self, tensors: dict[str, torch.Tensor], timeout_s: float = 120.0) -> int:
         """Replace the policy's LoRA adapter by PEFT-named `tensors` (the paused engine's
         requests continue with it), through shared memory as `load_tensors` does."""
-        import asyncio
-
         if self.adapter_config is None:
             raise RuntimeError("this engine runs no adapter: start it with adapter_dir")
         segments = to_shared_memory(tensors)
@@ -378,6 +373,15 @@ class VLLMEngine:
             for s in segments:
                 s.unlink()
         return int(loaded[0])
+
+    @property
+    def load_dtype(self) -> str | None:
+        """What floating tensors are cast to before loading: the engine's dtype, if a float one."""
+        return self.dtype if self.dtype in ("float32", "bfloat16", "float16") else None
+
+    def _adapter_arg(self) -> tuple | None:
+        """(PEFT config, adapter id): a worker load goes into the LoRA adapter; None: the model."""
+        return (self.adapter_config, ADAPTER_ID) if self.adapter_config is not None else None
 
     # ---- weights received by the engine's own workers (weight_sync.transport=collective) -----
     @property
@@ -407,8 +411,6 @@ class VLLMEngine:
         """The newest version >= min_version every worker has received, handed out for
         `load_received`; None if none arrived within wait_s. Polls the workers (a small RPC
         the engine core answers between steps)."""
-        import asyncio
-
         deadline = time.monotonic() + wait_s
         while True:
             # one round trip: each worker hands out its newest version >= min_version
@@ -425,21 +427,13 @@ class VLLMEngine:
     async def load_received(self, version: int, timeout_s: float = 120.0) -> int:
         """Load the handed-out received `version` into the (paused) engine, in place from the
         workers' receive buffers (the LoRA adapter, when the engine runs one)."""
-        import asyncio
-
-        dtype = self.dtype if self.dtype in ("float32", "bfloat16", "float16") else None
-        adapter = (self.adapter_config, ADAPTER_ID) if self.adapter_config is not None else None
-        loaded = await asyncio.wait_for(self.llm.collective_rpc("meshrl_ws_load", args=(version, dtype, adapter)), timeout_s)
+        loaded = await asyncio.wait_for(self.llm.collective_rpc("meshrl_ws_load", args=(version, self.load_dtype, self._adapter_arg())), timeout_s)
         return int(loaded[0])
 
     async def load_gpu_slot(self, slot, timeout_s: float = 120.0) -> int:
         """Load a version from the trainer's GPU staging slot (a weightsync GpuSlot: one GPU
         shared with the trainer) into the (paused) engine, in place through CUDA IPC."""
-        import asyncio
-
-        dtype = self.dtype if self.dtype in ("float32", "bfloat16", "float16") else None
-        adapter = (self.adapter_config, ADAPTER_ID) if self.adapter_config is not None else None
-        loaded = await asyncio.wait_for(self.llm.collective_rpc("meshrl_load_ipc", args=(slot.blob, dtype, adapter)), timeout_s)
+        loaded = await asyncio.wait_for(self.llm.collective_rpc("meshrl_load_ipc", args=(slot.blob, self.load_dtype, self._adapter_arg())), timeout_s)
         return int(loaded[0])
 
     async def weights_checksum(self) -> float:

@@ -149,7 +149,7 @@ class WorkerReceive:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # the current device is per thread
             receiver = CollectiveReceiver(spec, rank, self.buffers)
-        except BaseException as e:  # noqa: BLE001 - reported by ready()
+        except BaseException as e:  # noqa: BLE001 - reported by joined()
             self.error = e
             return
         self.receiver = receiver
@@ -249,10 +249,10 @@ class MeshrlWorkerExtension:
 
     # ---- weight sync received by the worker itself (the collective transport) ----------------
     def meshrl_ws_connect(self, spec: dict, first_rank: int) -> int:
-        """Join the weight-sync broadcast group `spec` (a SyncSpec's fields) as rank `first_rank` + this worker's rank, into
-        buffers on this worker's device (its GPU, or host memory). The group forms when every
-        peer has joined, so the join runs in a thread and the engine serves meanwhile; a
-        failed join shows in `meshrl_ws_ready`. Returns the rank."""
+        """Join the weight-sync broadcast group `spec` (a SyncSpec's fields) as rank
+        `first_rank` + this worker's rank, into buffers on this worker's device (its GPU, or
+        host memory). The group forms when every peer has joined, so the join runs in a
+        thread and the engine serves meanwhile (`meshrl_ws_joined` reports it). Returns the rank."""
         from meshrl.weightsync.spec import SyncSpec
 
         self.meshrl_ws_close()
