@@ -32,6 +32,16 @@ def model(version: int, device: str) -> list[tuple[str, torch.Tensor]]:
     return [(f"layer{i}.w", (torch.randn(s, generator=g) * (version + 1)).to(torch.bfloat16).to(device)) for i, s in enumerate(shapes)]
 
 
+def published_on_gpu(version: int):
+    """A staging pool on GPU 0 (two slots, as a GPU run's publisher keeps) holding `version`."""
+    pool = StagingPool(lease_timeout_s=60.0)
+    pool.use_device(torch.device("cuda", 0), max_slots=2)
+    named = model(version, "cuda")
+    layout = plan_layout(named, 1 << 18)
+    pool.publish(version, layout, named)
+    return pool, named, layout
+
+
 def test_packing_into_a_gpu_bucket_equals_packing_into_host_memory():
     for device in ("cuda", "cpu"):  # GPU tensors, and host tensors into a GPU bucket
         named = model(1, device)
@@ -46,11 +56,7 @@ def test_packing_into_a_gpu_bucket_equals_packing_into_host_memory():
 
 
 def test_gpu_staging_slots_hold_each_version_apart():
-    pool = StagingPool(lease_timeout_s=30.0)
-    pool.use_device(torch.device("cuda", 0), max_slots=2)
-    named = model(1, "cuda")
-    layout = plan_layout(named, 1 << 18)
-    pool.publish(1, layout, named)
+    pool, named, layout = published_on_gpu(1)
     lease = pool.acquire(1)
     pool.publish(2, layout, model(2, "cuda"))  # the leased slot is not overwritten
     assert lease.slot.flat.is_cuda and lease.version == 1
@@ -108,11 +114,7 @@ def test_a_gpu_slot_is_read_in_another_process_through_a_cuda_ipc_handle():
 
     from meshrl.weightsync.shared import ipc_handle
 
-    pool = StagingPool(lease_timeout_s=60.0)
-    pool.use_device(torch.device("cuda", 0), max_slots=2)
-    named = model(4, "cuda")
-    layout = plan_layout(named, 1 << 18)
-    pool.publish(4, layout, named)
+    pool, named, layout = published_on_gpu(4)
     lease = pool.acquire(4)
     try:
         with child_process(_open_and_sum, pickle.dumps((ipc_handle(lease.slot.flat), layout))) as out:
