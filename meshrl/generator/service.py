@@ -238,8 +238,7 @@ class Generator:
     async def update_weights(self, version: int, tensors: dict[str, torch.Tensor] | ReceivedInEngine | GpuSlot, mode: str | None = None) -> float:
         """Apply `version`'s tensors (full HF-named weights, or with LoRA the PEFT-named
         adapter; ReceivedInEngine: already received by the engine's workers; GpuSlot: the
-        trainer's GPU slot, through CUDA IPC); returns
-        seconds generation was held."""
+        trainer's GPU slot, through CUDA IPC); returns seconds generation was held."""
         mode = mode or self.gen.update_mode
         if mode not in UPDATE_MODES:
             raise ValueError(f"update mode must be one of {UPDATE_MODES}, got {mode!r}")

@@ -55,11 +55,12 @@ class WeightSync:
         """Connect the publisher's handle to every subscriber's handle (all at once, as a
         collective group needs every rank to join together). Bounded by timeout_s."""
         self.publisher, self.subscribers = publisher, list(subscribers)
-        try:
-            # a subscriber whose engine's workers receive holds a rank per worker
-            counts = await asyncio.wait_for(asyncio.gather(*[awaited(s.ranks.call_one(self.cfg.transport)) for s in self.subscribers]), self.cfg.timeout_s)
-        except asyncio.TimeoutError:
-            raise WeightSyncTimeout(f"asking {len(self.subscribers)} weight-sync subscribers for their ranks took over {self.cfg.timeout_s:.0f}s") from None
+        counts = [1] * len(self.subscribers)
+        if self.cfg.transport == "collective":  # a subscriber whose engine's workers receive holds a rank per worker
+            try:
+                counts = await asyncio.wait_for(asyncio.gather(*[awaited(s.ranks.call_one(self.cfg.transport)) for s in self.subscribers]), self.cfg.timeout_s)
+            except asyncio.TimeoutError:
+                raise WeightSyncTimeout(f"asking {len(self.subscribers)} weight-sync subscribers for their ranks took over {self.cfg.timeout_s:.0f}s") from None
         spec = self.spec(sum(counts))
         firsts = [1 + sum(counts[:i]) for i in range(len(counts))]
         calls = [publisher.configure.call_one(spec)]

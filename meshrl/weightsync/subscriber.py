@@ -56,8 +56,9 @@ class Subscriber:
 
     def configure(self, spec: SyncSpec, rank: int, publisher) -> None:
         """(Re)connect to a publisher; called by the controller through the sidecar."""
-        self.close_transport()
-        if spec.transport == "collective" and self.engine is not None:
+        in_engine = spec.transport == "collective" and self.engine is not None
+        self.close_transport(stop_engine=not in_engine)  # the engine's workers replace their receivers as they join anew
+        if in_engine:
             # the engine's loop serves its client; this runs in a worker thread (SubscriberAgent)
             asyncio.run_coroutine_threadsafe(self.engine.receive_weights(spec, rank), self.engine.loop).result(spec.timeout_s)
             self._in_engine = True
@@ -71,10 +72,10 @@ class Subscriber:
             raise WeightSyncError(f"unknown transport {spec.transport!r}")
         self.spec = spec
 
-    def close_transport(self) -> None:
+    def close_transport(self, stop_engine: bool = True) -> None:
         if self._receiver is not None:
             self._receiver.close()
-        if self._in_engine:  # the workers' receivers stop (not waited for: may run on the engine's loop)
+        if self._in_engine and stop_engine:  # the workers' receivers stop (not waited for: may run on the engine's loop)
             asyncio.run_coroutine_threadsafe(self.engine.stop_receiving(), self.engine.loop)
         self._receiver = self._reader = self._shared = None
         self._in_engine = False
