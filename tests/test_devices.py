@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from meshrl.config import Config, ConfigError
-from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV, plan_devices, resolve_transport, weights_on_gpu
+from meshrl.launch.devices import DEVICE_ENV, NCCL_IFNAME_ENV, PLAN_ENV, plan_devices, resolve_transport, weights_on_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,14 +35,16 @@ def assert_disjoint(plan) -> None:
             assert 0 <= gpu < plan.gpus_per_host
 
 
-def test_one_node_of_eight_gpus():
+def test_one_node_of_eight_gpus(monkeypatch):
+    monkeypatch.delenv(NCCL_IFNAME_ENV, raising=False)
     plan = plan_devices(config(trainer={"procs": 4}, generator={"replicas": 2, "tp": 2}, launcher={"gpus_per_host": 8}))
     assert plan.layout == "disaggregated" and plan.hosts == {"hosts": 1}
     assert [s.gpus for s in plan.slots if s.role == "trainer"] == [(0,), (1,), (2,), (3,)]
     assert [s.gpus for s in plan.slots if s.role == "generator"] == [(4, 5), (6, 7)]
     assert_disjoint(plan)
     assert plan.idle() == {}
-    assert plan.env("generator", 1) == {DEVICE_ENV: "6,7", PLAN_ENV: "generator 1"}
+    # NCCL's bootstrap on loopback: every proc of a one-machine run is on this host
+    assert plan.env("generator", 1) == {DEVICE_ENV: "6,7", PLAN_ENV: "generator 1", NCCL_IFNAME_ENV: "lo"}
     assert plan.env("coord") == {DEVICE_ENV: ""}  # the queue and the workers hold no GPU
     assert "generator  1      hosts[0]  6,7" in plan.table()
 
@@ -78,7 +80,18 @@ def test_a_cpu_trainer_leaves_every_gpu_to_the_generators():
     assert plan_devices(config()).layout == "cpu" and plan_devices(config()).env("generator", 0) == {}
 
 
-def test_colocated_plans_share_the_gpus_and_auto_picks_them_only_when_the_roles_do_not_fit():
+def test_nccl_listens_on_loopback_only_where_every_host_is_this_machine(monkeypatch):
+    monkeypatch.delenv(NCCL_IFNAME_ENV, raising=False)
+    split = config(launcher={"kind": "process", "hosts": 2, "gpus_per_host": 1})
+    assert plan_devices(split).env("trainer", 0)[NCCL_IFNAME_ENV] == "lo"
+    slurm = plan_devices(config(launcher={"kind": "slurm", "hosts": 2, "gpus_per_host": 8}))
+    assert NCCL_IFNAME_ENV not in slurm.env("generator", 0)  # the cluster's interface, as its NCCL_SOCKET_IFNAME says
+    monkeypatch.setenv(NCCL_IFNAME_ENV, "ib0")  # the user's choice: inherited, never overridden
+    assert NCCL_IFNAME_ENV not in plan_devices(split).env("trainer", 0)
+
+
+def test_colocated_plans_share_the_gpus_and_auto_picks_them_only_when_the_roles_do_not_fit(monkeypatch):
+    monkeypatch.setenv(NCCL_IFNAME_ENV, "lo")
     one = plan_devices(config(launcher={"gpus_per_host": 1}))  # placement auto, one GPU: trainer and engine share it
     assert one.layout == "colocated" and one.placement == "colocate"
     assert one.slot("trainer", 0).gpus == one.slot("generator", 0).gpus == (0,)
@@ -133,6 +146,8 @@ def test_colocation_and_shm_need_one_host(sections, field):
     ({"placement": "split", "trainer": {"procs": 4}, "generator": {"replicas": 6}, "launcher": {"gpus_per_host": 8}}, "generator.replicas", "set generator.replicas=4"),
     ({"placement": "split", "trainer": {"procs": 2}, "generator": {"replicas": 2, "tp": 4}, "launcher": {"gpus_per_host": 8}}, "generator.replicas", "set generator.replicas=1"),
     ({"trainer": {"device": "cuda"}}, "trainer.device", "no GPU was found"),
+    # auto colocates on one GPU, where NCCL cannot have two ranks: the chosen transport is refused, not crashed on
+    ({"weight_sync": {"transport": "collective"}, "launcher": {"gpus_per_host": 1}}, "weight_sync.transport", "set auto or shm"),
 ])
 def test_a_plan_that_does_not_fit_names_the_field_and_the_fix(sections, field, words):
     with pytest.raises(ConfigError) as info:

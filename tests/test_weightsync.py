@@ -212,6 +212,43 @@ def test_a_two_buffer_receiver_lets_the_next_version_replace_the_unfetched_one()
     assert bufs.take() is first and bufs.take_latest(1)[0] == 3
 
 
+def test_a_failed_worker_load_keeps_its_version_for_the_retry():
+    """The vLLM worker's load from its receive buffer (MeshrlWorkerExtension.meshrl_ws_load):
+    a load that fails keeps the version handed out, so the generator's next attempt loads it
+    again; a load that succeeds frees the buffer for the next receive."""
+    from types import SimpleNamespace
+
+    from meshrl.generator.weight_loading import MeshrlWorkerExtension
+    from meshrl.weightsync.buffers import ReceiveBuffers
+
+    named = dict(model_tensors())
+    bufs = ReceiveBuffers(max_buffers=2)
+    bufs.set_layout(plan_layout(list(named.items()), 1 << 20))
+    flat = bufs.take()
+    pack(flat, bufs.layout, list(named.items()))
+    bufs.complete(4, flat)
+    assert bufs.take_latest(4)[0] == 4
+
+    class Worker(MeshrlWorkerExtension):
+        attempts = 0
+
+        def _meshrl_reload(self, weights):
+            self.attempts += 1
+            if self.attempts == 1:
+                raise RuntimeError("out of memory")
+            assert checksum(weights) == checksum(named)
+            return len(weights)
+
+    worker = Worker()
+    worker._meshrl_ws = SimpleNamespace(buffers=bufs, loaded_version=-1)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        worker.meshrl_ws_load(4, None)
+    assert bufs.handed_out[0] == 4, "a failed load must leave its version to be loaded again"
+    assert worker.meshrl_ws_load(4, None) == len(named)
+    assert bufs.handed_out is None and bufs.take() is flat  # loaded: the buffer serves the next receive
+    assert worker.meshrl_ws_load(4, None) == 0  # loaded already: nothing to do
+
+
 # ---- stand-in actors ---------------------------------------------------------------------------
 class StandInTrainer(Actor):
     """Holds live parameters it keeps stepping after each publish (so a live view would show)."""

@@ -44,6 +44,10 @@ ADAPTER_ID = 1
 """vLLM's id of the policy's LoRA adapter: one adapter, replaced in place at each version."""
 RECEIVED_POLL_S = 0.005
 """How often `take_received` asks the workers for a received version while it waits."""
+RPC_MIN_S = 5.0
+"""The least time a bounded worker RPC is given, even past its caller's deadline: the engine
+core answers between steps, so a caller with no time left (a non-blocking poll) still gets
+its answer."""
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The max_lora_rank values vLLM accepts."""
 
@@ -394,18 +398,26 @@ class VLLMEngine:
         receive each version into its own device's memory (module weight_loading)."""
         from dataclasses import asdict
 
+        deadline = time.monotonic() + spec.timeout_s
         # vLLM's RPC carries plain data: the spec goes as a dict
-        await self.llm.collective_rpc("meshrl_ws_connect", args=(asdict(spec), first_rank))
+        await self._rpc_until(deadline, "meshrl_ws_connect", asdict(spec), first_rank)
         # The group forms once every peer joined; a worker's failed join is an error now,
         # not a publisher left waiting out the timeout.
-        deadline = time.monotonic() + spec.timeout_s
-        while not all(await self.llm.collective_rpc("meshrl_ws_joined")):
+        while not all(await self._rpc_until(deadline, "meshrl_ws_joined")):
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"the engine's workers did not join the weight-sync group within {spec.timeout_s:.0f}s")
             await asyncio.sleep(RECEIVED_POLL_S)
 
-    async def stop_receiving(self) -> None:
-        await self.llm.collective_rpc("meshrl_ws_close")
+    async def _rpc_until(self, deadline: float, method: str, *args) -> list:
+        """A worker RPC bounded by `deadline` (time.monotonic()): TimeoutError after it, so a
+        stuck engine core never holds its caller."""
+        try:
+            return await asyncio.wait_for(self.llm.collective_rpc(method, args=args), max(RPC_MIN_S, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the engine's workers did not answer {method} in time") from None
+
+    async def stop_receiving(self, timeout_s: float = 30.0) -> None:
+        await self._rpc_until(time.monotonic() + timeout_s, "meshrl_ws_close")
 
     async def take_received(self, min_version: int, wait_s: float) -> int | None:
         """The newest version >= min_version every worker has received, handed out for
@@ -414,7 +426,7 @@ class VLLMEngine:
         deadline = time.monotonic() + wait_s
         while True:
             # one round trip: each worker hands out its newest version >= min_version
-            taken = await self.llm.collective_rpc("meshrl_ws_take", args=(min_version,))
+            taken = await self._rpc_until(deadline, "meshrl_ws_take", min_version)
             if min(taken) >= min_version:
                 if len(set(taken)) == 1:
                     return taken[0]

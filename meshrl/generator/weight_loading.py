@@ -277,8 +277,9 @@ class MeshrlWorkerExtension:
     def meshrl_ws_load(self, version: int, dtype: str | None, adapter: tuple | None = None) -> int:
         """Load the handed-out `version` into the model (or, with `adapter` = (peft config, id),
         into the LoRA adapter) from the receive buffer in place, floating tensors cast to
-        `dtype`; then the buffer serves the next receive. Returns tensors loaded; 0 when
-        `version` is the one loaded last (nothing to do)."""
+        `dtype`; then the buffer serves the next receive (after a failed load it stays handed
+        out, for a retry). Returns tensors loaded; 0 when `version` is the one loaded last
+        (nothing to do)."""
         ws = self._meshrl_ws
         got = ws.buffers.handed_out
         if got is None or got[0] != version:
@@ -286,10 +287,11 @@ class MeshrlWorkerExtension:
                 return 0
             raise RuntimeError(f"weight version {version} was not handed out in this worker (have {got[0] if got else None})")
         weights = _cast(got[2], dtype)
-        try:
-            loaded = self._meshrl_set_adapter(weights, *adapter) if adapter else self._meshrl_reload(weights)
-        finally:
-            ws.buffers.drop_handed_out()
+        loaded = self._meshrl_set_adapter(weights, *adapter) if adapter else self._meshrl_reload(weights)
+        if ws.buffers.device is not None:
+            torch.cuda.current_stream().synchronize()  # every copy out of the buffer is done before the next receive reuses it
+        # Only now: a failed load keeps the version handed out, so the generator's retry loads it again.
+        ws.buffers.drop_handed_out()
         ws.loaded_version = version
         return loaded
 

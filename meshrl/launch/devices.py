@@ -39,6 +39,10 @@ DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
 PLAN_ENV = "MESHRL_DEVICE_PLAN"
 """Set in every proc the plan placed on GPUs: its role and index (`generator 3`). Such a proc
 sees only its own GPUs and uses its device 0."""
+NCCL_IFNAME_ENV = "NCCL_SOCKET_IFNAME"
+"""Where NCCL's bootstrap sockets listen. NCCL reads it once per process, at its first
+communicator (TorchTitan's or weight sync's, whichever comes first), so a one-machine plan
+sets it in the GPU procs' environment before they start, unless the user set it."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,10 @@ class DevicePlan:
     slots: list[Slot] = field(default_factory=list)
     placement: str = "split"
     """The resolved `placement`: `split` or `colocate` (on CPU too, where no GPU is named)."""
+    one_machine: bool = True
+    """Every host is this machine (`local`, `torchx` and `process` launchers): GPU procs' NCCL groups
+    then listen on loopback. Otherwise (`workers`: `meshrl worker` names the interface;
+    Slurm: NCCL_SOCKET_IFNAME as the cluster sets it) they listen where NCCL's default puts them."""
 
     def slot(self, role: str, index: int) -> Slot:
         for s in self.slots:
@@ -80,7 +88,10 @@ class DevicePlan:
             return {}
         if role not in ("trainer", "generator", "teacher"):
             return {DEVICE_ENV: ""}
-        return {DEVICE_ENV: ",".join(map(str, self.slot(role, index).gpus)), PLAN_ENV: f"{role} {index}"}
+        env = {DEVICE_ENV: ",".join(map(str, self.slot(role, index).gpus)), PLAN_ENV: f"{role} {index}"}
+        if self.one_machine and NCCL_IFNAME_ENV not in os.environ:
+            env[NCCL_IFNAME_ENV] = "lo"
+        return env
 
     def envs(self, role: str, indices: list[int]) -> list[dict[str, str]]:
         return [self.env(role, i) for i in indices]
@@ -185,8 +196,8 @@ def weights_on_gpu(plan: DevicePlan, transport: str) -> bool:
     only GPU a CUDA IPC handle of rank 0's slot reaches; elsewhere the slot is host memory."""
     if plan.layout == "cpu" or not all(s.gpus for s in plan.slots if s.role in ("trainer", "generator")):
         return False
-    if transport == "collective":
-        return True
+    if transport == "collective":  # NCCL needs its ranks on distinct GPUs: never a colocated plan
+        return plan.layout == "disaggregated"
     publisher = plan.slot("trainer", 0).gpus
     return transport == "shm" and all(s.gpus == publisher for s in plan.slots if s.role == "generator")
 
@@ -197,10 +208,14 @@ def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
     g = gpus_per_host(config) if gpus is None else gpus
     hosts = plan_hosts(config)
     placement = resolve_placement(config, g)
-    if g and placement == "colocate":
-        return _colocated(config, g, hosts)
-    plan = _split(config, g, hosts)
+    if placement == "colocate" and config.weight_sync.transport not in ("auto", "shm"):
+        # placement=auto resolved to colocate here: the same check config.checks makes for an explicit colocate
+        raise ConfigError("weight_sync.transport", f"placement {config.placement} colocates trainer and generators on this host's "
+                                                   f"{g} GPUs, where weights pass through shared memory, not {config.weight_sync.transport}: "
+                                                   "set auto or shm, or placement=split with more GPUs")
+    plan = _colocated(config, g, hosts) if g and placement == "colocate" else _split(config, g, hosts)
     plan.placement = placement
+    plan.one_machine = config.launcher.kind in ("local", "torchx", "process")
     return plan
 
 

@@ -43,6 +43,7 @@ def run_worker(address: str) -> None:
     # what the procs of this host serve on Monarch's default transport, and gloo's default device
     os.environ["HYPERACTOR_MESH_DEFAULT_TRANSPORT"] = f"tcp://{url}:0"
     os.environ["GLOO_SOCKET_IFNAME"] = interface_of(ip)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", interface_of(ip))  # NCCL's bootstrap, on GPU hosts: the same interface unless the user named one
     from monarch.actor import run_worker_loop_forever
 
     exit_on_sigterm()

@@ -7,13 +7,14 @@ Signalling goes through the controller's TCPStore, not through the group: before
 version the sender writes a small header (version, layout id, the layout itself only when
 it changed) under `<group>/hdr/<seq>`; receivers wait on that key with a short poll, so an
 idle trainer is never a timeout, and then join the bucket broadcasts. The group is created
-with `timeout_s`, so a dead peer in a broadcast is an error within the timeout; after an
-error the sender/receiver stop, and the controller re-creates the group under a new name
-(`WeightSync.reconnect`).
+with `timeout_s`, so a dead peer in a broadcast is an error within the timeout (NCCL's
+too: `nccl_errors_raise`); after an error the sender/receiver stop, their thread frees the
+group, and the controller re-creates it under a new name (`WeightSync.reconnect`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -35,6 +36,7 @@ from meshrl.weightsync.staging import StagingPool
 log = logging.getLogger(__name__)
 POLL_S = 0.2  # how often idle threads look at their stop flag
 HEADER_POLL_S = 0.002  # how often an idle receiver asks the store for the next header
+NCCL_ERROR_MODE_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 def make_group(spec: SyncSpec, rank: int) -> tuple[dist.Store, dist.ProcessGroup]:
@@ -51,7 +53,12 @@ def make_group(spec: SyncSpec, rank: int) -> tuple[dist.Store, dist.ProcessGroup
             os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo" if _is_loopback(listen_on) else interface_of(socket.gethostbyname(listen_on)))
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return prefixed, dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, opts)
+        with nccl_errors_raise():
+            pg = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, opts)
+        # NCCL connects lazily, at the first broadcast; connecting now makes "every rank
+        # joined" true when this returns, so a bad group fails here, not in a version's broadcast.
+        pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+        return prefixed, pg
     # Every peer on this host: listen on loopback. Peers on other hosts: on the address the
     # launcher gave this host (`meshrl worker`). Otherwise gloo's default device, which
     # listens on the address the hostname resolves to (or GLOO_SOCKET_IFNAME's interface).
@@ -63,6 +70,33 @@ def make_group(spec: SyncSpec, rank: int) -> tuple[dist.Store, dist.ProcessGroup
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
     return prefixed, pg
+
+
+@contextlib.contextmanager
+def nccl_errors_raise():
+    """NCCL groups created inside raise their errors (a timed-out or failed broadcast) in the
+    caller and abort their communicators, instead of torch's default for NCCL errors, which
+    tears the whole process down: a dead generator must cost a reconnect, not the trainer.
+    torch reads the mode as each group is created; the previous value is restored on exit."""
+    old = os.environ.get(NCCL_ERROR_MODE_ENV)
+    os.environ[NCCL_ERROR_MODE_ENV] = "2"  # CleanUpOnly: abort the communicators, raise, keep the process
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(NCCL_ERROR_MODE_ENV, None)
+        else:
+            os.environ[NCCL_ERROR_MODE_ENV] = old
+
+
+def close_group(pg: dist.ProcessGroup) -> None:
+    """Free an NCCL group's communicators (and their GPU memory) once its thread gave it up:
+    a reconnect creates a new group each time. Gloo groups close with their last reference."""
+    if isinstance(pg, getattr(dist, "ProcessGroupNCCL", ())):
+        try:
+            pg.abort()
+        except Exception as e:  # noqa: BLE001 - the group is gone either way
+            log.debug("aborting the weight-sync NCCL group: %s", e)
 
 
 def _is_loopback(host: str) -> bool:
@@ -100,6 +134,12 @@ class CollectiveSender:
         self._stop.set()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            close_group(self.pg)
+
+    def _serve(self) -> None:
         if self.pool.device is not None:
             torch.cuda.set_device(self.pool.device)  # the current device is per thread
         seq, layout_sent = 0, None
@@ -138,6 +178,12 @@ class CollectiveReceiver:
         self._stop.set()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            close_group(self.pg)
+
+    def _serve(self) -> None:
         if self.buffers.device is not None and torch.device(self.buffers.device).type == "cuda":
             torch.cuda.set_device(self.buffers.device)  # the current device is per thread
         seq, layout = 0, None

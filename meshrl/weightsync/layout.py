@@ -150,7 +150,9 @@ def pack(flat: torch.Tensor, layout: Layout, named: Iterable[tuple[str, torch.Te
     if count != len(layout.tensors):
         raise ValueError(f"got {count} tensors, the layout has {len(layout.tensors)}")
     if device_copies:
-        torch.cuda.synchronize()
+        # this stream's copies only: a device-wide synchronize would also wait for a broadcast
+        # that NCCL runs on its own stream from another slot
+        torch.cuda.current_stream(flat.device if flat.is_cuda else None).synchronize()
     host_starts.append(layout.total_bytes)
     copy_pieces(host, None if progress is None else lambda done: progress(host_starts[done]))
 

@@ -35,6 +35,7 @@ from meshrl.weightsync.spec import ReceivedInEngine, SyncSpec
 _SUBSCRIBERS: dict[str, "Subscriber"] = {}
 _ids = itertools.count()
 FILE_POLL_S = 0.002  # one listdir per poll (microseconds): a new file is seen within ~2 ms
+JOIN_GRACE_S = 8.0  # past the engine's own bound on its workers' join (RPC_MIN_S and a turn of its loop), within connect's
 
 
 class Subscriber:
@@ -59,8 +60,14 @@ class Subscriber:
         in_engine = spec.transport == "collective" and self.engine is not None
         self.close_transport(stop_engine=not in_engine)  # the engine's workers replace their receivers as they join anew
         if in_engine:
-            # the engine's loop serves its client; this runs in a worker thread (SubscriberAgent)
-            asyncio.run_coroutine_threadsafe(self.engine.receive_weights(spec, rank), self.engine.loop).result(spec.timeout_s)
+            # the engine's loop serves its client; this runs in a worker thread (SubscriberAgent).
+            # receive_weights is bounded by spec.timeout_s itself; the grace covers the loop's turn.
+            joining = asyncio.run_coroutine_threadsafe(self.engine.receive_weights(spec, rank), self.engine.loop)
+            try:
+                joining.result(spec.timeout_s + JOIN_GRACE_S)
+            except BaseException:
+                joining.cancel()  # a late join must not leave the workers receiving for a subscriber that gave up
+                raise
             self._in_engine = True
         elif spec.transport == "collective":
             self._receiver = CollectiveReceiver(spec, rank, self.buffers)  # blocks until all joined
