@@ -313,13 +313,20 @@ class FakeEngine:
     async def resume(self) -> None:
         self.running = True
 
-    async def sleep(self) -> None:
-        self.running = False
+    weights = True
+    """False while asleep without its weights (VLLMEngine.sleep(keep_weights=False))."""
+
+    async def sleep(self, keep_weights: bool = True) -> None:
+        self.running, self.weights = False, keep_weights
+
+    async def wake_weights(self) -> None:
+        self.weights = True
 
     async def wake_up(self, resume: bool = True) -> None:
-        self.running = resume
+        self.running, self.weights = resume, True
 
     async def load_tensors(self, tensors, timeout_s: float = 120.0) -> int:
+        assert self.weights, "a load into weights the engine dropped"
         return len(tensors)
 
     async def set_version(self, version: int) -> None:
@@ -399,7 +406,15 @@ def test_a_pause_outlasts_sleep_and_wake_until_resume(monkeypatch):
         waiting = await held(gen)
         await gen.wake()
         assert (await asyncio.wait_for(waiting, 5)).finish_reason == "length"
-        assert gen.stats()["sleeps"] == 3
+        # synchronous colocation: a version loaded while asleep (weights dropped) leaves the
+        # engine asleep, and the request waiting meanwhile runs on that version after the wake
+        await gen.sleep(keep_weights=False)
+        waiting = await held(gen)
+        await gen.update_weights(2, {}, "keep")
+        assert not gen.engine.running and not waiting.done()
+        await gen.wake()
+        assert (await asyncio.wait_for(waiting, 5)).versions == [2, 2]
+        assert gen.stats()["sleeps"] == 4
 
     asyncio.run(main())
 

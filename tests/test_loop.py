@@ -191,6 +191,8 @@ def test_colocated_mode_takes_turns_on_every_core_and_loads_weights_in_place(tmp
         ((_, _, stats),) = session._call(loop.generators.read_stats())
     assert all(r["trainer/staleness_max"] <= 1 and r["colocate/sleep_s"] >= 0 for r in one_off)
     assert all(r["trainer/staleness_max"] == 0 for r in synchronous[1:])  # the first was admitted one step off
+    # synchronous: each version loaded while the engine slept, which woke on it; one step off: loaded after waking
+    assert all("colocate/load_s" in r for r in synchronous) and not any("colocate/load_s" in r for r in one_off)
     assert nothing_stale(one_off)  # (the bound tightened at step 5 masks the batch admitted one step off before it)
     assert stats["sleeps"] >= 6 and stats["tokens_while_asleep"] == 0, stats
     assert stats["version"] == 6

@@ -206,6 +206,8 @@ class RLLoop:
         out["time/trainer_call_s"] = time.monotonic() - call_start
         out.update(handoff)
         try:
+            if self._colocated_on_policy():  # the engines wake on the new version: loaded while they sleep
+                out["colocate/load_s"] = await self._update_generators(self.version)
             if c.placement == "colocate":
                 t0 = time.monotonic()
                 await self.generators.wake()
@@ -214,7 +216,8 @@ class RLLoop:
                 t0 = time.monotonic()
                 out["sync/previous_update_s"] = await self._finish_update()
                 out["sync/previous_update_wait_s"] = time.monotonic() - t0
-            self._update_task = asyncio.create_task(self._update_generators(self.version))
+            if not self._colocated_on_policy():
+                self._update_task = asyncio.create_task(self._update_generators(self.version))
             row = await self._collect_metrics(out)
             await self._watch_failures(row)
             self._evaluate_if_due()
@@ -242,9 +245,19 @@ class RLLoop:
             return out
         out["colocate/generate_s"] = time.monotonic() - t0
         t0 = time.monotonic()
-        await self.generators.sleep()
+        await self.generators.sleep(keep_weights=not self._colocated_on_policy())
         out["colocate/sleep_s"] = time.monotonic() - t0
         return out
+
+    def _colocated_on_policy(self) -> bool:
+        """placement=colocate: each version is loaded while the engines sleep, and they wake
+        on it (on GPU they drop their weights when they sleep, instead of copying them to
+        host memory and back). Always on GPUs: one step off would pay that round trip every
+        step to gain nothing, since loading pauses the engine anyway. On CPU with max_lag >= 1
+        (one step off) the engines wake on the weights they hold and the new version loads
+        while they generate."""
+        c = self.config
+        return c.placement == "colocate" and (c.buffer.max_lag == 0 or self.alloc.plan.layout == "colocated")
 
     async def _watch_failures(self, row: dict) -> None:
         """The failure breaker: a warning line when more than contracts.warn_failed_frac of

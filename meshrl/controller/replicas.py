@@ -163,18 +163,19 @@ class GeneratorPool:
 
         await asyncio.gather(*(one(r) for r in list(self.replicas)))
 
-    async def sleep(self) -> None:
-        """placement=colocate: every replica gives the devices to the trainer (a replica that
-        fails to is replaced at the next health check)."""
-        await self._all("sleep")
+    async def sleep(self, keep_weights: bool = True) -> None:
+        """placement=colocate: every replica gives the devices to the trainer, dropping its
+        weights unless `keep_weights` (a replica that fails to is replaced at the next health
+        check)."""
+        await self._all("sleep", keep_weights)
 
     async def wake(self) -> None:
         await self._all("wake")
 
-    async def _all(self, endpoint: str) -> None:
+    async def _all(self, endpoint: str, *args) -> None:
         async def one(r: Member) -> None:
             try:
-                await asyncio.wait_for(awaited(getattr(r.actor, endpoint).call_one()), self.config.weight_sync.timeout_s)
+                await asyncio.wait_for(awaited(getattr(r.actor, endpoint).call_one(*args)), self.config.weight_sync.timeout_s)
             except Exception as e:  # noqa: BLE001 - dead or stuck: the health check replaces it
                 log.warning("generator replica %d did not %s: %s", r.index, endpoint, (str(e).splitlines() or [type(e).__name__])[0][:200])
 

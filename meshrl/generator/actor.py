@@ -114,9 +114,9 @@ class GeneratorActor(Actor):
         await self._gen().resume()
 
     @concurrent_endpoint
-    async def sleep(self) -> None:
+    async def sleep(self, keep_weights: bool = True) -> None:
         """placement=colocate: give the devices to the trainer until `wake` (see Generator.sleep)."""
-        await self._gen().sleep()
+        await self._gen().sleep(keep_weights)
 
     @concurrent_endpoint
     async def wake(self) -> None:

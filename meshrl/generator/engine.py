@@ -326,20 +326,31 @@ class VLLMEngine:
     async def resume(self) -> None:
         await self.llm.resume_generation()
 
-    async def sleep(self) -> None:
-        """Stop generating and, with sleep mode (GPU), free the KV cache and move the weights
-        to host memory (level 1), so a colocated trainer has the GPU; requests in flight are
-        aborted (there should be none: the loop sleeps the engine once its batch is done)."""
+    async def sleep(self, keep_weights: bool = True) -> None:
+        """Stop generating and, with sleep mode (GPU), free the engine's GPU memory so a
+        colocated trainer has the GPU: the KV cache, and the weights too: moved to host memory
+        (level 1, `keep_weights`), or dropped (level 2) when a new version is loaded before the
+        engine runs again (`wake_weights`, then the load, then `wake_up`), which saves copying
+        the whole model out and back. Requests in flight are aborted (there should be none:
+        the loop sleeps the engine once its batch is done)."""
         if self.sleep_mode:
-            await self.llm.sleep(level=1, mode="abort")
+            await self.llm.sleep(level=1 if keep_weights else 2, mode="abort")
         else:
             await self.pause("keep")
 
-    async def wake_up(self, resume: bool = True) -> None:
-        """Undo `sleep`: weights and KV cache back on the GPU, and scheduling resumed unless
-        `resume` is False (a user's pause outlasts the sleep: the engine stays frozen)."""
+    async def wake_weights(self) -> None:
+        """While asleep: give the weights their GPU memory back (and their contents, after
+        level 1), the KV cache staying freed and the scheduler paused, so a version can be
+        loaded before `wake_up`. Nothing to do on CPU, where a sleeping engine is paused."""
         if self.sleep_mode:
-            await self.llm.wake_up()
+            await self.llm.wake_up(tags=["weights"])
+
+    async def wake_up(self, resume: bool = True) -> None:
+        """Undo `sleep` (what `wake_weights` has not): weights and KV cache back on the GPU,
+        and scheduling resumed unless `resume` is False (a user's pause outlasts the sleep:
+        the engine stays frozen)."""
+        if self.sleep_mode:
+            await self.llm.wake_up()  # every allocation still asleep; the awake ones stay as they are
             if not resume:
                 await self.pause("keep")
         elif resume:

@@ -202,13 +202,14 @@ class Generator:
                 await self.engine.resume()
                 self._open.set()
 
-    async def sleep(self) -> None:
+    async def sleep(self, keep_weights: bool = True) -> None:
         """placement=colocate, while the trainer steps: no requests, and on GPU the engine's
-        memory freed (VLLMEngine.sleep). Requests that arrive wait for `wake`."""
+        memory freed (VLLMEngine.sleep; without `keep_weights` the weights are dropped, for a
+        version loaded before `wake`). Requests that arrive wait for `wake`."""
         async with self._update_lock:
             self._asleep = True
             self._open.clear()
-            await self.engine.sleep()
+            await self.engine.sleep(keep_weights)
             self._sleeps += 1
             self._asleep_from = self.engine.tokens_generated
 
@@ -247,8 +248,10 @@ class Generator:
             self._open.clear()  # no new requests (or resumed prefixes) until the new version
             t0 = time.monotonic()
             try:
-                if self._user_paused or self._asleep:
-                    pass  # frozen (user pause or asleep): nothing runs, and a drain would wait forever
+                if self._asleep:
+                    await self.engine.wake_weights()  # the weights' memory only: the engine runs again at `wake`
+                elif self._user_paused:
+                    pass  # frozen: nothing runs, and a drain would wait forever
                 elif mode in ("keep", "abort"):
                     await self.engine.pause(mode)
                 else:
@@ -267,7 +270,9 @@ class Generator:
                     await self.engine.load_tensors(tensors, timeout)
                 await self.engine.set_version(version)
             finally:
-                if self._user_paused or self._asleep:  # frozen before the update: stay frozen
+                if self._asleep:
+                    pass  # asleep (paused, on GPU its KV cache freed) until `wake`
+                elif self._user_paused:  # frozen before the update: stay frozen
                     await self.engine.pause("keep")
                 else:
                     await self.engine.resume()

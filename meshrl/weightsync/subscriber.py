@@ -44,6 +44,8 @@ class Subscriber:
         self.engine = engine
         """A collective transport's receiving ranks live in this engine's workers (None: here)."""
         self._in_engine = False
+        self.engine_error: BaseException | None = None
+        """The last receive error the engine's workers reported (until the next connect)."""
         self.buffers = ReceiveBuffers(shared_memory)
         self.version = -1  # newest version handed out by fetch
         self.tensors: dict[str, torch.Tensor] | None = None
@@ -85,7 +87,7 @@ class Subscriber:
         if self._in_engine and stop_engine:  # the workers' receivers stop (not waited for: may run on the engine's loop)
             asyncio.run_coroutine_threadsafe(self.engine.stop_receiving(), self.engine.loop)
         self._receiver = self._reader = self._shared = None
-        self._in_engine = False
+        self._in_engine, self.engine_error = False, None
 
     def ranks(self, transport: str) -> int:
         """Ranks this subscriber holds in a `transport` group: its engine's workers, or one."""
@@ -118,6 +120,7 @@ class Subscriber:
             try:
                 got = await self.engine.take_received(min_version, wait_s)
             except Exception as e:  # noqa: BLE001 - a worker's receive error, through vLLM's RPC
+                self.engine_error = e
                 raise WeightSyncError(f"collective weight transfer failed in the engine: {e}") from e
             if got is not None:
                 got = got, ReceivedInEngine(got)
@@ -181,5 +184,5 @@ class SubscriberAgent(Actor):
     @concurrent_endpoint
     async def status(self) -> dict:
         s = _SUBSCRIBERS[self.key]
-        err = s._receiver.error if s._receiver is not None else None
+        err = s._receiver.error if s._receiver is not None else s.engine_error
         return {"version": s.version, "error": repr(err) if err else None, "pid": os.getpid(), "in_engine": s._in_engine}
