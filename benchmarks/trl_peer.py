@@ -155,6 +155,37 @@ def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str, s
             "samples_per_s": batch / step_s, "rows": rows, "threads": torch.get_num_threads()}
 
 
+def engine_batch_s(ckpt: str, tokenizer_dir: str, cfg, repeats: int = 12) -> float:
+    """Median seconds meshrl's vLLM engine alone (VLLMEngine: AsyncLLM in this process, the
+    run's engine settings, no actors, workers or queue) takes to generate one batch of the
+    task's first prompts, each group_size times: the generation floor of a colocated step."""
+    import asyncio
+
+    from meshrl.generator.engine import VLLMEngine
+    from meshrl.rollout.chat import ChatRenderer
+    from meshrl.tokenizer import load_tokenizer
+
+    g = cfg.generator
+    renderer = ChatRenderer(load_tokenizer(tokenizer_dir))
+    records = task_dataset(cfg.data.source.removeprefix("task:"), cfg.batch_groups, cfg.seed, cfg.data)
+    prompts = [renderer.initial_ids(r["prompt"]) for r in records for _ in range(g.group_size)]
+
+    async def run() -> float:
+        engine = VLLMEngine(g, ckpt, dtype=cfg.model.dtype, max_model_len=cfg.model.max_seq_len, seed=cfg.seed)
+        await engine.start()
+        try:
+            times = []
+            for k in range(repeats):
+                t0 = time.monotonic()
+                await asyncio.gather(*(engine.run_request(f"{k}-{i}", p, g.max_new_tokens) for i, p in enumerate(prompts)))
+                times.append(time.monotonic() - t0)
+        finally:
+            engine.shutdown()
+        return statistics.median(times[2:])  # the first batches warm the engine up
+
+    return asyncio.run(run())
+
+
 def export_initial_policy(args: argparse.Namespace, root: str) -> tuple[str, str]:
     """meshrl's version-0 policy and tokenizer, built in this process exactly as a run's
     single-proc trainer builds them (the initial weights are a pure function of the seed)."""
@@ -207,6 +238,8 @@ def main() -> None:
             seed_args = argparse.Namespace(**{**vars(args), "seed": seed})
             hf_v0, tokenizer_dir = export_initial_policy(seed_args, os.path.join(root, f"seed{seed}"))
             cfg = bench_config("sync", seed_args, os.path.join(root, "unused"))
+            if i == 0 and "colocate" in modes:
+                engine_s = engine_batch_s(hf_v0, tokenizer_dir, bench_config("colocate", seed_args, os.path.join(root, "unused")))
             if i == 0:  # TRL's fastest setting on this machine, from short runs of each
                 probes = [run_trl(hf_v0, tokenizer_dir, cfg, args.trl_probe_steps, os.path.join(root, f"probe-{x}"), x)
                           for x in args.trl_settings.split(",")]
@@ -246,6 +279,10 @@ def main() -> None:
         verdict.update(colocate_over_trl_samples_per_s=means["colocate"]["samples_per_s"] / trl_sps,
                        reward_colocate_minus_trl=colocated["gap"], reward_colocate_minus_trl_stderr=colocated["stderr"],
                        time_to_reward_s={m: means[m]["time_to_reward_s"] for m in ("trl", *modes)})
+        # What colocation can reach with no framework cost at all: the engine alone generating
+        # the batch, then the trainer's step and publish, one after the other.
+        floor = engine_s + means["colocate"]["T_s"]
+        verdict.update(colocate_engine_batch_s=engine_s, colocate_floor_s=floor, colocate_floor_over_trl_samples_per_s=(batch / trl_sps) / floor)
     # What overlap alone can give on this machine: one step takes at least the longer of
     # generating a batch (G) and training on it (T), each on its own share of the cores,
     # both measured in the sync runs. TRL's step over that is the ratio's ceiling, unless
@@ -268,6 +305,9 @@ def main() -> None:
     if "colocate" in means:
         print(f"meshrl colocate / TRL samples/s = {verdict['colocate_over_trl_samples_per_s']:.2f}x; reward per sample, colocate - TRL "
               f"{verdict['reward_colocate_minus_trl']:+.3f} +- {verdict['reward_colocate_minus_trl_stderr']:.3f}")
+        print(f"colocate floor: the vLLM engine alone generates the batch in {verdict['colocate_engine_batch_s']:.3f} s, + the trainer's "
+              f"step and publish {means['colocate']['T_s']:.3f} s = {verdict['colocate_floor_s']:.3f} s/step, "
+              f"{verdict['colocate_floor_over_trl_samples_per_s']:.2f}x TRL's samples/s with no framework cost at all")
     print(f"meshrl async / TRL samples/s = {ratio:.2f}x (target {TARGET_SPEEDUP:.0f}x: {'met' if verdict['target_speed_met'] else 'NOT met'}); "
           f"reward per sample, async - TRL per seed {', '.join(f'{g:+.3f}' for g in verdict['reward_async_minus_trl_per_seed'])}: "
           f"mean {gap:+.3f} +- {stderr:.3f}, {'equal, better or within noise' if reward_ok else 'WORSE'}; "
