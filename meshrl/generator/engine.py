@@ -332,9 +332,11 @@ class VLLMEngine:
         (level 1, `keep_weights`), or dropped (level 2) when a new version is loaded before the
         engine runs again (`wake_weights`, then the load, then `wake_up`), which saves copying
         the whole model out and back. Requests in flight are aborted (there should be none:
-        the loop sleeps the engine once its batch is done)."""
+        the loop sleeps the engine once its batch is done). An engine running a LoRA adapter
+        keeps its weights: a version replaces the adapter alone, never the base model."""
         if self.sleep_mode:
-            await self.llm.sleep(level=1 if keep_weights else 2, mode="abort")
+            drop = not keep_weights and self.adapter_config is None
+            await self.llm.sleep(level=2 if drop else 1, mode="abort")
         else:
             await self.pause("keep")
 
