@@ -68,7 +68,7 @@ class Subscriber:
             try:
                 joining.result(spec.timeout_s + JOIN_GRACE_S)
             except BaseException:
-                joining.cancel()  # a late join must not leave the workers receiving for a subscriber that gave up
+                joining.cancel()  # no more of its worker RPCs; workers that joined are replaced at the next connect
                 raise
             self._in_engine = True
         elif spec.transport == "collective":
