@@ -251,22 +251,41 @@ def gloo_default_device_on_loopback():
     read as each group is created, is the one way in. Use it only where every member of
     those groups is on this host. The previous value is restored on exit.
     """
-    import os
     import socket
 
     import psutil
 
     loopback = [name for name, addrs in psutil.net_if_addrs().items()
                 if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs)]
-    old = os.environ.get("GLOO_SOCKET_IFNAME")
-    os.environ["GLOO_SOCKET_IFNAME"] = loopback[0] if loopback else "lo"
+    with _environment_set("GLOO_SOCKET_IFNAME", loopback[0] if loopback else "lo"):
+        yield
+
+
+@contextlib.contextmanager
+def nccl_errors_raise():
+    """NCCL groups created inside this block raise their errors (a timed-out or failed
+    collective) in the caller and abort their communicators, instead of torch's default for
+    NCCL errors (TORCH_NCCL_ASYNC_ERROR_HANDLING=3), which tears the whole process down: a
+    dead generator must cost the weight sync a reconnect, not the trainer its process. torch
+    reads the mode as each group is created; the previous value is restored on exit."""
+    with _environment_set("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"):  # CleanUpOnly: abort, raise, keep the process
+        yield
+
+
+@contextlib.contextmanager
+def _environment_set(name: str, value: str):
+    """`name`=`value` in this process's environment inside the block, as before it after."""
+    import os
+
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["GLOO_SOCKET_IFNAME"] = old
+            os.environ[name] = old
 
 
 async def openenv_unread_message(client, timeout_s: float = 1.0) -> str | None:

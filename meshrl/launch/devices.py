@@ -208,9 +208,9 @@ def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
     g = gpus_per_host(config) if gpus is None else gpus
     hosts = plan_hosts(config)
     placement = resolve_placement(config, g)
-    if placement == "colocate" and config.weight_sync.transport not in ("auto", "shm"):
-        # placement=auto resolved to colocate here: the same check config.checks makes for an explicit colocate
-        raise ConfigError("weight_sync.transport", f"placement {config.placement} colocates trainer and generators on this host's "
+    if config.placement == "auto" and placement == "colocate" and config.weight_sync.transport not in ("auto", "shm"):
+        # auto resolved to colocate: config.checks refuses the same for an explicit colocate
+        raise ConfigError("weight_sync.transport", f"placement auto colocates trainer and generators on this host's "
                                                    f"{g} GPUs, where weights pass through shared memory, not {config.weight_sync.transport}: "
                                                    "set auto or shm, or placement=split with more GPUs")
     plan = _colocated(config, g, hosts) if g and placement == "colocate" else _split(config, g, hosts)

@@ -11,6 +11,7 @@ import os
 
 from meshrl.config import Config, ip_and_port
 from meshrl.host import HOST_ADDRESS_ENV, interface_of
+from meshrl.launch.devices import NCCL_IFNAME_ENV
 from meshrl.launch.hosts import plan_hosts
 from meshrl.launch.signals import exit_on_sigterm
 
@@ -43,7 +44,7 @@ def run_worker(address: str) -> None:
     # what the procs of this host serve on Monarch's default transport, and gloo's default device
     os.environ["HYPERACTOR_MESH_DEFAULT_TRANSPORT"] = f"tcp://{url}:0"
     os.environ["GLOO_SOCKET_IFNAME"] = interface_of(ip)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", interface_of(ip))  # NCCL's bootstrap, on GPU hosts: the same interface unless the user named one
+    os.environ.setdefault(NCCL_IFNAME_ENV, interface_of(ip))  # NCCL's bootstrap, on GPU hosts: the same interface unless the user named one
     from monarch.actor import run_worker_loop_forever
 
     exit_on_sigterm()

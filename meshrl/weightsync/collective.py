@@ -8,13 +8,12 @@ version the sender writes a small header (version, layout id, the layout itself 
 it changed) under `<group>/hdr/<seq>`; receivers wait on that key with a short poll, so an
 idle trainer is never a timeout, and then join the bucket broadcasts. The group is created
 with `timeout_s`, so a dead peer in a broadcast is an error within the timeout (NCCL's
-too: `nccl_errors_raise`); after an error the sender/receiver stop, their thread frees the
+too: `compat.nccl_errors_raise`); after an error the sender/receiver stop, their thread frees the
 group, and the controller re-creates it under a new name (`WeightSync.reconnect`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import os
@@ -27,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshrl.compat import nccl_errors_raise
 from meshrl.host import host_address, interface_of
 from meshrl.weightsync.buffers import ReceiveBuffers
 from meshrl.weightsync.errors import WeightSyncError
@@ -36,7 +36,6 @@ from meshrl.weightsync.staging import StagingPool
 log = logging.getLogger(__name__)
 POLL_S = 0.2  # how often idle threads look at their stop flag
 HEADER_POLL_S = 0.002  # how often an idle receiver asks the store for the next header
-NCCL_ERROR_MODE_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 def make_group(spec: SyncSpec, rank: int) -> tuple[dist.Store, dist.ProcessGroup]:
@@ -70,23 +69,6 @@ def make_group(spec: SyncSpec, rank: int) -> tuple[dist.Store, dist.ProcessGroup
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
     return prefixed, pg
-
-
-@contextlib.contextmanager
-def nccl_errors_raise():
-    """NCCL groups created inside raise their errors (a timed-out or failed broadcast) in the
-    caller and abort their communicators, instead of torch's default for NCCL errors, which
-    tears the whole process down: a dead generator must cost a reconnect, not the trainer.
-    torch reads the mode as each group is created; the previous value is restored on exit."""
-    old = os.environ.get(NCCL_ERROR_MODE_ENV)
-    os.environ[NCCL_ERROR_MODE_ENV] = "2"  # CleanUpOnly: abort the communicators, raise, keep the process
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(NCCL_ERROR_MODE_ENV, None)
-        else:
-            os.environ[NCCL_ERROR_MODE_ENV] = old
 
 
 def close_group(pg: dist.ProcessGroup) -> None:
