@@ -56,18 +56,48 @@ def endpoint_for_callers_that_may_die(method):
 
 # ---- TorchTitan on CPU ----
 def titan_use_sdpa_attention(model_config) -> None:
-    """Swap every layer's inner attention config for TorchTitan's causal SDPA (in place).
+    """Swap every layer's inner attention config for SDPA that also takes packed rows (in place).
 
     TorchTitan's language models accept only `flex` (no backward on CPU) or `varlen`
-    (needs flash attention). meshrl rows are one causal sequence each (right-padded, no
-    packed documents), so plain causal SDPA computes the same thing and runs anywhere.
+    (needs flash attention) for packed documents, and its SDPA refuses attention masks.
+    meshrl's padded rows are one causal sequence each (right-padded), where plain causal
+    SDPA computes the same thing and runs anywhere; packed rows (meshrl/trainer/packing.py)
+    come with TorchTitan's `VarlenMetadata`, and `_document_sdpa` runs causal SDPA on each
+    row's slice: the same attention as the padded path, with no mask and no padding.
     """
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-
     for layer in list(model_config.layers) + list(getattr(model_config, "mtp_layers", None) or []):
         attention = getattr(layer, "attention", None)
         if attention is not None and hasattr(attention, "inner_attention"):
-            attention.inner_attention = ScaledDotProductAttention.Config()
+            attention.inner_attention = _document_sdpa().Config()
+
+
+_DOCUMENT_SDPA = None
+
+
+def _document_sdpa():
+    """TorchTitan's ScaledDotProductAttention, plus per-row causal SDPA over `VarlenMetadata`."""
+    global _DOCUMENT_SDPA
+    if _DOCUMENT_SDPA is not None:
+        return _DOCUMENT_SDPA
+    from dataclasses import dataclass
+
+    from torchtitan.models.common.attention import ScaledDotProductAttention, VarlenMetadata
+
+    class DocumentSDPA(ScaledDotProductAttention):
+        @dataclass(kw_only=True, slots=True)
+        class Config(ScaledDotProductAttention.Config):
+            pass
+
+        def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, **kwargs):
+            if not isinstance(attention_masks, VarlenMetadata):
+                return super().forward(q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks, **kwargs)
+            bounds = attention_masks.cu_seq_q_host or tuple(attention_masks.cu_seq_q.tolist())
+            # one packed row (B = 1): each document attends causally within its own slice
+            return torch.cat([super(DocumentSDPA, self).forward(q_BLNH[:, a:b], k_BLNH[:, a:b], v_BLNH[:, a:b], **kwargs)
+                              for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
+
+    _DOCUMENT_SDPA = DocumentSDPA
+    return DocumentSDPA
 
 
 def titan_use_cpu_device_type() -> None:

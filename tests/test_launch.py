@@ -2,7 +2,6 @@
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -184,12 +183,9 @@ def test_slurm_dry_run_renders_monarchs_sbatch_script(tmp_path):
 # ---- TorchX ----------------------------------------------------------------------------------
 def test_torchx_component_renders_slurm_sbatch(tmp_path):
     cmd = [
-        "torchx", "run", "--dryrun", "--scheduler", "slurm", "-cfg", "partition=gpu,time=60",
+        sys.executable, "-m", "torchx.cli.main", "run", "--dryrun", "--scheduler", "slurm", "-cfg", "partition=gpu,time=60",
         "meshrl/torchx_component.py:train", "--config", "configs/default.yaml", "trainer.lr=1e-4", "launcher.gpus_per_host=4",
     ]  # fmt: skip
-    torchx = shutil.which("torchx")
-    if torchx is None:  # the console script may be missing where torchx is importable
-        cmd = [sys.executable, "-m", "torchx.cli.main", *cmd[1:]]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "python -m meshrl run configs/default.yaml trainer.lr=1e-4 launcher.gpus_per_host=4 launcher.kind=torchx" in out.stdout

@@ -36,6 +36,11 @@ TINY = {
 }
 
 
+# Synchronous: each batch is sampled by the weights it trains (tests/README.md: learning tests).
+SYNC = {"buffer": {"depth": 0, "max_lag": 0}, "generator": {"update_mode": "block"}}
+LORA_STEPS = 16
+
+
 def tiny(run_dir, **sections) -> dict:
     cfg = json.loads(json.dumps(TINY))
     for key, value in sections.items():
@@ -357,8 +362,11 @@ def test_process_launcher_runs_end_to_end(tmp_path):
 
 def test_torchx_local_scheduler_runs_the_tiny_default(tmp_path):
     run_dir = tmp_path / "torchx"
+    # torchx as a module of the interpreter that runs the tests (its console script need not be
+    # on PATH), and that interpreter for the job: a venv's python need not be PATH's `python`
     out = subprocess.run(
-        ["torchx", "run", "--scheduler", "local_cwd", "meshrl/torchx_component.py:train", "--config", "configs/default.yaml",
+        [sys.executable, "-m", "torchx.cli.main", "run", "--scheduler", "local_cwd", "meshrl/torchx_component.py:train",
+         "--config", "configs/default.yaml", "--python", sys.executable,
          "steps=2", f"logging.run_dir={run_dir}", "logging.plot=false", "logging.progress=false"],
         capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
@@ -403,19 +411,20 @@ def test_sampling_mask_replay_matches_the_samplers_processed_logprobs(tmp_path):
 def test_distillation_run_pulls_the_student_toward_the_teacher(tmp_path):
     """A student from scratch, trained on the teacher's per-token reverse KL alone (no task
     reward), on the real loop with the teacher on its own vLLM replica: its reverse KL to the
-    teacher falls, and with it the student takes up the teacher's taste for digits."""
+    teacher falls, and with it the student takes up the teacher's taste for digits.
+    Synchronous (tests/README.md): the curve is then the same whatever the cores' speeds."""
     from tests.conftest import build_digit_teacher
 
     teacher = build_digit_teacher(tmp_path / "teacher")
-    cfg = tiny(tmp_path / "run", steps=12, trainer={"checkpoint_every": 0}, distill={"teacher": teacher})
+    cfg = tiny(tmp_path / "run", steps=12, trainer={"checkpoint_every": 0}, distill={"teacher": teacher}, **SYNC)
     rows = [r for r in meshrl.run(cfg).metrics if "trainer/distill_reverse_kl" in r]
-    assert len(rows) == 12
+    assert len(rows) == 12 and all(r["trainer/staleness_max"] == 0 for r in rows)
     kl = [r["trainer/distill_reverse_kl"] for r in rows]
     reward = [r["trainer/reward_mean"] for r in rows]
+    print("reverse KL", [round(x, 3) for x in kl], "reward", [round(x, 3) for x in reward])
     first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
     assert last < 0.7 * first, (kl, reward)
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.1, (kl, reward)
-    print("reverse KL", [round(x, 3) for x in kl], "reward", [round(x, 3) for x in reward])
     assert not wait_no_children()
 
 
@@ -423,22 +432,31 @@ def test_lora_run_on_fsdp2_trains_the_adapter_alone_and_reward_rises(tmp_path):
     """LoRA on the real loop, trainer sharded over 2 FSDP2 ranks: weight sync sends only the
     adapter, which the generators load through vLLM's LoRA support, and reward on the default
     task rises. The base is the from-scratch policy with a sharper head (conftest.build_lora_base):
-    the from-scratch head, frozen, caps the digits' probability near its start."""
+    the from-scratch head, frozen, caps the digits' probability near its start.
+    Synchronous (tests/README.md): the curve is then the same whatever the cores' speeds."""
+    from safetensors.torch import load_file
+
+    from meshrl.config.sections import LoRAConfig
     from tests.conftest import build_lora_base
 
     base = build_lora_base(tmp_path / "base")
     # 8 groups a batch and lr 0.01: with 4 groups or lr 0.02 the adapter's steps are noisy
-    # enough that reward can rise and fall back within a short run. 24 steps: the PPO clip,
-    # measured against the sampler, holds each step's move on the stale tokens of the batch.
-    cfg = tiny(tmp_path / "run", steps=24, batch_groups=8, model={"path": base}, lora={"rank": 8},
-               trainer={"checkpoint_every": 0, "procs": 2, "lr": 0.01})
+    # enough that reward can rise and fall back within a short run.
+    cfg = tiny(tmp_path / "run", steps=LORA_STEPS, batch_groups=8, model={"path": base}, lora={"rank": 8},
+               trainer={"checkpoint_every": 0, "procs": 2, "lr": 0.01}, **SYNC)
     result = meshrl.run(cfg)
     reward = [r["trainer/reward_mean"] for r in result.metrics if "trainer/reward_mean" in r]
-    assert len(reward) == 24
+    print("LoRA reward", [round(x, 3) for x in reward])
+    assert len(reward) == LORA_STEPS and all(r["trainer/staleness_max"] == 0 for r in result.metrics)
     assert sum(reward[-3:]) / 3 > sum(reward[:2]) / 2 + 0.4, reward
     final = tmp_path / "run" / "hf" / "final"
     assert (final / "adapter" / "adapter_model.safetensors").is_file() and (final / "model.safetensors").is_file()
-    print("LoRA reward", [round(x, 3) for x in reward])
+    # the adapter alone trained: merged into the export, it moved the targeted projections
+    # and nothing else (embeddings, norms, the LM head are the base's, bit for bit)
+    before, after = load_file(os.path.join(base, "model.safetensors")), load_file(final / "model.safetensors")
+    targeted = [k for k in before if any(f".{t}." in k for t in LoRAConfig().targets)]
+    assert targeted and all(not before[k].equal(after[k]) for k in targeted)
+    assert all(before[k].equal(after[k]) for k in before if k not in targeted)
     assert not wait_no_children()
 
 

@@ -78,6 +78,12 @@ def validate(c: Config) -> None:
     need(t.warmup_steps >= 0, "trainer.warmup_steps", f"must be at least 0, got {t.warmup_steps}")
     need(t.grad_clip >= 0, "trainer.grad_clip", f"must be at least 0 (0 disables), got {t.grad_clip}")
     need(t.micro_batch_size >= 1, "trainer.micro_batch_size", f"must be at least 1, got {t.micro_batch_size}")
+    need(t.micro_batch_tokens >= 0, "trainer.micro_batch_tokens", f"must be at least 0 (0 = rows of micro_batch_size, padded), got {t.micro_batch_tokens}")
+    need(t.micro_batch_tokens == 0 or t.micro_batch_tokens >= m.max_seq_len, "trainer.micro_batch_tokens",
+         f"{t.micro_batch_tokens} cannot hold one row of model.max_seq_len={m.max_seq_len} tokens: raise it to at least {m.max_seq_len}, or lower model.max_seq_len")
+    need(0 < t.ac_memory_budget <= 1, "trainer.ac_memory_budget", f"must be in (0, 1], got {t.ac_memory_budget}")
+    need(t.activation_checkpoint != "memory_budget" or t.compile, "trainer.activation_checkpoint",
+         "memory_budget is chosen by the compiler and needs trainer.compile=true: set it, or use full or selective")
     need(t.checkpoint_every >= 0, "trainer.checkpoint_every", f"must be at least 0, got {t.checkpoint_every}")
     need(t.checkpoint_every_s >= 0, "trainer.checkpoint_every_s", f"must be at least 0 (0 = off), got {t.checkpoint_every_s}")
     need(t.interrupt_checkpoint_timeout_s > 0, "trainer.interrupt_checkpoint_timeout_s", f"must be positive, got {t.interrupt_checkpoint_timeout_s}")

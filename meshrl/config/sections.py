@@ -108,7 +108,13 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Gradient norm clip. 0 disables clipping."""
     micro_batch_size: int = 16
-    """Sequences per forward/backward; gradients accumulate over micro-batches."""
+    """Sequences per forward/backward; gradients accumulate over micro-batches. Unused when `micro_batch_tokens` is set."""
+    micro_batch_tokens: int = 0
+    """Token budget of one forward/backward: the rows of a micro-batch are packed back to back up to this many tokens, with no padding (attention kept within each row, positions restarting on each row), and the trainer's ranks get whole groups balanced by tokens. Must hold one row of `model.max_seq_len` tokens. Losses and gradients equal the padded path's to float tolerance. 0: `micro_batch_size` rows per micro-batch, each padded to its longest row."""
+    activation_checkpoint: Literal["none", "selective", "full", "memory_budget"] = "none"
+    """TorchTitan activation checkpointing of each transformer block: `full` keeps only each block's input and recomputes the block in backward (the least memory, for long rows); `selective` keeps the outputs of matmuls and attention but every second matmul; `memory_budget` lets the compiler choose within `ac_memory_budget` (needs `trainer.compile`). `none` keeps every activation: the fastest, and the default because the default run's rows are short (benchmarks/README.md: bytes per token per layer for each mode)."""
+    ac_memory_budget: float = 0.5
+    """With activation_checkpoint=memory_budget: the share of activation memory to keep, in (0, 1]."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer runs. `auto`: CUDA when available, else CPU."""
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from meshrl.trainer.packing import pack, unpack
 from meshrl.trainer.routing import replay_routing
 
 
@@ -63,11 +64,20 @@ def _chunk_logprobs(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Ten
     return token_logp, entropy, misses
 
 
-def hidden_states(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """The decoder's final-norm output [B, T, D] (TorchTitan's `_skip_lm_head` switch)."""
+def hidden_states(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoder's final-norm output [B, T, D] (TorchTitan's `_skip_lm_head` switch).
+
+    With `lengths` ([B] real tokens per right-padded row) the rows run packed as one sequence
+    (meshrl/trainer/packing.py) and come back in the [B, T] layout, zeros on padding."""
+    from torchtitan.models.common.attention import create_varlen_metadata_for_document
+
     model._skip_lm_head = True
     try:
-        return model(tokens)
+        if lengths is None:
+            return model(tokens)
+        flat, positions, real = pack(tokens, lengths)
+        documents = create_varlen_metadata_for_document(positions.cpu(), include_host_offsets=True)
+        return unpack(model(flat, positions, documents), real)
     finally:
         model._skip_lm_head = False
 
@@ -85,6 +95,7 @@ def token_logprobs(
     misses: list | None = None,
     routed_experts: torch.Tensor | None = None,
     replay_changed: list | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of `tokens[b, t]` given `tokens[b, :t]` at `temperature`, truncated to
     the sampler's kept set by `top_k` / `top_p` (see the module docstring), where `score_mask`.
@@ -95,13 +106,21 @@ def token_logprobs(
     `routed_experts` [B, T, L, K] (by input position, -1 = none): MoE routing replay for the
     decoder forward (meshrl/trainer/routing.py); None routes live. `replay_changed`, a list,
     gets the [B, T] positions where replay overrode the live routing (`replay_routing`).
+    `lengths` [B]: the real tokens of each right-padded row; the decoder then runs the rows
+    packed, with no padding (`hidden_states`), for the same result.
     """
     B, T = tokens.shape
     mask = score_mask.clone()
     mask[:, 0] = False
     # MoE routing replay covers the decoder only: the LM head (recomputed in backward) has no router.
-    with replay_routing(model, routed_experts, replay_changed):
-        h = hidden_states(model, tokens)
+    changed: list | None = None if replay_changed is None else []
+    if lengths is not None and routed_experts is not None:
+        routed_experts = pack(routed_experts, lengths)[0]  # the experts follow their tokens
+    with replay_routing(model, routed_experts, changed):
+        h = hidden_states(model, tokens, lengths)
+    if changed:
+        real = None if lengths is None else pack(tokens, lengths)[2]
+        replay_changed.append(changed[0] if real is None else torch.zeros_like(real).masked_scatter(real, changed[0][0]))
     h_sel = h[:, :-1][mask[:, 1:]]  # [N, D]: hidden state at t-1 for each scored token t
     targets = tokens[mask]
     lm_head = model.lm_head

@@ -44,8 +44,11 @@ def convert_config(titan_config, lora: LoRAConfig):
 
 
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """TorchTitan FQN -> LoRA linear, in module order."""
-    return {name: m for name, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "lora_b")}
+    """TorchTitan FQN -> LoRA linear, in module order. The FQN is the state dict's: without
+    the wrapper level that activation checkpointing adds to the module tree."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    return {name.replace(_CHECKPOINT_PREFIX, ""): m for name, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "lora_b")}
 
 
 def add_dropout(model: nn.Module, p: float) -> None:

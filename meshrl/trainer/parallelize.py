@@ -45,6 +45,18 @@ def compute_dtype(tcfg: TrainerConfig, device_type: str) -> torch.dtype:
     return getattr(torch, tcfg.compute_dtype)
 
 
+def ac_config(tcfg: TrainerConfig):
+    """TorchTitan's activation-checkpointing config for `trainer.activation_checkpoint` (None: off)."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, MemoryBudgetAC, SelectiveAC
+
+    mode = tcfg.activation_checkpoint
+    if mode == "none":
+        return None
+    if mode == "memory_budget":
+        return MemoryBudgetAC.Config(memory_budget=tcfg.ac_memory_budget)
+    return {"full": FullAC, "selective": SelectiveAC}[mode].Config()
+
+
 def compile_config(tcfg: TrainerConfig):
     """TorchTitan's CompileConfig for `trainer.compile` (the model's blocks; meshrl has its own loss)."""
     from torchtitan.config import CompileConfig
@@ -60,19 +72,22 @@ def _dynamic_shapes_from_the_first_compile() -> None:
     torch._dynamo.config.assume_static_by_default = False
 
 
-def compile_unsharded(model: nn.Module, parallelism, compile_cfg) -> None:
-    """TorchTitan's per-block compile for a model that `parallelize` does not see (no
-    torch.distributed: a single process outside a trainer mesh)."""
+def compile_unsharded(model: nn.Module, parallelism, compile_cfg, ac_cfg=None) -> None:
+    """TorchTitan's activation checkpointing, then its per-block compile (TorchTitan's order),
+    for a model that `parallelize` does not see (no torch.distributed: a single process
+    outside a trainer mesh)."""
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.compile import apply_compile
 
+    if ac_cfg is not None:
+        ac_cfg.build(dump_folder="/tmp").apply(model)
     if compile_cfg.enable:
         _dynamic_shapes_from_the_first_compile()
         apply_compile(model, compile_config=compile_cfg, parallel_dims=ParallelDims.from_config(parallelism, 1))
 
 
 def parallelize(model: nn.Module, parallelize_fn, parallelism, world_size: int, device_type: str,
-                dtype: torch.dtype = torch.float32, compile_cfg=None):
+                dtype: torch.dtype = torch.float32, compile_cfg=None, ac_cfg=None):
     """Apply the family's TorchTitan parallelize function; returns (model, ParallelDims).
 
     Needs torch.distributed initialised. Parameters become DTensors sharded over the
@@ -97,7 +112,7 @@ def parallelize(model: nn.Module, parallelize_fn, parallelism, world_size: int, 
         _dynamic_shapes_from_the_first_compile()
     model = parallelize_fn(
         model, parallel_dims=dims, training=training, parallelism=parallelism,
-        compile_config=compile_cfg or CompileConfig(enable=False), ac_config=None, dump_folder="/tmp",
+        compile_config=compile_cfg or CompileConfig(enable=False), ac_config=ac_cfg, dump_folder="/tmp",
     )
     if device_type == "cpu":
         titan_force_sum_reduction(model)

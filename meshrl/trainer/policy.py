@@ -27,7 +27,8 @@ from meshrl.trainer import lora
 from meshrl.trainer.logprobs import token_logprobs
 from meshrl.trainer.losses import policy_loss, reduce_metrics
 from meshrl.trainer.model import MOE_FAMILIES, build_model, model_args_from_hf
-from meshrl.trainer.parallelize import compile_config, compile_unsharded, compute_dtype, parallelism_config, parallelize
+from meshrl.trainer.packing import rank_rows_by_tokens, row_lengths, token_micro_batches
+from meshrl.trainer.parallelize import ac_config, compile_config, compile_unsharded, compute_dtype, parallelism_config, parallelize
 from meshrl.trainer.routing import input_positions
 
 
@@ -43,6 +44,20 @@ def rank_rows(td: TensorDict, rank: int, world: int) -> list[int]:
 def micro_batch_count(td: TensorDict, world: int, micro_batch_size: int) -> int:
     """Micro-batches every rank runs: the most any rank needs (collectives must stay in step)."""
     return max(1, max(math.ceil(len(rank_rows(td, r, world)) / micro_batch_size) for r in range(world)))
+
+
+def micro_batches(td: TensorDict, rank: int, world: int, micro_batch_size: int, micro_batch_tokens: int = 0) -> list[list[int]]:
+    """The row indices of each micro-batch `rank` runs, as many on every rank (a rank with
+    fewer gets empty ones: it still runs the collectives). `micro_batch_tokens` > 0: groups
+    dealt to ranks by tokens and rows packed up to that budget (meshrl/trainer/packing.py);
+    0: `micro_batch_size` rows each, padded."""
+    if micro_batch_tokens > 0:
+        lengths = row_lengths(td)
+        plans = [token_micro_batches(rank_rows_by_tokens(td, r, world), lengths, micro_batch_tokens) for r in range(world)]
+        mine = plans[rank]
+        return mine + [[] for _ in range(max(1, max(map(len, plans))) - len(mine))]
+    rows = rank_rows(td, rank, world)
+    return [rows[i * micro_batch_size:(i + 1) * micro_batch_size] for i in range(micro_batch_count(td, world, micro_batch_size))]
 
 
 class PolicyTrainer:
@@ -73,12 +88,12 @@ class PolicyTrainer:
                 if model is not None:
                     titan_float32_islands_under_cpu_autocast(model)
         self.dims = None
-        compile_cfg = compile_config(tcfg)
+        compile_cfg, ac_cfg = compile_config(tcfg), ac_config(tcfg)
         if dist.is_initialized():
             from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
             self.model, self.dims = parallelize(self.model, self.specs.parallelize_fn, self.parallelism, world_size, device.type,
-                                                self.compute_dtype, compile_cfg)
+                                                self.compute_dtype, compile_cfg, ac_cfg)
             # losses are normalised by global token/sequence counts: ranks' gradients must
             # add up, not average (TorchTitan's own trainer does the same)
             disable_fsdp_gradient_division(self.model)
@@ -86,9 +101,9 @@ class PolicyTrainer:
                 self.ref_model, _ = parallelize(self.ref_model, self.specs.parallelize_fn, self.parallelism, world_size, device.type,
                                                 self.compute_dtype, compile_cfg)
         else:
-            for model in (self.model, self.ref_model):
-                if model is not None:
-                    compile_unsharded(model, self.parallelism, compile_cfg)
+            compile_unsharded(self.model, self.parallelism, compile_cfg, ac_cfg)
+            if self.ref_model is not None:  # scored without grad: nothing to checkpoint
+                compile_unsharded(self.ref_model, self.parallelism, compile_cfg)
         self.model.train()
         # with LoRA only the adapters train: the optimizer (and its state) holds them alone
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -109,9 +124,10 @@ class PolicyTrainer:
         routed = None  # MoE routing replay: the policy's routers take the sampler's expert choices
         if replay and self.config.trainer.loss.routing_replay and "routed_experts" in packed.keys():
             routed = input_positions(packed["routed_experts"]).to(self.device)
+        lengths = row_lengths(packed) if self.config.trainer.micro_batch_tokens > 0 else None
         with self.autocast():
             return token_logprobs(model, tokens, mask, g.temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p,
-                                  misses=misses, routed_experts=routed, replay_changed=replay_changed)
+                                  misses=misses, routed_experts=routed, replay_changed=replay_changed, lengths=lengths)
 
     def autocast(self):
         """Autocast to `trainer.compute_dtype` where FSDP2's param dtype does not already
@@ -144,18 +160,19 @@ class PolicyTrainer:
     @torch.no_grad()
     def compute_logprobs(self, batch: TensorDict) -> tuple[list[int], torch.Tensor]:
         """This rank's share of `batch`: (row indices, [rows, T] log-probs of every model token)."""
-        rows = rank_rows(batch, self.rank, self.world)
-        n_micro = micro_batch_count(batch, self.world, self.config.trainer.micro_batch_size)
-        mb = self.config.trainer.micro_batch_size
+        plan = self._micro_batches(batch)
         T = batch["tokens"].shape[1]
         outs = []
-        for i in range(n_micro):
-            idx = rows[i * mb:(i + 1) * mb]
+        for idx in plan:
             part = batch[torch.tensor(idx or [0])]  # a rank with no rows left still runs the collectives
             lp, _ = self._logprobs(self.model, part, score_mask=part["versions"] != PAD_VERSION)
             if idx:
                 outs.append(lp.cpu())
-        return rows, torch.cat(outs) if outs else torch.zeros(0, T)
+        return [i for idx in plan for i in idx], torch.cat(outs) if outs else torch.zeros(0, T)
+
+    def _micro_batches(self, batch: TensorDict) -> list[list[int]]:
+        t = self.config.trainer
+        return micro_batches(batch, self.rank, self.world, t.micro_batch_size, t.micro_batch_tokens)
 
     # ---- training -----------------------------------------------------------------------
     def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict[str, float]:
@@ -169,15 +186,11 @@ class PolicyTrainer:
         # global denominators, so that micro-batch losses on all ranks sum to the batch loss
         token_count = int(batch["loss_mask"].sum())
         seq_count = int(batch["loss_mask"].any(dim=1).sum())
-        rows = rank_rows(batch, self.rank, self.world)
-        mb = tcfg.micro_batch_size
-        n_micro = micro_batch_count(batch, self.world, mb)
         self.optimizer.zero_grad(set_to_none=True)
         metrics: list[dict[str, torch.Tensor]] = []
         lag_sum, lag_max = torch.zeros(()), torch.zeros(())
         gaps: list[torch.Tensor] = []  # log pi - log mu of this rank's loss tokens, for quantiles
-        for i in range(n_micro):
-            idx = rows[i * mb:(i + 1) * mb]
+        for idx in self._micro_batches(batch):
             packed = trim(batch[torch.tensor(idx or [0])]).to(self.device)
             want_entropy = True  # the bonus when entropy_coef > 0; the trainer/entropy metric always
             misses: list = []

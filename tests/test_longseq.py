@@ -1,0 +1,166 @@
+"""Long rows in the trainer: token-budget micro-batches (packed rows, no padding) and
+TorchTitan's activation checkpointing, each against the padded, uncheckpointed step.
+
+A packed step must give the padded step's loss and gradients to float tolerance for every
+loss variant, multi-turn rows with env tokens masked, LoRA, MoE with routing replay,
+distillation's per-token advantages and the KL/entropy terms.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshrl.config import Config, ConfigError
+from meshrl.trainer.losses import CORRECTIONS
+from meshrl.trainer.packing import pack, rank_rows_by_tokens, row_lengths, token_micro_batches, unpack
+from meshrl.trainer.policy import PolicyTrainer, micro_batches
+from tests.test_trainer import CPU, make_batch
+
+BUDGET = 96  # tokens: a few of make_batch's rows (8 to 40 tokens) per micro-batch
+
+
+def config(model: dict | None = None, lora: dict | None = None, **trainer) -> Config:
+    trainer = {"micro_batch_size": 3, **trainer}
+    return Config.from_dict({"model": {"max_seq_len": BUDGET, **(model or {})}, "lora": lora or {}, "trainer": trainer})
+
+
+def step(cfg: Config, batch, version: int = 1) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One train_step from the seeded initial weights: its metrics and every parameter's gradient."""
+    trainer = PolicyTrainer(cfg, CPU)
+    out = trainer.train_step(batch.clone(), current_version=version)
+    unwrapped = lambda n: n.replace("_checkpoint_wrapped_module.", "")  # activation checkpointing's wrapper level
+    return out, {unwrapped(n): p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(padded: Config, packed: Config, batch, grad_tol: float = 1e-3) -> dict:
+    """Same loss, token count and gradient norm; every gradient equal to within `grad_tol` of
+    its largest element (float32 sums taken in another order)."""
+    a, ga = step(padded, batch)
+    b, gb = step(packed, batch)
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+    assert b["tokens"] == a["tokens"] and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert ga.keys() == gb.keys() and ga
+    for name in ga:
+        worst = float((gb[name] - ga[name]).abs().max())
+        assert worst <= grad_tol * float(ga[name].abs().max()) + 1e-9, (name, worst, float(ga[name].abs().max()))
+    return b
+
+
+# ---- the pieces ------------------------------------------------------------------------------
+def test_rows_pack_back_to_back_and_come_back_in_place():
+    batch = make_batch(turns=2)
+    lengths = row_lengths(batch)
+    assert lengths.min() > 0 and lengths.max() == batch["tokens"].shape[1]
+    flat, positions, real = pack(batch["tokens"], lengths)
+    assert flat.shape == (1, int(lengths.sum())) and real.sum() == lengths.sum()
+    assert (positions[0] == 0).sum() == len(lengths)  # each row restarts at position 0
+    assert torch.equal(torch.where(real, unpack(flat[..., None].float(), real)[..., 0].long(), 0), torch.where(real, batch["tokens"], 0))
+
+
+def test_token_micro_batches_hold_the_budget_and_never_cut_a_row():
+    lengths = torch.tensor([5, 30, 20, 50, 8, 40])
+    plan = token_micro_batches(list(range(6)), lengths, 50)
+    assert plan == [[0, 1], [2], [3], [4, 5]]
+    assert sorted(i for mb in plan for i in mb) == list(range(6))
+    assert token_micro_batches([0, 1], torch.tensor([70, 3]), 50) == [[0], [1]]  # too long: alone, whole
+
+
+def test_ranks_get_whole_groups_balanced_by_tokens_and_run_as_many_micro_batches():
+    batch = make_batch(groups=5, seed=3)
+    shares = [rank_rows_by_tokens(batch, r, 2) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(len(batch)))
+    groups = batch["group_id"]
+    assert not set(groups[shares[0]].tolist()) & set(groups[shares[1]].tolist())  # whole groups
+    lengths = row_lengths(batch)
+    load = [int(lengths[s].sum()) for s in shares]
+    biggest = max(int(lengths[groups == g].sum()) for g in groups.unique())
+    assert abs(load[0] - load[1]) <= biggest
+    plans = [micro_batches(batch, r, 2, 3, 40) for r in range(2)]
+    assert len(plans[0]) == len(plans[1])  # the collectives stay in step
+    assert all(int(lengths[mb].sum()) <= 40 for plan in plans for mb in plan if len(mb) > 1)
+
+
+def test_config_refuses_a_budget_below_the_longest_row_and_memory_budget_without_compile():
+    with pytest.raises(ConfigError, match="trainer.micro_batch_tokens") as info:
+        Config.from_dict({"model": {"max_seq_len": 256}, "trainer": {"micro_batch_tokens": 100}})
+    assert "at least 256" in str(info.value)
+    with pytest.raises(ConfigError, match="trainer.activation_checkpoint"):
+        Config.from_dict({"trainer": {"activation_checkpoint": "memory_budget"}})
+
+
+# ---- packed == padded ------------------------------------------------------------------------
+@pytest.mark.parametrize("correction", CORRECTIONS)
+def test_packed_step_equals_the_padded_step_for_every_correction(correction):
+    batch = make_batch(turns=2, version=2)  # multi-turn: env tokens inside rows are masked out of the loss
+    loss = {"correction": correction}
+    out = assert_same_step(config(loss=loss), config(loss=loss, micro_batch_tokens=BUDGET), batch)
+    assert out["tokens"] == int(batch["loss_mask"].sum())
+
+
+@pytest.mark.parametrize("loss", [
+    {"kl_coef": 0.1, "entropy_coef": 0.01, "correction": "decoupled"},  # a reference model, entropy
+    {"aggregation": "seq_mean_token_mean", "clip_against": "proximal"},
+    {"advantage": "rloo", "aggregation": "seq_mean_token_sum"},
+])
+def test_packed_step_equals_the_padded_step_for_loss_variants(loss):
+    batch = make_batch(turns=2, seed=5)
+    assert_same_step(config(loss=loss), config(loss=loss, micro_batch_tokens=BUDGET), batch)
+
+
+def test_packed_step_equals_the_padded_step_with_lora():
+    batch = make_batch(turns=2, seed=1)
+    lora = {"rank": 4, "alpha": 8}
+    out = assert_same_step(config(lora=lora), config(lora=lora, micro_batch_tokens=BUDGET), batch)
+    assert out["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_packed_step_equals_the_padded_step_on_moe_with_routing_replay(family):
+    batch = make_batch(seed=2)
+    model = {"family": family, "num_experts": 4, "experts_top_k": 2}
+    n_layers = Config.from_dict({"model": model}).model.n_layers
+    B, T = batch["tokens"].shape
+    g = torch.Generator().manual_seed(0)
+    experts = torch.rand(B, T, n_layers, 4, generator=g).argsort(-1)[..., :2].int()  # 2 distinct experts a token
+    batch["routed_experts"] = torch.where(batch["loss_mask"][..., None, None], experts, -1)
+    cfg = dict(model=model, loss={"routing_replay": True})
+    # TorchTitan's grouped expert matmuls sum in another order when the rows move: about 3e-3
+    # of the largest expert gradient, measured, with or without replay
+    out = assert_same_step(config(**cfg), config(**cfg, micro_batch_tokens=BUDGET), batch, grad_tol=1e-2)
+    assert out["routing_replay_changed_frac"] > 0  # the replay did act
+
+
+def test_packed_step_equals_the_padded_step_on_distillation_advantages():
+    batch = make_batch(turns=2, version=1, seed=4)
+    mask = batch["loss_mask"]
+    g = torch.Generator().manual_seed(0)
+    batch["teacher_logprobs"] = torch.where(mask, batch["sampler_logprobs"] + 0.5 * torch.randn(mask.shape, generator=g), 0.0)
+    batch["token_advantage"] = torch.where(mask, 0.7 * (batch["teacher_logprobs"] - batch["sampler_logprobs"]) + batch["advantage"][:, None], 0.0)
+    out = assert_same_step(config(), config(micro_batch_tokens=BUDGET), batch)
+    assert "distill_reverse_kl" in out
+
+
+def test_packed_scoring_equals_padded_with_the_samplers_truncation():
+    batch = make_batch(turns=2, seed=6)
+    def scored(**trainer):
+        cfg = Config.from_dict({"model": {"max_seq_len": BUDGET}, "generator": {"top_k": 20, "top_p": 0.9}, "trainer": trainer})
+        return PolicyTrainer(cfg, CPU).compute_logprobs(batch)
+    rows_a, lp_a = scored(micro_batch_size=3)
+    rows_b, lp_b = scored(micro_batch_tokens=BUDGET)
+    order = [rows_b.index(r) for r in rows_a]
+    torch.testing.assert_close(lp_b[order][:, :lp_a.shape[1]], lp_a, rtol=1e-5, atol=1e-5)
+
+
+# ---- activation checkpointing ----------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_the_step_and_the_weights_names(mode):
+    batch = make_batch(turns=2, seed=7)
+    out = assert_same_step(config(), config(activation_checkpoint=mode, micro_batch_tokens=BUDGET), batch)
+    assert out["grad_norm"] > 0
+    lora = {"rank": 4, "alpha": 8}
+    trainer = PolicyTrainer(config(activation_checkpoint=mode, lora=lora), CPU)
+    plain = PolicyTrainer(config(lora=lora), CPU)
+    # export and weight sync (merged and adapter alone) see no wrapper
+    assert [n for n, _ in trainer.hf_state_dict()] == [n for n, _ in plain.hf_state_dict()]
+    assert [n for n, _ in trainer.adapter_state_dict()] == [n for n, _ in plain.adapter_state_dict()]
