@@ -92,9 +92,11 @@ def _document_sdpa():
             if not isinstance(attention_masks, VarlenMetadata):
                 return super().forward(q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks, **kwargs)
             bounds = attention_masks.cu_seq_q_host or tuple(attention_masks.cu_seq_q.tolist())
-            # one packed row (B = 1): each document attends causally within its own slice
-            return torch.cat([super(DocumentSDPA, self).forward(q_BLNH[:, a:b], k_BLNH[:, a:b], v_BLNH[:, a:b], **kwargs)
-                              for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
+            sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+            # One packed row (B = 1): each document attends causally within its own part.
+            # split, not slices: a slice's backward writes a zero tensor of the whole row.
+            parts = zip(q_BLNH.split(sizes, dim=1), k_BLNH.split(sizes, dim=1), v_BLNH.split(sizes, dim=1))
+            return torch.cat([super(DocumentSDPA, self).forward(q, k, v, **kwargs) for q, k, v in parts], dim=1)
 
     _DOCUMENT_SDPA = DocumentSDPA
     return DocumentSDPA

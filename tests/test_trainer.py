@@ -264,9 +264,11 @@ def test_bf16_compute_on_cpu_tracks_float32_and_keeps_float32_state():
     bf16 = PolicyTrainer(make_config(compute_dtype="bfloat16"), CPU)
     assert fp32.compute_dtype == torch.float32 and bf16.compute_dtype == torch.bfloat16
     # matmuls run bf16; attention and RMSNorm run float32 (compat: slow bf16 CPU kernels)
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
     seen: dict[str, set] = {}
-    for module in bf16.model.modules():
-        kind = type(module).__name__
+    for module in bf16.model.modules():  # meshrl's attention is TorchTitan's SDPA that also takes packed rows
+        kind = "ScaledDotProductAttention" if isinstance(module, ScaledDotProductAttention) else type(module).__name__
         if kind in ("ScaledDotProductAttention", "RMSNorm", "Linear"):
             module.register_forward_hook(lambda m, args, out, kind=kind: seen.setdefault(kind, set()).add(out.dtype))
     _, lp32 = fp32.compute_logprobs(batch)
