@@ -136,10 +136,12 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
         from meshrl.trainer.model import model_args_from_hf
 
         try:
-            family = model_args_from_hf(m.path)[0].family
+            family, longest = (lambda a: (a.family, a.max_seq_len))(model_args_from_hf(m.path)[0])
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError("model.path", f"{m.path!r} does not load as a checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
                               "point it at a Hugging Face checkpoint directory of a qwen3, qwen3_moe, llama or deepseek_v3 model") from None
+        if m.max_seq_len > longest:  # the trainer's RoPE tables are the checkpoint's length; vLLM's context is max_seq_len
+            raise ConfigError("model.max_seq_len", f"{m.max_seq_len} exceeds the checkpoint's max_position_embeddings={longest} ({m.path}): lower it to at most {longest}")
         if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(m.path)):
             raise ConfigError("model.path", f"{m.path!r} has a config.json but no weight files (*.safetensors): point it at a complete checkpoint directory")
     else:

@@ -250,7 +250,20 @@ class PolicyTrainer:
         )
         out.update(_drift_metrics(merged, torch.cat(gaps) if gaps else torch.zeros(0)))
         out["zero_variance_groups"] = zero_variance_share(batch)
+        out.update(self._layout_metrics(batch))
         return out
+
+    def _layout_metrics(self, batch: TensorDict) -> dict[str, float]:
+        """row_tokens_max: the longest row trained; useful_token_frac: real tokens over the
+        tokens the model ran on every rank (1 when packed; padding lowers it); micro_batches:
+        per rank."""
+        t = self.config.trainer
+        lengths = row_lengths(batch)
+        plans = [micro_batches(batch, r, self.world, t.micro_batch_size, t.micro_batch_tokens) for r in range(self.world)]
+        ran = sum(int(lengths[mb].sum()) if t.micro_batch_tokens > 0 else len(mb) * int(lengths[mb].max())
+                  for plan in plans for mb in plan if mb)
+        return {"row_tokens_max": float(lengths.max()), "useful_token_frac": float(lengths.sum()) / max(ran, 1),
+                "micro_batches": float(len(plans[0]))}
 
     def _clip_grads(self, max_norm: float) -> torch.Tensor:
         from torchtitan.distributed.utils import clip_grad_norm_
