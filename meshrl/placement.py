@@ -31,6 +31,44 @@ import torch
 
 AUTO = "auto"
 
+# `placement=auto` on one CPU host colocates (every role all the cores, taking turns) when a
+# training step is estimated at more than this many GFLOP, and splits the cores otherwise.
+# Set between two runs measured on a 2-core host (benchmarks/README.md section 6), at about
+# their geometric mean: the default 100K-parameter model (2.5 GFLOP a step by this estimate)
+# ran faster split, trainer and engine overlapping; a 25M-parameter model with short answers
+# (about 250 GFLOP a step, trainer-bound) ran 1.25x TRL colocated and 0.90x split, where the
+# trainer had half the cores.
+COLOCATE_ABOVE_GFLOP = 25.0
+
+
+def trainer_gflop_per_step(config) -> float:
+    """A training step's forward and backward, estimated: 6 x parameters x tokens, with
+    every row at its longest (prompt allowance plus `generator.max_new_tokens` per turn),
+    plus the KL reference's forward when there is one."""
+    m = config.model
+    if m.path is not None:
+        from meshrl.trainer.model import model_args_from_hf
+
+        m = model_args_from_hf(m.path)[0]
+    head = m.dim // m.n_heads
+    ffn = m.ffn_dim * (m.experts_top_k + 1 if m.moe else 1)  # active experts (and a shared one) for MoE
+    per_layer = m.dim * head * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * ffn
+    params = m.n_layers * per_layer + m.dim * m.vocab_size
+    g = config.generator
+    tokens = config.batch_groups * g.group_size * min(m.max_seq_len, 16 + g.max_new_tokens * config.rollout.max_turns)
+    passes = 6 + (2 if config.trainer.loss.kl_coef > 0 else 0)
+    return passes * params * tokens / 1e9
+
+
+def cpu_placement(config) -> tuple[str, str]:
+    """`placement=auto` on CPU: (`split` or `colocate`, why), from `trainer_gflop_per_step`."""
+    gflop = trainer_gflop_per_step(config)
+    if gflop > COLOCATE_ABOVE_GFLOP:
+        return "colocate", (f"a training step is about {gflop:.0f} GFLOP, more than generating its batch: "
+                            "each role gets every core in turn (placement=split to overlap them)")
+    return "split", (f"a training step is about {gflop:.1f} GFLOP: trainer and generators overlap on "
+                     "their own cores (placement=colocate to take turns on all of them)")
+
 
 def auto_placement(config, cores: list[int] | None = None) -> tuple[str, str]:
     """`(trainer.cpus, generator.cpus)` with each `auto` resolved for this host (`cores`:

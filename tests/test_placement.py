@@ -70,3 +70,24 @@ def test_pin_moves_every_thread_and_sizes_torch():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr
+
+
+def test_auto_on_cpu_colocates_a_trainer_bound_run_and_splits_the_default():
+    """placement=auto with no GPU: the default tiny model overlaps its roles on their own
+    cores; a 25M-parameter model with short answers (trainer-bound) takes turns on all of them."""
+    from meshrl.launch.devices import cpu_auto_placement, resolve_placement
+    from meshrl.placement import COLOCATE_ABOVE_GFLOP, trainer_gflop_per_step
+
+    default = Config.from_dict({})
+    assert trainer_gflop_per_step(default) < COLOCATE_ABOVE_GFLOP / 4 and resolve_placement(default, 0) == "split"
+    big = {"model": {"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 8, "ffn_dim": 1536}}
+    heavy = Config.from_dict(big)
+    assert trainer_gflop_per_step(heavy) > 4 * COLOCATE_ABOVE_GFLOP
+    placement, why = cpu_auto_placement(heavy)
+    assert placement == "colocate" and "GFLOP" in why and resolve_placement(heavy, 0) == "colocate"
+    # never where colocation cannot be, or where the user placed the roles
+    for other in ({"trainer": {"cpus": "0"}, "generator": {"cpus": "1"}}, {"weight_sync": {"transport": "collective"}},
+                  {"launcher": {"kind": "workers", "workers": ["127.0.0.1:1", "127.0.0.1:2"], "address": "127.0.0.1"}}):
+        cfg = Config.from_dict({**big, **other})
+        assert resolve_placement(cfg, 0) == "split", other
+    assert resolve_placement(Config.from_dict({**big, "placement": "split"}), 0) == "split"

@@ -30,7 +30,7 @@ from meshrl.config import Config
 from meshrl.controller.replicas import GeneratorPool, WorkerPool
 from meshrl.errors import one_line
 from meshrl.launch.allocation import allocate
-from meshrl.launch.devices import resolve_placement, resolve_transport, weights_on_gpu
+from meshrl.launch.devices import cpu_auto_placement, gpus_per_host, resolve_placement, resolve_transport, weights_on_gpu
 from meshrl.metrics import MetricsWriter
 from meshrl.placement import auto_placement
 from meshrl.queue.actor import EpisodeQueueActor
@@ -130,6 +130,8 @@ class RLLoop:
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             f.write(c.to_yaml())  # as given: `auto` placement is resolved again on the host that resumes it
+        if c.placement == "auto" and gpus_per_host(c) == 0:  # the console says which CPU placement, and why
+            print("meshrl: placement auto: {}: {}".format(*cpu_auto_placement(c)), file=console())
         c.placement, c.weight_sync.transport = resolve_placement(c), resolve_transport(c)
         c.trainer.cpus, c.generator.cpus = auto_placement(c)
         log.info("placement: %s, trainer cpus %r, generator cpus %r, weight transport %s", c.placement, c.trainer.cpus or "any",

@@ -169,11 +169,29 @@ def resolve_placement(config: Config, gpus: int | None = None) -> str:
         return config.placement
     g = gpus_per_host(config) if gpus is None else gpus
     t, gen = config.trainer, config.generator
-    if g == 0 or config.launcher.hosts > 1 or t.device == "cpu" or config.distill.teacher:
+    if config.launcher.hosts > 1 or config.distill.teacher:
+        return "split"
+    if g == 0:
+        return cpu_auto_placement(config)[0]
+    if t.device == "cpu":
         return "split"
     if _split_gpus_needed(config) <= g:
         return "split"
     return "colocate" if t.procs <= g and gen.replicas * gen.tp <= g else "split"
+
+
+def cpu_auto_placement(config: Config) -> tuple[str, str]:
+    """`placement=auto` on a host with no GPU: (`split` or `colocate`, why). Colocated only
+    where it can be (one machine, a shared-memory weight handoff, cores not pinned by hand)
+    and the trainer's step outweighs generating its batch (meshrl/placement.py)."""
+    from meshrl.placement import AUTO, cpu_placement
+
+    c = config
+    if c.launcher.kind not in ("local", "process") or c.launcher.hosts > 1 or c.distill.teacher:
+        return "split", "several hosts or a distillation teacher: each role on its own cores"
+    if c.weight_sync.transport not in ("auto", "shm") or not c.trainer.cpus == c.generator.cpus == AUTO:
+        return "split", "weight_sync.transport or the roles' cores are set by hand"
+    return cpu_placement(c)
 
 
 def resolve_transport(config: Config) -> str:
