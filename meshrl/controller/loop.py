@@ -31,6 +31,7 @@ from meshrl.controller.replicas import GeneratorPool, WorkerPool
 from meshrl.errors import one_line
 from meshrl.launch.allocation import allocate
 from meshrl.launch.devices import cpu_auto_placement, gpus_per_host, resolve_placement, resolve_transport, weights_on_gpu
+from meshrl.logs import console
 from meshrl.metrics import MetricsWriter
 from meshrl.placement import auto_placement
 from meshrl.queue.actor import EpisodeQueueActor
