@@ -8,8 +8,25 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 
 import torch
+
+# ---- CUDA ----
+def cuda_present() -> bool:
+    """Whether this process can use a GPU, asked without initialising CUDA in it.
+
+    `torch.cuda.is_available()` goes through the CUDA runtime's device count unless
+    PYTORCH_NVML_BASED_CUDA_CHECK is set, and a process that did that cannot use CUDA in a
+    child it forks afterwards. vLLM on GPU starts its engine core with fork (its default
+    `VLLM_WORKER_MULTIPROC_METHOD`, switched to spawn only when CUDA is already initialised),
+    and `import vllm` sets the NVML check itself, too late for a generator proc that asked
+    first: the engine core then fails with "Cannot re-initialize CUDA in forked subprocess".
+    So every question meshrl asks before vLLM starts goes through NVML.
+    """
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    return torch.cuda.is_available()
+
 
 # ---- Monarch ----
 async def awaited(future):
@@ -109,7 +126,7 @@ def titan_use_cpu_device_type() -> None:
     ParallelDims builds its DeviceMesh (and the MoE dispatcher its buffers) on that
     device type; the modules import the name by value, so each copy is patched.
     """
-    if torch.cuda.is_available():
+    if cuda_present():
         return
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.distributed.utils as dist_utils
@@ -187,7 +204,7 @@ def vllm_runs_lora_on(moe: bool) -> bool:
     the engine dies at its first step. There, a MoE policy's LoRA is synced merged into its
     full weights (as without LoRA), and the generators run no adapter.
     """
-    return not moe or torch.cuda.is_available()
+    return not moe or cuda_present()
 
 
 def vllm_cpu_moe_prepack_after_reload(model: torch.nn.Module, loaded: set[str]) -> int:

@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from meshrl.compat import cuda_present
+
 
 AUTO = "auto"
 
@@ -76,7 +78,7 @@ def auto_placement(config, cores: list[int] | None = None) -> tuple[str, str]:
     t, g = config.trainer, config.generator
     if AUTO not in (t.cpus, g.cpus):
         return t.cpus, g.cpus
-    cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    cuda = t.device == "cuda" or (t.device == "auto" and cuda_present())
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     if cuda or config.launcher.kind not in ("local", "process"):
         return ("" if t.cpus == AUTO else t.cpus), ("" if g.cpus == AUTO else g.cpus)

@@ -146,6 +146,9 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
             raise ConfigError("model.path", f"{m.path!r} has a config.json but no weight files (*.safetensors): point it at a complete checkpoint directory")
     else:
         family = m.family
+    if family == "deepseek_v3" and m.dtype == "float32" and plan_devices(c).layout != "cpu":
+        raise ConfigError("model.dtype", "deepseek_v3 generators on GPU run vLLM's MLA attention, whose CUDA backends take only "
+                                         "float16 or bfloat16: set model.dtype=bfloat16")
     if c.generator.return_routed_experts and family not in MOE_FAMILIES:
         raise ConfigError("generator.return_routed_experts", f"routed experts exist only in MoE models, and the policy is {family}: set it false")
     tokenizer_dir, field_path = (m.tokenizer, "model.tokenizer") if m.tokenizer else (m.path, "model.path")

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 import torch
 
+from meshrl.compat import cuda_present
 from meshrl.config import GeneratorConfig
 from meshrl.generator.weight_loading import to_shared_memory
 
@@ -93,7 +94,7 @@ class VLLMEngine:
         sleep_mode: bool = False,
     ):
         self.gen = gen
-        self.sleep_mode = sleep_mode and torch.cuda.is_available()
+        self.sleep_mode = sleep_mode and cuda_present()
         """vLLM's sleep mode (GPU only: its CuMem allocator): `sleep` frees the engine's GPU
         memory for a colocated trainer. On CPU there is nothing to free and `sleep` pauses."""
         self.adapter_dir = adapter_dir
@@ -118,7 +119,7 @@ class VLLMEngine:
         """Tokens scored by `score` so far."""
         self.logit_temperature = 1.0
         """The model's logits are divided by this (`set_logit_temperature`)."""
-        self.capture_routing = gen.return_routed_experts and not torch.cuda.is_available()
+        self.capture_routing = gen.return_routed_experts and not cuda_present()
         """Routed experts come from meshrl's capture on the worker (routing_capture.py: vLLM's
         V1 runner, the CPU one, returns none) instead of vLLM's own (runner V2, GPU)."""
         self.routing_shape: tuple[int, int] | None = None

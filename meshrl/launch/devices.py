@@ -74,6 +74,14 @@ class DevicePlan:
     """Every host is this machine (`local`, `torchx` and `process` launchers): GPU procs' NCCL groups
     then listen on loopback. Otherwise (`workers`: `meshrl worker` names the interface;
     Slurm: NCCL_SOCKET_IFNAME as the cluster sets it) they listen where NCCL's default puts them."""
+    stand_ins: bool = False
+    """`launcher.kind=process` with several hosts: stand-ins on this one machine, stand-in host h
+    (counted across host meshes) holding this machine's GPUs h*G .. h*G+G-1 (G = gpus_per_host),
+    so no two of them number the same GPU from 0."""
+    visible: list[str] | None = None
+    """This machine's GPUs as the controller was given them (its `CUDA_VISIBLE_DEVICES`, e.g.
+    `4,5` on a shared node), where every host is this machine: plan index i is `visible[i]`,
+    so a proc never lands on another job's GPU. None: indices are the host's own."""
 
     def slot(self, role: str, index: int) -> Slot:
         for s in self.slots:
@@ -88,10 +96,19 @@ class DevicePlan:
             return {}
         if role not in ("trainer", "generator", "teacher"):
             return {DEVICE_ENV: ""}
-        env = {DEVICE_ENV: ",".join(map(str, self.slot(role, index).gpus)), PLAN_ENV: f"{role} {index}"}
+        gpus = [self.visible[i] if self.visible else str(i) for i in self._machine_gpus(self.slot(role, index))]
+        env = {DEVICE_ENV: ",".join(gpus), PLAN_ENV: f"{role} {index}"}
         if self.one_machine and NCCL_IFNAME_ENV not in os.environ:
             env[NCCL_IFNAME_ENV] = "lo"
         return env
+
+    def _machine_gpus(self, slot: Slot) -> list[int]:
+        """A slot's GPUs as its machine numbers them (stand-in hosts share one machine)."""
+        if not self.stand_ins:
+            return list(slot.gpus)
+        meshes = list(self.hosts)
+        host = sum(self.hosts[m] for m in meshes[:meshes.index(slot.mesh)]) + slot.host
+        return [host * self.gpus_per_host + i for i in slot.gpus]
 
     def envs(self, role: str, indices: list[int]) -> list[dict[str, str]]:
         return [self.env(role, i) for i in indices]
@@ -135,12 +152,22 @@ class DevicePlan:
         return out
 
 
+def visible_gpus() -> list[str] | None:
+    """The GPUs `CUDA_VISIBLE_DEVICES` names, in its order (indices or UUIDs, up to the first
+    invalid `-1`, as CUDA reads it); None when it is not set."""
+    visible = os.environ.get(DEVICE_ENV)
+    if visible is None:
+        return None
+    names = [d.strip() for d in visible.split(",")]
+    return names[:names.index("-1")] if "-1" in names else [d for d in names if d]
+
+
 def detected_gpus() -> int:
     """GPUs this process may use: those `CUDA_VISIBLE_DEVICES` names, else those the NVIDIA
     driver lists (read from /proc, so CUDA is not initialised here), else 0."""
-    visible = os.environ.get(DEVICE_ENV)
+    visible = visible_gpus()
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+        return len(visible)
     try:
         return len([d for d in os.listdir("/proc/driver/nvidia/gpus")])
     except OSError:
@@ -234,6 +261,14 @@ def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
     plan = _colocated(config, g, hosts) if g and placement == "colocate" else _split(config, g, hosts)
     plan.placement = placement
     plan.one_machine = config.launcher.kind in ("local", "torchx", "process")
+    plan.stand_ins = config.launcher.kind == "process" and sum(hosts.values()) > 1
+    if g and plan.one_machine:
+        plan.visible = visible_gpus()
+        have = len(plan.visible) if plan.visible is not None else detected_gpus()
+        need = g * sum(hosts.values()) if plan.stand_ins else g
+        if have and need > have:  # 0: no GPU seen here (a plan printed on a login node)
+            raise ConfigError("launcher.gpus_per_host", f"{sum(hosts.values())} stand-in hosts x {g} GPUs need {need} GPUs on this machine, "
+                                                        f"which has {have}: lower launcher.gpus_per_host or launcher.hosts")
     return plan
 
 

@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from meshrl.compat import cuda_present
 from meshrl.weightsync.errors import WeightSyncTimeout
 from meshrl.weightsync.layout import Layout, allocate, pack
 
@@ -59,7 +60,7 @@ class StagingPool:
         self.lease_timeout_s = lease_timeout_s
         self.max_slots = max_slots
         self.shared_memory = shared_memory
-        self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        self.pinned = cuda_present() if pinned is None else pinned
         """Page-locked slots (the default where CUDA is): a GPU trainer's copy into staging
         runs at the link's speed, and RDMA or a broadcast reads them without a bounce."""
         self.device: torch.device | None = None
