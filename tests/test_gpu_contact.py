@@ -103,3 +103,28 @@ def test_deepseek_v3_on_gpu_generators_needs_a_half_precision_dtype(tmp_path):
     assert "bfloat16" in str(info.value)
     preflight(cfg("bfloat16", 2))
     preflight(cfg("float32", 0))  # vLLM's CPU MLA backend takes float32
+
+
+def test_drift_quantiles_hold_past_torch_quantiles_limit():
+    """A rank's loss tokens of long traces pass 2^24, where torch.quantile raises (after the
+    optimizer step had been taken)."""
+    import torch
+
+    from meshrl.trainer.policy import _quantiles
+
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(0))
+    want = torch.quantile(x.double(), torch.tensor([0.01, 0.5, 0.99], dtype=torch.float64)).tolist()
+    assert _quantiles(x, [0.01, 0.5, 0.99]) == pytest.approx(want)
+    big = torch.arange(2**24 + 2, dtype=torch.float32)
+    with pytest.raises(RuntimeError):
+        torch.quantile(big, 0.5)
+    assert _quantiles(big, [0.5]) == [pytest.approx((2**24 + 1) / 2)]
+
+
+def test_the_kl_reference_scores_in_eval_mode():
+    import torch
+
+    from meshrl.trainer.policy import PolicyTrainer
+
+    trainer = PolicyTrainer(Config.from_dict({"trainer": {"loss": {"kl_coef": 0.1}}, "lora": {"rank": 4, "dropout": 0.1}}), torch.device("cpu"))
+    assert trainer.model.training and not trainer.ref_model.training

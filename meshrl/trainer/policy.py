@@ -82,6 +82,7 @@ class PolicyTrainer:
                                             lora=config.lora)
             self.ref_model.load_state_dict(self.model.state_dict())
             self.ref_model.requires_grad_(False)
+            self.ref_model.eval()  # a reference, not a policy in training (LoRA's dropout stays off)
         self.compute_dtype = compute_dtype(tcfg, device.type)
         if device.type == "cpu" and self.compute_dtype != torch.float32:
             for model in (self.model, self.ref_model):
@@ -387,9 +388,22 @@ def _drift_metrics(merged: dict[str, torch.Tensor], gaps: torch.Tensor) -> dict[
     if float(merged["previous_tokens_sum"]) > 0:
         out["kl_prev_version"] = float(merged["kl_previous_sum"]) / float(merged["previous_tokens_sum"])
     if gaps.numel():
-        q = torch.quantile(gaps.double(), torch.tensor([0.01, 0.5, 0.99], dtype=torch.float64))
-        out.update(is_ratio_p1=float(q[0].exp()), is_ratio_p50=float(q[1].exp()), is_ratio_p99=float(q[2].exp()),
-                   logprob_gap_p99=float(torch.quantile(gaps.double().abs(), 0.99)))
+        q = _quantiles(gaps, [0.01, 0.5, 0.99])
+        out.update(is_ratio_p1=math.exp(q[0]), is_ratio_p50=math.exp(q[1]), is_ratio_p99=math.exp(q[2]),
+                   logprob_gap_p99=_quantiles(gaps.abs(), [0.99])[0])
+    return out
+
+
+def _quantiles(x: torch.Tensor, qs: list[float]) -> list[float]:
+    """torch.quantile's linear interpolation, by sorting: torch.quantile refuses inputs past
+    2^24 elements, which a rank's loss tokens of long reasoning traces exceed."""
+    s = x.double().sort().values
+    out = []
+    for q in qs:
+        pos = q * (len(s) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(s) - 1)
+        out.append(float(s[lo] + (s[hi] - s[lo]) * (pos - lo)))
     return out
 
 
