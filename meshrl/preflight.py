@@ -136,16 +136,22 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
         from meshrl.trainer.model import model_args_from_hf
 
         try:
-            family, longest = (lambda a: (a.family, a.max_seq_len))(model_args_from_hf(m.path)[0])
+            shape = model_args_from_hf(m.path)[0]
+            family, longest = shape.family, shape.max_seq_len
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError("model.path", f"{m.path!r} does not load as a checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
                               "point it at a Hugging Face checkpoint directory of a qwen3, qwen3_moe, llama or deepseek_v3 model") from None
+        tp = c.trainer.tp
+        if shape.n_heads % tp or shape.n_kv_heads % tp:
+            raise ConfigError("trainer.tp", f"{tp} must divide the checkpoint's {shape.n_heads} attention heads and {shape.n_kv_heads} KV heads: pick a divisor")
         if m.max_seq_len > longest:  # the trainer's RoPE tables are the checkpoint's length; vLLM's context is max_seq_len
             raise ConfigError("model.max_seq_len", f"{m.max_seq_len} exceeds the checkpoint's max_position_embeddings={longest} ({m.path}): lower it to at most {longest}")
         if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(m.path)):
             raise ConfigError("model.path", f"{m.path!r} has a config.json but no weight files (*.safetensors): point it at a complete checkpoint directory")
     else:
         family = m.family
+    if c.trainer.tp > 1 and family in MOE_FAMILIES:
+        raise ConfigError("trainer.tp", f"tensor parallel is built for the dense families (qwen3, llama), and the policy is {family}: use trainer.ep for experts, or tp=1")
     if family == "deepseek_v3" and m.dtype == "float32" and plan_devices(c).layout != "cpu":
         raise ConfigError("model.dtype", "deepseek_v3 generators on GPU run vLLM's MLA attention, whose CUDA backends take only "
                                          "float16 or bfloat16: set model.dtype=bfloat16")

@@ -99,6 +99,8 @@ class TrainerConfig:
     """FSDP2 data-parallel shard degree. -1: all trainer procs."""
     ep: int = 1
     """Expert-parallel degree for MoE models. Must divide `trainer.procs` and `model.num_experts`."""
+    tp: int = 1
+    """Tensor-parallel degree (TorchTitan's plan, sequence parallel on): each layer's weights split over `tp` procs, which train the same rows; data parallel runs over `trainer.procs / tp`. Must divide `trainer.procs`, `model.n_heads` and `model.n_kv_heads`. Dense families (qwen3, llama) only."""
     lr: float = 5e-3
     """AdamW learning rate. The default suits the tiny from-scratch default model; pretrained checkpoints want about 1e-6 to 1e-5."""
     weight_decay: float = 0.0

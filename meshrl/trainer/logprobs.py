@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshrl.trainer.packing import pack, unpack
+from meshrl.trainer.parallelize import full_tensor
 from meshrl.trainer.routing import replay_routing
 
 
@@ -49,7 +50,7 @@ def kept_set(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch
 
 def _chunk_logprobs(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                     with_entropy: bool, top_k: int = -1, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    logits = lm_head(hidden).float() / temperature
+    logits = full_tensor(lm_head(hidden)).float() / temperature  # vocab-sharded under TP: gathered (top-k/p, entropy)
     keep = kept_set(logits, top_k, top_p)
     full = F.log_softmax(logits, dim=-1)
     logp, misses = full, full.new_zeros(())
@@ -73,11 +74,12 @@ def hidden_states(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor 
 
     model._skip_lm_head = True
     try:
+        # under TP the final norm's output is a replicated DTensor: its local tensor is the whole
         if lengths is None:
-            return model(tokens)
+            return full_tensor(model(tokens))
         flat, positions, real = pack(tokens, lengths)
         documents = create_varlen_metadata_for_document(positions.cpu(), include_host_offsets=True)
-        return unpack(model(flat, positions, documents), real)
+        return unpack(full_tensor(model(flat, positions, documents)), real)
     finally:
         model._skip_lm_head = False
 

@@ -105,6 +105,15 @@ class PolicyTrainer:
             compile_unsharded(self.model, self.parallelism, compile_cfg, ac_cfg)
             if self.ref_model is not None:  # scored without grad: nothing to checkpoint
                 compile_unsharded(self.ref_model, self.parallelism, compile_cfg)
+        # Data parallel runs over the `batch` mesh (trainer.procs / tp): the procs of one TP group
+        # train the same rows, and their metrics count once.
+        self.dp_rank, self.dp_world, self._dp_group = rank, world_size, None
+        if self.dims is not None and self.dims.tp_enabled:
+            if world_size == self.dims.tp:  # TP alone: one data-parallel rank
+                self.dp_rank, self.dp_world = 0, 1
+            else:
+                batch_mesh = self.dims.get_mesh("batch")
+                self.dp_rank, self.dp_world, self._dp_group = batch_mesh.get_local_rank(), batch_mesh.size(), batch_mesh.get_group()
         self.model.train()
         # with LoRA only the adapters train: the optimizer (and its state) holds them alone
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -173,7 +182,7 @@ class PolicyTrainer:
 
     def _micro_batches(self, batch: TensorDict) -> list[list[int]]:
         t = self.config.trainer
-        return micro_batches(batch, self.rank, self.world, t.micro_batch_size, t.micro_batch_tokens)
+        return micro_batches(batch, self.dp_rank, self.dp_world, t.micro_batch_size, t.micro_batch_tokens)
 
     # ---- training -----------------------------------------------------------------------
     def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict[str, float]:
@@ -260,7 +269,7 @@ class PolicyTrainer:
         per rank."""
         t = self.config.trainer
         lengths = row_lengths(batch)
-        plans = [micro_batches(batch, r, self.world, t.micro_batch_size, t.micro_batch_tokens) for r in range(self.world)]
+        plans = [micro_batches(batch, r, self.dp_world, t.micro_batch_size, t.micro_batch_tokens) for r in range(self.dp_world)]
         ran = sum(int(lengths[mb].sum()) if t.micro_batch_tokens > 0 else len(mb) * int(lengths[mb].max())
                   for plan in plans for mb in plan if mb)
         return {"row_tokens_max": float(lengths.max()), "useful_token_frac": float(lengths.sum()) / max(ran, 1),
@@ -277,10 +286,10 @@ class PolicyTrainer:
         keys = sorted(metrics[0])
         sums = torch.stack([sum(m[k] for m in metrics).float() for k in keys if k.endswith("_sum")] + [lag_sum.float()])
         maxes = torch.stack([max(m[k] for m in metrics).float() for k in keys if k.endswith("_max")] + [lag_max.float()])
-        if dist.is_initialized() and self.world > 1:
+        if dist.is_initialized() and self.dp_world > 1:
             sums, maxes = sums.to(self.device), maxes.to(self.device)
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self._dp_group)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self._dp_group)
             sums, maxes = sums.cpu(), maxes.cpu()
         out = dict(zip([k for k in keys if k.endswith("_sum")] + ["lag_sum"], sums))
         out.update(zip([k for k in keys if k.endswith("_max")] + ["lag_max"], maxes))
