@@ -51,7 +51,10 @@ def trainer_gflop_per_step(config) -> float:
     if m.path is not None:
         from meshrl.trainer.model import model_args_from_hf
 
-        m = model_args_from_hf(m.path)[0]
+        try:
+            m = model_args_from_hf(m.path)[0]
+        except (OSError, ValueError, KeyError):  # preflight names what is wrong with the checkpoint
+            pass
     head = m.dim // m.n_heads
     ffn = m.ffn_dim * (m.experts_top_k + 1 if m.moe else 1)  # active experts (and a shared one) for MoE
     per_layer = m.dim * head * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * ffn
