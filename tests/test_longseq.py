@@ -89,6 +89,8 @@ def test_config_refuses_a_budget_below_the_longest_row_and_memory_budget_without
     assert "at least 256" in str(info.value)
     with pytest.raises(ConfigError, match="trainer.activation_checkpoint"):
         Config.from_dict({"trainer": {"activation_checkpoint": "memory_budget"}})
+    with pytest.raises(ConfigError, match="trainer.micro_batch_tokens"):  # measured: a 15-20 s recompile per new row layout
+        Config.from_dict({"trainer": {"compile": True, "micro_batch_tokens": 256}})
 
 
 # ---- packed == padded ------------------------------------------------------------------------
@@ -117,15 +119,31 @@ def test_packed_step_equals_the_padded_step_with_lora():
     assert out["grad_norm"] > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_packed_step_equals_the_padded_step_on_moe_with_routing_replay(family):
+def moe_batch_with_routing(model: dict):
+    """make_batch with the sampler's experts: 2 distinct experts a model token, every layer."""
     batch = make_batch(seed=2)
-    model = {"family": family, "num_experts": 4, "experts_top_k": 2}
     n_layers = Config.from_dict({"model": model}).model.n_layers
     B, T = batch["tokens"].shape
     g = torch.Generator().manual_seed(0)
-    experts = torch.rand(B, T, n_layers, 4, generator=g).argsort(-1)[..., :2].int()  # 2 distinct experts a token
+    experts = torch.rand(B, T, n_layers, 4, generator=g).argsort(-1)[..., :2].int()
     batch["routed_experts"] = torch.where(batch["loss_mask"][..., None, None], experts, -1)
+    return batch
+
+
+def test_checkpointed_moe_blocks_replay_the_routing_in_their_recomputation_too():
+    """Backward recomputes a checkpointed block's routers after the forward has returned: the
+    replay must still be on then (else TorchTitan's checkpoint sees other experts and fails)."""
+    model = {"family": "qwen3_moe", "num_experts": 4, "experts_top_k": 2}
+    cfg = dict(model=model, loss={"routing_replay": True})
+    out = assert_same_step(config(**cfg), config(**cfg, activation_checkpoint="full", micro_batch_tokens=BUDGET),
+                           moe_batch_with_routing(model), grad_tol=1e-2)
+    assert out["routing_replay_changed_frac"] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_packed_step_equals_the_padded_step_on_moe_with_routing_replay(family):
+    model = {"family": family, "num_experts": 4, "experts_top_k": 2}
+    batch = moe_batch_with_routing(model)
     cfg = dict(model=model, loss={"routing_replay": True})
     # TorchTitan's grouped expert matmuls sum in another order when the rows move: about 3e-3
     # of the largest expert gradient, measured, with or without replay

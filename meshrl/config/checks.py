@@ -90,6 +90,9 @@ def validate(c: Config) -> None:
     need(t.micro_batch_tokens >= 0, "trainer.micro_batch_tokens", f"must be at least 0 (0 = rows of micro_batch_size, padded), got {t.micro_batch_tokens}")
     need(t.micro_batch_tokens == 0 or t.micro_batch_tokens >= m.max_seq_len, "trainer.micro_batch_tokens",
          f"{t.micro_batch_tokens} cannot hold one row of model.max_seq_len={m.max_seq_len} tokens: raise it to at least {m.max_seq_len}, or lower model.max_seq_len")
+    need(not (t.compile and t.micro_batch_tokens > 0), "trainer.micro_batch_tokens",
+         "packed rows run attention row by row, and trainer.compile's whole-block graphs would recompile for every new set of "
+         "row lengths: set trainer.compile=false, or micro_batch_tokens=0")
     need(0 < t.ac_memory_budget <= 1, "trainer.ac_memory_budget", f"must be in (0, 1], got {t.ac_memory_budget}")
     need(t.activation_checkpoint != "memory_budget" or t.compile, "trainer.activation_checkpoint",
          "memory_budget is chosen by the compiler and needs trainer.compile=true: set it, or use full or selective")

@@ -19,6 +19,8 @@ the float32 [tokens x vocab] logits exist one chunk at a time, in forward and in
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,6 +100,7 @@ def token_logprobs(
     routed_experts: torch.Tensor | None = None,
     replay_changed: list | None = None,
     lengths: torch.Tensor | None = None,
+    keep_replay: contextlib.ExitStack | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of `tokens[b, t]` given `tokens[b, :t]` at `temperature`, truncated to
     the sampler's kept set by `top_k` / `top_p` (see the module docstring), where `score_mask`.
@@ -109,7 +112,10 @@ def token_logprobs(
     decoder forward (meshrl/trainer/routing.py); None routes live. `replay_changed`, a list,
     gets the [B, T] positions where replay overrode the live routing (`replay_routing`).
     `lengths` [B]: the real tokens of each right-padded row; the decoder then runs the rows
-    packed, with no padding (`hidden_states`), for the same result.
+    packed, with no padding (`hidden_states`), for the same result. `keep_replay`: an ExitStack
+    the routing replay is entered into instead of closing with the forward, for a caller whose
+    backward recomputes checkpointed blocks (their routers must replay again); the
+    `replay_changed` flags arrive when the caller closes it.
     """
     B, T = tokens.shape
     mask = score_mask.clone()
@@ -118,11 +124,20 @@ def token_logprobs(
     changed: list | None = None if replay_changed is None else []
     if lengths is not None and routed_experts is not None:
         routed_experts = pack(routed_experts, lengths)[0]  # the experts follow their tokens
-    with replay_routing(model, routed_experts, changed):
+
+    def report_changed() -> None:
+        if changed:
+            real = None if lengths is None else pack(tokens, lengths)[2]
+            replay_changed.append(changed[0] if real is None else torch.zeros_like(real).masked_scatter(real, changed[0][0]))
+
+    if keep_replay is None:
+        with replay_routing(model, routed_experts, changed):
+            h = hidden_states(model, tokens, lengths)
+        report_changed()
+    else:  # the caller closes it after backward, whose checkpoint recomputation must replay too
+        keep_replay.callback(report_changed)
+        keep_replay.enter_context(replay_routing(model, routed_experts, changed))
         h = hidden_states(model, tokens, lengths)
-    if changed:
-        real = None if lengths is None else pack(tokens, lengths)[2]
-        replay_changed.append(changed[0] if real is None else torch.zeros_like(real).masked_scatter(real, changed[0][0]))
     h_sel = h[:, :-1][mask[:, 1:]]  # [N, D]: hidden state at t-1 for each scored token t
     targets = tokens[mask]
     lm_head = model.lm_head

@@ -10,6 +10,7 @@ never Monarch or vLLM: tests, benchmarks and GPU checks build it directly, and
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -126,7 +127,7 @@ class PolicyTrainer:
 
     # ---- scoring ------------------------------------------------------------------------
     def _logprobs(self, model, packed: TensorDict, with_entropy: bool = False, score_mask=None, misses: list | None = None,
-                  replay: bool = True, replay_changed: list | None = None):
+                  replay: bool = True, replay_changed: list | None = None, keep_replay: contextlib.ExitStack | None = None):
         tokens = packed["tokens"].to(self.device)
         mask = (packed["loss_mask"] if score_mask is None else score_mask).to(self.device)
         g = self.config.generator
@@ -137,7 +138,8 @@ class PolicyTrainer:
         lengths = row_lengths(packed) if self.config.trainer.micro_batch_tokens > 0 else None
         with self.autocast():
             return token_logprobs(model, tokens, mask, g.temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p,
-                                  misses=misses, routed_experts=routed, replay_changed=replay_changed, lengths=lengths)
+                                  misses=misses, routed_experts=routed, replay_changed=replay_changed, lengths=lengths,
+                                  keep_replay=keep_replay)
 
     def autocast(self):
         """Autocast to `trainer.compute_dtype` where FSDP2's param dtype does not already
@@ -205,36 +207,39 @@ class PolicyTrainer:
             want_entropy = True  # the bonus when entropy_coef > 0; the trainer/entropy metric always
             misses: list = []
             replay_changed: list = []
-            logprobs, entropy = self._logprobs(self.model, packed, with_entropy=want_entropy, misses=misses, replay_changed=replay_changed)
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref, _ = self._logprobs(self.ref_model, packed, replay=False)  # another model: its own routing
-            # on-policy distillation (meshrl/distill.py): per-token advantages replace the [B] ones
-            distill = "token_advantage" in packed.keys()
-            # One optimizer step per batch: the weights before the update are the weights of
-            # this forward, so pi_prox is its detached value (no second forward needed).
-            loss, m = policy_loss(
-                logprobs, packed["sampler_logprobs"], packed["token_advantage" if distill else "advantage"], packed["loss_mask"], lcfg,
-                prox_logprobs=logprobs.detach(), ref_logprobs=ref, entropy=entropy,
-                token_count=token_count, seq_count=seq_count,
-            )
-            if self.config.trainer.loss.sampling_mask and (self.config.generator.top_k > 0 or self.config.generator.top_p < 1):
-                m["sampling_mask_miss_sum"] = misses[0]  # sampled tokens outside the trainer's kept set
+            # MoE routing replay stays on through backward: checkpointed blocks recompute their routers there
+            with contextlib.ExitStack() as replaying:
+                logprobs, entropy = self._logprobs(self.model, packed, with_entropy=want_entropy, misses=misses,
+                                                   replay_changed=replay_changed, keep_replay=replaying)
+                ref = None
+                if self.ref_model is not None:
+                    with torch.no_grad():
+                        ref, _ = self._logprobs(self.ref_model, packed, replay=False)  # another model: its own routing
+                # on-policy distillation (meshrl/distill.py): per-token advantages replace the [B] ones
+                distill = "token_advantage" in packed.keys()
+                # One optimizer step per batch: the weights before the update are the weights of
+                # this forward, so pi_prox is its detached value (no second forward needed).
+                loss, m = policy_loss(
+                    logprobs, packed["sampler_logprobs"], packed["token_advantage" if distill else "advantage"], packed["loss_mask"], lcfg,
+                    prox_logprobs=logprobs.detach(), ref_logprobs=ref, entropy=entropy,
+                    token_count=token_count, seq_count=seq_count,
+                )
+                if self.config.trainer.loss.sampling_mask and (self.config.generator.top_k > 0 or self.config.generator.top_p < 1):
+                    m["sampling_mask_miss_sum"] = misses[0]  # sampled tokens outside the trainer's kept set
+                if distill:  # reduce_metrics: distill_reverse_kl, the token mean of log mu - log pi_teacher
+                    gap = packed["sampler_logprobs"] - packed["teacher_logprobs"]
+                    m["distill_reverse_kl_sum"] = torch.where(packed["loss_mask"], gap, 0.0).sum().detach()
+                m.update(_drift_sums(logprobs.detach(), packed, version))
+                if idx:
+                    gaps.append(torch.where(packed["loss_mask"], logprobs.detach() - packed["sampler_logprobs"].float(), 0.0)[packed["loss_mask"]].cpu())
+                if not idx:  # padding micro-batch: gradient of zero, metrics of nothing
+                    loss = loss * 0.0
+                    m = {k: torch.zeros_like(v) for k, v in m.items()}
+                loss.backward()
             if replay_changed:  # trained tokens whose forward replay moved off the live routers' choice
                 at_token = torch.zeros_like(packed["loss_mask"])
                 at_token[:, 1:] = replay_changed[0][:, :-1]
-                m["routing_replay_changed_sum"] = (at_token & packed["loss_mask"]).sum().float()
-            if distill:  # reduce_metrics: distill_reverse_kl, the token mean of log mu - log pi_teacher
-                gap = packed["sampler_logprobs"] - packed["teacher_logprobs"]
-                m["distill_reverse_kl_sum"] = torch.where(packed["loss_mask"], gap, 0.0).sum().detach()
-            m.update(_drift_sums(logprobs.detach(), packed, version))
-            if idx:
-                gaps.append(torch.where(packed["loss_mask"], logprobs.detach() - packed["sampler_logprobs"].float(), 0.0)[packed["loss_mask"]].cpu())
-            if not idx:  # padding micro-batch: gradient of zero, metrics of nothing
-                loss = loss * 0.0
-                m = {k: torch.zeros_like(v) for k, v in m.items()}
-            loss.backward()
+                m["routing_replay_changed_sum"] = (at_token & packed["loss_mask"]).sum().float() * float(bool(idx))
             metrics.append({k: v.detach().cpu() for k, v in m.items()})
             if idx:
                 mask = packed["loss_mask"].cpu()
