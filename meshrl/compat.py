@@ -78,45 +78,16 @@ def titan_use_sdpa_attention(model_config) -> None:
     TorchTitan's language models accept only `flex` (no backward on CPU) or `varlen`
     (needs flash attention) for packed documents, and its SDPA refuses attention masks.
     meshrl's padded rows are one causal sequence each (right-padded), where plain causal
-    SDPA computes the same thing and runs anywhere; packed rows (meshrl/trainer/packing.py)
-    come with TorchTitan's `VarlenMetadata`, and `_document_sdpa` runs causal SDPA on each
-    row's slice: the same attention as the padded path, with no mask and no padding.
+    SDPA computes the same thing and runs anywhere; packed rows come with TorchTitan's
+    `VarlenMetadata`, which meshrl/trainer/attention.py's SDPA subclass attends document by
+    document.
     """
+    from meshrl.trainer.attention import document_sdpa
+
     for layer in list(model_config.layers) + list(getattr(model_config, "mtp_layers", None) or []):
         attention = getattr(layer, "attention", None)
         if attention is not None and hasattr(attention, "inner_attention"):
-            attention.inner_attention = _document_sdpa().Config()
-
-
-_DOCUMENT_SDPA = None
-
-
-def _document_sdpa():
-    """TorchTitan's ScaledDotProductAttention, plus per-row causal SDPA over `VarlenMetadata`."""
-    global _DOCUMENT_SDPA
-    if _DOCUMENT_SDPA is not None:
-        return _DOCUMENT_SDPA
-    from dataclasses import dataclass
-
-    from torchtitan.models.common.attention import ScaledDotProductAttention, VarlenMetadata
-
-    class DocumentSDPA(ScaledDotProductAttention):
-        @dataclass(kw_only=True, slots=True)
-        class Config(ScaledDotProductAttention.Config):
-            pass
-
-        def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, **kwargs):
-            if not isinstance(attention_masks, VarlenMetadata):
-                return super().forward(q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks, **kwargs)
-            bounds = attention_masks.cu_seq_q_host or tuple(attention_masks.cu_seq_q.tolist())
-            sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-            # One packed row (B = 1): each document attends causally within its own part.
-            # split, not slices: a slice's backward writes a zero tensor of the whole row.
-            parts = zip(q_BLNH.split(sizes, dim=1), k_BLNH.split(sizes, dim=1), v_BLNH.split(sizes, dim=1))
-            return torch.cat([super(DocumentSDPA, self).forward(q, k, v, **kwargs) for q, k, v in parts], dim=1)
-
-    _DOCUMENT_SDPA = DocumentSDPA
-    return DocumentSDPA
+            attention.inner_attention = document_sdpa().Config()
 
 
 def titan_use_cpu_device_type() -> None:

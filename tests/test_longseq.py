@@ -68,6 +68,17 @@ def test_token_micro_batches_hold_the_budget_and_never_cut_a_row():
     assert token_micro_batches([0, 1], torch.tensor([70, 3]), 50) == [[0], [1]]  # too long: alone, whole
 
 
+def test_documents_of_like_length_attend_together_within_the_padding_bound():
+    from meshrl.trainer.attention import PAD_SLACK, length_buckets
+
+    sizes = [5, 30, 20, 50, 8, 40, 31, 29, 3000]
+    buckets = length_buckets(sizes)
+    assert sorted(d for b in buckets for d in b) == list(range(len(sizes)))
+    assert [8] in buckets  # a long document is padded to no one's length
+    for b in buckets:
+        assert len(b) * max(sizes[d] for d in b) ** 2 <= PAD_SLACK * sum(sizes[d] ** 2 for d in b)
+
+
 def test_ranks_get_whole_groups_balanced_by_tokens_and_run_as_many_micro_batches():
     batch = make_batch(groups=5, seed=3)
     shares = [rank_rows_by_tokens(batch, r, 2) for r in range(2)]
