@@ -132,7 +132,7 @@ class RLLoop:
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             f.write(c.to_yaml())  # as given: `auto` placement is resolved again on the host that resumes it
         if c.placement == "auto" and gpus_per_host(c) == 0:  # the console says which CPU placement, and why
-            print("meshrl: placement auto: {}: {}".format(*cpu_auto_placement(c)), file=console())
+            print("meshrl: placement auto -> {} ({})".format(*cpu_auto_placement(c)), file=console())
         c.placement, c.weight_sync.transport = resolve_placement(c), resolve_transport(c)
         c.trainer.cpus, c.generator.cpus = auto_placement(c)
         log.info("placement: %s, trainer cpus %r, generator cpus %r, weight transport %s", c.placement, c.trainer.cpus or "any",
