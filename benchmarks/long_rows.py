@@ -5,7 +5,9 @@ micro-batches on long-tail lengths. One `PolicyTrainer` step in one process (no 
   mode, each in a fresh process, and bytes per token per layer.
 - padding: batches with configs/long-tail.yaml's lengths; the useful-token share of the padded
   micro-batches against packed ones, and trainer tokens/s of both at equal loss.
-- single row: one row of --single-len tokens with full checkpointing, packed.
+- single row: one row of --single-len tokens with full checkpointing.
+- tp (only when asked: `--only tp`): the default task, synchronous, 40 steps at trainer.tp=2
+  against tp=1, seeds 0 and 1: step-1 loss and reward.
 
     python benchmarks/long_rows.py                       # all three, about 15 minutes on 2 cores
     python benchmarks/long_rows.py --only padding --out benchmarks/results/long_rows.json
@@ -136,6 +138,25 @@ def padding(steps: int, groups: int, group_size: int, micro_batch_size: int, bud
     return result
 
 
+def tensor_parallel(steps: int, seeds: list[int], root: str) -> dict:
+    """The default task, synchronous, the trainer at tp=2 (2 procs) against tp=1: reward per step."""
+    import tempfile
+
+    import meshrl
+
+    out = {}
+    for tp in (1, 2):
+        for seed in seeds:
+            cfg = {"steps": steps, "seed": seed, "model": {"n_kv_heads": 2}, "trainer": {"procs": tp, "tp": tp, "checkpoint_every": 0},
+                   "buffer": {"depth": 0, "max_lag": 0}, "generator": {"update_mode": "block"},
+                   "logging": {"run_dir": tempfile.mkdtemp(dir=root), "progress": False, "plot": False, "tensorboard": False}}
+            rows = [r for r in meshrl.run(cfg).metrics if "trainer/reward_mean" in r]
+            out[f"tp{tp}_seed{seed}"] = {"reward": [round(r["trainer/reward_mean"], 4) for r in rows],
+                                         "loss_step1": rows[0]["trainer/loss"], "last10": round(statistics.mean(r["trainer/reward_mean"] for r in rows[-10:]), 4)}
+            print(f"tp={tp} seed={seed}: step-1 loss {rows[0]['trainer/loss']:.8f}, last 10 steps' reward {out[f'tp{tp}_seed{seed}']['last10']}", flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="memory,padding,single")
@@ -158,6 +179,10 @@ def main() -> None:
         print(result["padding"], flush=True)
     if "memory" in only:
         result["memory"] = memory(a.modes.split(","), a.rows, a.len)
+    if "tp" in only:
+        import tempfile
+
+        result["tensor_parallel"] = tensor_parallel(40, [0, 1], tempfile.mkdtemp())
     if "single" in only:
         result["single_row"] = memory(["full"], 1, a.single_len)
     result["wall_s"] = round(time.time() - t0)
