@@ -210,8 +210,13 @@ def test_episodes_of_16k_tokens_train_on_the_real_loop(tmp_path):
     import json
     import random
 
+    import time
+
     import meshrl
-    from tests.test_loop import SYNC, tiny, wait_no_children
+    from tests.test_loop import SYNC, meshrl_children, tiny
+
+    # procs an earlier test's module-scoped fixture still holds are that test's to stop
+    before = {p.pid for p in meshrl_children()}
 
     rng = random.Random(0)
     rows = tmp_path / "long.jsonl"
@@ -229,7 +234,10 @@ def test_episodes_of_16k_tokens_train_on_the_real_loop(tmp_path):
     assert all(r["trainer/row_tokens_max"] > LONG and r["trainer/useful_token_frac"] == 1.0 for r in rows)
     # the trainer scored every token of the 16k context as vLLM did: on-policy, same log-probs
     assert rows[0]["trainer/logprob_mismatch"] < 2e-3, rows[0]["trainer/logprob_mismatch"]
-    assert not wait_no_children()
+    deadline = time.monotonic() + 60
+    while (left := [p for p in meshrl_children() if p.pid not in before]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"procs outlived the run: {left}"
 
 
 # ---- tensor parallel -----------------------------------------------------------------------
