@@ -70,9 +70,9 @@ def cpu_placement(config) -> tuple[str, str]:
     gflop = trainer_gflop_per_step(config)
     if gflop > COLOCATE_ABOVE_GFLOP:
         return "colocate", (f"a training step is about {gflop:.0f} GFLOP, more than generating its batch: "
-                            "each role gets every core in turn (placement=split to overlap them)")
+                            "each role gets every core in turn; placement=split overlaps them")
     return "split", (f"a training step is about {gflop:.1f} GFLOP: trainer and generators overlap on "
-                     "their own cores (placement=colocate to take turns on all of them)")
+                     "their own cores; placement=colocate takes turns on all of them")
 
 
 def auto_placement(config, cores: list[int] | None = None) -> tuple[str, str]:
