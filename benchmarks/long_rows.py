@@ -107,7 +107,7 @@ def long_tail_lengths(groups: int, seed: int) -> list[tuple[int, int]]:
 
 def padding(steps: int, groups: int, group_size: int, micro_batch_size: int, budget: int) -> dict:
     from meshrl.trainer.packing import row_lengths
-    from meshrl.trainer.policy import PolicyTrainer, micro_batches
+    from meshrl.trainer.policy import PolicyTrainer, micro_batch_plans
 
     torch.set_num_threads(os.cpu_count() or 1)
     batches = [batch_of(long_tail_lengths(groups, seed), group_size, seed) for seed in range(steps + 1)]
@@ -115,7 +115,7 @@ def padding(steps: int, groups: int, group_size: int, micro_batch_size: int, bud
     for b in batches:
         lengths = row_lengths(b)
         real = int(lengths.sum())
-        padded = micro_batches(b, 0, 1, micro_batch_size)
+        padded = micro_batch_plans(b, 1, micro_batch_size)[0]
         useful["padded"].append(real / sum(len(mb) * int(lengths[mb].max()) for mb in padded))
         useful["packed"].append(1.0)  # packed rows run no padding at all
     result = {"useful_padded": round(statistics.mean(useful["padded"]), 3), "useful_packed": 1.0}

@@ -16,7 +16,7 @@ import torch
 from meshrl.config import Config, ConfigError
 from meshrl.trainer.losses import CORRECTIONS
 from meshrl.trainer.packing import pack, rank_rows_by_tokens, row_lengths, token_micro_batches, unpack
-from meshrl.trainer.policy import PolicyTrainer, micro_batches
+from meshrl.trainer.policy import PolicyTrainer, micro_batch_plans
 from tests.test_trainer import CPU, make_batch
 
 BUDGET = 96  # tokens: a few of make_batch's rows (8 to 40 tokens) per micro-batch
@@ -89,7 +89,7 @@ def test_ranks_get_whole_groups_balanced_by_tokens_and_run_as_many_micro_batches
     load = [int(lengths[s].sum()) for s in shares]
     biggest = max(int(lengths[groups == g].sum()) for g in groups.unique())
     assert abs(load[0] - load[1]) <= biggest
-    plans = [micro_batches(batch, r, 2, 3, 40) for r in range(2)]
+    plans = micro_batch_plans(batch, 2, 3, 40)
     assert len(plans[0]) == len(plans[1])  # the collectives stay in step
     assert all(int(lengths[mb].sum()) <= 40 for plan in plans for mb in plan if len(mb) > 1)
 

@@ -47,18 +47,18 @@ def micro_batch_count(td: TensorDict, world: int, micro_batch_size: int) -> int:
     return max(1, max(math.ceil(len(rank_rows(td, r, world)) / micro_batch_size) for r in range(world)))
 
 
-def micro_batches(td: TensorDict, rank: int, world: int, micro_batch_size: int, micro_batch_tokens: int = 0) -> list[list[int]]:
-    """The row indices of each micro-batch `rank` runs, as many on every rank (a rank with
-    fewer gets empty ones: it still runs the collectives). `micro_batch_tokens` > 0: groups
-    dealt to ranks by tokens and rows packed up to that budget (meshrl/trainer/packing.py);
-    0: `micro_batch_size` rows each, padded."""
+def micro_batch_plans(td: TensorDict, world: int, micro_batch_size: int, micro_batch_tokens: int = 0) -> list[list[list[int]]]:
+    """Per data-parallel rank, the row indices of each micro-batch it runs, as many on every
+    rank (a rank with fewer gets empty ones: it still runs the collectives).
+    `micro_batch_tokens` > 0: groups dealt to ranks by tokens and rows packed up to that budget
+    (meshrl/trainer/packing.py); 0: `micro_batch_size` rows each, padded."""
     if micro_batch_tokens > 0:
         lengths = row_lengths(td)
         plans = [token_micro_batches(rank_rows_by_tokens(td, r, world), lengths, micro_batch_tokens) for r in range(world)]
-        mine = plans[rank]
-        return mine + [[] for _ in range(max(1, max(map(len, plans))) - len(mine))]
-    rows = rank_rows(td, rank, world)
-    return [rows[i * micro_batch_size:(i + 1) * micro_batch_size] for i in range(micro_batch_count(td, world, micro_batch_size))]
+        n = max(1, max(map(len, plans)))
+        return [plan + [[] for _ in range(n - len(plan))] for plan in plans]
+    n = micro_batch_count(td, world, micro_batch_size)
+    return [[rows[i * micro_batch_size:(i + 1) * micro_batch_size] for i in range(n)] for rows in (rank_rows(td, r, world) for r in range(world))]
 
 
 class PolicyTrainer:
@@ -172,7 +172,7 @@ class PolicyTrainer:
     @torch.no_grad()
     def compute_logprobs(self, batch: TensorDict) -> tuple[list[int], torch.Tensor]:
         """This rank's share of `batch`: (row indices, [rows, T] log-probs of every model token)."""
-        plan = self._micro_batches(batch)
+        plan = self._plans(batch)[self.dp_rank]
         T = batch["tokens"].shape[1]
         outs = []
         for idx in plan:
@@ -182,9 +182,9 @@ class PolicyTrainer:
                 outs.append(lp.cpu())
         return [i for idx in plan for i in idx], torch.cat(outs) if outs else torch.zeros(0, T)
 
-    def _micro_batches(self, batch: TensorDict) -> list[list[int]]:
+    def _plans(self, batch: TensorDict) -> list[list[list[int]]]:
         t = self.config.trainer
-        return micro_batches(batch, self.dp_rank, self.dp_world, t.micro_batch_size, t.micro_batch_tokens)
+        return micro_batch_plans(batch, self.dp_world, t.micro_batch_size, t.micro_batch_tokens)
 
     # ---- training -----------------------------------------------------------------------
     def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict[str, float]:
@@ -202,7 +202,8 @@ class PolicyTrainer:
         metrics: list[dict[str, torch.Tensor]] = []
         lag_sum, lag_max = torch.zeros(()), torch.zeros(())
         gaps: list[torch.Tensor] = []  # log pi - log mu of this rank's loss tokens, for quantiles
-        for idx in self._micro_batches(batch):
+        plans = self._plans(batch)
+        for idx in plans[self.dp_rank]:
             packed = trim(batch[torch.tensor(idx or [0])]).to(self.device)
             want_entropy = True  # the bonus when entropy_coef > 0; the trainer/entropy metric always
             misses: list = []
@@ -265,16 +266,15 @@ class PolicyTrainer:
         )
         out.update(_drift_metrics(merged, torch.cat(gaps) if gaps else torch.zeros(0)))
         out["zero_variance_groups"] = zero_variance_share(batch)
-        out.update(self._layout_metrics(batch))
+        out.update(self._layout_metrics(batch, plans))
         return out
 
-    def _layout_metrics(self, batch: TensorDict) -> dict[str, float]:
+    def _layout_metrics(self, batch: TensorDict, plans: list[list[list[int]]]) -> dict[str, float]:
         """row_tokens_max: the longest row trained; useful_token_frac: real tokens over the
         tokens the model ran on every rank (1 when packed; padding lowers it); micro_batches:
         per rank."""
         t = self.config.trainer
         lengths = row_lengths(batch)
-        plans = [micro_batches(batch, r, self.dp_world, t.micro_batch_size, t.micro_batch_tokens) for r in range(self.dp_world)]
         ran = sum(int(lengths[mb].sum()) if t.micro_batch_tokens > 0 else len(mb) * int(lengths[mb].max())
                   for plan in plans for mb in plan if mb)
         return {"row_tokens_max": float(lengths.max()), "useful_token_frac": float(lengths.sum()) / max(ran, 1),
