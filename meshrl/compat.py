@@ -28,6 +28,22 @@ def cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
+def nvml_gpu_memory() -> int | None:
+    """Bytes of memory of this process's first GPU, read through NVML (CUDA stays
+    uninitialised, see `cuda_present`); None without a GPU or NVML."""
+    if not cuda_present():
+        return None
+    try:
+        import pynvml  # nvidia-ml-py, installed with torch's CUDA builds
+
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        handle = pynvml.nvmlDeviceGetHandleByUUID(visible) if visible.startswith("GPU-") else pynvml.nvmlDeviceGetHandleByIndex(int(visible))
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+    except Exception:  # noqa: BLE001 - no NVML library or an unreadable device: size unknown
+        return None
+
+
 # ---- Monarch ----
 async def awaited(future):
     """A Monarch future as a coroutine.

@@ -150,6 +150,12 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
             raise ConfigError("model.path", f"{m.path!r} has a config.json but no weight files (*.safetensors): point it at a complete checkpoint directory")
     else:
         family = m.family
+    if c.trainer.cp > 1 and family in MOE_FAMILIES:
+        raise ConfigError("trainer.cp", f"context parallel is built for the dense families (qwen3, llama), and the policy is {family}: set trainer.cp=1")
+    if c.trainer.cp > 1 and not plan_devices(c).slot("trainer", 0).gpus:
+        raise ConfigError("trainer.cp", "context parallel is TorchTitan's ring attention, whose kernels are CUDA's (flash, efficient or cuDNN "
+                                        "attention), and this trainer runs on CPU: set trainer.cp=1 (on CPU, trainer.activation_checkpoint=full "
+                                        "holds long rows)")
     if c.trainer.tp > 1 and family in MOE_FAMILIES:
         raise ConfigError("trainer.tp", f"tensor parallel is built for the dense families (qwen3, llama), and the policy is {family}: use trainer.ep for experts, or tp=1")
     if family == "deepseek_v3" and m.dtype == "float32" and plan_devices(c).layout != "cpu":

@@ -297,3 +297,141 @@ def test_tensor_parallel_config_checks():
     with pytest.raises(ConfigError, match="trainer.tp"):
         Config.from_dict({"model": {"family": "qwen3_moe", "n_kv_heads": 2}, "trainer": {"procs": 2, "tp": 2}})
     Config.from_dict({"model": {"n_kv_heads": 2}, "trainer": {"procs": 4, "tp": 2}})
+
+
+# ---- context parallel ----------------------------------------------------------------------
+# TorchTitan's CP turns SDPA into ring attention, which has CUDA kernels only: on CPU the
+# DTensor dispatch fails ("aten._scaled_dot_product_flash_attention_for_cpu does not have a
+# sharding strategy registered"), and meshrl refuses trainer.cp > 1 on a CPU trainer. The
+# rest of the CP path (TorchTitan's mesh and FSDP over dp x cp, meshrl's head-tail sharding
+# of rows, positions and targets, the gather of log-probs and its backward) runs here, with
+# the ring replaced by a stand-in that computes the same attention: each proc gathers the
+# group's keys, values and positions and attends its own queries to them causally.
+_SHARD_POSITIONS: list[torch.Tensor] = []
+
+
+class _GatherKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, group, rank, world):
+        parts = [torch.empty_like(local) for _ in range(world)]
+        torch.distributed.all_gather(parts, local.contiguous(), group=group)
+        ctx.group, ctx.span = group, (rank * local.shape[1], (rank + 1) * local.shape[1])
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):  # every proc's queries read the gathered keys: their gradients add up
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad[:, ctx.span[0]:ctx.span[1]], None, None, None
+
+
+def _gathered_attention(attention_modules, cp_mesh):
+    group, rank, world = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
+    for module in attention_modules:
+        def forward(q, k, v, *, scale=None, enable_gqa=False, is_causal=True, **_):
+            positions = _SHARD_POSITIONS[-1]  # [B, L] this proc's
+            every = [torch.empty_like(positions) for _ in range(world)]
+            torch.distributed.all_gather(every, positions, group=group)
+            keys, values = (_GatherKV.apply(t, group, rank, world) for t in (k, v))
+            allowed = torch.cat(every, dim=1)[:, None, None, :] <= positions[:, None, :, None]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed, scale=scale, enable_gqa=True)
+            return out.transpose(1, 2)
+        module.forward = forward
+
+
+def _cp_rank(rank: int, port: int, steps: int, out) -> None:
+    import torch.distributed as dist
+
+    import torchtitan.models.qwen3.parallelize as qwen3_parallelize
+    from meshrl.trainer import context_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    qwen3_parallelize.apply_cp_to_forward = _gathered_attention
+    shard = context_parallel.CPRows.__init__
+
+    def recording(self, *args):
+        shard(self, *args)
+        _SHARD_POSITIONS.append(self.positions)
+    context_parallel.CPRows.__init__ = recording
+    dist.init_process_group("gloo")
+    try:
+        trainer = PolicyTrainer(_cp_config(procs=2, cp=2), CPU, rank, 2)
+        rows = [trainer.train_step(make_batch(seed=s, version=s, turns=2)) for s in range(steps)]
+        grads = {n: p.grad.full_tensor().numpy() for n, p in trainer.model.named_parameters()}  # numpy: no fd passing
+        scores = trainer.compute_logprobs(make_batch(seed=7))[1].numpy()
+        out.put((rank, rows, grads if rank == 0 else None, scores))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.put((rank, repr(e), None, None))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _cp_config(**trainer) -> Config:
+    return Config.from_dict({"model": {"max_seq_len": BUDGET, "n_kv_heads": 2},
+                             "trainer": {"micro_batch_size": 3, "loss": {"kl_coef": 0.05, "entropy_coef": 0.01}, **trainer}})
+
+
+@pytest.mark.timeout(300)
+def test_context_parallel_rows_train_as_one_process():
+    """trainer.cp=2 over 2 gloo procs: TorchTitan's CP mesh and FSDP over it, meshrl's sharded
+    rows and gathered log-probs give one process's losses, gradients and scores (ring
+    attention, GPU-only, stood in for by gathered keys and values)."""
+    import multiprocessing
+
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_cp_rank, args=(r, port, 2, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted((out.get(timeout=240) for _ in procs), key=lambda r: r[0])
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for rank, rows, _, _ in results:
+        assert isinstance(rows, list), rows
+    reference = PolicyTrainer(_cp_config(), CPU)
+    want = [reference.train_step(make_batch(seed=s, version=s, turns=2)) for s in range(2)]
+    for got in (results[0][1], results[1][1]):
+        for g, w in zip(got, want):
+            assert g["tokens"] == w["tokens"]
+            for key in ("loss", "grad_norm", "kl", "entropy", "mismatch", "kl_sampler"):
+                assert abs(g[key] - w[key]) <= 1e-5 * max(1.0, abs(w[key])), (key, g[key], w[key])
+    for name, p in reference.model.named_parameters():
+        got = torch.from_numpy(results[0][2][name])
+        assert float((got - p.grad).abs().max()) <= 1e-3 * float(p.grad.abs().max()) + 1e-9, name  # sums in another order
+    batch = make_batch(seed=7)
+    scores = reference.compute_logprobs(batch)[1]
+    for _, _, _, got in results:
+        torch.testing.assert_close(torch.from_numpy(got)[batch["loss_mask"]], scores[batch["loss_mask"]], atol=1e-5, rtol=1e-5)
+
+
+def test_context_parallel_is_refused_on_cpu_and_planned_on_gpus():
+    from meshrl.launch.devices import plan_devices
+    from meshrl.preflight import preflight
+    from meshrl.trainer.parallelize import parallelism_config
+
+    with pytest.raises(ConfigError, match="trainer.cp.*CUDA"):
+        preflight(_cp_config(procs=2, cp=2, device="cpu"))
+    with pytest.raises(ConfigError, match="trainer.cp.*micro_batch_tokens"):
+        _cp_config(procs=2, cp=2, micro_batch_tokens=BUDGET)
+    with pytest.raises(ConfigError, match="trainer.procs"):
+        _cp_config(procs=6, tp=2, cp=2)
+    with pytest.raises(ConfigError, match="trainer.cp"):
+        Config.from_dict({"model": {"family": "qwen3_moe"}, "trainer": {"procs": 2, "cp": 2}})
+    # on 9 GPUs: 8 trainer ranks (2 data-parallel x 2 CP x 2 TP), each on a GPU of its own, and a generator
+    gpu = Config.from_dict({"model": {"n_kv_heads": 2}, "launcher": {"gpus_per_host": 9}, "placement": "split",
+                            "trainer": {"procs": 8, "tp": 2, "cp": 2, "device": "cuda"}})
+    plan = plan_devices(gpu)
+    assert sorted(s.gpus for s in plan.slots if s.role == "trainer") == [(i,) for i in range(8)]
+    p = parallelism_config(gpu.trainer, 8)
+    assert (p.data_parallel_shard_degree, p.context_parallel_degree, p.tensor_parallel_degree) == (2, 2, 2)

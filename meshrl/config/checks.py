@@ -79,6 +79,15 @@ def validate(c: Config) -> None:
              f"{t.tp} must divide model.n_heads={m.n_heads} and model.n_kv_heads={m.n_kv_heads} (each proc holds whole heads): pick a divisor")
         dp = t.procs // t.tp if t.dp_shard == -1 else t.dp_shard
         need((t.procs // t.tp) % dp == 0, "trainer.dp_shard", f"{dp} does not divide the {t.procs // t.tp} data-parallel procs left after trainer.tp={t.tp}")
+    need(t.cp >= 1, "trainer.cp", f"must be at least 1, got {t.cp}")
+    if t.cp > 1:
+        need(t.procs % (t.tp * t.cp) == 0, "trainer.procs", f"{t.procs} procs are not divisible by trainer.tp x trainer.cp = {t.tp * t.cp}: make procs a multiple of it")
+        need(not m.moe and m.family != "deepseek_v3", "trainer.cp", f"context parallel is built for the dense families (qwen3, llama), not {m.family!r}: set trainer.cp=1")
+        need(c.lora.rank == 0, "trainer.cp", "LoRA adapters are not context-parallel here: set trainer.cp=1 with lora.rank > 0")
+        need(t.micro_batch_tokens == 0, "trainer.cp", "context parallel splits one padded row's positions over procs, and its ring attention has no "
+                                                      "mask to keep packed rows apart: set trainer.micro_batch_tokens=0, or trainer.cp=1")
+        dp = t.procs // (t.tp * t.cp) if t.dp_shard == -1 else t.dp_shard
+        need((t.procs // (t.tp * t.cp)) % dp == 0, "trainer.dp_shard", f"{dp} does not divide the {t.procs // (t.tp * t.cp)} data-parallel procs left after trainer.tp x trainer.cp = {t.tp * t.cp}")
     if t.ep > 1:
         need(m.moe, "trainer.ep", f"expert parallelism needs a MoE model.family, not {m.family!r}: set ep=1")
         need(m.num_experts % t.ep == 0, "trainer.ep", f"{t.ep} does not divide model.num_experts={m.num_experts}")
@@ -96,6 +105,10 @@ def validate(c: Config) -> None:
     need(0 < t.ac_memory_budget <= 1, "trainer.ac_memory_budget", f"must be in (0, 1], got {t.ac_memory_budget}")
     need(t.activation_checkpoint != "memory_budget" or t.compile, "trainer.activation_checkpoint",
          "memory_budget is chosen by the compiler and needs trainer.compile=true: set it, or use full or selective")
+    need(t.collective_timeout_s > c.buffer.get_timeout_s, "trainer.collective_timeout_s",
+         f"{t.collective_timeout_s:.0f}s must exceed buffer.get_timeout_s={c.buffer.get_timeout_s:.0f}s (the other ranks wait in a collective "
+         "while rank 0 waits for a batch): raise it")
+    need(c.launcher.gpu_memory_gib >= 0, "launcher.gpu_memory_gib", f"must be at least 0 (0 = the GPU this machine has), got {c.launcher.gpu_memory_gib}")
     need(t.checkpoint_every >= 0, "trainer.checkpoint_every", f"must be at least 0, got {t.checkpoint_every}")
     need(t.checkpoint_every_s >= 0, "trainer.checkpoint_every_s", f"must be at least 0 (0 = off), got {t.checkpoint_every_s}")
     need(t.interrupt_checkpoint_timeout_s > 0, "trainer.interrupt_checkpoint_timeout_s", f"must be positive, got {t.interrupt_checkpoint_timeout_s}")

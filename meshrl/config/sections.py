@@ -101,6 +101,8 @@ class TrainerConfig:
     """Expert-parallel degree for MoE models. Must divide `trainer.procs` and `model.num_experts`."""
     tp: int = 1
     """Tensor-parallel degree (TorchTitan's plan, sequence parallel on): each layer's weights split over `tp` procs, which train the same rows; data parallel runs over `trainer.procs / tp`. Must divide `trainer.procs`, `model.n_heads` and `model.n_kv_heads`. Dense families (qwen3, llama) only."""
+    cp: int = 1
+    """Context-parallel degree (TorchTitan's CP: ring attention over `cp` procs): each row's positions split over `cp` procs (head-tail balanced), which train the same rows, for rows too long for one GPU's activations; data parallel runs over `trainer.procs / (tp x cp)`. GPU only (the ring attention kernels are CUDA's); rows padded per micro-batch (`micro_batch_tokens=0`); dense families (qwen3, llama) only; not with LoRA."""
     lr: float = 5e-3
     """AdamW learning rate. The default suits the tiny from-scratch default model; pretrained checkpoints want about 1e-6 to 1e-5."""
     weight_decay: float = 0.0
@@ -117,6 +119,10 @@ class TrainerConfig:
     """TorchTitan activation checkpointing of each transformer block: `full` keeps only each block's input and recomputes the block in backward (the least memory, for long rows); `selective` keeps the outputs of matmuls and attention but every second matmul; `memory_budget` lets the compiler choose within `ac_memory_budget` (needs `trainer.compile`). `none` keeps every activation: the fastest, and the default because the default run's rows are short (benchmarks/README.md: bytes per token per layer for each mode)."""
     ac_memory_budget: float = 0.5
     """With activation_checkpoint=memory_budget: the share of activation memory to keep, in (0, 1]."""
+    offload_optimizer: Literal["auto", "always", "never"] = "auto"
+    """Colocated on GPUs (placement=colocate): while the engines generate on the trainer's GPU, AdamW's state waits in host memory and returns before the next step (gradients are freed and the allocator's cache emptied either way). `auto`: when the memory plan does not fit without it. Each step then moves 8 bytes per trainable parameter (over its shard) to the host and back."""
+    collective_timeout_s: float = 1800.0
+    """How long a trainer rank waits for the others in a collective before the process group (NCCL's watchdog) aborts the run. Must exceed buffer.get_timeout_s: rank 0 waits that long for a batch while the other ranks wait for it in a broadcast (and rank 0's checkpoint and export writes, while the others wait at a barrier)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer runs. `auto`: CUDA when available, else CPU."""
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -365,6 +371,8 @@ class LauncherConfig:
     """launcher.kind=workers: this controller's own IP as the hosts reach it. Its Monarch channel and the weight-sync store listen on it and nowhere else. Required with `workers`; must be an address of this machine."""
     gpus_per_host: int = 0
     """GPUs per host, for the device plan (`meshrl config plan`) and the Slurm job. 0: for `local` and `process` runs the GPUs this host has (none on a CPU machine); elsewhere none (a CPU-only cluster)."""
+    gpu_memory_gib: float = 0.0
+    """Memory of each GPU, for the memory plan (`meshrl config plan`): what every proc will hold is checked against it before any mesh starts. 0: the GPU this machine has (NVML); with none (planning a cluster's run from a CPU machine), the memory plan is skipped."""
     partition: str | None = None
     """Slurm partition. None: the cluster default."""
     time_limit: str = "01:00:00"

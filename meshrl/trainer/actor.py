@@ -61,7 +61,8 @@ class TrainerActor(Actor):
         one_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
         with gloo_on_this_host() if one_host else contextlib.nullcontext():
             if world > 1 and not dist.is_initialized():
-                init_process_group_listening_on((host_address() or "127.0.0.1") if one_host else os.environ["MASTER_ADDR"], rank, world, use_cuda)
+                init_process_group_listening_on((host_address() or "127.0.0.1") if one_host else os.environ["MASTER_ADDR"], rank, world, use_cuda,
+                                                config.trainer.collective_timeout_s)
             self.trainer = PolicyTrainer(config, device, rank, world)
         if config.trainer.compile:
             self.trainer.warm_up()
@@ -210,12 +211,13 @@ class TrainerMesh:
         await asyncio.wait_for(self.procs.stop(), 60)
 
 
-def init_process_group_listening_on(host: str, rank: int, world: int, use_cuda: bool) -> None:
+def init_process_group_listening_on(host: str, rank: int, world: int, use_cuda: bool, timeout_s: float = 1800.0) -> None:
     """`init_process_group` from the elastic env, with rank 0's store listening on `host` only
-    (`env://` would start a store that listens on every interface)."""
+    (`env://` would start a store that listens on every interface). `timeout_s`: the longest
+    any collective waits (`trainer.collective_timeout_s`): NCCL's watchdog aborts past it."""
     from datetime import timedelta
 
-    timeout, port = timedelta(minutes=10), int(os.environ["MASTER_PORT"])
+    timeout, port = timedelta(seconds=timeout_s), int(os.environ["MASTER_PORT"])
     if rank == 0:
         store = tcp_store_listening_on(host, timeout, port)
     else:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from meshrl.trainer.context_parallel import CPRows
 from meshrl.trainer.packing import pack, unpack
 from meshrl.trainer.parallelize import full_tensor
 from meshrl.trainer.routing import replay_routing
@@ -67,18 +68,20 @@ def _chunk_logprobs(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Ten
     return token_logp, entropy, misses
 
 
-def hidden_states(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+def hidden_states(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder's final-norm output [B, T, D] (TorchTitan's `_skip_lm_head` switch).
 
     With `lengths` ([B] real tokens per right-padded row) the rows run packed as one sequence
-    (meshrl/trainer/packing.py) and come back in the [B, T] layout, zeros on padding."""
+    (meshrl/trainer/packing.py) and come back in the [B, T] layout, zeros on padding.
+    `positions` [B, T]: each token's position (a context-parallel shard's), else 0..T-1."""
     from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
     model._skip_lm_head = True
     try:
         # under TP the final norm's output is a replicated DTensor: its local tensor is the whole
         if lengths is None:
-            return full_tensor(model(tokens))
+            return full_tensor(model(tokens, positions))
         flat, positions, real = pack(tokens, lengths)
         documents = create_varlen_metadata_for_document(positions.cpu(), include_host_offsets=True)
         return unpack(full_tensor(model(flat, positions, documents)), real)
@@ -101,6 +104,7 @@ def token_logprobs(
     replay_changed: list | None = None,
     lengths: torch.Tensor | None = None,
     keep_replay: contextlib.ExitStack | None = None,
+    cp_mesh=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of `tokens[b, t]` given `tokens[b, :t]` at `temperature`, truncated to
     the sampler's kept set by `top_k` / `top_p` (see the module docstring), where `score_mask`.
@@ -115,9 +119,10 @@ def token_logprobs(
     packed, with no padding (`hidden_states`), for the same result. `keep_replay`: an ExitStack
     the routing replay is entered into instead of closing with the forward, for a caller whose
     backward recomputes checkpointed blocks (their routers must replay again); the
-    `replay_changed` flags arrive when the caller closes it.
+    `replay_changed` flags arrive when the caller closes it. `cp_mesh`: the context-parallel
+    mesh of a model parallelized with CP; each proc runs its share of the rows' positions
+    (meshrl/trainer/context_parallel.py), and every proc gets the whole result.
     """
-    B, T = tokens.shape
     mask = score_mask.clone()
     mask[:, 0] = False
     # MoE routing replay covers the decoder only: the LM head (recomputed in backward) has no router.
@@ -130,16 +135,21 @@ def token_logprobs(
             real = None if lengths is None else pack(tokens, lengths)[2]
             replay_changed.append(changed[0] if real is None else torch.zeros_like(real).masked_scatter(real, changed[0][0]))
 
+    cp = None if cp_mesh is None else CPRows(cp_mesh, tokens, mask)
+    run = (lambda: hidden_states(model, tokens, lengths)) if cp is None else (lambda: hidden_states(model, cp.tokens, positions=cp.positions))
     if keep_replay is None:
         with replay_routing(model, routed_experts, changed):
-            h = hidden_states(model, tokens, lengths)
+            h = run()
         report_changed()
     else:  # the caller closes it after backward, whose checkpoint recomputation must replay too
         keep_replay.callback(report_changed)
         keep_replay.enter_context(replay_routing(model, routed_experts, changed))
-        h = hidden_states(model, tokens, lengths)
-    h_sel = h[:, :-1][mask[:, 1:]]  # [N, D]: hidden state at t-1 for each scored token t
-    targets = tokens[mask]
+        h = run()
+    if cp is None:
+        h_sel = h[:, :-1][mask[:, 1:]]  # [N, D]: hidden state at t-1 for each scored token t
+        targets, placed = tokens[mask], mask
+    else:  # this proc's positions, each with the token it predicts
+        h_sel, targets, placed = h[cp.scored], cp.targets[cp.scored], cp.scored
     lm_head = model.lm_head
     lps, ents, missed = [], [], []
     recompute = torch.is_grad_enabled()
@@ -150,13 +160,17 @@ def token_logprobs(
         ents.append(ent)
         missed.append(miss.detach())
     if misses is not None:
-        misses.append(torch.stack(missed).sum() if missed else torch.zeros((), device=tokens.device))
-    zeros = torch.zeros(B, T, dtype=torch.float32, device=tokens.device)
+        missed_sum = torch.stack(missed).sum() if missed else torch.zeros((), device=tokens.device)
+        misses.append(missed_sum if cp is None else cp.sum(missed_sum))
+    zeros = torch.zeros(placed.shape, dtype=torch.float32, device=tokens.device)
     if not lps:
         # Nothing to score: still touch the LM head with weight 0, so every parameter gets a
         # gradient and FSDP's reduce-scatters stay in step with the other ranks.
         lp, _, _ = _chunk_logprobs(lm_head, h[:1, 0], tokens[:1, 0], temperature, False)
-        return zeros + 0.0 * lp.sum(), (zeros if with_entropy else None)
-    logprobs = zeros.masked_scatter(mask, torch.cat(lps))
-    entropy = zeros.masked_scatter(mask, torch.cat(ents)) if with_entropy else None
+        logprobs, entropy = zeros + 0.0 * lp.sum(), (zeros if with_entropy else None)
+    else:
+        logprobs = zeros.masked_scatter(placed, torch.cat(lps))
+        entropy = zeros.masked_scatter(placed, torch.cat(ents)) if with_entropy else None
+    if cp is not None:
+        logprobs, entropy = cp.gather(logprobs), (cp.gather(entropy) if with_entropy else None)
     return logprobs, entropy

@@ -24,16 +24,17 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def parallelism_config(tcfg: TrainerConfig, world_size: int):
     """TorchTitan's ParallelismConfig for the trainer mesh: FSDP over the data-parallel ranks
-    (all of them, or dp_shard) x TP x EP."""
+    (all of them, or dp_shard) x CP x TP x EP."""
     from torchtitan.config import ParallelismConfig
 
-    tp = tcfg.tp if world_size > 1 else 1
-    dp = world_size // tp
+    tp, cp = (tcfg.tp, tcfg.cp) if world_size > 1 else (1, 1)
+    dp = world_size // (tp * cp)
     dp_shard = dp if tcfg.dp_shard == -1 else tcfg.dp_shard
     parallelism = ParallelismConfig(
         data_parallel_replicate_degree=dp // dp_shard,
         data_parallel_shard_degree=dp_shard,
         tensor_parallel_degree=tp,
+        context_parallel_degree=cp,
         expert_parallel_degree=tcfg.ep,
         # the classic FSDP2 + DTensor EP path: the default `spmd_types` backend type-checks a
         # multi-dimensional SPMD mesh that the gloo/CPU path does not build

@@ -106,11 +106,12 @@ class PolicyTrainer:
             compile_unsharded(self.model, self.parallelism, compile_cfg, ac_cfg)
             if self.ref_model is not None:  # scored without grad: nothing to checkpoint
                 compile_unsharded(self.ref_model, self.parallelism, compile_cfg)
-        # Data parallel runs over the `batch` mesh (trainer.procs / tp): the procs of one TP group
-        # train the same rows, and their metrics count once.
+        # Data parallel runs over the `batch` mesh (trainer.procs / (tp x cp)): the procs of one
+        # TP or CP group train the same rows, and their metrics count once.
         self.dp_rank, self.dp_world, self._dp_group = rank, world_size, None
-        if self.dims is not None and self.dims.tp_enabled:
-            if world_size == self.dims.tp:  # TP alone: one data-parallel rank
+        self.cp_mesh = self.dims.get_mesh("cp") if self.dims is not None and self.dims.cp_enabled else None
+        if self.dims is not None and (self.dims.tp_enabled or self.dims.cp_enabled):
+            if world_size == self.dims.tp * self.dims.cp:  # no data parallel: one rank
                 self.dp_rank, self.dp_world = 0, 1
             else:
                 batch_mesh = self.dims.get_mesh("batch")
@@ -139,7 +140,7 @@ class PolicyTrainer:
         with self.autocast():
             return token_logprobs(model, tokens, mask, g.temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p,
                                   misses=misses, routed_experts=routed, replay_changed=replay_changed, lengths=lengths,
-                                  keep_replay=keep_replay)
+                                  keep_replay=keep_replay, cp_mesh=self.cp_mesh)
 
     def autocast(self):
         """Autocast to `trainer.compute_dtype` where FSDP2's param dtype does not already
@@ -162,10 +163,10 @@ class PolicyTrainer:
         tokens = (torch.arange(rows * length, device=self.device) % self.model_config.vocab_size).view(rows, length)
         mask = torch.ones_like(tokens, dtype=torch.bool)
         with self.autocast():
-            logprobs, _ = token_logprobs(self.model, tokens, mask, self.config.generator.temperature)
+            logprobs, _ = token_logprobs(self.model, tokens, mask, self.config.generator.temperature, cp_mesh=self.cp_mesh)
             if self.ref_model is not None:
                 with torch.no_grad():
-                    token_logprobs(self.ref_model, tokens, mask, self.config.generator.temperature)
+                    token_logprobs(self.ref_model, tokens, mask, self.config.generator.temperature, cp_mesh=self.cp_mesh)
         logprobs.sum().backward()
         self.optimizer.zero_grad(set_to_none=True)
 

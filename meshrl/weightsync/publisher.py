@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import logging
 import time
 from typing import Iterable
 
@@ -26,6 +27,8 @@ from meshrl.weightsync.files import FileWriter
 from meshrl.weightsync.layout import Layout, plan_layout
 from meshrl.weightsync.spec import SyncSpec
 from meshrl.weightsync.staging import StagingPool
+
+logger = logging.getLogger(__name__)
 
 _PUBLISHERS: dict[str, "Publisher"] = {}  # the sidecar agent finds its Publisher here (same process)
 _ids = itertools.count()
@@ -50,11 +53,21 @@ class Publisher:
         Returns the seconds spent copying (the only synchronous part). Never raises for a
         transport failure (training goes on; see `check` and WeightSync.status)."""
         t0 = time.perf_counter()
-        named = list(named_tensors)
-        layout = plan_layout(named, self.cfg.bucket_mb << 20)
-        if self.layout is None or layout.layout_id != self.layout.layout_id:
-            self.layout = layout  # new metadata: subscribers receive it with the next version
-        self.pool.publish(version, self.layout, named)
+        if self.layout is None:  # the first version: its layout comes from the tensors themselves
+            named = list(named_tensors)
+            self.layout = plan_layout(named, self.cfg.bucket_mb << 20)
+            self.pool.publish(version, self.layout, named)
+            return time.perf_counter() - t0
+        # Later versions stream into the slot: each gathered full tensor is copied and dropped,
+        # so the trainer's GPU holds one at a time beside the slots, never the whole model again.
+        named = iter(named_tensors)
+        try:
+            self.pool.publish(version, self.layout, named)
+        except ValueError as e:  # the tensors no longer match the layout: the next version re-plans it
+            for _ in named:  # the gathers are collective: walk them to the end with the other ranks
+                pass
+            self.layout = None
+            logger.warning("weight sync: version %d was not published (%s); the next version is laid out afresh", version, e)
         return time.perf_counter() - t0
 
     @property

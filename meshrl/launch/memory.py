@@ -1,0 +1,364 @@
+"""The GPU memory plan: what each proc of the device plan will hold on its GPU, and the host
+RAM that loading and export take, worked out from the model's shape and the run's settings
+before any mesh starts. A plan that cannot fit is refused in one line naming the field to
+change (`check_memory`); `meshrl config plan` prints it under the device plan.
+
+What is counted, per GPU (bytes; `P` parameters, `N` the procs a parameter is sharded over,
+FSDP's data-parallel shards x CP x TP):
+- trainer rank: float32 weights `4P/N`; gradients `4P/N` and AdamW's two moments `8P/N`
+  (trainable parameters only: LoRA's adapters); the KL reference's float32 weights `4P/N`;
+  the blocks FSDP gathers (two blocks in the compute dtype in flight, one block's float32
+  gradient before its reduce-scatter, and the LM head); activations at the micro-batch's
+  tokens (`activation_bytes_per_token_layer`, by checkpointing mode, divided over CP); the LM
+  head's float32 chunk (meshrl/trainer/logprobs.py: 1024 tokens x vocabulary, three
+  buffers) and the gathered hidden states; on rank 0, weight-sync staging slots on the GPU
+  (two model copies in `model.dtype`) and the one gathered tensor being copied.
+- generator replica, per TP worker: vLLM's budget (`generator.gpu_memory_utilization` of the
+  GPU), inside which the weights `P x dtype / tp` and the KV cache sit; with the collective
+  transport, the receive buffers outside it (two copies of the whole model per worker).
+- each proc: its CUDA context (`CUDA_CONTEXT`).
+Colocated (one GPU shared, vLLM asleep while the trainer steps): the GPU's peak is the
+larger of the training phase (the trainer's whole step; the engine asleep holds its context)
+and the generation phase (the engine's budget beside what the trainer keeps: its weights and
+staging slots, with gradients freed and its allocator cache emptied, and AdamW's state
+unless it is offloaded to host memory, `trainer.offload_optimizer`).
+
+Activations per token per layer are a count of the tensors a TorchTitan Qwen3/Llama block
+saves for backward (`activation_bytes_per_token_layer`); benchmarks/long_rows.py measured the
+whole step at 1.05x this count on CPU without checkpointing (fp32, dim 512).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshrl.config import Config, ConfigError
+
+GiB = float(1 << 30)
+CUDA_CONTEXT = 0.5 * GiB
+"""A CUDA context and its kernels' workspace (cuBLAS, NCCL): about this much on recent GPUs."""
+LOGIT_CHUNK = 1024
+"""Tokens per LM-head chunk (meshrl/trainer/logprobs.py `token_logprobs`' chunk_size)."""
+SELECTIVE_KEEPS = 0.39
+"""Share of a block's saved activations that TorchTitan's selective (op) checkpointing keeps:
+measured (benchmarks/README.md section 14: 21.6 of 55.7 KB per token per layer)."""
+HEADROOM = 0.95
+"""Plans are held to this share of a GPU: the allocator's fragmentation and what is not counted."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's sizes (dense, or MoE with `experts` of `ffn` each and `top_k` active)."""
+
+    vocab: int
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    tied: bool = False
+    experts: int = 0
+    top_k: int = 0
+
+    @property
+    def layer_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = self.dim * (q + 2 * kv) + q * self.dim + 2 * self.head_dim  # q, k, v, o and Qwen3's q/k norms
+        mlp = 3 * self.dim * self.ffn * max(self.experts, 1) + self.dim * self.experts  # experts and router
+        return attention + mlp + 2 * self.dim  # two RMSNorms
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.vocab * self.dim * (1 if self.tied else 2) + self.dim
+
+    def activation_bytes_per_token_layer(self, mode: str, dtype_bytes: int) -> float:
+        """Bytes a block keeps for backward per token: without checkpointing, the two norms'
+        inputs and outputs (4 dim), q/k/v and their normed and rotated copies with the
+        attention output (6 q + 4 kv, GQA's k and v repeated to q's heads), and the MLP's
+        gate, up, activation and product (4 ffn, x top_k for MoE). `full` keeps each block's
+        input alone (the block recomputed in backward is counted once, by the caller)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        none = (4 * self.dim + 6 * q + 4 * kv + 4 * self.ffn * max(self.top_k, 1)) * dtype_bytes
+        return {"none": none, "selective": SELECTIVE_KEEPS * none, "memory_budget": none,
+                "full": self.dim * dtype_bytes}[mode]
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+def model_shape(config: Config) -> Shape:
+    """The policy's Shape: the checkpoint's config.json where `model.path` is set."""
+    m, head_dim, tied = config.model, None, False
+    if m.path is not None:
+        from meshrl.trainer.model import model_args_from_hf
+
+        m, overrides = model_args_from_hf(m.path)
+        head_dim, tied = overrides.get("head_dim"), overrides.get("tie", False)
+    return Shape(vocab=m.vocab_size, dim=m.dim, layers=m.n_layers, heads=m.n_heads, kv_heads=m.n_kv_heads,
+                 head_dim=head_dim or m.dim // m.n_heads, ffn=m.ffn_dim, tied=tied,
+                 experts=m.num_experts if m.moe else 0, top_k=m.experts_top_k if m.moe else 0)
+
+
+@dataclass
+class Holding:
+    """What one proc keeps on one GPU: (item, bytes) lines that add up, and notes that do not."""
+
+    role: str
+    index: int
+    lines: list[tuple[str, float]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    kept: set[str] | None = None
+    """Colocated trainer: the lines it keeps while the engines generate (None: all)."""
+
+    @property
+    def total(self) -> float:
+        return sum(b for _, b in self.lines)
+
+    @property
+    def while_generating(self) -> float:
+        return sum(b for w, b in self.lines if self.kept is None or w in self.kept)
+
+
+@dataclass
+class GPUPlan:
+    where: tuple[str, int, int]
+    """(host mesh, host, GPU index)."""
+    holdings: list[Holding] = field(default_factory=list)
+
+    @property
+    def colocated(self) -> bool:
+        return len({h.role == "trainer" for h in self.holdings}) > 1
+
+    @property
+    def peak(self) -> float:
+        if not self.colocated:
+            return sum(h.total for h in self.holdings)
+        trainer = [h for h in self.holdings if h.role == "trainer"]
+        engines = [h for h in self.holdings if h.role != "trainer"]
+        asleep = CUDA_CONTEXT * len(engines)  # level-2 sleep frees the engine's weights and KV cache
+        return max(sum(h.total for h in trainer) + asleep,
+                   sum(h.while_generating for h in trainer) + sum(h.total for h in engines))
+
+
+@dataclass
+class MemoryPlan:
+    capacity: float
+    """Bytes per GPU (`launcher.gpu_memory_gib`, else the GPU's own)."""
+    gpus: list[GPUPlan]
+    host_ram: dict[tuple[str, int], list[tuple[str, float]]]
+    offload_optimizer: bool
+    problems: list[tuple[str, str]]
+    """(field, what does not fit and the fix), most important first."""
+
+    def gpu(self, mesh: str, host: int, index: int) -> GPUPlan:
+        return next(g for g in self.gpus if g.where == (mesh, host, index))
+
+    def table(self) -> str:
+        lines = [f"memory plan: {self.capacity / GiB:.1f} GiB per GPU (held to {HEADROOM:.0%})"
+                 + ("; AdamW state offloaded to host memory while the engines generate" if self.offload_optimizer else "")]
+        for gpu in self.gpus:
+            mesh, host, index = gpu.where
+            lines.append(f"  {mesh}[{host}] GPU {index}: peak {gpu.peak / GiB:.2f} GiB" + (" (colocated)" if gpu.colocated else ""))
+            for h in gpu.holdings:
+                kept = f"; keeps {h.while_generating / GiB:.2f} GiB while the engines generate" if gpu.colocated and h.role == "trainer" else ""
+                lines.append(f"    {h.role} {h.index}: {h.total / GiB:.2f} GiB{kept}")
+                lines += [f"      {what}: {b / GiB:.2f} GiB" for what, b in h.lines if b > 0]
+                lines += [f"      ({note})" for note in h.notes]
+        for (mesh, host), items in self.host_ram.items():
+            lines.append(f"  {mesh}[{host}] host RAM: " + "; ".join(f"{what} {b / GiB:.1f} GiB" for what, b in items))
+        lines += [f"does not fit: {f}: {why}" for f, why in self.problems]
+        return "\n".join(lines) + "\n"
+
+
+def shards(config: Config) -> int:
+    """Procs one parameter is split over: FSDP's data-parallel shards x CP x TP."""
+    t = config.trainer
+    dp = t.procs // (t.tp * t.cp)
+    return (dp if t.dp_shard == -1 else t.dp_shard) * t.cp * t.tp
+
+
+def trainer_holding(config: Config, shape: Shape, rank: int, staging_on_gpu: bool) -> Holding:
+    t, m = config.trainer, config.model
+    cb = 4 if t.compute_dtype == "float32" else 2  # auto on GPU: bfloat16
+    db = DTYPE_BYTES[m.dtype]
+    P, n = shape.params, shards(config)
+    trainable = P if config.lora.rank == 0 else lora_params(config, shape)
+    h = Holding("trainer", rank)
+    h.lines += [("weights (float32)", 4 * P / n), ("gradients (float32)", 4 * trainable / n),
+                ("AdamW moments (2 x float32)", 8 * trainable / n)]
+    if t.loss.kl_coef > 0:
+        h.lines.append(("KL reference weights (float32)", 4 * P / n))
+    head = shape.vocab * shape.dim
+    h.lines.append(("blocks gathered by FSDP", (2 * shape.layer_params * cb + shape.layer_params * 4 + head * cb) / t.tp))
+    tokens = (t.micro_batch_tokens or t.micro_batch_size * m.max_seq_len) / t.cp
+    activations = tokens * shape.layers * shape.activation_bytes_per_token_layer(t.activation_checkpoint, cb)
+    if t.activation_checkpoint == "full":  # the block being recomputed holds its activations once
+        activations += tokens * shape.activation_bytes_per_token_layer("none", cb)
+    h.lines.append((f"activations ({t.activation_checkpoint} checkpointing, {tokens:.0f} tokens)", activations))
+    h.lines.append(("LM head chunk and hidden states", 3 * LOGIT_CHUNK * shape.vocab * 4 + tokens * t.cp * shape.dim * 4))
+    if staging_on_gpu and rank == 0:
+        h.lines += [("weight-sync staging (2 slots)", 2 * P * db), ("one gathered tensor", head * db)]
+    h.lines.append(("CUDA context", CUDA_CONTEXT))
+    h.kept = {"weights (float32)", "KL reference weights (float32)", "weight-sync staging (2 slots)", "CUDA context", "AdamW moments (2 x float32)"}
+    return h
+
+
+def lora_params(config: Config, shape: Shape) -> int:
+    """LoRA adapter parameters: rank x (in + out) per targeted projection and layer."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    sizes = {"q_proj": (shape.dim, q), "k_proj": (shape.dim, kv), "v_proj": (shape.dim, kv), "o_proj": (q, shape.dim),
+             "gate_proj": (shape.dim, shape.ffn), "up_proj": (shape.dim, shape.ffn), "down_proj": (shape.ffn, shape.dim)}
+    return shape.layers * sum(config.lora.rank * (i + o) for name, (i, o) in sizes.items() if name in config.lora.targets)
+
+
+def generator_holding(config: Config, shape: Shape, role: str, index: int, capacity: float, receive_on_gpu: bool) -> Holding:
+    g, db = config.generator, DTYPE_BYTES[config.model.dtype]
+    budget = g.gpu_memory_utilization * capacity
+    weights = shape.params * db / g.tp
+    kv = budget - weights - ENGINE_WORKSPACE
+    h = Holding(role, index, [(f"vLLM budget ({g.gpu_memory_utilization:.0%} of the GPU)", budget), ("CUDA context", CUDA_CONTEXT)])
+    h.notes.append(f"in the budget: weights {weights / GiB:.2f} GiB (1/{g.tp}), KV cache {max(kv, 0) / GiB:.2f} GiB = "
+                   f"{max(kv, 0) / (shape.kv_bytes_per_token(db) / g.tp):,.0f} tokens")
+    if receive_on_gpu:
+        h.lines.append(("weight receive buffers (2 model copies, outside vLLM's budget)", 2 * shape.params * db))
+    return h
+
+
+ENGINE_WORKSPACE = 1.0 * GiB
+"""What vLLM's profiling run takes inside its budget beside weights and KV cache (activations,
+sampler, CUDA graphs) at small batch sizes; the KV estimate leaves it out."""
+
+
+def gpu_capacity(config: Config) -> float:
+    """Bytes per GPU: `launcher.gpu_memory_gib`, else the first visible GPU's (NVML; 0 when none)."""
+    if config.launcher.gpu_memory_gib > 0:
+        return config.launcher.gpu_memory_gib * GiB
+    from meshrl.compat import nvml_gpu_memory
+
+    return float(nvml_gpu_memory() or 0)
+
+
+def plan_memory(config: Config, capacity: float | None = None) -> MemoryPlan | None:
+    """The memory plan of `config`'s device plan; None on a CPU plan, or when the GPUs' size
+    is unknown (no GPU here and `launcher.gpu_memory_gib` unset)."""
+    from meshrl.launch.devices import plan_devices, resolve_transport, weights_on_gpu
+
+    plan = plan_devices(config)
+    capacity = gpu_capacity(config) if capacity is None else capacity
+    if plan.layout == "cpu" or capacity <= 0:
+        return None
+    shape = model_shape(config)
+    transport = resolve_transport(config)
+    staging_on_gpu = weights_on_gpu(plan, transport)
+    receive_on_gpu = transport == "collective" and staging_on_gpu
+    gpus: dict[tuple[str, int, int], GPUPlan] = {}
+    for slot in plan.slots:
+        for gpu in slot.gpus:
+            where = (slot.mesh, slot.host, gpu)
+            holding = (trainer_holding(config, shape, slot.index, staging_on_gpu) if slot.role == "trainer"
+                       else generator_holding(config, shape, slot.role, slot.index, capacity, receive_on_gpu))
+            gpus.setdefault(where, GPUPlan(where)).holdings.append(holding)
+    out = MemoryPlan(capacity, list(gpus.values()), host_ram(config, shape, plan), False, [])
+    colocated = [g for g in out.gpus if g.colocated]
+    offload = config.trainer.offload_optimizer
+    if offload == "always" or offload == "auto" and any(g.peak > HEADROOM * capacity for g in colocated):
+        out.offload_optimizer = bool(colocated)
+        for g in colocated:
+            for h in g.holdings:
+                if h.kept is not None:
+                    h.kept.discard("AdamW moments (2 x float32)")
+    out.problems = problems(config, shape, out)
+    return out
+
+
+def host_ram(config: Config, shape: Shape, plan) -> dict[tuple[str, int], list[tuple[str, float]]]:
+    """Per trainer host: the checkpoint's files, mapped once (the page cache every rank of the
+    host reads), the float32 copy of its largest tensor each rank makes while loading, and on
+    rank 0's host the export's whole-model copy in `model.dtype`."""
+    db = DTYPE_BYTES[config.model.dtype]
+    out: dict[tuple[str, int], list[tuple[str, float]]] = {}
+    largest = shape.vocab * shape.dim * 4
+    for slot in plan.slots:
+        if slot.role != "trainer":
+            continue
+        items = out.setdefault((slot.mesh, slot.host), [])
+        if not items:
+            if config.model.path is not None:
+                items.append(("checkpoint files mapped", float(checkpoint_bytes(config.model.path))))
+            items.append(("loading, per rank", 0.0))
+            if slot.index == 0:
+                items.append(("export on rank 0", shape.params * db))
+        items[[w for w, _ in items].index("loading, per rank")] = ("loading, per rank", largest)
+    return out
+
+
+def checkpoint_bytes(path: str) -> int:
+    import os
+
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, str]]:
+    """What does not fit, each as (field, the fix)."""
+    cap, g, db = plan.capacity, config.generator, DTYPE_BYTES[config.model.dtype]
+    out = []
+    weights = shape.params * db / g.tp
+    budget = g.gpu_memory_utilization * cap
+    if weights + ENGINE_WORKSPACE > budget:
+        need = (weights + ENGINE_WORKSPACE + shape.kv_bytes_per_token(db) / g.tp * config.model.max_seq_len) / cap
+        out.append(("generator.gpu_memory_utilization",
+                    f"vLLM's budget of {budget / GiB:.1f} GiB cannot hold the model's weights ({weights / GiB:.1f} GiB per GPU at generator.tp={g.tp}) "
+                    f"and a KV cache: raise it to {min(need, 0.95):.2f}" + (" or raise generator.tp" if need > 0.95 else "")))
+    elif budget - weights - ENGINE_WORKSPACE < shape.kv_bytes_per_token(db) / g.tp * config.model.max_seq_len:
+        out.append(("generator.gpu_memory_utilization",
+                    f"after the weights, vLLM's budget of {budget / GiB:.1f} GiB holds less KV cache than one sequence of "
+                    f"model.max_seq_len={config.model.max_seq_len} tokens: raise it, or lower model.max_seq_len"))
+    for gpu in plan.gpus:
+        if gpu.peak <= HEADROOM * cap:
+            continue
+        mesh, host, index = gpu.where
+        at = f"{mesh}[{host}] GPU {index} needs {gpu.peak / GiB:.1f} GiB of {cap / GiB:.0f} GiB"
+        trainer = next((h for h in gpu.holdings if h.role == "trainer"), None)
+        if gpu.colocated:
+            engines = sum(h.total for h in gpu.holdings if h.role != "trainer")
+            if trainer.total + CUDA_CONTEXT > HEADROOM * cap:
+                out.append(_trainer_fix(config, trainer, at + " for the trainer's step alone"))
+            else:
+                room = HEADROOM * cap - trainer.while_generating - (engines - g.gpu_memory_utilization * cap * len(gpu.holdings[1:]))
+                out.append(("generator.gpu_memory_utilization",
+                            f"{at} while the engines generate beside what the trainer keeps ({trainer.while_generating / GiB:.1f} GiB"
+                            + (", AdamW state offloaded" if plan.offload_optimizer else "") + f"): lower it to at most {max(room / cap / max(len(gpu.holdings) - 1, 1), 0):.2f}"
+                            + ("" if plan.offload_optimizer else ", or set trainer.offload_optimizer=always")
+                            + ", or give trainer and generators GPUs of their own (placement=split)"))
+        elif trainer is not None:
+            out.append(_trainer_fix(config, trainer, at))
+        else:
+            out.append(("weight_sync.transport", f"{at}: the collective transport's receive buffers hold two copies of the whole model "
+                                                 "on every generator GPU beside vLLM's budget: lower generator.gpu_memory_utilization, or "
+                                                 "use weight_sync.transport=rdma (host buffers)"))
+    return out
+
+
+def _trainer_fix(config: Config, trainer: Holding, at: str) -> tuple[str, str]:
+    """The field whose change shrinks the trainer's largest share."""
+    lines = dict(trainer.lines)
+    state = sum(b for w, b in lines.items() if w.startswith(("weights", "gradients", "AdamW", "KL reference")))
+    activations = sum(b for w, b in lines.items() if w.startswith("activations"))
+    biggest = f"(weights, gradients and AdamW state {state / GiB:.1f} GiB, activations {activations / GiB:.1f} GiB)"
+    t = config.trainer
+    if activations > state:
+        if t.activation_checkpoint != "full":
+            return "trainer.activation_checkpoint", f"{at} {biggest}: set it to full, or lower the micro-batch's tokens"
+        return ("trainer.micro_batch_tokens" if t.micro_batch_tokens else "trainer.micro_batch_size"), \
+            f"{at} {biggest}: lower it" + ("" if t.cp > 1 else ", or split long rows over GPUs with trainer.cp")
+    return "trainer.procs", f"{at} {biggest}: shard them over more trainer procs (GPUs), or train LoRA adapters (lora.rank)"
+
+
+def check_memory(config: Config) -> MemoryPlan | None:
+    """Refuse, in one line naming the field, a GPU plan that cannot fit; the plan otherwise."""
+    plan = plan_memory(config)
+    if plan is not None and plan.problems:
+        raise ConfigError(*plan.problems[0])
+    return plan
