@@ -42,6 +42,7 @@ from typing import Any, Callable
 from meshrl.config import MOE_FAMILIES, Config, ConfigError, source_kind
 from meshrl.errors import first_line, source_location, user_location
 from meshrl.imports import import_callable, missing_extra
+from meshrl.launch.memory import check_memory
 from meshrl.launch.devices import plan_devices
 from meshrl.rollout.env import ContractError, ModelTurn, RewardFn, as_observation, as_step_result, call_bounded, call_reward, callable_name, prompt_text
 from meshrl.rollout.sandbox import check_sandbox
@@ -161,6 +162,7 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
     if family == "deepseek_v3" and m.dtype == "float32" and plan_devices(c).layout != "cpu":
         raise ConfigError("model.dtype", "deepseek_v3 generators on GPU run vLLM's MLA attention, whose CUDA backends take only "
                                          "float16 or bfloat16: set model.dtype=bfloat16")
+    check_memory(c)  # what every proc will hold on its GPU fits it, or one line naming the field to change
     if c.generator.return_routed_experts and family not in MOE_FAMILIES:
         raise ConfigError("generator.return_routed_experts", f"routed experts exist only in MoE models, and the policy is {family}: set it false")
     tokenizer_dir, field_path = (m.tokenizer, "model.tokenizer") if m.tokenizer else (m.path, "model.path")

@@ -128,3 +128,127 @@ def test_the_kl_reference_scores_in_eval_mode():
 
     trainer = PolicyTrainer(Config.from_dict({"trainer": {"loss": {"kl_coef": 0.1}}, "lora": {"rank": 4, "dropout": 0.1}}), torch.device("cpu"))
     assert trainer.model.training and not trainer.ref_model.training
+
+
+# ---- the GPU memory plan -------------------------------------------------------------------
+QWEN3 = {  # config.json shapes of Qwen3-0.6B, -8B and -32B
+    "0.6B": {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "intermediate_size": 3072, "tie_word_embeddings": True},
+    "8B": {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "intermediate_size": 12288, "tie_word_embeddings": False},
+    "32B": {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 64, "intermediate_size": 25600, "tie_word_embeddings": False},
+}
+GIB = 2 ** 30
+
+
+def qwen3_config(tmp_path, size: str, **sections) -> Config:
+    import json
+
+    path = tmp_path / size
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 151936, "num_key_value_heads": 8, "head_dim": 128,
+                                                  "max_position_embeddings": 40960, **QWEN3[size]}))
+    base = {"model": {"path": str(path), "max_seq_len": 4096, "dtype": "bfloat16"},
+            "trainer": {"device": "cuda", "micro_batch_tokens": 8192, "activation_checkpoint": "full"}}
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    return Config.from_dict(base)
+
+
+def test_memory_plan_parameters_match_the_published_sizes(tmp_path):
+    from meshrl.launch.memory import model_shape
+
+    # Qwen3's model cards: 0.6B (0.44B without embeddings), 8.2B, 32.8B
+    for size, billions in (("0.6B", 0.596), ("8B", 8.19), ("32B", 32.76)):
+        assert model_shape(qwen3_config(tmp_path, size)).params / 1e9 == pytest.approx(billions, rel=0.005)
+
+
+def test_memory_plan_of_0_6b_colocated_on_one_gpu(tmp_path):
+    """One 80 GiB GPU, trainer and engine taking turns. By hand, P = 596.0M parameters:
+    the trainer's step holds 16 B/param of float32 weights, gradients and AdamW moments
+    (8.88 GiB), two bf16 staging slots (2.22 GiB), the blocks FSDP gathers (2 blocks bf16 +
+    one fp32, and the 155.6M-parameter tied head in bf16: 0.41 GiB), 8192 tokens of full
+    checkpointing (28 layers x 1024 x 2 B kept, plus one block's 4x1024 + 6x2048 + 4x1024 +
+    4x3072 values x 2 B: 0.94 GiB), the LM head's float32 chunk and hidden states (1.77 GiB),
+    one gathered tensor (0.29 GiB) and a 0.5 GiB context: about 15.0 GiB. While the engine
+    generates it keeps weights, AdamW and slots (2.22 + 4.44 + 2.22 + 0.5 GiB) beside the
+    engine's 40 GiB budget and context: 49.9 GiB, the peak."""
+    from meshrl.launch.memory import plan_memory
+
+    plan = plan_memory(qwen3_config(tmp_path, "0.6B", launcher={"gpus_per_host": 1, "gpu_memory_gib": 80}))
+    gpu = plan.gpu("hosts", 0, 0)
+    trainer = next(h for h in gpu.holdings if h.role == "trainer")
+    assert gpu.colocated and not plan.problems and not plan.offload_optimizer
+    assert trainer.total / GIB == pytest.approx(15.0, rel=0.05)
+    assert gpu.peak / GIB == pytest.approx(49.9, rel=0.05)
+
+
+def test_memory_plan_of_8b_on_eight_gpus_and_its_refusal_on_one(tmp_path):
+    """8 GPUs of 80 GiB, 4 trainer ranks and 4 engines. By hand, P = 8.19B: rank 0 holds 16 B
+    x P / 4 (30.5 GiB), two bf16 staging slots (30.5 GiB), gathered blocks (2.6 GiB), 8192
+    tokens fully checkpointed (36 x 4096 x 2 B kept + one block's 4x4096 + 6x4096 + 4x1024 +
+    4x12288 values x 2 B: 3.69 GiB), LM head chunk and hidden states (1.87 GiB), a gathered
+    embedding (1.16 GiB) and its context: 70.8 GiB; ranks 1-3 39.2 GiB. Each engine: its 40 GiB
+    budget, context and the collective transport's two receive copies (30.5 GiB): 71.0 GiB.
+    Colocated on one GPU, the trainer's step alone needs 16 B x 8.19B = 122 GiB: refused."""
+    from meshrl.launch.memory import check_memory, plan_memory
+
+    plan = plan_memory(qwen3_config(tmp_path, "8B", launcher={"gpus_per_host": 8, "gpu_memory_gib": 80}, placement="split",
+                                    trainer={"procs": 4}, generator={"replicas": 4}))
+    assert not plan.problems
+    assert plan.gpu("hosts", 0, 0).peak / GIB == pytest.approx(70.8, rel=0.05)
+    assert plan.gpu("hosts", 0, 1).peak / GIB == pytest.approx(39.2, rel=0.05)
+    assert plan.gpu("hosts", 0, 4).peak / GIB == pytest.approx(71.0, rel=0.05)
+    (tmp_path / "one").mkdir()
+    with pytest.raises(ConfigError, match=r"trainer.procs: .*GPU 0 needs .* for the trainer's step alone"):
+        check_memory(qwen3_config(tmp_path / "one", "8B", launcher={"gpus_per_host": 1, "gpu_memory_gib": 80}))
+
+
+def test_memory_plan_of_32b_on_two_hosts_of_eight(tmp_path):
+    """2 hosts x 8 GPUs of 80 GiB: 8 trainer ranks on one, two engines of tp=4 on the other,
+    weights over RDMA (host buffers). By hand, P = 32.76B: each trainer rank holds 16 B x P / 8
+    (61.0 GiB), gathered blocks (5.1 GiB), 4096 tokens fully checkpointed (64 x 5120 x 2 B kept +
+    one block's 4x5120 + 6x8192 + 4x1024 + 4x25600 values x 2 B: 1.65 GiB), LM head chunk and
+    hidden states (1.82 GiB) and its context: 70.1 GiB. Each engine GPU: 40 GiB budget (its
+    weights 32.76B x 2 B / 4 = 15.3 GiB) and context: 40.5 GiB. The collective transport would
+    put two whole copies (122 GiB) on trainer rank 0's GPU and on every engine GPU: refused,
+    naming the transport."""
+    from meshrl.launch.memory import check_memory, plan_memory
+
+    sections = dict(launcher={"kind": "slurm", "hosts": 2, "gpus_per_host": 8, "gpu_memory_gib": 80}, placement="split",
+                    trainer={"procs": 8, "micro_batch_tokens": 4096}, generator={"replicas": 2, "tp": 4})
+    plan = plan_memory(qwen3_config(tmp_path, "32B", weight_sync={"transport": "rdma"}, **sections))
+    assert not plan.problems
+    assert plan.gpu("trainer", 0, 0).peak / GIB == pytest.approx(70.1, rel=0.05)
+    assert plan.gpu("generator", 0, 0).peak / GIB == pytest.approx(40.5, rel=0.05)
+    (tmp_path / "collective").mkdir()
+    with pytest.raises(ConfigError, match=r"weight_sync.transport: .*two whole copies of the model"):
+        check_memory(qwen3_config(tmp_path / "collective", "32B", weight_sync={"transport": "collective"}, **sections))
+    assert "memory plan: 80.0 GiB per GPU" in plan.table() and "GPUs 0-7, each" in plan.table()
+
+
+def test_offloaded_adamw_state_frees_its_storage_checkpoints_and_trains_on(tmp_path):
+    """Colocated on a GPU, AdamW's state waits in host memory while the engines generate:
+    its device storage is given back, a checkpoint taken meanwhile saves the host copy, and
+    the next step restores it and trains exactly as if it had stayed (on CPU here: the same
+    storage moves, between host buffers)."""
+    import torch
+
+    from meshrl.trainer.policy import PolicyTrainer
+    from tests.test_trainer import CPU, make_batch, make_config
+
+    kept, moved = PolicyTrainer(make_config(), CPU), PolicyTrainer(make_config(), CPU)
+    for trainer in (kept, moved):
+        trainer.train_step(make_batch(seed=0), current_version=0)
+    states = [v for s in moved.optimizer.state.values() for v in s.values() if v.numel() > 1]
+    before = {id(v): v.clone() for v in states}
+    assert moved._offload.offload(moved.optimizer, include_cpu=True) >= sum(v.numel() * 4 for v in states)
+    assert all(v.untyped_storage().nbytes() == 0 for v in states)  # the device storage is given back
+    assert all(torch.equal(moved.optimizer.state[p]["exp_avg"], kept.optimizer.state[q]["exp_avg"])  # host copies in its place
+               for p, q in zip(moved.optimizer.state, kept.optimizer.state))
+    path = moved.save_checkpoint(str(tmp_path / "ckpt"))  # from host memory
+    a, b = kept.train_step(make_batch(seed=1), current_version=1), moved.train_step(make_batch(seed=1), current_version=1)
+    assert a["loss"] == b["loss"] and all(torch.equal(x, y) for x, y in zip(kept.model.parameters(), moved.model.parameters()))
+    assert all(v.untyped_storage().nbytes() > 0 for v in states) and not moved._offload.offloaded
+    fresh = PolicyTrainer(make_config(), CPU)
+    fresh.load_checkpoint(path)
+    restored = [v for s in fresh.optimizer.state.values() for v in s.values() if v.numel() > 1]
+    assert all(torch.equal(r, before[id(v)]) for r, v in zip(restored, states))

@@ -31,6 +31,7 @@ from meshrl.controller.replicas import GeneratorPool, WorkerPool
 from meshrl.errors import one_line
 from meshrl.launch.allocation import allocate
 from meshrl.launch.devices import cpu_auto_placement, gpus_per_host, resolve_placement, resolve_transport, weights_on_gpu
+from meshrl.launch.memory import plan_memory
 from meshrl.logs import console
 from meshrl.metrics import MetricsWriter
 from meshrl.placement import auto_placement
@@ -139,6 +140,9 @@ class RLLoop:
                  c.generator.cpus or "any", c.weight_sync.transport)
         self.tokenizer_dir = c.model.tokenizer or c.model.path or build_char_tokenizer(os.path.join(self.run_dir, "tokenizer"))
         self.alloc = await allocate(c).__aenter__()
+        # colocated on GPUs: the trainer frees memory (and AdamW's state where the memory plan says) before the engines wake
+        memory = plan_memory(c) if self.alloc.plan.layout == "colocated" else None
+        self._offload_optimizer = memory is not None and memory.offload_optimizer or c.trainer.offload_optimizer == "always"
 
         # The coordinator proc holds the episode queue; each rollout worker has a proc of its own.
         self.coord = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap("coord"))
@@ -212,6 +216,8 @@ class RLLoop:
             if self._colocated_on_policy():  # the engines wake on the new version: loaded while they sleep
                 out["colocate/load_s"] = await self._update_generators(self.version)
             if c.placement == "colocate":
+                if self.alloc.plan.layout == "colocated":  # the GPU is the trainer's until the engines wake
+                    out.update(await self.trainer.release_memory(self._offload_optimizer))
                 t0 = time.monotonic()
                 await self.generators.wake()
                 out["colocate/wake_s"] = time.monotonic() - t0
@@ -224,8 +230,7 @@ class RLLoop:
             row = await self._collect_metrics(out)
             await self._watch_failures(row)
             self._evaluate_if_due()
-            every, every_s = c.trainer.checkpoint_every, c.trainer.checkpoint_every_s
-            if every and self.version % every == 0 or every_s and time.monotonic() - self._last_checkpoint >= every_s:
+            if self._checkpoint_due():
                 await self.checkpoint()
             self._watch_cliffs(row)
         except Exception as e:  # noqa: BLE001 - the coordinator's host can go down between two calls too
@@ -233,6 +238,10 @@ class RLLoop:
                 raise self._queue_lost() from e
             raise
         return row
+
+    def _checkpoint_due(self) -> bool:
+        every, every_s = self.config.trainer.checkpoint_every, self.config.trainer.checkpoint_every_s
+        return bool(every and self.version % every == 0 or every_s and time.monotonic() - self._last_checkpoint >= every_s)
 
     async def _hand_devices_to_trainer(self) -> dict[str, float]:
         """placement=colocate, before the trainer's call: the previous weight load done, the

@@ -158,18 +158,29 @@ class MemoryPlan:
     def table(self) -> str:
         lines = [f"memory plan: {self.capacity / GiB:.1f} GiB per GPU (held to {HEADROOM:.0%})"
                  + ("; AdamW state offloaded to host memory while the engines generate" if self.offload_optimizer else "")]
+        groups: list[list[GPUPlan]] = []  # GPUs holding the same things are listed once
         for gpu in self.gpus:
-            mesh, host, index = gpu.where
-            lines.append(f"  {mesh}[{host}] GPU {index}: peak {gpu.peak / GiB:.2f} GiB" + (" (colocated)" if gpu.colocated else ""))
-            for h in gpu.holdings:
+            same = groups and groups[-1][0].where[:2] == gpu.where[:2] and _contents(groups[-1][0]) == _contents(gpu)
+            groups[-1].append(gpu) if same else groups.append([gpu])
+        for group in groups:
+            gpu, (mesh, host, _) = group[0], group[0].where
+            which = f"GPU {gpu.where[2]}" if len(group) == 1 else f"GPUs {group[0].where[2]}-{group[-1].where[2]}, each"
+            lines.append(f"  {mesh}[{host}] {which}: peak {gpu.peak / GiB:.2f} GiB" + (" (colocated)" if gpu.colocated else ""))
+            for i, h in enumerate(gpu.holdings):
                 kept = f"; keeps {h.while_generating / GiB:.2f} GiB while the engines generate" if gpu.colocated and h.role == "trainer" else ""
-                lines.append(f"    {h.role} {h.index}: {h.total / GiB:.2f} GiB{kept}")
+                indices = sorted({g.holdings[i].index for g in group})
+                who = str(indices[0]) if len(indices) == 1 else f"{indices[0]}-{indices[-1]}"
+                lines.append(f"    {h.role} {who}: {h.total / GiB:.2f} GiB{kept}")
                 lines += [f"      {what}: {b / GiB:.2f} GiB" for what, b in h.lines if b > 0]
                 lines += [f"      ({note})" for note in h.notes]
         for (mesh, host), items in self.host_ram.items():
             lines.append(f"  {mesh}[{host}] host RAM: " + "; ".join(f"{what} {b / GiB:.1f} GiB" for what, b in items))
         lines += [f"does not fit: {f}: {why}" for f, why in self.problems]
         return "\n".join(lines) + "\n"
+
+
+def _contents(gpu: GPUPlan) -> list:
+    return [(h.role, h.lines, h.notes) for h in gpu.holdings]
 
 
 def shards(config: Config) -> int:
@@ -301,9 +312,9 @@ def checkpoint_bytes(path: str) -> int:
 
 
 def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, str]]:
-    """What does not fit, each as (field, the fix)."""
+    """What does not fit, each as (field, the fix): the first GPU's line for each field."""
     cap, g, db = plan.capacity, config.generator, DTYPE_BYTES[config.model.dtype]
-    out = []
+    out: list[tuple[str, str]] = []
     weights = shape.params * db / g.tp
     budget = g.gpu_memory_utilization * cap
     if weights + ENGINE_WORKSPACE > budget:
@@ -324,7 +335,7 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
         if gpu.colocated:
             engines = sum(h.total for h in gpu.holdings if h.role != "trainer")
             if trainer.total + CUDA_CONTEXT > HEADROOM * cap:
-                out.append(_trainer_fix(config, trainer, at + " for the trainer's step alone"))
+                out.append(_trainer_fix(config, trainer, at + " for the trainer's step alone", cap))
             else:
                 room = HEADROOM * cap - trainer.while_generating - (engines - g.gpu_memory_utilization * cap * len(gpu.holdings[1:]))
                 out.append(("generator.gpu_memory_utilization",
@@ -333,21 +344,28 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
                             + ("" if plan.offload_optimizer else ", or set trainer.offload_optimizer=always")
                             + ", or give trainer and generators GPUs of their own (placement=split)"))
         elif trainer is not None:
-            out.append(_trainer_fix(config, trainer, at))
+            out.append(_trainer_fix(config, trainer, at, cap))
         else:
             out.append(("weight_sync.transport", f"{at}: the collective transport's receive buffers hold two copies of the whole model "
                                                  "on every generator GPU beside vLLM's budget: lower generator.gpu_memory_utilization, or "
                                                  "use weight_sync.transport=rdma (host buffers)"))
-    return out
+    firsts: dict[str, str] = {}
+    for f, why in out:
+        firsts.setdefault(f, why)
+    return list(firsts.items())
 
 
-def _trainer_fix(config: Config, trainer: Holding, at: str) -> tuple[str, str]:
+def _trainer_fix(config: Config, trainer: Holding, at: str, cap: float) -> tuple[str, str]:
     """The field whose change shrinks the trainer's largest share."""
     lines = dict(trainer.lines)
     state = sum(b for w, b in lines.items() if w.startswith(("weights", "gradients", "AdamW", "KL reference")))
     activations = sum(b for w, b in lines.items() if w.startswith("activations"))
     biggest = f"(weights, gradients and AdamW state {state / GiB:.1f} GiB, activations {activations / GiB:.1f} GiB)"
     t = config.trainer
+    staging = lines.get("weight-sync staging (2 slots)", 0.0)
+    if staging and trainer.total - staging <= HEADROOM * cap:  # fits but for the slots
+        return "weight_sync.transport", (f"{at}: rank 0 stages two whole copies of the model ({staging / GiB:.1f} GiB) on its GPU for the "
+                                         "collective transport's broadcast: use weight_sync.transport=rdma (host buffers)")
     if activations > state:
         if t.activation_checkpoint != "full":
             return "trainer.activation_checkpoint", f"{at} {biggest}: set it to full, or lower the micro-batch's tokens"

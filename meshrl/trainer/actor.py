@@ -146,6 +146,10 @@ class TrainerActor(Actor):
         return self._need().save_checkpoint(root)
 
     @endpoint
+    async def release_memory(self, offload_optimizer: bool) -> dict:
+        return self._need().release_memory(offload_optimizer)
+
+    @endpoint
     async def load_checkpoint(self, path: str) -> int:
         return self._need().load_checkpoint(path)
 
@@ -195,6 +199,10 @@ class TrainerMesh:
 
     async def save_checkpoint(self, root: str) -> str:
         return (await self._all(self.actors.save_checkpoint, root))[0]
+
+    async def release_memory(self, offload_optimizer: bool) -> dict:
+        """Colocated on GPUs, before the engines wake: see PolicyTrainer.release_memory (rank 0's figures)."""
+        return (await self._all(self.actors.release_memory, offload_optimizer))[0]
 
     async def load_checkpoint(self, path: str) -> int:
         self.version = (await self._all(self.actors.load_checkpoint, path))[0]

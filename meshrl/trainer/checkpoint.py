@@ -72,7 +72,9 @@ def export_hf(model: nn.Module, specs: ModelSpecs, out_dir: str | os.PathLike, d
     """
     from safetensors.torch import save_file
 
-    tensors = {name: t.cpu() for name, t in hf_state_dict(model, specs, dtype, merge_lora)}
+    # gathering is collective (every rank walks it); only rank 0, the writer, keeps a host copy
+    rank0 = _rank() == 0
+    tensors = {name: t.cpu() if rank0 else None for name, t in hf_state_dict(model, specs, dtype, merge_lora)}
     out_dir = os.path.abspath(out_dir)
     if _rank() == 0:
         config = dict(specs.hf_config)
@@ -96,16 +98,43 @@ def export_hf(model: nn.Module, specs: ModelSpecs, out_dir: str | os.PathLike, d
     return out_dir
 
 
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
 def read_hf_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of the *.safetensors files in a HF checkpoint directory, by HF name."""
-    from safetensors.torch import load_file
+    """All tensors of the *.safetensors files in a HF checkpoint directory, by HF name.
+
+    The files are memory-mapped and the tensors are views of the mapping, read-only: the
+    bytes are read from disk as they are used and live once in the page cache, shared by
+    every rank of the host, where reading them (safetensors' load_file) gave each rank a
+    private copy of the whole checkpoint."""
+    import mmap
+    import struct
+    import warnings
 
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} holds no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(os.path.join(path, f)))
+    for name in files:
+        with open(os.path.join(path, name), "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        base = 8 + size
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            dtype, shape = SAFETENSORS_DTYPES[info["dtype"]], info["shape"]
+            start, end = info["data_offsets"]
+            if end == start:
+                tensors[key] = torch.empty(shape, dtype=dtype)
+                continue
+            with warnings.catch_warnings():  # "non-writable buffer": the views are only read
+                warnings.simplefilter("ignore", UserWarning)
+                tensors[key] = torch.frombuffer(mapped, dtype=dtype, count=(end - start) // dtype.itemsize, offset=base + start).view(shape)
     return tensors
 
 

@@ -28,6 +28,7 @@ from meshrl.trainer import lora
 from meshrl.trainer.logprobs import token_logprobs
 from meshrl.trainer.losses import policy_loss, reduce_metrics
 from meshrl.trainer.model import MOE_FAMILIES, build_model, model_args_from_hf
+from meshrl.trainer.offload import OptimizerOffload
 from meshrl.trainer.packing import rank_rows_by_tokens, row_lengths, token_micro_batches
 from meshrl.trainer.parallelize import ac_config, compile_config, compile_unsharded, compute_dtype, parallelism_config, parallelize
 from meshrl.trainer.routing import input_positions
@@ -124,6 +125,7 @@ class PolicyTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.step = 0
         """Optimizer steps taken = the version of the current weights."""
+        self._offload = OptimizerOffload()
         self._base_exported: str | None = None  # LoRA: where the base weights were exported
 
     # ---- scoring ------------------------------------------------------------------------
@@ -199,6 +201,7 @@ class PolicyTrainer:
         # global denominators, so that micro-batch losses on all ranks sum to the batch loss
         token_count = int(batch["loss_mask"].sum())
         seq_count = int(batch["loss_mask"].any(dim=1).sum())
+        self._offload.restore()  # AdamW's state, if it waited in host memory while colocated engines generated
         self.optimizer.zero_grad(set_to_none=True)
         metrics: list[dict[str, torch.Tensor]] = []
         lag_sum, lag_max = torch.zeros(()), torch.zeros(())
@@ -339,10 +342,22 @@ class PolicyTrainer:
                 lora.write_adapter(os.path.join(out, "adapter"), tensors, self.config.lora, base)
         return out
 
-    def save_checkpoint(self, root: str) -> str:
+    def release_memory(self, offload_optimizer: bool = False) -> dict[str, float]:
+        """Before colocated engines wake on this GPU: free the gradients, optionally move AdamW's
+        state to host memory (back at the next step), and hand the allocator's cache back to
+        the driver, so the engine's KV cache finds the memory the memory plan counted on."""
+        self.optimizer.zero_grad(set_to_none=True)
+        moved = self._offload.offload(self.optimizer) if offload_optimizer else 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"colocate/offloaded_gb": moved / 1e9,
+                "colocate/trainer_reserved_gb": torch.cuda.memory_reserved(self.device) / 1e9 if self.device.type == "cuda" else 0.0}
+
+    def save_checkpoint(self, root: str) -> str:  # an offloaded AdamW state is saved from host memory
         return ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler)
 
     def load_checkpoint(self, path: str) -> int:
+        self._offload.restore()
         meta = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.step = int(meta["step"])
         return self.step
