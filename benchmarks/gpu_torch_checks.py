@@ -10,8 +10,9 @@ vLLM or TorchTitan), each checked and measured:
 - staging: weightsync's StagingPool with GPU slots, a version streamed in (each tensor made,
   copied and dropped, as the publisher now streams gathered tensors): peak memory over the
   slots, and the bytes equal; the same into a pinned host slot.
-- lm_head_logits: log-prob error of bf16 LM-head logits (the trainer's GPU path) against
-  float32 logits of the same bf16 operands, at logits around 30.
+- lm_head_logits: log-prob error of bf16 LM-head logits (the trainer's GPU path before
+  meshrl/trainer/head.py) against float32 logits of the same bf16 operands, and of the
+  head as meshrl now runs it (float32 output of the bf16 matmul), with its gradients.
 
     python benchmarks/gpu_torch_checks.py --out DIR   # writes DIR/gpu_torch_checks.json
 """
@@ -108,14 +109,19 @@ def optimizer_offload(params_m: int = 512) -> dict:
     offload.restore()
     t_back = time.perf_counter() - t0
     after = torch.cuda.memory_allocated()
-    # a second round trip reuses the pinned buffers
+    # a second round trip reuses the pinned buffers: the steady per-step cost
+    t0 = time.perf_counter()
     offload.offload(opt)
+    t_off2 = time.perf_counter() - t0
+    t0 = time.perf_counter()
     offload.restore()
+    t_back2 = time.perf_counter() - t0
     step(ps, opt, 2)
     equal = all(torch.equal(a, b) for a, b in zip(ps, ref))
     return {"params": sum(p.numel() for p in ps), "moved_bytes": moved, "allocated_before": before, "allocated_offloaded": during,
             "reserved_offloaded": reserved, "allocated_restored": after, "offload_s": t_off, "restore_s": t_back,
-            "gb_per_s_out": moved / t_off / 1e9, "gb_per_s_back": moved / t_back / 1e9, "next_step_bit_equal": equal}
+            "gb_per_s_out": moved / t_off / 1e9, "gb_per_s_back": moved / t_back / 1e9,
+            "second_offload_s": t_off2, "second_restore_s": t_back2, "next_step_bit_equal": equal}
 
 
 def staging(tensors: int = 64, each_mb: int = 64) -> dict:
@@ -160,16 +166,35 @@ def staging(tensors: int = 64, each_mb: int = 64) -> dict:
 def lm_head_logits(tokens: int = 2048, dim: int = 4096, vocab: int = 151936) -> dict:
     import torch
 
+    from meshrl.trainer.head import float32_logits, head_logits
+
     torch.manual_seed(0)
+    head = torch.nn.Linear(dim, vocab, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, dim, device="cuda") * (30 / dim ** 0.5 / 4))  # logits with a spread around 30
     h = torch.randn(tokens, dim, device="cuda").to(torch.bfloat16)
-    w = (torch.randn(vocab, dim, device="cuda") * (30 / dim ** 0.5 / 4)).to(torch.bfloat16)  # logits with a spread around 30
     targets = torch.randint(vocab, (tokens,), device="cuda")
-    exact = torch.log_softmax(h.float() @ w.float().T, -1).gather(1, targets[:, None])
-    bf16_logits = torch.log_softmax((h @ w.T).float(), -1).gather(1, targets[:, None])
-    logits = (h.float() @ w.float().T)
-    err = (bf16_logits - exact).abs()
-    return {"logit_abs_p99": float(logits.abs().flatten()[:10_000_000].quantile(0.99)), "logprob_err_mean": float(err.mean()),
-            "logprob_err_max": float(err.max())}
+
+    def logprobs(logits):
+        return torch.log_softmax(logits.float(), -1).gather(1, targets[:, None])
+
+    def grads(make_logits):
+        x = h.detach().clone().requires_grad_(True)
+        head.weight.grad = None
+        logprobs(make_logits(x)).sum().backward()
+        return x.grad.float(), head.weight.grad.float()
+
+    exact = logprobs(h.float() @ head.weight.float().T)  # float32 logits of the bf16 operands
+    rounded = logprobs(head(h))  # a bf16 head: what the trainer computed before meshrl/trainer/head.py
+    ref_gx, ref_gw = grads(lambda x: x.float() @ head.weight.float().T)
+    float32_logits(head)
+    ours = head_logits(head, h)
+    gx, gw = grads(lambda x: head_logits(head, x))
+    rel = lambda a, b: float((a - b).norm() / b.norm())
+    return {"logit_abs_max": float((h.float() @ head.weight.float().T).abs().max()),
+            "bf16_logprob_err_mean": float((rounded - exact).abs().mean()), "bf16_logprob_err_max": float((rounded - exact).abs().max()),
+            "head_dtype": str(ours.dtype), "head_logprob_err_max": float((logprobs(ours) - exact).abs().max()),
+            "head_grad_hidden_rel_err": rel(gx, ref_gx), "head_grad_weight_rel_err": rel(gw, ref_gw)}
 
 
 def main() -> None:

@@ -263,17 +263,19 @@ def test_bf16_compute_on_cpu_tracks_float32_and_keeps_float32_state():
     fp32 = PolicyTrainer(make_config(), CPU)
     bf16 = PolicyTrainer(make_config(compute_dtype="bfloat16"), CPU)
     assert fp32.compute_dtype == torch.float32 and bf16.compute_dtype == torch.bfloat16
-    # matmuls run bf16; attention and RMSNorm run float32 (compat: slow bf16 CPU kernels)
+    # matmuls run bf16; attention and RMSNorm run float32 (compat: slow bf16 CPU kernels), and
+    # the LM head's logits are float32 (meshrl/trainer/head.py)
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     seen: dict[str, set] = {}
     for module in bf16.model.modules():  # meshrl's attention is TorchTitan's SDPA that also takes packed rows
         kind = "ScaledDotProductAttention" if isinstance(module, ScaledDotProductAttention) else type(module).__name__
-        if kind in ("ScaledDotProductAttention", "RMSNorm", "Linear"):
+        kind = "LM head" if module is bf16.model.lm_head else kind
+        if kind in ("ScaledDotProductAttention", "RMSNorm", "Linear", "LM head"):
             module.register_forward_hook(lambda m, args, out, kind=kind: seen.setdefault(kind, set()).add(out.dtype))
     _, lp32 = fp32.compute_logprobs(batch)
     _, lp16 = bf16.compute_logprobs(batch)
-    assert seen == {"ScaledDotProductAttention": {torch.float32}, "RMSNorm": {torch.float32}, "Linear": {torch.bfloat16}}
+    assert seen == {"ScaledDotProductAttention": {torch.float32}, "RMSNorm": {torch.float32}, "Linear": {torch.bfloat16}, "LM head": {torch.float32}}
     assert lp16.dtype == torch.float32
     mask = lp32 != 0
     assert 0 < (lp16 - lp32)[mask].abs().max() < 0.1  # bf16 matmuls: close, not equal

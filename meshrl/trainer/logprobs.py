@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshrl.trainer.context_parallel import CPRows
+from meshrl.trainer.head import head_logits
 from meshrl.trainer.packing import pack, unpack
 from meshrl.trainer.parallelize import full_tensor
 from meshrl.trainer.routing import replay_routing
@@ -53,7 +54,7 @@ def kept_set(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch
 
 def _chunk_logprobs(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                     with_entropy: bool, top_k: int = -1, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    logits = full_tensor(lm_head(hidden)).float() / temperature  # vocab-sharded under TP: gathered (top-k/p, entropy)
+    logits = full_tensor(head_logits(lm_head, hidden)).float() / temperature  # vocab-sharded under TP: gathered (top-k/p, entropy)
     keep = kept_set(logits, top_k, top_p)
     full = F.log_softmax(logits, dim=-1)
     logp, misses = full, full.new_zeros(())

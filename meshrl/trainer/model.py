@@ -21,6 +21,7 @@ import torch
 from meshrl.compat import titan_use_sdpa_attention
 from meshrl.config import MOE_FAMILIES, ModelConfig
 from meshrl.trainer import lora as adapters
+from meshrl.trainer.head import float32_logits
 
 
 @dataclass
@@ -215,6 +216,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int 
         model.init_weights(buffer_device=torch.device(device))
     if lora is not None and lora.rank > 0:
         adapters.add_dropout(model, lora.dropout)
+    float32_logits(model.lm_head)  # log-probs from unrounded logits (meshrl/trainer/head.py)
     hf = hf_config_dict(cfg, **{k: v for k, v in hf_overrides.items() if k in ("tie", "rope_theta", "norm_eps") + DSV3_KEYS})
     return model, ModelSpecs(cfg.family, titan_config, adapter_cls, parallelize_fn, hf)
 
