@@ -27,8 +27,27 @@ def _float32_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     bias = self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias
     if x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and bias is None:
         flat = x.reshape(-1, x.shape[-1]).to(w.dtype)
-        return torch.mm(flat, w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
+        return _Float32OutMM.apply(flat, w).view(*x.shape[:-1], w.shape[0])
     return F.linear(x.to(w.dtype), w, bias)
+
+
+class _Float32OutMM(torch.autograd.Function):
+    """x @ w.T with float32 output from half operands (torch's `mm(out_dtype=)` has no
+    derivative): the backward's products accumulate in float32 too, and the gradients come
+    back in the operands' dtype, as autograd and FSDP expect."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        g = grad.to(w.dtype)
+        gx = torch.mm(g, w, out_dtype=torch.float32).to(x.dtype) if ctx.needs_input_grad[0] else None
+        gw = torch.mm(g.t(), x, out_dtype=torch.float32).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw
 
 
 def float32_logits(lm_head: nn.Module) -> None:
