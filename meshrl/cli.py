@@ -7,6 +7,7 @@
     meshrl eval RUN_DIR|CHECKPOINT [CONFIG.yaml] [section.field=value ...] [--out DIR]
     meshrl plot RUN_DIR [--out FILE.png]
     meshrl worker --address IP:PORT          # serve this host to a launcher.kind=workers run
+    meshrl doctor [--keep DIR]               # try every path this machine can take; one table
 
 Bad input (unknown key, wrong type, impossible sizes, missing paths; a data row without its
 prompt, an env or reward function that breaks its contract: docs/contracts.md) prints one
@@ -68,6 +69,18 @@ def _cmd_config_plan(ns: argparse.Namespace) -> int:
     elif plan_devices(config).layout != "cpu":
         print("memory plan: set launcher.gpu_memory_gib (the GPUs' memory) to see what each proc will hold")
     return 0
+
+
+def _cmd_doctor(ns: argparse.Namespace) -> int:
+    from meshrl.doctor import run_doctor, table
+
+    t0 = time.monotonic()
+    rows = run_doctor(ns.keep)
+    print(table(rows), end="")
+    failed = [r.path for r in rows if r.status == "failed"]
+    print(f"meshrl doctor: {len(rows) - len(failed)} of {len(rows)} paths passed or skipped in {time.monotonic() - t0:.0f}s"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 def _cmd_config_docs(ns: argparse.Namespace) -> int:
@@ -303,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="serve this host to a controller (launcher.kind=workers) until it shuts the host down")
     worker.add_argument("--address", required=True, metavar="IP:PORT", help="this host's own address and a free port (never a wildcard)")
     worker.set_defaults(func=_cmd_worker)
+
+    doctor = sub.add_parser("doctor", help="try every path this machine can take (engine, weight sync, sandbox, Slurm) and print one table")
+    doctor.add_argument("--keep", metavar="DIR", help="keep the short runs' directories (logs) here")
+    doctor.set_defaults(func=_cmd_doctor)
     return parser
 
 

@@ -1,0 +1,38 @@
+"""`meshrl doctor` on this machine: every CPU path tried for real, one table, exit status 0;
+a broken path fails its row with the fix and the command exits 1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from meshrl import doctor
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_doctor_passes_every_cpu_path(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "meshrl", "doctor", "--keep", str(tmp_path)], capture_output=True, text=True, timeout=380)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    rows = {line.split("  ")[0].strip(): line for line in p.stdout.splitlines()[1:] if "  " in line and not line.startswith("meshrl doctor")}
+    want = ("GPUs", "Monarch procs", "colocated sync run", "split async run", "sandbox (bubblewrap)", "Slurm")
+    for path in want:
+        line = next((line for name, line in rows.items() if name.startswith(path)), None)
+        assert line is not None and (" passed " in line or " skipped " in line), (path, p.stdout)
+    assert "log-prob mismatch" in rows[next(n for n in rows if n.startswith("colocated"))]
+    assert "6 of 6 paths passed or skipped" in p.stdout
+
+
+def test_a_broken_path_fails_its_row_with_the_fix_and_the_exit_status(monkeypatch, capsys):
+    import meshrl.rollout.sandbox as sandbox_module
+    from meshrl.cli import main
+
+    monkeypatch.setattr(sandbox_module, "bwrap_path", lambda: None)
+    row = doctor._try("sandbox (bubblewrap)", doctor.sandbox, "install bubblewrap")
+    assert row.status == "failed" and "bubblewrap (bwrap) is not installed" in row.detail and "fix: install bubblewrap" in row.detail
+    monkeypatch.setattr(doctor, "run_doctor", lambda keep=None: [doctor.Row("GPUs", "skipped", 0.0, "no GPU"), row])
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "failed" in out and "1 of 2 paths passed or skipped" in out and "failed: sandbox (bubblewrap)" in out
