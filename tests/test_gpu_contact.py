@@ -252,3 +252,15 @@ def test_offloaded_adamw_state_frees_its_storage_checkpoints_and_trains_on(tmp_p
     fresh.load_checkpoint(path)
     restored = [v for s in fresh.optimizer.state.values() for v in s.values() if v.numel() > 1]
     assert all(torch.equal(r, before[id(v)]) for r, v in zip(restored, states))
+
+
+def test_scaling_generators_past_the_device_plan_says_so():
+    import asyncio
+    from types import SimpleNamespace
+
+    from meshrl.controller.replicas import GeneratorPool
+
+    config = Config.from_dict({"launcher": {"gpus_per_host": 2}, "placement": "split", "trainer": {"device": "cuda"}})
+    pool = GeneratorPool(config, SimpleNamespace(plan=plan_devices(config)), "unused", 0, on_change=None)
+    with pytest.raises(ValueError, match=r"GPUs to 1 generator replica\(s\): scale to at most 1"):
+        asyncio.run(pool.scale(2, 0))

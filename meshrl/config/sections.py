@@ -122,7 +122,7 @@ class TrainerConfig:
     offload_optimizer: Literal["auto", "always", "never"] = "auto"
     """Colocated on GPUs (placement=colocate): while the engines generate on the trainer's GPU, AdamW's state waits in host memory and returns before the next step (gradients are freed and the allocator's cache emptied either way). `auto`: when the memory plan does not fit without it. Each step then moves 8 bytes per trainable parameter (over its shard) to the host and back."""
     collective_timeout_s: float = 1800.0
-    """How long a trainer rank waits for the others in a collective before the process group (NCCL's watchdog) aborts the run. Must exceed buffer.get_timeout_s: rank 0 waits that long for a batch while the other ranks wait for it in a broadcast (and rank 0's checkpoint and export writes, while the others wait at a barrier)."""
+    """How long a trainer rank waits for the others in a collective before the process group (NCCL's watchdog) aborts the run. Must exceed buffer.get_timeout_s: rank 0 waits that long for a batch while the other ranks wait for it in a broadcast (and rank 0's checkpoint and export writes, while the others wait at a barrier). The controller bounds the trainer's setup (checkpoint loading), export and checkpoint calls by it too, and a training call by it plus buffer.get_timeout_s."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer runs. `auto`: CUDA when available, else CPU."""
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"

@@ -132,6 +132,10 @@ class RLLoop:
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             f.write(c.to_yaml())  # as given: `auto` placement is resolved again on the host that resumes it
+        if c.launcher.kind in ("slurm", "workers") and c.launcher.gpus_per_host == 0 and c.trainer.device == "auto":
+            print(f"meshrl: launcher.gpus_per_host=0: this {c.launcher.kind} run plans no GPUs (every role on CPU"
+                  + (", and the Slurm job asks for none" if c.launcher.kind == "slurm" else "") + "); set it to the hosts' GPUs for a GPU run",
+                  file=console())
         if c.placement == "auto" and gpus_per_host(c) == 0:  # the console says which CPU placement, and why
             print("meshrl: placement auto -> {} ({})".format(*cpu_auto_placement(c)), file=console())
         c.placement, c.weight_sync.transport = resolve_placement(c), resolve_transport(c)
@@ -149,7 +153,9 @@ class RLLoop:
         self.queue = self.coord.spawn("queue", EpisodeQueueActor, c.to_dict())
         await self.queue.metrics.call_one()
 
-        self.trainer = await spawn_trainer(c, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan)
+        # setup (checkpoint loading), export and DCP calls are bounded like the trainer's collectives
+        self.trainer = await spawn_trainer(c, c.trainer.collective_timeout_s, host_mesh=self.alloc.host_mesh("trainer"),
+                                           hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan)
         await self.trainer.publisher_handle()  # creates the publisher before its first step
         if self.resume:
             await self._restore()

@@ -211,6 +211,11 @@ class GeneratorPool:
     async def scale(self, n: int, version: int) -> None:
         if n < 1:
             raise ValueError(f"need at least 1 generator replica, got {n}")
+        plan = self.alloc.plan
+        planned = sum(s.role == self._role for s in plan.slots)
+        if plan.layout != "cpu" and n > planned:  # each replica's GPUs come from the plan the run started with
+            raise ValueError(f"the device plan gives GPUs to {planned} generator replica(s): scale to at most {planned}, "
+                             f"or start the run with generator.replicas={n} on enough GPUs (meshrl config plan)")
         async with self._lock:
             added = []
             try:

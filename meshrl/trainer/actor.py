@@ -36,6 +36,7 @@ class TrainerActor(Actor):
     def __init__(self) -> None:
         self.trainer: PolicyTrainer | None = None
         self.publisher = None  # weight-sync Publisher, created on rank 0 when first asked
+        self._objects = None  # the gloo group Python objects are broadcast over on GPUs (None: the default group)
 
     @endpoint
     async def setup(self, config_dict: dict) -> dict:
@@ -64,6 +65,9 @@ class TrainerActor(Actor):
                 init_process_group_listening_on((host_address() or "127.0.0.1") if one_host else os.environ["MASTER_ADDR"], rank, world, use_cuda,
                                                 config.trainer.collective_timeout_s)
             self.trainer = PolicyTrainer(config, device, rank, world)
+            # the batch travels to the other ranks pickled: through host memory, never the GPU
+            # (NCCL's object broadcast would stage every step's batch in a CUDA tensor)
+            self._objects = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
         if config.trainer.compile:
             self.trainer.warm_up()
         return self.trainer.shard_info()
@@ -99,7 +103,7 @@ class TrainerActor(Actor):
             batch = await queue.sample.call_one(num_groups, trainer.step, timeout_s)
         if trainer.world > 1:
             box = [batch]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=self._objects)
             batch = box[0]
         wait_s = time.perf_counter() - t0
         out = trainer.train_step(batch, trainer.step)
