@@ -104,6 +104,11 @@ class Session:
             future.cancel()
             raise
 
+    def _step_bound(self) -> float:
+        """How long one step may take: the batch's wait, the trainer's call (bounded by
+        trainer.collective_timeout_s), a checkpoint after it and the rest."""
+        return self.config.buffer.get_timeout_s + 2 * self.config.trainer.collective_timeout_s + 600
+
     def _need(self):
         if self.loop is None:
             raise RuntimeError("the session is not started: call start() (or use `with Session(...) as s`)")
@@ -142,7 +147,7 @@ class Session:
         earlier, self._interrupted = self._interrupted, None
         if earlier is not None and not earlier.done():  # a step that Ctrl-C left running: never two at once
             try:
-                earlier.result(self.config.buffer.get_timeout_s + 600)
+                earlier.result(self._step_bound())
             except Exception:  # noqa: BLE001 - its failure was the interrupted call's to report
                 pass
         rows = []
@@ -150,7 +155,7 @@ class Session:
         try:
             for _ in range(n):
                 self._call(loop.check_health(), 600)
-                row = self._call(loop.step(), self.config.buffer.get_timeout_s + 600)
+                row = self._call(loop.step(), self._step_bound())
                 rows.append(row)
                 if bar is not None:
                     bar.set_postfix_str(format_row(row, PROGRESS_KEYS))
@@ -202,10 +207,10 @@ class Session:
 
     def export(self, path: str) -> str:
         """Write the current policy as a Hugging Face checkpoint directory; returns its path."""
-        return self._call(self._need().export_to(path), 600)
+        return self._call(self._need().export_to(path), self.config.trainer.collective_timeout_s + 60)
 
     def checkpoint(self) -> str:
-        return self._call(self._need().checkpoint(), 600)
+        return self._call(self._need().checkpoint(), self.config.trainer.collective_timeout_s + 60)
 
     def save_on_interrupt(self, timeout_s: float) -> str | None:
         """After Ctrl-C or SIGTERM: let the interrupted step finish if it can within half of
@@ -239,8 +244,8 @@ class Session:
         from meshrl.controller.evaluation import eval_timeout_s
 
         self._call(loop.finish_evaluation(), eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
-        ckpt = self._call(loop.checkpoint(), 600)
-        hf = self._call(loop.export(), 600)
+        ckpt = self._call(loop.checkpoint(), self.config.trainer.collective_timeout_s + 60)
+        hf = self._call(loop.export(), self.config.trainer.collective_timeout_s + 60)
         png = plot_run(loop.run_dir) if self.config.logging.plot and loop.history else None
         return RunResult(loop.run_dir, list(loop.history), ckpt, hf, png)
 

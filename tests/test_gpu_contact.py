@@ -264,3 +264,13 @@ def test_scaling_generators_past_the_device_plan_says_so():
     pool = GeneratorPool(config, SimpleNamespace(plan=plan_devices(config)), "unused", 0, on_change=None)
     with pytest.raises(ValueError, match=r"GPUs to 1 generator replica\(s\): scale to at most 1"):
         asyncio.run(pool.scale(2, 0))
+
+
+def test_float32_attention_on_gpus_is_refused_by_the_memory_plan(tmp_path):
+    """trainer.compute_dtype=float32 on GPU leaves attention the math kernel: 8192 tokens of
+    0.6B (16 heads) keep 8192 x 4096 x 16 x 4 B x 2 scores per layer, 28 layers: 112 GiB."""
+    from meshrl.launch.memory import check_memory
+
+    with pytest.raises(ConfigError, match=r"trainer.compute_dtype: .*float32 attention scores.*bfloat16"):
+        check_memory(qwen3_config(tmp_path, "0.6B", launcher={"gpus_per_host": 1, "gpu_memory_gib": 80},
+                                  trainer={"compute_dtype": "float32", "activation_checkpoint": "none"}))

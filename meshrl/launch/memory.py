@@ -17,6 +17,8 @@ FSDP's data-parallel shards x CP x TP):
   GPU), inside which the weights `P x dtype / tp` and the KV cache sit; with the collective
   transport, the receive buffers outside it (two copies of the whole model per worker).
 - each proc: its CUDA context (`CUDA_CONTEXT`).
+- `trainer.compute_dtype=float32` on GPU: attention falls back to SDPA's math kernel, which
+  keeps each layer's float32 scores and softmax (tokens x attended positions x heads).
 Colocated (one GPU shared, vLLM asleep while the trainer steps): the GPU's peak is the
 larger of the training phase (the trainer's whole step; the engine asleep holds its context)
 and the generation phase (the engine's budget beside what the trainer keeps: its weights and
@@ -208,6 +210,10 @@ def trainer_holding(config: Config, shape: Shape, rank: int, staging_on_gpu: boo
     if t.activation_checkpoint == "full":  # the block being recomputed holds its activations once
         activations += tokens * shape.activation_bytes_per_token_layer("none", cb)
     h.lines.append((f"activations ({t.activation_checkpoint} checkpointing, {tokens:.0f} tokens)", activations))
+    if t.compute_dtype == "float32":  # flash and cuDNN attention take half precision: SDPA falls back to its math kernel
+        kept_layers = 1 if t.activation_checkpoint == "full" else shape.layers
+        scores = tokens * min(m.max_seq_len, tokens * t.cp) * shape.heads / t.tp * 4 * 2 * kept_layers  # scores and softmax, per kept layer
+        h.lines.append(("attention scores (float32 compute: the math kernel)", scores))
     h.lines.append(("LM head chunk and hidden states", 3 * LOGIT_CHUNK * shape.vocab * 4 + tokens * t.cp * shape.dim * 4))
     if staging_on_gpu and rank == 0:
         h.lines += [("weight-sync staging (2 slots)", 2 * P * db), ("one gathered tensor", head * db)]
@@ -362,6 +368,10 @@ def _trainer_fix(config: Config, trainer: Holding, at: str, cap: float) -> tuple
     activations = sum(b for w, b in lines.items() if w.startswith("activations"))
     biggest = f"(weights, gradients and AdamW state {state / GiB:.1f} GiB, activations {activations / GiB:.1f} GiB)"
     t = config.trainer
+    scores = lines.get("attention scores (float32 compute: the math kernel)", 0.0)
+    if scores > max(state, activations):
+        return "trainer.compute_dtype", (f"{at}, {scores / GiB:.1f} GiB of it float32 attention scores (flash and cuDNN attention take "
+                                         "only half precision): set it to bfloat16 (or auto)")
     staging = lines.get("weight-sync staging (2 slots)", 0.0)
     if staging and trainer.total - staging <= HEADROOM * cap:  # fits but for the slots
         return "weight_sync.transport", (f"{at}: rank 0 stages two whole copies of the model ({staging / GiB:.1f} GiB) on its GPU for the "

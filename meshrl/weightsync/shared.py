@@ -34,6 +34,9 @@ def ipc_handle(flat: torch.Tensor) -> bytes:
     same GPU opens it with `open_ipc` (no copy). The buffer must outlive every reader."""
     from torch.multiprocessing.reductions import reduce_tensor
 
+    # Each handle keeps its buffer in torch's sent-data limbo until the reader lets go; a
+    # slot dropped since (new shapes, a device change) is freed only once collected here.
+    torch.cuda.ipc_collect()
     return pickle.dumps(reduce_tensor(flat))
 
 
