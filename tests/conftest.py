@@ -146,6 +146,47 @@ def child_process(target, *args):
             child.kill()
 
 
+def gloo_ranks(target, world: int, *args, timeout_s: float = 240) -> list:
+    """Run `target(rank, *args)` on `world` spawned processes joined in one gloo process group
+    on loopback; returns their results by rank (picklable, with no tensors: numpy instead).
+    A rank that raises makes this raise; every process is stopped on the way out."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(target, rank, world, port, args, out)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=timeout_s) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    failed = {rank: r for rank, r in results.items() if isinstance(r, BaseException)}
+    if failed:
+        raise RuntimeError(f"ranks failed: {failed}")
+    return [results[rank] for rank in range(world)]
+
+
+def _gloo_rank(target, rank: int, world: int, port: int, args: tuple, out) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo")
+    try:
+        out.put((rank, target(rank, *args)))
+    except BaseException as e:  # noqa: BLE001 - handed to the test
+        out.put((rank, RuntimeError(f"{type(e).__name__}: {e}"[:2000])))
+    finally:
+        dist.destroy_process_group()
+
+
 # ---- hand-made episode groups -----------------------------------------------------------------
 def make_group(gid: int, n: int, versions: list[int], prompt_len: int = 3, advantage: str = "grpo_no_std"):
     """A packed group of `n` single-turn episodes (group id `gid`, sample ids gid * 100 + i):

@@ -274,3 +274,36 @@ def test_float32_attention_on_gpus_is_refused_by_the_memory_plan(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.compute_dtype: .*float32 attention scores.*bfloat16"):
         check_memory(qwen3_config(tmp_path, "0.6B", launcher={"gpus_per_host": 1, "gpu_memory_gib": 80},
                                   trainer={"compute_dtype": "float32", "activation_checkpoint": "none"}))
+
+
+def _checkpoint_rank(rank: int, path: str):
+    import meshrl.trainer.policy as policy
+    from tests.test_trainer import CPU, make_batch
+
+    built_on = []
+    build = policy.build_model
+    policy.build_model = lambda cfg, device, **kw: built_on.append(str(device)) or build(cfg, device, **kw)
+    trainer = policy.PolicyTrainer(_checkpoint_config(path, procs=2), CPU, rank, 2)
+    row = trainer.train_step(make_batch(seed=0, version=0), current_version=0)
+    return built_on, row["loss"], row["grad_norm"], row["kl"]
+
+
+def _checkpoint_config(path: str, **trainer) -> Config:
+    return Config.from_dict({"model": {"path": path}, "trainer": {"loss": {"kl_coef": 0.05}, **trainer}})
+
+
+def test_a_checkpoint_is_sharded_before_it_is_materialised(tmp_path):
+    """On a trainer mesh a checkpoint's model (and its KL reference) is built on the meta
+    device, sharded, then materialised and loaded shard by shard, and trains as one whole
+    process loaded the usual way does."""
+    from meshrl.trainer.policy import PolicyTrainer
+    from tests.conftest import build_lora_base, gloo_ranks
+    from tests.test_trainer import CPU, make_batch
+
+    path = build_lora_base(tmp_path / "base", head_scale=1.0)
+    results = gloo_ranks(_checkpoint_rank, 2, path)
+    want = PolicyTrainer(_checkpoint_config(path), CPU).train_step(make_batch(seed=0, version=0), current_version=0)
+    for built_on, loss, grad_norm, kl in results:
+        assert built_on == ["meta", "meta"]  # the policy and the reference
+        assert loss == pytest.approx(want["loss"], abs=1e-6) and grad_norm == pytest.approx(want["grad_norm"], rel=1e-4)
+        assert kl == pytest.approx(want["kl"], abs=1e-7)

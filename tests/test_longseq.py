@@ -340,13 +340,10 @@ def _gathered_attention(attention_modules, cp_mesh):
         module.forward = forward
 
 
-def _cp_rank(rank: int, port: int, steps: int, out) -> None:
-    import torch.distributed as dist
-
+def _cp_rank(rank: int, steps: int):
     import torchtitan.models.qwen3.parallelize as qwen3_parallelize
     from meshrl.trainer import context_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
     qwen3_parallelize.apply_cp_to_forward = _gathered_attention
     shard = context_parallel.CPRows.__init__
 
@@ -354,18 +351,11 @@ def _cp_rank(rank: int, port: int, steps: int, out) -> None:
         shard(self, *args)
         _SHARD_POSITIONS.append(self.positions)
     context_parallel.CPRows.__init__ = recording
-    dist.init_process_group("gloo")
-    try:
-        trainer = PolicyTrainer(_cp_config(procs=2, cp=2), CPU, rank, 2)
-        rows = [trainer.train_step(make_batch(seed=s, version=s, turns=2)) for s in range(steps)]
-        grads = {n: p.grad.full_tensor().numpy() for n, p in trainer.model.named_parameters()}  # numpy: no fd passing
-        scores = trainer.compute_logprobs(make_batch(seed=7))[1].numpy()
-        out.put((rank, rows, grads if rank == 0 else None, scores))
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        out.put((rank, repr(e), None, None))
-        raise
-    finally:
-        dist.destroy_process_group()
+    trainer = PolicyTrainer(_cp_config(procs=2, cp=2), CPU, rank, 2)
+    rows = [trainer.train_step(make_batch(seed=s, version=s, turns=2)) for s in range(steps)]
+    grads = {n: p.grad.full_tensor().numpy() for n, p in trainer.model.named_parameters()}
+    scores = trainer.compute_logprobs(make_batch(seed=7))[1].numpy()
+    return rows, grads if rank == 0 else None, scores
 
 
 def _cp_config(**trainer) -> Config:
@@ -378,40 +368,22 @@ def test_context_parallel_rows_train_as_one_process():
     """trainer.cp=2 over 2 gloo procs: TorchTitan's CP mesh and FSDP over it, meshrl's sharded
     rows and gathered log-probs give one process's losses, gradients and scores (ring
     attention, GPU-only, stood in for by gathered keys and values)."""
-    import multiprocessing
+    from tests.conftest import gloo_ranks
 
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_cp_rank, args=(r, port, 2, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted((out.get(timeout=240) for _ in procs), key=lambda r: r[0])
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    for rank, rows, _, _ in results:
-        assert isinstance(rows, list), rows
+    results = gloo_ranks(_cp_rank, 2, 2)
     reference = PolicyTrainer(_cp_config(), CPU)
     want = [reference.train_step(make_batch(seed=s, version=s, turns=2)) for s in range(2)]
-    for got in (results[0][1], results[1][1]):
+    for got in (results[0][0], results[1][0]):
         for g, w in zip(got, want):
             assert g["tokens"] == w["tokens"]
             for key in ("loss", "grad_norm", "kl", "entropy", "mismatch", "kl_sampler"):
                 assert abs(g[key] - w[key]) <= 1e-5 * max(1.0, abs(w[key])), (key, g[key], w[key])
     for name, p in reference.model.named_parameters():
-        got = torch.from_numpy(results[0][2][name])
+        got = torch.from_numpy(results[0][1][name])
         assert float((got - p.grad).abs().max()) <= 1e-3 * float(p.grad.abs().max()) + 1e-9, name  # sums in another order
     batch = make_batch(seed=7)
     scores = reference.compute_logprobs(batch)[1]
-    for _, _, _, got in results:
+    for _, _, got in results:
         torch.testing.assert_close(torch.from_numpy(got)[batch["loss_mask"]], scores[batch["loss_mask"]], atol=1e-5, rtol=1e-5)
 
 

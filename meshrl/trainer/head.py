@@ -1,13 +1,16 @@
 """The LM head's logits in float32, whatever precision the rest of the model computes in.
 
 Log-probs feed every importance ratio, and rounding logits to bf16 moves them: on an H200,
-bf16 logits of a 151,936-token vocabulary (|logit| up to about 20) put the target token's
-log-prob off by 0.036 nats on average and 0.14 at most against float32 logits of the same
-bf16 operands (benchmarks/results/gpu_torch_checks.json, `lm_head_logits`). So the head
+bf16 logits of a 151,936-token vocabulary (|logit| up to about 44) put the target token's
+log-prob off by 0.037 nats on average and 0.15 at most against float32 logits of the same
+bf16 operands, where this head's float32 output is off by at most 0.0003
+(benchmarks/results/gpu_torch_checks.json, `lm_head_logits`). So the head
 never rounds its output: where FSDP2 hands it bf16 weights on a GPU its matmul accumulates
 into and returns float32 (`torch.mm(..., out_dtype=float32)`, a CUDA kernel); with float32
 weights (CPU, an unsharded proc) the caller runs it outside autocast on float32 inputs.
-Under tensor parallel each proc computes its shard of the vocabulary the same way.
+Under tensor parallel the head keeps TorchTitan's own forward (its DTensor input and
+vocabulary-sharded weight run through TorchTitan's redistribution, which this forward does
+not reproduce), and its logits stay in the weight's dtype: the one path not covered.
 """
 
 from __future__ import annotations
@@ -17,18 +20,14 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 
-def _float32_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    # TorchTitan's Linear.forward, but for the output's dtype: a DTensor weight (TP, inside
-    # TorchTitan's local region) computes on its local shard
-    w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
-    bias = self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias
-    if x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and bias is None:
-        flat = x.reshape(-1, x.shape[-1]).to(w.dtype)
-        return _Float32OutMM.apply(flat, w).view(*x.shape[:-1], w.shape[0])
-    return F.linear(x.to(w.dtype), w, bias)
+def _float32_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's argument name
+    w = self.weight
+    if input.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and self.bias is None:
+        flat = input.reshape(-1, input.shape[-1]).to(w.dtype)
+        return _Float32OutMM.apply(flat, w).view(*input.shape[:-1], w.shape[0])
+    return F.linear(input.to(w.dtype), w, self.bias)
 
 
 class _Float32OutMM(torch.autograd.Function):
@@ -51,8 +50,8 @@ class _Float32OutMM(torch.autograd.Function):
 
 
 def float32_logits(lm_head: nn.Module) -> None:
-    """Make `lm_head` (a bias-free nn.Linear) return float32 logits from half-precision
-    weights on GPU, in place; its parameters, hooks and state dict are unchanged."""
+    """Make `lm_head` (a bias-free nn.Linear, not tensor-parallel) return float32 logits from
+    half-precision weights on GPU, in place; its parameters, hooks and state dict are unchanged."""
     if isinstance(lm_head, nn.Linear):
         lm_head.forward = types.MethodType(_float32_forward, lm_head)
 

@@ -216,7 +216,8 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int 
         model.init_weights(buffer_device=torch.device(device))
     if lora is not None and lora.rank > 0:
         adapters.add_dropout(model, lora.dropout)
-    float32_logits(model.lm_head)  # log-probs from unrounded logits (meshrl/trainer/head.py)
+    if parallelism is None or parallelism.tensor_parallel_degree == 1:  # TP keeps TorchTitan's head (meshrl/trainer/head.py)
+        float32_logits(model.lm_head)  # log-probs from unrounded logits
     hf = hf_config_dict(cfg, **{k: v for k, v in hf_overrides.items() if k in ("tie", "rope_theta", "norm_eps") + DSV3_KEYS})
     return model, ModelSpecs(cfg.family, titan_config, adapter_cls, parallelize_fn, hf)
 

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from tensordict import TensorDict
 
 from meshrl.compat import titan_float32_islands_under_cpu_autocast, vllm_runs_lora_on
@@ -62,6 +63,20 @@ def micro_batch_plans(td: TensorDict, world: int, micro_batch_size: int, micro_b
     return [[rows[i * micro_batch_size:(i + 1) * micro_batch_size] for i in range(n)] for rows in (rank_rows(td, r, world) for r in range(world))]
 
 
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """A model built on the meta device and sharded: real (local) storage on `device`, its
+    buffers (RoPE tables) computed and its parameters initialised (a checkpoint's load
+    overwrites them; LoRA's adapters keep theirs)."""
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class PolicyTrainer:
     """One rank of the trainer: model (sharded when world > 1), AdamW, warm-up schedule, version."""
 
@@ -74,15 +89,22 @@ class PolicyTrainer:
             mcfg = hf_cfg
         self.model_config = mcfg
         self.parallelism = parallelism_config(tcfg, world_size)
-        self.model, self.specs = build_model(mcfg, device, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism,
+        # A checkpoint's model on a trainer mesh is built on the meta device, sharded, then
+        # materialised and loaded shard by shard (as TorchTitan's trainer does): no rank ever
+        # holds the whole model. A from-scratch model is built whole with the seed, so every
+        # rank and world size starts from the same weights.
+        on_meta = mcfg.path is not None and dist.is_initialized()
+        build_on = torch.device("meta") if on_meta else device
+        self.model, self.specs = build_model(mcfg, build_on, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism,
                                              lora=config.lora)
-        if mcfg.path is not None:
+        if mcfg.path is not None and not on_meta:
             ckpt.load_hf(self.model, self.specs, mcfg.path)
         self.ref_model = None
         if tcfg.loss.kl_coef > 0:  # frozen copy of the initial policy for the KL penalty
-            self.ref_model, _ = build_model(mcfg, device, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism,
+            self.ref_model, _ = build_model(mcfg, build_on, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism,
                                             lora=config.lora)
-            self.ref_model.load_state_dict(self.model.state_dict())
+            if not on_meta:
+                self.ref_model.load_state_dict(self.model.state_dict())
             self.ref_model.requires_grad_(False)
             self.ref_model.eval()  # a reference, not a policy in training (LoRA's dropout stays off)
         self.compute_dtype = compute_dtype(tcfg, device.type)
@@ -97,12 +119,22 @@ class PolicyTrainer:
 
             self.model, self.dims = parallelize(self.model, self.specs.parallelize_fn, self.parallelism, world_size, device.type,
                                                 self.compute_dtype, compile_cfg, ac_cfg)
+            if on_meta:
+                materialize(self.model, device, config.seed)
+                ckpt.load_hf(self.model, self.specs, mcfg.path)
             # losses are normalised by global token/sequence counts: ranks' gradients must
             # add up, not average (TorchTitan's own trainer does the same)
             disable_fsdp_gradient_division(self.model)
             if self.ref_model is not None:
                 self.ref_model, _ = parallelize(self.ref_model, self.specs.parallelize_fn, self.parallelism, world_size, device.type,
                                                 self.compute_dtype, compile_cfg)
+                if on_meta:  # the same shards as the policy's: copied locally
+                    materialize(self.ref_model, device, config.seed)
+                    with torch.no_grad():
+                        for mine, policy in zip(self.ref_model.parameters(), self.model.parameters()):
+                            _local(mine).copy_(_local(policy))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # what building and sharding freed goes back to the driver
         else:
             compile_unsharded(self.model, self.parallelism, compile_cfg, ac_cfg)
             if self.ref_model is not None:  # scored without grad: nothing to checkpoint
