@@ -307,3 +307,56 @@ def test_a_checkpoint_is_sharded_before_it_is_materialised(tmp_path):
         assert built_on == ["meta", "meta"]  # the policy and the reference
         assert loss == pytest.approx(want["loss"], abs=1e-6) and grad_norm == pytest.approx(want["grad_norm"], rel=1e-4)
         assert kl == pytest.approx(want["kl"], abs=1e-7)
+
+
+def test_a_replica_that_missed_a_version_never_generates_again():
+    """A replica whose weight update failed, and whose replacement failed too, leaves the pool
+    at once (asleep at level 2 it would otherwise wake on dropped weights under its old
+    version); the next health check spawns the replica that is missing."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from meshrl.controller.replicas import GeneratorPool
+
+    class Replica:
+        def __init__(self, index, broken=False):
+            self.index, self.broken, self.stopped, self.synced = index, broken, False, []
+
+            async def sync(version):
+                if self.broken:
+                    raise RuntimeError("the transfer broke")
+                self.synced.append(version)
+            self.actor = SimpleNamespace(sync_weights=SimpleNamespace(call_one=sync))
+
+        async def stop(self):
+            self.stopped = True
+
+        def on_this_host(self):
+            return True
+
+        def alive(self):
+            return not self.stopped
+
+    changes = []
+
+    async def on_change():
+        changes.append(1)
+
+    config = Config.from_dict({"generator": {"replicas": 2}})
+    pool = GeneratorPool(config, SimpleNamespace(plan=plan_devices(config)), "unused", 0, on_change=on_change)
+    good, bad = Replica(0), Replica(1, broken=True)
+    pool.replicas = [good, bad]
+    spawned = []
+
+    async def spawn(index):
+        if not spawned:
+            spawned.append(None)
+            raise RuntimeError("no GPU free yet")
+        fresh = Replica(index)
+        spawned.append(fresh)
+        return fresh
+    pool.spawn = spawn
+    asyncio.run(pool.update(3))
+    assert pool.replicas == [good] and bad.stopped and good.synced == [3] and changes
+    asyncio.run(pool.check(3))
+    assert [r.index for r in pool.replicas] == [0, 1] and pool.replicas[1] is spawned[1] and spawned[1].synced == [3]

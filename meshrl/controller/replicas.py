@@ -159,7 +159,12 @@ class GeneratorPool:
                 try:
                     await self.replace(r, e, version)
                 except Exception as failed:  # noqa: BLE001 - the next health check tries again
-                    log.warning("generator replica %d could not be replaced yet: %s", r.index, str(failed)[:200])
+                    # Out of the pool until then: a replica that missed a version must never
+                    # generate again (asleep at level 2 it would wake on dropped weights under
+                    # its old version).
+                    await self._drop(r)
+                    log.warning("generator replica %d could not be replaced yet (%s); the health check spawns another",
+                                r.index, str(failed)[:200])
 
         await asyncio.gather(*(one(r) for r in list(self.replicas)))
 
@@ -195,9 +200,27 @@ class GeneratorPool:
             self.replaced += 1
             log.warning("%s replica %d replaced", self._role, replica.index)
 
+    async def _drop(self, replica: Member) -> None:
+        async with self._lock:
+            if replica in self.replicas:
+                self.replicas.remove(replica)
+                await replica.stop()
+                await self.on_change()  # the workers stop sending it turns
+
     async def check(self, version: int) -> None:
-        """Replace any replica whose proc is gone. One on this host is checked by its pid
-        (asking it would wait behind the weight update it is applying); others are asked."""
+        """Replace any replica whose proc is gone, and spawn the ones an earlier failure left
+        missing. One on this host is checked by its pid (asking it would wait behind the
+        weight update it is applying); others are asked."""
+        want = 1 if self.teacher else self.config.generator.replicas
+        while len(self.replicas) < want:
+            index = min(set(range(want)) - {r.index for r in self.replicas})
+            fresh = await self.spawn(index)
+            if not self.teacher:
+                await asyncio.wait_for(awaited(fresh.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
+            async with self._lock:
+                self.replicas = sorted(self.replicas + [fresh], key=lambda r: r.index)
+            await self.on_change()
+            self.replaced += 1
         for r in list(self.replicas):
             if r.on_this_host():
                 if not r.alive():
