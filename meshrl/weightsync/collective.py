@@ -157,7 +157,11 @@ class CollectiveReceiver:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop receiving now: a broadcast the thread waits in is aborted (NCCL), so the buffer
+        it holds goes back at once rather than when the wait times out (a reconnect's new
+        receiver would otherwise find one buffer fewer)."""
         self._stop.set()
+        close_group(self.pg)
 
     def _run(self) -> None:
         try:
@@ -194,7 +198,8 @@ class CollectiveReceiver:
             except Exception as e:  # noqa: BLE001
                 if flat is not None:
                     self.buffers.give_back(flat)
-                self._fail(e)
+                if not self._stop.is_set():  # closed: the abort ended the wait, nothing failed
+                    self._fail(e)
                 return
 
     def _fail(self, e: BaseException) -> None:
