@@ -145,7 +145,7 @@ class RLLoop:
         self.tokenizer_dir = c.model.tokenizer or c.model.path or build_char_tokenizer(os.path.join(self.run_dir, "tokenizer"))
         self.alloc = await allocate(c).__aenter__()
         # colocated on GPUs: the trainer frees memory (and AdamW's state where the memory plan says) before the engines wake
-        memory = plan_memory(c) if self.alloc.plan.layout == "colocated" else None
+        memory = plan_memory(c, plan=self.alloc.plan) if self.alloc.plan.layout == "colocated" else None
         self._offload_optimizer = memory is not None and memory.offload_optimizer or c.trainer.offload_optimizer == "always"
 
         # The coordinator proc holds the episode queue; each rollout worker has a proc of its own.

@@ -257,12 +257,13 @@ def gpu_capacity(config: Config) -> float:
     return float(nvml_gpu_memory() or 0)
 
 
-def plan_memory(config: Config, capacity: float | None = None) -> MemoryPlan | None:
-    """The memory plan of `config`'s device plan; None on a CPU plan, or when the GPUs' size
-    is unknown (no GPU here and `launcher.gpu_memory_gib` unset)."""
+def plan_memory(config: Config, capacity: float | None = None, plan=None) -> MemoryPlan | None:
+    """The memory plan of `config`'s device plan (`plan`: the allocation's, else worked out
+    here); None on a CPU plan, or when the GPUs' size is unknown (no GPU here and
+    `launcher.gpu_memory_gib` unset)."""
     from meshrl.launch.devices import plan_devices, resolve_transport, weights_on_gpu
 
-    plan = plan_devices(config)
+    plan = plan or plan_devices(config)
     capacity = gpu_capacity(config) if capacity is None else capacity
     if plan.layout == "cpu" or capacity <= 0:
         return None
