@@ -146,45 +146,60 @@ def child_process(target, *args):
             child.kill()
 
 
+GLOO_RANK = """
+import importlib, os, pickle, sys, traceback
+import torch.distributed as dist
+module, name, rank, world, port, args, out = pickle.loads(bytes.fromhex(sys.argv[1]))
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+dist.init_process_group("gloo")
+try:
+    result = getattr(importlib.import_module(module), name)(rank, *args)
+except BaseException:
+    result = RuntimeError(traceback.format_exc()[-3000:])
+finally:
+    dist.destroy_process_group()
+with open(out, "wb") as f:
+    pickle.dump(result, f)
+"""
+
+
 def gloo_ranks(target, world: int, *args, timeout_s: float = 240) -> list:
-    """Run `target(rank, *args)` on `world` spawned processes joined in one gloo process group
-    on loopback; returns their results by rank (picklable, with no tensors: numpy instead).
-    A rank that raises makes this raise; every process is stopped on the way out."""
-    import multiprocessing
+    """Run `target(rank, *args)` (a module-level function) on `world` fresh interpreters joined
+    in one gloo process group on loopback; returns their results by rank (picklable, with no
+    tensors: numpy instead). A rank that raises makes this raise. Plain subprocesses, not
+    multiprocessing: its resource tracker would outlive the test as a child of pytest."""
+    import pickle
     import socket
+    import subprocess
+    import sys
+    import tempfile
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_rank, args=(target, rank, world, port, args, out)) for rank in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=timeout_s) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    failed = {rank: r for rank, r in results.items() if isinstance(r, BaseException)}
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
+        procs = [subprocess.Popen([sys.executable, "-c", GLOO_RANK,
+                                   pickle.dumps((target.__module__, target.__name__, r, world, port, args, outs[r])).hex()])
+                 for r in range(world)]
+        try:
+            for p in procs:
+                p.wait(timeout_s)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(30)
+        results = []
+        for r, path in enumerate(outs):
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} exited with {procs[r].returncode} and no result")
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+    failed = {rank: r for rank, r in enumerate(results) if isinstance(r, BaseException)}
     if failed:
         raise RuntimeError(f"ranks failed: {failed}")
-    return [results[rank] for rank in range(world)]
-
-
-def _gloo_rank(target, rank: int, world: int, port: int, args: tuple, out) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo")
-    try:
-        out.put((rank, target(rank, *args)))
-    except BaseException as e:  # noqa: BLE001 - handed to the test
-        out.put((rank, RuntimeError(f"{type(e).__name__}: {e}"[:2000])))
-    finally:
-        dist.destroy_process_group()
+    return results
 
 
 # ---- hand-made episode groups -----------------------------------------------------------------
