@@ -34,7 +34,7 @@ def nvml_gpu_memory() -> int | None:
     if not cuda_present():
         return None
     try:
-        import pynvml  # nvidia-ml-py, installed with torch's CUDA builds
+        import pynvml  # nvidia-ml-py: vLLM depends on it
 
         pynvml.nvmlInit()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"

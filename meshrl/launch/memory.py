@@ -90,13 +90,15 @@ class Shape:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
 
-def model_shape(config: Config) -> Shape:
-    """The policy's Shape: the checkpoint's config.json where `model.path` is set."""
+def model_shape(config: Config, path: str | None = None) -> Shape:
+    """The policy's Shape: the checkpoint's config.json where `model.path` is set; `path`:
+    another checkpoint's (a distillation teacher's)."""
     m, head_dim, tied = config.model, None, False
-    if m.path is not None:
+    path = path or m.path
+    if path is not None:
         from meshrl.trainer.model import model_args_from_hf
 
-        m, overrides = model_args_from_hf(m.path)
+        m, overrides = model_args_from_hf(path)
         head_dim, tied = overrides.get("head_dim"), overrides.get("tie", False)
     return Shape(vocab=m.vocab_size, dim=m.dim, layers=m.n_layers, heads=m.n_heads, kv_heads=m.n_kv_heads,
                  head_dim=head_dim or m.dim // m.n_heads, ffn=m.ffn_dim, tied=tied,
@@ -214,7 +216,7 @@ def trainer_holding(config: Config, shape: Shape, rank: int, staging_on_gpu: boo
         kept_layers = 1 if t.activation_checkpoint == "full" else shape.layers
         scores = tokens * min(m.max_seq_len, tokens * t.cp) * shape.heads / t.tp * 4 * 2 * kept_layers  # scores and softmax, per kept layer
         h.lines.append(("attention scores (float32 compute: the math kernel)", scores))
-    h.lines.append(("LM head chunk and hidden states", 3 * LOGIT_CHUNK * shape.vocab * 4 + tokens * t.cp * shape.dim * 4))
+    h.lines.append(("LM head chunk and hidden states", 3 * LOGIT_CHUNK * shape.vocab * 4 + tokens * shape.dim * 4))
     if staging_on_gpu and rank == 0:
         h.lines += [("weight-sync staging (2 slots)", 2 * P * db), ("one gathered tensor", head * db)]
     h.lines.append(("CUDA context", CUDA_CONTEXT))
@@ -268,6 +270,7 @@ def plan_memory(config: Config, capacity: float | None = None, plan=None) -> Mem
     if plan.layout == "cpu" or capacity <= 0:
         return None
     shape = model_shape(config)
+    teacher = model_shape(config, config.distill.teacher) if config.distill.teacher else shape
     transport = resolve_transport(config)
     staging_on_gpu = weights_on_gpu(plan, transport)
     receive_on_gpu = transport == "collective" and staging_on_gpu
@@ -276,7 +279,8 @@ def plan_memory(config: Config, capacity: float | None = None, plan=None) -> Mem
         for gpu in slot.gpus:
             where = (slot.mesh, slot.host, gpu)
             holding = (trainer_holding(config, shape, slot.index, staging_on_gpu) if slot.role == "trainer"
-                       else generator_holding(config, shape, slot.role, slot.index, capacity, receive_on_gpu))
+                       else generator_holding(config, teacher if slot.role == "teacher" else shape, slot.role, slot.index, capacity,
+                                              receive_on_gpu and slot.role != "teacher"))  # a teacher's weights never change
             gpus.setdefault(where, GPUPlan(where)).holdings.append(holding)
     out = MemoryPlan(capacity, list(gpus.values()), host_ram(config, shape, plan), False, [])
     colocated = [g for g in out.gpus if g.colocated]
