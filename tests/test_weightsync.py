@@ -148,6 +148,36 @@ def test_staging_lease_on_a_version_being_copied_follows_the_copy():
             assert errors and pool.latest.version == 1 and pool.acquire(2) is None
 
 
+def test_a_streamed_version_is_copied_as_it_arrives_and_a_changed_one_is_not_published(caplog):
+    """publish(stream=True): after the first version (laid out from its tensors) each tensor is
+    copied into the slot as the iterator yields it; a version whose tensors left the layout
+    (one more here) is walked to its end (the gathers are collective), not published, and
+    the next version is laid out afresh."""
+    publisher = Publisher(WeightSyncConfig(transport="rdma"))
+    base = model_tensors()
+    alive = []
+
+    def gathered(version, extra=False):  # what the trainer's gather yields, one tensor at a time
+        for name, t in version_tensors(base, version) + ([("extra.weight", torch.ones(3))] if extra else []):
+            alive.append(name)
+            yield name, t
+
+    try:
+        publisher.publish(1, gathered(1), stream=True)
+        publisher.publish(2, gathered(2), stream=True)
+        slot = publisher.pool.latest
+        assert slot.version == 2 and checksum(unpack(slot.flat, publisher.layout)) == checksum(version_tensors(base, 2))
+        alive.clear()
+        with caplog.at_level("WARNING"):
+            publisher.publish(3, gathered(3, extra=True), stream=True)
+        assert publisher.latest_version == 2 and "version 3 was not published" in caplog.text
+        assert alive[-1] == "extra.weight"  # walked to its end
+        publisher.publish(4, gathered(4, extra=True), stream=True)
+        assert publisher.latest_version == 4 and "extra.weight" in unpack(publisher.pool.latest.flat, publisher.layout)
+    finally:
+        publisher.close()
+
+
 def test_receive_buffers_shared_memory_and_handout():
     named = model_tensors()
     bufs, a, views = fetched_into_shared_buffer(named)

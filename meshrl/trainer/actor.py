@@ -111,7 +111,7 @@ class TrainerActor(Actor):
         # Gathering full tensors is collective: every rank walks the iterator to its end.
         named = trainer.sync_state_dict(getattr(torch, trainer.config.model.dtype))
         if trainer.rank == 0 and self.publisher is not None:
-            copy_s = self.publisher.publish(trainer.step, named)
+            copy_s = self.publisher.publish(trainer.step, named, stream=True)  # the same names and shapes every version
         else:
             copy_s = 0.0
             for _ in named:

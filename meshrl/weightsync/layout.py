@@ -130,6 +130,7 @@ def pack(flat: torch.Tensor, layout: Layout, named: Iterable[tuple[str, torch.Te
     host_starts = []  # offset of each host tensor in `flat`
     count = 0
     device_copies = False
+    named = iter(named)
     for meta, (name, t) in zip(layout.tensors, named):
         if name != meta.name or tuple(t.shape) != meta.shape or str(t.dtype).removeprefix("torch.") != meta.dtype:
             raise ValueError(f"tensor {name} {tuple(t.shape)} {t.dtype} does not match the layout entry {meta}")
@@ -149,6 +150,9 @@ def pack(flat: torch.Tensor, layout: Layout, named: Iterable[tuple[str, torch.Te
         count += 1
     if count != len(layout.tensors):
         raise ValueError(f"got {count} tensors, the layout has {len(layout.tensors)}")
+    extra = next(named, None)
+    if extra is not None:
+        raise ValueError(f"got tensor {extra[0]} beyond the layout's {len(layout.tensors)}")
     if device_copies:
         # this stream's copies only: a device-wide synchronize would also wait for a broadcast
         # that NCCL runs on its own stream from another slot

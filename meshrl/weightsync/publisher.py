@@ -48,22 +48,29 @@ class Publisher:
         # calls never queue behind the trainer actor's own (long) endpoints.
         self.handle = this_proc().spawn(f"weightsync_publisher_{self.key}", PublisherAgent, self.key)
 
-    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], stream: bool = False) -> float:
         """Copy the full HF-named tensors into a staging slot and make `version` available.
         Returns the seconds spent copying (the only synchronous part). Never raises for a
-        transport failure (training goes on; see `check` and WeightSync.status)."""
+        transport failure (training goes on; see `check` and WeightSync.status).
+
+        `stream`: the caller's tensors keep the names, shapes and dtypes of its previous
+        version (the trainer's do, for a whole run). Each is then copied into the slot as it
+        arrives and dropped, so a GPU trainer holds one gathered tensor at a time beside the
+        slots, never the whole model again; a version that breaks the promise is not
+        published (one warning) and the next is laid out afresh. Without it, the tensors
+        are collected first and laid out anew whenever they change."""
         t0 = time.perf_counter()
-        if self.layout is None:  # the first version: its layout comes from the tensors themselves
+        if not stream or self.layout is None:
             named = list(named_tensors)
-            self.layout = plan_layout(named, self.cfg.bucket_mb << 20)
+            layout = plan_layout(named, self.cfg.bucket_mb << 20)
+            if self.layout is None or layout.layout_id != self.layout.layout_id:
+                self.layout = layout  # new metadata: subscribers receive it with the next version
             self.pool.publish(version, self.layout, named)
             return time.perf_counter() - t0
-        # Later versions stream into the slot: each gathered full tensor is copied and dropped,
-        # so the trainer's GPU holds one at a time beside the slots, never the whole model again.
         named = iter(named_tensors)
         try:
             self.pool.publish(version, self.layout, named)
-        except ValueError as e:  # the tensors no longer match the layout: the next version re-plans it
+        except ValueError as e:  # the tensors no longer match the layout
             for _ in named:  # the gathers are collective: walk them to the end with the other ranks
                 pass
             self.layout = None
