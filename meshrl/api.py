@@ -104,6 +104,10 @@ class Session:
             future.cancel()
             raise
 
+    def _trainer_bound(self) -> float:
+        """How long a trainer call (checkpoint, export) may take: the trainer's own bound."""
+        return self.config.trainer.collective_timeout_s + 60
+
     def _step_bound(self) -> float:
         """How long one step may take: the batch's wait, the trainer's call (bounded by
         trainer.collective_timeout_s), a checkpoint after it and the rest."""
@@ -207,10 +211,10 @@ class Session:
 
     def export(self, path: str) -> str:
         """Write the current policy as a Hugging Face checkpoint directory; returns its path."""
-        return self._call(self._need().export_to(path), self.config.trainer.collective_timeout_s + 60)
+        return self._call(self._need().export_to(path), self._trainer_bound())
 
     def checkpoint(self) -> str:
-        return self._call(self._need().checkpoint(), self.config.trainer.collective_timeout_s + 60)
+        return self._call(self._need().checkpoint(), self._trainer_bound())
 
     def save_on_interrupt(self, timeout_s: float) -> str | None:
         """After Ctrl-C or SIGTERM: let the interrupted step finish if it can within half of
@@ -244,8 +248,8 @@ class Session:
         from meshrl.controller.evaluation import eval_timeout_s
 
         self._call(loop.finish_evaluation(), eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
-        ckpt = self._call(loop.checkpoint(), self.config.trainer.collective_timeout_s + 60)
-        hf = self._call(loop.export(), self.config.trainer.collective_timeout_s + 60)
+        ckpt = self._call(loop.checkpoint(), self._trainer_bound())
+        hf = self._call(loop.export(), self._trainer_bound())
         png = plot_run(loop.run_dir) if self.config.logging.plot and loop.history else None
         return RunResult(loop.run_dir, list(loop.history), ckpt, hf, png)
 

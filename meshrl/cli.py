@@ -57,16 +57,16 @@ def _cmd_config_show(ns: argparse.Namespace) -> int:
 
 def _cmd_config_plan(ns: argparse.Namespace) -> int:
     from meshrl.launch.devices import plan_devices
-
     from meshrl.launch.memory import plan_memory
 
     config = load_config(ns.args)
     check(config)
-    print(plan_devices(config).table(), end="")
-    memory = plan_memory(config)
+    devices = plan_devices(config)
+    print(devices.table(), end="")
+    memory = plan_memory(config, plan=devices)
     if memory is not None:
         print(memory.table(), end="")
-    elif plan_devices(config).layout != "cpu":
+    elif devices.layout != "cpu":
         print("memory plan: set launcher.gpu_memory_gib (the GPUs' memory) to see what each proc will hold")
     return 0
 

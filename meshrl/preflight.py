@@ -116,7 +116,7 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
     user's data, env and reward (`reward_fn`: one passed in code) on a real record. Run
     before any mesh starts; raises ConfigError naming the field and the fix."""
     check(c)
-    plan_devices(c)  # every proc gets GPUs of its own, or one line saying which field to change
+    plan = plan_devices(c)  # every proc gets GPUs of its own, or one line saying which field to change
     if reward_fn is not None:
         _check_reward_signature(reward_fn, "reward_fn")
     run_dir = os.path.abspath(c.logging.run_dir)
@@ -153,16 +153,16 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
         family = m.family
     if c.trainer.cp > 1 and family in MOE_FAMILIES:
         raise ConfigError("trainer.cp", f"context parallel is built for the dense families (qwen3, llama), and the policy is {family}: set trainer.cp=1")
-    if c.trainer.cp > 1 and not plan_devices(c).slot("trainer", 0).gpus:
+    if c.trainer.cp > 1 and not plan.slot("trainer", 0).gpus:
         raise ConfigError("trainer.cp", "context parallel is TorchTitan's ring attention, whose kernels are CUDA's (flash, efficient or cuDNN "
                                         "attention), and this trainer runs on CPU: set trainer.cp=1 (on CPU, trainer.activation_checkpoint=full "
                                         "holds long rows)")
     if c.trainer.tp > 1 and family in MOE_FAMILIES:
         raise ConfigError("trainer.tp", f"tensor parallel is built for the dense families (qwen3, llama), and the policy is {family}: use trainer.ep for experts, or tp=1")
-    if family == "deepseek_v3" and m.dtype == "float32" and plan_devices(c).layout != "cpu":
+    if family == "deepseek_v3" and m.dtype == "float32" and plan.layout != "cpu":
         raise ConfigError("model.dtype", "deepseek_v3 generators on GPU run vLLM's MLA attention, whose CUDA backends take only "
                                          "float16 or bfloat16: set model.dtype=bfloat16")
-    check_memory(c)  # what every proc will hold on its GPU fits it, or one line naming the field to change
+    check_memory(c, plan)  # what every proc will hold on its GPU fits it, or one line naming the field to change
     if c.generator.return_routed_experts and family not in MOE_FAMILIES:
         raise ConfigError("generator.return_routed_experts", f"routed experts exist only in MoE models, and the policy is {family}: set it false")
     tokenizer_dir, field_path = (m.tokenizer, "model.tokenizer") if m.tokenizer else (m.path, "model.path")

@@ -71,23 +71,22 @@ def validate(c: Config) -> None:
     need(t.procs % dp == 0, "trainer.procs", f"{t.procs} procs are not divisible by trainer.dp_shard={dp}: make procs a multiple of dp_shard")
     need(t.procs % t.ep == 0, "trainer.procs", f"{t.procs} procs are not divisible by trainer.ep={t.ep}: make procs a multiple of ep")
     need(t.tp >= 1, "trainer.tp", f"must be at least 1, got {t.tp}")
+    need(t.cp >= 1, "trainer.cp", f"must be at least 1, got {t.cp}")
+    together = t.tp * t.cp  # procs that train the same rows: data parallel runs over procs / together
+    if together > 1:
+        need(t.procs % together == 0, "trainer.procs", f"{t.procs} procs are not divisible by trainer.tp x trainer.cp = {t.tp} x {t.cp}: make procs a multiple of it")
+        dp = t.procs // together if t.dp_shard == -1 else t.dp_shard
+        need((t.procs // together) % dp == 0, "trainer.dp_shard", f"{dp} does not divide the {t.procs // together} data-parallel procs left after trainer.tp x trainer.cp = {t.tp} x {t.cp}")
     if t.tp > 1:
-        need(t.procs % t.tp == 0, "trainer.procs", f"{t.procs} procs are not divisible by trainer.tp={t.tp}: make procs a multiple of tp")
         need(not m.moe and m.family != "deepseek_v3", "trainer.tp", f"tensor parallel is built for the dense families (qwen3, llama), not {m.family!r}: use trainer.ep for experts, or tp=1")
         need(c.lora.rank == 0, "trainer.tp", "LoRA adapters are not tensor-parallel: set trainer.tp=1 with lora.rank > 0")
         need(m.path is not None or m.n_heads % t.tp == 0 and m.n_kv_heads % t.tp == 0, "trainer.tp",  # a checkpoint's: at preflight
              f"{t.tp} must divide model.n_heads={m.n_heads} and model.n_kv_heads={m.n_kv_heads} (each proc holds whole heads): pick a divisor")
-        dp = t.procs // t.tp if t.dp_shard == -1 else t.dp_shard
-        need((t.procs // t.tp) % dp == 0, "trainer.dp_shard", f"{dp} does not divide the {t.procs // t.tp} data-parallel procs left after trainer.tp={t.tp}")
-    need(t.cp >= 1, "trainer.cp", f"must be at least 1, got {t.cp}")
     if t.cp > 1:
-        need(t.procs % (t.tp * t.cp) == 0, "trainer.procs", f"{t.procs} procs are not divisible by trainer.tp x trainer.cp = {t.tp * t.cp}: make procs a multiple of it")
         need(not m.moe and m.family != "deepseek_v3", "trainer.cp", f"context parallel is built for the dense families (qwen3, llama), not {m.family!r}: set trainer.cp=1")
         need(c.lora.rank == 0, "trainer.cp", "LoRA adapters are not context-parallel here: set trainer.cp=1 with lora.rank > 0")
         need(t.micro_batch_tokens == 0, "trainer.cp", "context parallel splits one padded row's positions over procs, and its ring attention has no "
                                                       "mask to keep packed rows apart: set trainer.micro_batch_tokens=0, or trainer.cp=1")
-        dp = t.procs // (t.tp * t.cp) if t.dp_shard == -1 else t.dp_shard
-        need((t.procs // (t.tp * t.cp)) % dp == 0, "trainer.dp_shard", f"{dp} does not divide the {t.procs // (t.tp * t.cp)} data-parallel procs left after trainer.tp x trainer.cp = {t.tp * t.cp}")
     if t.ep > 1:
         need(m.moe, "trainer.ep", f"expert parallelism needs a MoE model.family, not {m.family!r}: set ep=1")
         need(m.num_experts % t.ep == 0, "trainer.ep", f"{t.ep} does not divide model.num_experts={m.num_experts}")

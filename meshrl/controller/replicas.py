@@ -212,15 +212,10 @@ class GeneratorPool:
         missing. One on this host is checked by its pid (asking it would wait behind the
         weight update it is applying); others are asked."""
         want = 1 if self.teacher else self.config.generator.replicas
-        while len(self.replicas) < want:
-            index = min(set(range(want)) - {r.index for r in self.replicas})
-            fresh = await self.spawn(index)
-            if not self.teacher:
-                await asyncio.wait_for(awaited(fresh.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
-            async with self._lock:
-                self.replicas = sorted(self.replicas + [fresh], key=lambda r: r.index)
-            await self.on_change()
-            self.replaced += 1
+        missing = want - len(self.replicas)
+        if missing > 0:
+            await self.scale(want, version)
+            self.replaced += missing
         for r in list(self.replicas):
             if r.on_this_host():
                 if not r.alive():
@@ -249,13 +244,13 @@ class GeneratorPool:
                     except Exception as e:  # noqa: BLE001 - it is stopped below either way
                         log.warning("generator replica %d did not shut down cleanly: %s", gone.index, str(e)[:200])
                     await gone.stop()
-                while len(self.replicas) < n:
-                    fresh = await self.spawn(max((r.index for r in self.replicas), default=-1) + 1)
-                    self.replicas.append(fresh)
+                while len(self.replicas) < n:  # the lowest index free: its GPUs are the plan's (a dropped replica's too)
+                    fresh = await self.spawn(min(set(range(n)) - {r.index for r in self.replicas}))
+                    self.replicas = sorted(self.replicas + [fresh], key=lambda r: r.index)
                     added.append(fresh)
             finally:
                 await self.on_change()  # the workers never keep a stopped replica
-            for r in added:
+            for r in added if not self.teacher else []:  # a teacher's weights never change
                 await asyncio.wait_for(awaited(r.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
 
     async def read_stats(self) -> list[tuple[Member, float, dict | None]]:

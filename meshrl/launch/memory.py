@@ -344,14 +344,15 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
         at = f"{mesh}[{host}] GPU {index} needs {gpu.peak / GiB:.1f} GiB of {cap / GiB:.0f} GiB"
         trainer = next((h for h in gpu.holdings if h.role == "trainer"), None)
         if gpu.colocated:
-            engines = sum(h.total for h in gpu.holdings if h.role != "trainer")
-            if trainer.total + CUDA_CONTEXT > HEADROOM * cap:
+            engines = [h for h in gpu.holdings if h.role != "trainer"]
+            if trainer.total + CUDA_CONTEXT * len(engines) > HEADROOM * cap:  # the engines asleep
                 out.append(_trainer_fix(config, trainer, at + " for the trainer's step alone", cap))
             else:
-                room = HEADROOM * cap - trainer.while_generating - (engines - g.gpu_memory_utilization * cap * len(gpu.holdings[1:]))
+                # what the engines' budgets may take beside the trainer's share and their own contexts
+                room = HEADROOM * cap - trainer.while_generating - sum(h.total - budget for h in engines)
                 out.append(("generator.gpu_memory_utilization",
                             f"{at} while the engines generate beside what the trainer keeps ({trainer.while_generating / GiB:.1f} GiB"
-                            + (", AdamW state offloaded" if plan.offload_optimizer else "") + f"): lower it to at most {max(room / cap / max(len(gpu.holdings) - 1, 1), 0):.2f}"
+                            + (", AdamW state offloaded" if plan.offload_optimizer else "") + f"): lower it to at most {max(room / cap / len(engines), 0):.2f}"
                             + ("" if plan.offload_optimizer else ", or set trainer.offload_optimizer=always")
                             + ", or give trainer and generators GPUs of their own (placement=split)"))
         elif trainer is not None:
@@ -389,9 +390,10 @@ def _trainer_fix(config: Config, trainer: Holding, at: str, cap: float) -> tuple
     return "trainer.procs", f"{at} {biggest}: shard them over more trainer procs (GPUs), or train LoRA adapters (lora.rank)"
 
 
-def check_memory(config: Config) -> MemoryPlan | None:
-    """Refuse, in one line naming the field, a GPU plan that cannot fit; the plan otherwise."""
-    plan = plan_memory(config)
+def check_memory(config: Config, devices=None) -> MemoryPlan | None:
+    """Refuse, in one line naming the field, a GPU plan that cannot fit; the plan otherwise.
+    `devices`: the device plan, where the caller has it."""
+    plan = plan_memory(config, plan=devices)
     if plan is not None and plan.problems:
         raise ConfigError(*plan.problems[0])
     return plan

@@ -76,7 +76,7 @@ def export_hf(model: nn.Module, specs: ModelSpecs, out_dir: str | os.PathLike, d
     rank0 = _rank() == 0
     tensors = {name: t.cpu() if rank0 else None for name, t in hf_state_dict(model, specs, dtype, merge_lora)}
     out_dir = os.path.abspath(out_dir)
-    if _rank() == 0:
+    if rank0:
         config = dict(specs.hf_config)
         if source_config is not None:
             with open(source_config) as f:

@@ -39,8 +39,9 @@ class _GatherPositions(torch.autograd.Function):
 
 
 class CPRows:
-    """One micro-batch's rows sharded over the `cp` mesh (`shard`), and its per-position
-    results put back in the batch's layout (`gather`)."""
+    """One micro-batch's rows sharded over the `cp` mesh (on construction: this proc's
+    tokens, positions, targets and scored flags), and its per-position results put back in
+    the batch's layout (`gather`)."""
 
     def __init__(self, cp_mesh, tokens: torch.Tensor, score_mask: torch.Tensor):
         from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer

@@ -28,7 +28,7 @@ class OptimizerOffload:
         moved = []
         for state in optimizer.state.values():
             for key, value in state.items():
-                local = getattr(value, "_local_tensor", value)  # a DTensor's shard owns the memory
+                local = _owner(value)
                 # only tensors that own their whole storage can give it back
                 if not torch.is_tensor(local) or not local.numel() or not include_cpu and local.device.type == "cpu" \
                         or local.storage_offset() or local.untyped_storage().nbytes() != local.numel() * local.element_size():
@@ -41,7 +41,7 @@ class OptimizerOffload:
         if moved and torch.cuda.is_available():
             torch.cuda.synchronize()  # every copy landed before its source goes
         for state, key, value, host in moved:
-            getattr(value, "_local_tensor", value).untyped_storage().resize_(0)
+            _owner(value).untyped_storage().resize_(0)
             state[key] = _like(value, host)
         self._moved, self.offloaded = moved, True
         return sum(h.numel() * h.element_size() for *_, h in moved)
@@ -51,13 +51,18 @@ class OptimizerOffload:
         if not self.offloaded:
             return
         for state, key, value, host in self._moved:
-            local = getattr(value, "_local_tensor", value)
+            local = _owner(value)
             local.untyped_storage().resize_(host.numel() * host.element_size())
             local.copy_(host, non_blocking=True)
             state[key] = value
         if self._moved and torch.cuda.is_available():
             torch.cuda.synchronize()
         self._moved, self.offloaded = [], False
+
+
+def _owner(value):
+    """The tensor that owns `value`'s memory: a DTensor's local shard, or the tensor itself."""
+    return getattr(value, "_local_tensor", value)
 
 
 def _like(value, local: torch.Tensor):

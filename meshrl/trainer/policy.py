@@ -73,8 +73,11 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
         model.init_weights(buffer_device=device)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded DTensor parameter; a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class PolicyTrainer:
@@ -132,7 +135,7 @@ class PolicyTrainer:
                     materialize(self.ref_model, device, config.seed)
                     with torch.no_grad():
                         for mine, policy in zip(self.ref_model.parameters(), self.model.parameters()):
-                            _local(mine).copy_(_local(policy))
+                            local_shard(mine).copy_(local_shard(policy))
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # what building and sharding freed goes back to the driver
         else:
@@ -396,16 +399,13 @@ class PolicyTrainer:
 
     def shard_info(self) -> dict[str, Any]:
         """Local vs full parameter counts (and routed experts held here, for MoE)."""
-        from torch.distributed.tensor import DTensor
-
-        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.model.parameters())
+        local = sum(local_shard(p).numel() for p in self.model.parameters())
         full = sum(p.numel() for p in self.model.parameters())
         info = {"rank": self.rank, "world": self.world, "local_params": local, "full_params": full, "pid": os.getpid()}
         if self.model_config.family in MOE_FAMILIES:
             for name, p in self.model.named_parameters():
                 if "experts" in name and name.endswith("w1_EFD"):
-                    local_p = p.to_local() if isinstance(p, DTensor) else p
-                    info["local_experts"] = int(local_p.shape[0])
+                    info["local_experts"] = int(local_shard(p).shape[0])
                     info["num_experts"] = int(p.shape[0])
                     info["expert_placements"] = str(getattr(p, "placements", None))
                     break

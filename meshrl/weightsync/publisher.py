@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import logging
+import os
 import time
 from typing import Iterable
 
