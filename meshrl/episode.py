@@ -85,6 +85,11 @@ class Episode:
     """Seconds spent in the env's reset and step calls."""
     failure: str | None = None
     """Why it failed, in one line (meshrl/errors.py), when finish_reason is `failed`."""
+    signals: dict[str, float] = field(default_factory=dict)
+    """scoring.scorers: each signal's raw score (and `env`, the env's reward), for the metrics."""
+    process: list[tuple[int, float]] = field(default_factory=list)
+    """Process rewards: (position of a step's last token, weighted step score); see
+    meshrl/scorers/process.py."""
 
     @property
     def token_ids(self) -> list[int]:

@@ -73,6 +73,9 @@ def check(c: Config) -> None:
         _check_reward_signature(import_callable(s.reward_fn), "scoring.reward_fn")
     if s.reward_model is not None:
         need(os.path.isdir(s.reward_model), "scoring.reward_model", f"directory {s.reward_model!r} not found: give a local checkpoint directory or null")
+        _check_scorer_checkpoint(need, "scoring.reward_model", s.reward_model, "reward_model")
+    for i, sc in enumerate(s.scorers):
+        _check_scorer_files(need, sc, f"scoring.scorers[{i}]")
 
     d = c.data
     _check_source(need, c, "data.source", d.source, d.task_args)
@@ -107,6 +110,50 @@ def check(c: Config) -> None:
         _check_env_maker(r.env, r.env_args)
     if r.tool_parser not in ("hermes", "compact"):
         _check_import(need, "rollout.tool_parser", r.tool_parser, "'hermes', 'compact' or a parser function")
+
+
+def _check_scorer_files(need, sc, path: str) -> None:
+    """A scorer's code and checkpoint: an importable function, a checkpoint with the right
+    head and a tokenizer, a judge template and parser that work on a probe."""
+    if sc.kind == "function":
+        _check_import(need, f"{path}.path", sc.path, "a reward function")
+        _check_reward_signature(import_callable(sc.path), f"{path}.path")
+    if sc.kind in ("reward_model", "judge"):
+        _check_scorer_checkpoint(need, f"{path}.path", sc.path, sc.kind)
+    if sc.kind == "judge":
+        from meshrl.scorers.backends import fill_template, load_parser, parse_reply
+
+        try:
+            fill_template(sc.template, {"prompt": "q", "response": "r", "answer": "a"})
+        except (KeyError, IndexError, ValueError) as e:
+            need(False, f"{path}.template", f"cannot be filled ({type(e).__name__}: {e}): use only {{prompt}}, {{response}} and {{answer}}, "
+                                            "and double other braces")
+        if sc.parser not in ("number", "yes_no"):
+            _check_import(need, f"{path}.parser", sc.parser, "'number', 'yes_no' or a parser function")
+        score = parse_reply(load_parser(sc.parser), sc.probe_reply, sc.scale, None)
+        need(isinstance(score, float), f"{path}.parser", f"{sc.parser!r} cannot read probe_reply={sc.probe_reply!r} as a number: "
+                                                         "fix the parser, or set probe_reply to a reply of your judge's format")
+
+
+def _check_scorer_checkpoint(need, field: str, path: str, kind: str) -> None:
+    """A local checkpoint of the kind's head (sequence classification with one label, or a
+    causal LM), with a tokenizer beside it."""
+    import json
+
+    config_file = os.path.join(path, "config.json")
+    need(os.path.isfile(config_file), field, f"{path!r} is not a Hugging Face checkpoint directory (no config.json): give a local checkpoint")
+    with open(config_file) as f:
+        hf = json.load(f)
+    arch = " ".join(hf.get("architectures") or [])
+    if kind == "reward_model":
+        labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
+        need("ForSequenceClassification" in arch and labels == 1, field,
+             f"{path!r} is {arch or 'no known architecture'} with {labels} label(s): a reward model is a sequence-classification "
+             "checkpoint with one label (AutoModelForSequenceClassification, num_labels=1)")
+    else:
+        need("ForCausalLM" in arch or "ForConditionalGeneration" in arch, field, f"{path!r} is {arch or 'no known architecture'}: a judge is a causal LM checkpoint")
+    need(any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")), field,
+         f"{path!r} has no tokenizer: save the scorer's tokenizer beside its weights (tokenizer.save_pretrained)")
 
 
 def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
@@ -201,7 +248,28 @@ def check_user_code(c: Config, reward_fn: RewardFn | None = None) -> None:
     elif c.contracts.probe and (reward_fn is not None or c.scoring.reward_fn is not None):
         fn, field = (reward_fn, "reward_fn") if reward_fn is not None else (import_callable(c.scoring.reward_fn), "scoring.reward_fn")
         _probe_reward(c, fn, field, record)
+    if c.contracts.probe:
+        for i, sc in enumerate(c.scoring.scorers):
+            if sc.kind == "function" and sc.process == "none":  # a process function needs an episode's steps
+                _probe_reward(c, import_callable(sc.path), f"scoring.scorers[{i}].path", record)
+            elif sc.kind == "remote":
+                _probe_remote(c, sc, f"scoring.scorers[{i}].url", record)
     _checked.add(key)
+
+
+def _probe_remote(c: Config, sc, field: str, record: dict) -> None:
+    """One request to a remote scorer: the first record, its answer as the response."""
+    from meshrl.scorers.backends import Failed, Remote
+
+    answer = record.get("answer")
+    response = answer if isinstance(answer, str) else ""
+    item = {"prompt": prompt_text(record["prompt"]), "messages": None, "response": response, "answer": response,
+            "sample": {k: v for k, v in record.items() if k != "prompt" and isinstance(v, (str, int, float, bool, type(None)))},
+            "steps": [response] if sc.process != "none" else None}
+    (result,) = _run_probe(lambda: Remote(sc).score([item]), sc.timeout_s + 10)
+    if isinstance(result, Failed):
+        raise ConfigError(field, f"{result.reason}, on the first record of {c.data.source}: start the server, fix the url, "
+                                 "or set contracts.probe=false", kind="contract error")
 
 
 def _first_record(c: Config) -> dict:

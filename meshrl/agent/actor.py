@@ -35,7 +35,7 @@ class RolloutWorkerActor(Actor):
         return self._worker
 
     @endpoint
-    async def start(self, queue, generators: list, teacher=None) -> dict:
+    async def start(self, queue, generators: list, teacher=None, scorers: dict | None = None) -> dict:
         """Start playing; returns {"host", "pids": [(pid, start time)]} of this proc (the
         controller watches it)."""
         import socket
@@ -44,6 +44,7 @@ class RolloutWorkerActor(Actor):
 
         self.worker.set_generators(generators)
         self.worker.teacher = teacher
+        self.worker.scorers.set_replicas(scorers or {})
         self.worker.start(queue)
         return {"host": socket.gethostname(), "pids": [(os.getpid(), psutil.Process().create_time())]}
 
@@ -54,6 +55,11 @@ class RolloutWorkerActor(Actor):
     @concurrent_endpoint
     async def set_teacher(self, teacher) -> None:
         self.worker.teacher = teacher
+
+    @concurrent_endpoint
+    async def set_scorers(self, scorers: dict) -> None:
+        """The scorer replicas, {scoring.scorers index: [actor, ...]} (after a replacement)."""
+        self.worker.scorers.set_replicas(scorers)
 
     @concurrent_endpoint
     async def evaluate(self, records: list[dict], version: int, k: int) -> list[dict]:

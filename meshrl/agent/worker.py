@@ -41,6 +41,8 @@ from meshrl.episode import Episode, Turn, assign_advantages, pack
 from meshrl.rollout.chat import ChatRenderer
 from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name
 from meshrl.agent.turns import GenerationFailed, TurnBatcher
+from meshrl.scorers.client import EpisodeScorers
+from meshrl.scorers.process import assign_process_advantages, process_tensors
 
 log = logging.getLogger("meshrl")
 
@@ -98,6 +100,7 @@ class RolloutWorker:
         self.make_eval_env = env_factory(eval_view(config), reward_fn) if config.eval.source else self.make_env
         self.turns = TurnBatcher(config)
         self.teacher = None  # on-policy distillation: the teacher's scoring replica (meshrl/distill.py)
+        self.scorers = EpisodeScorers(config, self.tokenizer)  # scoring.scorers (meshrl/scorers/)
         self._renderers: dict[str, ChatRenderer] = {}
         self._task: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
@@ -200,10 +203,17 @@ class RolloutWorker:
                 e.where = source_location(fn)
             raise
 
+    async def play_scored(self, group_id: int, sample_id: int, record: dict, version: int, replica: int) -> Episode:
+        """One training episode, scored by scoring.scorers as soon as it is played."""
+        ep = await self.play_episode(group_id, sample_id, record, version, replica)
+        if self.scorers:
+            await self.scorers.score(ep, record)
+        return ep
+
     async def play_group(self, claim) -> list[Episode]:
         n = self.config.generator.group_size
         replica = self.turns.acquire()
-        tasks = [asyncio.ensure_future(self.play_episode(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replica))
+        tasks = [asyncio.ensure_future(self.play_scored(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replica))
                  for i in range(n)]
         try:
             return list(await asyncio.gather(*tasks))
@@ -312,6 +322,7 @@ class RolloutWorker:
                 "reward": ep.reward, "success": float(ep.reward >= 1.0 and not failed), "failed": float(failed),
                 "response_len": float(sum(len(t.token_ids) for t in ep.model_turns)), "turns": float(len(ep.model_turns)),
                 "tool_calls": float(ep.tool_calls), "env_tokens": float(ep.env_tokens), "env_s": ep.env_s,
+                **{f"scoring/{k}": v for k, v in ep.signals.items()},
             })
 
     async def _packed(self, episodes: list[Episode]):
@@ -320,7 +331,7 @@ class RolloutWorker:
         (a failed score fails the call: the group is played again)."""
         loss = self.config.trainer.loss
         if self.teacher is None:
-            return assign_advantages(pack(episodes), loss.advantage)
+            return self._with_process(assign_advantages(pack(episodes), loss.advantage), episodes)
         scored = [ep for ep in episodes if ep.finish_reason != "failed"]
         timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
         scores = await asyncio.wait_for(awaited(self.teacher.score_many.call_one([ep.token_ids for ep in scored])), timeout) if scored else []
@@ -329,7 +340,15 @@ class RolloutWorker:
                 raise GenerationFailed(f"the teacher could not score episode {ep.sample_id}: {score}")
             attach_teacher_logprobs(ep, score)
         d = self.config.distill
-        return assign_distill_advantages(pack(episodes), d.kl_weight, d.reward_weight, loss.advantage)
+        return self._with_process(assign_distill_advantages(pack(episodes), d.kl_weight, d.reward_weight, loss.advantage), episodes)
+
+    def _with_process(self, group, episodes: list[Episode]):
+        """Under process scorers, the per-token advantages of meshrl/scorers/process.py."""
+        s = self.config.scoring
+        if not any(spec.process != "none" for spec in s.scorers):
+            return group
+        scores, ends = process_tensors(episodes, group["tokens"].shape[1])
+        return assign_process_advantages(group, scores, ends, s.process_weight, s.process_advantage)
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Stop claiming; groups in flight are dropped (the queue re-queues them on resume)."""
@@ -380,5 +399,25 @@ def summarize(windows: list[dict[str, float]], failed_total: float = 0.0, first_
         "episode/failed": sum(w["failed"] for w in windows),
         "episode/failed_total": failed_total,
         "episode/env_s": sum(w["env_s"] for w in windows),
+        **scoring_metrics(windows),
         **({"episode/first_failure": first_failure} if first_failure else {}),
     }
+
+
+def scoring_metrics(windows: list[dict[str, float]]) -> dict[str, float]:
+    """`scoring/NAME/mean` of each signal over the episodes it scored, the mean seconds its
+    requests queued, were scored and waited in all (`queue_s`, `score_s`, `wait_s`), and the
+    episodes it failed or could not parse (`failed`, `unparsable`, counts)."""
+    values: dict[str, list[float]] = {}
+    for w in windows:
+        for key, value in w.items():
+            if key.startswith("scoring/"):
+                values.setdefault(key, []).append(value)
+    row = {}
+    for key, vs in values.items():
+        name, _, what = key.removeprefix("scoring/").partition("/")
+        if what in ("failed", "unparsable"):
+            row[key] = float(sum(vs))
+        else:
+            row[f"scoring/{name}/{what or 'mean'}"] = sum(vs) / len(vs)
+    return row

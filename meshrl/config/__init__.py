@@ -26,6 +26,7 @@ from meshrl.config.sections import (
     ModelConfig,
     RolloutConfig,
     SandboxConfig,
+    ScorerConfig,
     ScoringConfig,
     TrainerConfig,
     WeightSyncConfig,

@@ -10,6 +10,8 @@ The first problem found is raised as one `ConfigError` naming the field and the 
 
 from __future__ import annotations
 
+import math
+
 import ipaddress
 import os
 import typing
@@ -163,6 +165,16 @@ def validate(c: Config) -> None:
     s = c.scoring
     need(s.timeout_s > 0, "scoring.timeout_s", f"must be positive, got {s.timeout_s}")
     need(not (s.reward_fn and s.reward_model), "scoring.reward_model", "set either scoring.reward_fn or scoring.reward_model, not both")
+    need(math.isfinite(s.env_weight), "scoring.env_weight", f"must be a finite number, got {s.env_weight}")
+    need(s.env_weight == 1.0 or s.scorers, "scoring.env_weight", f"is {s.env_weight:g}, and it weighs the env's reward against scoring.scorers, "
+                                                                  "of which there are none: add a scorer, or leave env_weight at 1")
+    need(math.isfinite(s.process_weight), "scoring.process_weight", f"must be a finite number, got {s.process_weight}")
+    for i, sc in enumerate(s.scorers):
+        _check_scorer(need, sc, f"scoring.scorers[{i}]")
+    if s.scorers:
+        names = s.scorer_names()
+        dup = sorted({n for n in names if names.count(n) > 1} | ({"env"} & set(names)))
+        need(not dup, "scoring.scorers", f"names {dup} are taken (by another scorer, or `env`, the env's reward): give each scorer its own `name`")
 
     k = c.contracts
     need(k.data_check_s >= 0, "contracts.data_check_s", f"must be at least 0 (0 = no check before the run), got {k.data_check_s}")
@@ -273,3 +285,25 @@ def _check_workers(need, c: Config) -> None:
     except ValueError:
         ok = False
     need(ok, "launcher.address", f"{la.address!r} must be an IP of this controller (not a wildcard or a name)")
+
+
+def _check_scorer(need, sc, path: str) -> None:
+    """One scoring.scorers entry's values (its files and code are checked at preflight)."""
+    if sc.kind in ("function", "reward_model", "judge"):
+        what = "an import path module:function" if sc.kind == "function" else "a local checkpoint directory"
+        need(bool(sc.path), f"{path}.path", f"a {sc.kind} scorer needs `path`: {what}")
+    if sc.kind == "remote":
+        need(bool(sc.url) and str(sc.url).startswith(("http://", "https://")), f"{path}.url",
+             f"a remote scorer needs `url`, an http:// or https:// address, got {sc.url!r}")
+    need(math.isfinite(sc.weight), f"{path}.weight", f"must be a finite number, got {sc.weight}")
+    need(sc.batch_size >= 1, f"{path}.batch_size", f"must be at least 1, got {sc.batch_size}")
+    need(sc.batch_wait_s >= 0, f"{path}.batch_wait_s", f"must be at least 0, got {sc.batch_wait_s}")
+    need(sc.timeout_s > 0, f"{path}.timeout_s", f"must be positive, got {sc.timeout_s}")
+    need(sc.retries >= 0, f"{path}.retries", f"must be at least 0, got {sc.retries}")
+    need(sc.replicas >= 1, f"{path}.replicas", f"must be at least 1, got {sc.replicas}")
+    need(sc.max_len >= 8, f"{path}.max_len", f"must be at least 8 tokens, got {sc.max_len}")
+    need(sc.max_new_tokens >= 1, f"{path}.max_new_tokens", f"must be at least 1, got {sc.max_new_tokens}")
+    need(sc.unparsable is None or math.isfinite(sc.unparsable), f"{path}.unparsable", f"must be a finite number or null, got {sc.unparsable}")
+    need(sc.kind != "judge" or sc.process == "none", f"{path}.process",
+         "a judge scores whole episodes: use process=none, or a reward model, function or remote server for step scores")
+    need(sc.process != "step" or bool(sc.step_delimiter), f"{path}.step_delimiter", "process=step needs a delimiter that ends a step, e.g. '\\n'")

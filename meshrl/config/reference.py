@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import inspect
 import textwrap
 import types
@@ -56,8 +57,12 @@ def reference_markdown() -> str:
             if dataclasses.is_dataclass(tp):
                 nested.append((tp, dotted(prefix, f.name)))
                 continue
+            item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+            if dataclasses.is_dataclass(item):  # a list of sections: its items' fields follow as `path[]`
+                nested.append((item, dotted(prefix, f.name) + "[]"))
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"| `{dotted(prefix, f.name)}` | {_show_type(tp)} | `{yaml.safe_dump(default).strip().removesuffix('...').strip()}` | {docs.get(f.name, '')} |")
+            shown = json.dumps(default) if isinstance(default, str) and "\n" in default else yaml.safe_dump(default).strip().removesuffix('...').strip()
+            lines.append(f"| `{dotted(prefix, f.name)}` | {_show_type(tp)} | `{shown}` | {docs.get(f.name, '')} |")
         lines.append("")
         for tp, path in nested:
             section(tp, path)
@@ -74,4 +79,6 @@ def _show_type(tp: Any) -> str:
         return " \\| ".join(_show_type(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
+    if origin is list:
+        return f"list of {_show_type(typing.get_args(tp)[0])}"
     return tp.__name__

@@ -268,6 +268,50 @@ class WeightSyncConfig:
 
 
 @dataclass
+class ScorerConfig:
+    """One scoring signal beside the env's reward (meshrl/scorers/, docs/scoring.md)."""
+
+    kind: Literal["function", "reward_model", "judge", "remote"] = "reward_model"
+    """`function`: a Python reward function, called in each rollout worker; `reward_model`: a Hugging Face sequence-classification checkpoint (one logit); `judge`: a vLLM engine on a causal-LM checkpoint, prompted with `template`, its reply read by `parser`; `remote`: a user's reward server over HTTP (POST of a JSON batch). Every kind but `function` runs on scorer procs of its own, shared by all rollout workers."""
+    name: str | None = None
+    """Name of the signal in the metrics (`scoring/NAME/...`). None: the kind, numbered when a kind appears twice."""
+    weight: float = 1.0
+    """The signal's weight in the trained reward: reward = scoring.env_weight x the env's reward + the sum of weight x score. 0: logged, not trained on."""
+    path: str | None = None
+    """`function`: import path `module:function` (prompt, response, sample) -> float, or a list of floats (one per step) with `process`; `reward_model` / `judge`: a local checkpoint directory (its own tokenizer and chat template)."""
+    url: str | None = None
+    """`remote`: the endpoint that takes `{"items": [{"prompt", "response", "sample"}, ...]}` and answers `{"scores": [...]}` (a number per item, or a list per item with `process`)."""
+    template: str = "Rate the answer to the question from 0 to 10.\nQuestion: {prompt}\nAnswer: {response}\nReference: {answer}\nReply with the score only.\nScore:"
+    """`judge`: the judge's prompt, a Python format string over `{prompt}`, `{response}` and `{answer}` (the record's reference, empty if none); sent as a user message through the judge's chat template when it has one."""
+    parser: str = "number"
+    """`judge`: reads the reply as a score. `number`: the first number in the reply; `yes_no`: 1 for a reply starting with yes, 0 for no; or an import path `module:function(text)` returning a number, or None for an unparsable reply."""
+    scale: float = 1.0
+    """`judge`: the parsed number is multiplied by this (0.1 maps a 0-10 rating to 0-1)."""
+    unparsable: float | None = 0.0
+    """`judge`: the score of a reply the parser cannot read; counted in `scoring/NAME/unparsable`. None: the episode fails instead (reward 0, out of the loss)."""
+    probe_reply: str = "7"
+    """`judge`: a reply the parser must read as a finite number at preflight (catches a parser that cannot parse its own judge's format)."""
+    max_new_tokens: int = 16
+    """`judge`: the reply's token budget (greedy decoding)."""
+    max_len: int = 1024
+    """`reward_model` / `judge`: the longest input in tokens; a longer one keeps its last max_len tokens."""
+    batch_size: int = 16
+    """Items scored together; requests from every rollout worker are batched up to this size."""
+    batch_wait_s: float = 0.05
+    """Longest a request waits for others to fill a batch: a batch is scored when it is full or its first request has waited this long."""
+    timeout_s: float = 60.0
+    """Longest one request (one episode's score, queueing included) may take; a remote call is retried within it."""
+    retries: int = 2
+    """`remote`: further tries after a failed HTTP call (with 0.5 s, 1 s, ... between them); a request still failing fails its episode and is counted in `scoring/NAME/failed`."""
+    replicas: int = 1
+    """Scorer procs of this signal (requests go to the least loaded); a dead one is replaced and its requests asked again. Ignored for `function`."""
+    process: Literal["none", "turn", "step"] = "none"
+    """Process reward: `turn` scores the episode after each model turn, `step` after each `step_delimiter` inside the model's text (a reward model scores each prefix; a function or remote server returns a list, one score per step). The step scores become per-token advantages (scoring.process_advantage); the outcome score is the last step's."""
+    step_delimiter: str = "\n"
+    """`process: step`: the text that ends a step (the response's end always ends the last)."""
+
+
+@dataclass
 class ScoringConfig:
     reward_fn: str | None = None
     """Import path `module:function` of a reward function (prompt, response, sample) -> float, sync or async. None: the task's built-in exact reward."""
@@ -275,6 +319,28 @@ class ScoringConfig:
     """Local checkpoint directory of a reward model scored behind the same interface. None: no reward model."""
     timeout_s: float = 30.0
     """Longest one reward call may take; a timeout or exception fails the episode (reward 0) and the run goes on."""
+    scorers: list[ScorerConfig] = field(default_factory=list)
+    """More signals, scored as each episode finishes (reward models, LLM judges, remote servers, functions): see ScorerConfig and docs/scoring.md. Each is logged as `scoring/NAME/mean`, with its time and queueing."""
+    env_weight: float = 1.0
+    """Weight of the env's reward (the task's verifier, scoring.reward_fn or reward_model, or rollout.env's rewards) in the trained reward. 0 with scorers: the env's reward is only logged (`scoring/env/mean`), so the run learns from the scorers alone."""
+    process_advantage: Literal["return", "step"] = "return"
+    """How step scores (a scorer with `process`) become per-token advantages. `return` (PRIME-style): each token gets the group advantage plus the sum of the group-centred step scores from its own step to the end; `step` (turn-level): each token gets the group advantage plus its own step's group-centred score."""
+    process_weight: float = 1.0
+    """Weight of the process term in the per-token advantage."""
+
+    def scorer_names(self) -> list[str]:
+        """Each scorer's name in the metrics: its `name`, else its kind (numbered from 1 when
+        the kind appears more than once)."""
+        kinds = [s.kind for s in self.scorers]
+        seen: dict[str, int] = {}
+        names = []
+        for spec in self.scorers:
+            if spec.name:
+                names.append(spec.name)
+                continue
+            seen[spec.kind] = seen.get(spec.kind, 0) + 1
+            names.append(spec.kind if kinds.count(spec.kind) == 1 else f"{spec.kind}-{seen[spec.kind]}")
+        return names
 
 
 @dataclass

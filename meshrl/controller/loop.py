@@ -27,7 +27,7 @@ import torch
 
 from meshrl.compat import awaited
 from meshrl.config import Config
-from meshrl.controller.replicas import GeneratorPool, WorkerPool
+from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool
 from meshrl.errors import one_line
 from meshrl.launch.allocation import allocate
 from meshrl.launch.devices import cpu_auto_placement, gpus_per_host, resolve_placement, resolve_transport, weights_on_gpu
@@ -37,6 +37,7 @@ from meshrl.metrics import MetricsWriter
 from meshrl.placement import auto_placement
 from meshrl.queue.actor import EpisodeQueueActor
 from meshrl.rollout.env import RewardFn
+from meshrl.scorers import ON_PROCS
 from meshrl.stability import CliffWatch
 from meshrl.tokenizer import build_char_tokenizer
 from meshrl.trainer.actor import spawn_trainer
@@ -82,6 +83,7 @@ class RLLoop:
         self.history: list[dict[str, float]] = []
         self.generators: GeneratorPool | None = None
         self.teacher: GeneratorPool | None = None
+        self.scorers: ScorerPool | None = None
         self.workers: WorkerPool | None = None
         self._update_task: asyncio.Task | None = None
         self._snapshot_task: asyncio.Task | None = None
@@ -172,7 +174,12 @@ class RLLoop:
             self.teacher = GeneratorPool(c, self.alloc, c.distill.teacher, 0, self._rewire_teacher, teacher=True)
             await self.teacher.start(1)
             teacher = self.teacher.handles()[0]
-        self.workers = WorkerPool(c, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn, teacher)
+        scorers = None
+        if any(s.kind in ON_PROCS for s in c.scoring.scorers):  # reward models, judges, remote clients: procs of their own
+            self.scorers = ScorerPool(c, self.alloc, self._rewire_scorers)
+            await self.scorers.start()
+            scorers = self.scorers.handles()
+        self.workers = WorkerPool(c, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn, teacher, scorers)
         await self.workers.start(self.generators.handles())
         if c.eval.every:
             from meshrl.data import eval_records
@@ -188,6 +195,10 @@ class RLLoop:
         await self.weight_sync.reconnect(subscribers=await self._subscribers())
         if self.workers is not None:
             await self.workers.set_generators(self.generators.handles())
+
+    async def _rewire_scorers(self) -> None:
+        if self.workers is not None:
+            await self.workers.set_scorers(self.scorers.handles())
 
     async def _rewire_teacher(self) -> None:
         if self.workers is not None:
@@ -388,6 +399,8 @@ class RLLoop:
         await self.generators.check(self.version)
         if self.teacher is not None:
             await self.teacher.check(0)
+        if self.scorers is not None:
+            await self.scorers.check()
         await self.workers.check(self.generators.handles())
 
     async def _watching(self, call: asyncio.Future):
@@ -442,6 +455,8 @@ class RLLoop:
             row["generator/version"] = float(min(versions))  # the oldest replica's weights, read after the previous step
         row["generator/tokens_per_s"] = tokens / max(seconds or wall, 1e-9)
         row["generator/replicas_replaced"] = float(self.generators.replaced)
+        if self.scorers is not None:
+            row["scoring/replicas_replaced"] = float(self.scorers.replaced)
         self.history.append({"step": self.version, **row})
         self.metrics.write(self.version, row)
         self._snapshot_task = asyncio.create_task(self.generators.read_stats())  # for the next step
@@ -568,7 +583,7 @@ class RLLoop:
                 await asyncio.wait_for(awaited(self.queue.close.call_one()), 30)
             except Exception:  # noqa: BLE001 - best effort; its proc is stopped below
                 pass
-        for pool in (self.generators, self.teacher):
+        for pool in (self.generators, self.teacher, self.scorers):
             if pool is not None:
                 await pool.shutdown()
         if getattr(self, "trainer", None) is not None:

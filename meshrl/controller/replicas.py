@@ -277,12 +277,90 @@ class GeneratorPool:
         self.replicas = []
 
 
+class ScorerPool:
+    """The scorer replicas of scoring.scorers (meshrl/scorers/): spawn, health checks,
+    replacement. Each replica has a proc of its own; a reward model or a judge holds the
+    GPUs the device plan gives role `scorer` at its index (none on CPU)."""
+
+    def __init__(self, config: Config, alloc, on_change: Callable[[], Awaitable[None]]):
+        from meshrl.scorers import ON_PROCS
+
+        self.config, self.alloc, self.on_change = config, alloc, on_change
+        self.names = config.scoring.scorer_names()
+        # (scorer index, replica) of every replica, in the order of the device plan's `scorer` slots
+        self.slots = [(i, r) for i, s in enumerate(config.scoring.scorers) if s.kind in ON_PROCS for r in range(s.replicas)]
+        self.members: dict[tuple[int, int], Member] = {}
+        self.replaced = 0
+        self._lock = asyncio.Lock()
+
+    def handles(self) -> dict[int, list]:
+        out: dict[int, list] = {}
+        for (i, _), m in sorted(self.members.items()):
+            out.setdefault(i, []).append(m.actor)
+        return out
+
+    async def spawn(self, slot: int) -> Member:
+        from meshrl.scorers.actor import ScorerActor
+
+        from meshrl.launch.devices import scorer_slots
+
+        index, replica = self.slots[slot]
+        if self.config.scoring.scorers[index].kind == "remote":  # a remote client holds no GPU
+            procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap("coord"))
+        else:  # its GPU is the device plan's scorer slot (none on CPU), on the first generator host
+            gpu_slot = scorer_slots(self.config).index((index, replica))
+            procs = self.alloc.host("generator", 0).spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap("scorer", [gpu_slot]))
+        actor = procs.spawn(f"scorer-{self.names[index]}-{replica}", ScorerActor)
+        try:
+            info = await asyncio.wait_for(actor.setup.call_one(self.config.to_dict(), index, replica), self.config.generator.startup_timeout_s)
+        except BaseException:
+            await asyncio.wait_for(procs.stop(), 60)
+            raise
+        return Member(slot, procs, actor, info["host"], info["pids"])
+
+    async def start(self) -> None:
+        for slot in range(len(self.slots)):
+            self.members[self.slots[slot]] = await self.spawn(slot)
+
+    async def check(self) -> None:
+        """Replace any replica whose proc is gone (by pid on this host, else asked)."""
+        for key, m in list(self.members.items()):
+            if m.on_this_host():
+                if m.alive():
+                    continue
+            else:
+                try:
+                    await asyncio.wait_for(awaited(m.actor.stats.call_one()), 30)
+                    continue
+                except Exception:  # noqa: BLE001 - gone: replaced below
+                    pass
+            async with self._lock:
+                name = f"scorer {self.names[key[0]]} replica {key[1]}"
+                log.warning("%s died; replacing it", name)
+                await m.stop()
+                self.members[key] = await self.spawn(m.index)
+                self.replaced += 1
+                await self.on_change()
+                log.warning("%s replaced", name)
+
+    async def shutdown(self) -> None:
+        for m in self.members.values():
+            try:
+                await asyncio.wait_for(awaited(m.actor.shutdown_engine.call_one()), 30)
+            except Exception:  # noqa: BLE001 - best effort; the procs are stopped next
+                pass
+        for m in self.members.values():
+            await m.stop()
+        self.members = {}
+
+
 class WorkerPool:
     """The rollout workers (and the envs they host): spawn, watch, replace, metrics."""
 
-    def __init__(self, config: Config, alloc, tokenizer_dir: str, queue, reward_fn=None, teacher=None):
+    def __init__(self, config: Config, alloc, tokenizer_dir: str, queue, reward_fn=None, teacher=None, scorers: dict | None = None):
         self.config, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn = config, alloc, tokenizer_dir, queue, reward_fn
         self.teacher = teacher  # the distillation teacher's scoring replica, or None
+        self.scorers = scorers or {}  # {scoring.scorers index: [replica actors]}
         self.workers: list[Member] = []
         self.replaced = 0
         self._incarnations = itertools.count()
@@ -295,7 +373,7 @@ class WorkerPool:
         procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=self._bootstrap)
         actor = procs.spawn(f"rollout{index}", RolloutWorkerActor, self.config.to_dict(), self.tokenizer_dir, ident, self.reward_fn)
         try:
-            where = await asyncio.wait_for(awaited(actor.start.call_one(self.queue, generators, self.teacher)), 300)
+            where = await asyncio.wait_for(awaited(actor.start.call_one(self.queue, generators, self.teacher, self.scorers)), 300)
         except BaseException:
             await asyncio.wait_for(procs.stop(), 60)
             raise
@@ -313,6 +391,10 @@ class WorkerPool:
     async def set_teacher(self, teacher) -> None:
         self.teacher = teacher
         await asyncio.gather(*(asyncio.wait_for(awaited(w.actor.set_teacher.call_one(teacher)), 60) for w in self.workers))
+
+    async def set_scorers(self, scorers: dict) -> None:
+        self.scorers = scorers
+        await asyncio.gather(*(asyncio.wait_for(awaited(w.actor.set_scorers.call_one(scorers)), 60) for w in self.workers))
 
     async def check(self, generators: list) -> None:
         """Replace a worker whose proc is gone (checked by pid on this host, asked elsewhere);

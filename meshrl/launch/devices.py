@@ -5,10 +5,12 @@
     plan.env("generator", 3)             # {"CUDA_VISIBLE_DEVICES": "4,5"}: set before the proc starts
 
 Roles that hold devices: trainer ranks (one GPU each), generator replicas (`generator.tp`
-GPUs each) and the distillation teacher (one replica, `tp` GPUs). Hosts come from the host
+GPUs each), the distillation teacher (one replica, `tp` GPUs) and the scorers (one GPU per
+reward model or judge replica, `scoring.scorers`). Hosts come from the host
 plan (`hosts.py`): on one host every role shares its GPUs; on split hosts the trainer's
 hosts hold the trainer ranks, the generator hosts the replicas (round-robin, as the
-allocation spawns them) and the teacher on the first generator host.
+allocation spawns them), the teacher and the scorers on the first generator host (colocated:
+scorers share the host's GPUs round-robin, resident while the trainer steps).
 
 Each proc is started with `CUDA_VISIBLE_DEVICES` naming exactly its GPUs (by their index
 on its host), so vLLM, its tensor-parallel workers and torch see only those, and every proc
@@ -50,7 +52,7 @@ class Slot:
     """One proc's place: its role and index, the host mesh and host it runs on, its GPUs."""
 
     role: str
-    """`trainer` (index = rank), `generator` (index = replica) or `teacher`."""
+    """`trainer` (index = rank), `generator` (index = replica), `teacher` or `scorer` (see scorer_slots)."""
     index: int
     mesh: str
     """The host mesh it is spawned on: `hosts` (one host), `trainer` or `generator`."""
@@ -94,7 +96,7 @@ class DevicePlan:
         none, such as the queue and the rollout workers); empty on a CPU plan."""
         if self.layout == "cpu":
             return {}
-        if role not in ("trainer", "generator", "teacher"):
+        if role not in ("trainer", "generator", "teacher", "scorer"):
             return {DEVICE_ENV: ""}
         gpus = [self.visible[i] if self.visible else str(i) for i in self._machine_gpus(self.slot(role, index))]
         env = {DEVICE_ENV: ",".join(gpus), PLAN_ENV: f"{role} {index}"}
@@ -185,7 +187,18 @@ def gpus_per_host(config: Config) -> int:
 def _split_gpus_needed(config: Config) -> int:
     """GPUs one host needs for every role on GPUs of its own."""
     t, gen = config.trainer, config.generator
-    return (0 if t.device == "cpu" else t.procs) + gen.replicas * gen.tp + (gen.tp if config.distill.teacher else 0)
+    return (0 if t.device == "cpu" else t.procs) + gen.replicas * gen.tp + (gen.tp if config.distill.teacher else 0) + scorer_gpus(config)
+
+
+def scorer_gpus(config: Config) -> int:
+    """GPUs the scorer procs hold: one per reward model or judge replica (a remote client none)."""
+    return len(scorer_slots(config))
+
+
+def scorer_slots(config: Config) -> list[tuple[int, int]]:
+    """(scoring.scorers index, replica) of each scorer proc that holds a GPU: the device
+    plan's `scorer` slots 0, 1, ... in this order."""
+    return [(i, r) for i, s in enumerate(config.scoring.scorers) if s.kind in ("reward_model", "judge") for r in range(s.replicas)]
 
 
 def resolve_placement(config: Config, gpus: int | None = None) -> str:
@@ -196,7 +209,7 @@ def resolve_placement(config: Config, gpus: int | None = None) -> str:
         return config.placement
     g = gpus_per_host(config) if gpus is None else gpus
     t, gen = config.trainer, config.generator
-    if config.launcher.hosts > 1 or config.distill.teacher:
+    if config.launcher.hosts > 1 or config.distill.teacher or scorer_gpus(config):
         return "split"
     if g == 0:
         return cpu_auto_placement(config)[0]
@@ -279,7 +292,8 @@ def _split(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
             raise ConfigError("trainer.device", f"is cuda but no GPU was found ({_where(config)}): set launcher.gpus_per_host, or trainer.device=auto")
         return DevicePlan("cpu", 0, hosts, [Slot("trainer", r, *_trainer_host(config, hosts, r), ()) for r in range(t.procs)]
                           + [Slot("generator", i, *_generator_host(hosts, i), ()) for i in range(gen.replicas)]
-                          + ([Slot("teacher", 0, *_generator_host(hosts, 0), ())] if config.distill.teacher else []))
+                          + ([Slot("teacher", 0, *_generator_host(hosts, 0), ())] if config.distill.teacher else [])
+                          + [Slot("scorer", k, *_generator_host(hosts, 0), ()) for k in range(scorer_gpus(config))])
     plan = DevicePlan("disaggregated", g, hosts)
     taken: dict[tuple[str, int], int] = {}  # (mesh, host) -> GPUs handed out so far
 
@@ -296,6 +310,8 @@ def _split(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
         take("generator", i, *_generator_host(hosts, i), gen.tp, "generator.replicas")
     if config.distill.teacher:
         take("teacher", 0, *_generator_host(hosts, 0), gen.tp, "distill.teacher")
+    for k in range(scorer_gpus(config)):  # reward models and judges, in scoring.scorers order
+        take("scorer", k, *_generator_host(hosts, 0), 1, "scoring.scorers")
     return plan
 
 
@@ -311,6 +327,8 @@ def _colocated(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
                                                 f"set generator.replicas={max(1, g // gen.tp)}" + ("" if gen.tp <= g else f" and generator.tp={g}"))
     slots = [Slot("trainer", r, SHARED_MESH, 0, (r,)) for r in range(t.procs)]
     slots += [Slot("generator", i, SHARED_MESH, 0, tuple(range(i * gen.tp, (i + 1) * gen.tp))) for i in range(gen.replicas)]
+    # reward models and judges share the GPUs too, round-robin; they stay resident (not slept)
+    slots += [Slot("scorer", k, SHARED_MESH, 0, (k % g,)) for k in range(scorer_gpus(config))]
     return DevicePlan("colocated", g, hosts, slots, "colocate")
 
 
@@ -334,7 +352,7 @@ def _where(config: Config) -> str:
 
 def _no_fit(config: Config, hosts: dict[str, int], g: int) -> str:
     t, gen = config.trainer, config.generator
-    teacher = gen.tp if config.distill.teacher else 0
+    teacher = (gen.tp if config.distill.teacher else 0) + scorer_gpus(config)
     if SHARED_MESH in hosts:
         ranks = 0 if t.device == "cpu" else t.procs
         need = ranks + gen.replicas * gen.tp + teacher
@@ -346,7 +364,7 @@ def _no_fit(config: Config, hosts: dict[str, int], g: int) -> str:
         else:  # one GPU, or fewer than one trainer rank and one replica need
             fix = "placement=colocate (trainer and generators sharing the GPUs, time-sliced)"
         return (f"the plan needs {need} GPUs on one host (trainer.procs={ranks} + generator.replicas={gen.replicas} x generator.tp={gen.tp}"
-                f"{f' + the teacher {teacher}' if teacher else ''}), and the host has {g}: set {fix}, or raise launcher.hosts")
+                f"{f' + the teacher and scorers {teacher}' if teacher else ''}), and the host has {g}: set {fix}, or raise launcher.hosts")
     per_trainer_host = t.procs // hosts["trainer"]
     per_gen_host = -(-gen.replicas // hosts["generator"]) * gen.tp + teacher
     return (f"{hosts['trainer']} trainer hosts x {per_trainer_host} ranks and {hosts['generator']} generator hosts x {per_gen_host} GPUs "

@@ -245,6 +245,22 @@ def generator_holding(config: Config, shape: Shape, role: str, index: int, capac
     return h
 
 
+def scorer_holding(config: Config, index: int, capacity: float) -> Holding:
+    """Scorer slot `index`: a judge is a vLLM engine on its checkpoint (as a generator, never
+    updated); a reward model its weights as loaded (their dtype) and one batch's activations."""
+    from meshrl.launch.devices import scorer_slots
+
+    spec = config.scoring.scorers[scorer_slots(config)[index][0]]
+    shape = model_shape(config, spec.path)
+    if spec.kind == "judge":
+        return generator_holding(config, shape, "scorer", index, capacity, False)
+    db = DTYPE_BYTES[config.model.dtype]
+    h = Holding("scorer", index, [("reward model weights", shape.params * db), ("CUDA context", CUDA_CONTEXT),
+                                  (f"one batch's activations ({spec.batch_size} x {spec.max_len} tokens)",
+                                   spec.batch_size * spec.max_len * shape.dim * db * 4)])
+    return h
+
+
 ENGINE_WORKSPACE = 1.0 * GiB
 """What vLLM's profiling run takes inside its budget beside weights and KV cache (activations,
 sampler, CUDA graphs) at small batch sizes; the KV estimate leaves it out."""
@@ -279,6 +295,7 @@ def plan_memory(config: Config, capacity: float | None = None, plan=None) -> Mem
         for gpu in slot.gpus:
             where = (slot.mesh, slot.host, gpu)
             holding = (trainer_holding(config, shape, slot.index, staging_on_gpu) if slot.role == "trainer"
+                       else scorer_holding(config, slot.index, capacity) if slot.role == "scorer"
                        else generator_holding(config, teacher if slot.role == "teacher" else shape, slot.role, slot.index, capacity,
                                               receive_on_gpu and slot.role != "teacher"))  # a teacher's weights never change
             gpus.setdefault(where, GPUPlan(where)).holdings.append(holding)

@@ -1,0 +1,59 @@
+"""`ScorerActor`: one scorer replica (a reward model, a judge or a remote client) on a proc.
+
+    scorer = procs.spawn("scorer-rm-0", ScorerActor)
+    await scorer.setup.call_one(config.to_dict(), index, replica)   # scoring.scorers[index]
+    results = await scorer.score.call_one(items)                     # see service.py
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+from monarch.actor import Actor, concurrent_endpoint, endpoint
+
+from meshrl.compat import endpoint_for_callers_that_may_die
+from meshrl.config import Config
+from meshrl.logs import capture_role_output
+from meshrl.scorers.backends import start_backend
+from meshrl.scorers.service import ScorerService
+
+
+class ScorerActor(Actor):
+    def __init__(self):
+        self.service: ScorerService | None = None
+
+    @endpoint
+    async def setup(self, config_dict: dict, index: int, replica: int = 0) -> dict:
+        import socket
+
+        import psutil
+
+        config = Config.from_dict(config_dict)
+        spec = config.scoring.scorers[index]
+        capture_role_output(config, f"scorer-{config.scoring.scorer_names()[index]}-{replica}")
+        backend = await start_backend(spec, config, replica)
+        self.service = ScorerService(backend, spec)
+        gc.collect()
+        gc.freeze()  # as a generator replica: the collector walks only what is made from here on
+        me = psutil.Process()
+        return {"host": socket.gethostname(), "pids": [(p.pid, p.create_time()) for p in [me, *me.children(recursive=True)]]}
+
+    @endpoint_for_callers_that_may_die
+    async def score(self, items: list[dict]) -> list[dict]:
+        """One result per item, once its batch is scored (ScorerService.score). Its caller, a
+        rollout worker, may be gone by then: the answer is dropped."""
+        if self.service is None:
+            raise RuntimeError("ScorerActor.setup() has not been called")
+        return await self.service.score(items)
+
+    @concurrent_endpoint
+    async def stats(self) -> dict:
+        return {**(self.service.stats() if self.service else {}), "pid": os.getpid()}
+
+    @concurrent_endpoint
+    async def shutdown_engine(self) -> None:
+        shutdown = getattr(self.service.backend if self.service else None, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self.service = None

@@ -1,0 +1,277 @@
+"""What a scorer proc runs: a reward model, an LLM judge or a remote reward server.
+
+Every backend takes a batch of items and answers one result per item:
+
+    item   = {"prompt": str, "messages": list | None, "response": str, "answer": str,
+              "sample": dict, "steps": [str, ...] | None}
+    result = float (an outcome score) | [float, ...] (one per step, `process`) | Failed
+
+`prompt` is the prompt's text (a chat prompt's last user message), `messages` the chat
+prompt when the record has one, `response` everything after the prompt (the model's
+turns and the env's replies, special tokens skipped), `steps` the response cut after each
+step (process rewards, meshrl/scorers/process.py). A `Failed` result fails its episode
+(reward 0, out of the loss) and is counted; the others are not affected.
+
+- `RewardModel`: a Hugging Face sequence-classification checkpoint with one label, on its
+  own tokenizer: a chat template renders (messages or prompt) + the response as the
+  assistant's turn; without one, prompt + response. Each input keeps its last `max_len`
+  tokens; a batch is padded on the side the tokenizer says and scored in one forward pass.
+- `Judge`: a vLLM engine on a causal-LM checkpoint. The template is filled and sent as a
+  user message through the judge's chat template (plain text without one), decoded
+  greedily, and the reply parsed (`parse_reply`). An unparsable reply scores
+  `unparsable` (None: Failed).
+- `Remote`: one HTTP POST per batch, `{"items": [...]}` -> `{"scores": [...]}`, bounded by
+  the scorer's timeout and retried `retries` times; a batch still failing fails its items.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from meshrl.config import ScorerConfig
+
+Result = Any  # float | list[float] | Failed
+
+
+@dataclass
+class Failed:
+    """An item the scorer could not score: why, in one line."""
+
+    reason: str
+    unparsable: bool = False
+
+
+NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def number_parser(text: str) -> float | None:
+    """The first number in `text`; None when there is none."""
+    m = NUMBER.search(text)
+    return float(m.group()) if m else None
+
+
+def yes_no_parser(text: str) -> float | None:
+    """1 for a reply starting with yes, 0 for no (case and leading space ignored)."""
+    word = text.strip().lower()
+    if word.startswith("yes"):
+        return 1.0
+    if word.startswith("no"):
+        return 0.0
+    return None
+
+
+PARSERS: dict[str, Callable[[str], float | None]] = {"number": number_parser, "yes_no": yes_no_parser}
+
+
+def load_parser(name: str) -> Callable[[str], float | None]:
+    if name in PARSERS:
+        return PARSERS[name]
+    from meshrl.imports import import_callable
+
+    return import_callable(name)
+
+
+def parse_reply(parser: Callable[[str], float | None], text: str, scale: float, unparsable: float | None) -> Result:
+    """The judge's `text` as a score: parser(text) x scale; an unreadable reply (None, a
+    non-finite number or a parser that raises) scores `unparsable`, or Failed when None."""
+    try:
+        value = parser(text)
+        value = None if value is None else float(value)
+    except Exception:  # noqa: BLE001 - a parser that cannot read the reply: unparsable, not a crash
+        value = None
+    if value is None or not math.isfinite(value):
+        if unparsable is None:
+            return Failed(f"unparsable judge reply {text[:80]!r}", unparsable=True)
+        return Failed(f"unparsable judge reply {text[:80]!r}: scored {unparsable:g}", unparsable=True)
+    return value * scale
+
+
+def unparsable_score(result: Result, spec: ScorerConfig) -> float | None:
+    """The score an unparsable reply counts as (None: it fails its episode)."""
+    return spec.unparsable if isinstance(result, Failed) and result.unparsable else None
+
+
+def render_messages(item: dict, response: str | None = None) -> list[dict]:
+    """The item's prompt as chat messages, with `response` as the assistant's turn."""
+    messages = list(item.get("messages") or [{"role": "user", "content": item["prompt"]}])
+    if response is not None:
+        messages.append({"role": "assistant", "content": response})
+    return messages
+
+
+class RewardModel:
+    """A sequence-classification checkpoint with one label, scoring (prompt, response) pairs."""
+
+    def __init__(self, path: str, max_len: int = 1024, device: str | None = None):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype="auto").eval()
+        if self.model.config.num_labels != 1:
+            raise ValueError(f"reward model {path!r} has {self.model.config.num_labels} labels: a reward model has one (num_labels=1)")
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model.to(self.device)
+        self.max_len = max_len
+        # Rows are left-padded, so each one's last real token is the last position, and the
+        # head's "last token that is not pad_token_id" must find no pad id at all: a tokenizer
+        # whose pad is its end-of-turn token would otherwise be read before the turn's end.
+        self.model.config.pad_token_id = -1
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.pad_id = pad if pad is not None else 0
+
+    def encode(self, item: dict, response: str) -> list[int]:
+        """The ids the model scores for `item` answered by `response` (also how to train one)."""
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(render_messages(item, response), tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = self.tokenizer(item["prompt"] + response, add_special_tokens=True)["input_ids"]
+        return list(ids)[-self.max_len :]
+
+    def forward(self, rows: list[list[int]]):
+        """[len(rows)] scores of token-id rows, left-padded into one batch (with gradients:
+        meshrl/scorers/preference.py trains through it)."""
+        import torch
+
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each row's positions as if unpadded
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), position_ids=positions.to(self.device)).logits
+        return logits[:, 0].float().cpu()
+
+    def score_sync(self, items: list[dict]) -> list[Result]:
+        import torch
+
+        rows, owners = [], []
+        for i, item in enumerate(items):
+            for text in item.get("steps") or [item["response"]]:
+                rows.append(self.encode(item, text))
+                owners.append(i)
+        with torch.no_grad():
+            scores = self.forward(rows).tolist()
+        results: list[Result] = [[] for _ in items]
+        for i, s in zip(owners, scores):
+            results[i].append(float(s))
+        return [r if items[i].get("steps") else r[0] for i, r in enumerate(results)]
+
+    async def score(self, items: list[dict]) -> list[Result]:
+        return await asyncio.to_thread(self.score_sync, items)
+
+
+class Judge:
+    """A vLLM engine on a causal LM, asked for a score by a prompt template."""
+
+    def __init__(self, spec: ScorerConfig, gen_config, dtype: str = "float32", seed: int = 0):
+        from meshrl.generator.engine import VLLMEngine
+        from meshrl.tokenizer import load_tokenizer
+
+        self.spec = spec
+        self.tokenizer = load_tokenizer(spec.path)
+        self.parser = load_parser(spec.parser)
+        self.engine = VLLMEngine(gen_config, spec.path, dtype=dtype, max_model_len=spec.max_len + spec.max_new_tokens, seed=seed)
+        self._ids = 0
+
+    async def start(self) -> float:
+        return await self.engine.start(0)
+
+    def prompt_ids(self, item: dict) -> list[int]:
+        text = fill_template(self.spec.template, item)
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        else:
+            ids = self.tokenizer(text)["input_ids"]
+        return list(ids)[-self.spec.max_len :]
+
+    async def reply(self, item: dict) -> str:
+        self._ids += 1
+        out = await self.engine.run_request(f"judge-{self._ids}", self.prompt_ids(item), self.spec.max_new_tokens, 0.0)
+        return self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+    async def score(self, items: list[dict]) -> list[Result]:
+        replies = await asyncio.gather(*(self.reply(item) for item in items), return_exceptions=True)
+        return [Failed(f"{type(r).__name__}: {str(r)[:200]}") if isinstance(r, BaseException)
+                else parse_reply(self.parser, r, self.spec.scale, self.spec.unparsable) for r in replies]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def fill_template(template: str, item: dict) -> str:
+    """The judge's prompt for `item`: `template` over prompt, response and answer."""
+    return template.format(prompt=item["prompt"], response=item["response"], answer=item.get("answer") or "")
+
+
+class Remote:
+    """A user's reward server: one POST of a JSON batch, retried, bounded."""
+
+    def __init__(self, spec: ScorerConfig):
+        self.spec = spec
+
+    def _post(self, items: list[dict], timeout: float) -> list:
+        body = json.dumps({"items": items}).encode()
+        request = urllib.request.Request(self.spec.url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            answer = json.loads(response.read())
+        scores = answer.get("scores") if isinstance(answer, dict) else None
+        if not isinstance(scores, list) or len(scores) != len(items):
+            raise ValueError(f"the server answered {str(answer)[:120]!r}: expected {{\"scores\": [...]}} with {len(items)} entries")
+        return scores
+
+    async def score(self, items: list[dict]) -> list[Result]:
+        deadline = time.monotonic() + self.spec.timeout_s
+        error: Exception | None = None
+        for attempt in range(self.spec.retries + 1):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                scores = await asyncio.wait_for(asyncio.to_thread(self._post, items, left), left)
+                return [check_remote(s, item) for s, item in zip(scores, items)]
+            except (OSError, ValueError, asyncio.TimeoutError, urllib.error.URLError) as e:
+                error = e
+                await asyncio.sleep(min(0.5 * 2**attempt, max(0.0, deadline - time.monotonic())))
+        why = f"{type(error).__name__}: {str(error)[:160]}" if error else f"no answer in scorer timeout_s={self.spec.timeout_s:g}"
+        return [Failed(f"remote scorer {self.spec.url}: {why}") for _ in items]
+
+
+def check_remote(value: Any, item: dict) -> Result:
+    """One entry of a server's answer: a finite number, or with steps one per step."""
+    steps = item.get("steps")
+    if steps is not None:
+        if isinstance(value, list) and len(value) == len(steps) and all(_finite(v) for v in value):
+            return [float(v) for v in value]
+        return Failed(f"the server answered {str(value)[:80]!r} for an item of {len(steps)} steps: expected {len(steps)} numbers")
+    if _finite(value):
+        return float(value)
+    return Failed(f"the server answered {str(value)[:80]!r}: expected a finite number")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+async def start_backend(spec: ScorerConfig, config, replica: int = 0):
+    """The backend of `spec` on this proc, ready to score (a judge's engine started)."""
+    if spec.kind == "reward_model":
+        return await asyncio.to_thread(RewardModel, spec.path, spec.max_len)
+    if spec.kind == "judge":
+        judge = Judge(spec, config.generator, dtype=config.model.dtype, seed=config.seed + replica)
+        await judge.start()
+        return judge
+    if spec.kind == "remote":
+        return Remote(spec)
+    raise ValueError(f"a {spec.kind!r} scorer runs in the rollout workers, not on a scorer proc")

@@ -1,0 +1,193 @@
+"""The rollout worker's side of scoring: one finished episode in, its rewards out.
+
+    scorers = EpisodeScorers(config, tokenizer)
+    scorers.set_replicas({index: [actor, ...]})      # the controller's ScorerPool hands them out
+    await scorers.score(episode, record)             # as soon as the episode is played
+
+Every scorer of `scoring.scorers` scores the episode at once (a `function` in this worker,
+the others on their replicas). The episode's reward becomes
+
+    env_weight x (the env's reward) + sum over scorers of weight x score
+
+(the env's part stays on each model turn, the scorers' part goes to the last one), and each
+raw signal is kept in `episode.signals` for the metrics. A process scorer's step scores go
+to `episode.process` (meshrl/scorers/process.py); its outcome score is its last step's.
+
+Failures: a scorer that answers with a failure (its backend raised, a remote server kept
+failing, a judge reply was unparsable with `unparsable: null`) or takes longer than its
+`timeout_s` fails the episode (reward 0, out of the loss), counted as
+`scoring/NAME/failed`. A replica that dies is not the episode's fault: the call is asked
+again of the others, or of its replacement, for as long as a replica takes to start; only
+then does it raise GenerationFailed, and the worker re-queues the whole group, so no
+episode is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from meshrl.compat import awaited
+from meshrl.config import Config, ScorerConfig
+from meshrl.episode import Episode
+from meshrl.rollout.env import call_bounded, callable_name, prompt_text
+from meshrl.scorers.process import step_ends, step_texts
+
+RETRY_S = 1.0
+"""Pause before asking again after a replica failed a call."""
+
+
+class ScorerUnavailable(Exception):
+    """No replica of a scorer answered within its start-up bound: the group is played again."""
+
+
+class EpisodeScorers:
+    def __init__(self, config: Config, tokenizer):
+        from meshrl.imports import import_callable
+
+        self.config, self.tokenizer = config, tokenizer
+        self.specs: list[ScorerConfig] = list(config.scoring.scorers)
+        self.names = config.scoring.scorer_names()
+        self.functions = {i: import_callable(s.path) for i, s in enumerate(self.specs) if s.kind == "function"}
+        self.replicas: dict[int, list] = {}
+        self._load: dict[int, int] = {}  # id(actor) -> calls in flight
+        self._changed = asyncio.Event()
+        # a dead replica's calls are asked again for as long as its replacement may take to start
+        self.replace_s = config.generator.startup_timeout_s + 60
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def set_replicas(self, replicas: dict[int, list]) -> None:
+        self.replicas = {int(k): list(v) for k, v in replicas.items()}
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # ---- one episode ---------------------------------------------------------------------------
+    def item(self, ep: Episode, record: dict, spec: ScorerConfig) -> dict:
+        prompt = record.get("prompt")
+        answer = record.get("answer")
+        sample = {k: v for k, v in record.items() if k != "prompt" and _jsonable(v)}
+        item = {"prompt": prompt_text(prompt), "messages": prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else None,
+                "response": self.tokenizer.decode(ep.token_ids[ep.prompt_len :], skip_special_tokens=True),
+                "answer": "" if answer is None else str(answer), "sample": sample, "steps": None}
+        if spec.process != "none":
+            ends = step_ends(ep, self.tokenizer, spec.process, spec.step_delimiter)
+            item["steps"] = step_texts(ep, self.tokenizer, ends)
+            item["step_ends"] = ends
+        return item
+
+    async def score(self, ep: Episode, record: dict) -> None:
+        """Score `ep` with every scorer and set its rewards (in place). A failed episode is
+        left as it is; a failed score fails the episode."""
+        if ep.finish_reason == "failed":
+            return
+        items = [self.item(ep, record, spec) for spec in self.specs]
+        results = await asyncio.gather(*(self._one(i, item) for i, item in enumerate(items)))
+        env_reward = sum(t.reward for t in ep.model_turns)
+        ep.signals["env"] = env_reward
+        outcome, process = 0.0, []
+        for (name, spec, item), result in zip(zip(self.names, self.specs, items), results):
+            for key in ("queue_s", "score_s", "wait_s"):
+                if key in result:
+                    ep.signals[f"{name}/{key}"] = result[key]
+            score = result.get("score")
+            if score is None and result.get("unparsable") and spec.unparsable is not None:
+                score = spec.unparsable
+                ep.signals[f"{name}/unparsable"] = 1.0
+            if score is None:
+                ep.signals[f"{name}/failed"] = 1.0
+                ep.finish_reason = "failed"
+                ep.failure = ep.failure or f"scorer {name}: {result.get('error') or 'no score'}"
+                continue
+            if isinstance(score, list):  # process: one score per step, the last one the outcome
+                process += [(pos, spec.weight * s) for pos, s in zip(item["step_ends"], score)]
+                score = score[-1]
+            ep.signals[name] = float(score)
+            outcome += spec.weight * float(score)
+        if ep.finish_reason == "failed":
+            return
+        weight = self.config.scoring.env_weight
+        turns = ep.model_turns
+        for t in turns:
+            t.reward *= weight
+        turns[-1].reward += outcome
+        ep.process = process
+
+    async def _one(self, index: int, item: dict) -> dict:
+        spec = self.specs[index]
+        start = time.monotonic()
+        if spec.kind == "function":
+            result = await self._function(index, item)
+        else:
+            result = await self._remote_call(index, item)
+        result["wait_s"] = time.monotonic() - start
+        return result
+
+    async def _function(self, index: int, item: dict) -> dict:
+        spec, fn = self.specs[index], self.functions[index]
+        name = f"scorer {self.names[index]} ({callable_name(fn)})"
+        try:
+            value = await call_bounded(fn, item["prompt"], item["response"], {**item["sample"], "answer": item["answer"], "steps": item["steps"]},
+                                       timeout=spec.timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            return {"error": f"{name} took longer than timeout_s={spec.timeout_s:g}s"}
+        except Exception as e:  # noqa: BLE001 - the function's failure fails its episode
+            return {"error": f"{name} raised {type(e).__name__}: {str(e)[:200]}"}
+        score = check_score(value, item)
+        if score is None:
+            want = f"a list of {len(item['steps'])} finite numbers, one per step" if item["steps"] is not None else "a finite number"
+            return {"error": f"{name} returned {str(value)[:80]!r}: expected {want}"}
+        return {"score": score}
+
+    async def _remote_call(self, index: int, item: dict) -> dict:
+        """Ask the least-loaded replica; a replica that fails the call (it died) is not the
+        episode's fault: ask again until one answers or replace_s has passed."""
+        spec = self.specs[index]
+        deadline = time.monotonic() + self.replace_s
+        last = "no replica"
+        while True:
+            replicas = self.replicas.get(index) or []
+            if replicas:
+                actor = min(replicas, key=lambda a: self._load.get(id(a), 0))
+                self._load[id(actor)] = self._load.get(id(actor), 0) + 1
+                try:
+                    (result,) = await asyncio.wait_for(awaited(actor.score.call_one([item])), spec.timeout_s)
+                    return result
+                except (asyncio.TimeoutError, TimeoutError):
+                    return {"error": f"scorer {self.names[index]} took longer than timeout_s={spec.timeout_s:g}s"}
+                except Exception as e:  # noqa: BLE001 - a dead replica: asked again below
+                    last = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                finally:
+                    self._load[id(actor)] -= 1
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ScorerUnavailable(f"scorer {self.names[index]}: no replica answered in {self.replace_s:g}s ({last})")
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), min(RETRY_S, left))
+            except asyncio.TimeoutError:
+                pass
+
+
+def check_score(value, item: dict):
+    """A function's answer as a score: a finite number, or (process) a list of one finite
+    number per step; None when it is not."""
+    steps = item["steps"]
+    if steps is not None:
+        ok = isinstance(value, (list, tuple)) and len(value) == len(steps) and all(_finite(v) for v in value)
+        return [float(v) for v in value] if ok else None
+    return float(value) if _finite(value) else None
+
+
+def _finite(value) -> bool:
+    try:
+        return not isinstance(value, (str, bytes)) and math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _jsonable(value) -> bool:
+    return isinstance(value, (str, int, float, bool, type(None), list, dict))
+

@@ -1,0 +1,90 @@
+"""Process rewards: scores per turn or per step of a response, as per-token advantages.
+
+A scorer with `process: turn` scores the episode after each model turn; with `process:
+step`, after each `step_delimiter` inside the model's text too (a model turn's end always
+ends a step). Step k ends at token e_k and scores s_k (weighted by its scorer; several
+process scorers add up). Its group's trained episodes give one baseline b, the mean of
+their step scores, and each token t of the model's text gets
+
+    return (PRIME-style):  A_t = A_group + w * sum over steps k with e_k >= t of (s_k - b)
+    step   (turn-level):   A_t = A_group + w * (s_k - b)    for the step k that holds t
+
+with w = scoring.process_weight and A_group the outcome reward's group advantage (the
+outcome counts each process scorer's last step score). Either way the advantage is constant
+inside a step and changes only right after a step's last token. The result is the batch's
+per-token `token_advantage`, which the loss trains on (as distillation's; both add up).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from tensordict import TensorDict
+
+from meshrl.episode import FINISH_REASONS, Episode
+
+
+def step_ends(episode: Episode, tokenizer, process: str, delimiter: str) -> list[int]:
+    """Episode positions of the last token of each step, in order."""
+    ends, at = [], 0
+    for turn in episode.turns:
+        n = len(turn.token_ids)
+        if turn.role == "model" and n:
+            if process == "step" and delimiter:
+                for j in range(n - 1):  # decode the prefix only where a token could close a delimiter
+                    if delimiter[-1] in tokenizer.decode([turn.token_ids[j]]) and \
+                            tokenizer.decode(turn.token_ids[: j + 1]).endswith(delimiter):
+                        ends.append(at + j)
+            ends.append(at + n - 1)
+        at += n
+    return ends
+
+
+def step_texts(episode: Episode, tokenizer, ends: Sequence[int]) -> list[str]:
+    """The response (everything after the prompt) cut after each step's last token."""
+    ids, start = episode.token_ids, episode.prompt_len
+    return [tokenizer.decode(ids[start : e + 1], skip_special_tokens=True) for e in ends]
+
+
+def process_tensors(episodes: Sequence[Episode], T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] step scores at the steps' last tokens, and [B, T] True there; from each
+    episode's `process` list of (position, weighted score)."""
+    scores = torch.zeros(len(episodes), T)
+    ends = torch.zeros(len(episodes), T, dtype=torch.bool)
+    for i, ep in enumerate(episodes):
+        for pos, value in ep.process:
+            scores[i, pos] += value
+            ends[i, pos] = True
+    return scores, ends
+
+
+def assign_process_advantages(td: TensorDict, scores: torch.Tensor, ends: torch.Tensor, weight: float, mode: str) -> TensorDict:
+    """Add the process term to `token_advantage` (made from `advantage` when absent); in
+    place, returns td. `scores` and `ends` as `process_tensors` gives them."""
+    T = td["tokens"].shape[1]
+    scores, ends = scores[:, :T], ends[:, :T]
+    trained = td["finish_reason"] != FINISH_REASONS["failed"]
+    centred = torch.zeros_like(scores)
+    for g in torch.unique(td["group_id"]):
+        rows = (td["group_id"] == g) & trained
+        steps = ends & rows[:, None]
+        if steps.any():
+            baseline = scores[steps].mean()
+            centred[steps] = scores[steps] - baseline
+    if mode == "return":
+        term = centred.flip(1).cumsum(1).flip(1)
+    elif mode == "step":
+        term = torch.zeros_like(centred)
+        for i in range(term.shape[0]):
+            start = 0
+            for e in ends[i].nonzero().flatten().tolist():
+                term[i, start : e + 1] = centred[i, e]
+                start = e + 1
+    else:
+        raise ValueError(f"unknown process_advantage {mode!r}: use 'return' or 'step'")
+    base = td["token_advantage"] if "token_advantage" in td.keys() else td["advantage"][:, None].expand(-1, T)
+    per_token = base + weight * term
+    mask = td["loss_mask"]
+    td["token_advantage"] = torch.where(mask, per_token, torch.zeros_like(per_token)).to(torch.float32)
+    return td
