@@ -274,7 +274,7 @@ class ScorerConfig:
     kind: Literal["function", "reward_model", "judge", "remote"] = "reward_model"
     """`function`: a Python reward function, called in each rollout worker; `reward_model`: a Hugging Face sequence-classification checkpoint (one logit); `judge`: a vLLM engine on a causal-LM checkpoint, prompted with `template`, its reply read by `parser`; `remote`: a user's reward server over HTTP (POST of a JSON batch). Every kind but `function` runs on scorer procs of its own, shared by all rollout workers."""
     name: str | None = None
-    """Name of the signal in the metrics (`scoring/NAME/...`). None: the kind, numbered when a kind appears twice."""
+    """Name of the signal in the metrics (`scoring/NAME/...`). None: the kind, numbered when two scorers of a kind have no name."""
     weight: float = 1.0
     """The signal's weight in the trained reward: reward = scoring.env_weight x the env's reward + the sum of weight x score. 0: logged, not trained on."""
     path: str | None = None
@@ -330,8 +330,8 @@ class ScoringConfig:
 
     def scorer_names(self) -> list[str]:
         """Each scorer's name in the metrics: its `name`, else its kind (numbered from 1 when
-        the kind appears more than once)."""
-        kinds = [s.kind for s in self.scorers]
+        more than one scorer of that kind has no name)."""
+        kinds = [s.kind for s in self.scorers if not s.name]
         seen: dict[str, int] = {}
         names = []
         for spec in self.scorers:

@@ -5,6 +5,7 @@ Every backend takes a batch of items and answers one result per item:
     item   = {"prompt": str, "messages": list | None, "response": str, "answer": str,
               "sample": dict, "steps": [str, ...] | None}
     result = float (an outcome score) | [float, ...] (one per step, `process`) | Failed
+             (a judge's wrapped in Judged, with its reply)
 
 `prompt` is the prompt's text (a chat prompt's last user message), `messages` the chat
 prompt when the record has one, `response` everything after the prompt (the model's
@@ -47,6 +48,14 @@ class Failed:
 
     reason: str
     unparsable: bool = False
+
+
+@dataclass
+class Judged:
+    """A judge's result with the reply it was read from (kept in the scorer's answer)."""
+
+    value: Any  # float | Failed
+    reply: str
 
 
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -204,7 +213,7 @@ class Judge:
     async def score(self, items: list[dict]) -> list[Result]:
         replies = await asyncio.gather(*(self.reply(item) for item in items), return_exceptions=True)
         return [Failed(f"{type(r).__name__}: {str(r)[:200]}") if isinstance(r, BaseException)
-                else parse_reply(self.parser, r, self.spec.scale, self.spec.unparsable) for r in replies]
+                else Judged(parse_reply(self.parser, r, self.spec.scale, self.spec.unparsable), r) for r in replies]
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -11,7 +11,8 @@ rollout workers log both (`scoring/NAME/queue_s`, `scoring/NAME/score_s`), so a 
 shows as such.
 
     result = {"score": float | [float, ...] | None, "error": str | None,
-              "unparsable": bool, "queue_s": float, "score_s": float, "batch": int}
+              "unparsable": bool, "queue_s": float, "score_s": float, "batch": int,
+              "reply": str}   # a judge's reply, as it was parsed
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import asyncio
 import time
 
 from meshrl.config import ScorerConfig
-from meshrl.scorers.backends import Failed
+from meshrl.scorers.backends import Failed, Judged
 
 
 class ScorerService:
@@ -71,10 +72,12 @@ class ScorerService:
             for (_, future, arrived), result in zip(batch, results):
                 if future.done():
                     continue
+                reply = result.reply if isinstance(result, Judged) else None
+                result = result.value if isinstance(result, Judged) else result
                 failed = isinstance(result, Failed)
                 future.set_result({"score": None if failed else result, "error": result.reason if failed else None,
                                    "unparsable": failed and result.unparsable, "queue_s": start - arrived, "score_s": took,
-                                   "batch": len(batch)})
+                                   "batch": len(batch), **({"reply": reply} if reply is not None else {})})
 
     def stats(self) -> dict:
         return {"batches": self.batches, "items": self.items, "busy_s": self.busy_s, "waiting": len(self._waiting)}
