@@ -73,9 +73,6 @@ def check(c: Config) -> None:
         _check_reward_signature(import_callable(s.reward_fn), "scoring.reward_fn")
     if s.reward_model is not None:
         need(os.path.isdir(s.reward_model), "scoring.reward_model", f"directory {s.reward_model!r} not found: give a local checkpoint directory or null")
-        _check_scorer_checkpoint(need, "scoring.reward_model", s.reward_model, "reward_model")
-    for i, sc in enumerate(s.scorers):
-        _check_scorer_files(need, sc, f"scoring.scorers[{i}]")
 
     d = c.data
     _check_source(need, c, "data.source", d.source, d.task_args)
@@ -89,6 +86,10 @@ def check(c: Config) -> None:
              f"a file data source ({d.source}) needs a reward: set scoring.reward_fn, scoring.reward_model or rollout.env")
     if d.source in ("task:longtail", "task:longtail_chat"):
         _check_budget(need, c)
+    if s.reward_model is not None:
+        _check_scorer_checkpoint(need, "scoring.reward_model", s.reward_model, "reward_model")
+    for i, sc in enumerate(s.scorers):
+        _check_scorer_files(need, sc, f"scoring.scorers[{i}]")
 
     if c.eval.source is not None:
         _check_source(need, c, "eval.source", c.eval.source, c.eval.task_args)

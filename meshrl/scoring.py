@@ -24,16 +24,16 @@ from meshrl.tasks import get_task
 
 
 def reward_model_fn(path: str) -> RewardFn:
-    """A reward model checkpoint as a reward function: the score of the single-logit head."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    """A reward model checkpoint as a reward function, in the rollout worker: the score of
+    its single-logit head, on the input a reward-model scorer renders (its tokenizer's chat
+    template; meshrl/scorers/backends.py). `scoring.scorers` runs one on procs of its own."""
+    from meshrl.scorers.backends import RewardModel
 
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True).eval()
+    rm = RewardModel(path, device="cpu")
 
     def score(prompt: str, response: str, sample: dict) -> float:
         with torch.no_grad():
-            ids = tok(prompt + response, return_tensors="pt")
-            return float(model(**ids).logits[0, 0])
+            return float(rm.forward([rm.encode({"prompt": prompt}, response)])[0])
 
     return score
 

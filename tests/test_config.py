@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import yaml
 
-from meshrl.config import Config, ConfigError, apply_overrides, field_docs, reference_markdown
+from meshrl.config import Config, ConfigError, ScorerConfig, apply_overrides, field_docs, reference_markdown
 from meshrl.preflight import check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -235,5 +235,6 @@ def test_every_field_is_documented_and_reference_is_current():
                 walk(type(getattr(cls(), f.name)))
 
     walk(Config)
+    walk(ScorerConfig)  # the items of scoring.scorers
     with open(os.path.join(ROOT, "docs/config.md")) as f:
         assert f.read() == reference_markdown() + "\n", "docs/config.md is stale: run `meshrl config docs > docs/config.md`"

@@ -590,8 +590,9 @@ def test_reward_model_scores_through_the_same_interface(tmp_path, tokenizer_dir)
     td = episode.pack(episodes)
     texts = texts_of(td, tok)
     assert sorted(texts) == ["123", "xyz"]
-    with torch.no_grad():
-        want = [float(model(**tok("a:" + t, return_tensors="pt")).logits[0, 0]) for t in texts]
+    with torch.no_grad():  # the prompt as the user's turn, the response as the assistant's, in the checkpoint's chat template
+        want = [float(model(torch.tensor([tok.apply_chat_template([{"role": "user", "content": "a:"}, {"role": "assistant", "content": t}],
+                                                                   tokenize=True, return_dict=False)])).logits[0, 0]) for t in texts]
     assert td["reward"].tolist() == pytest.approx(want, abs=1e-5)
     assert td["finish_reason"].tolist() == [0, 0]
     # the same function, called directly

@@ -294,7 +294,7 @@ class ScorerConfig:
     max_new_tokens: int = 16
     """`judge`: the reply's token budget (greedy decoding)."""
     max_len: int = 1024
-    """`reward_model` / `judge`: the longest input in tokens; a longer one keeps its last max_len tokens."""
+    """`reward_model` / `judge`: the longest input in tokens; a longer one keeps its last max_len tokens (a judge: within its checkpoint's max_position_embeddings, less max_new_tokens)."""
     batch_size: int = 16
     """Items scored together; requests from every rollout worker are batched up to this size."""
     batch_wait_s: float = 0.05

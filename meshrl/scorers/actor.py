@@ -32,7 +32,10 @@ class ScorerActor(Actor):
         config = Config.from_dict(config_dict)
         spec = config.scoring.scorers[index]
         capture_role_output(config, f"scorer-{config.scoring.scorer_names()[index]}-{replica}")
-        backend = await start_backend(spec, config, replica)
+        try:
+            backend = await start_backend(spec, config, replica)
+        except Exception as e:  # noqa: BLE001 - some engine errors do not pickle, and one that cannot be sent aborts the caller
+            raise RuntimeError(f"scorer {config.scoring.scorer_names()[index]} could not start: {type(e).__name__}: {str(e)[:500]}") from None
         self.service = ScorerService(backend, spec)
         gc.collect()
         gc.freeze()  # as a generator replica: the collector walks only what is made from here on

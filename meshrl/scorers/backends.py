@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
 import time
 import urllib.error
@@ -190,7 +191,11 @@ class Judge:
         self.spec = spec
         self.tokenizer = load_tokenizer(spec.path)
         self.parser = load_parser(spec.parser)
-        self.engine = VLLMEngine(gen_config, spec.path, dtype=dtype, max_model_len=spec.max_len + spec.max_new_tokens, seed=seed)
+        with open(os.path.join(spec.path, "config.json")) as f:
+            positions = json.load(f).get("max_position_embeddings") or spec.max_len + spec.max_new_tokens
+        context = min(spec.max_len + spec.max_new_tokens, positions)  # never past what the checkpoint was built for
+        self.prompt_len = max(1, context - spec.max_new_tokens)
+        self.engine = VLLMEngine(gen_config, spec.path, dtype=dtype, max_model_len=context, seed=seed)
         self._ids = 0
 
     async def start(self) -> float:
@@ -203,7 +208,7 @@ class Judge:
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         else:
             ids = self.tokenizer(text)["input_ids"]
-        return list(ids)[-self.spec.max_len :]
+        return list(ids)[-self.prompt_len :]
 
     async def reply(self, item: dict) -> str:
         self._ids += 1
