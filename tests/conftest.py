@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -10,6 +11,7 @@ import string
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -698,3 +700,46 @@ def slurm_cluster(tmp_path_factory):
     finally:
         cluster.stop()
         hosts.stop()
+
+
+# ---- a generator stand-in for rollout-worker tests -----------------------------------------------
+class ScriptedGenerator:
+    """Stands in for a generator replica: `generate.call_one(ids, budget, temperature,
+    min_version)` returns an awaitable RequestResult. `reply(ids)` gives the sampled ids (or
+    raises); each token gets log-prob -0.5 and version max(min_version, self.version)."""
+
+    def __init__(self, reply, version: int = 0, delay: float = 0.0):
+        self.reply, self.version, self.delay = reply, version, delay
+        self.calls: list[tuple[list[int], int, int]] = []  # (context ids, budget, min_version)
+        self.generate = types.SimpleNamespace(call_one=self._call_one)
+        self.generate_many = types.SimpleNamespace(call_one=self._call_many)
+        self.messages = 0  # generate_many calls: one carries the turns asked for together
+
+    def _call_one(self, ids, budget, temperature, min_version):
+        self.calls.append((list(ids), budget, min_version))
+
+        async def run():
+            from meshrl.generator.engine import RequestResult
+
+            await asyncio.sleep(self.delay)
+            out = list(self.reply(list(ids)))[:budget]
+            v = max(min_version, self.version)
+            return RequestResult(out, [-0.5] * len(out), [v] * len(out), "stop" if out and out[-1] == 2 else "length")
+
+        return run()
+
+    def _call_many(self, requests):
+        """As GeneratorActor.generate_many: a failed sample comes back as its error text."""
+        self.messages += 1
+
+        async def run():
+            results = await asyncio.gather(*(self._call_one(*r) for r in requests), return_exceptions=True)
+            return [f"{type(r).__name__}: {r}" if isinstance(r, BaseException) else r for r in results]
+
+        return run()
+
+
+def replies_in_order(tok, texts: list[str]):
+    """reply(ids) giving `texts` in turn, each ended by the end-of-turn token."""
+    left = list(texts)
+    return lambda ids: tok.encode(left.pop(0), add_special_tokens=False) + [tok.eos_token_id]

@@ -450,3 +450,47 @@ def test_a_judge_on_its_own_engine_scores_replies_parsed_exactly(tmp_path):
     rows = [r for r in run.metrics if "scoring/judge/mean" in r or "scoring/judge/unparsable" in r]
     assert rows and all("scoring/env/mean" in r for r in rows)
     assert all(r.get("episode/failed", 0) == 0 for r in rows)  # unparsable replies score 0, they fail nothing
+
+
+def test_reward_models_and_judges_hold_a_gpu_of_their_own_in_the_device_plan(tmp_path, trained_rm):
+    from meshrl.launch.devices import plan_devices
+    from meshrl.launch.memory import plan_memory
+
+    rm, _ = trained_rm
+    scorers = [{"kind": "reward_model", "path": rm, "replicas": 2}, {"kind": "remote", "url": "http://127.0.0.1:9/"}]
+    cfg = Config.from_dict({"launcher": {"gpus_per_host": 4, "gpu_memory_gib": 80}, "scoring": {"scorers": scorers}})
+    plan = plan_devices(cfg)
+    assert [(s.role, s.index, s.gpus) for s in plan.slots] == [("trainer", 0, (0,)), ("generator", 0, (1,)), ("scorer", 0, (2,)), ("scorer", 1, (3,))]
+    assert plan.env("scorer", 1)["CUDA_VISIBLE_DEVICES"] == "3"
+    held = {h.role for g in plan_memory(cfg, plan=plan).gpus for h in g.holdings}
+    assert "scorer" in held
+    with pytest.raises(ConfigError) as e:  # one GPU too few: the line names the field to change
+        plan_devices(Config.from_dict({"launcher": {"gpus_per_host": 3}, "scoring": {"scorers": scorers}}))
+    assert "teacher and scorers 2" in str(e.value)
+    shared = plan_devices(Config.from_dict({"placement": "colocate", "launcher": {"gpus_per_host": 1}, "scoring": {"scorers": scorers}}))
+    assert [(s.role, s.gpus) for s in shared.slots] == [("trainer", (0,)), ("generator", (0,)), ("scorer", (0,)), ("scorer", (0,))]
+
+
+def test_a_rollout_worker_turns_step_scores_into_advantages_that_change_at_the_delimiters(tmp_path):
+    """Through a rollout worker: a group of two episodes played on a scripted generator, a
+    process function scoring each step (`,` ends one), packed: the trained per-token
+    advantage changes exactly after each step's last token."""
+    from meshrl.agent.worker import RolloutWorker
+    from meshrl.queue import Claim
+    from meshrl.tokenizer import build_char_tokenizer
+    from tests.conftest import ScriptedGenerator, replies_in_order
+
+    cfg = Config.from_dict({"generator": {"group_size": 2}, "scoring": {"process_weight": 1.0, "process_advantage": "step", "scorers": [
+        {"kind": "function", "path": "tests.test_scorers:per_step", "process": "step", "step_delimiter": ",", "name": "steps"}]}})
+    worker = RolloutWorker(cfg, build_char_tokenizer(tmp_path / "tok"))
+    tok = worker.tokenizer
+    worker.set_generators([ScriptedGenerator(replies_in_order(tok, ["12,34,5", "1,23"]))])
+    episodes = asyncio.run(worker.play_group(Claim(0, {"prompt": "a:", "answer": ""}, 0)))
+    td = asyncio.run(worker._packed(episodes))
+    for row, ep in enumerate(episodes):
+        text = tok.decode(ep.token_ids[ep.prompt_len:])
+        ends = [ep.prompt_len + i for i, ch in enumerate(text) if ch == ","] + [len(ep) - 1]  # the last: the end-of-turn token
+        adv = td["token_advantage"][row]
+        changes = [t for t in range(ep.prompt_len + 1, len(ep)) if not math.isclose(adv[t], adv[t - 1], abs_tol=1e-7)]
+        assert changes == [e + 1 for e in ends[:-1]], (text, changes, adv.tolist())
+        assert [p for p, _ in ep.process] == ends and ep.signals["steps"] == float(len(text.replace(tok.eos_token, "")))

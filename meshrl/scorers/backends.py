@@ -128,7 +128,9 @@ class RewardModel:
         self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype="auto").eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {path!r} has {self.model.config.num_labels} labels: a reward model has one (num_labels=1)")
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        from meshrl.compat import cuda_present
+
+        self.device = device or ("cuda" if cuda_present() else "cpu")
         self.model.to(self.device)
         self.max_len = max_len
         # Rows are left-padded, so each one's last real token is the last position, and the

@@ -153,7 +153,8 @@ class EpisodeScorers:
                 actor = min(replicas, key=lambda a: self._load.get(id(a), 0))
                 self._load[id(actor)] = self._load.get(id(actor), 0) + 1
                 try:
-                    (result,) = await asyncio.wait_for(awaited(actor.score.call_one([item])), spec.timeout_s)
+                    sent = {k: v for k, v in item.items() if k != "step_ends"}  # positions in this episode: the worker's own
+                    (result,) = await asyncio.wait_for(awaited(actor.score.call_one([sent])), spec.timeout_s)
                     return result
                 except (asyncio.TimeoutError, TimeoutError):
                     return {"error": f"scorer {self.names[index]} took longer than timeout_s={spec.timeout_s:g}s"}
