@@ -15,12 +15,11 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import torch
 
 import meshrl
 from meshrl.config import Config, ConfigError, ScorerConfig
 from meshrl.episode import Episode, Turn, assign_advantages, pack
-from meshrl.scorers.backends import Failed, Judged, Remote, RewardModel, number_parser, parse_reply, yes_no_parser
+from meshrl.scorers.backends import Failed, Remote, RewardModel, number_parser, parse_reply, yes_no_parser
 from meshrl.scorers.client import EpisodeScorers, ScorerUnavailable
 from meshrl.scorers.process import assign_process_advantages, process_tensors, step_ends, step_texts
 from meshrl.scorers.service import ScorerService

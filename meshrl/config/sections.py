@@ -295,7 +295,7 @@ class ScorerConfig:
     """`judge`: the reply's token budget (greedy decoding)."""
     max_len: int = 1024
     """`reward_model` / `judge`: the longest input in tokens; a longer one keeps its last max_len tokens (a judge: within its checkpoint's max_position_embeddings, less max_new_tokens)."""
-    batch_size: int = 16
+    batch_size: int = 32
     """Items scored together; requests from every rollout worker are batched up to this size."""
     batch_wait_s: float = 0.05
     """Longest a request waits for others to fill a batch: a batch is scored when it is full or its first request has waited this long."""

@@ -104,11 +104,6 @@ def parse_reply(parser: Callable[[str], float | None], text: str, scale: float, 
     return value * scale
 
 
-def unparsable_score(result: Result, spec: ScorerConfig) -> float | None:
-    """The score an unparsable reply counts as (None: it fails its episode)."""
-    return spec.unparsable if isinstance(result, Failed) and result.unparsable else None
-
-
 def render_messages(item: dict, response: str | None = None) -> list[dict]:
     """The item's prompt as chat messages, with `response` as the assistant's turn."""
     messages = list(item.get("messages") or [{"role": "user", "content": item["prompt"]}])
@@ -121,15 +116,14 @@ class RewardModel:
     """A sequence-classification checkpoint with one label, scoring (prompt, response) pairs."""
 
     def __init__(self, path: str, max_len: int = 1024, device: str | None = None):
-        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from meshrl.compat import cuda_present
 
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype="auto").eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {path!r} has {self.model.config.num_labels} labels: a reward model has one (num_labels=1)")
-        from meshrl.compat import cuda_present
-
         self.device = device or ("cuda" if cuda_present() else "cpu")
         self.model.to(self.device)
         self.max_len = max_len
