@@ -49,6 +49,8 @@ BENCHMARKS = [
     ("long_tail", ["long_tail.py", "--out", os.path.join(RESULTS, "long_tail.json")], 1200),
     # on-policy distillation against RL alone: a teacher trained by RL, then students taught each way
     ("distill", ["distill.py", "--out", os.path.join(RESULTS, "distill.json")], 2400),
+    # a reward model as the only reward against the verifier, and a scorer proc's cost per step
+    ("scorers", ["scorers.py", "--seeds", "3", "--out", os.path.join(RESULTS, "scorers.json")], 1800),
     # long rows in the trainer: activation memory per checkpointing mode, packed vs padded micro-batches, one 32k row
     ("long_rows", ["long_rows.py", "--out", os.path.join(RESULTS, "long_rows.json")], 1800),
     # every shipped CPU config at 2x its steps, async and sync, 3 seeds: collapses, best and final reward, entropy

@@ -10,12 +10,13 @@ from __future__ import annotations
 import gc
 import os
 
+import torch
+
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.compat import cuda_present, endpoint_for_callers_that_may_die
 from meshrl.config import Config
 from meshrl.logs import capture_role_output
-from meshrl.placement import cpus_for, place_light_process, vllm_threads_bind
 from meshrl.scorers.backends import start_backend
 from meshrl.scorers.service import ScorerService
 
@@ -34,13 +35,11 @@ class ScorerActor(Actor):
         spec = config.scoring.scorers[index]
         capture_role_output(config, f"scorer-{config.scoring.scorer_names()[index]}-{replica}")
         if not cuda_present():
-            # On CPU the trainer and the generators hold the cores: a scorer works as the light
-            # procs do, one intra-op thread on the trainer's cores (which wait while episodes are
-            # generated and scored), never spinning threads on the generators' critical path.
-            place_light_process(config)
-            cpus = cpus_for(config.trainer.cpus, 0)
-            if cpus is not None and spec.kind == "judge":
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_threads_bind(cpus, 1)
+            # On CPU the trainer and the generators hold the cores: a scorer takes one intra-op
+            # thread, so no idle OpenMP thread spins on a core they need, and is not pinned: on the
+            # trainer's cores (as the rollout workers are) its work lengthened the trainer's step,
+            # while unpinned it runs on whichever core is idle at the moment.
+            torch.set_num_threads(1)
         try:
             backend = await start_backend(spec, config, replica)
         except Exception as e:  # noqa: BLE001 - some engine errors do not pickle, and one that cannot be sent aborts the caller

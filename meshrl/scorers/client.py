@@ -36,6 +36,8 @@ from meshrl.scorers.process import step_ends, step_texts
 
 RETRY_S = 1.0
 """Pause before asking again after a replica failed a call."""
+COALESCE_S = 0.002
+"""Items for one scorer asked for within this long of the first go in one message."""
 
 
 class ScorerUnavailable(Exception):
@@ -53,6 +55,8 @@ class EpisodeScorers:
         self.replicas: dict[int, list] = {}
         self._load: dict[int, int] = {}  # id(actor) -> calls in flight
         self._changed = asyncio.Event()
+        self._waiting: dict[int, list] = {}  # scorer index -> items not yet sent, with their futures
+        self._calls: set[asyncio.Task] = set()  # score calls in flight
         # a dead replica's calls are asked again for as long as its replacement may take to start
         self.replace_s = config.generator.startup_timeout_s + 60
 
@@ -142,34 +146,64 @@ class EpisodeScorers:
         return {"score": score}
 
     async def _remote_call(self, index: int, item: dict) -> dict:
+        """The item's result from a replica of scorer `index`. Items asked for within
+        COALESCE_S of the first (a group's episodes tend to finish together) go in one
+        message, as model turns do (meshrl/agent/turns.py)."""
+        future = asyncio.get_running_loop().create_future()
+        waiting = self._waiting.setdefault(index, [])
+        waiting.append(({k: v for k, v in item.items() if k != "step_ends"}, future))  # positions stay with the worker
+        if len(waiting) == 1:
+            asyncio.get_running_loop().call_later(COALESCE_S, self._send, index)
+        return await future
+
+    def _send(self, index: int) -> None:
+        batch = self._waiting.pop(index, [])
+        if batch:
+            task = asyncio.ensure_future(self._call(index, batch))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+
+    async def _call(self, index: int, batch: list) -> None:
         """Ask the least-loaded replica; a replica that fails the call (it died) is not the
-        episode's fault: ask again until one answers or replace_s has passed."""
-        spec = self.specs[index]
+        episodes' fault: ask again until one answers or replace_s has passed."""
+        spec, items = self.specs[index], [item for item, _ in batch]
         deadline = time.monotonic() + self.replace_s
-        last = "no replica"
-        while True:
+        last, results, error = "no replica", None, None
+        while results is None and error is None:
             replicas = self.replicas.get(index) or []
             if replicas:
                 actor = min(replicas, key=lambda a: self._load.get(id(a), 0))
                 self._load[id(actor)] = self._load.get(id(actor), 0) + 1
                 try:
-                    sent = {k: v for k, v in item.items() if k != "step_ends"}  # positions in this episode: the worker's own
-                    (result,) = await asyncio.wait_for(awaited(actor.score.call_one([sent])), spec.timeout_s)
-                    return result
+                    results = await asyncio.wait_for(awaited(actor.score.call_one(items)), spec.timeout_s)
+                    break
                 except (asyncio.TimeoutError, TimeoutError):
-                    return {"error": f"scorer {self.names[index]} took longer than timeout_s={spec.timeout_s:g}s"}
+                    results = [{"error": f"scorer {self.names[index]} took longer than timeout_s={spec.timeout_s:g}s"}] * len(batch)
+                    break
+                except asyncio.CancelledError:  # the worker is stopping
+                    for _, future in batch:
+                        future.cancel()
+                    raise
                 except Exception as e:  # noqa: BLE001 - a dead replica: asked again below
                     last = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
                 finally:
                     self._load[id(actor)] -= 1
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ScorerUnavailable(f"scorer {self.names[index]}: no replica answered in {self.replace_s:g}s ({last})")
+                error = ScorerUnavailable(f"scorer {self.names[index]}: no replica answered in {self.replace_s:g}s ({last})")
+                break
             changed = self._changed
             try:
                 await asyncio.wait_for(changed.wait(), min(RETRY_S, left))
             except asyncio.TimeoutError:
                 pass
+        for k, (_, future) in enumerate(batch):
+            if future.done():
+                continue
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(dict(results[k]))
 
 
 def check_score(value, item: dict):
