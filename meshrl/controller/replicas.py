@@ -300,9 +300,8 @@ class ScorerPool:
         return out
 
     async def spawn(self, slot: int) -> Member:
-        from meshrl.scorers.actor import ScorerActor
-
         from meshrl.launch.devices import scorer_slots
+        from meshrl.scorers.actor import ScorerActor
 
         index, replica = self.slots[slot]
         if self.config.scoring.scorers[index].kind == "remote":  # a remote client holds no GPU
@@ -338,7 +337,11 @@ class ScorerPool:
                 name = f"scorer {self.names[key[0]]} replica {key[1]}"
                 log.warning("%s died; replacing it", name)
                 await m.stop()
-                self.members[key] = await self.spawn(m.index)
+                try:
+                    self.members[key] = await self.spawn(m.index)
+                except Exception as e:  # noqa: BLE001 - the next health check tries again; the workers ask the others meanwhile
+                    log.warning("%s could not be replaced yet (%s); the next health check tries again", name, str(e)[:200])
+                    continue
                 self.replaced += 1
                 await self.on_change()
                 log.warning("%s replaced", name)
