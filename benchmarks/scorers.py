@@ -101,7 +101,7 @@ def plot(runs: list[dict], path: str, level: float) -> None:
     for r in runs:
         xs = [x["step"] for x in r["rows"] if x["verifier"] is not None]
         ys = [x["verifier"] for x in r["rows"] if x["verifier"] is not None]
-        ax.plot(xs, ys, color=COLORS[r["arm"]], alpha=0.85, linestyle="-" if r["seed"] == 0 else "--",
+        ax.plot(xs, ys, color=COLORS[r["arm"]], alpha=0.85, linestyle=("-", "--", ":")[r["seed"] % 3],
                 label=f"{r['arm']} (seed {r['seed']})")
     ax.axhline(level, color="black", linewidth=0.6, linestyle=":")
     ax.set_xlabel("step")
