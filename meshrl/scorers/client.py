@@ -69,25 +69,31 @@ class EpisodeScorers:
         self._changed = asyncio.Event()
 
     # ---- one episode ---------------------------------------------------------------------------
-    def item(self, ep: Episode, record: dict, spec: ScorerConfig) -> dict:
-        prompt = record.get("prompt")
-        answer = record.get("answer")
-        sample = {k: v for k, v in record.items() if k != "prompt" and _jsonable(v)}
-        item = {"prompt": prompt_text(prompt), "messages": prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else None,
+    def items(self, ep: Episode, record: dict) -> list[dict]:
+        """What each scorer is sent for `ep` (backends.py has the fields); a process scorer's
+        item also holds the steps, and the positions of their last tokens (`step_ends`,
+        kept by this worker)."""
+        prompt, answer = record.get("prompt"), record.get("answer")
+        base = {"prompt": prompt_text(prompt),
+                "messages": prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else None,
                 "response": self.tokenizer.decode(ep.token_ids[ep.prompt_len :], skip_special_tokens=True),
-                "answer": "" if answer is None else str(answer), "sample": sample, "steps": None}
-        if spec.process != "none":
-            ends = step_ends(ep, self.tokenizer, spec.process, spec.step_delimiter)
-            item["steps"] = step_texts(ep, self.tokenizer, ends)
-            item["step_ends"] = ends
-        return item
+                "answer": "" if answer is None else str(answer),
+                "sample": {k: v for k, v in record.items() if k != "prompt" and _jsonable(v)}, "steps": None}
+        items = []
+        for spec in self.specs:
+            item = dict(base)
+            if spec.process != "none":
+                item["step_ends"] = step_ends(ep, self.tokenizer, spec.process, spec.step_delimiter)
+                item["steps"] = step_texts(ep, self.tokenizer, item["step_ends"])
+            items.append(item)
+        return items
 
     async def score(self, ep: Episode, record: dict) -> None:
         """Score `ep` with every scorer and set its rewards (in place). A failed episode is
         left as it is; a failed score fails the episode."""
         if ep.finish_reason == "failed":
             return
-        items = [self.item(ep, record, spec) for spec in self.specs]
+        items = self.items(ep, record)
         results = await asyncio.gather(*(self._one(i, item) for i, item in enumerate(items)))
         env_reward = sum(t.reward for t in ep.model_turns)
         ep.signals["env"] = env_reward
