@@ -147,10 +147,10 @@ def _check_scorer_checkpoint(need, field: str, path: str, kind: str) -> None:
         hf = json.load(f)
     arch = " ".join(hf.get("architectures") or [])
     if kind == "reward_model":
+        want = "a reward model is a sequence-classification checkpoint with one label (AutoModelForSequenceClassification, num_labels=1)"
+        need("ForSequenceClassification" in arch, field, f"{path!r} is {arch or 'no known architecture'}: {want}")
         labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
-        need("ForSequenceClassification" in arch and labels == 1, field,
-             f"{path!r} is {arch or 'no known architecture'} with {labels} label(s): a reward model is a sequence-classification "
-             "checkpoint with one label (AutoModelForSequenceClassification, num_labels=1)")
+        need(labels == 1, field, f"{path!r} has a head of {labels} labels: {want}")
     else:
         need("ForCausalLM" in arch or "ForConditionalGeneration" in arch, field, f"{path!r} is {arch or 'no known architecture'}: a judge is a causal LM checkpoint")
     need(any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")), field,

@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -335,10 +336,16 @@ def test_preflight_names_a_missing_checkpoint_a_wrong_head_a_bad_template_and_a_
     from meshrl.tokenizer import build_char_tokenizer
 
     build_char_tokenizer(judge)  # the judge's own tokenizer, beside its weights
+    two_labels = shutil.copytree(rm, tmp_path / "two_labels")
+    with open(two_labels / "config.json") as f:
+        hf = json.load(f)
+    with open(two_labels / "config.json", "w") as f:
+        json.dump({**hf, "id2label": {"0": "bad", "1": "good"}, "label2id": {"bad": 0, "good": 1}}, f)
     base = {"logging": {"run_dir": str(tmp_path / "run")}}
     cases = [
         ({"kind": "reward_model", "path": str(tmp_path / "nowhere")}, "scoring.scorers[0].path", "no config.json"),
-        ({"kind": "reward_model", "path": judge}, "scoring.scorers[0].path", "one label"),
+        ({"kind": "reward_model", "path": judge}, "scoring.scorers[0].path", "is Qwen3ForCausalLM"),
+        ({"kind": "reward_model", "path": str(two_labels)}, "scoring.scorers[0].path", "2 labels"),
         ({"kind": "judge", "path": rm}, "scoring.scorers[0].path", "causal LM"),
         ({"kind": "judge", "path": judge, "template": "Rate {answr}"}, "scoring.scorers[0].template", "answr"),
         ({"kind": "judge", "path": judge, "parser": "yes_no"}, "scoring.scorers[0].parser", "probe_reply"),
