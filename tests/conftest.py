@@ -15,9 +15,12 @@ import types
 
 import pytest
 
-# Test procs keep their output on the terminal, where pytest shows it with a failure; the
-# console tests run `meshrl` in a subprocess without this, to check the quiet default.
-os.environ.setdefault("MESHRL_VERBOSE", "1")
+def pytest_configure(config):
+    # Test procs keep their output on the terminal, where pytest shows it with a failure; the
+    # console tests run `meshrl` in a subprocess without this, to check the quiet default.
+    # Set here, not at import: a `meshrl` subprocess that imports a test module's env or
+    # reward (which may import these helpers) must keep its own console.
+    os.environ.setdefault("MESHRL_VERBOSE", "1")
 
 NL = "{{ '\\n' }}"  # HF renders templates with trim_blocks, which eats a literal newline after a tag
 QWEN_STYLE_TEMPLATE = (

@@ -20,7 +20,7 @@ from meshrl.errors import UserCodeError, describe, one_line
 from meshrl.queue import EpisodeQueue
 from meshrl.rollout.env import ContractError, ModelTurn, StepResult, as_observation, as_reward, as_step_result
 from meshrl.agent.worker import RolloutWorker, summarize
-from tests.test_data_scoring import ScriptedGenerator, replies_in_order
+from tests.conftest import ScriptedGenerator, replies_in_order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = "tests/test_contracts.py"
