@@ -72,6 +72,17 @@ class Member:
         """Whether the member's own proc still runs (on this host; no round trip)."""
         return bool(self.pids) and _running(*self.pids[0]) is not None
 
+    async def gone(self, endpoint: str) -> bool:
+        """Whether the member is gone: by its pid on this host, else by asking `endpoint`
+        (no answer in 30 s: gone)."""
+        if self.on_this_host():
+            return not self.alive()
+        try:
+            await asyncio.wait_for(awaited(getattr(self.actor, endpoint).call_one()), 30)
+            return False
+        except Exception:  # noqa: BLE001 - no answer: gone
+            return True
+
     def kill_leftovers(self) -> int:
         """SIGKILL what is still alive of the member's processes on this host, and unlink the
         shared-memory names they held (vLLM's queues are unlinked by their maker, which was
@@ -324,15 +335,8 @@ class ScorerPool:
     async def check(self) -> None:
         """Replace any replica whose proc is gone (by pid on this host, else asked)."""
         for key, m in list(self.members.items()):
-            if m.on_this_host():
-                if m.alive():
-                    continue
-            else:
-                try:
-                    await asyncio.wait_for(awaited(m.actor.stats.call_one()), 30)
-                    continue
-                except Exception:  # noqa: BLE001 - gone: replaced below
-                    pass
+            if not await m.gone("stats"):
+                continue
             async with self._lock:
                 name = f"scorer {self.names[key[0]]} replica {key[1]}"
                 log.warning("%s died; replacing it", name)
@@ -403,15 +407,8 @@ class WorkerPool:
         """Replace a worker whose proc is gone (checked by pid on this host, asked elsewhere);
         the queue hands its groups out again."""
         for w in list(self.workers):
-            if w.on_this_host():
-                if w.alive():
-                    continue
-            else:
-                try:
-                    await asyncio.wait_for(awaited(w.actor.health.call_one()), 30)
-                    continue
-                except Exception:  # noqa: BLE001 - gone: replaced below
-                    pass
+            if not await w.gone("health"):
+                continue
             log.warning("rollout worker %d died; replacing it", w.index)
             await w.stop()
             requeued = await asyncio.wait_for(awaited(self.queue.requeue.call_one(w.ident)), 60)

@@ -15,7 +15,8 @@ each episode finishes, with no barrier between episodes:
 - actor.py: the replica on a Monarch proc (`ScorerPool` in meshrl/controller/replicas.py
   starts, watches and replaces them);
 - client.py: the rollout worker's side: items, calls, weights, metrics;
-- process.py: process rewards (per turn or step) as per-token advantages.
+- process.py: process rewards (per turn or step) as per-token advantages;
+- preference.py: train a reward model on preference pairs (Bradley-Terry), as the suite does.
 docs/scoring.md has the three kinds with a worked config each.
 """
 
