@@ -252,7 +252,7 @@ def check_user_code(c: Config, reward_fn: RewardFn | None = None) -> None:
     if c.contracts.probe:
         for i, sc in enumerate(c.scoring.scorers):
             if sc.kind == "function" and sc.process == "none":  # a process function needs an episode's steps
-                _probe_reward(c, import_callable(sc.path), f"scoring.scorers[{i}].path", record)
+                _probe_reward(c, import_callable(sc.path), f"scoring.scorers[{i}].path", record, sc.timeout_s, f"scoring.scorers[{i}].timeout_s")
             elif sc.kind == "remote":
                 _probe_remote(c, sc, f"scoring.scorers[{i}].url", record)
     _checked.add(key)
@@ -261,12 +261,12 @@ def check_user_code(c: Config, reward_fn: RewardFn | None = None) -> None:
 def _probe_remote(c: Config, sc, field: str, record: dict) -> None:
     """One request to a remote scorer: the first record, its answer as the response."""
     from meshrl.scorers.backends import Failed, Remote
+    from meshrl.scorers.client import scoring_item
 
     answer = record.get("answer")
-    response = answer if isinstance(answer, str) else ""
-    item = {"prompt": prompt_text(record["prompt"]), "messages": None, "response": response, "answer": response,
-            "sample": {k: v for k, v in record.items() if k != "prompt" and isinstance(v, (str, int, float, bool, type(None)))},
-            "steps": [response] if sc.process != "none" else None}
+    item = scoring_item(record, answer if isinstance(answer, str) else "")
+    if sc.process != "none":
+        item["steps"] = [item["response"]]
     (result,) = _run_probe(lambda: Remote(sc).score([item]), sc.timeout_s + 10)
     if isinstance(result, Failed):
         raise ConfigError(field, f"{result.reason}, on the first record of {c.data.source}: start the server, fix the url, "
@@ -408,15 +408,16 @@ def _probe_env(c: Config, record: dict) -> None:
         raise fail(f"trying env {r.env!r} on the first record {e}: raise rollout.env_timeout_s, or set contracts.probe=false") from None
 
 
-def _probe_reward(c: Config, fn: RewardFn, field: str, record: dict) -> None:
-    """Call the reward function on `record`, its answer as the response, under the contract."""
+def _probe_reward(c: Config, fn: RewardFn, field: str, record: dict, timeout: float | None = None, bound: str = "scoring.timeout_s") -> None:
+    """Call the reward function on `record`, its answer as the response, under the contract
+    and its bound (`timeout`, the knob `bound`; default scoring.timeout_s)."""
     answer = record.get("answer")
     sample = {**record, "finish_reason": "stop", "response_ids": []}
-    timeout = c.scoring.timeout_s
+    timeout = c.scoring.timeout_s if timeout is None else timeout
     name = f"reward function {callable_name(fn)}"
 
     async def probe() -> float:
-        return await call_reward(fn, prompt_text(record["prompt"]), answer if isinstance(answer, str) else "", sample, timeout)
+        return await call_reward(fn, prompt_text(record["prompt"]), answer if isinstance(answer, str) else "", sample, timeout, bound)
 
     try:
         _run_probe(probe, timeout + 10)

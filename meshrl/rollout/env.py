@@ -231,17 +231,24 @@ class SingleTurnEnv:
         return StepResult(reward=value, done=True)
 
 
-async def call_reward(fn: RewardFn, prompt: str, response: str, sample: dict, timeout_s: float) -> float:
-    """One reward call under the contract: bounded by `timeout_s`, a finite number back."""
+async def call_reward(fn: RewardFn, prompt: str, response: str, sample: dict, timeout_s: float,
+                      bound: str = "scoring.timeout_s", steps: int | None = None) -> float | list[float]:
+    """One reward call under the contract: bounded by `timeout_s` (the knob `bound`), a
+    finite number back; with `steps` (a process scorer, meshrl/scorers/process.py) a list
+    of that many finite numbers, one per step."""
     name = f"reward function {callable_name(fn)}"
     try:
         value = await call_bounded(fn, prompt, response, sample, timeout=timeout_s)
     except (asyncio.TimeoutError, TimeoutError) as e:
         if not str(e):
-            raise TimeoutError(f"{name} took longer than scoring.timeout_s={timeout_s:g}s") from None
+            raise TimeoutError(f"{name} took longer than {bound}={timeout_s:g}s") from None
         raise
     except Exception as e:
         if getattr(e, "where", None) is None and user_location(e) is None:  # the call itself failed (a wrong signature): point at the function
             e.where = _where(fn)
         raise
-    return as_reward(value, name, _where(fn))
+    if steps is None:
+        return as_reward(value, name, _where(fn))
+    if not isinstance(value, (list, tuple)) or len(value) != steps:
+        raise ContractError(f"{name} returned {_shown(value)}: expected a list of {steps} finite numbers, one per step", _where(fn))
+    return [as_reward(v, f"{name}, step {k + 1}", _where(fn)) for k, v in enumerate(value)]

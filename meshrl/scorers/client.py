@@ -25,13 +25,12 @@ episode is lost.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 from meshrl.compat import awaited
 from meshrl.config import Config, ScorerConfig
 from meshrl.episode import Episode
-from meshrl.rollout.env import call_bounded, callable_name, prompt_text
+from meshrl.rollout.env import call_reward, prompt_text
 from meshrl.scorers.process import step_ends, step_texts
 
 RETRY_S = 1.0
@@ -73,12 +72,7 @@ class EpisodeScorers:
         """What each scorer is sent for `ep` (backends.py has the fields); a process scorer's
         item also holds the steps, and the positions of their last tokens (`step_ends`,
         kept by this worker)."""
-        prompt, answer = record.get("prompt"), record.get("answer")
-        base = {"prompt": prompt_text(prompt),
-                "messages": prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else None,
-                "response": self.tokenizer.decode(ep.token_ids[ep.prompt_len :], skip_special_tokens=True),
-                "answer": "" if answer is None else str(answer),
-                "sample": {k: v for k, v in record.items() if k != "prompt" and _jsonable(v)}, "steps": None}
+        base = scoring_item(record, self.tokenizer.decode(ep.token_ids[ep.prompt_len :], skip_special_tokens=True))
         items = []
         for spec in self.specs:
             item = dict(base)
@@ -136,19 +130,13 @@ class EpisodeScorers:
         return result
 
     async def _function(self, index: int, item: dict) -> dict:
-        spec, fn = self.specs[index], self.functions[index]
-        name = f"scorer {self.names[index]} ({callable_name(fn)})"
+        spec, steps = self.specs[index], item["steps"]
         try:
-            value = await call_bounded(fn, item["prompt"], item["response"], {**item["sample"], "answer": item["answer"], "steps": item["steps"]},
-                                       timeout=spec.timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
-            return {"error": f"{name} took longer than timeout_s={spec.timeout_s:g}s"}
-        except Exception as e:  # noqa: BLE001 - the function's failure fails its episode
-            return {"error": f"{name} raised {type(e).__name__}: {str(e)[:200]}"}
-        score = check_score(value, item)
-        if score is None:
-            want = f"a list of {len(item['steps'])} finite numbers, one per step" if item["steps"] is not None else "a finite number"
-            return {"error": f"{name} returned {str(value)[:80]!r}: expected {want}"}
+            score = await call_reward(self.functions[index], item["prompt"], item["response"],
+                                      {**item["sample"], "answer": item["answer"], "steps": steps}, spec.timeout_s,
+                                      f"scoring.scorers[{index}].timeout_s", None if steps is None else len(steps))
+        except Exception as e:  # noqa: BLE001 - the function's failure (a raise, a timeout, a wrong return) fails its episode
+            return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         return {"score": score}
 
     async def _remote_call(self, index: int, item: dict) -> dict:
@@ -184,7 +172,7 @@ class EpisodeScorers:
                     results = await asyncio.wait_for(awaited(actor.score.call_one(items)), spec.timeout_s)
                     break
                 except (asyncio.TimeoutError, TimeoutError):
-                    results = [{"error": f"scorer {self.names[index]} took longer than timeout_s={spec.timeout_s:g}s"}] * len(batch)
+                    results = [{"error": f"took longer than scoring.scorers[{index}].timeout_s={spec.timeout_s:g}s"}] * len(batch)
                     break
                 except asyncio.CancelledError:  # the worker is stopping
                     for _, future in batch:
@@ -212,21 +200,13 @@ class EpisodeScorers:
                 future.set_result(dict(results[k]))
 
 
-def check_score(value, item: dict):
-    """A function's answer as a score: a finite number, or (process) a list of one finite
-    number per step; None when it is not."""
-    steps = item["steps"]
-    if steps is not None:
-        ok = isinstance(value, (list, tuple)) and len(value) == len(steps) and all(_finite(v) for v in value)
-        return [float(v) for v in value] if ok else None
-    return float(value) if _finite(value) else None
-
-
-def _finite(value) -> bool:
-    try:
-        return not isinstance(value, (str, bytes)) and math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False
+def scoring_item(record: dict, response: str) -> dict:
+    """What a scorer is sent for `record` answered by `response` (backends.py has the fields)."""
+    prompt, answer = record.get("prompt"), record.get("answer")
+    return {"prompt": prompt_text(prompt),
+            "messages": prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else None,
+            "response": response, "answer": "" if answer is None else str(answer),
+            "sample": {k: v for k, v in record.items() if k != "prompt" and _jsonable(v)}, "steps": None}
 
 
 def _jsonable(value) -> bool:
