@@ -470,6 +470,16 @@ def test_reward_models_and_judges_hold_a_gpu_of_their_own_in_the_device_plan(tmp
     assert plan.env("scorer", 1)["CUDA_VISIBLE_DEVICES"] == "3"
     held = {h.role for g in plan_memory(cfg, plan=plan).gpus for h in g.holdings}
     assert "scorer" in held
+    # a reward model of a family the trainer does not build: held as its files, not refused
+    other = shutil.copytree(rm, tmp_path / "other_family")
+    with open(other / "config.json") as f:
+        hf = json.load(f)
+    with open(other / "config.json", "w") as f:
+        json.dump({**hf, "model_type": "deberta-v2", "architectures": ["DebertaV2ForSequenceClassification"]}, f)
+    cfg = Config.from_dict({"launcher": {"gpus_per_host": 3, "gpu_memory_gib": 80}, "scoring": {"scorers": [{"kind": "reward_model", "path": str(other)}]}})
+    (scorer,) = [h for g in plan_memory(cfg).gpus for h in g.holdings if h.role == "scorer"]
+    weights = dict(scorer.lines)["reward model weights"]
+    assert weights == sum(p.stat().st_size for p in other.glob("*.safetensors")) > 0
     with pytest.raises(ConfigError) as e:  # one GPU too few: the line names the field to change
         plan_devices(Config.from_dict({"launcher": {"gpus_per_host": 3}, "scoring": {"scorers": scorers}}))
     assert "teacher and scorers 2" in str(e.value)

@@ -247,18 +247,28 @@ def generator_holding(config: Config, shape: Shape, role: str, index: int, capac
 
 def scorer_holding(config: Config, index: int, capacity: float) -> Holding:
     """Scorer slot `index`: a judge is a vLLM engine on its checkpoint (as a generator, never
-    updated); a reward model its weights as loaded (their dtype) and one batch's activations."""
+    updated); a reward model its weights as loaded (its files: `dtype="auto"` keeps their
+    dtype) and one batch's activations. Either may be of a family the trainer does not build:
+    its shape is then read no further than config.json (a judge: vLLM's budget alone)."""
+    import json
+    import os
+
     from meshrl.launch.devices import scorer_slots
 
     spec = config.scoring.scorers[scorer_slots(config)[index][0]]
-    shape = model_shape(config, spec.path)
     if spec.kind == "judge":
-        return generator_holding(config, shape, "scorer", index, capacity, False)
+        try:
+            return generator_holding(config, model_shape(config, spec.path), "scorer", index, capacity, False)
+        except ValueError:  # not a trainer family: no weights and KV breakdown, the budget holds either way
+            g = config.generator
+            return Holding("scorer", index, [(f"vLLM budget ({g.gpu_memory_utilization:.0%} of the GPU)", g.gpu_memory_utilization * capacity),
+                                             ("CUDA context", CUDA_CONTEXT)])
+    with open(os.path.join(spec.path, "config.json")) as f:
+        hidden = json.load(f).get("hidden_size", 0)
     db = DTYPE_BYTES[config.model.dtype]
-    h = Holding("scorer", index, [("reward model weights", shape.params * db), ("CUDA context", CUDA_CONTEXT),
-                                  (f"one batch's activations ({spec.batch_size} x {spec.max_len} tokens)",
-                                   spec.batch_size * spec.max_len * shape.dim * db * 4)])
-    return h
+    return Holding("scorer", index, [("reward model weights", float(checkpoint_bytes(spec.path))), ("CUDA context", CUDA_CONTEXT),
+                                     (f"one batch's activations ({spec.batch_size} x {spec.max_len} tokens)",
+                                      spec.batch_size * spec.max_len * hidden * db * 4)])
 
 
 ENGINE_WORKSPACE = 1.0 * GiB
