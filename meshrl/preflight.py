@@ -182,7 +182,7 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
         _check_slurm(c)
     m = c.model
     if m.path is not None:
-        from meshrl.trainer.model import model_args_from_hf
+        from meshrl.config.hf import model_args_from_hf
 
         try:
             shape = model_args_from_hf(m.path)[0]

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PURE = [
     # config and the ground floor
-    "meshrl.config", "meshrl.episode", "meshrl.placement", "meshrl.metrics", "meshrl.logs", "meshrl.host",
+    "meshrl.config", "meshrl.episode", "meshrl.pinning", "meshrl.metrics", "meshrl.logs", "meshrl.host",
     "meshrl.imports", "meshrl.tokenizer", "meshrl.compat", "meshrl.errors", "meshrl.stability",
     # the domain and the checks that need it
     "meshrl.rollout.env", "meshrl.rollout.tools", "meshrl.rollout.chat", "meshrl.rollout.sandbox", "meshrl.rollout.coding",

@@ -8,7 +8,8 @@ import textwrap
 import pytest
 
 from meshrl.config import Config
-from meshrl.placement import auto_placement, cpus_for, parse_cpu_lists, vllm_threads_bind
+from meshrl.config.cpus import cpus_for, parse_cpu_lists
+from meshrl.pinning import resolve_cpus, vllm_threads_bind
 
 
 def test_parse_and_select():
@@ -25,7 +26,7 @@ def test_parse_and_select():
 
 def auto(cores, **sections):
     config = Config.from_dict({"trainer": {"device": "cpu"}, **sections})
-    return auto_placement(config, cores)
+    return resolve_cpus(config, cores)
 
 
 def test_auto_splits_the_cores_between_the_roles():
@@ -34,7 +35,7 @@ def test_auto_splits_the_cores_between_the_roles():
     assert auto(list(range(8)), generator={"replicas": 2}) == ("0,1,2,3", "4,5|6,7")
     assert auto(list(range(8)), trainer={"device": "cpu", "procs": 2, "dp_shard": 2}) == ("0,1|2,3", "4,5,6,7")
     assert auto(list(range(4)), generator={"replicas": 1, "tp": 3}) == ("0", "1,2,3")  # tp workers need a core each
-    # sync mode too: each role runs alone on its half (see meshrl/placement.py)
+    # sync mode too: each role runs alone on its half (see meshrl/pinning.py)
     assert auto([0, 1], buffer={"depth": 0, "max_lag": 0}, generator={"update_mode": "block"}) == ("0", "1")
 
 
@@ -45,7 +46,7 @@ def test_auto_yields_to_explicit_settings_gpus_and_small_hosts():
     assert auto([0]) == ("", "")  # one core: nothing to split
     assert auto([0, 1], generator={"tp": 2}) == ("", "")  # no core left for the trainer
     assert auto([0, 1], launcher={"kind": "slurm"}) == ("", "")  # hosts this process cannot see
-    assert auto_placement(Config.from_dict({"trainer": {"device": "cuda"}}), [0, 1]) == ("", "")
+    assert resolve_cpus(Config.from_dict({"trainer": {"device": "cuda"}}), [0, 1]) == ("", "")
 
 
 def test_yaml_number_is_a_cpu_list():
@@ -57,7 +58,7 @@ def test_pin_moves_every_thread_and_sizes_torch():
     # A fresh process with threads already running (like a Monarch proc): all end up pinned.
     code = textwrap.dedent("""
         import os, threading, time, torch
-        from meshrl.placement import pin_this_process
+        from meshrl.pinning import pin_this_process
         stop = threading.Event()
         t = threading.Thread(target=stop.wait); t.start()
         pin_this_process([1])
@@ -75,19 +76,18 @@ def test_pin_moves_every_thread_and_sizes_torch():
 def test_auto_on_cpu_colocates_a_trainer_bound_run_and_splits_the_default():
     """placement=auto with no GPU: the default tiny model overlaps its roles on their own
     cores; a 25M-parameter model with short answers (trainer-bound) takes turns on all of them."""
-    from meshrl.launch.devices import cpu_auto_placement, resolve_placement
-    from meshrl.placement import COLOCATE_ABOVE_GFLOP, trainer_gflop_per_step
+    from meshrl.launch.devices import COLOCATE_ABOVE_GFLOP, resolve_placement, trainer_gflop_per_step
 
     default = Config.from_dict({})
-    assert trainer_gflop_per_step(default) < COLOCATE_ABOVE_GFLOP / 4 and resolve_placement(default, 0) == "split"
+    assert trainer_gflop_per_step(default) < COLOCATE_ABOVE_GFLOP / 4 and resolve_placement(default, 0)[0] == "split"
     big = {"model": {"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 8, "ffn_dim": 1536}}
     heavy = Config.from_dict(big)
     assert trainer_gflop_per_step(heavy) > 4 * COLOCATE_ABOVE_GFLOP
-    placement, why = cpu_auto_placement(heavy)
-    assert placement == "colocate" and "GFLOP" in why and resolve_placement(heavy, 0) == "colocate"
+    placement, why = resolve_placement(heavy, 0)
+    assert placement == "colocate" and "GFLOP" in why
     # never where colocation cannot be, or where the user placed the roles
     for other in ({"trainer": {"cpus": "0"}, "generator": {"cpus": "1"}}, {"weight_sync": {"transport": "collective"}},
                   {"launcher": {"kind": "workers", "workers": ["127.0.0.1:1", "127.0.0.1:2"], "address": "127.0.0.1"}}):
         cfg = Config.from_dict({**big, **other})
-        assert resolve_placement(cfg, 0) == "split", other
-    assert resolve_placement(Config.from_dict({**big, "placement": "split"}), 0) == "split"
+        assert resolve_placement(cfg, 0)[0] == "split", other
+    assert resolve_placement(Config.from_dict({**big, "placement": "split"}), 0)[0] == "split"

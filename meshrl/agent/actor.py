@@ -12,7 +12,7 @@ from meshrl.agent.worker import RolloutWorker
 from meshrl.config import Config
 from meshrl.errors import UserCodeError, describe
 from meshrl.logs import capture_role_output, role_log
-from meshrl.placement import place_light_process
+from meshrl.pinning import place_light_process
 
 
 class RolloutWorkerActor(Actor):

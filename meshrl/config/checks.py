@@ -16,6 +16,7 @@ import ipaddress
 import os
 import typing
 
+from meshrl.config.cpus import parse_cpu_lists
 from meshrl.config.loading import ConfigError
 
 if typing.TYPE_CHECKING:
@@ -253,9 +254,7 @@ def validate(c: Config) -> None:
 
 def _check_cpus(need, path: str, spec: str, min_per_list: int, on_this_machine: bool) -> None:
     if not spec.strip() or spec == "auto":
-        return  # nothing to parse (and meshrl.placement, which brings torch, stays unimported)
-    from meshrl.placement import parse_cpu_lists
-
+        return
     try:
         lists = parse_cpu_lists(spec)
     except ValueError as e:

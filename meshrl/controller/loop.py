@@ -30,11 +30,11 @@ from meshrl.config import Config
 from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool
 from meshrl.errors import one_line
 from meshrl.launch.allocation import allocate
-from meshrl.launch.devices import cpu_auto_placement, gpus_per_host, resolve_placement, resolve_transport, weights_on_gpu
+from meshrl.launch.devices import gpus_per_host, resolve_placement, resolve_transport, weights_on_gpu
 from meshrl.launch.memory import plan_memory
 from meshrl.logs import console
 from meshrl.metrics import MetricsWriter
-from meshrl.placement import auto_placement
+from meshrl.pinning import resolve_cpus
 from meshrl.queue.actor import EpisodeQueueActor
 from meshrl.rollout.env import RewardFn
 from meshrl.scorers import ON_PROCS
@@ -138,10 +138,11 @@ class RLLoop:
             print(f"meshrl: launcher.gpus_per_host=0: this {c.launcher.kind} run plans no GPUs (every role on CPU"
                   + (", and the Slurm job asks for none" if c.launcher.kind == "slurm" else "") + "); set it to the hosts' GPUs for a GPU run",
                   file=console())
+        placement, why = resolve_placement(c)
         if c.placement == "auto" and gpus_per_host(c) == 0:  # the console says which CPU placement, and why
-            print("meshrl: placement auto -> {} ({})".format(*cpu_auto_placement(c)), file=console())
-        c.placement, c.weight_sync.transport = resolve_placement(c), resolve_transport(c)
-        c.trainer.cpus, c.generator.cpus = auto_placement(c)
+            print(f"meshrl: placement auto -> {placement} ({why})", file=console())
+        c.placement, c.weight_sync.transport = placement, resolve_transport(c)
+        c.trainer.cpus, c.generator.cpus = resolve_cpus(c)
         log.info("placement: %s, trainer cpus %r, generator cpus %r, weight transport %s", c.placement, c.trainer.cpus or "any",
                  c.generator.cpus or "any", c.weight_sync.transport)
         self.tokenizer_dir = c.model.tokenizer or c.model.path or build_char_tokenizer(os.path.join(self.run_dir, "tokenizer"))

@@ -31,7 +31,8 @@ from meshrl.config import Config
 from meshrl.generator.engine import RequestResult
 from meshrl.generator.service import Generator
 from meshrl.logs import capture_role_output
-from meshrl.placement import cpus_for, pin_this_process, vllm_threads_bind
+from meshrl.config.cpus import cpus_for
+from meshrl.pinning import pin_this_process, vllm_threads_bind
 
 
 class GeneratorActor(Actor):

@@ -25,7 +25,7 @@ Layouts (`placement`, resolved by `resolve_placement`):
 - `colocated` (placement=colocate, one host): trainer rank r on GPU r, generator replica i on
   GPUs i*tp .. i*tp+tp-1, the same GPUs time-sliced (the loop sleeps the engines during a
   training step). It fits when trainer.procs and replicas x tp each fit the host's GPUs.
-Without GPUs the plan is `cpu`: no device is named, cores are placed by `meshrl/placement.py`.
+Without GPUs the plan is `cpu`: no device is named, cores are pinned by `meshrl/pinning.py`.
 Pure: the standard library and the config, no torch import and no CUDA initialisation.
 """
 
@@ -35,6 +35,8 @@ import os
 from dataclasses import dataclass, field
 
 from meshrl.config import Config, ConfigError
+from meshrl.config.cpus import AUTO
+from meshrl.config.hf import model_args_from_hf
 from meshrl.launch.hosts import SHARED_MESH, plan_hosts
 
 DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
@@ -201,37 +203,67 @@ def scorer_slots(config: Config) -> list[tuple[int, int]]:
     return [(i, r) for i, s in enumerate(config.scoring.scorers) if s.kind in ("reward_model", "judge") for r in range(s.replicas)]
 
 
-def resolve_placement(config: Config, gpus: int | None = None) -> str:
-    """`split` or `colocate`: `config.placement`, with `auto` decided for `gpus` per host (None:
-    `gpus_per_host(config)`): colocate on one GPU host where the roles do not fit one each
-    and do fit sharing, split everywhere else (CPU machines, several hosts, a CPU trainer)."""
-    if config.placement != "auto":
-        return config.placement
-    g = gpus_per_host(config) if gpus is None else gpus
-    t, gen = config.trainer, config.generator
-    if config.launcher.hosts > 1 or config.distill.teacher or scorer_gpus(config):
-        return "split"
-    if g == 0:
-        return cpu_auto_placement(config)[0]
-    if t.device == "cpu":
-        return "split"
-    if _split_gpus_needed(config) <= g:
-        return "split"
-    return "colocate" if t.procs <= g and gen.replicas * gen.tp <= g else "split"
+# `placement=auto` on one CPU host colocates (every role all the cores, taking turns) when a
+# training step is estimated at more than this many GFLOP, and splits the cores otherwise.
+# Set between two runs measured on a 2-core host (benchmarks/README.md section 6), at about
+# their geometric mean: the default 100K-parameter model (2.5 GFLOP a step by this estimate)
+# ran faster split, trainer and engine overlapping; a 25M-parameter model with short answers
+# (about 250 GFLOP a step, trainer-bound) ran 1.25x TRL colocated and 0.90x split, where the
+# trainer had half the cores.
+COLOCATE_ABOVE_GFLOP = 25.0
 
 
-def cpu_auto_placement(config: Config) -> tuple[str, str]:
-    """`placement=auto` on a host with no GPU: (`split` or `colocate`, why). Colocated only
-    where it can be (one machine, a shared-memory weight handoff, cores not pinned by hand)
-    and the trainer's step outweighs generating its batch (meshrl/placement.py)."""
-    from meshrl.placement import AUTO, cpu_placement
+def trainer_gflop_per_step(config) -> float:
+    """A training step's forward and backward, estimated: 6 x parameters x tokens, with
+    every row at its longest (prompt allowance plus `generator.max_new_tokens` per turn),
+    plus the KL reference's forward when there is one."""
+    m = config.model
+    if m.path is not None:
+        try:
+            m = model_args_from_hf(m.path)[0]
+        except (OSError, ValueError, KeyError):  # preflight names what is wrong with the checkpoint
+            pass
+    head = m.dim // m.n_heads
+    ffn = m.ffn_dim * (m.experts_top_k + 1 if m.moe else 1)  # active experts (and a shared one) for MoE
+    per_layer = m.dim * head * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * ffn
+    params = m.n_layers * per_layer + m.dim * m.vocab_size
+    g = config.generator
+    tokens = config.batch_groups * g.group_size * min(m.max_seq_len, 16 + g.max_new_tokens * config.rollout.max_turns)
+    passes = 6 + (2 if config.trainer.loss.kl_coef > 0 else 0)
+    return passes * params * tokens / 1e9
 
+
+def resolve_placement(config: Config, gpus: int | None = None) -> tuple[str, str]:
+    """(`split` or `colocate`, why): `config.placement`, with `auto` decided for `gpus` per host
+    (None: `gpus_per_host(config)`). On GPUs: colocate on one host where the roles do not fit
+    one each and do fit sharing, split everywhere else (several hosts, a CPU trainer). On a
+    host with no GPU: colocate only where it can be (one machine, a shared-memory weight
+    handoff, cores not pinned by hand) and the trainer's step outweighs generating its batch."""
     c = config
-    if c.launcher.kind not in ("local", "process") or c.launcher.hosts > 1 or c.distill.teacher:
-        return "split", "several hosts or a distillation teacher: each role on its own cores"
-    if c.weight_sync.transport not in ("auto", "shm") or not c.trainer.cpus == c.generator.cpus == AUTO:
-        return "split", "weight_sync.transport or the roles' cores are set by hand"
-    return cpu_placement(c)
+    if c.placement != "auto":
+        return c.placement, "set by placement"
+    g = gpus_per_host(c) if gpus is None else gpus
+    t, gen = c.trainer, c.generator
+    if c.launcher.hosts > 1 or c.distill.teacher or scorer_gpus(c):
+        return "split", "several hosts, a distillation teacher or model scorers: each role on devices of its own"
+    if g == 0:
+        if c.launcher.kind not in ("local", "process"):
+            return "split", "several hosts or a distillation teacher: each role on its own cores"
+        if c.weight_sync.transport not in ("auto", "shm") or not c.trainer.cpus == c.generator.cpus == AUTO:
+            return "split", "weight_sync.transport or the roles' cores are set by hand"
+        gflop = trainer_gflop_per_step(c)
+        if gflop > COLOCATE_ABOVE_GFLOP:
+            return "colocate", (f"a training step is about {gflop:.0f} GFLOP, more than generating its batch: "
+                                "each role gets every core in turn; placement=split overlaps them")
+        return "split", (f"a training step is about {gflop:.1f} GFLOP: trainer and generators overlap on "
+                         "their own cores; placement=colocate takes turns on all of them")
+    if t.device == "cpu":
+        return "split", "a CPU trainer leaves every GPU to the generators"
+    if _split_gpus_needed(c) <= g:
+        return "split", "every role fits GPUs of its own"
+    if t.procs <= g and gen.replicas * gen.tp <= g:
+        return "colocate", "the roles do not fit GPUs of their own and do fit sharing them"
+    return "split", "the roles fit neither apart nor sharing (the device plan says what to change)"
 
 
 def resolve_transport(config: Config) -> str:
@@ -265,7 +297,7 @@ def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
     Raises ConfigError naming the field to change when it does not fit."""
     g = gpus_per_host(config) if gpus is None else gpus
     hosts = plan_hosts(config)
-    placement = resolve_placement(config, g)
+    placement = resolve_placement(config, g)[0]
     if config.placement == "auto" and placement == "colocate" and config.weight_sync.transport not in ("auto", "shm"):
         # auto resolved to colocate: config.checks refuses the same for an explicit colocate
         raise ConfigError("weight_sync.transport", f"placement auto colocates trainer and generators on this host's "

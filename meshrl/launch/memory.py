@@ -96,7 +96,7 @@ def model_shape(config: Config, path: str | None = None) -> Shape:
     m, head_dim, tied = config.model, None, False
     path = path or m.path
     if path is not None:
-        from meshrl.trainer.model import model_args_from_hf
+        from meshrl.config.hf import model_args_from_hf
 
         m, overrides = model_args_from_hf(path)
         head_dim, tied = overrides.get("head_dim"), overrides.get("tie", False)

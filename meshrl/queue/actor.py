@@ -13,7 +13,7 @@ from meshrl.compat import endpoint_for_callers_that_may_die
 from meshrl.config import Config
 from meshrl.errors import UserCodeError, describe
 from meshrl.logs import capture_role_output, role_log
-from meshrl.placement import place_light_process
+from meshrl.pinning import place_light_process
 from meshrl.queue.buffer import Claim, EpisodeQueue
 
 

@@ -26,7 +26,8 @@ from meshrl.host import gloo_on_this_host, host_address
 from meshrl.launch.allocation import with_env
 from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV, plan_devices
 from meshrl.logs import capture_role_output
-from meshrl.placement import cpus_for, pin_this_process
+from meshrl.config.cpus import cpus_for
+from meshrl.pinning import pin_this_process
 from meshrl.trainer.policy import PolicyTrainer
 
 

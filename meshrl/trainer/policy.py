@@ -28,7 +28,9 @@ from meshrl.trainer import checkpoint as ckpt
 from meshrl.trainer import lora
 from meshrl.trainer.logprobs import token_logprobs
 from meshrl.trainer.losses import policy_loss, reduce_metrics
-from meshrl.trainer.model import MOE_FAMILIES, build_model, model_args_from_hf
+from meshrl.config import MOE_FAMILIES
+from meshrl.config.hf import model_args_from_hf
+from meshrl.trainer.model import build_model
 from meshrl.trainer.offload import OptimizerOffload
 from meshrl.trainer.packing import rank_rows_by_tokens, row_lengths, token_micro_batches
 from meshrl.trainer.parallelize import ac_config, compile_config, compile_unsharded, compute_dtype, parallelism_config, parallelize

@@ -1,4 +1,8 @@
-"""CPU placement: pin a role's processes to a set of cores.
+"""CPU pinning: each role's processes on cores of their own (`trainer.cpus`, `generator.cpus`).
+
+"Placement" is the other idea: whether the roles run split or colocated
+(`placement`, decided by `resolve_placement` in meshrl/launch/devices.py); pinning then
+says which cores each proc of a role may use.
 
 On a GPU cluster the trainer and the generators own separate devices, and that is what
 lets asynchronous RL overlap generation with training. On a CPU machine they otherwise
@@ -6,7 +10,7 @@ share every core, so overlapping them only trades time (STACK.md: each ran about
 slower next to the other). `trainer.cpus` and `generator.cpus` give each role its own
 cores, the CPU analogue of device placement.
 
-Syntax (Linux CPU lists, as in `taskset -c`): `"0-3"`, `"0,2,5-7"`; `|` separates the lists
+Syntax (Linux CPU lists, as in `taskset -c`, parsed by meshrl/config/cpus.py): `"0-3"`, `"0,2,5-7"`; `|` separates the lists
 of the processes of one host, by local index: `"0-3|4-7"` pins the first trainer proc (or
 generator replica) of each host to cores 0-3 and the second to 4-7. One list is shared by
 all of a host's procs. `""` pins nothing.
@@ -29,53 +33,10 @@ import os
 import torch
 
 from meshrl.compat import cuda_present
+from meshrl.config.cpus import AUTO, cpus_for, parse_cpu_lists
 
 
-AUTO = "auto"
-
-# `placement=auto` on one CPU host colocates (every role all the cores, taking turns) when a
-# training step is estimated at more than this many GFLOP, and splits the cores otherwise.
-# Set between two runs measured on a 2-core host (benchmarks/README.md section 6), at about
-# their geometric mean: the default 100K-parameter model (2.5 GFLOP a step by this estimate)
-# ran faster split, trainer and engine overlapping; a 25M-parameter model with short answers
-# (about 250 GFLOP a step, trainer-bound) ran 1.25x TRL colocated and 0.90x split, where the
-# trainer had half the cores.
-COLOCATE_ABOVE_GFLOP = 25.0
-
-
-def trainer_gflop_per_step(config) -> float:
-    """A training step's forward and backward, estimated: 6 x parameters x tokens, with
-    every row at its longest (prompt allowance plus `generator.max_new_tokens` per turn),
-    plus the KL reference's forward when there is one."""
-    m = config.model
-    if m.path is not None:
-        from meshrl.trainer.model import model_args_from_hf
-
-        try:
-            m = model_args_from_hf(m.path)[0]
-        except (OSError, ValueError, KeyError):  # preflight names what is wrong with the checkpoint
-            pass
-    head = m.dim // m.n_heads
-    ffn = m.ffn_dim * (m.experts_top_k + 1 if m.moe else 1)  # active experts (and a shared one) for MoE
-    per_layer = m.dim * head * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * ffn
-    params = m.n_layers * per_layer + m.dim * m.vocab_size
-    g = config.generator
-    tokens = config.batch_groups * g.group_size * min(m.max_seq_len, 16 + g.max_new_tokens * config.rollout.max_turns)
-    passes = 6 + (2 if config.trainer.loss.kl_coef > 0 else 0)
-    return passes * params * tokens / 1e9
-
-
-def cpu_placement(config) -> tuple[str, str]:
-    """`placement=auto` on CPU: (`split` or `colocate`, why), from `trainer_gflop_per_step`."""
-    gflop = trainer_gflop_per_step(config)
-    if gflop > COLOCATE_ABOVE_GFLOP:
-        return "colocate", (f"a training step is about {gflop:.0f} GFLOP, more than generating its batch: "
-                            "each role gets every core in turn; placement=split overlaps them")
-    return "split", (f"a training step is about {gflop:.1f} GFLOP: trainer and generators overlap on "
-                     "their own cores; placement=colocate takes turns on all of them")
-
-
-def auto_placement(config, cores: list[int] | None = None) -> tuple[str, str]:
+def resolve_cpus(config, cores: list[int] | None = None) -> tuple[str, str]:
     """`(trainer.cpus, generator.cpus)` with each `auto` resolved for this host (`cores`:
     the cores this process may use). Explicit settings are returned unchanged."""
     t, g = config.trainer, config.generator
@@ -118,32 +79,6 @@ def _split_evenly(cores: list[int], procs: int) -> str:
 
 def _cpu_list(cores: list[int]) -> str:
     return ",".join(map(str, cores))
-
-
-def parse_cpu_lists(spec: str) -> list[list[int]]:
-    """`"0-1|2,3"` -> [[0, 1], [2, 3]]; `""` -> []. Raises ValueError on bad syntax."""
-    if not spec.strip() or spec == AUTO:
-        return []
-    lists = []
-    for part in spec.split("|"):
-        cpus: list[int] = []
-        for item in part.split(","):
-            item = item.strip()
-            lo, sep, hi = item.partition("-")
-            if not lo.isdigit() or (sep and not hi.isdigit()):
-                raise ValueError(f"{item!r} is not a core id or range like 0-3")
-            first, last = int(lo), int(hi) if sep else int(lo)
-            if last < first:
-                raise ValueError(f"range {item!r} runs backwards")
-            cpus += range(first, last + 1)
-        lists.append(sorted(set(cpus)))
-    return lists
-
-
-def cpus_for(spec: str, local_index: int) -> list[int] | None:
-    """The cores of the `local_index`-th proc of a host under `spec`; None: no pinning."""
-    lists = parse_cpu_lists(spec)
-    return lists[local_index % len(lists)] if lists else None
 
 
 def pin_this_process(cpus: list[int]) -> None:
