@@ -181,22 +181,32 @@ class Session:
 
     def pause(self) -> None:
         """Freeze generation (in-flight requests stay) until resume()."""
-        self._call(self._need().pause_generation(), 120)
+        from meshrl.controller import control
+
+        self._call(control.pause_generation(self._need()), 120)
 
     def resume(self) -> None:
-        self._call(self._need().resume_generation(), 120)
+        from meshrl.controller import control
+
+        self._call(control.resume_generation(self._need()), 120)
 
     def generate(self, prompts: list[str], temperature: float | None = None) -> list[list[str]]:
         """Sample a group of completions for each prompt text with the current policy."""
-        return self._call(self._need().generate_text(prompts, temperature), 600)
+        from meshrl.controller import control
+
+        return self._call(control.generate_text(self._need(), prompts, temperature), 600)
 
     def set(self, **knobs: Any) -> None:
         """Change knobs between steps: lr, max_lag (the staleness bound)."""
-        self._call(self._need().set_knobs(**knobs), 120)
+        from meshrl.controller import control
+
+        self._call(control.set_knobs(self._need(), **knobs), 120)
 
     def scale_generators(self, replicas: int) -> None:
         """Grow or shrink the number of generator replicas."""
-        self._call(self._need().scale_generators(replicas), self.config.generator.startup_timeout_s * max(1, replicas) + 120)
+        from meshrl.controller import control
+
+        self._call(control.scale_generators(self._need(), replicas), self.config.generator.startup_timeout_s * max(1, replicas) + 120)
 
     def sync_generators(self) -> None:
         """Wait until every generator replica runs the trainer's current version."""
@@ -207,7 +217,8 @@ class Session:
         metrics, also written to the run's metrics (None if it failed: see the log)."""
         from meshrl.controller.evaluation import eval_timeout_s
 
-        return self._call(self._need().evaluate_now(), 2 * eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
+        loop = self._need()
+        return self._call(loop.evaluations.now(loop.version), 2 * eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
 
     def export(self, path: str) -> str:
         """Write the current policy as a Hugging Face checkpoint directory; returns its path."""
@@ -247,7 +258,7 @@ class Session:
         loop = self._need()
         from meshrl.controller.evaluation import eval_timeout_s
 
-        self._call(loop.finish_evaluation(), eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
+        self._call(loop.evaluations.finish(), eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
         ckpt = self._call(loop.checkpoint(), self._trainer_bound())
         hf = self._call(loop.export(), self._trainer_bound())
         png = plot_run(loop.run_dir) if self.config.logging.plot and loop.history else None

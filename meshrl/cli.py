@@ -119,8 +119,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     print(f"meshrl: {what}{where}", file=out)
 
     from meshrl.api import Interrupted, run
-    from meshrl.controller.loop import RunFailed
-    from meshrl.errors import one_line
+    from meshrl.errors import RunFailed, one_line
 
     start = time.monotonic()
     try:

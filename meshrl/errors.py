@@ -13,6 +13,11 @@ frame of the user's code: not meshrl's, not the standard library's, not an insta
 package's when a frame of the user's own is there. A contract break (an env's `step` that
 returns the wrong thing: meshrl/rollout/env.py's `ContractError`) points at the method
 that broke it.
+
+Errors between actors are typed: a component raises its own exception class (the queue's
+`BatchTimeout` and `QueueClosed`, `UserCodeError`) and a caller recognises it with `find`,
+which looks through Monarch's `ActorError` wrapping (one per actor hop), never at the
+message's text. `RunFailed` and its kinds are how the controller stops a run in one line.
 """
 
 from __future__ import annotations
@@ -21,14 +26,36 @@ import inspect
 import os
 import sysconfig
 import traceback
+from typing import Iterator, TypeVar
 
 _MESHRL_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _STDLIB_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")})
 _PACKAGE_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib")})
 
 
+E = TypeVar("E", bound=BaseException)
+
+
 class UserCodeError(RuntimeError):
     """A failure already told in one line (see `describe`): raised as is across actors."""
+
+
+class RunFailed(RuntimeError):
+    """The run stopped on a failure it can tell in one line (the message); `meshrl run` exits 1."""
+
+
+class TrainerFailed(RunFailed):
+    """A trainer proc died, or the host its batches come from: the run stops; resume it from its last checkpoint."""
+
+
+class UserCodeFailed(RunFailed):
+    """The user's code failed inside an actor (a data source, a sampling policy): the message
+    is its one line, `role: ExceptionType: message (file:line; log: PATH)`."""
+
+
+class EpisodesFailed(RunFailed):
+    """Every episode of `contracts.stop_after_failed_steps` consecutive steps failed: the run
+    checkpointed and stopped, with the first failure's line."""
 
 
 def shown_path(path: str) -> str:
@@ -78,21 +105,33 @@ def describe(exc: BaseException, role: str, log: str | None = None) -> str:
     return f"{role}: {type(exc).__name__}: {message}" + (f" ({tail})" if tail else "")
 
 
-def one_line(exc: BaseException) -> str | None:
-    """The `UserCodeError` line inside `exc` (itself, its causes, or an ActorError's wrapped
-    exception or remote traceback text); None when there is none."""
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then what it wraps: an ActorError's remote exception (Monarch wraps it once per
+    actor hop), its `__cause__` and `__context__`, each once."""
     seen = set()
     stack = [exc]
     while stack:
         e = stack.pop()
-        if e is None or id(e) in seen:
+        if not isinstance(e, BaseException) or id(e) in seen:
             continue
         seen.add(id(e))
+        yield e
+        stack += [getattr(e, "exception", None), e.__cause__, e.__context__]
+
+
+def find(exc: BaseException, kind: type[E]) -> E | None:
+    """The `kind` exception inside `exc` (itself, or wrapped across actors); None when there is none."""
+    return next((e for e in causes(exc) if isinstance(e, kind)), None)
+
+
+def one_line(exc: BaseException) -> str | None:
+    """The `UserCodeError` line inside `exc` (itself, its causes, or an ActorError's wrapped
+    exception or remote traceback text); None when there is none."""
+    marker = f"{UserCodeError.__module__}.{UserCodeError.__name__}: "
+    for e in causes(exc):
         if isinstance(e, UserCodeError):
             return str(e)
-        stack += [getattr(e, "exception", None), e.__cause__, e.__context__]
         text = getattr(e, "exception_formatted", None) or ""
-        marker = f"{UserCodeError.__module__}.{UserCodeError.__name__}: "
         for line in str(text).splitlines()[::-1]:
             if marker in line:
                 return line.split(marker, 1)[1].strip()

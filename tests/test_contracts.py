@@ -252,7 +252,8 @@ def test_worker_carries_the_first_failure_to_the_metrics(tokenizer_dir, quiet):
 def test_the_breaker_warns_once_per_failure_and_stops_after_k_failed_steps(tmp_path, caplog):
     """The controller's rule on each step's row (the loop's own method; its checkpoint, which
     needs the meshes, is recorded instead: the whole run is test_a_run_whose_every_episode_fails...)."""
-    from meshrl.controller.loop import EpisodesFailed, RLLoop
+    from meshrl.controller.loop import RLLoop
+    from meshrl.errors import EpisodesFailed
 
     loop = RLLoop(Config.from_dict({"contracts": {"warn_failed_frac": 0.5, "stop_after_failed_steps": 2},
                                     "logging": {"run_dir": str(tmp_path)}}))

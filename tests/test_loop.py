@@ -21,7 +21,7 @@ import pytest
 
 import meshrl
 from meshrl.config import Config
-from meshrl.controller.loop import TrainerFailed
+from meshrl.errors import TrainerFailed
 from meshrl.data import PromptNode
 from meshrl.rollout.env import StepResult
 

@@ -34,13 +34,14 @@ import time
 
 from meshrl.compat import awaited
 from meshrl.config import Config
-from meshrl.errors import describe, one_line, source_location, user_location
+from meshrl.errors import describe, find, one_line, source_location, user_location
 from meshrl.logs import role_log
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, pack
 from meshrl.rollout.chat import ChatRenderer
 from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name
 from meshrl.agent.turns import GenerationFailed, TurnBatcher
+from meshrl.queue.buffer import QueueClosed
 from meshrl.scorers.client import EpisodeScorers
 from meshrl.scorers.process import assign_process_advantages, process_tensors
 
@@ -278,7 +279,7 @@ class RolloutWorker:
                 claim = await asyncio.wait_for(awaited(queue.claim.call_one(self.worker, CLAIM_POLL_S)), CLAIM_POLL_S + 60)
             except Exception as e:  # noqa: BLE001 - a slow or failed claim is asked again; a closed queue ends the loop
                 free.release()
-                if self._stopping or "episode queue closed" in str(e) or one_line(e) is not None:
+                if self._stopping or find(e, QueueClosed) is not None or one_line(e) is not None:
                     return  # closed, or failed on the user's data: the controller reports it
                 self.error = f"{type(e).__name__}: {str(e)[:300]}"
                 log.warning("rollout worker %d: a claim failed (%s); asking again", self.worker, self.error)

@@ -9,8 +9,9 @@ which the generators hold the final weights and nothing updates them, so
 Each evaluation's metrics and every prompt's greedy answer go to RUN_DIR/eval/step_N.json
 (`meshrl eval`'s to RUN_DIR/eval/eval.json), its metrics to the run's metrics as `eval/...`.
 
-`meshrl eval` starts what an evaluation needs and nothing more: one generator replica on
-the checkpoint and one rollout worker, on a local mesh.
+`Evaluations` is the controller's side of it during a run; `meshrl eval` starts what an
+evaluation needs and nothing more: one generator replica on the checkpoint and one rollout
+worker, on a local mesh (`evaluate_checkpoint`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ import json
 import logging
 import os
 
+from typing import Callable
+
 from meshrl.compat import awaited
 from meshrl.config import Config, ConfigError
+from meshrl.errors import first_line
 
 log = logging.getLogger("meshrl")
 SUCCESS = 1.0
@@ -53,6 +57,70 @@ async def evaluate_on(worker_actor, records: list[dict], version: int, k: int, t
 def eval_timeout_s(config: Config, n_records: int) -> float:
     """Generous: every episode of the evaluation one after another, each at most its model turns."""
     return config.weight_sync.timeout_s + config.generator.startup_timeout_s + 10.0 * n_records * (config.eval.k + 1) * config.rollout.max_turns
+
+
+class Evaluations:
+    """Evaluations during a run, in the background on rollout worker 0, one at a time: every
+    eval.every steps and at the last one (`start_if_due`), or on demand (`now`). Each
+    evaluation's row goes to `record(step, row)`; a failed one is a warning, training goes on."""
+
+    def __init__(self, config: Config, run_dir: str, workers, record: Callable[[int, dict], None]):
+        self.config, self.run_dir, self.workers, self.record = config, run_dir, workers, record
+        self.task: asyncio.Task | None = None
+        self.records = None
+        if config.eval.every:
+            from meshrl.data import eval_records
+
+            self.records = eval_records(config)
+
+    def start_if_due(self, version: int) -> None:
+        """Start the evaluation of `version` every eval.every steps and at the last one. A due
+        one is skipped while the previous still runs, except the last step's, which waits for it."""
+        every = self.config.eval.every
+        last = version >= self.config.steps
+        if not every or not (version % every == 0 or last):
+            return
+        previous = self.task
+        if previous is not None and not previous.done() and not last:
+            log.warning("evaluation of step %d skipped: the previous one still runs", version)
+            return
+        self.task = asyncio.create_task(self._evaluate(version, previous))
+
+    async def finish(self) -> dict[str, float] | None:
+        """Wait for the evaluation in flight (the last step's, at the end of a run)."""
+        task, self.task = self.task, None
+        return await task if task is not None else None
+
+    async def now(self, version: int) -> dict[str, float] | None:
+        """Evaluate `version` now (interactive sessions), after any in flight."""
+        if not self.records:
+            from meshrl.data import eval_records
+
+            self.records = eval_records(self.config)
+        self.task = asyncio.create_task(self._evaluate(version, self.task))
+        return await self.finish()
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    async def _evaluate(self, version: int, previous: asyncio.Task | None = None) -> dict[str, float] | None:
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
+        try:
+            worker = self.workers.workers[0].actor
+            row, results = await evaluate_on(worker, self.records, version, self.config.eval.k,
+                                             eval_timeout_s(self.config, len(self.records)))
+            os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
+            write_results(os.path.join(self.run_dir, "eval", f"step_{version:06d}.json"), row, results, self.records)
+        except Exception as e:  # noqa: BLE001 - a failed evaluation is reported, training goes on
+            log.warning("evaluation of step %d failed: %s", version, first_line(str(e), 200) or type(e).__name__)
+            return None
+        self.record(version, row)
+        k = self.config.eval.k
+        log.info("eval at step %d: greedy accuracy %.3f, pass@%d %.3f, mean reward %.3f",
+                 version, row["eval/greedy_accuracy"], k, row[f"eval/pass@{k}"], row["eval/reward_mean"])
+        return row
 
 
 def resolve_target(path: str) -> tuple[str | None, str]:

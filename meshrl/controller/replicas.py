@@ -21,10 +21,31 @@ from meshrl.config import Config
 from meshrl.generator.actor import GeneratorActor
 from meshrl.agent.actor import RolloutWorkerActor
 from meshrl.agent.worker import summarize
+from meshrl.errors import first_line
 
 log = logging.getLogger("meshrl")
 WORKER_ID_STRIDE = 1 << 20
 """Worker ids in the queue are index + stride * incarnation."""
+
+
+def log_mesh_failures() -> Callable[[], None]:
+    """Monarch's default answer to a proc that dies is to interrupt the client. A run
+    replaces dead generators and workers and reports a dead trainer itself, so failures
+    are only logged here and surface as errors of the calls that touch the dead procs.
+    Returns the function that puts Monarch's hook back."""
+    import monarch.actor
+
+    previous = monarch.actor.unhandled_fault_hook
+
+    def log_failure(failure) -> None:
+        log.warning("mesh failure: %s", first_line(str(failure)))
+
+    def restore() -> None:
+        if previous is not None:
+            monarch.actor.unhandled_fault_hook = previous
+
+    monarch.actor.unhandled_fault_hook = log_failure
+    return restore
 
 
 def _running(pid: int, started: float):
@@ -193,7 +214,7 @@ class GeneratorPool:
             try:
                 await asyncio.wait_for(awaited(getattr(r.actor, endpoint).call_one(*args)), self.config.weight_sync.timeout_s)
             except Exception as e:  # noqa: BLE001 - dead or stuck: the health check replaces it
-                log.warning("generator replica %d did not %s: %s", r.index, endpoint, (str(e).splitlines() or [type(e).__name__])[0][:200])
+                log.warning("generator replica %d did not %s: %s", r.index, endpoint, first_line(str(e), 200) or type(e).__name__)
 
         await asyncio.gather(*(one(r) for r in list(self.replicas)))
 
@@ -201,7 +222,7 @@ class GeneratorPool:
         async with self._lock:
             if replica not in self.replicas:
                 return
-            log.warning("%s replica %d failed (%s); replacing it", self._role, replica.index, str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
+            log.warning("%s replica %d failed (%s); replacing it", self._role, replica.index, first_line(str(error), 200) or type(error).__name__)
             await replica.stop()
             fresh = await self.spawn(replica.index)
             self.replicas[self.replicas.index(replica)] = fresh

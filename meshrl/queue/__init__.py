@@ -5,6 +5,6 @@ Python, no Monarch); actor.py: `EpisodeQueueActor`, which serves it on the coord
 proc mesh.
 """
 
-from meshrl.queue.buffer import Claim, EpisodeQueue, QueueClosed, fifo, resolve_policy, straggler_wait, uniform
+from meshrl.queue.buffer import BatchTimeout, Claim, EpisodeQueue, QueueClosed, fifo, resolve_policy, straggler_wait, uniform
 
-__all__ = ["Claim", "EpisodeQueue", "QueueClosed", "fifo", "resolve_policy", "straggler_wait", "uniform"]
+__all__ = ["BatchTimeout", "Claim", "EpisodeQueue", "QueueClosed", "fifo", "resolve_policy", "straggler_wait", "uniform"]

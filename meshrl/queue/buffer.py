@@ -97,6 +97,12 @@ class QueueClosed(RuntimeError):
     """The queue was closed while a worker or the trainer waited on it."""
 
 
+class BatchTimeout(TimeoutError):
+    """`sample` waited its timeout (buffer.get_timeout_s) without a full batch: rollouts are
+    not arriving. The controller recognises it by type (meshrl.errors.find) after the trip
+    queue -> trainer -> controller."""
+
+
 class EpisodeQueue:
     """Admission, the in-flight ledger, READY groups and the staleness bound. Thread-safe."""
 
@@ -246,7 +252,7 @@ class EpisodeQueue:
             while len(self.ready) < num_groups and not self._closed:
                 left = timeout - (time.monotonic() - start)
                 if left <= 0:
-                    raise TimeoutError(
+                    raise BatchTimeout(
                         f"episode queue had {len(self.ready)} of {num_groups} groups after {timeout:.0f}s "
                         f"({len(self.running)} running): rollouts are not arriving; raise buffer.get_timeout_s or check the generators"
                     )

@@ -1,0 +1,97 @@
+"""What a run saves: checkpoints to resume from (RUN_DIR/checkpoints/) and Hugging Face
+exports of the policy (RUN_DIR/hf/).
+
+A checkpoint is the trainer's state (DCP, meshrl/trainer/checkpoint.py, under trainer/)
+and one `step_N_loop_state.pt` beside it: the version, the episode queue's state and the
+metrics history. `latest` names the newest, and is written last, atomically, so a run
+killed while it checkpoints resumes from the previous one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from meshrl.compat import awaited
+from meshrl.config import Config
+from meshrl.trainer.checkpoint import checkpoint_step, write_atomic
+
+CHECKPOINT_FILE = "loop_state.pt"
+
+
+def due(config: Config, version: int, last_checkpoint: float) -> bool:
+    """Every trainer.checkpoint_every steps, or trainer.checkpoint_every_s seconds after the last one."""
+    every, every_s = config.trainer.checkpoint_every, config.trainer.checkpoint_every_s
+    return bool(every and version % every == 0 or every_s and time.monotonic() - last_checkpoint >= every_s)
+
+
+async def save(run_dir: str, trainer, queue, version: int, history: list[dict]) -> tuple[str, int]:
+    """Trainer state (DCP), the episode queue and the metrics history, atomically: the
+    loop state's path and the version it holds."""
+    root = os.path.join(run_dir, "checkpoints")
+    trainer_dir = await trainer.save_checkpoint(os.path.join(root, "trainer"))
+    # After an interrupted step the trainer may have finished a step the loop never saw
+    # (its metrics row is lost, its weights are not).
+    version = max(version, checkpoint_step(trainer_dir))
+    state = {
+        "version": version,
+        "trainer_dir": trainer_dir,
+        "queue": await awaited(queue.state_dict.call_one()),
+        "history": history,
+    }
+    path = os.path.join(root, f"step_{version:06d}_{CHECKPOINT_FILE}")
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    write_atomic(os.path.join(root, "latest"), os.path.basename(path))
+    return path, version
+
+
+async def restore(run_dir: str, trainer, queue, watch=None) -> tuple[int, list[dict]]:
+    """Load the latest checkpoint into the trainer and the queue: its version and metrics
+    history. `watch` (meshrl/stability.py's CliffWatch) picks up where it was, checkpoints
+    included, silently."""
+    root = os.path.join(run_dir, "checkpoints")
+    latest = os.path.join(root, "latest")
+    if not os.path.isfile(latest):
+        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from ({latest} missing)")
+    with open(latest) as f:
+        state = torch.load(os.path.join(root, f.read().strip()), weights_only=False)
+    version = await trainer.load_checkpoint(state["trainer_dir"])
+    if version != state["version"]:
+        raise RuntimeError(f"trainer checkpoint is at version {version}, loop state at {state['version']}")
+    await awaited(queue.load_state_dict.call_one(state["queue"]))
+    history = state["history"]
+    if watch is not None:
+        saved = {int(name[5:11]) for name in os.listdir(root) if name.startswith("step_") and name.endswith(CHECKPOINT_FILE)}
+        for row in history:
+            if row.get("step") in saved:
+                watch.checkpointed(int(row["step"]))
+            watch.update(int(row.get("step", 0)), row)
+    return version, history
+
+
+def lora_base_dir(run_dir: str) -> str:
+    """Where a from-scratch LoRA policy's frozen base weights are exported (its adapters'
+    PEFT base): once per run, beside the versions."""
+    return os.path.join(run_dir, "hf", "base")
+
+
+async def export_hf(trainer, path: str, run_dir: str, tokenizer_dir: str) -> str:
+    """The current policy as a Hugging Face checkpoint at `path`, with its tokenizer, so
+    that transformers, vLLM and `meshrl eval` load it alone."""
+    from meshrl.tokenizer import load_tokenizer
+
+    path = await trainer.export_hf(path, lora_base_dir(run_dir))
+    load_tokenizer(tokenizer_dir).save_pretrained(path)
+    return path
+
+
+def how_to_resume(run_dir: str) -> str:
+    if os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")):
+        return f"resume from the last checkpoint with: meshrl run --resume {run_dir}"
+    return "no checkpoint was written yet"

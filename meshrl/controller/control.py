@@ -1,0 +1,54 @@
+"""The Session's calls between steps (meshrl/api.py): sample from the current policy, pause
+and resume generation, change knobs, scale the generators. Each takes the started `RLLoop`
+and runs on its event loop; the training loop itself never calls them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from meshrl.compat import awaited
+
+
+async def generate_text(loop, prompts: list[str], temperature: float | None = None) -> list[list[str]]:
+    """A group of completions (generator.group_size) per prompt text, from the current
+    policy on replica 0."""
+    from meshrl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(loop.tokenizer_dir)
+    gen = loop.generators.replicas[0].actor
+    n = loop.config.generator.group_size
+
+    async def one(text: str) -> str:
+        out = await awaited(gen.generate.call_one(tok.encode(text, add_special_tokens=False), None, temperature, 0))
+        return tok.decode(out.token_ids, skip_special_tokens=True)
+
+    return [list(await asyncio.gather(*(one(t) for _ in range(n)))) for t in prompts]
+
+
+async def pause_generation(loop) -> None:
+    await asyncio.gather(*(awaited(r.actor.pause_generation.call_one()) for r in loop.generators.replicas))
+
+
+async def resume_generation(loop) -> None:
+    await asyncio.gather(*(awaited(r.actor.resume_generation.call_one()) for r in loop.generators.replicas))
+
+
+async def set_knobs(loop, lr: float | None = None, max_lag: int | None = None) -> None:
+    """Change the learning rate or the staleness bound (admission follows it) between steps."""
+    if lr is not None:
+        if not lr > 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        await loop.trainer.set_lr(lr)
+        loop.config.trainer.lr = lr
+    if max_lag is not None:
+        if max_lag < 0:
+            raise ValueError(f"max_lag must be at least 0, got {max_lag}")
+        await awaited(loop.queue.set_max_lag.call_one(max_lag))
+        loop.config.buffer.max_lag = max_lag
+
+
+async def scale_generators(loop, replicas: int) -> None:
+    """Add or remove generator replicas; groups on a removed replica are played again."""
+    await loop.generators.scale(replicas, loop.version)
+    loop.config.generator.replicas = replicas

@@ -1,0 +1,103 @@
+"""Errors between actors are typed: a component raises its own exception class and a caller
+recognises it with `meshrl.errors.find`, through Monarch's ActorError wrapping (one per actor
+hop), never by the message's text. Here the queue's BatchTimeout and QueueClosed make the trip
+queue -> trainer-like relay -> controller on real procs, as the RL loop sees them."""
+
+import asyncio
+import pickle
+
+import pytest
+from monarch.actor import Actor, ActorError, endpoint, this_host
+
+from meshrl.config import Config
+from meshrl.errors import UserCodeError, find, one_line
+from meshrl.queue import BatchTimeout, EpisodeQueue, QueueClosed
+from meshrl.queue.actor import EpisodeQueueActor
+
+
+def test_the_queue_raises_its_own_types_and_they_pickle():
+    q = EpisodeQueue(Config.from_dict({"batch_groups": 1, "buffer": {"dynamic_sampling": False}}))
+    with pytest.raises(BatchTimeout, match="rollouts are not arriving") as timeout:
+        q.sample(1, 0, timeout=0.05)
+    assert isinstance(timeout.value, TimeoutError)  # callers that catch TimeoutError still do
+    q.close()
+    with pytest.raises(QueueClosed) as closed:
+        q.claim(0, 0.0)
+    for e in (timeout.value, closed.value):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e)
+
+
+def test_find_looks_through_actor_errors_and_causes():
+    inner = BatchTimeout("episode queue had 0 of 1 groups")
+    two_hops = pickle.loads(pickle.dumps(ActorError(ActorError(inner))))  # as a caller two actors away receives it
+    found = find(two_hops, BatchTimeout)
+    assert isinstance(found, BatchTimeout) and str(found) == str(inner)
+    assert find(two_hops, QueueClosed) is None
+    try:
+        try:
+            raise QueueClosed("episode queue closed")
+        except QueueClosed as e:
+            raise RuntimeError("the claim failed") from e
+    except RuntimeError as outer:
+        assert isinstance(find(outer, QueueClosed), QueueClosed)
+    assert one_line(ActorError(UserCodeError("queue: KeyError: 'x' (data.py:3)"))) == "queue: KeyError: 'x' (data.py:3)"
+
+
+def test_the_loop_tells_a_batch_timeout_by_its_type(tmp_path):
+    """The trainer's call fails with the queue's BatchTimeout two hops down: the loop's one line
+    says no batch came, whatever the queue's message says."""
+    from meshrl.controller.loop import RLLoop
+
+    loop = RLLoop(Config.from_dict({"logging": {"run_dir": str(tmp_path)}, "buffer": {"get_timeout_s": 7}}))
+    loop.version = 3
+
+    class Trainer:
+        async def train_from_queue(self, queue, num_groups, timeout_s):
+            raise pickle.loads(pickle.dumps(ActorError(ActorError(BatchTimeout("worded otherwise")))))
+
+    loop.trainer, loop.queue = Trainer(), None
+    with pytest.raises(TimeoutError, match=r"^no batch for version 3 within buffer.get_timeout_s=7s: rollouts are not arriving"):
+        asyncio.run(loop.step())
+
+
+class Relay(Actor):
+    """Stands for the trainer: its endpoint calls the queue actor, whose error it raises as is."""
+
+    @endpoint
+    async def sample(self, queue, timeout: float):
+        return await queue.sample.call_one(1, 0, timeout)
+
+    @endpoint
+    async def claim(self, queue):
+        return await queue.claim.call_one(0, 1.0)
+
+
+@pytest.mark.slow  # about 35 s on 2 cores: two fresh procs import torch
+@pytest.mark.timeout(180)
+def test_the_queues_error_types_survive_two_actor_hops():
+    async def main():
+        queue_procs = this_host().spawn_procs(per_host={"procs": 1})
+        relay_procs = this_host().spawn_procs(per_host={"procs": 1})
+        try:
+            cfg = Config.from_dict({"batch_groups": 1, "buffer": {"dynamic_sampling": False}}).to_dict()
+            queue = queue_procs.spawn("queue", EpisodeQueueActor, cfg)
+            relay = relay_procs.spawn("relay", Relay)
+            with pytest.raises(Exception) as one_hop:  # controller -> queue
+                await queue.sample.call_one(1, 0, 0.2)
+            with pytest.raises(Exception) as two_hops:  # controller -> relay (a mesh call, like the trainer's) -> queue
+                await relay.sample.call(queue, 0.2)
+            for e in (one_hop.value, two_hops.value):
+                found = find(e, BatchTimeout)
+                assert isinstance(found, BatchTimeout), f"{type(e).__name__}: {e}"
+                assert "rollouts are not arriving" in str(found)
+            await queue.close.call_one()
+            with pytest.raises(Exception) as closed:
+                await relay.claim.call(queue)
+            assert isinstance(find(closed.value, QueueClosed), QueueClosed)
+            assert find(closed.value, BatchTimeout) is None
+        finally:
+            await relay_procs.stop()
+            await queue_procs.stop()
+
+    asyncio.run(main())
