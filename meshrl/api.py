@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Coroutine
 
 from meshrl.config import Config, ConfigError, apply_overrides, load_yaml
+from meshrl.errors import first_line
 from meshrl.logs import console
 from meshrl.metrics import format_row, plot_run
 from meshrl.preflight import check, preflight
@@ -250,7 +251,7 @@ class Session:
         try:
             return self._call(loop.checkpoint(), max(1.0, deadline - time.monotonic()))
         except Exception as e:  # noqa: BLE001 - reported by the caller as "no checkpoint"
-            log.warning("no checkpoint written on interrupt: %s", str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+            log.warning("no checkpoint written on interrupt: %s", first_line(str(e), 200) or type(e).__name__)
             return None
 
     def finish(self) -> RunResult:

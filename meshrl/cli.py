@@ -23,6 +23,7 @@ import time
 import traceback
 
 from meshrl.config import Config, ConfigError, apply_overrides, load_yaml, reference_markdown
+from meshrl.errors import first_line
 from meshrl.logs import console, quiet_console, verbose
 from meshrl.preflight import check, preflight
 
@@ -153,7 +154,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         if line is not None:
             print(f"meshrl: run failed: {line}", file=out)
             return 1
-        first = (str(e).strip().splitlines() or [""])[0][:300]
+        first = first_line(str(e))
         where = "above" if loud else os.path.join(run_dir, "logs", "controller.log")
         print(f"meshrl: run failed: {type(e).__name__}: {first} (traceback: {where})", file=out)
         return 1
@@ -248,7 +249,7 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
         metrics, results = asyncio.run(evaluate_checkpoint(config, checkpoint, tokenizer_dir))
     except Exception as e:  # noqa: BLE001 - one line here, the traceback in the log
         traceback.print_exc()
-        print(f"meshrl: eval failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}", file=out)
+        print(f"meshrl: eval failed: {type(e).__name__}: {first_line(str(e))}", file=out)
         return 1
     write_results(os.path.join(out_dir, "eval.json"), metrics, results, records)
     k = config.eval.k

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from meshrl.errors import first_line
+
 MISMATCH = 2e-3
 """Largest mean |log pi - log mu| a synchronous step may show: on-policy, trainer and
 engine score the same weights (the multihost test's bound)."""
@@ -40,7 +42,7 @@ def _try(path: str, check: Callable[[], tuple[str, str]], fix: str) -> Row:
     try:
         status, detail = check()
     except Exception as e:  # noqa: BLE001 - every failure becomes a row, with its fix
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        first = first_line(str(e), 160) or type(e).__name__
         status, detail = "failed", f"{type(e).__name__}: {first} -> fix: {fix}"
     return Row(path, status, time.monotonic() - t0, detail)
 
