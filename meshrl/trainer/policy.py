@@ -257,18 +257,18 @@ class PolicyTrainer:
                 if self.ref_model is not None:
                     with torch.no_grad():
                         ref, _ = self._logprobs(self.ref_model, packed, replay=False)  # another model: its own routing
-                # on-policy distillation (meshrl/distill.py): per-token advantages replace the [B] ones
-                distill = "token_advantage" in packed.keys()
+                # per-token advantages (distillation, process rewards, GAE) replace the [B] ones
+                per_token = "token_advantage" in packed.keys()
                 # One optimizer step per batch: the weights before the update are the weights of
                 # this forward, so pi_prox is its detached value (no second forward needed).
                 loss, m = policy_loss(
-                    logprobs, packed["sampler_logprobs"], packed["token_advantage" if distill else "advantage"], packed["loss_mask"], lcfg,
+                    logprobs, packed["sampler_logprobs"], packed["token_advantage" if per_token else "advantage"], packed["loss_mask"], lcfg,
                     prox_logprobs=logprobs.detach(), ref_logprobs=ref, entropy=entropy,
                     token_count=token_count, seq_count=seq_count,
                 )
                 if self.config.trainer.loss.sampling_mask and (self.config.generator.top_k > 0 or self.config.generator.top_p < 1):
                     m["sampling_mask_miss_sum"] = misses[0]  # sampled tokens outside the trainer's kept set
-                if distill:  # reduce_metrics: distill_reverse_kl, the token mean of log mu - log pi_teacher
+                if "teacher_logprobs" in packed.keys():  # reduce_metrics: distill_reverse_kl, the token mean of log mu - log pi_teacher
                     gap = packed["sampler_logprobs"] - packed["teacher_logprobs"]
                     m["distill_reverse_kl_sum"] = torch.where(packed["loss_mask"], gap, 0.0).sum().detach()
                 m.update(_drift_sums(logprobs.detach(), packed, version))
