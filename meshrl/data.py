@@ -11,8 +11,10 @@ A stored source is read row by row (`iter_rows`): every row must parse and hold 
 and the first that does not is a `DataError` whose message is `FILE:LINE: what is wrong`
 (LINE counts the file's lines for JSONL, rows from 1 for Parquet and `datasets`).
 `check_source` runs that over a whole source, bounded in time, before any mesh starts
-(meshrl/preflight.py); the episode queue meets the same error with the same line if a row
-past that bound, or a generated record, is bad.
+(`check_records`, at preflight: the first bad row is then a `ConfigError` of kind `data
+error`); the episode queue meets the same error with the same line if a row past that
+bound, or a generated record, is bad. The checks that read no rows (the source exists, its
+package is installed, something scores it) are in meshrl/data_checks.py.
 
 Task and reasoning-gym sources are generated, never stored: record i of an epoch is a pure
 function of (seed, epoch, i). That is what makes resuming exact without saving data, and
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import random
 import time
 from typing import Any, Callable, Iterator
@@ -105,6 +108,35 @@ def check_source(cfg: DataConfig, time_limit_s: float) -> tuple[dict | None, int
     if first is None:
         raise DataError(f"{cfg.source}: holds no records")
     return first, count, True
+
+
+def check_records(c: Config) -> dict:
+    """The data source's first record, a stored source's rows read first (bounded by
+    contracts.data_check_s), and those of a stored eval.source when evaluation reads one;
+    the first bad row a ConfigError (kind `data error`) `FILE:LINE: what is wrong`."""
+    record = _first_record(c)
+    if c.eval.every and c.eval.source is not None and source_kind(c.eval.source) in ("file", "dataset"):
+        _first_record(dataclasses.replace(c, data=dataclasses.replace(c.data, source=c.eval.source)))
+    return record
+
+
+def _first_record(c: Config) -> dict:
+    d = c.data
+    try:
+        if source_kind(d.source) in ("file", "dataset"):
+            if c.contracts.data_check_s > 0:
+                first, rows, complete = check_source(d, c.contracts.data_check_s)
+                if not complete:
+                    logging.getLogger("meshrl").warning(
+                        "%s: checked the first %d rows in contracts.data_check_s=%gs; the rest are checked as the run reads them",
+                        d.source, rows, c.contracts.data_check_s)
+                return first
+            for n, row in iter_rows(d.source):
+                return _record(d, f"{d.source}:{n}", row)
+            raise DataError(f"{d.source}: holds no records")
+        return generator(d, str(c.seed), 1)(0, 0)
+    except DataError as e:
+        raise ConfigError("", str(e), kind="data error") from None
 
 
 def _saved_dataset(path: str):

@@ -18,6 +18,8 @@ Errors between actors are typed: a component raises its own exception class (the
 `BatchTimeout` and `QueueClosed`, `UserCodeError`) and a caller recognises it with `find`,
 which looks through Monarch's `ActorError` wrapping (one per actor hop), never at the
 message's text. `RunFailed` and its kinds are how the controller stops a run in one line.
+`need` is how a check before the run (meshrl/preflight.py lists them) says what is wrong:
+a `ConfigError` naming the field and the fix.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import os
 import sysconfig
 import traceback
 from typing import Iterator, TypeVar
+
+from meshrl.config import ConfigError
 
 _MESHRL_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _STDLIB_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")})
@@ -136,3 +140,9 @@ def one_line(exc: BaseException) -> str | None:
             if marker in line:
                 return line.split(marker, 1)[1].strip()
     return None
+
+
+def need(ok: bool, field: str, message: str) -> None:
+    """A check before a run: unless `ok`, a ConfigError on `field` whose message says the fix."""
+    if not ok:
+        raise ConfigError(field, message)

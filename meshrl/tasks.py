@@ -73,7 +73,8 @@ import string
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from meshrl.config import DataConfig, LengthTailConfig
+from meshrl.config import Config, DataConfig, LengthTailConfig, source_kind
+from meshrl.imports import import_callable
 from meshrl.rollout.coding import CodeEnv, PythonToolEnv
 from meshrl.rollout.env import ModelTurn, StepResult
 from meshrl.rollout.tools import ToolEnv
@@ -365,3 +366,17 @@ def get_task(name: str) -> Task:
     if name not in TASKS:
         raise KeyError(f"unknown built-in task {name!r}: choose one of {', '.join(TASKS)}")
     return TASKS[name]
+
+
+def needs_sandbox(c: Config) -> bool:
+    """Whether the run executes model-written code: a built-in task or an env marked as using
+    the sandbox (`uses_sandbox`); preflight then checks the sandbox (meshrl/rollout/sandbox.py)."""
+    if c.rollout.env:
+        try:
+            return bool(getattr(import_callable(c.rollout.env), "uses_sandbox", False))
+        except ImportError:
+            return False  # reported by check()
+    if source_kind(c.data.source) == "task":
+        task = TASKS.get(c.data.source.removeprefix("task:"))
+        return bool(task and task.sandbox)
+    return False

@@ -7,12 +7,21 @@ every other code path loads it exactly like a real model's tokenizer.
 The character tokenizer carries a compact chat template (`CHAR_CHAT_TEMPLATE`) so that
 multi-turn tasks run on models trained from scratch through the same chat path as real
 checkpoints. Tiny models pay for every token of a turn, so the template spends three.
+
+`check_tokenizer_dir` and `check_tokenizer` are the checks a run's tokenizer passes before
+any mesh starts (meshrl/preflight.py lists them): the directory is there, and it loads.
 """
 
 from __future__ import annotations
 
 import os
 import string
+from typing import TYPE_CHECKING
+
+from meshrl.config import ConfigError
+
+if TYPE_CHECKING:
+    from meshrl.config import Config
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHAR_VOCAB_SIZE = 128
@@ -64,3 +73,23 @@ def load_tokenizer(path: str | os.PathLike):
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory {str(path)!r} not found")
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def check_tokenizer_dir(c: Config) -> None:
+    """model.tokenizer, when set, is a directory."""
+    m = c.model
+    if m.tokenizer is not None and not os.path.isdir(m.tokenizer):
+        raise ConfigError("model.tokenizer", f"directory {m.tokenizer!r} not found: give a local tokenizer directory, or null for the default")
+
+
+def check_tokenizer(c: Config) -> None:
+    """A tokenizer loads from model.tokenizer, else from model.path (none to load: the default)."""
+    m = c.model
+    tokenizer_dir, field_path = (m.tokenizer, "model.tokenizer") if m.tokenizer else (m.path, "model.path")
+    if tokenizer_dir is None:
+        return
+    try:
+        load_tokenizer(tokenizer_dir)
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises, the directory is the user's to fix
+        raise ConfigError(field_path, f"no tokenizer loads from {tokenizer_dir!r} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): "
+                          "give a directory holding a Hugging Face tokenizer (tokenizer.json or tokenizer_config.json)") from None

@@ -1,7 +1,8 @@
 """`launcher.kind=slurm`: one sbatch allocation through Monarch's `SlurmJob`, and its script.
 
 This process is the controller (run it on a login node); it submits the job and attaches
-to the allocation's workers. `render_sbatch` shows the script without submitting it.
+to the allocation's workers. `render_sbatch` shows the script without submitting it;
+`check_slurm` (at preflight) asks Slurm, before anything is submitted, that it is there.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import types
 from typing import Any
 from unittest import mock
 
-from meshrl.config import Config
+from meshrl.config import Config, ConfigError
 from meshrl.launch.hosts import plan_hosts
 
 logger = logging.getLogger("meshrl.launch")
@@ -110,6 +112,32 @@ def render_sbatch(config: Config) -> str:
         job = slurm_job(config)
         job._submit_slurm_job(sum(plan_hosts(config).values()))
     return scripts[0]
+
+
+# ---- before submitting: Slurm answers here ---------------------------------------------------
+SLURM_COMMANDS = ("sbatch", "squeue", "scancel", "sinfo")
+"""What launcher.kind=slurm runs on the controller's machine: submit, watch, cancel, and list partitions."""
+
+
+def check_slurm(c: Config) -> None:
+    """Slurm's commands on PATH, a controller that answers, and the partition asked for."""
+    missing = [cmd for cmd in SLURM_COMMANDS if shutil.which(cmd) is None]
+    if missing:
+        raise ConfigError("launcher.kind", f"slurm needs Slurm's commands on PATH and {', '.join(missing)} is not: run meshrl on a login node of the cluster "
+                          "(or use launcher.kind=process to try the multi-host path on this machine)")
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise ConfigError("launcher.kind", "sinfo did not answer within 60 s: Slurm's controller is unreachable from this machine") from None
+    if out.returncode != 0:
+        why = (out.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        raise ConfigError("launcher.kind", f"sinfo failed ({why}): Slurm's controller is unreachable from this machine, or SLURM_CONF points elsewhere")
+    partitions = [p.rstrip("*") for p in out.stdout.split()]
+    p = c.launcher.partition
+    if p is not None and p not in partitions:
+        raise ConfigError("launcher.partition", f"no partition {p!r} on this cluster: give one of {', '.join(partitions) or '(none listed)'}, or null for the default")
+    if p is None and not any(name.endswith("*") for name in out.stdout.split()):
+        raise ConfigError("launcher.partition", f"this cluster has no default partition: name one of {', '.join(partitions) or '(none listed)'}")
 
 
 # ---- Slurm's SIGTERM, relayed from the nodes ---------------------------------------------------

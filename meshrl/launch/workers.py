@@ -2,18 +2,32 @@
 
 `run_worker` is the host side; `attach_workers` the controller's, which listens on
 `launcher.address` only. Each worker's procs bind what they serve to their host's
-address (`meshrl.host.host_address()`).
+address (`meshrl.host.host_address()`). `check_address` (at preflight) refuses an address
+that is not this machine's.
 """
 
 from __future__ import annotations
 
 import os
 
-from meshrl.config import Config, ip_and_port
+from meshrl.config import Config, ConfigError, ip_and_port
 from meshrl.host import HOST_ADDRESS_ENV, interface_of
 from meshrl.launch.devices import NCCL_IFNAME_ENV
 from meshrl.launch.hosts import plan_hosts
 from meshrl.launch.signals import exit_on_sigterm
+
+
+def check_address(c: Config) -> None:
+    """launcher.address is an address of this machine: the controller listens there."""
+    local = _local_addresses()
+    if c.launcher.address not in local:
+        raise ConfigError("launcher.address", f"{c.launcher.address!r} is not an address of this machine: give one of {', '.join(sorted(local))}")
+
+
+def _local_addresses() -> set[str]:
+    import psutil
+
+    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs if a.family.name in ("AF_INET", "AF_INET6")}
 
 
 def attach_workers(config: Config) -> dict:
