@@ -88,22 +88,20 @@ def endpoint_for_callers_that_may_die(method):
 
 
 # ---- TorchTitan on CPU ----
-def titan_use_sdpa_attention(model_config) -> None:
+def titan_use_sdpa_attention(model_config, sdpa_class) -> None:
     """Swap every layer's inner attention config for SDPA that also takes packed rows (in place).
 
     TorchTitan's language models accept only `flex` (no backward on CPU) or `varlen`
     (needs flash attention) for packed documents, and its SDPA refuses attention masks.
     meshrl's padded rows are one causal sequence each (right-padded), where plain causal
     SDPA computes the same thing and runs anywhere; packed rows come with TorchTitan's
-    `VarlenMetadata`, which meshrl/trainer/attention.py's SDPA subclass attends document by
-    document.
+    `VarlenMetadata`, which meshrl/trainer/attention.py's SDPA subclass (`sdpa_class`) attends
+    document by document.
     """
-    from meshrl.trainer.attention import document_sdpa
-
     for layer in list(model_config.layers) + list(getattr(model_config, "mtp_layers", None) or []):
         attention = getattr(layer, "attention", None)
         if attention is not None and hasattr(attention, "inner_attention"):
-            attention.inner_attention = document_sdpa().Config()
+            attention.inner_attention = sdpa_class.Config()
 
 
 def titan_use_cpu_device_type() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from meshrl.compat import titan_use_sdpa_attention
+from meshrl.trainer.attention import document_sdpa
 from meshrl.config import ModelConfig
 from meshrl.config.hf import DSV3_KEYS, dsv3_settings, model_args_from_hf  # noqa: F401 (model_args_from_hf: re-exported)
 from meshrl.trainer import lora as adapters
@@ -174,7 +175,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int 
     titan_config, adapter_cls, parallelize_fn = _FAMILIES[cfg.family](cfg, **hf_overrides)
     if lora is not None and lora.rank > 0:
         titan_config = adapters.convert_config(titan_config, lora)
-    titan_use_sdpa_attention(titan_config)
+    titan_use_sdpa_attention(titan_config, document_sdpa())
     if parallelism is not None:
         titan_config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
     torch.manual_seed(seed)
