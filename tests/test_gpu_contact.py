@@ -292,6 +292,7 @@ def _checkpoint_config(path: str, **trainer) -> Config:
     return Config.from_dict({"model": {"path": path}, "trainer": {"loss": {"kl_coef": 0.05}, **trainer}})
 
 
+@pytest.mark.slow  # two gloo procs
 def test_a_checkpoint_is_sharded_before_it_is_materialised(tmp_path):
     """On a trainer mesh a checkpoint's model (and its KL reference) is built on the meta
     device, sharded, then materialised and loaded shard by shard, and trains as one whole

@@ -54,6 +54,7 @@ def test_plan_hosts_splits_roles(tmp_path):
 
 
 # ---- ProcessJob hosts: the Slurm code path on this machine ---------------------------------
+@pytest.mark.slow  # ProcessJob hosts and a proc mesh per role
 @pytest.mark.timeout(120)
 def test_process_hosts_run_each_role_and_stop(tmp_path):
     config = _config(tmp_path, kind="process", hosts=3)
