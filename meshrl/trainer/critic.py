@@ -10,11 +10,12 @@ Values are read where verl reads them: the value of the state before token t is 
 output at position t-1 (`token_values`), so V_t has seen exactly the context the policy had
 when it sampled token t, env turns included.
 
-`CriticTrainer` is one rank: the value model, AdamW with a linear warm-up, the clipped value
-loss over micro-batches with global denominators (meshrl/trainer/values.py), one optimizer
-step per batch, and a version counter. It runs on one rank; it is shaped like
-`PolicyTrainer` (per-rank micro-batch plans, `_sum`/`_max` metrics all-reduced in one place,
-TorchTitan's grad clip) so that FSDP can be added the same way.
+`CriticTrainer` is one rank: the value model, AdamW with a linear warm-up, the clipped
+value loss over micro-batches with global denominators (meshrl/trainer/values.py), `epochs`
+optimizer steps per batch (one by default), and a version counter (one per batch). It runs
+on one rank; it is shaped like `PolicyTrainer` (per-rank micro-batch plans, `_sum`/`_max`
+metrics all-reduced in one place, TorchTitan's grad clip) so that FSDP can be added the
+same way.
 
 Flow per batch (the caller's, e.g. the trainer actor):
 
@@ -137,19 +138,23 @@ class CriticTrainer:
     weight_decay, warmup_steps (linear warm-up of lr over that many steps), grad_clip (0: off),
     value_clip (verl's cliprange_value; None: unclipped), gamma / lam (for `advantages`),
     aggregation (as the policy loss's), micro_batch_size (rows per forward) or
-    micro_batch_tokens (> 0: a token budget, rows packed), seed, device, init_from (see
-    `build_value_model`), compute_dtype (autocast on CPU; float32 master weights).
+    micro_batch_tokens (> 0: a token budget, rows packed), epochs (optimizer steps per
+    batch, verl's critic ppo_epochs), seed, device, init_from (see `build_value_model`),
+    compute_dtype (autocast on CPU; float32 master weights), hf_overrides (build_model's,
+    for a checkpoint's shapes built from scratch).
     """
 
     def __init__(self, model_config: ModelConfig, *, lr: float = 1e-5, weight_decay: float = 0.0, warmup_steps: int = 0,
                  grad_clip: float = 1.0, value_clip: float | None = 0.5, gamma: float = 1.0, lam: float = 1.0,
-                 aggregation: str = "token_mean", micro_batch_size: int = 16, micro_batch_tokens: int = 0, seed: int = 0,
+                 aggregation: str = "token_mean", micro_batch_size: int = 16, micro_batch_tokens: int = 0, epochs: int = 1, seed: int = 0,
                  device: torch.device | str = "cpu", init_from: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype = torch.float32, hf_overrides: dict | None = None):
         self.device = torch.device(device)
         self.value_clip, self.gamma, self.lam, self.aggregation = value_clip, gamma, lam, aggregation
         self.grad_clip, self.micro_batch_size, self.micro_batch_tokens = grad_clip, micro_batch_size, micro_batch_tokens
-        self.model, self.specs = build_value_model(model_config, seed=seed, device=self.device, init_from=init_from)
+        self.epochs = epochs
+        self.model, self.specs = build_value_model(model_config, seed=seed, device=self.device, init_from=init_from,
+                                                   hf_overrides=hf_overrides)
         self.compute_dtype = compute_dtype
         if self.device.type == "cpu" and compute_dtype != torch.float32:
             from meshrl.compat import titan_float32_islands_under_cpu_autocast
@@ -199,18 +204,36 @@ class CriticTrainer:
 
     # ---- training -----------------------------------------------------------------------
     def train_step(self, batch: TensorDict, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
-        """One optimizer step of the clipped value loss on `batch` ([B, T] `returns` and
-        `old_values` aligned with it), over micro-batches normalised by the whole batch's
-        token (or sequence) counts.
+        """`epochs` optimizer steps of the clipped value loss on `batch` ([B, T] `returns` and
+        `old_values` aligned with it), each over the whole batch in micro-batches normalised
+        by its token (or sequence) counts. The value clip only acts from the second epoch
+        on: the first pass's values are the old ones.
 
-        A non-finite loss or gradient norm skips the update (weights and AdamW's state stay
-        as they were) and reports value_nonfinite = 1; the version advances either way, one
-        per batch, so the critic stays in step with the policy.
-        Metrics: value_loss, value_clip_frac, value_mean, return_mean, explained_variance
-        (of the values before this step), value_tokens, value_abs_max, grad_norm, lr,
+        A non-finite loss or gradient norm skips that update (weights and AdamW's state stay
+        as the previous epoch left them), ends the step and reports value_nonfinite = 1; the
+        version and the lr schedule advance once per batch either way, so the critic stays in
+        step with the policy.
+        Metrics, of the last pass: value_loss, value_clip_frac, value_mean, return_mean,
+        explained_variance (of the values before that pass's update: with one epoch, the
+        values that scored the batch), value_tokens, value_abs_max, grad_norm; and lr,
         value_nonfinite, version, step_time_s.
         """
         t0 = time.perf_counter()
+        for _ in range(self.epochs):
+            out, grad_norm, finite = self._update(batch, returns, old_values)
+            if not finite:
+                break
+        with warnings.catch_warnings():  # a first step skipped: torch warns that the schedule steps first
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()  # the schedule follows the version, skipped steps included
+        self.version += 1
+        out.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0], value_nonfinite=float(not finite),
+                   version=self.version, step_time_s=time.perf_counter() - t0)
+        return out
+
+    def _update(self, batch: TensorDict, returns: torch.Tensor, old_values: torch.Tensor) -> tuple[dict[str, float], torch.Tensor, bool]:
+        """One pass over the batch and an optimizer step unless its loss or gradient is not
+        finite: (the pass's metrics, its gradient norm, whether it stepped)."""
         mask = batch["loss_mask"]
         token_count, seq_count = int(mask.sum()), int(mask.any(dim=1).sum())
         self.optimizer.zero_grad(set_to_none=True)
@@ -235,13 +258,7 @@ class CriticTrainer:
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():  # a first step skipped: torch warns that the schedule steps first
-            warnings.simplefilter("ignore", UserWarning)
-            self.scheduler.step()  # the schedule follows the version, skipped steps included
-        self.version += 1
-        out.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0], value_nonfinite=float(not finite),
-                   version=self.version, step_time_s=time.perf_counter() - t0)
-        return out
+        return out, grad_norm, finite
 
     def _clip_grads(self) -> torch.Tensor:
         from torchtitan.distributed.utils import clip_grad_norm_
