@@ -20,7 +20,7 @@ A group packs into a rollout TensorDict, one row per episode, right-padded to T 
 | reward           | [B]          | float32 | the episode's reward: the sum of its turns' rewards          |
 | advantage        | [B]          | float32 | group-normalised advantage                                   |
 | teacher_logprobs | [B, T]       | float32 | optional (distillation): teacher's log-prob of each model token (0 elsewhere) |
-| token_advantage  | [B, T]       | float32 | optional (distillation): per-token advantage; the loss uses it instead of `advantage` |
+| token_advantage  | [B, T]       | float32 | optional (distillation, process rewards, PPO's critic): per-token advantage; the loss uses it instead of `advantage` |
 | group_id         | [B]          | int64   | id shared by the episodes of one prompt                      |
 | sample_id        | [B]          | int64   | unique id of the episode                                     |
 | finish_reason    | [B]          | int64   | one of FINISH_REASONS' codes                                 |
@@ -265,7 +265,10 @@ def assign_advantages(td: TensorDict, mode: str) -> TensorDict:
 
     A failed episode (its env raised or timed out) says nothing about the policy: it takes
     no part in its group's statistics, and its tokens leave the loss (advantage 0, mask off).
-    A group with fewer than two episodes left gets advantage 0 under `rloo`."""
+    A group with fewer than two episodes left gets advantage 0 under `rloo`. `gae` (PPO with a
+    critic) fills `grpo`'s: the policy trains on it during `critic.policy_warmup`, and on the
+    critic's per-token advantages, written at the trainer, after."""
+    mode = "grpo" if mode == "gae" else mode
     failed = td["finish_reason"] == FINISH_REASONS["failed"]
     advantage = torch.zeros_like(td["reward"])
     ok = ~failed

@@ -14,6 +14,7 @@ from meshrl.config.sections import (
     BufferConfig,
     Config,
     ContractsConfig,
+    CriticConfig,
     DataConfig,
     DistillConfig,
     EvalConfig,

@@ -61,8 +61,8 @@ class ModelConfig:
 
 @dataclass
 class LossConfig:
-    advantage: Literal["grpo", "grpo_no_std", "rloo"] = "grpo"
-    """Group advantage: `grpo` (reward minus group mean, over group std), `grpo_no_std` (Dr.GRPO: no std division), `rloo` (leave-one-out mean)."""
+    advantage: Literal["grpo", "grpo_no_std", "rloo", "gae"] = "grpo"
+    """Group advantage: `grpo` (reward minus group mean, over group std), `grpo_no_std` (Dr.GRPO: no std division), `rloo` (leave-one-out mean). `gae`: PPO with a learned critic instead of a group baseline: a value model on a proc of its own scores each batch, GAE(critic.gamma, critic.lam) gives every model token its advantage, and the critic trains on the same batch while the policy does (the `critic` section; docs/coevolve.md)."""
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
     """How per-token losses reduce: mean over all tokens, mean over sequences of token means, or mean over sequences of token sums (Dr.GRPO)."""
     clip_low: float = 0.2
@@ -414,6 +414,38 @@ class DistillConfig:
 
 
 @dataclass
+class CriticConfig:
+    """PPO's learned critic (trainer.loss.advantage=gae; docs/coevolve.md): a value model on a proc of its own beside the trainer."""
+
+    init: Literal["policy", "scratch"] = "policy"
+    """Where the value model's weights start. `policy`: the policy's starting weights (its `model.path` checkpoint, or the same seeded initialisation as a from-scratch policy) with a zero value head, so the first values are 0 and the first advantages are the returns; `scratch`: the policy's shapes, initialised from `seed` + 1. The value head is a Linear(dim, 1) in place of the LM head either way."""
+    lr: float = 1e-3
+    """The critic's AdamW learning rate. The default suits the tiny from-scratch default model (with `epochs` 4; at 5e-3 its values overshoot the mean return for the first steps); pretrained checkpoints want about 1e-6 to 1e-5."""
+    weight_decay: float = 0.0
+    """The critic's AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear warm-up of the critic's learning rate over this many of its steps."""
+    grad_clip: float = 1.0
+    """The critic's gradient norm clip. 0 disables clipping."""
+    value_clip: float | None = 0.5
+    """verl's `cliprange_value`: each token's loss is the larger of (V - R)^2 and (V_clip - R)^2, V_clip being V kept within this distance of the values that scored the batch, so one step cannot move a value far from the one its advantage was computed with. null: the plain squared error."""
+    gamma: float = 1.0
+    """GAE's discount, per model token (env tokens between turns are carried over, not counted). 1: the return is the sum of the rewards to come, as the task's reward is an episode's."""
+    lam: float = 1.0
+    """GAE's lambda: 1 gives A_t = return - V_t (unbiased, noisier); lower leans on the critic's own estimates of the next state (less variance, biased while the critic is wrong)."""
+    whiten: bool = True
+    """Centre and scale the advantages over each batch's model tokens (verl's default for GAE). The returns the critic regresses on are never whitened."""
+    policy_warmup: int = 0
+    """The first this many policy steps train on the group advantage (as `grpo`: reward minus its group's mean, over the group's std) instead of the critic's, while the critic learns from those same batches; from then on the policy trains on GAE. Unlike verl's critic_warmup, which skips the actor's update, every step still makes a new policy version: in an asynchronous run the episode queue admits new work by version, so steps without one would stall generation and waste what was already generated. With generator.group_size=1 the group advantage is 0, so those steps train the critic alone."""
+    epochs: int = 4
+    """Optimizer steps the critic takes on each batch, each over the whole batch (as verl's critic takes one per mini-batch and epoch). The value clip acts from the second on. They run in the background while the policy trains and the next batch is generated, so they cost no step time until they outlast that (`critic/wait_s`). On the default task one step per batch left the critic's explained variance near 0; four reached 0.1-0.2."""
+    micro_batch_size: int = 16
+    """Rows per critic forward/backward; gradients accumulate over micro-batches (as trainer.micro_batch_size). With trainer.micro_batch_tokens set, the critic packs rows to that token budget instead."""
+    timeout_s: float = 600.0
+    """Longest the critic may take to set up, to score a batch (including finishing its previous batch's training step) or to write or load its checkpoint, before the run fails."""
+
+
+@dataclass
 class LoRAConfig:
     rank: int = 0
     """LoRA rank. 0: off (full fine-tuning). Above 0: the base weights are frozen, the trainer's optimizer holds the adapters only, and weight sync sends the adapter alone, loaded through vLLM's LoRA support."""
@@ -509,6 +541,8 @@ class Config:
     """Evaluation on held-out prompts during training."""
     distill: DistillConfig = field(default_factory=DistillConfig)
     """On-policy distillation from a teacher checkpoint."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """PPO's learned critic, used with trainer.loss.advantage=gae."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters: train and sync only them."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)

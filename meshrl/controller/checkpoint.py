@@ -1,10 +1,11 @@
 """What a run saves: checkpoints to resume from (RUN_DIR/checkpoints/) and Hugging Face
 exports of the policy (RUN_DIR/hf/).
 
-A checkpoint is the trainer's state (DCP, meshrl/trainer/checkpoint.py, under trainer/)
-and one `step_N_loop_state.pt` beside it: the version, the episode queue's state and the
-metrics history. `latest` names the newest, and is written last, atomically, so a run
-killed while it checkpoints resumes from the previous one.
+A checkpoint is the trainer's state (DCP, meshrl/trainer/checkpoint.py, under trainer/),
+under PPO with a critic the critic's beside it (DCP, under critic/), and one
+`step_N_loop_state.pt`: the version, the episode queue's state and the metrics history.
+`latest` names the newest, and is written last, atomically, so a run killed while it
+checkpoints resumes from the previous one.
 """
 
 from __future__ import annotations
@@ -27,17 +28,20 @@ def due(config: Config, version: int, last_checkpoint: float) -> bool:
     return bool(every and version % every == 0 or every_s and time.monotonic() - last_checkpoint >= every_s)
 
 
-async def save(run_dir: str, trainer, queue, version: int, history: list[dict]) -> tuple[str, int]:
-    """Trainer state (DCP), the episode queue and the metrics history, atomically: the
-    loop state's path and the version it holds."""
+async def save(run_dir: str, trainer, queue, version: int, history: list[dict], critic=None) -> tuple[str, int]:
+    """Trainer state (DCP), the critic's (a CriticMesh, or None), the episode queue and the
+    metrics history, atomically: the loop state's path and the version it holds."""
     root = os.path.join(run_dir, "checkpoints")
     trainer_dir = await trainer.save_checkpoint(os.path.join(root, "trainer"))
+    # after its train step on the policy's last batch: the critic's version is the policy's
+    critic_dir = await critic.save_checkpoint(os.path.join(root, "critic")) if critic is not None else None
     # After an interrupted step the trainer may have finished a step the loop never saw
     # (its metrics row is lost, its weights are not).
     version = max(version, checkpoint_step(trainer_dir))
     state = {
         "version": version,
         "trainer_dir": trainer_dir,
+        "critic_dir": critic_dir,
         "queue": await awaited(queue.state_dict.call_one()),
         "history": history,
     }
@@ -51,10 +55,10 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict]) 
     return path, version
 
 
-async def restore(run_dir: str, trainer, queue, watch=None) -> tuple[int, list[dict]]:
-    """Load the latest checkpoint into the trainer and the queue: its version and metrics
-    history. `watch` (meshrl/stability.py's CliffWatch) picks up where it was, checkpoints
-    included, silently."""
+async def restore(run_dir: str, trainer, queue, watch=None, critic=None) -> tuple[int, list[dict]]:
+    """Load the latest checkpoint into the trainer, the critic (a CriticMesh, under PPO with a
+    critic) and the queue: its version and metrics history. `watch` (meshrl/stability.py's
+    CliffWatch) picks up where it was, checkpoints included, silently."""
     root = os.path.join(run_dir, "checkpoints")
     latest = os.path.join(root, "latest")
     if not os.path.isfile(latest):
@@ -64,6 +68,11 @@ async def restore(run_dir: str, trainer, queue, watch=None) -> tuple[int, list[d
     version = await trainer.load_checkpoint(state["trainer_dir"])
     if version != state["version"]:
         raise RuntimeError(f"trainer checkpoint is at version {version}, loop state at {state['version']}")
+    if critic is not None:
+        if not state.get("critic_dir"):
+            raise RuntimeError(f"{run_dir}'s checkpoint has no critic (written by a run without trainer.loss.advantage=gae): "
+                               "resume it with its own advantage, or start a new run")
+        await critic.load_checkpoint(state["critic_dir"])
     await awaited(queue.load_state_dict.call_one(state["queue"]))
     history = state["history"]
     if watch is not None:

@@ -23,7 +23,7 @@ import os
 import time
 
 from meshrl.compat import awaited
-from meshrl.config import Config
+from meshrl.config import Config, ConfigError
 from meshrl.controller import checkpoint as checkpoints, colocate
 from meshrl.controller.breaker import FailureBreaker, report_cliffs
 from meshrl.controller.collect import StepMetrics
@@ -43,6 +43,7 @@ from meshrl.scorers import ON_PROCS
 from meshrl.stability import CliffWatch
 from meshrl.tokenizer import build_char_tokenizer
 from meshrl.trainer.actor import spawn_trainer
+from meshrl.trainer.critic_actor import spawn_critic
 from meshrl.weightsync.connect import WeightSync
 
 log = logging.getLogger("meshrl")
@@ -65,6 +66,7 @@ class RLLoop:
         self.teacher: GeneratorPool | None = None
         self.scorers: ScorerPool | None = None
         self.workers: WorkerPool | None = None
+        self.critic = None  # PPO's critic (trainer.loss.advantage=gae): a CriticMesh
         self.collect: StepMetrics | None = None
         self.evaluations: Evaluations | None = None
         self._update_task: asyncio.Task | None = None
@@ -97,6 +99,9 @@ class RLLoop:
             print(f"meshrl: launcher.gpus_per_host=0: this {c.launcher.kind} run plans no GPUs (every role on CPU"
                   + (", and the Slurm job asks for none" if c.launcher.kind == "slurm" else "") + "); set it to the hosts' GPUs for a GPU run",
                   file=console())
+        if c.trainer.loss.advantage == "gae" and c.trainer.device == "auto" and gpus_per_host(c) > 0:  # config/checks.py refuses the rest
+            raise ConfigError("trainer.device", "the critic runs on CPU procs only here (the device and memory plans do not cover it yet), "
+                                                "beside a CPU trainer, and this host has GPUs: set trainer.device=cpu, or a group advantage")
         placement, why = resolve_placement(c)
         if c.placement == "auto" and gpus_per_host(c) == 0:  # the console says which CPU placement, and why
             print(f"meshrl: placement auto -> {placement} ({why})", file=console())
@@ -119,8 +124,10 @@ class RLLoop:
         self.trainer = await spawn_trainer(c, c.trainer.collective_timeout_s, host_mesh=self.alloc.host_mesh("trainer"),
                                            hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan)
         await self.trainer.publisher_handle()  # creates the publisher before its first step
+        if c.trainer.loss.advantage == "gae":  # PPO's critic: one proc on the trainer's first host, on its cores
+            self.critic = await spawn_critic(c, self.alloc.host("trainer", 0), self.alloc.bootstrap("critic"))
         if self.resume:
-            self.version, self.history = await checkpoints.restore(self.run_dir, self.trainer, self.queue, self.watch)
+            self.version, self.history = await checkpoints.restore(self.run_dir, self.trainer, self.queue, self.watch, self.critic)
         # Rows past the restored step belong to steps about to be trained again: cut them.
         wandb = dict(project=c.logging.wandb_project, mode=c.logging.wandb_mode, config=c.to_dict()) if c.logging.wandb else None
         self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version, wandb=wandb)
@@ -171,7 +178,8 @@ class RLLoop:
             if c.placement == "colocate":
                 handoff = await self._hand_devices_to_trainer()
                 call_start = time.monotonic()
-            out = await self._watching(asyncio.ensure_future(self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s)))
+            critic = self.critic.actor if self.critic is not None else None
+            out = await self._watching(asyncio.ensure_future(self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s, critic)))
         except Exception as e:  # noqa: BLE001 - a dead trainer proc ends the run, resumably
             line = one_line(e)
             if line is not None:  # the user's data or code failed in the queue: its one line, not the trainer's trace
@@ -182,6 +190,9 @@ class RLLoop:
             first = first_line(str(e)) or type(e).__name__
             if not await self._queue_answers():  # the trainer's call failed because the batches' source did
                 raise self._queue_lost() from e
+            if self.critic is not None and not await self.critic.answers():
+                raise TrainerFailed(f"the critic stopped answering at version {self.version} ({type(e).__name__}: {first}); "
+                                    f"{checkpoints.how_to_resume(self.run_dir)}") from e
             raise TrainerFailed(f"the trainer failed at version {self.version} ({type(e).__name__}: {first}); "
                                 f"{checkpoints.how_to_resume(self.run_dir)}") from e
         self.version = out["version"]
@@ -295,7 +306,7 @@ class RLLoop:
     # ---- checkpoint and export (controller/checkpoint.py) ------------------------------------
     async def checkpoint(self) -> str:
         """Trainer state (DCP), the episode queue and the metrics history, atomically."""
-        path, self.version = await checkpoints.save(self.run_dir, self.trainer, self.queue, self.version, self.history)
+        path, self.version = await checkpoints.save(self.run_dir, self.trainer, self.queue, self.version, self.history, self.critic)
         self._last_checkpoint = time.monotonic()
         if self.watch is not None:
             self.watch.checkpointed(self.version)
@@ -322,11 +333,12 @@ class RLLoop:
         for pool in (self.generators, self.teacher, self.scorers):
             if pool is not None:
                 await pool.shutdown()
-        if getattr(self, "trainer", None) is not None:
-            try:
-                await self.trainer.stop()
-            except Exception:  # noqa: BLE001
-                pass
+        for mesh in (getattr(self, "trainer", None), self.critic):
+            if mesh is not None:
+                try:
+                    await mesh.stop()
+                except Exception:  # noqa: BLE001
+                    pass
         if getattr(self, "coord", None) is not None:
             try:
                 await asyncio.wait_for(self.coord.stop(), 60)

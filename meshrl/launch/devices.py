@@ -246,6 +246,8 @@ def resolve_placement(config: Config, gpus: int | None = None) -> tuple[str, str
     t, gen = c.trainer, c.generator
     if c.launcher.hosts > 1 or c.distill.teacher or scorer_gpus(c):
         return "split", "several hosts, a distillation teacher or model scorers: each role on devices of its own"
+    if c.trainer.loss.advantage == "gae":
+        return "split", "PPO's critic trains beside the policy on a proc of its own"
     if g == 0:
         if c.launcher.kind not in ("local", "process"):
             return "split", "several hosts or a distillation teacher: each role on its own cores"

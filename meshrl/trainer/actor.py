@@ -92,16 +92,22 @@ class TrainerActor(Actor):
         return self.publisher.handle
 
     @endpoint
-    async def train_from_queue(self, queue, num_groups: int, timeout_s: float) -> dict:
-        """Rank 0 samples a batch from the episode queue actor and shares it with the other
-        ranks (the controller never touches the data); all ranks train; the new version is
-        published into the weight-sync staging snapshot, then told to the queue (which
-        admits new work for it). Returns rank 0's metrics."""
+    async def train_from_queue(self, queue, num_groups: int, timeout_s: float, critic=None) -> dict:
+        """Rank 0 samples a batch from the episode queue actor and, under PPO with a critic
+        (`critic`: the CriticActor, trainer.loss.advantage=gae), has the critic write its
+        per-token advantages into it, then shares it with the other ranks (the controller
+        never touches the data); all ranks train; the new version is published into the
+        weight-sync staging snapshot, then told to the queue (which admits new work for it).
+        Returns rank 0's metrics."""
         trainer = self._need()
+        if trainer.config.trainer.loss.advantage == "gae" and critic is None:
+            raise RuntimeError("trainer.loss.advantage=gae trains on a critic's advantages, and no critic was given")
         t0 = time.perf_counter()
-        batch = None
+        batch, critic_metrics = None, {}
         if trainer.rank == 0:
             batch = await queue.sample.call_one(num_groups, trainer.step, timeout_s)
+            if critic is not None:
+                critic_metrics = await self._critic_advantages(critic, batch, trainer)
         if trainer.world > 1:
             box = [batch]
             dist.broadcast_object_list(box, src=0, group=self._objects)
@@ -125,6 +131,20 @@ class TrainerActor(Actor):
             "trained_groups": batch["group_id"].unique_consecutive().tolist(),
             "sync/publish_s": time.perf_counter() - t1, "sync/stage_copy_s": copy_s,
         })
+        metrics.update(critic_metrics)
+        return metrics
+
+    @staticmethod
+    async def _critic_advantages(critic, batch: TensorDict, trainer: PolicyTrainer) -> dict:
+        """The critic's per-token advantages and loss mask written into `batch` (in place;
+        during critic.policy_warmup only the mask: the policy trains on the group advantage);
+        returns the critic's metrics, with `critic/gae_trained` saying which it was."""
+        call = awaited(critic.advantages.call_one(batch, trainer.step))
+        token_advantage, loss_mask, metrics = await asyncio.wait_for(call, trainer.config.critic.timeout_s)
+        batch["loss_mask"] = loss_mask
+        if token_advantage is not None:
+            batch["token_advantage"] = token_advantage
+        metrics["critic/gae_trained"] = float(token_advantage is not None)
         return metrics
 
     @endpoint
@@ -185,9 +205,10 @@ class TrainerMesh:
         self.version = out["version"]
         return out
 
-    async def train_from_queue(self, queue, num_groups: int, timeout_s: float) -> dict:
-        """One step on a batch the trainer pulls from `queue` itself; returns rank 0's metrics."""
-        out = (await self._all(self.actors.train_from_queue, queue, num_groups, timeout_s,
+    async def train_from_queue(self, queue, num_groups: int, timeout_s: float, critic=None) -> dict:
+        """One step on a batch the trainer pulls from `queue` itself (and, with `critic`, has
+        scored by that CriticActor); returns rank 0's metrics."""
+        out = (await self._all(self.actors.train_from_queue, queue, num_groups, timeout_s, critic,
                                timeout_s=timeout_s + self.timeout_s))[0]
         self.version = out["version"]
         return out

@@ -1,0 +1,201 @@
+"""PPO's critic on a proc mesh of its own: `CriticActor`, the Monarch shell around
+`meshrl/trainer/critic.py`'s `CriticTrainer` (one rank), and `CriticMesh` / `spawn_critic`,
+the controller's handle on it.
+
+The trainer's rank 0 calls `advantages` with each batch it samples from the episode queue
+(trainer/actor.py `train_from_queue`; the controller never touches the data):
+
+    advantages(batch s):  finish the critic's train step on batch s-1 (usually done already)
+                          values of batch s under that critic (version v = s-1 batches trained)
+                          GAE -> per-token advantages, the loss mask   --> back to the trainer
+                          start the critic's train step on batch s, in a thread of this proc
+
+so the critic trains on batch s while the policy does, each on its own proc, and the
+critic's step is off the policy's path unless it takes longer than the policy's step plus
+the wait for the next batch. A batch is always scored by the critic that trained on every
+batch before it: `critic/version_lag` (policy steps taken - the scoring critic's version)
+is 0 unless the critic fell behind. The finished step's metrics (value loss, value clip
+fraction, grad norm) come back with the next call, under `critic/`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import os
+import time
+
+import torch
+from monarch.actor import Actor, endpoint
+from tensordict import TensorDict
+
+from meshrl.compat import awaited
+from meshrl.config import Config
+from meshrl.config.cpus import cpus_for
+from meshrl.logs import capture_role_output
+from meshrl.pinning import pin_this_process
+from meshrl.trainer.critic import CriticTrainer
+from meshrl.trainer.values import reduce_value_metrics, value_metric_sums
+
+TRAIN_METRICS = ("value_loss", "value_clip_frac", "value_abs_max", "grad_norm", "lr", "value_nonfinite", "step_time_s")
+"""A finished critic step's metrics reported (as `critic/NAME`) with the next batch; its
+explained variance and means are those of the batch it scored, reported when it scored it."""
+
+
+def build_critic(config: Config) -> CriticTrainer:
+    """The CriticTrainer `config.critic` describes, on the CPU (`critic.init`: the policy's
+    starting weights, or the policy's shapes from seed + 1)."""
+    from meshrl.trainer.parallelize import compute_dtype
+
+    cc, model, overrides, seed = config.critic, config.model, None, config.seed
+    if cc.init == "scratch":
+        seed = config.seed + 1
+        if model.path is not None:  # the checkpoint's shapes, none of its weights
+            from meshrl.config.hf import model_args_from_hf
+
+            model, overrides = model_args_from_hf(model.path)
+            model = dataclasses.replace(model, path=None)
+    return CriticTrainer(model, lr=cc.lr, weight_decay=cc.weight_decay, warmup_steps=cc.warmup_steps, grad_clip=cc.grad_clip,
+                         value_clip=cc.value_clip, gamma=cc.gamma, lam=cc.lam, aggregation=config.trainer.loss.aggregation,
+                         micro_batch_size=cc.micro_batch_size, micro_batch_tokens=config.trainer.micro_batch_tokens, epochs=cc.epochs, seed=seed,
+                         device="cpu", compute_dtype=compute_dtype(config.trainer, "cpu"), hf_overrides=overrides)
+
+
+class CriticActor(Actor):
+    """The critic's one rank. Endpoints run one at a time; its train step runs in a thread."""
+
+    def __init__(self) -> None:
+        self.critic: CriticTrainer | None = None
+        self.config: Config | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="critic-train")
+        self._training: concurrent.futures.Future | None = None
+        self._finished: dict[str, float] = {}
+
+    @endpoint
+    async def setup(self, config_dict: dict) -> dict:
+        """Pin to the trainer's (first proc's) cores, build the value model and its optimizer."""
+        config = Config.from_dict(config_dict)
+        capture_role_output(config, "critic")
+        cpus = cpus_for(config.trainer.cpus, 0)
+        if cpus is not None:
+            pin_this_process(cpus)  # also sizes torch's thread pool to them
+        self.config, self.critic = config, build_critic(config)
+        return self._info()
+
+    def _need(self) -> CriticTrainer:
+        if self.critic is None:
+            raise RuntimeError("CriticActor.setup(config) must run first")
+        return self.critic
+
+    def _info(self) -> dict:
+        critic = self._need()
+        return {"pid": os.getpid(), "version": critic.version, "threads": torch.get_num_threads(),
+                "params": sum(p.numel() for p in critic.model.parameters()), "cpus": sorted(os.sched_getaffinity(0))}
+
+    async def _finish(self) -> float:
+        """Wait for the train step in flight, if any (its metrics are kept for the next
+        answer; its error is raised here). Returns the seconds waited."""
+        t0 = time.perf_counter()
+        if self._training is not None:
+            future, self._training = self._training, None
+            self._finished = await asyncio.wrap_future(future)
+        return time.perf_counter() - t0
+
+    @endpoint
+    async def advantages(self, batch: TensorDict, policy_step: int) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+        """(token_advantage [B, T] or None, loss_mask [B, T], metrics) for the batch the policy
+        trains next as version `policy_step` + 1, then this batch's critic step in the background.
+
+        token_advantage is None while `critic.policy_warmup` lasts (the policy trains on the
+        group advantage the workers wrote); the loss mask has failed episodes off either way.
+        """
+        critic, cc = self._need(), self.config.critic
+        wait_s = await self._finish()
+        finished, self._finished = self._finished, {}
+        t0 = time.perf_counter()
+        version = critic.version
+        returns, old = critic.advantages(batch, whiten=cc.whiten)  # writes batch["token_advantage"], drops failed rows from the mask
+        mask = batch["loss_mask"]
+        scored = reduce_value_metrics([value_metric_sums(old, returns, mask)])
+        score_s = time.perf_counter() - t0
+        self._training = self._pool.submit(critic.train_step, batch, returns, old)
+        warm = policy_step < cc.policy_warmup
+        metrics = {
+            "critic/version": float(version), "critic/version_lag": float(policy_step - version),
+            "critic/explained_variance": scored.get("explained_variance", 0.0), "critic/value_mean": scored.get("value_mean", 0.0),
+            "critic/return_mean": scored.get("return_mean", 0.0), "critic/score_s": score_s, "critic/wait_s": wait_s,
+            "critic/policy_warmup": float(warm),
+            **{f"critic/{k}": float(finished[k]) for k in TRAIN_METRICS if k in finished},
+        }
+        return (None if warm else batch["token_advantage"]), mask, metrics
+
+    @endpoint
+    async def save_checkpoint(self, root: str) -> str:
+        """The critic after its last batch's step (waited for), as a DCP checkpoint under `root`."""
+        await self._finish()
+        return self._need().save_checkpoint(root)
+
+    @endpoint
+    async def load_checkpoint(self, path: str) -> int:
+        await self._finish()
+        return self._need().load_checkpoint(path)
+
+    @endpoint
+    async def info(self) -> dict:
+        """pid, version (after the step in flight), threads, parameters, cores."""
+        await self._finish()
+        return self._info()
+
+    @endpoint
+    async def teardown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class CriticMesh:
+    """The controller's handle on the critic's proc. Every call has a timeout; `stop()` always."""
+
+    def __init__(self, procs, actor, timeout_s: float):
+        self.procs, self.actor, self.timeout_s = procs, actor, timeout_s
+
+    async def _call(self, endpoint_, *args):
+        return await asyncio.wait_for(awaited(endpoint_.call_one(*args)), self.timeout_s)
+
+    async def save_checkpoint(self, root: str) -> str:
+        return await self._call(self.actor.save_checkpoint, root)
+
+    async def load_checkpoint(self, path: str) -> int:
+        return await self._call(self.actor.load_checkpoint, path)
+
+    async def info(self) -> dict:
+        return await self._call(self.actor.info)
+
+    async def answers(self, timeout_s: float = 10.0) -> bool:
+        """Whether the critic's proc still answers (after a failed step: whose fault it was)."""
+        try:
+            await asyncio.wait_for(awaited(self.actor.info.call_one()), timeout_s)
+            return True
+        except Exception:  # noqa: BLE001 - dead, unreachable or too slow: all the same here
+            return False
+
+    async def stop(self) -> None:
+        try:
+            await asyncio.wait_for(awaited(self.actor.teardown.call_one()), 30)
+        except Exception:  # noqa: BLE001 - the proc is stopped below either way
+            pass
+        await asyncio.wait_for(self.procs.stop(), 60)
+
+
+async def spawn_critic(config: Config, host_mesh, bootstrap_command=None) -> CriticMesh:
+    """One proc on `host_mesh` (the trainer's first host), its actor set up from `config`.
+    The caller owns the returned mesh: `await mesh.stop()`."""
+    timeout_s = config.critic.timeout_s
+    procs = host_mesh.spawn_procs(per_host={"procs": 1}, bootstrap_command=bootstrap_command)
+    try:
+        actor = procs.spawn("critic", CriticActor)
+        mesh = CriticMesh(procs, actor, timeout_s)
+        await mesh._call(actor.setup, config.to_dict())
+        return mesh
+    except BaseException:
+        await asyncio.wait_for(procs.stop(), 60)
+        raise
