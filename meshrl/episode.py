@@ -20,7 +20,7 @@ A group packs into a rollout TensorDict, one row per episode, right-padded to T 
 | reward           | [B]          | float32 | the episode's reward: the sum of its turns' rewards          |
 | advantage        | [B]          | float32 | group-normalised advantage                                   |
 | teacher_logprobs | [B, T]       | float32 | optional (distillation): teacher's log-prob of each model token (0 elsewhere) |
-| token_advantage  | [B, T]       | float32 | optional (distillation, process rewards, PPO's critic): per-token advantage; the loss uses it instead of `advantage` |
+| token_advantage  | [B, T]       | float32 | optional (distillation, process rewards, GAE): per-token advantage; the loss uses it instead of `advantage` |
 | group_id         | [B]          | int64   | id shared by the episodes of one prompt                      |
 | sample_id        | [B]          | int64   | unique id of the episode                                     |
 | finish_reason    | [B]          | int64   | one of FINISH_REASONS' codes                                 |

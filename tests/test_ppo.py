@@ -107,8 +107,7 @@ def test_critic_epochs_are_optimizer_steps_on_one_batch_and_one_version():
     from meshrl.episode import Episode, Turn, pack
     from meshrl.trainer.critic import CriticTrainer
 
-    batch = pack([Episode(0, i, [Turn("env", [1, 2 + i % 3]), Turn("model", [5 + i, 6, 7], [0.0] * 3, [0] * 3, reward=float(i % 2) * 4)])
-                  for i in range(6)])
+    batch = pack([Episode(0, i, [Turn("env", [1, 2 + i % 3]), Turn("model", [5 + i, 6, 7], [0.0] * 3, [0] * 3, reward=float(i % 2) * 4)]) for i in range(6)])
     one, three = (CriticTrainer(ModelConfig(), lr=0.01, seed=1, epochs=n, value_clip=0.5) for n in (1, 3))
     returns, old = one.advantages(batch.clone())
     for _ in range(3):
@@ -133,6 +132,7 @@ class _Endpoint:
     def call_one(self, *args):
         async def call():
             return self.fn(*args)
+
         return call()
 
 
@@ -242,8 +242,13 @@ def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
     from meshrl.compat import awaited
     from meshrl.trainer.critic_actor import spawn_critic
 
-    cfg = gae_config(steps=STEPS, batch_groups=16, buffer={"depth": 0, "max_lag": 0}, generator={"update_mode": "block"},
-                     logging={"progress": False, "plot": False, "run_dir": str(tmp_path / "run")})
+    cfg = gae_config(
+        steps=STEPS,
+        batch_groups=16,
+        buffer={"depth": 0, "max_lag": 0},
+        generator={"update_mode": "block"},
+        logging={"progress": False, "plot": False, "run_dir": str(tmp_path / "run")},
+    )
     with meshrl.Session(cfg) as session:
         loop = session.loop
         info = session._call(loop.critic.info(), 60)
@@ -277,7 +282,7 @@ def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
     # explained variance of steps 7-12 at 0.108-0.192 above step 1's (0: a zero head), the last
     # 3 steps' reward 0.585-0.615 above the first 2's. With the critic's advantages zeroed the
     # reward stays flat and the reward assertion fails (the critic still learns its values).
-    assert sum(ev[STEPS // 2:]) / (STEPS - STEPS // 2) > ev[0] + EV_MARGIN, ev
+    assert sum(ev[STEPS // 2 :]) / (STEPS - STEPS // 2) > ev[0] + EV_MARGIN, ev
     assert sum(reward[-3:]) / 3 > sum(reward[:2]) / 2 + REWARD_MARGIN, reward
     assert no_children_left(), "procs outlived the run"
 

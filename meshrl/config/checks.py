@@ -278,29 +278,36 @@ def _check_critic(c: Config) -> None:
     _need(critic.weight_decay >= 0, "critic.weight_decay", f"must be at least 0, got {critic.weight_decay}")
     _need(critic.warmup_steps >= 0, "critic.warmup_steps", f"must be at least 0, got {critic.warmup_steps}")
     _need(critic.grad_clip >= 0, "critic.grad_clip", f"must be at least 0 (0 disables), got {critic.grad_clip}")
-    _need(critic.value_clip is None or critic.value_clip > 0, "critic.value_clip", f"must be positive (or null for no clip), got {critic.value_clip}")
+    _need(critic.value_clip is None or critic.value_clip > 0, "critic.value_clip",
+          f"must be positive (or null for no clip), got {critic.value_clip}")
     _need(0 < critic.gamma <= 1, "critic.gamma", f"must be in (0, 1], got {critic.gamma}")
     _need(0 <= critic.lam <= 1, "critic.lam", f"must be in [0, 1], got {critic.lam}")
-    _need(0 <= critic.policy_warmup < c.steps, "critic.policy_warmup", f"must be from 0 to steps - 1 ({c.steps - 1}), got {critic.policy_warmup}: "
-                                                                      "the policy would never train on the critic's advantages")
+    _need(0 <= critic.policy_warmup < c.steps, "critic.policy_warmup",
+          f"must be from 0 to steps - 1 ({c.steps - 1}), got {critic.policy_warmup}: the policy would never train on the critic's advantages")
     _need(critic.epochs >= 1, "critic.epochs", f"must be at least 1, got {critic.epochs}")
     _need(critic.micro_batch_size >= 1, "critic.micro_batch_size", f"must be at least 1, got {critic.micro_batch_size}")
     _need(critic.timeout_s > 0, "critic.timeout_s", f"must be positive, got {critic.timeout_s}")
-    _need(c.trainer.collective_timeout_s > c.buffer.get_timeout_s + critic.timeout_s, "trainer.collective_timeout_s",
-         f"{c.trainer.collective_timeout_s:.0f}s must exceed buffer.get_timeout_s + critic.timeout_s = {c.buffer.get_timeout_s + critic.timeout_s:.0f}s "
-         "(the other ranks wait in a collective while rank 0 waits for a batch and its critic's advantages): raise it")
+    waited = c.buffer.get_timeout_s + critic.timeout_s
+    _need(c.trainer.collective_timeout_s > waited, "trainer.collective_timeout_s",
+          f"{c.trainer.collective_timeout_s:.0f}s must exceed buffer.get_timeout_s + critic.timeout_s = {waited:.0f}s "
+          "(the other ranks wait in a collective while rank 0 waits for a batch and its critic's advantages): raise it")
     # what cannot combine, one line each
-    _need(not c.distill.teacher, "distill.teacher", "distillation and PPO's critic (trainer.loss.advantage=gae) both set every token's advantage: use one of them")
+    _need(not c.distill.teacher, "distill.teacher",
+          "distillation and PPO's critic (trainer.loss.advantage=gae) both set every token's advantage: use one of them")
     for i, sc in enumerate(c.scoring.scorers):
-        _need(sc.process == "none", f"scoring.scorers[{i}].process", "process rewards and PPO's critic (trainer.loss.advantage=gae) both set every token's "
-                                                                    "advantage: set process=none (an outcome score trains through the critic's returns), or a group advantage")
-    _need(c.lora.rank == 0, "lora.rank", "the critic is a second whole model trained in full beside the adapters (there is no LoRA critic yet): set lora.rank=0 with trainer.loss.advantage=gae")
-    _need(c.placement != "colocate", "placement", "the critic runs on CPU procs only here, beside the trainer's, and colocate hands the host's cores to one role at a time: set placement=split (or auto)")
+        _need(sc.process == "none", f"scoring.scorers[{i}].process",
+              "process rewards and PPO's critic (trainer.loss.advantage=gae) both set every token's advantage: "
+              "set process=none (an outcome score trains through the critic's returns), or a group advantage")
+    _need(c.lora.rank == 0, "lora.rank", "the critic is a second whole model trained in full beside the adapters (there is no LoRA critic yet): "
+                                         "set lora.rank=0 with trainer.loss.advantage=gae")
+    _need(c.placement != "colocate", "placement", "the critic runs on CPU procs only here, beside the trainer's, and colocate hands the host's cores "
+                                                  "to one role at a time: set placement=split (or auto)")
     gpu_trainer = c.trainer.device == "cuda" or c.trainer.device == "auto" and c.launcher.gpus_per_host > 0
     _need(not gpu_trainer, "trainer.device", "the critic runs on CPU procs only here (the device and memory plans do not cover it yet), "
                                              "beside a CPU trainer: set trainer.device=cpu, or a group advantage")
-    _need(not c.buffer.dynamic_sampling, "buffer.dynamic_sampling", "drops groups whose episodes all scored the same, which still carry the critic's signal "
-                                                                   "(A = return - V is not 0 where V is wrong): set it to false with trainer.loss.advantage=gae")
+    _need(not c.buffer.dynamic_sampling, "buffer.dynamic_sampling",
+          "drops groups whose episodes all scored the same, which still carry the critic's signal "
+          "(A = return - V is not 0 where V is wrong): set it to false with trainer.loss.advantage=gae")
 
 
 def _check_lora(c: Config) -> None:

@@ -56,10 +56,24 @@ def build_critic(config: Config) -> CriticTrainer:
 
             model, overrides = model_args_from_hf(model.path)
             model = dataclasses.replace(model, path=None)
-    return CriticTrainer(model, lr=cc.lr, weight_decay=cc.weight_decay, warmup_steps=cc.warmup_steps, grad_clip=cc.grad_clip,
-                         value_clip=cc.value_clip, gamma=cc.gamma, lam=cc.lam, aggregation=config.trainer.loss.aggregation,
-                         micro_batch_size=cc.micro_batch_size, micro_batch_tokens=config.trainer.micro_batch_tokens, epochs=cc.epochs, seed=seed,
-                         device="cpu", compute_dtype=compute_dtype(config.trainer, "cpu"), hf_overrides=overrides)
+    return CriticTrainer(
+        model,
+        lr=cc.lr,
+        weight_decay=cc.weight_decay,
+        warmup_steps=cc.warmup_steps,
+        grad_clip=cc.grad_clip,
+        value_clip=cc.value_clip,
+        gamma=cc.gamma,
+        lam=cc.lam,
+        aggregation=config.trainer.loss.aggregation,
+        micro_batch_size=cc.micro_batch_size,
+        micro_batch_tokens=config.trainer.micro_batch_tokens,
+        epochs=cc.epochs,
+        seed=seed,
+        device="cpu",
+        compute_dtype=compute_dtype(config.trainer, "cpu"),
+        hf_overrides=overrides,
+    )
 
 
 class CriticActor(Actor):
@@ -90,8 +104,13 @@ class CriticActor(Actor):
 
     def _info(self) -> dict:
         critic = self._need()
-        return {"pid": os.getpid(), "version": critic.version, "threads": torch.get_num_threads(),
-                "params": sum(p.numel() for p in critic.model.parameters()), "cpus": sorted(os.sched_getaffinity(0))}
+        return {
+            "pid": os.getpid(),
+            "version": critic.version,
+            "threads": torch.get_num_threads(),
+            "params": sum(p.numel() for p in critic.model.parameters()),
+            "cpus": sorted(os.sched_getaffinity(0)),
+        }
 
     async def _finish(self) -> float:
         """Wait for the train step in flight, if any (its metrics are kept for the next
@@ -122,9 +141,13 @@ class CriticActor(Actor):
         self._training = self._pool.submit(critic.train_step, batch, returns, old)
         warm = policy_step < cc.policy_warmup
         metrics = {
-            "critic/version": float(version), "critic/version_lag": float(policy_step - version),
-            "critic/explained_variance": scored.get("explained_variance", 0.0), "critic/value_mean": scored.get("value_mean", 0.0),
-            "critic/return_mean": scored.get("return_mean", 0.0), "critic/score_s": score_s, "critic/wait_s": wait_s,
+            "critic/version": float(version),
+            "critic/version_lag": float(policy_step - version),
+            "critic/explained_variance": scored.get("explained_variance", 0.0),
+            "critic/value_mean": scored.get("value_mean", 0.0),
+            "critic/return_mean": scored.get("return_mean", 0.0),
+            "critic/score_s": score_s,
+            "critic/wait_s": wait_s,
             "critic/policy_warmup": float(warm),
             **{f"critic/{k}": float(finished[k]) for k in TRAIN_METRICS if k in finished},
         }
