@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from meshrl.config.sections import MOE_FAMILIES, ModelConfig
+from meshrl.config.models import MOE_FAMILIES, ModelConfig
 
 
 # DeepSeek-V3 settings that ModelConfig's sizes do not name, under their HF config.json keys.

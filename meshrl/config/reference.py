@@ -1,6 +1,6 @@
 """The config reference, generated from the code: each field's type, default and docstring.
 
-A field's docstring is the string literal right below it in config/sections.py; `field_docs`
+A field's docstring is the string literal right below it (config/sections.py, config/models.py); `field_docs`
 reads them from the source, and `reference_markdown` renders the whole tree as the
 Markdown of docs/config.md (`meshrl config docs`), so the reference cannot drift.
 """
@@ -39,7 +39,7 @@ def reference_markdown() -> str:
     lines = [
         "# meshrl config reference",
         "",
-        "Generated from the docstrings in `meshrl/config/sections.py` by `meshrl config docs`; do not edit by hand.",
+        "Generated from the docstrings in `meshrl/config/sections.py` and `meshrl/config/models.py` by `meshrl config docs`; do not edit by hand.",
         "Set fields in YAML (nested sections), in a dict passed to `meshrl.run`, or on the command line as `section.field=value`.",
         "",
     ]
