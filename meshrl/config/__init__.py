@@ -1,8 +1,9 @@
 """The run configuration, plain data: `from meshrl.config import Config, ConfigError, ...`.
 
-sections.py holds the dataclasses, loading.py YAML and overrides, checks.py the checks the
-values answer alone, reference.py the generated docs. Nothing here imports meshrl above
-it; checks that need the domain live in meshrl/preflight.py.
+sections.py and models.py hold the dataclasses, loading.py YAML and overrides, checks.py
+the checks the values answer alone, reference.py the generated docs, cpus.py and hf.py the
+parsing of CPU lists and of a Hugging Face config.json. Nothing here imports meshrl above
+it; checks that need the domain live beside their components, listed by meshrl/preflight.py.
 """
 
 from meshrl.config.checks import VLLM_HEAD_SIZES, ip_and_port, source_kind, validate

@@ -4,7 +4,8 @@
 API, each actor rebuilding its copy from a dict) is consistent: sizes that divide, bounds
 that hold, CPU lists that parse and, on this machine, name cores it has. It reads no
 file and imports nothing of meshrl's domain; what needs the tasks, user code, optional
-packages or the files a config names is checked once, before a run, by meshrl/preflight.py.
+packages or the files a config names is checked once, before a run, beside its component
+(listed in order by meshrl/preflight.py).
 The first problem found is raised as one `ConfigError` naming the field and the fix.
 """
 

@@ -5,7 +5,7 @@ config reference (`meshrl config docs`, docs/config.md) is generated from those
 docstrings, so it cannot drift from the code. Configs load from YAML, from a dict, or in
 code, and take dotted command-line overrides (`trainer.lr=1e-5`). Building a `Config`
 checks what the values alone can show (config/checks.py); what needs the tasks, user code
-or this machine's files is checked one floor up, in meshrl/preflight.py.
+or this machine's files is checked beside its component, before a run (meshrl/preflight.py).
 """
 
 from __future__ import annotations
