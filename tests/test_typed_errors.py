@@ -53,7 +53,7 @@ def test_the_loop_tells_a_batch_timeout_by_its_type(tmp_path):
     loop.version = 3
 
     class Trainer:
-        async def train_from_queue(self, queue, num_groups, timeout_s):
+        async def train_from_queue(self, queue, num_groups, timeout_s, critic=None):
             raise pickle.loads(pickle.dumps(ActorError(ActorError(BatchTimeout("worded otherwise")))))
 
     loop.trainer, loop.queue = Trainer(), None
