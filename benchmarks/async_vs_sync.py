@@ -53,10 +53,27 @@ def fast_bf16() -> bool:
 
 
 MODE_CONFIGS = {"sync": "configs/sync.yaml", "async": "configs/default.yaml", "colocate": "configs/colocate.yaml"}
-ROW_KEYS = ("time/step_s", "trainer/wait_s", "trainer/step_time_s", "trainer/idle_frac", "generator/idle_frac",
-            "generator/tokens_per_s", "sync/publish_s", "sync/update_s", "sync/previous_update_s", "sync/previous_update_wait_s",
-            "reward/mean", "reward/success_rate", "episode/count", "trainer/reward_mean", "trainer/staleness_mean", "trainer/staleness_max",
-            "trainer/logprob_mismatch", "trainer/tokens", "buffer/straggler_s")
+ROW_KEYS = (
+    "time/step_s",
+    "trainer/wait_s",
+    "trainer/step_time_s",
+    "trainer/idle_frac",
+    "generator/idle_frac",
+    "generator/tokens_per_s",
+    "sync/publish_s",
+    "sync/update_s",
+    "sync/previous_update_s",
+    "sync/previous_update_wait_s",
+    "reward/mean",
+    "reward/success_rate",
+    "episode/count",
+    "trainer/reward_mean",
+    "trainer/staleness_mean",
+    "trainer/staleness_max",
+    "trainer/logprob_mismatch",
+    "trainer/tokens",
+    "buffer/straggler_s",
+)
 
 
 def bench_model(args: argparse.Namespace) -> dict:
@@ -74,30 +91,54 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-groups", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--lr", type=float, default=2e-4,
-                   help="AdamW lr (default 2e-4: the digits climb from 0.1 to 0.9 spans 15-20 of the 24 sync steps; "
-                        "at 1e-3 it takes 5-9, see benchmarks/README.md)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=2e-4,
+        help="AdamW lr (default 2e-4: the digits climb from 0.1 to 0.9 spans 15-20 of the 24 sync steps; at 1e-3 it takes 5-9, see benchmarks/README.md)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", action="append", metavar="KEY=INT",
-                   help="override a BENCH_MODEL size for every run, TRL's included (e.g. --model dim=384 --model n_heads=12)")
+    p.add_argument(
+        "--model",
+        action="append",
+        metavar="KEY=INT",
+        help="override a BENCH_MODEL size for every run, TRL's included (e.g. --model dim=384 --model n_heads=12)",
+    )
     p.add_argument("--task", default="digits", help="built-in task (meshrl/tasks.py)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16" if fast_bf16() else "float32",
-                   help="model.dtype (generator weights) and trainer.compute_dtype (default: bfloat16 on CPUs with AMX, else float32)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="generator.compile and trainer.compile: vLLM's compiled model and TorchTitan's compiled blocks "
-                        "(default on: 1.35x decode and 1.4x training step in bf16, for ~20 s more start-up)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="bfloat16" if fast_bf16() else "float32",
+        help="model.dtype (generator weights) and trainer.compute_dtype (default: bfloat16 on CPUs with AMX, else float32)",
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generator.compile and trainer.compile: vLLM's compiled model and TorchTitan's compiled blocks "
+        "(default on: 1.35x decode and 1.4x training step in bf16, for ~20 s more start-up)",
+    )
     p.add_argument("--trainer-cpus", default="auto", help="trainer.cpus (default: the shipped 'auto' placement; '' shares all cores)")
     p.add_argument("--generator-cpus", default="auto", help="generator.cpus (default: the shipped 'auto' placement; '' shares all cores)")
-    p.add_argument("--async-batches-in-flight", type=int, default=2,
-                   help="async only: generator.max_num_seqs = this many batches (sync decodes one batch at a time by construction)")
+    p.add_argument(
+        "--async-batches-in-flight",
+        type=int,
+        default=2,
+        help="async only: generator.max_num_seqs = this many batches (sync decodes one batch at a time by construction)",
+    )
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="extra config override for every run (e.g. a multi-turn task's rollout.*)")
     p.add_argument("--sync-set", action="append", metavar="KEY=VALUE", help="extra config override for the sync run only")
     p.add_argument("--async-set", action="append", metavar="KEY=VALUE", help="extra config override for the async run only")
-    p.add_argument("--reward-level", type=float, default=0.7,
-                   help="report each run's training time until its trained batches' reward (3-step mean) reaches this level")
+    p.add_argument(
+        "--reward-level", type=float, default=0.7, help="report each run's training time until its trained batches' reward (3-step mean) reaches this level"
+    )
     p.add_argument("--modes", default="sync,async", help="which modes to run")
-    p.add_argument("--seeds", type=int, default=3,
-                   help="run each mode with seeds seed .. seed + N - 1: means over them, and the spread of the paired reward gaps is the noise")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        help="run each mode with seeds seed .. seed + N - 1: means over them, and the spread of the paired reward gaps is the noise",
+    )
 
 
 def bench_config(mode: str, args: argparse.Namespace, run_dir: str):
@@ -105,15 +146,25 @@ def bench_config(mode: str, args: argparse.Namespace, run_dir: str):
     from meshrl.api import as_config
 
     overrides = [
-        f"steps={args.steps}", f"seed={args.seed}", f"batch_groups={args.batch_groups}",
-        f"generator.group_size={args.group_size}", f"generator.max_new_tokens={args.max_new_tokens}",
-        f"trainer.lr={args.lr}", f"data.source=task:{args.task}",
-        f"model.dtype={args.dtype}", f"trainer.compute_dtype={args.dtype}", f"generator.compile={str(args.compile).lower()}",
+        f"steps={args.steps}",
+        f"seed={args.seed}",
+        f"batch_groups={args.batch_groups}",
+        f"generator.group_size={args.group_size}",
+        f"generator.max_new_tokens={args.max_new_tokens}",
+        f"trainer.lr={args.lr}",
+        f"data.source=task:{args.task}",
+        f"model.dtype={args.dtype}",
+        f"trainer.compute_dtype={args.dtype}",
+        f"generator.compile={str(args.compile).lower()}",
         f"trainer.compile={str(args.compile).lower()}",
         # one micro-batch per step, as TRL's per-device batch of the same size
         f"trainer.micro_batch_size={args.batch_groups * args.group_size}",
-        f"trainer.cpus='{args.trainer_cpus}'", f"generator.cpus='{args.generator_cpus}'",
-        f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.progress=false", "logging.plot=false",
+        f"trainer.cpus='{args.trainer_cpus}'",
+        f"generator.cpus='{args.generator_cpus}'",
+        f"logging.run_dir={run_dir}",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        "logging.plot=false",
     ] + [f"model.{k}={v}" for k, v in bench_model(args).items()]
     if mode == "async":
         # Async keeps generating while the trainer trains, so the engine can hold the next
@@ -142,17 +193,28 @@ def run_mode(mode: str, args: argparse.Namespace, run_dir: str) -> dict:
     rows, samples = [], 0.0
     for r in raw:
         samples += r.get("episode/count", 0.0)  # episodes finished (scored) since the last step
-        row = {"step": int(r["version"]), "samples": samples, **{k: float(r[k]) for k in ROW_KEYS if k in r},
-               "response_lengths": r.get("response_lengths", [])}  # of the episodes finished since the last step
+        row = {
+            "step": int(r["version"]),
+            "samples": samples,
+            **{k: float(r[k]) for k in ROW_KEYS if k in r},
+            "response_lengths": r.get("response_lengths", []),
+        }  # of the episodes finished since the last step
         # The trained batch's own reward and mean version: in async mode the scorer's
         # reward/mean covers the samples scored since the last step, newer than the batch.
         row["reward"] = row["trainer/reward_mean"]
         row["policy_samples"] = policy_samples(row["step"], row.get("trainer/staleness_mean", 0.0), args.batch_groups * args.group_size)
         rows.append(row)
     batch = args.batch_groups * args.group_size
-    return {"mode": mode, "startup_s": startup, "total_s": time.monotonic() - t0, "hf_v0": hf_v0,
-            "tokenizer_dir": tokenizer_dir, **summarize(rows, batch, args.warmup),
-            "time_to_reward_s": time_to_reward(rows, args.reward_level), "rows": rows}
+    return {
+        "mode": mode,
+        "startup_s": startup,
+        "total_s": time.monotonic() - t0,
+        "hf_v0": hf_v0,
+        "tokenizer_dir": tokenizer_dir,
+        **summarize(rows, batch, args.warmup),
+        "time_to_reward_s": time_to_reward(rows, args.reward_level),
+        "rows": rows,
+    }
 
 
 def policy_samples(step: int, staleness: float, batch: int) -> float:
@@ -183,8 +245,12 @@ def reward_gap(rows: list[dict], reference: list[dict]) -> dict:
     if not gaps:
         return {"gap": float("nan"), "stderr": float("nan"), "points": 0}
     stderr = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else float("nan")
-    return {"gap": statistics.mean(gaps), "stderr": stderr, "points": len(gaps),
-            "within_noise_or_better": statistics.mean(gaps) >= -2 * (stderr if stderr == stderr else 0.0)}
+    return {
+        "gap": statistics.mean(gaps),
+        "stderr": stderr,
+        "points": len(gaps),
+        "within_noise_or_better": statistics.mean(gaps) >= -2 * (stderr if stderr == stderr else 0.0),
+    }
 
 
 def time_to_reward(rows: list[dict], level: float, window: int = 3) -> float | None:
@@ -196,7 +262,7 @@ def time_to_reward(rows: list[dict], level: float, window: int = 3) -> float | N
     elapsed = 0.0
     for i, row in enumerate(rows):
         elapsed += row["time/step_s"]
-        recent = [r["reward"] for r in rows[max(0, i + 1 - window):i + 1]]
+        recent = [r["reward"] for r in rows[max(0, i + 1 - window) : i + 1]]
         if len(recent) == window and statistics.mean(recent) >= level:
             return elapsed
     return None
@@ -251,8 +317,12 @@ def overlap_bound(sync: dict, asyn: dict) -> dict:
     bound = (G + T) / max(G, T)
     speedup = sync["step_s"] / asyn["step_s"]
     return {
-        "G_s": G, "T_s": T, "other_s": max(0.0, sync["step_s"] - G - T),
-        "bound": bound, "speedup": speedup, "fraction_of_bound": (speedup - 1) / (bound - 1) if bound > 1 else 0.0,
+        "G_s": G,
+        "T_s": T,
+        "other_s": max(0.0, sync["step_s"] - G - T),
+        "bound": bound,
+        "speedup": speedup,
+        "fraction_of_bound": (speedup - 1) / (bound - 1) if bound > 1 else 0.0,
         "speedup_over_bound": speedup / bound,
         # contention: the same work measured while the other side runs on the same 2 cores
         "G_inflation": asyn["G_s"] / G if G else 0.0,
@@ -276,8 +346,14 @@ def plot(results: list[dict], out: str, extra_title: str = "") -> str:
         rows = res["rows"]
         # one colour per system, one line style per seed: the seeds of a mode read as a band
         system = res.get("base_mode") or ("probe" if res["mode"].endswith("-probe") else res["mode"].split("-")[0])
-        style = {"color": SYSTEM_COLORS.get(system, "0.6"), "linestyle": SEED_STYLES[seeds.index(res.get("seed", 0)) % len(SEED_STYLES)],
-                 "marker": ".", "markersize": 3, "linewidth": 1 if system == "probe" else 1.5, "label": res["mode"]}
+        style = {
+            "color": SYSTEM_COLORS.get(system, "0.6"),
+            "linestyle": SEED_STYLES[seeds.index(res.get("seed", 0)) % len(SEED_STYLES)],
+            "marker": ".",
+            "markersize": 3,
+            "linewidth": 1 if system == "probe" else 1.5,
+            "label": res["mode"],
+        }
         ax_r.plot([r["policy_samples"] for r in rows], [r["reward"] for r in rows], **style)
         ax_w.plot(list(itertools.accumulate(r["time/step_s"] for r in rows)), [r["reward"] for r in rows], **style)
         ax_t.plot([r.get("step", i + 1) for i, r in enumerate(rows)], [r["time/step_s"] for r in rows], **style)
@@ -286,10 +362,12 @@ def plot(results: list[dict], out: str, extra_title: str = "") -> str:
     ax_i.bar([i - 0.2 for i in x], [r["trainer_idle_frac"] for r in results if "trainer_idle_frac" in r], 0.4, label="trainer")
     ax_i.bar([i + 0.2 for i in x], [r["generator_idle_frac"] for r in results if "trainer_idle_frac" in r], 0.4, label="generator")
     ax_i.set_xticks(list(x), names, rotation=30, fontsize=7)
-    for ax, title, xl in ((ax_r, "reward vs samples the policy was trained on", "samples"),
-                          (ax_w, "reward of the trained batch vs training time", "s after start-up"),
-                          (ax_t, "wall-clock per step", "step"),
-                          (ax_i, "idle fraction (of the steady steps)", "")):
+    for ax, title, xl in (
+        (ax_r, "reward vs samples the policy was trained on", "samples"),
+        (ax_w, "reward of the trained batch vs training time", "s after start-up"),
+        (ax_t, "wall-clock per step", "step"),
+        (ax_i, "idle fraction (of the steady steps)", ""),
+    ):
         ax.set_title(title)
         ax.set_xlabel(xl)
         ax.grid(alpha=0.3)
@@ -303,13 +381,17 @@ def plot(results: list[dict], out: str, extra_title: str = "") -> str:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'mode':<14}{'mean step s':>12}{'samples/s':>11}{'trainer idle':>14}{'gen idle':>10}{'G s':>8}{'T s':>8}"
-          f"{'staleness':>11}{'|log mu/pi|':>13}{'reward (last 4)':>17}{'s to reward':>13}{'start-up s':>12}")
+    print(
+        f"\n{'mode':<14}{'mean step s':>12}{'samples/s':>11}{'trainer idle':>14}{'gen idle':>10}{'G s':>8}{'T s':>8}"
+        f"{'staleness':>11}{'|log mu/pi|':>13}{'reward (last 4)':>17}{'s to reward':>13}{'start-up s':>12}"
+    )
     for r in results:
-        print(f"{r['mode']:<14}{r['step_s']:>12.3f}{r['samples_per_s']:>11.1f}{r.get('trainer_idle_frac', float('nan')):>14.2f}"
-              f"{r.get('generator_idle_frac', float('nan')):>10.2f}{r.get('G_s', float('nan')):>8.3f}{r.get('T_s', float('nan')):>8.3f}"
-              f"{r.get('staleness_mean', 0.0):>11.2f}{r.get('mismatch_mean', float('nan')):>13.3f}{r['reward_last']:>17.3f}"
-              f"{_seconds(r.get('time_to_reward_s')):>13}{r.get('startup_s', 0.0):>12.1f}")
+        print(
+            f"{r['mode']:<14}{r['step_s']:>12.3f}{r['samples_per_s']:>11.1f}{r.get('trainer_idle_frac', float('nan')):>14.2f}"
+            f"{r.get('generator_idle_frac', float('nan')):>10.2f}{r.get('G_s', float('nan')):>8.3f}{r.get('T_s', float('nan')):>8.3f}"
+            f"{r.get('staleness_mean', 0.0):>11.2f}{r.get('mismatch_mean', float('nan')):>13.3f}{r['reward_last']:>17.3f}"
+            f"{_seconds(r.get('time_to_reward_s')):>13}{r.get('startup_s', 0.0):>12.1f}"
+        )
 
 
 def _seconds(t: float | None) -> str:
@@ -346,11 +428,18 @@ def machine() -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return {"cpu_model": model, "cpus": os.cpu_count(), "cpus_visible": visible,
-            "cpu_flags": [f for f in wanted if f in flags], "amx": {"amx_bf16", "amx_tile"} <= flags,
-            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "python": platform.python_version(), "versions": versions,
-            "loadavg_1_5_15": [round(x, 2) for x in load], "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "cpu_model": model,
+        "cpus": os.cpu_count(),
+        "cpus_visible": visible,
+        "cpu_flags": [f for f in wanted if f in flags],
+        "amx": {"amx_bf16", "amx_tile"} <= flags,
+        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "versions": versions,
+        "loadavg_1_5_15": [round(x, 2) for x in load],
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def mode_means(runs: list[dict], batch: int) -> dict:
@@ -376,8 +465,13 @@ def mean_gap(gaps: list[dict]) -> dict:
     values = [g["gap"] for g in gaps]
     stderr = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else gaps[0]["stderr"]
     mean = statistics.mean(values)
-    return {"gap": mean, "stderr": stderr, "per_seed": values, "seeds": len(values),
-            "within_noise_or_better": mean >= -2 * (stderr if stderr == stderr else 0.0)}
+    return {
+        "gap": mean,
+        "stderr": stderr,
+        "per_seed": values,
+        "seeds": len(values),
+        "within_noise_or_better": mean >= -2 * (stderr if stderr == stderr else 0.0),
+    }
 
 
 def paired_reward_gap(results: list[dict], seeds: list[int]) -> dict:
@@ -432,8 +526,16 @@ def main() -> None:
     for r in results:
         r.pop("hf_v0", None)
         r.pop("tokenizer_dir", None)
-    payload = {"args": vars(args), "model": bench_model(args), "machine_before": load_before, "machine_after": machine(),
-               "results": results, "means": means, "overlap": bound, "wall_s": time.monotonic() - t0}
+    payload = {
+        "args": vars(args),
+        "model": bench_model(args),
+        "machine_before": load_before,
+        "machine_after": machine(),
+        "results": results,
+        "means": means,
+        "overlap": bound,
+        "wall_s": time.monotonic() - t0,
+    }
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)
     title = f"async vs sync over {len(seeds)} seed(s)"
@@ -448,18 +550,26 @@ def report_overlap(means: dict, results: list[dict], seeds: list[int], reward_le
     sync, asyn = means["sync"], means["async"]
     bound = overlap_bound(sync, asyn)
     gap = bound["reward_async_vs_sync"] = paired_reward_gap(results, seeds)
-    print(f"\nmeans over {len(seeds)} seed(s): sync {sync['samples_per_s']:.1f} samples/s, async {asyn['samples_per_s']:.1f} "
-          f"(trainer idle {asyn['trainer_idle_frac']:.2f}, generator idle {asyn['generator_idle_frac']:.2f})")
-    print(f"sync step = G {bound['G_s']:.3f} s + T {bound['T_s']:.3f} s + other {bound['other_s']:.3f} s; "
-          f"ideal async speedup (G+T)/max(G,T) = {bound['bound']:.2f}x; measured {bound['speedup']:.2f}x "
-          f"= {100 * bound['fraction_of_bound']:.0f}% of the possible gain")
+    print(
+        f"\nmeans over {len(seeds)} seed(s): sync {sync['samples_per_s']:.1f} samples/s, async {asyn['samples_per_s']:.1f} "
+        f"(trainer idle {asyn['trainer_idle_frac']:.2f}, generator idle {asyn['generator_idle_frac']:.2f})"
+    )
+    print(
+        f"sync step = G {bound['G_s']:.3f} s + T {bound['T_s']:.3f} s + other {bound['other_s']:.3f} s; "
+        f"ideal async speedup (G+T)/max(G,T) = {bound['bound']:.2f}x; measured {bound['speedup']:.2f}x "
+        f"= {100 * bound['fraction_of_bound']:.0f}% of the possible gain"
+    )
     print(f"contention: G x{bound['G_inflation']:.2f}, T x{bound['T_inflation']:.2f} when both run at once on {os.cpu_count()} cores")
     ts, ta = sync["time_to_reward_s"], asyn["time_to_reward_s"]
     bound["time_to_reward_sync_over_async"] = ts / ta if ts and ta else None
-    print(f"training time to a trained-batch reward of {reward_level}: sync {_seconds(ts)} s, async {_seconds(ta)} s"
-          + (f" (sync / async {ts / ta:.2f}x)" if ts and ta else ""))
-    print(f"reward at equal policy samples, async - sync, per seed: {', '.join(f'{g:+.3f}' for g in gap['per_seed'])}; "
-          f"mean {gap['gap']:+.3f} +- {gap['stderr']:.3f}: {'within noise or better' if gap['within_noise_or_better'] else 'WORSE'}")
+    print(
+        f"training time to a trained-batch reward of {reward_level}: sync {_seconds(ts)} s, async {_seconds(ta)} s"
+        + (f" (sync / async {ts / ta:.2f}x)" if ts and ta else "")
+    )
+    print(
+        f"reward at equal policy samples, async - sync, per seed: {', '.join(f'{g:+.3f}' for g in gap['per_seed'])}; "
+        f"mean {gap['gap']:+.3f} +- {gap['stderr']:.3f}: {'within noise or better' if gap['within_noise_or_better'] else 'WORSE'}"
+    )
     return bound
 
 

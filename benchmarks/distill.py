@@ -50,17 +50,27 @@ def train(task: str, steps: int, seed: int, run_dir: str, teacher: str | None = 
     """One meshrl.run of the embedded default (tiny Qwen3, character tokenizer, async) on a task."""
     import meshrl
 
-    overrides = [f"data.source=task:{task}", f"steps={steps}", f"seed={seed}", f"eval.every={steps}",
-                 f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.progress=false", "logging.plot=false"]
+    overrides = [
+        f"data.source=task:{task}",
+        f"steps={steps}",
+        f"seed={seed}",
+        f"eval.every={steps}",
+        f"logging.run_dir={run_dir}",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        "logging.plot=false",
+    ]
     if weights:
         overrides += [f"distill.teacher={teacher}", f"distill.kl_weight={weights[0]}", f"distill.reward_weight={weights[1]}"]
     t0 = time.monotonic()
     res = meshrl.run(overrides=overrides)
-    rows = [{"step": int(r["version"]), "step_s": r["time/step_s"], "reward": r["trainer/reward_mean"],
-             "kl": r.get("trainer/distill_reverse_kl")} for r in res.metrics if "time/step_s" in r]
+    rows = [
+        {"step": int(r["version"]), "step_s": r["time/step_s"], "reward": r["trainer/reward_mean"], "kl": r.get("trainer/distill_reverse_kl")}
+        for r in res.metrics
+        if "time/step_s" in r
+    ]
     evals = [r for r in res.metrics if "eval/greedy_accuracy" in r]
-    return {"rows": rows, "greedy_accuracy": evals[-1]["eval/greedy_accuracy"] if evals else None,
-            "hf": res.hf_export, "wall_s": time.monotonic() - t0}
+    return {"rows": rows, "greedy_accuracy": evals[-1]["eval/greedy_accuracy"] if evals else None, "hf": res.hf_export, "wall_s": time.monotonic() - t0}
 
 
 def pick_teacher(args: argparse.Namespace, root: str) -> tuple[str, dict, list[dict]]:
@@ -68,9 +78,16 @@ def pick_teacher(args: argparse.Namespace, root: str) -> tuple[str, dict, list[d
     for task in args.tasks.split(","):
         run = train(task, args.teacher_steps, args.teacher_seed, os.path.join(root, f"teacher-{task}"))
         level = statistics.mean(r["reward"] for r in run["rows"][-10:])
-        tried.append({"task": task, "steps": args.teacher_steps, "reward_last10": level, "greedy_accuracy": run["greedy_accuracy"],
-                      "reward_by_10_steps": [round(statistics.mean(r["reward"] for r in run["rows"][i:i + 10]), 3)
-                                             for i in range(0, len(run["rows"]), 10)], "wall_s": run["wall_s"]})
+        tried.append(
+            {
+                "task": task,
+                "steps": args.teacher_steps,
+                "reward_last10": level,
+                "greedy_accuracy": run["greedy_accuracy"],
+                "reward_by_10_steps": [round(statistics.mean(r["reward"] for r in run["rows"][i : i + 10]), 3) for i in range(0, len(run["rows"]), 10)],
+                "wall_s": run["wall_s"],
+            }
+        )
         print(f"teacher on {task}: reward (last 10 steps) {level:.3f}, greedy accuracy {run['greedy_accuracy']}", flush=True)
         if level >= args.teacher_level:
             return task, run, tried
@@ -88,14 +105,20 @@ def fmt(value: float | None, spec: str) -> str:
 
 def summarize(run: dict, args: argparse.Namespace) -> dict:
     rows = run["rows"]
-    steady = [r["step_s"] for r in rows[args.warmup:-1]]
+    steady = [r["step_s"] for r in rows[args.warmup : -1]]
     # time_to_reward sums a row's "time/step_s": fed the batch size, it sums trained samples
     as_samples = [{"time/step_s": BATCH, "reward": r["reward"]} for r in rows]
-    return {"kl_first3": mean_of(rows[:3], "kl"), "kl_last3": mean_of(rows[-3:], "kl"),
-            "reward_first3": mean_of(rows[:3], "reward"), "reward_last3": mean_of(rows[-3:], "reward"),
-            "reward_all": mean_of(rows, "reward"), "greedy_accuracy": run["greedy_accuracy"],
-            "step_s": statistics.mean(steady), "step_s_median": statistics.median(steady),
-            "samples_to_reward": time_to_reward(as_samples, args.reward_level)}
+    return {
+        "kl_first3": mean_of(rows[:3], "kl"),
+        "kl_last3": mean_of(rows[-3:], "kl"),
+        "reward_first3": mean_of(rows[:3], "reward"),
+        "reward_last3": mean_of(rows[-3:], "reward"),
+        "reward_all": mean_of(rows, "reward"),
+        "greedy_accuracy": run["greedy_accuracy"],
+        "step_s": statistics.mean(steady),
+        "step_s_median": statistics.median(steady),
+        "samples_to_reward": time_to_reward(as_samples, args.reward_level),
+    }
 
 
 def main() -> None:
@@ -120,32 +143,59 @@ def main() -> None:
                 run = train(task, args.steps, seed, os.path.join(root, f"{arm}-{seed}"), teacher["hf"], ARMS[arm])
                 run.update(arm=arm, seed=seed, **summarize(run, args))
                 runs.append(run)
-                print(f"{arm} seed {seed}: KL {fmt(run['kl_first3'], '.3f')} -> {fmt(run['kl_last3'], '.3f')}, "
-                      f"reward {run['reward_first3']:.3f} -> {run['reward_last3']:.3f}, greedy {run['greedy_accuracy']}, "
-                      f"step {run['step_s']:.3f} s", flush=True)
+                print(
+                    f"{arm} seed {seed}: KL {fmt(run['kl_first3'], '.3f')} -> {fmt(run['kl_last3'], '.3f')}, "
+                    f"reward {run['reward_first3']:.3f} -> {run['reward_last3']:.3f}, greedy {run['greedy_accuracy']}, "
+                    f"step {run['step_s']:.3f} s",
+                    flush=True,
+                )
     for run in runs:  # step time (mean; median: less moved by other load) over the reference arms of the same seed
         for ref, stat in itertools.product(("rl", "rl_plain"), ("", "_median")):
             other = next((r for r in runs if r["arm"] == ref and r["seed"] == run["seed"]), None)
             run[f"step{stat}_over_{ref}"] = run[f"step_s{stat}"] / other[f"step_s{stat}"] if other else None
-    keys = ("kl_first3", "kl_last3", "reward_first3", "reward_last3", "reward_all", "greedy_accuracy", "step_s", "step_s_median",
-            "step_over_rl", "step_over_rl_plain", "step_median_over_rl", "step_median_over_rl_plain")
+    keys = (
+        "kl_first3",
+        "kl_last3",
+        "reward_first3",
+        "reward_last3",
+        "reward_all",
+        "greedy_accuracy",
+        "step_s",
+        "step_s_median",
+        "step_over_rl",
+        "step_over_rl_plain",
+        "step_median_over_rl",
+        "step_median_over_rl_plain",
+    )
     means = {arm: {k: mean_of([r for r in runs if r["arm"] == arm], k) for k in keys} for arm in arms}
     for arm in arms:
         reached = [r["samples_to_reward"] for r in runs if r["arm"] == arm]
         means[arm]["samples_to_reward"] = statistics.mean(reached) if None not in reached else None
         means[arm]["samples_to_reward_runs"] = reached
     print(f"\nteacher: task {task}, seed {args.teacher_seed}, {args.teacher_steps} steps, greedy accuracy {teacher['greedy_accuracy']}")
-    print(f"{'arm':<10}{'KL first 3':>11}{'KL last 3':>11}{'reward first 3':>16}{'reward last 3':>15}{'greedy acc':>12}"
-          f"{'step s':>8}{'median':>8}{'median / rl':>13}{' / rl_plain':>12}{f'samples to {args.reward_level}':>18}")
+    print(
+        f"{'arm':<10}{'KL first 3':>11}{'KL last 3':>11}{'reward first 3':>16}{'reward last 3':>15}{'greedy acc':>12}"
+        f"{'step s':>8}{'median':>8}{'median / rl':>13}{' / rl_plain':>12}{f'samples to {args.reward_level}':>18}"
+    )
     for arm, m in means.items():
-        print(f"{arm:<10}{fmt(m['kl_first3'], '.3f'):>11}{fmt(m['kl_last3'], '.3f'):>11}{fmt(m['reward_first3'], '.3f'):>16}"
-              f"{fmt(m['reward_last3'], '.3f'):>15}{fmt(m['greedy_accuracy'], '.2f'):>12}{m['step_s']:>8.3f}{m['step_s_median']:>8.3f}"
-              f"{fmt(m['step_median_over_rl'], '.2f'):>13}{fmt(m['step_median_over_rl_plain'], '.2f'):>12}{str(m['samples_to_reward_runs']):>18}")
+        print(
+            f"{arm:<10}{fmt(m['kl_first3'], '.3f'):>11}{fmt(m['kl_last3'], '.3f'):>11}{fmt(m['reward_first3'], '.3f'):>16}"
+            f"{fmt(m['reward_last3'], '.3f'):>15}{fmt(m['greedy_accuracy'], '.2f'):>12}{m['step_s']:>8.3f}{m['step_s_median']:>8.3f}"
+            f"{fmt(m['step_median_over_rl'], '.2f'):>13}{fmt(m['step_median_over_rl_plain'], '.2f'):>12}{str(m['samples_to_reward_runs']):>18}"
+        )
     for run in runs:
         run.pop("hf")
-    payload = {"args": vars(args), "machine_before": machine_before, "machine_after": machine(), "task": task,
-               "teacher": {"task": task, "seed": args.teacher_seed, "steps": args.teacher_steps, "greedy_accuracy": teacher["greedy_accuracy"]},
-               "teacher_candidates": tried, "runs": runs, "means": means, "wall_s": time.monotonic() - t0}
+    payload = {
+        "args": vars(args),
+        "machine_before": machine_before,
+        "machine_after": machine(),
+        "task": task,
+        "teacher": {"task": task, "seed": args.teacher_seed, "steps": args.teacher_steps, "greedy_accuracy": teacher["greedy_accuracy"]},
+        "teacher_candidates": tried,
+        "runs": runs,
+        "means": means,
+        "wall_s": time.monotonic() - t0,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)

@@ -54,8 +54,16 @@ def bench_plain_vllm(ckpt: str) -> dict:
     from vllm.inputs import TokensPrompt
 
     t0 = time.monotonic()
-    llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_num_seqs=MAX_NUM_SEQS,
-              max_model_len=256, seed=0, logprobs_mode="processed_logprobs")
+    llm = LLM(
+        model=ckpt,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_num_seqs=MAX_NUM_SEQS,
+        max_model_len=256,
+        seed=0,
+        logprobs_mode="processed_logprobs",
+    )
     startup = time.monotonic() - t0
     try:
         sp = SamplingParams(n=GROUP_SIZE, temperature=1.0, max_tokens=NEW_TOKENS, logprobs=0, stop_token_ids=[2])
@@ -100,10 +108,12 @@ def bench_actor(ckpt: str) -> dict:
     from tests.conftest import GeneratorTestActor  # GeneratorActor + load_weights (tensors in the message)
     from tests.test_generator import RequestDriver, tiny_qwen3
 
-    config = Config.from_dict({
-        "model": {"max_seq_len": 256, "dtype": "float32"},
-        "generator": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "max_num_seqs": MAX_NUM_SEQS},
-    })
+    config = Config.from_dict(
+        {
+            "model": {"max_seq_len": 256, "dtype": "float32"},
+            "generator": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "max_num_seqs": MAX_NUM_SEQS},
+        }
+    )
     weights = tiny_qwen3(0).state_dict()
     procs = this_host().spawn_procs(per_host={"procs": 1})
     helpers = this_host().spawn_procs(per_host={"procs": 1})
@@ -112,7 +122,7 @@ def bench_actor(ckpt: str) -> dict:
     try:
         gen = procs.spawn("generator", GeneratorTestActor)
         out["startup_s"] = gen.setup.call_one(config.to_dict(), ckpt, 0).get(timeout=300)["startup_s"]
-        asyncio.run(_generate_all(gen, make_requests(2000)[:2 * GROUP_SIZE]))  # warm-up
+        asyncio.run(_generate_all(gen, make_requests(2000)[: 2 * GROUP_SIZE]))  # warm-up
 
         # 2. every sample's call at once, from this process
         requests = make_requests(1000)
@@ -130,9 +140,14 @@ def bench_actor(ckpt: str) -> dict:
         tokens = sum(len(r.token_ids) for r in results)
         # the actor's own stats, cumulative since setup (warm-up and both runs above);
         # busy = time with at least one vLLM request in flight
-        out["service_from_worker"] = {"requests": len(requests), "in_flight": MAX_NUM_SEQS, "tokens": tokens, "wall_s": wall,
-                                      "tokens_per_s": tokens / wall,
-                                      "actor_stats": {k: stats[k] for k in ("tokens_generated", "busy_s", "idle_s", "tokens_per_s")}}
+        out["service_from_worker"] = {
+            "requests": len(requests),
+            "in_flight": MAX_NUM_SEQS,
+            "tokens": tokens,
+            "wall_s": wall,
+            "tokens_per_s": tokens / wall,
+            "actor_stats": {k: stats[k] for k in ("tokens_generated", "busy_s", "idle_s", "tokens_per_s")},
+        }
 
         # one update per mode while requests flow (same weights: the cost, not the effect)
         pauses = {}
@@ -160,9 +175,15 @@ def main() -> None:
         plain = bench_plain_vllm(ckpt)
         actor = bench_actor(ckpt)
     result = {
-        "setup": {"groups": GROUPS, "group_size": GROUP_SIZE, "new_tokens": NEW_TOKENS, "prompt_len": PROMPT_LEN,
-                  "max_num_seqs": MAX_NUM_SEQS, "model": "random Qwen3, hidden 64, 2 layers, vocab 128, float32",
-                  "cpus": os.cpu_count()},
+        "setup": {
+            "groups": GROUPS,
+            "group_size": GROUP_SIZE,
+            "new_tokens": NEW_TOKENS,
+            "prompt_len": PROMPT_LEN,
+            "max_num_seqs": MAX_NUM_SEQS,
+            "model": "random Qwen3, hidden 64, 2 layers, vocab 128, float32",
+            "cpus": os.cpu_count(),
+        },
         "machine": measured_on,
         "plain_vllm": plain,
         "actor": actor,
@@ -170,10 +191,11 @@ def main() -> None:
         "overhead_service_from_worker": 1 - actor["service_from_worker"]["tokens_per_s"] / plain["tokens_per_s"],
         "total_s": time.monotonic() - t_start,
     }
-    rows = [("plain vLLM LLM.generate", plain["tokens_per_s"], plain["wall_s"]),
-            ("service, all calls at once", actor["service"]["tokens_per_s"], actor["service"]["wall_s"]),
-            (f"service from a worker proc, {MAX_NUM_SEQS} in flight", actor["service_from_worker"]["tokens_per_s"],
-             actor["service_from_worker"]["wall_s"])]
+    rows = [
+        ("plain vLLM LLM.generate", plain["tokens_per_s"], plain["wall_s"]),
+        ("service, all calls at once", actor["service"]["tokens_per_s"], actor["service"]["wall_s"]),
+        (f"service from a worker proc, {MAX_NUM_SEQS} in flight", actor["service_from_worker"]["tokens_per_s"], actor["service_from_worker"]["wall_s"]),
+    ]
     print(f"\n{'path':<44}{'tok/s':>10}{'wall s':>10}")
     for name, tps, wall in rows:
         print(f"{name:<44}{tps:>10.0f}{wall:>10.2f}")

@@ -57,8 +57,11 @@ def fork_after_query() -> dict:
         env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
         p = subprocess.run([sys.executable, "-c", FORK_CHILD.format(root=ROOT), how], capture_output=True, text=True, timeout=120, env=env)
         words = p.stdout.split()
-        out[how] = {"child_used_cuda": bool(words) and words[1] == "0", "parent_cuda_initialised": bool(words) and words[2] == "True",
-                    "stderr": p.stderr.strip().splitlines()[-1:] if p.returncode or (words and words[1] != "0") else []}
+        out[how] = {
+            "child_used_cuda": bool(words) and words[1] == "0",
+            "parent_cuda_initialised": bool(words) and words[2] == "True",
+            "stderr": p.stderr.strip().splitlines()[-1:] if p.returncode or (words and words[1] != "0") else [],
+        }
     return out
 
 
@@ -118,10 +121,21 @@ def optimizer_offload(params_m: int = 512) -> dict:
     t_back2 = time.perf_counter() - t0
     step(ps, opt, 2)
     equal = all(torch.equal(a, b) for a, b in zip(ps, ref))
-    return {"params": sum(p.numel() for p in ps), "moved_bytes": moved, "allocated_before": before, "allocated_offloaded": during,
-            "reserved_offloaded": reserved, "allocated_restored": after, "offload_s": t_off, "restore_s": t_back,
-            "gb_per_s_out": moved / t_off / 1e9, "gb_per_s_back": moved / t_back / 1e9,
-            "second_offload_s": t_off2, "second_restore_s": t_back2, "next_step_bit_equal": equal}
+    return {
+        "params": sum(p.numel() for p in ps),
+        "moved_bytes": moved,
+        "allocated_before": before,
+        "allocated_offloaded": during,
+        "reserved_offloaded": reserved,
+        "allocated_restored": after,
+        "offload_s": t_off,
+        "restore_s": t_back,
+        "gb_per_s_out": moved / t_off / 1e9,
+        "gb_per_s_back": moved / t_back / 1e9,
+        "second_offload_s": t_off2,
+        "second_restore_s": t_back2,
+        "next_step_bit_equal": equal,
+    }
 
 
 def staging(tensors: int = 64, each_mb: int = 64) -> dict:
@@ -156,8 +170,15 @@ def staging(tensors: int = 64, each_mb: int = 64) -> dict:
         peak_over = torch.cuda.max_memory_allocated() - base
         got = dict(unpack(slot.flat, layout))
         equal = all(torch.equal(got[name].to("cuda"), t) for name, t in version(2))
-        out[where] = {"model_bytes": layout.total_bytes, "one_tensor_bytes": n * 2, "peak_over_resident": peak_over,
-                      "stream_s": seconds, "bytes_equal": equal, "slot_device": str(slot.flat.device), "pinned": bool(slot.flat.is_pinned())}
+        out[where] = {
+            "model_bytes": layout.total_bytes,
+            "one_tensor_bytes": n * 2,
+            "peak_over_resident": peak_over,
+            "stream_s": seconds,
+            "bytes_equal": equal,
+            "slot_device": str(slot.flat.device),
+            "pinned": bool(slot.flat.is_pinned()),
+        }
         del pool, slot, got
         torch.cuda.empty_cache()
     return out
@@ -171,7 +192,7 @@ def lm_head_logits(tokens: int = 2048, dim: int = 4096, vocab: int = 151936) -> 
     torch.manual_seed(0)
     head = torch.nn.Linear(dim, vocab, bias=False, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        head.weight.copy_(torch.randn(vocab, dim, device="cuda") * (30 / dim ** 0.5 / 4))  # logits with a spread around 30
+        head.weight.copy_(torch.randn(vocab, dim, device="cuda") * (30 / dim**0.5 / 4))  # logits with a spread around 30
     h = torch.randn(tokens, dim, device="cuda").to(torch.bfloat16)
     targets = torch.randint(vocab, (tokens,), device="cuda")
 
@@ -191,10 +212,15 @@ def lm_head_logits(tokens: int = 2048, dim: int = 4096, vocab: int = 151936) -> 
     ours = head_logits(head, h)
     gx, gw = grads(lambda x: head_logits(head, x))
     rel = lambda a, b: float((a - b).norm() / b.norm())
-    return {"logit_abs_max": float((h.float() @ head.weight.float().T).abs().max()),
-            "bf16_logprob_err_mean": float((rounded - exact).abs().mean()), "bf16_logprob_err_max": float((rounded - exact).abs().max()),
-            "head_dtype": str(ours.dtype), "head_logprob_err_max": float((logprobs(ours) - exact).abs().max()),
-            "head_grad_hidden_rel_err": rel(gx, ref_gx), "head_grad_weight_rel_err": rel(gw, ref_gw)}
+    return {
+        "logit_abs_max": float((h.float() @ head.weight.float().T).abs().max()),
+        "bf16_logprob_err_mean": float((rounded - exact).abs().mean()),
+        "bf16_logprob_err_max": float((rounded - exact).abs().max()),
+        "head_dtype": str(ours.dtype),
+        "head_logprob_err_max": float((logprobs(ours) - exact).abs().max()),
+        "head_grad_hidden_rel_err": rel(gx, ref_gx),
+        "head_grad_weight_rel_err": rel(gw, ref_gw),
+    }
 
 
 def main() -> None:
@@ -206,8 +232,7 @@ def main() -> None:
     result = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
     result["fork_after_query"] = fork_after_query()  # before this process touches CUDA
     result["gpu"] = torch.cuda.get_device_name(0)
-    for name, check in (("nvml_memory", nvml_memory), ("optimizer_offload", optimizer_offload), ("staging", staging),
-                        ("lm_head_logits", lm_head_logits)):
+    for name, check in (("nvml_memory", nvml_memory), ("optimizer_offload", optimizer_offload), ("staging", staging), ("lm_head_logits", lm_head_logits)):
         t0 = time.perf_counter()
         try:
             result[name] = check()

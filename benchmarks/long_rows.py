@@ -79,15 +79,23 @@ def one_memory(mode: str, rows: int, length: int) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     tokens = rows * length
     growth = peak - before
-    return {"mode": mode, "rows": rows, "len": length, "peak_growth_gb": round(growth / 2**30, 3), "step_s": round(step_s, 1),
-            "bytes_per_token_per_layer": round(growth / tokens / MODEL["n_layers"]), "loss": out["loss"]}
+    return {
+        "mode": mode,
+        "rows": rows,
+        "len": length,
+        "peak_growth_gb": round(growth / 2**30, 3),
+        "step_s": round(step_s, 1),
+        "bytes_per_token_per_layer": round(growth / tokens / MODEL["n_layers"]),
+        "loss": out["loss"],
+    }
 
 
 def memory(modes: list[str], rows: int, length: int) -> list[dict]:
     out = []
     for mode in modes:
-        done = subprocess.run([sys.executable, __file__, "--one", mode, "--rows", str(rows), "--len", str(length)],
-                              capture_output=True, text=True, timeout=1800)
+        done = subprocess.run(
+            [sys.executable, __file__, "--one", mode, "--rows", str(rows), "--len", str(length)], capture_output=True, text=True, timeout=1800
+        )
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-2000:])
         out.append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -147,12 +155,21 @@ def tensor_parallel(steps: int, seeds: list[int], root: str) -> dict:
     out = {}
     for tp in (1, 2):
         for seed in seeds:
-            cfg = {"steps": steps, "seed": seed, "model": {"n_kv_heads": 2}, "trainer": {"procs": tp, "tp": tp, "checkpoint_every": 0},
-                   "buffer": {"depth": 0, "max_lag": 0}, "generator": {"update_mode": "block"},
-                   "logging": {"run_dir": tempfile.mkdtemp(dir=root), "progress": False, "plot": False, "tensorboard": False}}
+            cfg = {
+                "steps": steps,
+                "seed": seed,
+                "model": {"n_kv_heads": 2},
+                "trainer": {"procs": tp, "tp": tp, "checkpoint_every": 0},
+                "buffer": {"depth": 0, "max_lag": 0},
+                "generator": {"update_mode": "block"},
+                "logging": {"run_dir": tempfile.mkdtemp(dir=root), "progress": False, "plot": False, "tensorboard": False},
+            }
             rows = [r for r in meshrl.run(cfg).metrics if "trainer/reward_mean" in r]
-            out[f"tp{tp}_seed{seed}"] = {"reward": [round(r["trainer/reward_mean"], 4) for r in rows],
-                                         "loss_step1": rows[0]["trainer/loss"], "last10": round(statistics.mean(r["trainer/reward_mean"] for r in rows[-10:]), 4)}
+            out[f"tp{tp}_seed{seed}"] = {
+                "reward": [round(r["trainer/reward_mean"], 4) for r in rows],
+                "loss_step1": rows[0]["trainer/loss"],
+                "last10": round(statistics.mean(r["trainer/reward_mean"] for r in rows[-10:]), 4),
+            }
             print(f"tp={tp} seed={seed}: step-1 loss {rows[0]['trainer/loss']:.8f}, last 10 steps' reward {out[f'tp{tp}_seed{seed}']['last10']}", flush=True)
     return out
 

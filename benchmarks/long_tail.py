@@ -36,7 +36,16 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from async_vs_sync import (  # noqa: E402
-    RESULTS, SYSTEM_COLORS, add_common_args, bench_seeds, machine, mean_gap, mode_means, reward_gap, run_mode, time_to_reward,
+    RESULTS,
+    SYSTEM_COLORS,
+    add_common_args,
+    bench_seeds,
+    machine,
+    mean_gap,
+    mode_means,
+    reward_gap,
+    run_mode,
+    time_to_reward,
 )
 
 from meshrl.config import ModelConfig  # noqa: E402  (importable once async_vs_sync put the repo root on the path)
@@ -64,7 +73,9 @@ def run_extras(run: dict, warmup: int) -> dict:
     wall = sum(r["time/step_s"] for r in steady)
     return {
         "lengths": lengths,
-        "length_median": percentile(lengths, 0.5), "length_p95": percentile(lengths, 0.95), "length_max": max(lengths, default=0),
+        "length_median": percentile(lengths, 0.5),
+        "length_p95": percentile(lengths, 0.95),
+        "length_max": max(lengths, default=0),
         "straggler_s": statistics.mean(r.get("buffer/straggler_s", 0.0) for r in steady),
         "trained_tokens_per_s": sum(r.get("trainer/tokens", 0.0) for r in steady) / wall,
         # the batches' longest answers: a sync step generates exactly the episodes it trains
@@ -83,9 +94,13 @@ def run_trl_seeds(args: argparse.Namespace, seeds: list[int], root: str) -> list
         hf_v0, tokenizer_dir = export_initial_policy(seed_args, os.path.join(root, f"trl-init-{seed}"))
         cfg = bench_config("sync", seed_args, os.path.join(root, "unused"))
         run = run_trl(hf_v0, tokenizer_dir, cfg, args.steps, os.path.join(root, f"trl-{seed}"), args.dtype)
-        run.update(base_mode="trl", seed=seed, mode="trl" if seed == seeds[0] else f"trl-seed{seed}",
-                   reward_last=statistics.mean(r["reward"] for r in run["rows"][-4:]),
-                   time_to_reward_s=time_to_reward(run["rows"], args.reward_level))
+        run.update(
+            base_mode="trl",
+            seed=seed,
+            mode="trl" if seed == seeds[0] else f"trl-seed{seed}",
+            reward_last=statistics.mean(r["reward"] for r in run["rows"][-4:]),
+            time_to_reward_s=time_to_reward(run["rows"], args.reward_level),
+        )
         runs.append(run)
     return runs
 
@@ -108,18 +123,28 @@ def cpu_check(sync_runs: list[dict], means: dict, capacity: int, batch: int, war
     # least squares without an intercept: y = a x0 + b x1
     s00, s01, s11 = sum(x[0] ** 2 for x in xs), sum(x[0] * x[1] for x in xs), sum(x[1] ** 2 for x in xs)
     t0, t1 = sum(x[0] * y for x, y in zip(xs, ys)), sum(x[1] * y for x, y in zip(xs, ys))
-    det = s00 * s11 - s01 ** 2
+    det = s00 * s11 - s01**2
     step_s, token_s = (s11 * t0 - s01 * t1) / det, (s00 * t1 - s01 * t0) / det
     lengths = [int(n) for r in sync_runs for n in r["lengths"]]
     tokens = statistics.mean(lengths) * batch
-    steps = {"sync": statistics.mean(batch_makespan(lengths[i:i + batch], batch) for i in range(0, len(lengths) - batch + 1, batch)),
-             "keep": stream_steps_per_batch(lengths, capacity, batch, drain=False),
-             "drain": stream_steps_per_batch(lengths, capacity, batch, drain=True)}
+    steps = {
+        "sync": statistics.mean(batch_makespan(lengths[i : i + batch], batch) for i in range(0, len(lengths) - batch + 1, batch)),
+        "keep": stream_steps_per_batch(lengths, capacity, batch, drain=False),
+        "drain": stream_steps_per_batch(lengths, capacity, batch, drain=True),
+    }
     G = {k: step_s * v + token_s * tokens for k, v in steps.items()}
     T = means["sync"]["T_s"]
     predicted = {"sync": G["sync"] + T, "keep": max(G["keep"], T), "drain": max(G["drain"], T)}
-    out = {"decode_step_s": step_s, "per_sequence_s": token_s, "share_per_sequence_full_engine": token_s * capacity / (step_s + token_s * capacity),
-           "engine_seqs": capacity, "decode_steps": steps, "G_s": G, "T_s": T, "step_s": predicted}
+    out = {
+        "decode_step_s": step_s,
+        "per_sequence_s": token_s,
+        "share_per_sequence_full_engine": token_s * capacity / (step_s + token_s * capacity),
+        "engine_seqs": capacity,
+        "decode_steps": steps,
+        "G_s": G,
+        "T_s": T,
+        "step_s": predicted,
+    }
     for mode in ("keep", "drain"):
         if mode in means:
             ratio, measured = predicted["sync"] / predicted[mode], means["sync"]["step_s"] / means[mode]["step_s"]
@@ -130,8 +155,17 @@ def cpu_check(sync_runs: list[dict], means: dict, capacity: int, batch: int, war
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(p)
-    p.set_defaults(task="longtail", steps=30, seeds=2, lr=5e-3, max_new_tokens=208, compile=False, reward_level=0.5,
-                   modes="sync,keep,abort,drain", model=[f"{k}={getattr(ModelConfig(), k)}" for k in MODEL_SIZES])
+    p.set_defaults(
+        task="longtail",
+        steps=30,
+        seeds=2,
+        lr=5e-3,
+        max_new_tokens=208,
+        compile=False,
+        reward_level=0.5,
+        modes="sync,keep,abort,drain",
+        model=[f"{k}={getattr(ModelConfig(), k)}" for k in MODEL_SIZES],
+    )
     p.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True, help="also run TRL GRPOTrainer (needs the bench extra)")
     p.add_argument("--out", default=os.path.join(RESULTS, "long_tail.json"))
     args = p.parse_args()
@@ -148,8 +182,11 @@ def main() -> None:
                 run.update(mode=name, base_mode=mode, seed=seed, **run_extras(run, args.warmup))
                 run.pop("hf_v0"), run.pop("tokenizer_dir")
                 results.append(run)
-                print(f"{name}: {run['step_s']:.3f} s/step, lengths median {run['length_median']:.0f} p95 {run['length_p95']:.0f}, "
-                      f"straggler {run['straggler_s']:.3f} s, reward {run['reward_last']:.3f}", flush=True)
+                print(
+                    f"{name}: {run['step_s']:.3f} s/step, lengths median {run['length_median']:.0f} p95 {run['length_p95']:.0f}, "
+                    f"straggler {run['straggler_s']:.3f} s, reward {run['reward_last']:.3f}",
+                    flush=True,
+                )
         if args.trl:
             results += run_trl_seeds(args, seeds, root)
     systems = modes + (["trl"] if args.trl else [])
@@ -161,13 +198,25 @@ def main() -> None:
     for r in results:  # reward per sample against sync's, same seed (same initial weights and prompts)
         ref = next((s for s in results if s["base_mode"] == "sync" and s["seed"] == r["seed"]), None)
         r["reward_vs_sync"] = reward_gap(r["rows"], ref["rows"]) if ref is not None and r is not ref else None
-    gaps = {m: mean_gap([r["reward_vs_sync"] for r in results if r["base_mode"] == m and r["reward_vs_sync"] and r["reward_vs_sync"]["points"]])
-            for m in systems if m != "sync"}
+    gaps = {
+        m: mean_gap([r["reward_vs_sync"] for r in results if r["base_mode"] == m and r["reward_vs_sync"] and r["reward_vs_sync"]["points"]])
+        for m in systems
+        if m != "sync"
+    }
     verdict, bounds = report(args, results, means, gaps, modes, batch)
     for r in results:
         r.pop("lengths", None)
-    payload = {"args": vars(args), "machine_before": load_before, "machine_after": machine(), "results": results, "means": means,
-               "reward_vs_sync": gaps, "bounds": bounds, "verdict": verdict, "wall_s": time.monotonic() - t0}
+    payload = {
+        "args": vars(args),
+        "machine_before": load_before,
+        "machine_after": machine(),
+        "results": results,
+        "means": means,
+        "reward_vs_sync": gaps,
+        "bounds": bounds,
+        "verdict": verdict,
+        "wall_s": time.monotonic() - t0,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)
@@ -183,64 +232,93 @@ def report(args, results: list[dict], means: dict, gaps: dict, modes: list[str],
 
     lengths = [n for r in results if r["base_mode"] in modes for n in r.get("lengths", [])]
     median, p95 = percentile(lengths, 0.5), percentile(lengths, 0.95)
-    print(f"\nanswer lengths produced, all meshrl runs: median {median:.0f}, p95 {p95:.0f} ({p95 / max(median, 1):.1f}x), "
-          f"max {max(lengths, default=0):.0f} tokens")
-    print(f"\n{'mode':<8}{'s/step':>8}{'samples/s':>11}{'trained tok/s':>15}{'gen tok/s':>11}{'trainer idle':>14}{'gen idle':>10}"
-          f"{'straggler s':>13}{'staleness':>11}{'reward - sync':>18}{'t to reward':>13}")
+    print(
+        f"\nanswer lengths produced, all meshrl runs: median {median:.0f}, p95 {p95:.0f} ({p95 / max(median, 1):.1f}x), "
+        f"max {max(lengths, default=0):.0f} tokens"
+    )
+    print(
+        f"\n{'mode':<8}{'s/step':>8}{'samples/s':>11}{'trained tok/s':>15}{'gen tok/s':>11}{'trainer idle':>14}{'gen idle':>10}"
+        f"{'straggler s':>13}{'staleness':>11}{'reward - sync':>18}{'t to reward':>13}"
+    )
     for m, v in means.items():
         g = gaps.get(m)
         vs = f"{g['gap']:+.3f} +- {g['stderr']:.3f}" if g and g["seeds"] else "reference"
         reach = "never" if v["time_to_reward_s"] is None else f"{v['time_to_reward_s']:.1f} s"
-        print(f"{m:<8}{v['step_s']:>8.3f}{v['samples_per_s']:>11.1f}{v.get('trained_tokens_per_s', 0.0):>15.0f}"
-              f"{v.get('generator_tokens_per_s', 0.0):>11.0f}{v.get('trainer_idle_frac', 0.0):>14.2f}{v.get('generator_idle_frac', 0.0):>10.2f}"
-              f"{v.get('straggler_s', 0.0):>13.3f}{v.get('staleness_mean', 0.0):>11.2f}{vs:>18}{reach:>13}")
+        print(
+            f"{m:<8}{v['step_s']:>8.3f}{v['samples_per_s']:>11.1f}{v.get('trained_tokens_per_s', 0.0):>15.0f}"
+            f"{v.get('generator_tokens_per_s', 0.0):>11.0f}{v.get('trainer_idle_frac', 0.0):>14.2f}{v.get('generator_idle_frac', 0.0):>10.2f}"
+            f"{v.get('straggler_s', 0.0):>13.3f}{v.get('staleness_mean', 0.0):>11.2f}{vs:>18}{reach:>13}"
+        )
     sync = means["sync"]
     G, T, S = sync["G_s"], sync["T_s"], sync["straggler_s"]
-    bounds = {"G_s": G, "T_s": T, "straggler_s": S, "overlap_bound": (G + T) / max(G, T),
-              "straggler_factor": max(G, T) / max(G - S, T), "overlap_and_stragglers_bound": (G + T) / max(G - S, T)}
+    bounds = {
+        "G_s": G,
+        "T_s": T,
+        "straggler_s": S,
+        "overlap_bound": (G + T) / max(G, T),
+        "straggler_factor": max(G, T) / max(G - S, T),
+        "overlap_and_stragglers_bound": (G + T) / max(G - S, T),
+    }
     sps = {m: v["samples_per_s"] for m, v in means.items()}
     speedup = sps["keep"] / sps["sync"] if "keep" in sps else float("nan")
     bounds["keep_over_overlap_bound"] = speedup / bounds["overlap_bound"]
     print(f"\nsync step: G {G:.3f} s generating (of which {S:.3f} s waiting on the batch's stragglers) + T {T:.3f} s training")
-    print(f"overlap alone bounds async at (G + T) / max(G, T) = {bounds['overlap_bound']:.2f}x; not waiting on stragglers allows "
-          f"{bounds['straggler_factor']:.2f}x more, {bounds['overlap_and_stragglers_bound']:.2f}x in all; keep reached {speedup:.2f}x, "
-          f"{bounds['keep_over_overlap_bound']:.2f}x the overlap bound")
+    print(
+        f"overlap alone bounds async at (G + T) / max(G, T) = {bounds['overlap_bound']:.2f}x; not waiting on stragglers allows "
+        f"{bounds['straggler_factor']:.2f}x more, {bounds['overlap_and_stragglers_bound']:.2f}x in all; keep reached {speedup:.2f}x, "
+        f"{bounds['keep_over_overlap_bound']:.2f}x the overlap bound"
+    )
     capacity = args.async_batches_in_flight * batch
     bounds["cpu_check"] = check = cpu_check([r for r in results if r["base_mode"] == "sync"], means, capacity, batch, args.warmup)
-    print(f"a decode step here: {1e3 * check['decode_step_s']:.2f} ms + {1e3 * check['per_sequence_s']:.3f} ms per running sequence "
-          f"({100 * check['share_per_sequence_full_engine']:.0f}% of a full engine's step is per sequence; a GPU's is near 0 until compute-bound)")
+    print(
+        f"a decode step here: {1e3 * check['decode_step_s']:.2f} ms + {1e3 * check['per_sequence_s']:.3f} ms per running sequence "
+        f"({100 * check['share_per_sequence_full_engine']:.0f}% of a full engine's step is per sequence; a GPU's is near 0 until compute-bound)"
+    )
     for m in ("keep", "drain"):
         if f"{m}_over_sync" in check:
             c = check[f"{m}_over_sync"]
             print(f"scaling model on this machine's figures: {m} / sync {c['model']:.2f}x, measured {c['measured']:.2f}x ({100 * c['error']:+.0f}%)")
     law = LengthTailConfig()  # this run's length law (the task's defaults), at GPU scale
     bounds["gpu_predictions"] = predictions = length_predictions(law.sigma, law.max / law.median)
-    print(f"\npredicted at GPU scale (one H100 generating, one training; lognormal sigma {law.sigma}, median = max / "
-          f"{law.max / law.median:.0f} as here; see scaling_model.py):")
-    print(f"{'model':<7}{'max tok':>9}{'engine seqs':>13}{'sync s':>9}{'keep s':>9}{'drain s':>9}{'keep/sync':>11}{'drain/sync':>12}"
-          f"{'trainer idle sync/keep':>24}")
+    print(
+        f"\npredicted at GPU scale (one H100 generating, one training; lognormal sigma {law.sigma}, median = max / "
+        f"{law.max / law.median:.0f} as here; see scaling_model.py):"
+    )
+    print(
+        f"{'model':<7}{'max tok':>9}{'engine seqs':>13}{'sync s':>9}{'keep s':>9}{'drain s':>9}{'keep/sync':>11}{'drain/sync':>12}"
+        f"{'trainer idle sync/keep':>24}"
+    )
     for r in predictions:
         s = r["step_s"]
-        print(f"{r['model']:<7}{r['max_tokens']:>9}{r['engine_seqs']:>13}{s['sync']:>9.0f}{s['keep']:>9.0f}{s['drain']:>9.0f}"
-              f"{r['keep_over_sync']:>11.2f}{r['drain_over_sync']:>12.2f}{r['trainer_idle']['sync']:>13.2f} / {r['trainer_idle']['keep']:.2f}")
+        print(
+            f"{r['model']:<7}{r['max_tokens']:>9}{r['engine_seqs']:>13}{s['sync']:>9.0f}{s['keep']:>9.0f}{s['drain']:>9.0f}"
+            f"{r['keep_over_sync']:>11.2f}{r['drain_over_sync']:>12.2f}{r['trainer_idle']['sync']:>13.2f} / {r['trainer_idle']['keep']:.2f}"
+        )
     keep_gap = gaps.get("keep", {})
     reward_ok = bool(keep_gap.get("within_noise_or_better"))
     verdict = {
-        "length_p95_over_median": p95 / max(median, 1), "length_median": median, "length_p95": p95,
+        "length_p95_over_median": p95 / max(median, 1),
+        "length_median": median,
+        "length_p95": p95,
         "async_over_sync_samples_per_s": speedup,
         **{f"{m}_over_sync_samples_per_s": sps[m] / sps["sync"] for m in sps if m not in ("sync", "keep")},
         "keep_over_drain_samples_per_s": sps["keep"] / sps["drain"] if {"keep", "drain"} <= set(sps) else None,
-        "reward_keep_minus_sync": keep_gap.get("gap"), "reward_keep_minus_sync_stderr": keep_gap.get("stderr"),
-        "reward_keep_minus_sync_per_seed": keep_gap.get("per_seed"), "seeds": len(bench_seeds(args)),
+        "reward_keep_minus_sync": keep_gap.get("gap"),
+        "reward_keep_minus_sync_stderr": keep_gap.get("stderr"),
+        "reward_keep_minus_sync_per_seed": keep_gap.get("per_seed"),
+        "seeds": len(bench_seeds(args)),
         "time_to_reward_s": {m: v["time_to_reward_s"] for m, v in means.items()},
-        "target_speed_met": speedup >= TARGET_SPEEDUP, "target_reward_met": reward_ok,
+        "target_speed_met": speedup >= TARGET_SPEEDUP,
+        "target_reward_met": reward_ok,
         "target_met": speedup >= TARGET_SPEEDUP and reward_ok,
     }
     if "trl" in sps:
         verdict["keep_over_trl_samples_per_s"] = sps["keep"] / sps["trl"]
-    print(f"\nasync (keep) / sync samples/s = {speedup:.2f}x (target {TARGET_SPEEDUP:.0f}x: {'met' if verdict['target_speed_met'] else 'NOT met'}); "
-          f"reward per sample keep - sync {keep_gap.get('gap', float('nan')):+.3f} +- {keep_gap.get('stderr', float('nan')):.3f} over "
-          f"{verdict['seeds']} seed(s): {'within noise or better' if reward_ok else 'WORSE'}")
+    print(
+        f"\nasync (keep) / sync samples/s = {speedup:.2f}x (target {TARGET_SPEEDUP:.0f}x: {'met' if verdict['target_speed_met'] else 'NOT met'}); "
+        f"reward per sample keep - sync {keep_gap.get('gap', float('nan')):+.3f} +- {keep_gap.get('stderr', float('nan')):.3f} over "
+        f"{verdict['seeds']} seed(s): {'within noise or better' if reward_ok else 'WORSE'}"
+    )
     if verdict["keep_over_drain_samples_per_s"]:
         print(f"partial rollouts: keep / drain (async without them) = {verdict['keep_over_drain_samples_per_s']:.2f}x")
     return verdict, bounds
@@ -264,7 +342,7 @@ def plot(results: list[dict], payload: dict, out: str) -> str:
             ax_len.hist(lengths, bins=bins, histtype="step", color=color, label=r["mode"])
             ax_str.plot(steps, [row.get("buffer/straggler_s", 0.0) for row in r["rows"]], color=color, label=r["mode"])
         ax_samples.plot([row["policy_samples"] for row in r["rows"]], [row["reward"] for row in r["rows"]], color=color, label=r["mode"])
-        elapsed = [sum(x["time/step_s"] for x in r["rows"][:i + 1]) for i in range(len(r["rows"]))]
+        elapsed = [sum(x["time/step_s"] for x in r["rows"][: i + 1]) for i in range(len(r["rows"]))]
         ax_time.plot(elapsed, [row["reward"] for row in r["rows"]], color=color, label=r["mode"])
     v = payload["verdict"]
     ax_len.set(xscale="log", title=f"answer lengths (p95 / median {v['length_p95_over_median']:.1f}x)", xlabel="tokens", ylabel="episodes")

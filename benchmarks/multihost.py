@@ -44,7 +44,8 @@ def run_once(hosts: NetnsHosts, root: str, name: str, transport: str, across: bo
     workers = [f"{a}:{PORT}", f"{b}:{PORT}"] if across else [f"{a}:{PORT}"]
     run_dir = os.path.join(root, name)
     cfg = {
-        "steps": args.steps, "batch_groups": 4,
+        "steps": args.steps,
+        "batch_groups": 4,
         "model": bench_model(args),
         "generator": {"group_size": 4, "max_new_tokens": 8, "max_num_seqs": 32},
         "trainer": {"micro_batch_size": 16, "checkpoint_every": 0},
@@ -70,14 +71,21 @@ def run_once(hosts: NetnsHosts, root: str, name: str, transport: str, across: bo
     while any(hosts.pids(h) for h in ("a", "b")) and time.monotonic() < deadline:
         time.sleep(0.5)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()][args.warmup:]
+        rows = [json.loads(line) for line in f if line.strip()][args.warmup :]
 
     def median(key: str) -> float:
         values = [r[key] for r in rows if key in r]
         return statistics.median(values) if values else float("nan")
 
-    return {"name": name, "transport": transport, "across": across, "update_s": median("sync/previous_update_s"),
-            "publish_s": median("sync/publish_s"), "step_s": median("time/step_s"), "steps": len(rows)}
+    return {
+        "name": name,
+        "transport": transport,
+        "across": across,
+        "update_s": median("sync/previous_update_s"),
+        "publish_s": median("sync/publish_s"),
+        "step_s": median("time/step_s"),
+        "steps": len(rows),
+    }
 
 
 def main() -> None:
@@ -108,10 +116,14 @@ def main() -> None:
     ratios = {}
     for transport in args.transports.split(","):
         within, across = (next(r for r in rows if r["transport"] == transport and r["across"] == a) for a in (False, True))
-        ratios[transport] = {"update_across_over_within": across["update_s"] / within["update_s"],
-                             "step_across_over_within": across["step_s"] / within["step_s"]}
-        print(f"{transport}: weight update across the link / within one host = {ratios[transport]['update_across_over_within']:.2f}x; "
-              f"step {ratios[transport]['step_across_over_within']:.2f}x")
+        ratios[transport] = {
+            "update_across_over_within": across["update_s"] / within["update_s"],
+            "step_across_over_within": across["step_s"] / within["step_s"],
+        }
+        print(
+            f"{transport}: weight update across the link / within one host = {ratios[transport]['update_across_over_within']:.2f}x; "
+            f"step {ratios[transport]['step_across_over_within']:.2f}x"
+        )
     payload = {"args": vars(args), "machine": machine(), "rows": rows, "ratios": ratios, "wall_s": time.monotonic() - t0}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

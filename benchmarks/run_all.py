@@ -28,23 +28,90 @@ from step_floor import SMALL_MODEL  # noqa: E402  the small problem, one definit
 
 # (name, arguments, time limit in s); small sizes so that all of them fit in about 25 minutes
 BENCHMARKS = [
-    ("weight_sync", ["weight_sync.py", "--sizes", "tiny,10M,100M,500M", "--transports", "rdma,collective,files,shm", "--versions", "3",
-                     "--out", os.path.join(RESULTS, "weight_sync.json")], 600),
+    (
+        "weight_sync",
+        [
+            "weight_sync.py",
+            "--sizes",
+            "tiny,10M,100M,500M",
+            "--transports",
+            "rdma,collective,files,shm",
+            "--versions",
+            "3",
+            "--out",
+            os.path.join(RESULTS, "weight_sync.json"),
+        ],
+        600,
+    ),
     ("generator_overhead", ["generator_overhead.py", "--out", os.path.join(RESULTS, "generator_overhead.json")], 300),
     ("trainer_throughput", ["trainer_throughput.py", "--steps", "3"], 300),
     ("async_vs_sync", ["async_vs_sync.py"], 900),
     ("trl_peer", ["trl_peer.py", "--meshrl-json", os.path.join(RESULTS, "async_vs_sync.json")], 600),
     ("scaling_model", ["scaling_model.py"], 120),
     # multi-turn episodes (configs/tool-use.yaml's task and model): a tool call, then an answer
-    ("multi_turn", ["async_vs_sync.py", "--task", "calc", "--set", "rollout.tool_parser=compact", "--set", "rollout.max_turns=3",
-                    "--max-new-tokens", "6", "--lr", "5e-3", "--steps", "60", "--seeds", "2", "--no-compile", "--dtype", "float32",
-                    "--reward-level", "0.4", "--model", "dim=64", "--model", "n_layers=2", "--model", "n_heads=2",
-                    "--model", "n_kv_heads=1", "--model", "ffn_dim=128", "--out", os.path.join(RESULTS, "multi_turn.json")], 900),
+    (
+        "multi_turn",
+        [
+            "async_vs_sync.py",
+            "--task",
+            "calc",
+            "--set",
+            "rollout.tool_parser=compact",
+            "--set",
+            "rollout.max_turns=3",
+            "--max-new-tokens",
+            "6",
+            "--lr",
+            "5e-3",
+            "--steps",
+            "60",
+            "--seeds",
+            "2",
+            "--no-compile",
+            "--dtype",
+            "float32",
+            "--reward-level",
+            "0.4",
+            "--model",
+            "dim=64",
+            "--model",
+            "n_layers=2",
+            "--model",
+            "n_heads=2",
+            "--model",
+            "n_kv_heads=1",
+            "--model",
+            "ffn_dim=128",
+            "--out",
+            os.path.join(RESULTS, "multi_turn.json"),
+        ],
+        900,
+    ),
     # where a step's time and CPU go; then the small problem side by side with TRL
     ("step_floor", ["step_floor.py", "--out", os.path.join(RESULTS, "step_floor.json")], 900),
-    ("trl_small", ["trl_peer.py", "--seeds", "1", "--steps", "40", "--max-new-tokens", "8", "--dtype", "float32", "--no-compile", "--modes", "sync,async,colocate",
-                   *[a for k, v in SMALL_MODEL.items() for a in ("--model", f"{k}={v}")],
-                   "--trl-settings", "float32,float32+compile", "--out", os.path.join(RESULTS, "trl_small.json")], 1500),
+    (
+        "trl_small",
+        [
+            "trl_peer.py",
+            "--seeds",
+            "1",
+            "--steps",
+            "40",
+            "--max-new-tokens",
+            "8",
+            "--dtype",
+            "float32",
+            "--no-compile",
+            "--modes",
+            "sync,async,colocate",
+            *[a for k, v in SMALL_MODEL.items() for a in ("--model", f"{k}={v}")],
+            "--trl-settings",
+            "float32,float32+compile",
+            "--out",
+            os.path.join(RESULTS, "trl_small.json"),
+        ],
+        1500,
+    ),
     # heavy-tailed answer lengths: sync, keep, abort, drain and TRL
     ("long_tail", ["long_tail.py", "--out", os.path.join(RESULTS, "long_tail.json")], 1200),
     # on-policy distillation against RL alone: a teacher trained by RL, then students taught each way
@@ -91,8 +158,13 @@ def run_one(name: str, argv: list[str], limit: float) -> dict:
                     json.dump(json.loads(line), f, indent=2)
                 break
     print(f"---- {name}: rc={rc} in {wall:.0f} s", flush=True)
-    return {"name": name, "rc": rc, "wall_s": wall, "command": " ".join(["python", "benchmarks/" + argv[0], *argv[1:]]),
-            "tail": "".join(lines[-15:]) if rc != 0 else ""}
+    return {
+        "name": name,
+        "rc": rc,
+        "wall_s": wall,
+        "command": " ".join(["python", "benchmarks/" + argv[0], *argv[1:]]),
+        "tail": "".join(lines[-15:]) if rc != 0 else "",
+    }
 
 
 def _kill(pid: int) -> None:
@@ -123,8 +195,7 @@ def main() -> None:
     for r in runs:
         print(f"| {r['name']} | {r['rc']} | {r['wall_s']:.0f} |")
     with open(os.path.join(RESULTS, "run_all.json"), "w") as f:
-        json.dump({"runs": runs, "machine": measured_on, "loadavg_end": os.getloadavg(), "cpus": os.cpu_count(),
-                   "wall_s": time.monotonic() - t0}, f, indent=2)
+        json.dump({"runs": runs, "machine": measured_on, "loadavg_end": os.getloadavg(), "cpus": os.cpu_count(), "wall_s": time.monotonic() - t0}, f, indent=2)
     print(f"total {time.monotonic() - t0:.0f} s")
     if any(r["rc"] != 0 for r in runs):
         sys.exit(1)

@@ -41,20 +41,31 @@ PROGRAMS = {
 
 
 def machine() -> dict:
-    flags = subprocess.run("grep -o -w 'avx2\\|avx512f\\|amx_tile' /proc/cpuinfo | sort -u", shell=True,
-                           capture_output=True, text=True).stdout.split()
+    flags = subprocess.run("grep -o -w 'avx2\\|avx512f\\|amx_tile' /proc/cpuinfo | sort -u", shell=True, capture_output=True, text=True).stdout.split()
     model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
     bwrap = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
-    return {"cpu_model": model, "cpu_flags": flags, "cpus": os.cpu_count(), "cpus_visible": len(os.sched_getaffinity(0)),
-            "kernel": platform.release(), "python_host": sys.version.split()[0], "bwrap": bwrap,
-            "loadavg": os.getloadavg(), "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "cpu_model": model,
+        "cpu_flags": flags,
+        "cpus": os.cpu_count(),
+        "cpus_visible": len(os.sched_getaffinity(0)),
+        "kernel": platform.release(),
+        "python_host": sys.version.split()[0],
+        "bwrap": bwrap,
+        "loadavg": os.getloadavg(),
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def stats(latencies: list[float], wall: float) -> dict:
     ordered = sorted(latencies)
-    return {"calls": len(latencies), "calls_per_s": len(latencies) / wall,
-            "p50_ms": 1000 * statistics.median(ordered), "p95_ms": 1000 * ordered[int(0.95 * (len(ordered) - 1))],
-            "mean_ms": 1000 * statistics.fmean(ordered)}
+    return {
+        "calls": len(latencies),
+        "calls_per_s": len(latencies) / wall,
+        "p50_ms": 1000 * statistics.median(ordered),
+        "p95_ms": 1000 * ordered[int(0.95 * (len(ordered) - 1))],
+        "mean_ms": 1000 * statistics.fmean(ordered),
+    }
 
 
 async def bare(python: str, code: str, calls: int) -> dict:
@@ -62,8 +73,7 @@ async def bare(python: str, code: str, calls: int) -> dict:
     start = time.perf_counter()
     for _ in range(calls):
         t = time.perf_counter()
-        proc = await asyncio.create_subprocess_exec(python, "-I", "-c", code, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(python, "-I", "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         await proc.communicate()
         assert proc.returncode == 0
         latencies.append(time.perf_counter() - t)

@@ -56,10 +56,19 @@ def predict(G0: float, T0: float, n_ratio: float, replicas: int, bytes_: float, 
     S = sync["fixed_s"] + (replicas if pulls else 1) * bytes_ / (sync["GBps"] * 1e9)
     sync_step = G + T + S
     async_step = max(G, T + block_s * n_ratio)
-    return {"replicas": replicas, "n_ratio": n_ratio, "G_s": G, "T_s": T, "S_s": S, "sync_step_s": sync_step,
-            "async_step_s": async_step, "speedup": sync_step / async_step,
-            "trainer_idle_async": 1 - T / async_step, "generator_idle_async": 1 - G / async_step,
-            "bottleneck": "generation" if G > T + S else ("weight sync" if S > T else "training")}
+    return {
+        "replicas": replicas,
+        "n_ratio": n_ratio,
+        "G_s": G,
+        "T_s": T,
+        "S_s": S,
+        "sync_step_s": sync_step,
+        "async_step_s": async_step,
+        "speedup": sync_step / async_step,
+        "trainer_idle_async": 1 - T / async_step,
+        "generator_idle_async": 1 - G / async_step,
+        "bottleneck": "generation" if G > T + S else ("weight sync" if S > T else "training"),
+    }
 
 
 # ---- length distributions ---------------------------------------------------------------------
@@ -132,20 +141,31 @@ def length_predictions(sigma: float, tail_ratio: float, batches: int = 40) -> li
             mean_len = sum(lengths) / len(lengths)
             capacity = max(1, min(MAX_SEQS, int(m["kv_tokens"] / mean_len)))
             step_s = capacity / m["decode_tokens_per_s"]  # one decode step of a full engine
-            G = {"sync": statistics.mean(batch_makespan(lengths[i:i + GPU_BATCH], capacity) for i in range(0, len(lengths), GPU_BATCH)),
-                 "keep": stream_steps_per_batch(lengths, capacity, GPU_BATCH, drain=False),
-                 "drain": stream_steps_per_batch(lengths, capacity, GPU_BATCH, drain=True)}
+            G = {
+                "sync": statistics.mean(batch_makespan(lengths[i : i + GPU_BATCH], capacity) for i in range(0, len(lengths), GPU_BATCH)),
+                "keep": stream_steps_per_batch(lengths, capacity, GPU_BATCH, drain=False),
+                "drain": stream_steps_per_batch(lengths, capacity, GPU_BATCH, drain=True),
+            }
             G = {k: v * step_s for k, v in G.items()}
             T = GPU_BATCH * mean_len * 6 * m["params"] / (H100_BF16_FLOPS * TRAIN_MFU)
             step = {"sync": G["sync"] + T, "keep": max(G["keep"], T), "drain": max(G["drain"], T)}
-            rows.append({
-                "model": name, "max_tokens": longest, "median_tokens": longest / tail_ratio, "mean_tokens": mean_len,
-                "engine_seqs": capacity, "G_s": G, "T_s": T, "step_s": step,
-                "trainer_idle": {k: 1 - T / v for k, v in step.items()},
-                "generator_idle": {"sync": T / step["sync"], "keep": 1 - G["keep"] / step["keep"], "drain": 1 - G["drain"] / step["drain"]},
-                "keep_over_sync": step["sync"] / step["keep"], "drain_over_sync": step["sync"] / step["drain"],
-                "overlap_bound": (G["sync"] + T) / max(G["sync"], T),
-            })
+            rows.append(
+                {
+                    "model": name,
+                    "max_tokens": longest,
+                    "median_tokens": longest / tail_ratio,
+                    "mean_tokens": mean_len,
+                    "engine_seqs": capacity,
+                    "G_s": G,
+                    "T_s": T,
+                    "step_s": step,
+                    "trainer_idle": {k: 1 - T / v for k, v in step.items()},
+                    "generator_idle": {"sync": T / step["sync"], "keep": 1 - G["keep"] / step["keep"], "drain": 1 - G["drain"] / step["drain"]},
+                    "keep_over_sync": step["sync"] / step["keep"],
+                    "drain_over_sync": step["sync"] / step["drain"],
+                    "overlap_bound": (G["sync"] + T) / max(G["sync"], T),
+                }
+            )
     return rows
 
 
@@ -173,10 +193,13 @@ def main() -> None:
     # check 1: the loop's own points
     predicted_async = max(G0, T0)
     check_loop = {
-        "sync_step_measured_s": sync_run["step_s"], "sync_step_model_s": G0 + T0 + avs["overlap"]["other_s"],
-        "async_step_measured_s": async_run["step_s"], "async_step_model_s": predicted_async,
+        "sync_step_measured_s": sync_run["step_s"],
+        "sync_step_model_s": G0 + T0 + avs["overlap"]["other_s"],
+        "async_step_measured_s": async_run["step_s"],
+        "async_step_model_s": predicted_async,
         "async_model_error": predicted_async / async_run["step_s"] - 1,
-        "contention_G": avs["overlap"]["G_inflation"], "contention_T": avs["overlap"]["T_inflation"],
+        "contention_G": avs["overlap"]["G_inflation"],
+        "contention_T": avs["overlap"]["T_inflation"],
     }
     grid = []
     for n_ratio in (1, 10, 100):
@@ -184,26 +207,39 @@ def main() -> None:
             grid.append(predict(G0, T0, n_ratio, replicas, bytes0 * n_ratio, fit, pulls, block_s))
 
     busy_rate = sync_run["generator_tokens_per_s"] * sync_run["step_s"] / G0 if G0 else 0.0
-    print(f"benchmark model: {n0 / 1e6:.2f}M params; sync step G0={G0:.3f} s, T0={T0:.3f} s; "
-          f"one replica decodes {busy_rate:.0f} tok/s while busy")
+    print(f"benchmark model: {n0 / 1e6:.2f}M params; sync step G0={G0:.3f} s, T0={T0:.3f} s; one replica decodes {busy_rate:.0f} tok/s while busy")
     print("\nweight-sync fit: sync_s = fixed + bytes / bandwidth")
     print(f"{'transport':<11}{'fixed ms':>10}{'GB/s':>8}   model/measured - 1 per size")
     for t, f in fits.items():
         errs = " ".join(f"{c['bytes'] / 2**20:.0f}MiB:{100 * c['error']:+.0f}%" for c in f["check"])
         print(f"{t:<11}{1e3 * f['fixed_s']:>10.1f}{f['GBps']:>8.2f}   {errs}")
-    print(f"\nloop check: async step model max(G,T) = {predicted_async:.3f} s vs measured {async_run['step_s']:.3f} s "
-          f"({100 * check_loop['async_model_error']:+.0f}%): on 2 shared cores G grew x{check_loop['contention_G']:.2f} "
-          f"and T x{check_loop['contention_T']:.2f} when they overlapped")
+    print(
+        f"\nloop check: async step model max(G,T) = {predicted_async:.3f} s vs measured {async_run['step_s']:.3f} s "
+        f"({100 * check_loop['async_model_error']:+.0f}%): on 2 shared cores G grew x{check_loop['contention_G']:.2f} "
+        f"and T x{check_loop['contention_T']:.2f} when they overlapped"
+    )
     print(f"\npredictions ({args.transport} sync; each replica and the trainer on their own devices)")
-    print(f"{'N/N0':>6}{'R':>4}{'G s':>9}{'T s':>9}{'sync s':>9}{'sync step':>11}{'async step':>12}{'speedup':>9}"
-          f"{'trainer idle':>14}{'gen idle':>10}  bottleneck")
+    print(
+        f"{'N/N0':>6}{'R':>4}{'G s':>9}{'T s':>9}{'sync s':>9}{'sync step':>11}{'async step':>12}{'speedup':>9}{'trainer idle':>14}{'gen idle':>10}  bottleneck"
+    )
     for g in grid:
-        print(f"{g['n_ratio']:>6}{g['replicas']:>4}{g['G_s']:>9.3f}{g['T_s']:>9.3f}{g['S_s']:>9.3f}{g['sync_step_s']:>11.3f}"
-              f"{g['async_step_s']:>12.3f}{g['speedup']:>9.2f}{g['trainer_idle_async']:>14.2f}{g['generator_idle_async']:>10.2f}  {g['bottleneck']}")
-    payload = {"params_N0": n0, "generator_busy_tokens_per_s": busy_rate, "bytes_N0": bytes0, "G0_s": G0, "T0_s": T0, "sync_fits": fits, "transport": args.transport,
-               "check_loop": check_loop, "grid": grid,
-               # measures nothing itself: the machines are those of its inputs
-               "inputs_machine": {"async_vs_sync": avs.get("machine_before"), "weight_sync": ws.get("machine")}}
+        print(
+            f"{g['n_ratio']:>6}{g['replicas']:>4}{g['G_s']:>9.3f}{g['T_s']:>9.3f}{g['S_s']:>9.3f}{g['sync_step_s']:>11.3f}"
+            f"{g['async_step_s']:>12.3f}{g['speedup']:>9.2f}{g['trainer_idle_async']:>14.2f}{g['generator_idle_async']:>10.2f}  {g['bottleneck']}"
+        )
+    payload = {
+        "params_N0": n0,
+        "generator_busy_tokens_per_s": busy_rate,
+        "bytes_N0": bytes0,
+        "G0_s": G0,
+        "T0_s": T0,
+        "sync_fits": fits,
+        "transport": args.transport,
+        "check_loop": check_loop,
+        "grid": grid,
+        # measures nothing itself: the machines are those of its inputs
+        "inputs_machine": {"async_vs_sync": avs.get("machine_before"), "weight_sync": ws.get("machine")},
+    }
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)
     png = plot(grid, os.path.splitext(args.out)[0] + ".png")

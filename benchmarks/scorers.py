@@ -52,8 +52,15 @@ def train_rm(root: str) -> tuple[str, dict]:
 def run(arm: str, steps: int, seed: int, run_dir: str, rm: str) -> dict:
     import meshrl
 
-    overrides = [f"steps={steps}", f"seed={seed}", f"logging.run_dir={run_dir}", "logging.tensorboard=false",
-                 "logging.progress=false", "logging.plot=false", "trainer.checkpoint_every=0"]
+    overrides = [
+        f"steps={steps}",
+        f"seed={seed}",
+        f"logging.run_dir={run_dir}",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        "logging.plot=false",
+        "trainer.checkpoint_every=0",
+    ]
     if arm == "rm_only":
         overrides += ["scoring.env_weight=0", f"scoring.scorers=[{{kind: reward_model, name: rm, path: {rm}}}]"]
     elif arm == "rm_logged":
@@ -61,9 +68,19 @@ def run(arm: str, steps: int, seed: int, run_dir: str, rm: str) -> dict:
     t0 = time.monotonic()
     res = meshrl.run(overrides=overrides)
     verifier_key = "reward/mean" if arm == "verifier" else "scoring/env/mean"
-    rows = [{"step": int(r["version"]), "step_s": r["time/step_s"], "verifier": r.get(verifier_key),
-             "rm": r.get("scoring/rm/mean"), "queue_s": r.get("scoring/rm/queue_s"), "score_s": r.get("scoring/rm/score_s"),
-             "wait_s": r.get("scoring/rm/wait_s")} for r in res.metrics if "time/step_s" in r]
+    rows = [
+        {
+            "step": int(r["version"]),
+            "step_s": r["time/step_s"],
+            "verifier": r.get(verifier_key),
+            "rm": r.get("scoring/rm/mean"),
+            "queue_s": r.get("scoring/rm/queue_s"),
+            "score_s": r.get("scoring/rm/score_s"),
+            "wait_s": r.get("scoring/rm/wait_s"),
+        }
+        for r in res.metrics
+        if "time/step_s" in r
+    ]
     return {"arm": arm, "seed": seed, "rows": rows, "wall_s": time.monotonic() - t0}
 
 
@@ -85,10 +102,16 @@ def steps_to(rows: list[dict], level: float) -> int | None:
 def summarize(r: dict, warmup: int, level: float) -> dict:
     rows = r["rows"]
     steady = [x["step_s"] for x in rows[warmup:]]
-    return {"verifier_first3": mean_of(x["verifier"] for x in rows[:3]), "verifier_last3": mean_of(x["verifier"] for x in rows[-3:]),
-            "steps_to_level": steps_to(rows, level), "step_s": statistics.mean(steady), "step_s_median": statistics.median(steady),
-            "rm_queue_s": mean_of(x["queue_s"] for x in rows), "rm_score_s": mean_of(x["score_s"] for x in rows),
-            "rm_wait_s": mean_of(x["wait_s"] for x in rows)}
+    return {
+        "verifier_first3": mean_of(x["verifier"] for x in rows[:3]),
+        "verifier_last3": mean_of(x["verifier"] for x in rows[-3:]),
+        "steps_to_level": steps_to(rows, level),
+        "step_s": statistics.mean(steady),
+        "step_s_median": statistics.median(steady),
+        "rm_queue_s": mean_of(x["queue_s"] for x in rows),
+        "rm_score_s": mean_of(x["score_s"] for x in rows),
+        "rm_wait_s": mean_of(x["wait_s"] for x in rows),
+    }
 
 
 def plot(runs: list[dict], path: str, level: float) -> None:
@@ -101,8 +124,7 @@ def plot(runs: list[dict], path: str, level: float) -> None:
     for r in runs:
         xs = [x["step"] for x in r["rows"] if x["verifier"] is not None]
         ys = [x["verifier"] for x in r["rows"] if x["verifier"] is not None]
-        ax.plot(xs, ys, color=COLORS[r["arm"]], alpha=0.85, linestyle=("-", "--", ":")[r["seed"] % 3],
-                label=f"{r['arm']} (seed {r['seed']})")
+        ax.plot(xs, ys, color=COLORS[r["arm"]], alpha=0.85, linestyle=("-", "--", ":")[r["seed"] % 3], label=f"{r['arm']} (seed {r['seed']})")
     ax.axhline(level, color="black", linewidth=0.6, linestyle=":")
     ax.set_xlabel("step")
     ax.set_ylabel("verifier reward (digits)")
@@ -130,28 +152,55 @@ def main() -> None:
                 r = run(arm, args.steps, seed, os.path.join(root, f"{arm}-{seed}"), rm)
                 r.update(summarize(r, args.warmup, args.level))
                 runs.append(r)
-                print(f"{arm} seed {seed}: verifier {r['verifier_first3']:.3f} -> {r['verifier_last3']:.3f}, "
-                      f"reaches {args.level} at step {r['steps_to_level']}, step {r['step_s']:.3f} s (median {r['step_s_median']:.3f})", flush=True)
+                print(
+                    f"{arm} seed {seed}: verifier {r['verifier_first3']:.3f} -> {r['verifier_last3']:.3f}, "
+                    f"reaches {args.level} at step {r['steps_to_level']}, step {r['step_s']:.3f} s (median {r['step_s_median']:.3f})",
+                    flush=True,
+                )
     for r in runs:
         ref = next(x for x in runs if x["arm"] == "verifier" and x["seed"] == r["seed"])
         r["step_over_verifier"] = r["step_s"] / ref["step_s"]
         r["step_median_over_verifier"] = r["step_s_median"] / ref["step_s_median"]
-    keys = ("verifier_first3", "verifier_last3", "step_s", "step_s_median", "step_over_verifier", "step_median_over_verifier",
-            "rm_queue_s", "rm_score_s", "rm_wait_s")
+    keys = (
+        "verifier_first3",
+        "verifier_last3",
+        "step_s",
+        "step_s_median",
+        "step_over_verifier",
+        "step_median_over_verifier",
+        "rm_queue_s",
+        "rm_score_s",
+        "rm_wait_s",
+    )
     means = {arm: {k: mean_of(r[k] for r in runs if r["arm"] == arm) for k in keys} for arm in ARMS}
     for arm in ARMS:
         means[arm]["steps_to_level_runs"] = [r["steps_to_level"] for r in runs if r["arm"] == arm]
-    print(f"\n{'arm':<11}{'verifier first 3':>17}{'last 3':>8}{f'steps to {args.level}':>14}{'step s':>8}{'median':>8}"
-          f"{'/ verifier':>11}{'median /':>10}{'rm wait s':>11}")
+    print(
+        f"\n{'arm':<11}{'verifier first 3':>17}{'last 3':>8}{f'steps to {args.level}':>14}{'step s':>8}{'median':>8}"
+        f"{'/ verifier':>11}{'median /':>10}{'rm wait s':>11}"
+    )
     for arm, m in means.items():
         wait = "-" if m["rm_wait_s"] is None else f"{m['rm_wait_s']:.3f}"
-        print(f"{arm:<11}{m['verifier_first3']:>17.3f}{m['verifier_last3']:>8.3f}{str(m['steps_to_level_runs']):>14}{m['step_s']:>8.3f}"
-              f"{m['step_s_median']:>8.3f}{m['step_over_verifier']:>11.3f}{m['step_median_over_verifier']:>10.3f}{wait:>11}")
+        print(
+            f"{arm:<11}{m['verifier_first3']:>17.3f}{m['verifier_last3']:>8.3f}{str(m['steps_to_level_runs']):>14}{m['step_s']:>8.3f}"
+            f"{m['step_s_median']:>8.3f}{m['step_over_verifier']:>11.3f}{m['step_median_over_verifier']:>10.3f}{wait:>11}"
+        )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     plot(runs, args.out.removesuffix(".json") + ".png", args.level)
     with open(args.out, "w") as f:
-        json.dump({"machine_before": machine_before, "machine_after": machine(), "wall_s": time.monotonic() - t0, "args": vars(args),
-                   "reward_model": rm_stats, "means": means, "runs": runs}, f, indent=1)
+        json.dump(
+            {
+                "machine_before": machine_before,
+                "machine_after": machine(),
+                "wall_s": time.monotonic() - t0,
+                "args": vars(args),
+                "reward_model": rm_stats,
+                "means": means,
+                "runs": runs,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.out}")
 
 

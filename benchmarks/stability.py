@@ -44,17 +44,34 @@ sys.path.insert(0, ROOT)
 
 from async_vs_sync import RESULTS, SEED_STYLES, SYSTEM_COLORS, machine, mean_gap, policy_samples, reward_gap  # noqa: E402
 
-CONFIGS = {"default": "configs/default.yaml", "tool-use": "configs/tool-use.yaml", "long-tail": "configs/long-tail.yaml",
-           "sync": "configs/sync.yaml", "colocate": "configs/colocate.yaml"}
+CONFIGS = {
+    "default": "configs/default.yaml",
+    "tool-use": "configs/tool-use.yaml",
+    "long-tail": "configs/long-tail.yaml",
+    "sync": "configs/sync.yaml",
+    "colocate": "configs/colocate.yaml",
+}
 """The shipped CPU configs but code-tool.yaml, the sandbox's demonstration, whose 150 steps alone
 take about 12 minutes on 2 cores."""
 MODES = {
     "async": ["buffer.depth=2", "buffer.max_lag=2", "generator.update_mode=keep", "trainer.loss.correction=tis"],
     "sync": ["buffer.depth=0", "buffer.max_lag=0", "generator.update_mode=block", "trainer.loss.correction=none"],
 }
-ROW_KEYS = ("buffer/sampled_reward_mean", "trainer/reward_mean", "reward/mean", "trainer/entropy", "trainer/zero_variance_groups",
-            "buffer/dropped_zero_variance_groups", "buffer/kept_zero_variance_groups", "trainer/logprob_mismatch",
-            "trainer/clip_frac", "trainer/kl_prev_version", "trainer/staleness_mean", "episode/count", "time/step_s")
+ROW_KEYS = (
+    "buffer/sampled_reward_mean",
+    "trainer/reward_mean",
+    "reward/mean",
+    "trainer/entropy",
+    "trainer/zero_variance_groups",
+    "buffer/dropped_zero_variance_groups",
+    "buffer/kept_zero_variance_groups",
+    "trainer/logprob_mismatch",
+    "trainer/clip_frac",
+    "trainer/kl_prev_version",
+    "trainer/staleness_mean",
+    "episode/count",
+    "time/step_s",
+)
 
 
 # ---- the arithmetic (tests/test_benchmark_math.py) ----------------------------------------------
@@ -67,31 +84,37 @@ def tenths(values: list[float]) -> list[float]:
 
 def trailing_means(values: list[float], window: int) -> list[float]:
     """Mean of the last `window` values at every step (fewer at the start)."""
-    return [statistics.mean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
+    return [statistics.mean(values[max(0, i + 1 - window) : i + 1]) for i in range(len(values))]
 
 
 def run_summary(rewards: list[float]) -> dict:
     """First, last and best tenth of a reward trace, steps below half of the best, collapse."""
     parts = tenths(rewards)
     if not parts:
-        return {"first_tenth": float("nan"), "last_tenth": float("nan"), "best_tenth": float("nan"),
-                "steps_below_half_best": 0, "collapsed": False}
+        return {"first_tenth": float("nan"), "last_tenth": float("nan"), "best_tenth": float("nan"), "steps_below_half_best": 0, "collapsed": False}
     best = max(parts)
     window = max(1, len(rewards) // 10)
     below, reached = 0, False
     for m in trailing_means(rewards, window):
         reached = reached or m >= best / 2
         below += reached and m < best / 2
-    return {"first_tenth": parts[0], "last_tenth": parts[-1], "best_tenth": best, "steps_below_half_best": below,
-            "collapsed": parts[-1] < best / 2}
+    return {"first_tenth": parts[0], "last_tenth": parts[-1], "best_tenth": best, "steps_below_half_best": below, "collapsed": parts[-1] < best / 2}
 
 
 # ---- runs -----------------------------------------------------------------------------------------
 def run_config(config_name: str, mode: str, seed: int, steps: int, extra: list[str], run_dir: str):
     from meshrl.api import as_config
 
-    overrides = [f"steps={steps}", f"seed={seed}", f"logging.run_dir={run_dir}", "logging.tensorboard=false",
-                 "logging.progress=false", "logging.plot=false", *MODES[mode], *extra]
+    overrides = [
+        f"steps={steps}",
+        f"seed={seed}",
+        f"logging.run_dir={run_dir}",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        "logging.plot=false",
+        *MODES[mode],
+        *extra,
+    ]
     return as_config(os.path.join(ROOT, CONFIGS[config_name]), overrides)
 
 
@@ -142,17 +165,29 @@ def measure(config_name: str, mode: str, seed: int, steps: int, extra: list[str]
     rewards = [r["reward"] for r in out["rows"]]
     entropy = [r.get("trainer/entropy", float("nan")) for r in out["rows"]]
     flat = [r.get("trainer/zero_variance_groups", 0.0) for r in out["rows"]]
-    result = {"name": f"{config_name}/{mode}/seed{seed}", "config": config_name, "mode": mode, "seed": seed, "steps": steps,
-              **run_summary(rewards), "trained_reward": run_summary([r.get("trainer/reward_mean", 0.0) for r in out["rows"]]),
-              "entropy_first_tenth": (tenths(entropy) or [float("nan")])[0], "entropy_last_tenth": (tenths(entropy) or [float("nan")])[-1],
-              "zero_variance_last_tenth": (tenths(flat) or [float("nan")])[-1],
-              "dropped_zero_variance": out["rows"][-1].get("buffer/dropped_zero_variance_groups", 0.0) if out["rows"] else 0.0,
-              "alarms": alarms, **{k: v for k, v in out.items() if k != "rows"}, "rows": out["rows"]}
+    result = {
+        "name": f"{config_name}/{mode}/seed{seed}",
+        "config": config_name,
+        "mode": mode,
+        "seed": seed,
+        "steps": steps,
+        **run_summary(rewards),
+        "trained_reward": run_summary([r.get("trainer/reward_mean", 0.0) for r in out["rows"]]),
+        "entropy_first_tenth": (tenths(entropy) or [float("nan")])[0],
+        "entropy_last_tenth": (tenths(entropy) or [float("nan")])[-1],
+        "zero_variance_last_tenth": (tenths(flat) or [float("nan")])[-1],
+        "dropped_zero_variance": out["rows"][-1].get("buffer/dropped_zero_variance_groups", 0.0) if out["rows"] else 0.0,
+        "alarms": alarms,
+        **{k: v for k, v in out.items() if k != "rows"},
+        "rows": out["rows"],
+    }
     cache[key] = result
-    print(f"{result['name']:<28} first {result['first_tenth']:.3f}  last {result['last_tenth']:.3f}  best {result['best_tenth']:.3f}  "
-          f"below-half steps {result['steps_below_half_best']:>3}  entropy {result['entropy_first_tenth']:.2f} -> "
-          f"{result['entropy_last_tenth']:.2f}  collapsed {'YES' if result['collapsed'] else 'no'}  ({result['total_s']:.0f} s)",
-          flush=True)
+    print(
+        f"{result['name']:<28} first {result['first_tenth']:.3f}  last {result['last_tenth']:.3f}  best {result['best_tenth']:.3f}  "
+        f"below-half steps {result['steps_below_half_best']:>3}  entropy {result['entropy_first_tenth']:.2f} -> "
+        f"{result['entropy_last_tenth']:.2f}  collapsed {'YES' if result['collapsed'] else 'no'}  ({result['total_s']:.0f} s)",
+        flush=True,
+    )
     return result
 
 
@@ -165,8 +200,10 @@ def async_minus_sync(runs: list[dict]) -> dict:
     for seed in sorted({r["seed"] for r in runs}):
         pair = {r["mode"]: r for r in runs if r["seed"] == seed}
         if "async" in pair and "sync" in pair:
-            at_samples = [[{"policy_samples": policy_samples(row["step"], row.get("trainer/staleness_mean", 0.0), 1), "reward": row["reward"]}
-                           for row in pair[m]["rows"]] for m in ("async", "sync")]
+            at_samples = [
+                [{"policy_samples": policy_samples(row["step"], row.get("trainer/staleness_mean", 0.0), 1), "reward": row["reward"]} for row in pair[m]["rows"]]
+                for m in ("async", "sync")
+            ]
             gap = reward_gap(*at_samples)
             if gap["points"]:
                 gaps.append(gap)
@@ -189,8 +226,10 @@ def summarize(results: list[dict], configs: list[str], modes: list[str]) -> dict
             summary.update(runs=len(mine), collapses=sum(r["collapsed"] for r in mine))
             per_config[f"{name}/{mode}"] = summary
             vs = f"{paired['gap']:+.3f} +- {paired['stderr']:.3f} ({paired['seeds']} seeds)" if mode == "async" and paired["seeds"] else ""
-            print(f"{name:<11}{mode:<7}{len(mine):>5}{summary['collapses']:>11}{summary['first_tenth']:>8.3f}"
-                  f"{summary['last_tenth']:>8.3f}{summary['best_tenth']:>8.3f}{vs:>34}")
+            print(
+                f"{name:<11}{mode:<7}{len(mine):>5}{summary['collapses']:>11}{summary['first_tenth']:>8.3f}"
+                f"{summary['last_tenth']:>8.3f}{summary['best_tenth']:>8.3f}{vs:>34}"
+            )
         if paired["seeds"]:
             per_config[f"{name}/async_minus_sync"] = paired
     return per_config
@@ -207,14 +246,21 @@ def plot(results: list[dict], config_name: str, out: str) -> str:
     for res in results:
         rows = res["rows"]
         steps = [r["step"] for r in rows]
-        style = {"color": SYSTEM_COLORS.get(res["mode"], "0.5"), "linestyle": SEED_STYLES[seeds.index(res["seed"]) % len(SEED_STYLES)],
-                 "linewidth": 1.2, "label": f"{res['mode']} seed {res['seed']}"}
+        style = {
+            "color": SYSTEM_COLORS.get(res["mode"], "0.5"),
+            "linestyle": SEED_STYLES[seeds.index(res["seed"]) % len(SEED_STYLES)],
+            "linewidth": 1.2,
+            "label": f"{res['mode']} seed {res['seed']}",
+        }
         window = max(1, len(rows) // 10)
         ax_r.plot(steps, trailing_means([r["reward"] for r in rows], window), **style)
         ax_e.plot(steps, [r.get("trainer/entropy", float("nan")) for r in rows], **style)
         ax_z.plot(steps, trailing_means([r.get("trainer/zero_variance_groups", 0.0) for r in rows], window), **style)
-    for ax, title in ((ax_r, "sampled reward (trailing tenth-long mean)"), (ax_e, "policy entropy (nats / trained token)"),
-                      (ax_z, "zero-variance share of trained groups")):
+    for ax, title in (
+        (ax_r, "sampled reward (trailing tenth-long mean)"),
+        (ax_e, "policy entropy (nats / trained token)"),
+        (ax_z, "zero-variance share of trained groups"),
+    ):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -261,8 +307,19 @@ def main() -> None:
     per_config = summarize(results, args.configs.split(","), args.modes.split(","))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "seeds": seeds, "machine_before": before, "machine_after": machine(), "per_config": per_config,
-                   "results": results, "wall_s": time.monotonic() - t0}, f, indent=2)
+        json.dump(
+            {
+                "args": vars(args),
+                "seeds": seeds,
+                "machine_before": before,
+                "machine_after": machine(),
+                "per_config": per_config,
+                "results": results,
+                "wall_s": time.monotonic() - t0,
+            },
+            f,
+            indent=2,
+        )
     stem = os.path.splitext(args.out)[0]
     for name in args.configs.split(","):
         runs = [r for r in results if r["config"] == name]

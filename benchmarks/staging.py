@@ -41,11 +41,17 @@ def model(size: str, device: str) -> list[tuple[str, torch.Tensor]]:
     shapes = [("model.embed_tokens.weight", (vocab, dim))]
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes += [(p + "self_attn.q_proj.weight", (dim, dim)), (p + "self_attn.k_proj.weight", (kv, dim)),
-                   (p + "self_attn.v_proj.weight", (kv, dim)), (p + "self_attn.o_proj.weight", (dim, dim)),
-                   (p + "mlp.gate_proj.weight", (ffn, dim)), (p + "mlp.up_proj.weight", (ffn, dim)),
-                   (p + "mlp.down_proj.weight", (dim, ffn)), (p + "input_layernorm.weight", (dim,)),
-                   (p + "post_attention_layernorm.weight", (dim,))]
+        shapes += [
+            (p + "self_attn.q_proj.weight", (dim, dim)),
+            (p + "self_attn.k_proj.weight", (kv, dim)),
+            (p + "self_attn.v_proj.weight", (kv, dim)),
+            (p + "self_attn.o_proj.weight", (dim, dim)),
+            (p + "mlp.gate_proj.weight", (ffn, dim)),
+            (p + "mlp.up_proj.weight", (ffn, dim)),
+            (p + "mlp.down_proj.weight", (dim, ffn)),
+            (p + "input_layernorm.weight", (dim,)),
+            (p + "post_attention_layernorm.weight", (dim,)),
+        ]
     shapes += [("model.norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))]
     return [(name, torch.empty(shape, dtype=torch.bfloat16, device=device).normal_()) for name, shape in shapes]
 
@@ -120,9 +126,14 @@ def main() -> None:
         ratios["pack_over_raw_host_speed"] = rows["raw_host"] / rows["pack_pageable"]
     flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split() if platform.system() == "Linux" else []
     result = {
-        "size": args.size, "tensors": len(named), "gigabytes": gb, "seconds": rows,
-        "gb_per_s": {k: gb / v for k, v in rows.items() if k != "ipc_read_in_child"}, "ratios": ratios,
-        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu", "torch": torch.__version__,
+        "size": args.size,
+        "tensors": len(named),
+        "gigabytes": gb,
+        "seconds": rows,
+        "gb_per_s": {k: gb / v for k, v in rows.items() if k != "ipc_read_in_child"},
+        "ratios": ratios,
+        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
         "cpu_flags": sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")),
     }
     for k, v in rows.items():

@@ -82,8 +82,14 @@ def run_one(problem: str, mode: str, args, root: str) -> dict:
     from meshrl.api import Session, as_config
 
     run_dir = os.path.join(root, f"{problem}-{mode}")
-    overrides = [*PROBLEMS[problem], f"steps={args.steps}", f"logging.run_dir={run_dir}",
-                 "logging.progress=false", "logging.plot=false", "logging.tensorboard=false"]
+    overrides = [
+        *PROBLEMS[problem],
+        f"steps={args.steps}",
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+        "logging.plot=false",
+        "logging.tensorboard=false",
+    ]
     config = as_config(os.path.join(ROOT, "configs", "sync.yaml") if mode == "sync" else None, overrides)
     with Session(config) as s:
         s.step(args.warmup)
@@ -96,14 +102,25 @@ def run_one(problem: str, mode: str, args, root: str) -> dict:
     step_s = wall / n
     parts = {name: mean(key) for name, key in PARTS.items()}
     parts["trainer call, rest (round trips, queue version)"] = max(
-        0.0, mean("time/trainer_call_s") - parts["trainer wait for batch"] - parts["trainer compute"] - parts["weight publish"])
+        0.0, mean("time/trainer_call_s") - parts["trainer wait for batch"] - parts["trainer compute"] - parts["weight publish"]
+    )
     cpu = {role: (cpu1.get(role, 0.0) - cpu0.get(role, 0.0)) / n for role in sorted(cpu1)}
     samples = sum(r.get("trainer/seqs", 0.0) for r in rows)
-    return {"problem": problem, "mode": mode, "steps_measured": n, "step_s": step_s, "samples_per_s": samples / wall,
-            "parts_s": parts, "cpu_s_per_step": cpu, "cpu_s_per_step_total": sum(cpu.values()),
-            "generator_idle_frac": mean("generator/idle_frac"), "trainer_idle_frac": mean("trainer/idle_frac"),
-            "tokens_per_step": mean("trainer/tokens"), "reward_last": rows[-1].get("trainer/reward_mean"),
-            "placement": placement}
+    return {
+        "problem": problem,
+        "mode": mode,
+        "steps_measured": n,
+        "step_s": step_s,
+        "samples_per_s": samples / wall,
+        "parts_s": parts,
+        "cpu_s_per_step": cpu,
+        "cpu_s_per_step_total": sum(cpu.values()),
+        "generator_idle_frac": mean("generator/idle_frac"),
+        "trainer_idle_frac": mean("trainer/idle_frac"),
+        "tokens_per_step": mean("trainer/tokens"),
+        "reward_last": rows[-1].get("trainer/reward_mean"),
+        "placement": placement,
+    }
 
 
 def main() -> None:
@@ -122,8 +139,10 @@ def main() -> None:
             for mode in args.modes.split(","):
                 runs.append(run_one(problem, mode, args, root))
                 r = runs[-1]
-                print(f"{problem:>8} {mode:>5}: {r['step_s']:.3f} s/step, {r['samples_per_s']:.0f} samples/s, "
-                      f"CPU {r['cpu_s_per_step_total']:.3f} s/step " + " ".join(f"{k}={v:.3f}" for k, v in r["cpu_s_per_step"].items()))
+                print(
+                    f"{problem:>8} {mode:>5}: {r['step_s']:.3f} s/step, {r['samples_per_s']:.0f} samples/s, "
+                    f"CPU {r['cpu_s_per_step_total']:.3f} s/step " + " ".join(f"{k}={v:.3f}" for k, v in r["cpu_s_per_step"].items())
+                )
     verdict = {}
     for problem in args.problems.split(","):
         by_mode = {r["mode"]: r for r in runs if r["problem"] == problem}

@@ -34,8 +34,7 @@ def make_batch(groups: int, group_size: int, prompt_len: int, response_len: int,
         prompt = [1] + [rng.randrange(3, 100) for _ in range(prompt_len - 1)]
         for k in range(group_size):
             resp = [rng.randrange(3, 100) for _ in range(response_len)]
-            turns = [Turn("env", list(prompt)),
-                     Turn("model", resp, [-2.0] * response_len, [0] * response_len, reward=rng.random(), finish_reason="length")]
+            turns = [Turn("env", list(prompt)), Turn("model", resp, [-2.0] * response_len, [0] * response_len, reward=rng.random(), finish_reason="length")]
             episodes.append(Episode(g, g * group_size + k, turns, finish_reason="length"))
     return assign_advantages(pack(episodes), "grpo")
 
@@ -96,8 +95,10 @@ def main() -> None:
     rows.append(summarize(f"FSDP2 mesh, {args.procs} procs", asyncio.run(bench_mesh(mesh_cfg, batches)), tokens))
     n_params = sum(p.numel() for p in PolicyTrainer(single_cfg, torch.device("cpu")).model.parameters())
 
-    print(f"\nqwen3 {n_params / 1e6:.2f}M params, batch {args.groups}x{args.group_size} seqs of "
-          f"{args.prompt_len}+{args.response_len} tokens, {args.steps} timed steps\n")
+    print(
+        f"\nqwen3 {n_params / 1e6:.2f}M params, batch {args.groups}x{args.group_size} seqs of "
+        f"{args.prompt_len}+{args.response_len} tokens, {args.steps} timed steps\n"
+    )
     print(f"{'setup':<28} {'step s (median)':>16} {'tokens/s':>10}")
     for r in rows:
         print(f"{r['setup']:<28} {r['step_s_median']:>16.3f} {r['tokens_per_s']:>10.0f}")

@@ -105,18 +105,40 @@ def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str, s
     batch = cfg.batch_groups * g.group_size
     lcfg = cfg.trainer.loss
     args = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
-        seed=cfg.seed, max_steps=steps, disable_tqdm=True,
+        output_dir=out_dir,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=cfg.seed,
+        max_steps=steps,
+        disable_tqdm=True,
         # one optimizer step on one freshly generated batch of batch_groups x group_size
-        per_device_train_batch_size=batch, gradient_accumulation_steps=1, steps_per_generation=1,
-        num_generations=g.group_size, num_iterations=1, max_completion_length=g.max_new_tokens,
-        temperature=g.temperature, top_p=g.top_p, top_k=0,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=g.group_size,
+        num_iterations=1,
+        max_completion_length=g.max_new_tokens,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=0,
         # meshrl's optimizer and loss: constant lr AdamW, grad clip, token-mean (DAPO) aggregation,
         # clip-higher, std-normalised group advantages, no KL
-        learning_rate=cfg.trainer.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=cfg.trainer.weight_decay, max_grad_norm=cfg.trainer.grad_clip,
-        loss_type="dapo", epsilon=lcfg.clip_low, epsilon_high=lcfg.clip_high, scale_rewards="group", beta=0.0,
-        shuffle_dataset=False, bf16=dtype == "bfloat16", fp16=False, torch_compile=extra == "compile",
+        learning_rate=cfg.trainer.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=cfg.trainer.weight_decay,
+        max_grad_norm=cfg.trainer.grad_clip,
+        loss_type="dapo",
+        epsilon=lcfg.clip_low,
+        epsilon_high=lcfg.clip_high,
+        scale_rewards="group",
+        beta=0.0,
+        shuffle_dataset=False,
+        bf16=dtype == "bfloat16",
+        fp16=False,
+        torch_compile=extra == "compile",
     )
     tokenizer = load_tokenizer(tokenizer_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -141,18 +163,25 @@ def run_trl(model_dir: str, tokenizer_dir: str, cfg, steps: int, out_dir: str, s
                 self.rows.append({"step": state.global_step, "reward": float(logs["reward"])})
 
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_for_trl(task), args=args, processing_class=tokenizer,
-                          train_dataset=dataset, callbacks=[timer])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_for_trl(task), args=args, processing_class=tokenizer, train_dataset=dataset, callbacks=[timer])
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
     # on-policy: step i's batch comes from the policy trained on i - 1 batches
-    rows = [{**r, "time/step_s": t, "samples": (i + 1) * batch, "policy_samples": i * batch}
-            for i, (r, t) in enumerate(zip(timer.rows, timer.times))]
+    rows = [{**r, "time/step_s": t, "samples": (i + 1) * batch, "policy_samples": i * batch} for i, (r, t) in enumerate(zip(timer.rows, timer.times))]
     steady = timer.times[1:] or timer.times  # the first step carries one-off costs
     step_s = statistics.mean(steady)
-    return {"mode": "trl", "setting": setting, "steps": len(rows), "train_wall_s": wall, "step_s": step_s, "step_s_median": statistics.median(steady),
-            "samples_per_s": batch / step_s, "rows": rows, "threads": torch.get_num_threads()}
+    return {
+        "mode": "trl",
+        "setting": setting,
+        "steps": len(rows),
+        "train_wall_s": wall,
+        "step_s": step_s,
+        "step_s_median": statistics.median(steady),
+        "samples_per_s": batch / step_s,
+        "rows": rows,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def engine_batch_s(ckpt: str, tokenizer_dir: str, cfg, repeats: int = 12) -> float:
@@ -204,12 +233,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(p)
     p.add_argument("--trl-steps", type=int, default=None, help="TRL optimizer steps (default: --steps)")
-    p.add_argument("--trl-settings", default="float32,bfloat16,float32+compile",
-                   help="TRL settings to try at the first seed (a dtype, +compile for torch_compile=True); the fastest is the reference (TRL at its best setting on this machine) and runs at every seed")
-    p.add_argument("--trl-probe-steps", type=int, default=6,
-                   help="steps of each setting's trial run (its first step, with the one-off costs, is left out of its speed)")
-    p.add_argument("--meshrl-json", default=None,
-                   help="reuse the meshrl sync/async runs of this async_vs_sync.json (same problem size and seeds) instead of running them")
+    p.add_argument(
+        "--trl-settings",
+        default="float32,bfloat16,float32+compile",
+        help="TRL settings to try at the first seed (a dtype, +compile for torch_compile=True); "
+        "the fastest is the reference (TRL at its best setting on this machine) and runs at every seed",
+    )
+    p.add_argument(
+        "--trl-probe-steps", type=int, default=6, help="steps of each setting's trial run (its first step, with the one-off costs, is left out of its speed)"
+    )
+    p.add_argument(
+        "--meshrl-json", default=None, help="reuse the meshrl sync/async runs of this async_vs_sync.json (same problem size and seeds) instead of running them"
+    )
     p.add_argument("--out", default=os.path.join(RESULTS, "trl_peer.json"))
     args = p.parse_args()
     if importlib.util.find_spec("trl") is None:  # before any run: without TRL the meshrl runs would be thrown away
@@ -221,8 +256,20 @@ def main() -> None:
         if args.meshrl_json:
             with open(args.meshrl_json) as f:
                 reused = json.load(f)
-            for key in ("steps", "batch_groups", "group_size", "max_new_tokens", "lr", "seed", "seeds", "task", "dtype", "compile",
-                        "async_batches_in_flight", "model"):
+            for key in (
+                "steps",
+                "batch_groups",
+                "group_size",
+                "max_new_tokens",
+                "lr",
+                "seed",
+                "seeds",
+                "task",
+                "dtype",
+                "compile",
+                "async_batches_in_flight",
+                "model",
+            ):
                 if reused["args"].get(key) != getattr(args, key):
                     raise SystemExit(f"{args.meshrl_json} was run with {key}={reused['args'].get(key)}, not {getattr(args, key)}")
             meshrl = reused["results"]
@@ -241,16 +288,17 @@ def main() -> None:
             if i == 0 and "colocate" in modes:
                 engine_s = engine_batch_s(hf_v0, tokenizer_dir, bench_config("colocate", seed_args, os.path.join(root, "unused")))
             if i == 0:  # TRL's fastest setting on this machine, from short runs of each
-                probes = [run_trl(hf_v0, tokenizer_dir, cfg, args.trl_probe_steps, os.path.join(root, f"probe-{x}"), x)
-                          for x in args.trl_settings.split(",")]
+                probes = [run_trl(hf_v0, tokenizer_dir, cfg, args.trl_probe_steps, os.path.join(root, f"probe-{x}"), x) for x in args.trl_settings.split(",")]
                 setting = min(probes, key=lambda t: t["step_s"])["setting"]
                 others += [{**t, "mode": f"trl-{t['setting']}-probe", "seed": seed} for t in probes]
             run = run_trl(hf_v0, tokenizer_dir, cfg, steps, os.path.join(root, f"trl-{seed}"), setting)
             trl_runs.append({**run, "mode": "trl" if i == 0 else f"trl-seed{seed}", "seed": seed})
     for t in trl_runs + others:
-        t.update(reward_last=statistics.mean(r["reward"] for r in t["rows"][-4:]),
-                 reward_mean=statistics.mean(r["reward"] for r in t["rows"]),
-                 time_to_reward_s=time_to_reward(t["rows"], args.reward_level))
+        t.update(
+            reward_last=statistics.mean(r["reward"] for r in t["rows"][-4:]),
+            reward_mean=statistics.mean(r["reward"] for r in t["rows"]),
+            time_to_reward_s=time_to_reward(t["rows"], args.reward_level),
+        )
     trl = trl_runs[0]
     means["trl"] = mode_means(trl_runs, batch)
     trl_sps = means["trl"]["samples_per_s"]
@@ -262,23 +310,29 @@ def main() -> None:
         r["reward_vs_trl"] = reward_gap(r["rows"], ref["rows"]) if ref is not None and r is not ref else None
     ratio = means["async"]["samples_per_s"] / trl_sps
     # per seed async - TRL; the noise is their spread between seeds
-    summary = mean_gap([r["reward_vs_trl"] for r in results
-                        if r.get("base_mode") == "async" and r["reward_vs_trl"] and r["reward_vs_trl"]["points"]])
+    summary = mean_gap([r["reward_vs_trl"] for r in results if r.get("base_mode") == "async" and r["reward_vs_trl"] and r["reward_vs_trl"]["points"]])
     gap, stderr, reward_ok = summary["gap"], summary["stderr"], summary["within_noise_or_better"]
-    verdict = {"async_over_trl_samples_per_s": ratio,
-               "sync_over_trl_samples_per_s": means["sync"]["samples_per_s"] / trl_sps,
-               "trl_samples_per_s": trl_sps, "seeds": len(seeds),
-               "reward_async_minus_trl": gap, "reward_async_minus_trl_stderr": stderr,
-               "reward_async_minus_trl_per_seed": summary["per_seed"],
-               "time_to_reward_s": {m: means[m]["time_to_reward_s"] for m in ("trl", "sync", "async")},
-               "target_speed_met": ratio >= TARGET_SPEEDUP, "target_reward_met": reward_ok,
-               "target_met": ratio >= TARGET_SPEEDUP and reward_ok}
+    verdict = {
+        "async_over_trl_samples_per_s": ratio,
+        "sync_over_trl_samples_per_s": means["sync"]["samples_per_s"] / trl_sps,
+        "trl_samples_per_s": trl_sps,
+        "seeds": len(seeds),
+        "reward_async_minus_trl": gap,
+        "reward_async_minus_trl_stderr": stderr,
+        "reward_async_minus_trl_per_seed": summary["per_seed"],
+        "time_to_reward_s": {m: means[m]["time_to_reward_s"] for m in ("trl", "sync", "async")},
+        "target_speed_met": ratio >= TARGET_SPEEDUP,
+        "target_reward_met": reward_ok,
+        "target_met": ratio >= TARGET_SPEEDUP and reward_ok,
+    }
     if "colocate" in means:  # placement=colocate: the roles taking turns on every core, as TRL's one process does
-        colocated = mean_gap([r["reward_vs_trl"] for r in results
-                              if r.get("base_mode") == "colocate" and r["reward_vs_trl"] and r["reward_vs_trl"]["points"]])
-        verdict.update(colocate_over_trl_samples_per_s=means["colocate"]["samples_per_s"] / trl_sps,
-                       reward_colocate_minus_trl=colocated["gap"], reward_colocate_minus_trl_stderr=colocated["stderr"],
-                       time_to_reward_s={m: means[m]["time_to_reward_s"] for m in ("trl", *modes)})
+        colocated = mean_gap([r["reward_vs_trl"] for r in results if r.get("base_mode") == "colocate" and r["reward_vs_trl"] and r["reward_vs_trl"]["points"]])
+        verdict.update(
+            colocate_over_trl_samples_per_s=means["colocate"]["samples_per_s"] / trl_sps,
+            reward_colocate_minus_trl=colocated["gap"],
+            reward_colocate_minus_trl_stderr=colocated["stderr"],
+            time_to_reward_s={m: means[m]["time_to_reward_s"] for m in ("trl", *modes)},
+        )
         # What colocation can reach with no framework cost at all: the engine alone generating
         # the batch, then the trainer's step and publish, one after the other.
         floor = engine_s + means["colocate"]["T_s"]
@@ -293,38 +347,51 @@ def main() -> None:
         verdict["ceiling_over_trl_samples_per_s"] = (batch / trl_sps) / max(G, T)
 
     print(f"TRL reference: {trl['setting']} (fastest of {args.trl_settings} in {args.trl_probe_steps}-step trials), over {len(seeds)} seed(s)")
-    print(f"\n{'system':<22}{'mean step s':>12}{'samples/s':>11}"
-          f"{'reward - TRL (equal policy samples)':>38}{'reward (last 4 steps)':>23}")
+    print(f"\n{'system':<22}{'mean step s':>12}{'samples/s':>11}{'reward - TRL (equal policy samples)':>38}{'reward (last 4 steps)':>23}")
     for r in results:
         g = r["reward_vs_trl"]
         vs = f"{g['gap']:+.3f} +- {g['stderr']:.3f}" if g else "reference"
-        print(f"{r['mode']:<22}{r['step_s']:>12.3f}{r['samples_per_s']:>11.1f}"
-              f"{vs:>38}{r['reward_last']:>23.4f}")
-    print(f"\nmeans over {len(seeds)} seed(s): TRL {trl_sps:.1f} samples/s, meshrl "
-          + ", ".join(f"{m} {means[m]['samples_per_s']:.1f}" for m in modes))
+        print(f"{r['mode']:<22}{r['step_s']:>12.3f}{r['samples_per_s']:>11.1f}{vs:>38}{r['reward_last']:>23.4f}")
+    print(f"\nmeans over {len(seeds)} seed(s): TRL {trl_sps:.1f} samples/s, meshrl " + ", ".join(f"{m} {means[m]['samples_per_s']:.1f}" for m in modes))
     if "colocate" in means:
-        print(f"meshrl colocate / TRL samples/s = {verdict['colocate_over_trl_samples_per_s']:.2f}x; reward per sample, colocate - TRL "
-              f"{verdict['reward_colocate_minus_trl']:+.3f} +- {verdict['reward_colocate_minus_trl_stderr']:.3f}")
-        print(f"colocate floor: the vLLM engine alone generates the batch in {verdict['colocate_engine_batch_s']:.3f} s, + the trainer's "
-              f"step and publish {means['colocate']['T_s']:.3f} s = {verdict['colocate_floor_s']:.3f} s/step, "
-              f"{verdict['colocate_floor_over_trl_samples_per_s']:.2f}x TRL's samples/s with no framework cost at all")
-    print(f"meshrl async / TRL samples/s = {ratio:.2f}x (target {TARGET_SPEEDUP:.0f}x: {'met' if verdict['target_speed_met'] else 'NOT met'}); "
-          f"reward per sample, async - TRL per seed {', '.join(f'{g:+.3f}' for g in verdict['reward_async_minus_trl_per_seed'])}: "
-          f"mean {gap:+.3f} +- {stderr:.3f}, {'equal, better or within noise' if reward_ok else 'WORSE'}; "
-          f"overall target {'met' if verdict['target_met'] else 'NOT met'}")
+        print(
+            f"meshrl colocate / TRL samples/s = {verdict['colocate_over_trl_samples_per_s']:.2f}x; reward per sample, colocate - TRL "
+            f"{verdict['reward_colocate_minus_trl']:+.3f} +- {verdict['reward_colocate_minus_trl_stderr']:.3f}"
+        )
+        print(
+            f"colocate floor: the vLLM engine alone generates the batch in {verdict['colocate_engine_batch_s']:.3f} s, + the trainer's "
+            f"step and publish {means['colocate']['T_s']:.3f} s = {verdict['colocate_floor_s']:.3f} s/step, "
+            f"{verdict['colocate_floor_over_trl_samples_per_s']:.2f}x TRL's samples/s with no framework cost at all"
+        )
+    print(
+        f"meshrl async / TRL samples/s = {ratio:.2f}x (target {TARGET_SPEEDUP:.0f}x: {'met' if verdict['target_speed_met'] else 'NOT met'}); "
+        f"reward per sample, async - TRL per seed {', '.join(f'{g:+.3f}' for g in verdict['reward_async_minus_trl_per_seed'])}: "
+        f"mean {gap:+.3f} +- {stderr:.3f}, {'equal, better or within noise' if reward_ok else 'WORSE'}; "
+        f"overall target {'met' if verdict['target_met'] else 'NOT met'}"
+    )
     reach = verdict["time_to_reward_s"]
-    print(f"training time to a trained-batch reward of {args.reward_level} (mean over seeds): "
-          + ", ".join(f"{m} {'never (some seed)' if t is None else f'{t:.1f} s'}" for m, t in reach.items()))
+    print(
+        f"training time to a trained-batch reward of {args.reward_level} (mean over seeds): "
+        + ", ".join(f"{m} {'never (some seed)' if t is None else f'{t:.1f} s'}" for m, t in reach.items())
+    )
     if "ceiling_over_trl_samples_per_s" in verdict:
-        print(f"overlap ceiling: max(G, T) = {verdict['async_step_floor_s']:.3f} s from the sync runs gives "
-              f"{verdict['ceiling_over_trl_samples_per_s']:.2f}x TRL's samples/s; async beats it only by generating "
-              f"more efficiently than sync (more sequences in flight)")
+        print(
+            f"overlap ceiling: max(G, T) = {verdict['async_step_floor_s']:.3f} s from the sync runs gives "
+            f"{verdict['ceiling_over_trl_samples_per_s']:.2f}x TRL's samples/s; async beats it only by generating "
+            f"more efficiently than sync (more sequences in flight)"
+        )
     from async_vs_sync import machine, plot
 
-    payload = {"args": vars(args), "reused_meshrl_runs": args.meshrl_json, "machine": machine(),
-               "reused_meshrl_machine": reused.get("machine_before") if args.meshrl_json else None, "results": results,
-               "means": means,
-               "verdict": verdict, "wall_s": time.monotonic() - t0}
+    payload = {
+        "args": vars(args),
+        "reused_meshrl_runs": args.meshrl_json,
+        "machine": machine(),
+        "reused_meshrl_machine": reused.get("machine_before") if args.meshrl_json else None,
+        "results": results,
+        "means": means,
+        "verdict": verdict,
+        "wall_s": time.monotonic() - t0,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)

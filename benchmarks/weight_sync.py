@@ -51,11 +51,16 @@ def model_shapes(size: str) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes += [
-            (p + "input_layernorm.weight", (dim,)), (p + "post_attention_layernorm.weight", (dim,)),
-            (p + "self_attn.q_proj.weight", (dim, dim)), (p + "self_attn.k_proj.weight", (kv, dim)),
-            (p + "self_attn.v_proj.weight", (kv, dim)), (p + "self_attn.o_proj.weight", (dim, dim)),
-            (p + "self_attn.q_norm.weight", (64,)), (p + "self_attn.k_norm.weight", (64,)),
-            (p + "mlp.gate_proj.weight", (ffn, dim)), (p + "mlp.up_proj.weight", (ffn, dim)),
+            (p + "input_layernorm.weight", (dim,)),
+            (p + "post_attention_layernorm.weight", (dim,)),
+            (p + "self_attn.q_proj.weight", (dim, dim)),
+            (p + "self_attn.k_proj.weight", (kv, dim)),
+            (p + "self_attn.v_proj.weight", (kv, dim)),
+            (p + "self_attn.o_proj.weight", (dim, dim)),
+            (p + "self_attn.q_norm.weight", (64,)),
+            (p + "self_attn.k_norm.weight", (64,)),
+            (p + "mlp.gate_proj.weight", (ffn, dim)),
+            (p + "mlp.up_proj.weight", (ffn, dim)),
             (p + "mlp.down_proj.weight", (dim, ffn)),
         ]
     return shapes + [("model.norm.weight", (dim,)), ("lm_head.weight", (vocab, dim))]
@@ -209,7 +214,9 @@ async def bench_transport(transport: str, sizes: list[str], args) -> list[dict]:
         ws = await WeightSync(WeightSyncConfig(**cfg)).connect(pub, subs)
         if transport == "collective":
             spec = ws.spec(args.subscribers)
-            await asyncio.gather(trainer.raw_group.call_one(spec), *[g.raw_group.call_one(spec, r + 1) for r, g in enumerate(subs_actors(gens, args.subscribers))])
+            await asyncio.gather(
+                trainer.raw_group.call_one(spec), *[g.raw_group.call_one(spec, r + 1) for r, g in enumerate(subs_actors(gens, args.subscribers))]
+            )
         version = 0
         runs = [(size, rank) for size in sizes for rank in ([0, args.lora_rank] if args.lora_rank else [0])]
         for size, rank in runs:
@@ -228,18 +235,31 @@ async def bench_transport(transport: str, sizes: list[str], args) -> list[dict]:
             raw = statistics.median(raws)
             sync_s = statistics.median(times)
             row = {
-                "transport": transport, "size": f"{size}+lora{rank}" if rank else size, "params": info["params"], "bytes": info["bytes"],
-                "sync_s": sync_s, "sync_min_s": min(times), "sync_times_s": times, "publish_copy_s": statistics.median(copies),
-                "raw_s": raw, "raw_min_s": min(raws), "raw_times_s": raws, "sync_GBps": info["bytes"] * args.subscribers / sync_s / 1e9,
-                "raw_GBps": info["bytes"] * args.subscribers / raw / 1e9, "fraction_of_raw": raw / sync_s,
+                "transport": transport,
+                "size": f"{size}+lora{rank}" if rank else size,
+                "params": info["params"],
+                "bytes": info["bytes"],
+                "sync_s": sync_s,
+                "sync_min_s": min(times),
+                "sync_times_s": times,
+                "publish_copy_s": statistics.median(copies),
+                "raw_s": raw,
+                "raw_min_s": min(raws),
+                "raw_times_s": raws,
+                "sync_GBps": info["bytes"] * args.subscribers / sync_s / 1e9,
+                "raw_GBps": info["bytes"] * args.subscribers / raw / 1e9,
+                "fraction_of_raw": raw / sync_s,
             }
             if rank:  # the full model of this size was timed just before, in this run
                 full = next(r for r in reversed(rows) if r["size"] == size)
                 row.update(adapter_over_full_time=sync_s / full["sync_s"], adapter_over_full_bytes=info["bytes"] / full["bytes"])
             rows.append(row)
-            print(f"{transport:10s} {row['size']:>5s} {info['params'] / 1e6:8.1f}M {info['bytes'] / 2**20:9.1f} MiB "
-                  f"sync {sync_s * 1e3:8.1f} ms  copy {row['publish_copy_s'] * 1e3:7.1f} ms  raw {raw * 1e3:8.1f} ms  "
-                  f"fraction {row['fraction_of_raw']:5.2f}", flush=True)
+            print(
+                f"{transport:10s} {row['size']:>5s} {info['params'] / 1e6:8.1f}M {info['bytes'] / 2**20:9.1f} MiB "
+                f"sync {sync_s * 1e3:8.1f} ms  copy {row['publish_copy_s'] * 1e3:7.1f} ms  raw {raw * 1e3:8.1f} ms  "
+                f"fraction {row['fraction_of_raw']:5.2f}",
+                flush=True,
+            )
     finally:
         await gen_procs.stop()
         await trainer_procs.stop()
@@ -274,9 +294,11 @@ async def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     tiny = {r["transport"]: r["sync_s"] for r in rows if r["size"] == "tiny"}
     for r in rows:
-        print(f"| {r['transport']} | {r['size']} | {r['params'] / 1e6:.1f}M | {r['bytes'] / 2**20:.0f} | {r['sync_s'] * 1e3:.1f} | "
-              f"{r['publish_copy_s'] * 1e3:.1f} | {r['raw_s'] * 1e3:.1f} | {r['fraction_of_raw']:.2f} | "
-              f"{tiny.get(r['transport'], float('nan')) * 1e3:.1f} |")
+        print(
+            f"| {r['transport']} | {r['size']} | {r['params'] / 1e6:.1f}M | {r['bytes'] / 2**20:.0f} | {r['sync_s'] * 1e3:.1f} | "
+            f"{r['publish_copy_s'] * 1e3:.1f} | {r['raw_s'] * 1e3:.1f} | {r['fraction_of_raw']:.2f} | "
+            f"{tiny.get(r['transport'], float('nan')) * 1e3:.1f} |"
+        )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "machine": measured_on, "rows": rows, "per_version_overhead_s": tiny, "wall_s": time.monotonic() - t0}, f, indent=2)

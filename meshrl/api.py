@@ -70,8 +70,9 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
 class Session:
     """A live run you drive step by step. Context manager; `stop()` always cleans up."""
 
-    def __init__(self, config: Config | dict | str | None = None, *, resume: str | None = None,
-                 reward_fn: RewardFn | None = None, overrides: list[str] | None = None):
+    def __init__(
+        self, config: Config | dict | str | None = None, *, resume: str | None = None, reward_fn: RewardFn | None = None, overrides: list[str] | None = None
+    ):
         self.config = resume_config(resume, overrides) if resume else as_config(config, overrides)
         preflight(self.config, reward_fn)  # a bad path, an unwritable run directory, bad data or user code fails here, before any mesh
         if threading.current_thread() is threading.main_thread():
@@ -275,8 +276,9 @@ class Session:
             self._thread.join(10)
 
 
-def run(config: Config | dict | str | None = None, *, resume: str | None = None,
-        reward_fn: RewardFn | None = None, overrides: list[str] | None = None) -> RunResult:
+def run(
+    config: Config | dict | str | None = None, *, resume: str | None = None, reward_fn: RewardFn | None = None, overrides: list[str] | None = None
+) -> RunResult:
     """Train to `config.steps` and return the run directory and per-step metrics."""
     if resume is None:
         config = as_config(config, overrides)
@@ -309,7 +311,6 @@ class Interrupted(KeyboardInterrupt):
         self.run_dir, self.version, self.checkpoint = run_dir, version, checkpoint
         self.exit_status = cause.code if isinstance(cause, SystemExit) and isinstance(cause.code, int) else 130
         super().__init__(f"interrupted at step {version}")
-
 
 
 def _progress(total: int, enabled: bool):

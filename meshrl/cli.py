@@ -79,8 +79,10 @@ def _cmd_doctor(ns: argparse.Namespace) -> int:
     rows = run_doctor(ns.keep)
     print(table(rows), end="")
     failed = [r.path for r in rows if r.status == "failed"]
-    print(f"meshrl doctor: {len(rows) - len(failed)} of {len(rows)} paths passed or skipped in {time.monotonic() - t0:.0f}s"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"meshrl doctor: {len(rows) - len(failed)} of {len(rows)} paths passed or skipped in {time.monotonic() - t0:.0f}s"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 
@@ -185,8 +187,11 @@ def _resubmit(config: Config, run_dir: str, loud: bool, out) -> None:
     done = int(os.environ.get(RESUBMITS_ENV, "0"))
     if done >= config.launcher.max_resubmits:
         return
-    print(f"meshrl: resubmitting ({done + 1} of launcher.max_resubmits={config.launcher.max_resubmits}): "
-          f"a fresh allocation continues {run_dir} from its checkpoint", file=out)
+    print(
+        f"meshrl: resubmitting ({done + 1} of launcher.max_resubmits={config.launcher.max_resubmits}): "
+        f"a fresh allocation continues {run_dir} from its checkpoint",
+        file=out,
+    )
     for stream in (out, sys.stdout, sys.stderr):
         stream.flush()
     os.environ[RESUBMITS_ENV] = str(done + 1)
@@ -211,9 +216,11 @@ def summary_line(result, wall_s: float) -> str:
     rate = f", {samples / train_s:.1f} samples/s" if train_s > 0 and samples else ""
     alarms = sum(1 for r in result.metrics for k in ("alarm/reward", "alarm/entropy") if k in r)
     warned = f"; {alarms} alarm(s) raised (see above)" if alarms else ""
-    return (f"meshrl: step {int(last['step'])} reached in {wall_s:.0f} s{rate}; reward {reward(first):.3f} "
-            f"(step {int(first['step'])}) -> {reward(last):.3f} (step {int(last['step'])}){warned}; "
-            f"results in {result.run_dir} (metrics.jsonl, curves.png, hf/final)")
+    return (
+        f"meshrl: step {int(last['step'])} reached in {wall_s:.0f} s{rate}; reward {reward(first):.3f} "
+        f"(step {int(first['step'])}) -> {reward(last):.3f} (step {int(last['step'])}){warned}; "
+        f"results in {result.run_dir} (metrics.jsonl, curves.png, hf/final)"
+    )
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
@@ -236,8 +243,11 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
     config = Config.from_dict(data)
     preflight(config)
     has_tokenizer = any(os.path.isfile(os.path.join(checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-    tokenizer_dir = (checkpoint if has_tokenizer else config.model.tokenizer or
-                     (os.path.join(run_dir, "tokenizer") if run_dir and os.path.isdir(os.path.join(run_dir, "tokenizer")) else None))
+    tokenizer_dir = (
+        checkpoint
+        if has_tokenizer
+        else config.model.tokenizer or (os.path.join(run_dir, "tokenizer") if run_dir and os.path.isdir(os.path.join(run_dir, "tokenizer")) else None)
+    )
     if tokenizer_dir is None:
         raise ConfigError("model.tokenizer", f"{checkpoint!r} holds no tokenizer: give model.tokenizer=DIR")
     out = sys.stderr if verbose(config) else quiet_console(out_dir)
@@ -253,8 +263,11 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
         return 1
     write_results(os.path.join(out_dir, "eval.json"), metrics, results, records)
     k = config.eval.k
-    print(f"meshrl: greedy accuracy {metrics['eval/greedy_accuracy']:.3f}, pass@{k} {metrics[f'eval/pass@{k}']:.3f}, "
-          f"mean reward {metrics['eval/reward_mean']:.3f}; results in {os.path.join(out_dir, 'eval.json')}", file=out)
+    print(
+        f"meshrl: greedy accuracy {metrics['eval/greedy_accuracy']:.3f}, pass@{k} {metrics[f'eval/pass@{k}']:.3f}, "
+        f"mean reward {metrics['eval/reward_mean']:.3f}; results in {os.path.join(out_dir, 'eval.json')}",
+        file=out,
+    )
     return 0
 
 

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+
 # ---- CUDA ----
 def cuda_present() -> bool:
     """Whether this process can use a GPU, asked without initialising CUDA in it.
@@ -289,8 +290,7 @@ def gloo_default_device_on_loopback():
 
     import psutil
 
-    loopback = [name for name, addrs in psutil.net_if_addrs().items()
-                if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs)]
+    loopback = [name for name, addrs in psutil.net_if_addrs().items() if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs)]
     with _environment_set("GLOO_SOCKET_IFNAME", loopback[0] if loopback else "lo"):
         yield
 

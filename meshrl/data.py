@@ -129,7 +129,10 @@ def _first_record(c: Config) -> dict:
                 if not complete:
                     logging.getLogger("meshrl").warning(
                         "%s: checked the first %d rows in contracts.data_check_s=%gs; the rest are checked as the run reads them",
-                        d.source, rows, c.contracts.data_check_s)
+                        d.source,
+                        rows,
+                        c.contracts.data_check_s,
+                    )
                 return first
             for n, row in iter_rows(d.source):
                 return _record(d, f"{d.source}:{n}", row)
@@ -150,8 +153,7 @@ def _saved_dataset(path: str):
         return data["train"]
     if len(data) == 1:
         return next(iter(data.values()))
-    raise ValueError(f"{path} holds splits {sorted(data)} and none is 'train': save the split to train on alone, "
-                     "or name it 'train'")
+    raise ValueError(f"{path} holds splits {sorted(data)} and none is 'train': save the split to train on alone, or name it 'train'")
 
 
 def _record(cfg: DataConfig, where: str, row: Any) -> dict[str, Any]:
@@ -218,8 +220,9 @@ def reasoning_gym_dataset(name: str, task_args: dict, seed: int, size: int, fiel
     try:
         return reasoning_gym.create_dataset(name, seed=seed, size=size, **task_args)
     except (TypeError, ValueError, AssertionError) as e:
-        raise ConfigError(field, f"reasoning_gym:{name} rejects {task_args} with size={size} "
-                          f"({type(e).__name__}: {e}): fix {field} or data.num_prompts") from None
+        raise ConfigError(
+            field, f"reasoning_gym:{name} rejects {task_args} with size={size} ({type(e).__name__}: {e}): fix {field} or data.num_prompts"
+        ) from None
 
 
 def reasoning_gym_record(entry: dict) -> dict:
@@ -228,8 +231,7 @@ def reasoning_gym_record(entry: dict) -> dict:
     scorer looks), and the item's answer and metadata, which its `score_answer` reads."""
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
-    return {**entry, "prompt": [{"role": "system", "content": SYSTEM_PROMPTS["default"]},
-                                {"role": "user", "content": entry["question"]}]}
+    return {**entry, "prompt": [{"role": "system", "content": SYSTEM_PROMPTS["default"]}, {"role": "user", "content": entry["question"]}]}
 
 
 class PromptNode(BaseNode[dict]):
@@ -276,6 +278,6 @@ def eval_records(config: Config) -> list[dict]:
     data = config.data if e.source is None else dataclasses.replace(config.data, source=e.source, task_args=e.task_args)
     records = load_records(data)
     if records is not None:
-        return records[:e.num_prompts]
+        return records[: e.num_prompts]
     make = generator(data, f"{config.seed}/eval", e.num_prompts)
     return [make(0, i) for i in range(e.num_prompts)]

@@ -27,11 +27,17 @@ def check_data(c: Config) -> None:
     if source_kind(d.source) == "task":
         name = d.source.removeprefix("task:")
         if TASKS[name].env is not None and c.rollout.env is None:
-            need(not (s.reward_fn or s.reward_model), "scoring.reward_fn",
-                  f"task:{name} is multi-turn and its env gives the reward: unset scoring.reward_fn / reward_model, or set rollout.env")
+            need(
+                not (s.reward_fn or s.reward_model),
+                "scoring.reward_fn",
+                f"task:{name} is multi-turn and its env gives the reward: unset scoring.reward_fn / reward_model, or set rollout.env",
+            )
     elif source_kind(d.source) in ("file", "dataset"):
-        need(s.reward_fn is not None or s.reward_model is not None or c.rollout.env is not None, "scoring.reward_fn",
-              f"a file data source ({d.source}) needs a reward: set scoring.reward_fn, scoring.reward_model or rollout.env")
+        need(
+            s.reward_fn is not None or s.reward_model is not None or c.rollout.env is not None,
+            "scoring.reward_fn",
+            f"a file data source ({d.source}) needs a reward: set scoring.reward_fn, scoring.reward_model or rollout.env",
+        )
     if d.source in ("task:longtail", "task:longtail_chat"):
         _check_budget(c)
 
@@ -62,8 +68,11 @@ def _check_source(c: Config, path: str, source: str, task_args: dict) -> None:
         need(os.path.isfile(source), path, f"file {source!r} not found: give a local .jsonl or .parquet file")
     else:
         need(os.path.isdir(source), path, f"{source!r} must be 'task:NAME', 'reasoning_gym:NAME', a .jsonl/.parquet file or a datasets save_to_disk directory")
-        need(os.path.isfile(os.path.join(source, "dataset_info.json")) or os.path.isfile(os.path.join(source, "dataset_dict.json")), path,
-              f"directory {source!r} is not a datasets save_to_disk directory (no dataset_info.json): save it with Dataset.save_to_disk")
+        need(
+            os.path.isfile(os.path.join(source, "dataset_info.json")) or os.path.isfile(os.path.join(source, "dataset_dict.json")),
+            path,
+            f"directory {source!r} is not a datasets save_to_disk directory (no dataset_info.json): save it with Dataset.save_to_disk",
+        )
 
 
 def _check_budget(c: Config) -> None:
@@ -71,8 +80,14 @@ def _check_budget(c: Config) -> None:
     (the tail's own ranges are checked with the values, in config/checks.py)."""
     n = c.data.lengths
     budget = answer_budget(n.max, n.slack)
-    need(c.generator.max_new_tokens >= budget, "generator.max_new_tokens",
-          f"must be at least {budget} (the budget of the longest longtail answer, data.lengths.max x (1 + slack) + 2), got {c.generator.max_new_tokens}; "
-          "raise it or lower data.lengths.max")
-    need(c.model.max_seq_len >= budget + 16, "model.max_seq_len",
-          f"must be at least {budget + 16} (the longest longtail answer's budget plus its prompt), got {c.model.max_seq_len}")
+    need(
+        c.generator.max_new_tokens >= budget,
+        "generator.max_new_tokens",
+        f"must be at least {budget} (the budget of the longest longtail answer, data.lengths.max x (1 + slack) + 2), got {c.generator.max_new_tokens}; "
+        "raise it or lower data.lengths.max",
+    )
+    need(
+        c.model.max_seq_len >= budget + 16,
+        "model.max_seq_len",
+        f"must be at least {budget + 16} (the longest longtail answer's budget plus its prompt), got {c.model.max_seq_len}",
+    )

@@ -75,4 +75,3 @@ def assign_distill_advantages(td: TensorDict, kl_weight: float, reward_weight: f
     per_token = kl_weight * gap + reward_weight * td["advantage"][:, None]
     td["token_advantage"] = torch.where(mask, per_token, torch.zeros_like(per_token)).to(torch.float32)
     return td
-

@@ -115,8 +115,9 @@ def short_run(root: str, name: str, overrides: dict, steps: int = 3, on_policy: 
     from meshrl.api import Session
     from meshrl.config import Config
 
-    config = Config.from_dict({"logging": {"run_dir": os.path.join(root, name), "progress": False, "plot": False, "tensorboard": False},
-                               "steps": steps, **overrides})
+    config = Config.from_dict(
+        {"logging": {"run_dir": os.path.join(root, name), "progress": False, "plot": False, "tensorboard": False}, "steps": steps, **overrides}
+    )
     t0 = time.monotonic()
     with Session(config) as session:
         started = time.monotonic() - t0
@@ -138,16 +139,26 @@ def run_doctor(keep: str | None = None) -> list[Row]:
     rows = [_try("GPUs", gpus, "check the NVIDIA driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")]
     rows.append(_try("Monarch procs", monarch_procs, "pip install torchmonarch (the version in constraints.txt); check that this host may open loopback ports"))
     colocated = "engine, sleep/wake, weight handoff" + (" (CUDA IPC)" if n else " (shared memory)")
-    rows.append(_try(f"colocated sync run: {colocated}, log-prob match",
-                     lambda: short_run(root, "colocated", {"placement": "colocate", "buffer": {"max_lag": 0}}),
-                     "read the run's logs in " + os.path.join(root, "colocated") + " (vLLM's engine log first)"))
+    rows.append(
+        _try(
+            f"colocated sync run: {colocated}, log-prob match",
+            lambda: short_run(root, "colocated", {"placement": "colocate", "buffer": {"max_lag": 0}}),
+            "read the run's logs in " + os.path.join(root, "colocated") + " (vLLM's engine log first)",
+        )
+    )
     if n == 1:
         rows.append(Row("split run", "skipped", 0.0, "one GPU: trainer and generator cannot hold GPUs of their own"))
     else:
-        split, transport = ("split run: NCCL into the engine's workers", "collective") if n >= 2 else \
-            ("split async run: weights synced while generating", "auto")
-        rows.append(_try(split, lambda: short_run(root, "split", {"placement": "split", "weight_sync": {"transport": transport}}, on_policy=False),
-                         "read the run's logs in " + os.path.join(root, "split")))
+        split, transport = (
+            ("split run: NCCL into the engine's workers", "collective") if n >= 2 else ("split async run: weights synced while generating", "auto")
+        )
+        rows.append(
+            _try(
+                split,
+                lambda: short_run(root, "split", {"placement": "split", "weight_sync": {"transport": transport}}, on_policy=False),
+                "read the run's logs in " + os.path.join(root, "split"),
+            )
+        )
     rows.append(_try("sandbox (bubblewrap)", sandbox, "install bubblewrap (apt install bubblewrap) and allow unprivileged user namespaces"))
     rows.append(_try("Slurm", slurm, "install the Slurm client commands, or use launcher.kind=local|process"))
     if keep is None:

@@ -67,9 +67,7 @@ class Turn:
 
     def __post_init__(self) -> None:
         if self.role == "model" and not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):
-            raise ValueError(
-                f"model turn: {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs and {len(self.versions)} versions"
-            )
+            raise ValueError(f"model turn: {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs and {len(self.versions)} versions")
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.token_ids):
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.teacher_logprobs)} teacher log-probs")
 
@@ -192,8 +190,16 @@ def pack(episodes: Sequence[Episode]) -> TensorDict:
     return td
 
 
-_PAD_VALUES = {"tokens": 0, "loss_mask": False, "sampler_logprobs": 0.0, "versions": PAD_VERSION, "dense_reward": 0.0,
-               "routed_experts": -1, "teacher_logprobs": 0.0, "token_advantage": 0.0}
+_PAD_VALUES = {
+    "tokens": 0,
+    "loss_mask": False,
+    "sampler_logprobs": 0.0,
+    "versions": PAD_VERSION,
+    "dense_reward": 0.0,
+    "routed_experts": -1,
+    "teacher_logprobs": 0.0,
+    "token_advantage": 0.0,
+}
 
 
 def concat(batches: Sequence[TensorDict]) -> TensorDict:
@@ -231,9 +237,7 @@ def trim(td: TensorDict) -> TensorDict:
     return pad_tokens(td, T)
 
 
-def group_advantages(
-    reward: torch.Tensor, group_id: torch.Tensor, mode: Literal["grpo", "grpo_no_std", "rloo"] = "grpo", eps: float = 1e-6
-) -> torch.Tensor:
+def group_advantages(reward: torch.Tensor, group_id: torch.Tensor, mode: Literal["grpo", "grpo_no_std", "rloo"] = "grpo", eps: float = 1e-6) -> torch.Tensor:
     """Per-episode advantages normalised within each group.
 
     grpo: (r - mean) / (std + eps), std unbiased; a group with zero variance gets 0.

@@ -84,8 +84,7 @@ def user_location(exc: BaseException) -> str | None:
     None when there is none (the call itself failed: a wrong signature)."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
     frames = [f for f in frames if not os.path.abspath(f.filename).startswith(_MESHRL_DIR)]
-    outside_stdlib = [f for f in frames if not os.path.abspath(f.filename).startswith(_STDLIB_DIRS)
-                      or os.path.abspath(f.filename).startswith(_PACKAGE_DIRS)]
+    outside_stdlib = [f for f in frames if not os.path.abspath(f.filename).startswith(_STDLIB_DIRS) or os.path.abspath(f.filename).startswith(_PACKAGE_DIRS)]
     own = [f for f in outside_stdlib if not os.path.abspath(f.filename).startswith(_PACKAGE_DIRS)]
     for candidates in (own, outside_stdlib):
         if candidates:

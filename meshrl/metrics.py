@@ -67,8 +67,16 @@ def _start_wandb(run_dir: str, keep_until: int, project: str, mode: str, config:
     run_id = open(id_file).read().strip() if keep_until and os.path.isfile(id_file) else uuid.uuid4().hex[:12]
     with open(id_file, "w") as f:
         f.write(run_id)
-    run = wandb.init(project=project, dir=run_dir, id=run_id, resume="allow", mode=mode, config=config,
-                     name=os.path.basename(os.path.abspath(run_dir)), settings=wandb.Settings(silent=True, console="off"))
+    run = wandb.init(
+        project=project,
+        dir=run_dir,
+        id=run_id,
+        resume="allow",
+        mode=mode,
+        config=config,
+        name=os.path.basename(os.path.abspath(run_dir)),
+        settings=wandb.Settings(silent=True, console="off"),
+    )
     run.define_metric("step")
     run.define_metric("*", step_metric="step")
     return run
@@ -124,8 +132,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     rows = read_metrics(run_dir)
     out = out or os.path.join(run_dir, "curves.png")
     names = sorted({k for r in rows for k in r})
-    panels = [(title, [n for key in keys for n in names if n == key or key.endswith("@") and n.startswith(key)])
-              for title, keys in PANELS]
+    panels = [(title, [n for key in keys for n in names if n == key or key.endswith("@") and n.startswith(key)]) for title, keys in PANELS]
     panels = [(title, keys) for title, keys in panels if keys or title != "held-out eval"]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     for ax, (title, keys) in zip(axes, panels):

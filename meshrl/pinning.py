@@ -54,10 +54,10 @@ def resolve_cpus(config, cores: list[int] | None = None) -> tuple[str, str]:
     free = [c for c in cores if c not in taken]
     share = len(free) // 2 if t.cpus == AUTO else len(free)  # with the trainer placed, the rest
     per_replica = max(g.tp, share // g.replicas) if g.cpus == AUTO else 0
-    gen_cores = free[len(free) - per_replica * g.replicas:] if per_replica else []
+    gen_cores = free[len(free) - per_replica * g.replicas :] if per_replica else []
     train_cores = free[: len(free) - len(gen_cores)] if t.cpus == AUTO else []
     if g.cpus == AUTO:
-        g_spec = "|".join(_cpu_list(gen_cores[i * per_replica:(i + 1) * per_replica]) for i in range(g.replicas))
+        g_spec = "|".join(_cpu_list(gen_cores[i * per_replica : (i + 1) * per_replica]) for i in range(g.replicas))
         if len(free) < per_replica * g.replicas + (1 if t.cpus == AUTO else 0):
             g_spec = ""  # too few cores to give each role its own
     else:
@@ -74,7 +74,7 @@ def _split_evenly(cores: list[int], procs: int) -> str:
     if len(cores) < procs or procs == 1:
         return _cpu_list(cores)
     per = len(cores) // procs
-    return "|".join(_cpu_list(cores[i * per:(i + 1) * per]) for i in range(procs))
+    return "|".join(_cpu_list(cores[i * per : (i + 1) * per]) for i in range(procs))
 
 
 def _cpu_list(cores: list[int]) -> str:

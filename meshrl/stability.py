@@ -72,15 +72,21 @@ class Alarm:
     def line(self, window: int, drop: float) -> str:
         """The one console line."""
         if self.kind == "reward":
-            what = (f"reward fell off a cliff at step {self.step}: mean {self.value:.3f} over the last {window} steps, "
-                    f"under {drop:g} x the best window's {self.reference:.3f}")
+            what = (
+                f"reward fell off a cliff at step {self.step}: mean {self.value:.3f} over the last {window} steps, "
+                f"under {drop:g} x the best window's {self.reference:.3f}"
+            )
         else:
-            what = (f"policy entropy collapsed at step {self.step}: {self.value:.4f} nats per token over the last {window} "
-                    f"steps, under alarm.entropy_floor={self.reference:g}")
+            what = (
+                f"policy entropy collapsed at step {self.step}: {self.value:.4f} nats per token over the last {window} "
+                f"steps, under alarm.entropy_floor={self.reference:g}"
+            )
         if self.good_checkpoint is None:
             return f"ALARM: {what}; no checkpoint was written before it (trainer.checkpoint_every)"
-        return (f"ALARM: {what}; last good checkpoint: step {self.good_checkpoint} "
-                f"(checkpoints/step_{self.good_checkpoint:06d}_loop_state.pt; docs/stability.md: going back to it)")
+        return (
+            f"ALARM: {what}; last good checkpoint: step {self.good_checkpoint} "
+            f"(checkpoints/step_{self.good_checkpoint:06d}_loop_state.pt; docs/stability.md: going back to it)"
+        )
 
 
 class CliffWatch:

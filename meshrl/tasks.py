@@ -255,8 +255,12 @@ class PyExprEnv(PythonToolEnv):
 def _make_code(rng: random.Random, data: DataConfig) -> dict[str, Any]:
     k, op = rng.randint(0, 4), rng.choice("+*")
     f = (lambda x: x + k) if op == "+" else (lambda x: x * k)
-    return {"prompt": [{"role": "user", "content": f"0:{f(0)} 1:{f(1)}"}], "answer": f"x{op}{k}",
-            "tests": [f"assert f({x})=={f(x)}" for x in range(5)], "template": "f=lambda x:{answer}"}
+    return {
+        "prompt": [{"role": "user", "content": f"0:{f(0)} 1:{f(1)}"}],
+        "answer": f"x{op}{k}",
+        "tests": [f"assert f({x})=={f(x)}" for x in range(5)],
+        "template": "f=lambda x:{answer}",
+    }
 
 
 class TinyCodeEnv(CodeEnv):

@@ -91,5 +91,8 @@ def check_tokenizer(c: Config) -> None:
     try:
         load_tokenizer(tokenizer_dir)
     except Exception as e:  # noqa: BLE001 - whatever transformers raises, the directory is the user's to fix
-        raise ConfigError(field_path, f"no tokenizer loads from {tokenizer_dir!r} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): "
-                          "give a directory holding a Hugging Face tokenizer (tokenizer.json or tokenizer_config.json)") from None
+        raise ConfigError(
+            field_path,
+            f"no tokenizer loads from {tokenizer_dir!r} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): "
+            "give a directory holding a Hugging Face tokenizer (tokenizer.json or tokenizer_config.json)",
+        ) from None

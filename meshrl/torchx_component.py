@@ -53,8 +53,10 @@ def train(
     resolved = Config.from_dict(apply_overrides(load_yaml(config), list(overrides)))
     check(resolved)  # fail at submit time, not on the cluster
     if resolved.launcher.hosts != 1:
-        raise ValueError(f"launcher.hosts={resolved.launcher.hosts}: a TorchX job runs meshrl on one host (Monarch 0.7.0 turns only its own SlurmJob's "
-                         "hosts into a host mesh, not a TorchX job's replicas); use launcher.kind=slurm for several")
+        raise ValueError(
+            f"launcher.hosts={resolved.launcher.hosts}: a TorchX job runs meshrl on one host (Monarch 0.7.0 turns only its own SlurmJob's "
+            "hosts into a host mesh, not a TorchX job's replicas); use launcher.kind=slurm for several"
+        )
     return specs.AppDef(
         name="meshrl",
         roles=[

@@ -32,7 +32,7 @@ def last_boxed(text: str) -> str | None:
     for j in range(start + len("\\boxed"), len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[start + len("\\boxed{"):j]
+            return text[start + len("\\boxed{") : j]
     return None
 
 

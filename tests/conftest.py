@@ -15,6 +15,7 @@ import types
 
 import pytest
 
+
 def pytest_configure(config):
     # Test procs keep their output on the terminal, where pytest shows it with a failure; the
     # console tests run `meshrl` in a subprocess without this, to check the quiet default.
@@ -22,26 +23,35 @@ def pytest_configure(config):
     # reward (which may import these helpers) must keep its own console.
     os.environ.setdefault("MESHRL_VERBOSE", "1")
 
+
 NL = "{{ '\\n' }}"  # HF renders templates with trim_blocks, which eats a literal newline after a tag
 QWEN_STYLE_TEMPLATE = (
     "{% if tools %}"
-    "<|im_start|>system" + NL
-    + "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}" + NL + NL + "{% endif %}"
+    "<|im_start|>system" + NL + "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}" + NL + NL + "{% endif %}"
     "# Tools" + NL + "<tools>"
-    "{% for tool in tools %}" + NL + "{{ tool | tojson }}{% endfor %}" + NL + "</tools>" + NL
-    + 'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>' + NL
+    "{% for tool in tools %}"
+    + NL
+    + "{{ tool | tojson }}{% endfor %}"
+    + NL
+    + "</tools>"
+    + NL
+    + 'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>'
+    + NL
     + "{% elif messages[0]['role'] == 'system' %}"
-    "<|im_start|>system" + NL + "{{ messages[0]['content'] }}<|im_end|>" + NL
-    + "{% endif %}"
+    "<|im_start|>system" + NL + "{{ messages[0]['content'] }}<|im_end|>" + NL + "{% endif %}"
     "{% for m in messages %}"
     "{% if m['role'] == 'tool' %}"
     # Consecutive tool results share one user turn, as Qwen's own template has them.
     "{% if loop.first or loop.previtem['role'] != 'tool' %}<|im_start|>user{% endif %}"
-    + NL + "<tool_response>" + NL + "{{ m['content'] }}" + NL + "</tool_response>"
+    + NL
+    + "<tool_response>"
+    + NL
+    + "{{ m['content'] }}"
+    + NL
+    + "</tool_response>"
     "{% if loop.last or loop.nextitem['role'] != 'tool' %}<|im_end|>" + NL + "{% endif %}"
     "{% elif not (m['role'] == 'system' and loop.first) %}"
-    "<|im_start|>{{ m['role'] }}" + NL + "{{ m['content'] }}<|im_end|>" + NL
-    + "{% endif %}"
+    "<|im_start|>{{ m['role'] }}" + NL + "{{ m['content'] }}<|im_end|>" + NL + "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant" + NL + "{% endif %}"
 )
@@ -184,9 +194,10 @@ def gloo_ranks(target, world: int, *args, timeout_s: float = 240) -> list:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
-        procs = [subprocess.Popen([sys.executable, "-c", GLOO_RANK,
-                                   pickle.dumps((target.__module__, target.__name__, r, world, port, args, outs[r])).hex()])
-                 for r in range(world)]
+        procs = [
+            subprocess.Popen([sys.executable, "-c", GLOO_RANK, pickle.dumps((target.__module__, target.__name__, r, world, port, args, outs[r])).hex()])
+            for r in range(world)
+        ]
         try:
             for p in procs:
                 p.wait(timeout_s)
@@ -215,10 +226,14 @@ def make_group(gid: int, n: int, versions: list[int], prompt_len: int = 3, advan
     from meshrl.episode import Episode, Turn, assign_advantages, pack
 
     episodes = [
-        Episode(gid, gid * 100 + i, [
-            Turn("env", list(range(1, prompt_len + 1))),
-            Turn("model", [7] * len(versions), [-0.5] * len(versions), list(versions), reward=float(i)),
-        ])
+        Episode(
+            gid,
+            gid * 100 + i,
+            [
+                Turn("env", list(range(1, prompt_len + 1))),
+                Turn("model", [7] * len(versions), [-0.5] * len(versions), list(versions), reward=float(i)),
+            ],
+        )
         for i in range(n)
     ]
     return assign_advantages(pack(episodes), advantage)
@@ -253,8 +268,7 @@ def _trainer_test_classes() -> dict:
             """This rank's local shards of every parameter (tests compare them bit for bit)."""
             from torch.distributed.tensor import DTensor
 
-            return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
-                    for n, p in self._need().model.named_parameters()}
+            return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for n, p in self._need().model.named_parameters()}
 
         @endpoint
         async def get_optimizer_state(self) -> dict:
@@ -351,8 +365,13 @@ class NetnsHosts:
 
     def run(self, host: str, cmd: list[str], log_path, env: dict | None = None) -> subprocess.Popen:
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(self.command(host, cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+            proc = subprocess.Popen(
+                self.command(host, cmd),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            )
         self.procs.append(proc)
         return proc
 
@@ -460,9 +479,20 @@ def build_digit_teacher(path: str | os.PathLike, seed: int = 0) -> str:
     tok = load_tokenizer(build_char_tokenizer(os.path.join(str(path), "tokenizer")))
     digits = tok.convert_tokens_to_ids(list(string.digits))
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=32, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 0.5
@@ -556,18 +586,34 @@ class SlurmCluster:
         lines = [
             "ClusterName=meshrltest",
             f"SlurmctldHost={a}({addr['a']})",
-            "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket}",
-            f"StateSaveLocation={r}/ctld", f"SlurmdSpoolDir={r}/spool-%n",
-            f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd-%n.pid",
-            f"SlurmctldLogFile={r}/slurmctld.log", f"SlurmdLogFile={r}/slurmd-%n.log",
-            "SlurmctldDebug=info", "SlurmdDebug=info",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.munge_socket}",
+            f"StateSaveLocation={r}/ctld",
+            f"SlurmdSpoolDir={r}/spool-%n",
+            f"SlurmctldPidFile={r}/slurmctld.pid",
+            f"SlurmdPidFile={r}/slurmd-%n.pid",
+            f"SlurmctldLogFile={r}/slurmctld.log",
+            f"SlurmdLogFile={r}/slurmd-%n.log",
+            "SlurmctldDebug=info",
+            "SlurmdDebug=info",
             # no cgroups: track a job's processes by parentage, bind nothing, account nothing
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-            "SelectType=select/linear", "SchedulerType=sched/builtin", "MpiDefault=none",
-            "SlurmdParameters=config_overrides", "ReturnToService=2", "MailProg=/bin/true",
-            f"KillWait={self.KILL_WAIT_S}", "MinJobAge=5", "InactiveLimit=0", "SlurmdTimeout=30",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "SelectType=select/linear",
+            "SchedulerType=sched/builtin",
+            "MpiDefault=none",
+            "SlurmdParameters=config_overrides",
+            "ReturnToService=2",
+            "MailProg=/bin/true",
+            f"KillWait={self.KILL_WAIT_S}",
+            "MinJobAge=5",
+            "InactiveLimit=0",
+            "SlurmdTimeout=30",
             f"NodeName={a} NodeAddr={addr['a']} CPUs=2 RealMemory=1000 State=UNKNOWN",
             f"NodeName={b} NodeAddr={addr['b']} CPUs=2 RealMemory=1000 State=UNKNOWN",
             f"PartitionName={self.PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
@@ -591,13 +637,22 @@ class SlurmCluster:
             key = self._write_munge_key()
             self._write_conf()
             m = os.path.join(self.root, "munge")
-            self.daemons["munged"] = self.hosts.run("a", [
-                "munged", "--foreground", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
-                f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"],
-                os.path.join(self.root, "munged.out"))
+            self.daemons["munged"] = self.hosts.run(
+                "a",
+                [
+                    "munged",
+                    "--foreground",
+                    "--force",
+                    f"--key-file={key}",
+                    f"--socket={self.munge_socket}",
+                    f"--pid-file={m}/munged.pid",
+                    f"--log-file={m}/munged.log",
+                    f"--seed-file={m}/munged.seed",
+                ],
+                os.path.join(self.root, "munged.out"),
+            )
             self._wait(lambda: os.path.exists(self.munge_socket), timeout, "munged to open its socket")
-            self.daemons["slurmctld"] = self.hosts.run("a", ["slurmctld", "-D", "-i", "-f", self.conf],
-                                                       os.path.join(self.root, "slurmctld.out"), env=self.env)
+            self.daemons["slurmctld"] = self.hosts.run("a", ["slurmctld", "-D", "-i", "-f", self.conf], os.path.join(self.root, "slurmctld.out"), env=self.env)
             for h in ("a", "b"):
                 self.start_slurmd(h)
             self._wait(self._nodes_idle, timeout, "both nodes to be idle in sinfo")
@@ -608,8 +663,9 @@ class SlurmCluster:
 
     def start_slurmd(self, host: str) -> None:
         node = self.hosts.hostnames[host]
-        self.daemons[f"slurmd-{host}"] = self.hosts.run(host, ["slurmd", "-D", "-f", self.conf, "-N", node],
-                                                       os.path.join(self.root, f"slurmd-{node}.out"), env=self.env)
+        self.daemons[f"slurmd-{host}"] = self.hosts.run(
+            host, ["slurmd", "-D", "-f", self.conf, "-N", node], os.path.join(self.root, f"slurmd-{node}.out"), env=self.env
+        )
 
     def restart_node(self, host: str, timeout: float = 90) -> None:
         """Bring back a node whose processes were all killed: a fresh slurmd, until both nodes are idle."""
@@ -643,8 +699,7 @@ class SlurmCluster:
 
     def cmd(self, *args: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
         """A Slurm client command, run inside host a."""
-        return subprocess.run(self.hosts.command("a", list(args)), capture_output=True, text=True, check=check,
-                              timeout=timeout, env={**os.environ, **self.env})
+        return subprocess.run(self.hosts.command("a", list(args)), capture_output=True, text=True, check=check, timeout=timeout, env={**os.environ, **self.env})
 
     def processes(self, host: str, exclude: tuple[str, ...] = ()) -> list[str]:
         """`PID COMMAND` of every process inside `host`, but those whose command starts with one of `exclude`."""

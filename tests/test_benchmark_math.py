@@ -16,8 +16,7 @@ BATCH = 64
 
 def rows(rewards, staleness=0.0, step_s=1.0):
     """Benchmark rows for steps 1..n as run_mode builds them."""
-    return [{"step": k, "reward": r, "time/step_s": step_s, "policy_samples": policy_samples(k, staleness, BATCH)}
-            for k, r in enumerate(rewards, start=1)]
+    return [{"step": k, "reward": r, "time/step_s": step_s, "policy_samples": policy_samples(k, staleness, BATCH)} for k, r in enumerate(rewards, start=1)]
 
 
 def test_a_lagging_measurement_of_the_same_learning_is_no_gap():
@@ -107,8 +106,9 @@ def test_stability_tenths_and_collapse_verdict():
     def run(mode, seed, rewards):
         return {"mode": mode, "seed": seed, "rows": [{"step": i + 1, "reward": r} for i, r in enumerate(rewards)]}
 
-    paired = async_minus_sync([run("async", 0, [0.2] * 10), run("sync", 0, [0.3] * 10),
-                               run("async", 1, [0.4] * 10), run("sync", 1, [0.3] * 10), run("async", 2, [0.9] * 10)])
+    paired = async_minus_sync(
+        [run("async", 0, [0.2] * 10), run("sync", 0, [0.3] * 10), run("async", 1, [0.4] * 10), run("sync", 1, [0.3] * 10), run("async", 2, [0.9] * 10)]
+    )
     assert paired["seeds"] == 2 and paired["per_seed"] == pytest.approx([-0.1, 0.1]) and paired["gap"] == pytest.approx(0.0)
     assert paired["within_noise_or_better"]
     # a dip that recovers is counted but is no collapse

@@ -39,12 +39,12 @@ async def slow() -> str:
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
 # (model text, what the env says next) per turn; the last text ends with "<" to check that a
 # turn cut by length is not mistaken for one that wrote the start of its closing glue.
-QWEN_TURNS = [(CALL, [{"role": "tool", "content": "7"}, {"role": "tool", "content": "ok"}]),
-              ("It is 7.", [{"role": "user", "content": "And 1+1?"}]),
-              ("2 <", [{"role": "user", "content": "Sure?"}])]
-CHAR_TURNS = [("!3+4", [{"role": "tool", "content": "7"}]),
-              ("7", [{"role": "user", "content": "ok?"}]),
-              ("1<", [{"role": "user", "content": "x"}])]
+QWEN_TURNS = [
+    (CALL, [{"role": "tool", "content": "7"}, {"role": "tool", "content": "ok"}]),
+    ("It is 7.", [{"role": "user", "content": "And 1+1?"}]),
+    ("2 <", [{"role": "user", "content": "Sure?"}]),
+]
+CHAR_TURNS = [("!3+4", [{"role": "tool", "content": "7"}]), ("7", [{"role": "user", "content": "ok?"}]), ("1<", [{"role": "user", "content": "x"}])]
 
 
 def play(renderer: ChatRenderer, tok, prompt: list[dict], turns, ended: bool):
@@ -77,7 +77,7 @@ def test_appended_ids_render_the_whole_conversation(style, ended, char_tokenizer
     # Character-level tokenization is canonical, so the ids themselves must agree too.
     assert ids == tok.encode(full, add_special_tokens=False)
     for start, model_ids in spans:
-        assert ids[start:start + len(model_ids)] == model_ids
+        assert ids[start : start + len(model_ids)] == model_ids
 
 
 def test_char_template_is_compact_and_keeps_the_ids(char_tokenizer):
@@ -85,8 +85,7 @@ def test_char_template_is_compact_and_keeps_the_ids(char_tokenizer):
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
     assert tok.convert_tokens_to_ids(["a", " ", "\n"]) == [13, 97, 98]
     assert len(tok) <= CHAR_VOCAB_SIZE
-    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "yo"}, {"role": "tool", "content": "7"}]
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "tool", "content": "7"}]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == "<bos>Ss<eos><bos>Uhi<eos><bos>Ayo<eos><bos>T7<eos><bos>A"
     assert len(tok.encode("<bos>Uhi<eos>", add_special_tokens=False)) == len("hi") + 3
@@ -103,8 +102,9 @@ def test_glue_and_specials(qwen_style_tokenizer, char_tokenizer):
     assert cut == [im_end] + ended
     # The env parses calls from the turn decoded without specials: the call tags must survive.
     assert renderer.decode(tok.encode(CALL + "<|im_end|>", add_special_tokens=False)) == CALL
-    assert ChatRenderer(char_tokenizer).continuation_ids([40, 2], [{"role": "tool", "content": "7"}]) == \
-        char_tokenizer.encode("<bos>T7<eos><bos>A", add_special_tokens=False)
+    assert ChatRenderer(char_tokenizer).continuation_ids([40, 2], [{"role": "tool", "content": "7"}]) == char_tokenizer.encode(
+        "<bos>T7<eos><bos>A", add_special_tokens=False
+    )
 
 
 def test_text_and_ids_observations_are_appended_as_they_are(char_tokenizer):
@@ -118,8 +118,7 @@ def test_text_and_ids_observations_are_appended_as_they_are(char_tokenizer):
 
 
 def test_a_template_that_rewrites_a_closed_turn_is_refused(char_tokenizer):
-    char_tokenizer.chat_template = (
-        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% if loop.last %}END{% endif %}{% endfor %}")
+    char_tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% if loop.last %}END{% endif %}{% endfor %}"
     with pytest.raises(ValueError, match="cannot be continued by appending"):
         ChatRenderer(char_tokenizer).continuation_ids([7], [{"role": "user", "content": "x"}])
 
@@ -128,9 +127,14 @@ def test_what_comes_before_the_model_turn_may_change(qwen_style_tokenizer):
     # Like Qwen3, which drops the empty think block of an assistant turn that is not the last.
     tok = qwen_style_tokenizer
     tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}" + NL
-        + "{% if m['role'] == 'assistant' and loop.last %}<think></think>{% endif %}{{ m['content'] }}<|im_end|>" + NL
-        + "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant" + NL + "{% endif %}")
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}"
+        + NL
+        + "{% if m['role'] == 'assistant' and loop.last %}<think></think>{% endif %}{{ m['content'] }}<|im_end|>"
+        + NL
+        + "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant"
+        + NL
+        + "{% endif %}"
+    )
     ids = ChatRenderer(tok).continuation_ids([tok.eos_token_id], [{"role": "user", "content": "hi"}])
     assert tok.decode(ids, skip_special_tokens=False) == "\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
@@ -138,13 +142,19 @@ def test_what_comes_before_the_model_turn_may_change(qwen_style_tokenizer):
 def test_hermes():
     assert hermes("The answer is 7.") == []
     assert hermes(CALL) == [ToolCall("add", {"a": 3, "b": 4})]
-    two = hermes('a <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
-                 '<tool_call>{"name": "calc", "arguments": {"expression": "2*3"}, "id": "c1"}</tool_call>')
+    two = hermes(
+        'a <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
+        '<tool_call>{"name": "calc", "arguments": {"expression": "2*3"}, "id": "c1"}</tool_call>'
+    )
     assert two == [ToolCall("add", {"a": 1, "b": 2}), ToolCall("calc", {"expression": "2*3"}, id="c1")]
     as_string = hermes('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>')
     assert as_string == [ToolCall("add", {"a": 1, "b": 2})]
-    for bad in ('<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>', "<tool_call>[1, 2]</tool_call>",
-                '<tool_call>{"name": "add", "arguments": [1]}</tool_call>', '<tool_call>{"name": "add", "argu'):
+    for bad in (
+        '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>',
+        "<tool_call>[1, 2]</tool_call>",
+        '<tool_call>{"name": "add", "arguments": [1]}</tool_call>',
+        '<tool_call>{"name": "add", "argu',
+    ):
         (call,) = hermes(bad)
         assert call.name == "" and "malformed tool call" in call.arguments["_error"]
 
@@ -163,20 +173,30 @@ def test_compact_and_resolve_parser():
 
 def test_tool_schema():
     assert tool_schema(add)["function"] == {
-        "name": "add", "description": "Add two integers.",
-        "parameters": {"type": "object", "required": ["a", "b"], "properties": {
-            "a": {"type": "integer", "description": "The first integer."},
-            "b": {"type": "integer", "description": "The second integer."}}},
-        "return": {"type": "integer"}}
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "required": ["a", "b"],
+            "properties": {"a": {"type": "integer", "description": "The first integer."}, "b": {"type": "integer", "description": "The second integer."}},
+        },
+        "return": {"type": "integer"},
+    }
 
     def lookup(key: str, limit: int | None = None, exact: bool = True, *rest, **more):
         """Look a key up. No Args section."""
 
     schema = tool_schema(lookup)
     assert schema["type"] == "function"
-    assert schema["function"] == {"name": "lookup", "description": "Look a key up. No Args section.", "parameters": {
-        "type": "object", "required": ["key"],
-        "properties": {"key": {"type": "string"}, "limit": {"type": "integer"}, "exact": {"type": "boolean"}}}}
+    assert schema["function"] == {
+        "name": "lookup",
+        "description": "Look a key up. No Args section.",
+        "parameters": {
+            "type": "object",
+            "required": ["key"],
+            "properties": {"key": {"type": "string"}, "limit": {"type": "integer"}, "exact": {"type": "boolean"}},
+        },
+    }
     assert tool_schema(lambda x: x)["function"]["parameters"]["properties"] == {"x": {}}
 
 
@@ -186,8 +206,7 @@ def run_turn(env: ToolEnv, text: str):
 
 def test_tool_env_answers_calls_with_tool_messages():
     env = ToolEnv([add, calc], system_prompt="Use tools.")
-    assert env.reset({"prompt": "What is 3+4?", "answer": "7"}) == [
-        {"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 3+4?"}]
+    assert env.reset({"prompt": "What is 3+4?", "answer": "7"}) == [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 3+4?"}]
     assert [s["function"]["name"] for s in env.tools_schema] == ["add", "calc"]
     result = run_turn(env, CALL)
     assert not result.done and result.reward == 0.0 and result.info == {"tool_calls": 1}
@@ -202,10 +221,17 @@ def test_tool_env_answers_calls_with_tool_messages():
 def test_tool_env_turns_failures_into_error_messages():
     env = ToolEnv([add, boom, slow], tool_timeout_s=0.05, max_tool_calls=5)
     env.reset({"prompt": "p", "answer": "x"})
-    calls = "".join(f"<tool_call>{c}</tool_call>" for c in (
-        '{"name": "boom", "arguments": {}}', '{"name": "slow", "arguments": {}}',
-        '{"name": "nope", "arguments": {}}', '{"name": "add", "arguments": {"a": 1}}', '{"name": "add"',
-        '{"name": "add", "arguments": {"a": 1, "b": 1}}'))
+    calls = "".join(
+        f"<tool_call>{c}</tool_call>"
+        for c in (
+            '{"name": "boom", "arguments": {}}',
+            '{"name": "slow", "arguments": {}}',
+            '{"name": "nope", "arguments": {}}',
+            '{"name": "add", "arguments": {"a": 1}}',
+            '{"name": "add"',
+            '{"name": "add", "arguments": {"a": 1, "b": 1}}',
+        )
+    )
     result = run_turn(env, calls)
     contents = [m["content"] for m in result.observation]
     assert contents[0] == "error: RuntimeError: kaboom"

@@ -55,8 +55,13 @@ def leftovers(since: float) -> list[psutil.Process]:
 def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console(tmp_path):
     run_dir = tmp_path / "run"
     started = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "meshrl", "run", f"logging.run_dir={run_dir}", "steps=60", *SMALL],
-                            cwd=ROOT, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshrl", "run", f"logging.run_dir={run_dir}", "steps=60", *SMALL],
+        cwd=ROOT,
+        env=quiet_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 400
         while len(steps_in(run_dir)) < 6 and proc.poll() is None and time.monotonic() < deadline:
@@ -89,8 +94,9 @@ def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console(tmp
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": stopped_at + 1, "trainer/loss": 0.0}) + "\n" + '{"step": 99, "trainer/lo')
     target = stopped_at + 4
-    resumed = subprocess.run([sys.executable, "-m", "meshrl", "run", "--resume", str(run_dir), f"steps={target}"],
-                             cwd=ROOT, env=quiet_env(), capture_output=True, timeout=400)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "meshrl", "run", "--resume", str(run_dir), f"steps={target}"], cwd=ROOT, env=quiet_env(), capture_output=True, timeout=400
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert steps_in(run_dir) == list(range(1, target + 1))
     lines = console_lines((resumed.stdout + resumed.stderr).decode())

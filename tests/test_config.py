@@ -95,10 +95,16 @@ def test_overrides_dict_and_code_agree():
         # the longtail tasks' tail must fit the budget and the context
         ({"data": {"source": "task:longtail"}}, "generator.max_new_tokens", "at least 202"),
         ({"data": {"source": "task:longtail", "lengths": {"max": 4}}}, "data.lengths.max", "at least data.lengths.median"),
-        ({"data": {"source": "task:longtail_chat", "lengths": {"max": 8, "turns_max": 9}}, "generator": {"max_new_tokens": 12}},
-         "data.lengths.turns_max", "rollout.max_turns"),
-        ({"data": {"source": "task:longtail", "lengths": {"max": 100}}, "generator": {"max_new_tokens": 128}, "model": {"max_seq_len": 140}},
-         "model.max_seq_len", "at least 143"),
+        (
+            {"data": {"source": "task:longtail_chat", "lengths": {"max": 8, "turns_max": 9}}, "generator": {"max_new_tokens": 12}},
+            "data.lengths.turns_max",
+            "rollout.max_turns",
+        ),
+        (
+            {"data": {"source": "task:longtail", "lengths": {"max": 100}}, "generator": {"max_new_tokens": 128}, "model": {"max_seq_len": 140}},
+            "model.max_seq_len",
+            "at least 143",
+        ),
     ],
 )
 def test_bad_values_name_the_field(data, field, words):
@@ -132,8 +138,7 @@ def test_building_a_config_imports_no_domain():
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  procs: 3\n  dp_shard: 2\n")
-    for args in (["config", "show", str(bad)], ["config", "show", "trainer.lr=abc"], ["run", "nosuch.yaml"],
-                 ["run", "buffer.max_lag=-2"]):
+    for args in (["config", "show", str(bad)], ["config", "show", "trainer.lr=abc"], ["run", "nosuch.yaml"], ["run", "buffer.max_lag=-2"]):
         out = meshrl_cli(*args)
         assert out.returncode == 2, (args, out.stderr)
         lines = out.stderr.strip().splitlines()
@@ -149,8 +154,9 @@ def test_rollout_section_and_what_it_allows(tmp_path):
     assert (c.rollout.workers, c.rollout.env, c.rollout.env_args, c.rollout.max_turns, c.rollout.tool_parser) == (1, None, {}, 8, "hermes")
     assert not hasattr(c.scoring, "replicas") and not hasattr(c.buffer, "when_full") and not hasattr(c.buffer, "put_timeout_s")
     # a user's env by import path, with its arguments; it may bring its own reward
-    user = checked(apply_overrides({}, ["rollout.env=meshrl.tasks:GuessEnv", "rollout.env_args={config: null}",
-                                        "rollout.tool_parser=tests.test_config:no_calls"]))
+    user = checked(
+        apply_overrides({}, ["rollout.env=meshrl.tasks:GuessEnv", "rollout.env_args={config: null}", "rollout.tool_parser=tests.test_config:no_calls"])
+    )
     assert user.rollout.env == "meshrl.tasks:GuessEnv" and user.rollout.env_args == {"config": None}
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "?", "answer": "3"}\n')
@@ -160,8 +166,7 @@ def test_rollout_section_and_what_it_allows(tmp_path):
     assert info.value.field_path == "scoring.reward_fn" and "rollout.env" in str(info.value)
     # a multi-turn task plays its own env; with rollout.env set, a reward function may come along
     assert checked({"data": {"source": "task:calc"}, "rollout": {"tool_parser": "compact"}}).data.source == "task:calc"
-    checked({"data": {"source": "task:calc"}, "rollout": {"env": "meshrl.tasks:GuessEnv"},
-             "scoring": {"reward_fn": "tests.test_data_scoring:exact"}})
+    checked({"data": {"source": "task:calc"}, "rollout": {"env": "meshrl.tasks:GuessEnv"}, "scoring": {"reward_fn": "tests.test_data_scoring:exact"}})
 
 
 def checked(data: dict) -> Config:
@@ -186,8 +191,7 @@ def test_cli_bad_import_paths_are_one_line_before_any_mesh(tmp_path):
     """A bad rollout.env or scoring.reward_fn stops `meshrl run` at once: one line naming the
     field, exit 2, and no run directory made (nothing was started)."""
     run_dir = tmp_path / "run"
-    for override, field in [("rollout.env=no_such_module_xyz:MazeEnv", "rollout.env"),
-                            ("scoring.reward_fn=no_such_module_xyz:score", "scoring.reward_fn")]:
+    for override, field in [("rollout.env=no_such_module_xyz:MazeEnv", "rollout.env"), ("scoring.reward_fn=no_such_module_xyz:score", "scoring.reward_fn")]:
         out = meshrl_cli("run", override, f"logging.run_dir={run_dir}")
         assert out.returncode == 2, (override, out.stderr)
         lines = out.stderr.strip().splitlines()
@@ -204,20 +208,23 @@ def test_cli_unusable_paths_are_one_line_before_any_mesh(tmp_path):
     (not_a_model / "config.json").write_text('{"model_type": "bert", "vocab_size": 10}')
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
-    (no_weights / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 128, "hidden_size": 8, "num_hidden_layers": 1, '
-                                            '"num_attention_heads": 1, "intermediate_size": 8}')
+    (no_weights / "config.json").write_text(
+        '{"model_type": "qwen3", "vocab_size": 128, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 8}'
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     blocker = tmp_path / "file"
     blocker.write_text("")
     run_dir = tmp_path / "run"
-    for override, field in [("logging.run_dir=/proc/meshrl-cannot-write", "logging.run_dir"),
-                            (f"logging.run_dir={blocker}/run", "logging.run_dir"),
-                            (f"model.path={not_a_model}", "model.path"),
-                            (f"model.path={no_weights}", "model.path"),
-                            (f"model.tokenizer={empty}", "model.tokenizer"),
-                            # the default policy is dense: it has no experts to return
-                            ("generator.return_routed_experts=true", "generator.return_routed_experts")]:
+    for override, field in [
+        ("logging.run_dir=/proc/meshrl-cannot-write", "logging.run_dir"),
+        (f"logging.run_dir={blocker}/run", "logging.run_dir"),
+        (f"model.path={not_a_model}", "model.path"),
+        (f"model.path={no_weights}", "model.path"),
+        (f"model.tokenizer={empty}", "model.tokenizer"),
+        # the default policy is dense: it has no experts to return
+        ("generator.return_routed_experts=true", "generator.return_routed_experts"),
+    ]:
         args = [override] if override.startswith("logging.") else [override, f"logging.run_dir={run_dir}"]
         out = meshrl_cli("run", *args)
         assert out.returncode == 2, (override, out.stderr)

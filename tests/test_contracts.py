@@ -131,17 +131,20 @@ def test_step_takes_a_step_result_or_either_gym_tuple():
     assert as_step_result((None, np.float32(0.5), np.bool_(True), {}), env).reward == 0.5
 
 
-@pytest.mark.parametrize("returned, words", [
-    ({"reward": 1.0, "done": True}, "step returned {'reward': 1.0, 'done': True} (dict): expected a StepResult, the gym tuple"),
-    ((None, 1.0, True), "step returned (None, 1.0, True) (tuple): expected a StepResult"),
-    (None, "step returned None (NoneType)"),
-    ((None, "1", True, {}), "step's reward returned '1' (str): expected a finite number"),
-    ((None, math.inf, True, {}), "step's reward returned inf: expected a finite number"),
-    ((None, 1.0, "yes", {}), "step returned done='yes' (str): expected a bool"),
-    ((None, 1.0, True, []), "step returned info=[] (list): expected a dict or None"),
-    ((None, 1.0, False, {}), "step returned done=False with observation None (NoneType): expected text"),
-    ((None, 1.0, 2, False, {}), "terminated=2 (int), truncated=False (bool): expected bools"),
-])
+@pytest.mark.parametrize(
+    "returned, words",
+    [
+        ({"reward": 1.0, "done": True}, "step returned {'reward': 1.0, 'done': True} (dict): expected a StepResult, the gym tuple"),
+        ((None, 1.0, True), "step returned (None, 1.0, True) (tuple): expected a StepResult"),
+        (None, "step returned None (NoneType)"),
+        ((None, "1", True, {}), "step's reward returned '1' (str): expected a finite number"),
+        ((None, math.inf, True, {}), "step's reward returned inf: expected a finite number"),
+        ((None, 1.0, "yes", {}), "step returned done='yes' (str): expected a bool"),
+        ((None, 1.0, True, []), "step returned info=[] (list): expected a dict or None"),
+        ((None, 1.0, False, {}), "step returned done=False with observation None (NoneType): expected text"),
+        ((None, 1.0, 2, False, {}), "terminated=2 (int), truncated=False (bool): expected bools"),
+    ],
+)
 def test_a_step_that_breaks_the_contract_is_one_line_naming_env_method_value_and_want(returned, words):
     env = GymDigitsEnv()
     with pytest.raises(ContractError) as info:
@@ -157,8 +160,11 @@ def test_reset_takes_an_observation_or_gymnasiums_pair():
         assert as_observation(obs, env) == obs
         assert as_observation((obs, {"seed": 1}), env) == obs
     for bad in (3, ("q:", "info"), ("q:", {}, {}), {"prompt": "q:"}, [("q", 1)]):
-        with pytest.raises(ContractError, match=r"^env tests.test_contracts:GymDigitsEnv: reset returned .* expected text, "
-                                                r"a list of chat messages .* or gymnasium's \(observation, info\)$"):
+        with pytest.raises(
+            ContractError,
+            match=r"^env tests.test_contracts:GymDigitsEnv: reset returned .* expected text, "
+            r"a list of chat messages .* or gymnasium's \(observation, info\)$",
+        ):
             as_observation(bad, env)
 
 
@@ -167,8 +173,13 @@ def test_a_reward_is_a_finite_number():
     import torch
 
     assert as_reward(torch.tensor(0.5), "r") == 0.5
-    for bad, words in (("0.5", "returned '0.5' (str)"), (None, "returned None"), (math.nan, "returned nan"),
-                       ([1.0], "returned [1.0] (list)"), (torch.ones(2), "(Tensor)")):
+    for bad, words in (
+        ("0.5", "returned '0.5' (str)"),
+        (None, "returned None"),
+        (math.nan, "returned nan"),
+        ([1.0], "returned [1.0] (list)"),
+        (torch.ones(2), "(Tensor)"),
+    ):
         with pytest.raises(ContractError, match=re.escape(words)):
             as_reward(bad, "reward function f")
 
@@ -183,12 +194,15 @@ def test_each_reward_call_is_under_the_contract():
             asyncio.run(env.step(ModelTurn("a", [], "stop")))
         return describe(info.value, "worker-0")
 
-    assert one_step(reward_two_args) == ("worker-0: TypeError: reward_two_args() takes 2 positional arguments but 3 were given "
-                                         f"({HERE}:{line_of(reward_two_args)})")  # the call itself failed: the function's line
-    assert one_step(reward_nan) == (f"worker-0: ContractError: reward function tests.test_contracts:reward_nan returned nan: "
-                                    f"expected a finite number ({HERE}:{line_of(reward_nan)})")
+    assert one_step(reward_two_args) == (
+        f"worker-0: TypeError: reward_two_args() takes 2 positional arguments but 3 were given ({HERE}:{line_of(reward_two_args)})"
+    )  # the call itself failed: the function's line
+    assert one_step(reward_nan) == (
+        f"worker-0: ContractError: reward function tests.test_contracts:reward_nan returned nan: expected a finite number ({HERE}:{line_of(reward_nan)})"
+    )
     assert one_step(reward_slow, 0.2).startswith(  # (then this test's own line: it is the caller here)
-        "worker-0: TimeoutError: reward function tests.test_contracts:reward_slow took longer than scoring.timeout_s=0.2s")
+        "worker-0: TimeoutError: reward function tests.test_contracts:reward_slow took longer than scoring.timeout_s=0.2s"
+    )
 
 
 # ---- one line for a failure of the user's code ----------------------------------------------------
@@ -213,8 +227,9 @@ def quiet(monkeypatch):
 
 
 def play(tokenizer_dir, env: str, replies: list[str], **rollout):
-    config = Config.from_dict({"data": {"source": "task:digits"}, "rollout": {"env": f"tests.test_contracts:{env}", **rollout},
-                               "logging": {"run_dir": "/runs/x"}})
+    config = Config.from_dict(
+        {"data": {"source": "task:digits"}, "rollout": {"env": f"tests.test_contracts:{env}", **rollout}, "logging": {"run_dir": "/runs/x"}}
+    )
     worker = RolloutWorker(config, tokenizer_dir, worker=2)
     worker.set_generators([ScriptedGenerator(replies_in_order(worker.tokenizer, replies))])
     return worker, asyncio.run(worker.play_episode(0, 0, {"prompt": "q:", "answer": ""}, 0, 0))
@@ -227,9 +242,11 @@ def test_worker_plays_gym_envs_and_fails_contract_breaks_in_one_line(tokenizer_d
     assert ep.finish_reason == "stop" and ep.reward == 0.75 and len(ep.model_turns) == 2
     worker, ep = play(tokenizer_dir, "DictStepEnv", ["a"])
     assert ep.finish_reason == "failed" and ep.reward == 0.0
-    assert ep.failure == ("worker-2: ContractError: env tests.test_contracts:DictStepEnv: step returned {'reward': 1.0, 'done': True} (dict): "
-                          "expected a StepResult, the gym tuple (observation, reward, done, info) or gymnasium's "
-                          f"(observation, reward, terminated, truncated, info) ({HERE}:{line_of(DictStepEnv.step)}; log: /runs/x/logs/worker-2.log)")
+    assert ep.failure == (
+        "worker-2: ContractError: env tests.test_contracts:DictStepEnv: step returned {'reward': 1.0, 'done': True} (dict): "
+        "expected a StepResult, the gym tuple (observation, reward, done, info) or gymnasium's "
+        f"(observation, reward, terminated, truncated, info) ({HERE}:{line_of(DictStepEnv.step)}; log: /runs/x/logs/worker-2.log)"
+    )
     _, ep = play(tokenizer_dir, "StepRaisesEnv", ["a"])
     assert ep.failure == f"worker-2: ZeroDivisionError: division by zero ({HERE}:{line_of(StepRaisesEnv.step) + 1}; log: /runs/x/logs/worker-2.log)"
 
@@ -237,15 +254,24 @@ def test_worker_plays_gym_envs_and_fails_contract_breaks_in_one_line(tokenizer_d
 def test_worker_carries_the_first_failure_to_the_metrics(tokenizer_dir, quiet):
     from tests.test_data_scoring import EndpointsOf, play_through_queue
 
-    config = Config.from_dict({"batch_groups": 1, "buffer": {"depth": 0}, "generator": {"group_size": 4, "update_mode": "block"},
-                               "data": {"source": "task:letters"}, "logging": {"run_dir": "/runs/x"}})
+    config = Config.from_dict(
+        {
+            "batch_groups": 1,
+            "buffer": {"depth": 0},
+            "generator": {"group_size": 4, "update_mode": "block"},
+            "data": {"source": "task:letters"},
+            "logging": {"run_dir": "/runs/x"},
+        }
+    )
     worker = RolloutWorker(config, tokenizer_dir, reward_fn=reward_text)
     worker.set_generators([ScriptedGenerator(replies_in_order(worker.tokenizer, ["a", "b", "c", "d"]))])
     asyncio.run(play_through_queue(worker, EpisodeQueue(config), 4))
     row = summarize(worker.metrics(), worker.failed_total, worker.take_first_failure())
     assert row["episode/failed"] == 4 and worker.take_first_failure() is None  # taken once per window
-    assert row["episode/first_failure"] == ("worker-0: ContractError: reward function tests.test_contracts:reward_text returned '1.0' (str): "
-                                            f"expected a finite number ({HERE}:{line_of(reward_text)}; log: /runs/x/logs/worker-0.log)")
+    assert row["episode/first_failure"] == (
+        "worker-0: ContractError: reward function tests.test_contracts:reward_text returned '1.0' (str): "
+        f"expected a finite number ({HERE}:{line_of(reward_text)}; log: /runs/x/logs/worker-0.log)"
+    )
     assert EndpointsOf  # the queue behind the actor calling convention, as the worker sees it
 
 
@@ -255,8 +281,7 @@ def test_the_breaker_warns_once_per_failure_and_stops_after_k_failed_steps(tmp_p
     from meshrl.controller.loop import RLLoop
     from meshrl.errors import EpisodesFailed
 
-    loop = RLLoop(Config.from_dict({"contracts": {"warn_failed_frac": 0.5, "stop_after_failed_steps": 2},
-                                    "logging": {"run_dir": str(tmp_path)}}))
+    loop = RLLoop(Config.from_dict({"contracts": {"warn_failed_frac": 0.5, "stop_after_failed_steps": 2}, "logging": {"run_dir": str(tmp_path)}}))
     saved = []
 
     async def checkpoint():
@@ -280,8 +305,11 @@ def test_the_breaker_warns_once_per_failure_and_stops_after_k_failed_steps(tmp_p
     assert len(step(4, 8, 7, "worker-0: TypeError: bad (envs.py:9; log: L)")) == 2  # a new one is shown
     assert step(5, 0, 0) and saved == []  # nothing finished: counts neither way
     step(6, 8, 8)
-    with pytest.raises(EpisodesFailed, match=r"^every episode of the last 2 steps failed; the first of step 7: worker-0: KeyError: 'x17' .*"
-                                             r"continue from the checkpoint at step 7 with: meshrl run --resume "):
+    with pytest.raises(
+        EpisodesFailed,
+        match=r"^every episode of the last 2 steps failed; the first of step 7: worker-0: KeyError: 'x17' .*"
+        r"continue from the checkpoint at step 7 with: meshrl run --resume ",
+    ):
         step(7, 4, 4)
     assert saved == [7]
 
@@ -294,10 +322,13 @@ def test_a_bad_row_is_file_and_line(tmp_path):
     good = json.dumps({"prompt": "a:", "answer": "1"})
     cases = [
         (f'{good}\n\n{{"prompt": "b:"\n', "rows.jsonl:3: not valid JSON (Expecting ',' delimiter at column 16)"),
-        (f'{good}\n{json.dumps({"question": "b"})}\n', "rows.jsonl:2: no 'prompt' field (data.prompt_key); the row's fields: 'question'"),
-        (f'{good}\n[1, 2]\n', "rows.jsonl:2: a list where a record (an object with a 'prompt' field) is expected"),
-        (f'{good}\n{json.dumps({"prompt": None})}\n', "rows.jsonl:2: 'prompt' is null: expected text or a list of chat messages"),
-        (f'{json.dumps({"prompt": [{"content": "x"}]})}\n', "rows.jsonl:1: 'prompt' holds {'content': 'x'}, not a chat message (a dict with 'role' and 'content')"),
+        (f"{good}\n{json.dumps({'question': 'b'})}\n", "rows.jsonl:2: no 'prompt' field (data.prompt_key); the row's fields: 'question'"),
+        (f"{good}\n[1, 2]\n", "rows.jsonl:2: a list where a record (an object with a 'prompt' field) is expected"),
+        (f"{good}\n{json.dumps({'prompt': None})}\n", "rows.jsonl:2: 'prompt' is null: expected text or a list of chat messages"),
+        (
+            f"{json.dumps({'prompt': [{'content': 'x'}]})}\n",
+            "rows.jsonl:1: 'prompt' holds {'content': 'x'}, not a chat message (a dict with 'role' and 'content')",
+        ),
         ("\n", "rows.jsonl: holds no records"),
     ]
     for text, want in cases:
@@ -305,7 +336,10 @@ def test_a_bad_row_is_file_and_line(tmp_path):
         for read in (lambda: load_records(DataConfig(source=str(rows))), lambda: check_source(DataConfig(source=str(rows)), 60)):
             with pytest.raises(DataError) as info:
                 read()
-            assert str(info.value).startswith(str(tmp_path / want.split(":")[0]) + ":") and str(info.value).endswith(want.split(":", 1)[1]), (str(info.value), want)
+            assert str(info.value).startswith(str(tmp_path / want.split(":")[0]) + ":") and str(info.value).endswith(want.split(":", 1)[1]), (
+                str(info.value),
+                want,
+            )
     rows.write_bytes(good.encode() + b"\n\xff\n")
     with pytest.raises(DataError, match=r"rows.jsonl:2: not UTF-8 text"):
         check_source(DataConfig(source=str(rows)), 60)
@@ -341,8 +375,9 @@ def test_a_big_source_is_checked_within_its_time_bound(tmp_path):
 # ---- the episode queue: a failure of the user's code there closes it on its one line ----------------
 def test_queue_fails_on_a_bad_generated_record_and_a_bad_sampling_policy(monkeypatch):
     monkeypatch.delenv("MESHRL_VERBOSE", raising=False)  # the user's default: each role's output in its log
-    config = Config.from_dict({"batch_groups": 2, "generator": {"group_size": 2}, "buffer": {"sampling": "tests.test_contracts:bad_policy"},
-                               "logging": {"run_dir": "/runs/x"}})
+    config = Config.from_dict(
+        {"batch_groups": 2, "generator": {"group_size": 2}, "buffer": {"sampling": "tests.test_contracts:bad_policy"}, "logging": {"run_dir": "/runs/x"}}
+    )
     q = EpisodeQueue(config)
     from meshrl import episode
     from meshrl.episode import Episode, Turn
@@ -386,11 +421,18 @@ def test_cli_refuses_the_issues_cases_in_one_line_before_any_mesh(tmp_path):
     no_prompt.write_text('{"question": "a:", "answer": "1"}\n')
     cases = [
         (["rollout.env=json:loads"], "meshrl: contract error: rollout.env: 'json:loads' cannot make an env from rollout.env_args {}"),
-        (["scoring.reward_fn=json:dumps"], "meshrl: contract error: scoring.reward_fn: reward function json:dumps cannot be called as (prompt, response, sample)"),
-        ([f"data.source={bad_json}", "scoring.reward_fn=tests.test_data_scoring:exact"],
-         f"meshrl: data error: {bad_json}:2: not valid JSON (Expecting ',' delimiter at column 29)"),
-        ([f"data.source={no_prompt}", "scoring.reward_fn=tests.test_data_scoring:exact"],
-         f"meshrl: data error: {no_prompt}:1: no 'prompt' field (data.prompt_key); the row's fields: 'question', 'answer'"),
+        (
+            ["scoring.reward_fn=json:dumps"],
+            "meshrl: contract error: scoring.reward_fn: reward function json:dumps cannot be called as (prompt, response, sample)",
+        ),
+        (
+            [f"data.source={bad_json}", "scoring.reward_fn=tests.test_data_scoring:exact"],
+            f"meshrl: data error: {bad_json}:2: not valid JSON (Expecting ',' delimiter at column 29)",
+        ),
+        (
+            [f"data.source={no_prompt}", "scoring.reward_fn=tests.test_data_scoring:exact"],
+            f"meshrl: data error: {no_prompt}:1: no 'prompt' field (data.prompt_key); the row's fields: 'question', 'answer'",
+        ),
     ]
     for args, want in cases:
         out = cli("run", *args, f"logging.run_dir={run_dir}")
@@ -399,27 +441,42 @@ def test_cli_refuses_the_issues_cases_in_one_line_before_any_mesh(tmp_path):
         assert not (run_dir / "logs").exists(), "something started"
 
 
-@pytest.mark.parametrize("args, want", [
-    (["rollout.env=tests.test_contracts:NoStep"], "rollout.env: 'tests.test_contracts:NoStep' is a class without step: expected an env class"),
-    (["rollout.env=tests.test_contracts:GymDigitsEnv", "rollout.env_args={size: 3}"],
-     "rollout.env: 'tests.test_contracts:GymDigitsEnv' cannot make an env from rollout.env_args {'size': 3}: its constructor says"),
-    (["rollout.env=tests.test_contracts:IntResetEnv"],
-     f"rollout.env: env tests.test_contracts:IntResetEnv: reset returned 3 (int): expected text, a list of chat messages "
-     f"({{'role', 'content'}} dicts) or a list of token ids, or gymnasium's (observation, info) ({HERE}:{line_of(IntResetEnv.reset)})"),
-    (["rollout.env=tests.test_contracts:DictStepEnv"],
-     "rollout.env: env tests.test_contracts:DictStepEnv: step returned {'reward': 1.0, 'done': True} (dict): expected a StepResult"),
-    (["scoring.reward_fn=tests.test_contracts:reward_text"],
-     f"scoring.reward_fn: reward function tests.test_contracts:reward_text returned '1.0' (str): expected a finite number, "
-     f"on the first record of task:digits ({HERE}:{line_of(reward_text)})"),
-    (["scoring.reward_fn=tests.test_contracts:reward_nan"], "reward function tests.test_contracts:reward_nan returned nan: expected a finite number"),
-    (["scoring.reward_fn=tests.test_contracts:reward_raises"],
-     f"scoring.reward_fn: reward function tests.test_contracts:reward_raises, on the first record of task:digits, raised KeyError: 'score' "
-     f"({HERE}:{line_of(reward_raises) + 1})"),
-    (["scoring.reward_fn=tests.test_contracts:reward_slow", "scoring.timeout_s=0.5"],
-     "scoring.reward_fn: reward function tests.test_contracts:reward_slow took longer than scoring.timeout_s=0.5s, on the first record of task:digits"),
-    (["scoring.reward_fn=tests.test_contracts:reward_two_args"], "cannot be called as (prompt, response, sample): too many positional arguments"),
-    (["contracts.stop_after_failed_steps=-1"], "config error: contracts.stop_after_failed_steps: must be at least 0"),
-])
+@pytest.mark.parametrize(
+    "args, want",
+    [
+        (["rollout.env=tests.test_contracts:NoStep"], "rollout.env: 'tests.test_contracts:NoStep' is a class without step: expected an env class"),
+        (
+            ["rollout.env=tests.test_contracts:GymDigitsEnv", "rollout.env_args={size: 3}"],
+            "rollout.env: 'tests.test_contracts:GymDigitsEnv' cannot make an env from rollout.env_args {'size': 3}: its constructor says",
+        ),
+        (
+            ["rollout.env=tests.test_contracts:IntResetEnv"],
+            f"rollout.env: env tests.test_contracts:IntResetEnv: reset returned 3 (int): expected text, a list of chat messages "
+            f"({{'role', 'content'}} dicts) or a list of token ids, or gymnasium's (observation, info) ({HERE}:{line_of(IntResetEnv.reset)})",
+        ),
+        (
+            ["rollout.env=tests.test_contracts:DictStepEnv"],
+            "rollout.env: env tests.test_contracts:DictStepEnv: step returned {'reward': 1.0, 'done': True} (dict): expected a StepResult",
+        ),
+        (
+            ["scoring.reward_fn=tests.test_contracts:reward_text"],
+            f"scoring.reward_fn: reward function tests.test_contracts:reward_text returned '1.0' (str): expected a finite number, "
+            f"on the first record of task:digits ({HERE}:{line_of(reward_text)})",
+        ),
+        (["scoring.reward_fn=tests.test_contracts:reward_nan"], "reward function tests.test_contracts:reward_nan returned nan: expected a finite number"),
+        (
+            ["scoring.reward_fn=tests.test_contracts:reward_raises"],
+            f"scoring.reward_fn: reward function tests.test_contracts:reward_raises, on the first record of task:digits, raised KeyError: 'score' "
+            f"({HERE}:{line_of(reward_raises) + 1})",
+        ),
+        (
+            ["scoring.reward_fn=tests.test_contracts:reward_slow", "scoring.timeout_s=0.5"],
+            "scoring.reward_fn: reward function tests.test_contracts:reward_slow took longer than scoring.timeout_s=0.5s, on the first record of task:digits",
+        ),
+        (["scoring.reward_fn=tests.test_contracts:reward_two_args"], "cannot be called as (prompt, response, sample): too many positional arguments"),
+        (["contracts.stop_after_failed_steps=-1"], "config error: contracts.stop_after_failed_steps: must be at least 0"),
+    ],
+)
 def test_contract_checks_before_the_run_are_one_line_and_exit_2(args, want, tmp_path, capsys):
     """The rest of docs/contracts.md's table, through the CLI's own entry point (in this
     process: each would cost a fresh interpreter)."""
@@ -432,16 +489,16 @@ def test_contract_checks_before_the_run_are_one_line_and_exit_2(args, want, tmp_
 def test_the_probe_can_be_switched_off_and_a_code_passed_reward_is_probed(tmp_path):
     from meshrl.preflight import preflight
 
-    config = Config.from_dict({"rollout": {"env": "tests.test_contracts:IntResetEnv"}, "contracts": {"probe": False},
-                               "logging": {"run_dir": str(tmp_path / "run")}})
+    config = Config.from_dict(
+        {"rollout": {"env": "tests.test_contracts:IntResetEnv"}, "contracts": {"probe": False}, "logging": {"run_dir": str(tmp_path / "run")}}
+    )
     preflight(config)  # the run's own calls are checked instead
     with pytest.raises(ConfigError, match="reward_fn: reward function tests.test_contracts:reward_text returned '1.0'"):
         preflight(Config.from_dict({"logging": {"run_dir": str(tmp_path / "run")}}), reward_fn=reward_text)
 
 
 # ---- whole runs ---------------------------------------------------------------------------------
-SMALL = ["batch_groups=4", "generator.group_size=4", "generator.max_num_seqs=16", "trainer.micro_batch_size=16",
-         "logging.progress=false", "logging.plot=false"]
+SMALL = ["batch_groups=4", "generator.group_size=4", "generator.max_num_seqs=16", "trainer.micro_batch_size=16", "logging.progress=false", "logging.plot=false"]
 
 
 def rows_of(run_dir) -> list[dict]:
@@ -471,17 +528,27 @@ def test_a_gym_tuple_env_from_outside_meshrl_trains(tmp_path):
 @pytest.mark.timeout(600)
 def test_a_run_whose_every_episode_fails_warns_once_then_stops_resumably(tmp_path):
     run_dir = tmp_path / "run"
-    out = cli("run", "rollout.env=tests.test_contracts:StepRaisesEnv", "contracts.stop_after_failed_steps=2", "steps=20", *SMALL,
-              f"logging.run_dir={run_dir}", timeout=540)
+    out = cli(
+        "run",
+        "rollout.env=tests.test_contracts:StepRaisesEnv",
+        "contracts.stop_after_failed_steps=2",
+        "steps=20",
+        *SMALL,
+        f"logging.run_dir={run_dir}",
+        timeout=540,
+    )
     lines = console_of(out)
     assert out.returncode == 1, lines
-    reason = (f"worker-0: ZeroDivisionError: division by zero ({HERE}:{line_of(StepRaisesEnv.step) + 1}; "
-              f"log: {run_dir / 'logs' / 'worker-0.log'})")
+    reason = f"worker-0: ZeroDivisionError: division by zero ({HERE}:{line_of(StepRaisesEnv.step) + 1}; log: {run_dir / 'logs' / 'worker-0.log'})"
     warnings = [line for line in lines if "WARNING" in line]
     assert len(warnings) == 1 and re.search(r"step \d+: \d+ of \d+ episodes failed; the first: " + re.escape(reason), warnings[0]), lines
-    assert re.fullmatch(r"meshrl: run failed: every episode of the last 2 steps failed; the first of step (\d+): " + re.escape(reason)
-                        + r"; fix it, then continue from the checkpoint at step \1 with: meshrl run --resume " + re.escape(str(run_dir)),
-                        lines[-1]), lines[-1]
+    assert re.fullmatch(
+        r"meshrl: run failed: every episode of the last 2 steps failed; the first of step (\d+): "
+        + re.escape(reason)
+        + r"; fix it, then continue from the checkpoint at step \1 with: meshrl run --resume "
+        + re.escape(str(run_dir)),
+        lines[-1],
+    ), lines[-1]
     assert not any(re.search(r"Traceback|MeshFailure|SupervisionError", line) for line in lines), lines
     stopped = int(re.search(r"step (\d+):", lines[-1]).group(1))
     rows = rows_of(run_dir)
@@ -498,10 +565,20 @@ def test_a_bad_row_found_by_the_queue_is_one_line_not_a_supervision_trace(tmp_pa
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "a:", "answer": "1"}\n{"prompt": "b:", "answer": "2"}\n{"prompt": "c:", answer: 3}\n')
     run_dir = tmp_path / "run"
-    out = cli("run", f"data.source={rows}", "scoring.reward_fn=tests.test_data_scoring:exact", "contracts.data_check_s=0", "steps=2",
-              *SMALL, f"logging.run_dir={run_dir}", timeout=540)
+    out = cli(
+        "run",
+        f"data.source={rows}",
+        "scoring.reward_fn=tests.test_data_scoring:exact",
+        "contracts.data_check_s=0",
+        "steps=2",
+        *SMALL,
+        f"logging.run_dir={run_dir}",
+        timeout=540,
+    )
     lines = console_of(out)
     assert out.returncode == 1, lines
-    assert lines[-1] == (f"meshrl: run failed: queue: DataError: {rows}:3: not valid JSON (Expecting property name enclosed in double quotes "
-                         f"at column 18) (log: {run_dir / 'logs' / 'queue.log'})"), lines
+    assert lines[-1] == (
+        f"meshrl: run failed: queue: DataError: {rows}:3: not valid JSON (Expecting property name enclosed in double quotes "
+        f"at column 18) (log: {run_dir / 'logs' / 'queue.log'})"
+    ), lines
     assert not any(re.search(r"Traceback|MeshFailure|SupervisionError", line) for line in lines), lines

@@ -183,8 +183,9 @@ def test_ppo_advantages_write_token_advantage_the_policy_loss_reads():
     loss, _ = policy_loss(lp, torch.zeros(2, 6), batch["token_advantage"], batch["loss_mask"], LossConfig())
     loss.backward()
     assert torch.allclose(lp.grad[0, 2:], -batch["token_advantage"][0, 2:] / 4)
-    whitened = ppo_advantages(pack([Episode(0, i, [Turn("env", [1]), Turn("model", [5] * 3, [0.0] * 3, [0] * 3, reward=float(i))])
-                                    for i in range(3)]), torch.zeros(3, 4))
+    whitened = ppo_advantages(
+        pack([Episode(0, i, [Turn("env", [1]), Turn("model", [5] * 3, [0.0] * 3, [0] * 3, reward=float(i))]) for i in range(3)]), torch.zeros(3, 4)
+    )
     assert whitened.shape == (3, 4)
 
 
@@ -203,12 +204,18 @@ def toy_batch(seed: int, rows: int = 16):
         def rand(n):
             return [rng.randrange(20, 100) for _ in range(n)]
 
-        episodes.append(Episode(i // 2, i, [
-            Turn("env", [1, key] + rand(rng.randrange(1, 4))),
-            Turn("model", rand(n1), [0.0] * n1, [0] * n1, reward=rewards[key][0]),
-            Turn("env", [3, 4]),
-            Turn("model", rand(n2), [0.0] * n2, [0] * n2, reward=rewards[key][1]),
-        ]))
+        episodes.append(
+            Episode(
+                i // 2,
+                i,
+                [
+                    Turn("env", [1, key] + rand(rng.randrange(1, 4))),
+                    Turn("model", rand(n1), [0.0] * n1, [0] * n1, reward=rewards[key][0]),
+                    Turn("env", [3, 4]),
+                    Turn("model", rand(n2), [0.0] * n2, [0] * n2, reward=rewards[key][1]),
+                ],
+            )
+        )
     return pack(episodes)
 
 
@@ -275,8 +282,7 @@ def test_critic_learns_values_that_depend_on_the_tokens():
 
 def test_critic_micro_batches_match_one_batch_and_state_round_trips():
     batch = toy_batch(1, rows=6)
-    critics = [CriticTrainer(ModelConfig(), lr=1e-2, seed=4, micro_batch_size=mbs, micro_batch_tokens=mbt)
-               for mbs, mbt in ((6, 0), (2, 0), (16, 30))]
+    critics = [CriticTrainer(ModelConfig(), lr=1e-2, seed=4, micro_batch_size=mbs, micro_batch_tokens=mbt) for mbs, mbt in ((6, 0), (2, 0), (16, 30))]
     returns, old = critics[0].advantages(batch)
     # one step: value_loss 0 at a zero head is flat in the trunk; a second sees every weight move
     metrics = [[c.train_step(batch, returns, old) for _ in range(2)][-1] for c in critics]

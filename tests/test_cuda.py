@@ -81,8 +81,7 @@ def test_a_version_moves_between_gpu_buckets_in_two_processes():
 
     two = torch.cuda.device_count() >= 2
     store = tcp_store_listening_on("127.0.0.1", timedelta(seconds=60))
-    spec = SyncSpec("collective", 60.0, store_host="127.0.0.1", store_port=store.port, world_size=2,
-                    group_name="cuda-test/", on_gpu=two)
+    spec = SyncSpec("collective", 60.0, store_host="127.0.0.1", store_port=store.port, world_size=2, group_name="cuda-test/", on_gpu=two)
     with child_process(_receive, spec, 1 if two else 0) as out:
         pool = StagingPool(lease_timeout_s=60.0)
         pool.use_device(torch.device("cuda", 0), max_slots=2)

@@ -197,10 +197,12 @@ def test_file_sources(tmp_path, fmt):
         import pyarrow.parquet as pq
 
         pq.write_table(pa.Table.from_pylist(rows), path)
-    cfg = Config.from_dict({
-        "data": {"source": str(path), "prompt_key": "question", "answer_key": "solution"},
-        "scoring": {"reward_fn": "tests.test_data_scoring:exact"},
-    })
+    cfg = Config.from_dict(
+        {
+            "data": {"source": str(path), "prompt_key": "question", "answer_key": "solution"},
+            "scoring": {"reward_fn": "tests.test_data_scoring:exact"},
+        }
+    )
     node = PromptNode(cfg.data, seed=0)
     got = [next(node) for _ in range(5)]
     assert sorted(r["prompt"] for r in got) == [f"q{i}?" for i in range(5)]
@@ -237,8 +239,9 @@ async def play_through_queue(worker: RolloutWorker, queue: EpisodeQueue, episode
 
 
 def single_turn_config(**extra) -> Config:
-    return Config.from_dict({"batch_groups": 1, "buffer": {"depth": 0}, "generator": {"group_size": 4, "update_mode": "block"},
-                             "data": {"source": "task:letters"}, **extra})
+    return Config.from_dict(
+        {"batch_groups": 1, "buffer": {"depth": 0}, "generator": {"group_size": 4, "update_mode": "block"}, "data": {"source": "task:letters"}, **extra}
+    )
 
 
 def texts_of(batch, tok) -> list[str]:
@@ -304,8 +307,14 @@ def test_multi_turn_episode_is_token_in_token_out(tokenizer_dir):
             want = want + more
     assert len(gen.calls) == 3 and ep.token_ids == want
     # ... which is the whole conversation as the chat template writes it
-    messages = [*record["prompt"], {"role": "assistant", "content": "3"}, {"role": "user", "content": "+"},
-                {"role": "assistant", "content": "7"}, {"role": "user", "content": "-"}, {"role": "assistant", "content": "5"}]
+    messages = [
+        *record["prompt"],
+        {"role": "assistant", "content": "3"},
+        {"role": "user", "content": "+"},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "-"},
+        {"role": "assistant", "content": "5"},
+    ]
     assert tok.decode(ep.token_ids, skip_special_tokens=False) == tok.apply_chat_template(messages, tokenize=False)
     assert [t.role for t in ep.turns] == ["env", "model", "env", "model", "env", "model"]
     assert len(ep.model_turns) == 3 and [t.reward for t in ep.model_turns] == [0.0, 0.0, pytest.approx(0.8)]
@@ -326,8 +335,7 @@ def test_tool_episode_counts_calls_and_env_tokens(tokenizer_dir):
     record = {"prompt": [{"role": "user", "content": "7-3"}], "answer": "4"}
     ep = asyncio.run(worker.play_episode(0, 0, record, version=0, replica=0))
     assert ep.reward == 1.0 and ep.tool_calls == 1 and len(ep.model_turns) == 2 and ep.finish_reason == "stop"
-    messages = [*record["prompt"], {"role": "assistant", "content": "!"}, {"role": "tool", "content": "4"},
-                {"role": "assistant", "content": "4"}]
+    messages = [*record["prompt"], {"role": "assistant", "content": "!"}, {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4"}]
     assert tok.decode(ep.token_ids, skip_special_tokens=False) == tok.apply_chat_template(messages, tokenize=False)
     assert gen.calls[1][0] == ep.token_ids[:-2]  # the answer turn saw the tool's result
     assert ep.env_tokens == len(tok.encode("<bos>T4<eos><bos>A", add_special_tokens=False)) == 6
@@ -336,8 +344,7 @@ def test_tool_episode_counts_calls_and_env_tokens(tokenizer_dir):
 def test_each_turn_gets_its_envs_token_budget(tokenizer_dir):
     """A record's `max_new_tokens` budgets a single-turn reply; a multi-turn env sets each
     turn's; generator.max_new_tokens caps both."""
-    config = Config.from_dict({"data": {"source": "task:longtail_chat", "lengths": {"median": 4, "max": 20}},
-                               "generator": {"max_new_tokens": 30}})
+    config = Config.from_dict({"data": {"source": "task:longtail_chat", "lengths": {"median": 4, "max": 20}}, "generator": {"max_new_tokens": 30}})
     worker = RolloutWorker(config, tokenizer_dir)
     gen = ScriptedGenerator(replies_in_order(worker.tokenizer, ["11", "22222", "3" * 40]))
     worker.set_generators([gen])
@@ -346,8 +353,7 @@ def test_each_turn_gets_its_envs_token_budget(tokenizer_dir):
     assert [budget for _, budget, _ in gen.calls] == [answer_budget(2, 0.25), answer_budget(5, 0.25), 30]
     assert ep.model_turns[-1].finish_reason == "length" and ep.reward == pytest.approx(2 / 3 + 30 / 40 / 3)
 
-    single = RolloutWorker(single_turn_config(generator={"group_size": 4, "update_mode": "block", "max_new_tokens": 20}),
-                           tokenizer_dir, reward_fn=exact)
+    single = RolloutWorker(single_turn_config(generator={"group_size": 4, "update_mode": "block", "max_new_tokens": 20}), tokenizer_dir, reward_fn=exact)
     gen = ScriptedGenerator(lambda ids: [5] * 30)
     single.set_generators([gen])
     for budget, want in ((7, 7), (None, 20), (50, 20)):
@@ -493,10 +499,8 @@ class EchoEnv:
 def test_summarize_per_episode_windows():
     assert summarize([]) == {}
     windows = [
-        {"reward": r, "success": float(r >= 1.0), "failed": f, "response_len": n, "turns": t, "tool_calls": c,
-         "env_tokens": e, "env_s": s}
-        for r, f, n, t, c, e, s in [(1.0, 0.0, 4.0, 2.0, 1.0, 6.0, 0.5), (0.0, 1.0, 2.0, 1.0, 0.0, 0.0, 0.25),
-                                    (0.5, 0.0, 6.0, 3.0, 2.0, 9.0, 0.25)]
+        {"reward": r, "success": float(r >= 1.0), "failed": f, "response_len": n, "turns": t, "tool_calls": c, "env_tokens": e, "env_s": s}
+        for r, f, n, t, c, e, s in [(1.0, 0.0, 4.0, 2.0, 1.0, 6.0, 0.5), (0.0, 1.0, 2.0, 1.0, 0.0, 0.0, 0.25), (0.5, 0.0, 6.0, 3.0, 2.0, 9.0, 0.25)]
     ]
     m = summarize(windows, failed_total=7.0)
     assert m["reward/mean"] == pytest.approx(0.5)
@@ -515,8 +519,17 @@ def test_summarize_per_episode_windows():
 def test_metrics_jsonl_tensorboard_and_plot(tmp_path):
     w = MetricsWriter(str(tmp_path))
     for step in range(1, 6):
-        w.write(step, {"reward/mean": step / 10, "trainer/loss": 1 / step, "trainer/staleness_mean": 0.5,
-                       "trainer/idle_frac": 0.1, "generator/idle_frac": 0.2, "bad": float("nan")})
+        w.write(
+            step,
+            {
+                "reward/mean": step / 10,
+                "trainer/loss": 1 / step,
+                "trainer/staleness_mean": 0.5,
+                "trainer/idle_frac": 0.1,
+                "generator/idle_frac": 0.2,
+                "bad": float("nan"),
+            },
+        )
     w.close()
     rows = read_metrics(str(tmp_path))
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and "bad" not in rows[0]
@@ -535,8 +548,17 @@ def test_reward_model_scores_through_the_same_interface(tmp_path, tokenizer_dir)
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
 
-    cfg = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
-                      num_key_value_heads=1, head_dim=32, num_labels=1, pad_token_id=0)
+    cfg = Qwen3Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_labels=1,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = Qwen3ForSequenceClassification(cfg).eval()
     path = tmp_path / "rm"
@@ -552,8 +574,16 @@ def test_reward_model_scores_through_the_same_interface(tmp_path, tokenizer_dir)
     texts = texts_of(td, tok)
     assert sorted(texts) == ["123", "xyz"]
     with torch.no_grad():  # the prompt as the user's turn, the response as the assistant's, in the checkpoint's chat template
-        want = [float(model(torch.tensor([tok.apply_chat_template([{"role": "user", "content": "a:"}, {"role": "assistant", "content": t}],
-                                                                   tokenize=True, return_dict=False)])).logits[0, 0]) for t in texts]
+        want = [
+            float(
+                model(
+                    torch.tensor(
+                        [tok.apply_chat_template([{"role": "user", "content": "a:"}, {"role": "assistant", "content": t}], tokenize=True, return_dict=False)]
+                    )
+                ).logits[0, 0]
+            )
+            for t in texts
+        ]
     assert td["reward"].tolist() == pytest.approx(want, abs=1e-5)
     assert td["finish_reason"].tolist() == [0, 0]
     # the same function, called directly

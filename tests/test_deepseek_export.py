@@ -30,9 +30,19 @@ from meshrl.trainer.model import build_model, model_args_from_hf
 # the from-scratch defaults, and a model that exercises every other mapped setting.
 SETTINGS = {
     "defaults": {},
-    "grouped-lora-scaled": dict(n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=False, q_lora_rank=16,
-                                kv_lora_rank=32, first_k_dense_replace=2, intermediate_size=96, n_shared_experts=2,
-                                rope_theta=5000.0, norm_eps=1e-5),
+    "grouped-lora-scaled": dict(
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=False,
+        q_lora_rank=16,
+        kv_lora_rank=32,
+        first_k_dense_replace=2,
+        intermediate_size=96,
+        n_shared_experts=2,
+        rope_theta=5000.0,
+        norm_eps=1e-5,
+    ),
 }
 
 
@@ -89,8 +99,11 @@ def test_export_loads_in_transformers_with_equal_logits(exported):
             torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=1e-4, rtol=1e-4)
         # the routes themselves, on each MoE layer's own input
         moe_inputs = {}
-        hooks = [block.moe.register_forward_pre_hook(lambda mod, args, i=int(i): moe_inputs.__setitem__(i, args[0]))
-                 for i, block in model.layers.items() if block.moe_enabled]
+        hooks = [
+            block.moe.register_forward_pre_hook(lambda mod, args, i=int(i): moe_inputs.__setitem__(i, args[0]))
+            for i, block in model.layers.items()
+            if block.moe_enabled
+        ]
         try:
             model(_tokens()[0])
         finally:
@@ -110,8 +123,7 @@ def test_export_loads_in_transformers_with_equal_logits(exported):
         assert flipped > 0, "the correction bias changes no route: the test would not see it dropped"
         # and the bias that decides them is the one transformers loaded
         for i in moe_inputs:
-            torch.testing.assert_close(hf.model.layers[i].mlp.gate.e_score_correction_bias,
-                                       model.layers[str(i)].moe.expert_bias_E, atol=0, rtol=0)
+            torch.testing.assert_close(hf.model.layers[i].mlp.gate.e_score_correction_bias, model.layers[str(i)].moe.expert_bias_E, atol=0, rtol=0)
 
 
 def test_config_round_trip_and_load_back_into_torchtitan(exported):
@@ -139,8 +151,16 @@ def test_unmapped_hf_settings_are_refused_as_value_errors(exported, tmp_path):
     _, _, _, out = exported
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
     for change in ({"rope_parameters": yarn}, {"rope_interleave": False}, {"tie_word_embeddings": True}):
         with open(tmp_path / "config.json", "w") as f:
             json.dump(config | change, f)

@@ -61,9 +61,14 @@ def test_the_shipped_gpu_config_fits_two_nodes_of_eight():
 def test_split_hosts_round_robin_tp_and_teacher(tmp_path):
     teacher = tmp_path / "teacher"
     teacher.mkdir()
-    plan = plan_devices(config(trainer={"procs": 16}, generator={"replicas": 6, "tp": 2},
-                               distill={"teacher": str(teacher)},
-                               launcher={"kind": "slurm", "hosts": 4, "gpus_per_host": 8}))
+    plan = plan_devices(
+        config(
+            trainer={"procs": 16},
+            generator={"replicas": 6, "tp": 2},
+            distill={"teacher": str(teacher)},
+            launcher={"kind": "slurm", "hosts": 4, "gpus_per_host": 8},
+        )
+    )
     assert plan.hosts == {"trainer": 2, "generator": 2}
     assert [(s.mesh, s.host) for s in plan.slots if s.role == "trainer"] == [("trainer", r // 8) for r in range(16)]
     gens = [s for s in plan.slots if s.role == "generator"]
@@ -127,28 +132,42 @@ def test_auto_transport_keeps_gpu_weights_on_the_gpus_and_one_cpu_host_in_shared
     assert chosen(placement="colocate", trainer={"procs": 2}, generator={"replicas": 2}, launcher={"gpus_per_host": 2}) == ("shm", False)
 
 
-@pytest.mark.parametrize("sections, field", [
-    ({"placement": "colocate", "launcher": {"kind": "process", "hosts": 2}}, "placement"),
-    ({"placement": "colocate", "distill": {"teacher": "/x"}}, "placement"),
-    ({"weight_sync": {"transport": "shm"}, "launcher": {"kind": "process", "hosts": 2}}, "weight_sync.transport"),
-])
+@pytest.mark.parametrize(
+    "sections, field",
+    [
+        ({"placement": "colocate", "launcher": {"kind": "process", "hosts": 2}}, "placement"),
+        ({"placement": "colocate", "distill": {"teacher": "/x"}}, "placement"),
+        ({"weight_sync": {"transport": "shm"}, "launcher": {"kind": "process", "hosts": 2}}, "weight_sync.transport"),
+    ],
+)
 def test_colocation_and_shm_need_one_host(sections, field):
     with pytest.raises(ConfigError) as info:
         config(**sections)
     assert info.value.field_path == field
 
 
-@pytest.mark.parametrize("sections, field, words", [
-    ({"placement": "split", "launcher": {"gpus_per_host": 1}}, "generator.replicas", "set placement=colocate"),
-    ({"placement": "colocate", "generator": {"replicas": 3}, "launcher": {"gpus_per_host": 2}}, "generator.replicas", "set generator.replicas=2"),
-    ({"placement": "colocate", "trainer": {"procs": 4}, "launcher": {"gpus_per_host": 2}}, "trainer.procs", "set trainer.procs=2"),
-    ({"placement": "colocate", "trainer": {"device": "cpu"}, "launcher": {"gpus_per_host": 2}}, "placement", "set placement=split"),
-    ({"placement": "split", "trainer": {"procs": 4}, "generator": {"replicas": 6}, "launcher": {"gpus_per_host": 8}}, "generator.replicas", "set generator.replicas=4"),
-    ({"placement": "split", "trainer": {"procs": 2}, "generator": {"replicas": 2, "tp": 4}, "launcher": {"gpus_per_host": 8}}, "generator.replicas", "set generator.replicas=1"),
-    ({"trainer": {"device": "cuda"}}, "trainer.device", "no GPU was found"),
-    # auto colocates on one GPU, where NCCL cannot have two ranks: the chosen transport is refused, not crashed on
-    ({"weight_sync": {"transport": "collective"}, "launcher": {"gpus_per_host": 1}}, "weight_sync.transport", "set auto or shm"),
-])
+@pytest.mark.parametrize(
+    "sections, field, words",
+    [
+        ({"placement": "split", "launcher": {"gpus_per_host": 1}}, "generator.replicas", "set placement=colocate"),
+        ({"placement": "colocate", "generator": {"replicas": 3}, "launcher": {"gpus_per_host": 2}}, "generator.replicas", "set generator.replicas=2"),
+        ({"placement": "colocate", "trainer": {"procs": 4}, "launcher": {"gpus_per_host": 2}}, "trainer.procs", "set trainer.procs=2"),
+        ({"placement": "colocate", "trainer": {"device": "cpu"}, "launcher": {"gpus_per_host": 2}}, "placement", "set placement=split"),
+        (
+            {"placement": "split", "trainer": {"procs": 4}, "generator": {"replicas": 6}, "launcher": {"gpus_per_host": 8}},
+            "generator.replicas",
+            "set generator.replicas=4",
+        ),
+        (
+            {"placement": "split", "trainer": {"procs": 2}, "generator": {"replicas": 2, "tp": 4}, "launcher": {"gpus_per_host": 8}},
+            "generator.replicas",
+            "set generator.replicas=1",
+        ),
+        ({"trainer": {"device": "cuda"}}, "trainer.device", "no GPU was found"),
+        # auto colocates on one GPU, where NCCL cannot have two ranks: the chosen transport is refused, not crashed on
+        ({"weight_sync": {"transport": "collective"}, "launcher": {"gpus_per_host": 1}}, "weight_sync.transport", "set auto or shm"),
+    ],
+)
 def test_a_plan_that_does_not_fit_names_the_field_and_the_fix(sections, field, words):
     with pytest.raises(ConfigError) as info:
         plan_devices(config(**sections))

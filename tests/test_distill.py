@@ -38,8 +38,7 @@ def env(ids):
 def scored_episodes():
     """Two groups: a two-turn episode, a one-turn one, a one-turn one, a failed unscored one."""
     return [
-        Episode(0, 0, [env([5, 6]), model([7, 8], [-0.5, -1.0], [-0.25, -2.0], reward=1.0), env([9]),
-                       model([10], [-0.1], [-0.4])]),
+        Episode(0, 0, [env([5, 6]), model([7, 8], [-0.5, -1.0], [-0.25, -2.0], reward=1.0), env([9]), model([10], [-0.1], [-0.4])]),
         Episode(0, 1, [env([5, 6]), model([11, 12, 13], [-0.2, -0.3, -0.4], [-0.2, -0.1, -1.4])]),
         Episode(1, 2, [env([1]), model([2], [-2.0], [-0.5], reward=3.0)]),
         Episode(1, 3, [env([1]), model([3, 4], [-0.7, -0.8]), env([30])], "failed"),
@@ -223,9 +222,11 @@ class TeacherTestActor(GeneratorActor):
     @concurrent_endpoint
     async def engine_info(self) -> dict:
         engine = self._gen().engine
-        return {"logit_temperature": engine.logit_temperature,
-                "prefix_caching": bool(engine.llm.vllm_config.cache_config.enable_prefix_caching),
-                "block_size": int(engine.llm.vllm_config.cache_config.block_size)}
+        return {
+            "logit_temperature": engine.logit_temperature,
+            "prefix_caching": bool(engine.llm.vllm_config.cache_config.enable_prefix_caching),
+            "block_size": int(engine.llm.vllm_config.cache_config.block_size),
+        }
 
 
 TEACHER_T = 0.7
@@ -311,7 +312,7 @@ def test_teacher_score_of_a_sample_equals_its_sampler_logprobs(teacher):
             again = call(actor.score_many.call_one(seqs))
             for p, r, s, s2 in zip(requests, results, first, again):
                 assert len(r.token_ids) == length and len(s) == len(p) + length
-                assert worst(s[len(p):], r.logprobs) < 1e-4, temperature
+                assert worst(s[len(p) :], r.logprobs) < 1e-4, temperature
                 assert worst(s[1:], hf_logprobs(model, p[:1], p[1:] + r.token_ids, temperature)) < 1e-4
                 assert s2 == s
     finally:

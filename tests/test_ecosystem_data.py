@@ -22,16 +22,19 @@ RG = {"source": "reasoning_gym:basic_arithmetic", "num_prompts": 6, "task_args":
 
 
 # ---- math-verify ------------------------------------------------------------------------------
-@pytest.mark.parametrize("gold, response, reward", [
-    ("0.5", "so it is 1/2", 1.0),
-    ("1/2", "0.5", 1.0),
-    ("0.5", r"first \boxed{3}, then \boxed{\frac{1}{2}}", 1.0),  # the last box counts
-    (r"\frac{1}{2}", "<answer>\\frac12</answer>", 1.0),
-    ("72", "The answer: 72 apples.", 1.0),
-    ("0.5", r"\boxed{\frac{1}{3}}", 0.0),
-    ("3", "I think 4", 0.0),
-    ("3", "no idea", 0.0),
-])
+@pytest.mark.parametrize(
+    "gold, response, reward",
+    [
+        ("0.5", "so it is 1/2", 1.0),
+        ("1/2", "0.5", 1.0),
+        ("0.5", r"first \boxed{3}, then \boxed{\frac{1}{2}}", 1.0),  # the last box counts
+        (r"\frac{1}{2}", "<answer>\\frac12</answer>", 1.0),
+        ("72", "The answer: 72 apples.", 1.0),
+        ("0.5", r"\boxed{\frac{1}{3}}", 0.0),
+        ("3", "I think 4", 0.0),
+        ("3", "no idea", 0.0),
+    ],
+)
 def test_math_answer(gold, response, reward):
     assert math_answer("", response, {"answer": gold}) == reward
 
@@ -93,8 +96,7 @@ def test_reasoning_gym_bad_task_args_name_the_field():
 
 # ---- chat messages in files and datasets directories ----------------------------------------------
 ROWS = [
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i}+1?"},
-                  {"role": "assistant", "content": str(i + 1)}], "level": i}
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": str(i + 1)}], "level": i}
     for i in range(4)
 ]
 
@@ -120,8 +122,9 @@ def _write(tmp_path, fmt: str, rows: list[dict]) -> str:
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "dataset", "datasetdict"])
 def test_chat_rows_load_and_render(tmp_path, fmt, qwen_style_tokenizer):
-    config = Config.from_dict({"data": {"source": _write(tmp_path, fmt, ROWS), "prompt_key": "messages"},
-                               "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}})
+    config = Config.from_dict(
+        {"data": {"source": _write(tmp_path, fmt, ROWS), "prompt_key": "messages"}, "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}}
+    )
     node = PromptNode(config.data, seed=0)
     node.reset()
     records = sorted((next(node) for _ in range(4)), key=lambda r: r["level"])
@@ -133,16 +136,22 @@ def test_chat_rows_load_and_render(tmp_path, fmt, qwen_style_tokenizer):
 
 
 def test_chat_rows_keep_their_own_answer_and_reject_bad_messages(tmp_path):
-    rows = [{"messages": ROWS[0]["messages"], "answer": "one"},
-            {"messages": [{"role": "user", "content": "hi"}]}]
-    records = load_records(Config.from_dict({"data": {"source": _write(tmp_path, "jsonl", rows), "prompt_key": "messages"},
-                                             "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}}).data)
+    rows = [{"messages": ROWS[0]["messages"], "answer": "one"}, {"messages": [{"role": "user", "content": "hi"}]}]
+    records = load_records(
+        Config.from_dict(
+            {"data": {"source": _write(tmp_path, "jsonl", rows), "prompt_key": "messages"}, "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}}
+        ).data
+    )
     assert records[0]["answer"] == "one" and records[0]["prompt"][-1]["role"] == "user"  # the assistant turn still leaves
     assert records[1]["answer"] is None and records[1]["prompt"] == [{"role": "user", "content": "hi"}]
     bad = tmp_path / "bad"
     bad.mkdir()
-    config = Config.from_dict({"data": {"source": _write(bad, "jsonl", [ROWS[0], {"messages": [{"content": "no role"}]}]),
-                                        "prompt_key": "messages"}, "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}})
+    config = Config.from_dict(
+        {
+            "data": {"source": _write(bad, "jsonl", [ROWS[0], {"messages": [{"content": "no role"}]}]), "prompt_key": "messages"},
+            "scoring": {"reward_fn": "meshrl.verifiers:math_answer"},
+        }
+    )
     with pytest.raises(ValueError, match=r"\.jsonl:2: 'messages' holds .*'role' and 'content'"):  # FILE:LINE
         load_records(config.data)
 
@@ -153,8 +162,9 @@ def test_datasetdict_without_train_needs_one_split(tmp_path):
     data = Dataset.from_list(ROWS)
     DatasetDict({"a": data, "b": data}).save_to_disk(str(tmp_path / "two"))
     DatasetDict({"only": data}).save_to_disk(str(tmp_path / "one"))
-    cfg = lambda d: Config.from_dict({"data": {"source": str(tmp_path / d), "prompt_key": "messages"},
-                                      "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}}).data
+    cfg = lambda d: (
+        Config.from_dict({"data": {"source": str(tmp_path / d), "prompt_key": "messages"}, "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}}).data
+    )
     assert len(load_records(cfg("one"))) == 4
     with pytest.raises(ValueError, match=r"splits \['a', 'b'\] and none is 'train'"):
         load_records(cfg("two"))
@@ -174,8 +184,7 @@ def test_eval_records_are_held_out_and_fixed(data):
 
 
 def test_eval_records_from_a_file_in_stored_order(tmp_path):
-    config = Config.from_dict({"data": {"source": "task:add", "prompt_key": "messages"},
-                               "eval": {"source": _write(tmp_path, "jsonl", ROWS), "num_prompts": 3}})
+    config = Config.from_dict({"data": {"source": "task:add", "prompt_key": "messages"}, "eval": {"source": _write(tmp_path, "jsonl", ROWS), "num_prompts": 3}})
     assert [r["answer"] for r in eval_records(config)] == ["1", "2", "3"]
 
 
@@ -184,25 +193,29 @@ def test_base_install_works_without_the_extras():
     """With reasoning-gym, math-verify and openenv-core all missing, every meshrl module but
     the OpenEnv adapter imports and the default config validates; the adapter says which
     extra to install."""
-    code = ("import sys, pkgutil, importlib, meshrl\n"
-            "for m in ('reasoning_gym', 'math_verify', 'openenv'): sys.modules[m] = None\n"
-            "names = [m.name for m in pkgutil.walk_packages(meshrl.__path__, 'meshrl.') if m.name not in ('meshrl.rollout.openenv', 'meshrl.__main__')]\n"
-            "for name in names: importlib.import_module(name)\n"
-            "from meshrl.cli import main\n"
-            "assert main(['config', 'show']) == 0\n"
-            "try:\n    import meshrl.rollout.openenv\nexcept ImportError as e:\n    print(e, file=sys.stderr)\n")
+    code = (
+        "import sys, pkgutil, importlib, meshrl\n"
+        "for m in ('reasoning_gym', 'math_verify', 'openenv'): sys.modules[m] = None\n"
+        "names = [m.name for m in pkgutil.walk_packages(meshrl.__path__, 'meshrl.') if m.name not in ('meshrl.rollout.openenv', 'meshrl.__main__')]\n"
+        "for name in names: importlib.import_module(name)\n"
+        "from meshrl.cli import main\n"
+        "assert main(['config', 'show']) == 0\n"
+        "try:\n    import meshrl.rollout.openenv\nexcept ImportError as e:\n    print(e, file=sys.stderr)\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "pip install 'meshrl[envs]'" in done.stderr
 
 
-@pytest.mark.parametrize("blocked, override, extra", [
-    ("reasoning_gym", "data.source=reasoning_gym:basic_arithmetic", "reasoning"),
-    ("math_verify", "scoring.reward_fn=meshrl.verifiers:math_answer", "math"),
-])
+@pytest.mark.parametrize(
+    "blocked, override, extra",
+    [
+        ("reasoning_gym", "data.source=reasoning_gym:basic_arithmetic", "reasoning"),
+        ("math_verify", "scoring.reward_fn=meshrl.verifiers:math_answer", "math"),
+    ],
+)
 def test_missing_extra_is_one_line(blocked, override, extra):
-    code = (f"import sys; sys.modules[{blocked!r}] = None; from meshrl.cli import main; "
-            f"sys.exit(main(['config', 'show', {override!r}]))")
+    code = f"import sys; sys.modules[{blocked!r}] = None; from meshrl.cli import main; sys.exit(main(['config', 'show', {override!r}]))"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr

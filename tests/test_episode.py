@@ -22,8 +22,9 @@ def episodes():
     """Four episodes of two groups: multi-turn, single-turn cut by length, aborted, failed."""
     return [
         # prompt 3, model 2, env 2 (a tool result), model 1: two rewarded turns
-        Episode(0, 0, [env([5, 6, 7]), model([8, 9], [-0.1, -0.2], [3, 4], reward=0.25),
-                       env([20, 21]), model([10], [-0.7], [4], reward=0.5)], "stop", tool_calls=1),
+        Episode(
+            0, 0, [env([5, 6, 7]), model([8, 9], [-0.1, -0.2], [3, 4], reward=0.25), env([20, 21]), model([10], [-0.7], [4], reward=0.5)], "stop", tool_calls=1
+        ),
         Episode(0, 1, [env([5, 6]), model([8, 9, 10, 11], [-0.3, -0.4, -0.5, -0.6], [4, 4, 4, 5])], "length"),
         Episode(1, 2, [env([1]), model([2], [-1.0], [5], reward=2.0)], "abort"),
         # its second env call failed: the turn reward it had earned does not count
@@ -57,7 +58,7 @@ def test_pack_layout():
     assert td["sampler_logprobs"][0].tolist() == pytest.approx([0, 0, 0, -0.1, -0.2, 0, 0, -0.7])
     assert td["sampler_logprobs"][1].tolist() == pytest.approx([0, 0, -0.3, -0.4, -0.5, -0.6, 0, 0])
     for row, ep in enumerate(episodes()):
-        assert td["tokens"][row, :len(ep)].tolist() == ep.token_ids
+        assert td["tokens"][row, : len(ep)].tolist() == ep.token_ids
         got = td["tokens"][row][td["loss_mask"][row]].tolist()
         assert got == [t for turn in ep.model_turns for t in turn.token_ids]
     # a turn's reward sits on its last model token; the episode reward is their sum

@@ -44,8 +44,9 @@ def test_resolve_target(tmp_path):
 def test_eval_during_training_is_reproduced_by_meshrl_eval(tmp_path):
     """eval.every=2 over 4 steps writes eval/ rows (also to W&B offline) and each prompt's
     greedy answer; `meshrl eval RUN_DIR` on the final export gives the same greedy answers."""
-    cfg = tiny(tmp_path / "run", steps=4, trainer={"checkpoint_every": 0}, eval={"every": 2, "num_prompts": 8, "k": 2},
-               logging={"progress": False, "wandb": True})
+    cfg = tiny(
+        tmp_path / "run", steps=4, trainer={"checkpoint_every": 0}, eval={"every": 2, "num_prompts": 8, "k": 2}, logging={"progress": False, "wandb": True}
+    )
     result = meshrl.run(cfg)
     run_dir = result.run_dir
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -76,9 +77,14 @@ def test_reasoning_gym_training_with_another_reasoning_gym_task_held_out(tmp_pat
     """reasoning-gym tasks run unchanged: training prompts and rewards from one task (chat
     messages under its system prompt, scored by its own verifier in the rollout worker),
     evaluation on another task with that task's verifier."""
-    cfg = tiny(tmp_path / "rg", steps=2, trainer={"checkpoint_every": 0}, model={"max_seq_len": 768},
-               data={"source": "reasoning_gym:basic_arithmetic", "task_args": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
-               eval={"every": 2, "source": "reasoning_gym:chain_sum", "task_args": {"min_terms": 3, "max_terms": 3}, "num_prompts": 4, "k": 1})
+    cfg = tiny(
+        tmp_path / "rg",
+        steps=2,
+        trainer={"checkpoint_every": 0},
+        model={"max_seq_len": 768},
+        data={"source": "reasoning_gym:basic_arithmetic", "task_args": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
+        eval={"every": 2, "source": "reasoning_gym:chain_sum", "task_args": {"min_terms": 3, "max_terms": 3}, "num_prompts": 4, "k": 1},
+    )
     rows = meshrl.run(cfg).metrics
     trained = [r for r in rows if "trainer/reward_mean" in r]
     evals = [r for r in rows if "eval/greedy_accuracy" in r]

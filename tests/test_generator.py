@@ -44,9 +44,18 @@ def tiny_qwen3(seed: int):
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=256, bos_token_id=1, eos_token_id=EOS,
-        pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -129,11 +138,12 @@ def hf_logprobs(model, prompt_ids: list[int], response_ids: list[int], temperatu
 
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=n, eos_token_id=EOS, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
-def generate_all(gen, requests: list[list[int]], max_new_tokens: int | None = None, temperature: float | None = None,
-                 min_version: int = 0) -> list[RequestResult]:
+def generate_all(
+    gen, requests: list[list[int]], max_new_tokens: int | None = None, temperature: float | None = None, min_version: int = 0
+) -> list[RequestResult]:
     """One concurrent `generate` call per request (vLLM batches them); results in order."""
 
     async def main():
@@ -152,8 +162,7 @@ class RequestDriver(Actor):
         self.finished = 0
 
     @endpoint
-    async def start(self, gen, requests: list[list[int]], window: int, max_new_tokens: int | None = None,
-                    temperature: float | None = None) -> None:
+    async def start(self, gen, requests: list[list[int]], window: int, max_new_tokens: int | None = None, temperature: float | None = None) -> None:
         if self.task is not None and not self.task.done():
             raise RuntimeError("already driving requests")
         self.finished = 0
@@ -630,9 +639,7 @@ def test_tensor_update_equals_fresh_engine_from_checkpoint(world):
     try:
         fresh, _ = spawn_generator(procs, "fresh", make_config(), new_ckpt, version)
         reference = generate_all(fresh, requests, 24, 0.0)
-        assert gen.weights_checksum.call_one().get(timeout=CALL_S) == pytest.approx(
-            fresh.weights_checksum.call_one().get(timeout=CALL_S), rel=1e-6
-        )
+        assert gen.weights_checksum.call_one().get(timeout=CALL_S) == pytest.approx(fresh.weights_checksum.call_one().get(timeout=CALL_S), rel=1e-6)
     finally:
         if fresh is not None:
             fresh.shutdown_engine.call_one().get(timeout=60)
@@ -642,7 +649,7 @@ def test_tensor_update_equals_fresh_engine_from_checkpoint(world):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
     # and the new weights really are the checkpoint's: HF agrees on the greedy tokens
     ref = new_model.generate(torch.tensor([requests[0]]), do_sample=False, max_new_tokens=24, pad_token_id=0)
-    assert updated[0].token_ids == ref[0, len(requests[0]):].tolist()
+    assert updated[0].token_ids == ref[0, len(requests[0]) :].tolist()
     restore(world, version + 1)
 
 
@@ -753,8 +760,7 @@ def test_multi_turn_episodes_spanning_an_update_carry_the_right_version_on_every
     gen = world["gen"]
     forced = forced_state_dict(world["model"])
     v0 = gen.version.call_one().get(timeout=CALL_S)
-    config = Config.from_dict({**make_config(max_new_tokens=50, group_size=2).to_dict(),
-                               "rollout": {"env": "tests.test_generator:ThreeTurns", "max_turns": 4}})
+    config = Config.from_dict({**make_config(max_new_tokens=50, group_size=2).to_dict(), "rollout": {"env": "tests.test_generator:ThreeTurns", "max_turns": 4}})
     worker = RolloutWorker(config, world["ckpt"])
     worker.set_generators([gen])
     claims = [Claim(gid, {"prompt": ids}, v0) for gid, ids in enumerate(prompts(6, seed=700 + len(mode)))]

@@ -57,8 +57,13 @@ def test_a_generator_proc_asks_for_gpus_without_initialising_cuda(tmp_path):
 def test_the_fake_gpu_would_catch_a_runtime_query():
     """The check above can fail: a bare torch.cuda.is_available() asks the runtime."""
     code = FAKE_GPU + "torch.cuda.is_available(); print('runtime asked:', len(asked))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={k: v for k, v in __import__("os").environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in __import__("os").environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"},
+    )
     assert "runtime asked: 1" in out.stdout, out.stdout + out.stderr
 
 
@@ -95,8 +100,9 @@ def test_deepseek_v3_on_gpu_generators_needs_a_half_precision_dtype(tmp_path):
     from meshrl.preflight import preflight
 
     def cfg(dtype: str, gpus: int) -> Config:
-        return Config.from_dict({"model": {"family": "deepseek_v3", "dtype": dtype}, "launcher": {"gpus_per_host": gpus},
-                                 "logging": {"run_dir": str(tmp_path / "run")}})
+        return Config.from_dict(
+            {"model": {"family": "deepseek_v3", "dtype": dtype}, "launcher": {"gpus_per_host": gpus}, "logging": {"run_dir": str(tmp_path / "run")}}
+        )
 
     with pytest.raises(ConfigError, match="model.dtype") as info:
         preflight(cfg("float32", 2))
@@ -136,7 +142,7 @@ QWEN3 = {  # config.json shapes of Qwen3-0.6B, -8B and -32B
     "8B": {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "intermediate_size": 12288, "tie_word_embeddings": False},
     "32B": {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 64, "intermediate_size": 25600, "tie_word_embeddings": False},
 }
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def qwen3_config(tmp_path, size: str, **sections) -> Config:
@@ -144,10 +150,13 @@ def qwen3_config(tmp_path, size: str, **sections) -> Config:
 
     path = tmp_path / size
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 151936, "num_key_value_heads": 8, "head_dim": 128,
-                                                  "max_position_embeddings": 40960, **QWEN3[size]}))
-    base = {"model": {"path": str(path), "max_seq_len": 4096, "dtype": "bfloat16"},
-            "trainer": {"device": "cuda", "micro_batch_tokens": 8192, "activation_checkpoint": "full"}}
+    (path / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "vocab_size": 151936, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, **QWEN3[size]})
+    )
+    base = {
+        "model": {"path": str(path), "max_seq_len": 4096, "dtype": "bfloat16"},
+        "trainer": {"device": "cuda", "micro_batch_tokens": 8192, "activation_checkpoint": "full"},
+    }
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
     return Config.from_dict(base)
@@ -191,8 +200,9 @@ def test_memory_plan_of_8b_on_eight_gpus_and_its_refusal_on_one(tmp_path):
     Colocated on one GPU, the trainer's step alone needs 16 B x 8.19B = 122 GiB: refused."""
     from meshrl.launch.memory import check_memory, plan_memory
 
-    plan = plan_memory(qwen3_config(tmp_path, "8B", launcher={"gpus_per_host": 8, "gpu_memory_gib": 80}, placement="split",
-                                    trainer={"procs": 4}, generator={"replicas": 4}))
+    plan = plan_memory(
+        qwen3_config(tmp_path, "8B", launcher={"gpus_per_host": 8, "gpu_memory_gib": 80}, placement="split", trainer={"procs": 4}, generator={"replicas": 4})
+    )
     assert not plan.problems
     assert plan.gpu("hosts", 0, 0).peak / GIB == pytest.approx(70.8, rel=0.05)
     assert plan.gpu("hosts", 0, 1).peak / GIB == pytest.approx(39.2, rel=0.05)
@@ -213,8 +223,12 @@ def test_memory_plan_of_32b_on_two_hosts_of_eight(tmp_path):
     naming the transport."""
     from meshrl.launch.memory import check_memory, plan_memory
 
-    sections = dict(launcher={"kind": "slurm", "hosts": 2, "gpus_per_host": 8, "gpu_memory_gib": 80}, placement="split",
-                    trainer={"procs": 8, "micro_batch_tokens": 4096}, generator={"replicas": 2, "tp": 4})
+    sections = dict(
+        launcher={"kind": "slurm", "hosts": 2, "gpus_per_host": 8, "gpu_memory_gib": 80},
+        placement="split",
+        trainer={"procs": 8, "micro_batch_tokens": 4096},
+        generator={"replicas": 2, "tp": 4},
+    )
     plan = plan_memory(qwen3_config(tmp_path, "32B", weight_sync={"transport": "rdma"}, **sections))
     assert not plan.problems
     assert plan.gpu("trainer", 0, 0).peak / GIB == pytest.approx(70.1, rel=0.05)
@@ -242,8 +256,10 @@ def test_offloaded_adamw_state_frees_its_storage_checkpoints_and_trains_on(tmp_p
     before = {id(v): v.clone() for v in states}
     assert moved._offload.offload(moved.optimizer, include_cpu=True) >= sum(v.numel() * 4 for v in states)
     assert all(v.untyped_storage().nbytes() == 0 for v in states)  # the device storage is given back
-    assert all(torch.equal(moved.optimizer.state[p]["exp_avg"], kept.optimizer.state[q]["exp_avg"])  # host copies in its place
-               for p, q in zip(moved.optimizer.state, kept.optimizer.state))
+    assert all(
+        torch.equal(moved.optimizer.state[p]["exp_avg"], kept.optimizer.state[q]["exp_avg"])  # host copies in its place
+        for p, q in zip(moved.optimizer.state, kept.optimizer.state)
+    )
     path = moved.save_checkpoint(str(tmp_path / "ckpt"))  # from host memory
     a, b = kept.train_step(make_batch(seed=1), current_version=1), moved.train_step(make_batch(seed=1), current_version=1)
     assert a["loss"] == b["loss"] and all(torch.equal(x, y) for x, y in zip(kept.model.parameters(), moved.model.parameters()))
@@ -272,8 +288,11 @@ def test_float32_attention_on_gpus_is_refused_by_the_memory_plan(tmp_path):
     from meshrl.launch.memory import check_memory
 
     with pytest.raises(ConfigError, match=r"trainer.compute_dtype: .*float32 attention scores.*bfloat16"):
-        check_memory(qwen3_config(tmp_path, "0.6B", launcher={"gpus_per_host": 1, "gpu_memory_gib": 80},
-                                  trainer={"compute_dtype": "float32", "activation_checkpoint": "none"}))
+        check_memory(
+            qwen3_config(
+                tmp_path, "0.6B", launcher={"gpus_per_host": 1, "gpu_memory_gib": 80}, trainer={"compute_dtype": "float32", "activation_checkpoint": "none"}
+            )
+        )
 
 
 def _checkpoint_rank(rank: int, path: str):
@@ -327,6 +346,7 @@ def test_a_replica_that_missed_a_version_never_generates_again():
                 if self.broken:
                     raise RuntimeError("the transfer broke")
                 self.synced.append(version)
+
             self.actor = SimpleNamespace(sync_weights=SimpleNamespace(call_one=sync))
 
         async def stop(self):
@@ -356,6 +376,7 @@ def test_a_replica_that_missed_a_version_never_generates_again():
         fresh = Replica(index)
         spawned.append(fresh)
         return fresh
+
     pool.spawn = spawn
     asyncio.run(pool.update(3))
     assert pool.replicas == [good] and bad.stopped and good.synced == [3] and changes

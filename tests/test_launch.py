@@ -213,9 +213,12 @@ def test_squeue_json_of_slurm_22_05_reads_as_monarch_expects():
     listing = json.dumps({"jobs": [finished, {"job_id": 7, "job_state": "PENDING", "job_resources": {}}]})
     assert squeue_json_job(listing, "7")["job_state"] == ["PENDING"]  # 22.05 lists every job, whatever --job says
     assert squeue_json_job(listing, "8") is None
-    old = {"job_id": 7, "job_state": "RUNNING", "state_reason": "None",
-           "job_resources": {"nodes": "n1,n2", "allocated_hosts": 2,
-                             "allocated_nodes": [{"nodename": "n1", "cpus_used": 0}, {"nodename": "n2", "cpus_used": 0}]}}
+    old = {
+        "job_id": 7,
+        "job_state": "RUNNING",
+        "state_reason": "None",
+        "job_resources": {"nodes": "n1,n2", "allocated_hosts": 2, "allocated_nodes": [{"nodename": "n1", "cpus_used": 0}, {"nodename": "n2", "cpus_used": 0}]},
+    }
     new = slurm_job_info_newer_shape(old)
     assert new["job_state"] == ["RUNNING"]
     assert [n["name"] for n in new["job_resources"]["nodes"]["allocation"]] == ["n1", "n2"]

@@ -18,31 +18,73 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PURE = [
     # config and the ground floor
-    "meshrl.config", "meshrl.episode", "meshrl.pinning", "meshrl.metrics", "meshrl.logs", "meshrl.host",
-    "meshrl.imports", "meshrl.tokenizer", "meshrl.compat", "meshrl.errors", "meshrl.stability",
+    "meshrl.config",
+    "meshrl.episode",
+    "meshrl.pinning",
+    "meshrl.metrics",
+    "meshrl.logs",
+    "meshrl.host",
+    "meshrl.imports",
+    "meshrl.tokenizer",
+    "meshrl.compat",
+    "meshrl.errors",
+    "meshrl.stability",
     # the domain and the checks that need it
-    "meshrl.rollout.env", "meshrl.rollout.tools", "meshrl.rollout.chat", "meshrl.rollout.sandbox", "meshrl.rollout.coding",
-    "meshrl.tasks", "meshrl.data",
-    "meshrl.scoring", "meshrl.verifiers", "meshrl.distill", "meshrl.preflight",
+    "meshrl.rollout.env",
+    "meshrl.rollout.tools",
+    "meshrl.rollout.chat",
+    "meshrl.rollout.sandbox",
+    "meshrl.rollout.coding",
+    "meshrl.tasks",
+    "meshrl.data",
+    "meshrl.scoring",
+    "meshrl.verifiers",
+    "meshrl.distill",
+    "meshrl.preflight",
     # the queue's policy and the rollout worker
-    "meshrl.queue", "meshrl.queue.buffer", "meshrl.agent.turns", "meshrl.agent.worker",
+    "meshrl.queue",
+    "meshrl.queue.buffer",
+    "meshrl.agent.turns",
+    "meshrl.agent.worker",
     # the trainer rank
-    "meshrl.trainer.policy", "meshrl.trainer.losses", "meshrl.trainer.logprobs", "meshrl.trainer.checkpoint",
-    "meshrl.trainer.lora", "meshrl.trainer.model", "meshrl.trainer.parallelize", "meshrl.trainer.routing",
+    "meshrl.trainer.policy",
+    "meshrl.trainer.losses",
+    "meshrl.trainer.logprobs",
+    "meshrl.trainer.checkpoint",
+    "meshrl.trainer.lora",
+    "meshrl.trainer.model",
+    "meshrl.trainer.parallelize",
+    "meshrl.trainer.routing",
     # the weight path
-    "meshrl.weightsync", "meshrl.weightsync.layout", "meshrl.weightsync.staging", "meshrl.weightsync.buffers",
-    "meshrl.weightsync.bytecopy", "meshrl.weightsync.collective", "meshrl.weightsync.files", "meshrl.weightsync.connect",
+    "meshrl.weightsync",
+    "meshrl.weightsync.layout",
+    "meshrl.weightsync.staging",
+    "meshrl.weightsync.buffers",
+    "meshrl.weightsync.bytecopy",
+    "meshrl.weightsync.collective",
+    "meshrl.weightsync.files",
+    "meshrl.weightsync.connect",
     # the generation service (vLLM is imported when an engine starts, not before)
-    "meshrl.generator.service", "meshrl.generator.engine", "meshrl.generator.weight_loading",
+    "meshrl.generator.service",
+    "meshrl.generator.engine",
+    "meshrl.generator.weight_loading",
     # the host plan
-    "meshrl.launch.hosts", "meshrl.launch.devices",
+    "meshrl.launch.hosts",
+    "meshrl.launch.devices",
 ]
 
-SHELLS = ["meshrl.trainer.actor", "meshrl.generator.actor", "meshrl.agent.actor", "meshrl.queue.actor",
-          "meshrl.weightsync.publisher", "meshrl.weightsync.subscriber", "meshrl.launch.allocation"]
+SHELLS = [
+    "meshrl.trainer.actor",
+    "meshrl.generator.actor",
+    "meshrl.agent.actor",
+    "meshrl.queue.actor",
+    "meshrl.weightsync.publisher",
+    "meshrl.weightsync.subscriber",
+    "meshrl.launch.allocation",
+]
 """The Monarch shells: with Monarch blocked these must fail to import (else the block is not working)."""
 
-SCRIPT = r'''
+SCRIPT = r"""
 import importlib, importlib.abc, sys, traceback
 
 BLOCKED = ("monarch", "vllm")
@@ -103,11 +145,10 @@ episodes = [Episode(claim.group_id, i, [Turn("env", [1, 2]), Turn("model", [3], 
 assert q.put(claim.group_id, assign_advantages(pack(episodes), "grpo"), claim.token)
 assert q.sample(1, current_version=0, timeout=1.0)["group_id"].unique().tolist() == [claim.group_id]
 print("ok", len(sys.modules))
-'''
+"""
 
 
 def test_pure_cores_import_and_run_without_monarch_or_vllm():
-    done = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(PURE), ",".join(SHELLS)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(PURE), ",".join(SHELLS)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert done.stdout.startswith("ok"), done.stdout

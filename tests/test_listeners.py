@@ -84,8 +84,9 @@ def stop_tree(procs: dict[int, psutil.Process], session: int) -> None:
 def test_single_host_run_listens_on_loopback_only(tmp_path):
     log_path = tmp_path / "run.log"
     with open(log_path, "wb") as log:
-        run = subprocess.Popen([sys.executable, "-c", RUN, json.dumps(small_run(tmp_path / "run"))],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        run = subprocess.Popen(
+            [sys.executable, "-c", RUN, json.dumps(small_run(tmp_path / "run"))], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     root = psutil.Process(run.pid)
     procs = {run.pid: root}
     seen: dict[tuple[str, str, int], str] = {}  # (protocol, address, port) -> owning process

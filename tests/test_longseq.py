@@ -113,11 +113,14 @@ def test_packed_step_equals_the_padded_step_for_every_correction(correction):
     assert out["tokens"] == int(batch["loss_mask"].sum())
 
 
-@pytest.mark.parametrize("loss", [
-    {"kl_coef": 0.1, "entropy_coef": 0.01, "correction": "decoupled"},  # a reference model, entropy
-    {"aggregation": "seq_mean_token_mean", "clip_against": "proximal"},
-    {"advantage": "rloo", "aggregation": "seq_mean_token_sum"},
-])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        {"kl_coef": 0.1, "entropy_coef": 0.01, "correction": "decoupled"},  # a reference model, entropy
+        {"aggregation": "seq_mean_token_mean", "clip_against": "proximal"},
+        {"advantage": "rloo", "aggregation": "seq_mean_token_sum"},
+    ],
+)
 def test_packed_step_equals_the_padded_step_for_loss_variants(loss):
     batch = make_batch(turns=2, seed=5)
     assert_same_step(config(loss=loss), config(loss=loss, micro_batch_tokens=BUDGET), batch)
@@ -146,8 +149,7 @@ def test_checkpointed_moe_blocks_replay_the_routing_in_their_recomputation_too()
     replay must still be on then (else TorchTitan's checkpoint sees other experts and fails)."""
     model = {"family": "qwen3_moe", "num_experts": 4, "experts_top_k": 2}
     cfg = dict(model=model, loss={"routing_replay": True})
-    out = assert_same_step(config(**cfg), config(**cfg, activation_checkpoint="full", micro_batch_tokens=BUDGET),
-                           moe_batch_with_routing(model), grad_tol=1e-2)
+    out = assert_same_step(config(**cfg), config(**cfg, activation_checkpoint="full", micro_batch_tokens=BUDGET), moe_batch_with_routing(model), grad_tol=1e-2)
     assert out["routing_replay_changed_frac"] > 0
 
 
@@ -174,13 +176,15 @@ def test_packed_step_equals_the_padded_step_on_distillation_advantages():
 
 def test_packed_scoring_equals_padded_with_the_samplers_truncation():
     batch = make_batch(turns=2, seed=6)
+
     def scored(**trainer):
         cfg = Config.from_dict({"model": {"max_seq_len": BUDGET}, "generator": {"top_k": 20, "top_p": 0.9}, "trainer": trainer})
         return PolicyTrainer(cfg, CPU).compute_logprobs(batch)
+
     rows_a, lp_a = scored(micro_batch_size=3)
     rows_b, lp_b = scored(micro_batch_tokens=BUDGET)
     order = [rows_b.index(r) for r in rows_a]
-    torch.testing.assert_close(lp_b[order][:, :lp_a.shape[1]], lp_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp_b[order][:, : lp_a.shape[1]], lp_a, rtol=1e-5, atol=1e-5)
 
 
 # ---- activation checkpointing ----------------------------------------------------------------
@@ -225,10 +229,17 @@ def test_episodes_of_16k_tokens_train_on_the_real_loop(tmp_path):
             f.write(json.dumps({"prompt": "".join(rng.choice("abcdefgh ") for _ in range(LONG)) + ":", "answer": ""}) + "\n")
     # one group of 2 rows a step: every assertion below holds per row (two steps: the second
     # scores its 16k rows under weights the first step updated); more rows only cost time
-    cfg = tiny(tmp_path / "run", steps=2, batch_groups=1, data={"source": str(rows)}, scoring={"reward_fn": "meshrl.tasks:digits_reward"},
-               model={"max_seq_len": LONG + 64}, buffer=SYNC["buffer"],
-               generator={**SYNC["generator"], "group_size": 2, "max_num_seqs": 4},
-               trainer={"checkpoint_every": 0, "micro_batch_tokens": LONG + 64, "activation_checkpoint": "full"})
+    cfg = tiny(
+        tmp_path / "run",
+        steps=2,
+        batch_groups=1,
+        data={"source": str(rows)},
+        scoring={"reward_fn": "meshrl.tasks:digits_reward"},
+        model={"max_seq_len": LONG + 64},
+        buffer=SYNC["buffer"],
+        generator={**SYNC["generator"], "group_size": 2, "max_num_seqs": 4},
+        trainer={"checkpoint_every": 0, "micro_batch_tokens": LONG + 64, "activation_checkpoint": "full"},
+    )
     rows = [r for r in meshrl.run(cfg).metrics if "trainer/tokens" in r]
     assert [int(r["step"]) for r in rows] == [1, 2]
     assert all(r["episode/failed"] == 0 for r in rows if "episode/failed" in r)
@@ -254,9 +265,15 @@ def test_tensor_parallel_mesh_matches_one_process(tmp_path):
     from tests.test_trainer import make_config, run, spawn_inspectable
 
     model = {"n_kv_heads": 2}
+
     def cfg(procs: int, tp: int) -> Config:
-        return Config.from_dict({**make_config(procs=procs).to_dict(), "model": {**make_config().to_dict()["model"], **model},
-                                 "trainer": {**make_config(procs=procs).to_dict()["trainer"], "tp": tp, "micro_batch_tokens": 256}})
+        return Config.from_dict(
+            {
+                **make_config(procs=procs).to_dict(),
+                "model": {**make_config().to_dict()["model"], **model},
+                "trainer": {**make_config(procs=procs).to_dict()["trainer"], "tp": tp, "micro_batch_tokens": 256},
+            }
+        )
 
     loop = asyncio.new_event_loop()
     mesh = run(loop, spawn_inspectable(cfg(2, 2)))
@@ -271,8 +288,9 @@ def test_tensor_parallel_mesh_matches_one_process(tmp_path):
             for key in ("loss", "grad_norm", "mismatch", "kl_sampler"):
                 assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got[key], want[key])
         batch = make_batch(seed=7)
-        torch.testing.assert_close(run(loop, mesh.compute_logprobs(batch))[batch["loss_mask"]],
-                                   reference.compute_logprobs(batch)[1][batch["loss_mask"]], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            run(loop, mesh.compute_logprobs(batch))[batch["loss_mask"]], reference.compute_logprobs(batch)[1][batch["loss_mask"]], atol=1e-5, rtol=1e-5
+        )
         # What weight sync gathers: whole tensors under HF names. Two AdamW steps (lr 5e-3) on
         # gradients equal to float noise differ by up to 2e-5 where a gradient is near 0.
         synced = run(loop, mesh.hf_state_dict())
@@ -324,12 +342,13 @@ class _GatherKV(torch.autograd.Function):
     def backward(ctx, grad):  # every proc's queries read the gathered keys: their gradients add up
         grad = grad.contiguous()
         torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad[:, ctx.span[0]:ctx.span[1]], None, None, None
+        return grad[:, ctx.span[0] : ctx.span[1]], None, None, None
 
 
 def _gathered_attention(attention_modules, cp_mesh):
     group, rank, world = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
     for module in attention_modules:
+
         def forward(q, k, v, *, scale=None, enable_gqa=False, is_causal=True, **_):
             positions = _SHARD_POSITIONS[-1]  # [B, L] this proc's
             every = [torch.empty_like(positions) for _ in range(world)]
@@ -337,8 +356,10 @@ def _gathered_attention(attention_modules, cp_mesh):
             keys, values = (_GatherKV.apply(t, group, rank, world) for t in (k, v))
             allowed = torch.cat(every, dim=1)[:, None, None, :] <= positions[:, None, :, None]
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed, scale=scale, enable_gqa=True)
+                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed, scale=scale, enable_gqa=True
+            )
             return out.transpose(1, 2)
+
         module.forward = forward
 
 
@@ -352,6 +373,7 @@ def _cp_rank(rank: int, steps: int):
     def recording(self, *args):
         shard(self, *args)
         _SHARD_POSITIONS.append(self.positions)
+
     context_parallel.CPRows.__init__ = recording
     trainer = PolicyTrainer(_cp_config(procs=2, cp=2), CPU, rank, 2)
     rows = [trainer.train_step(make_batch(seed=s, version=s, turns=2)) for s in range(steps)]
@@ -361,8 +383,9 @@ def _cp_rank(rank: int, steps: int):
 
 
 def _cp_config(**trainer) -> Config:
-    return Config.from_dict({"model": {"max_seq_len": BUDGET, "n_kv_heads": 2},
-                             "trainer": {"micro_batch_size": 3, "loss": {"kl_coef": 0.05, "entropy_coef": 0.01}, **trainer}})
+    return Config.from_dict(
+        {"model": {"max_seq_len": BUDGET, "n_kv_heads": 2}, "trainer": {"micro_batch_size": 3, "loss": {"kl_coef": 0.05, "entropy_coef": 0.01}, **trainer}}
+    )
 
 
 @pytest.mark.slow  # two gloo procs
@@ -404,8 +427,9 @@ def test_context_parallel_is_refused_on_cpu_and_planned_on_gpus():
     with pytest.raises(ConfigError, match="trainer.cp"):
         Config.from_dict({"model": {"family": "qwen3_moe"}, "trainer": {"procs": 2, "cp": 2}})
     # on 9 GPUs: 8 trainer ranks (2 data-parallel x 2 CP x 2 TP), each on a GPU of its own, and a generator
-    gpu = Config.from_dict({"model": {"n_kv_heads": 2}, "launcher": {"gpus_per_host": 9}, "placement": "split",
-                            "trainer": {"procs": 8, "tp": 2, "cp": 2, "device": "cuda"}})
+    gpu = Config.from_dict(
+        {"model": {"n_kv_heads": 2}, "launcher": {"gpus_per_host": 9}, "placement": "split", "trainer": {"procs": 8, "tp": 2, "cp": 2, "device": "cuda"}}
+    )
     plan = plan_devices(gpu)
     assert sorted(s.gpus for s in plan.slots if s.role == "trainer") == [(i,) for i in range(8)]
     p = parallelism_config(gpu.trainer, 8)

@@ -134,7 +134,7 @@ def test_resume_continues_numbering_without_repeating_or_skipping_prompts(async_
     )["queue"]
     consumed = state["consumed"]
     assert len(consumed) == len(set(consumed)), "a group was trained twice"
-    assert consumed[:len(first)] == first
+    assert consumed[: len(first)] == first
     node = PromptNode(Config.from_dict(tiny(tmp_path / "x")).data, 0)
     node.reset()
     reference = [next(node)["prompt"] for _ in range(max(consumed) + 64)]
@@ -154,9 +154,13 @@ def test_sync_mode_trains_only_on_policy_on_pinned_cores(tmp_path):
     # Pinned placement where the machine allows it: trainer on core 0, generator on core 1.
     cores = sorted(os.sched_getaffinity(0))
     trainer_cpus, generator_cpus = (str(cores[0]), str(cores[1])) if len(cores) >= 2 else ("", "")
-    cfg = tiny(tmp_path / "sync", steps=3, buffer={"depth": 0, "max_lag": 0},
-               generator={"update_mode": "block", "cpus": generator_cpus},
-               trainer={"loss": {"correction": "none"}, "checkpoint_every": 0, "cpus": trainer_cpus})
+    cfg = tiny(
+        tmp_path / "sync",
+        steps=3,
+        buffer={"depth": 0, "max_lag": 0},
+        generator={"update_mode": "block", "cpus": generator_cpus},
+        trainer={"loss": {"correction": "none"}, "checkpoint_every": 0, "cpus": trainer_cpus},
+    )
     with meshrl.Session(cfg) as session:
         session.start()
         if trainer_cpus:
@@ -180,8 +184,7 @@ def test_colocated_mode_takes_turns_on_every_core_and_loads_weights_in_place(tmp
     shared-memory snapshot, one step off the policy (max_lag 1), then synchronous (max_lag 0),
     where a wrong or stale weight load would show as a sampler/trainer log-prob gap."""
     cores = set(os.sched_getaffinity(0))
-    cfg = tiny(tmp_path / "colocate", steps=6, placement="colocate", buffer={"max_lag": 1},
-               trainer={"checkpoint_every": 0, "loss": {"correction": "none"}})
+    cfg = tiny(tmp_path / "colocate", steps=6, placement="colocate", buffer={"max_lag": 1}, trainer={"checkpoint_every": 0, "loss": {"correction": "none"}})
     with meshrl.Session(cfg) as session:
         session.start()
         loop = session.loop
@@ -215,8 +218,7 @@ def raising_reward(prompt, response, sample):
 def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_path):
     from IPython.core.interactiveshell import InteractiveShell
 
-    cfg = tiny(tmp_path / "session", steps=100, scoring={"reward_fn": "tests.test_loop:raising_reward"},
-               trainer={"checkpoint_every": 0})
+    cfg = tiny(tmp_path / "session", steps=100, scoring={"reward_fn": "tests.test_loop:raising_reward"}, trainer={"checkpoint_every": 0})
     shell = InteractiveShell.instance()
     shell.user_ns["cfg"] = cfg
 
@@ -317,9 +319,13 @@ class ThreeTurnEnv:
 
 
 def test_user_env_by_import_path_plays_multi_turn_episodes(tmp_path):
-    cfg = tiny(tmp_path / "multi", steps=3, trainer={"checkpoint_every": 0},
-               rollout={"env": "tests.test_loop:ThreeTurnEnv", "env_args": {"replies": 2}, "max_turns": 4},
-               generator={"max_new_tokens": 4})
+    cfg = tiny(
+        tmp_path / "multi",
+        steps=3,
+        trainer={"checkpoint_every": 0},
+        rollout={"env": "tests.test_loop:ThreeTurnEnv", "env_args": {"replies": 2}, "max_turns": 4},
+        generator={"max_new_tokens": 4},
+    )
     rows = meshrl.run(cfg).metrics
     assert [int(r["step"]) for r in rows] == [1, 2, 3]
     turns = [r["episode/turns_mean"] for r in rows if "episode/turns_mean" in r]
@@ -336,8 +342,14 @@ def test_longtail_chat_turns_and_lengths_vary_within_budgets(tmp_path):
     from meshrl.tasks import answer_budget
 
     lengths = {"median": 3, "sigma": 1.0, "max": 24, "slack": 0.25, "turns_max": 3}
-    cfg = tiny(tmp_path / "longtail", steps=3, trainer={"checkpoint_every": 0}, rollout={"max_turns": 3},
-               data={"source": "task:longtail_chat", "lengths": lengths}, generator={"max_new_tokens": 32})
+    cfg = tiny(
+        tmp_path / "longtail",
+        steps=3,
+        trainer={"checkpoint_every": 0},
+        rollout={"max_turns": 3},
+        data={"source": "task:longtail_chat", "lengths": lengths},
+        generator={"max_new_tokens": 32},
+    )
     result = meshrl.run(cfg)
     rows = [r for r in result.metrics if "episode/turns_mean" in r]
     assert rows and max(r["episode/turns_mean"] for r in rows) > 1  # some episodes went on past their first round
@@ -365,10 +377,27 @@ def test_torchx_local_scheduler_runs_the_tiny_default(tmp_path):
     # torchx as a module of the interpreter that runs the tests (its console script need not be
     # on PATH), and that interpreter for the job: a venv's python need not be PATH's `python`
     out = subprocess.run(
-        [sys.executable, "-m", "torchx.cli.main", "run", "--scheduler", "local_cwd", "meshrl/torchx_component.py:train",
-         "--config", "configs/default.yaml", "--python", sys.executable,
-         "steps=2", f"logging.run_dir={run_dir}", "logging.plot=false", "logging.progress=false"],
-        capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        [
+            sys.executable,
+            "-m",
+            "torchx.cli.main",
+            "run",
+            "--scheduler",
+            "local_cwd",
+            "meshrl/torchx_component.py:train",
+            "--config",
+            "configs/default.yaml",
+            "--python",
+            sys.executable,
+            "steps=2",
+            f"logging.run_dir={run_dir}",
+            "logging.plot=false",
+            "logging.progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
@@ -391,16 +420,14 @@ def test_dead_trainer_stops_the_run_with_a_resumable_message(tmp_path):
 
 
 def test_cli_bad_reward_path_exits_2(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "meshrl", "run", "scoring.reward_fn=nosuch"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "meshrl", "run", "scoring.reward_fn=nosuch"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "scoring.reward_fn" in out.stderr
 
 
 def test_sampling_mask_replay_matches_the_samplers_processed_logprobs(tmp_path):
     """At top_p=0.9 and top_k=20, step 1 trains version-0 tokens with version-0 weights: the
     trainer's log-probs under the replayed truncation equal vLLM's processed log-probs."""
-    cfg = tiny(tmp_path / "mask", steps=1, trainer={"checkpoint_every": 0},
-               generator={"top_p": 0.9, "top_k": 20, "temperature": 0.8})
+    cfg = tiny(tmp_path / "mask", steps=1, trainer={"checkpoint_every": 0}, generator={"top_p": 0.9, "top_k": 20, "temperature": 0.8})
     row = meshrl.run(cfg).metrics[0]
     assert row["trainer/staleness_max"] == 0
     assert row["trainer/logprob_mismatch"] < 2e-3, row["trainer/logprob_mismatch"]
@@ -444,8 +471,15 @@ def test_lora_run_on_fsdp2_trains_the_adapter_alone_and_reward_rises(tmp_path):
     base = build_lora_base(tmp_path / "base")
     # 8 groups a batch and lr 0.01: with 4 groups or lr 0.02 the adapter's steps are noisy
     # enough that reward can rise and fall back within a short run.
-    cfg = tiny(tmp_path / "run", steps=LORA_STEPS, batch_groups=8, model={"path": base}, lora={"rank": 8},
-               trainer={"checkpoint_every": 0, "procs": 2, "lr": 0.01}, **SYNC)
+    cfg = tiny(
+        tmp_path / "run",
+        steps=LORA_STEPS,
+        batch_groups=8,
+        model={"path": base},
+        lora={"rank": 8},
+        trainer={"checkpoint_every": 0, "procs": 2, "lr": 0.01},
+        **SYNC,
+    )
     result = meshrl.run(cfg)
     reward = [r["trainer/reward_mean"] for r in result.metrics if "trainer/reward_mean" in r]
     print("LoRA reward", [round(x, 3) for x in reward])
@@ -470,10 +504,15 @@ def test_lora_on_moe_under_ep_replays_the_samplers_routing(tmp_path):
     trainer replays them, and step 2 trains on tokens sampled after the first weight sync.
     Its train/inference mismatch stays at step 1's: the synced weights are the trainer's
     (on CPU a MoE LoRA is synced merged, and the experts reloaded through vLLM's prepack)."""
-    cfg = tiny(tmp_path / "run", steps=2, model={"family": "qwen3_moe", "num_experts": 8},
-               lora={"rank": 8, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-               generator={"return_routed_experts": True, "update_mode": "block"}, buffer={"depth": 0},
-               trainer={"checkpoint_every": 0, "procs": 2, "ep": 2, "lr": 0.02})
+    cfg = tiny(
+        tmp_path / "run",
+        steps=2,
+        model={"family": "qwen3_moe", "num_experts": 8},
+        lora={"rank": 8, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        generator={"return_routed_experts": True, "update_mode": "block"},
+        buffer={"depth": 0},
+        trainer={"checkpoint_every": 0, "procs": 2, "ep": 2, "lr": 0.02},
+    )
     rows = [r for r in meshrl.run(cfg).metrics if "trainer/reward_mean" in r]
     assert len(rows) == 2 and all("trainer/routing_replay_changed_frac" in r for r in rows)
     mismatch = [r["trainer/logprob_mismatch"] for r in rows]

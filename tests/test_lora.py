@@ -32,8 +32,7 @@ def base(tmp_path_factory) -> str:
 def lora_config(base: str, **generator) -> Config:
     gen = {"max_new_tokens": 24, "max_num_seqs": 8, "temperature": 1.0}
     gen.update(generator)
-    return Config.from_dict({"model": {"path": base}, "lora": {"rank": 8, "alpha": 16}, "trainer": {"lr": 0.02},
-                             "generator": gen, "seed": 0})
+    return Config.from_dict({"model": {"path": base}, "lora": {"rank": 8, "alpha": 16}, "trainer": {"lr": 0.02}, "generator": gen, "seed": 0})
 
 
 def randomise_adapters(trainer: PolicyTrainer, seed: int) -> None:
@@ -130,8 +129,11 @@ def test_adapter_sync_equals_a_fresh_engine_loaded_with_the_exported_adapter(tmp
 
         weight_sync = {"transport": "collective", "timeout_s": 60.0}
         publisher = procs[1].spawn("adapter_publisher", WeightsPublisher, weight_sync)
-        ws = asyncio.run(WeightSync(WeightSyncConfig(**weight_sync)).connect(
-            publisher.weight_sync_handle.call_one().get(timeout=60), [synced.weight_sync_handle.call_one().get(timeout=60)]))
+        ws = asyncio.run(
+            WeightSync(WeightSyncConfig(**weight_sync)).connect(
+                publisher.weight_sync_handle.call_one().get(timeout=60), [synced.weight_sync_handle.call_one().get(timeout=60)]
+            )
+        )
         randomise_adapters(trainer, 5)
         publisher.publish.call_one(5, dict(trainer.sync_state_dict(torch.float32))).get(timeout=60)
         assert synced.sync_weights.call_one(5).get(timeout=120)["version"] == 5
@@ -146,7 +148,7 @@ def test_adapter_sync_equals_a_fresh_engine_loaded_with_the_exported_adapter(tmp
                 r = gen.generate.call_one(p, 20, 1.0, 5).get(timeout=120)
                 ids = torch.tensor([p + r.token_ids])
                 with torch.no_grad():
-                    logp = torch.log_softmax(trainer.model(ids)[0, len(p) - 1:-1].double(), -1)
+                    logp = torch.log_softmax(trainer.model(ids)[0, len(p) - 1 : -1].double(), -1)
                 want = logp.gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
                 torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, atol=1e-5, rtol=0)
                 assert set(r.versions) == {5}

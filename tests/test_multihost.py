@@ -72,8 +72,7 @@ def test_two_hosts_train_across_the_link(two_hosts, tmp_path, transport):
     run_dir = tmp_path / "run"
     # synchronous (tests/README.md): every batch is sampled by the version the trainer holds,
     # so each step's log-prob match checks that step's weights arrived whole across the link
-    cfg = two_host_config(run_dir, two_hosts, weight_sync={"transport": transport}, buffer={"depth": 0, "max_lag": 0},
-                          generator={"update_mode": "block"})
+    cfg = two_host_config(run_dir, two_hosts, weight_sync={"transport": transport}, buffer={"depth": 0, "max_lag": 0}, generator={"update_mode": "block"})
     controller = start_run(two_hosts, tmp_path, cfg, transport)
     seen = watch(two_hosts, controller, RUN_TIMEOUT_S)
     log = (tmp_path / f"{transport}-controller.log").read_text()

@@ -211,8 +211,12 @@ def test_same_seed_same_game_and_other_record_fields_reach_reset_as_asked():
 
 def test_hooks_system_prompt_record_prompt_and_plain_text():
     n = secret(3)
-    env = OpenEnvEnv(env="tests.test_openenv:GuessEnv", action_fn="tests.test_openenv:bracketed_guess",
-                     observation_fn="tests.test_openenv:hint_and_tries", system_prompt="Answer with 4 digits.")
+    env = OpenEnvEnv(
+        env="tests.test_openenv:GuessEnv",
+        action_fn="tests.test_openenv:bracketed_guess",
+        observation_fn="tests.test_openenv:hint_and_tries",
+        system_prompt="Answer with 4 digits.",
+    )
     first, results = asyncio.run(play(env, {"seed": 3}, ["[1000]", f"[{n}]"]))
     assert first == [{"role": "system", "content": "Answer with 4 digits."}, *user("guess 4 digits (3 left)")]
     assert results[0].observation == user(f"{'higher' if n > 1000 else 'lower'} (2 left)")
@@ -353,6 +357,7 @@ def test_full_server_queues_episodes_and_unreachable_one_fails():
     session to close, then plays; nothing is left open. No server: reset raises."""
     GuessEnv.live.clear()
     with serve(max_sessions=1) as url:
+
         async def episode(seed, hold_s):
             env = OpenEnvEnv(base_url=url, client="tests.test_openenv:GuessClient")
             try:
@@ -394,10 +399,14 @@ def test_real_run_plays_openenv_episodes_over_the_server(server, tmp_path):
     GuessEnv.live.clear()
     data = tmp_path / "games.jsonl"
     data.write_text("".join(json.dumps({"prompt": "", "seed": s}) + "\n" for s in range(16)))
-    cfg = tiny(tmp_path / "run", steps=2, trainer={"checkpoint_every": 0}, data={"source": str(data)},
-               rollout={"env": "meshrl.rollout.openenv:OpenEnvEnv", "max_turns": 4,
-                        "env_args": {"base_url": server, "client": "tests.test_openenv:GuessClient"}},
-               generator={"max_new_tokens": 4})
+    cfg = tiny(
+        tmp_path / "run",
+        steps=2,
+        trainer={"checkpoint_every": 0},
+        data={"source": str(data)},
+        rollout={"env": "meshrl.rollout.openenv:OpenEnvEnv", "max_turns": 4, "env_args": {"base_url": server, "client": "tests.test_openenv:GuessClient"}},
+        generator={"max_new_tokens": 4},
+    )
     rows = meshrl.run(cfg).metrics
     assert [int(r["step"]) for r in rows] == [1, 2]
     played = [r for r in rows if "episode/turns_mean" in r]

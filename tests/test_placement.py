@@ -86,8 +86,11 @@ def test_auto_on_cpu_colocates_a_trainer_bound_run_and_splits_the_default():
     placement, why = resolve_placement(heavy, 0)
     assert placement == "colocate" and "GFLOP" in why
     # never where colocation cannot be, or where the user placed the roles
-    for other in ({"trainer": {"cpus": "0"}, "generator": {"cpus": "1"}}, {"weight_sync": {"transport": "collective"}},
-                  {"launcher": {"kind": "workers", "workers": ["127.0.0.1:1", "127.0.0.1:2"], "address": "127.0.0.1"}}):
+    for other in (
+        {"trainer": {"cpus": "0"}, "generator": {"cpus": "1"}},
+        {"weight_sync": {"transport": "collective"}},
+        {"launcher": {"kind": "workers", "workers": ["127.0.0.1:1", "127.0.0.1:2"], "address": "127.0.0.1"}},
+    ):
         cfg = Config.from_dict({**big, **other})
         assert resolve_placement(cfg, 0)[0] == "split", other
     assert resolve_placement(Config.from_dict({**big, "placement": "split"}), 0)[0] == "split"

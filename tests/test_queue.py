@@ -120,8 +120,11 @@ def test_random_policy_and_custom_callable():
     bad = make_queue(depth=4, max_lag=None, sampling="tests.test_queue:twice_the_first")
     for c in claim_all(bad):
         deliver(bad, c)
-    with pytest.raises(UserCodeError, match=r"^queue: ValueError: sampling policy 'tests.test_queue:twice_the_first' returned \[0, 0\]: "
-                       "expected 2 distinct indices"):
+    with pytest.raises(
+        UserCodeError,
+        match=r"^queue: ValueError: sampling policy 'tests.test_queue:twice_the_first' returned \[0, 0\]: "
+        "expected 2 distinct indices",
+    ):
         bad.sample(2, 0)  # the user's policy broke its contract: the queue closes on that one line
     with pytest.raises(UserCodeError, match="twice_the_first"):
         bad.claim(0, 0.1)
@@ -253,9 +256,15 @@ def flat_group(gid: int, n: int, version: int, reward: float = 0.0, failed: int 
     advantages on its model tokens."""
     from meshrl.episode import Episode, Turn, assign_advantages, pack
 
-    episodes = [Episode(gid, gid * 100 + i, [Turn("env", [1, 2]), Turn("model", [7, 8], [-0.5, -0.5], [version, version], reward=reward)],
-                        finish_reason="failed" if i == failed else "stop")
-                for i in range(n)]
+    episodes = [
+        Episode(
+            gid,
+            gid * 100 + i,
+            [Turn("env", [1, 2]), Turn("model", [7, 8], [-0.5, -0.5], [version, version], reward=reward)],
+            finish_reason="failed" if i == failed else "stop",
+        )
+        for i in range(n)
+    ]
     if failed is not None:
         episodes[failed].turns[-1].reward = reward + 1.0  # ignored: it failed
     group = assign_advantages(pack(episodes), "grpo")
@@ -523,8 +532,7 @@ def test_invariants_single_thread(ops, depth, batch_groups, max_lag, granularity
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    groups=st.lists(st.tuples(st.sampled_from(["ready", "running", "pending"]), st.lists(st.integers(0, 3), min_size=1, max_size=5)),
-                    max_size=6),
+    groups=st.lists(st.tuples(st.sampled_from(["ready", "running", "pending"]), st.lists(st.integers(0, 3), min_size=1, max_size=5)), max_size=6),
     version=st.integers(0, 4),
     sampling=st.sampled_from(["fifo", "random"]),
 )
@@ -556,11 +564,11 @@ def test_state_round_trips_exactly(groups, version, sampling):
     in_flight = {c.group_id: c.sample for c, (s, _) in zip(claims, groups) if s != "ready"}
     a.requeue()
     resumed = [b.claim(0, 0) for _ in range(len(in_flight) + 3)]
-    assert {c.group_id: c.sample for c in resumed[:len(in_flight)]} == in_flight
-    assert [c.group_id for c in resumed[:len(in_flight)]] == sorted(in_flight)
+    assert {c.group_id: c.sample for c in resumed[: len(in_flight)]} == in_flight
+    assert [c.group_id for c in resumed[: len(in_flight)]] == sorted(in_flight)
     original = [a.claim(0, 0) for _ in range(len(in_flight) + 3)]
-    assert [(c.group_id, c.sample) for c in resumed[len(in_flight):]] == [(c.group_id, c.sample) for c in original[len(in_flight):]]
-    assert [c.group_id for c in resumed[len(in_flight):]] == [len(groups) + i for i in range(3)]
+    assert [(c.group_id, c.sample) for c in resumed[len(in_flight) :]] == [(c.group_id, c.sample) for c in original[len(in_flight) :]]
+    assert [c.group_id for c in resumed[len(in_flight) :]] == [len(groups) + i for i in range(3)]
 
 
 def test_concurrent_workers_and_trainer_respect_bounds():

@@ -233,8 +233,9 @@ def test_vllm_routed_experts_are_the_trainers_and_replay_makes_them_equal(tmp_pa
     model.eval()
 
     asked = prompts(8, seed=3, length=6)
-    config = Config.from_dict({"model": {"path": path},
-                               "generator": {"return_routed_experts": True, "max_new_tokens": 24, "temperature": 1.0, "max_num_seqs": 8}})
+    config = Config.from_dict(
+        {"model": {"path": path}, "generator": {"return_routed_experts": True, "max_new_tokens": 24, "temperature": 1.0, "max_num_seqs": 8}}
+    )
     gen, _ = spawn_generator(this_host().spawn_procs(per_host={"procs": 1}), "moe", config, path)
     try:
         outs = gen.generate_many.call_one([(p, 24, None, 0) for p in asked]).get(timeout=120)

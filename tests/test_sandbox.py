@@ -36,8 +36,9 @@ _WHY = _unavailable()
 if _WHY:
     pytest.skip(f"sandbox tests: {_WHY}", allow_module_level=True)
 
-LIMITS = SandboxConfig(pool_size=2, max_concurrent=4, wall_timeout_s=3.0, cpu_time_s=2, memory_mb=256,
-                       max_processes=16, max_file_mb=4, workspace_mb=16, max_output_bytes=32768)
+LIMITS = SandboxConfig(
+    pool_size=2, max_concurrent=4, wall_timeout_s=3.0, cpu_time_s=2, memory_mb=256, max_processes=16, max_file_mb=4, workspace_mb=16, max_output_bytes=32768
+)
 SECRET = "meshrl-fake-secret-7f3a91"
 
 
@@ -49,6 +50,7 @@ def _config() -> Config:
 def loop():
     loop = asyncio.new_event_loop()
     yield loop
+
     async def close_all():
         for key, p in list(sb._POOLS.items()):
             if key[0] == id(loop):
@@ -131,8 +133,14 @@ def attack(loop, pool, code: str) -> tuple[str, sb.SandboxResult, float]:
 
 # ---- the runner --------------------------------------------------------------------------------
 def test_a_call_returns_output_status_and_files(loop, pool):
-    r = loop.run_until_complete(pool.run("import sys, helper\nprint(helper.X, sys.stdin.read(), sys.argv[1:])\nsys.exit(3)",
-                                         files={"helper.py": "X = 5", "data/a.txt": "x"}, stdin="in", argv=["-v"]))
+    r = loop.run_until_complete(
+        pool.run(
+            "import sys, helper\nprint(helper.X, sys.stdin.read(), sys.argv[1:])\nsys.exit(3)",
+            files={"helper.py": "X = 5", "data/a.txt": "x"},
+            stdin="in",
+            argv=["-v"],
+        )
+    )
     assert (r.stdout, r.exit_code, r.limit, r.ok) == ("5 in ['-v']\n", 3, None, False)
     r = loop.run_until_complete(pool.run("1/0"))
     assert r.exit_code == 1 and "ZeroDivisionError" in r.stderr and r.summary().startswith("error: exit status 1: ZeroDivisionError")
@@ -141,9 +149,11 @@ def test_a_call_returns_output_status_and_files(loop, pool):
 
 
 def test_the_sandbox_sees_no_host_and_an_empty_environment(loop, pool):
-    code = ("import os, socket, json\n"
-            "print(json.dumps([sorted(os.environ), os.getcwd(), os.getuid(), [n for _, n in socket.if_nameindex()],\n"
-            "                  sorted(os.listdir('/')), sorted(p for p in os.listdir('/proc') if p.isdigit()), os.listdir('/tmp')]))")
+    code = (
+        "import os, socket, json\n"
+        "print(json.dumps([sorted(os.environ), os.getcwd(), os.getuid(), [n for _, n in socket.if_nameindex()],\n"
+        "                  sorted(os.listdir('/')), sorted(p for p in os.listdir('/proc') if p.isdigit()), os.listdir('/tmp')]))"
+    )
     r = loop.run_until_complete(pool.run(code))
     assert r.ok, r
     env, cwd, uid, interfaces, root, pids, workspace = json.loads(r.stdout)
@@ -199,24 +209,35 @@ def test_attack_read_a_planted_file_and_a_secret_in_the_environment(loop, pool, 
     assert content.startswith("error:") and "FileNotFoundError" in content and SECRET not in content
     content, _, _ = attack(loop, pool, f"print(open({os.path.abspath(__file__)!r}).read())")  # the checkout
     assert content.startswith("error:") and "FileNotFoundError" in content
-    search = ("import os, glob\n"
-              "seen = [os.environ.get('MESHRL_FAKE_SECRET')]\n"
-              "for p in glob.glob('/proc/*/environ'):\n"
-              "    try: seen.append(open(p, 'rb').read().decode(errors='replace'))\n"
-              "    except OSError: pass\n"
-              f"if any(s and {SECRET!r} in s for s in seen): print('LEAKED')\n"
-              "raise SystemExit('no secret here')")
+    search = (
+        "import os, glob\n"
+        "seen = [os.environ.get('MESHRL_FAKE_SECRET')]\n"
+        "for p in glob.glob('/proc/*/environ'):\n"
+        "    try: seen.append(open(p, 'rb').read().decode(errors='replace'))\n"
+        "    except OSError: pass\n"
+        f"if any(s and {SECRET!r} in s for s in seen): print('LEAKED')\n"
+        "raise SystemExit('no secret here')"
+    )
     content, _, _ = attack(loop, pool, search)
     assert content == "error: exit status 1: no secret here"
 
 
 def test_attack_write_outside_the_workspace(loop, pool, tmp_path):
-    targets = ["/etc/meshrl-pwned", "/usr/meshrl-pwned", "/meshrl-pwned", "/dev/meshrl-pwned", "/proc/meshrl-pwned",
-               str(tmp_path / "meshrl-pwned"), os.path.join(os.getcwd(), "meshrl-pwned")]
-    code = (f"wrote = []\nfor t in {targets!r}:\n"
-            "    try:\n        open(t, 'w').write('x'); wrote.append(t)\n"
-            "    except OSError:\n        pass\n"
-            "raise SystemExit(f'wrote {wrote}' if wrote else 'every write refused')")
+    targets = [
+        "/etc/meshrl-pwned",
+        "/usr/meshrl-pwned",
+        "/meshrl-pwned",
+        "/dev/meshrl-pwned",
+        "/proc/meshrl-pwned",
+        str(tmp_path / "meshrl-pwned"),
+        os.path.join(os.getcwd(), "meshrl-pwned"),
+    ]
+    code = (
+        f"wrote = []\nfor t in {targets!r}:\n"
+        "    try:\n        open(t, 'w').write('x'); wrote.append(t)\n"
+        "    except OSError:\n        pass\n"
+        "raise SystemExit(f'wrote {wrote}' if wrote else 'every write refused')"
+    )
     content, _, _ = attack(loop, pool, code)
     assert content == "error: exit status 1: every write refused"
     assert not any(os.path.exists(t) for t in targets)
@@ -224,10 +245,12 @@ def test_attack_write_outside_the_workspace(loop, pool, tmp_path):
 
 def test_attack_fork_bomb_is_capped_by_the_process_limit(loop, pool):
     # Can fail: without RLIMIT_NPROC in force (e.g. the sandbox running as root) all 200 forks succeed.
-    count = ("import os, time\nn = 0\nfor _ in range(200):\n"
-             "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
-             "    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n    n += 1\n"
-             "raise SystemExit(f'forked {n}')")
+    count = (
+        "import os, time\nn = 0\nfor _ in range(200):\n"
+        "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+        "    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n    n += 1\n"
+        "raise SystemExit(f'forked {n}')"
+    )
     content, _, _ = attack(loop, pool, count)
     forked = int(re.search(r"forked (\d+)", content).group(1))
     assert 0 < forked < LIMITS.max_processes, content
@@ -260,9 +283,11 @@ def test_attack_100_mb_of_output(loop, pool):
 
 
 def test_attack_kill_the_parent(loop, pool):
-    code = (f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}, {os.getppid()}, 1):\n"
-            "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n"
-            "os.kill(-1, signal.SIGKILL)")
+    code = (
+        f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}, {os.getppid()}, 1):\n"
+        "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n"
+        "os.kill(-1, signal.SIGKILL)"
+    )
     content, result, _ = attack(loop, pool, code)
     assert content.startswith("error:")  # the sandbox killed itself; this process and its parent live on
 
@@ -275,11 +300,13 @@ def test_attack_sleep_past_the_timeout(loop, pool):
 
 def test_attack_leave_a_background_process_behind(loop, pool):
     marker = f"{4242 + os.getpid() % 1000}.25"
-    code = ("import os, subprocess\n"
-            f"subprocess.Popen(['sleep', '{marker}'], start_new_session=True)\n"
-            "if os.fork() == 0:\n    os.setsid()\n"
-            f"    if os.fork() == 0:\n        os.execvp('sleep', ['sleep', '{marker}'])\n    os._exit(0)\n"
-            "print('started')")
+    code = (
+        "import os, subprocess\n"
+        f"subprocess.Popen(['sleep', '{marker}'], start_new_session=True)\n"
+        "if os.fork() == 0:\n    os.setsid()\n"
+        f"    if os.fork() == 0:\n        os.execvp('sleep', ['sleep', '{marker}'])\n    os._exit(0)\n"
+        "print('started')"
+    )
     content, result, _ = attack(loop, pool, code)
     assert content == "started"  # it ran; and then none of it may outlive the call
     assert _processes_matching(f"sleep {marker}") == []
@@ -334,9 +361,14 @@ def test_config_limits_are_checked():
 def test_a_missing_bwrap_stops_the_run_in_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PATH"}
     env["PATH"] = str(tmp_path)  # no bwrap on it
-    done = subprocess.run([sys.executable, "-m", "meshrl", "run", "data.source=task:pyexpr", "rollout.tool_parser=compact",
-                           f"logging.run_dir={tmp_path / 'run'}"], capture_output=True, text=True, env=env, timeout=120,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, "-m", "meshrl", "run", "data.source=task:pyexpr", "rollout.tool_parser=compact", f"logging.run_dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "rollout.sandbox.backend" in lines[0] and "bubblewrap" in lines[0], done.stderr

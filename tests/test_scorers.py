@@ -135,8 +135,7 @@ class RewardServer:
                     self.send_response(500)
                     self.end_headers()
                     return
-                scores = answer(body) if answer else [[len(s) for s in it["steps"]] if it.get("steps") else len(it["response"])
-                                                      for it in body["items"]]
+                scores = answer(body) if answer else [[len(s) for s in it["steps"]] if it.get("steps") else len(it["response"]) for it in body["items"]]
                 data = json.dumps({"scores": scores}).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(data)))
@@ -196,8 +195,10 @@ def test_process_advantages_change_exactly_after_the_scored_steps(mode):
     """Two episodes of one group; episode 0's steps end at tokens 3, 5 and 7, episode 1's at
     4 and 7 (no two adjacent steps with the same value, in either mode). The per-token advantage is constant within each step and changes right after
     each step's end, by the formula of meshrl/scorers/process.py."""
-    eps = [Episode(0, 0, [Turn("env", [1, 2]), _model([3, 4, 5, 6, 7, 8], reward=1.0)]),
-           Episode(0, 1, [Turn("env", [1, 2]), _model([3, 4, 5, 6, 7, 8], reward=0.0)])]
+    eps = [
+        Episode(0, 0, [Turn("env", [1, 2]), _model([3, 4, 5, 6, 7, 8], reward=1.0)]),
+        Episode(0, 1, [Turn("env", [1, 2]), _model([3, 4, 5, 6, 7, 8], reward=0.0)]),
+    ]
     eps[0].process = [(3, 0.5), (5, -1.0), (7, 2.5)]
     eps[1].process = [(4, 1.0), (7, 0.0)]
     td = assign_advantages(pack(eps), "grpo")
@@ -261,11 +262,18 @@ def _episode(tok, text: str, env_reward: float = 1.0) -> Episode:
 
 
 def test_episode_reward_weighs_each_signal_and_logs_each_one(char_tokenizer):
-    cfg = Config.from_dict({"scoring": {"env_weight": 0.5, "scorers": [
-        {"kind": "function", "path": "tests.test_scorers:times_two", "weight": 0.1},
-        {"kind": "reward_model", "path": "/unused", "weight": 2.0, "name": "rm"},
-        {"kind": "function", "path": "tests.test_scorers:per_step", "weight": 1.0, "name": "steps", "process": "step", "step_delimiter": ","},
-    ]}})
+    cfg = Config.from_dict(
+        {
+            "scoring": {
+                "env_weight": 0.5,
+                "scorers": [
+                    {"kind": "function", "path": "tests.test_scorers:times_two", "weight": 0.1},
+                    {"kind": "reward_model", "path": "/unused", "weight": 2.0, "name": "rm"},
+                    {"kind": "function", "path": "tests.test_scorers:per_step", "weight": 1.0, "name": "steps", "process": "step", "step_delimiter": ","},
+                ],
+            }
+        }
+    )
     scorers = EpisodeScorers(cfg, char_tokenizer)
     scorers.set_replicas({1: [StandIn(value=0.25)]})
     ep = _episode(char_tokenizer, "12,345")
@@ -312,15 +320,18 @@ def test_a_failed_score_fails_its_episode_and_a_dead_replica_is_asked_again(char
 
 
 # ---- checks before the run -------------------------------------------------------------------
-@pytest.mark.parametrize("scoring, field", [
-    ({"scorers": [{"kind": "reward_model"}]}, "scoring.scorers[0].path"),
-    ({"scorers": [{"kind": "remote", "url": "ftp://x"}]}, "scoring.scorers[0].url"),
-    ({"scorers": [{"kind": "judge", "path": "/j", "process": "step"}]}, "scoring.scorers[0].process"),
-    ({"scorers": [{"kind": "remote", "url": "http://127.0.0.1:1/", "batch_size": 0}]}, "scoring.scorers[0].batch_size"),
-    ({"scorers": [{"kind": "function", "path": "m:f", "name": "env"}]}, "scoring.scorers"),
-    ({"env_weight": 0.0}, "scoring.env_weight"),
-    ({"scorers": [{"kind": "oracle"}]}, "scoring.scorers[0].kind"),
-])
+@pytest.mark.parametrize(
+    "scoring, field",
+    [
+        ({"scorers": [{"kind": "reward_model"}]}, "scoring.scorers[0].path"),
+        ({"scorers": [{"kind": "remote", "url": "ftp://x"}]}, "scoring.scorers[0].url"),
+        ({"scorers": [{"kind": "judge", "path": "/j", "process": "step"}]}, "scoring.scorers[0].process"),
+        ({"scorers": [{"kind": "remote", "url": "http://127.0.0.1:1/", "batch_size": 0}]}, "scoring.scorers[0].batch_size"),
+        ({"scorers": [{"kind": "function", "path": "m:f", "name": "env"}]}, "scoring.scorers"),
+        ({"env_weight": 0.0}, "scoring.env_weight"),
+        ({"scorers": [{"kind": "oracle"}]}, "scoring.scorers[0].kind"),
+    ],
+)
 def test_bad_scorer_configs_are_refused_with_the_field(scoring, field):
     with pytest.raises(ConfigError) as e:
         Config.from_dict({"scoring": scoring})
@@ -358,8 +369,11 @@ def test_preflight_names_a_missing_checkpoint_a_wrong_head_a_bad_template_and_a_
         assert e.value.field_path == field and words in str(e.value), (spec, str(e.value))
         assert "\n" not in str(e.value)
     # the good ones pass
-    preflight(Config.from_dict({**base, "scoring": {"scorers": [{"kind": "reward_model", "path": rm},
-                                                                {"kind": "judge", "path": judge, "parser": "yes_no", "probe_reply": "yes"}]}}))
+    preflight(
+        Config.from_dict(
+            {**base, "scoring": {"scorers": [{"kind": "reward_model", "path": rm}, {"kind": "judge", "path": judge, "parser": "yes_no", "probe_reply": "yes"}]}}
+        )
+    )
 
 
 # ---- on the real loop ------------------------------------------------------------------------
@@ -397,8 +411,13 @@ def test_a_run_rewarded_only_by_the_trained_reward_model_learns_the_task_as_the_
 @pytest.mark.timeout(900)
 def test_a_killed_scorer_replica_is_replaced_and_no_episode_is_lost(tmp_path, trained_rm):
     rm, _ = trained_rm
-    cfg = _cfg(tmp_path / "run", steps=100, batch_groups=4, generator={"group_size": 4, "max_new_tokens": 8, "max_num_seqs": 16},
-               scoring={"scorers": [{"kind": "reward_model", "path": rm, "weight": 0.1}]})
+    cfg = _cfg(
+        tmp_path / "run",
+        steps=100,
+        batch_groups=4,
+        generator={"group_size": 4, "max_new_tokens": 8, "max_num_seqs": 16},
+        scoring={"scorers": [{"kind": "reward_model", "path": rm, "weight": 0.1}]},
+    )
     s = meshrl.Session(cfg).start()
     try:
         rows = s.step(3)
@@ -436,8 +455,7 @@ def test_a_judge_on_its_own_engine_scores_replies_parsed_exactly(tmp_path):
         try:
             actor = procs.spawn("judge", ScorerActor)
             await actor.setup.call_one(cfg.to_dict(), 0, 0)
-            items = [{"prompt": p, "response": r, "answer": "", "messages": None, "sample": {}, "steps": None}
-                     for p in "abcdefgh" for r in ("", "1", "x")]
+            items = [{"prompt": p, "response": r, "answer": "", "messages": None, "sample": {}, "steps": None} for p in "abcdefgh" for r in ("", "1", "x")]
             return await actor.score.call_one(items)
         finally:
             await procs.stop()
@@ -496,15 +514,23 @@ def test_a_rollout_worker_turns_step_scores_into_advantages_that_change_at_the_d
     from meshrl.tokenizer import build_char_tokenizer
     from tests.conftest import ScriptedGenerator, replies_in_order
 
-    cfg = Config.from_dict({"generator": {"group_size": 2}, "scoring": {"process_weight": 1.0, "process_advantage": "step", "scorers": [
-        {"kind": "function", "path": "tests.test_scorers:per_step", "process": "step", "step_delimiter": ",", "name": "steps"}]}})
+    cfg = Config.from_dict(
+        {
+            "generator": {"group_size": 2},
+            "scoring": {
+                "process_weight": 1.0,
+                "process_advantage": "step",
+                "scorers": [{"kind": "function", "path": "tests.test_scorers:per_step", "process": "step", "step_delimiter": ",", "name": "steps"}],
+            },
+        }
+    )
     worker = RolloutWorker(cfg, build_char_tokenizer(tmp_path / "tok"))
     tok = worker.tokenizer
     worker.set_generators([ScriptedGenerator(replies_in_order(tok, ["12,34,5", "1,23"]))])
     episodes = asyncio.run(worker.play_group(Claim(0, {"prompt": "a:", "answer": ""}, 0)))
     td = asyncio.run(worker._packed(episodes))
     for row, ep in enumerate(episodes):
-        text = tok.decode(ep.token_ids[ep.prompt_len:])
+        text = tok.decode(ep.token_ids[ep.prompt_len :])
         ends = [ep.prompt_len + i for i, ch in enumerate(text) if ch == ","] + [len(ep) - 1]  # the last: the end-of-turn token
         adv = td["token_advantage"][row]
         changes = [t for t in range(ep.prompt_len + 1, len(ep)) if not math.isclose(adv[t], adv[t - 1], abs_tol=1e-7)]

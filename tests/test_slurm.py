@@ -123,20 +123,28 @@ def test_no_slurm_on_path_is_one_line(tmp_path):
     """Where Slurm's commands are missing, launcher.kind=slurm says so in one line, exit 2."""
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "meshrl", "run", "launcher.kind=slurm", "launcher.hosts=2", f"logging.run_dir={tmp_path / 'run'}"],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": str(tmp_path)})
+    out = subprocess.run(
+        [sys.executable, "-m", "meshrl", "run", "launcher.kind=slurm", "launcher.hosts=2", f"logging.run_dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PATH": str(tmp_path)},
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("meshrl: config error: launcher.kind: slurm needs Slurm's commands on PATH"), out.stderr
 
 
 def test_unknown_partition_is_one_line(slurm_cluster, tmp_path):
-    controller = start_controller(slurm_cluster, tmp_path, "nopart", ["launcher.kind=slurm", "launcher.hosts=2", "launcher.partition=gpu",
-                                                                     f"logging.run_dir={tmp_path / 'run'}"])
+    controller = start_controller(
+        slurm_cluster, tmp_path, "nopart", ["launcher.kind=slurm", "launcher.hosts=2", "launcher.partition=gpu", f"logging.run_dir={tmp_path / 'run'}"]
+    )
     assert wait_exit(controller, 120) == 2
     lines = meshrl_lines((tmp_path / "nopart.log").read_text())
-    assert lines == [f"meshrl: config error: launcher.partition: no partition 'gpu' on this cluster: give one of "
-                     f"{slurm_cluster.PARTITION}, {slurm_cluster.CLOSED_PARTITION}, or null for the default"], lines
+    assert lines == [
+        f"meshrl: config error: launcher.partition: no partition 'gpu' on this cluster: give one of "
+        f"{slurm_cluster.PARTITION}, {slurm_cluster.CLOSED_PARTITION}, or null for the default"
+    ], lines
     assert slurm_cluster.jobs() == []
 
 
@@ -167,8 +175,23 @@ def test_torchx_job_trains_on_slurm(slurm_cluster, tmp_path):
     config = write_config(tmp_path, "torchx", cfg)
     component = os.path.join(os.getcwd(), "meshrl", "torchx_component.py")
     env = {**os.environ, **slurm_cluster.env, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "torchx.cli.main", "run", "-s", "slurm", "-cfg", f"partition={slurm_cluster.PARTITION}", f"{component}:train",
-           "--config", config, "--cpu", "2", "--python", sys.executable]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchx.cli.main",
+        "run",
+        "-s",
+        "slurm",
+        "-cfg",
+        f"partition={slurm_cluster.PARTITION}",
+        f"{component}:train",
+        "--config",
+        config,
+        "--cpu",
+        "2",
+        "--python",
+        sys.executable,
+    ]
     out = subprocess.run(slurm_cluster.command("a", cmd), capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert "Launched app: slurm://torchx/" in out.stderr, out.stdout + out.stderr
     # After submitting, `torchx run` asks the job's status from sacct, which needs Slurm's

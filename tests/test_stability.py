@@ -58,8 +58,7 @@ def test_watch_raises_once_and_names_the_last_good_checkpoint():
 def test_watch_recovers_then_can_raise_again_and_prefers_the_sampled_reward():
     watch = CliffWatch(window=2, reward_drop=0.5, min_best_reward=0.1, entropy_floor=0.0)
     series = [0.8, 0.8, 0.0, 0.0, 0.0, 0.8, 0.8, 0.0, 0.0]
-    kinds = [[a.kind for a in watch.update(i, {"buffer/sampled_reward_mean": r, "trainer/reward_mean": 1.0})]
-             for i, r in enumerate(series)]
+    kinds = [[a.kind for a in watch.update(i, {"buffer/sampled_reward_mean": r, "trainer/reward_mean": 1.0})] for i, r in enumerate(series)]
     assert [i for i, k in enumerate(kinds) if k] == [3, 8]  # once per fall
     assert watch.raised[0].good_checkpoint is None
     assert "no checkpoint" in watch.raised[0].line(2, 0.5)

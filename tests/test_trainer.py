@@ -43,8 +43,15 @@ def make_batch(groups: int = 4, group_size: int = 4, seed: int = 0, version: int
                 if t:
                     ep.turns.append(Turn("env", [rng.randrange(3, 100) for _ in range(rng.randrange(1, 6))]))
                 n = rng.randrange(2, 12)
-                ep.turns.append(Turn("model", [rng.randrange(3, 100) for _ in range(n)], [-4 * rng.random() for _ in range(n)],
-                                     [max(0, version - rng.randrange(0, 2))] * n, reward=rng.random() / turns))
+                ep.turns.append(
+                    Turn(
+                        "model",
+                        [rng.randrange(3, 100) for _ in range(n)],
+                        [-4 * rng.random() for _ in range(n)],
+                        [max(0, version - rng.randrange(0, 2))] * n,
+                        reward=rng.random() / turns,
+                    )
+                )
             if turns > 1 and rng.random() < 0.5:
                 ep.turns.append(Turn("env", [rng.randrange(3, 100) for _ in range(rng.randrange(1, 4))]))
             episodes.append(ep)
@@ -112,8 +119,7 @@ def test_sampling_mask_replays_vllms_truncation(top_k, top_p):
         logits = model(tokens).float()[:, :-1] / 0.7
     flat = logits.reshape(-1, logits.shape[-1])
     n = flat.shape[0]
-    truncated = apply_top_k_top_p_pytorch(flat.clone(), torch.full((n,), top_k) if top_k > 0 else None,
-                                          torch.full((n,), top_p) if top_p < 1 else None)
+    truncated = apply_top_k_top_p_pytorch(flat.clone(), torch.full((n,), top_k) if top_k > 0 else None, torch.full((n,), top_p) if top_p < 1 else None)
     processed = F.log_softmax(truncated, -1).view_as(logits).gather(-1, tokens[:, 1:, None]).squeeze(-1)
     full = F.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
     inside = processed.isfinite()
@@ -191,21 +197,32 @@ def test_env_tokens_never_train_in_the_loss(correction, aggregation):
     batch = make_batch(turns=3, seed=5)
     mask = batch["loss_mask"]
     env = ~mask
-    assert env[:, batch["prompt_len"].max():].any() and mask.any()  # env tokens between model turns
+    assert env[:, batch["prompt_len"].max() :].any() and mask.any()  # env tokens between model turns
     cfg = LossConfig(correction=correction, aggregation=aggregation, kl_coef=0.1, entropy_coef=0.01)
     g = torch.Generator().manual_seed(1)
     lp = torch.where(mask, batch["sampler_logprobs"] + 0.3 * torch.randn(mask.shape, generator=g), 0.0)
     inputs = {  # as the trainer has them: log-probs and entropies 0 off the scored positions
-        "logprobs": lp, "sampler": batch["sampler_logprobs"], "prox": torch.where(mask, lp + 0.1 * torch.randn(mask.shape, generator=g), 0.0),
+        "logprobs": lp,
+        "sampler": batch["sampler_logprobs"],
+        "prox": torch.where(mask, lp + 0.1 * torch.randn(mask.shape, generator=g), 0.0),
         "ref": torch.where(mask, lp - 0.2 * torch.rand(mask.shape, generator=g), 0.0),
         "entropy": torch.where(mask, torch.rand(mask.shape, generator=g), 0.0),
     }
 
     def loss_and_grad(values):
         logprobs = values["logprobs"].clone().requires_grad_()
-        loss, _ = policy_loss(logprobs, values["sampler"], batch["advantage"], mask, cfg, prox_logprobs=values["prox"],
-                              ref_logprobs=values["ref"], entropy=values["entropy"],
-                              token_count=int(mask.sum()), seq_count=int(mask.any(1).sum()))
+        loss, _ = policy_loss(
+            logprobs,
+            values["sampler"],
+            batch["advantage"],
+            mask,
+            cfg,
+            prox_logprobs=values["prox"],
+            ref_logprobs=values["ref"],
+            entropy=values["entropy"],
+            token_count=int(mask.sum()),
+            seq_count=int(mask.any(1).sum()),
+        )
         loss.backward()
         return loss.detach(), logprobs.grad
 
@@ -293,8 +310,7 @@ def test_compiled_blocks_train_like_eager_without_recompiling_per_batch_shape(mo
     monkeypatch.setattr(torch._dynamo.config, "assume_static_by_default", True)  # put back afterwards
     shape = {"batch_groups": 4, "generator": {"group_size": 4, "max_new_tokens": 16}}
     eager = PolicyTrainer(Config.from_dict({"model": {"family": "qwen3"}, **shape, "trainer": {"micro_batch_size": 16}}), CPU)
-    compiled = PolicyTrainer(Config.from_dict({"model": {"family": "qwen3"}, **shape,
-                                               "trainer": {"micro_batch_size": 16, "compile": True}}), CPU)
+    compiled = PolicyTrainer(Config.from_dict({"model": {"family": "qwen3"}, **shape, "trainer": {"micro_batch_size": 16, "compile": True}}), CPU)
     before = sum(counters["stats"].values())
     compiled.warm_up()
     graphs = counters["stats"]["unique_graphs"]

@@ -127,6 +127,7 @@ def test_staging_lease_on_a_version_being_copied_follows_the_copy():
                 if i == len(named) // 2:
                     gate.wait(5.0)
                 yield item
+
         try:
             pool.publish(version, layout, held())
         except ValueError as e:

@@ -73,10 +73,14 @@ class RolloutWorkerActor(Actor):
     @concurrent_endpoint
     async def metrics(self) -> dict:
         w = self.worker
-        return {"episodes": w.metrics(), "failed_total": w.failed_total, "requeued_total": w.requeued_total, "error": w.error,
-                "first_failure": w.take_first_failure()}
+        return {
+            "episodes": w.metrics(),
+            "failed_total": w.failed_total,
+            "requeued_total": w.requeued_total,
+            "error": w.error,
+            "first_failure": w.take_first_failure(),
+        }
 
     @concurrent_endpoint
     async def stop_rollouts(self, timeout_s: float = 30.0) -> None:
         await self.worker.stop(timeout_s)
-

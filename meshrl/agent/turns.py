@@ -39,7 +39,7 @@ class TurnBatcher:
     def set_generators(self, generators: list) -> None:
         """The replicas to send model turns to (after a replacement or a rescale)."""
         self.generators = list(generators)
-        self.load = (self.load + [0] * len(self.generators))[:len(self.generators)]
+        self.load = (self.load + [0] * len(self.generators))[: len(self.generators)]
         self._failed = set()
 
     def acquire(self) -> int:

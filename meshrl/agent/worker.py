@@ -126,8 +126,9 @@ class RolloutWorker:
         return self._renderers[key]
 
     # ---- one episode, one group ------------------------------------------------------------------
-    async def play_episode(self, group_id: int, sample_id: int, record: dict, version: int, replica: int,
-                           temperature: float | None = None, make_env=None) -> Episode:
+    async def play_episode(
+        self, group_id: int, sample_id: int, record: dict, version: int, replica: int, temperature: float | None = None, make_env=None
+    ) -> Episode:
         """One episode of `record`, model turns on generator `replica` at `version` or newer
         (at `temperature`; None: generator.temperature), with an env from `make_env` (None:
         the run's)."""
@@ -149,15 +150,19 @@ class RolloutWorker:
                     break
                 budget = min(c.generator.max_new_tokens, room, getattr(env, "max_new_tokens", None) or room)
                 out = await self.turns.generate(replica, ep.token_ids, budget, version, temperature)
-                turn = Turn("model", out.token_ids, out.logprobs, out.versions, finish_reason=out.finish_reason,
-                            routed_experts=out.routed_experts)
+                turn = Turn("model", out.token_ids, out.logprobs, out.versions, finish_reason=out.finish_reason, routed_experts=out.routed_experts)
                 ep.turns.append(turn)
                 if out.finish_reason == "abort":
                     raise GenerationFailed(f"generator replica {replica} is stopping")
                 t0 = time.monotonic()
-                step = as_step_result(await self._env_call(
-                    env, "step", ModelTurn(self.tokenizer.decode(out.token_ids, skip_special_tokens=True), list(out.token_ids), out.finish_reason, k),
-                ), env)
+                step = as_step_result(
+                    await self._env_call(
+                        env,
+                        "step",
+                        ModelTurn(self.tokenizer.decode(out.token_ids, skip_special_tokens=True), list(out.token_ids), out.finish_reason, k),
+                    ),
+                    env,
+                )
                 ep.env_s += time.monotonic() - t0
                 turn.reward = step.reward
                 ep.tool_calls += int(step.info.get("tool_calls", 0) or 0)
@@ -214,8 +219,7 @@ class RolloutWorker:
     async def play_group(self, claim) -> list[Episode]:
         n = self.config.generator.group_size
         replica = self.turns.acquire()
-        tasks = [asyncio.ensure_future(self.play_scored(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replica))
-                 for i in range(n)]
+        tasks = [asyncio.ensure_future(self.play_scored(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replica)) for i in range(n)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -249,10 +253,14 @@ class RolloutWorker:
         async def record_result(i: int, record: dict) -> dict:
             episodes = await asyncio.gather(one(i, record, 0.0), *(one(i, record, None) for _ in range(k)))
             versions = [v for ep in episodes for t in ep.model_turns for v in t.versions]
-            return {"greedy": episodes[0].reward, "samples": [ep.reward for ep in episodes[1:]],
-                    "failed": sum(ep.finish_reason == "failed" for ep in episodes),
-                    "greedy_text": self.tokenizer.decode([x for t in episodes[0].model_turns for x in t.token_ids], skip_special_tokens=True),
-                    "version_min": min(versions, default=version), "version_max": max(versions, default=version)}
+            return {
+                "greedy": episodes[0].reward,
+                "samples": [ep.reward for ep in episodes[1:]],
+                "failed": sum(ep.finish_reason == "failed" for ep in episodes),
+                "greedy_text": self.tokenizer.decode([x for t in episodes[0].model_turns for x in t.token_ids], skip_special_tokens=True),
+                "version_min": min(versions, default=version),
+                "version_max": max(versions, default=version),
+            }
 
         return list(await asyncio.gather(*(record_result(i, r) for i, r in enumerate(records))))
 
@@ -319,12 +327,19 @@ class RolloutWorker:
             self.failed_total += failed
             if failed and self.first_failure is None:
                 self.first_failure = ep.failure
-            self.window.append({
-                "reward": ep.reward, "success": float(ep.reward >= 1.0 and not failed), "failed": float(failed),
-                "response_len": float(sum(len(t.token_ids) for t in ep.model_turns)), "turns": float(len(ep.model_turns)),
-                "tool_calls": float(ep.tool_calls), "env_tokens": float(ep.env_tokens), "env_s": ep.env_s,
-                **{f"scoring/{k}": v for k, v in ep.signals.items()},
-            })
+            self.window.append(
+                {
+                    "reward": ep.reward,
+                    "success": float(ep.reward >= 1.0 and not failed),
+                    "failed": float(failed),
+                    "response_len": float(sum(len(t.token_ids) for t in ep.model_turns)),
+                    "turns": float(len(ep.model_turns)),
+                    "tool_calls": float(ep.tool_calls),
+                    "env_tokens": float(ep.env_tokens),
+                    "env_s": ep.env_s,
+                    **{f"scoring/{k}": v for k, v in ep.signals.items()},
+                }
+            )
 
     async def _packed(self, episodes: list[Episode]):
         """The group as the trainer reads it: advantages from the rewards or, under

@@ -17,8 +17,20 @@ from meshrl.config.models import MOE_FAMILIES, ModelConfig
 # DeepSeek-V3 settings that ModelConfig's sizes do not name, under their HF config.json keys.
 # `dsv3_settings` fills them for a from-scratch model; a HF checkpoint brings its own
 # (model_args_from_hf passes the ones that differ as build_model overrides).
-DSV3_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace",
-             "intermediate_size", "n_shared_experts", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")
+DSV3_KEYS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "first_k_dense_replace",
+    "intermediate_size",
+    "n_shared_experts",
+    "n_group",
+    "topk_group",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+)
 
 
 def dsv3_settings(cfg: ModelConfig, **overrides) -> dict:
@@ -28,16 +40,22 @@ def dsv3_settings(cfg: ModelConfig, **overrides) -> dict:
         q_lora_rank=None,
         # DeepSeek-V3's latent sizes whatever the model's width: vLLM serves deepseek_v3 through
         # its MLA backends, and the CPU one (like FlashMLA) caches only a 512 + 64 = 576 latent.
-        kv_lora_rank=512, qk_rope_head_dim=64,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
         # the per-head sizes that ModelConfig names; MLA's kv_b_proj expands the latent to them
-        qk_nope_head_dim=head, v_head_dim=head,
+        qk_nope_head_dim=head,
+        v_head_dim=head,
         # The first layer dense, the rest MoE (DeepSeek-V3's layout), as long as one MoE layer remains.
-        first_k_dense_replace=min(1, cfg.n_layers - 1), intermediate_size=cfg.ffn_dim, n_shared_experts=1,
+        first_k_dense_replace=min(1, cfg.n_layers - 1),
+        intermediate_size=cfg.ffn_dim,
+        n_shared_experts=1,
         # HF's router always runs group-limited top-k; one group of all experts makes that a plain top-k.
-        n_group=1, topk_group=1,
+        n_group=1,
+        topk_group=1,
         # DeepSeek-V3's noaux_tc routing: sigmoid scores, top-k weights renormalised; a scale of 1
         # keeps a from-scratch model's routed output at the size of one expert's.
-        norm_topk_prob=True, routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
     )
     unknown = set(overrides) - set(settings)
     if unknown:
@@ -56,8 +74,13 @@ def model_args_from_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
         raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not one of {sorted(families)}")
     moe = family in MOE_FAMILIES
     cfg = ModelConfig(
-        family=family, path=str(path), vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        family=family,
+        path=str(path),
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         ffn_dim=hf["moe_intermediate_size"] if moe else hf["intermediate_size"],
         num_experts=hf.get("num_experts", hf.get("n_routed_experts", 4)) if moe else 4,
         experts_top_k=hf.get("num_experts_per_tok", 2) if moe else 2,
@@ -89,8 +112,9 @@ def _dsv3_overrides_from_hf(path, hf: dict, cfg: ModelConfig) -> dict:
         raise ValueError(f"{path}: not a valid deepseek_v3 config.json ({e})") from None
     rope = c.rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"{path}: deepseek_v3 rope_type {rope.get('rope_type')!r} is not mapped onto TorchTitan yet; "
-                         "only the default (unscaled) rotary embedding is")
+        raise ValueError(
+            f"{path}: deepseek_v3 rope_type {rope.get('rope_type')!r} is not mapped onto TorchTitan yet; only the default (unscaled) rotary embedding is"
+        )
     if not c.rope_interleave:
         raise ValueError(f"{path}: deepseek_v3 with rope_interleave false is not mapped: TorchTitan rotates adjacent pairs")
     if c.tie_word_embeddings:

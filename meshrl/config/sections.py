@@ -31,6 +31,7 @@ from meshrl.config.models import (  # noqa: F401 (MOE_FAMILIES: re-exported)
     WeightSyncConfig,
 )
 
+
 @dataclass
 class BufferConfig:
     depth: int = 2
@@ -127,7 +128,9 @@ class ScorerConfig:
     """`function`: import path `module:function` (prompt, response, sample) -> float, or a list of floats (one per step) with `process`; `reward_model` / `judge`: a local checkpoint directory (its own tokenizer and chat template)."""
     url: str | None = None
     """`remote`: the endpoint that takes `{"items": [{"prompt", "response", "sample"}, ...]}` and answers `{"scores": [...]}` (a number per item, or a list per item with `process`)."""
-    template: str = "Rate the answer to the question from 0 to 10.\nQuestion: {prompt}\nAnswer: {response}\nReference: {answer}\nReply with the score only.\nScore:"
+    template: str = (
+        "Rate the answer to the question from 0 to 10.\nQuestion: {prompt}\nAnswer: {response}\nReference: {answer}\nReply with the score only.\nScore:"
+    )
     """`judge`: the judge's prompt, a Python format string over `{prompt}`, `{response}` and `{answer}` (the record's reference, empty if none); sent as a user message through the judge's chat template when it has one."""
     parser: str = "number"
     """`judge`: reads the reply as a score. `number`: the first number in the reply; `yes_no`: 1 for a reply starting with yes, 0 for no; or an import path `module:function(text)` returning a number, or None for an unparsable reply."""

@@ -46,8 +46,10 @@ class FailureBreaker:
 
     def stopped(self, first: str, version: int, run_dir: str) -> EpisodesFailed:
         """The error that stops the run, once it checkpointed at `version`."""
-        return EpisodesFailed(f"every episode of the last {self.failed_steps} steps failed; the first of step {version}: {first}; "
-                              f"fix it, then continue from the checkpoint at step {version} with: meshrl run --resume {run_dir}")
+        return EpisodesFailed(
+            f"every episode of the last {self.failed_steps} steps failed; the first of step {version}: {first}; "
+            f"fix it, then continue from the checkpoint at step {version} with: meshrl run --resume {run_dir}"
+        )
 
 
 def report_cliffs(watch, version: int, row: dict, recorded: dict, alarm) -> None:

@@ -70,8 +70,10 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None) -> tupl
         raise RuntimeError(f"trainer checkpoint is at version {version}, loop state at {state['version']}")
     if critic is not None:
         if not state.get("critic_dir"):
-            raise RuntimeError(f"{run_dir}'s checkpoint has no critic (written by a run without trainer.loss.advantage=gae): "
-                               "resume it with its own advantage, or start a new run")
+            raise RuntimeError(
+                f"{run_dir}'s checkpoint has no critic (written by a run without trainer.loss.advantage=gae): "
+                "resume it with its own advantage, or start a new run"
+            )
         await critic.load_checkpoint(state["critic_dir"])
     await awaited(queue.load_state_dict.call_one(state["queue"]))
     history = state["history"]

@@ -109,8 +109,7 @@ class Evaluations:
             await asyncio.gather(previous, return_exceptions=True)
         try:
             worker = self.workers.workers[0].actor
-            row, results = await evaluate_on(worker, self.records, version, self.config.eval.k,
-                                             eval_timeout_s(self.config, len(self.records)))
+            row, results = await evaluate_on(worker, self.records, version, self.config.eval.k, eval_timeout_s(self.config, len(self.records)))
             os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
             write_results(os.path.join(self.run_dir, "eval", f"step_{version:06d}.json"), row, results, self.records)
         except Exception as e:  # noqa: BLE001 - a failed evaluation is reported, training goes on
@@ -118,8 +117,14 @@ class Evaluations:
             return None
         self.record(version, row)
         k = self.config.eval.k
-        log.info("eval at step %d: greedy accuracy %.3f, pass@%d %.3f, mean reward %.3f",
-                 version, row["eval/greedy_accuracy"], k, row[f"eval/pass@{k}"], row["eval/reward_mean"])
+        log.info(
+            "eval at step %d: greedy accuracy %.3f, pass@%d %.3f, mean reward %.3f",
+            version,
+            row["eval/greedy_accuracy"],
+            k,
+            row[f"eval/pass@{k}"],
+            row["eval/reward_mean"],
+        )
         return row
 
 
@@ -130,8 +135,14 @@ def resolve_target(path: str) -> tuple[str | None, str]:
     path = os.path.abspath(path)
     if os.path.isfile(os.path.join(path, "config.yaml")):
         hf = os.path.join(path, "hf")
-        exports = sorted((d for d in os.listdir(hf) if os.path.isfile(os.path.join(hf, d, "config.json"))),
-                         key=lambda d: (d == "final", int(d[1:]) if d[1:].isdigit() else -1)) if os.path.isdir(hf) else []
+        exports = (
+            sorted(
+                (d for d in os.listdir(hf) if os.path.isfile(os.path.join(hf, d, "config.json"))),
+                key=lambda d: (d == "final", int(d[1:]) if d[1:].isdigit() else -1),
+            )
+            if os.path.isdir(hf)
+            else []
+        )
         if not exports:
             raise ConfigError("RUN_DIR", f"{path!r} has no Hugging Face export under hf/: nothing to evaluate")
         return path, os.path.join(hf, exports[-1])
@@ -151,6 +162,7 @@ async def evaluate_checkpoint(config: Config, checkpoint_dir: str, tokenizer_dir
 
     records = eval_records(config)
     async with allocate(config) as alloc:
+
         async def no_rewiring() -> None:
             return None
 

@@ -96,19 +96,30 @@ class RLLoop:
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             f.write(c.to_yaml())  # as given: `auto` placement is resolved again on the host that resumes it
         if c.launcher.kind in ("slurm", "workers") and c.launcher.gpus_per_host == 0 and c.trainer.device == "auto":
-            print(f"meshrl: launcher.gpus_per_host=0: this {c.launcher.kind} run plans no GPUs (every role on CPU"
-                  + (", and the Slurm job asks for none" if c.launcher.kind == "slurm" else "") + "); set it to the hosts' GPUs for a GPU run",
-                  file=console())
+            print(
+                f"meshrl: launcher.gpus_per_host=0: this {c.launcher.kind} run plans no GPUs (every role on CPU"
+                + (", and the Slurm job asks for none" if c.launcher.kind == "slurm" else "")
+                + "); set it to the hosts' GPUs for a GPU run",
+                file=console(),
+            )
         if c.trainer.loss.advantage == "gae" and c.trainer.device == "auto" and gpus_per_host(c) > 0:  # config/checks.py refuses the rest
-            raise ConfigError("trainer.device", "the critic runs on CPU procs only here (the device and memory plans do not cover it yet), "
-                                                "beside a CPU trainer, and this host has GPUs: set trainer.device=cpu, or a group advantage")
+            raise ConfigError(
+                "trainer.device",
+                "the critic runs on CPU procs only here (the device and memory plans do not cover it yet), "
+                "beside a CPU trainer, and this host has GPUs: set trainer.device=cpu, or a group advantage",
+            )
         placement, why = resolve_placement(c)
         if c.placement == "auto" and gpus_per_host(c) == 0:  # the console says which CPU placement, and why
             print(f"meshrl: placement auto -> {placement} ({why})", file=console())
         c.placement, c.weight_sync.transport = placement, resolve_transport(c)
         c.trainer.cpus, c.generator.cpus = resolve_cpus(c)
-        log.info("placement: %s, trainer cpus %r, generator cpus %r, weight transport %s", c.placement, c.trainer.cpus or "any",
-                 c.generator.cpus or "any", c.weight_sync.transport)
+        log.info(
+            "placement: %s, trainer cpus %r, generator cpus %r, weight transport %s",
+            c.placement,
+            c.trainer.cpus or "any",
+            c.generator.cpus or "any",
+            c.weight_sync.transport,
+        )
         self.tokenizer_dir = c.model.tokenizer or c.model.path or build_char_tokenizer(os.path.join(self.run_dir, "tokenizer"))
         self.alloc = await allocate(c).__aenter__()
         # colocated on GPUs: the trainer frees memory (and AdamW's state where the memory plan says) before the engines wake
@@ -121,8 +132,9 @@ class RLLoop:
         await self.queue.metrics.call_one()
 
         # setup (checkpoint loading), export and DCP calls are bounded like the trainer's collectives
-        self.trainer = await spawn_trainer(c, c.trainer.collective_timeout_s, host_mesh=self.alloc.host_mesh("trainer"),
-                                           hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan)
+        self.trainer = await spawn_trainer(
+            c, c.trainer.collective_timeout_s, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan
+        )
         await self.trainer.publisher_handle()  # creates the publisher before its first step
         if c.trainer.loss.advantage == "gae":  # PPO's critic: one proc on the trainer's first host, on its cores
             self.critic = await spawn_critic(c, self.alloc.host("trainer", 0), self.alloc.bootstrap("critic"))
@@ -135,7 +147,9 @@ class RLLoop:
         initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"), checkpoints.lora_base_dir(self.run_dir))
         self.generators = GeneratorPool(c, self.alloc, initial, self.version, self._rewire)
         await self.generators.start(c.generator.replicas)
-        self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), weights_on_gpu(self.alloc.plan, c.weight_sync.transport)).connect(await self.trainer.publisher_handle(), await self._subscribers())
+        self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), weights_on_gpu(self.alloc.plan, c.weight_sync.transport)).connect(
+            await self.trainer.publisher_handle(), await self._subscribers()
+        )
         teacher = None
         if c.distill.teacher:  # on-policy distillation: a replica on the teacher's checkpoint scores every episode
             self.teacher = GeneratorPool(c, self.alloc, c.distill.teacher, 0, self._rewire_teacher, teacher=True)
@@ -185,16 +199,18 @@ class RLLoop:
             if line is not None:  # the user's data or code failed in the queue: its one line, not the trainer's trace
                 raise UserCodeFailed(line) from e
             if find(e, BatchTimeout) is not None:  # the queue's sample, through the trainer's call
-                raise TimeoutError(f"no batch for version {self.version} within buffer.get_timeout_s={c.buffer.get_timeout_s:.0f}s: "
-                                   "rollouts are not arriving; check the generators and envs") from e
+                raise TimeoutError(
+                    f"no batch for version {self.version} within buffer.get_timeout_s={c.buffer.get_timeout_s:.0f}s: "
+                    "rollouts are not arriving; check the generators and envs"
+                ) from e
             first = first_line(str(e)) or type(e).__name__
             if not await self._queue_answers():  # the trainer's call failed because the batches' source did
                 raise self._queue_lost() from e
             if self.critic is not None and not await self.critic.answers():
-                raise TrainerFailed(f"the critic stopped answering at version {self.version} ({type(e).__name__}: {first}); "
-                                    f"{checkpoints.how_to_resume(self.run_dir)}") from e
-            raise TrainerFailed(f"the trainer failed at version {self.version} ({type(e).__name__}: {first}); "
-                                f"{checkpoints.how_to_resume(self.run_dir)}") from e
+                raise TrainerFailed(
+                    f"the critic stopped answering at version {self.version} ({type(e).__name__}: {first}); {checkpoints.how_to_resume(self.run_dir)}"
+                ) from e
+            raise TrainerFailed(f"the trainer failed at version {self.version} ({type(e).__name__}: {first}); {checkpoints.how_to_resume(self.run_dir)}") from e
         self.version = out["version"]
         out["time/trainer_call_s"] = time.monotonic() - call_start
         out.update(handoff)
@@ -241,8 +257,10 @@ class RLLoop:
             raise self.breaker.stopped(first, self.version, self.run_dir)
 
     def _queue_lost(self) -> TrainerFailed:
-        return TrainerFailed(f"the episode queue stopped answering at version {self.version}: its host "
-                             f"(the coordinator's, with the rollout workers) is down or unreachable; {checkpoints.how_to_resume(self.run_dir)}")
+        return TrainerFailed(
+            f"the episode queue stopped answering at version {self.version}: its host "
+            f"(the coordinator's, with the rollout workers) is down or unreachable; {checkpoints.how_to_resume(self.run_dir)}"
+        )
 
     async def _queue_answers(self, timeout_s: float = 10.0) -> bool:
         try:

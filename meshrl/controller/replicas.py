@@ -141,8 +141,7 @@ class Member:
 class GeneratorPool:
     """The generator replicas: spawn, weight updates, health checks, replacement, rescale."""
 
-    def __init__(self, config: Config, alloc, checkpoint_dir: str, checkpoint_version: int,
-                 on_change: Callable[[], Awaitable[None]], teacher: bool = False):
+    def __init__(self, config: Config, alloc, checkpoint_dir: str, checkpoint_version: int, on_change: Callable[[], Awaitable[None]], teacher: bool = False):
         # A replica starts from the Hugging Face export of `checkpoint_version`, then fetches
         # the current version over weight sync. A teacher pool (on-policy distillation,
         # meshrl/distill.py) scores episodes on a fixed checkpoint: no weight sync ever.
@@ -195,8 +194,7 @@ class GeneratorPool:
                     # generate again (asleep at level 2 it would wake on dropped weights under
                     # its old version).
                     await self._drop(r)
-                    log.warning("generator replica %d could not be replaced yet (%s); the health check spawns another",
-                                r.index, str(failed)[:200])
+                    log.warning("generator replica %d could not be replaced yet (%s); the health check spawns another", r.index, str(failed)[:200])
 
         await asyncio.gather(*(one(r) for r in list(self.replicas)))
 
@@ -264,8 +262,10 @@ class GeneratorPool:
         plan = self.alloc.plan
         planned = sum(s.role == self._role for s in plan.slots)
         if plan.layout != "cpu" and n > planned:  # each replica's GPUs come from the plan the run started with
-            raise ValueError(f"the device plan gives GPUs to {planned} generator replica(s): scale to at most {planned}, "
-                             f"or start the run with generator.replicas={n} on enough GPUs (meshrl config plan)")
+            raise ValueError(
+                f"the device plan gives GPUs to {planned} generator replica(s): scale to at most {planned}, "
+                f"or start the run with generator.replicas={n} on enough GPUs (meshrl config plan)"
+            )
         async with self._lock:
             added = []
             try:

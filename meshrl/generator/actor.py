@@ -48,9 +48,7 @@ class GeneratorActor(Actor):
         return self.generator
 
     @endpoint
-    async def setup(
-        self, config_dict: dict, checkpoint_dir: str, version: int = 0, replica: int | None = None, teacher: bool = False
-    ) -> dict:
+    async def setup(self, config_dict: dict, checkpoint_dir: str, version: int = 0, replica: int | None = None, teacher: bool = False) -> dict:
         """Start the engine on `checkpoint_dir` as policy `version`; returns start-up info.
         `teacher`: a distillation teacher's scoring replica (see Generator), pinned to
         distill.cpus instead of generator.cpus."""
@@ -78,9 +76,7 @@ class GeneratorActor(Actor):
         return {"replica": replica, "startup_s": startup_s, "version": version, "processes": _process_tree()}
 
     @endpoint_for_callers_that_may_die
-    async def generate(
-        self, token_ids: list[int], max_new_tokens: int | None = None, temperature: float | None = None, min_version: int = 0
-    ) -> RequestResult:
+    async def generate(self, token_ids: list[int], max_new_tokens: int | None = None, temperature: float | None = None, min_version: int = 0) -> RequestResult:
         """One sample continuing `token_ids` (see Generator.generate). Its caller, a rollout
         worker, may be gone by the time it is answered: the answer is then dropped."""
         return await self._gen().generate(token_ids, max_new_tokens, temperature, min_version)

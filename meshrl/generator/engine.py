@@ -235,7 +235,7 @@ class VLLMEngine:
                 result.versions = _versions_from_spans(c.weight_versions, len(result.token_ids), self.version)
                 if c.routed_experts is not None:
                     experts = torch.as_tensor(c.routed_experts)
-                    result.routed_experts = experts[-len(result.token_ids):] if result.token_ids else experts[:0]
+                    result.routed_experts = experts[-len(result.token_ids) :] if result.token_ids else experts[:0]
         if self.capture_routing:
             result.routed_experts = await self.captured_routing(request_id, len(result.token_ids))
         if len(result.logprobs) != len(result.token_ids):
@@ -385,8 +385,10 @@ class VLLMEngine:
             raise RuntimeError("this engine runs no adapter: start it with adapter_dir")
         segments = to_shared_memory(tensors)
         try:
-            loaded = await asyncio.wait_for(self.llm.collective_rpc(
-                "meshrl_load_adapter", args=([(s.path, s.nbytes, s.manifest) for s in segments], self.adapter_config, ADAPTER_ID)), timeout_s)
+            loaded = await asyncio.wait_for(
+                self.llm.collective_rpc("meshrl_load_adapter", args=([(s.path, s.nbytes, s.manifest) for s in segments], self.adapter_config, ADAPTER_ID)),
+                timeout_s,
+            )
         finally:
             for s in segments:
                 s.unlink()
@@ -477,4 +479,3 @@ def _versions_from_spans(spans, n: int, default: int) -> list[int]:
         for i in range(span.start, min(span.end, n)):
             versions[i] = v
     return versions
-

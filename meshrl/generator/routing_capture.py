@@ -45,15 +45,20 @@ class RoutingCapture:
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
 
         model_config = runner.vllm_config.model_config
-        capture = cls(model_config.get_total_num_hidden_layers(), model_config.get_num_experts_per_tok(),
-                      runner.vllm_config.scheduler_config.max_num_batched_tokens)
+        capture = cls(
+            model_config.get_total_num_hidden_layers(), model_config.get_num_experts_per_tok(), runner.vllm_config.scheduler_config.max_num_batched_tokens
+        )
         bind_routed_experts_capturer(runner.get_model(), capture)
         prepare_inputs, execute_model = runner._prepare_inputs, runner.execute_model
 
         def _prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
             batch, n = runner.input_batch, runner.input_batch.num_reqs
-            capture.plan = (list(batch.req_ids[:n]), np.array(num_scheduled_tokens[:n]),
-                            batch.num_computed_tokens_cpu[:n].copy(), batch.num_prompt_tokens[:n].copy())
+            capture.plan = (
+                list(batch.req_ids[:n]),
+                np.array(num_scheduled_tokens[:n]),
+                batch.num_computed_tokens_cpu[:n].copy(),
+                batch.num_prompt_tokens[:n].copy(),
+            )
             return prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs)
 
         def _execute_model(scheduler_output, *args, **kwargs):

@@ -113,9 +113,7 @@ class Generator:
         self.engine.shutdown()
 
     # ---- the service ----------------------------------------------------------------------
-    async def generate(
-        self, token_ids: list[int], max_new_tokens: int | None = None, temperature: float | None = None, min_version: int = 0
-    ) -> RequestResult:
+    async def generate(self, token_ids: list[int], max_new_tokens: int | None = None, temperature: float | None = None, min_version: int = 0) -> RequestResult:
         """One sample continuing `token_ids`, at most `max_new_tokens` (default
         generator.max_new_tokens) and never past model.max_seq_len, from weights of
         `min_version` or newer. finish_reason: stop, length or abort (the replica stops)."""

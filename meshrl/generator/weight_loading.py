@@ -223,8 +223,9 @@ class MeshrlWorkerExtension:
         helper = PEFTHelper.from_dict(peft_config)
         helper.validate_legal(worker_manager.lora_config)
         # on the host, as vLLM's own loader keeps them: activation copies them into the layers' buffers
-        lora = LoRAModel.from_lora_tensors(adapter_id, weights, helper, device="cpu",
-                                           dtype=worker_manager.lora_config.lora_dtype, model_vocab_size=worker_manager.vocab_size)
+        lora = LoRAModel.from_lora_tensors(
+            adapter_id, weights, helper, device="cpu", dtype=worker_manager.lora_config.lora_dtype, model_vocab_size=worker_manager.vocab_size
+        )
         manager = worker_manager._adapter_manager
         manager.remove_adapter(adapter_id)
         manager.add_adapter(lora)

@@ -43,9 +43,17 @@ device plan: which GPUs every proc holds, pure).
 import importlib
 
 _WHERE = {
-    "Allocation": "allocation", "allocate": "allocation", "describe_job": "allocation", "with_env": "allocation",
-    "ROLES": "hosts", "plan_hosts": "hosts", "DevicePlan": "devices", "plan_devices": "devices",
-    "exit_on_sigterm": "signals", "render_sbatch": "slurm", "run_worker": "workers",
+    "Allocation": "allocation",
+    "allocate": "allocation",
+    "describe_job": "allocation",
+    "with_env": "allocation",
+    "ROLES": "hosts",
+    "plan_hosts": "hosts",
+    "DevicePlan": "devices",
+    "plan_devices": "devices",
+    "exit_on_sigterm": "signals",
+    "render_sbatch": "slurm",
+    "run_worker": "workers",
 }
 """Each public name and its module, imported on first use: `meshrl.launch.hosts` (the pure
 host plan) must not start Monarch, which the allocation imports."""

@@ -111,7 +111,7 @@ class DevicePlan:
         if not self.stand_ins:
             return list(slot.gpus)
         meshes = list(self.hosts)
-        host = sum(self.hosts[m] for m in meshes[:meshes.index(slot.mesh)]) + slot.host
+        host = sum(self.hosts[m] for m in meshes[: meshes.index(slot.mesh)]) + slot.host
         return [host * self.gpus_per_host + i for i in slot.gpus]
 
     def envs(self, role: str, indices: list[int]) -> list[dict[str, str]]:
@@ -119,8 +119,9 @@ class DevicePlan:
 
     def table(self) -> str:
         """The plan as a text table, one row per proc that holds devices."""
-        head = f"device plan: {self.layout} (placement {self.placement}), {self.gpus_per_host} GPUs per host, host meshes " + \
-               ", ".join(f"{name}={n}" for name, n in self.hosts.items())
+        head = f"device plan: {self.layout} (placement {self.placement}), {self.gpus_per_host} GPUs per host, host meshes " + ", ".join(
+            f"{name}={n}" for name, n in self.hosts.items()
+        )
         rows = [("role", "index", "host", "GPUs")]
         for s in self.slots:
             rows.append((s.role, str(s.index), f"{s.mesh}[{s.host}]", ",".join(map(str, s.gpus)) or "-"))
@@ -128,8 +129,7 @@ class DevicePlan:
         lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         idle = self.idle()
         if idle:
-            lines.append("idle GPUs: " + "; ".join(f"{mesh}[{h}]: {','.join(map(str, g))}" for (mesh, h), g in sorted(idle.items()))
-                         + self._idle_hint(idle))
+            lines.append("idle GPUs: " + "; ".join(f"{mesh}[{h}]: {','.join(map(str, g))}" for (mesh, h), g in sorted(idle.items())) + self._idle_hint(idle))
         return "\n".join(lines) + "\n"
 
     def _idle_hint(self, idle: dict[tuple[str, int], list[int]]) -> str:
@@ -163,7 +163,7 @@ def visible_gpus() -> list[str] | None:
     if visible is None:
         return None
     names = [d.strip() for d in visible.split(",")]
-    return names[:names.index("-1")] if "-1" in names else [d for d in names if d]
+    return names[: names.index("-1")] if "-1" in names else [d for d in names if d]
 
 
 def detected_gpus() -> int:
@@ -255,10 +255,12 @@ def resolve_placement(config: Config, gpus: int | None = None) -> tuple[str, str
             return "split", "weight_sync.transport or the roles' cores are set by hand"
         gflop = trainer_gflop_per_step(c)
         if gflop > COLOCATE_ABOVE_GFLOP:
-            return "colocate", (f"a training step is about {gflop:.0f} GFLOP, more than generating its batch: "
-                                "each role gets every core in turn; placement=split overlaps them")
-        return "split", (f"a training step is about {gflop:.1f} GFLOP: trainer and generators overlap on "
-                         "their own cores; placement=colocate takes turns on all of them")
+            return "colocate", (
+                f"a training step is about {gflop:.0f} GFLOP, more than generating its batch: each role gets every core in turn; placement=split overlaps them"
+            )
+        return "split", (
+            f"a training step is about {gflop:.1f} GFLOP: trainer and generators overlap on their own cores; placement=colocate takes turns on all of them"
+        )
     if t.device == "cpu":
         return "split", "a CPU trainer leaves every GPU to the generators"
     if _split_gpus_needed(c) <= g:
@@ -302,9 +304,12 @@ def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
     placement = resolve_placement(config, g)[0]
     if config.placement == "auto" and placement == "colocate" and config.weight_sync.transport not in ("auto", "shm"):
         # auto resolved to colocate: config.checks refuses the same for an explicit colocate
-        raise ConfigError("weight_sync.transport", f"placement auto colocates trainer and generators on this host's "
-                                                   f"{g} GPUs, where weights pass through shared memory, not {config.weight_sync.transport}: "
-                                                   "set auto or shm, or placement=split with more GPUs")
+        raise ConfigError(
+            "weight_sync.transport",
+            f"placement auto colocates trainer and generators on this host's "
+            f"{g} GPUs, where weights pass through shared memory, not {config.weight_sync.transport}: "
+            "set auto or shm, or placement=split with more GPUs",
+        )
     plan = _colocated(config, g, hosts) if g and placement == "colocate" else _split(config, g, hosts)
     plan.placement = placement
     plan.one_machine = config.launcher.kind in ("local", "torchx", "process")
@@ -314,8 +319,11 @@ def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
         have = len(plan.visible) if plan.visible is not None else detected_gpus()
         need = g * sum(hosts.values()) if plan.stand_ins else g
         if have and need > have:  # 0: no GPU seen here (a plan printed on a login node)
-            raise ConfigError("launcher.gpus_per_host", f"{sum(hosts.values())} stand-in hosts x {g} GPUs need {need} GPUs on this machine, "
-                                                        f"which has {have}: lower launcher.gpus_per_host or launcher.hosts")
+            raise ConfigError(
+                "launcher.gpus_per_host",
+                f"{sum(hosts.values())} stand-in hosts x {g} GPUs need {need} GPUs on this machine, "
+                f"which has {have}: lower launcher.gpus_per_host or launcher.hosts",
+            )
     return plan
 
 
@@ -324,10 +332,15 @@ def _split(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
     if g == 0:
         if t.device == "cuda":
             raise ConfigError("trainer.device", f"is cuda but no GPU was found ({_where(config)}): set launcher.gpus_per_host, or trainer.device=auto")
-        return DevicePlan("cpu", 0, hosts, [Slot("trainer", r, *_trainer_host(config, hosts, r), ()) for r in range(t.procs)]
-                          + [Slot("generator", i, *_generator_host(hosts, i), ()) for i in range(gen.replicas)]
-                          + ([Slot("teacher", 0, *_generator_host(hosts, 0), ())] if config.distill.teacher else [])
-                          + [Slot("scorer", k, *_generator_host(hosts, 0), ()) for k in range(scorer_gpus(config))])
+        return DevicePlan(
+            "cpu",
+            0,
+            hosts,
+            [Slot("trainer", r, *_trainer_host(config, hosts, r), ()) for r in range(t.procs)]
+            + [Slot("generator", i, *_generator_host(hosts, i), ()) for i in range(gen.replicas)]
+            + ([Slot("teacher", 0, *_generator_host(hosts, 0), ())] if config.distill.teacher else [])
+            + [Slot("scorer", k, *_generator_host(hosts, 0), ()) for k in range(scorer_gpus(config))],
+        )
     plan = DevicePlan("disaggregated", g, hosts)
     taken: dict[tuple[str, int], int] = {}  # (mesh, host) -> GPUs handed out so far
 
@@ -357,8 +370,11 @@ def _colocated(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
     if t.procs > g:
         raise ConfigError("trainer.procs", f"placement=colocate puts one trainer rank on each GPU, and the host has {g}: set trainer.procs={g} or fewer")
     if gen.replicas * gen.tp > g:
-        raise ConfigError("generator.replicas", f"placement=colocate puts generator.replicas={gen.replicas} x generator.tp={gen.tp} GPUs on a host of {g}: "
-                                                f"set generator.replicas={max(1, g // gen.tp)}" + ("" if gen.tp <= g else f" and generator.tp={g}"))
+        raise ConfigError(
+            "generator.replicas",
+            f"placement=colocate puts generator.replicas={gen.replicas} x generator.tp={gen.tp} GPUs on a host of {g}: "
+            f"set generator.replicas={max(1, g // gen.tp)}" + ("" if gen.tp <= g else f" and generator.tp={g}"),
+        )
     slots = [Slot("trainer", r, SHARED_MESH, 0, (r,)) for r in range(t.procs)]
     slots += [Slot("generator", i, SHARED_MESH, 0, tuple(range(i * gen.tp, (i + 1) * gen.tp))) for i in range(gen.replicas)]
     # reward models and judges share the GPUs too, round-robin; they stay resident (not slept)
@@ -380,8 +396,13 @@ def _generator_host(hosts: dict[str, int], replica: int) -> tuple[str, int]:
 
 def _where(config: Config) -> str:
     la = config.launcher
-    return f"launcher.gpus_per_host={la.gpus_per_host}" if la.gpus_per_host or la.kind not in ("local", "process") \
-        else f"{DEVICE_ENV}={os.environ.get(DEVICE_ENV)!r}" if DEVICE_ENV in os.environ else "no NVIDIA driver on this host"
+    return (
+        f"launcher.gpus_per_host={la.gpus_per_host}"
+        if la.gpus_per_host or la.kind not in ("local", "process")
+        else f"{DEVICE_ENV}={os.environ.get(DEVICE_ENV)!r}"
+        if DEVICE_ENV in os.environ
+        else "no NVIDIA driver on this host"
+    )
 
 
 def _no_fit(config: Config, hosts: dict[str, int], g: int) -> str:
@@ -397,9 +418,13 @@ def _no_fit(config: Config, hosts: dict[str, int], g: int) -> str:
             fix = f"trainer.procs={g - gen.tp - teacher}"
         else:  # one GPU, or fewer than one trainer rank and one replica need
             fix = "placement=colocate (trainer and generators sharing the GPUs, time-sliced)"
-        return (f"the plan needs {need} GPUs on one host (trainer.procs={ranks} + generator.replicas={gen.replicas} x generator.tp={gen.tp}"
-                f"{f' + the teacher and scorers {teacher}' if teacher else ''}), and the host has {g}: set {fix}, or raise launcher.hosts")
+        return (
+            f"the plan needs {need} GPUs on one host (trainer.procs={ranks} + generator.replicas={gen.replicas} x generator.tp={gen.tp}"
+            f"{f' + the teacher and scorers {teacher}' if teacher else ''}), and the host has {g}: set {fix}, or raise launcher.hosts"
+        )
     per_trainer_host = t.procs // hosts["trainer"]
     per_gen_host = -(-gen.replicas // hosts["generator"]) * gen.tp + teacher
-    return (f"{hosts['trainer']} trainer hosts x {per_trainer_host} ranks and {hosts['generator']} generator hosts x {per_gen_host} GPUs "
-            f"do not fit {g} GPUs per host: lower trainer.procs or generator.replicas, or raise launcher.hosts")
+    return (
+        f"{hosts['trainer']} trainer hosts x {per_trainer_host} ranks and {hosts['generator']} generator hosts x {per_gen_host} GPUs "
+        f"do not fit {g} GPUs per host: lower trainer.procs or generator.replicas, or raise launcher.hosts"
+    )

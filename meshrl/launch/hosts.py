@@ -35,13 +35,25 @@ def plan_hosts(config: Config) -> dict[str, int]:
         trainer_hosts = min(max(trainer_hosts, 1), hosts - 1)
     generator_hosts = hosts - trainer_hosts
     if generator_hosts < 1:
-        raise ConfigError("launcher.hosts", f"{hosts} hosts leave none for the generators after {trainer_hosts} trainer hosts ({trainer_procs} procs at {la.gpus_per_host} GPUs per host): raise launcher.hosts")
+        raise ConfigError(
+            "launcher.hosts",
+            f"{hosts} hosts leave none for the generators after {trainer_hosts} trainer hosts "
+            f"({trainer_procs} procs at {la.gpus_per_host} GPUs per host): raise launcher.hosts",
+        )
     if trainer_procs % trainer_hosts:
         raise ConfigError("trainer.procs", f"{trainer_procs} procs do not split evenly over {trainer_hosts} trainer hosts: use a multiple of {trainer_hosts}")
     if generator_procs % generator_hosts or (generator_procs // generator_hosts) % config.generator.tp:
-        raise ConfigError("generator.replicas", f"{config.generator.replicas} replicas x tp {config.generator.tp} do not split evenly over {generator_hosts} generator hosts (whole replicas per host): change generator.replicas or launcher.hosts")
+        raise ConfigError(
+            "generator.replicas",
+            f"{config.generator.replicas} replicas x tp {config.generator.tp} do not split evenly over {generator_hosts} generator hosts "
+            "(whole replicas per host): change generator.replicas or launcher.hosts",
+        )
     if la.gpus_per_host > 0 and generator_procs // generator_hosts > la.gpus_per_host:
-        raise ConfigError("launcher.hosts", f"{generator_procs} generator procs need more than the {generator_hosts} hosts x {la.gpus_per_host} GPUs left after the trainer: raise launcher.hosts")
+        raise ConfigError(
+            "launcher.hosts",
+            f"{generator_procs} generator procs need more than the {generator_hosts} hosts x {la.gpus_per_host} GPUs "
+            "left after the trainer: raise launcher.hosts",
+        )
     return {"trainer": trainer_hosts, "generator": generator_hosts}
 
 

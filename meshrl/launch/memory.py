@@ -83,8 +83,7 @@ class Shape:
         input alone (the block recomputed in backward is counted once, by the caller)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         none = (4 * self.dim + 6 * q + 4 * kv + 4 * self.ffn * max(self.top_k, 1)) * dtype_bytes
-        return {"none": none, "selective": SELECTIVE_KEEPS * none, "memory_budget": none,
-                "full": self.dim * dtype_bytes}[mode]
+        return {"none": none, "selective": SELECTIVE_KEEPS * none, "memory_budget": none, "full": self.dim * dtype_bytes}[mode]
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
@@ -100,9 +99,18 @@ def model_shape(config: Config, path: str | None = None) -> Shape:
 
         m, overrides = model_args_from_hf(path)
         head_dim, tied = overrides.get("head_dim"), overrides.get("tie", False)
-    return Shape(vocab=m.vocab_size, dim=m.dim, layers=m.n_layers, heads=m.n_heads, kv_heads=m.n_kv_heads,
-                 head_dim=head_dim or m.dim // m.n_heads, ffn=m.ffn_dim, tied=tied,
-                 experts=m.num_experts if m.moe else 0, top_k=m.experts_top_k if m.moe else 0)
+    return Shape(
+        vocab=m.vocab_size,
+        dim=m.dim,
+        layers=m.n_layers,
+        heads=m.n_heads,
+        kv_heads=m.n_kv_heads,
+        head_dim=head_dim or m.dim // m.n_heads,
+        ffn=m.ffn_dim,
+        tied=tied,
+        experts=m.num_experts if m.moe else 0,
+        top_k=m.experts_top_k if m.moe else 0,
+    )
 
 
 @dataclass
@@ -142,8 +150,7 @@ class GPUPlan:
         trainer = [h for h in self.holdings if h.role == "trainer"]
         engines = [h for h in self.holdings if h.role != "trainer"]
         asleep = CUDA_CONTEXT * len(engines)  # level-2 sleep frees the engine's weights and KV cache
-        return max(sum(h.total for h in trainer) + asleep,
-                   sum(h.while_generating for h in trainer) + sum(h.total for h in engines))
+        return max(sum(h.total for h in trainer) + asleep, sum(h.while_generating for h in trainer) + sum(h.total for h in engines))
 
 
 @dataclass
@@ -160,8 +167,10 @@ class MemoryPlan:
         return next(g for g in self.gpus if g.where == (mesh, host, index))
 
     def table(self) -> str:
-        lines = [f"memory plan: {self.capacity / GiB:.1f} GiB per GPU (held to {HEADROOM:.0%})"
-                 + ("; AdamW state offloaded to host memory while the engines generate" if self.offload_optimizer else "")]
+        lines = [
+            f"memory plan: {self.capacity / GiB:.1f} GiB per GPU (held to {HEADROOM:.0%})"
+            + ("; AdamW state offloaded to host memory while the engines generate" if self.offload_optimizer else "")
+        ]
         groups: list[list[GPUPlan]] = []  # GPUs holding the same things are listed once
         for gpu in self.gpus:
             same = groups and groups[-1][0].where[:2] == gpu.where[:2] and _contents(groups[-1][0]) == _contents(gpu)
@@ -201,8 +210,7 @@ def trainer_holding(config: Config, shape: Shape, rank: int, staging_on_gpu: boo
     P, n = shape.params, shards(config)
     trainable = P if config.lora.rank == 0 else lora_params(config, shape)
     h = Holding("trainer", rank)
-    h.lines += [("weights (float32)", 4 * P / n), ("gradients (float32)", 4 * trainable / n),
-                ("AdamW moments (2 x float32)", 8 * trainable / n)]
+    h.lines += [("weights (float32)", 4 * P / n), ("gradients (float32)", 4 * trainable / n), ("AdamW moments (2 x float32)", 8 * trainable / n)]
     if t.loss.kl_coef > 0:
         h.lines.append(("KL reference weights (float32)", 4 * P / n))
     head = shape.vocab * shape.dim
@@ -227,8 +235,15 @@ def trainer_holding(config: Config, shape: Shape, rank: int, staging_on_gpu: boo
 def lora_params(config: Config, shape: Shape) -> int:
     """LoRA adapter parameters: rank x (in + out) per targeted projection and layer."""
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    sizes = {"q_proj": (shape.dim, q), "k_proj": (shape.dim, kv), "v_proj": (shape.dim, kv), "o_proj": (q, shape.dim),
-             "gate_proj": (shape.dim, shape.ffn), "up_proj": (shape.dim, shape.ffn), "down_proj": (shape.ffn, shape.dim)}
+    sizes = {
+        "q_proj": (shape.dim, q),
+        "k_proj": (shape.dim, kv),
+        "v_proj": (shape.dim, kv),
+        "o_proj": (q, shape.dim),
+        "gate_proj": (shape.dim, shape.ffn),
+        "up_proj": (shape.dim, shape.ffn),
+        "down_proj": (shape.ffn, shape.dim),
+    }
     return shape.layers * sum(config.lora.rank * (i + o) for name, (i, o) in sizes.items() if name in config.lora.targets)
 
 
@@ -238,8 +253,10 @@ def generator_holding(config: Config, shape: Shape, role: str, index: int, capac
     weights = shape.params * db / g.tp
     kv = budget - weights - ENGINE_WORKSPACE
     h = Holding(role, index, [(f"vLLM budget ({g.gpu_memory_utilization:.0%} of the GPU)", budget), ("CUDA context", CUDA_CONTEXT)])
-    h.notes.append(f"in the budget: weights {weights / GiB:.2f} GiB (1/{g.tp}), KV cache {max(kv, 0) / GiB:.2f} GiB = "
-                   f"{max(kv, 0) / (shape.kv_bytes_per_token(db) / g.tp):,.0f} tokens")
+    h.notes.append(
+        f"in the budget: weights {weights / GiB:.2f} GiB (1/{g.tp}), KV cache {max(kv, 0) / GiB:.2f} GiB = "
+        f"{max(kv, 0) / (shape.kv_bytes_per_token(db) / g.tp):,.0f} tokens"
+    )
     if receive_on_gpu:
         h.lines.append(("weight receive buffers (2 model copies, outside vLLM's budget)", 2 * shape.params * db))
     return h
@@ -261,14 +278,23 @@ def scorer_holding(config: Config, index: int, capacity: float) -> Holding:
             return generator_holding(config, model_shape(config, spec.path), "scorer", index, capacity, False)
         except ValueError:  # not a trainer family: no weights and KV breakdown, the budget holds either way
             g = config.generator
-            return Holding("scorer", index, [(f"vLLM budget ({g.gpu_memory_utilization:.0%} of the GPU)", g.gpu_memory_utilization * capacity),
-                                             ("CUDA context", CUDA_CONTEXT)])
+            return Holding(
+                "scorer",
+                index,
+                [(f"vLLM budget ({g.gpu_memory_utilization:.0%} of the GPU)", g.gpu_memory_utilization * capacity), ("CUDA context", CUDA_CONTEXT)],
+            )
     with open(os.path.join(spec.path, "config.json")) as f:
         hidden = json.load(f).get("hidden_size", 0)
     db = DTYPE_BYTES[config.model.dtype]
-    return Holding("scorer", index, [("reward model weights", float(checkpoint_bytes(spec.path))), ("CUDA context", CUDA_CONTEXT),
-                                     (f"one batch's activations ({spec.batch_size} x {spec.max_len} tokens)",
-                                      spec.batch_size * spec.max_len * hidden * db * 4)])
+    return Holding(
+        "scorer",
+        index,
+        [
+            ("reward model weights", float(checkpoint_bytes(spec.path))),
+            ("CUDA context", CUDA_CONTEXT),
+            (f"one batch's activations ({spec.batch_size} x {spec.max_len} tokens)", spec.batch_size * spec.max_len * hidden * db * 4),
+        ],
+    )
 
 
 ENGINE_WORKSPACE = 1.0 * GiB
@@ -304,10 +330,15 @@ def plan_memory(config: Config, capacity: float | None = None, plan=None) -> Mem
     for slot in plan.slots:
         for gpu in slot.gpus:
             where = (slot.mesh, slot.host, gpu)
-            holding = (trainer_holding(config, shape, slot.index, staging_on_gpu) if slot.role == "trainer"
-                       else scorer_holding(config, slot.index, capacity) if slot.role == "scorer"
-                       else generator_holding(config, teacher if slot.role == "teacher" else shape, slot.role, slot.index, capacity,
-                                              receive_on_gpu and slot.role != "teacher"))  # a teacher's weights never change
+            holding = (
+                trainer_holding(config, shape, slot.index, staging_on_gpu)
+                if slot.role == "trainer"
+                else scorer_holding(config, slot.index, capacity)
+                if slot.role == "scorer"
+                else generator_holding(
+                    config, teacher if slot.role == "teacher" else shape, slot.role, slot.index, capacity, receive_on_gpu and slot.role != "teacher"
+                )
+            )  # a teacher's weights never change
             gpus.setdefault(where, GPUPlan(where)).holdings.append(holding)
     out = MemoryPlan(capacity, list(gpus.values()), host_ram(config, shape, plan), False, [])
     colocated = [g for g in out.gpus if g.colocated]
@@ -357,13 +388,21 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
     budget = g.gpu_memory_utilization * cap
     if weights + ENGINE_WORKSPACE > budget:
         need = (weights + ENGINE_WORKSPACE + shape.kv_bytes_per_token(db) / g.tp * config.model.max_seq_len) / cap
-        out.append(("generator.gpu_memory_utilization",
-                    f"vLLM's budget of {budget / GiB:.1f} GiB cannot hold the model's weights ({weights / GiB:.1f} GiB per GPU at generator.tp={g.tp}) "
-                    f"and a KV cache: raise it to {min(need, 0.95):.2f}" + (" or raise generator.tp" if need > 0.95 else "")))
+        out.append(
+            (
+                "generator.gpu_memory_utilization",
+                f"vLLM's budget of {budget / GiB:.1f} GiB cannot hold the model's weights ({weights / GiB:.1f} GiB per GPU at generator.tp={g.tp}) "
+                f"and a KV cache: raise it to {min(need, 0.95):.2f}" + (" or raise generator.tp" if need > 0.95 else ""),
+            )
+        )
     elif budget - weights - ENGINE_WORKSPACE < shape.kv_bytes_per_token(db) / g.tp * config.model.max_seq_len:
-        out.append(("generator.gpu_memory_utilization",
-                    f"after the weights, vLLM's budget of {budget / GiB:.1f} GiB holds less KV cache than one sequence of "
-                    f"model.max_seq_len={config.model.max_seq_len} tokens: raise it, or lower model.max_seq_len"))
+        out.append(
+            (
+                "generator.gpu_memory_utilization",
+                f"after the weights, vLLM's budget of {budget / GiB:.1f} GiB holds less KV cache than one sequence of "
+                f"model.max_seq_len={config.model.max_seq_len} tokens: raise it, or lower model.max_seq_len",
+            )
+        )
     for gpu in plan.gpus:
         if gpu.peak <= HEADROOM * cap:
             continue
@@ -377,17 +416,27 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
             else:
                 # what the engines' budgets may take beside the trainer's share and their own contexts
                 room = HEADROOM * cap - trainer.while_generating - sum(h.total - budget for h in engines)
-                out.append(("generator.gpu_memory_utilization",
-                            f"{at} while the engines generate beside what the trainer keeps ({trainer.while_generating / GiB:.1f} GiB"
-                            + (", AdamW state offloaded" if plan.offload_optimizer else "") + f"): lower it to at most {max(room / cap / len(engines), 0):.2f}"
-                            + ("" if plan.offload_optimizer else ", or set trainer.offload_optimizer=always")
-                            + ", or give trainer and generators GPUs of their own (placement=split)"))
+                out.append(
+                    (
+                        "generator.gpu_memory_utilization",
+                        f"{at} while the engines generate beside what the trainer keeps ({trainer.while_generating / GiB:.1f} GiB"
+                        + (", AdamW state offloaded" if plan.offload_optimizer else "")
+                        + f"): lower it to at most {max(room / cap / len(engines), 0):.2f}"
+                        + ("" if plan.offload_optimizer else ", or set trainer.offload_optimizer=always")
+                        + ", or give trainer and generators GPUs of their own (placement=split)",
+                    )
+                )
         elif trainer is not None:
             out.append(_trainer_fix(config, trainer, at, cap))
         else:
-            out.append(("weight_sync.transport", f"{at}: the collective transport's receive buffers hold two copies of the whole model "
-                                                 "on every generator GPU beside vLLM's budget: lower generator.gpu_memory_utilization, or "
-                                                 "use weight_sync.transport=rdma (host buffers)"))
+            out.append(
+                (
+                    "weight_sync.transport",
+                    f"{at}: the collective transport's receive buffers hold two copies of the whole model "
+                    "on every generator GPU beside vLLM's budget: lower generator.gpu_memory_utilization, or "
+                    "use weight_sync.transport=rdma (host buffers)",
+                )
+            )
     firsts: dict[str, str] = {}
     for f, why in out:
         firsts.setdefault(f, why)
@@ -403,17 +452,21 @@ def _trainer_fix(config: Config, trainer: Holding, at: str, cap: float) -> tuple
     t = config.trainer
     scores = lines.get("attention scores (float32 compute: the math kernel)", 0.0)
     if scores > max(state, activations):
-        return "trainer.compute_dtype", (f"{at}, {scores / GiB:.1f} GiB of it float32 attention scores (flash and cuDNN attention take "
-                                         "only half precision): set it to bfloat16 (or auto)")
+        return "trainer.compute_dtype", (
+            f"{at}, {scores / GiB:.1f} GiB of it float32 attention scores (flash and cuDNN attention take only half precision): set it to bfloat16 (or auto)"
+        )
     staging = lines.get("weight-sync staging (2 slots)", 0.0)
     if staging and trainer.total - staging <= HEADROOM * cap:  # fits but for the slots
-        return "weight_sync.transport", (f"{at}: rank 0 stages two whole copies of the model ({staging / GiB:.1f} GiB) on its GPU for the "
-                                         "collective transport's broadcast: use weight_sync.transport=rdma (host buffers)")
+        return "weight_sync.transport", (
+            f"{at}: rank 0 stages two whole copies of the model ({staging / GiB:.1f} GiB) on its GPU for the "
+            "collective transport's broadcast: use weight_sync.transport=rdma (host buffers)"
+        )
     if activations > state:
         if t.activation_checkpoint != "full":
             return "trainer.activation_checkpoint", f"{at} {biggest}: set it to full, or lower the micro-batch's tokens"
-        return ("trainer.micro_batch_tokens" if t.micro_batch_tokens else "trainer.micro_batch_size"), \
-            f"{at} {biggest}: lower it" + ("" if t.cp > 1 else ", or split long rows over GPUs with trainer.cp")
+        return ("trainer.micro_batch_tokens" if t.micro_batch_tokens else "trainer.micro_batch_size"), f"{at} {biggest}: lower it" + (
+            "" if t.cp > 1 else ", or split long rows over GPUs with trainer.cp"
+        )
     return "trainer.procs", f"{at} {biggest}: shard them over more trainer procs (GPUs), or train LoRA adapters (lora.rank)"
 
 

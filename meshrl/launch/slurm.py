@@ -57,8 +57,10 @@ def _slurm_job_class() -> type:
             except RuntimeError as e:  # SlurmJob cancelled the job before raising
                 if str(e).startswith("Timeout waiting"):
                     reason = f", pending: {self._pending_reason}" if self._pending_reason not in ("", "None") else ""
-                    raise TimeoutError(f"Slurm job {job_id} did not start within launcher.start_timeout_s={timeout} s{reason}; "
-                                       "it was cancelled: raise launcher.start_timeout_s, or choose another launcher.partition") from None
+                    raise TimeoutError(
+                        f"Slurm job {job_id} did not start within launcher.start_timeout_s={timeout} s{reason}; "
+                        "it was cancelled: raise launcher.start_timeout_s, or choose another launcher.partition"
+                    ) from None
                 raise
 
     return MeshrlSlurmJob
@@ -123,8 +125,11 @@ def check_slurm(c: Config) -> None:
     """Slurm's commands on PATH, a controller that answers, and the partition asked for."""
     missing = [cmd for cmd in SLURM_COMMANDS if shutil.which(cmd) is None]
     if missing:
-        raise ConfigError("launcher.kind", f"slurm needs Slurm's commands on PATH and {', '.join(missing)} is not: run meshrl on a login node of the cluster "
-                          "(or use launcher.kind=process to try the multi-host path on this machine)")
+        raise ConfigError(
+            "launcher.kind",
+            f"slurm needs Slurm's commands on PATH and {', '.join(missing)} is not: run meshrl on a login node of the cluster "
+            "(or use launcher.kind=process to try the multi-host path on this machine)",
+        )
     try:
         out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
@@ -135,7 +140,9 @@ def check_slurm(c: Config) -> None:
     partitions = [p.rstrip("*") for p in out.stdout.split()]
     p = c.launcher.partition
     if p is not None and p not in partitions:
-        raise ConfigError("launcher.partition", f"no partition {p!r} on this cluster: give one of {', '.join(partitions) or '(none listed)'}, or null for the default")
+        raise ConfigError(
+            "launcher.partition", f"no partition {p!r} on this cluster: give one of {', '.join(partitions) or '(none listed)'}, or null for the default"
+        )
     if p is None and not any(name.endswith("*") for name in out.stdout.split()):
         raise ConfigError("launcher.partition", f"this cluster has no default partition: name one of {', '.join(partitions) or '(none listed)'}")
 

@@ -39,7 +39,7 @@ def attach_workers(config: Config) -> dict:
     enable_transport(f"tcp://{la.address}:0")
     meshes, first = {}, 0
     for name, count in plan_hosts(config).items():
-        workers = [f"tcp://{w}" for w in la.workers[first:first + count]]
+        workers = [f"tcp://{w}" for w in la.workers[first : first + count]]
         meshes[name] = attach_to_workers(name=name, ca="trust_all_connections", workers=workers)
         first += count
     return meshes

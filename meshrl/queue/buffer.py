@@ -230,8 +230,7 @@ class EpisodeQueue:
         """Hand RUNNING groups out again, first: those of `worker`, or the given ids, or all."""
         with self._cond:
             ids = sorted(
-                gid for gid, (_, holder, _, _) in self.running.items()
-                if (worker is None or holder == worker) and (group_ids is None or gid in group_ids)
+                gid for gid, (_, holder, _, _) in self.running.items() if (worker is None or holder == worker) and (group_ids is None or gid in group_ids)
             )
             for gid in ids:
                 self.pending.append((gid, self.running.pop(gid)[0]))
@@ -263,8 +262,10 @@ class EpisodeQueue:
             try:
                 chosen = list(self.policy(list(self.ready), num_groups, self._rng))
                 if len(set(chosen)) != num_groups or not all(isinstance(i, int) and 0 <= i < len(self.ready) for i in chosen):
-                    raise ValueError(f"sampling policy {self.cfg.sampling!r} returned {str(chosen)[:80]}: expected {num_groups} "
-                                     f"distinct indices into the {len(self.ready)} ready groups")
+                    raise ValueError(
+                        f"sampling policy {self.cfg.sampling!r} returned {str(chosen)[:80]}: expected {num_groups} "
+                        f"distinct indices into the {len(self.ready)} ready groups"
+                    )
             except Exception as e:  # noqa: BLE001 - the user's policy: the run ends, in one line
                 raise self._failed(e) from None
             picked = [self.ready[i] for i in chosen]

@@ -70,7 +70,7 @@ class ChatRenderer:
         done = self.tokenizer.decode(self._glue_ids[:emitted], skip_special_tokens=False)
         if self._glue.startswith(done):
             # Tokenize what is left of the glue together with the new turns, as the template's text is.
-            return self.encode(self._glue[len(done):] + delta)
+            return self.encode(self._glue[len(done) :] + delta)
         return self._glue_ids[emitted:] + self.encode(delta)
 
     def decode(self, ids: list[int]) -> str:
@@ -82,8 +82,7 @@ class ChatRenderer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _render(self, messages: list[Message], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False)
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False)
 
     def _after_assistant(self, messages: list[Message]) -> str:
         """The stub conversation + `messages` rendered; the text after the assistant's content."""
@@ -91,12 +90,10 @@ class ChatRenderer:
             text = self._render(_STUB + messages, generation_prompt=bool(messages))
         except Exception as e:
             roles = [m.get("role") for m in messages]
-            raise ValueError(
-                f"the chat template cannot render a user turn, an assistant turn, then {roles}: {e}") from e
+            raise ValueError(f"the chat template cannot render a user turn, an assistant turn, then {roles}: {e}") from e
         head, found, tail = text.partition(_ASSISTANT)
         if not found or _ASSISTANT in tail:
-            raise ValueError("the chat template does not render an assistant message's content exactly once, "
-                             "so where a model turn ends cannot be found")
+            raise ValueError("the chat template does not render an assistant message's content exactly once, so where a model turn ends cannot be found")
         # `head` may differ between the two renderings (Qwen3 drops an empty think block from
         # an assistant turn that is no longer the last one): it lies before the model's turn,
         # whose ids are kept as sampled, so only what follows the turn has to agree.
@@ -117,9 +114,10 @@ class ChatRenderer:
         if not tail.startswith(self._glue):
             raise ValueError(
                 f"the chat template closes an assistant turn with {self._glue!r} when it is the last message "
-                f"but writes {tail[:len(self._glue) + 20]!r} when more follow: a conversation in this template "
-                "cannot be continued by appending")
-        return tail[len(self._glue):]
+                f"but writes {tail[: len(self._glue) + 20]!r} when more follow: a conversation in this template "
+                "cannot be continued by appending"
+            )
+        return tail[len(self._glue) :]
 
     def _emitted_glue(self, model_ids: list[int]) -> int:
         """How many of the glue's leading ids the model sampled at the end of its turn (its

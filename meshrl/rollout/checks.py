@@ -36,19 +36,24 @@ def check_env(c: Config) -> None:
     if inspect.isclass(maker):
         missing = [m for m in ("reset", "step") if not callable(getattr(maker, m, None))]
         if missing:
-            raise ConfigError("rollout.env", f"{path!r} is a class without {' and '.join(missing)}: expected an env class "
-                              "(reset(sample) -> observation, step(turn) -> StepResult or a gym tuple; see docs/contracts.md)",
-                              kind="contract error")
+            raise ConfigError(
+                "rollout.env",
+                f"{path!r} is a class without {' and '.join(missing)}: expected an env class "
+                "(reset(sample) -> observation, step(turn) -> StepResult or a gym tuple; see docs/contracts.md)",
+                kind="contract error",
+            )
     elif not callable(maker):
-        raise ConfigError("rollout.env", f"{path!r} is a {type(maker).__name__}, not an env class or a function returning an env",
-                          kind="contract error")
+        raise ConfigError("rollout.env", f"{path!r} is a {type(maker).__name__}, not an env class or a function returning an env", kind="contract error")
     try:
         inspect.signature(maker).bind(**env_args)
     except TypeError as e:
         what = "its constructor" if inspect.isclass(maker) else "it"
-        raise ConfigError("rollout.env", f"{path!r} cannot make an env from rollout.env_args {env_args}: {what} says {e}; "
-                          "expected an env class, or a function returning an env, that takes rollout.env_args as keyword arguments",
-                          kind="contract error") from None
+        raise ConfigError(
+            "rollout.env",
+            f"{path!r} cannot make an env from rollout.env_args {env_args}: {what} says {e}; "
+            "expected an env class, or a function returning an env, that takes rollout.env_args as keyword arguments",
+            kind="contract error",
+        ) from None
     except ValueError:
         pass  # no signature to read (some builtins): the probe calls it
 
@@ -60,8 +65,12 @@ def check_reward_signature(fn: Callable, field: str) -> None:
     try:
         inspect.signature(fn).bind("prompt", "response", {})
     except TypeError as e:
-        raise ConfigError(field, f"reward function {callable_name(fn)} cannot be called as (prompt, response, sample): {e}; "
-                          "expected def reward(prompt: str, response: str, sample: dict) -> float", kind="contract error") from None
+        raise ConfigError(
+            field,
+            f"reward function {callable_name(fn)} cannot be called as (prompt, response, sample): {e}; "
+            "expected def reward(prompt: str, response: str, sample: dict) -> float",
+            kind="contract error",
+        ) from None
     except ValueError:
         pass  # no signature to read: the probe calls it
 

@@ -59,14 +59,19 @@ class PythonToolEnv(ToolEnv):
     uses_sandbox = True
     """Preflight checks the sandbox for envs that carry this."""
 
-    def __init__(self, config: Config | None = None, parser: str | None = None, max_tool_calls: int = 2,
-                 system_prompt: str | None = None, tool_reply_chars: int = TOOL_REPLY_CHARS):
+    def __init__(
+        self,
+        config: Config | None = None,
+        parser: str | None = None,
+        max_tool_calls: int = 2,
+        system_prompt: str | None = None,
+        tool_reply_chars: int = TOOL_REPLY_CHARS,
+    ):
         self.run_config = config
         self.sandbox_config = config.rollout.sandbox if config is not None else SandboxConfig()
         parser = parser or (config.rollout.tool_parser if config is not None else "hermes")
         timeout = self.sandbox_config.wall_timeout_s + 30.0  # the sandbox bounds itself; this covers its start
-        super().__init__([self.python], parser=parser, max_tool_calls=max(max_tool_calls, 1),
-                         tool_timeout_s=timeout, system_prompt=system_prompt)
+        super().__init__([self.python], parser=parser, max_tool_calls=max(max_tool_calls, 1), tool_timeout_s=timeout, system_prompt=system_prompt)
         self.max_tool_calls = max_tool_calls
         self.tool_reply_chars = tool_reply_chars
         self.last_result: SandboxResult | None = None
@@ -113,17 +118,19 @@ def solution_code(answer_text: str, sample: dict) -> str:
 
 
 def _harness(solution: str, statements: list[str], marker: str) -> str:
-    return (f"{solution}\n"
-            "def _meshrl_tests(_g):\n"
-            "    _r = []\n"
-            f"    for _t in {json.dumps(statements)}:\n"
-            "        try:\n"
-            "            exec(_t, _g)\n"
-            "            _r.append('1')\n"
-            "        except BaseException:\n"
-            "            _r.append('0')\n"
-            f"    print({marker!r} + ''.join(_r))\n"
-            "_meshrl_tests(globals())\n")
+    return (
+        f"{solution}\n"
+        "def _meshrl_tests(_g):\n"
+        "    _r = []\n"
+        f"    for _t in {json.dumps(statements)}:\n"
+        "        try:\n"
+        "            exec(_t, _g)\n"
+        "            _r.append('1')\n"
+        "        except BaseException:\n"
+        "            _r.append('0')\n"
+        f"    print({marker!r} + ''.join(_r))\n"
+        "_meshrl_tests(globals())\n"
+    )
 
 
 async def run_tests(pool: SandboxPool, solution: str, tests: list) -> tuple[int, int]:
@@ -145,7 +152,7 @@ async def run_tests(pool: SandboxPool, solution: str, tests: list) -> tuple[int,
         result = results.pop(0)
         lines = [line for line in result.stdout.splitlines() if line.startswith(marker)]
         if result.limit is None and lines:
-            flags = lines[-1][len(marker):]
+            flags = lines[-1][len(marker) :]
             passed += sum(f == "1" for f in flags[: len(statements)])
     for t, result in zip(io_tests, results):
         passed += int(result.ok and result.stdout.strip() == str(t.get("output", "")).strip())

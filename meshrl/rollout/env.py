@@ -120,8 +120,9 @@ def is_observation(value: Any) -> bool:
         return True
     if not isinstance(value, list):
         return False
-    return (all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
-            or all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value))
+    return all(isinstance(m, dict) and "role" in m and "content" in m for m in value) or all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value
+    )
 
 
 OBSERVATION = "text, a list of chat messages ({'role', 'content'} dicts) or a list of token ids"
@@ -147,8 +148,10 @@ def as_observation(value: Any, env: Any) -> Observation:
         return value
     if isinstance(value, tuple) and len(value) == 2 and is_observation(value[0]) and isinstance(value[1], dict):
         return value[0]
-    raise ContractError(f"env {callable_name(type(env))}: reset returned {_shown(value)}: expected {OBSERVATION}, "
-                        "or gymnasium's (observation, info)", _where(getattr(env, "reset", None)))
+    raise ContractError(
+        f"env {callable_name(type(env))}: reset returned {_shown(value)}: expected {OBSERVATION}, or gymnasium's (observation, info)",
+        _where(getattr(env, "reset", None)),
+    )
 
 
 def as_step_result(value: Any, env: Any) -> StepResult:
@@ -164,8 +167,11 @@ def as_step_result(value: Any, env: Any) -> StepResult:
             raise ContractError(f"{name}: step returned terminated={_shown(terminated)}, truncated={_shown(truncated)}: expected bools", where)
         done = bool(terminated) or bool(truncated)
     else:
-        raise ContractError(f"{name}: step returned {_shown(value)}: expected a StepResult, the gym tuple (observation, reward, done, info) "
-                            "or gymnasium's (observation, reward, terminated, truncated, info)", where)
+        raise ContractError(
+            f"{name}: step returned {_shown(value)}: expected a StepResult, the gym tuple (observation, reward, done, info) "
+            "or gymnasium's (observation, reward, terminated, truncated, info)",
+            where,
+        )
     reward = as_reward(reward, f"{name}: step's reward", where)
     if not _is_bool(done):
         raise ContractError(f"{name}: step returned done={_shown(done)}: expected a bool", where)
@@ -174,8 +180,7 @@ def as_step_result(value: Any, env: Any) -> StepResult:
     if not isinstance(info, dict):
         raise ContractError(f"{name}: step returned info={_shown(info)}: expected a dict or None", where)
     if not done and not is_observation(observation):
-        raise ContractError(f"{name}: step returned done=False with observation {_shown(observation)}: "
-                            f"expected {OBSERVATION} for the model's next turn", where)
+        raise ContractError(f"{name}: step returned done=False with observation {_shown(observation)}: expected {OBSERVATION} for the model's next turn", where)
     return StepResult(observation, reward, bool(done), info)
 
 
@@ -231,8 +236,9 @@ class SingleTurnEnv:
         return StepResult(reward=value, done=True)
 
 
-async def call_reward(fn: RewardFn, prompt: str, response: str, sample: dict, timeout_s: float,
-                      bound: str = "scoring.timeout_s", steps: int | None = None) -> float | list[float]:
+async def call_reward(
+    fn: RewardFn, prompt: str, response: str, sample: dict, timeout_s: float, bound: str = "scoring.timeout_s", steps: int | None = None
+) -> float | list[float]:
     """One reward call under the contract: bounded by `timeout_s` (the knob `bound`), a
     finite number back; with `steps` (a process scorer, meshrl/scorers/process.py) a list
     of that many finite numbers, one per step."""

@@ -58,15 +58,29 @@ class OpenEnvEnv:
     and docs/envs.md). Construction only checks and imports; the env or connection is made
     in `reset`, which the rollout worker bounds by `rollout.env_timeout_s`."""
 
-    def __init__(self, env: str | None = None, env_kwargs: dict | None = None,
-                 base_url: str | None = None, client: str | None = None, client_kwargs: dict | None = None,
-                 action: str | None = None, action_field: str | None = None, action_fn: str | None = None,
-                 observation_field: str | None = None, observation_fn: str | None = None,
-                 chat: bool = True, system_prompt: str | None = None, prompt_from: str = "env",
-                 reset_fields: Sequence[str] = ("seed", "episode_id"), reset_kwargs: dict | None = None):
+    def __init__(
+        self,
+        env: str | None = None,
+        env_kwargs: dict | None = None,
+        base_url: str | None = None,
+        client: str | None = None,
+        client_kwargs: dict | None = None,
+        action: str | None = None,
+        action_field: str | None = None,
+        action_fn: str | None = None,
+        observation_field: str | None = None,
+        observation_fn: str | None = None,
+        chat: bool = True,
+        system_prompt: str | None = None,
+        prompt_from: str = "env",
+        reset_fields: Sequence[str] = ("seed", "episode_id"),
+        reset_kwargs: dict | None = None,
+    ):
         if (env is None) == (base_url is None):
-            raise ValueError("OpenEnvEnv needs exactly one of env_args.env (an OpenEnv Environment class, played in "
-                             "this process) and env_args.base_url (a running OpenEnv server)")
+            raise ValueError(
+                "OpenEnvEnv needs exactly one of env_args.env (an OpenEnv Environment class, played in "
+                "this process) and env_args.base_url (a running OpenEnv server)"
+            )
         if env is not None and (client or client_kwargs):
             raise ValueError("env_args.client and client_kwargs go with base_url, not with env")
         if base_url is not None and env_kwargs:
@@ -191,8 +205,10 @@ class OpenEnvEnv:
         if self._action_fn is not None or self._action_field is not None:
             return
         if self._action_cls is None:
-            raise ValueError(f"{owner.__name__} declares no Action class to put the model's text in: set env_args.action "
-                             "(its import path) or action_field (with the generic client), or action_fn")
+            raise ValueError(
+                f"{owner.__name__} declares no Action class to put the model's text in: set env_args.action "
+                "(its import path) or action_field (with the generic client), or action_fn"
+            )
         self._action_field = text_field(self._action_cls)
 
     def _read(self, observation: Any, first: bool) -> Observation:
@@ -204,8 +220,7 @@ class OpenEnvEnv:
         """Text becomes a user message (chat: true); the first observation gets the system prompt."""
         if isinstance(value, str) and self.chat:
             value = [{"role": "user", "content": value}]
-        if first and self.system_prompt and isinstance(value, list) and value and isinstance(value[0], dict) \
-                and value[0].get("role") != "system":
+        if first and self.system_prompt and isinstance(value, list) and value and isinstance(value[0], dict) and value[0].get("role") != "system":
             value = [{"role": "system", "content": self.system_prompt}, *value]
         return value
 
@@ -240,8 +255,10 @@ def text_field(action_cls: type) -> str:
     for candidates in (required, texts):
         if len(candidates) == 1:
             return candidates[0]
-    raise ValueError(f"cannot tell which field of {action_cls.__name__} ({', '.join(fields) or 'none'}) takes the model's "
-                     "text: set env_args.action_field, or env_args.action_fn to build the action")
+    raise ValueError(
+        f"cannot tell which field of {action_cls.__name__} ({', '.join(fields) or 'none'}) takes the model's "
+        "text: set env_args.action_field, or env_args.action_fn to build the action"
+    )
 
 
 def observation_text(observation: Any, field: str | None = None, first: bool = True) -> str | list[dict]:
@@ -260,13 +277,14 @@ def observation_text(observation: Any, field: str | None = None, first: bool = T
         if not found and len(texts) == 1:
             found = texts
     if not found:
-        raise ValueError(f"cannot tell what the model should read of the observation (fields {sorted(values)}): "
-                         "set env_args.observation_field or env_args.observation_fn")
+        raise ValueError(
+            f"cannot tell what the model should read of the observation (fields {sorted(values)}): set env_args.observation_field or env_args.observation_fn"
+        )
     value = next((v for v in found if v), found[0])
     if _is_chat(value):
         if not first:
             last = max((i for i, m in enumerate(value) if m["role"] == "assistant"), default=-1)
-            value = value[last + 1:]
+            value = value[last + 1 :]
         return [{"role": m["role"], "content": m["content"]} for m in value]
     return value if isinstance(value, str) else str(value)
 

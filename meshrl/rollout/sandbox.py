@@ -172,15 +172,43 @@ def bwrap_argv(config: SandboxConfig) -> list[str]:
             argv += ["--ro-bind", path, path]
     for path in [*extra, *config.ro_paths]:
         argv += ["--ro-bind", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
-             "--size", str(config.workspace_mb << 20), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
-             "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
-             "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONUNBUFFERED", "1"]
-    limits = [("RLIMIT_CPU", config.cpu_time_s, config.cpu_time_s + 1),
-              ("RLIMIT_AS", config.memory_mb << 20, config.memory_mb << 20),
-              ("RLIMIT_FSIZE", config.max_file_mb << 20, config.max_file_mb << 20),
-              ("RLIMIT_NPROC", config.max_processes, config.max_processes),
-              ("RLIMIT_NOFILE", 256, 256), ("RLIMIT_CORE", 0, 0)]
+    argv += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--remount-ro",
+        "/dev",
+        "--size",
+        str(config.workspace_mb << 20),
+        "--tmpfs",
+        "/tmp",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        "/tmp",
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/local/bin:/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        "/tmp",
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
+        "--setenv",
+        "PYTHONUNBUFFERED",
+        "1",
+    ]
+    limits = [
+        ("RLIMIT_CPU", config.cpu_time_s, config.cpu_time_s + 1),
+        ("RLIMIT_AS", config.memory_mb << 20, config.memory_mb << 20),
+        ("RLIMIT_FSIZE", config.max_file_mb << 20, config.max_file_mb << 20),
+        ("RLIMIT_NPROC", config.max_processes, config.max_processes),
+        ("RLIMIT_NOFILE", 256, 256),
+        ("RLIMIT_CORE", 0, 0),
+    ]
     return argv + ["--", python, "-I", "-c", BOOT, json.dumps(limits)]
 
 
@@ -223,8 +251,13 @@ class Sandbox:
             argv = bwrap_argv(self.config)
             argv[1:1] = ["--info-fd", str(info_w)]
             self.proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                pass_fds=(info_w,), **_spawn_kwargs(self.config))
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=(info_w,),
+                **_spawn_kwargs(self.config),
+            )
         finally:
             os.close(info_w)
         try:
@@ -280,8 +313,9 @@ class Sandbox:
             os.close(self._pidfd)
             self._pidfd = None
 
-    async def run(self, code: str, files: dict[str, str] | None = None, stdin: str | None = None,
-                  argv: list[str] | None = None, timeout_s: float | None = None) -> SandboxResult:
+    async def run(
+        self, code: str, files: dict[str, str] | None = None, stdin: str | None = None, argv: list[str] | None = None, timeout_s: float | None = None
+    ) -> SandboxResult:
         """Run `code` as __main__ in this sandbox (once). Bounded by the wall limit."""
         assert self.proc is not None and self.proc.stdin is not None
         cfg = self.config
@@ -422,8 +456,9 @@ class SandboxPool:
         self._refill()
         return box, True
 
-    async def run(self, code: str, files: dict[str, str] | None = None, stdin: str | None = None,
-                  argv: list[str] | None = None, timeout_s: float | None = None) -> SandboxResult:
+    async def run(
+        self, code: str, files: dict[str, str] | None = None, stdin: str | None = None, argv: list[str] | None = None, timeout_s: float | None = None
+    ) -> SandboxResult:
         """Run `code` (Python source) as __main__ in a fresh sandbox, `files` (relative path ->
         text) written into its workspace first, `stdin` as its standard input. Every call is
         bounded: the start by START_TIMEOUT_S, the run by the wall limit (`timeout_s`, at most
@@ -484,14 +519,22 @@ def check_sandbox(c: Config | SandboxConfig) -> None:
             raise ConfigError("rollout.sandbox.ro_paths", f"{path!r} does not exist")
     probe = bwrap_argv(cfg)
     try:
-        done = subprocess.run(probe, input=json.dumps({"code": "print('ok')", "files": {}, "stdin": None, "argv": []}).encode(),
-                              capture_output=True, timeout=30, **_spawn_kwargs(cfg))
+        done = subprocess.run(
+            probe,
+            input=json.dumps({"code": "print('ok')", "files": {}, "stdin": None, "argv": []}).encode(),
+            capture_output=True,
+            timeout=30,
+            **_spawn_kwargs(cfg),
+        )
     except subprocess.TimeoutExpired:
         raise ConfigError(where, "bwrap did not finish a trivial program in 30 s") from None
     if done.stdout != b"Rok\n":
         err = done.stderr.decode(errors="replace").strip().splitlines()
         detail = err[-1] if err else f"exit status {done.returncode}"
-        hint = ("user namespaces are off: enable them (sysctl user.max_user_namespaces=10000; on Debian/Ubuntu also "
-                "kernel.unprivileged_userns_clone=1 / kernel.apparmor_restrict_unprivileged_userns=0)"
-                if "namespace" in detail.lower() or "permission" in detail.lower() else "see bwrap's message")
+        hint = (
+            "user namespaces are off: enable them (sysctl user.max_user_namespaces=10000; on Debian/Ubuntu also "
+            "kernel.unprivileged_userns_clone=1 / kernel.apparmor_restrict_unprivileged_userns=0)"
+            if "namespace" in detail.lower() or "permission" in detail.lower()
+            else "see bwrap's message"
+        )
         raise ConfigError(where, f"bwrap cannot make a sandbox here ({detail}): {hint}")

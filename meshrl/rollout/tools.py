@@ -129,9 +129,10 @@ def tool_schema(fn: Callable) -> dict:
         if param.default is param.empty:
             required.append(name)
     description = (inspect.getdoc(fn) or "").strip().split("\n\n")[0]
-    return {"type": "function", "function": {
-        "name": fn.__name__, "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": required}}}
+    return {
+        "type": "function",
+        "function": {"name": fn.__name__, "description": description, "parameters": {"type": "object", "properties": properties, "required": required}},
+    }
 
 
 def _json_type(hint: Any) -> str | None:
@@ -152,8 +153,14 @@ class ToolEnv:
     results returned so far are in `tool_results`.
     """
 
-    def __init__(self, tools: list[Callable], parser: ToolParser | str = "hermes", max_tool_calls: int = 4,
-                 tool_timeout_s: float = 10.0, system_prompt: str | None = None):
+    def __init__(
+        self,
+        tools: list[Callable],
+        parser: ToolParser | str = "hermes",
+        max_tool_calls: int = 4,
+        tool_timeout_s: float = 10.0,
+        system_prompt: str | None = None,
+    ):
         if not tools:
             raise ValueError("ToolEnv needs at least one tool")
         self.tools = {fn.__name__: fn for fn in tools}
@@ -190,8 +197,7 @@ class ToolEnv:
             return StepResult(reward=float(reward), done=True)
         messages = []
         for i, call in enumerate(calls):
-            name, content = await self._run(call) if i < budget else (
-                call.name, f"error: tool call budget of {self.max_tool_calls} calls spent")
+            name, content = await self._run(call) if i < budget else (call.name, f"error: tool call budget of {self.max_tool_calls} calls spent")
             message = {"role": "tool", "name": name, "content": content}
             if call.id is not None:
                 message["tool_call_id"] = call.id

@@ -1,8 +1,8 @@
 """`ScorerActor`: one scorer replica (a reward model, a judge or a remote client) on a proc.
 
-    scorer = procs.spawn("scorer-rm-0", ScorerActor)
-    await scorer.setup.call_one(config.to_dict(), index, replica)   # scoring.scorers[index]
-    results = await scorer.score.call_one(items)                     # see service.py
+scorer = procs.spawn("scorer-rm-0", ScorerActor)
+await scorer.setup.call_one(config.to_dict(), index, replica)   # scoring.scorers[index]
+results = await scorer.score.call_one(items)                     # see service.py
 """
 
 from __future__ import annotations

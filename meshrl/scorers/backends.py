@@ -152,8 +152,8 @@ class RewardModel:
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each row's positions as if unpadded
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), position_ids=positions.to(self.device)).logits
         return logits[:, 0].float().cpu()
@@ -213,8 +213,12 @@ class Judge:
 
     async def score(self, items: list[dict]) -> list[Result]:
         replies = await asyncio.gather(*(self.reply(item) for item in items), return_exceptions=True)
-        return [Failed(f"{type(r).__name__}: {str(r)[:200]}") if isinstance(r, BaseException)
-                else Judged(parse_reply(self.parser, r, self.spec.scale, self.spec.unparsable), r) for r in replies]
+        return [
+            Failed(f"{type(r).__name__}: {str(r)[:200]}")
+            if isinstance(r, BaseException)
+            else Judged(parse_reply(self.parser, r, self.spec.scale, self.spec.unparsable), r)
+            for r in replies
+        ]
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -238,7 +242,7 @@ class Remote:
             answer = json.loads(response.read())
         scores = answer.get("scores") if isinstance(answer, dict) else None
         if not isinstance(scores, list) or len(scores) != len(items):
-            raise ValueError(f"the server answered {str(answer)[:120]!r}: expected {{\"scores\": [...]}} with {len(items)} entries")
+            raise ValueError(f'the server answered {str(answer)[:120]!r}: expected {{"scores": [...]}} with {len(items)} entries')
         return scores
 
     async def score(self, items: list[dict]) -> list[Result]:

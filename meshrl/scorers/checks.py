@@ -52,13 +52,19 @@ def _check_scorer(sc: ScorerConfig, path: str) -> None:
         try:
             fill_template(sc.template, {"prompt": "q", "response": "r", "answer": "a"})
         except (KeyError, IndexError, ValueError) as e:
-            need(False, f"{path}.template", f"cannot be filled ({type(e).__name__}: {e}): use only {{prompt}}, {{response}} and {{answer}}, "
-                                             "and double other braces")
+            need(
+                False,
+                f"{path}.template",
+                f"cannot be filled ({type(e).__name__}: {e}): use only {{prompt}}, {{response}} and {{answer}}, and double other braces",
+            )
         if sc.parser not in ("number", "yes_no"):
             check_import(f"{path}.parser", sc.parser, "'number', 'yes_no' or a parser function")
         score = parse_reply(load_parser(sc.parser), sc.probe_reply, sc.scale, None)
-        need(isinstance(score, float), f"{path}.parser", f"{sc.parser!r} cannot read probe_reply={sc.probe_reply!r} as a number: "
-                                                          "fix the parser, or set probe_reply to a reply of your judge's format")
+        need(
+            isinstance(score, float),
+            f"{path}.parser",
+            f"{sc.parser!r} cannot read probe_reply={sc.probe_reply!r} as a number: fix the parser, or set probe_reply to a reply of your judge's format",
+        )
 
 
 def _check_checkpoint(field: str, path: str, kind: str) -> None:
@@ -75,9 +81,16 @@ def _check_checkpoint(field: str, path: str, kind: str) -> None:
         labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
         need(labels == 1, field, f"{path!r} has a head of {labels} labels: {want}")
     else:
-        need("ForCausalLM" in arch or "ForConditionalGeneration" in arch, field, f"{path!r} is {arch or 'no known architecture'}: a judge is a causal LM checkpoint")
-    need(any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")), field,
-          f"{path!r} has no tokenizer: save the scorer's tokenizer beside its weights (tokenizer.save_pretrained)")
+        need(
+            "ForCausalLM" in arch or "ForConditionalGeneration" in arch,
+            field,
+            f"{path!r} is {arch or 'no known architecture'}: a judge is a causal LM checkpoint",
+        )
+    need(
+        any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")),
+        field,
+        f"{path!r} has no tokenizer: save the scorer's tokenizer beside its weights (tokenizer.save_pretrained)",
+    )
 
 
 def probe_scorers(c: Config, record: dict) -> None:
@@ -100,5 +113,8 @@ def _probe_remote(c: Config, sc: ScorerConfig, field: str, record: dict) -> None
         item["steps"] = [item["response"]]
     (result,) = run_probe(lambda: Remote(sc).score([item]), sc.timeout_s + 10)
     if isinstance(result, Failed):
-        raise ConfigError(field, f"{result.reason}, on the first record of {c.data.source}: start the server, fix the url, "
-                                 "or set contracts.probe=false", kind="contract error")
+        raise ConfigError(
+            field,
+            f"{result.reason}, on the first record of {c.data.source}: start the server, fix the url, or set contracts.probe=false",
+            kind="contract error",
+        )

@@ -132,9 +132,15 @@ class EpisodeScorers:
     async def _function(self, index: int, item: dict) -> dict:
         spec, steps = self.specs[index], item["steps"]
         try:
-            score = await call_reward(self.functions[index], item["prompt"], item["response"],
-                                      {**item["sample"], "answer": item["answer"], "steps": steps}, spec.timeout_s,
-                                      f"scoring.scorers[{index}].timeout_s", None if steps is None else len(steps))
+            score = await call_reward(
+                self.functions[index],
+                item["prompt"],
+                item["response"],
+                {**item["sample"], "answer": item["answer"], "steps": steps},
+                spec.timeout_s,
+                f"scoring.scorers[{index}].timeout_s",
+                None if steps is None else len(steps),
+            )
         except Exception as e:  # noqa: BLE001 - the function's failure (a raise, a timeout, a wrong return) fails its episode
             return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         return {"score": score}
@@ -203,12 +209,15 @@ class EpisodeScorers:
 def scoring_item(record: dict, response: str) -> dict:
     """What a scorer is sent for `record` answered by `response` (backends.py has the fields)."""
     prompt, answer = record.get("prompt"), record.get("answer")
-    return {"prompt": prompt_text(prompt),
-            "messages": prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else None,
-            "response": response, "answer": "" if answer is None else str(answer),
-            "sample": {k: v for k, v in record.items() if k != "prompt" and _jsonable(v)}, "steps": None}
+    return {
+        "prompt": prompt_text(prompt),
+        "messages": prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else None,
+        "response": response,
+        "answer": "" if answer is None else str(answer),
+        "sample": {k: v for k, v in record.items() if k != "prompt" and _jsonable(v)},
+        "steps": None,
+    }
 
 
 def _jsonable(value) -> bool:
     return isinstance(value, (str, int, float, bool, type(None), list, dict))
-

@@ -57,17 +57,34 @@ def build_reward_model(path: str | os.PathLike, tokenizer_dir: str, dim: int = 6
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=dim // 2, max_position_embeddings=1024,
-                      num_labels=1, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=dim,
+        intermediate_size=2 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=dim // 2,
+        max_position_embeddings=1024,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
     model = Qwen3ForSequenceClassification(cfg)
     model.save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return str(path)
 
 
-def train_reward_model(path: str | os.PathLike, pairs: Sequence[tuple[str, str, str]], steps: int = 300, batch_size: int = 32,
-                       lr: float = 1e-3, seed: int = 0, held_out: float = 0.1) -> dict:
+def train_reward_model(
+    path: str | os.PathLike,
+    pairs: Sequence[tuple[str, str, str]],
+    steps: int = 300,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+    held_out: float = 0.1,
+) -> dict:
     """Train the checkpoint at `path` on `pairs` and save it there. Returns the final loss and
     the pairwise accuracy on the held-out share of the pairs."""
     import torch

@@ -33,8 +33,7 @@ def step_ends(episode: Episode, tokenizer, process: str, delimiter: str) -> list
         if turn.role == "model" and n:
             if process == "step" and delimiter:
                 for j in range(n - 1):  # decode the prefix only where a token could close a delimiter
-                    if delimiter[-1] in tokenizer.decode([turn.token_ids[j]]) and \
-                            tokenizer.decode(turn.token_ids[: j + 1]).endswith(delimiter):
+                    if delimiter[-1] in tokenizer.decode([turn.token_ids[j]]) and tokenizer.decode(turn.token_ids[: j + 1]).endswith(delimiter):
                         ends.append(at + j)
             ends.append(at + n - 1)
         at += n

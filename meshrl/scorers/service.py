@@ -75,9 +75,17 @@ class ScorerService:
                 reply = result.reply if isinstance(result, Judged) else None
                 result = result.value if isinstance(result, Judged) else result
                 failed = isinstance(result, Failed)
-                future.set_result({"score": None if failed else result, "error": result.reason if failed else None,
-                                   "unparsable": failed and result.unparsable, "queue_s": start - arrived, "score_s": took,
-                                   "batch": len(batch), **({"reply": reply} if reply is not None else {})})
+                future.set_result(
+                    {
+                        "score": None if failed else result,
+                        "error": result.reason if failed else None,
+                        "unparsable": failed and result.unparsable,
+                        "queue_s": start - arrived,
+                        "score_s": took,
+                        "batch": len(batch),
+                        **({"reply": reply} if reply is not None else {}),
+                    }
+                )
 
     def stats(self) -> dict:
         return {"batches": self.batches, "items": self.items, "busy_s": self.busy_s, "waiting": len(self._waiting)}

@@ -63,8 +63,9 @@ class TrainerActor(Actor):
         one_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
         with gloo_on_this_host() if one_host else contextlib.nullcontext():
             if world > 1 and not dist.is_initialized():
-                init_process_group_listening_on((host_address() or "127.0.0.1") if one_host else os.environ["MASTER_ADDR"], rank, world, use_cuda,
-                                                config.trainer.collective_timeout_s)
+                init_process_group_listening_on(
+                    (host_address() or "127.0.0.1") if one_host else os.environ["MASTER_ADDR"], rank, world, use_cuda, config.trainer.collective_timeout_s
+                )
             self.trainer = PolicyTrainer(config, device, rank, world)
             # the batch travels to the other ranks pickled: through host memory, never the GPU
             # (NCCL's object broadcast would stage every step's batch in a CUDA tensor)
@@ -126,11 +127,15 @@ class TrainerActor(Actor):
         if trainer.rank == 0:
             await awaited(queue.set_version.call_one(trainer.step))
         metrics = {f"trainer/{k}": v for k, v in out.items() if k != "version"}
-        metrics.update({
-            "version": out["version"], "trainer/wait_s": wait_s,
-            "trained_groups": batch["group_id"].unique_consecutive().tolist(),
-            "sync/publish_s": time.perf_counter() - t1, "sync/stage_copy_s": copy_s,
-        })
+        metrics.update(
+            {
+                "version": out["version"],
+                "trainer/wait_s": wait_s,
+                "trained_groups": batch["group_id"].unique_consecutive().tolist(),
+                "sync/publish_s": time.perf_counter() - t1,
+                "sync/stage_copy_s": copy_s,
+            }
+        )
         metrics.update(critic_metrics)
         return metrics
 
@@ -208,8 +213,7 @@ class TrainerMesh:
     async def train_from_queue(self, queue, num_groups: int, timeout_s: float, critic=None) -> dict:
         """One step on a batch the trainer pulls from `queue` itself (and, with `critic`, has
         scored by that CriticActor); returns rank 0's metrics."""
-        out = (await self._all(self.actors.train_from_queue, queue, num_groups, timeout_s, critic,
-                               timeout_s=timeout_s + self.timeout_s))[0]
+        out = (await self._all(self.actors.train_from_queue, queue, num_groups, timeout_s, critic, timeout_s=timeout_s + self.timeout_s))[0]
         self.version = out["version"]
         return out
 
@@ -259,9 +263,16 @@ def init_process_group_listening_on(host: str, rank: int, world: int, use_cuda: 
     dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
-async def spawn_trainer(config: Config, timeout_s: float = 600.0, host_mesh=None, hosts: int = 1, *, plan=None,
-                        actor_class: type[TrainerActor] = TrainerActor,
-                        mesh_class: type[TrainerMesh] = TrainerMesh) -> TrainerMesh:
+async def spawn_trainer(
+    config: Config,
+    timeout_s: float = 600.0,
+    host_mesh=None,
+    hosts: int = 1,
+    *,
+    plan=None,
+    actor_class: type[TrainerActor] = TrainerActor,
+    mesh_class: type[TrainerMesh] = TrainerMesh,
+) -> TrainerMesh:
     """Spawn the trainer procs, set up the elastic env, the actors and the sharded model.
 
     `host_mesh`: a Monarch host mesh from a launcher (default: this host) spanning `hosts`
@@ -277,8 +288,7 @@ async def spawn_trainer(config: Config, timeout_s: float = 600.0, host_mesh=None
     if n % hosts:
         raise ValueError(f"trainer.procs={n} must be a multiple of the {hosts} trainer hosts")
     plan = plan or plan_devices(config)  # each rank starts seeing only its own GPU
-    procs = (host_mesh or this_host()).spawn_procs(per_host={"procs": n // hosts},
-                                                   bootstrap_command=with_env(plan.envs("trainer", list(range(n)))))
+    procs = (host_mesh or this_host()).spawn_procs(per_host={"procs": n // hosts}, bootstrap_command=with_env(plan.envs("trainer", list(range(n)))))
     try:
         await asyncio.wait_for(setup_torch_elastic_env_async(procs), 60)
         actors = procs.spawn("trainer", actor_class)

@@ -62,8 +62,9 @@ def _document_sdpa_class():
                 longest = max(sizes[d] for d in bucket)
                 offsets = torch.arange(longest)
                 idx = torch.stack([torch.where(offsets < sizes[d], starts[d] + offsets, N) for d in bucket]).flatten().to(q.device)
-                out = super().forward(*(t.index_select(0, idx).view(len(bucket), longest, *t.shape[1:]) for t in (q, k, v)),
-                                      **kwargs)  # causal: [n, longest, heads, head dim]
+                out = super().forward(
+                    *(t.index_select(0, idx).view(len(bucket), longest, *t.shape[1:]) for t in (q, k, v)), **kwargs
+                )  # causal: [n, longest, heads, head dim]
                 real = (idx < N).nonzero().squeeze(1)
                 outs.append(out.reshape(-1, *out.shape[2:]).index_select(0, real))
                 placed.append(idx[real])

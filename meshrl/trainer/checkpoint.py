@@ -41,8 +41,7 @@ def _barrier() -> None:
 
 
 # ---- HF names ------------------------------------------------------------------------------
-def hf_state_dict(model: nn.Module, specs: ModelSpecs, dtype: torch.dtype | None = None,
-                  merge_lora: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_state_dict(model: nn.Module, specs: ModelSpecs, dtype: torch.dtype | None = None, merge_lora: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full unsharded tensor) for every weight of `model`, one parameter at a time.
 
     DTensors are gathered with `.full_tensor()` per entry (peak extra memory: one full
@@ -62,8 +61,14 @@ def hf_state_dict(model: nn.Module, specs: ModelSpecs, dtype: torch.dtype | None
             yield hf_name, (hf_tensor if dtype is None else hf_tensor.to(dtype)).contiguous()
 
 
-def export_hf(model: nn.Module, specs: ModelSpecs, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-              source_config: str | os.PathLike | None = None, merge_lora: bool = True) -> str:
+def export_hf(
+    model: nn.Module,
+    specs: ModelSpecs,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    source_config: str | os.PathLike | None = None,
+    merge_lora: bool = True,
+) -> str:
     """Write `out_dir` (config.json + model.safetensors) from the current weights; returns the path.
 
     Collective under FSDP: call on every rank; rank 0 writes. The directory appears
@@ -98,9 +103,20 @@ def export_hf(model: nn.Module, specs: ModelSpecs, out_dir: str | os.PathLike, d
     return out_dir
 
 
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def read_hf_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -195,8 +211,9 @@ def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
 
 
-def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any = None, extra: dict | None = None) -> str:
+def save_checkpoint(
+    root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, extra: dict | None = None
+) -> str:
     """Save a DCP checkpoint of step `step` under `root` and point `root/latest` at it.
 
     Collective: call on every rank. Returns the checkpoint directory.
@@ -243,8 +260,7 @@ def checkpoint_step(path: str | os.PathLike) -> int:
         return int(json.load(f)["step"])
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any = None) -> dict:
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> dict:
     """Restore model, optimizer (and scheduler) in place from a checkpoint dir or root; returns its metadata.
 
     Collective: call on every rank, with the model sharded as when it was saved.

@@ -26,15 +26,25 @@ def check_model_files(c: Config) -> None:
     """model.path, when set, is a directory holding a config.json."""
     m = c.model
     if m.path is not None:
-        need(os.path.isdir(m.path), "model.path", f"directory {m.path!r} not found: give a local Hugging Face checkpoint directory, or null to initialise from scratch")
-        need(os.path.isfile(os.path.join(m.path, "config.json")), "model.path", f"{m.path!r} has no config.json: point it at a Hugging Face checkpoint directory")
+        need(
+            os.path.isdir(m.path),
+            "model.path",
+            f"directory {m.path!r} not found: give a local Hugging Face checkpoint directory, or null to initialise from scratch",
+        )
+        need(
+            os.path.isfile(os.path.join(m.path, "config.json")), "model.path", f"{m.path!r} has no config.json: point it at a Hugging Face checkpoint directory"
+        )
 
 
 def check_teacher(c: Config) -> None:
     """distill.teacher, when set, is a checkpoint directory."""
     di = c.distill
     if di.teacher is not None:
-        need(os.path.isfile(os.path.join(di.teacher, "config.json")), "distill.teacher", f"{di.teacher!r} is not a Hugging Face checkpoint directory (no config.json): give the teacher's local checkpoint, or null")
+        need(
+            os.path.isfile(os.path.join(di.teacher, "config.json")),
+            "distill.teacher",
+            f"{di.teacher!r} is not a Hugging Face checkpoint directory (no config.json): give the teacher's local checkpoint, or null",
+        )
 
 
 def check_lora(c: Config) -> None:
@@ -56,13 +66,20 @@ def check_model(c: Config, plan: DevicePlan) -> str:
             shape = model_args_from_hf(m.path)[0]
             family, longest = shape.family, shape.max_seq_len
         except (OSError, ValueError, KeyError) as e:
-            raise ConfigError("model.path", f"{m.path!r} does not load as a checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
-                              "point it at a Hugging Face checkpoint directory of a qwen3, qwen3_moe, llama or deepseek_v3 model") from None
+            raise ConfigError(
+                "model.path",
+                f"{m.path!r} does not load as a checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                "point it at a Hugging Face checkpoint directory of a qwen3, qwen3_moe, llama or deepseek_v3 model",
+            ) from None
         tp = c.trainer.tp
         if shape.n_heads % tp or shape.n_kv_heads % tp:
-            raise ConfigError("trainer.tp", f"{tp} must divide the checkpoint's {shape.n_heads} attention heads and {shape.n_kv_heads} KV heads: pick a divisor")
+            raise ConfigError(
+                "trainer.tp", f"{tp} must divide the checkpoint's {shape.n_heads} attention heads and {shape.n_kv_heads} KV heads: pick a divisor"
+            )
         if m.max_seq_len > longest:  # the trainer's RoPE tables are the checkpoint's length; vLLM's context is max_seq_len
-            raise ConfigError("model.max_seq_len", f"{m.max_seq_len} exceeds the checkpoint's max_position_embeddings={longest} ({m.path}): lower it to at most {longest}")
+            raise ConfigError(
+                "model.max_seq_len", f"{m.max_seq_len} exceeds the checkpoint's max_position_embeddings={longest} ({m.path}): lower it to at most {longest}"
+            )
         if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(m.path)):
             raise ConfigError("model.path", f"{m.path!r} has a config.json but no weight files (*.safetensors): point it at a complete checkpoint directory")
     else:
@@ -70,14 +87,20 @@ def check_model(c: Config, plan: DevicePlan) -> str:
     if c.trainer.cp > 1 and family in MOE_FAMILIES:
         raise ConfigError("trainer.cp", f"context parallel is built for the dense families (qwen3, llama), and the policy is {family}: set trainer.cp=1")
     if c.trainer.cp > 1 and not plan.slot("trainer", 0).gpus:
-        raise ConfigError("trainer.cp", "context parallel is TorchTitan's ring attention, whose kernels are CUDA's (flash, efficient or cuDNN "
-                                        "attention), and this trainer runs on CPU: set trainer.cp=1 (on CPU, trainer.activation_checkpoint=full "
-                                        "holds long rows)")
+        raise ConfigError(
+            "trainer.cp",
+            "context parallel is TorchTitan's ring attention, whose kernels are CUDA's (flash, efficient or cuDNN "
+            "attention), and this trainer runs on CPU: set trainer.cp=1 (on CPU, trainer.activation_checkpoint=full "
+            "holds long rows)",
+        )
     if c.trainer.tp > 1 and family in MOE_FAMILIES:
-        raise ConfigError("trainer.tp", f"tensor parallel is built for the dense families (qwen3, llama), and the policy is {family}: use trainer.ep for experts, or tp=1")
+        raise ConfigError(
+            "trainer.tp", f"tensor parallel is built for the dense families (qwen3, llama), and the policy is {family}: use trainer.ep for experts, or tp=1"
+        )
     if family == "deepseek_v3" and m.dtype == "float32" and plan.layout != "cpu":
-        raise ConfigError("model.dtype", "deepseek_v3 generators on GPU run vLLM's MLA attention, whose CUDA backends take only "
-                                         "float16 or bfloat16: set model.dtype=bfloat16")
+        raise ConfigError(
+            "model.dtype", "deepseek_v3 generators on GPU run vLLM's MLA attention, whose CUDA backends take only float16 or bfloat16: set model.dtype=bfloat16"
+        )
     return family
 
 

@@ -56,8 +56,7 @@ class CPRows:
         targets = F.pad(tokens[:, 1:], (0, pad + 1))
         scored = F.pad(score_mask[:, 1:], (0, pad + 1))
         positions = torch.arange(padded, device=tokens.device).expand(B, padded).contiguous()
-        (self.tokens, self.positions, self.targets, self.scored), _ = cp_shard(
-            cp_mesh, (F.pad(tokens, (0, pad)), positions, targets, scored), None, "headtail")
+        (self.tokens, self.positions, self.targets, self.scored), _ = cp_shard(cp_mesh, (F.pad(tokens, (0, pad)), positions, targets, scored), None, "headtail")
         self.restore = _HeadTailLoadBalancer(padded, cp, tokens.device)._generate_indices(restore=True)[0].to(tokens.device)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
@@ -66,7 +65,7 @@ class CPRows:
         mesh = self.mesh
         whole = _GatherPositions.apply(local, mesh.get_group(), mesh.get_local_rank(), mesh.size())
         by_position = whole.index_select(1, self.restore)
-        return F.pad(by_position[:, :self.T - 1], (1, 0))
+        return F.pad(by_position[:, : self.T - 1], (1, 0))
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """A count summed over the CP group (no gradient)."""

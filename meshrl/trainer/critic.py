@@ -55,8 +55,7 @@ def value_head(dim: int, device: torch.device | str = "cpu") -> nn.Module:
     `init_weights`, as a model materialised from the meta device is) to zero."""
     from torchtitan.models.common import Linear
 
-    cfg = Linear.Config(in_features=dim, out_features=1, bias=True,
-                        param_init={"weight": nn.init.zeros_, "bias": nn.init.zeros_})
+    cfg = Linear.Config(in_features=dim, out_features=1, bias=True, param_init={"weight": nn.init.zeros_, "bias": nn.init.zeros_})
     with torch.device(device):
         head = cfg.build()
     with torch.no_grad():
@@ -66,9 +65,13 @@ def value_head(dim: int, device: torch.device | str = "cpu") -> nn.Module:
     return head
 
 
-def build_value_model(model_config: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
-                      init_from: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
-                      hf_overrides: dict | None = None):
+def build_value_model(
+    model_config: ModelConfig,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    init_from: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
+    hf_overrides: dict | None = None,
+):
     """The value model: `build_model(model_config)` with a zero value head; returns (module, ModelSpecs).
 
     `init_from`: a TorchTitan-named state dict (a policy's `model.state_dict()`) or a HF
@@ -144,17 +147,32 @@ class CriticTrainer:
     for a checkpoint's shapes built from scratch).
     """
 
-    def __init__(self, model_config: ModelConfig, *, lr: float = 1e-5, weight_decay: float = 0.0, warmup_steps: int = 0,
-                 grad_clip: float = 1.0, value_clip: float | None = 0.5, gamma: float = 1.0, lam: float = 1.0,
-                 aggregation: str = "token_mean", micro_batch_size: int = 16, micro_batch_tokens: int = 0, epochs: int = 1, seed: int = 0,
-                 device: torch.device | str = "cpu", init_from: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
-                 compute_dtype: torch.dtype = torch.float32, hf_overrides: dict | None = None):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        grad_clip: float = 1.0,
+        value_clip: float | None = 0.5,
+        gamma: float = 1.0,
+        lam: float = 1.0,
+        aggregation: str = "token_mean",
+        micro_batch_size: int = 16,
+        micro_batch_tokens: int = 0,
+        epochs: int = 1,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        init_from: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+        hf_overrides: dict | None = None,
+    ):
         self.device = torch.device(device)
         self.value_clip, self.gamma, self.lam, self.aggregation = value_clip, gamma, lam, aggregation
         self.grad_clip, self.micro_batch_size, self.micro_batch_tokens = grad_clip, micro_batch_size, micro_batch_tokens
         self.epochs = epochs
-        self.model, self.specs = build_value_model(model_config, seed=seed, device=self.device, init_from=init_from,
-                                                   hf_overrides=hf_overrides)
+        self.model, self.specs = build_value_model(model_config, seed=seed, device=self.device, init_from=init_from, hf_overrides=hf_overrides)
         self.compute_dtype = compute_dtype
         if self.device.type == "cpu" and compute_dtype != torch.float32:
             from meshrl.compat import titan_float32_islands_under_cpu_autocast
@@ -165,8 +183,7 @@ class CriticTrainer:
         self.dp_rank, self.dp_world, self._dp_group = 0, 1, None
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
         self.version = 0
         """train_step calls taken = the version of the current weights."""
 
@@ -227,8 +244,13 @@ class CriticTrainer:
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()  # the schedule follows the version, skipped steps included
         self.version += 1
-        out.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0], value_nonfinite=float(not finite),
-                   version=self.version, step_time_s=time.perf_counter() - t0)
+        out.update(
+            grad_norm=float(grad_norm),
+            lr=self.scheduler.get_last_lr()[0],
+            value_nonfinite=float(not finite),
+            version=self.version,
+            step_time_s=time.perf_counter() - t0,
+        )
         return out
 
     def _update(self, batch: TensorDict, returns: torch.Tensor, old_values: torch.Tensor) -> tuple[dict[str, float], torch.Tensor, bool]:
@@ -245,8 +267,7 @@ class CriticTrainer:
             ret, old = returns[rows, :Tm].to(self.device), old_values[rows, :Tm].to(self.device)
             with self.autocast():
                 v = token_values(self.model, part, packed=self.micro_batch_tokens > 0)
-            loss, m = value_loss(v, old, ret, part["loss_mask"], self.value_clip, self.aggregation,
-                                 token_count=token_count, seq_count=seq_count)
+            loss, m = value_loss(v, old, ret, part["loss_mask"], self.value_clip, self.aggregation, token_count=token_count, seq_count=seq_count)
             if not idx:  # padding micro-batch: gradient of zero, metrics of nothing
                 loss = loss * 0.0
                 m = {k: torch.zeros_like(t) for k, t in m.items()}
@@ -285,8 +306,7 @@ class CriticTrainer:
     # ---- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Model, AdamW, scheduler and version (one rank, in memory; `save_checkpoint` for DCP)."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "version": self.version}
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "version": self.version}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"])

@@ -44,7 +44,7 @@ def kept_set(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch
         ordered, order = logits.float().sort(dim=-1)  # ascending
         drop = torch.zeros_like(ordered, dtype=torch.bool)
         if 0 < top_k < ordered.shape[-1]:
-            drop = ordered < ordered[:, -top_k:-top_k + 1]
+            drop = ordered < ordered[:, -top_k : -top_k + 1]
         if top_p < 1.0:
             mass = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
             drop |= mass <= 1 - top_p
@@ -52,8 +52,9 @@ def kept_set(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch
         return torch.empty_like(drop).scatter_(-1, order, ~drop)
 
 
-def _chunk_logprobs(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    with_entropy: bool, top_k: int = -1, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunk_logprobs(
+    lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, top_k: int = -1, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logits = full_tensor(head_logits(lm_head, hidden)).float() / temperature  # vocab-sharded under TP: gathered (top-k/p, entropy)
     keep = kept_set(logits, top_k, top_p)
     full = F.log_softmax(logits, dim=-1)
@@ -69,8 +70,7 @@ def _chunk_logprobs(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Ten
     return token_logp, entropy, misses
 
 
-def hidden_states(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
-                  positions: torch.Tensor | None = None) -> torch.Tensor:
+def hidden_states(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder's final-norm output [B, T, D] (TorchTitan's `_skip_lm_head` switch).
 
     With `lengths` ([B] real tokens per right-padded row) the rows run packed as one sequence
@@ -155,7 +155,7 @@ def token_logprobs(
     lps, ents, missed = [], [], []
     recompute = torch.is_grad_enabled()
     for start in range(0, h_sel.shape[0], chunk_size):
-        args = (lm_head, h_sel[start:start + chunk_size], targets[start:start + chunk_size], temperature, with_entropy, top_k, top_p)
+        args = (lm_head, h_sel[start : start + chunk_size], targets[start : start + chunk_size], temperature, with_entropy, top_k, top_p)
         lp, ent, miss = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
         lps.append(lp)
         ents.append(ent)

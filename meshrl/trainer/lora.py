@@ -25,8 +25,7 @@ from torch import nn
 from meshrl.config import LoRAConfig
 from meshrl.trainer.parallelize import full_tensor
 
-TITAN_NAMES = {"q_proj": "wq", "k_proj": "wkv", "v_proj": "wkv", "o_proj": "wo",
-               "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+TITAN_NAMES = {"q_proj": "wq", "k_proj": "wkv", "v_proj": "wkv", "o_proj": "wo", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 """HF projection name -> the name of the TorchTitan config it is built from. TorchTitan
 builds the key and value projections from one config (`wkv`), so they are adapted together."""
 PEFT_PREFIX = "base_model.model."
@@ -92,10 +91,19 @@ def adapter_state_dict(model: nn.Module, adapter, dtype: torch.dtype | None = No
 def peft_config(lora: LoRAConfig, base_model: str | None) -> dict:
     """adapter_config.json for `peft` and vLLM: plain LoRA on the targets, no bias."""
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout, "target_modules": sorted(lora.targets), "bias": "none",
-        "base_model_name_or_path": base_model, "fan_in_fan_out": False, "use_rslora": False,
-        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(lora.targets),
+        "bias": "none",
+        "base_model_name_or_path": base_model,
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
     }
 
 

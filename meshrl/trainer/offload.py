@@ -30,8 +30,14 @@ class OptimizerOffload:
             for key, value in state.items():
                 local = _owner(value)
                 # only tensors that own their whole storage can give it back
-                if not torch.is_tensor(local) or not local.numel() or not include_cpu and local.device.type == "cpu" \
-                        or local.storage_offset() or local.untyped_storage().nbytes() != local.numel() * local.element_size():
+                if (
+                    not torch.is_tensor(local)
+                    or not local.numel()
+                    or not include_cpu
+                    and local.device.type == "cpu"
+                    or local.storage_offset()
+                    or local.untyped_storage().nbytes() != local.numel() * local.element_size()
+                ):
                     continue
                 host = self._host.get((id(state), key))
                 if host is None or host.shape != local.shape or host.dtype != local.dtype:

@@ -75,4 +75,3 @@ def unpack(packed: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     shape = (*real.shape, *packed.shape[2:])
     mask = real.reshape(*real.shape, *([1] * (packed.dim() - 2))).expand(shape)
     return packed.new_zeros(shape).masked_scatter(mask, packed[0])
-

@@ -91,8 +91,9 @@ def compile_unsharded(model: nn.Module, parallelism, compile_cfg, ac_cfg=None) -
         apply_compile(model, compile_config=compile_cfg, parallel_dims=ParallelDims.from_config(parallelism, 1))
 
 
-def parallelize(model: nn.Module, parallelize_fn, parallelism, world_size: int, device_type: str,
-                dtype: torch.dtype = torch.float32, compile_cfg=None, ac_cfg=None):
+def parallelize(
+    model: nn.Module, parallelize_fn, parallelism, world_size: int, device_type: str, dtype: torch.dtype = torch.float32, compile_cfg=None, ac_cfg=None
+):
     """Apply the family's TorchTitan parallelize function; returns (model, ParallelDims).
 
     Needs torch.distributed initialised. Parameters become DTensors sharded over the
@@ -116,8 +117,13 @@ def parallelize(model: nn.Module, parallelize_fn, parallelism, world_size: int, 
     if compile_cfg is not None and compile_cfg.enable:
         _dynamic_shapes_from_the_first_compile()
     model = parallelize_fn(
-        model, parallel_dims=dims, training=training, parallelism=parallelism,
-        compile_config=compile_cfg or CompileConfig(enable=False), ac_config=ac_cfg, dump_folder="/tmp",
+        model,
+        parallel_dims=dims,
+        training=training,
+        parallelism=parallelism,
+        compile_config=compile_cfg or CompileConfig(enable=False),
+        ac_config=ac_cfg,
+        dump_folder="/tmp",
     )
     if device_type == "cpu":
         titan_force_sum_reduction(model)

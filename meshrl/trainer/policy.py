@@ -42,7 +42,7 @@ def rank_rows(td: TensorDict, rank: int, world: int) -> list[int]:
     groups = group_slices(td)
     per, extra = divmod(len(groups), world)
     start = rank * per + min(rank, extra)
-    mine = groups[start:start + per + (1 if rank < extra else 0)]
+    mine = groups[start : start + per + (1 if rank < extra else 0)]
     return [i for s in mine for i in range(s.start, s.stop)]
 
 
@@ -62,7 +62,7 @@ def micro_batch_plans(td: TensorDict, world: int, micro_batch_size: int, micro_b
         n = max(1, max(map(len, plans)))
         return [plan + [[] for _ in range(n - len(plan))] for plan in plans]
     n = micro_batch_count(td, world, micro_batch_size)
-    return [[rows[i * micro_batch_size:(i + 1) * micro_batch_size] for i in range(n)] for rows in (rank_rows(td, r, world) for r in range(world))]
+    return [[rows[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(n)] for rows in (rank_rows(td, r, world) for r in range(world))]
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
@@ -100,14 +100,12 @@ class PolicyTrainer:
         # rank and world size starts from the same weights.
         on_meta = mcfg.path is not None and dist.is_initialized()
         build_on = torch.device("meta") if on_meta else device
-        self.model, self.specs = build_model(mcfg, build_on, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism,
-                                             lora=config.lora)
+        self.model, self.specs = build_model(mcfg, build_on, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism, lora=config.lora)
         if mcfg.path is not None and not on_meta:
             ckpt.load_hf(self.model, self.specs, mcfg.path)
         self.ref_model = None
         if tcfg.loss.kl_coef > 0:  # frozen copy of the initial policy for the KL penalty
-            self.ref_model, _ = build_model(mcfg, build_on, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism,
-                                            lora=config.lora)
+            self.ref_model, _ = build_model(mcfg, build_on, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism, lora=config.lora)
             if not on_meta:
                 self.ref_model.load_state_dict(self.model.state_dict())
             self.ref_model.requires_grad_(False)
@@ -122,8 +120,9 @@ class PolicyTrainer:
         if dist.is_initialized():
             from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
-            self.model, self.dims = parallelize(self.model, self.specs.parallelize_fn, self.parallelism, world_size, device.type,
-                                                self.compute_dtype, compile_cfg, ac_cfg)
+            self.model, self.dims = parallelize(
+                self.model, self.specs.parallelize_fn, self.parallelism, world_size, device.type, self.compute_dtype, compile_cfg, ac_cfg
+            )
             if on_meta:
                 materialize(self.model, device, config.seed)
                 ckpt.load_hf(self.model, self.specs, mcfg.path)
@@ -131,8 +130,9 @@ class PolicyTrainer:
             # add up, not average (TorchTitan's own trainer does the same)
             disable_fsdp_gradient_division(self.model)
             if self.ref_model is not None:
-                self.ref_model, _ = parallelize(self.ref_model, self.specs.parallelize_fn, self.parallelism, world_size, device.type,
-                                                self.compute_dtype, compile_cfg)
+                self.ref_model, _ = parallelize(
+                    self.ref_model, self.specs.parallelize_fn, self.parallelism, world_size, device.type, self.compute_dtype, compile_cfg
+                )
                 if on_meta:  # the same shards as the policy's: copied locally
                     materialize(self.ref_model, device, config.seed)
                     with torch.no_grad():
@@ -166,8 +166,17 @@ class PolicyTrainer:
         self._base_exported: str | None = None  # LoRA: where the base weights were exported
 
     # ---- scoring ------------------------------------------------------------------------
-    def _logprobs(self, model, packed: TensorDict, with_entropy: bool = False, score_mask=None, misses: list | None = None,
-                  replay: bool = True, replay_changed: list | None = None, keep_replay: contextlib.ExitStack | None = None):
+    def _logprobs(
+        self,
+        model,
+        packed: TensorDict,
+        with_entropy: bool = False,
+        score_mask=None,
+        misses: list | None = None,
+        replay: bool = True,
+        replay_changed: list | None = None,
+        keep_replay: contextlib.ExitStack | None = None,
+    ):
         tokens = packed["tokens"].to(self.device)
         mask = (packed["loss_mask"] if score_mask is None else score_mask).to(self.device)
         g = self.config.generator
@@ -177,9 +186,21 @@ class PolicyTrainer:
             routed = input_positions(packed["routed_experts"]).to(self.device)
         lengths = row_lengths(packed) if self.config.trainer.micro_batch_tokens > 0 else None
         with self.autocast():
-            return token_logprobs(model, tokens, mask, g.temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p,
-                                  misses=misses, routed_experts=routed, replay_changed=replay_changed, lengths=lengths,
-                                  keep_replay=keep_replay, cp_mesh=self.cp_mesh)
+            return token_logprobs(
+                model,
+                tokens,
+                mask,
+                g.temperature,
+                with_entropy=with_entropy,
+                top_k=top_k,
+                top_p=top_p,
+                misses=misses,
+                routed_experts=routed,
+                replay_changed=replay_changed,
+                lengths=lengths,
+                keep_replay=keep_replay,
+                cp_mesh=self.cp_mesh,
+            )
 
     def autocast(self):
         """Autocast to `trainer.compute_dtype` where FSDP2's param dtype does not already
@@ -251,8 +272,9 @@ class PolicyTrainer:
             replay_changed: list = []
             # MoE routing replay stays on through backward: checkpointed blocks recompute their routers there
             with contextlib.ExitStack() as replaying:
-                logprobs, entropy = self._logprobs(self.model, packed, with_entropy=want_entropy, misses=misses,
-                                                   replay_changed=replay_changed, keep_replay=replaying)
+                logprobs, entropy = self._logprobs(
+                    self.model, packed, with_entropy=want_entropy, misses=misses, replay_changed=replay_changed, keep_replay=replaying
+                )
                 ref = None
                 if self.ref_model is not None:
                     with torch.no_grad():
@@ -262,9 +284,16 @@ class PolicyTrainer:
                 # One optimizer step per batch: the weights before the update are the weights of
                 # this forward, so pi_prox is its detached value (no second forward needed).
                 loss, m = policy_loss(
-                    logprobs, packed["sampler_logprobs"], packed["token_advantage" if per_token else "advantage"], packed["loss_mask"], lcfg,
-                    prox_logprobs=logprobs.detach(), ref_logprobs=ref, entropy=entropy,
-                    token_count=token_count, seq_count=seq_count,
+                    logprobs,
+                    packed["sampler_logprobs"],
+                    packed["token_advantage" if per_token else "advantage"],
+                    packed["loss_mask"],
+                    lcfg,
+                    prox_logprobs=logprobs.detach(),
+                    ref_logprobs=ref,
+                    entropy=entropy,
+                    token_count=token_count,
+                    seq_count=seq_count,
                 )
                 if self.config.trainer.loss.sampling_mask and (self.config.generator.top_k > 0 or self.config.generator.top_p < 1):
                     m["sampling_mask_miss_sum"] = misses[0]  # sampled tokens outside the trainer's kept set
@@ -297,12 +326,16 @@ class PolicyTrainer:
         out.pop("lag_max", None)
         tokens = max(out.get("tokens", 0.0), 1.0)
         out.update(
-            version=self.step, grad_norm=float(grad_norm), logprob_mismatch=out.get("mismatch", 0.0),
-            staleness_mean=float(merged["lag_sum"]) / tokens, staleness_max=float(merged["lag_max"]),
+            version=self.step,
+            grad_norm=float(grad_norm),
+            logprob_mismatch=out.get("mismatch", 0.0),
+            staleness_mean=float(merged["lag_sum"]) / tokens,
+            staleness_max=float(merged["lag_max"]),
             # the reward of the very episodes this step trained on (reward/mean covers those
             # finished since the last step, newer in async mode); failed ones did not train
             reward_mean=_trained_reward(batch),
-            lr=self.scheduler.get_last_lr()[0], step_time_s=time.perf_counter() - t0,
+            lr=self.scheduler.get_last_lr()[0],
+            step_time_s=time.perf_counter() - t0,
             tokens_per_s=token_count / (time.perf_counter() - t0),
         )
         out.update(_drift_metrics(merged, torch.cat(gaps) if gaps else torch.zeros(0)))
@@ -316,10 +349,8 @@ class PolicyTrainer:
         per rank."""
         t = self.config.trainer
         lengths = row_lengths(batch)
-        ran = sum(int(lengths[mb].sum()) if t.micro_batch_tokens > 0 else len(mb) * int(lengths[mb].max())
-                  for plan in plans for mb in plan if mb)
-        return {"row_tokens_max": float(lengths.max()), "useful_token_frac": float(lengths.sum()) / max(ran, 1),
-                "micro_batches": float(len(plans[0]))}
+        ran = sum(int(lengths[mb].sum()) if t.micro_batch_tokens > 0 else len(mb) * int(lengths[mb].max()) for plan in plans for mb in plan if mb)
+        return {"row_tokens_max": float(lengths.max()), "useful_token_frac": float(lengths.sum()) / max(ran, 1), "micro_batches": float(len(plans[0]))}
 
     def _clip_grads(self, max_norm: float) -> torch.Tensor:
         from torchtitan.distributed.utils import clip_grad_norm_
@@ -387,8 +418,10 @@ class PolicyTrainer:
         moved = self._offload.offload(self.optimizer) if offload_optimizer else 0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        return {"colocate/offloaded_gb": moved / 1e9,
-                "colocate/trainer_reserved_gb": torch.cuda.memory_reserved(self.device) / 1e9 if self.device.type == "cuda" else 0.0}
+        return {
+            "colocate/offloaded_gb": moved / 1e9,
+            "colocate/trainer_reserved_gb": torch.cuda.memory_reserved(self.device) / 1e9 if self.device.type == "cuda" else 0.0,
+        }
 
     def save_checkpoint(self, root: str) -> str:  # an offloaded AdamW state is saved from host memory
         return ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler)
@@ -453,8 +486,7 @@ def _drift_metrics(merged: dict[str, torch.Tensor], gaps: torch.Tensor) -> dict[
         out["kl_prev_version"] = float(merged["kl_previous_sum"]) / float(merged["previous_tokens_sum"])
     if gaps.numel():
         q = _quantiles(gaps, [0.01, 0.5, 0.99])
-        out.update(is_ratio_p1=math.exp(q[0]), is_ratio_p50=math.exp(q[1]), is_ratio_p99=math.exp(q[2]),
-                   logprob_gap_p99=_quantiles(gaps.abs(), [0.99])[0])
+        out.update(is_ratio_p1=math.exp(q[0]), is_ratio_p50=math.exp(q[1]), is_ratio_p99=math.exp(q[2]), logprob_gap_p99=_quantiles(gaps.abs(), [0.99])[0])
     return out
 
 

@@ -75,8 +75,7 @@ def gae(values: Tensor, rewards: Tensor, mask: Tensor, gamma: float = 1.0, lam: 
     gamma = lam = 1 takes the closed form (a reverse cumulative sum) instead of the loop.
     """
     if values.shape != rewards.shape or values.shape != mask.shape or values.dim() != 2:
-        raise ValueError(f"values, rewards and mask must share one [B, T] shape, got {tuple(values.shape)}, "
-                         f"{tuple(rewards.shape)}, {tuple(mask.shape)}")
+        raise ValueError(f"values, rewards and mask must share one [B, T] shape, got {tuple(values.shape)}, {tuple(rewards.shape)}, {tuple(mask.shape)}")
     mask = mask.bool()
     _check_finite("values", values, mask)
     _check_finite("rewards", rewards, mask)

@@ -48,6 +48,14 @@ from meshrl.weightsync.spec import SyncSpec
 from meshrl.weightsync.staging import StagingPool
 
 __all__ = [
-    "Layout", "ReceiveBuffers", "StagingPool", "SyncSpec", "WeightSyncError", "WeightSyncTimeout",
-    "allocate", "pack", "plan_layout", "unpack",
+    "Layout",
+    "ReceiveBuffers",
+    "StagingPool",
+    "SyncSpec",
+    "WeightSyncError",
+    "WeightSyncTimeout",
+    "allocate",
+    "pack",
+    "plan_layout",
+    "unpack",
 ]

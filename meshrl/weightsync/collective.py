@@ -82,8 +82,7 @@ def close_group(pg: dist.ProcessGroup) -> None:
 
 
 def _is_loopback(host: str) -> bool:
-    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback
-               for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
 
 
 def broadcast_buckets(pg: dist.ProcessGroup, buckets, timeout_s: float) -> None:

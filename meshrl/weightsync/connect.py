@@ -44,12 +44,17 @@ class WeightSync:
             self._store = tcp_store_listening_on(self._store_host, timedelta(seconds=cfg.timeout_s))
 
     def spec(self, ranks: int) -> SyncSpec:
-        common = dict(transport=self.cfg.transport, timeout_s=self.cfg.timeout_s, files_dir=self.files_dir,
-                      on_gpu=self.on_gpu and self.cfg.transport in ("collective", "shm"))
+        common = dict(
+            transport=self.cfg.transport,
+            timeout_s=self.cfg.timeout_s,
+            files_dir=self.files_dir,
+            on_gpu=self.on_gpu and self.cfg.transport in ("collective", "shm"),
+        )
         if self.cfg.transport != "collective":
             return SyncSpec(**common)
-        return SyncSpec(**common, store_host=self._store_host, store_port=self._store.port, world_size=1 + ranks,
-                        group_name=f"ws-{self._tag}-{next(self._generation)}/")
+        return SyncSpec(
+            **common, store_host=self._store_host, store_port=self._store.port, world_size=1 + ranks, group_name=f"ws-{self._tag}-{next(self._generation)}/"
+        )
 
     async def connect(self, publisher, subscribers: list) -> "WeightSync":
         """Connect the publisher's handle to every subscriber's handle (all at once, as a

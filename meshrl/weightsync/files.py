@@ -23,9 +23,20 @@ log = logging.getLogger(__name__)
 KEEP = 2  # newest files kept; a reader holding an older one still has it open (POSIX), and
 # one that listed a file just pruned lists again
 _NAME = re.compile(r"^v(\d{10})\.safetensors$")
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
-           "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-           "BOOL": "bool"}
+_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 _SAFETENSORS_DTYPE = {torch_name: st_name for st_name, torch_name in _DTYPES.items()}
 
 
@@ -96,8 +107,7 @@ def _remove(path: str) -> None:
         pass
 
 
-def write_version(path: str, flat: torch.Tensor, layout: Layout, version: int,
-                  wait_packed: Callable[[int], bool] | None = None) -> bool:
+def write_version(path: str, flat: torch.Tensor, layout: Layout, version: int, wait_packed: Callable[[int], bool] | None = None) -> bool:
     """Write a staged version as a safetensors file, each tensor's bytes straight from the
     staging buffer (no serialised copy of the model). Larger elements come first, so with
     the data section starting ALIGN-aligned every tensor is aligned for its dtype in the

@@ -121,8 +121,7 @@ def shared_file_buffer(nbytes: int) -> torch.Tensor:
     return flat
 
 
-def pack(flat: torch.Tensor, layout: Layout, named: Iterable[tuple[str, torch.Tensor]],
-         progress: Callable[[int], None] | None = None) -> None:
+def pack(flat: torch.Tensor, layout: Layout, named: Iterable[tuple[str, torch.Tensor]], progress: Callable[[int], None] | None = None) -> None:
     """Copy `named` (same order, names, shapes and dtypes as `layout`) into `flat`.
     `progress(end)`, if given, is called as the copy advances: every byte of `flat` below
     `end` holds its final value."""

@@ -119,7 +119,8 @@ class RdmaReader:
             sent = time.monotonic()  # before the acquire leaves: the lease starts later
             reply = await _bounded(
                 self.agent.acquire.call_one(min_version, self.layout.layout_id if self.layout else None, list(self.handles), wait),
-                wait + timeout_s, "lease a staged version",
+                wait + timeout_s,
+                "lease a staged version",
             )
             if reply is None:
                 return None

@@ -66,8 +66,7 @@ async def serve_acquire_shared(pool: StagingPool, min_version: int, wait_s: floa
     if lease.slot.flat.is_cuda:
         return {"lease_id": lease.lease_id, "version": lease.version, "layout": lease.slot.layout, "ipc": ipc_handle(lease.slot.flat)}
     path, key = slot_name(lease.slot)
-    return {"lease_id": lease.lease_id, "version": lease.version, "layout": lease.slot.layout,
-            "path": path, "key": key, "nbytes": lease.slot.flat.numel()}
+    return {"lease_id": lease.lease_id, "version": lease.version, "layout": lease.slot.layout, "path": path, "key": key, "nbytes": lease.slot.flat.numel()}
 
 
 class SharedReader:
@@ -108,5 +107,6 @@ class SharedReader:
         t0 = time.monotonic()
         intact = await _bounded(self.agent.release.call_one(lease_id), timeout_s, "release the lease")
         if not intact and not quiet:
-            raise WeightSyncError(f"the lease on a staged version expired while it was read ({time.monotonic() - t0:.1f}s to release): "
-                                  "raise weight_sync.timeout_s")
+            raise WeightSyncError(
+                f"the lease on a staged version expired while it was read ({time.monotonic() - t0:.1f}s to release): raise weight_sync.timeout_s"
+            )
