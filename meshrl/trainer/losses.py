@@ -233,6 +233,22 @@ def policy_loss(
 
 
 # ---- metrics ------------------------------------------------------------------------------------
+def merge_sums(metrics: Sequence[Mapping[str, Tensor | float]]) -> dict[str, float]:
+    """Several micro-batches' (or ranks') metric dicts as one: `_sum` keys add up, `_max` keys
+    take the max; any other key is refused."""
+    totals: dict[str, float] = {}
+    for m in metrics:
+        for key, value in m.items():
+            value = float(value)
+            if key.endswith("_max"):
+                totals[key] = max(totals.get(key, -math.inf), value)
+            elif key.endswith("_sum"):
+                totals[key] = totals.get(key, 0.0) + value
+            else:
+                raise ValueError(f"metric {key!r} must end in _sum or _max")
+    return totals
+
+
 _PER_TOKEN_MEANS = {
     "clip_frac": "clip_frac_sum",
     "is_weight_mean": "is_weight_sum",
@@ -256,16 +272,7 @@ def reduce_metrics(metrics: Sequence[Mapping[str, Tensor | float]]) -> dict[str,
     batch loss). Across ranks: all-reduce each
     `_sum` tensor with SUM and each `_max` with MAX first, then pass the one merged dict.
     """
-    totals: dict[str, float] = {}
-    for m in metrics:
-        for key, value in m.items():
-            value = float(value)
-            if key.endswith("_max"):
-                totals[key] = max(totals.get(key, -math.inf), value)
-            elif key.endswith("_sum"):
-                totals[key] = totals.get(key, 0.0) + value
-            else:
-                raise ValueError(f"metric {key!r} must end in _sum or _max")
+    totals = merge_sums(metrics)
     tokens = totals.get("tokens_sum", 0.0)
     out = {name: totals[key] for name, key in (("loss", "loss_sum"), ("tokens", "tokens_sum"), ("seqs", "seqs_sum")) if key in totals}
     out.update({name: totals[key] / max(tokens, 1.0) for name, key in _PER_TOKEN_MEANS.items() if key in totals})

@@ -49,7 +49,7 @@ import torch
 from tensordict import TensorDict
 
 from meshrl.episode import FINISH_REASONS
-from meshrl.trainer.losses import Count, aggregate
+from meshrl.trainer.losses import Count, aggregate, merge_sums
 
 Tensor = torch.Tensor
 
@@ -218,16 +218,7 @@ def reduce_value_metrics(metrics: Sequence[Mapping[str, Tensor | float]], eps: f
     negative number, not a division by zero), value_tokens, and value_abs_max. Across ranks:
     all-reduce each `_sum` with SUM and each `_max` with MAX first, then pass the one dict.
     """
-    totals: dict[str, float] = {}
-    for m in metrics:
-        for key, value in m.items():
-            value = float(value)
-            if key.endswith("_max"):
-                totals[key] = max(totals.get(key, -math.inf), value)
-            elif key.endswith("_sum"):
-                totals[key] = totals.get(key, 0.0) + value
-            else:
-                raise ValueError(f"metric {key!r} must end in _sum or _max")
+    totals = merge_sums(metrics)
     n = totals.get("value_tokens_sum", 0.0)
     out: dict[str, float] = {"value_tokens": n}
     if "value_loss_sum" in totals:
