@@ -41,61 +41,19 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from meshrl.config import Config, ConfigError, SandboxConfig
+from meshrl.rollout.bwrap import _spawn_kwargs, bwrap_argv, bwrap_path, interpreter  # noqa: F401 (interpreter: re-exported)
 
 INSTALL_HINT = "install the Debian package bubblewrap (`apt-get install -y bubblewrap`)"
 START_TIMEOUT_S = 20.0
 """Longest a sandbox may take to start (namespaces, interpreter) before the call fails."""
 KILL_GRACE_S = 5.0
 """Longest to wait for bwrap to exit once its sandbox was killed."""
-
-# Runs as `python3 -I -c BOOT LIMITS` inside the sandbox: limits first, then a ready byte on
-# stdout, then the request (JSON on stdin) and the call's code as __main__.
-BOOT = r"""
-import os, sys, resource, json
-for name, soft, hard in json.loads(sys.argv[1]):
-    resource.setrlimit(getattr(resource, name), (soft, hard))
-os.write(1, b"R")
-def _request():
-    req = json.loads(sys.stdin.buffer.read())
-    for path, data in req["files"].items():
-        if os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(data)
-    fd = os.open("stdin.txt" if req["stdin"] is not None else "/dev/null", os.O_RDONLY)
-    os.dup2(fd, 0)
-    os.close(fd)
-    sys.stdin = open(0, "r", closefd=False)
-    sys.argv = ["main.py", *req["argv"]]
-    sys.path.insert(0, os.getcwd())  # as `python main.py` in the workspace: its files import
-    return compile(req["code"], "main.py", "exec")
-def _main(code):
-    try:
-        exec(code, {"__name__": "__main__", "__builtins__": __builtins__, "__file__": "main.py"})
-    except SystemExit:
-        raise
-    except BaseException as e:
-        import traceback
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-        sys.stderr.flush()
-        os._exit(1)
-try:
-    _code = _request()
-except SyntaxError as e:
-    import traceback
-    traceback.print_exception(type(e), e, None)
-    os._exit(1)
-_main(_code)
-"""
 
 LIMITS = ("wall", "cpu", "memory", "processes", "file_size", "output")
 """What `SandboxResult.limit` can name: the limit that ended (or failed) the call."""
@@ -138,85 +96,6 @@ def _clip(text: str, n: int) -> str:
 
 class SandboxError(RuntimeError):
     """The sandbox itself failed (bwrap could not start, or did not start in time)."""
-
-
-# ---- the command line ---------------------------------------------------------------------------
-def bwrap_path() -> str | None:
-    return shutil.which("bwrap")
-
-
-def interpreter(config: SandboxConfig) -> tuple[str, list[str]]:
-    """(python path inside the sandbox, host paths to mount read-only for it)."""
-    if config.python != "auto":
-        return config.python, []
-    if os.access("/usr/bin/python3", os.X_OK):
-        return "/usr/bin/python3", []
-    prefix = os.path.realpath(sys.base_prefix)
-    return os.path.join(prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}"), [prefix]
-
-
-def _as_root() -> bool:
-    return os.geteuid() == 0
-
-
-def bwrap_argv(config: SandboxConfig) -> list[str]:
-    """The bwrap command line of one sandbox, up to and including the interpreter's arguments."""
-    python, extra = interpreter(config)
-    argv = [bwrap_path() or "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
-    for path in ("/usr", "/etc"):
-        argv += ["--ro-bind", path, path]
-    for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(path):  # merged /usr: /bin -> usr/bin
-            argv += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            argv += ["--ro-bind", path, path]
-    for path in [*extra, *config.ro_paths]:
-        argv += ["--ro-bind", path, path]
-    argv += [
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "--remount-ro",
-        "/dev",
-        "--size",
-        str(config.workspace_mb << 20),
-        "--tmpfs",
-        "/tmp",
-        "--remount-ro",
-        "/",
-        "--chdir",
-        "/tmp",
-        "--clearenv",
-        "--setenv",
-        "PATH",
-        "/usr/local/bin:/usr/bin:/bin",
-        "--setenv",
-        "HOME",
-        "/tmp",
-        "--setenv",
-        "LANG",
-        "C.UTF-8",
-        "--setenv",
-        "PYTHONUNBUFFERED",
-        "1",
-    ]
-    limits = [
-        ("RLIMIT_CPU", config.cpu_time_s, config.cpu_time_s + 1),
-        ("RLIMIT_AS", config.memory_mb << 20, config.memory_mb << 20),
-        ("RLIMIT_FSIZE", config.max_file_mb << 20, config.max_file_mb << 20),
-        ("RLIMIT_NPROC", config.max_processes, config.max_processes),
-        ("RLIMIT_NOFILE", 256, 256),
-        ("RLIMIT_CORE", 0, 0),
-    ]
-    return argv + ["--", python, "-I", "-c", BOOT, json.dumps(limits)]
-
-
-def _spawn_kwargs(config: SandboxConfig) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"env": {}, "close_fds": True, "start_new_session": True}
-    if _as_root():
-        kwargs.update(user=config.uid, group=config.uid, extra_groups=[])
-    return kwargs
 
 
 # ---- one sandbox ---------------------------------------------------------------------------------
