@@ -115,7 +115,8 @@ def long_tail_lengths(groups: int, seed: int) -> list[tuple[int, int]]:
 
 def padding(steps: int, groups: int, group_size: int, micro_batch_size: int, budget: int) -> dict:
     from meshrl.trainer.packing import row_lengths
-    from meshrl.trainer.policy import PolicyTrainer, micro_batch_plans
+    from meshrl.trainer.packing import micro_batch_plans
+    from meshrl.trainer.policy import PolicyTrainer
 
     torch.set_num_threads(os.cpu_count() or 1)
     batches = [batch_of(long_tail_lengths(groups, seed), group_size, seed) for seed in range(steps + 1)]

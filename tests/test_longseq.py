@@ -16,7 +16,8 @@ import torch
 from meshrl.config import Config, ConfigError
 from meshrl.trainer.losses import CORRECTIONS
 from meshrl.trainer.packing import pack, rank_rows_by_tokens, row_lengths, token_micro_batches, unpack
-from meshrl.trainer.policy import PolicyTrainer, micro_batch_plans
+from meshrl.trainer.packing import micro_batch_plans
+from meshrl.trainer.policy import PolicyTrainer
 from tests.test_trainer import CPU, make_batch
 
 BUDGET = 96  # tokens: a few of make_batch's rows (8 to 40 tokens) per micro-batch

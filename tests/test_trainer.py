@@ -19,7 +19,8 @@ from meshrl.episode import Episode, Turn, assign_advantages, pack
 from meshrl.trainer import policy as trainer_policy
 from meshrl.trainer import checkpoint as ckpt
 from meshrl.trainer.actor import spawn_trainer
-from meshrl.trainer.policy import PolicyTrainer, micro_batch_count, rank_rows
+from meshrl.trainer.packing import micro_batch_count, rank_rows
+from meshrl.trainer.policy import PolicyTrainer
 from meshrl.trainer.logprobs import token_logprobs
 from meshrl.trainer.losses import CORRECTIONS, policy_loss
 from meshrl.trainer.model import build_model, model_args_from_hf

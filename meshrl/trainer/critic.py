@@ -192,7 +192,7 @@ class CriticTrainer:
         return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=on)
 
     def _plans(self, batch: TensorDict) -> list[list[list[int]]]:
-        from meshrl.trainer.policy import micro_batch_plans
+        from meshrl.trainer.packing import micro_batch_plans
 
         return micro_batch_plans(batch, self.dp_world, self.micro_batch_size, self.micro_batch_tokens)
 

@@ -14,6 +14,8 @@ number of micro-batches (the collectives stay in step): a rank with fewer runs e
 
 from __future__ import annotations
 
+import math
+
 import torch
 from tensordict import TensorDict
 
@@ -75,3 +77,31 @@ def unpack(packed: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     shape = (*real.shape, *packed.shape[2:])
     mask = real.reshape(*real.shape, *([1] * (packed.dim() - 2))).expand(shape)
     return packed.new_zeros(shape).masked_scatter(mask, packed[0])
+
+
+def rank_rows(td: TensorDict, rank: int, world: int) -> list[int]:
+    """Rows of `td` that data-parallel `rank` trains on: a contiguous share of whole groups."""
+    groups = group_slices(td)
+    per, extra = divmod(len(groups), world)
+    start = rank * per + min(rank, extra)
+    mine = groups[start : start + per + (1 if rank < extra else 0)]
+    return [i for s in mine for i in range(s.start, s.stop)]
+
+
+def micro_batch_count(td: TensorDict, world: int, micro_batch_size: int) -> int:
+    """Micro-batches every rank runs: the most any rank needs (collectives must stay in step)."""
+    return max(1, max(math.ceil(len(rank_rows(td, r, world)) / micro_batch_size) for r in range(world)))
+
+
+def micro_batch_plans(td: TensorDict, world: int, micro_batch_size: int, micro_batch_tokens: int = 0) -> list[list[list[int]]]:
+    """Per data-parallel rank, the row indices of each micro-batch it runs, as many on every
+    rank (a rank with fewer gets empty ones: it still runs the collectives).
+    `micro_batch_tokens` > 0: groups dealt to ranks by tokens and rows packed up to that budget
+    (below); 0: `micro_batch_size` rows each, padded."""
+    if micro_batch_tokens > 0:
+        lengths = row_lengths(td)
+        plans = [token_micro_batches(rank_rows_by_tokens(td, r, world), lengths, micro_batch_tokens) for r in range(world)]
+        n = max(1, max(map(len, plans)))
+        return [plan + [[] for _ in range(n - len(plan))] for plan in plans]
+    n = micro_batch_count(td, world, micro_batch_size)
+    return [[rows[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(n)] for rows in (rank_rows(td, r, world) for r in range(world))]
