@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from meshrl.config import Config, source_kind
-from meshrl.errors import need
+from meshrl.config.loading import need
 from meshrl.imports import missing_extra
 from meshrl.tasks import TASKS, answer_budget
 

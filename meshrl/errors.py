@@ -30,7 +30,6 @@ import sysconfig
 import traceback
 from typing import Iterator, TypeVar
 
-from meshrl.config import ConfigError
 
 _MESHRL_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _STDLIB_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")})
@@ -139,9 +138,3 @@ def one_line(exc: BaseException) -> str | None:
             if marker in line:
                 return line.split(marker, 1)[1].strip()
     return None
-
-
-def need(ok: bool, field: str, message: str) -> None:
-    """A check before a run: unless `ok`, a ConfigError on `field` whose message says the fix."""
-    if not ok:
-        raise ConfigError(field, message)

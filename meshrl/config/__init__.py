@@ -7,7 +7,7 @@ it; checks that need the domain live beside their components, listed by meshrl/p
 """
 
 from meshrl.config.checks import VLLM_HEAD_SIZES, ip_and_port, source_kind, validate
-from meshrl.config.loading import ConfigError, apply_overrides, load_yaml
+from meshrl.config.loading import ConfigError, apply_overrides, load_yaml, need
 from meshrl.config.reference import field_docs, reference_markdown
 from meshrl.config.sections import (
     MOE_FAMILIES,

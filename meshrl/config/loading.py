@@ -30,6 +30,12 @@ class ConfigError(ValueError):
         super().__init__(f"{field_path}: {message}" if field_path else message)
 
 
+def need(ok: bool, path: str, message: str) -> None:
+    """Raise `ConfigError(path, message)` unless `ok`: one check, one line."""
+    if not ok:
+        raise ConfigError(path, message)
+
+
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError("", f"config file {str(path)!r} not found: pass the path of a YAML file (see configs/)")

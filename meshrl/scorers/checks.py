@@ -14,7 +14,7 @@ import json
 import os
 
 from meshrl.config import Config, ConfigError, ScorerConfig
-from meshrl.errors import need
+from meshrl.config.loading import need
 from meshrl.imports import check_import, import_callable
 from meshrl.rollout.checks import check_reward_signature, probe_reward, run_probe
 

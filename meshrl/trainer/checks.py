@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from meshrl.config import MOE_FAMILIES, Config, ConfigError
 from meshrl.config.hf import model_args_from_hf
-from meshrl.errors import need
+from meshrl.config.loading import need
 
 if TYPE_CHECKING:
     from meshrl.launch.devices import DevicePlan
