@@ -60,8 +60,9 @@ def meshrl_children() -> list[psutil.Process]:
     since the module began that were orphaned (their parent proc died) and would escape."""
     me = psutil.Process()
     procs = set(me.children(recursive=True))
-    for p in psutil.process_iter(["name", "create_time"]):
-        if (p.info["name"] or "").startswith("VLLM") and (p.info["create_time"] or 0) >= TEST_START:
+    for p in psutil.process_iter(["name", "create_time", "ppid"]):
+        # orphaned: reparented to init (another test run's live engines have a parent of their own)
+        if (p.info["name"] or "").startswith("VLLM") and (p.info["create_time"] or 0) >= TEST_START and p.info["ppid"] in (0, 1):
             procs.add(p)
     alive = []
     for p in procs:

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
-import psutil
 import pytest
 import torch
 
 from meshrl.config import Config, ConfigError
+from tests.test_loop import wait_no_children
 
 
 def gae_config(**sections) -> dict:
@@ -202,32 +201,7 @@ def test_checkpoint_saves_the_critic_beside_the_policy_and_restores_it(tmp_path)
 
 
 # ---- the whole loop ------------------------------------------------------------------------------
-TEST_START = time.time()
 STEPS = 12
-
-
-def live_children() -> list[psutil.Process]:
-    """Live processes this test started, and orphaned vLLM engines started since the module
-    began (they escape a children() walk; another suite's live engines have a parent)."""
-    procs = set(psutil.Process().children(recursive=True))
-    for p in psutil.process_iter(["name", "create_time", "ppid"]):
-        if (p.info["name"] or "").startswith("VLLM") and (p.info["create_time"] or 0) >= TEST_START and p.info["ppid"] in (0, 1):
-            procs.add(p)
-    alive = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(p)
-        except psutil.Error:
-            pass
-    return alive
-
-
-def no_children_left(timeout: float = 60) -> bool:
-    deadline = time.monotonic() + timeout
-    while live_children() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return not live_children()
 
 
 @pytest.mark.slow
@@ -284,7 +258,7 @@ def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
     # reward stays flat and the reward assertion fails (the critic still learns its values).
     assert sum(ev[STEPS // 2 :]) / (STEPS - STEPS // 2) > ev[0] + EV_MARGIN, ev
     assert sum(reward[-3:]) / 3 > sum(reward[:2]) / 2 + REWARD_MARGIN, reward
-    assert no_children_left(), "procs outlived the run"
+    assert not wait_no_children(), "procs outlived the run"
 
 
 EV_MARGIN = 0.05
