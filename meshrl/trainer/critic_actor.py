@@ -148,7 +148,6 @@ class CriticActor(Actor):
             "critic/return_mean": scored.get("return_mean", 0.0),
             "critic/score_s": score_s,
             "critic/wait_s": wait_s,
-            "critic/policy_warmup": float(warm),
             **{f"critic/{k}": float(finished[k]) for k in TRAIN_METRICS if k in finished},
         }
         return (None if warm else batch["token_advantage"]), mask, metrics
