@@ -19,6 +19,7 @@ import string
 from typing import TYPE_CHECKING
 
 from meshrl.config import ConfigError
+from meshrl.errors import first_line
 
 if TYPE_CHECKING:
     from meshrl.config import Config
@@ -93,6 +94,6 @@ def check_tokenizer(c: Config) -> None:
     except Exception as e:  # noqa: BLE001 - whatever transformers raises, the directory is the user's to fix
         raise ConfigError(
             field_path,
-            f"no tokenizer loads from {tokenizer_dir!r} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): "
+            f"no tokenizer loads from {tokenizer_dir!r} ({type(e).__name__}: {first_line(str(e), 160)}): "
             "give a directory holding a Hugging Face tokenizer (tokenizer.json or tokenizer_config.json)",
         ) from None

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from meshrl.config import MOE_FAMILIES, Config, ConfigError
 from meshrl.config.hf import model_args_from_hf
 from meshrl.config.loading import need
+from meshrl.errors import first_line
 
 if TYPE_CHECKING:
     from meshrl.launch.devices import DevicePlan
@@ -68,7 +69,7 @@ def check_model(c: Config, plan: DevicePlan) -> str:
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(
                 "model.path",
-                f"{m.path!r} does not load as a checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                f"{m.path!r} does not load as a checkpoint ({type(e).__name__}: {first_line(str(e))}): "
                 "point it at a Hugging Face checkpoint directory of a qwen3, qwen3_moe, llama or deepseek_v3 model",
             ) from None
         tp = c.trainer.tp
