@@ -108,6 +108,17 @@ def digits_reward(prompt: str, response: str, sample: dict) -> float:
     return sum(ch.isdigit() for ch in response[:LETTERS_LENGTH]) / LETTERS_LENGTH
 
 
+SPARSE_LOOK, SPARSE_NEED = 4, 2
+"""task:digits_sparse: the response's first SPARSE_LOOK characters, SPARSE_NEED of them digits."""
+
+
+def digits_sparse_reward(prompt: str, response: str, sample: dict) -> float:
+    """1 when at least 2 of the first 4 response characters are digits, else 0: the default
+    task's signal as a sparse outcome (an untrained model's episodes pass a few percent of
+    the time), for process rewards to densify (docs/coevolve.md, PRIME)."""
+    return float(sum(ch.isdigit() for ch in response[:SPARSE_LOOK]) >= SPARSE_NEED)
+
+
 def _make_letters(rng: random.Random, data: DataConfig) -> dict[str, Any]:
     c = rng.choice(string.ascii_lowercase)
     return {"prompt": f"{c}:", "answer": c * LETTERS_LENGTH}
@@ -353,6 +364,7 @@ class LongtailChatEnv:
 
 TASKS: dict[str, Task] = {
     "digits": Task("digits", _make_digits, digits_reward),
+    "digits_sparse": Task("digits_sparse", _make_digits, digits_sparse_reward),
     "letters": Task("letters", _make_letters, letters_reward),
     "count": Task("count", _make_count, count_reward),
     "add": Task("add", _make_add, add_reward),

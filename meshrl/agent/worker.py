@@ -221,7 +221,11 @@ class RolloutWorker:
         replica = self.turns.acquire()
         tasks = [asyncio.ensure_future(self.play_scored(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replica)) for i in range(n)]
         try:
-            return list(await asyncio.gather(*tasks))
+        seen = dict(self.scorers.versions)  # the implicit PRM's version as the group starts (its version lag)
+            episodes = list(await asyncio.gather(*tasks))
+            if self.scorers.per_group:  # an implicit PRM scores the whole group with one version
+                await self.scorers.score_group(episodes, seen)
+            return episodes
         except BaseException:
             # gather leaves the other episodes running when one fails: the group is played again
             # from its start, so stop them (and close their envs) before it is re-queued
@@ -361,10 +365,11 @@ class RolloutWorker:
     def _with_process(self, group, episodes: list[Episode]):
         """Under process scorers, the per-token advantages of meshrl/scorers/process.py."""
         s = self.config.scoring
-        if not any(spec.process != "none" for spec in s.scorers):
+        prm = any(spec.kind == "prm" for spec in s.scorers)
+        if not prm and not any(spec.process != "none" for spec in s.scorers):
             return group
         scores, ends = process_tensors(episodes, group["tokens"].shape[1])
-        return assign_process_advantages(group, scores, ends, s.process_weight, s.process_advantage)
+        return assign_process_advantages(group, scores, ends, s.process_weight, s.process_advantage, "loo" if prm else "mean")
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Stop claiming; groups in flight are dropped (the queue re-queues them on resume)."""

@@ -117,6 +117,8 @@ def _check_scoring(c: Config) -> None:
         names = scoring.scorer_names()
         dup = sorted({n for n in names if names.count(n) > 1} | ({"env"} & set(names)))
         need(not dup, "scoring.scorers", f"names {dup} are taken (by another scorer, or `env`, the env's reward): give each scorer its own `name`")
+        if sc.kind == "prm":
+            _check_prm(c, sc, f"scoring.scorers[{i}]")
 
 
 def _check_contracts(c: Config) -> None:
@@ -284,6 +286,26 @@ def _check_scorer(sc, path: str) -> None:
     """One scoring.scorers entry's values (its files and code are checked at preflight)."""
     if sc.kind in ("function", "reward_model", "judge"):
         what = "an import path module:function" if sc.kind == "function" else "a local checkpoint directory"
+def _check_prm(c: Config, sc, path: str) -> None:
+    """An implicit PRM's values, and what it cannot combine with (docs/coevolve.md, PRIME)."""
+    need(math.isfinite(sc.beta) and sc.beta > 0, f"{path}.beta", f"must be a positive number, got {sc.beta}")
+    need(math.isfinite(sc.lr) and sc.lr > 0, f"{path}.lr", f"must be a positive number, got {sc.lr}")
+    need(
+        sc.replicas == 1,
+        f"{path}.replicas",
+        f"is {sc.replicas}: a prm trains in its one scorer proc, and its weights are not synced between replicas: set replicas=1",
+    )
+    need(sc.process == "none", f"{path}.process", "a prm scores every model token (PRIME's per-token rewards): leave process=none")
+    others = [i for i, o in enumerate(c.scoring.scorers) if o is not sc and (o.process != "none" or o.kind == "prm")]
+    need(
+        not others,
+        "scoring.scorers",
+        f"a prm and scorers {others} would share one process baseline (the prm's is leave-one-out): keep one process scorer",
+    )
+    gpu = c.trainer.device == "cuda" or c.trainer.device == "auto" and c.launcher.gpus_per_host > 0
+    need(not gpu, "trainer.device", "a prm runs on a CPU scorer proc (the device and memory plans do not cover it yet): set trainer.device=cpu")
+
+
         need(bool(sc.path), f"{path}.path", f"a {sc.kind} scorer needs `path`: {what}")
     if sc.kind == "remote":
         need(

@@ -251,8 +251,8 @@ def _check_critic(c: Config) -> None:
     )
     for i, sc in enumerate(c.scoring.scorers):
         need(
-            sc.process == "none",
-            f"scoring.scorers[{i}].process",
+            sc.process == "none" and sc.kind != "prm",
+            f"scoring.scorers[{i}].process" if sc.kind != "prm" else f"scoring.scorers[{i}].kind",
             "process rewards and PPO's critic (trainer.loss.advantage=gae) both set every token's advantage: "
             "set process=none (an outcome score trains through the critic's returns), or a group advantage",
         )

@@ -118,14 +118,14 @@ class RolloutConfig:
 class ScorerConfig:
     """One scoring signal beside the env's reward (meshrl/scorers/, docs/scoring.md)."""
 
-    kind: Literal["function", "reward_model", "judge", "remote"] = "reward_model"
-    """`function`: a Python reward function, called in each rollout worker; `reward_model`: a Hugging Face sequence-classification checkpoint (one logit); `judge`: a vLLM engine on a causal-LM checkpoint, prompted with `template`, its reply read by `parser`; `remote`: a user's reward server over HTTP (POST of a JSON batch). Every kind but `function` runs on scorer procs of its own, shared by all rollout workers."""
+    kind: Literal["function", "reward_model", "judge", "remote", "prm"] = "reward_model"
+    """`function`: a Python reward function, called in each rollout worker; `reward_model`: a Hugging Face sequence-classification checkpoint (one logit); `judge`: a vLLM engine on a causal-LM checkpoint, prompted with `template`, its reply read by `parser`; `remote`: a user's reward server over HTTP (POST of a JSON batch); `prm`: PRIME's implicit process reward model, a causal LM trained online on the episodes' outcomes, its per-token rewards through the process-advantage path (docs/coevolve.md). Every kind but `function` runs on scorer procs of its own, shared by all rollout workers."""
     name: str | None = None
     """Name of the signal in the metrics (`scoring/NAME/...`). None: the kind, numbered when two scorers of a kind have no name."""
     weight: float = 1.0
     """The signal's weight in the trained reward: reward = scoring.env_weight x the env's reward + the sum of weight x score. 0: logged, not trained on."""
     path: str | None = None
-    """`function`: import path `module:function` (prompt, response, sample) -> float, or a list of floats (one per step) with `process`; `reward_model` / `judge`: a local checkpoint directory (its own tokenizer and chat template)."""
+    """`function`: import path `module:function` (prompt, response, sample) -> float, or a list of floats (one per step) with `process`; `reward_model` / `judge`: a local checkpoint directory (its own tokenizer and chat template); `prm`: a causal-LM checkpoint directory with the policy's tokenizer, or None for the policy's starting weights (model.path, or the same seeded initialisation)."""
     url: str | None = None
     """`remote`: the endpoint that takes `{"items": [{"prompt", "response", "sample"}, ...]}` and answers `{"scores": [...]}` (a number per item, or a list per item with `process`)."""
     template: str = (
@@ -166,6 +166,12 @@ class ScoringConfig:
     """Import path `module:function` of a reward function (prompt, response, sample) -> float, sync or async. None: the task's built-in exact reward."""
     reward_model: str | None = None
     """Local checkpoint directory of a reward model scored behind the same interface. None: no reward model."""
+    beta: float = 0.05
+    """`prm`: the per-token reward is q_t = beta x (log pi_prm(y_t) - log pi_ref(y_t)), pi_ref the PRM's frozen starting weights; the PRM trains on BCE(sigmoid(sum_t q_t), outcome) (PRIME's 0.05)."""
+    lr: float = 1e-3
+    """`prm`: AdamW learning rate of the PRM's one step per scored batch (1e-3 suits the tiny default model; PRIME used 1e-6 on 7B checkpoints)."""
+    update: Literal["after", "before"] = "after"
+    """`prm`: when the PRM trains on a batch's outcomes: `after` scoring it (its scores come from a PRM that has not seen those outcomes), or `before` (PRIME's default: the PRM fits the batch, then scores it)."""
     timeout_s: float = 30.0
     """Longest one reward call may take; a timeout or exception fails the episode (reward 0) and the run goes on."""
     scorers: list[ScorerConfig] = field(default_factory=list)
@@ -221,7 +227,7 @@ class LengthTailConfig:
 @dataclass
 class DataConfig:
     source: str = "task:digits"
-    """Prompts: `task:NAME` for a built-in task (single-turn digits, letters, count, add, copy, longtail with heavy-tailed lengths; multi-turn calc with a tool, pyexpr with a sandboxed python tool, code with hidden tests run in the sandbox, guess, longtail_chat: see meshrl/tasks.py), `reasoning_gym:NAME` for a reasoning-gym task scored by its own verifier (`pip install 'meshrl[reasoning]'`; configured by `data.task_args`), a local .jsonl / .parquet file, or a directory written by `datasets`' `save_to_disk`."""
+    """Prompts: `task:NAME` for a built-in task (single-turn digits, digits_sparse (1 or 0), letters, count, add, copy, longtail with heavy-tailed lengths; multi-turn calc with a tool, pyexpr with a sandboxed python tool, code with hidden tests run in the sandbox, guess, longtail_chat: see meshrl/tasks.py), `reasoning_gym:NAME` for a reasoning-gym task scored by its own verifier (`pip install 'meshrl[reasoning]'`; configured by `data.task_args`), a local .jsonl / .parquet file, or a directory written by `datasets`' `save_to_disk`."""
     prompt_key: str = "prompt"
     """Field holding the prompt in file sources: text, or a list of chat messages (system, user and earlier turns, rendered with the tokenizer's chat template). With `messages`-style rows whose last message is the assistant's, that message is the reference answer (when the row has no `answer_key` field) and is not part of the prompt."""
     answer_key: str = "answer"

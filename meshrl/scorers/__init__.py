@@ -15,12 +15,13 @@ each episode finishes, with no barrier between episodes:
 - actor.py: the replica on a Monarch proc (`ScorerPool` in meshrl/controller/replicas.py
   starts, watches and replaces them);
 - client.py: the rollout worker's side: items, calls, weights, metrics;
-- process.py: process rewards (per turn or step) as per-token advantages;
+- process.py: process rewards (per turn, step or token) as per-token advantages;
+- prm.py: PRIME's implicit PRM, scoring every model token and trained online on outcomes;
 - preference.py: train a reward model on preference pairs (Bradley-Terry), as the suite does.
 docs/scoring.md has the three kinds with a worked config each.
 """
 
 from __future__ import annotations
 
-ON_PROCS = ("reward_model", "judge", "remote")
+ON_PROCS = ("reward_model", "judge", "remote", "prm")
 """Kinds that run on scorer procs of their own (a `function` runs in the rollout workers)."""

@@ -1,4 +1,4 @@
-"""`ScorerActor`: one scorer replica (a reward model, a judge or a remote client) on a proc.
+"""`ScorerActor`: one scorer replica (a reward model, a judge, a remote client or an implicit PRM) on a proc.
 
 scorer = procs.spawn("scorer-rm-0", ScorerActor)
 await scorer.setup.call_one(config.to_dict(), index, replica)   # scoring.scorers[index]
@@ -44,7 +44,12 @@ class ScorerActor(Actor):
             backend = await start_backend(spec, config, replica)
         except Exception as e:  # noqa: BLE001 - some engine errors do not pickle, and one that cannot be sent aborts the caller
             raise RuntimeError(f"scorer {config.scoring.scorer_names()[index]} could not start: {type(e).__name__}: {str(e)[:500]}") from None
-        self.service = ScorerService(backend, spec)
+        if spec.kind == "prm":
+            from meshrl.scorers.prm import PRMService
+
+            self.service = PRMService(backend, spec)  # whole groups per batch, one PRM version each
+        else:
+            self.service = ScorerService(backend, spec)
         gc.collect()
         gc.freeze()  # as a generator replica: the collector walks only what is made from here on
         me = psutil.Process()

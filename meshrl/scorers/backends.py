@@ -288,4 +288,8 @@ async def start_backend(spec: ScorerConfig, config, replica: int = 0):
         return judge
     if spec.kind == "remote":
         return Remote(spec)
+    if spec.kind == "prm":
+        from meshrl.scorers.prm import ImplicitPRM
+
+        return await asyncio.to_thread(ImplicitPRM, spec, config, config.scoring.scorer_names()[config.scoring.scorers.index(spec)])
     raise ValueError(f"a {spec.kind!r} scorer runs in the rollout workers, not on a scorer proc")

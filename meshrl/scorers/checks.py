@@ -44,7 +44,7 @@ def _check_scorer(sc: ScorerConfig, path: str) -> None:
     if sc.kind == "function":
         check_import(f"{path}.path", sc.path, "a reward function")
         check_reward_signature(import_callable(sc.path), f"{path}.path")
-    if sc.kind in ("reward_model", "judge"):
+    if sc.kind in ("reward_model", "judge") or sc.kind == "prm" and sc.path:
         _check_checkpoint(f"{path}.path", sc.path, sc.kind)
     if sc.kind == "judge":
         from meshrl.scorers.backends import fill_template, load_parser, parse_reply
@@ -84,7 +84,7 @@ def _check_checkpoint(field: str, path: str, kind: str) -> None:
         need(
             "ForCausalLM" in arch or "ForConditionalGeneration" in arch,
             field,
-            f"{path!r} is {arch or 'no known architecture'}: a judge is a causal LM checkpoint",
+            f"{path!r} is {arch or 'no known architecture'}: a {kind} is a causal LM checkpoint",
         )
     need(
         any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")),

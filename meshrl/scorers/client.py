@@ -51,6 +51,8 @@ class EpisodeScorers:
         self.specs: list[ScorerConfig] = list(config.scoring.scorers)
         self.names = config.scoring.scorer_names()
         self.functions = {i: import_callable(s.path) for i, s in enumerate(self.specs) if s.kind == "function"}
+        self.per_group = [i for i, s in enumerate(self.specs) if s.kind == "prm"]  # scored a whole group at a time
+        self.versions: dict[int, int] = {}  # per-group scorer index -> newest version it has answered with
         self.replicas: dict[int, list] = {}
         self._load: dict[int, int] = {}  # id(actor) -> calls in flight
         self._changed = asyncio.Event()
@@ -75,6 +77,9 @@ class EpisodeScorers:
         base = scoring_item(record, self.tokenizer.decode(ep.token_ids[ep.prompt_len :], skip_special_tokens=True))
         items = []
         for spec in self.specs:
+            if spec.kind == "prm":
+                items.append(None)  # scored with its group (score_group)
+                continue
             item = dict(base)
             if spec.process != "none":
                 item["step_ends"] = step_ends(ep, self.tokenizer, spec.process, spec.step_delimiter)
@@ -88,11 +93,12 @@ class EpisodeScorers:
         if ep.finish_reason == "failed":
             return
         items = self.items(ep, record)
-        results = await asyncio.gather(*(self._one(i, item) for i, item in enumerate(items)))
+        mine = [i for i, item in enumerate(items) if item is not None]
+        results = await asyncio.gather(*(self._one(i, items[i]) for i in mine))
         env_reward = sum(t.reward for t in ep.model_turns)
         ep.signals["env"] = env_reward
         outcome, process = 0.0, []
-        for (name, spec, item), result in zip(zip(self.names, self.specs, items), results):
+        for (name, spec, item), result in zip([(self.names[i], self.specs[i], items[i]) for i in mine], results):
             for key in ("queue_s", "score_s", "wait_s"):
                 if key in result:
                     ep.signals[f"{name}/{key}"] = result[key]
@@ -118,6 +124,39 @@ class EpisodeScorers:
             t.reward *= weight
         turns[-1].reward += outcome
         ep.process = process
+
+    async def score_group(self, episodes: list[Episode], seen: dict[int, int]) -> None:
+        """Score the group's played episodes with each per-group scorer (an implicit PRM), all
+        in one request, so one PRM version scores them all (meshrl/scorers/prm.py); its
+        per-token rewards join `episode.process`. `seen`: `versions` when the group began."""
+        from meshrl.scorers.prm import group_items
+
+        for index in self.per_group:
+            spec, name = self.specs[index], self.names[index]
+            played = [ep for ep in episodes if ep.finish_reason != "failed"]
+            if not played:
+                continue
+            items = group_items(played)
+            futures = [asyncio.get_running_loop().create_future() for _ in items]
+            await self._call(index, list(zip(items, futures)))
+            for ep, item, future in zip(played, items, futures):
+                result = future.result()
+                for key in ("queue_s", "score_s"):
+                    if key in result:
+                        ep.signals[f"{name}/{key}"] = result[key]
+                if result.get("score") is None:
+                    ep.signals[f"{name}/failed"] = 1.0
+                    ep.finish_reason = "failed"
+                    ep.failure = ep.failure or f"scorer {name}: {result.get('error') or 'no score'}"
+                    continue
+                self.versions[index] = max(self.versions.get(index, 0), result["latest"])
+                ep.process += [(pos, spec.weight * q) for pos, q in zip(item["positions"], result["score"])]
+                ep.signals[name] = result["prob"]  # the PRM's P(outcome = 1): sigmoid of its summed rewards
+                ep.signals[f"{name}/version"] = float(result["version"])
+                ep.signals[f"{name}/version_lag"] = float(result["version"] - seen.get(index, 0))
+                for key in ("loss", "accuracy", "train_loss", "grad_norm"):
+                    if key in result:
+                        ep.signals[f"{name}/{key}"] = result[key]
 
     async def _one(self, index: int, item: dict) -> dict:
         spec = self.specs[index]

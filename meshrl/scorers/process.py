@@ -10,7 +10,9 @@ their step scores, and each token t of the model's text gets
     step   (turn-level):   A_t = A_group + w * (s_k - b)    for the step k that holds t
 
 with w = scoring.process_weight and A_group the outcome reward's group advantage (the
-outcome counts each process scorer's last step score). Either way the advantage is constant
+outcome counts each process scorer's last step score). An implicit PRM (meshrl/scorers/prm.py)
+makes every model token a step, adds nothing to the outcome, and replaces b by each episode's
+leave-one-out baseline (PRIME's: the other episodes' mean per-token score). Either way the advantage is constant
 inside a step and changes only right after a step's last token. The result is the batch's
 per-token `token_advantage`, which the loss trains on (as distillation's; both add up).
 """
@@ -58,9 +60,24 @@ def process_tensors(episodes: Sequence[Episode], T: int) -> tuple[torch.Tensor, 
     return scores, ends
 
 
-def assign_process_advantages(td: TensorDict, scores: torch.Tensor, ends: torch.Tensor, weight: float, mode: str) -> TensorDict:
+def loo_baselines(scores: torch.Tensor, ends: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+    """PRIME's leave-one-out baseline of each of `rows` (a [B] mask, one group's trained
+    episodes): the mean over the group's other episodes of their mean step score. [B], or
+    None when fewer than two of the rows have steps (their process term is then 0)."""
+    counts = (ends & rows[:, None]).sum(1)
+    has = rows & (counts > 0)
+    k = int(has.sum())
+    if k < 2:
+        return None
+    means = torch.where(has, (scores * ends).sum(1) / counts.clamp(min=1), torch.zeros(()))
+    return (means[has].sum() - means) / (k - 1)
+
+
+def assign_process_advantages(td: TensorDict, scores: torch.Tensor, ends: torch.Tensor, weight: float, mode: str, baseline: str = "mean") -> TensorDict:
     """Add the process term to `token_advantage` (made from `advantage` when absent); in
-    place, returns td. `scores` and `ends` as `process_tensors` gives them."""
+    place, returns td. `scores` and `ends` as `process_tensors` gives them. `baseline`:
+    `mean`, the group's mean step score; `loo` (an implicit PRM's), each episode's own
+    leave-one-out baseline (`loo_baselines`), as its outcome's is under `rloo`."""
     T = td["tokens"].shape[1]
     scores, ends = scores[:, :T], ends[:, :T]
     trained = td["finish_reason"] != FINISH_REASONS["failed"]
@@ -68,9 +85,12 @@ def assign_process_advantages(td: TensorDict, scores: torch.Tensor, ends: torch.
     for g in torch.unique(td["group_id"]):
         rows = (td["group_id"] == g) & trained
         steps = ends & rows[:, None]
-        if steps.any():
-            baseline = scores[steps].mean()
-            centred[steps] = scores[steps] - baseline
+        if baseline == "loo":
+            b = loo_baselines(scores, ends, rows)
+            if b is not None:
+                centred = torch.where(steps, scores - b[:, None], centred)
+        elif steps.any():
+            centred[steps] = scores[steps] - scores[steps].mean()
     if mode == "return":
         term = centred.flip(1).cumsum(1).flip(1)
     elif mode == "step":

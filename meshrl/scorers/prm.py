@@ -1,0 +1,242 @@
+"""PRIME's implicit process reward model: a causal LM that scores every model token and
+trains online, in its own scorer proc, on the outcomes of the episodes it scores.
+
+    q_t = beta x (log pi_prm(y_t | y_<t) - log pi_ref(y_t | y_<t))      for each model token t
+    loss = BCE(sigmoid(sum_t q_t), outcome)                               per episode, batch mean
+
+pi_ref is a frozen copy of the PRM's starting weights: the policy's (its checkpoint, or the
+same seeded initialisation) or the scorer's own `path`, which must share the policy's
+tokenizer, because the PRM reads the episode's own token ids. Env tokens (tool results, an
+env's replies) are context, never scored.
+
+Why it trains here, in the scorer proc, and not on a trainer mesh of its own: what it needs
+(every episode's ids and outcome) is what the rollout workers already send it, its only
+consumer is itself, so no weight sync is needed, and one optimizer step per scored batch
+costs a forward and backward of a model the size of the policy, on one proc. One replica
+only (config/checks.py refuses more): replicas would each train on a share of the episodes
+and drift apart.
+
+Versions. `version` counts the PRM's optimizer steps. Each request is one whole group
+(`EpisodeScorers.score_group`), and `PRMService` never splits a request across batches, so
+every episode of a group is scored by one version: the leave-one-out baselines of
+meshrl/scorers/process.py compare scores of one PRM. Groups of one trained batch may come
+from different versions; each group's baseline is its own, so that does not mix them.
+
+`update`: `after` (the default) scores a batch with version v and then trains on it (its
+scores never saw its outcomes, and `loss` / `accuracy` are measured on episodes the PRM has
+not trained on); `before` trains first, as PRIME's recipe does, and scores with v + 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from meshrl.config import Config, ScorerConfig
+
+
+def build_causal_lm(config: Config, spec: ScorerConfig):
+    """The PRM's starting model: `spec.path` (a HF causal LM), else the policy's starting
+    weights (model.path, or build_model's seeded initialisation, as the trainer makes it)."""
+    from meshrl.config.hf import model_args_from_hf
+    from meshrl.trainer.checkpoint import load_hf
+    from meshrl.trainer.model import build_model
+
+    path = spec.path or config.model.path
+    cfg, overrides = config.model, None
+    if path is not None:
+        cfg, overrides = model_args_from_hf(path)
+    model, specs = build_model(cfg, "cpu", seed=config.seed, hf_overrides=overrides)
+    if path is not None:
+        load_hf(model, specs, path)
+    return model
+
+
+def group_items(episodes) -> list[dict]:
+    """What the PRM is sent for each of a group's episodes: its token ids, the positions of
+    its model tokens (the ones it scores), and its outcome, the env's reward."""
+    items = []
+    for ep in episodes:
+        positions, at = [], 0
+        for turn in ep.turns:
+            if turn.role == "model":
+                positions += range(at, at + len(turn.token_ids))
+            at += len(turn.token_ids)
+        items.append({"token_ids": list(ep.token_ids), "positions": positions, "outcome": float(ep.signals.get("env", ep.reward))})
+    return items
+
+
+def rows(items: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded [B, T] token ids, [B, T] True at each item's model tokens, [B] lengths
+    and [B] outcomes (clipped to [0, 1]) of `items` ({"token_ids", "positions", "outcome"})."""
+    width = max(len(it["token_ids"]) for it in items)
+    tokens = torch.zeros(len(items), width, dtype=torch.long)
+    mask = torch.zeros(len(items), width, dtype=torch.bool)
+    for i, it in enumerate(items):
+        tokens[i, : len(it["token_ids"])] = torch.tensor(it["token_ids"], dtype=torch.long)
+        mask[i, list(it["positions"])] = True
+    mask[:, 0] = False  # nothing predicts the first token
+    lengths = torch.tensor([len(it["token_ids"]) for it in items])
+    outcome = torch.tensor([min(1.0, max(0.0, float(it["outcome"]))) for it in items])
+    return tokens, mask, lengths, outcome
+
+
+class ImplicitPRM:
+    """The PRM and its frozen reference on this proc, its AdamW and its version."""
+
+    def __init__(self, spec: ScorerConfig, config: Config, name: str):
+        self.spec, self.beta = spec, spec.beta
+        self.model = build_causal_lm(config, spec).train()
+        self.ref = copy.deepcopy(self.model).eval()
+        for p in self.ref.parameters():
+            p.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=0.0)
+        self.grad_clip = config.trainer.grad_clip
+        self.version = 0
+        self.dir = os.path.join(config.logging.run_dir, "checkpoints", f"prm-{name}")
+        self.save_every_s = config.trainer.checkpoint_every_s
+        self._saved_at = time.monotonic()
+
+    def rewards(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] q_t on `mask`, 0 elsewhere; differentiable through the PRM when grad is on."""
+        from meshrl.trainer.logprobs import token_logprobs
+
+        lp, _ = token_logprobs(self.model, tokens, mask)
+        with torch.no_grad():
+            ref, _ = token_logprobs(self.ref, tokens, mask)
+        return torch.where(mask, self.beta * (lp - ref), torch.zeros_like(lp))
+
+    def train(self, tokens: torch.Tensor, mask: torch.Tensor, outcome: torch.Tensor) -> dict:
+        """One AdamW step of BCE(sigmoid(sum_t q_t), outcome) over the batch; version + 1."""
+        self.optimizer.zero_grad(set_to_none=True)
+        logit = self.rewards(tokens, mask).sum(1)
+        loss = F.binary_cross_entropy_with_logits(logit, outcome)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.version += 1
+        return {"train_loss": loss.item(), "grad_norm": norm.item()}
+
+    def score_batch(self, items: list[dict]) -> tuple[list[dict], dict]:
+        """Per item {"score": [q_t at each of its positions], "version", "loss", "accuracy",
+        "prob"}; and the batch's training metrics. Scored and trained as `update` says."""
+        tokens, mask, _, outcome = rows(items)
+        trained: dict = {}
+        if self.spec.update == "before":
+            trained = self.train(tokens, mask, outcome)
+        version = self.version
+        with torch.no_grad():
+            q = self.rewards(tokens, mask)
+        logit = q.sum(1)
+        loss = F.binary_cross_entropy_with_logits(logit, outcome, reduction="none")
+        correct = (logit > 0) == (outcome > 0.5)
+        if self.spec.update == "after":
+            trained = self.train(tokens, mask, outcome)
+        results = []
+        for i, it in enumerate(items):
+            values = [float(q[i, p]) if p > 0 else 0.0 for p in it["positions"]]
+            if not all(math.isfinite(v) for v in values):
+                results.append({"score": None, "error": f"non-finite PRM reward at version {version}"})
+                continue
+            results.append(
+                {
+                    "score": values,
+                    "version": version,
+                    "latest": self.version,
+                    "loss": float(loss[i]),
+                    "accuracy": float(correct[i]),
+                    "prob": float(torch.sigmoid(logit[i])),
+                }
+            )
+        if time.monotonic() - self._saved_at >= self.save_every_s:
+            self.save()
+        return results, trained
+
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+
+    def save(self) -> str:
+        """The PRM's state (model, AdamW, version) as RUN_DIR/checkpoints/prm-NAME/state.pt,
+        written to a temp file and renamed, so a crash leaves the previous one whole."""
+        os.makedirs(self.dir, exist_ok=True)
+        path = os.path.join(self.dir, "state.pt")
+        torch.save(self.state(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        self._saved_at = time.monotonic()
+        return path
+
+    def shutdown(self) -> None:
+        self.save()
+
+
+class PRMService:
+    """The PRM replica's queue: requests (one group each) batched whole, up to `batch_size`
+    items or `batch_wait_s`; each batch scored (and trained on) by one PRM version in a
+    thread, one batch at a time. Results as ScorerService's, plus version, loss and accuracy."""
+
+    def __init__(self, backend: ImplicitPRM, spec: ScorerConfig):
+        self.backend, self.spec = backend, spec
+        self._waiting: list[tuple[list[dict], asyncio.Future, float]] = []
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.batches = self.items = 0
+        self.busy_s = 0.0
+        self.last_trained: dict = {}
+
+    async def score(self, items: list[dict]) -> list[dict]:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((items, future, time.monotonic()))
+        self._arrived.set()
+        return await future
+
+    def _take(self) -> list[tuple[list[dict], asyncio.Future, float]]:
+        """Whole requests from the front, at least one, up to batch_size items."""
+        taken, n = [], 0
+        while self._waiting and (not taken or n + len(self._waiting[0][0]) <= self.spec.batch_size):
+            taken.append(self._waiting.pop(0))
+            n += len(taken[-1][0])
+        return taken
+
+    async def _run(self) -> None:
+        while True:
+            if not self._waiting:
+                self._arrived.clear()
+                await self._arrived.wait()
+            oldest = self._waiting[0][2]
+            while sum(len(r[0]) for r in self._waiting) < self.spec.batch_size:
+                left = oldest + self.spec.batch_wait_s - time.monotonic()
+                if left <= 0:
+                    break
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+            batch = self._take()
+            items = [it for request, _, _ in batch for it in request]
+            start = time.monotonic()
+            try:
+                results, self.last_trained = await asyncio.to_thread(self.backend.score_batch, items)
+            except Exception as e:  # noqa: BLE001 - a batch that fails fails its items, not the scorer
+                results = [{"score": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}] * len(items)
+            took = time.monotonic() - start
+            self.batches += 1
+            self.items += len(items)
+            self.busy_s += took
+            at = 0
+            for request, future, arrived in batch:
+                mine, at = results[at : at + len(request)], at + len(request)
+                if not future.done():
+                    timing = {"queue_s": start - arrived, "score_s": took, "batch": len(items), "unparsable": False}
+                    future.set_result([{"error": None, **timing, **self.last_trained, **r} for r in mine])
+
+    def stats(self) -> dict:
+        return {"batches": self.batches, "items": self.items, "busy_s": self.busy_s, "waiting": len(self._waiting), "version": self.backend.version}
