@@ -440,6 +440,33 @@ def two_host_config(run_dir, wait_s: float, defaults: dict, **sections) -> dict:
     return cfg
 
 
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def example_config(name: str, run_dir, variant: str = "small", **sections) -> dict:
+    """examples/NAME/VARIANT.yaml as a dict, the suite's way: `sections` merged in section by
+    section (a user's files, such as data or a teacher, are given here), the run in
+    `run_dir`, no progress bar. The suite runs the examples' small variants through this."""
+    import yaml
+
+    with open(os.path.join(EXAMPLES, name, f"{variant}.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    for section, values in {**sections, "logging": {"progress": False, **sections.get("logging", {}), "run_dir": str(run_dir)}}.items():
+        cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
+    return cfg
+
+
+def example_module(path: str):
+    """An example's script (examples/PATH) imported as a module, so a test calls what its
+    command runs without starting another interpreter."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], os.path.join(EXAMPLES, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def netns_unavailable() -> str | None:
     """Why two network namespaces cannot be made here (not root, no `ip`), or None."""
     if os.geteuid() != 0:

@@ -24,6 +24,7 @@ from meshrl.config import Config
 from meshrl.errors import TrainerFailed
 from meshrl.data import PromptNode
 from meshrl.rollout.env import StepResult
+from tests.conftest import example_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -366,8 +367,8 @@ def test_longtail_chat_turns_and_lengths_vary_within_budgets(tmp_path):
 
 
 def test_process_launcher_runs_end_to_end(tmp_path):
-    """The Slurm-shaped path with Monarch's ProcessJob hosts standing in for nodes."""
-    cfg = tiny(tmp_path / "process", steps=2, launcher={"kind": "process", "hosts": 2}, trainer={"checkpoint_every": 0})
+    """The Slurm-shaped path with Monarch's ProcessJob hosts standing in for nodes (the Slurm example's small variant)."""
+    cfg = example_config("slurm", tmp_path / "process")  # examples/slurm/small.yaml: two ProcessJob hosts
     result = meshrl.run(cfg)
     assert [int(r["step"]) for r in result.metrics] == [1, 2]
     assert not wait_no_children(), "worker processes outlived the run"
@@ -406,14 +407,15 @@ def test_torchx_local_scheduler_runs_the_tiny_default(tmp_path):
 
 
 def test_dead_trainer_stops_the_run_with_a_resumable_message(tmp_path):
-    cfg = tiny(tmp_path / "trainer_dies", trainer={"checkpoint_every": 1})
+    # past trainer.max_restarts (here 0: never healed) a dead trainer stops the run; tests/test_heal.py heals one
+    cfg = tiny(tmp_path / "trainer_dies", trainer={"checkpoint_every": 1, "max_restarts": 0})
     session = meshrl.Session(cfg)
     try:
         session.start()
         session.step(1)
         pid = session._call(session.loop.trainer.shard_info(), 60)[0]["pid"]
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(TrainerFailed, match="meshrl run --resume"):
+        with pytest.raises(TrainerFailed, match=r"not healed: trainer.max_restarts=0 .*meshrl run --resume"):
             session.step(1)
     finally:
         session.stop()
@@ -444,7 +446,7 @@ def test_distillation_run_pulls_the_student_toward_the_teacher(tmp_path):
     from tests.conftest import build_digit_teacher
 
     teacher = build_digit_teacher(tmp_path / "teacher")
-    cfg = tiny(tmp_path / "run", steps=12, trainer={"checkpoint_every": 0}, distill={"teacher": teacher}, **SYNC)
+    cfg = example_config("distillation", tmp_path / "run", distill={"teacher": teacher})  # examples/distillation/small.yaml
     rows = [r for r in meshrl.run(cfg).metrics if "trainer/distill_reverse_kl" in r]
     assert len(rows) == 12 and all(r["trainer/staleness_max"] == 0 for r in rows)
     kl = [r["trainer/distill_reverse_kl"] for r in rows]

@@ -207,8 +207,8 @@ STEPS = 12
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
-    """The default task (tiny Qwen3, digits) with PPO's critic, synchronous (tests/README.md:
-    learning tests), 16 groups of 8 a batch (the critic's values generalise from more
+    """The PPO example's small variant: the default task (tiny Qwen3, digits) with PPO's
+    critic, synchronous (tests/README.md: learning tests), 16 groups of 8 a batch (the critic's values generalise from more
     episodes; steps cost about a second). The critic scores each batch on its own proc,
     pinned to the trainer's cores, and trains on it while the policy does; its checkpoint,
     beside the policy's, gives a fresh critic proc the same values."""
@@ -216,13 +216,10 @@ def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
     from meshrl.compat import awaited
     from meshrl.trainer.critic_actor import spawn_critic
 
-    cfg = gae_config(
-        steps=STEPS,
-        batch_groups=16,
-        buffer={"depth": 0, "max_lag": 0},
-        generator={"update_mode": "block"},
-        logging={"progress": False, "plot": False, "run_dir": str(tmp_path / "run")},
-    )
+    from tests.conftest import example_config
+
+    cfg = example_config("ppo", tmp_path / "run", logging={"plot": False})  # examples/ppo/small.yaml
+    assert cfg["steps"] == STEPS and cfg["batch_groups"] == 16
     with meshrl.Session(cfg) as session:
         loop = session.loop
         info = session._call(loop.critic.info(), 60)

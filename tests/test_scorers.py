@@ -24,6 +24,7 @@ from meshrl.scorers.backends import Failed, Remote, RewardModel, number_parser, 
 from meshrl.scorers.client import EpisodeScorers, ScorerUnavailable
 from meshrl.scorers.process import assign_process_advantages, process_tensors, step_ends, step_texts
 from meshrl.scorers.service import ScorerService
+from tests.conftest import example_config, example_module
 
 
 # ---- parsing ---------------------------------------------------------------------------------
@@ -93,13 +94,10 @@ def test_a_lone_request_is_scored_after_the_wait_and_a_failing_batch_fails_only_
 @pytest.fixture(scope="module")
 def trained_rm(tmp_path_factory):
     """A small reward model trained on the default task's better and worse answers (ordered
-    by its verifier), saved as a Hugging Face checkpoint with the character tokenizer."""
-    from meshrl.scorers.preference import build_reward_model, task_preferences, train_reward_model
-    from meshrl.tokenizer import build_char_tokenizer
-
-    root = tmp_path_factory.mktemp("rm")
-    path = build_reward_model(root / "rm", build_char_tokenizer(root / "tok"))
-    stats = train_reward_model(path, task_preferences("digits", 4000, seed=0), steps=300)
+    by its verifier), saved as a Hugging Face checkpoint with the character tokenizer: the
+    reward-model example's first stage (examples/reward-model/train_rm.py --task digits)."""
+    path = str(tmp_path_factory.mktemp("rm") / "rm")
+    stats = example_module("reward-model/train_rm.py").train(path, task="digits", n=4000, steps=300, seed=0)
     return path, stats
 
 
@@ -396,7 +394,9 @@ def test_a_run_rewarded_only_by_the_trained_reward_model_learns_the_task_as_the_
     at least 0.8. Measured: see benchmarks/README.md (scorers); the verifier-rewarded default
     reaches the same level in about as many steps."""
     rm, _ = trained_rm
-    result = meshrl.run(_cfg(tmp_path / "run", scoring={"env_weight": 0.0, "scorers": [{"kind": "reward_model", "path": rm, "name": "rm"}]}))
+    cfg = example_config("reward-model", tmp_path / "run")  # examples/reward-model/small.yaml, its reward model here
+    cfg["scoring"]["scorers"][0]["path"] = rm
+    result = meshrl.run(cfg)
     rows = [r for r in result.metrics if "scoring/env/mean" in r]
     verifier = [r["scoring/env/mean"] for r in rows]
     print("verifier", [round(v, 2) for v in verifier])
@@ -405,6 +405,9 @@ def test_a_run_rewarded_only_by_the_trained_reward_model_learns_the_task_as_the_
     last = rows[-1]
     assert last["scoring/rm/mean"] > rows[0]["scoring/rm/mean"]
     assert last["scoring/rm/score_s"] > 0 and last["scoring/rm/queue_s"] >= 0 and "scoring/rm/failed" not in last
+    # the divergence alarm watched the verifier (weight 0) against the model's reward, and it agreed: no alarm
+    assert not any("alarm/divergence" in r for r in result.metrics)
+    assert sum(r["scoring/rm/corr_env"] for r in rows[-10:] if "scoring/rm/corr_env" in r) > 0  # the model ranks episodes as the verifier does
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
-"""Run meshrl on a Slurm cluster. Copy this file, edit CONFIG and OVERRIDES, then on a login node:
+"""Run meshrl on a Slurm cluster. Copy config.yaml beside this file, edit its `launcher:`
+section (partition, account, time limit), then on a login node:
 
-    python slurm_launch.py --dry-run   # print the host plan and the sbatch script; submit nothing
-    python slurm_launch.py             # submit, wait for the nodes, train, release the nodes
+    python examples/slurm/launch.py --dry-run                          # the host plan and the sbatch script; submit nothing
+    python examples/slurm/launch.py model.path=/data/Qwen3-0.6B        # submit, wait for the nodes, train, release them
+    python examples/slurm/launch.py other.yaml section.field=value     # another config, more overrides
 
 This process is the controller: it submits one sbatch job (Monarch's SlurmJob) whose nodes
 run Monarch workers, attaches to them, and runs the trainer, generator and coordinator procs
@@ -14,26 +16,21 @@ filesystem) and must reach each other and this node over TCP (Monarch's port 222
 Worker logs go to RUN_DIR/slurm/.
 """
 
+import os
 import sys
 
 from meshrl.config import Config
 from meshrl.launch import describe_job
 
-CONFIG = "configs/qwen3-0.6b-gpu.yaml"  # a recipe; its `launcher:` section can hold the settings below
-OVERRIDES = [
-    "launcher.kind=slurm",
-    "launcher.hosts=2",  # split: trainer.procs / gpus_per_host trainer nodes, the rest run generators
-    "launcher.gpus_per_host=8",
-    "launcher.partition=gpu",  # your cluster's partition; null for its default
-    # "launcher.account=my_account",
-    "launcher.time_limit='24:00:00'",  # quoted: YAML reads bare 24:00:00 as the integer 86400
-    "launcher.start_timeout_s=3600",  # give up (and cancel) if the job queues longer than this
-    "logging.run_dir=runs/qwen3-0.6b",
-]
+# launcher.kind=slurm, hosts, gpus_per_host, partition, time_limit, resubmits: in the config.
+# Trainer nodes = trainer.procs / gpus_per_host, rounded up; the other nodes run generators.
+CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml")
 
 
 def main() -> None:
-    config = Config.from_yaml(CONFIG, OVERRIDES)
+    args = [a for a in sys.argv[1:] if a != "--dry-run"]
+    paths = [a for a in args if "=" not in a]
+    config = Config.from_yaml(paths[0] if paths else CONFIG, [a for a in args if "=" in a])
     if "--dry-run" in sys.argv[1:]:
         print(describe_job(config), end="")
         return
