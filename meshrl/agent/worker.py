@@ -369,7 +369,12 @@ class RolloutWorker:
         if not prm and not any(spec.process != "none" for spec in s.scorers):
             return group
         scores, ends = process_tensors(episodes, group["tokens"].shape[1])
-        return assign_process_advantages(group, scores, ends, s.process_weight, s.process_advantage, "loo" if prm else "mean")
+        group = assign_process_advantages(group, scores, ends, s.process_weight, s.process_advantage, "loo" if prm else "mean")
+        if prm:
+            from meshrl.scorers.prm import note_process_terms
+
+            note_process_terms(group, episodes, s.scorer_names()[[spec.kind for spec in s.scorers].index("prm")])
+        return group
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Stop claiming; groups in flight are dropped (the queue re-queues them on resume)."""

@@ -72,6 +72,17 @@ def group_items(episodes) -> list[dict]:
     return items
 
 
+def note_process_terms(group, episodes, name: str) -> None:
+    """Each trained episode's mean |process term| over its trained tokens (its per-token
+    advantage less its outcome advantage), as `scoring/NAME/process_abs`: the PRM's rewards
+    reached the loss when it is above 0."""
+    term = (group["token_advantage"] - group["advantage"][:, None]).abs()
+    mask = group["loss_mask"]
+    for i, ep in enumerate(episodes):
+        if ep.finish_reason != "failed" and bool(mask[i].any()):
+            ep.signals[f"{name}/process_abs"] = float(term[i][mask[i]].mean())
+
+
 def rows(items: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded [B, T] token ids, [B, T] True at each item's model tokens, [B] lengths
     and [B] outcomes (clipped to [0, 1]) of `items` ({"token_ids", "positions", "outcome"})."""

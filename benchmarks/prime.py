@@ -1,0 +1,134 @@
+"""PRIME's implicit PRM beside outcome-only GRPO on the sparse task (configs/prime.yaml,
+task:digits_sparse: 1 when at least 2 of the first 4 characters are digits, else 0).
+
+Arms, each run once per seed at equal samples (same steps, batch and group size, same
+seed, so the same initial weights and prompts):
+
+- `grpo`:        outcome only, trainer.loss.advantage=grpo, no scorer;
+- `rloo`:        outcome only with prime.yaml's leave-one-out outcome baseline (rloo);
+- `prime-sync`:  configs/prime.yaml synchronously (buffer depth 0, lag 0, update_mode block);
+- `prime-async`: configs/prime.yaml as shipped (the default's depth 2, lag 2, update_mode keep).
+
+Per arm: the reward per sample (the trained batch's mean env reward at each step, against
+the samples generated so far), the first step whose reward reaches `--reach`, the mean
+reward over all steps (the area under the curve per sample), and for the PRM its loss and
+accuracy on batches it had not trained on yet, its version and version lag. The async run
+is compared with the sync run seed by seed: the mean of the paired gaps against their
+spread. Each run's wall clock is printed and stored, not compared (the machine is shared).
+
+    python benchmarks/prime.py [--steps 16] [--seeds 0 1 2] [--arms grpo rloo prime-sync prime-async]
+
+Prints a table, writes benchmarks/results/prime.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+sys.path.insert(0, ROOT)
+
+SYNC = {"buffer.depth": 0, "buffer.max_lag": 0, "generator.update_mode": "block"}
+
+
+def arm_config(arm: str, steps: int, seed: int, run_dir: str) -> dict:
+    from meshrl.config.loading import apply_overrides
+
+    cfg = yaml.safe_load(open(os.path.join(ROOT, "configs", "prime.yaml")))
+    if arm in ("grpo", "rloo"):
+        cfg["scoring"] = {}
+        cfg["trainer"]["loss"]["advantage"] = arm
+    over = {"steps": steps, "seed": seed, "logging.run_dir": run_dir, "logging.progress": "false", "logging.plot": "false", "logging.tensorboard": "false"}
+    if arm != "prime-async":
+        over.update(SYNC)
+    return apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])
+
+
+def run_arm(arm: str, steps: int, seed: int, run_dir: str) -> dict:
+    import meshrl
+    from meshrl.config import Config
+
+    cfg = arm_config(arm, steps, seed, run_dir)
+    start = time.time()
+    result = meshrl.run(cfg)
+    rows = [r for r in result.metrics if "trainer/reward_mean" in r]
+    c = Config.from_dict(cfg)
+    per_step, group = c.batch_groups, c.generator.group_size
+    out = {
+        "arm": arm,
+        "seed": seed,
+        "wall_s": time.time() - start,
+        "samples": [(i + 1) * per_step * group for i in range(len(rows))],
+        "reward": [r["trainer/reward_mean"] for r in rows],
+        "staleness_max": max(r.get("trainer/staleness_max", 0) for r in rows),
+    }
+    for key in ("loss", "accuracy", "version", "version_lag", "process_abs"):
+        out[f"prm_{key}"] = [r.get(f"scoring/prm/{key}") for r in rows]
+    return out
+
+
+def reach(rewards: list[float], level: float) -> int | None:
+    return next((i + 1 for i, r in enumerate(rewards) if r >= level), None)
+
+
+def summary(runs: list[dict], level: float) -> dict:
+    by_arm: dict[str, list[dict]] = {}
+    for r in runs:
+        by_arm.setdefault(r["arm"], []).append(r)
+    table = {}
+    for arm, rs in by_arm.items():
+        means = [statistics.fmean(r["reward"]) for r in rs]
+        table[arm] = {
+            "seeds": [r["seed"] for r in rs],
+            "mean_reward_per_run": means,
+            "mean_reward": statistics.fmean(means),
+            "final_reward": [r["reward"][-1] for r in rs],
+            "step_reaching": [reach(r["reward"], level) for r in rs],
+            "wall_s": [round(r["wall_s"], 1) for r in rs],
+        }
+    if "prime-sync" in by_arm and "prime-async" in by_arm:
+        sync = {r["seed"]: statistics.fmean(r["reward"]) for r in by_arm["prime-sync"]}
+        gaps = [statistics.fmean(r["reward"]) - sync[r["seed"]] for r in by_arm["prime-async"] if r["seed"] in sync]
+        table["async_minus_sync"] = {"gaps": gaps, "mean": statistics.fmean(gaps) if gaps else None, "stdev": statistics.stdev(gaps) if len(gaps) > 1 else None}
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--arms", nargs="+", default=["grpo", "rloo", "prime-sync", "prime-async"])
+    p.add_argument("--reach", type=float, default=0.9, help="the reward level whose first step is reported")
+    p.add_argument("--out", default=os.path.join(RESULTS, "prime.json"))
+    p.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "bench-prime"))
+    args = p.parse_args()
+    runs = []
+    for seed in args.seeds:
+        for arm in args.arms:
+            r = run_arm(arm, args.steps, seed, os.path.join(args.run_dir, f"{arm}-{seed}"))
+            runs.append(r)
+            print(f"{arm:12s} seed {seed}: reward {' '.join(f'{x:.2f}' for x in r['reward'])}  ({r['wall_s']:.0f}s)", flush=True)
+            os.makedirs(os.path.dirname(args.out), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump({"steps": args.steps, "runs": runs, "summary": summary(runs, args.reach)}, f, indent=1)
+    table = summary(runs, args.reach)
+    print(f"\n{'arm':12s} {'mean reward/sample':>20s} {'final':>18s} {f'step >= {args.reach}':>16s}")
+    for arm, row in table.items():
+        if arm == "async_minus_sync":
+            continue
+        print(f"{arm:12s} {row['mean_reward']:20.3f} {' '.join(f'{x:.2f}' for x in row['final_reward']):>18s} {str(row['step_reaching']):>16s}")
+    if "async_minus_sync" in table:
+        gap = table["async_minus_sync"]
+        print(f"async - sync, mean reward per run, paired by seed: {gap['gaps']} (mean {gap['mean']})")
+
+
+if __name__ == "__main__":
+    main()
