@@ -221,8 +221,8 @@ class RolloutWorker:
         replica = self.turns.acquire()
         tasks = [asyncio.ensure_future(self.play_scored(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replica)) for i in range(n)]
         seen = dict(self.scorers.versions)  # the implicit PRM's version as the group starts (its version lag)
-            episodes = list(await asyncio.gather(*tasks))
         try:
+            episodes = list(await asyncio.gather(*tasks))
             if self.scorers.per_group:  # an implicit PRM scores the whole group with one version
                 await self.scorers.score_group(episodes, seen)
             return episodes
