@@ -113,12 +113,12 @@ def _check_scoring(c: Config) -> None:
     need(math.isfinite(scoring.process_weight), "scoring.process_weight", f"must be a finite number, got {scoring.process_weight}")
     for i, sc in enumerate(scoring.scorers):
         _check_scorer(sc, f"scoring.scorers[{i}]")
+        if sc.kind == "prm":
+            _check_prm(c, sc, f"scoring.scorers[{i}]")
     if scoring.scorers:
         names = scoring.scorer_names()
         dup = sorted({n for n in names if names.count(n) > 1} | ({"env"} & set(names)))
         need(not dup, "scoring.scorers", f"names {dup} are taken (by another scorer, or `env`, the env's reward): give each scorer its own `name`")
-        if sc.kind == "prm":
-            _check_prm(c, sc, f"scoring.scorers[{i}]")
 
 
 def _check_contracts(c: Config) -> None:
@@ -282,10 +282,6 @@ def _check_workers(c: Config) -> None:
     need(ok, "launcher.address", f"{launcher.address!r} must be an IP of this controller (not a wildcard or a name)")
 
 
-def _check_scorer(sc, path: str) -> None:
-    """One scoring.scorers entry's values (its files and code are checked at preflight)."""
-    if sc.kind in ("function", "reward_model", "judge"):
-        what = "an import path module:function" if sc.kind == "function" else "a local checkpoint directory"
 def _check_prm(c: Config, sc, path: str) -> None:
     """An implicit PRM's values, and what it cannot combine with (docs/coevolve.md, PRIME)."""
     need(math.isfinite(sc.beta) and sc.beta > 0, f"{path}.beta", f"must be a positive number, got {sc.beta}")
@@ -306,6 +302,10 @@ def _check_prm(c: Config, sc, path: str) -> None:
     need(not gpu, "trainer.device", "a prm runs on a CPU scorer proc (the device and memory plans do not cover it yet): set trainer.device=cpu")
 
 
+def _check_scorer(sc, path: str) -> None:
+    """One scoring.scorers entry's values (its files and code are checked at preflight)."""
+    if sc.kind in ("function", "reward_model", "judge"):
+        what = "an import path module:function" if sc.kind == "function" else "a local checkpoint directory"
         need(bool(sc.path), f"{path}.path", f"a {sc.kind} scorer needs `path`: {what}")
     if sc.kind == "remote":
         need(

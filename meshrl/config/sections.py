@@ -158,6 +158,12 @@ class ScorerConfig:
     """Process reward: `turn` scores the episode after each model turn, `step` after each `step_delimiter` inside the model's text (a reward model scores each prefix; a function or remote server returns a list, one score per step). The step scores become per-token advantages (scoring.process_advantage); the outcome score is the last step's."""
     step_delimiter: str = "\n"
     """`process: step`: the text that ends a step (the response's end always ends the last)."""
+    beta: float = 0.05
+    """`prm`: the per-token reward is q_t = beta x (log pi_prm(y_t) - log pi_ref(y_t)), pi_ref the PRM's frozen starting weights; the PRM trains on BCE(sigmoid(sum_t q_t), outcome) (PRIME's 0.05)."""
+    lr: float = 1e-3
+    """`prm`: AdamW learning rate of the PRM's one step per scored batch (1e-3 suits the tiny default model; PRIME used 1e-6 on 7B checkpoints)."""
+    update: Literal["after", "before"] = "after"
+    """`prm`: when the PRM trains on a batch's outcomes: `after` scoring it (its scores come from a PRM that has not seen those outcomes), or `before` (PRIME's default: the PRM fits the batch, then scores it)."""
 
 
 @dataclass
@@ -166,12 +172,6 @@ class ScoringConfig:
     """Import path `module:function` of a reward function (prompt, response, sample) -> float, sync or async. None: the task's built-in exact reward."""
     reward_model: str | None = None
     """Local checkpoint directory of a reward model scored behind the same interface. None: no reward model."""
-    beta: float = 0.05
-    """`prm`: the per-token reward is q_t = beta x (log pi_prm(y_t) - log pi_ref(y_t)), pi_ref the PRM's frozen starting weights; the PRM trains on BCE(sigmoid(sum_t q_t), outcome) (PRIME's 0.05)."""
-    lr: float = 1e-3
-    """`prm`: AdamW learning rate of the PRM's one step per scored batch (1e-3 suits the tiny default model; PRIME used 1e-6 on 7B checkpoints)."""
-    update: Literal["after", "before"] = "after"
-    """`prm`: when the PRM trains on a batch's outcomes: `after` scoring it (its scores come from a PRM that has not seen those outcomes), or `before` (PRIME's default: the PRM fits the batch, then scores it)."""
     timeout_s: float = 30.0
     """Longest one reward call may take; a timeout or exception fails the episode (reward 0) and the run goes on."""
     scorers: list[ScorerConfig] = field(default_factory=list)
