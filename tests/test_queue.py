@@ -694,3 +694,25 @@ def test_queue_actor_with_a_worker_mesh():
             await queue_procs.stop()
 
     asyncio.run(main())
+
+
+def test_retake_puts_back_the_batches_taken_since_the_restored_version_once():
+    """A healed trainer (controller/heal.py) restored to version v retakes every batch taken
+    for v and later, in order and out of `consumed`; batches before the durable version are let go."""
+    q = make_queue(batch_groups=2, depth=2, max_lag=2)
+    for c in claim_all(q):
+        deliver(q, c)
+    first = q.sample(2, 0)["group_id"].unique().tolist()
+    q.set_version(1, durable=1)  # version 1 is restorable: batch 0 is let go
+    second = q.sample(2, 1)["group_id"].unique().tolist()
+    q.set_version(2, durable=1)  # version 2 was not snapshotted: batch 1 is held
+    for c in claim_all(q):
+        deliver(q, c)
+    third = q.sample(2, 2)["group_id"].unique().tolist()  # in flight when the trainer died
+    assert q.retake(1) == second + third
+    assert q.consumed == first and q.version == 1
+    assert q.sample(2, 1)["group_id"].unique().tolist() == second  # trained again, in order
+    assert q.sample(2, 1)["group_id"].unique().tolist() == third
+    assert q.consumed == first + second + third and q.metrics()["buffer/retaken_groups"] == 4
+    q.set_version(2)  # no durable version named: every batch taken is let go
+    assert q.retake(2) == []

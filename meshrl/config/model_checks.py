@@ -131,6 +131,9 @@ def _check_trainer(c: Config) -> None:
     need(c.launcher.gpu_memory_gib >= 0, "launcher.gpu_memory_gib", f"must be at least 0 (0 = the GPU this machine has), got {c.launcher.gpu_memory_gib}")
     need(trainer.checkpoint_every >= 0, "trainer.checkpoint_every", f"must be at least 0, got {trainer.checkpoint_every}")
     need(trainer.checkpoint_every_s >= 0, "trainer.checkpoint_every_s", f"must be at least 0 (0 = off), got {trainer.checkpoint_every_s}")
+    need(trainer.snapshot_every >= 0, "trainer.snapshot_every", f"must be at least 0 (0 = off), got {trainer.snapshot_every}")
+    need(trainer.max_restarts >= 0, "trainer.max_restarts", f"must be at least 0 (0 = a dead trainer stops the run), got {trainer.max_restarts}")
+    need(trainer.restart_timeout_s > 0, "trainer.restart_timeout_s", f"must be positive, got {trainer.restart_timeout_s}")
     need(
         trainer.interrupt_checkpoint_timeout_s > 0, "trainer.interrupt_checkpoint_timeout_s", f"must be positive, got {trainer.interrupt_checkpoint_timeout_s}"
     )

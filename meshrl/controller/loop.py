@@ -28,6 +28,7 @@ from meshrl.controller import checkpoint as checkpoints, colocate
 from meshrl.controller.breaker import FailureBreaker, report_cliffs
 from meshrl.controller.collect import StepMetrics
 from meshrl.controller.evaluation import Evaluations
+from meshrl.controller.heal import TrainerHealer
 from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool, log_mesh_failures
 from meshrl.errors import TrainerFailed, UserCodeFailed, find, first_line, one_line
 from meshrl.launch.allocation import allocate
@@ -136,10 +137,13 @@ class RLLoop:
             c, c.trainer.collective_timeout_s, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan
         )
         await self.trainer.publisher_handle()  # creates the publisher before its first step
+        self.healer = TrainerHealer(self)
+        await self.healer.watch()
         if c.trainer.loss.advantage == "gae":  # PPO's critic: one proc on the trainer's first host, on its cores
             self.critic = await spawn_critic(c, self.alloc.host("trainer", 0), self.alloc.bootstrap("critic"))
         if self.resume:
             self.version, self.history = await checkpoints.restore(self.run_dir, self.trainer, self.queue, self.watch, self.critic)
+            self.healer.start_version = self.version
         # Rows past the restored step belong to steps about to be trained again: cut them.
         wandb = dict(project=c.logging.wandb_project, mode=c.logging.wandb_mode, config=c.to_dict()) if c.logging.wandb else None
         self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version, wandb=wandb)
@@ -187,33 +191,18 @@ class RLLoop:
         """Train on one batch from the queue, move the generators to the new version in the
         background, and record metrics."""
         c = self.config
-        handoff, call_start = {}, time.monotonic()
-        try:
-            if c.placement == "colocate":
-                handoff = await self._hand_devices_to_trainer()
-                call_start = time.monotonic()
-            critic = self.critic.actor if self.critic is not None else None
-            out = await self._watching(asyncio.ensure_future(self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s, critic)))
-        except Exception as e:  # noqa: BLE001 - a dead trainer proc ends the run, resumably
-            line = one_line(e)
-            if line is not None:  # the user's data or code failed in the queue: its one line, not the trainer's trace
-                raise UserCodeFailed(line) from e
-            if find(e, BatchTimeout) is not None:  # the queue's sample, through the trainer's call
-                raise TimeoutError(
-                    f"no batch for version {self.version} within buffer.get_timeout_s={c.buffer.get_timeout_s:.0f}s: "
-                    "rollouts are not arriving; check the generators and envs"
-                ) from e
-            first = first_line(str(e)) or type(e).__name__
-            if not await self._queue_answers():  # the trainer's call failed because the batches' source did
-                raise self._queue_lost() from e
-            if self.critic is not None and not await self.critic.answers():
-                raise TrainerFailed(
-                    f"the critic stopped answering at version {self.version} ({type(e).__name__}: {first}); {checkpoints.how_to_resume(self.run_dir)}"
-                ) from e
-            raise TrainerFailed(f"the trainer failed at version {self.version} ({type(e).__name__}: {first}); {checkpoints.how_to_resume(self.run_dir)}") from e
+        handoff: dict = {}
+        while True:  # once, or again after the trainer was healed (controller/heal.py)
+            try:
+                out = await self._train_call(handoff)
+                break
+            except Exception as e:  # noqa: BLE001 - a dead trainer proc is healed, or ends the run resumably
+                await self._trainer_failed(e)
+        call_start = out.pop("_call_start")
         self.version = out["version"]
         out["time/trainer_call_s"] = time.monotonic() - call_start
         out.update(handoff)
+        out.update(self.healer.metrics())
         try:
             if colocate.wakes_on_new_version(c, self.alloc.plan):  # loaded while the engines sleep
                 out["colocate/load_s"] = await self._update_generators(self.version)
@@ -238,6 +227,39 @@ class RLLoop:
                 raise self._queue_lost() from e
             raise
         return row
+
+    async def _train_call(self, handoff: dict) -> dict:
+        """The trainer's call for one step (its start time under `_call_start`)."""
+        c = self.config
+        call_start = time.monotonic()
+        if c.placement == "colocate":
+            handoff.update(await self._hand_devices_to_trainer())
+            call_start = time.monotonic()
+        critic = self.critic.actor if self.critic is not None else None
+        out = await self._watching(asyncio.ensure_future(self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s, critic)))
+        return {**out, "_call_start": call_start}
+
+    async def _trainer_failed(self, e: Exception) -> None:
+        """The trainer's call failed: the user's code or the queue's timeout in one line, a lost
+        queue or critic ends the run resumably, a dead trainer proc is healed (or, past the
+        heal's bounds, ends the run resumably)."""
+        c = self.config
+        line = one_line(e)
+        if line is not None:  # the user's data or code failed in the queue: its one line, not the trainer's trace
+            raise UserCodeFailed(line) from e
+        if find(e, BatchTimeout) is not None:  # the queue's sample, through the trainer's call
+            raise TimeoutError(
+                f"no batch for version {self.version} within buffer.get_timeout_s={c.buffer.get_timeout_s:.0f}s: "
+                "rollouts are not arriving; check the generators and envs"
+            ) from e
+        first = first_line(str(e)) or type(e).__name__
+        if not await self._queue_answers():  # the trainer's call failed because the batches' source did
+            raise self._queue_lost() from e
+        if self.critic is not None and not await self.critic.answers():
+            raise TrainerFailed(
+                f"the critic stopped answering at version {self.version} ({type(e).__name__}: {first}); {checkpoints.how_to_resume(self.run_dir)}"
+            ) from e
+        await self.healer.heal(e)
 
     async def _hand_devices_to_trainer(self) -> dict[str, float]:
         """placement=colocate, before the trainer's call: the previous weight load done, then

@@ -59,8 +59,12 @@ class EpisodeQueueActor(Actor):
         return await asyncio.to_thread(self.queue.wait_ready, num_groups, timeout)
 
     @concurrent_endpoint
-    async def set_version(self, version: int) -> None:
-        self.queue.set_version(version)
+    async def set_version(self, version: int, durable: int | None = None) -> None:
+        self.queue.set_version(version, durable)
+
+    @concurrent_endpoint
+    async def retake(self, version: int) -> list[int]:
+        return self.queue.retake(version)
 
     @concurrent_endpoint
     async def set_max_lag(self, max_lag: int | None) -> None:

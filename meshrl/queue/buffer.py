@@ -29,6 +29,9 @@ Every group of episodes (one prompt, `generator.group_size` episodes) is in one 
 - The policy version comes from the trainer alone (`sample` and `set_version`).
 - `state_dict` keeps READY groups and re-queues RUNNING ones on load: no episode is lost or
   trained twice across a resume.
+- The batches taken since the trainer's newest restorable version (`set_version`'s
+  `durable`) are held: a healed trainer retakes them (`retake`, controller/heal.py), so the
+  step a dead trainer had in flight is trained again from its own batch.
 - The user's code here (a data source's records, a `buffer.sampling` policy) failing closes
   the queue: `failure` holds the one line (meshrl/errors.py), and every claim and sample
   from then on raises it as a `UserCodeError`, which the controller reports.
@@ -133,6 +136,9 @@ class EpisodeQueue:
         self._ready_at: dict[int, float] = {}  # group id -> when it was put (READY)
         self._straggler_s = 0.0
         self.consumed: list[int] = []  # group ids trained, in order
+        # batches taken since the trainer's newest restorable version, by the version they
+        # were sampled for: a healed trainer retakes them (`retake`)
+        self.held: list[tuple[int, list[TensorDict]]] = []
         self.dropped_ids: list[int] = []  # group ids dropped (stale, or without signal), in order
         self._cond = threading.Condition()
         self._rng = random.Random(config.seed)
@@ -271,6 +277,7 @@ class EpisodeQueue:
             picked = [self.ready[i] for i in chosen]
             for i in sorted(chosen, reverse=True):
                 del self.ready[i]
+            self.held.append((current_version, picked))
             batch = episode.concat(picked)
             ids = [int(g["group_id"][0]) for g in picked]
             self.consumed += ids
@@ -293,11 +300,34 @@ class EpisodeQueue:
                 self._raise_closed()
             return ok
 
-    def set_version(self, version: int) -> None:
-        """The trainer's policy version: opens admission, re-checks READY groups."""
+    def set_version(self, version: int, durable: int | None = None) -> None:
+        """The trainer's policy version: opens admission, re-checks READY groups. `durable`:
+        the newest version the trainer can be restored to (default `version`); the batches
+        taken for versions before it are let go, the later ones held for `retake`."""
         with self._cond:
             self._set_version(version)
+            keep_from = version if durable is None else durable
+            self.held = [(v, groups) for v, groups in self.held if v >= keep_from]
             self._cond.notify_all()
+
+    def retake(self, version: int) -> list[int]:
+        """A trainer restored to `version`: the batches taken for it and later go back to the
+        front of READY, in the order they were taken, and out of `consumed` (they are trained
+        again, once); the version goes back to `version`. Returns their group ids."""
+        with self._cond:
+            back = [g for v, groups in self.held if v >= version for g in groups]
+            self.held = [(v, groups) for v, groups in self.held if v < version]
+            ids = [int(g["group_id"][0]) for g in back]
+            gone = set(ids)
+            self.consumed = [gid for gid in self.consumed if gid not in gone]
+            now = time.monotonic()
+            for g in reversed(back):
+                self.ready.appendleft(g)
+                self._ready_at[int(g["group_id"][0])] = now
+            self.version = min(self.version, version)
+            self._stats["retaken_groups"] += len(back)
+            self._cond.notify_all()
+            return ids
 
     def set_max_lag(self, max_lag: int | None) -> None:
         """Change the staleness bound; admission follows at once (depth 0 stays on-policy)."""
@@ -364,6 +394,7 @@ class EpisodeQueue:
                 "buffer/puts": float(s["puts"]),
                 "buffer/samples": float(s["samples"]),
                 "buffer/requeued": float(s["requeued"]),
+                "buffer/retaken_groups": float(s["retaken_groups"]),
                 "buffer/late_puts": float(s["late_puts"]),
                 "buffer/dropped_stale_groups": float(s["dropped_stale_groups"]),
                 "buffer/dropped_stale_tokens": float(s["dropped_stale_tokens"]),

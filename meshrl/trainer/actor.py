@@ -29,6 +29,7 @@ from meshrl.logs import capture_role_output
 from meshrl.config.cpus import cpus_for
 from meshrl.pinning import pin_this_process
 from meshrl.trainer.policy import PolicyTrainer
+from meshrl.trainer.snapshot import Snapshots, is_snapshot, load_snapshot, snapshot_root
 
 
 class TrainerActor(Actor):
@@ -38,6 +39,8 @@ class TrainerActor(Actor):
         self.trainer: PolicyTrainer | None = None
         self.publisher = None  # weight-sync Publisher, created on rank 0 when first asked
         self._objects = None  # the gloo group Python objects are broadcast over on GPUs (None: the default group)
+        self.snapshots: Snapshots | None = None  # trainer.snapshot_every > 0: what a healed trainer restores
+        self.durable = 0  # the newest version a healed trainer can restore (version 0: the seeded start)
 
     @endpoint
     async def setup(self, config_dict: dict) -> dict:
@@ -70,6 +73,9 @@ class TrainerActor(Actor):
             # the batch travels to the other ranks pickled: through host memory, never the GPU
             # (NCCL's object broadcast would stage every step's batch in a CUDA tensor)
             self._objects = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
+            if config.trainer.snapshot_every > 0:  # the background write's collectives on a group of their own
+                group = dist.new_group(backend="gloo") if world > 1 else None
+                self.snapshots = Snapshots(snapshot_root(config.logging.run_dir), config.trainer.snapshot_every, group, blocking=not use_cuda)
         if config.trainer.compile:
             self.trainer.warm_up()
         return self.trainer.shard_info()
@@ -115,6 +121,9 @@ class TrainerActor(Actor):
             batch = box[0]
         wait_s = time.perf_counter() - t0
         out = trainer.train_step(batch, trainer.step)
+        snapshot = self.snapshots is not None and self.snapshots.due(trainer.step)
+        if snapshot:  # on GPUs staged to host memory here, written while the new version is published
+            self.snapshots.start(trainer.step, trainer.model, trainer.optimizer, trainer.scheduler)
         t1 = time.perf_counter()
         # Gathering full tensors is collective: every rank walks the iterator to its end.
         named = trainer.sync_state_dict(getattr(torch, trainer.config.model.dtype))
@@ -124,18 +133,25 @@ class TrainerActor(Actor):
             copy_s = 0.0
             for _ in named:
                 pass
+        publish_s = time.perf_counter() - t1
+        if snapshot:  # complete before anyone hears of the version: every version announced is restorable
+            self.snapshots.finish()
+            self.durable = trainer.step
         if trainer.rank == 0:
-            await awaited(queue.set_version.call_one(trainer.step))
+            await awaited(queue.set_version.call_one(trainer.step, self.durable if self.snapshots is not None else trainer.step))
         metrics = {f"trainer/{k}": v for k, v in out.items() if k != "version"}
         metrics.update(
             {
                 "version": out["version"],
                 "trainer/wait_s": wait_s,
                 "trained_groups": batch["group_id"].unique_consecutive().tolist(),
-                "sync/publish_s": time.perf_counter() - t1,
+                "sync/publish_s": publish_s,
                 "sync/stage_copy_s": copy_s,
             }
         )
+        if snapshot:
+            metrics["trainer/snapshot_stage_s"] = self.snapshots.stage_s
+            metrics["trainer/snapshot_wait_s"] = self.snapshots.wait_s
         metrics.update(critic_metrics)
         return metrics
 
@@ -151,6 +167,19 @@ class TrainerActor(Actor):
             batch["token_advantage"] = token_advantage
         metrics["critic/gae_trained"] = float(token_advantage is not None)
         return metrics
+
+    @endpoint
+    async def publish_current(self) -> int:
+        """Publish the weights held now under their version (a healed trainer, restored, for
+        the generators behind or ahead of it); returns the version."""
+        trainer = self._need()
+        named = trainer.sync_state_dict(getattr(torch, trainer.config.model.dtype))
+        if trainer.rank == 0 and self.publisher is not None:
+            self.publisher.publish(trainer.step, named, stream=True)
+        else:
+            for _ in named:
+                pass
+        return trainer.step
 
     @endpoint
     async def set_lr(self, lr: float) -> None:
@@ -181,12 +210,28 @@ class TrainerActor(Actor):
 
     @endpoint
     async def load_checkpoint(self, path: str) -> int:
-        return self._need().load_checkpoint(path)
+        self.durable = self._need().load_checkpoint(path)
+        return self.durable
+
+    @endpoint
+    async def restore(self, path: str) -> int:
+        """A healed trainer's state: a per-step snapshot (meshrl/trainer/snapshot.py) or a
+        checkpoint; returns its step."""
+        trainer = self._need()
+        if is_snapshot(path):
+            trainer._offload.restore()
+            trainer.step = load_snapshot(path, trainer.model, trainer.optimizer, trainer.scheduler)
+        else:
+            trainer.load_checkpoint(path)
+        self.durable = trainer.step
+        return trainer.step
 
     @endpoint
     async def shard_info(self) -> dict:
-        """The rank's shard sizes, pid, and the devices it was started with (the plan's)."""
-        return {**self._need().shard_info(), "devices": [os.environ.get(DEVICE_ENV), os.environ.get(PLAN_ENV)]}
+        """The rank's shard sizes, pid and host, and the devices it was started with (the plan's)."""
+        import socket
+
+        return {**self._need().shard_info(), "host": socket.gethostname(), "devices": [os.environ.get(DEVICE_ENV), os.environ.get(PLAN_ENV)]}
 
     @endpoint
     async def teardown(self) -> None:
@@ -236,6 +281,13 @@ class TrainerMesh:
 
     async def load_checkpoint(self, path: str) -> int:
         self.version = (await self._all(self.actors.load_checkpoint, path))[0]
+        return self.version
+
+    async def publish_current(self) -> int:
+        return (await self._all(self.actors.publish_current))[0]
+
+    async def restore(self, path: str) -> int:
+        self.version = (await self._all(self.actors.restore, path))[0]
         return self.version
 
     async def shard_info(self) -> list[dict]:

@@ -1,0 +1,215 @@
+"""What keeping the trainer restorable every step costs, and how long a heal takes (docs/healing.md).
+
+Three parts, each a ratio against a reference measured in the same invocation:
+1. `--part store`: one trainer rank (PolicyTrainer, single proc, CPU), per model size: a
+   training step, then the ways to keep its state: torch DCP `async_save` (what
+   trainer.snapshot_every uses: the blocking staging copy, then the wait for the write
+   after the version's gather that overlaps it), a blocking DCP `save`, and an in-memory
+   copy held by an actor on another proc (the state sent over Monarch, the other candidate).
+2. `--part runs`: whole runs of a config with trainer.snapshot_every=1 and 0, interleaved,
+   `--repeats` each: the median step time's ratio.
+3. `--part heal`: one run whose trainer proc is SIGKILLed mid-run: trainer/restart_s and
+   the seconds from the kill to the next trained step.
+
+    python benchmarks/snapshot_cost.py [--part store,runs,heal] [--steps 16] [--repeats 2] [--out benchmarks/results/snapshot_cost.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.async_vs_sync import machine  # noqa: E402
+from benchmarks.trainer_throughput import make_batch  # noqa: E402
+from meshrl.config import Config  # noqa: E402
+
+SIZES = {
+    "default": {},  # configs/default.yaml's model
+    "25M": {"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 1536},  # benchmarks/README.md section 14's trainer-bound model
+}
+
+
+class Keeper:
+    """An actor that holds the last state it was sent (the in-memory candidate)."""
+
+
+def _keeper_class():
+    from monarch.actor import Actor, endpoint
+
+    class StateKeeper(Actor):
+        def __init__(self):
+            self.state = None
+
+        @endpoint
+        async def keep(self, state) -> int:
+            self.state = state
+            return sum(t.numel() for t in state.values() if torch.is_tensor(t))
+
+    return StateKeeper
+
+
+def flat_state(trainer) -> dict:
+    from meshrl.trainer.checkpoint import _train_state
+
+    out = {}
+    state = _train_state(trainer.model, trainer.optimizer)
+    for k, v in state["model"].items():
+        out[f"model.{k}"] = v.detach().clone()
+    for pk, group in state["optim"]["state"].items():
+        for k, v in group.items():
+            if torch.is_tensor(v):
+                out[f"optim.{pk}.{k}"] = v.clone()
+    return out
+
+
+def store_part(reps: int) -> dict:
+    from monarch.actor import this_host
+
+    from meshrl.trainer.policy import PolicyTrainer
+    from meshrl.trainer.snapshot import Snapshots
+
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    keeper = procs.spawn("keeper", _keeper_class())
+    results = {}
+    try:
+        for size, model in SIZES.items():
+            cfg = Config.from_dict({"model": model, "trainer": {"micro_batch_size": 16}})
+            trainer = PolicyTrainer(cfg, torch.device("cpu"), 0, 1)
+            params = sum(p.numel() for p in trainer.model.parameters())
+            batch = make_batch(8, 8, 16, 8, 0)
+            root = tempfile.mkdtemp(prefix="snapshot_cost_")
+            asynchronous, blocking = Snapshots(root + "/a", 1), Snapshots(root + "/b", 1, blocking=True)
+            t = {"step_s": [], "publish_s": [], "async_stage_s": [], "async_wait_s": [], "blocking_s": [], "in_memory_s": []}
+            for i in range(reps + 1):
+                t0 = time.perf_counter()
+                trainer.train_step(batch, trainer.step)
+                step_s = time.perf_counter() - t0
+                asynchronous.start(trainer.step, trainer.model, trainer.optimizer, trainer.scheduler)
+                t1 = time.perf_counter()
+                for _ in trainer.sync_state_dict(torch.float32):  # the version's gather, which the write overlaps
+                    pass
+                publish_s = time.perf_counter() - t1
+                asynchronous.finish()
+                t2 = time.perf_counter()
+                blocking.start(trainer.step, trainer.model, trainer.optimizer, trainer.scheduler)
+                blocking.finish()
+                blocking_s = time.perf_counter() - t2
+                t3 = time.perf_counter()
+                keeper.keep.call_one(flat_state(trainer)).get()
+                in_memory_s = time.perf_counter() - t3
+                if i == 0:
+                    continue  # warm-up
+                for key, value in (
+                    ("step_s", step_s),
+                    ("publish_s", publish_s),
+                    ("async_stage_s", asynchronous.stage_s),
+                    ("async_wait_s", asynchronous.wait_s),
+                    ("blocking_s", blocking_s),
+                    ("in_memory_s", in_memory_s),
+                ):
+                    t[key].append(value)
+            med = {k: statistics.median(v) for k, v in t.items()}
+            # what the trainer waits for beyond its step and gather: staging plus the write's
+            # tail after the gather (async); the whole write (blocking); the send (in memory)
+            results[size] = {
+                "params": params,
+                **med,
+                "async_cost_vs_step": (med["async_stage_s"] + med["async_wait_s"]) / med["step_s"],
+                "blocking_cost_vs_step": med["blocking_s"] / med["step_s"],
+                "in_memory_cost_vs_step": med["in_memory_s"] / med["step_s"],
+            }
+            print(json.dumps({size: results[size]}), flush=True)
+    finally:
+        procs.stop().get()
+    return results
+
+
+def _run(config: str, steps: int, snapshot_every: int, root: str, extra: dict | None = None) -> dict:
+    import meshrl
+
+    cfg = Config.from_yaml(config).to_dict() if config else {}
+    cfg.update({"steps": steps})
+    cfg.setdefault("trainer", {}).update({"snapshot_every": snapshot_every, "checkpoint_every": 0})
+    cfg.setdefault("logging", {}).update({"run_dir": root, "progress": False, "plot": False, "tensorboard": False})
+    for key, value in (extra or {}).items():
+        cfg.setdefault(key, {}).update(value)
+    rows = meshrl.run(cfg).metrics
+    steps_s = [r["time/step_s"] for r in rows[2:]]  # past the first steps' warm-up
+    return {"snapshot_every": snapshot_every, "median_step_s": statistics.median(steps_s), "mean_step_s": statistics.mean(steps_s), "steps": len(rows)}
+
+
+def runs_part(config: str, steps: int, repeats: int, extra: dict | None = None) -> dict:
+    with_, without = [], []
+    for r in range(repeats):
+        for every, out in ((0, without), (1, with_)):
+            out.append(_run(config, steps, every, tempfile.mkdtemp(prefix=f"snapshot_run{every}_"), extra))
+            print(json.dumps(out[-1]), flush=True)
+    a, b = statistics.median(x["median_step_s"] for x in with_), statistics.median(x["median_step_s"] for x in without)
+    return {"with": with_, "without": without, "ratio_step_s": a / b}
+
+
+def heal_part(steps: int) -> dict:
+    import meshrl
+
+    root = tempfile.mkdtemp(prefix="snapshot_heal_")
+    session = meshrl.Session({"steps": steps, "logging": {"run_dir": root, "progress": False}, "trainer": {"checkpoint_every": 0}})
+    try:
+        session.start()
+        session.step(3)
+        pid = session._call(session.loop.trainer.shard_info(), 60)[0]["pid"]
+        killed = {}
+
+        def kill():
+            time.sleep(0.3)  # into the next step's call
+            killed["at"] = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+        row = session.step(1)[0]
+        to_next_step_s = time.monotonic() - killed["at"]
+    finally:
+        session.stop()
+    return {"restart_s": row.get("trainer/restart_s"), "steps_lost": row.get("trainer/steps_lost"), "kill_to_next_step_s": to_next_step_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", default="store,runs,heal")
+    ap.add_argument("--reps", type=int, default=5, help="store part: measured repetitions per size")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--config", default="", help="runs part: a config file (default: the embedded default)")
+    ap.add_argument("--out", default="benchmarks/results/snapshot_cost.json")
+    args = ap.parse_args()
+    parts = args.part.split(",")
+    out = {"machine": machine(), "args": vars(args)}
+    if "store" in parts:
+        out["store"] = store_part(args.reps)
+    if "runs" in parts:
+        out["runs_default"] = runs_part(args.config, args.steps, args.repeats)
+        print(f"default config: step time with snapshots every step / without = {out['runs_default']['ratio_step_s']:.3f}")
+    if "heal" in parts:
+        out["heal"] = heal_part(args.steps)
+        print(json.dumps(out["heal"]))
+    out["machine_after"] = machine()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    asyncio.get_event_loop_policy()
+    main()

@@ -1,0 +1,188 @@
+"""Healing the trainer: a dead trainer proc is replaced while generation goes on (docs/healing.md).
+
+When the trainer's call fails and the episode queue still answers, `TrainerHealer.heal`:
+1. waits out the generators' pending weight update (it may have been reading from the
+   dead trainer's publisher; a replica it cost is replaced by the pool as always);
+2. stops what is left of the trainer mesh and SIGKILLs its procs on this host that are
+   still alive (a rank blocked in a collective with the dead one never returns);
+3. spawns a new mesh on the same slots (the allocation's trainer hosts and device plan);
+4. restores the newest complete trainer state: the per-step snapshot
+   (meshrl/trainer/snapshot.py) or the last checkpoint, whichever is newer, else the
+   seeded start of a run that began at version 0;
+5. has the queue put back the batches taken since that version (`EpisodeQueue.retake`), so
+   the step in flight is trained again from its own batch: no episode lost or trained twice;
+6. publishes the restored weights and reconnects weight sync to the new publisher; the
+   generators, still generating from the queue all along, are moved to the restored
+   version only if they are ahead of it (steps lost since the newest snapshot).
+Bounded by trainer.max_restarts and trainer.restart_timeout_s; past them the run stops
+resumably, as a dead trainer did before. The generators and rollout workers are healed by
+controller/replicas.py; this is the trainer's counterpart, called from the loop's step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from meshrl.compat import awaited
+from meshrl.controller import checkpoint as checkpoints
+from meshrl.errors import TrainerFailed, first_line
+from meshrl.logs import console
+from meshrl.trainer.actor import spawn_trainer
+from meshrl.trainer.checkpoint import checkpoint_step
+from meshrl.trainer.snapshot import newest_complete, snapshot_root, snapshot_step
+
+log = logging.getLogger("meshrl")
+
+
+async def trainer_pids(trainer) -> list[tuple[int, float | None]]:
+    """(pid, start time) of each trainer rank, by rank; the start time is None off this host."""
+    import socket
+
+    import psutil
+
+    pids = []
+    for info in await trainer.shard_info():
+        if info.get("host", socket.gethostname()) != socket.gethostname():
+            pids.append((int(info["pid"]), None))
+            continue
+        try:
+            pids.append((int(info["pid"]), psutil.Process(int(info["pid"])).create_time()))
+        except psutil.Error:
+            pids.append((int(info["pid"]), None))
+    return pids
+
+
+def _alive(pid: int, started: float | None) -> bool:
+    import psutil
+
+    if started is None:
+        return True  # not on this host: its host mesh's stop ends it
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - started) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _kill(pid: int, started: float | None) -> None:
+    import psutil
+
+    if started is not None and _alive(pid, started):
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+
+
+def newest_state(run_dir: str) -> tuple[str | None, int]:
+    """The newest complete trainer state of the run: (its directory, its step), from the
+    per-step snapshots or the checkpoints; (None, 0) when neither holds one."""
+    found: list[tuple[int, str]] = []
+    snap = newest_complete(snapshot_root(run_dir))
+    if snap is not None:
+        found.append((snapshot_step(snap), snap))
+    ckpt = os.path.join(run_dir, "checkpoints", "trainer")
+    try:
+        found.append((checkpoint_step(ckpt), ckpt))
+    except (FileNotFoundError, OSError, ValueError):
+        pass
+    if not found:
+        return None, 0
+    step, path = max(found)
+    return path, step
+
+
+class TrainerHealer:
+    """The loop's trainer healer: counts restarts and heals within the bounds."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.restarts = 0
+        self.pids: list[tuple[int, float | None]] = []
+        self.pending_metrics: dict[str, float] = {}
+        self.start_version = 0  # the version the run (or its resume) started at
+
+    def metrics(self) -> dict[str, float]:
+        """For the step's row: the restarts so far, and after a heal its time and steps lost."""
+        out, self.pending_metrics = {"trainer/restarts": float(self.restarts), **self.pending_metrics}, {}
+        return out
+
+    async def watch(self) -> None:
+        """Note the current trainer mesh's procs (after it started or was replaced)."""
+        self.pids = await trainer_pids(self.loop.trainer)
+
+    def can_heal(self) -> str | None:
+        """Why this run's trainer is not healed (None: it is)."""
+        c = self.loop.config
+        if self.restarts >= c.trainer.max_restarts:
+            return f"trainer.max_restarts={c.trainer.max_restarts} restart(s) used"
+        if c.placement == "colocate":
+            return "placement=colocate (the trainer and the engines take turns on the devices) is not healed"
+        if self.loop.critic is not None:
+            return "PPO's critic (trainer.loss.advantage=gae) is not healed"
+        return None
+
+    async def heal(self, error: BaseException) -> None:
+        """Replace the dead trainer mesh and restore it (see the module's docstring); raises
+        TrainerFailed with one line when it may not or cannot."""
+        loop, c = self.loop, self.loop.config
+        first = first_line(str(error)) or type(error).__name__
+        dead = [rank for rank, (pid, started) in enumerate(self.pids) if not _alive(pid, started)]
+        who = ", ".join(f"rank {r} (pid {self.pids[r][0]})" for r in dead) or "a trainer proc"
+        why_not = self.can_heal()
+        if why_not is not None:
+            raise TrainerFailed(
+                f"the trainer failed at version {loop.version} ({who}: {type(error).__name__}: {first}); "
+                f"not healed: {why_not}; {checkpoints.how_to_resume(loop.run_dir)}"
+            ) from error
+        self.restarts += 1
+        t0 = time.monotonic()
+        try:
+            version, retaken = await asyncio.wait_for(self._replace(), c.trainer.restart_timeout_s)
+        except Exception as e:  # noqa: BLE001 - the heal itself failed: stop, resumably
+            raise TrainerFailed(
+                f"the trainer failed at version {loop.version} ({who}: {first}) and could not be restarted "
+                f"within trainer.restart_timeout_s={c.trainer.restart_timeout_s:.0f}s ({type(e).__name__}: {first_line(str(e), 200)}); "
+                f"{checkpoints.how_to_resume(loop.run_dir)}"
+            ) from e
+        took = time.monotonic() - t0
+        lost = max(0, loop.version - version)
+        loop.version = version
+        self.pending_metrics = {"trainer/restarts": float(self.restarts), "trainer/restart_s": took, "trainer/steps_lost": float(lost)}
+        print(
+            f"meshrl: trainer {who} died at version {version + lost} ({first_line(first, 160)}); healed in {took:.1f}s "
+            f"from version {version} ({lost} step(s) lost, {len(retaken)} group(s) to train again; restart {self.restarts} of {c.trainer.max_restarts})",
+            file=console(),
+        )
+
+    async def _replace(self) -> tuple[int, list[int]]:
+        loop, c = self.loop, self.loop.config
+        if loop._update_task is not None:  # it may be reading from the dead publisher: let it end either way
+            try:
+                await loop._finish_update()
+            except Exception as e:  # noqa: BLE001 - the pool replaced what it lost; the update is redone below
+                log.warning("weight update during the trainer's failure: %s", first_line(str(e), 200))
+        try:
+            await asyncio.wait_for(loop.trainer.stop(), 90)
+        except Exception:  # noqa: BLE001 - dead procs do not answer; they are killed below
+            pass
+        for pid, started in self.pids:  # a rank waiting in a collective with the dead one
+            _kill(pid, started)
+        path, step = newest_state(loop.run_dir)
+        if path is None and self.start_version > 0:
+            raise RuntimeError(f"no complete trainer state at or after the run's start (version {self.start_version})")
+        loop.trainer = await spawn_trainer(
+            c, c.trainer.collective_timeout_s, host_mesh=loop.alloc.host_mesh("trainer"), hosts=loop.alloc.hosts("trainer"), plan=loop.alloc.plan
+        )
+        await self.watch()
+        version = await loop.trainer.restore(path) if path is not None else 0
+        retaken = await awaited(loop.queue.retake.call_one(version))
+        publisher = await loop.trainer.publisher_handle()
+        await loop.trainer.publish_current()
+        loop.weight_sync = await loop.weight_sync.reconnect(publisher=publisher)
+        # the generators hold the version the loop knew; ahead of the restored one: moved back to it
+        await loop.generators.update(version)
+        return version, retaken
