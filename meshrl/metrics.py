@@ -134,8 +134,14 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     names = sorted({k for r in rows for k in r})
     panels = [(title, [n for key in keys for n in names if n == key or key.endswith("@") and n.startswith(key)]) for title, keys in PANELS]
     panels = [(title, keys) for title, keys in panels if keys or title != "held-out eval"]
+    signals = [n for n in names if n.startswith("scoring/") and n.endswith("/mean")]
+    if signals:  # the trained reward beside every signal (docs/stability.md: the divergence alarm)
+        panels.append((SIGNALS_PANEL, ["reward/mean", *signals, *(["eval/reward_mean"] if "eval/reward_mean" in names else [])]))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     for ax, (title, keys) in zip(axes, panels):
+        if title == SIGNALS_PANEL:
+            _plot_signals(ax, rows, keys)
+            continue
         for key in keys:
             points = [(r["step"], r[key]) for r in rows if key in r]
             if points:
@@ -150,6 +156,30 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+SIGNALS_PANEL = "trained reward and each signal"
+
+
+def _plot_signals(ax, rows: list[dict], keys: list[str]) -> None:
+    """The trained reward (solid) beside every scorer's and the env's signal and the held-out
+    evaluation's reward (dashed), each scaled to its own range (given in the legend): a
+    reward model's scores need not share the verifier's scale, and the picture to see is
+    one rising while another falls."""
+    for i, key in enumerate(keys):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if not points:
+            continue
+        steps, values = zip(*points)
+        low, high = min(values), max(values)
+        scaled = [(v - low) / (high - low) if high > low else 0.5 for v in values]
+        ax.plot(steps, scaled, "-" if i == 0 else "--", label=f"{key} ({low:.3g} to {high:.3g})", marker="." if len(points) < 30 else None)
+    ax.set_title(SIGNALS_PANEL)
+    ax.set_xlabel("step")
+    ax.set_ylabel("scaled to its range")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=7)
 
 
 def format_row(row: dict[str, float], keys: Iterable[str]) -> str:

@@ -44,6 +44,7 @@ from meshrl.agent.turns import GenerationFailed, TurnBatcher
 from meshrl.queue.buffer import QueueClosed
 from meshrl.scorers.client import EpisodeScorers
 from meshrl.scorers.process import assign_process_advantages, process_tensors
+from meshrl.stability import signal_correlations
 
 log = logging.getLogger("meshrl")
 
@@ -446,4 +447,5 @@ def scoring_metrics(windows: list[dict[str, float]]) -> dict[str, float]:
             row[key] = float(sum(vs))
         else:
             row[f"scoring/{name}/{what or 'mean'}"] = sum(vs) / len(vs)
+    row.update(signal_correlations(windows))  # what the divergence alarm watches (meshrl/stability.py)
     return row

@@ -85,6 +85,11 @@ def _check_alarm(c: Config) -> None:
     need(0 < alarm.reward_drop < 1, "alarm.reward_drop", f"a fraction of the best window's reward, in (0, 1), got {alarm.reward_drop}")
     need(alarm.min_best_reward >= 0, "alarm.min_best_reward", f"must be at least 0, got {alarm.min_best_reward}")
     need(alarm.entropy_floor >= 0, "alarm.entropy_floor", f"must be at least 0 (0 = off), got {alarm.entropy_floor}")
+    need(alarm.divergence_window >= 2, "alarm.divergence_window", f"must be at least 2, got {alarm.divergence_window}")
+    need(alarm.divergence_z > 0, "alarm.divergence_z", f"must be above 0 (a multiple of the noise), got {alarm.divergence_z}")
+    need(alarm.divergence_min_move >= 0, "alarm.divergence_min_move", f"a fraction of the signal's size, at least 0, got {alarm.divergence_min_move}")
+    need(-1 <= alarm.divergence_corr <= 1, "alarm.divergence_corr", f"a rank correlation, in [-1, 1] (-1 = off), got {alarm.divergence_corr}")
+    need(alarm.on_divergence in ("warn", "stop"), "alarm.on_divergence", f"warn or stop, got {alarm.on_divergence!r}")
 
 
 def _check_sync_mode(c: Config) -> None:

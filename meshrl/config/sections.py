@@ -62,6 +62,16 @@ class AlarmConfig:
     """A reward cliff needs a best window mean of at least this: a run that has not learned anything yet cannot fall."""
     entropy_floor: float = 0.02
     """Entropy cliff: the last window's mean policy entropy (`trainer/entropy`, nats per trained token) falls under this. A policy that learns its task legitimately gets sharp, so the floor sits under what the shipped tool-use config's policies reach (0.05 to 0.6 at 150-300 steps; with dynamic sampling on they went to 0.01, and the alarm fired); 0 turns the entropy alarm off."""
+    divergence_window: int = 10
+    """Divergence alarm (a reward being gamed): steps per window. Wherever the run has a signal it does not train on (the env's reward beside scorers when `scoring.env_weight` is 0, a scorer at weight 0, the held-out evaluation's reward), the trained reward is watched against it, window by window (docs/stability.md). The evaluation's points are one per evaluation: its windows hold divergence_window / eval.every of them, at least 2."""
+    divergence_z: float = 4.0
+    """Divergence: from the reference's best window so far to the last window, the trained reward's mean rose and the reference's fell, each by more than this many times the noise of that difference (measured from each series' own step-to-step changes). Measured: no alarm in 3 seeds each of the default and tool-use configs; a reward model gamed in 40 steps flagged within 30 steps (docs/stability.md)."""
+    divergence_min_move: float = 0.25
+    """Divergence: each of the two moves must also be at least this fraction of the signal's size: its mean in the reference's best window, or its spread across a step's episodes (`reward/std`, `scoring/NAME/std`; the evaluation's taken as the trained reward's) where that is larger. A signal all but constant (a guard at 1.0 but for an episode or two) has next to no noise, and its fall from 1.000 to 0.998 is no news."""
+    divergence_corr: float = -0.2
+    """Divergence: the mean over the last window of the rank correlation between the trained reward and the reference across each step's episodes (`scoring/NAME/corr_trained`) is under this. -1 turns this test off."""
+    on_divergence: Literal["warn", "stop"] = "warn"
+    """What a divergence alarm does: `warn` (its line, training goes on) or `stop` (the run checkpoints and exits with the line, status 1; resume or go back to the last checkpoint where the signals agreed)."""
 
 
 @dataclass

@@ -41,7 +41,7 @@ from meshrl.queue.actor import EpisodeQueueActor
 from meshrl.queue.buffer import BatchTimeout
 from meshrl.rollout.env import RewardFn
 from meshrl.scorers import ON_PROCS
-from meshrl.stability import CliffWatch
+from meshrl.stability import CliffWatch, DivergenceWatch, RewardDiverged
 from meshrl.tokenizer import build_char_tokenizer
 from meshrl.trainer.actor import spawn_trainer
 from meshrl.trainer.critic_actor import spawn_critic
@@ -74,6 +74,8 @@ class RLLoop:
         self._restore_fault_hook = None
         self.breaker = FailureBreaker(config)
         self.watch = CliffWatch.from_config(config.alarm) if config.alarm.enabled else None
+        self.divergence = DivergenceWatch.from_config(config)  # None without a signal the run does not train on
+        self._divergence_seen = 0  # history rows the divergence watch has read (evaluations' included)
 
     # ---- start-up -----------------------------------------------------------------------
     async def __aenter__(self) -> "RLLoop":
@@ -222,6 +224,8 @@ class RLLoop:
                 await self.checkpoint()
             if self.watch is not None:  # after this step's checkpoint, so that it counts as written before a cliff showed
                 report_cliffs(self.watch, self.version, row, self.history[-1], self.config.alarm)
+            if self.divergence is not None:
+                await self._watch_divergence(row)
         except Exception as e:  # noqa: BLE001 - the coordinator's host can go down between two calls too
             if not await self._queue_answers():
                 raise self._queue_lost() from e
@@ -277,6 +281,19 @@ class RLLoop:
         if first is not None:
             await self.checkpoint()
             raise self.breaker.stopped(first, self.version, self.run_dir)
+
+    async def _watch_divergence(self, row: dict) -> None:
+        """The divergence alarm (meshrl/stability.py): the history's new rows, evaluations'
+        included, each line logged and marked as `alarm/divergence`; under
+        alarm.on_divergence=stop the run checkpoints and stops with the line."""
+        rows, self._divergence_seen = self.history[self._divergence_seen :], len(self.history)
+        lines = [d.line() for r in rows for d in self.divergence.update(int(r["step"]), r)]
+        for line in lines:
+            row["alarm/divergence"] = self.history[-1]["alarm/divergence"] = 1.0
+            log.warning("%s", line)
+        if lines and self.config.alarm.on_divergence == "stop":
+            await self.checkpoint()
+            raise RewardDiverged(f"{lines[0]}; alarm.on_divergence=stop: checkpointed at step {self.version} and stopped")
 
     def _queue_lost(self) -> TrainerFailed:
         return TrainerFailed(
@@ -350,6 +367,8 @@ class RLLoop:
         self._last_checkpoint = time.monotonic()
         if self.watch is not None:
             self.watch.checkpointed(self.version)
+        if self.divergence is not None:
+            self.divergence.checkpointed(self.version)
         return path
 
     # ---- the end -------------------------------------------------------------------------------
