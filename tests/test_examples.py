@@ -155,8 +155,10 @@ def test_tool_agent_learns_to_call_the_sandboxed_python_tool(tmp_path):
     print("tool-agent reward", [round(x, 3) for x in reward], "calls", [round(x, 2) for x in calls])
     assert len(rows) == 24 and all(r["trainer/staleness_max"] == 0 for r in rows) and nothing_stale(rows)
     assert sum(r.get("episode/failed", 0) for r in rows) == 0
-    # Measured over MEASURED_TOOL: the last 3 steps' reward TOOL_SPREAD above the first 3's,
-    # tool calls per episode from 0 to TOOL_CALLS. With the advantages zeroed: flat at 0.
+    # Measured over 5 runs (3 of this test, 2 by `meshrl run`, beside other suites at load
+    # average 7-21 on 2 cores): the last 3 steps' reward 0.461-0.472 above the first 3's (all
+    # 0), tool calls per episode at the last step 0.94-0.95. With trainer.lr=1e-12 (the policy
+    # never moves): a rise of 0.003, 0.02 calls; this assertion fails.
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + TOOL_MARGIN, reward
     assert calls[-1] > 0.5, calls
     assert not wait_no_children()
@@ -190,7 +192,9 @@ def test_repl_script_steps_samples_changes_knobs_scales_and_checkpoints(tmp_path
     assert "-> [" in done.stdout  # the samples it printed
     assert summary["replicas"] == 2 and summary["lr"] == pytest.approx(0.0025) and summary["staleness_max"] == 0
     assert os.path.exists(summary["checkpoint"]) and len(reward) == 12
-    # Measured over MEASURED_REPL: the last 3 steps' reward REPL_SPREAD above the first 3's.
+    # Measured over 5 runs (4 of this test, 1 by hand, beside other suites at load average
+    # 7-21 on 2 cores): the last 3 steps' reward 0.265-0.340 above the first 3's (0.077-0.084).
+    # With trainer.lr=1e-12 (the policy never moves): 0.007; this assertion fails.
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + REPL_MARGIN, reward
     assert not wait_no_children()
 
