@@ -7,7 +7,9 @@ seed, so the same initial weights and prompts):
 - `grpo`:        outcome only, trainer.loss.advantage=grpo, no scorer;
 - `rloo`:        outcome only with prime.yaml's leave-one-out outcome baseline (rloo);
 - `prime-sync`:  configs/prime.yaml synchronously (buffer depth 0, lag 0, update_mode block);
-- `prime-async`: configs/prime.yaml as shipped (the default's depth 2, lag 2, update_mode keep).
+- `prime-async`: configs/prime.yaml as shipped (the default's depth 2, lag 2, update_mode keep);
+- `grpo-async`, `rloo-async`: the outcome-only arms as shipped, asynchronous: what asynchrony
+  alone costs on this task, for the PRM's async-minus-sync gap to be read against.
 
 Per arm: the reward per sample (the trained batch's mean env reward at each step, against
 the samples generated so far), the first step whose reward reaches `--reach`, the mean
@@ -43,11 +45,11 @@ def arm_config(arm: str, steps: int, seed: int, run_dir: str) -> dict:
     from meshrl.config.loading import apply_overrides
 
     cfg = yaml.safe_load(open(os.path.join(ROOT, "configs", "prime.yaml")))
-    if arm in ("grpo", "rloo"):
+    if arm.split("-")[0] in ("grpo", "rloo"):
         cfg["scoring"] = {}
-        cfg["trainer"]["loss"]["advantage"] = arm
+        cfg["trainer"]["loss"]["advantage"] = arm.split("-")[0]
     over = {"steps": steps, "seed": seed, "logging.run_dir": run_dir, "logging.progress": "false", "logging.plot": "false", "logging.tensorboard": "false"}
-    if arm != "prime-async":
+    if not arm.endswith("-async"):
         over.update(SYNC)
     return apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])
 
@@ -94,10 +96,16 @@ def summary(runs: list[dict], level: float) -> dict:
             "step_reaching": [reach(r["reward"], level) for r in rs],
             "wall_s": [round(r["wall_s"], 1) for r in rs],
         }
-    if "prime-sync" in by_arm and "prime-async" in by_arm:
-        sync = {r["seed"]: statistics.fmean(r["reward"]) for r in by_arm["prime-sync"]}
-        gaps = [statistics.fmean(r["reward"]) - sync[r["seed"]] for r in by_arm["prime-async"] if r["seed"] in sync]
-        table["async_minus_sync"] = {"gaps": gaps, "mean": statistics.fmean(gaps) if gaps else None, "stdev": statistics.stdev(gaps) if len(gaps) > 1 else None}
+    for base in ("prime", "grpo", "rloo"):
+        sync_arm = "prime-sync" if base == "prime" else base
+        if sync_arm in by_arm and f"{base}-async" in by_arm:
+            sync = {r["seed"]: statistics.fmean(r["reward"]) for r in by_arm[sync_arm]}
+            gaps = [statistics.fmean(r["reward"]) - sync[r["seed"]] for r in by_arm[f"{base}-async"] if r["seed"] in sync]
+            table[f"{base}_async_minus_sync"] = {
+                "gaps": gaps,
+                "mean": statistics.fmean(gaps) if gaps else None,
+                "stdev": statistics.stdev(gaps) if len(gaps) > 1 else None,
+            }
     return table
 
 
@@ -108,9 +116,10 @@ def main() -> None:
     p.add_argument("--arms", nargs="+", default=["grpo", "rloo", "prime-sync", "prime-async"])
     p.add_argument("--reach", type=float, default=0.9, help="the reward level whose first step is reported")
     p.add_argument("--out", default=os.path.join(RESULTS, "prime.json"))
+    p.add_argument("--merge", action="store_true", help="add these runs to --out's (another invocation's arms)")
     p.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "bench-prime"))
     args = p.parse_args()
-    runs = []
+    runs = json.load(open(args.out))["runs"] if args.merge and os.path.exists(args.out) else []
     for seed in args.seeds:
         for arm in args.arms:
             r = run_arm(arm, args.steps, seed, os.path.join(args.run_dir, f"{arm}-{seed}"))
@@ -122,12 +131,12 @@ def main() -> None:
     table = summary(runs, args.reach)
     print(f"\n{'arm':12s} {'mean reward/sample':>20s} {'final':>18s} {f'step >= {args.reach}':>16s}")
     for arm, row in table.items():
-        if arm == "async_minus_sync":
+        if arm.endswith("async_minus_sync"):
             continue
         print(f"{arm:12s} {row['mean_reward']:20.3f} {' '.join(f'{x:.2f}' for x in row['final_reward']):>18s} {str(row['step_reaching']):>16s}")
-    if "async_minus_sync" in table:
-        gap = table["async_minus_sync"]
-        print(f"async - sync, mean reward per run, paired by seed: {gap['gaps']} (mean {gap['mean']})")
+    for key, gap in table.items():
+        if key.endswith("async_minus_sync"):
+            print(f"{key}: mean reward per run, paired by seed: {[round(g, 3) for g in gap['gaps']]} (mean {gap['mean']:.3f})")
 
 
 if __name__ == "__main__":

@@ -211,7 +211,7 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path)
     rows = [r for r in result.metrics if "trainer/reward_mean" in r]
     reward = [r["trainer/reward_mean"] for r in rows]
     loss = [r["scoring/prm/loss"] for r in rows]
-    accuracy = [r["scoring/prm/accuracy"] for r in rows]
+    accuracy = [r["scoring/prm/accuracy"] for r in rows]  # printed: see below
     version = [r["scoring/prm/version"] for r in rows]
     print("reward", [round(x, 3) for x in reward], "prm loss", [round(x, 3) for x in loss], "accuracy", [round(x, 3) for x in accuracy], "version", version)
     assert len(rows) == STEPS and all(r["trainer/staleness_max"] == 0 for r in rows)
@@ -221,14 +221,15 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path)
     assert all(r["scoring/prm/version_lag"] >= 0 for r in rows)
     # the process path: from the PRM's first step on, its rewards move every trained token's advantage
     assert all(r["scoring/prm/process_abs"] > 0 for r in rows[1:]), [r["scoring/prm/process_abs"] for r in rows]
-    # The PRM learns the outcome: its loss and accuracy on each batch before it trains on it.
-    # Measured (sync, 4 runs, seeds 0-2 of benchmarks/prime.py and this test): the mean over
-    # steps 16-20 of the loss at 0.35-0.48 (chance: 0.693), of the accuracy at 0.93-1.0.
-    # With lr 1e-9 (the PRM never moves) the loss stays at 0.693 and both assertions fail.
-    assert sum(loss[-5:]) / 5 < 0.6, loss
-    assert sum(accuracy[-5:]) / 5 > 0.8, accuracy
-    # the sparse outcome rises (measured 0.08-0.11 over steps 1-3, 0.97-1.0 over 17-20)
-    assert sum(reward[-4:]) / 4 > sum(reward[:3]) / 3 + 0.4, reward
+    # The PRM learns the outcome: its BCE on each batch before it trains on it falls from
+    # log 2 (version 0 scores every episode 0.5). Measured over 4 runs (3 of this test, each
+    # beside other suites on this 2-core machine, and one by hand): the mean over steps
+    # 16-20 at 0.385-0.425, a fall of at least 0.268; the bound sits at half of that. With
+    # lr 1e-9 (the PRM never moves) it stays at 0.693 and this fails. Accuracy is not
+    # asserted: once nearly every outcome is 1, the PRM that never moved reached 1.0 too.
+    assert sum(loss[-5:]) / 5 < 0.693 - 0.134, loss
+    # the sparse outcome rises: measured 0.078-0.088 over steps 1-3, 0.99-1.0 over 17-20 (3 runs)
+    assert sum(reward[-4:]) / 4 > sum(reward[:3]) / 3 + 0.45, reward
     state = torch.load(os.path.join(tmp_path, "run", "checkpoints", "prm-prm", "state.pt"), weights_only=False)
     assert state["version"] >= version[-1] + 1  # saved when the run stopped, after its last step
     assert not wait_no_children(), "procs outlived the run"
