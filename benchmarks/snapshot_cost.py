@@ -2,10 +2,11 @@
 
 Three parts, each a ratio against a reference measured in the same invocation:
 1. `--part store`: one trainer rank (PolicyTrainer, single proc, CPU), per model size: a
-   training step, then the ways to keep its state: torch DCP `async_save` (what
-   trainer.snapshot_every uses: the blocking staging copy, then the wait for the write
-   after the version's gather that overlaps it), a blocking DCP `save`, and an in-memory
-   copy held by an actor on another proc (the state sent over Monarch, the other candidate).
+   training step, then the ways to keep its state: torch DCP `async_save` (a GPU trainer's
+   snapshot: the staging copy, then the wait for the write after the version's gather that
+   overlaps it), this rank's shards written with torch.save in the caller (a CPU trainer's
+   snapshot, `blocking`), a blocking DCP `save`, and an in-memory copy held by an actor on
+   another proc (the state sent over Monarch).
 2. `--part runs`: whole runs of a config with trainer.snapshot_every=1 and 0, interleaved,
    `--repeats` each: the median step time's ratio.
 3. `--part heal`: one run whose trainer proc is SIGKILLed mid-run: trainer/restart_s and
@@ -17,7 +18,6 @@ Three parts, each a ratio against a reference measured in the same invocation:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal
@@ -41,11 +41,8 @@ SIZES = {
 }
 
 
-class Keeper:
-    """An actor that holds the last state it was sent (the in-memory candidate)."""
-
-
 def _keeper_class():
+    """An actor that holds the last state it was sent (the in-memory candidate)."""
     from monarch.actor import Actor, endpoint
 
     class StateKeeper(Actor):
@@ -77,6 +74,9 @@ def flat_state(trainer) -> dict:
 def store_part(reps: int) -> dict:
     from monarch.actor import this_host
 
+    import torch.distributed.checkpoint as dcp
+
+    from meshrl.trainer.checkpoint import _train_state
     from meshrl.trainer.policy import PolicyTrainer
     from meshrl.trainer.snapshot import Snapshots
 
@@ -91,7 +91,7 @@ def store_part(reps: int) -> dict:
             batch = make_batch(8, 8, 16, 8, 0)
             root = tempfile.mkdtemp(prefix="snapshot_cost_")
             asynchronous, blocking = Snapshots(root + "/a", 1), Snapshots(root + "/b", 1, blocking=True)
-            t = {"step_s": [], "publish_s": [], "async_stage_s": [], "async_wait_s": [], "blocking_s": [], "in_memory_s": []}
+            t = {"step_s": [], "publish_s": [], "async_stage_s": [], "async_wait_s": [], "blocking_s": [], "dcp_blocking_s": [], "in_memory_s": []}
             for i in range(reps + 1):
                 t0 = time.perf_counter()
                 trainer.train_step(batch, trainer.step)
@@ -106,6 +106,9 @@ def store_part(reps: int) -> dict:
                 blocking.start(trainer.step, trainer.model, trainer.optimizer, trainer.scheduler)
                 blocking.finish()
                 blocking_s = time.perf_counter() - t2
+                t_dcp = time.perf_counter()
+                dcp.save(_train_state(trainer.model, trainer.optimizer), storage_writer=dcp.FileSystemWriter(f"{root}/dcp{i}", sync_files=False), no_dist=True)
+                dcp_blocking_s = time.perf_counter() - t_dcp
                 t3 = time.perf_counter()
                 keeper.keep.call_one(flat_state(trainer)).get()
                 in_memory_s = time.perf_counter() - t3
@@ -117,6 +120,7 @@ def store_part(reps: int) -> dict:
                     ("async_stage_s", asynchronous.stage_s),
                     ("async_wait_s", asynchronous.wait_s),
                     ("blocking_s", blocking_s),
+                    ("dcp_blocking_s", dcp_blocking_s),
                     ("in_memory_s", in_memory_s),
                 ):
                     t[key].append(value)
@@ -128,6 +132,7 @@ def store_part(reps: int) -> dict:
                 **med,
                 "async_cost_vs_step": (med["async_stage_s"] + med["async_wait_s"]) / med["step_s"],
                 "blocking_cost_vs_step": med["blocking_s"] / med["step_s"],
+                "dcp_blocking_cost_vs_step": med["dcp_blocking_s"] / med["step_s"],
                 "in_memory_cost_vs_step": med["in_memory_s"] / med["step_s"],
             }
             print(json.dumps({size: results[size]}), flush=True)
@@ -143,11 +148,18 @@ def _run(config: str, steps: int, snapshot_every: int, root: str, extra: dict | 
     cfg.update({"steps": steps})
     cfg.setdefault("trainer", {}).update({"snapshot_every": snapshot_every, "checkpoint_every": 0})
     cfg.setdefault("logging", {}).update({"run_dir": root, "progress": False, "plot": False, "tensorboard": False})
+    cfg.setdefault("generator", {})["startup_timeout_s"] = 1200.0  # a loaded machine starts vLLM slowly
     for key, value in (extra or {}).items():
         cfg.setdefault(key, {}).update(value)
     rows = meshrl.run(cfg).metrics
-    steps_s = [r["time/step_s"] for r in rows[2:]]  # past the first steps' warm-up
-    return {"snapshot_every": snapshot_every, "median_step_s": statistics.median(steps_s), "mean_step_s": statistics.mean(steps_s), "steps": len(rows)}
+    rows = rows[2:]  # past the first steps' warm-up
+    steps_s = [r["time/step_s"] for r in rows]
+    out = {"snapshot_every": snapshot_every, "median_step_s": statistics.median(steps_s), "mean_step_s": statistics.mean(steps_s), "steps": len(rows) + 2}
+    if snapshot_every:  # the snapshot's share of each step, from the same rows
+        snap = [r.get("trainer/snapshot_stage_s", 0.0) + r.get("trainer/snapshot_wait_s", 0.0) for r in rows]
+        out["snapshot_s_mean"] = statistics.mean(snap)
+        out["snapshot_frac_of_step"] = sum(snap) / sum(steps_s)
+    return out
 
 
 def runs_part(config: str, steps: int, repeats: int, extra: dict | None = None) -> dict:
@@ -157,14 +169,16 @@ def runs_part(config: str, steps: int, repeats: int, extra: dict | None = None) 
             out.append(_run(config, steps, every, tempfile.mkdtemp(prefix=f"snapshot_run{every}_"), extra))
             print(json.dumps(out[-1]), flush=True)
     a, b = statistics.median(x["median_step_s"] for x in with_), statistics.median(x["median_step_s"] for x in without)
-    return {"with": with_, "without": without, "ratio_step_s": a / b}
+    frac = statistics.mean(x["snapshot_frac_of_step"] for x in with_)
+    return {"with": with_, "without": without, "ratio_step_s": a / b, "snapshot_frac_of_step": frac}
 
 
 def heal_part(steps: int) -> dict:
     import meshrl
 
     root = tempfile.mkdtemp(prefix="snapshot_heal_")
-    session = meshrl.Session({"steps": steps, "logging": {"run_dir": root, "progress": False}, "trainer": {"checkpoint_every": 0}})
+    cfg = {"steps": steps, "logging": {"run_dir": root, "progress": False}, "trainer": {"checkpoint_every": 0}, "generator": {"startup_timeout_s": 1200.0}}
+    session = meshrl.Session(cfg)
     try:
         session.start()
         session.step(3)
@@ -199,7 +213,8 @@ def main() -> None:
         out["store"] = store_part(args.reps)
     if "runs" in parts:
         out["runs_default"] = runs_part(args.config, args.steps, args.repeats)
-        print(f"default config: step time with snapshots every step / without = {out['runs_default']['ratio_step_s']:.3f}")
+        r = out["runs_default"]
+        print(f"default config: median step with snapshots / without = {r['ratio_step_s']:.3f}; snapshot share of a step {r['snapshot_frac_of_step']:.3f}")
     if "heal" in parts:
         out["heal"] = heal_part(args.steps)
         print(json.dumps(out["heal"]))
@@ -211,5 +226,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.get_event_loop_policy()
     main()

@@ -11,9 +11,11 @@ When the trainer's call fails and the episode queue still answers, `TrainerHeale
    seeded start of a run that began at version 0;
 5. has the queue put back the batches taken since that version (`EpisodeQueue.retake`), so
    the step in flight is trained again from its own batch: no episode lost or trained twice;
-6. publishes the restored weights and reconnects weight sync to the new publisher; the
-   generators, still generating from the queue all along, are moved to the restored
-   version only if they are ahead of it (steps lost since the newest snapshot).
+6. publishes the restored weights and reconnects weight sync to the new publisher; a
+   generator behind the restored version (its update cut off) is brought to it. With
+   trainer.snapshot_every=1 no generator is ahead of it (a version is announced only once
+   its snapshot is complete); with more, one ahead keeps its newer weights until the
+   retrained trainer passes them (weight sync never hands out an older version).
 Bounded by trainer.max_restarts and trainer.restart_timeout_s; past them the run stops
 resumably, as a dead trainer did before. The generators and rollout workers are healed by
 controller/replicas.py; this is the trainer's counterpart, called from the loop's step.
@@ -77,6 +79,12 @@ def _kill(pid: int, started: float | None) -> None:
             pass
 
 
+def _reads_like_a_lost_proc(error: BaseException) -> bool:
+    """A failure Monarch reports for a proc it lost (supervision), not one the trainer raised."""
+    text = f"{type(error).__name__} {error}".lower()
+    return any(word in text for word in ("supervision", "crashed", "proc exited", "stopped", "unreachable", "connection"))
+
+
 def newest_state(run_dir: str) -> tuple[str | None, int]:
     """The newest complete trainer state of the run: (its directory, its step), from the
     per-step snapshots or the checkpoints; (None, 0) when neither holds one."""
@@ -132,6 +140,11 @@ class TrainerHealer:
         first = first_line(str(error)) or type(error).__name__
         dead = [rank for rank, (pid, started) in enumerate(self.pids) if not _alive(pid, started)]
         who = ", ".join(f"rank {r} (pid {self.pids[r][0]})" for r in dead) or "a trainer proc"
+        remote = any(started is None for _, started in self.pids)
+        if not dead and not (remote and _reads_like_a_lost_proc(error)):  # it raised, alive: a new mesh would raise again
+            raise TrainerFailed(
+                f"the trainer failed at version {loop.version} ({type(error).__name__}: {first}); {checkpoints.how_to_resume(loop.run_dir)}"
+            ) from error
         why_not = self.can_heal()
         if why_not is not None:
             raise TrainerFailed(
@@ -183,6 +196,5 @@ class TrainerHealer:
         publisher = await loop.trainer.publisher_handle()
         await loop.trainer.publish_current()
         loop.weight_sync = await loop.weight_sync.reconnect(publisher=publisher)
-        # the generators hold the version the loop knew; ahead of the restored one: moved back to it
-        await loop.generators.update(version)
+        await loop.generators.update(version)  # one behind (its update cut off) catches up; none ahead goes back
         return version, retaken

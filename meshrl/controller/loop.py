@@ -73,6 +73,7 @@ class RLLoop:
         self._update_task: asyncio.Task | None = None
         self._restore_fault_hook = None
         self.breaker = FailureBreaker(config)
+        self.healer = TrainerHealer(self)  # replaces a dead trainer mesh (controller/heal.py)
         self.watch = CliffWatch.from_config(config.alarm) if config.alarm.enabled else None
         self.divergence = DivergenceWatch.from_config(config)  # None without a signal the run does not train on
         self._divergence_seen = 0  # history rows the divergence watch has read (evaluations' included)
@@ -139,8 +140,7 @@ class RLLoop:
             c, c.trainer.collective_timeout_s, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan
         )
         await self.trainer.publisher_handle()  # creates the publisher before its first step
-        self.healer = TrainerHealer(self)
-        await self.healer.watch()
+        await self.healer.watch()  # the trainer's procs, to tell a dead one (controller/heal.py)
         if c.trainer.loss.advantage == "gae":  # PPO's critic: one proc on the trainer's first host, on its cores
             self.critic = await spawn_critic(c, self.alloc.host("trainer", 0), self.alloc.bootstrap("critic"))
         if self.resume:

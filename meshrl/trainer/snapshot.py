@@ -1,21 +1,22 @@
 """Per-step trainer snapshots: the state a healed trainer restores (docs/healing.md).
 
 Every `trainer.snapshot_every` steps each rank saves its shards of the model, the optimizer
-and the lr scheduler with torch.distributed.checkpoint into RUN_DIR/snapshots/. On GPUs
-with `async_save`: the state is staged to host memory (the copy off the device is what
-would stall) and written by a background thread while the trainer gathers and publishes
-the new version. On CPU the state already is in host memory and a staging copy only adds
-work: `save` writes it in the caller (benchmarks/snapshot_cost.py measured the blocking
-write at 0.4x the asynchronous one's cost on the 25M-parameter model on 2 cores; the
-measured figures are in docs/healing.md). `finish()` waits for the write, and rank 0
+and the lr scheduler into RUN_DIR/snapshots/step-N/, written while the trainer gathers and
+publishes the new version. A CPU trainer's state already is in host memory: each rank's
+shards go to `rank-R.pt` with torch.save, by a thread, without a copy (DCP's planning and
+metadata cost more than the write itself on small models, and a heal restores into a mesh
+of the same shape, so DCP's resharding is not needed). A GPU trainer uses DCP's
+`async_save`, whose staging takes the state off the device. benchmarks/snapshot_cost.py
+measured the candidates (docs/healing.md). `finish()` waits for the write, and rank 0
 completes it the way a checkpoint is completed (meshrl/trainer/checkpoint.py: a marker
 written last into the temp directory, the directory renamed, `latest` pointed at it), so
-a crash during the write leaves the previous snapshot as the newest complete one. A snapshot is for a trainer proc
-that dies, not for the machine: its files are not fsynced (the page cache outlives the
-proc, and fsync was most of the write's cost); a run that loses its controller's host
-resumes from a checkpoint, which is. The trainer calls `finish()`
-before it tells the episode queue its new version, so a version the generators or the
-queue know of is always restorable. The two newest complete snapshots are kept.
+a crash during the write leaves the previous snapshot as the newest complete one.
+
+A snapshot is for a trainer proc that dies, not for the machine: its files are not
+fsynced (the page cache outlives the proc, and fsync was most of the write's cost); a run
+that loses its controller's host resumes from a checkpoint, which is. The trainer calls
+`finish()` before it tells the episode queue its new version, so a version the generators
+or the queue know of is always restorable. The two newest complete snapshots are kept.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from meshrl.trainer.checkpoint import COMPLETE_MARKER, LATEST, _train_state
 
+_THREADS = ThreadPoolExecutor(1, thread_name_prefix="meshrl-snapshot")
 KEEP = 2
 """Complete snapshots kept (the newest is restored; the one before it is the fallback while
 the newest is replaced)."""
@@ -103,8 +106,9 @@ class Snapshots:
     `finish()` before the version is announced; collective: every rank calls both in step.
     `process_group`: a gloo group of its own (the background write's collectives must not
     interleave with the training's), None for a single rank. `blocking`: each rank writes
-    its own shards (`rank-R.pt`, torch.save) in the caller, the CPU trainer's way; else DCP's
-    async_save, the GPU trainer's."""
+    its own shards (`rank-R.pt`, torch.save, by a thread, no staging copy: the caller
+    changes nothing before `finish()`), the CPU trainer's way; else DCP's async_save, the
+    GPU trainer's."""
 
     def __init__(self, root: str, every: int, process_group=None, blocking: bool = False):
         self.root, self.every, self.pg, self.blocking = os.path.abspath(root), every, process_group, blocking
@@ -134,9 +138,10 @@ class Snapshots:
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "extra": {"snapshot": "local" if self.blocking else "dcp"},
         }
-        future = None
         if self.blocking:  # DCP's planning and metadata cost more than the write of a small model: plain shards
-            torch.save(local_state(model, optimizer), os.path.join(tmp, f"rank-{rank}.pt"))
+            # by a thread, while the version is gathered and published: nothing changes the
+            # weights or the optimizer's state before finish() waits for it
+            future = _THREADS.submit(torch.save, local_state(model, optimizer), os.path.join(tmp, f"rank-{rank}.pt"))
         else:
             writer = dcp.FileSystemWriter(tmp, sync_files=False)
             future = dcp.async_save(_train_state(model, optimizer), storage_writer=writer, process_group=self.pg, no_dist=self.pg is None)
@@ -151,9 +156,8 @@ class Snapshots:
         t0 = time.perf_counter()
         future, tmp, name, meta = self._pending
         self._pending = None
-        if future is not None:
-            future.result()  # every rank's shards and the metadata are written once the coordinator's is
-        elif self.pg is not None:
+        future.result()  # DCP: every rank's shards and the metadata are written once the coordinator's is
+        if self.blocking and self.pg is not None:
             dist.barrier(group=self.pg)  # every rank's file is written
         rank = dist.get_rank() if dist.is_initialized() else 0
         final = os.path.join(self.root, name)
