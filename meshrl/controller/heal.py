@@ -122,6 +122,10 @@ class TrainerHealer:
         """Note the current trainer mesh's procs (after it started or was replaced)."""
         self.pids = await trainer_pids(self.loop.trainer)
 
+    def trainer_dead(self) -> bool:
+        """Whether a proc of the current trainer mesh on this host is gone."""
+        return any(not _alive(pid, started) for pid, started in self.pids)
+
     def can_heal(self) -> str | None:
         """Why this run's trainer is not healed (None: it is)."""
         c = self.loop.config

@@ -152,6 +152,7 @@ class RLLoop:
         self._last_checkpoint = time.monotonic()
         initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"), checkpoints.lora_base_dir(self.run_dir))
         self.generators = GeneratorPool(c, self.alloc, initial, self.version, self._rewire)
+        self.generators.source_lost = self.healer.trainer_dead  # an update cut off by a dead trainer keeps its replica
         await self.generators.start(c.generator.replicas)
         self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), weights_on_gpu(self.alloc.plan, c.weight_sync.transport)).connect(
             await self.trainer.publisher_handle(), await self._subscribers()

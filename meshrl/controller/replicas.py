@@ -152,6 +152,9 @@ class GeneratorPool:
         self.replicas: list[Member] = []
         self.replaced = 0
         self._lock = asyncio.Lock()  # a failed update and a health check may both see one death
+        self.source_lost: Callable[[], bool] = lambda: False
+        """Whether the trainer the weights come from is dead (the loop's healer says): then a
+        failed update is the trainer's failure, not the replica's, and the replica is kept."""
 
     @property
     def _role(self) -> str:
@@ -187,6 +190,9 @@ class GeneratorPool:
             try:
                 await asyncio.wait_for(awaited(r.actor.sync_weights.call_one(version)), timeout)
             except Exception as e:  # noqa: BLE001 - a dead replica is replaced, the run goes on
+                if self.source_lost() and (r.alive() or not r.on_this_host()):  # the publisher died under it: the heal updates it again
+                    log.warning("generator replica %d missed version %d: the trainer it read from died", r.index, version)
+                    return
                 try:
                     await self.replace(r, e, version)
                 except Exception as failed:  # noqa: BLE001 - the next health check tries again
