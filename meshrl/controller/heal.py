@@ -1,8 +1,8 @@
 """Healing the trainer: a dead trainer proc is replaced while generation goes on (docs/healing.md).
 
 When the trainer's call fails and the episode queue still answers, `TrainerHealer.heal`:
-1. waits out the generators' pending weight update (it may have been reading from the
-   dead trainer's publisher; a replica it cost is replaced by the pool as always);
+1. cancels the generators' pending weight update (it may be reading from the dead
+   trainer's publisher; a replica that failed under it is kept, `GeneratorPool.source_lost`);
 2. stops what is left of the trainer mesh and SIGKILLs its procs on this host that are
    still alive (a rank blocked in a collective with the dead one never returns);
 3. spawns a new mesh on the same slots (the allocation's trainer hosts and device plan);
@@ -24,7 +24,6 @@ controller/replicas.py; this is the trainer's counterpart, called from the loop'
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import time
 
@@ -35,8 +34,6 @@ from meshrl.logs import console
 from meshrl.trainer.actor import spawn_trainer
 from meshrl.trainer.checkpoint import checkpoint_step
 from meshrl.trainer.snapshot import newest_complete, snapshot_root, snapshot_step
-
-log = logging.getLogger("meshrl")
 
 
 async def trainer_pids(trainer) -> list[tuple[int, float | None]]:
@@ -177,11 +174,10 @@ class TrainerHealer:
 
     async def _replace(self) -> tuple[int, list[int]]:
         loop, c = self.loop, self.loop.config
-        if loop._update_task is not None:  # it may be reading from the dead publisher: let it end either way
-            try:
-                await loop._finish_update()
-            except Exception as e:  # noqa: BLE001 - the pool replaced what it lost; the update is redone below
-                log.warning("weight update during the trainer's failure: %s", first_line(str(e), 200))
+        if loop._update_task is not None:  # reading from the dead publisher, it would wait out weight_sync.timeout_s
+            task, loop._update_task = loop._update_task, None
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         try:
             await asyncio.wait_for(loop.trainer.stop(), 90)
         except Exception:  # noqa: BLE001 - dead procs do not answer; they are killed below
@@ -200,5 +196,6 @@ class TrainerHealer:
         publisher = await loop.trainer.publisher_handle()
         await loop.trainer.publish_current()
         loop.weight_sync = await loop.weight_sync.reconnect(publisher=publisher)
-        await loop.generators.update(version)  # one behind (its update cut off) catches up; none ahead goes back
+        # in the background, as after every step: one behind (its update cut off) catches up; none ahead goes back
+        loop._update_task = asyncio.create_task(loop._update_generators(version))
         return version, retaken
