@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from meshrl.config import Config, ScorerConfig
+from meshrl.scorers.service import ScorerService
 
 
 def build_causal_lm(config: Config, spec: ScorerConfig):
@@ -186,68 +187,23 @@ class ImplicitPRM:
         self.save()
 
 
-class PRMService:
-    """The PRM replica's queue: requests (one group each) batched whole, up to `batch_size`
-    items or `batch_wait_s`; each batch scored (and trained on) by one PRM version in a
-    thread, one batch at a time. Results as ScorerService's, plus version, loss and accuracy."""
+class PRMService(ScorerService):
+    """The PRM replica's queue: ScorerService's, with requests (one group each) never split,
+    and each batch scored (and trained on) by one PRM version in a thread. Results as
+    ScorerService's, plus version, loss and accuracy."""
+
+    whole_requests = True
 
     def __init__(self, backend: ImplicitPRM, spec: ScorerConfig):
-        self.backend, self.spec = backend, spec
-        self._waiting: list[tuple[list[dict], asyncio.Future, float]] = []
-        self._arrived = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self.batches = self.items = 0
-        self.busy_s = 0.0
+        super().__init__(backend, spec)
         self.last_trained: dict = {}
 
-    async def score(self, items: list[dict]) -> list[dict]:
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run())
-        future = asyncio.get_running_loop().create_future()
-        self._waiting.append((items, future, time.monotonic()))
-        self._arrived.set()
-        return await future
-
-    def _take(self) -> list[tuple[list[dict], asyncio.Future, float]]:
-        """Whole requests from the front, at least one, up to batch_size items."""
-        taken, n = [], 0
-        while self._waiting and (not taken or n + len(self._waiting[0][0]) <= self.spec.batch_size):
-            taken.append(self._waiting.pop(0))
-            n += len(taken[-1][0])
-        return taken
-
-    async def _run(self) -> None:
-        while True:
-            if not self._waiting:
-                self._arrived.clear()
-                await self._arrived.wait()
-            oldest = self._waiting[0][2]
-            while sum(len(r[0]) for r in self._waiting) < self.spec.batch_size:
-                left = oldest + self.spec.batch_wait_s - time.monotonic()
-                if left <= 0:
-                    break
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), left)
-                except asyncio.TimeoutError:
-                    break
-            batch = self._take()
-            items = [it for request, _, _ in batch for it in request]
-            start = time.monotonic()
-            try:
-                results, self.last_trained = await asyncio.to_thread(self.backend.score_batch, items)
-            except Exception as e:  # noqa: BLE001 - a batch that fails fails its items, not the scorer
-                results = [{"score": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}] * len(items)
-            took = time.monotonic() - start
-            self.batches += 1
-            self.items += len(items)
-            self.busy_s += took
-            at = 0
-            for request, future, arrived in batch:
-                mine, at = results[at : at + len(request)], at + len(request)
-                if not future.done():
-                    timing = {"queue_s": start - arrived, "score_s": took, "batch": len(items), "unparsable": False}
-                    future.set_result([{"error": None, **timing, **self.last_trained, **r} for r in mine])
+    async def _score(self, items: list[dict]) -> list[dict]:
+        try:
+            results, self.last_trained = await asyncio.to_thread(self.backend.score_batch, items)
+        except Exception as e:  # noqa: BLE001 - a batch that fails fails its items, not the scorer
+            results = [{"score": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}] * len(items)
+        return [{"error": None, "unparsable": False, **self.last_trained, **r} for r in results]
 
     def stats(self) -> dict:
-        return {"batches": self.batches, "items": self.items, "busy_s": self.busy_s, "waiting": len(self._waiting), "version": self.backend.version}
+        return {**super().stats(), "version": self.backend.version}

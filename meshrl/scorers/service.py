@@ -3,8 +3,9 @@
     service = ScorerService(backend, spec)
     results = await service.score(items)     # one dict per item, when its batch is scored
 
-A request's items join one queue. A batch is taken when `batch_size` items wait, or when
-the oldest has waited `batch_wait_s`; batches run one after another, and requests keep
+A request's items join one queue (each on its own, or the request whole where the
+service keeps requests whole: the PRM's groups). A batch is taken when `batch_size` items
+wait, or when the oldest has waited `batch_wait_s`; batches run one after another, and requests keep
 arriving meanwhile, so a busy scorer makes bigger batches rather than a longer queue.
 Each result says how long its item queued and how long its batch took to score: the
 rollout workers log both (`scoring/NAME/queue_s`, `scoring/NAME/score_s`), so a slow scorer
@@ -25,9 +26,16 @@ from meshrl.scorers.backends import Failed, Judged
 
 
 class ScorerService:
+    """A replica's queue of requests, scored in batches (see the module's docstring).
+
+    `whole_requests`: False, a request's items may be split across batches (each item
+    queues on its own); True, a request is never split (the PRM's groups, scorers/prm.py)."""
+
+    whole_requests = False
+
     def __init__(self, backend, spec: ScorerConfig):
         self.backend, self.spec = backend, spec
-        self._waiting: list[tuple[dict, asyncio.Future, float]] = []
+        self._waiting: list[tuple[list[dict], asyncio.Future, float]] = []  # (a request's items, its future, when it arrived)
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.batches = 0
@@ -37,12 +45,23 @@ class ScorerService:
     async def score(self, items: list[dict]) -> list[dict]:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
-        loop = asyncio.get_running_loop()
-        now = time.monotonic()
-        futures = [loop.create_future() for _ in items]
-        self._waiting += [(item, f, now) for item, f in zip(items, futures)]
+        loop, now = asyncio.get_running_loop(), time.monotonic()
+        requests = [items] if self.whole_requests else [[item] for item in items]
+        futures = [loop.create_future() for _ in requests]
+        self._waiting += [(request, f, now) for request, f in zip(requests, futures)]
         self._arrived.set()
-        return list(await asyncio.gather(*futures))
+        return [result for answer in await asyncio.gather(*futures) for result in answer]
+
+    def _waiting_items(self) -> int:
+        return sum(len(request) for request, _, _ in self._waiting)
+
+    def _take(self) -> list[tuple[list[dict], asyncio.Future, float]]:
+        """Whole requests from the front, at least one, up to batch_size items."""
+        taken, n = [], 0
+        while self._waiting and (not taken or n + len(self._waiting[0][0]) <= self.spec.batch_size):
+            taken.append(self._waiting.pop(0))
+            n += len(taken[-1][0])
+        return taken
 
     async def _run(self) -> None:
         while True:
@@ -50,7 +69,7 @@ class ScorerService:
                 self._arrived.clear()
                 await self._arrived.wait()
             oldest = self._waiting[0][2]
-            while len(self._waiting) < self.spec.batch_size:
+            while self._waiting_items() < self.spec.batch_size:
                 left = oldest + self.spec.batch_wait_s - time.monotonic()
                 if left <= 0:
                     break
@@ -59,33 +78,40 @@ class ScorerService:
                     await asyncio.wait_for(self._arrived.wait(), left)
                 except asyncio.TimeoutError:
                     break
-            batch, self._waiting = self._waiting[: self.spec.batch_size], self._waiting[self.spec.batch_size :]
+            batch = self._take()
+            items = [item for request, _, _ in batch for item in request]
             start = time.monotonic()
-            try:
-                results = await self.backend.score([item for item, _, _ in batch])
-            except Exception as e:  # noqa: BLE001 - a batch that fails fails its items, not the scorer
-                results = [Failed(f"{type(e).__name__}: {str(e)[:200]}")] * len(batch)
+            results = await self._score(items)
             took = time.monotonic() - start
             self.batches += 1
-            self.items += len(batch)
+            self.items += len(items)
             self.busy_s += took
-            for (_, future, arrived), result in zip(batch, results):
-                if future.done():
-                    continue
-                reply = result.reply if isinstance(result, Judged) else None
-                result = result.value if isinstance(result, Judged) else result
-                failed = isinstance(result, Failed)
-                future.set_result(
-                    {
-                        "score": None if failed else result,
-                        "error": result.reason if failed else None,
-                        "unparsable": failed and result.unparsable,
-                        "queue_s": start - arrived,
-                        "score_s": took,
-                        "batch": len(batch),
-                        **({"reply": reply} if reply is not None else {}),
-                    }
-                )
+            at = 0
+            for request, future, arrived in batch:
+                mine, at = results[at : at + len(request)], at + len(request)
+                if not future.done():
+                    future.set_result([{**r, "queue_s": start - arrived, "score_s": took, "batch": len(items)} for r in mine])
+
+    async def _score(self, items: list[dict]) -> list[dict]:
+        """One result dict per item (score, error, unparsable, a judge's reply)."""
+        try:
+            results = await self.backend.score(items)
+        except Exception as e:  # noqa: BLE001 - a batch that fails fails its items, not the scorer
+            results = [Failed(f"{type(e).__name__}: {str(e)[:200]}")] * len(items)
+        out = []
+        for result in results:
+            reply = result.reply if isinstance(result, Judged) else None
+            result = result.value if isinstance(result, Judged) else result
+            failed = isinstance(result, Failed)
+            out.append(
+                {
+                    "score": None if failed else result,
+                    "error": result.reason if failed else None,
+                    "unparsable": failed and result.unparsable,
+                    **({"reply": reply} if reply is not None else {}),
+                }
+            )
+        return out
 
     def stats(self) -> dict:
-        return {"batches": self.batches, "items": self.items, "busy_s": self.busy_s, "waiting": len(self._waiting)}
+        return {"batches": self.batches, "items": self.items, "busy_s": self.busy_s, "waiting": self._waiting_items()}
