@@ -134,7 +134,7 @@ def test_update_before_scores_with_the_version_that_trained_on_the_batch(tmp_pat
 def test_service_never_splits_a_group_and_scores_it_with_one_version(tmp_path):
     """Groups of 5 into batches of at most 8 items: each batch takes whole groups, so every
     group's episodes carry one PRM version, and versions rise batch by batch."""
-    from meshrl.scorers.prm import PRMService
+    from meshrl.scorers.service import PRMService
 
     prm, c = make_prm(tmp_path, batch_size=8, batch_wait_s=0.2)
     service = PRMService(prm, c.scoring.scorers[0])

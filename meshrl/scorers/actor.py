@@ -18,7 +18,7 @@ from meshrl.compat import cuda_present, endpoint_for_callers_that_may_die
 from meshrl.config import Config
 from meshrl.logs import capture_role_output
 from meshrl.scorers.backends import start_backend
-from meshrl.scorers.service import ScorerService
+from meshrl.scorers.service import PRMService, ScorerService
 
 
 class ScorerActor(Actor):
@@ -45,8 +45,6 @@ class ScorerActor(Actor):
         except Exception as e:  # noqa: BLE001 - some engine errors do not pickle, and one that cannot be sent aborts the caller
             raise RuntimeError(f"scorer {config.scoring.scorer_names()[index]} could not start: {type(e).__name__}: {str(e)[:500]}") from None
         if spec.kind == "prm":
-            from meshrl.scorers.prm import PRMService
-
             self.service = PRMService(backend, spec)  # whole groups per batch, one PRM version each
         else:
             self.service = ScorerService(backend, spec)

@@ -17,7 +17,7 @@ only (config/checks.py refuses more): replicas would each train on a share of th
 and drift apart.
 
 Versions. `version` counts the PRM's optimizer steps. Each request is one whole group
-(`EpisodeScorers.score_group`), and `PRMService` never splits a request across batches, so
+(`EpisodeScorers.score_group`), and `PRMService` (scorers/service.py) never splits a request across batches, so
 every episode of a group is scored by one version: the leave-one-out baselines of
 meshrl/scorers/process.py compare scores of one PRM. Groups of one trained batch may come
 from different versions; each group's baseline is its own, so that does not mix them.
@@ -29,7 +29,6 @@ not trained on); `before` trains first, as PRIME's recipe does, and scores with 
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import math
 import os
@@ -39,7 +38,6 @@ import torch
 import torch.nn.functional as F
 
 from meshrl.config import Config, ScorerConfig
-from meshrl.scorers.service import ScorerService
 
 
 def build_causal_lm(config: Config, spec: ScorerConfig):
@@ -185,25 +183,3 @@ class ImplicitPRM:
 
     def shutdown(self) -> None:
         self.save()
-
-
-class PRMService(ScorerService):
-    """The PRM replica's queue: ScorerService's, with requests (one group each) never split,
-    and each batch scored (and trained on) by one PRM version in a thread. Results as
-    ScorerService's, plus version, loss and accuracy."""
-
-    whole_requests = True
-
-    def __init__(self, backend: ImplicitPRM, spec: ScorerConfig):
-        super().__init__(backend, spec)
-        self.last_trained: dict = {}
-
-    async def _score(self, items: list[dict]) -> list[dict]:
-        try:
-            results, self.last_trained = await asyncio.to_thread(self.backend.score_batch, items)
-        except Exception as e:  # noqa: BLE001 - a batch that fails fails its items, not the scorer
-            results = [{"score": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}] * len(items)
-        return [{"error": None, "unparsable": False, **self.last_trained, **r} for r in results]
-
-    def stats(self) -> dict:
-        return {**super().stats(), "version": self.backend.version}

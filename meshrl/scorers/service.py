@@ -21,8 +21,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+from typing import TYPE_CHECKING
+
 from meshrl.config import ScorerConfig
 from meshrl.scorers.backends import Failed, Judged
+
+if TYPE_CHECKING:
+    from meshrl.scorers.prm import ImplicitPRM
 
 
 class ScorerService:
@@ -115,3 +120,25 @@ class ScorerService:
 
     def stats(self) -> dict:
         return {"batches": self.batches, "items": self.items, "busy_s": self.busy_s, "waiting": self._waiting_items()}
+
+
+class PRMService(ScorerService):
+    """The PRM replica's queue: ScorerService's, with requests (one group each) never split,
+    and each batch scored (and trained on) by one PRM version in a thread. Results as
+    ScorerService's, plus version, loss and accuracy."""
+
+    whole_requests = True
+
+    def __init__(self, backend: ImplicitPRM, spec: ScorerConfig):
+        super().__init__(backend, spec)
+        self.last_trained: dict = {}
+
+    async def _score(self, items: list[dict]) -> list[dict]:
+        try:
+            results, self.last_trained = await asyncio.to_thread(self.backend.score_batch, items)
+        except Exception as e:  # noqa: BLE001 - a batch that fails fails its items, not the scorer
+            results = [{"score": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}] * len(items)
+        return [{"error": None, "unparsable": False, **self.last_trained, **r} for r in results]
+
+    def stats(self) -> dict:
+        return {**super().stats(), "version": self.backend.version}
