@@ -191,7 +191,7 @@ class TrainerHealer:
             c, c.trainer.collective_timeout_s, host_mesh=loop.alloc.host_mesh("trainer"), hosts=loop.alloc.hosts("trainer"), plan=loop.alloc.plan
         )
         await self.watch()
-        version = await loop.trainer.restore(path) if path is not None else 0
+        version = await loop.trainer.load_checkpoint(path) if path is not None else 0  # a snapshot or a checkpoint
         retaken = await awaited(loop.queue.retake.call_one(version))
         publisher = await loop.trainer.publisher_handle()
         await loop.trainer.publish_current()

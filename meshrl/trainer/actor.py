@@ -29,7 +29,7 @@ from meshrl.logs import capture_role_output
 from meshrl.config.cpus import cpus_for
 from meshrl.pinning import pin_this_process
 from meshrl.trainer.policy import PolicyTrainer
-from meshrl.trainer.snapshot import Snapshots, is_snapshot, load_snapshot, snapshot_root
+from meshrl.trainer.snapshot import Snapshots, snapshot_root
 
 
 class TrainerActor(Actor):
@@ -125,14 +125,7 @@ class TrainerActor(Actor):
         if snapshot:  # on GPUs staged to host memory here, written while the new version is published
             self.snapshots.start(trainer.step, trainer.model, trainer.optimizer, trainer.scheduler)
         t1 = time.perf_counter()
-        # Gathering full tensors is collective: every rank walks the iterator to its end.
-        named = trainer.sync_state_dict(getattr(torch, trainer.config.model.dtype))
-        if trainer.rank == 0 and self.publisher is not None:
-            copy_s = self.publisher.publish(trainer.step, named, stream=True)  # the same names and shapes every version
-        else:
-            copy_s = 0.0
-            for _ in named:
-                pass
+        copy_s = self._publish(trainer)
         publish_s = time.perf_counter() - t1
         if snapshot:  # complete before anyone hears of the version: every version announced is restorable
             self.snapshots.finish()
@@ -168,17 +161,22 @@ class TrainerActor(Actor):
         metrics["critic/gae_trained"] = float(token_advantage is not None)
         return metrics
 
+    def _publish(self, trainer: PolicyTrainer) -> float:
+        """The weights held now, under their version, to the publisher (rank 0); its staging copy's seconds.
+        Gathering full tensors is collective: every rank walks the iterator to its end."""
+        named = trainer.sync_state_dict(getattr(torch, trainer.config.model.dtype))
+        if trainer.rank == 0 and self.publisher is not None:
+            return self.publisher.publish(trainer.step, named, stream=True)  # the same names and shapes every version
+        for _ in named:
+            pass
+        return 0.0
+
     @endpoint
     async def publish_current(self) -> int:
         """Publish the weights held now under their version (a healed trainer, restored, for
         the generators behind or ahead of it); returns the version."""
         trainer = self._need()
-        named = trainer.sync_state_dict(getattr(torch, trainer.config.model.dtype))
-        if trainer.rank == 0 and self.publisher is not None:
-            self.publisher.publish(trainer.step, named, stream=True)
-        else:
-            for _ in named:
-                pass
+        self._publish(trainer)
         return trainer.step
 
     @endpoint
@@ -212,19 +210,6 @@ class TrainerActor(Actor):
     async def load_checkpoint(self, path: str) -> int:
         self.durable = self._need().load_checkpoint(path)
         return self.durable
-
-    @endpoint
-    async def restore(self, path: str) -> int:
-        """A healed trainer's state: a per-step snapshot (meshrl/trainer/snapshot.py) or a
-        checkpoint; returns its step."""
-        trainer = self._need()
-        if is_snapshot(path):
-            trainer._offload.restore()
-            trainer.step = load_snapshot(path, trainer.model, trainer.optimizer, trainer.scheduler)
-        else:
-            trainer.load_checkpoint(path)
-        self.durable = trainer.step
-        return trainer.step
 
     @endpoint
     async def shard_info(self) -> dict:
@@ -285,10 +270,6 @@ class TrainerMesh:
 
     async def publish_current(self) -> int:
         return (await self._all(self.actors.publish_current))[0]
-
-    async def restore(self, path: str) -> int:
-        self.version = (await self._all(self.actors.restore, path))[0]
-        return self.version
 
     async def shard_info(self) -> list[dict]:
         return await self._all(self.actors.shard_info)

@@ -35,6 +35,7 @@ from meshrl.trainer.offload import OptimizerOffload
 from meshrl.trainer.packing import micro_batch_plans, row_lengths
 from meshrl.trainer.parallelize import ac_config, compile_config, compile_unsharded, compute_dtype, parallelism_config, parallelize
 from meshrl.trainer.routing import input_positions
+from meshrl.trainer.snapshot import is_snapshot, load_snapshot
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
@@ -399,9 +400,12 @@ class PolicyTrainer:
         return ckpt.save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler)
 
     def load_checkpoint(self, path: str) -> int:
+        """A checkpoint, or a per-step snapshot (trainer/snapshot.py, what a healed trainer restores)."""
         self._offload.restore()
-        meta = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
-        self.step = int(meta["step"])
+        if is_snapshot(path):
+            self.step = load_snapshot(path, self.model, self.optimizer, self.scheduler)
+        else:
+            self.step = int(ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)["step"])
         return self.step
 
     def shard_info(self) -> dict[str, Any]:
