@@ -27,8 +27,12 @@ A group packs into a rollout TensorDict, one row per episode, right-padded to T 
 | model_turns      | [B]          | int64   | model turns in the episode                                   |
 | prompt_len       | [B]          | int64   | tokens before the first model token                          |
 | routed_experts   | [B, T, L, K] | int32   | optional: MoE expert ids per model token and layer           |
+| model            | [B]          | int64   | games only: the trained model of the row (config.model_names() index) |
 
-Rows of one group are adjacent and travel together. The two optional distillation keys
+Rows of one group are adjacent and travel together. A game's episode (meshrl/rollout/game.py)
+has threads, one conversation each, spoken by one trained model: each thread is a row of its
+own, tagged with its `model`, so every model token carries (model, version); each model
+trains on its rows, their advantages normalised within (group, model). The two optional distillation keys
 come from meshrl/distill.py: `pack` writes `teacher_logprobs` when the model turns carry
 a teacher's scores, `assign_distill_advantages` adds `token_advantage`.
 """
@@ -45,6 +49,8 @@ FINISH_REASONS = {"stop": 0, "length": 1, "abort": 2, "failed": 3}
 """`stop`: the env ended the episode; `length`: out of tokens or turns; `abort`: cut by a
 shutdown; `failed`: the env raised or timed out (reward 0)."""
 PAD_VERSION = -1
+MAX_MODELS = 1024
+"""Trained models in one run at most (a game's advantage groups are group_id x this + model)."""
 Role = Literal["model", "env"]
 
 
@@ -88,6 +94,15 @@ class Episode:
     process: list[tuple[int, float]] = field(default_factory=list)
     """Process rewards: (position of a step's last token, weighted step score); see
     meshrl/scorers/process.py."""
+    model: int = 0
+    """The trained model that speaks in it (its index in config.model_names()): a game's thread."""
+    threads: list["Episode"] = field(default_factory=list)
+    """A game's episode: its threads, each a row of its own (`rows`); empty for an env's."""
+
+    @property
+    def rows(self) -> list["Episode"]:
+        """What packs into the batch: the threads of a game's episode, else the episode."""
+        return self.threads or [self]
 
     @property
     def token_ids(self) -> list[int]:
@@ -129,6 +144,8 @@ def pack(episodes: Sequence[Episode]) -> TensorDict:
     confident teacher."""
     if not episodes:
         raise ValueError("pack needs at least one episode")
+    game = any(e.threads for e in episodes)
+    episodes = [row for e in episodes for row in e.rows]
     B = len(episodes)
     T = max(max(len(e) for e in episodes), 1)
     tokens = torch.zeros(B, T, dtype=torch.int64)
@@ -183,6 +200,8 @@ def pack(episodes: Sequence[Episode]) -> TensorDict:
         },
         batch_size=[B],
     )
+    if game:
+        td["model"] = torch.tensor([e.model for e in episodes], dtype=torch.int64)
     if experts is not None:
         td["routed_experts"] = experts
     if teacher is not None:
@@ -271,13 +290,15 @@ def assign_advantages(td: TensorDict, mode: str) -> TensorDict:
     no part in its group's statistics, and its tokens leave the loss (advantage 0, mask off).
     A group with fewer than two episodes left gets advantage 0 under `rloo`. `gae` (PPO with a
     critic) fills `grpo`'s: the policy trains on it during `critic.policy_warmup`, and on the
-    critic's per-token advantages, written at the trainer, after."""
+    critic's per-token advantages, written at the trainer, after. A game's rows are
+    normalised within (group, model): each model against its own rows of the prompt."""
     mode = "grpo" if mode == "gae" else mode
     failed = td["finish_reason"] == FINISH_REASONS["failed"]
     advantage = torch.zeros_like(td["reward"])
     ok = ~failed
     if ok.any():
-        reward, gid = td["reward"][ok], td["group_id"][ok]
+        gid = td["group_id"] * MAX_MODELS + td["model"] if "model" in td.keys() else td["group_id"]
+        reward, gid = td["reward"][ok], gid[ok]
         if mode == "rloo":
             _, inverse, counts = torch.unique(gid, return_inverse=True, return_counts=True)
             alone = counts[inverse] < 2
@@ -327,3 +348,17 @@ def group_slices(td: TensorDict) -> list[slice]:
             slices.append(slice(start, i))
             start = i
     return slices
+
+
+def model_rows(td: TensorDict, model: int) -> TensorDict:
+    """A game's batch as trained model `model` trains on it: its rows only (a batch without
+    the `model` key is the policy's alone). With none of its rows (every one failed before it
+    spoke), one row with nothing in the loss, so that its step still runs and counts."""
+    if "model" not in td.keys():
+        return td
+    mine = td["model"] == model
+    if mine.any():
+        return td[mine]
+    empty = td[:1].clone()
+    empty["loss_mask"] = torch.zeros_like(empty["loss_mask"])
+    return empty

@@ -60,6 +60,16 @@ from scratch on a CPU by the tiny default model with the built-in character toke
 - longtail_chat: longtail's question ("37") asked for 1 to `data.lengths.turns_max` rounds
          (P(k) proportional to 1/k^2), one heavy-tailed length and budget per round; the
          mean of the rounds' credit.
+
+A game of two trained models (meshrl/rollout/game.py; `models: [{name: proposer}]`):
+- propose: the proposer (`models[0]`) writes one character after "p:"; a digit d sets the
+         problem, n = 1 + d mod 8 digits, which the solver (the policy) answers in
+         PROPOSE_ATTEMPTS threads of its own, each "n:" with a budget of n tokens. The
+         solver's credit is the fraction of its n characters that are digits; an attempt
+         succeeds with all n. The proposer gets Absolute Zero's learnability, 1 - the
+         solver's success rate when it is strictly between 0 and 1 (else 0), scaled to
+         0.8, plus 0.2 for a digit at all. A proposal that is no digit earns 0, and the
+         solver then plays n = 4, so it learns from every episode.
 """
 
 from __future__ import annotations
@@ -77,6 +87,7 @@ from meshrl.config import Config, DataConfig, LengthTailConfig, source_kind
 from meshrl.imports import import_callable
 from meshrl.rollout.coding import CodeEnv, PythonToolEnv
 from meshrl.rollout.env import ModelTurn, StepResult
+from meshrl.rollout.game import Ask, Outcome, Reply
 from meshrl.rollout.tools import ToolEnv
 
 LETTERS_LENGTH = 8
@@ -362,6 +373,43 @@ class LongtailChatEnv:
         return StepResult(observation=[{"role": "user", "content": str(self.answers[following])}], reward=reward, done=False)
 
 
+# ---- a game of two trained models ---------------------------------------------------------------
+PROPOSE_ATTEMPTS = 4
+"""The solver's independent attempts at each proposal: its success rate, for the learnability."""
+
+
+def _make_propose(rng: random.Random, data: DataConfig) -> dict[str, Any]:
+    return {"prompt": "p:", "answer": ""}
+
+
+class ProposeSolveGame:
+    """task:propose (see the module docstring): a proposer sets the problem, the solver answers
+    it PROPOSE_ATTEMPTS times, each in a thread of its own; names from `models[0]` and `policy`."""
+
+    def __init__(self, config=None):
+        self.proposer = config.models[0].name if config is not None and config.models else "policy"  # one model: self-play
+        self.solver, self.n, self.scores, self.valid = "policy", 4, [], False
+
+    def reset(self, sample: dict) -> Ask:
+        return Ask(self.proposer, "propose", sample["prompt"], max_new_tokens=1)
+
+    def _attempt(self) -> Ask:
+        return Ask(self.solver, f"solve{len(self.scores)}", f"{self.n}:", max_new_tokens=self.n)
+
+    def step(self, reply: Reply) -> Ask | Outcome:
+        if reply.thread == "propose":
+            self.valid = reply.text[:1].isdigit()
+            self.n = 1 + int(reply.text[0]) % 8 if self.valid else 4
+            return self._attempt()
+        self.scores.append(sum(ch.isdigit() for ch in reply.text[: self.n]) / self.n)
+        if len(self.scores) < PROPOSE_ATTEMPTS:
+            return self._attempt()
+        rate = sum(score == 1.0 for score in self.scores) / len(self.scores)
+        learnability = 1.0 - rate if 0.0 < rate < 1.0 else 0.0
+        proposer = 0.2 + 0.8 * learnability if self.valid else 0.0
+        return Outcome({"propose": proposer, **{f"solve{i}": score for i, score in enumerate(self.scores)}})
+
+
 TASKS: dict[str, Task] = {
     "digits": Task("digits", _make_digits, digits_reward),
     "digits_sparse": Task("digits_sparse", _make_digits, digits_sparse_reward),
@@ -375,6 +423,7 @@ TASKS: dict[str, Task] = {
     "guess": Task("guess", _make_guess, env=GuessEnv),
     "longtail": Task("longtail", _make_longtail, longtail_reward),
     "longtail_chat": Task("longtail_chat", _make_longtail_chat, env=LongtailChatEnv),
+    "propose": Task("propose", _make_propose, env=ProposeSolveGame),
 }
 
 

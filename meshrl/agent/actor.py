@@ -35,22 +35,25 @@ class RolloutWorkerActor(Actor):
         return self._worker
 
     @endpoint
-    async def start(self, queue, generators: list, teacher=None, scorers: dict | None = None) -> dict:
+    async def start(self, queue, generators: list, teacher=None, scorers: dict | None = None, partners: list | None = None) -> dict:
         """Start playing; returns {"host", "pids": [(pid, start time)]} of this proc (the
-        controller watches it)."""
+        controller watches it). `partners`: the generators of each trained model beside the
+        policy (config.models' order), for games."""
         import socket
 
         import psutil
 
         self.worker.set_generators(generators)
+        for i, handles in enumerate(partners or []):
+            self.worker.set_generators(handles, i + 1)
         self.worker.teacher = teacher
         self.worker.scorers.set_replicas(scorers or {})
         self.worker.start(queue)
         return {"host": socket.gethostname(), "pids": [(os.getpid(), psutil.Process().create_time())]}
 
     @concurrent_endpoint
-    async def set_generators(self, generators: list) -> None:
-        self.worker.set_generators(generators)
+    async def set_generators(self, generators: list, model: int = 0) -> None:
+        self.worker.set_generators(generators, model)
 
     @concurrent_endpoint
     async def set_teacher(self, teacher) -> None:

@@ -40,7 +40,9 @@ from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, pack
 from meshrl.rollout.chat import ChatRenderer
 from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name
+from meshrl.agent.game import play_game, thread_windows
 from meshrl.agent.turns import GenerationFailed, TurnBatcher
+from meshrl.rollout.game import Ask
 from meshrl.queue.buffer import QueueClosed
 from meshrl.scorers.client import EpisodeScorers
 from meshrl.scorers.process import assign_process_advantages, process_tensors
@@ -101,6 +103,8 @@ class RolloutWorker:
         self.make_env = env_factory(config, reward_fn)
         self.make_eval_env = env_factory(eval_view(config), reward_fn) if config.eval.source else self.make_env
         self.turns = TurnBatcher(config)
+        # a game's models (meshrl/agent/game.py): the policy's turns, then each models[*]'s generators
+        self.model_turns = [self.turns] + [TurnBatcher(config) for _ in config.models]
         self.teacher = None  # on-policy distillation: the teacher's scoring replica (meshrl/distill.py)
         self.scorers = EpisodeScorers(config, self.tokenizer)  # scoring.scorers (meshrl/scorers/)
         self._renderers: dict[str, ChatRenderer] = {}
@@ -115,9 +119,10 @@ class RolloutWorker:
         self.role = f"worker-{worker}"  # as its actor names its log (meshrl/agent/actor.py)
         self.log = role_log(config, self.role)
 
-    def set_generators(self, generators: list) -> None:
-        """The replicas to send model turns to (after a replacement or a rescale)."""
-        self.turns.set_generators(generators)
+    def set_generators(self, generators: list, model: int = 0) -> None:
+        """The replicas to send model turns to (after a replacement or a rescale); `model`:
+        whose (its index in config.model_names(), the policy's by default)."""
+        self.model_turns[model].set_generators(generators)
 
     def _renderer(self, env: Env) -> ChatRenderer:
         tools = getattr(env, "tools_schema", None) or None
@@ -128,11 +133,12 @@ class RolloutWorker:
 
     # ---- one episode, one group ------------------------------------------------------------------
     async def play_episode(
-        self, group_id: int, sample_id: int, record: dict, version: int, replica: int, temperature: float | None = None, make_env=None
+        self, group_id: int, sample_id: int, record: dict, version: int, replica: int | list[int], temperature: float | None = None, make_env=None
     ) -> Episode:
         """One episode of `record`, model turns on generator `replica` at `version` or newer
         (at `temperature`; None: generator.temperature), with an env from `make_env` (None:
-        the run's)."""
+        the run's). A game (its reset returns an Ask) is played into the episode's threads,
+        each model on its replica in `replica` (a list, one per trained model)."""
         c = self.config
         env = None
         ep = Episode(group_id, sample_id)
@@ -140,8 +146,14 @@ class RolloutWorker:
         try:
             env = (make_env or self.make_env)()  # a constructor that raises (bad env_args) fails the episode, not the group
             t0 = time.monotonic()
-            obs = as_observation(await self._env_call(env, "reset", dict(record)), env)
+            first = await self._env_call(env, "reset", dict(record))
             ep.env_s += time.monotonic() - t0
+            replicas = replica if isinstance(replica, list) else [replica]
+            if isinstance(first, Ask):
+                await play_game(self, env, first, ep, version, replicas, temperature)
+                return ep
+            replica = replicas[0]
+            obs = as_observation(first, env)
             renderer = self._renderer(env)
             ep.turns.append(Turn("env", renderer.initial_ids(obs)))
             for k in range(c.rollout.max_turns):
@@ -186,6 +198,8 @@ class RolloutWorker:
             ep.failure = describe(e, self.role, self.log)
             log.warning("episode %d (group %d) failed: %s", sample_id, group_id, ep.failure)
             ep.finish_reason = "failed"
+            for row in ep.threads:
+                row.finish_reason = "failed"
         finally:
             close = getattr(env, "close", None)
             if close is not None:
@@ -210,7 +224,7 @@ class RolloutWorker:
                 e.where = source_location(fn)
             raise
 
-    async def play_scored(self, group_id: int, sample_id: int, record: dict, version: int, replica: int) -> Episode:
+    async def play_scored(self, group_id: int, sample_id: int, record: dict, version: int, replica: int | list[int]) -> Episode:
         """One training episode, scored by scoring.scorers as soon as it is played."""
         ep = await self.play_episode(group_id, sample_id, record, version, replica)
         if self.scorers:
@@ -219,7 +233,8 @@ class RolloutWorker:
 
     async def play_group(self, claim) -> list[Episode]:
         n = self.config.generator.group_size
-        replica = self.turns.acquire()
+        replicas = [turns.acquire() for turns in self.model_turns]  # one per trained model (a game's)
+        replica = replicas if len(replicas) > 1 else replicas[0]
         tasks = [asyncio.ensure_future(self.play_scored(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replica)) for i in range(n)]
         seen = dict(self.scorers.versions)  # the implicit PRM's version as the group starts (its version lag)
         try:
@@ -235,7 +250,8 @@ class RolloutWorker:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         finally:
-            self.turns.release(replica)
+            for turns, r in zip(self.model_turns, replicas):
+                turns.release(r)
 
     async def evaluate(self, records: list[dict], version: int, k: int) -> list[dict]:
         """Each record played once greedily and `k` times at generator.temperature, beside
@@ -332,6 +348,9 @@ class RolloutWorker:
             self.failed_total += failed
             if failed and self.first_failure is None:
                 self.first_failure = ep.failure
+            if ep.threads:
+                self.window += thread_windows(ep, self.config.model_names())
+                continue
             self.window.append(
                 {
                     "reward": ep.reward,
@@ -396,12 +415,27 @@ class RolloutWorker:
         return first
 
 
+MODEL_METRICS = ("reward/mean", "reward/std", "reward/success_rate", "response/length_mean", "episode/count", "episode/failed")
+"""The episode metrics a game reports for each model beside the policy, as `NAME/...`."""
+
+
 def summarize(windows: list[dict[str, float]], failed_total: float = 0.0, first_failure: str | None = None) -> dict:
     """Per-step episode metrics from the workers' per-episode windows; with `first_failure`
     (the first failed episode's reason, one line) as `episode/first_failure`, a string
     kept in the history and not in metrics.jsonl."""
     if not windows:
         return {}
+    others: dict[str, list[dict]] = {}  # a game's rows of the models beside the policy, by name
+    for w in windows:
+        if w.get("model", "policy") != "policy":
+            others.setdefault(w["model"], []).append(w)
+    if others:
+        windows = [w for w in windows if w.get("model", "policy") == "policy"]
+        row = summarize(windows, failed_total, first_failure) if windows else {}
+        for name, rows in others.items():
+            theirs = summarize([{**w, "model": "policy"} for w in rows])
+            row.update({f"{name}/{k}": theirs[k] for k in MODEL_METRICS})
+        return row
     n = len(windows)
 
     def mean(key: str) -> float:

@@ -30,6 +30,7 @@ from meshrl.config.sections import (
     SandboxConfig,
     ScorerConfig,
     ScoringConfig,
+    TrainedModelConfig,
     TrainerConfig,
     WeightSyncConfig,
 )

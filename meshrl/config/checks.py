@@ -12,6 +12,7 @@ The first problem found is raised as one `ConfigError` naming the field and the 
 from __future__ import annotations
 
 import math
+import re
 
 import ipaddress
 import typing
@@ -240,6 +241,33 @@ def _check_launcher(c: Config) -> None:
         )
 
 
+def _check_models(c: Config) -> None:
+    """Trained models beside the policy (docs/coevolve.md): names, and what they do not combine with yet."""
+    if not c.models:
+        return
+    names = ["policy"]
+    for i, m in enumerate(c.models):
+        path = f"models[{i}].name"
+        need(bool(re.fullmatch(r"[a-z][a-z0-9_]{0,31}", m.name)), path, f"must be a short lowercase name (letters, digits, _), got {m.name!r}")
+        taken = "the policy" if m.name == "policy" else "by another model"
+        need(m.name not in names, path, f"{m.name!r} is taken ({taken}): give each model a name of its own")
+        need("group_size" not in m.generator, f"models[{i}].generator.group_size", "a group is the run's: every model's episodes share generator.group_size")
+        names.append(m.name)
+    refused = (
+        (c.trainer.loss.advantage == "gae", "trainer.loss.advantage", "a critic values the policy's turns only: use a group advantage"),
+        (c.distill.teacher is not None, "distill.teacher", "distillation scores the policy's episodes only: drop it, or the other models"),
+        (bool(c.scoring.scorers), "scoring.scorers", "scorers score the policy's episodes only: give a game's rewards from its env"),
+        (c.lora.rank > 0, "lora.rank", "adapters are the policy's alone here: train every model in full (lora.rank=0)"),
+        (c.placement == "colocate", "placement", "several trained models run split (each on procs of its own): set placement=split or auto"),
+        (c.launcher.kind != "local", "launcher.kind", "several trained models run on the local launcher only so far"),
+        (c.eval.source is not None, "eval.source", "evaluation plays single-model episodes: drop it with several trained models"),
+    )
+    for bad, path, message in refused:
+        need(not bad, path, f"{message} (models: {', '.join(names[1:])})")
+    for m in c.models:
+        c.for_model(m.name)  # each model's sections, checked as the policy's are
+
+
 _SECTIONS = (
     _check_run,
     _check_model,
@@ -259,6 +287,7 @@ _SECTIONS = (
     _check_rollout,
     _check_launcher,
     _check_critic,
+    _check_models,
 )
 """In the order the problems are reported: the first found is raised."""
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from meshrl.config.checks import validate
-from meshrl.config.loading import apply_overrides, build, load_yaml
+from meshrl.config.loading import ConfigError, apply_overrides, build, load_yaml
 from meshrl.config.models import (  # noqa: F401 (MOE_FAMILIES: re-exported)
     MOE_FAMILIES,
     CriticConfig,
@@ -317,6 +317,20 @@ class LoggingConfig:
 
 
 @dataclass
+class TrainedModelConfig:
+    """A trained model beside the policy: its own trainer mesh, optimizer, version counter, generators and weight sync (co-evolving policies, docs/coevolve.md). Each section here overrides the policy's section of that name, key by key; the rest is the policy's."""
+
+    name: str = ""
+    """The model's name: what a game env's `Ask.model` says (the policy is `policy`), the prefix of its metrics (`NAME/trainer/...`, `NAME/reward/mean`) and its directory under the run's (`models/NAME/`: logs, checkpoints, exports)."""
+    model: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the policy's `model` section (e.g. `path` for its own checkpoint, or its own shapes); empty: the policy's architecture, initialised from seed + its place in `models` (a different start)."""
+    trainer: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the policy's `trainer` section (e.g. `lr`, `procs`, `loss: {clip_high: 0.3}`)."""
+    generator: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the policy's `generator` section (e.g. `replicas`, `temperature`); `group_size` is the run's."""
+
+
+@dataclass
 class Config:
     """A whole meshrl run."""
 
@@ -360,6 +374,8 @@ class Config:
     """Metrics and outputs."""
     alarm: AlarmConfig = field(default_factory=AlarmConfig)
     """The run-level alarm: one console line when the reward or the policy entropy falls off a cliff."""
+    models: list[TrainedModelConfig] = field(default_factory=list)
+    """More trained models beside the policy, co-evolving in one asynchronous run: a game env (meshrl/rollout/game.py) says which model speaks each turn; every model trains on its own turns, with its own rewards, on the same batches and at the same pace as the policy (docs/coevolve.md). Empty: the policy alone."""
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -377,5 +393,40 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def model_names(self) -> list[str]:
+        """The trained models, the policy first: their index is the `model` key of a game's rows."""
+        return ["policy"] + [m.name for m in self.models]
+
+    def for_model(self, name: str) -> "Config":
+        """The run as the trained model `name` sees it: its model, trainer and generator
+        sections (the policy's, with its overrides), the run directory models/NAME/ for its
+        logs and checkpoints, and no other models. `policy`: this config."""
+        if name == "policy":
+            return self
+        index, spec = next((i, m) for i, m in enumerate(self.models) if m.name == name)
+        data = self.to_dict()
+        for section in ("model", "trainer", "generator"):
+            data[section] = _merged(data[section], getattr(spec, section))
+        if not spec.model:
+            data["seed"] = self.seed + 1 + index  # the policy's shapes, a start of its own
+        if "snapshot_every" not in spec.trainer:
+            data["trainer"]["snapshot_every"] = 0  # not healed yet (docs/healing.md): no per-step state to keep
+        data["generator"]["group_size"] = self.generator.group_size
+        data["logging"]["run_dir"] = os.path.join(self.logging.run_dir, "models", name)
+        data["models"] = []
+        try:
+            return Config.from_dict(data)
+        except ConfigError as e:
+            message = str(e)[len(e.field_path) + 2 :] if e.field_path else str(e)
+            raise ConfigError(f"models[{index}].{e.field_path}", message) from None
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _merged(base: dict, overrides: dict) -> dict:
+    """`base` with `overrides` applied key by key, nested mappings merged."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

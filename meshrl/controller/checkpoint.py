@@ -28,13 +28,15 @@ def due(config: Config, version: int, last_checkpoint: float) -> bool:
     return bool(every and version % every == 0 or every_s and time.monotonic() - last_checkpoint >= every_s)
 
 
-async def save(run_dir: str, trainer, queue, version: int, history: list[dict], critic=None) -> tuple[str, int]:
-    """Trainer state (DCP), the critic's (a CriticMesh, or None), the episode queue and the
-    metrics history, atomically: the loop state's path and the version it holds."""
+async def save(run_dir: str, trainer, queue, version: int, history: list[dict], critic=None, partners=()) -> tuple[str, int]:
+    """Trainer state (DCP), the critic's (a CriticMesh, or None), each trained model's beside
+    the policy (controller/partners.py, under its name), the episode queue and the metrics
+    history, atomically: the loop state's path and the version it holds."""
     root = os.path.join(run_dir, "checkpoints")
     trainer_dir = await trainer.save_checkpoint(os.path.join(root, "trainer"))
     # after its train step on the policy's last batch: the critic's version is the policy's
     critic_dir = await critic.save_checkpoint(os.path.join(root, "critic")) if critic is not None else None
+    models = {p.name: await p.save_checkpoint(os.path.join(root, "models")) for p in partners}
     # After an interrupted step the trainer may have finished a step the loop never saw
     # (its metrics row is lost, its weights are not).
     version = max(version, checkpoint_step(trainer_dir))
@@ -42,6 +44,7 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
         "version": version,
         "trainer_dir": trainer_dir,
         "critic_dir": critic_dir,
+        "models": models,
         "queue": await awaited(queue.state_dict.call_one()),
         "history": history,
     }
@@ -84,6 +87,14 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None) -> tupl
                 watch.checkpointed(int(row["step"]))
             watch.update(int(row.get("step", 0)), row)
     return version, history
+
+
+def partner_dirs(run_dir: str) -> dict[str, str]:
+    """The latest checkpoint's trained models beside the policy: {name: their trainer checkpoint}."""
+    root = os.path.join(run_dir, "checkpoints")
+    with open(os.path.join(root, "latest")) as f:
+        state = torch.load(os.path.join(root, f.read().strip()), weights_only=False)
+    return dict(state.get("models") or {})
 
 
 def lora_base_dir(run_dir: str) -> str:

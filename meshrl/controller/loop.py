@@ -29,6 +29,7 @@ from meshrl.controller.breaker import FailureBreaker, report_cliffs
 from meshrl.controller.collect import StepMetrics
 from meshrl.controller.evaluation import Evaluations
 from meshrl.controller.heal import TrainerHealer
+from meshrl.controller.partners import TrainedModel
 from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool, log_mesh_failures
 from meshrl.errors import TrainerFailed, UserCodeFailed, find, first_line, one_line
 from meshrl.launch.allocation import allocate
@@ -68,6 +69,7 @@ class RLLoop:
         self.scorers: ScorerPool | None = None
         self.workers: WorkerPool | None = None
         self.critic = None  # PPO's critic (trainer.loss.advantage=gae): a CriticMesh
+        self.partners: list[TrainedModel] = []  # config.models: trained models beside the policy (controller/partners.py)
         self.collect: StepMetrics | None = None
         self.evaluations: Evaluations | None = None
         self._update_task: asyncio.Task | None = None
@@ -113,6 +115,8 @@ class RLLoop:
                 "beside a CPU trainer, and this host has GPUs: set trainer.device=cpu, or a group advantage",
             )
         placement, why = resolve_placement(c)
+        if c.models and placement == "colocate":  # config/checks.py refuses it set by hand
+            placement, why = "split", "several trained models run each on procs of its own"
         if c.placement == "auto" and gpus_per_host(c) == 0:  # the console says which CPU placement, and why
             print(f"meshrl: placement auto -> {placement} ({why})", file=console())
         c.placement, c.weight_sync.transport = placement, resolve_transport(c)
@@ -167,7 +171,12 @@ class RLLoop:
             self.scorers = ScorerPool(c, self.alloc, self._rewire_scorers)
             await self.scorers.start()
             scorers = self.scorers.handles()
+        partner_dirs = checkpoints.partner_dirs(self.run_dir) if self.resume else {}
+        for spec in c.models:  # each its trainer, generators and weight sync, at the policy's version
+            self.partners.append(TrainedModel(c, spec.name, self.alloc, self._rewire_partner))
+            await self.partners[-1].start(self.version, partner_dirs.get(spec.name))
         self.workers = WorkerPool(c, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn, teacher, scorers)
+        self.workers.partners = [p.handles() for p in self.partners]
         await self.workers.start(self.generators.handles())
         self.evaluations = Evaluations(c, self.run_dir, self.workers, self._record)
         self.collect = StepMetrics(self.queue, self.generators, self.workers, self.scorers)
@@ -185,6 +194,10 @@ class RLLoop:
         if self.workers is not None:
             await self.workers.set_scorers(self.scorers.handles())
 
+    async def _rewire_partner(self, handles: list, model: int) -> None:
+        if self.workers is not None:
+            await self.workers.set_generators(handles, model)
+
     async def _rewire_teacher(self) -> None:
         if self.workers is not None:
             await self.workers.set_teacher(self.teacher.handles()[0])
@@ -195,12 +208,19 @@ class RLLoop:
         background, and record metrics."""
         c = self.config
         handoff: dict = {}
-        while True:  # once, or again after the trainer was healed (controller/heal.py)
-            try:
-                out = await self._train_call(handoff)
-                break
-            except Exception as e:  # noqa: BLE001 - a dead trainer proc is healed, or ends the run resumably
-                await self._trainer_failed(e)
+        partners = asyncio.ensure_future(self._train_partners()) if self.partners else None  # on the policy's batch, at once
+        try:
+            while True:  # once, or again after the trainer was healed (controller/heal.py)
+                try:
+                    out = await self._train_call(handoff)
+                    break
+                except Exception as e:  # noqa: BLE001 - a dead trainer proc is healed, or ends the run resumably
+                    await self._trainer_failed(e)
+            if partners is not None:
+                handoff.update(await self._watching(partners))
+        finally:
+            if partners is not None and not partners.done():
+                partners.cancel()
         call_start = out.pop("_call_start")
         self.version = out["version"]
         out["time/trainer_call_s"] = time.monotonic() - call_start
@@ -217,6 +237,9 @@ class RLLoop:
                 out["sync/previous_update_wait_s"] = time.monotonic() - t0
             if not colocate.wakes_on_new_version(c, self.alloc.plan):
                 self._update_task = asyncio.create_task(self._update_generators(self.version))
+            for p in self.partners:
+                out[f"{p.name}/sync/previous_update_s"] = await p.finish_update()
+                p.update(self.version)
             row = await self.collect.row(out)
             self._record(self.version, row)
             await self._watch_failures(row)
@@ -243,6 +266,15 @@ class RLLoop:
         critic = self.critic.actor if self.critic is not None else None
         out = await self._watching(asyncio.ensure_future(self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s, critic)))
         return {**out, "_call_start": call_start}
+
+    async def _train_partners(self) -> dict:
+        """Each trained model beside the policy, its step on the policy's batch (controller/partners.py)."""
+        c, outs = self.config, {}
+        for p, out in zip(self.partners, await asyncio.gather(*(p.train(self.queue, c.batch_groups, c.buffer.get_timeout_s) for p in self.partners))):
+            if out.pop("version") != self.version + 1:
+                raise TrainerFailed(f"trained model {p.name} is not at the policy's version {self.version + 1}: {checkpoints.how_to_resume(self.run_dir)}")
+            outs.update(out)
+        return outs
 
     async def _trainer_failed(self, e: Exception) -> None:
         """The trainer's call failed: the user's code or the queue's timeout in one line, a lost
@@ -322,6 +354,8 @@ class RLLoop:
         """Replace dead generator replicas and rollout workers (between steps, and every
         HEALTH_CHECK_S during one)."""
         await self.generators.check(self.version)
+        for p in self.partners:
+            await p.check(self.version)
         if self.teacher is not None:
             await self.teacher.check(0)
         if self.scorers is not None:
@@ -356,6 +390,8 @@ class RLLoop:
         update to its new version, so waiting for the pending update is enough."""
         if self._update_task is not None:
             await self._finish_update()
+        for p in self.partners:
+            await p.finish_update()
 
     async def export_to(self, path: str) -> str:
         """The current policy as a Hugging Face checkpoint at `path`, with its tokenizer."""
@@ -364,7 +400,7 @@ class RLLoop:
     # ---- checkpoint and export (controller/checkpoint.py) ------------------------------------
     async def checkpoint(self) -> str:
         """Trainer state (DCP), the episode queue and the metrics history, atomically."""
-        path, self.version = await checkpoints.save(self.run_dir, self.trainer, self.queue, self.version, self.history, self.critic)
+        path, self.version = await checkpoints.save(self.run_dir, self.trainer, self.queue, self.version, self.history, self.critic, self.partners)
         self._last_checkpoint = time.monotonic()
         if self.watch is not None:
             self.watch.checkpointed(self.version)
@@ -374,6 +410,9 @@ class RLLoop:
 
     # ---- the end -------------------------------------------------------------------------------
     async def export(self) -> str:
+        """The policy's final Hugging Face checkpoint (hf/final), and each trained model's beside it (hf/final-NAME)."""
+        for p in self.partners:
+            await checkpoints.export_hf(p.trainer, os.path.join(self.run_dir, "hf", f"final-{p.name}"), self.run_dir, self.tokenizer_dir)
         return await self.export_to(os.path.join(self.run_dir, "hf", "final"))
 
     async def shutdown(self) -> None:
@@ -393,6 +432,8 @@ class RLLoop:
         for pool in (self.generators, self.teacher, self.scorers):
             if pool is not None:
                 await pool.shutdown()
+        for p in self.partners:
+            await p.shutdown()
         for mesh in (getattr(self, "trainer", None), self.critic):
             if mesh is not None:
                 try:

@@ -396,6 +396,7 @@ class WorkerPool:
         self.teacher = teacher  # the distillation teacher's scoring replica, or None
         self.scorers = scorers or {}  # {scoring.scorers index: [replica actors]}
         self.workers: list[Member] = []
+        self.partners: list[list] = []  # each trained model's generators beside the policy's (games)
         self.replaced = 0
         self._incarnations = itertools.count()
         self._bootstrap = alloc.bootstrap("coord")  # no GPU for the workers' procs
@@ -407,7 +408,7 @@ class WorkerPool:
         procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=self._bootstrap)
         actor = procs.spawn(f"rollout{index}", RolloutWorkerActor, self.config.to_dict(), self.tokenizer_dir, ident, self.reward_fn)
         try:
-            where = await asyncio.wait_for(awaited(actor.start.call_one(self.queue, generators, self.teacher, self.scorers)), 300)
+            where = await asyncio.wait_for(awaited(actor.start.call_one(self.queue, generators, self.teacher, self.scorers, self.partners)), 300)
         except BaseException:
             await asyncio.wait_for(procs.stop(), 60)
             raise
@@ -419,8 +420,11 @@ class WorkerPool:
         for i in range(self.config.rollout.workers):
             self.workers.append(await self.spawn(i, generators))
 
-    async def set_generators(self, generators: list) -> None:
-        await asyncio.gather(*(asyncio.wait_for(awaited(w.actor.set_generators.call_one(generators)), 60) for w in self.workers))
+    async def set_generators(self, generators: list, model: int = 0) -> None:
+        """The generators of trained model `model` (the policy's by default) to every worker."""
+        if model:
+            self.partners[model - 1] = generators
+        await asyncio.gather(*(asyncio.wait_for(awaited(w.actor.set_generators.call_one(generators, model)), 60) for w in self.workers))
 
     async def set_teacher(self, teacher) -> None:
         self.teacher = teacher

@@ -55,6 +55,10 @@ class EpisodeQueueActor(Actor):
         return await asyncio.to_thread(self.queue.sample, num_groups, current_version, timeout)
 
     @concurrent_endpoint
+    async def shared(self, version: int, timeout: float | None = None) -> TensorDict:
+        return await asyncio.to_thread(self.queue.shared, version, timeout)
+
+    @concurrent_endpoint
     async def wait_ready(self, num_groups: int, timeout: float) -> bool:
         return await asyncio.to_thread(self.queue.wait_ready, num_groups, timeout)
 

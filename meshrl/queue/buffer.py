@@ -140,6 +140,10 @@ class EpisodeQueue:
         # were sampled for: a healed trainer retakes them (`retake`)
         self.held: list[tuple[int, list[TensorDict]]] = []
         self.dropped_ids: list[int] = []  # group ids dropped (stale, or without signal), in order
+        # each version's batch, for the trained models beside the policy (config.models): they
+        # train on the very batch the policy's trainer took, each on its own rows (`shared`)
+        self.partners = len(config.models)
+        self._shared: dict[int, TensorDict] = {}
         self._cond = threading.Condition()
         self._rng = random.Random(config.seed)
         self._closed = False
@@ -279,6 +283,9 @@ class EpisodeQueue:
                 del self.ready[i]
             self.held.append((current_version, picked))
             batch = episode.concat(picked)
+            if self.partners:
+                self._shared = {v: b for v, b in self._shared.items() if v >= current_version - 1}
+                self._shared[current_version] = batch
             ids = [int(g["group_id"][0]) for g in picked]
             self.consumed += ids
             self._straggler_s = straggler_wait(start, [self._ready_at.pop(gid, start) for gid in ids])
@@ -290,6 +297,19 @@ class EpisodeQueue:
             self._stats["samples"] += 1
             self._stats["consumer_wait_s"] += time.monotonic() - start
             return batch
+
+    def shared(self, version: int, timeout: float | None = None) -> TensorDict:
+        """The batch the policy's trainer took for `version` (waits for it at most `timeout`
+        s, default buffer.get_timeout_s): what each trained model beside the policy trains
+        its step `version` on. The policy's trainer may be a step ahead, so the last two
+        versions' batches are kept."""
+        timeout = self.cfg.get_timeout_s if timeout is None else timeout
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._closed or version in self._shared, timeout):
+                raise BatchTimeout(f"no batch for version {version} after {timeout:.0f}s: the policy's trainer has not taken it")
+            if self._closed:
+                self._raise_closed()
+            return self._shared[version]
 
     def wait_ready(self, num_groups: int, timeout: float) -> bool:
         """Wait until `num_groups` groups are READY (a batch the trainer can take at once);

@@ -22,6 +22,7 @@ from monarch.actor import Actor, endpoint, this_host
 
 from meshrl.compat import awaited, tcp_store_listening_on
 from meshrl.config import Config
+from meshrl.episode import model_rows
 from meshrl.host import gloo_on_this_host, host_address
 from meshrl.launch.allocation import with_env
 from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV, plan_devices
@@ -99,20 +100,27 @@ class TrainerActor(Actor):
         return self.publisher.handle
 
     @endpoint
-    async def train_from_queue(self, queue, num_groups: int, timeout_s: float, critic=None) -> dict:
+    async def train_from_queue(self, queue, num_groups: int, timeout_s: float, critic=None, model: int = 0) -> dict:
         """Rank 0 samples a batch from the episode queue actor and, under PPO with a critic
         (`critic`: the CriticActor, trainer.loss.advantage=gae), has the critic write its
         per-token advantages into it, then shares it with the other ranks (the controller
         never touches the data); all ranks train; the new version is published into the
         weight-sync staging snapshot, then told to the queue (which admits new work for it).
-        Returns rank 0's metrics."""
+        A trained model beside the policy (`model` > 0, a game's) takes the batch the policy's
+        trainer took for the same version, and leaves the version to the policy's trainer;
+        each trains on its own rows (`episode.model_rows`). Returns rank 0's metrics."""
         trainer = self._need()
         if trainer.config.trainer.loss.advantage == "gae" and critic is None:
             raise RuntimeError("trainer.loss.advantage=gae trains on a critic's advantages, and no critic was given")
         t0 = time.perf_counter()
         batch, critic_metrics = None, {}
         if trainer.rank == 0:
-            batch = await queue.sample.call_one(num_groups, trainer.step, timeout_s)
+            if model:
+                batch = await queue.shared.call_one(trainer.step, timeout_s)
+            else:
+                batch = await queue.sample.call_one(num_groups, trainer.step, timeout_s)
+            groups = batch["group_id"].unique_consecutive().tolist()
+            batch = model_rows(batch, model)
             if critic is not None:
                 critic_metrics = await self._critic_advantages(critic, batch, trainer)
         if trainer.world > 1:
@@ -130,14 +138,14 @@ class TrainerActor(Actor):
         if snapshot:  # complete before anyone hears of the version: every version announced is restorable
             self.snapshots.finish()
             self.durable = trainer.step
-        if trainer.rank == 0:
+        if trainer.rank == 0 and not model:
             await awaited(queue.set_version.call_one(trainer.step, self.durable if self.snapshots is not None else trainer.step))
         metrics = {f"trainer/{k}": v for k, v in out.items() if k != "version"}
         metrics.update(
             {
                 "version": out["version"],
                 "trainer/wait_s": wait_s,
-                "trained_groups": batch["group_id"].unique_consecutive().tolist(),
+                "trained_groups": groups if trainer.rank == 0 else [],
                 "sync/publish_s": publish_s,
                 "sync/stage_copy_s": copy_s,
             }
@@ -240,10 +248,11 @@ class TrainerMesh:
         self.version = out["version"]
         return out
 
-    async def train_from_queue(self, queue, num_groups: int, timeout_s: float, critic=None) -> dict:
+    async def train_from_queue(self, queue, num_groups: int, timeout_s: float, critic=None, model: int = 0) -> dict:
         """One step on a batch the trainer pulls from `queue` itself (and, with `critic`, has
-        scored by that CriticActor); returns rank 0's metrics."""
-        out = (await self._all(self.actors.train_from_queue, queue, num_groups, timeout_s, critic, timeout_s=timeout_s + self.timeout_s))[0]
+        scored by that CriticActor; `model` > 0: a game's model beside the policy, on the
+        policy's batch); returns rank 0's metrics."""
+        out = (await self._all(self.actors.train_from_queue, queue, num_groups, timeout_s, critic, model, timeout_s=timeout_s + self.timeout_s))[0]
         self.version = out["version"]
         return out
 

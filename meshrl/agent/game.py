@@ -1,0 +1,93 @@
+"""Playing a game (meshrl/rollout/game.py): turns spoken by several trained models.
+
+    ask = game.reset(record)                     # Ask(model, thread, observation)
+    loop: thread <- its tokens + ask.observation (the chat renderer's, as an env's)
+          turn   <- generators of ask.model (its replica for this group, at >= version v)
+          result <- game.step(Reply)             # the next Ask, or an Outcome
+    every thread -> one row of its model, its reward at its last turn
+
+Each model's turns go to its own generator replicas (its TurnBatcher): a proposer's
+engine holds the proposer's weights, the solver's the solver's, and each tags its tokens
+with its own version. The claim's version gates every model's generators alike: the
+models train in lockstep (one batch, one step each), so version v means v steps of each.
+"""
+
+from __future__ import annotations
+
+import time
+
+from meshrl.episode import Episode, Turn
+from meshrl.rollout.game import MAX_THREADS, Ask, Outcome, Reply, as_ask, as_outcome
+
+
+async def play_game(worker, env, ask: Ask, ep: Episode, version: int, replicas: list[int], temperature: float | None) -> None:
+    """Play `env` (a game whose reset said `ask`) into `ep.threads`; the env's failure raises
+    (the worker fails the episode), a generator's raises GenerationFailed (the group is played again)."""
+    from meshrl.agent.turns import GenerationFailed
+
+    c = worker.config
+    names = c.model_names()
+    renderer = worker._renderer(env)
+    speakers: dict[str, str] = {}  # thread -> its model's name
+    threads: dict[str, Episode] = {}
+    ask = as_ask(ask, env, names, speakers, "reset")
+    last: dict[str, list[int]] = {}  # thread -> its last model turn's ids (the renderer's glue)
+    for k in range(c.rollout.max_turns * max(1, len(names))):
+        model = names.index(ask.model)
+        thread = threads.get(ask.thread)
+        if thread is None:
+            thread = Episode(ep.group_id, ep.sample_id * MAX_THREADS + len(threads), model=model)
+            threads[ask.thread], speakers[ask.thread] = thread, ask.model
+            ep.threads.append(thread)
+            thread.turns.append(Turn("env", renderer.initial_ids(ask.observation)))
+        else:
+            thread.turns.append(Turn("env", renderer.continuation_ids(last[ask.thread], ask.observation)))
+        room = c.model.max_seq_len - len(thread)
+        if room <= 0:
+            thread.turns.pop()
+            ep.finish_reason = thread.finish_reason = "length"
+            break
+        budget = min(c.generator.max_new_tokens, room, ask.max_new_tokens or room)
+        turns = worker.model_turns[model]
+        out = await turns.generate(replicas[model], thread.token_ids, budget, version, temperature)
+        turn = Turn("model", out.token_ids, out.logprobs, out.versions, finish_reason=out.finish_reason, routed_experts=out.routed_experts)
+        thread.turns.append(turn)
+        last[ask.thread] = list(out.token_ids)
+        if out.finish_reason == "abort":
+            raise GenerationFailed(f"{ask.model}'s generator replica {replicas[model]} is stopping")
+        reply = Reply(ask.model, ask.thread, worker.tokenizer.decode(out.token_ids, skip_special_tokens=True), list(out.token_ids), out.finish_reason, k)
+        t0 = time.monotonic()
+        result = await worker._env_call(env, "step", reply)
+        ep.env_s += time.monotonic() - t0
+        if isinstance(result, Outcome):
+            outcome = as_outcome(result, env, speakers)
+            for name, row in threads.items():
+                row.model_turns[-1].reward = outcome.rewards.get(name, 0.0)
+                row.finish_reason = row.model_turns[-1].finish_reason or "stop"
+            return
+        ask = as_ask(result, env, names, speakers, "step")
+    else:
+        ep.finish_reason = "length"
+    for row in threads.values():  # out of turns or room: unscored, as an env's episode cut short
+        row.finish_reason = "length"
+
+
+def thread_windows(ep: Episode, names: list[str]) -> list[dict]:
+    """A game episode's per-row stats for the worker's metrics window, each under its model's name."""
+    out = []
+    for i, row in enumerate(ep.rows):
+        failed = ep.finish_reason == "failed"
+        out.append(
+            {
+                "model": names[row.model],
+                "reward": 0.0 if failed else row.reward,
+                "success": float(row.reward >= 1.0 and not failed),
+                "failed": float(failed),
+                "response_len": float(sum(len(t.token_ids) for t in row.model_turns)),
+                "turns": float(len(row.model_turns)),
+                "tool_calls": 0.0,
+                "env_tokens": float(row.env_tokens),
+                "env_s": ep.env_s if i == 0 else 0.0,
+            }
+        )
+    return out

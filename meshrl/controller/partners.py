@@ -1,0 +1,127 @@
+"""The trained models beside the policy (`config.models`, docs/coevolve.md): each its own stack.
+
+    model NAME:  trainer mesh (its config view: config.for_model(NAME))  --publish v-->
+                 weight sync --> its generator replicas <-- the rollout workers' turns of NAME
+
+A game (meshrl/rollout/game.py) says which model speaks each turn; the rollout workers send
+each turn to that model's replicas and pack every thread as a row tagged with its model.
+Every step the policy's trainer samples the batch and each model here trains on the same
+batch at once, on its own rows, on its own procs (trainer/actor.py `train_from_queue`), so
+all the models are at the same version after each step and the queue's admission and
+staleness bound hold for each model's tokens against its own version.
+
+Each model's generators are healed as the policy's are (`check`); its trainer is not yet
+(a dead one ends the run resumably), and its checkpoint is written and restored with the
+policy's (controller/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from meshrl.compat import awaited
+from meshrl.config import Config
+from meshrl.controller.replicas import GeneratorPool
+from meshrl.launch.devices import weights_on_gpu
+from meshrl.trainer.actor import TrainerMesh, spawn_trainer
+from meshrl.weightsync.connect import WeightSync
+
+log = logging.getLogger("meshrl")
+
+
+class TrainedModel:
+    """One trained model beside the policy: trainer mesh, generator pool and weight sync."""
+
+    def __init__(self, config: Config, name: str, alloc, workers_changed):
+        self.run_config = config
+        self.name = name
+        self.index = config.model_names().index(name)
+        self.config = config.for_model(name)
+        self.alloc = alloc
+        self.workers_changed = workers_changed  # async (handles, model index): the workers follow a replacement
+        self.trainer: TrainerMesh | None = None
+        self.generators: GeneratorPool | None = None
+        self.weight_sync: WeightSync | None = None
+        self._update: asyncio.Task | None = None
+
+    async def start(self, version: int, checkpoint_dir: str | None = None) -> None:
+        """Its trainer (from its model section, or from `checkpoint_dir`: a resumed run's
+        checkpoint, at the policy's `version`), an export for its generators to start from,
+        the generators, and weight sync between them."""
+        c = self.config
+        os.makedirs(c.logging.run_dir, exist_ok=True)
+        self.trainer = await spawn_trainer(c, c.trainer.collective_timeout_s, host_mesh=self.alloc.host_mesh("trainer"), hosts=1, plan=self.alloc.plan)
+        if checkpoint_dir is not None:
+            restored = await self.trainer.load_checkpoint(checkpoint_dir)
+            if restored != version:
+                raise RuntimeError(f"trained model {self.name}'s checkpoint is at version {restored}, the policy's at {version}")
+        publisher = await self.trainer.publisher_handle()
+        initial = await self.trainer.export_hf(os.path.join(c.logging.run_dir, "hf", f"v{version}"))
+        self.generators = GeneratorPool(c, self.alloc, initial, version, self._rewire)
+        await self.generators.start(c.generator.replicas)
+        on_gpu = weights_on_gpu(self.alloc.plan, c.weight_sync.transport)
+        self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), on_gpu).connect(publisher, await self._subscribers())
+
+    def handles(self) -> list:
+        return self.generators.handles()
+
+    async def _subscribers(self) -> list:
+        return [await awaited(r.actor.weight_sync_handle.call_one()) for r in self.generators.replicas]
+
+    async def _rewire(self) -> None:
+        """After one of its replicas was replaced: weight sync and the workers follow."""
+        if self.weight_sync is not None:
+            await self.weight_sync.reconnect(subscribers=await self._subscribers())
+        await self.workers_changed(self.handles(), self.index)
+
+    async def train(self, queue, num_groups: int, timeout_s: float) -> dict:
+        """Its step on the policy's batch of this version, its own rows; metrics under `NAME/`."""
+        t0 = time.monotonic()
+        out = await self.trainer.train_from_queue(queue, num_groups, timeout_s, None, self.index)
+        out["time/trainer_call_s"] = time.monotonic() - t0
+        version = out.pop("version")
+        out.pop("trained_groups", None)
+        return {"version": version, **{f"{self.name}/{k}": v for k, v in out.items()}}
+
+    def update(self, version: int) -> None:
+        """Move its generators to `version` in the background (after the previous move)."""
+        previous = self._update
+
+        async def move() -> float:
+            if previous is not None:
+                await previous
+            t0 = time.monotonic()
+            await self.generators.update(version)
+            return time.monotonic() - t0
+
+        self._update = asyncio.create_task(move())
+
+    async def finish_update(self) -> float:
+        task, self._update = self._update, None
+        return await task if task is not None else 0.0
+
+    async def check(self, version: int) -> None:
+        await self.generators.check(version)
+
+    async def save_checkpoint(self, root: str) -> str:
+        return await self.trainer.save_checkpoint(os.path.join(root, self.name))
+
+    async def load_checkpoint(self, path: str) -> int:
+        return await self.trainer.load_checkpoint(path)
+
+    async def export(self, path: str) -> str:
+        return await self.trainer.export_hf(path)
+
+    async def shutdown(self) -> None:
+        if self._update is not None:
+            self._update.cancel()
+        if self.generators is not None:
+            await self.generators.shutdown()
+        if self.trainer is not None:
+            try:
+                await self.trainer.stop()
+            except Exception:  # noqa: BLE001 - best effort on every exit path
+                pass
