@@ -64,7 +64,7 @@ from scratch on a CPU by the tiny default model with the built-in character toke
 A game of two trained models (meshrl/rollout/game.py; `models: [{name: proposer}]`):
 - propose: the proposer (`models[0]`) writes one character after "p:"; a digit d sets the
          problem, n = 1 + d mod 8 digits, which the solver (the policy) answers in
-         PROPOSE_ATTEMPTS threads of its own, each "n:" with a budget of n tokens. The
+         PROPOSE_ATTEMPTS threads of its own played at once, each "n:" with a budget of n tokens. The
          solver's credit is the fraction of its n characters that are digits; an attempt
          succeeds with all n. The proposer gets Absolute Zero's learnability, 1 - the
          solver's success rate when it is strictly between 0 and 1 (else 0), scaled to
@@ -393,17 +393,12 @@ class ProposeSolveGame:
     def reset(self, sample: dict) -> Ask:
         return Ask(self.proposer, "propose", sample["prompt"], max_new_tokens=1)
 
-    def _attempt(self) -> Ask:
-        return Ask(self.solver, f"solve{len(self.scores)}", f"{self.n}:", max_new_tokens=self.n)
-
-    def step(self, reply: Reply) -> Ask | Outcome:
-        if reply.thread == "propose":
+    def step(self, reply: Reply | list[Reply]) -> list[Ask] | Outcome:
+        if not isinstance(reply, list):  # the proposal: the solver's attempts, played at once
             self.valid = reply.text[:1].isdigit()
             self.n = 1 + int(reply.text[0]) % 8 if self.valid else 4
-            return self._attempt()
-        self.scores.append(sum(ch.isdigit() for ch in reply.text[: self.n]) / self.n)
-        if len(self.scores) < PROPOSE_ATTEMPTS:
-            return self._attempt()
+            return [Ask(self.solver, f"solve{i}", f"{self.n}:", max_new_tokens=self.n) for i in range(PROPOSE_ATTEMPTS)]
+        self.scores = [sum(ch.isdigit() for ch in r.text[: self.n]) / self.n for r in reply]
         rate = sum(score == 1.0 for score in self.scores) / len(self.scores)
         learnability = 1.0 - rate if 0.0 < rate < 1.0 else 0.0
         proposer = 0.2 + 0.8 * learnability if self.valid else 0.0

@@ -1,9 +1,10 @@
 """Playing a game (meshrl/rollout/game.py): turns spoken by several trained models.
 
-    ask = game.reset(record)                     # Ask(model, thread, observation)
-    loop: thread <- its tokens + ask.observation (the chat renderer's, as an env's)
-          turn   <- generators of ask.model (its replica for this group, at >= version v)
-          result <- game.step(Reply)             # the next Ask, or an Outcome
+    asks = game.reset(record)                    # Ask(model, thread, observation), or a list
+    loop: for each ask, at once:
+            thread <- its tokens + ask.observation (the chat renderer's, as an env's)
+            turn   <- generators of ask.model (its replica for this group, at >= version v)
+          result <- game.step(Reply, or the list) # the next Ask(s), or an Outcome
     every thread -> one row of its model, its reward at its last turn
 
 Each model's turns go to its own generator replicas (its TurnBatcher): a proposer's
@@ -14,50 +15,31 @@ models train in lockstep (one batch, one step each), so version v means v steps 
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from meshrl.episode import Episode, Turn
-from meshrl.rollout.game import MAX_THREADS, Ask, Outcome, Reply, as_ask, as_outcome
+from meshrl.rollout.game import MAX_THREADS, Ask, Outcome, Reply, as_asks, as_outcome
 
 
-async def play_game(worker, env, ask: Ask, ep: Episode, version: int, replicas: list[int], temperature: float | None) -> None:
-    """Play `env` (a game whose reset said `ask`) into `ep.threads`; the env's failure raises
-    (the worker fails the episode), a generator's raises GenerationFailed (the group is played again)."""
-    from meshrl.agent.turns import GenerationFailed
-
+async def play_game(worker, env, ask, ep: Episode, version: int, replicas: list[int], temperature: float | None) -> None:
+    """Play `env` (a game whose reset said `ask`: an Ask or a list) into `ep.threads`; the env's
+    failure raises (the worker fails the episode), a generator's raises GenerationFailed (the
+    group is played again). A list of Asks is played at once, each in its thread."""
     c = worker.config
     names = c.model_names()
-    renderer = worker._renderer(env)
     speakers: dict[str, str] = {}  # thread -> its model's name
     threads: dict[str, Episode] = {}
-    ask = as_ask(ask, env, names, speakers, "reset")
     last: dict[str, list[int]] = {}  # thread -> its last model turn's ids (the renderer's glue)
-    for k in range(c.rollout.max_turns * max(1, len(names))):
-        model = names.index(ask.model)
-        thread = threads.get(ask.thread)
-        if thread is None:
-            thread = Episode(ep.group_id, ep.sample_id * MAX_THREADS + len(threads), model=model)
-            threads[ask.thread], speakers[ask.thread] = thread, ask.model
-            ep.threads.append(thread)
-            thread.turns.append(Turn("env", renderer.initial_ids(ask.observation)))
-        else:
-            thread.turns.append(Turn("env", renderer.continuation_ids(last[ask.thread], ask.observation)))
-        room = c.model.max_seq_len - len(thread)
-        if room <= 0:
-            thread.turns.pop()
-            ep.finish_reason = thread.finish_reason = "length"
+    asks, many = as_asks(ask, env, names, speakers, "reset"), isinstance(ask, list)
+    k = 0
+    while k < c.rollout.max_turns * max(1, len(names)):
+        replies = await asyncio.gather(*(_turn(worker, env, a, ep, threads, speakers, last, version, replicas, temperature, k + i) for i, a in enumerate(asks)))
+        if any(r is None for r in replies):  # a thread out of room
             break
-        budget = min(c.generator.max_new_tokens, room, ask.max_new_tokens or room)
-        turns = worker.model_turns[model]
-        out = await turns.generate(replicas[model], thread.token_ids, budget, version, temperature)
-        turn = Turn("model", out.token_ids, out.logprobs, out.versions, finish_reason=out.finish_reason, routed_experts=out.routed_experts)
-        thread.turns.append(turn)
-        last[ask.thread] = list(out.token_ids)
-        if out.finish_reason == "abort":
-            raise GenerationFailed(f"{ask.model}'s generator replica {replicas[model]} is stopping")
-        reply = Reply(ask.model, ask.thread, worker.tokenizer.decode(out.token_ids, skip_special_tokens=True), list(out.token_ids), out.finish_reason, k)
+        k += len(asks)
         t0 = time.monotonic()
-        result = await worker._env_call(env, "step", reply)
+        result = await worker._env_call(env, "step", list(replies) if many else replies[0])
         ep.env_s += time.monotonic() - t0
         if isinstance(result, Outcome):
             outcome = as_outcome(result, env, speakers)
@@ -65,11 +47,38 @@ async def play_game(worker, env, ask: Ask, ep: Episode, version: int, replicas: 
                 row.model_turns[-1].reward = outcome.rewards.get(name, 0.0)
                 row.finish_reason = row.model_turns[-1].finish_reason or "stop"
             return
-        ask = as_ask(result, env, names, speakers, "step")
-    else:
-        ep.finish_reason = "length"
+        asks, many = as_asks(result, env, names, speakers, "step"), isinstance(result, list)
+    ep.finish_reason = "length"
     for row in threads.values():  # out of turns or room: unscored, as an env's episode cut short
         row.finish_reason = "length"
+
+
+async def _turn(worker, env, ask: Ask, ep: Episode, threads, speakers, last, version, replicas, temperature, k: int) -> Reply | None:
+    """One model turn in its thread (opened by it, or gone on with); None when the thread is out of room."""
+    from meshrl.agent.turns import GenerationFailed
+
+    c = worker.config
+    renderer = worker._renderer(env)
+    model = c.model_names().index(ask.model)
+    thread = threads.get(ask.thread)
+    if thread is None:
+        thread = Episode(ep.group_id, ep.sample_id * MAX_THREADS + len(threads), model=model)
+        threads[ask.thread], speakers[ask.thread] = thread, ask.model
+        ep.threads.append(thread)
+        thread.turns.append(Turn("env", renderer.initial_ids(ask.observation)))
+    else:
+        thread.turns.append(Turn("env", renderer.continuation_ids(last[ask.thread], ask.observation)))
+    room = c.model.max_seq_len - len(thread)
+    if room <= 0:
+        thread.turns.pop()
+        return None
+    budget = min(c.generator.max_new_tokens, room, ask.max_new_tokens or room)
+    out = await worker.model_turns[model].generate(replicas[model], thread.token_ids, budget, version, temperature)
+    thread.turns.append(Turn("model", out.token_ids, out.logprobs, out.versions, finish_reason=out.finish_reason, routed_experts=out.routed_experts))
+    last[ask.thread] = list(out.token_ids)
+    if out.finish_reason == "abort":
+        raise GenerationFailed(f"{ask.model}'s generator replica {replicas[model]} is stopping")
+    return Reply(ask.model, ask.thread, worker.tokenizer.decode(out.token_ids, skip_special_tokens=True), list(out.token_ids), out.finish_reason, k)
 
 
 def thread_windows(ep: Episode, names: list[str]) -> list[dict]:

@@ -149,7 +149,7 @@ class RolloutWorker:
             first = await self._env_call(env, "reset", dict(record))
             ep.env_s += time.monotonic() - t0
             replicas = replica if isinstance(replica, list) else [replica]
-            if isinstance(first, Ask):
+            if isinstance(first, Ask) or (isinstance(first, list) and first and isinstance(first[0], Ask)):
                 await play_game(self, env, first, ep, version, replicas, temperature)
                 return ep
             replica = replicas[0]

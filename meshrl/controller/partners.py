@@ -82,6 +82,7 @@ class TrainedModel:
         t0 = time.monotonic()
         out = await self.trainer.train_from_queue(queue, num_groups, timeout_s, None, self.index)
         out["time/trainer_call_s"] = time.monotonic() - t0
+        out["generator/replicas_replaced"] = float(self.generators.replaced)
         version = out.pop("version")
         out.pop("trained_groups", None)
         return {"version": version, **{f"{self.name}/{k}": v for k, v in out.items()}}

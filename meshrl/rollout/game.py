@@ -1,10 +1,13 @@
 """The game protocol: an env whose turns are spoken by several trained models.
 
-    ask = await game.reset(sample)                # Ask(model, thread, observation)
+    ask = await game.reset(sample)                # Ask(model, thread, observation), or a list of them
     while True:
         reply = <model ask.model's turn, in thread ask.thread, after ask.observation>
-        result = await game.step(reply)           # the next Ask, or an Outcome
+        result = await game.step(reply)           # the next Ask (or list), or an Outcome
         if isinstance(result, Outcome): break
+
+A list of Asks is played at once (k independent attempts, several players moving together:
+their turns batch in the engines), and `step` then gets the list of Replies, in its order.
 
 A thread is one conversation: the tokens one model sees and answers, kept apart from the
 other threads, so a proposer's instructions never reach the solver unless the game puts
@@ -19,8 +22,8 @@ async and are bounded by `rollout.env_timeout_s`, as an env's are; what breaks t
 contract below fails the episode in one line (`ContractError`), as an env's does:
 - `Ask.model` is one of the run's trained models (`policy`, then `models[*].name`);
 - a thread keeps the model that first spoke in it;
-- `step` returns an Ask or an Outcome, whose rewards are finite numbers keyed by threads
-  the game opened.
+- `step` returns an Ask, a list of Asks in distinct threads, or an Outcome, whose rewards
+  are finite numbers keyed by threads the game opened.
 The model names a game uses are the config's: the env takes them from `rollout.env_args`
 when it is meant to be reused.
 """
@@ -71,11 +74,23 @@ class Outcome:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def as_asks(value: Any, game: Any, models: list[str], threads: dict[str, str], method: str) -> list[Ask]:
+    """`game.reset` or `game.step`'s Ask, or list of Asks (in distinct threads), checked."""
+    if isinstance(value, list) and value:
+        asks = [as_ask(v, game, models, threads, method) for v in value]
+        if len({a.thread for a in asks}) != len(asks):
+            raise ContractError(f"game {callable_name(type(game))}: {method} asked twice in one thread at once", _where(getattr(game, method, None)))
+        return asks
+    return [as_ask(value, game, models, threads, method)]
+
+
 def as_ask(value: Any, game: Any, models: list[str], threads: dict[str, str], method: str) -> Ask:
     """`game.reset` or `game.step`'s Ask, checked against the run's models and the threads so far."""
     name, where = f"game {callable_name(type(game))}", _where(getattr(game, method, None))
     if not isinstance(value, Ask):
-        raise ContractError(f"{name}: {method} returned {_shown(value)}: expected an Ask" + (" or an Outcome" if method == "step" else ""), where)
+        raise ContractError(
+            f"{name}: {method} returned {_shown(value)}: expected an Ask, a list of Asks" + (" or an Outcome" if method == "step" else ""), where
+        )
     if value.model not in models:
         raise ContractError(f"{name}: {method} asked model {value.model!r}: the run trains {', '.join(models)}", where)
     if not isinstance(value.thread, str) or not value.thread:

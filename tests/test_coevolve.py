@@ -1,0 +1,204 @@
+"""Co-evolving policies (docs/coevolve.md): a game whose turns two trained models speak.
+
+The unit tests check the pieces on their own: the game contract, packing threads into rows
+tagged with their model, advantages within (group, model), each model's rows, the config's
+refusals, per-model metrics and task:propose's rewards. One whole run of
+configs/coevolve.yaml (the proposer and the solver, each with its own trainer proc, vLLM
+engine and weight sync) has the proposer's generator killed part-way and is read by
+several tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import meshrl
+from meshrl.agent.worker import summarize
+from meshrl.compat import awaited
+from meshrl.config import Config, ConfigError
+from meshrl.episode import Episode, Turn, assign_advantages, model_rows, pack
+from meshrl.rollout.env import ContractError
+from meshrl.rollout.game import Ask, Outcome, as_ask, as_asks, as_outcome
+from meshrl.tasks import PROPOSE_ATTEMPTS, ProposeSolveGame
+from meshrl.rollout.game import Reply
+from tests.test_loop import trained_groups, wait_no_children
+
+MODELS = ["policy", "proposer"]
+
+
+# ---- the pieces -------------------------------------------------------------------------------
+def test_the_game_contract_names_the_method_and_what_was_wrong():
+    game = ProposeSolveGame()
+    with pytest.raises(ContractError, match="asked model 'critic': the run trains policy, proposer"):
+        as_ask(Ask("critic", "t", "x"), game, MODELS, {}, "reset")
+    with pytest.raises(ContractError, match="one model per thread"):
+        as_ask(Ask("policy", "t", "x"), game, MODELS, {"t": "proposer"}, "step")
+    with pytest.raises(ContractError, match="expected an Ask, a list of Asks or an Outcome"):
+        as_ask({"model": "policy"}, game, MODELS, {}, "step")
+    with pytest.raises(ContractError, match="twice in one thread at once"):
+        as_asks([Ask("policy", "t", "x"), Ask("policy", "t", "y")], game, MODELS, {}, "step")
+    with pytest.raises(ContractError, match="max_new_tokens"):
+        as_ask(Ask("policy", "t", "x", max_new_tokens=0), game, MODELS, {}, "reset")
+    with pytest.raises(ContractError, match="never asked in"):
+        as_outcome(Outcome({"nope": 1.0}), game, {"t": "policy"})
+    with pytest.raises(ContractError, match="finite number"):
+        as_outcome(Outcome({"t": float("nan")}), game, {"t": "policy"})
+    assert as_outcome(Outcome({"t": True}), game, {"t": "policy"}).rewards == {"t": 1.0}
+
+
+def _thread(model: int, sample_id: int, reward: float, n: int = 2) -> Episode:
+    row = Episode(0, sample_id, model=model)
+    row.turns = [Turn("env", [1, 2]), Turn("model", [3] * n, [-0.5] * n, [model + 4] * n, reward=reward)]
+    return row
+
+
+def test_a_games_threads_pack_as_rows_of_their_models_with_advantages_per_model():
+    episodes = []
+    for i, (solver, proposer) in enumerate([(1.0, 0.0), (0.0, 1.0), (1.0, 1.0)]):
+        ep = Episode(0, i)
+        ep.threads = [_thread(1, i * 64, proposer), _thread(0, i * 64 + 1, solver, n=3)]
+        episodes.append(ep)
+    td = assign_advantages(pack(episodes), "grpo")
+    assert td["model"].tolist() == [1, 0] * 3
+    assert td["sample_id"].tolist() == [0, 1, 64, 65, 128, 129]
+    assert td["versions"][0, 2:4].tolist() == [5, 5] and td["versions"][1, 2:5].tolist() == [4, 4, 4]  # (model, version) per token
+    for m in (0, 1):  # normalised within each model's rows of the group: mean 0
+        assert abs(float(td["advantage"][td["model"] == m].sum())) < 1e-5
+    mine = model_rows(td, 1)
+    assert mine["model"].tolist() == [1, 1, 1] and mine["reward"].tolist() == [0.0, 1.0, 1.0]
+    none = model_rows(td[td["model"] == 0], 1)  # no row of its own: one row, nothing in the loss
+    assert none.batch_size[0] == 1 and not none["loss_mask"].any()
+    single = pack([_thread(0, 0, 1.0)])
+    assert "model" not in single.keys() and model_rows(single, 0) is single  # one model: as before
+
+
+def test_a_failed_game_episode_leaves_the_loss_with_every_thread():
+    ep = Episode(0, 0, finish_reason="failed")
+    ep.threads = [_thread(1, 0, 1.0), _thread(0, 1, 1.0)]
+    for row in ep.threads:
+        row.finish_reason = "failed"
+    td = assign_advantages(pack([ep]), "grpo")
+    assert not td["loss_mask"].any() and td["reward"].tolist() == [0.0, 0.0]
+
+
+def test_per_model_episode_metrics_keep_the_policys_names():
+    windows = [
+        {"model": m, "reward": r, "success": 0.0, "failed": 0.0, "response_len": 1.0, "turns": 1.0, "tool_calls": 0.0, "env_tokens": 0.0, "env_s": 0.0}
+        for m, r in [("policy", 1.0), ("policy", 0.0), ("proposer", 0.25), ("proposer", 0.75)]
+    ]
+    row = summarize(windows)
+    assert row["reward/mean"] == 0.5 and row["episode/count"] == 2
+    assert row["proposer/reward/mean"] == 0.5 and row["proposer/episode/count"] == 2
+
+
+def test_trained_models_config_view_and_refusals():
+    c = Config.from_dict({"models": [{"name": "proposer", "trainer": {"lr": 0.01, "loss": {"clip_high": 0.3}}, "generator": {"temperature": 0.7}}]})
+    p = c.for_model("proposer")
+    assert (p.trainer.lr, p.trainer.loss.clip_high, p.trainer.loss.clip_low, p.generator.temperature) == (0.01, 0.3, c.trainer.loss.clip_low, 0.7)
+    assert p.seed == c.seed + 1 and p.models == [] and p.logging.run_dir.endswith(os.path.join("models", "proposer"))
+    assert c.model_names() == ["policy", "proposer"] and c.for_model("policy") is c
+    bad = {
+        "models[0].name": {"models": [{"name": "policy"}]},
+        "models[1].name": {"models": [{"name": "a"}, {"name": "a"}]},
+        "models[0].trainer.lrr": {"models": [{"name": "a", "trainer": {"lrr": 1}}]},
+        "models[0].generator.group_size": {"models": [{"name": "a", "generator": {"group_size": 2}}]},
+        "trainer.loss.advantage": {"models": [{"name": "a"}], "trainer": {"loss": {"advantage": "gae"}}},
+        "placement": {"models": [{"name": "a"}], "placement": "colocate"},
+    }
+    for field, data in bad.items():
+        with pytest.raises(ConfigError) as e:
+            Config.from_dict(data)
+        assert e.value.field_path == field, (field, str(e.value))
+
+
+def test_task_propose_rewards_learnability_and_feeds_the_solver_on_a_bad_proposal():
+    c = Config.from_dict({"models": [{"name": "proposer"}]})
+    game = ProposeSolveGame(c)
+    ask = game.reset({"prompt": "p:"})
+    assert (ask.model, ask.thread, ask.max_new_tokens) == ("proposer", "propose", 1)
+    asks = game.step(Reply("proposer", "propose", "2", [50], "length"))  # n = 3
+    assert [(a.model, a.thread, a.observation, a.max_new_tokens) for a in asks] == [("policy", f"solve{i}", "3:", 3) for i in range(PROPOSE_ATTEMPTS)]
+    answers = ["123", "12x", "999", "abc"]
+    ask = game.step([Reply("policy", f"solve{i}", text, [], "length") for i, text in enumerate(answers)])
+    assert isinstance(ask, Outcome) and len(answers) == PROPOSE_ATTEMPTS
+    assert ask.rewards["solve1"] == pytest.approx(2 / 3) and ask.rewards["solve3"] == 0.0
+    assert ask.rewards["propose"] == pytest.approx(0.2 + 0.8 * 0.5)  # 2 of 4 solved
+    game = ProposeSolveGame(c)
+    game.reset({"prompt": "p:"})
+    asks = game.step(Reply("proposer", "propose", "?", [1], "length"))
+    assert asks[0].observation == "4:"  # no digit: the solver still plays
+    ask = game.step([Reply("policy", f"solve{i}", "1234", [], "length") for i in range(PROPOSE_ATTEMPTS)])
+    assert ask.rewards["propose"] == 0.0
+
+
+# ---- one whole run: two models co-evolving, the proposer's generator killed ------------------------
+STEPS, KILL_AFTER = 30, 12
+
+
+@pytest.fixture(scope="module")
+def coevolved(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("coevolve") / "run"
+    config = Config.from_yaml(os.path.join(os.path.dirname(__file__), "..", "configs", "coevolve.yaml"), [f"logging.run_dir={run_dir}"])
+    session = meshrl.Session(config)
+    try:
+        session.start()
+        rows = session.step(KILL_AFTER)
+        (proposer,) = session.loop.partners
+        pid = session._call(awaited(proposer.generators.replicas[0].actor.stats.call_one()), 60)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        rows += session.step(STEPS - KILL_AFTER)
+        queue = session._call(awaited(session.loop.queue.state_dict.call_one()), 60)
+        checkpoint = session.checkpoint()
+        result = session.finish()
+    finally:
+        session.stop()
+    return {"rows": rows, "queue": queue, "checkpoint": checkpoint, "result": result, "run_dir": str(run_dir), "leftovers": wait_no_children()}
+
+
+def _tenths(rows, key):
+    scored = [r[key] for r in rows if key in r]
+    k = max(1, len(scored) // 10)
+    return sum(scored[:k]) / k, sum(scored[-k:]) / k
+
+
+@pytest.mark.slow
+def test_both_models_rewards_rise_from_their_first_tenth(coevolved):
+    rows = coevolved["rows"]
+    for key, margin in (("reward/mean", 0.4), ("proposer/reward/mean", 0.03)):
+        first, last = _tenths(rows, key)
+        assert last - first > margin, (key, first, last)
+
+
+@pytest.mark.slow
+def test_each_models_staleness_is_within_the_bound_on_every_step(coevolved):
+    rows, bound = coevolved["rows"], 2  # configs/coevolve.yaml keeps the default buffer.max_lag
+    assert [int(r["version"]) for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        assert r["trainer/staleness_max"] <= bound and r["proposer/trainer/staleness_max"] <= bound, r["version"]
+        assert r["trainer/tokens"] > 0 and r["proposer/trainer/tokens"] > 0  # each model trained on rows of its own
+    assert rows[-1]["buffer/masked_stale_tokens"] == 0 and rows[-1]["buffer/dropped_stale_groups"] == 0  # admission alone kept it
+
+
+@pytest.mark.slow
+def test_a_killed_generator_of_one_model_is_replaced_and_nothing_is_lost(coevolved):
+    rows = coevolved["rows"]
+    assert rows[-1]["proposer/generator/replicas_replaced"] >= 1
+    assert rows[-1]["generator/replicas_replaced"] == 0
+    groups = trained_groups(rows)
+    assert len(groups) == len(set(groups)) == STEPS * 4, "a group was trained twice or lost"
+    consumed = coevolved["queue"]["consumed"]
+    assert sorted(consumed) == sorted(groups)
+    assert not coevolved["leftovers"], "procs outlived the run"
+
+
+@pytest.mark.slow
+def test_each_model_is_checkpointed_and_exported(coevolved):
+    state = torch.load(coevolved["checkpoint"], weights_only=False)
+    assert set(state["models"]) == {"proposer"} and os.path.isdir(state["models"]["proposer"])
+    for name in ("final", "final-proposer"):
+        assert os.path.isfile(os.path.join(coevolved["run_dir"], "hf", name, "config.json"))
+    assert os.path.isdir(os.path.join(coevolved["run_dir"], "models", "proposer", "hf", "v0"))  # its generators' first weights
