@@ -49,6 +49,7 @@ def check(c: Config) -> None:
     check_teacher(c)
     check_lora(c)
     check_env(c)
+    _each_model(c, check_model_files)
     if c.rollout.tool_parser not in ("hermes", "compact"):
         check_import("rollout.tool_parser", c.rollout.tool_parser, "'hermes', 'compact' or a parser function")
 
@@ -73,12 +74,22 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
 
         check_slurm(c)
     family = check_model(c, plan)  # the checkpoint loads; tp, cp and the dtype suit its family and the plan
+    _each_model(c, lambda view: check_model(view, plan))
     check_memory(c, plan)  # what every proc will hold on its GPU fits it, or one line naming the field to change
     check_routed_experts(c, family)
     check_tokenizer(c)
     if needs_sandbox(c):
         check_sandbox(c)  # the isolation tool works here; model-written code never runs unsandboxed
     check_user_code(c, reward_fn)
+
+
+def _each_model(c: Config, check) -> None:
+    """`check` on each trained model beside the policy (its config view), its field named under `models[i]`."""
+    for i, m in enumerate(c.models):
+        try:
+            check(c.for_model(m.name))
+        except ConfigError as e:
+            raise e.under(f"models[{i}]") from None
 
 
 def _check_run_dir(c: Config) -> None:

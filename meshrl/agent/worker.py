@@ -42,7 +42,7 @@ from meshrl.rollout.chat import ChatRenderer
 from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name
 from meshrl.agent.game import play_game, thread_windows
 from meshrl.agent.turns import GenerationFailed, TurnBatcher
-from meshrl.rollout.game import Ask
+from meshrl.rollout.game import is_ask
 from meshrl.queue.buffer import QueueClosed
 from meshrl.scorers.client import EpisodeScorers
 from meshrl.scorers.process import assign_process_advantages, process_tensors
@@ -149,7 +149,7 @@ class RolloutWorker:
             first = await self._env_call(env, "reset", dict(record))
             ep.env_s += time.monotonic() - t0
             replicas = replica if isinstance(replica, list) else [replica]
-            if isinstance(first, Ask) or (isinstance(first, list) and first and isinstance(first[0], Ask)):
+            if is_ask(first):
                 await play_game(self, env, first, ep, version, replicas, temperature)
                 return ep
             replica = replicas[0]

@@ -27,7 +27,12 @@ class ConfigError(ValueError):
     def __init__(self, field_path: str, message: str, kind: str = "config error"):
         self.field_path = field_path
         self.kind = kind
+        self.message = message
         super().__init__(f"{field_path}: {message}" if field_path else message)
+
+    def under(self, prefix: str) -> "ConfigError":
+        """The same problem, its field named from `prefix` (a trained model's `models[i]`)."""
+        return ConfigError(f"{prefix}.{self.field_path}" if self.field_path else prefix, self.message, self.kind)
 
 
 def need(ok: bool, path: str, message: str) -> None:

@@ -321,9 +321,9 @@ class TrainedModelConfig:
     """A trained model beside the policy: its own trainer mesh, optimizer, version counter, generators and weight sync (co-evolving policies, docs/coevolve.md). Each section here overrides the policy's section of that name, key by key; the rest is the policy's."""
 
     name: str = ""
-    """The model's name: what a game env's `Ask.model` says (the policy is `policy`), the prefix of its metrics (`NAME/trainer/...`, `NAME/reward/mean`) and its directory under the run's (`models/NAME/`: logs, checkpoints, exports)."""
+    """The model's name: what a game env's `Ask.model` says (the policy is `policy`), the prefix of its metrics (`NAME/trainer/...`, `NAME/reward/mean`) and its directory under the run's (`models/NAME/`: its logs and first export; its checkpoint goes under `checkpoints/models/NAME`, its final export to `hf/final-NAME`)."""
     model: dict[str, Any] = field(default_factory=dict)
-    """Overrides of the policy's `model` section (e.g. `path` for its own checkpoint, or its own shapes); empty: the policy's architecture, initialised from seed + its place in `models` (a different start)."""
+    """Overrides of the policy's `model` section (e.g. `path` for its own checkpoint, or its own shapes); empty: the policy's architecture, initialised from seed + 1 + its index in `models` (a start of its own)."""
     trainer: dict[str, Any] = field(default_factory=dict)
     """Overrides of the policy's `trainer` section (e.g. `lr`, `procs`, `loss: {clip_high: 0.3}`)."""
     generator: dict[str, Any] = field(default_factory=dict)
@@ -417,8 +417,7 @@ class Config:
         try:
             return Config.from_dict(data)
         except ConfigError as e:
-            message = str(e)[len(e.field_path) + 2 :] if e.field_path else str(e)
-            raise ConfigError(f"models[{index}].{e.field_path}", message) from None
+            raise e.under(f"models[{index}]") from None
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -310,8 +310,18 @@ def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
             f"{g} GPUs, where weights pass through shared memory, not {config.weight_sync.transport}: "
             "set auto or shm, or placement=split with more GPUs",
         )
+    if config.models and g:
+        raise ConfigError(
+            "models",
+            f"several trained models run on CPU procs only so far (the device and memory plans hold one model), and this run plans {g} GPUs per host: "
+            "set launcher.gpus_per_host=0 and trainer.device=cpu, or train the policy alone",
+        )
     plan = _colocated(config, g, hosts) if g and placement == "colocate" else _split(config, g, hosts)
-    plan.placement = placement
+    for m in config.models:  # each trained model beside the policy: its trainer procs and generator replicas, on CPU
+        view = config.for_model(m.name)
+        plan.slots += [Slot(f"{m.name}/trainer", r, *_trainer_host(config, hosts, r), ()) for r in range(view.trainer.procs)]
+        plan.slots += [Slot(f"{m.name}/generator", i, *_generator_host(hosts, i), ()) for i in range(view.generator.replicas)]
+    plan.placement = "split" if config.models else placement
     plan.one_machine = config.launcher.kind in ("local", "torchx", "process")
     plan.stand_ins = config.launcher.kind == "process" and sum(hosts.values()) > 1
     if g and plan.one_machine:

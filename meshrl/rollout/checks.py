@@ -22,6 +22,7 @@ from meshrl.config import Config, ConfigError
 from meshrl.errors import first_line, source_location, user_location
 from meshrl.imports import check_import, import_callable
 from meshrl.rollout.env import ContractError, ModelTurn, RewardFn, as_observation, as_step_result, call_bounded, call_reward, callable_name, prompt_text
+from meshrl.rollout.game import Outcome, Reply, as_asks, as_outcome, is_ask
 
 
 def check_env(c: Config) -> None:
@@ -131,7 +132,10 @@ def probe_env(c: Config, record: dict) -> None:
             raise fail(f"{r.env!r} made {str(env)[:60]!r} ({type(env).__name__}), which has no {' or '.join(missing)} method: expected an env")
         try:
             try:
-                as_observation(await call_bounded(env.reset, dict(record), timeout=timeout), env)
+                first = await call_bounded(env.reset, dict(record), timeout=timeout)
+                if is_ask(first):  # a game (meshrl/rollout/game.py): its asks, and one step on empty replies
+                    return await _probe_game(c, env, first, timeout)
+                as_observation(first, env)
             except ContractError as e:
                 raise fail(f"{e} ({e.where})" if e.where else str(e)) from None
             except (asyncio.TimeoutError, TimeoutError):
@@ -156,6 +160,23 @@ def probe_env(c: Config, record: dict) -> None:
         run_probe(probe, 4 * timeout + 10)
     except TimeoutError as e:  # the whole probe (a constructor that hangs)
         raise fail(f"trying env {r.env!r} on the first record {e}: raise rollout.env_timeout_s, or set contracts.probe=false") from None
+
+
+async def _probe_game(c: Config, env, first, timeout: float) -> None:
+    """A game's reset checked against the run's models, then one step on empty replies (only a
+    return that breaks the contract fails: an empty turn is not a real one)."""
+    names, speakers = c.model_names(), {}
+    asks = as_asks(first, env, names, speakers, "reset")
+    speakers.update({a.thread: a.model for a in asks})
+    replies = [Reply(a.model, a.thread, "", [], "stop", i) for i, a in enumerate(asks)]
+    try:
+        result = await call_bounded(env.step, replies if isinstance(first, list) else replies[0], timeout=timeout)
+    except Exception:  # noqa: BLE001 - the run's own calls are checked
+        return
+    if isinstance(result, Outcome):
+        as_outcome(result, env, speakers)
+    else:
+        as_asks(result, env, names, speakers, "step")
 
 
 def probe_reward(c: Config, fn: RewardFn, field: str, record: dict, timeout: float | None = None, bound: str = "scoring.timeout_s") -> None:

@@ -74,6 +74,11 @@ class Outcome:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def is_ask(value: Any) -> bool:
+    """Whether `reset` returned a game's start (an Ask, or a list of them), not an env's observation."""
+    return isinstance(value, Ask) or (isinstance(value, list) and bool(value) and all(isinstance(v, Ask) for v in value))
+
+
 def as_asks(value: Any, game: Any, models: list[str], threads: dict[str, str], method: str) -> list[Ask]:
     """`game.reset` or `game.step`'s Ask, or list of Asks (in distinct threads), checked."""
     if isinstance(value, list) and value:
