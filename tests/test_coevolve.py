@@ -193,6 +193,9 @@ def _tenths(rows, key):
 @pytest.mark.slow
 def test_both_models_rewards_rise_from_their_first_tenth(coevolved):
     rows = coevolved["rows"]
+    # Measured over 5 seeds of configs/coevolve.yaml (`meshrl run`, 2 cores): the solver's last tenth
+    # 0.88-0.91 above its first, the proposer's 0.067-0.152. With the proposer frozen (its lr 1e-12):
+    # the proposer's 0.010 and -0.018 (seeds 0, 1); with the solver frozen: the solver's 0.031.
     for key, margin in (("reward/mean", 0.4), ("proposer/reward/mean", 0.03)):
         first, last = _tenths(rows, key)
         assert last - first > margin, (key, first, last)
