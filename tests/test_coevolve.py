@@ -181,7 +181,16 @@ def coevolved(tmp_path_factory):
         result = session.finish()
     finally:
         session.stop()
-    return {"rows": rows, "queue": queue, "checkpoint": checkpoint, "result": result, "run_dir": str(run_dir), "leftovers": wait_no_children()}
+    resumed = meshrl.run(resume=str(run_dir), overrides=[f"steps={STEPS + 1}"])  # each model restored at the policy's version
+    return {
+        "rows": rows,
+        "queue": queue,
+        "checkpoint": checkpoint,
+        "result": result,
+        "resumed": [r for r in resumed.metrics if "version" in r],
+        "run_dir": str(run_dir),
+        "leftovers": wait_no_children(),
+    }
 
 
 def _tenths(rows, key):
@@ -225,9 +234,12 @@ def test_a_killed_generator_of_one_model_is_replaced_and_nothing_is_lost(coevolv
 
 
 @pytest.mark.slow
-def test_each_model_is_checkpointed_and_exported(coevolved):
+def test_each_model_is_checkpointed_exported_and_resumed(coevolved):
     state = torch.load(coevolved["checkpoint"], weights_only=False)
     assert set(state["models"]) == {"proposer"} and os.path.isdir(state["models"]["proposer"])
     for name in ("final", "final-proposer"):
         assert os.path.isfile(os.path.join(coevolved["run_dir"], "hf", name, "config.json"))
     assert os.path.isdir(os.path.join(coevolved["run_dir"], "models", "proposer", "hf", "v0"))  # its generators' first weights
+    (after,) = coevolved["resumed"][-1:]  # the resumed run's one step: both models went on from step STEPS
+    assert int(after["version"]) == STEPS + 1 and "proposer/trainer/loss" in after
+    assert after["proposer/trainer/lr"] == coevolved["rows"][-1]["proposer/trainer/lr"]
