@@ -4,8 +4,8 @@ The unit tests check the pieces on their own: the game contract, packing threads
 tagged with their model, advantages within (group, model), each model's rows, the config's
 refusals, per-model metrics and task:propose's rewards. One whole run of
 configs/coevolve.yaml (the proposer and the solver, each with its own trainer proc, vLLM
-engine and weight sync) has the proposer's generator killed part-way and is read by
-several tests.
+engine and weight sync) has the proposer's generator killed part-way, then its trainer, and
+is resumed for one more step; several tests read it.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def test_task_propose_rewards_learnability_and_feeds_the_solver_on_a_bad_proposa
 
 
 # ---- one whole run: two models co-evolving, the proposer's generator killed ------------------------
-STEPS, KILL_AFTER = 30, 12
+STEPS, KILL_AFTER, KILL_TRAINER_AFTER = 30, 12, 20
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,11 @@ def coevolved(tmp_path_factory):
         (proposer,) = session.loop.partners
         pid = session._call(awaited(proposer.generators.replicas[0].actor.stats.call_one()), 60)["pid"]
         os.kill(pid, signal.SIGKILL)
-        rows += session.step(STEPS - KILL_AFTER)
+        rows += session.step(KILL_TRAINER_AFTER - KILL_AFTER)
+        trainer_pid = proposer.pids[0][0]
+        os.kill(trainer_pid, signal.SIGKILL)  # between two steps: healed from its step-20 snapshot
+        rows += session.step(STEPS - KILL_TRAINER_AFTER)
+        new_trainer_pid = proposer.pids[0][0]
         queue = session._call(awaited(session.loop.queue.state_dict.call_one()), 60)
         checkpoint = session.checkpoint()
         result = session.finish()
@@ -188,6 +192,7 @@ def coevolved(tmp_path_factory):
         "checkpoint": checkpoint,
         "result": result,
         "resumed": [r for r in resumed.metrics if "version" in r],
+        "trainer_pids": (trainer_pid, new_trainer_pid),
         "run_dir": str(run_dir),
         "leftovers": wait_no_children(),
     }
@@ -231,6 +236,19 @@ def test_a_killed_generator_of_one_model_is_replaced_and_nothing_is_lost(coevolv
     consumed = coevolved["queue"]["consumed"]
     assert sorted(consumed) == sorted(groups)
     assert not coevolved["leftovers"], "procs outlived the run"
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_of_one_model_is_healed_and_rejoins_the_policys_version(coevolved):
+    rows = coevolved["rows"]
+    old, new = coevolved["trainer_pids"]
+    assert old != new, "the proposer's trainer was not replaced"
+    healed = [r for r in rows if "proposer/trainer/steps_lost" in r]
+    assert len(healed) == 1 and int(healed[0]["version"]) == KILL_TRAINER_AFTER + 1, [int(r["version"]) for r in healed]
+    assert healed[0]["proposer/trainer/steps_lost"] <= 1 and healed[0]["proposer/trainer/restart_s"] > 0
+    assert rows[-1]["proposer/trainer/restarts"] == 1 and rows[-1]["trainer/restarts"] == 0
+    for r in rows[KILL_TRAINER_AFTER:]:  # it goes on training at the policy's version, on real rows
+        assert r["proposer/trainer/loss"] == r["proposer/trainer/loss"] and abs(r["proposer/trainer/loss"]) < 1e3
 
 
 @pytest.mark.slow

@@ -409,8 +409,6 @@ class Config:
             data[section] = _merged(data[section], getattr(spec, section))
         if not spec.model:
             data["seed"] = self.seed + 1 + index  # the policy's shapes, a start of its own
-        if "snapshot_every" not in spec.trainer:
-            data["trainer"]["snapshot_every"] = 0  # not healed yet (docs/healing.md): no per-step state to keep
         data["generator"]["group_size"] = self.generator.group_size
         data["logging"]["run_dir"] = os.path.join(self.logging.run_dir, "models", name)
         data["models"] = []

@@ -54,7 +54,7 @@ async def trainer_pids(trainer) -> list[tuple[int, float | None]]:
     return pids
 
 
-def _alive(pid: int, started: float | None) -> bool:
+def proc_alive(pid: int, started: float | None) -> bool:
     import psutil
 
     if started is None:
@@ -69,7 +69,7 @@ def _alive(pid: int, started: float | None) -> bool:
 def _kill(pid: int, started: float | None) -> None:
     import psutil
 
-    if started is not None and _alive(pid, started):
+    if started is not None and proc_alive(pid, started):
         try:
             psutil.Process(pid).kill()
         except psutil.Error:
@@ -82,14 +82,15 @@ def _reads_like_a_lost_proc(error: BaseException) -> bool:
     return any(word in text for word in ("supervision", "crashed", "proc exited", "stopped", "unreachable", "connection"))
 
 
-def newest_state(run_dir: str) -> tuple[str | None, int]:
+def newest_state(run_dir: str, checkpoint_dir: str | None = None) -> tuple[str | None, int]:
     """The newest complete trainer state of the run: (its directory, its step), from the
-    per-step snapshots or the checkpoints; (None, 0) when neither holds one."""
+    per-step snapshots or the checkpoints (`checkpoint_dir`, default the run's trainer
+    checkpoint); (None, 0) when neither holds one."""
     found: list[tuple[int, str]] = []
     snap = newest_complete(snapshot_root(run_dir))
     if snap is not None:
         found.append((snapshot_step(snap), snap))
-    ckpt = os.path.join(run_dir, "checkpoints", "trainer")
+    ckpt = checkpoint_dir or os.path.join(run_dir, "checkpoints", "trainer")
     try:
         found.append((checkpoint_step(ckpt), ckpt))
     except (FileNotFoundError, OSError, ValueError):
@@ -98,6 +99,26 @@ def newest_state(run_dir: str) -> tuple[str | None, int]:
         return None, 0
     step, path = max(found)
     return path, step
+
+
+async def replace_trainer(config, alloc, trainer, pids: list, run_dir: str, start_version: int, checkpoint_dir: str | None = None):
+    """Stop what is left of `trainer`, SIGKILL its procs on this host that still live (a rank
+    waiting in a collective with the dead one never returns), spawn a new mesh on the same
+    slots and restore the newest complete state under `run_dir` (else the seeded start of a
+    run that began at version 0). Returns (the new mesh, its version). The policy's trainer
+    and each trained model beside it (controller/partners.py) are replaced by this."""
+    try:
+        await asyncio.wait_for(trainer.stop(), 90)
+    except Exception:  # noqa: BLE001 - dead procs do not answer; they are killed below
+        pass
+    for pid, started in pids:
+        _kill(pid, started)
+    path, _ = newest_state(run_dir, checkpoint_dir)
+    if path is None and start_version > 0:
+        raise RuntimeError(f"no complete trainer state at or after the run's start (version {start_version})")
+    new = await spawn_trainer(config, config.trainer.collective_timeout_s, host_mesh=alloc.host_mesh("trainer"), hosts=alloc.hosts("trainer"), plan=alloc.plan)
+    version = await new.load_checkpoint(path) if path is not None else 0  # a snapshot or a checkpoint
+    return new, version
 
 
 class TrainerHealer:
@@ -121,7 +142,7 @@ class TrainerHealer:
 
     def trainer_dead(self) -> bool:
         """Whether a proc of the current trainer mesh on this host is gone."""
-        return any(not _alive(pid, started) for pid, started in self.pids)
+        return any(not proc_alive(pid, started) for pid, started in self.pids)
 
     def can_heal(self) -> str | None:
         """Why this run's trainer is not healed (None: it is)."""
@@ -139,7 +160,7 @@ class TrainerHealer:
         TrainerFailed with one line when it may not or cannot."""
         loop, c = self.loop, self.loop.config
         first = first_line(str(error)) or type(error).__name__
-        dead = [rank for rank, (pid, started) in enumerate(self.pids) if not _alive(pid, started)]
+        dead = [rank for rank, (pid, started) in enumerate(self.pids) if not proc_alive(pid, started)]
         who = ", ".join(f"rank {r} (pid {self.pids[r][0]})" for r in dead) or "a trainer proc"
         remote = any(started is None for _, started in self.pids)
         if not dead and not (remote and _reads_like_a_lost_proc(error)):  # it raised, alive: a new mesh would raise again
@@ -178,20 +199,8 @@ class TrainerHealer:
             task, loop._update_task = loop._update_task, None
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        try:
-            await asyncio.wait_for(loop.trainer.stop(), 90)
-        except Exception:  # noqa: BLE001 - dead procs do not answer; they are killed below
-            pass
-        for pid, started in self.pids:  # a rank waiting in a collective with the dead one
-            _kill(pid, started)
-        path, step = newest_state(loop.run_dir)
-        if path is None and self.start_version > 0:
-            raise RuntimeError(f"no complete trainer state at or after the run's start (version {self.start_version})")
-        loop.trainer = await spawn_trainer(
-            c, c.trainer.collective_timeout_s, host_mesh=loop.alloc.host_mesh("trainer"), hosts=loop.alloc.hosts("trainer"), plan=loop.alloc.plan
-        )
+        loop.trainer, version = await replace_trainer(c, loop.alloc, loop.trainer, self.pids, loop.run_dir, self.start_version)
         await self.watch()
-        version = await loop.trainer.load_checkpoint(path) if path is not None else 0  # a snapshot or a checkpoint
         retaken = await awaited(loop.queue.retake.call_one(version))
         publisher = await loop.trainer.publisher_handle()
         await loop.trainer.publish_current()

@@ -270,7 +270,8 @@ class RLLoop:
     async def _train_partners(self) -> dict:
         """Each trained model beside the policy, its step on the policy's batch (controller/partners.py)."""
         c, outs = self.config, {}
-        for p, out in zip(self.partners, await asyncio.gather(*(p.train(self.queue, c.batch_groups, c.buffer.get_timeout_s) for p in self.partners))):
+        calls = (p.train(self.queue, c.batch_groups, c.buffer.get_timeout_s, self.version) for p in self.partners)
+        for p, out in zip(self.partners, await asyncio.gather(*calls)):
             if out.pop("version") != self.version + 1:
                 raise TrainerFailed(f"trained model {p.name} is not at the policy's version {self.version + 1}: {checkpoints.how_to_resume(self.run_dir)}")
             outs.update(out)

@@ -10,9 +10,12 @@ batch at once, on its own rows, on its own procs (trainer/actor.py `train_from_q
 all the models are at the same version after each step and the queue's admission and
 staleness bound hold for each model's tokens against its own version.
 
-Each model's generators are healed as the policy's are (`check`); its trainer is not yet
-(a dead one ends the run resumably), and its checkpoint is written and restored with the
-policy's (controller/checkpoint.py).
+Each model's generators are healed as the policy's are (`check`), and so is its trainer: a
+dead trainer proc is replaced on the same slots and restored from its newest complete state
+(its per-step snapshot under models/NAME/snapshots, or its last checkpoint), then retrains
+the steps it lost from the batches the queue keeps for it (`EpisodeQueue.shared`: the
+current version's and the one before), so it rejoins the policy's version within the step.
+Its checkpoint is written and restored with the policy's (controller/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ import time
 
 from meshrl.compat import awaited
 from meshrl.config import Config
+from meshrl.controller import checkpoint as checkpoints
+from meshrl.controller.heal import proc_alive, replace_trainer, trainer_pids
 from meshrl.controller.replicas import GeneratorPool
+from meshrl.errors import TrainerFailed, first_line
+from meshrl.logs import console
 from meshrl.launch.devices import weights_on_gpu
 from meshrl.trainer.actor import TrainerMesh, spawn_trainer
 from meshrl.weightsync.connect import WeightSync
@@ -46,6 +53,10 @@ class TrainedModel:
         self.generators: GeneratorPool | None = None
         self.weight_sync: WeightSync | None = None
         self._update: asyncio.Task | None = None
+        self.pids: list = []  # its trainer's (pid, start time) per rank, to tell a dead one
+        self.restarts = 0
+        self.start_version = 0
+        self.pending: dict[str, float] = {}  # a heal's metrics, for the next row
 
     async def start(self, version: int, checkpoint_dir: str | None = None) -> None:
         """Its trainer (from its model section, or from `checkpoint_dir`: a resumed run's
@@ -53,14 +64,18 @@ class TrainedModel:
         the generators, and weight sync between them."""
         c = self.config
         os.makedirs(c.logging.run_dir, exist_ok=True)
-        self.trainer = await spawn_trainer(c, c.trainer.collective_timeout_s, host_mesh=self.alloc.host_mesh("trainer"), hosts=1, plan=self.alloc.plan)
+        self.trainer = await spawn_trainer(
+            c, c.trainer.collective_timeout_s, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan
+        )
         if checkpoint_dir is not None:
             restored = await self.trainer.load_checkpoint(checkpoint_dir)
             if restored != version:
                 raise RuntimeError(f"trained model {self.name}'s checkpoint is at version {restored}, the policy's at {version}")
+        self.pids, self.start_version = await trainer_pids(self.trainer), version
         publisher = await self.trainer.publisher_handle()
         initial = await self.trainer.export_hf(os.path.join(c.logging.run_dir, "hf", f"v{version}"))
         self.generators = GeneratorPool(c, self.alloc, initial, version, self._rewire)
+        self.generators.source_lost = self.trainer_dead  # an update cut off by its dead trainer keeps the replica
         await self.generators.start(c.generator.replicas)
         on_gpu = weights_on_gpu(self.alloc.plan, c.weight_sync.transport)
         self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), on_gpu).connect(publisher, await self._subscribers())
@@ -77,15 +92,73 @@ class TrainedModel:
             await self.weight_sync.reconnect(subscribers=await self._subscribers())
         await self.workers_changed(self.handles(), self.index)
 
-    async def train(self, queue, num_groups: int, timeout_s: float) -> dict:
-        """Its step on the policy's batch of this version, its own rows; metrics under `NAME/`."""
+    def trainer_dead(self) -> bool:
+        return any(not proc_alive(pid, started) for pid, started in self.pids)
+
+    async def train(self, queue, num_groups: int, timeout_s: float, version: int) -> dict:
+        """Its step on the policy's batch of `version` (to version + 1), its own rows; metrics
+        under `NAME/`. A dead trainer proc is healed, and the restored trainer retrains each
+        step it lost on that step's batch until it is at version + 1."""
         t0 = time.monotonic()
-        out = await self.trainer.train_from_queue(queue, num_groups, timeout_s, None, self.index)
+        while True:
+            try:
+                out = await self.trainer.train_from_queue(queue, num_groups, timeout_s, None, self.index)
+            except Exception as e:  # noqa: BLE001 - a dead proc is healed; anything else ends the run resumably
+                await self.heal(e, version)
+                continue
+            if out["version"] > version:
+                break
+        out.update(self.pending)
+        self.pending = {}
+        out["trainer/restarts"] = float(self.restarts)
         out["time/trainer_call_s"] = time.monotonic() - t0
         out["generator/replicas_replaced"] = float(self.generators.replaced)
         version = out.pop("version")
         out.pop("trained_groups", None)
         return {"version": version, **{f"{self.name}/{k}": v for k, v in out.items()}}
+
+    async def heal(self, error: BaseException, version: int) -> None:
+        """Replace its dead trainer mesh and restore it (controller/heal.py's `replace_trainer`),
+        bounded by its trainer.max_restarts and restart_timeout_s; TrainerFailed with one line
+        when it may not or cannot."""
+        c, run_dir = self.config, self.run_config.logging.run_dir
+        first = first_line(str(error)) or type(error).__name__
+        dead = [rank for rank, (pid, started) in enumerate(self.pids) if not proc_alive(pid, started)]
+        failed = f"trained model {self.name}'s trainer failed at version {version}"
+        who = ", ".join(f"rank {r} (pid {self.pids[r][0]})" for r in dead)
+        if not dead:  # it raised, alive: a new mesh would raise again
+            raise TrainerFailed(f"{failed} ({type(error).__name__}: {first}); {checkpoints.how_to_resume(run_dir)}") from error
+        if self.restarts >= c.trainer.max_restarts:
+            raise TrainerFailed(
+                f"{failed} ({first}); not healed: trainer.max_restarts={c.trainer.max_restarts} used; {checkpoints.how_to_resume(run_dir)}"
+            ) from error
+        self.restarts += 1
+        t0 = time.monotonic()
+        if self._update is not None:  # reading from the dead publisher
+            self._update.cancel()
+            await asyncio.gather(self._update, return_exceptions=True)
+            self._update = None
+        saved = os.path.join(run_dir, "checkpoints", "models", self.name)
+        try:
+            self.trainer, restored = await asyncio.wait_for(
+                replace_trainer(c, self.alloc, self.trainer, self.pids, c.logging.run_dir, self.start_version, saved), c.trainer.restart_timeout_s
+            )
+            self.pids = await trainer_pids(self.trainer)
+            publisher = await self.trainer.publisher_handle()
+            await self.trainer.publish_current()
+            self.weight_sync = await self.weight_sync.reconnect(publisher=publisher)
+        except Exception as e:  # noqa: BLE001 - the heal itself failed: stop, resumably
+            raise TrainerFailed(
+                f"{failed} ({first}) and could not be restarted ({type(e).__name__}: {first_line(str(e), 200)}); {checkpoints.how_to_resume(run_dir)}"
+            ) from e
+        self.update(restored)  # a generator behind it (its update cut off) catches up
+        took, lost = time.monotonic() - t0, max(0, version - restored)
+        self.pending = {"trainer/restart_s": took, "trainer/steps_lost": float(lost)}
+        print(
+            f"meshrl: trained model {self.name}'s trainer {who} died at version {version} ({first_line(first, 160)}); "
+            f"healed in {took:.1f}s from version {restored} ({lost} step(s) to train again; restart {self.restarts} of {c.trainer.max_restarts})",
+            file=console(),
+        )
 
     def update(self, version: int) -> None:
         """Move its generators to `version` in the background (after the previous move)."""
