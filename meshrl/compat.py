@@ -57,6 +57,20 @@ async def awaited(future):
     return await future
 
 
+def monarch_unprefixed_logs() -> None:
+    """Leave meshrl's log records as they were written.
+
+    Once a process holds a Monarch context, Monarch's `_ActorFilter` sits on every logging
+    handler and rewrites `record.msg` in place to "[actor=NAME] msg", once per handler the
+    record passes: a warning that reaches both the console and a log file reads
+    "[actor=<root>] [actor=<root>] ...", and pytest's capture sees it three times. meshrl's
+    lines name their role themselves (one log file per role), so the prefix is turned off
+    (`prefix_python_logs_with_actor`, a plain module setting)."""
+    import monarch._src.actor.config as monarch_config
+
+    monarch_config.prefix_python_logs_with_actor = False
+
+
 def endpoint_for_callers_that_may_die(method):
     """A concurrent endpoint whose answer is dropped, with a warning, when its caller is gone.
 

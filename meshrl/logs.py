@@ -78,6 +78,9 @@ def capture_role_output(config, role: str) -> None:
     """Called by each actor as it starts: its proc's output goes to RUN_DIR/logs/ROLE.log,
     unless `logging.verbose` (or MESHRL_VERBOSE=1 in the environment) keeps it on the
     terminal."""
+    from meshrl.compat import monarch_unprefixed_logs  # an actor's proc: torch is loaded already
+
+    monarch_unprefixed_logs()
     if verbose(config):
         return
     capture_process_output(os.path.abspath(config.logging.run_dir), role)

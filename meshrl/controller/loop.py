@@ -22,7 +22,7 @@ import logging
 import os
 import time
 
-from meshrl.compat import awaited
+from meshrl.compat import awaited, monarch_unprefixed_logs
 from meshrl.config import Config, ConfigError
 from meshrl.controller import checkpoint as checkpoints, colocate
 from meshrl.controller.breaker import FailureBreaker, report_cliffs
@@ -97,6 +97,7 @@ class RLLoop:
 
     async def start(self) -> None:
         c = self.config
+        monarch_unprefixed_logs()  # meshrl's lines as written, once (compat.py)
         self._restore_fault_hook = log_mesh_failures()
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
