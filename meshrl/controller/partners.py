@@ -183,12 +183,6 @@ class TrainedModel:
     async def save_checkpoint(self, root: str) -> str:
         return await self.trainer.save_checkpoint(os.path.join(root, self.name))
 
-    async def load_checkpoint(self, path: str) -> int:
-        return await self.trainer.load_checkpoint(path)
-
-    async def export(self, path: str) -> str:
-        return await self.trainer.export_hf(path)
-
     async def shutdown(self) -> None:
         if self._update is not None:
             self._update.cancel()
