@@ -234,8 +234,7 @@ class RolloutWorker:
     async def play_group(self, claim) -> list[Episode]:
         n = self.config.generator.group_size
         replicas = [turns.acquire() for turns in self.model_turns]  # one per trained model (a game's)
-        replica = replicas if len(replicas) > 1 else replicas[0]
-        tasks = [asyncio.ensure_future(self.play_scored(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replica)) for i in range(n)]
+        tasks = [asyncio.ensure_future(self.play_scored(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replicas)) for i in range(n)]
         seen = dict(self.scorers.versions)  # the implicit PRM's version as the group starts (its version lag)
         try:
             episodes = list(await asyncio.gather(*tasks))
@@ -423,19 +422,19 @@ def summarize(windows: list[dict[str, float]], failed_total: float = 0.0, first_
     """Per-step episode metrics from the workers' per-episode windows; with `first_failure`
     (the first failed episode's reason, one line) as `episode/first_failure`, a string
     kept in the history and not in metrics.jsonl."""
-    if not windows:
-        return {}
-    others: dict[str, list[dict]] = {}  # a game's rows of the models beside the policy, by name
+    by_model: dict[str, list[dict]] = {}  # a game's rows carry their model's name; an env's are the policy's
     for w in windows:
-        if w.get("model", "policy") != "policy":
-            others.setdefault(w["model"], []).append(w)
-    if others:
-        windows = [w for w in windows if w.get("model", "policy") == "policy"]
-        row = summarize(windows, failed_total, first_failure) if windows else {}
-        for name, rows in others.items():
-            theirs = summarize([{**w, "model": "policy"} for w in rows])
-            row.update({f"{name}/{k}": theirs[k] for k in MODEL_METRICS})
-        return row
+        by_model.setdefault(w.get("model", "policy"), []).append(w)
+    policy = by_model.pop("policy", [])
+    row = _summary(policy, failed_total, first_failure) if policy else {}
+    for name, rows in by_model.items():
+        theirs = _summary(rows)
+        row.update({f"{name}/{k}": theirs[k] for k in MODEL_METRICS})
+    return row
+
+
+def _summary(windows: list[dict[str, float]], failed_total: float = 0.0, first_failure: str | None = None) -> dict:
+    """`summarize` of one model's episodes (at least one)."""
     n = len(windows)
 
     def mean(key: str) -> float:
