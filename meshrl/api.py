@@ -148,7 +148,9 @@ class Session:
         return self._need().run_dir
 
     def step(self, n: int = 1, progress: bool = False) -> list[dict[str, float]]:
-        """Train `n` steps; returns their metric rows."""
+        """Train until the policy's version is `n` past where it was; returns each step's metric
+        row. A healed trainer that lost a step trains it again: that version's row comes twice,
+        the later one what the run kept (docs/healing.md)."""
         loop = self._need()
         earlier, self._interrupted = self._interrupted, None
         if earlier is not None and not earlier.done():  # a step that Ctrl-C left running: never two at once
@@ -159,13 +161,15 @@ class Session:
         rows = []
         bar = _progress(n, progress)
         try:
-            for _ in range(n):
+            goal = loop.version + n
+            while loop.version < goal:
                 self._call(loop.check_health(), 600)
+                before = loop.version
                 row = self._call(loop.step(), self._step_bound())
                 rows.append(row)
                 if bar is not None:
                     bar.set_postfix_str(format_row(row, PROGRESS_KEYS))
-                    bar.update(1)
+                    bar.update(max(0, loop.version - before))
         finally:
             if bar is not None:
                 bar.close()

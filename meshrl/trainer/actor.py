@@ -128,17 +128,15 @@ class TrainerActor(Actor):
             dist.broadcast_object_list(box, src=0, group=self._objects)
             batch = box[0]
         wait_s = time.perf_counter() - t0
+        settled = self._settle_snapshot()  # the last step's, written while this batch was awaited
         out = trainer.train_step(batch, trainer.step)
         snapshot = self.snapshots is not None and self.snapshots.due(trainer.step)
-        if snapshot:  # on GPUs staged to host memory here, written while the new version is published
+        if snapshot:  # on GPUs staged to host memory here; written while the version is published and the next batch awaited
             self.snapshots.start(trainer.step, trainer.model, trainer.optimizer, trainer.scheduler)
         t1 = time.perf_counter()
         copy_s = self._publish(trainer)
         publish_s = time.perf_counter() - t1
-        if snapshot:  # complete before anyone hears of the version: every version announced is restorable
-            self.snapshots.finish()
-            self.durable = trainer.step
-        if trainer.rank == 0 and not model:
+        if trainer.rank == 0 and not model:  # the queue holds every batch taken since the newest complete snapshot
             await awaited(queue.set_version.call_one(trainer.step, self.durable if self.snapshots is not None else trainer.step))
         metrics = {f"trainer/{k}": v for k, v in out.items() if k != "version"}
         metrics.update(
@@ -150,11 +148,19 @@ class TrainerActor(Actor):
                 "sync/stage_copy_s": copy_s,
             }
         )
-        if snapshot:
-            metrics["trainer/snapshot_stage_s"] = self.snapshots.stage_s
-            metrics["trainer/snapshot_wait_s"] = self.snapshots.wait_s
+        if snapshot or settled:  # this step's staging; the wait for the last step's write, at this step's start
+            metrics["trainer/snapshot_stage_s"] = self.snapshots.stage_s if snapshot else 0.0
+            metrics["trainer/snapshot_wait_s"] = self.snapshots.wait_s if settled else 0.0
         metrics.update(critic_metrics)
         return metrics
+
+    def _settle_snapshot(self) -> bool:
+        """Complete the pending snapshot before anything changes the state it is written from
+        (the next optimizer step, a restore, an offload); whether one was pending."""
+        if self.snapshots is None or self.snapshots.finish() is None:
+            return False
+        self.durable = self.snapshots.complete
+        return True
 
     @staticmethod
     async def _critic_advantages(critic, batch: TensorDict, trainer: PolicyTrainer) -> dict:
@@ -212,10 +218,12 @@ class TrainerActor(Actor):
 
     @endpoint
     async def release_memory(self, offload_optimizer: bool) -> dict:
+        self._settle_snapshot()
         return self._need().release_memory(offload_optimizer)
 
     @endpoint
     async def load_checkpoint(self, path: str) -> int:
+        self._settle_snapshot()
         self.durable = self._need().load_checkpoint(path)
         return self.durable
 

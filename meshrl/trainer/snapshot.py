@@ -1,22 +1,28 @@
 """Per-step trainer snapshots: the state a healed trainer restores (docs/healing.md).
 
 Every `trainer.snapshot_every` steps each rank saves its shards of the model, the optimizer
-and the lr scheduler into RUN_DIR/snapshots/step-N/, written while the trainer gathers and
-publishes the new version. A CPU trainer's state already is in host memory: each rank's
-shards go to `rank-R.pt` with torch.save, by a thread, without a copy (DCP's planning and
-metadata cost more than the write itself on small models, and a heal restores into a mesh
-of the same shape, so DCP's resharding is not needed). A GPU trainer uses DCP's
-`async_save`, whose staging takes the state off the device. benchmarks/snapshot_cost.py
-measured the candidates (docs/healing.md). `finish()` waits for the write, and rank 0
-completes it the way a checkpoint is completed (meshrl/trainer/checkpoint.py: a marker
-written last into the temp directory, the directory renamed, `latest` pointed at it), so
-a crash during the write leaves the previous snapshot as the newest complete one.
+and the lr scheduler into RUN_DIR/snapshots/step-N/. `start()` after the optimizer step
+hands the write to a thread; `finish()` waits for it, and the trainer calls it just before
+its next optimizer step, after the next batch arrived: the write runs while the new version
+is published and the next batch is awaited, off the step's path. So the newest version a
+trainer announced may be one step ahead of its newest complete snapshot, and a heal loses
+at most that step, which it trains again from the batch the queue holds for it.
+
+A CPU trainer's state already is in host memory: each rank's shards go to `rank-R.pt` with
+torch.save, without a copy (nothing changes the weights or the optimizer's state before
+`finish()`); DCP's planning and metadata cost more than the write itself on small models,
+and a heal restores into a mesh of the same shape, so DCP's resharding is not needed. A GPU
+trainer uses DCP's `async_save`, whose staging takes the state off the device.
+benchmarks/snapshot_cost.py measured the candidates (docs/healing.md). A snapshot is
+completed the way a checkpoint is (meshrl/trainer/checkpoint.py: a marker written last into
+the temp directory, the directory renamed, `latest` pointed at it), by the writing thread
+itself on a single rank, else by rank 0 in `finish()` once every rank's file is written; a
+crash during the write leaves the previous snapshot as the newest complete one.
 
 A snapshot is for a trainer proc that dies, not for the machine: its files are not
 fsynced (the page cache outlives the proc, and fsync was most of the write's cost); a run
-that loses its controller's host resumes from a checkpoint, which is. The trainer calls
-`finish()` before it tells the episode queue its new version, so a version the generators
-or the queue know of is always restorable. The two newest complete snapshots are kept.
+that loses its controller's host resumes from a checkpoint, which is. The two newest
+complete snapshots are kept.
 """
 
 from __future__ import annotations
@@ -103,17 +109,18 @@ def load_snapshot(path: str, model, optimizer, scheduler=None) -> int:
 
 class Snapshots:
     """One rank's side of the per-step snapshots. `start(step, ...)` after the optimizer step,
-    `finish()` before the version is announced; collective: every rank calls both in step.
+    `finish()` before the next one; collective: every rank calls both in step.
     `process_group`: a gloo group of its own (the background write's collectives must not
     interleave with the training's), None for a single rank. `blocking`: each rank writes
     its own shards (`rank-R.pt`, torch.save, by a thread, no staging copy: the caller
     changes nothing before `finish()`), the CPU trainer's way; else DCP's async_save, the
-    GPU trainer's."""
+    GPU trainer's. `complete`: the step of the newest snapshot `finish()` completed (0: none)."""
 
     def __init__(self, root: str, every: int, process_group=None, blocking: bool = False):
         self.root, self.every, self.pg, self.blocking = os.path.abspath(root), every, process_group, blocking
-        self._pending: tuple[Any, str, str, dict] | None = None  # (future, temp dir, name, metadata)
+        self._pending: tuple[Any, str, str, dict, bool] | None = None  # (future, temp dir, name, metadata, completed by the thread)
         self.stage_s = self.wait_s = 0.0
+        self.complete = 0
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -127,26 +134,31 @@ class Snapshots:
         rank = dist.get_rank() if dist.is_initialized() else 0
         name = f"step-{step:08d}"
         tmp = os.path.join(self.root, f".{name}.tmp")
-        if rank == 0:
-            os.makedirs(self.root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed write of the same step
-            os.makedirs(tmp)
-        if self.pg is not None:
-            dist.barrier(group=self.pg)
         meta = {
             "step": step,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "extra": {"snapshot": "local" if self.blocking else "dcp"},
         }
+        if self.blocking and self.pg is None:  # one rank: the whole write, its completion included, by the thread
+            self._pending = (_THREADS.submit(self._write, model, optimizer, tmp, name, meta), tmp, name, meta, True)
+            self.stage_s = time.perf_counter() - t0
+            return
+        if rank == 0:
+            _fresh(self.root, tmp)
+        if self.pg is not None:
+            dist.barrier(group=self.pg)
         if self.blocking:  # DCP's planning and metadata cost more than the write of a small model: plain shards
-            # by a thread, while the version is gathered and published: nothing changes the
-            # weights or the optimizer's state before finish() waits for it
             future = _THREADS.submit(torch.save, local_state(model, optimizer), os.path.join(tmp, f"rank-{rank}.pt"))
         else:
             writer = dcp.FileSystemWriter(tmp, sync_files=False)
             future = dcp.async_save(_train_state(model, optimizer), storage_writer=writer, process_group=self.pg, no_dist=self.pg is None)
-        self._pending = (future, tmp, name, meta)
+        self._pending = (future, tmp, name, meta, False)
         self.stage_s = time.perf_counter() - t0
+
+    def _write(self, model, optimizer, tmp: str, name: str, meta: dict) -> None:
+        _fresh(self.root, tmp)
+        torch.save(local_state(model, optimizer), os.path.join(tmp, "rank-0.pt"))
+        self._complete(tmp, name, meta)
 
     def finish(self) -> str | None:
         """Wait for the pending write and complete it (rank 0); the snapshot's path, or None
@@ -154,24 +166,28 @@ class Snapshots:
         if self._pending is None:
             return None
         t0 = time.perf_counter()
-        future, tmp, name, meta = self._pending
+        future, tmp, name, meta, completed = self._pending
         self._pending = None
         future.result()  # DCP: every rank's shards and the metadata are written once the coordinator's is
-        if self.blocking and self.pg is not None:
-            dist.barrier(group=self.pg)  # every rank's file is written
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        final = os.path.join(self.root, name)
-        if rank == 0:
-            with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:  # last: a directory without it is never restored
-                json.dump(meta, f)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            with open(os.path.join(self.root, LATEST + ".tmp"), "w") as f:
-                f.write(name)
-            os.replace(os.path.join(self.root, LATEST + ".tmp"), os.path.join(self.root, LATEST))
-            self._prune(name)
+        if not completed:
+            if self.blocking and self.pg is not None:
+                dist.barrier(group=self.pg)  # every rank's file is written
+            if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+                self._complete(tmp, name, meta)
         self.wait_s = time.perf_counter() - t0
-        return final
+        self.complete = int(meta["step"])
+        return os.path.join(self.root, name)
+
+    def _complete(self, tmp: str, name: str, meta: dict) -> None:
+        final = os.path.join(self.root, name)
+        with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:  # last: a directory without it is never restored
+            json.dump(meta, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        with open(os.path.join(self.root, LATEST + ".tmp"), "w") as f:
+            f.write(name)
+        os.replace(os.path.join(self.root, LATEST + ".tmp"), os.path.join(self.root, LATEST))
+        self._prune(name)
 
     def _prune(self, newest: str) -> None:
         names = sorted(n for n in os.listdir(self.root) if n.startswith("step-"))
@@ -180,3 +196,10 @@ class Snapshots:
         for n in os.listdir(self.root):  # temp dirs of writes a crash cut short
             if n.startswith(".step-") and n.endswith(".tmp") and n != f".{newest}.tmp":
                 shutil.rmtree(os.path.join(self.root, n), ignore_errors=True)
+
+
+def _fresh(root: str, tmp: str) -> None:
+    """An empty temp directory for a snapshot (debris of a crashed write of the same step removed)."""
+    os.makedirs(root, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
