@@ -12,7 +12,7 @@ Three parts, each a ratio against a reference measured in the same invocation:
 3. `--part heal`: one run whose trainer proc is SIGKILLed between two steps: trainer/restart_s
    and the seconds from the kill to the end of the next trained step.
 
-    python benchmarks/snapshot_cost.py [--part store,runs,heal] [--steps 16] [--repeats 2] [--out benchmarks/results/snapshot_cost.json]
+    python benchmarks/snapshot_cost.py [--part store,runs,heal] [--steps 16] [--repeats 2] [--size default|25M] [--out benchmarks/results/snapshot_cost.json]
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ SIZES = {
     "default": {},  # configs/default.yaml's model
     "25M": {"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 1536},  # benchmarks/README.md section 14's trainer-bound model
 }
+
+
+TRAINER_BOUND = {"generator": {"max_new_tokens": 8}, "trainer": {"compile": False}}  # benchmarks/README.md section 14's problem
 
 
 def _keeper_class():
@@ -198,6 +201,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--config", default="", help="runs part: a config file (default: the embedded default)")
+    ap.add_argument("--size", choices=list(SIZES), default="default", help="runs part: the model (25M: section 14's trainer-bound problem, short answers)")
     ap.add_argument("--out", default="benchmarks/results/snapshot_cost.json")
     args = ap.parse_args()
     parts = args.part.split(",")
@@ -205,7 +209,8 @@ def main() -> None:
     if "store" in parts:
         out["store"] = store_part(args.reps)
     if "runs" in parts:
-        out["runs_default"] = runs_part(args.config, args.steps, args.repeats)
+        extra = None if args.size == "default" else TRAINER_BOUND | {"model": {**SIZES[args.size], "dtype": "float32"}}
+        out["runs_default"] = runs_part(args.config, args.steps, args.repeats, extra)
         r = out["runs_default"]
         print(f"default config: median step with snapshots / without = {r['ratio_step_s']:.3f}; snapshot share of a step {r['snapshot_frac_of_step']:.3f}")
     if "heal" in parts:

@@ -177,7 +177,7 @@ def coevolved(tmp_path_factory):
         os.kill(pid, signal.SIGKILL)
         rows += session.step(KILL_TRAINER_AFTER - KILL_AFTER)
         trainer_pid = proposer.pids[0][0]
-        os.kill(trainer_pid, signal.SIGKILL)  # between two steps: healed from its step-20 snapshot
+        os.kill(trainer_pid, signal.SIGKILL)  # between two steps: healed from its step-19 or step-20 snapshot (20 is written while the next batch is awaited)
         rows += session.step(STEPS - KILL_TRAINER_AFTER)
         new_trainer_pid = proposer.pids[0][0]
         queue = session._call(awaited(session.loop.queue.state_dict.call_one()), 60)
