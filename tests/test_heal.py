@@ -53,10 +53,10 @@ def kill_during_snapshot(run_dir: str, pids: list[int], step: int, timeout_s: fl
     return thread
 
 
-def run_and_kill(run_dir, procs: int, kill_ranks: list[int]) -> dict:
+def run_and_kill(run_dir, procs: int, kill_ranks: list[int], **sections) -> dict:
     """A short default-like run (asynchronous, buffer depth 2) whose trainer ranks
     `kill_ranks` are SIGKILLed during step KILL_AT's snapshot; returns what the tests check."""
-    cfg = tiny(run_dir, steps=STEPS, batch_groups=GROUPS, trainer={"checkpoint_every": 0, "procs": procs})
+    cfg = tiny(run_dir, steps=STEPS, batch_groups=GROUPS, trainer={"checkpoint_every": 0, "procs": procs}, **sections)
     session = meshrl.Session(cfg)
     try:
         session.start()
@@ -116,6 +116,13 @@ def test_killed_single_trainer_proc_is_healed_and_the_run_finishes(healed_single
 
 def test_fsdp_trainer_with_one_proc_killed_is_healed(tmp_path):
     check_healed(run_and_kill(tmp_path / "run", procs=2, kill_ranks=[1]))
+
+
+def test_trainer_on_a_stand_in_host_is_healed(tmp_path):
+    """The process launcher's two ProcessJob hosts (the Slurm path without a cluster): the
+    weights cross to the generators' host by the collective transport, whose group the heal
+    re-creates while a generator may be taking a version from the dead trainer."""
+    check_healed(run_and_kill(tmp_path / "run", procs=1, kill_ranks=[0], launcher={"kind": "process", "hosts": 2}))
 
 
 # ---- a snapshot write killed part-way -----------------------------------------------------------

@@ -147,6 +147,20 @@ class GeneratorActor(Actor):
         if self.subscriber is None:
             raise RuntimeError("weight sync is not connected: call weight_sync_handle and connect first")
         t0 = time.monotonic()
+        connection = self.subscriber.connections
+        try:
+            return await self._sync(version, t0)
+        except Exception:
+            if self.subscriber.connections == connection:
+                raise
+        # Reconnected under this call (a healed trainer's new publisher): what it took from
+        # the old receivers is gone. Once more, from the new ones, when they have joined.
+        deadline = time.monotonic() + self.subscriber.cfg.timeout_s
+        while self.subscriber.connecting and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return await self._sync(version, t0)
+
+    async def _sync(self, version: int, t0: float) -> dict:
         got, tensors = await self.subscriber.fetch(version=version)
         fetch_s = time.monotonic() - t0
         try:

@@ -53,15 +53,27 @@ class Subscriber:
         self._receiver: CollectiveReceiver | None = None
         self._reader: RdmaReader | None = None
         self._shared: SharedReader | None = None
+        self.connections = 0
+        """Connections begun so far (`configure`): a fetch that spans one may hold what the old one took."""
+        self.connecting = False
         self.key = f"{os.getpid()}-{next(_ids)}"
         _SUBSCRIBERS[self.key] = self
         self.handle = this_proc().spawn(f"weightsync_subscriber_{self.key}", SubscriberAgent, self.key)
 
     def configure(self, spec: SyncSpec, rank: int, publisher) -> None:
         """(Re)connect to a publisher; called by the controller through the sidecar."""
+        self.connections += 1
+        self.connecting = True
+        try:
+            self._configure(spec, rank, publisher)
+        finally:
+            self.connecting = False
+
+    def _configure(self, spec: SyncSpec, rank: int, publisher) -> None:
         in_engine = spec.transport == "collective" and self.engine is not None
         self.close_transport(stop_engine=not in_engine)  # the engine's workers replace their receivers as they join anew
         if in_engine:
+            self.version, self.tensors = -1, None  # what the old receivers handed out went with them
             # the engine's loop serves its client; this runs in a worker thread (SubscriberAgent).
             # receive_weights is bounded by spec.timeout_s itself; the grace covers the loop's turn.
             joining = asyncio.run_coroutine_threadsafe(self.engine.receive_weights(spec, rank), self.engine.loop)
