@@ -328,6 +328,27 @@ def test_compiled_blocks_train_like_eager_without_recompiling_per_batch_shape(mo
     assert exported.keys() == dict(eager.hf_state_dict()).keys()
 
 
+def test_a_heal_restores_no_snapshot_newer_than_the_controllers_version(tmp_path):
+    """A trainer that wrote step 3's snapshot and died before its step returned is one ahead of
+    the controller (version 2): the heal restores step 2 and trains step 3 again, so that its
+    row and groups are not lost (controller/heal.py)."""
+    import json
+
+    from meshrl.controller.heal import newest_state
+    from meshrl.trainer.snapshot import newest_complete, snapshot_root
+
+    root = snapshot_root(str(tmp_path))
+    for step in (2, 3):
+        os.makedirs(os.path.join(root, f"step-{step:08d}"))
+        with open(os.path.join(root, f"step-{step:08d}", ckpt.COMPLETE_MARKER), "w") as f:
+            json.dump({"step": step}, f)
+    os.makedirs(os.path.join(root, "step-00000004"))  # a write cut short: no marker
+    assert newest_complete(root).endswith("step-00000003")
+    assert newest_complete(root, at_most=2).endswith("step-00000002")
+    assert newest_state(str(tmp_path), at_most=2) == (os.path.join(root, "step-00000002"), 2)
+    assert newest_state(str(tmp_path), at_most=1) == (None, 0)
+
+
 def test_checkpoint_root_ignores_an_interrupted_save(tmp_path):
     trainer = PolicyTrainer(make_config(), CPU)
     trainer.train_step(make_batch())

@@ -82,17 +82,19 @@ def _reads_like_a_lost_proc(error: BaseException) -> bool:
     return any(word in text for word in ("supervision", "crashed", "proc exited", "stopped", "unreachable", "connection"))
 
 
-def newest_state(run_dir: str, checkpoint_dir: str | None = None) -> tuple[str | None, int]:
-    """The newest complete trainer state of the run: (its directory, its step), from the
-    per-step snapshots or the checkpoints (`checkpoint_dir`, default the run's trainer
-    checkpoint); (None, 0) when neither holds one."""
+def newest_state(run_dir: str, checkpoint_dir: str | None = None, at_most: int | None = None) -> tuple[str | None, int]:
+    """The newest complete trainer state of the run (of a step <= `at_most`, when given):
+    (its directory, its step), from the per-step snapshots or the checkpoints
+    (`checkpoint_dir`, default the run's trainer checkpoint); (None, 0) when neither holds one."""
     found: list[tuple[int, str]] = []
-    snap = newest_complete(snapshot_root(run_dir))
+    snap = newest_complete(snapshot_root(run_dir), at_most)
     if snap is not None:
         found.append((snapshot_step(snap), snap))
     ckpt = checkpoint_dir or os.path.join(run_dir, "checkpoints", "trainer")
     try:
-        found.append((checkpoint_step(ckpt), ckpt))
+        step = checkpoint_step(ckpt)
+        if at_most is None or step <= at_most:
+            found.append((step, ckpt))
     except (FileNotFoundError, OSError, ValueError):
         pass
     if not found:
@@ -101,19 +103,22 @@ def newest_state(run_dir: str, checkpoint_dir: str | None = None) -> tuple[str |
     return path, step
 
 
-async def replace_trainer(config, alloc, trainer, pids: list, run_dir: str, start_version: int, checkpoint_dir: str | None = None):
+async def replace_trainer(config, alloc, trainer, pids: list, run_dir: str, start_version: int, checkpoint_dir: str | None = None, at_most: int | None = None):
     """Stop what is left of `trainer`, SIGKILL its procs on this host that still live (a rank
     waiting in a collective with the dead one never returns), spawn a new mesh on the same
-    slots and restore the newest complete state under `run_dir` (else the seeded start of a
-    run that began at version 0). Returns (the new mesh, its version). The policy's trainer
-    and each trained model beside it (controller/partners.py) are replaced by this."""
+    slots and restore the newest complete state under `run_dir` at or below `at_most` (the
+    version the controller holds: a trainer that died after its snapshot was written but
+    before its step returned is one ahead, and that step is trained again so that its row
+    and groups are not lost), else the seeded start of a run that began at version 0.
+    Returns (the new mesh, its version). The policy's trainer and each trained model beside
+    it (controller/partners.py) are replaced by this."""
     try:
         await asyncio.wait_for(trainer.stop(), 90)
     except Exception:  # noqa: BLE001 - dead procs do not answer; they are killed below
         pass
     for pid, started in pids:
         _kill(pid, started)
-    path, _ = newest_state(run_dir, checkpoint_dir)
+    path, _ = newest_state(run_dir, checkpoint_dir, at_most)
     if path is None and start_version > 0:
         raise RuntimeError(f"no complete trainer state at or after the run's start (version {start_version})")
     new = await spawn_trainer(config, config.trainer.collective_timeout_s, host_mesh=alloc.host_mesh("trainer"), hosts=alloc.hosts("trainer"), plan=alloc.plan)
@@ -199,7 +204,7 @@ class TrainerHealer:
             task, loop._update_task = loop._update_task, None
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        loop.trainer, version = await replace_trainer(c, loop.alloc, loop.trainer, self.pids, loop.run_dir, self.start_version)
+        loop.trainer, version = await replace_trainer(c, loop.alloc, loop.trainer, self.pids, loop.run_dir, self.start_version, at_most=loop.version)
         await self.watch()
         retaken = await awaited(loop.queue.retake.call_one(version))
         publisher = await loop.trainer.publisher_handle()

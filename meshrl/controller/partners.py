@@ -141,7 +141,8 @@ class TrainedModel:
         saved = os.path.join(run_dir, "checkpoints", "models", self.name)
         try:
             self.trainer, restored = await asyncio.wait_for(
-                replace_trainer(c, self.alloc, self.trainer, self.pids, c.logging.run_dir, self.start_version, saved), c.trainer.restart_timeout_s
+                replace_trainer(c, self.alloc, self.trainer, self.pids, c.logging.run_dir, self.start_version, saved, at_most=version),
+                c.trainer.restart_timeout_s,
             )
             self.pids = await trainer_pids(self.trainer)
             publisher = await self.trainer.publisher_handle()

@@ -50,12 +50,15 @@ def snapshot_root(run_dir: str) -> str:
     return os.path.join(run_dir, "snapshots")
 
 
-def newest_complete(root: str) -> str | None:
-    """The newest snapshot directory holding its completion marker, or None. Looks past
-    `latest` at every `step-*` directory, so a pointer lost with its host still finds one."""
+def newest_complete(root: str, at_most: int | None = None) -> str | None:
+    """The newest snapshot directory holding its completion marker (of a step <= `at_most`,
+    when given), or None. Looks past `latest` at every `step-*` directory, so a pointer lost
+    with its host still finds one."""
     if not os.path.isdir(root):
         return None
     done = [n for n in os.listdir(root) if n.startswith("step-") and os.path.isfile(os.path.join(root, n, COMPLETE_MARKER))]
+    if at_most is not None:
+        done = [n for n in done if int(n[len("step-") :]) <= at_most]
     return os.path.join(root, max(done)) if done else None
 
 
