@@ -6,6 +6,7 @@ Each can be dropped once upstream handles its case. Callers apply them explicitl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -55,6 +56,17 @@ async def awaited(future):
     wait on an endpoint call behave like any coroutine's.
     """
     return await future
+
+
+async def settled(future, timeout_s: float) -> Exception | None:
+    """Await a Monarch future (or a coroutine) for at most `timeout_s`; its failure, or the
+    timeout, is returned instead of raised. For teardown, which goes on whatever one part
+    did: a dead proc's or host's call fails or times out here."""
+    try:
+        await asyncio.wait_for(awaited(future), timeout_s)
+    except Exception as e:  # noqa: BLE001 - dead, unreachable or too slow: the caller decides
+        return e
+    return None
 
 
 def monarch_unprefixed_logs() -> None:

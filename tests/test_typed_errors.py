@@ -10,7 +10,7 @@ import pytest
 from monarch.actor import Actor, ActorError, endpoint, this_host
 
 from meshrl.config import Config
-from meshrl.errors import UserCodeError, find, one_line
+from meshrl.errors import TrainerFailed, UserCodeError, find, one_line
 from meshrl.queue import BatchTimeout, EpisodeQueue, QueueClosed
 from meshrl.queue.actor import EpisodeQueueActor
 
@@ -59,6 +59,37 @@ def test_the_loop_tells_a_batch_timeout_by_its_type(tmp_path):
     loop.trainer, loop.queue = Trainer(), None
     with pytest.raises(TimeoutError, match=r"^no batch for version 3 within buffer.get_timeout_s=7s: rollouts are not arriving"):
         asyncio.run(loop.step())
+
+
+def test_a_queue_silent_on_two_health_checks_in_a_row_stops_the_run_resumably(tmp_path):
+    """The episode queue's host goes down mid-step: the health check stops the run on its second
+    unanswered call in a row (not when buffer.get_timeout_s runs out), and replaces nothing
+    meanwhile; one slow answer between two good ones stops nothing."""
+    from meshrl.controller import loop as loop_module
+
+    loop = loop_module.RLLoop(Config.from_dict({"logging": {"run_dir": str(tmp_path)}}))
+    loop.version, answers, checked = 4, [], []
+
+    async def queue_answers(timeout_s: float = 10.0) -> bool:
+        return answers.pop(0)
+
+    class Pool:
+        async def check(self, *args):
+            checked.append(args)
+
+        def handles(self):
+            return []
+
+    loop._queue_answers, loop.generators, loop.workers = queue_answers, Pool(), Pool()
+    answers[:] = [True, False, True, True]
+    for _ in range(4):
+        asyncio.run(loop.check_health())
+    assert len(checked) == 6  # generators and workers, on each answered call only
+    answers[:] = [False, False]
+    asyncio.run(loop.check_health())
+    with pytest.raises(TrainerFailed, match=r"^the episode queue stopped answering at version 4: its host"):
+        asyncio.run(loop.check_health())
+    assert len(checked) == 6 and loop_module.QUEUE_SILENT_CHECKS == 2
 
 
 class Relay(Actor):

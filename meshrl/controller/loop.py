@@ -22,7 +22,7 @@ import logging
 import os
 import time
 
-from meshrl.compat import awaited, monarch_unprefixed_logs
+from meshrl.compat import awaited, monarch_unprefixed_logs, settled
 from meshrl.config import Config, ConfigError
 from meshrl.controller import checkpoint as checkpoints, colocate
 from meshrl.controller.breaker import FailureBreaker, report_cliffs
@@ -50,7 +50,12 @@ from meshrl.weightsync.connect import WeightSync
 
 log = logging.getLogger("meshrl")
 HEALTH_CHECK_S = 5.0
-"""How often a step waiting for its batch checks that generators and workers are alive."""
+"""How often a step waiting for its batch checks that the queue, generators and workers are alive."""
+QUEUE_SILENT_CHECKS = 2
+"""Health checks in a row the episode queue must leave unanswered (each bounded by
+`_queue_answers`' timeout) before the run stops as lost: its host is down, and without this
+the trainer would notice only when `buffer.get_timeout_s` ran out. Two, so that one slow
+answer on a loaded host never ends a run."""
 
 
 class RLLoop:
@@ -79,6 +84,7 @@ class RLLoop:
         self.watch = CliffWatch.from_config(config.alarm) if config.alarm.enabled else None
         self.divergence = DivergenceWatch.from_config(config)  # None without a signal the run does not train on
         self._divergence_seen = 0  # history rows the divergence watch has read (evaluations' included)
+        self._queue_silent = 0  # health checks in a row the queue left unanswered
 
     # ---- start-up -----------------------------------------------------------------------
     async def __aenter__(self) -> "RLLoop":
@@ -138,13 +144,19 @@ class RLLoop:
         # The coordinator proc holds the episode queue; each rollout worker has a proc of its own.
         self.coord = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap("coord"))
         self.queue = self.coord.spawn("queue", EpisodeQueueActor, c.to_dict())
-        await self.queue.metrics.call_one()
+        # Generators and workers get their procs now: they import vLLM and load their envs while
+        # the trainer starts, and are set up once it has exported the weights they start from.
+        self.generators = GeneratorPool(c, self.alloc, None, 0, self._rewire)
+        self.generators.warm(c.generator.replicas)
+        self.workers = WorkerPool(c, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn)
+        self.workers.warm()
 
         # setup (checkpoint loading), export and DCP calls are bounded like the trainer's collectives
         self.trainer = await spawn_trainer(
             c, c.trainer.collective_timeout_s, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan
         )
         await self.trainer.publisher_handle()  # creates the publisher before its first step
+        await self.queue.metrics.call_one()  # its proc started beside the trainer's
         await self.healer.watch()  # the trainer's procs, to tell a dead one (controller/heal.py)
         if c.trainer.loss.advantage == "gae":  # PPO's critic: one proc on the trainer's first host, on its cores
             self.critic = await spawn_critic(c, self.alloc.host("trainer", 0), self.alloc.bootstrap("critic"))
@@ -156,7 +168,7 @@ class RLLoop:
         self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version, wandb=wandb)
         self._last_checkpoint = time.monotonic()
         initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"), checkpoints.lora_base_dir(self.run_dir))
-        self.generators = GeneratorPool(c, self.alloc, initial, self.version, self._rewire)
+        self.generators.checkpoint_dir, self.generators.checkpoint_version = initial, self.version
         self.generators.source_lost = self.healer.trainer_dead  # an update cut off by a dead trainer keeps its replica
         await self.generators.start(c.generator.replicas)
         self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), weights_on_gpu(self.alloc.plan, c.weight_sync.transport)).connect(
@@ -176,7 +188,7 @@ class RLLoop:
         for spec in c.models:  # each its trainer, generators and weight sync, at the policy's version
             self.partners.append(TrainedModel(c, spec.name, self.alloc, self._rewire_partner))
             await self.partners[-1].start(self.version, partner_dirs.get(spec.name))
-        self.workers = WorkerPool(c, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn, teacher, scorers)
+        self.workers.teacher, self.workers.scorers = teacher, scorers or {}
         self.workers.partners = [p.handles() for p in self.partners]
         await self.workers.start(self.generators.handles())
         self.evaluations = Evaluations(c, self.run_dir, self.workers, self._record)
@@ -283,6 +295,8 @@ class RLLoop:
         queue or critic ends the run resumably, a dead trainer proc is healed (or, past the
         heal's bounds, ends the run resumably)."""
         c = self.config
+        if isinstance(e, TrainerFailed):  # the health check found the queue's host gone: already the run's end
+            raise e
         line = one_line(e)
         if line is not None:  # the user's data or code failed in the queue: its one line, not the trainer's trace
             raise UserCodeFailed(line) from e
@@ -353,8 +367,14 @@ class RLLoop:
         return await task
 
     async def check_health(self) -> None:
-        """Replace dead generator replicas and rollout workers (between steps, and every
-        HEALTH_CHECK_S during one)."""
+        """Stop the run if the episode queue's host is gone; replace dead generator replicas
+        and rollout workers (between steps, and every HEALTH_CHECK_S during one)."""
+        if not await self._queue_answers():  # nothing else is replaced while its host may be gone
+            self._queue_silent += 1
+            if self._queue_silent >= QUEUE_SILENT_CHECKS:
+                raise self._queue_lost()
+            return
+        self._queue_silent = 0
         await self.generators.check(self.version)
         for p in self.partners:
             await p.check(self.version)
@@ -375,10 +395,13 @@ class RLLoop:
                     return call.result()
                 try:
                     await self.check_health()
+                except TrainerFailed:  # the queue's host is gone: the run stops resumably
+                    raise
                 except Exception as e:  # noqa: BLE001 - the next check tries again
                     log.warning("health check during a step failed: %s", first_line(str(e), 200) or type(e).__name__)
-        except asyncio.CancelledError:
+        except BaseException:  # cancelled, or the run stops: the call is abandoned, its failure with it
             call.cancel()
+            call.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise
 
     def _record(self, step: int, row: dict) -> None:
@@ -427,26 +450,13 @@ class RLLoop:
         if self.workers is not None:
             await self.workers.shutdown()
         if getattr(self, "queue", None) is not None:
-            try:
-                await asyncio.wait_for(awaited(self.queue.close.call_one()), 30)
-            except Exception:  # noqa: BLE001 - best effort; its proc is stopped below
-                pass
-        for pool in (self.generators, self.teacher, self.scorers):
-            if pool is not None:
-                await pool.shutdown()
-        for p in self.partners:
-            await p.shutdown()
-        for mesh in (getattr(self, "trainer", None), self.critic):
-            if mesh is not None:
-                try:
-                    await mesh.stop()
-                except Exception:  # noqa: BLE001
-                    pass
-        if getattr(self, "coord", None) is not None:
-            try:
-                await asyncio.wait_for(self.coord.stop(), 60)
-            except Exception:  # noqa: BLE001
-                pass
+            await settled(self.queue.close.call_one(), 30)  # best effort; its proc is stopped below
+        # The generators before the trainers they read weights from; each stage's parts at once.
+        pools = [pool for pool in (self.generators, self.teacher, self.scorers) if pool is not None]
+        await asyncio.gather(*(pool.shutdown() for pool in pools), *(p.shutdown() for p in self.partners))
+        meshes = [mesh.stop() for mesh in (getattr(self, "trainer", None), self.critic) if mesh is not None]
+        coord = [self.coord.stop()] if getattr(self, "coord", None) is not None else []
+        await asyncio.gather(*(settled(stop, 120) for stop in meshes), *(settled(stop, 60) for stop in coord))
         if getattr(self, "alloc", None) is not None:
             await self.alloc.__aexit__(None, None, None)
         if getattr(self, "metrics", None) is not None:

@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from meshrl.compat import awaited
+from meshrl.compat import awaited, settled
 from meshrl.config import Config
 from meshrl.generator.actor import GeneratorActor
 from meshrl.agent.actor import RolloutWorkerActor
@@ -152,6 +152,7 @@ class GeneratorPool:
         self.replicas: list[Member] = []
         self.replaced = 0
         self._lock = asyncio.Lock()  # a failed update and a health check may both see one death
+        self._warm: dict[int, tuple] = {}  # replica index: (procs, actor) spawned by `warm`, not set up yet
         self.source_lost: Callable[[], bool] = lambda: False
         """Whether the trainer the weights come from is dead (the loop's healer says): then a
         failed update is the trainer's failure, not the replica's, and the replica is kept."""
@@ -163,11 +164,19 @@ class GeneratorPool:
     def handles(self) -> list:
         return [r.actor for r in self.replicas]
 
-    async def spawn(self, index: int) -> Member:
+    def _spawn_actor(self, index: int) -> tuple:
         # One proc per replica (vLLM starts its own tensor-parallel workers inside it), started
-        # with its GPUs from the plan, before CUDA initialises.
+        # with its GPUs from the plan, before CUDA initialises. Its actor imports vLLM as it starts.
         procs = self.alloc.host("generator", index).spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap(self._role, [index]))
-        actor = procs.spawn(f"{'teacher' if self.teacher else 'generator'}{index}", GeneratorActor)
+        return procs, procs.spawn(f"{'teacher' if self.teacher else 'generator'}{index}", GeneratorActor)
+
+    def warm(self, n: int) -> None:
+        """Spawn the first `n` replicas' procs now, before their checkpoint exists: each imports
+        vLLM while the caller starts the trainer, instead of after it. `start` sets them up."""
+        self._warm = {i: self._spawn_actor(i) for i in range(n)}
+
+    async def spawn(self, index: int) -> Member:
+        procs, actor = self._warm.pop(index, None) or self._spawn_actor(index)
         try:
             info = await asyncio.wait_for(
                 actor.setup.call_one(self.config.to_dict(), self.checkpoint_dir, self.checkpoint_version, index, self.teacher),
@@ -179,8 +188,8 @@ class GeneratorPool:
         return Member(index, procs, actor, info["processes"]["host"], info["processes"]["pids"])
 
     async def start(self, n: int) -> None:
-        for i in range(n):
-            self.replicas.append(await self.spawn(i))
+        """The first `n` replicas, started at once."""
+        self.replicas = await start_all(self.spawn(i) for i in range(n))
 
     async def update(self, version: int) -> None:
         """Every replica fetches and applies `version`; a replica that fails is replaced."""
@@ -305,14 +314,11 @@ class GeneratorPool:
         return list(await asyncio.gather(*(read(r) for r in list(self.replicas))))
 
     async def shutdown(self) -> None:
-        for r in self.replicas:
-            try:
-                await asyncio.wait_for(awaited(r.actor.shutdown_engine.call_one()), 30)
-            except Exception:  # noqa: BLE001 - best effort; the procs are stopped next
-                pass
-        for r in self.replicas:
-            await r.stop()
-        self.replicas = []
+        """Every replica's engine, then its proc, all at once: a teardown waits for the
+        slowest replica (a dead host's, up to its timeouts), not for their sum."""
+        await asyncio.gather(*(settled(r.actor.shutdown_engine.call_one(), 30) for r in self.replicas))
+        await asyncio.gather(*(r.stop() for r in self.replicas), *(settled(procs.stop(), 60) for procs, _ in self._warm.values()))
+        self.replicas, self._warm = [], {}
 
 
 class ScorerPool:
@@ -378,13 +384,9 @@ class ScorerPool:
                 log.warning("%s replaced", name)
 
     async def shutdown(self) -> None:
-        for m in self.members.values():
-            try:
-                await asyncio.wait_for(awaited(m.actor.shutdown_engine.call_one()), 30)
-            except Exception:  # noqa: BLE001 - best effort; the procs are stopped next
-                pass
-        for m in self.members.values():
-            await m.stop()
+        """As GeneratorPool.shutdown: every replica at once."""
+        await asyncio.gather(*(settled(m.actor.shutdown_engine.call_one(), 30) for m in self.members.values()))
+        await asyncio.gather(*(m.stop() for m in self.members.values()))
         self.members = {}
 
 
@@ -398,15 +400,24 @@ class WorkerPool:
         self.workers: list[Member] = []
         self.partners: list[list] = []  # each trained model's generators beside the policy's (games)
         self.replaced = 0
+        self._warm: dict[int, tuple] = {}  # worker index: (procs, actor, ident) spawned by `warm`, not started yet
         self._incarnations = itertools.count()
         self._bootstrap = alloc.bootstrap("coord")  # no GPU for the workers' procs
 
-    async def spawn(self, index: int, generators: list) -> Member:
+    def _spawn_actor(self, index: int) -> tuple:
         # Every worker the run starts has its own id in the queue's ledger: a claim granted to
         # a dead worker after its groups were re-queued is never mistaken for its replacement's.
         ident = index + WORKER_ID_STRIDE * next(self._incarnations)
         procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=self._bootstrap)
-        actor = procs.spawn(f"rollout{index}", RolloutWorkerActor, self.config.to_dict(), self.tokenizer_dir, ident, self.reward_fn)
+        return procs, procs.spawn(f"rollout{index}", RolloutWorkerActor, self.config.to_dict(), self.tokenizer_dir, ident, self.reward_fn), ident
+
+    def warm(self) -> None:
+        """Spawn every worker's proc now: each loads its env, reward and tokenizer while the
+        caller starts the trainer and the generators. `start` connects them."""
+        self._warm = {i: self._spawn_actor(i) for i in range(self.config.rollout.workers)}
+
+    async def spawn(self, index: int, generators: list) -> Member:
+        procs, actor, ident = self._warm.pop(index, None) or self._spawn_actor(index)
         try:
             where = await asyncio.wait_for(awaited(actor.start.call_one(self.queue, generators, self.teacher, self.scorers, self.partners)), 300)
         except BaseException:
@@ -417,8 +428,8 @@ class WorkerPool:
         return member
 
     async def start(self, generators: list) -> None:
-        for i in range(self.config.rollout.workers):
-            self.workers.append(await self.spawn(i, generators))
+        """Every worker, started at once."""
+        self.workers = await start_all(self.spawn(i, generators) for i in range(self.config.rollout.workers))
 
     async def set_generators(self, generators: list, model: int = 0) -> None:
         """The generators of trained model `model` (the policy's by default) to every worker."""
@@ -464,11 +475,18 @@ class WorkerPool:
         return row
 
     async def shutdown(self) -> None:
-        for w in self.workers:
-            try:
-                await asyncio.wait_for(awaited(w.actor.stop_rollouts.call_one(10.0)), 30)
-            except Exception:  # noqa: BLE001 - best effort; the procs are stopped next
-                pass
-        for w in self.workers:
-            await w.stop()
-        self.workers = []
+        """Every worker's rollouts, then its proc, all at once (as GeneratorPool.shutdown)."""
+        await asyncio.gather(*(settled(w.actor.stop_rollouts.call_one(10.0), 30) for w in self.workers))
+        await asyncio.gather(*(w.stop() for w in self.workers), *(settled(warm[0].stop(), 60) for warm in self._warm.values()))
+        self.workers, self._warm = [], {}
+
+
+async def start_all(spawns) -> list[Member]:
+    """Members started at once (a pool's replicas import and load concurrently, not one after
+    another). If any fails, the others are stopped and the first failure is raised."""
+    started = await asyncio.gather(*spawns, return_exceptions=True)
+    failed = [m for m in started if isinstance(m, BaseException)]
+    if failed:
+        await asyncio.gather(*(m.stop() for m in started if isinstance(m, Member)))
+        raise failed[0]
+    return started

@@ -41,6 +41,10 @@ class GeneratorActor(Actor):
     def __init__(self):
         self.generator: Generator | None = None
         self.subscriber = None  # weight-sync Subscriber, created when the loop connects
+        try:  # vLLM's import, the longest part of a start, while the controller starts other roles
+            import vllm.v1.engine.async_llm  # noqa: F401
+        except Exception:  # noqa: BLE001 - `setup` imports it again and reports why it fails
+            pass
 
     def _gen(self) -> Generator:
         if self.generator is None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from monarch.actor import HostMesh, ProcMesh, this_host
 
-from meshrl.compat import awaited
+from meshrl.compat import awaited, settled
 from meshrl.config import Config, ConfigError
 from meshrl.launch.devices import plan_devices
 from meshrl.launch.hosts import ROLES, plan_hosts, role_meshes
@@ -234,7 +234,6 @@ class Allocation:
 
 async def _quietly(future: Any, what: str) -> None:
     """Await a Monarch stop/shutdown future with a timeout; log, don't raise: teardown goes on."""
-    try:
-        await asyncio.wait_for(awaited(future), STOP_TIMEOUT_S)
-    except Exception as e:  # an already-dead proc or host raises here: nothing left to stop
+    e = await settled(future, STOP_TIMEOUT_S)
+    if e is not None:  # an already-dead proc or host fails here: nothing left to stop
         logger.warning("launcher: %s failed: %s: %s", what, type(e).__name__, e)
