@@ -31,6 +31,8 @@ from meshrl.preflight import check, preflight
 from meshrl.rollout.env import RewardFn
 
 log = logging.getLogger("meshrl")
+SHUTDOWN_S = 300.0
+"""The longest `Session.stop` waits for the run's procs to stop (each part has its own bound)."""
 PROGRESS_KEYS = ("reward/mean", "trainer/loss", "trainer/staleness_max", "trainer/idle_frac")
 
 
@@ -271,10 +273,21 @@ class Session:
         return RunResult(loop.run_dir, list(loop.history), ckpt, hf, png)
 
     def stop(self) -> None:
-        """Shut every mesh and engine down; safe to call twice."""
+        """Shut every mesh and engine down; safe to call twice. A Ctrl-C or SIGTERM that comes
+        meanwhile does not cut it short (procs would outlive the run, and a failure being
+        reported would give way to a bare exit): the shutdown, bounded part by part, finishes."""
         if self.loop is not None:
             loop, self.loop = self.loop, None
-            self._call(loop.shutdown(), 300)
+            shutdown = asyncio.run_coroutine_threadsafe(loop.shutdown(), self._thread_loop)
+            deadline = time.monotonic() + SHUTDOWN_S
+            while not shutdown.done() and time.monotonic() < deadline:
+                try:
+                    shutdown.result(deadline - time.monotonic())
+                except (KeyboardInterrupt, SystemExit):
+                    log.warning("a signal came while the run's procs stop: they stop first")
+                except Exception:  # noqa: BLE001 - its own bound ran out: nothing more to wait for
+                    break
+            shutdown.cancel()  # no-op once done
         if self._thread.is_alive():
             self._thread_loop.call_soon_threadsafe(self._thread_loop.stop)
             self._thread.join(10)

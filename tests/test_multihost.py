@@ -10,12 +10,14 @@ reason, where namespaces cannot be made (not root).
 
 import json
 import os
+import signal
 import sys
 import time
 
 import pytest
 import yaml
 
+from meshrl.cli import last_checkpoint_step
 from tests import conftest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -121,12 +123,50 @@ def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
     done = len(rows_of(run_dir))
     assert 4 <= done < 12
 
-    # fresh workers on both hosts; the run continues from its last checkpoint
+    # fresh workers on both hosts; the run continues from its last checkpoint, and its trainer
+    # proc on host A is SIGKILLed two steps in: the heal spawns the new one through host A's
+    # `meshrl worker` (docs/healing.md) and the run finishes
     controller = start_run(two_hosts, tmp_path, cfg, "resumed", resume=True)
+    resumed_at = last_checkpoint_step(str(run_dir))
+    wait_rows(controller, run_dir, resumed_at + 2)
+    victim = trainer_pid(two_hosts)
+    assert victim is not None, "not one trainer proc on host A"
+    os.kill(victim, signal.SIGKILL)
     watch(two_hosts, controller, RUN_TIMEOUT_S)
     log = (tmp_path / "resumed-controller.log").read_text()
     assert controller.returncode == 0, log[-3000:]
-    steps = [r["step"] for r in rows_of(run_dir)]
-    assert steps == list(range(1, 13)), steps
+    rows = rows_of(run_dir)
+    kept = {r["step"]: r for r in rows}  # a step the heal lost is written again: the later row is kept
+    assert sorted(kept) == list(range(1, 13)), [r["step"] for r in rows]
+    assert len(rows) - len(kept) == max(r.get("trainer/steps_lost", 0) for r in rows) <= 1
+    healed = [line for line in log.splitlines() if line.startswith("meshrl: trainer rank 0") and f"(pid {victim}) died" in line]
+    assert len(healed) == 1 and "healed in" in healed[0], log[-3000:]
+    assert kept[12]["trainer/restarts"] == 1
     assert wait_empty(two_hosts) == {"a": [], "b": []}
-    print(f"host B down: the run stopped {stopped_s:.0f} s later, at step {done}")
+    print(f"host B down: the run stopped {stopped_s:.0f} s later, at step {done}; {healed[0]}")
+
+
+def wait_rows(controller, run_dir, n: int, timeout: float = RUN_TIMEOUT_S) -> None:
+    """Until the run has written `n` metric rows (bounded; fails if the run ends first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and controller.poll() is None:
+        if os.path.isfile(run_dir / "metrics.jsonl") and len(rows_of(run_dir)) >= n:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the run wrote fewer than {n} rows (exit {controller.poll()})")
+
+
+def trainer_pid(hosts) -> int | None:
+    """The trainer's proc: on host A, the one Monarch proc that host A's `meshrl worker` started
+    (the trainer is the only role there)."""
+    import psutil
+
+    procs = []
+    for pid in hosts.pids("a"):
+        try:
+            p = psutil.Process(pid)
+            if "monarch._src.actor.bootstrap_main" in p.cmdline() and "worker" in p.parent().cmdline():
+                procs.append(pid)
+        except psutil.Error:
+            pass
+    return procs[0] if len(procs) == 1 else None

@@ -1,7 +1,8 @@
 """Errors between actors are typed: a component raises its own exception class and a caller
 recognises it with `meshrl.errors.find`, through Monarch's ActorError wrapping (one per actor
 hop), never by the message's text. Here the queue's BatchTimeout and QueueClosed make the trip
-queue -> trainer-like relay -> controller on real procs, as the RL loop sees them."""
+queue -> trainer-like relay -> controller on real procs, as the RL loop sees them. And the
+controller's own ends of a run: a queue that stops answering, a signal during the teardown."""
 
 import asyncio
 import pickle
@@ -90,6 +91,39 @@ def test_a_queue_silent_on_two_health_checks_in_a_row_stops_the_run_resumably(tm
     with pytest.raises(TrainerFailed, match=r"^the episode queue stopped answering at version 4: its host"):
         asyncio.run(loop.check_health())
     assert len(checked) == 6 and loop_module.QUEUE_SILENT_CHECKS == 2
+
+
+def test_a_signal_during_the_teardown_lets_it_finish_and_the_failure_stand(tmp_path):
+    """A run fails, and SIGTERM (a scheduler noticing the same lost node) arrives while its
+    procs stop: the teardown finishes and the failure, not a bare SystemExit, reaches the caller."""
+    import signal
+
+    import meshrl
+
+    session = meshrl.Session({"logging": {"run_dir": str(tmp_path)}})
+    stopped = []
+
+    class Loop:
+        async def shutdown(self):
+            await asyncio.sleep(0.5)
+            stopped.append(True)
+
+    def failed_run():
+        try:
+            raise TrainerFailed("the episode queue stopped answering at version 3")
+        finally:
+            session.stop()
+
+    previous = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+    try:
+        session.loop = Loop()
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(TrainerFailed, match="stopped answering"):
+            failed_run()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert stopped == [True]
 
 
 class Relay(Actor):

@@ -51,6 +51,10 @@ from meshrl.weightsync.connect import WeightSync
 log = logging.getLogger("meshrl")
 HEALTH_CHECK_S = 5.0
 """How often a step waiting for its batch checks that the queue, generators and workers are alive."""
+LOST_HOST_STOP_S = 10.0
+"""After the coordinator's host was lost, the bound on each call and stop of the procs that may
+have been on it (generators, scorers, the coordinator): they answer nothing, and Monarch's own
+wait for a stop there is longer."""
 QUEUE_SILENT_CHECKS = 2
 """Health checks in a row the episode queue must leave unanswered (each bounded by
 `_queue_answers`' timeout) before the run stops as lost: its host is down, and without this
@@ -447,16 +451,20 @@ class RLLoop:
                 part.cancel()
         if self._update_task is not None:
             self._update_task.cancel()
+        # The workers and the queue share the coordinator's host: when the queue is silent that
+        # host is gone, and asking them to stop would only wait out each call's bound.
+        coordinator_up = getattr(self, "queue", None) is not None and self._queue_silent == 0 and await self._queue_answers(5.0)
         if self.workers is not None:
-            await self.workers.shutdown()
-        if getattr(self, "queue", None) is not None:
+            await self.workers.shutdown(host_up=coordinator_up)
+        if coordinator_up:
             await settled(self.queue.close.call_one(), 30)  # best effort; its proc is stopped below
         # The generators before the trainers they read weights from; each stage's parts at once.
         pools = [pool for pool in (self.generators, self.teacher, self.scorers) if pool is not None]
-        await asyncio.gather(*(pool.shutdown() for pool in pools), *(p.shutdown() for p in self.partners))
+        stop_s = 60.0 if coordinator_up else LOST_HOST_STOP_S
+        await asyncio.gather(*(pool.shutdown(stop_s) for pool in pools), *(p.shutdown(stop_s) for p in self.partners))
         meshes = [mesh.stop() for mesh in (getattr(self, "trainer", None), self.critic) if mesh is not None]
         coord = [self.coord.stop()] if getattr(self, "coord", None) is not None else []
-        await asyncio.gather(*(settled(stop, 120) for stop in meshes), *(settled(stop, 60) for stop in coord))
+        await asyncio.gather(*(settled(stop, 120) for stop in meshes), *(settled(stop, stop_s) for stop in coord))
         if getattr(self, "alloc", None) is not None:
             await self.alloc.__aexit__(None, None, None)
         if getattr(self, "metrics", None) is not None:

@@ -184,11 +184,11 @@ class TrainedModel:
     async def save_checkpoint(self, root: str) -> str:
         return await self.trainer.save_checkpoint(os.path.join(root, self.name))
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, stop_s: float = 60.0) -> None:
         if self._update is not None:
             self._update.cancel()
         if self.generators is not None:
-            await self.generators.shutdown()
+            await self.generators.shutdown(stop_s)
         if self.trainer is not None:
             try:
                 await self.trainer.stop()

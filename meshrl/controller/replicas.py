@@ -130,11 +130,8 @@ class Member:
                 pass
         return killed
 
-    async def stop(self) -> None:
-        try:
-            await asyncio.wait_for(self.procs.stop(), 60)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+    async def stop(self, timeout_s: float = 60.0) -> None:
+        await settled(self.procs.stop(), timeout_s)  # a failure: already gone
         self.kill_leftovers()
 
 
@@ -313,11 +310,15 @@ class GeneratorPool:
 
         return list(await asyncio.gather(*(read(r) for r in list(self.replicas))))
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, stop_s: float = 60.0) -> None:
         """Every replica's engine, then its proc, all at once: a teardown waits for the
-        slowest replica (a dead host's, up to its timeouts), not for their sum."""
-        await asyncio.gather(*(settled(r.actor.shutdown_engine.call_one(), 30) for r in self.replicas))
-        await asyncio.gather(*(r.stop() for r in self.replicas), *(settled(procs.stop(), 60) for procs, _ in self._warm.values()))
+        slowest replica (a dead host's, up to its timeouts), not for their sum. `stop_s`
+        bounds each replica's calls: shorter after a host was lost, whose procs answer
+        nothing and whose stops only wait out Monarch's bound (those on this host are then
+        killed, the launcher's host shutdown ends the rest)."""
+        live = [r for r in self.replicas if not r.on_this_host() or r.alive()]  # a dead one answers nothing
+        await asyncio.gather(*(settled(r.actor.shutdown_engine.call_one(), min(30.0, stop_s)) for r in live))
+        await asyncio.gather(*(r.stop(stop_s) for r in self.replicas), *(settled(procs.stop(), stop_s) for procs, _ in self._warm.values()))
         self.replicas, self._warm = [], {}
 
 
@@ -383,10 +384,11 @@ class ScorerPool:
                 await self.on_change()
                 log.warning("%s replaced", name)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, stop_s: float = 60.0) -> None:
         """As GeneratorPool.shutdown: every replica at once."""
-        await asyncio.gather(*(settled(m.actor.shutdown_engine.call_one(), 30) for m in self.members.values()))
-        await asyncio.gather(*(m.stop() for m in self.members.values()))
+        live = [m for m in self.members.values() if not m.on_this_host() or m.alive()]
+        await asyncio.gather(*(settled(m.actor.shutdown_engine.call_one(), min(30.0, stop_s)) for m in live))
+        await asyncio.gather(*(m.stop(stop_s) for m in self.members.values()))
         self.members = {}
 
 
@@ -474,10 +476,18 @@ class WorkerPool:
         row["rollout/workers_replaced"] = float(self.replaced)
         return row
 
-    async def shutdown(self) -> None:
-        """Every worker's rollouts, then its proc, all at once (as GeneratorPool.shutdown)."""
-        await asyncio.gather(*(settled(w.actor.stop_rollouts.call_one(10.0), 30) for w in self.workers))
-        await asyncio.gather(*(w.stop() for w in self.workers), *(settled(warm[0].stop(), 60) for warm in self._warm.values()))
+    async def shutdown(self, host_up: bool = True) -> None:
+        """Every worker's rollouts, then its proc, all at once (as GeneratorPool.shutdown).
+        Not `host_up` (the coordinator's host is gone): no call would be answered, and a
+        proc mesh's stop would only wait out Monarch's bound, so the procs on this host are
+        killed and the rest is left to the launcher's host shutdown."""
+        if not host_up:
+            for w in self.workers:
+                w.kill_leftovers()
+        else:
+            await asyncio.gather(*(settled(w.actor.stop_rollouts.call_one(10.0), 30) for w in self.workers))
+            await asyncio.gather(*(w.stop() for w in self.workers))
+        await asyncio.gather(*(settled(warm[0].stop(), 60) for warm in self._warm.values()))
         self.workers, self._warm = [], {}
 
 
