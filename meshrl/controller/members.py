@@ -1,0 +1,123 @@
+"""One member of a pool (a generator or scorer replica, a rollout worker): its own proc mesh
+and actor, and its processes on its host. Whether it still runs (by pid, no round trip), the
+leftovers a killed one leaves (vLLM's orphaned engine processes, shared-memory names in
+/dev/shm), and starting or stopping several at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import dataclass, field
+
+from meshrl.compat import awaited, settled
+
+
+def _running(pid: int, started: float):
+    """The psutil handle of `pid` if it still runs and is the process that started at
+    `started` (not a later one given the same pid); None otherwise."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - started) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    except psutil.Error:
+        pass
+    return None
+
+
+def _shared_memory_segments(pid: int) -> set[str]:
+    """POSIX shared-memory files Python made (`psm_*`) that process `pid` has mapped."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {line.split(None, 5)[5].strip() for line in f if "/dev/shm/psm_" in line}
+    except (OSError, IndexError):
+        return set()
+
+
+@dataclass
+class Member:
+    """One replica or worker: its own proc mesh and actor, and its processes on its host."""
+
+    index: int
+    procs: object
+    actor: object
+    host: str = ""
+    pids: list[tuple[int, float]] = field(default_factory=list)
+    """(pid, start time): the member's proc first, then (replicas) its vLLM engine processes."""
+    last_stats: dict = field(default_factory=dict)
+    last_stats_at: float | None = None
+    ident: int = -1
+    """Workers: the id the episode queue knows this one by."""
+
+    def on_this_host(self) -> bool:
+        return self.host == socket.gethostname()
+
+    def alive(self) -> bool:
+        """Whether the member's own proc still runs (on this host; no round trip)."""
+        return bool(self.pids) and _running(*self.pids[0]) is not None
+
+    async def gone(self, endpoint: str) -> bool:
+        """Whether the member is gone: by its pid on this host, else by asking `endpoint`
+        (no answer in 30 s: gone)."""
+        if self.on_this_host():
+            return not self.alive()
+        try:
+            await asyncio.wait_for(awaited(getattr(self.actor, endpoint).call_one()), 30)
+            return False
+        except Exception:  # noqa: BLE001 - no answer: gone
+            return True
+
+    def kill_leftovers(self) -> int:
+        """SIGKILL what is still alive of the member's processes on this host, and unlink the
+        shared-memory names they held (vLLM's queues are unlinked by their maker, which was
+        killed; memory is freed once the last mapping is gone). Returns how many."""
+        import psutil
+
+        if not self.on_this_host():
+            return 0  # on another host: its host mesh's shutdown ends them
+        killed, segments = 0, set()
+        for pid, started in self.pids:
+            proc = _running(pid, started)
+            if proc is None:
+                continue
+            try:
+                segments |= _shared_memory_segments(proc.pid)
+                proc.kill()
+                killed += 1
+            except psutil.Error:
+                pass
+        for path in segments:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        return killed
+
+    async def stop(self, timeout_s: float = 60.0) -> None:
+        await settled(self.procs.stop(), timeout_s)  # a failure: already gone
+        self.kill_leftovers()
+
+
+async def stop_members(members: list[Member], stop_s: float = 60.0) -> None:
+    """Each replica's engine, then its proc, all at once: a teardown waits for the slowest
+    (a dead host's, up to its bounds), not for their sum. `stop_s` bounds each call: shorter
+    after a host was lost, whose procs answer nothing and whose stops only wait out
+    Monarch's bound (those on this host are then killed, the launcher's host shutdown ends
+    the rest). A replica whose proc is known dead is not asked."""
+    live = [m for m in members if not m.on_this_host() or m.alive()]
+    await asyncio.gather(*(settled(m.actor.shutdown_engine.call_one(), min(30.0, stop_s)) for m in live))
+    await asyncio.gather(*(m.stop(stop_s) for m in members))
+
+
+async def start_all(spawns) -> list[Member]:
+    """Members started at once (a pool's replicas import and load concurrently, not one after
+    another). If any fails, the others are stopped and the first failure is raised."""
+    started = await asyncio.gather(*spawns, return_exceptions=True)
+    failed = [m for m in started if isinstance(m, BaseException)]
+    if failed:
+        await asyncio.gather(*(m.stop() for m in started if isinstance(m, Member)))
+        raise failed[0]
+    return started
