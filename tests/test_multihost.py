@@ -32,13 +32,14 @@ def two_host_config(run_dir, hosts, **sections) -> dict:
     return conftest.two_host_config(run_dir, 120, {"steps": 16, "launcher": launcher}, **sections)
 
 
-def start_run(hosts, tmp_path, cfg: dict, name: str, resume: bool = False):
-    """Both workers, then the controller inside A; returns the controller's process."""
+def start_run(hosts, tmp_path, cfg: dict, name: str, resume: bool = False, overrides: tuple[str, ...] = ()):
+    """Both workers, then the controller inside A (`overrides` after a resume's run
+    directory); returns the controller's process."""
     for h in ("a", "b"):
         hosts.worker(h, PORT, tmp_path / f"{name}-worker-{h}.log")
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    args = ["--resume", cfg["logging"]["run_dir"]] if resume else [str(path)]
+    args = ["--resume", cfg["logging"]["run_dir"], *overrides] if resume else [str(path)]
     return hosts.run("a", [sys.executable, "-m", "meshrl", "run", *args], tmp_path / f"{name}-controller.log")
 
 
@@ -125,8 +126,9 @@ def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
 
     # fresh workers on both hosts; the run continues from its last checkpoint, and its trainer
     # proc on host A is SIGKILLed two steps in: the heal spawns the new one through host A's
-    # `meshrl worker` (docs/healing.md) and the run finishes
-    controller = start_run(two_hosts, tmp_path, cfg, "resumed", resume=True)
+    # `meshrl worker` (docs/healing.md) and the run finishes. No periodic checkpoint in this
+    # part: a trainer killed inside its checkpoint call is not healed (docs/healing.md).
+    controller = start_run(two_hosts, tmp_path, cfg, "resumed", resume=True, overrides=("trainer.checkpoint_every=0",))
     resumed_at = last_checkpoint_step(str(run_dir))
     wait_rows(controller, run_dir, resumed_at + 2)
     victim = trainer_pid(two_hosts)
