@@ -355,11 +355,7 @@ class RLLoop:
         )
 
     async def _queue_answers(self, timeout_s: float = 10.0) -> bool:
-        try:
-            await asyncio.wait_for(awaited(self.queue.metrics.call_one()), timeout_s)
-            return True
-        except Exception:  # noqa: BLE001 - dead, unreachable or too slow: all the same here
-            return False
+        return await settled(self.queue.metrics.call_one(), timeout_s) is None  # dead, unreachable or too slow: all the same
 
     async def _update_generators(self, version: int) -> float:
         t0 = time.monotonic()

@@ -11,7 +11,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from meshrl.compat import awaited, settled
+from meshrl.compat import settled
 
 
 def _running(pid: int, started: float):
@@ -64,11 +64,7 @@ class Member:
         (no answer in 30 s: gone)."""
         if self.on_this_host():
             return not self.alive()
-        try:
-            await asyncio.wait_for(awaited(getattr(self.actor, endpoint).call_one()), 30)
-            return False
-        except Exception:  # noqa: BLE001 - no answer: gone
-            return True
+        return await settled(getattr(self.actor, endpoint).call_one(), 30) is not None
 
     def kill_leftovers(self) -> int:
         """SIGKILL what is still alive of the member's processes on this host, and unlink the

@@ -30,7 +30,7 @@ import torch
 from monarch.actor import Actor, endpoint
 from tensordict import TensorDict
 
-from meshrl.compat import awaited
+from meshrl.compat import awaited, settled
 from meshrl.config import Config
 from meshrl.config.cpus import cpus_for
 from meshrl.logs import capture_role_output
@@ -194,11 +194,7 @@ class CriticMesh:
 
     async def answers(self, timeout_s: float = 10.0) -> bool:
         """Whether the critic's proc still answers (after a failed step: whose fault it was)."""
-        try:
-            await asyncio.wait_for(awaited(self.actor.info.call_one()), timeout_s)
-            return True
-        except Exception:  # noqa: BLE001 - dead, unreachable or too slow: all the same here
-            return False
+        return await settled(self.actor.info.call_one(), timeout_s) is None  # dead, unreachable or too slow: all the same
 
     async def stop(self) -> None:
         try:
