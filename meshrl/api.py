@@ -256,7 +256,7 @@ class Session:
                 except BaseException:  # noqa: BLE001
                     pass
         try:
-            return self._call(loop.checkpoint(), max(1.0, deadline - time.monotonic()))
+            return self._call(loop.checkpoint(heal=False), max(1.0, deadline - time.monotonic()))
         except Exception as e:  # noqa: BLE001 - reported by the caller as "no checkpoint"
             log.warning("no checkpoint written on interrupt: %s", first_line(str(e), 200) or type(e).__name__)
             return None
@@ -267,7 +267,11 @@ class Session:
         from meshrl.controller.evaluation import eval_timeout_s
 
         self._call(loop.evaluations.finish(), eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
+        goal = loop.version
         ckpt = self._call(loop.checkpoint(), self._trainer_bound())
+        while loop.version < goal:  # a trainer healed inside the checkpoint lost a step: train it again
+            self.step(goal - loop.version)
+            ckpt = self._call(loop.checkpoint(), self._trainer_bound())
         hf = self._call(loop.export(), self._trainer_bound())
         png = plot_run(loop.run_dir) if self.config.logging.plot and loop.history else None
         return RunResult(loop.run_dir, list(loop.history), ckpt, hf, png)

@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, GROUPS = 6, 4
 KILL_AT = 3  # the trainer is killed while it writes this step's snapshot (or, missing that, right after)
+CHECKPOINT_AT = 4  # the single proc's run: killed again in a checkpoint call after this step
 
 
 def kill_during_snapshot(run_dir: str, pids: list[int], step: int, timeout_s: float = 300.0) -> threading.Thread:
@@ -53,17 +54,53 @@ def kill_during_snapshot(run_dir: str, pids: list[int], step: int, timeout_s: fl
     return thread
 
 
-def run_and_kill(run_dir, procs: int, kill_ranks: list[int], **sections) -> dict:
+def kill_during_checkpoint(session) -> dict:
+    """SIGKILL the trainer inside a checkpoint call: as soon as its write is seen under way
+    (its temp directory), or, when the write finished between two looks, just before a
+    second call, which then meets a dead trainer. Returns what the call did."""
+    loop = session.loop
+    pid = session._call(loop.trainer.shard_info(), 60)[0]["pid"]
+    tmp = os.path.join(session.run_dir, "checkpoints", "trainer", f".step-{session.version:08d}.tmp")
+    restarts, seen, done = loop.healer.restarts, {}, threading.Event()
+
+    def watch():
+        while not done.is_set():
+            if os.path.isdir(tmp):
+                seen["during_write"] = True
+                os.kill(pid, signal.SIGKILL)
+                return
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    path = session.checkpoint()
+    done.set()
+    thread.join(5)
+    if loop.healer.restarts == restarts:  # the write was not seen under way
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        path = session.checkpoint()
+    return {"path": path, "heals": loop.healer.restarts - restarts, "version": session.version, **seen}
+
+
+def run_and_kill(run_dir, procs: int, kill_ranks: list[int], checkpoint_kill: bool = False, **sections) -> dict:
     """A short default-like run (asynchronous, buffer depth 2) whose trainer ranks
-    `kill_ranks` are SIGKILLed during step KILL_AT's snapshot; returns what the tests check."""
+    `kill_ranks` are SIGKILLed during step KILL_AT's snapshot (and, with `checkpoint_kill`,
+    the trainer again inside a checkpoint call after step CHECKPOINT_AT); returns what the
+    tests check."""
     cfg = tiny(run_dir, steps=STEPS, batch_groups=GROUPS, trainer={"checkpoint_every": 0, "procs": procs}, **sections)
     session = meshrl.Session(cfg)
+    checkpointed = None
     try:
         session.start()
         rows = session.step(KILL_AT - 1)
         pids = [info["pid"] for info in session._call(session.loop.trainer.shard_info(), 60)]
         killer = kill_during_snapshot(session.run_dir, [pids[r] for r in kill_ranks], KILL_AT)
-        rows += session.step(STEPS - len(rows))
+        if checkpoint_kill:
+            rows += session.step(CHECKPOINT_AT - session.version)
+            checkpointed = kill_during_checkpoint(session)
+        rows += session.step(STEPS - session.version)
         killer.join(5)
         new_pids = [info["pid"] for info in session._call(session.loop.trainer.shard_info(), 60)]
         queue = session._call(awaited(session.loop.queue.state_dict.call_one()), 60)
@@ -77,21 +114,21 @@ def run_and_kill(run_dir, procs: int, kill_ranks: list[int], **sections) -> dict
         "new_pids": new_pids,
         "queue": queue,
         "during_write": killer.seen.get("during_write"),
+        "checkpointed": checkpointed,
         "leftovers": wait_no_children(),
         "run_dir": str(run_dir),
     }
 
 
-def check_healed(run: dict) -> None:
-    # a step the heal lost is trained again: its version's later row is the one the run kept
+def check_healed(run: dict, heals: int = 1) -> None:
+    # a step a heal lost is trained again: its version's later row is the one the run kept
     rows = list({int(r["version"]): r for r in run["rows"]}.values())
     assert [int(r["version"]) for r in rows] == list(range(1, STEPS + 1)), "the run did not train every step asked"
-    assert len(run["rows"]) - len(rows) == max(r.get("trainer/steps_lost", 0) for r in run["rows"])
-    healed = [r for r in rows if "trainer/steps_lost" in r]
-    assert len(healed) == 1 and healed[0]["trainer/restarts"] == 1, [r.get("trainer/restarts") for r in rows]
-    assert healed[0]["trainer/steps_lost"] <= 1
-    assert healed[0]["trainer/restart_s"] > 0
-    assert rows[-1]["trainer/restarts"] == 1
+    assert len(run["rows"]) - len(rows) == sum(r.get("trainer/steps_lost", 0) for r in run["rows"])
+    healed = [r for r in run["rows"] if "trainer/steps_lost" in r]
+    assert [r["trainer/restarts"] for r in healed] == list(range(1, heals + 1)), [r.get("trainer/restarts") for r in run["rows"]]
+    assert all(r["trainer/steps_lost"] <= 1 and r["trainer/restart_s"] > 0 for r in healed)
+    assert rows[-1]["trainer/restarts"] == heals
     assert not set(run["pids"]) & set(run["new_pids"]), "the trainer was not replaced"
     groups = trained_groups(rows)
     assert len(groups) == len(set(groups)) == STEPS * GROUPS, "a group was trained twice or lost"
@@ -107,11 +144,26 @@ def check_healed(run: dict) -> None:
 
 @pytest.fixture(scope="module")
 def healed_single(tmp_path_factory):
-    return run_and_kill(tmp_path_factory.mktemp("heal1") / "run", procs=1, kill_ranks=[0])
+    return run_and_kill(tmp_path_factory.mktemp("heal1") / "run", procs=1, kill_ranks=[0], checkpoint_kill=True)
 
 
 def test_killed_single_trainer_proc_is_healed_and_the_run_finishes(healed_single):
-    check_healed(healed_single)
+    check_healed(healed_single, heals=2)
+
+
+def test_trainer_killed_inside_a_checkpoint_call_is_healed_and_the_call_saves(healed_single):
+    """The trainer dies in a checkpoint call (its write under way, or before the call):
+    the call heals it and saves the restored state, at most one step older, which the run
+    trains again; the checkpoint it returns is complete and holds that version."""
+    from meshrl.trainer.checkpoint import checkpoint_step
+
+    done = healed_single["checkpointed"]
+
+    assert done["heals"] == 1, done
+    assert done["version"] in (CHECKPOINT_AT - 1, CHECKPOINT_AT), done
+    state = torch.load(done["path"], weights_only=False)
+    assert state["version"] == done["version"] and checkpoint_step(state["trainer_dir"]) == done["version"]
+    assert os.path.basename(done["path"]).startswith(f"step_{done['version']:06d}_")
 
 
 def test_fsdp_trainer_with_one_proc_killed_is_healed(tmp_path):

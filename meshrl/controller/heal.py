@@ -149,6 +149,13 @@ class TrainerHealer:
         """Whether a proc of the current trainer mesh on this host is gone."""
         return any(not proc_alive(pid, started) for pid, started in self.pids)
 
+    def lost_a_proc(self, error: BaseException) -> bool:
+        """Whether `error` came from a trainer proc that is gone: on this host it no longer runs;
+        on another host, Monarch reports it lost (a trainer that raised, alive, is not healed:
+        a new mesh would raise again)."""
+        remote = any(started is None for _, started in self.pids)
+        return self.trainer_dead() or (remote and _reads_like_a_lost_proc(error))
+
     def can_heal(self) -> str | None:
         """Why this run's trainer is not healed (None: it is)."""
         c = self.loop.config
@@ -160,15 +167,15 @@ class TrainerHealer:
             return "PPO's critic (trainer.loss.advantage=gae) is not healed"
         return None
 
-    async def heal(self, error: BaseException) -> None:
+    async def heal(self, error: BaseException, call: str = "step") -> None:
         """Replace the dead trainer mesh and restore it (see the module's docstring); raises
-        TrainerFailed with one line when it may not or cannot."""
+        TrainerFailed with one line when it may not or cannot. `call`: the trainer call that
+        failed (its step, a checkpoint, an export), for the console's line."""
         loop, c = self.loop, self.loop.config
         first = first_line(str(error)) or type(error).__name__
         dead = [rank for rank, (pid, started) in enumerate(self.pids) if not proc_alive(pid, started)]
         who = ", ".join(f"rank {r} (pid {self.pids[r][0]})" for r in dead) or "a trainer proc"
-        remote = any(started is None for _, started in self.pids)
-        if not dead and not (remote and _reads_like_a_lost_proc(error)):  # it raised, alive: a new mesh would raise again
+        if not self.lost_a_proc(error):
             raise TrainerFailed(
                 f"the trainer failed at version {loop.version} ({type(error).__name__}: {first}); {checkpoints.how_to_resume(loop.run_dir)}"
             ) from error
@@ -193,7 +200,7 @@ class TrainerHealer:
         loop.version = version
         self.pending_metrics = {"trainer/restarts": float(self.restarts), "trainer/restart_s": took, "trainer/steps_lost": float(lost)}
         print(
-            f"meshrl: trainer {who} died at version {version + lost} ({first_line(first, 160)}); healed in {took:.1f}s "
+            f"meshrl: trainer {who} died at version {version + lost} in its {call} ({first_line(first, 160)}); healed in {took:.1f}s "
             f"from version {version} ({lost} step(s) lost, {len(retaken)} group(s) to train again; restart {self.restarts} of {c.trainer.max_restarts})",
             file=console(),
         )

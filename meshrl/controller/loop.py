@@ -294,7 +294,7 @@ class RLLoop:
             outs.update(out)
         return outs
 
-    async def _trainer_failed(self, e: Exception) -> None:
+    async def _trainer_failed(self, e: Exception, call: str = "step") -> None:
         """The trainer's call failed: the user's code or the queue's timeout in one line, a lost
         queue or critic ends the run resumably, a dead trainer proc is healed (or, past the
         heal's bounds, ends the run resumably)."""
@@ -316,7 +316,20 @@ class RLLoop:
             raise TrainerFailed(
                 f"the critic stopped answering at version {self.version} ({type(e).__name__}: {first}); {checkpoints.how_to_resume(self.run_dir)}"
             ) from e
-        await self.healer.heal(e)
+        await self.healer.heal(e, call)
+
+    async def _healing(self, call: str, make_call):
+        """A trainer call outside the step (`make_call()`, which reads `self.trainer` when called):
+        a trainer proc that dies in it is healed, and the call is made again on the new mesh,
+        whose state may be one step older (`self.version` says which). Any other failure is
+        the call's own."""
+        while True:
+            try:
+                return await make_call()
+            except Exception as e:  # noqa: BLE001 - only a lost trainer proc is healed here
+                if not self.healer.lost_a_proc(e):
+                    raise
+                await self._trainer_failed(e, call)
 
     async def _hand_devices_to_trainer(self) -> dict[str, float]:
         """placement=colocate, before the trainer's call: the previous weight load done, then
@@ -419,13 +432,18 @@ class RLLoop:
             await p.finish_update()
 
     async def export_to(self, path: str) -> str:
-        """The current policy as a Hugging Face checkpoint at `path`, with its tokenizer."""
-        return await checkpoints.export_hf(self.trainer, path, self.run_dir, self.tokenizer_dir)
+        """The current policy as a Hugging Face checkpoint at `path`, with its tokenizer (a
+        trainer that dies meanwhile is healed, and the export made from the restored state)."""
+        return await self._healing("export", lambda: checkpoints.export_hf(self.trainer, path, self.run_dir, self.tokenizer_dir))
 
     # ---- checkpoint and export (controller/checkpoint.py) ------------------------------------
-    async def checkpoint(self) -> str:
-        """Trainer state (DCP), the episode queue and the metrics history, atomically."""
-        path, self.version = await checkpoints.save(self.run_dir, self.trainer, self.queue, self.version, self.history, self.critic, self.partners)
+    async def checkpoint(self, heal: bool = True) -> str:
+        """Trainer state (DCP), the episode queue and the metrics history, atomically. A trainer
+        that dies meanwhile is healed (`heal`) and the restored state saved: it may be one step
+        older, and the run trains that step again. After Ctrl-C or SIGTERM (`heal=False`) there
+        is no time to start a new trainer."""
+        save = lambda: checkpoints.save(self.run_dir, self.trainer, self.queue, self.version, self.history, self.critic, self.partners)  # noqa: E731
+        path, self.version = await (self._healing("checkpoint", save) if heal else save())
         self._last_checkpoint = time.monotonic()
         if self.watch is not None:
             self.watch.checkpointed(self.version)
