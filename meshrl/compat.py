@@ -69,6 +69,18 @@ async def settled(future, timeout_s: float) -> Exception | None:
     return None
 
 
+@contextlib.asynccontextmanager
+async def stopped_on_failure(procs, timeout_s: float = 60.0):
+    """Stop `procs` (a Monarch proc mesh just spawned) if the block fails, then re-raise the
+    block's failure: a stop that fails or times out (a proc that never came up answers
+    nothing) must not replace the error the user needs to see."""
+    try:
+        yield
+    except BaseException:
+        await settled(procs.stop(), timeout_s)
+        raise
+
+
 def monarch_unprefixed_logs() -> None:
     """Leave meshrl's log records as they were written.
 

@@ -166,3 +166,30 @@ def test_the_queues_error_types_survive_two_actor_hops():
             await queue_procs.stop()
 
     asyncio.run(main())
+
+
+def test_a_spawn_that_fails_is_reported_by_its_own_error_not_its_stops():
+    """A member's setup fails and stopping its procs fails too (a proc that never came up
+    answers nothing): the setup's error is the one raised, and the procs were stopped."""
+    from meshrl.compat import stopped_on_failure
+
+    class Procs:
+        stops = 0
+
+        async def stop(self):
+            Procs.stops += 1
+            raise TimeoutError("the stop timed out")
+
+    async def spawn():
+        async with stopped_on_failure(Procs(), timeout_s=1):
+            raise ValueError("setup failed: no such checkpoint")
+
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        asyncio.run(spawn())
+    assert Procs.stops == 1
+
+    async def fine():
+        async with stopped_on_failure(Procs(), timeout_s=1):
+            return "up"
+
+    assert asyncio.run(fine()) == "up" and Procs.stops == 1  # a member that came up keeps its procs

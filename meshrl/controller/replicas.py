@@ -13,7 +13,7 @@ import itertools
 import logging
 from typing import Awaitable, Callable
 
-from meshrl.compat import awaited, settled
+from meshrl.compat import awaited, settled, stopped_on_failure
 from meshrl.controller.members import Member, start_all, stop_members
 from meshrl.config import Config
 from meshrl.generator.actor import GeneratorActor
@@ -85,14 +85,11 @@ class GeneratorPool:
 
     async def spawn(self, index: int) -> Member:
         procs, actor = self._warm.pop(index, None) or self._spawn_actor(index)
-        try:
+        async with stopped_on_failure(procs):
             info = await asyncio.wait_for(
                 actor.setup.call_one(self.config.to_dict(), self.checkpoint_dir, self.checkpoint_version, index, self.teacher),
                 self.config.generator.startup_timeout_s,
             )
-        except BaseException:
-            await asyncio.wait_for(procs.stop(), 60)
-            raise
         return Member(index, procs, actor, info["processes"]["host"], info["processes"]["pids"])
 
     async def start(self, n: int) -> None:
@@ -261,11 +258,8 @@ class ScorerPool:
             gpu_slot = scorer_slots(self.config).index((index, replica))
             procs = self.alloc.host("generator", 0).spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap("scorer", [gpu_slot]))
         actor = procs.spawn(f"scorer-{self.names[index]}-{replica}", ScorerActor)
-        try:
+        async with stopped_on_failure(procs):
             info = await asyncio.wait_for(actor.setup.call_one(self.config.to_dict(), index, replica), self.config.generator.startup_timeout_s)
-        except BaseException:
-            await asyncio.wait_for(procs.stop(), 60)
-            raise
         return Member(slot, procs, actor, info["host"], info["pids"])
 
     async def start(self) -> None:
@@ -323,11 +317,8 @@ class WorkerPool:
 
     async def spawn(self, index: int, generators: list) -> Member:
         procs, actor, ident = self._warm.pop(index, None) or self._spawn_actor(index)
-        try:
+        async with stopped_on_failure(procs):
             where = await asyncio.wait_for(awaited(actor.start.call_one(self.queue, generators, self.teacher, self.scorers, self.partners)), 300)
-        except BaseException:
-            await asyncio.wait_for(procs.stop(), 60)
-            raise
         member = Member(index, procs, actor, where["host"], where["pids"])
         member.ident = ident
         return member

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from monarch.actor import Actor, endpoint, this_host
 
-from meshrl.compat import awaited, tcp_store_listening_on
+from meshrl.compat import awaited, stopped_on_failure, tcp_store_listening_on
 from meshrl.config import Config
 from meshrl.episode import model_rows
 from meshrl.host import gloo_on_this_host, host_address
@@ -339,12 +339,9 @@ async def spawn_trainer(
         raise ValueError(f"trainer.procs={n} must be a multiple of the {hosts} trainer hosts")
     plan = plan or plan_devices(config)  # each rank starts seeing only its own GPU
     procs = (host_mesh or this_host()).spawn_procs(per_host={"procs": n // hosts}, bootstrap_command=with_env(plan.envs("trainer", list(range(n)))))
-    try:
+    async with stopped_on_failure(procs):
         await asyncio.wait_for(setup_torch_elastic_env_async(procs), 60)
         actors = procs.spawn("trainer", actor_class)
         mesh = mesh_class(procs, actors, n, timeout_s)
         await mesh._all(actors.setup, config.to_dict(), timeout_s=timeout_s)
         return mesh
-    except BaseException:
-        await asyncio.wait_for(procs.stop(), 60)
-        raise

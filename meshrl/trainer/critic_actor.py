@@ -30,7 +30,7 @@ import torch
 from monarch.actor import Actor, endpoint
 from tensordict import TensorDict
 
-from meshrl.compat import awaited, settled
+from meshrl.compat import awaited, settled, stopped_on_failure
 from meshrl.config import Config
 from meshrl.config.cpus import cpus_for
 from meshrl.logs import capture_role_output
@@ -209,11 +209,8 @@ async def spawn_critic(config: Config, host_mesh, bootstrap_command=None) -> Cri
     The caller owns the returned mesh: `await mesh.stop()`."""
     timeout_s = config.critic.timeout_s
     procs = host_mesh.spawn_procs(per_host={"procs": 1}, bootstrap_command=bootstrap_command)
-    try:
+    async with stopped_on_failure(procs):
         actor = procs.spawn("critic", CriticActor)
         mesh = CriticMesh(procs, actor, timeout_s)
         await mesh._call(actor.setup, config.to_dict())
         return mesh
-    except BaseException:
-        await asyncio.wait_for(procs.stop(), 60)
-        raise
