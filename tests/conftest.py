@@ -580,6 +580,24 @@ def slurm_unavailable() -> str | None:
     return None
 
 
+def trainer_pid(pids: list[int], started_by: str) -> int | None:
+    """The trainer's proc among a host's `pids`: the one Monarch proc whose parent or
+    grandparent has `started_by` in its command line (`meshrl worker`; Slurm's `slurm_worker`
+    task, whose child is Monarch's worker), on a host where the trainer is the only role;
+    None if not exactly one."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if "monarch._src.actor.bootstrap_main" in p.cmdline() and any(started_by in " ".join(a.cmdline()) for a in p.parents()[:2]):
+                procs.append(pid)
+        except psutil.Error:
+            pass
+    return procs[0] if len(procs) == 1 else None
+
+
 class SlurmCluster:
     """Slurm on `NetnsHosts(hostnames=True)`: munged with a fresh key on its own socket,
     slurmctld on host a, one slurmd per host, all from a slurm.conf written for the run under

@@ -131,7 +131,7 @@ def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
     controller = start_run(two_hosts, tmp_path, cfg, "resumed", resume=True)
     resumed_at = last_checkpoint_step(str(run_dir))
     wait_rows(controller, run_dir, resumed_at + 2)
-    victim = trainer_pid(two_hosts)
+    victim = conftest.trainer_pid(two_hosts.pids("a"), "worker")
     assert victim is not None, "not one trainer proc on host A"
     os.kill(victim, signal.SIGKILL)
     watch(two_hosts, controller, RUN_TIMEOUT_S)
@@ -156,19 +156,3 @@ def wait_rows(controller, run_dir, n: int, timeout: float = RUN_TIMEOUT_S) -> No
             return
         time.sleep(0.2)
     pytest.fail(f"the run wrote fewer than {n} rows (exit {controller.poll()})")
-
-
-def trainer_pid(hosts) -> int | None:
-    """The trainer's proc: on host A, the one Monarch proc that host A's `meshrl worker` started
-    (the trainer is the only role there)."""
-    import psutil
-
-    procs = []
-    for pid in hosts.pids("a"):
-        try:
-            p = psutil.Process(pid)
-            if "monarch._src.actor.bootstrap_main" in p.cmdline() and "worker" in p.parent().cmdline():
-                procs.append(pid)
-        except psutil.Error:
-            pass
-    return procs[0] if len(procs) == 1 else None

@@ -11,13 +11,14 @@ not installed: `bash scripts/setup-slurm.sh`).
 
 import json
 import os
+import signal
 import sys
 import time
 
 import pytest
 import yaml
 
-from tests.conftest import two_host_config
+from tests.conftest import trainer_pid, two_host_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -88,9 +89,12 @@ def test_two_nodes_train_and_resubmit_after_slurms_sigterm(slurm_cluster, tmp_pa
     `scancel --signal=TERM` mid-run (what the `--signal` warning before the time limit and
     preemption send): the run finishes its step, checkpoints, releases the allocation and,
     with launcher.max_resubmits, submits a fresh one that continues to the last step with
-    the same step numbering and no metric row twice."""
+    the same step numbering. In that second allocation the trainer's proc on node a is
+    SIGKILLed: the run heals it through the job's Monarch worker (docs/healing.md) and
+    finishes; a metric row comes twice only for a step the heal lost."""
     run_dir = tmp_path / "run"
-    cfg = slurm_config(run_dir, steps=8, launcher={"max_resubmits": 1})
+    steps = 10
+    cfg = slurm_config(run_dir, steps=steps, launcher={"max_resubmits": 1})
     t0 = time.monotonic()
     controller = start_controller(slurm_cluster, tmp_path, "preempt", [write_config(tmp_path, "preempt", cfg)])
     wait_rows(run_dir, controller, 3)
@@ -99,20 +103,32 @@ def test_two_nodes_train_and_resubmit_after_slurms_sigterm(slurm_cluster, tmp_pa
     assert len(on_b) >= 4, on_b
     (first_job,) = job_ids(slurm_cluster)
     slurm_cluster.cmd("scancel", "--signal=TERM", first_job)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while "meshrl: resubmitting" not in (tmp_path / "preempt.log").read_text() and controller.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    wait_rows(run_dir, controller, len(rows_of(run_dir)) + 2)  # two steps into the second allocation
+    victim = trainer_pid(slurm_cluster.hosts.pids("a"), "slurm_worker")
+    assert victim is not None, slurm_cluster.processes("a", exclude=DAEMONS)
+    os.kill(victim, signal.SIGKILL)
     rc = wait_exit(controller, RUN_TIMEOUT_S)
     log = (tmp_path / "preempt.log").read_text()
     assert rc == 0, log[-4000:] + slurm_cluster.logs()
     stopped = [line for line in log.splitlines() if line.startswith("meshrl: stopped at step")]
     assert len(stopped) == 1 and "by Slurm's SIGTERM to the allocation: checkpoint at step" in stopped[0], log[-3000:]
     assert "meshrl: resubmitting (1 of launcher.max_resubmits=1)" in log
+    healed = [line for line in log.splitlines() if line.startswith("meshrl: trainer rank 0") and f"(pid {victim}) died" in line]
+    assert len(healed) == 1 and "healed in" in healed[0], log[-3000:]
     rows = rows_of(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 9)), [r["step"] for r in rows]
+    kept = {r["step"]: r for r in rows}  # a step the heal lost is written again: the later row is kept
+    assert sorted(kept) == list(range(1, steps + 1)), [r["step"] for r in rows]
+    assert len(rows) - len(kept) == sum(r.get("trainer/steps_lost", 0) for r in rows) <= 1, [r["step"] for r in rows]
+    assert kept[steps]["trainer/restarts"] == 1
     versions = [r["generator/version"] for r in rows if "generator/version" in r]
     assert versions == sorted(versions) and versions[-1] >= 5, versions  # node b's generators got every new version
     jobs = sorted(f.split("_")[1] for f in os.listdir(run_dir / "slurm") if f.endswith(".out"))
     assert len(jobs) == 2 and first_job in jobs, jobs  # a second allocation finished the run
     assert leftovers(slurm_cluster) == {"jobs": [], "a": [], "b": []}
-    print(f"Slurm SIGTERM at step {stopped[0].split()[4]}, resubmitted and finished: {time.monotonic() - t0:.0f} s")
+    print(f"Slurm SIGTERM at step {stopped[0].split()[4]}, resubmitted, trainer healed ({healed[0]}), finished: {time.monotonic() - t0:.0f} s")
 
 
 def meshrl_lines(log: str) -> list[str]:
