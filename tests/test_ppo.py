@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 
 import pytest
 import torch
 
 from meshrl.config import Config, ConfigError
-from tests.test_loop import wait_no_children
+from tests.test_loop import trained_groups, wait_no_children
 
 
 def gae_config(**sections) -> dict:
@@ -200,6 +201,35 @@ def test_checkpoint_saves_the_critic_beside_the_policy_and_restores_it(tmp_path)
         asyncio.run(checkpoints.restore(str(tmp_path), _Trainer(0), _Queue(), None, _Critic(config)))
 
 
+def test_critic_snapshots_restore_its_step_and_a_resume_drops_the_later_ones(tmp_path):
+    """What a healed critic restores: the snapshot of the step asked for (the three newest
+    are kept), weights, optimizer and version; snapshots past a resumed run's checkpoint are
+    removed, so no heal restores them."""
+    from meshrl.controller.heal import newest_state
+    from meshrl.trainer.critic_actor import SNAPSHOTS_KEPT
+    from meshrl.trainer.snapshot import Snapshots, drop_after, snapshot_root
+
+    config = Config.from_dict(gae_config())
+    critic = _Critic(config).critic
+    snaps = Snapshots(snapshot_root(str(tmp_path)), 1, blocking=True, keep=SNAPSHOTS_KEPT)
+    batch = pack_one()
+    heads = {}
+    for _ in range(5):
+        returns, old = critic.advantages(batch)
+        critic.train_step(batch, returns, old)
+        snaps.start(critic.version, critic.model, critic.optimizer, critic.scheduler)
+        snaps.finish()
+        heads[critic.version] = critic.model.lm_head.bias.detach().clone()
+    assert sorted(os.listdir(snapshot_root(str(tmp_path)))) == ["latest", "step-00000003", "step-00000004", "step-00000005"]
+    path, step = newest_state(str(tmp_path), str(tmp_path / "no-checkpoint"), at_most=3)
+    fresh = _Critic(config).critic
+    assert step == 3 and fresh.load_checkpoint(path) == 3
+    assert torch.equal(fresh.model.lm_head.bias, heads[3]) and not torch.equal(heads[3], heads[5])
+    assert fresh.scheduler.last_epoch == 3 and len(fresh.optimizer.state) == len(critic.optimizer.state)
+    drop_after(snapshot_root(str(tmp_path)), 3)
+    assert newest_state(str(tmp_path), str(tmp_path / "no-checkpoint"))[1] == 3
+
+
 # ---- the whole loop ------------------------------------------------------------------------------
 STEPS = 12
 
@@ -235,6 +265,16 @@ def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
             scored = [session._call(awaited(mesh.advantages.call_one(batch.clone(), STEPS)), 60) for mesh in (loop.critic.actor, fresh.actor)]
         finally:
             session._call(fresh.stop(), 120)
+        # Healing: the critic's proc killed, then the policy's trainer proc (the critic has
+        # meanwhile trained once more, on pack_one's batch above, so it is one ahead).
+        os.kill(info["pid"], signal.SIGKILL)
+        healed = session.step(1)
+        (trainer,) = session._call(loop.trainer.shard_info(), 60)
+        os.kill(trainer["pid"], signal.SIGKILL)
+        healed += session.step(1)
+        critic_after = session._call(loop.critic.info(), 60)
+        version_after = session.version
+    check_critic_heals(healed, critic_after, version_after, info["pid"])
     (adv, _, run_metrics), (adv_restored, _, restored_metrics) = scored
     assert restored_metrics["critic/version"] == run_metrics["critic/version"] == STEPS
     assert run_metrics["critic/value_mean"] != 0  # a fresh critic's values are 0
@@ -256,6 +296,22 @@ def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
     assert sum(ev[STEPS // 2 :]) / (STEPS - STEPS // 2) > ev[0] + EV_MARGIN, ev
     assert sum(reward[-3:]) / 3 > sum(reward[:2]) / 2 + REWARD_MARGIN, reward
     assert not wait_no_children(), "procs outlived the run"
+
+
+def check_critic_heals(healed: list[dict], critic: dict, version: int, old_pid: int) -> None:
+    """The critic healed on a new proc from its snapshot of the policy's version, then put
+    back with the healed policy: each batch trained both once, every step after the heals."""
+    kept = list({int(r["version"]): r for r in healed}.values())
+    assert [int(r["version"]) for r in kept] == [STEPS + 1, STEPS + 2], [r["version"] for r in healed]
+    first = healed[0]
+    assert first["critic/restarts"] == 1 and first["critic/steps_lost"] == 0 and first["critic/restart_s"] > 0, first
+    assert first["critic/version"] == STEPS and first["critic/version_lag"] == 0  # its snapshot of step 12, not the 13th
+    assert critic["pid"] != old_pid
+    assert kept[-1]["trainer/restarts"] == 1 and kept[-1]["critic/restarts"] == 1
+    assert all(r["critic/version_lag"] == 0 for r in healed), [r["critic/version_lag"] for r in healed]
+    assert critic["version"] == version == STEPS + 2  # in step with the policy: no batch trained it twice
+    groups = trained_groups(kept)
+    assert len(groups) == len(set(groups)), "a group was trained twice"
 
 
 EV_MARGIN = 0.05

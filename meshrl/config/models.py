@@ -128,9 +128,9 @@ class TrainerConfig:
     interrupt_checkpoint_timeout_s: float = 120.0
     """On Ctrl-C or SIGTERM (scheduler preemption) the run lets the step in flight finish and checkpoints, within this many seconds, then stops; `meshrl run --resume` continues from there. Keep it under the scheduler's grace period (Slurm's KillWait)."""
     snapshot_every: int = 1
-    """Keep the trainer's state (weights, optimizer, lr schedule, step) restorable every this many steps, in RUN_DIR/snapshots/ (a GPU trainer stages it to host memory), written in the background while the new version is published and the next batch awaited, complete before the next optimizer step. A trainer proc that dies is healed from the newest one (docs/healing.md), losing at most this many steps; they are trained again from the batches the queue kept. 0: off (a heal restores the last checkpoint)."""
+    """Keep the trainer's state (weights, optimizer, lr schedule, step) restorable every this many steps, in RUN_DIR/snapshots/ (a GPU trainer stages it to host memory), written in the background while the new version is published and the next batch awaited, complete before the next optimizer step. A trainer proc that dies is healed from the newest one (docs/healing.md), losing at most this many steps; they are trained again from the batches the queue kept. PPO's critic keeps its own the same way (RUN_DIR/critic/snapshots/). 0: off (a heal restores the last checkpoint)."""
     max_restarts: int = 3
-    """How many times a run replaces a dead trainer mesh (docs/healing.md). Past it the run stops, resumably (`meshrl run --resume`). 0: a dead trainer stops the run."""
+    """How many times a run replaces a dead trainer mesh, counted for each (the policy's, PPO's critic, each trained model's; docs/healing.md). Past it the run stops, resumably (`meshrl run --resume`). 0: a dead trainer stops the run."""
     restart_timeout_s: float = 600.0
     """The longest one heal may take (stop the dead mesh, spawn a new one, restore, reconnect weight sync); past it the run stops, resumably."""
     loss: LossConfig = field(default_factory=LossConfig)

@@ -16,8 +16,12 @@ When the trainer's call fails and the episode queue still answers, `TrainerHeale
    trainer.snapshot_every=1 no generator is ahead of it (a version is announced only once
    its snapshot is complete); with more, one ahead keeps its newer weights until the
    retrained trainer passes them (weight sync never hands out an older version).
-Bounded by trainer.max_restarts and trainer.restart_timeout_s; past them the run stops
-resumably, as a dead trainer did before. The generators and rollout workers are healed by
+Under PPO the critic (its own proc) follows the policy: after a policy heal it is restored
+to its own newest state at or below the restored version (RUN_DIR/critic/snapshots, else
+its last checkpoint), so that no batch trains it twice. A critic proc that dies is healed
+by `heal_critic`: a new proc, the same restore, the failed step's batch back to the queue.
+Bounded by trainer.max_restarts (per mesh) and trainer.restart_timeout_s; past them the run
+stops resumably, as a dead trainer did before. The generators and rollout workers are healed by
 controller/replicas.py; this is the trainer's counterpart, called from the loop's step.
 """
 
@@ -27,13 +31,14 @@ import asyncio
 import os
 import time
 
-from meshrl.compat import awaited
+from meshrl.compat import awaited, settled
 from meshrl.controller import checkpoint as checkpoints
 from meshrl.errors import TrainerFailed, first_line
 from meshrl.logs import console
 from meshrl.trainer.actor import spawn_trainer
+from meshrl.trainer.critic_actor import critic_root, spawn_critic
 from meshrl.trainer.checkpoint import checkpoint_step
-from meshrl.trainer.snapshot import newest_complete, snapshot_root, snapshot_step
+from meshrl.trainer.snapshot import drop_after, newest_complete, snapshot_root, snapshot_step
 
 
 async def trainer_pids(trainer) -> list[tuple[int, float | None]]:
@@ -123,6 +128,7 @@ async def replace_trainer(config, alloc, trainer, pids: list, run_dir: str, star
         raise RuntimeError(f"no complete trainer state at or after the run's start (version {start_version})")
     new = await spawn_trainer(config, config.trainer.collective_timeout_s, host_mesh=alloc.host_mesh("trainer"), hosts=alloc.hosts("trainer"), plan=alloc.plan)
     version = await new.load_checkpoint(path) if path is not None else 0  # a snapshot or a checkpoint
+    drop_after(snapshot_root(run_dir), version)  # a step written before its call failed is trained again
     return new, version
 
 
@@ -133,12 +139,16 @@ class TrainerHealer:
         self.loop = loop
         self.restarts = 0
         self.pids: list[tuple[int, float | None]] = []
+        self.critic_restarts = 0
         self.pending_metrics: dict[str, float] = {}
         self.start_version = 0  # the version the run (or its resume) started at
 
     def metrics(self) -> dict[str, float]:
         """For the step's row: the restarts so far, and after a heal its time and steps lost."""
-        out, self.pending_metrics = {"trainer/restarts": float(self.restarts), **self.pending_metrics}, {}
+        out = {"trainer/restarts": float(self.restarts)}
+        if self.loop.critic is not None:
+            out["critic/restarts"] = float(self.critic_restarts)
+        out, self.pending_metrics = {**out, **self.pending_metrics}, {}
         return out
 
     async def watch(self) -> None:
@@ -163,8 +173,6 @@ class TrainerHealer:
             return f"trainer.max_restarts={c.trainer.max_restarts} restart(s) used"
         if c.placement == "colocate":
             return "placement=colocate (the trainer and the engines take turns on the devices) is not healed"
-        if self.loop.critic is not None:
-            return "PPO's critic (trainer.loss.advantage=gae) is not healed"
         return None
 
     async def heal(self, error: BaseException, call: str = "step") -> None:
@@ -213,6 +221,8 @@ class TrainerHealer:
             await asyncio.gather(task, return_exceptions=True)
         loop.trainer, version = await replace_trainer(c, loop.alloc, loop.trainer, self.pids, loop.run_dir, self.start_version, at_most=loop.version)
         await self.watch()
+        if loop.critic is not None:  # back to the restored version with the policy: no batch trains it twice
+            await self._restore_critic(version, respawn=not await loop.critic.answers())
         retaken = await awaited(loop.queue.retake.call_one(version))
         publisher = await loop.trainer.publisher_handle()
         await loop.trainer.publish_current()
@@ -220,3 +230,48 @@ class TrainerHealer:
         # in the background, as after every step: one behind (its update cut off) catches up; none ahead goes back
         loop._update_task = asyncio.create_task(loop._update_generators(version))
         return version, retaken
+
+    # ---- PPO's critic --------------------------------------------------------------------------
+    async def heal_critic(self, error: BaseException) -> None:
+        """The critic's proc died (the trainer's call to it failed, and it does not answer): a
+        new proc on the same host, restored to the critic's newest state at or below the
+        policy's version; the batch the failed step took goes back to the queue, and the
+        step is trained again. Raises TrainerFailed with one line when it may not or cannot."""
+        loop, c = self.loop, self.loop.config
+        first = first_line(str(error)) or type(error).__name__
+        what = f"the critic (pid {loop.critic.pid}) stopped answering at version {loop.version} ({type(error).__name__}: {first})"
+        if self.critic_restarts >= c.trainer.max_restarts:
+            used = f"trainer.max_restarts={c.trainer.max_restarts} restart(s) used"
+            raise TrainerFailed(f"{what}; not healed: {used}; {checkpoints.how_to_resume(loop.run_dir)}") from error
+        self.critic_restarts += 1
+        t0 = time.monotonic()
+        try:
+            restored = await asyncio.wait_for(self._restore_critic(loop.version, respawn=True), c.trainer.restart_timeout_s)
+            retaken = await awaited(loop.queue.retake.call_one(loop.version))
+        except Exception as e:  # noqa: BLE001 - the heal itself failed: stop, resumably
+            raise TrainerFailed(
+                f"{what} and could not be restarted within trainer.restart_timeout_s={c.trainer.restart_timeout_s:.0f}s "
+                f"({type(e).__name__}: {first_line(str(e), 200)}); {checkpoints.how_to_resume(loop.run_dir)}"
+            ) from e
+        took, lost = time.monotonic() - t0, max(0, loop.version - restored)
+        self.pending_metrics.update({"critic/restart_s": took, "critic/steps_lost": float(lost)})
+        print(
+            f"meshrl: {first_line(what, 200)}; healed in {took:.1f}s from critic version {restored} "
+            f"({lost} critic step(s) lost, {len(retaken)} group(s) to train again; restart {self.critic_restarts} of {c.trainer.max_restarts})",
+            file=console(),
+        )
+
+    async def _restore_critic(self, version: int, respawn: bool) -> int:
+        """The critic at its newest complete state at or below the policy's `version` (its
+        snapshots, else its last checkpoint), on a new proc first when `respawn` (or when
+        there is no such state, at a run's start: a fresh critic). Returns its version."""
+        loop, c = self.loop, self.loop.config
+        path, _ = newest_state(critic_root(loop.run_dir), os.path.join(loop.run_dir, "checkpoints", "critic"), at_most=version)
+        if path is None and self.start_version > 0:
+            raise RuntimeError(f"no complete critic state at or after the run's start (version {self.start_version})")
+        if respawn or path is None:
+            await settled(loop.critic.stop(), 90)  # a dead proc does not answer its teardown
+            loop.critic = await spawn_critic(c, loop.alloc.host("trainer", 0), loop.alloc.bootstrap("critic"))
+        restored = await loop.critic.load_checkpoint(path) if path is not None else 0
+        drop_after(snapshot_root(critic_root(loop.run_dir)), restored)  # steps it trains again, on the batches the queue kept
+        return restored

@@ -45,7 +45,8 @@ from meshrl.scorers import ON_PROCS
 from meshrl.stability import CliffWatch, DivergenceWatch, RewardDiverged
 from meshrl.tokenizer import build_char_tokenizer
 from meshrl.trainer.actor import spawn_trainer
-from meshrl.trainer.critic_actor import spawn_critic
+from meshrl.trainer.critic_actor import critic_root, spawn_critic
+from meshrl.trainer.snapshot import drop_after, snapshot_root
 from meshrl.weightsync.connect import WeightSync
 
 log = logging.getLogger("meshrl")
@@ -167,6 +168,8 @@ class RLLoop:
         if self.resume:
             self.version, self.history = await checkpoints.restore(self.run_dir, self.trainer, self.queue, self.watch, self.critic)
             self.healer.start_version = self.version
+            for trained in (self.run_dir, critic_root(self.run_dir), *(os.path.join(self.run_dir, "models", m.name) for m in c.models)):
+                drop_after(snapshot_root(trained), self.version)  # the previous run's, past its checkpoint: never restored
         # Rows past the restored step belong to steps about to be trained again: cut them.
         wandb = dict(project=c.logging.wandb_project, mode=c.logging.wandb_mode, config=c.to_dict()) if c.logging.wandb else None
         self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version, wandb=wandb)
@@ -309,13 +312,11 @@ class RLLoop:
                 f"no batch for version {self.version} within buffer.get_timeout_s={c.buffer.get_timeout_s:.0f}s: "
                 "rollouts are not arriving; check the generators and envs"
             ) from e
-        first = first_line(str(e)) or type(e).__name__
         if not await self._queue_answers():  # the trainer's call failed because the batches' source did
             raise self._queue_lost() from e
-        if self.critic is not None and not await self.critic.answers():
-            raise TrainerFailed(
-                f"the critic stopped answering at version {self.version} ({type(e).__name__}: {first}); {checkpoints.how_to_resume(self.run_dir)}"
-            ) from e
+        if self.critic is not None and not await self.critic.answers():  # its proc died: a new one, restored
+            await self.healer.heal_critic(e)
+            return
         await self.healer.heal(e, call)
 
     async def _healing(self, call: str, make_call):

@@ -113,7 +113,7 @@ class TrainerActor(Actor):
         if trainer.config.trainer.loss.advantage == "gae" and critic is None:
             raise RuntimeError("trainer.loss.advantage=gae trains on a critic's advantages, and no critic was given")
         t0 = time.perf_counter()
-        batch, critic_metrics = None, {}
+        batch, critic_metrics, critic_failed = None, {}, None
         if trainer.rank == 0:
             if model:
                 batch = await queue.shared.call_one(trainer.step, timeout_s)
@@ -122,11 +122,18 @@ class TrainerActor(Actor):
             groups = batch["group_id"].unique_consecutive().tolist()
             batch = model_rows(batch, model)
             if critic is not None:
-                critic_metrics = await self._critic_advantages(critic, batch, trainer)
+                try:
+                    critic_metrics = await self._critic_advantages(critic, batch, trainer)
+                except Exception as e:  # noqa: BLE001 - every rank ends this step untrained (the controller heals the critic)
+                    critic_failed = e
         if trainer.world > 1:
-            box = [batch]
+            box = [None if critic_failed is not None else batch]
             dist.broadcast_object_list(box, src=0, group=self._objects)
             batch = box[0]
+        if critic_failed is not None:
+            raise critic_failed
+        if batch is None:
+            raise RuntimeError("rank 0's call to the critic failed: this step is not trained")
         wait_s = time.perf_counter() - t0
         settled = self._settle_snapshot()  # the last step's, written while this batch was awaited
         out = trainer.train_step(batch, trainer.step)

@@ -321,7 +321,12 @@ class CriticTrainer:
         return ckpt.save_checkpoint(root, self.version, self.model, self.optimizer, self.scheduler)
 
     def load_checkpoint(self, path: str) -> int:
+        """A checkpoint's state, or a per-step snapshot's (meshrl/trainer/snapshot.py); its version."""
         from meshrl.trainer import checkpoint as ckpt
+        from meshrl.trainer.snapshot import is_snapshot, load_snapshot
 
-        self.version = int(ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)["step"])
+        if is_snapshot(path):
+            self.version = load_snapshot(path, self.model, self.optimizer, self.scheduler)
+        else:
+            self.version = int(ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)["step"])
         return self.version

@@ -12,7 +12,9 @@ The trainer's rank 0 calls `advantages` with each batch it samples from the epis
 
 so the critic trains on batch s while the policy does, each on its own proc, and the
 critic's step is off the policy's path unless it takes longer than the policy's step plus
-the wait for the next batch. A batch is always scored by the critic that trained on every
+the wait for the next batch. With trainer.snapshot_every, the same thread then writes the
+critic's snapshot (RUN_DIR/critic/snapshots/), which a healed critic, or the critic of a
+healed policy, restores (controller/heal.py). A batch is always scored by the critic that trained on every
 batch before it: `critic/version_lag` (policy steps taken - the scoring critic's version)
 is 0 unless the critic fell behind. The finished step's metrics (value loss, value clip
 fraction, grad norm) come back with the next call, under `critic/`.
@@ -36,7 +38,18 @@ from meshrl.config.cpus import cpus_for
 from meshrl.logs import capture_role_output
 from meshrl.pinning import pin_this_process
 from meshrl.trainer.critic import CriticTrainer
+from meshrl.trainer.snapshot import Snapshots, snapshot_root
 from meshrl.trainer.values import reduce_value_metrics, value_metric_sums
+
+SNAPSHOTS_KEPT = 3
+"""A policy healed to version v' needs the critic's snapshot of v'; when the critic has
+already trained on the next batch or two, that is the third newest."""
+
+
+def critic_root(run_dir: str) -> str:
+    """Where the critic's snapshots live (RUN_DIR/critic/snapshots)."""
+    return os.path.join(run_dir, "critic")
+
 
 TRAIN_METRICS = ("value_loss", "value_clip_frac", "value_abs_max", "grad_norm", "lr", "value_nonfinite", "step_time_s")
 """A finished critic step's metrics reported (as `critic/NAME`) with the next batch; its
@@ -85,6 +98,7 @@ class CriticActor(Actor):
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="critic-train")
         self._training: concurrent.futures.Future | None = None
         self._finished: dict[str, float] = {}
+        self.snapshots: Snapshots | None = None
 
     @endpoint
     async def setup(self, config_dict: dict) -> dict:
@@ -95,7 +109,19 @@ class CriticActor(Actor):
         if cpus is not None:
             pin_this_process(cpus)  # also sizes torch's thread pool to them
         self.config, self.critic = config, build_critic(config)
+        if config.trainer.snapshot_every:
+            root = snapshot_root(critic_root(config.logging.run_dir))
+            self.snapshots = Snapshots(root, config.trainer.snapshot_every, blocking=True, keep=SNAPSHOTS_KEPT)
         return self._info()
+
+    def _train(self, batch: TensorDict, returns: torch.Tensor, old: torch.Tensor) -> dict[str, float]:
+        """The critic's step on one batch, then its snapshot when due (in the training thread)."""
+        critic = self._need()
+        out = critic.train_step(batch, returns, old)
+        if self.snapshots is not None and self.snapshots.due(critic.version):
+            self.snapshots.start(critic.version, critic.model, critic.optimizer, critic.scheduler)
+            self.snapshots.finish()
+        return out
 
     def _need(self) -> CriticTrainer:
         if self.critic is None:
@@ -138,7 +164,7 @@ class CriticActor(Actor):
         mask = batch["loss_mask"]
         scored = reduce_value_metrics([value_metric_sums(old, returns, mask)])
         score_s = time.perf_counter() - t0
-        self._training = self._pool.submit(critic.train_step, batch, returns, old)
+        self._training = self._pool.submit(self._train, batch, returns, old)
         warm = policy_step < cc.policy_warmup
         metrics = {
             "critic/version": float(version),
@@ -179,6 +205,7 @@ class CriticMesh:
 
     def __init__(self, procs, actor, timeout_s: float):
         self.procs, self.actor, self.timeout_s = procs, actor, timeout_s
+        self.pid: int | None = None  # its proc's, once set up
 
     async def _call(self, endpoint_, *args):
         return await asyncio.wait_for(awaited(endpoint_.call_one(*args)), self.timeout_s)
@@ -212,5 +239,5 @@ async def spawn_critic(config: Config, host_mesh, bootstrap_command=None) -> Cri
     async with stopped_on_failure(procs):
         actor = procs.spawn("critic", CriticActor)
         mesh = CriticMesh(procs, actor, timeout_s)
-        await mesh._call(actor.setup, config.to_dict())
+        mesh.pid = (await mesh._call(actor.setup, config.to_dict()))["pid"]
         return mesh

@@ -62,6 +62,17 @@ def newest_complete(root: str, at_most: int | None = None) -> str | None:
     return os.path.join(root, max(done)) if done else None
 
 
+def drop_after(root: str, step: int) -> None:
+    """Remove the snapshots under `root` of steps past `step`: a run resumed from an earlier
+    checkpoint trains those steps again on other batches, and a heal must not restore the
+    abandoned ones (nor one of them while its replacement is being written)."""
+    if not os.path.isdir(root):
+        return
+    for n in os.listdir(root):
+        if n.startswith("step-") and int(n[len("step-") :]) > step:
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+
+
 def snapshot_step(path: str) -> int:
     with open(os.path.join(path, COMPLETE_MARKER)) as f:
         return int(json.load(f)["step"])
@@ -117,10 +128,11 @@ class Snapshots:
     interleave with the training's), None for a single rank. `blocking`: each rank writes
     its own shards (`rank-R.pt`, torch.save, by a thread, no staging copy: the caller
     changes nothing before `finish()`), the CPU trainer's way; else DCP's async_save, the
-    GPU trainer's. `complete`: the step of the newest snapshot `finish()` completed (0: none)."""
+    GPU trainer's. `keep`: complete snapshots kept. `complete`: the step of the newest
+    snapshot `finish()` completed (0: none)."""
 
-    def __init__(self, root: str, every: int, process_group=None, blocking: bool = False):
-        self.root, self.every, self.pg, self.blocking = os.path.abspath(root), every, process_group, blocking
+    def __init__(self, root: str, every: int, process_group=None, blocking: bool = False, keep: int = KEEP):
+        self.root, self.every, self.pg, self.blocking, self.keep = os.path.abspath(root), every, process_group, blocking, keep
         self._pending: tuple[Any, str, str, dict, bool] | None = None  # (future, temp dir, name, metadata, completed by the thread)
         self.stage_s = self.wait_s = 0.0
         self.complete = 0
@@ -194,7 +206,7 @@ class Snapshots:
 
     def _prune(self, newest: str) -> None:
         names = sorted(n for n in os.listdir(self.root) if n.startswith("step-"))
-        for n in names[:-KEEP]:
+        for n in names[: -self.keep]:
             shutil.rmtree(os.path.join(self.root, n), ignore_errors=True)
         for n in os.listdir(self.root):  # temp dirs of writes a crash cut short
             if n.startswith(".step-") and n.endswith(".tmp") and n != f".{newest}.tmp":
