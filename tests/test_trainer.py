@@ -362,6 +362,28 @@ def test_checkpoint_root_ignores_an_interrupted_save(tmp_path):
         ckpt.resolve_checkpoint(tmp_path / "step-00000003")
 
 
+def test_snapshots_and_checkpoints_keep_the_random_generators(tmp_path):
+    """A restored trainer draws what the saved one would have drawn next (a LoRA adapter's
+    dropout): the snapshot (a CPU rank's own file) and the DCP checkpoint both keep the
+    generators as the step left them."""
+    from meshrl.trainer.snapshot import Snapshots, load_snapshot, snapshot_root
+
+    trainer = PolicyTrainer(make_config(), CPU)
+    trainer.train_step(make_batch())
+    torch.manual_seed(1234)
+    torch.rand(5)  # a step's draws move the generator on
+    snaps = Snapshots(snapshot_root(str(tmp_path)), 1, blocking=True)
+    snaps.start(1, trainer.model, trainer.optimizer, trainer.scheduler)
+    path = snaps.finish()
+    checkpoint = trainer.save_checkpoint(str(tmp_path / "ckpt"))
+    expected = torch.rand(8)  # what the trainer draws next
+    for restore in (lambda t: load_snapshot(path, t.model, t.optimizer, t.scheduler), lambda t: t.load_checkpoint(checkpoint)):
+        torch.manual_seed(0)  # a new trainer proc starts seeded
+        fresh = PolicyTrainer(make_config(), CPU)
+        restore(fresh)
+        assert torch.equal(torch.rand(8), expected)
+
+
 # ---- real Monarch meshes -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def loop():

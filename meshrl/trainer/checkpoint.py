@@ -5,7 +5,7 @@
 - `export_hf` / `load_hf`: a Hugging Face checkpoint directory (config.json + safetensors)
   that transformers' AutoModelForCausalLM and vLLM load.
 - `save_checkpoint` / `load_checkpoint`: torch.distributed.checkpoint of model + optimizer
-  + lr scheduler + step, each rank writing its own shards. Atomic: written into a temp
+  + lr scheduler + step, each rank writing its own shards and its random generators. Atomic: written into a temp
   dir, fsynced, completed with a marker, renamed to `step-XXXXXXXX`, then the `latest`
   pointer file is replaced atomically. A crash at any point leaves either the previous
   checkpoint as `latest` or the new one complete; never a half-written one that loads.
@@ -205,6 +205,33 @@ def write_atomic(path: str, text: str) -> None:
     _fsync_dir(os.path.dirname(path))
 
 
+def rng_state() -> dict[str, Any]:
+    """This rank's random number generators: the CPU's, and each CUDA device's once CUDA is
+    up (a LoRA adapter's dropout draws from them)."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def save_rng(directory: str, state: dict[str, Any] | None = None) -> None:
+    """This rank's generators (`state`, default now) into `directory` (rng-RANK.pt)."""
+    torch.save(state if state is not None else rng_state(), os.path.join(directory, f"rng-{_rank()}.pt"))
+
+
+def load_rng(directory: str) -> bool:
+    """Put back this rank's generators saved in `directory`; False where none were saved (a
+    state written before they were kept: the generators stay as seeded)."""
+    path = os.path.join(directory, f"rng-{_rank()}.pt")
+    if not os.path.isfile(path):
+        return False
+    state = torch.load(path, weights_only=False)
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    return True
+
+
 def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -229,6 +256,7 @@ def save_checkpoint(
         os.makedirs(tmp)
     _barrier()
     dcp.save(_train_state(model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    save_rng(tmp)
     _barrier()
     if _rank() == 0:
         meta = {"step": step, "scheduler": scheduler.state_dict() if scheduler is not None else None, "extra": extra or {}}
@@ -277,4 +305,5 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         meta = json.load(f)
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
+    load_rng(path)
     return meta

@@ -1,7 +1,7 @@
 """Per-step trainer snapshots: the state a healed trainer restores (docs/healing.md).
 
-Every `trainer.snapshot_every` steps each rank saves its shards of the model, the optimizer
-and the lr scheduler into RUN_DIR/snapshots/step-N/. `start()` after the optimizer step
+Every `trainer.snapshot_every` steps each rank saves its shards of the model, the optimizer,
+the lr scheduler and its random generators into RUN_DIR/snapshots/step-N/. `start()` after the optimizer step
 hands the write to a thread; `finish()` waits for it, and the trainer calls it just before
 its next optimizer step, after the next batch arrived: the write runs while the new version
 is published and the next batch is awaited, off the step's path. So the newest version a
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshrl.trainer.checkpoint import COMPLETE_MARKER, LATEST, _train_state
+from meshrl.trainer.checkpoint import COMPLETE_MARKER, LATEST, _train_state, load_rng, rng_state, save_rng
 
 _THREADS = ThreadPoolExecutor(1, thread_name_prefix="meshrl-snapshot")
 KEEP = 2
@@ -118,6 +118,7 @@ def load_snapshot(path: str, model, optimizer, scheduler=None) -> int:
     optimizer.load_state_dict(optim)
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
+    load_rng(path)
     return int(meta["step"])
 
 
@@ -154,14 +155,16 @@ class Snapshots:
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "extra": {"snapshot": "local" if self.blocking else "dcp"},
         }
+        rng = rng_state()  # as the step left them: a restored trainer draws what this one would have
         if self.blocking and self.pg is None:  # one rank: the whole write, its completion included, by the thread
-            self._pending = (_THREADS.submit(self._write, model, optimizer, tmp, name, meta), tmp, name, meta, True)
+            self._pending = (_THREADS.submit(self._write, model, optimizer, tmp, name, meta, rng), tmp, name, meta, True)
             self.stage_s = time.perf_counter() - t0
             return
         if rank == 0:
             _fresh(self.root, tmp)
         if self.pg is not None:
             dist.barrier(group=self.pg)
+        save_rng(tmp, rng)
         if self.blocking:  # DCP's planning and metadata cost more than the write of a small model: plain shards
             future = _THREADS.submit(torch.save, local_state(model, optimizer), os.path.join(tmp, f"rank-{rank}.pt"))
         else:
@@ -170,8 +173,9 @@ class Snapshots:
         self._pending = (future, tmp, name, meta, False)
         self.stage_s = time.perf_counter() - t0
 
-    def _write(self, model, optimizer, tmp: str, name: str, meta: dict) -> None:
+    def _write(self, model, optimizer, tmp: str, name: str, meta: dict, rng: dict) -> None:
         _fresh(self.root, tmp)
+        save_rng(tmp, rng)
         torch.save(local_state(model, optimizer), os.path.join(tmp, "rank-0.pt"))
         self._complete(tmp, name, meta)
 
