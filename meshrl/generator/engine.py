@@ -171,11 +171,10 @@ class VLLMEngine:
 
     async def start(self, version: int = 0) -> float:
         """Start the engine (bounded by generator.startup_timeout_s); returns seconds taken."""
-        from meshrl.compat import vllm_cpu_defaults
+        from meshrl.compat import vllm_async_llm, vllm_cpu_defaults
         from meshrl.host import gloo_on_this_host
 
         vllm_cpu_defaults(self.gen.startup_timeout_s)
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         t0 = time.monotonic()
         # Blocking construction: vLLM bounds the engine handshake by VLLM_ENGINE_READY_TIMEOUT_S,
@@ -183,7 +182,7 @@ class VLLMEngine:
         # vLLM's groups span this engine's own processes only, all on this host: loopback, or
         # on a host `meshrl worker` serves, its named address (the worker set gloo's interface).
         with gloo_on_this_host():
-            self.llm = AsyncLLM.from_engine_args(self.engine_args())
+            self.llm = vllm_async_llm(self.engine_args())  # on CPU its engine core is forked (compat.py)
         elapsed = time.monotonic() - t0
         if elapsed > self.gen.startup_timeout_s:
             self.shutdown()
