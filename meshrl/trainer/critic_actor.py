@@ -29,7 +29,7 @@ import os
 import time
 
 import torch
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, concurrent_endpoint, endpoint
 from tensordict import TensorDict
 
 from meshrl.compat import awaited, settled, stopped_on_failure
@@ -195,6 +195,12 @@ class CriticActor(Actor):
         await self._finish()
         return self._info()
 
+    @concurrent_endpoint
+    async def ping(self) -> int:
+        """Its pid, at once: a liveness probe that waits neither for the train step in flight
+        nor for a call under way."""
+        return os.getpid()
+
     @endpoint
     async def teardown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -221,7 +227,7 @@ class CriticMesh:
 
     async def answers(self, timeout_s: float = 10.0) -> bool:
         """Whether the critic's proc still answers (after a failed step: whose fault it was)."""
-        return await settled(self.actor.info.call_one(), timeout_s) is None  # dead, unreachable or too slow: all the same
+        return await settled(self.actor.ping.call_one(), timeout_s) is None  # dead or unreachable: all the same
 
     async def stop(self) -> None:
         try:
