@@ -221,17 +221,17 @@ def vllm_cpu_defaults(startup_timeout_s: float | None = None) -> None:
 
 
 def vllm_async_llm(engine_args):
-    """`AsyncLLM.from_engine_args(engine_args)`, with a one-worker CPU engine's engine-core
-    process forked from this one instead of spawned.
+    """`AsyncLLM.from_engine_args(engine_args)`; with MESHRL_VLLM_FORK=1 in the environment, a
+    one-worker CPU engine's engine-core process is forked from this one instead of spawned.
 
     vLLM's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn while it builds the config,
     so that each worker sets up its OpenMP threads in a fresh process. A spawned engine core
     imports torch and vLLM again, single-threaded, before it loads a model: most of an
-    engine's start on a small machine (measured here: 13.6 s spawned, 2.2 s forked, the same
-    tokens generated). This process has imported both already and has run no OpenMP region
-    (its model runs in the engine core), so a forked engine core starts with its OpenMP
-    threads unset, as a spawned one does. With several workers (tensor parallel) vLLM's
-    choice stands: the engine core would fork them in turn, after its own threads started.
+    engine's start on a small machine (measured: 9.4 s against 4.2 s forked in the default
+    run, decoding as fast; benchmarks/README.md section 22). Not the default: a forked engine
+    core also inherits every descriptor of its Monarch proc (its channels to the controller
+    among them), and the one full suite run with it on lost its controller process mid-run
+    without a trace, a cause not found.
     """
     import os
 
@@ -240,7 +240,7 @@ def vllm_async_llm(engine_args):
 
     config = engine_args.create_engine_config()
     kwargs = dict(enable_log_requests=engine_args.enable_log_requests, disable_log_stats=engine_args.disable_log_stats)
-    if not current_platform.is_cpu() or engine_args.tensor_parallel_size != 1 or os.environ.get("MESHRL_VLLM_SPAWN") == "1":
+    if not current_platform.is_cpu() or engine_args.tensor_parallel_size != 1 or os.environ.get("MESHRL_VLLM_FORK") != "1":
         return AsyncLLM.from_vllm_config(config, **kwargs)
     with _environment_set("VLLM_WORKER_MULTIPROC_METHOD", "fork"):
         return AsyncLLM.from_vllm_config(config, **kwargs)
