@@ -206,7 +206,7 @@ class TrainerHealer:
         took = time.monotonic() - t0
         lost = max(0, loop.version - version)
         loop.version = version
-        self.pending_metrics = {"trainer/restarts": float(self.restarts), "trainer/restart_s": took, "trainer/steps_lost": float(lost)}
+        self.pending_metrics.update({"trainer/restarts": float(self.restarts), "trainer/restart_s": took, "trainer/steps_lost": float(lost)})
         print(
             f"meshrl: trainer {who} died at version {version + lost} in its {call} ({first_line(first, 160)}); healed in {took:.1f}s "
             f"from version {version} ({lost} step(s) lost, {len(retaken)} group(s) to train again; restart {self.restarts} of {c.trainer.max_restarts})",

@@ -299,7 +299,7 @@ class RLLoop:
 
     async def _trainer_failed(self, e: Exception, call: str = "step") -> None:
         """The trainer's call failed: the user's code or the queue's timeout in one line, a lost
-        queue or critic ends the run resumably, a dead trainer proc is healed (or, past the
+        queue ends the run resumably, a dead critic or trainer proc is healed (or, past the
         heal's bounds, ends the run resumably)."""
         c = self.config
         if isinstance(e, TrainerFailed):  # the health check found the queue's host gone: already the run's end

@@ -12,12 +12,14 @@ The trainer's rank 0 calls `advantages` with each batch it samples from the epis
 
 so the critic trains on batch s while the policy does, each on its own proc, and the
 critic's step is off the policy's path unless it takes longer than the policy's step plus
-the wait for the next batch. With trainer.snapshot_every, the same thread then writes the
-critic's snapshot (RUN_DIR/critic/snapshots/), which a healed critic, or the critic of a
-healed policy, restores (controller/heal.py). A batch is always scored by the critic that trained on every
+the wait for the next batch. A batch is always scored by the critic that trained on every
 batch before it: `critic/version_lag` (policy steps taken - the scoring critic's version)
 is 0 unless the critic fell behind. The finished step's metrics (value loss, value clip
 fraction, grad norm) come back with the next call, under `critic/`.
+
+With trainer.snapshot_every, the same thread then writes the critic's snapshot
+(RUN_DIR/critic/snapshots/), which a healed critic, or the critic of a healed policy,
+restores (controller/heal.py).
 """
 
 from __future__ import annotations
