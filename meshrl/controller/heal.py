@@ -33,6 +33,7 @@ import time
 
 from meshrl.compat import awaited, settled
 from meshrl.controller import checkpoint as checkpoints
+from meshrl.controller.members import running_process
 from meshrl.errors import TrainerFailed, first_line
 from meshrl.logs import console
 from meshrl.trainer.actor import spawn_trainer
@@ -60,23 +61,18 @@ async def trainer_pids(trainer) -> list[tuple[int, float | None]]:
 
 
 def proc_alive(pid: int, started: float | None) -> bool:
-    import psutil
-
     if started is None:
         return True  # not on this host: its host mesh's stop ends it
-    try:
-        p = psutil.Process(pid)
-        return abs(p.create_time() - started) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    return running_process(pid, started) is not None
 
 
 def _kill(pid: int, started: float | None) -> None:
     import psutil
 
-    if started is not None and proc_alive(pid, started):
+    proc = running_process(pid, started) if started is not None else None
+    if proc is not None:
         try:
-            psutil.Process(pid).kill()
+            proc.kill()
         except psutil.Error:
             pass
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from meshrl.compat import settled
 
 
-def _running(pid: int, started: float):
+def running_process(pid: int, started: float):
     """The psutil handle of `pid` if it still runs and is the process that started at
     `started` (not a later one given the same pid); None otherwise."""
     import psutil
@@ -57,7 +57,7 @@ class Member:
 
     def alive(self) -> bool:
         """Whether the member's own proc still runs (on this host; no round trip)."""
-        return bool(self.pids) and _running(*self.pids[0]) is not None
+        return bool(self.pids) and running_process(*self.pids[0]) is not None
 
     async def gone(self, endpoint: str) -> bool:
         """Whether the member is gone: by its pid on this host, else by asking `endpoint`
@@ -76,7 +76,7 @@ class Member:
             return 0  # on another host: its host mesh's shutdown ends them
         killed, segments = 0, set()
         for pid, started in self.pids:
-            proc = _running(pid, started)
+            proc = running_process(pid, started)
             if proc is None:
                 continue
             try:
