@@ -168,7 +168,7 @@ class RLLoop:
         if self.resume:
             self.version, self.history = await checkpoints.restore(self.run_dir, self.trainer, self.queue, self.watch, self.critic)
             self.healer.start_version = self.version
-            for trained in (self.run_dir, critic_root(self.run_dir), *(os.path.join(self.run_dir, "models", m.name) for m in c.models)):
+            for trained in (self.run_dir, critic_root(self.run_dir), *(c.for_model(m.name).logging.run_dir for m in c.models)):
                 drop_after(snapshot_root(trained), self.version)  # the previous run's, past its checkpoint: never restored
         # Rows past the restored step belong to steps about to be trained again: cut them.
         wandb = dict(project=c.logging.wandb_project, mode=c.logging.wandb_mode, config=c.to_dict()) if c.logging.wandb else None
