@@ -1,6 +1,11 @@
 """meshrl: asynchronous RL post-training of language models on Monarch actor meshes."""
 
-from meshrl.config import Config, ConfigError
+from meshrl import collector
+
+if collector.in_a_monarch_proc():  # a proc Monarch started for meshrl's actors: before torch is imported
+    collector.for_a_monarch_proc()
+
+from meshrl.config import Config, ConfigError  # noqa: E402
 
 __all__ = ["Config", "ConfigError", "RunResult", "Session", "run"]
 __version__ = "0.1.0"

@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 
+from meshrl import collector
 from meshrl.config import Config, ConfigError, apply_overrides, load_yaml, reference_markdown
 from meshrl.errors import first_line
 from meshrl.logs import console, quiet_console, verbose
@@ -116,6 +117,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     preflight(config)  # bad inputs end here, in one line, before any output is redirected
     loud = verbose(config) or config.launcher.dry_run  # a dry run's output is the job description
     out = sys.stderr if loud else quiet_console(config.logging.run_dir)
+    if not loud:  # nanobind's leak report at exit goes to the log
+        collector.no_collection_at_exit()
     run_dir = os.path.abspath(config.logging.run_dir)
     where = "" if loud else f"; library output in {os.path.join(run_dir, 'logs')} (--verbose shows it here)"
     what = f"resuming {run_dir}" if ns.resume else f"training {path or 'the embedded default'} in {run_dir}"
@@ -337,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    collector.fewer_passes()
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)

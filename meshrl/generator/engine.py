@@ -188,6 +188,7 @@ class VLLMEngine:
             self.shutdown()
             raise TimeoutError(f"vLLM engine took {elapsed:.0f}s to start (generator.startup_timeout_s={self.gen.startup_timeout_s})")
         self.loop = asyncio.get_running_loop()  # the loop `self.llm` serves (other threads submit to it)
+        await self.llm.collective_rpc("meshrl_no_collection_at_exit")
         if self.capture_routing:
             self.routing_shape = tuple((await self.llm.collective_rpc("meshrl_capture_routing"))[0])
         await self.set_version(version)

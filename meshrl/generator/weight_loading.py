@@ -296,6 +296,12 @@ class MeshrlWorkerExtension:
         ws.loaded_version = version
         return loaded
 
+    def meshrl_no_collection_at_exit(self) -> None:
+        """The engine's processes exit without a last collector pass, as meshrl's procs do."""
+        from meshrl.collector import no_collection_at_exit
+
+        no_collection_at_exit()
+
     def meshrl_set_logit_scale(self, scale: float) -> int:
         """Multiply the logits by `scale` (relative to the model's own logit scale): a scoring
         engine's logit temperature (VLLMEngine.set_logit_temperature). vLLM's LogitsProcessor
