@@ -161,6 +161,10 @@ def _run(config: str, steps: int, snapshot_every: int, root: str, extra: dict | 
         snap = [r.get("trainer/snapshot_stage_s", 0.0) + r.get("trainer/snapshot_wait_s", 0.0) for r in rows]
         out["snapshot_s_mean"] = statistics.mean(snap)
         out["snapshot_frac_of_step"] = sum(snap) / sum(steps_s)
+        written = [r["trainer/snapshot_write_s"] for r in rows if r.get("trainer/snapshot_write_s")]
+        out["snapshots_written"] = len(written)  # trainer.snapshot_budget spaces them out when the writes cost more
+        out["write_s_mean"] = statistics.mean(written) if written else None
+        out["spacing_last"] = next((r["trainer/snapshot_spacing"] for r in reversed(rows) if "trainer/snapshot_spacing" in r), None)
     return out
 
 

@@ -384,6 +384,39 @@ def test_snapshots_and_checkpoints_keep_the_random_generators(tmp_path):
         assert torch.equal(torch.rand(8), expected)
 
 
+def test_snapshots_are_spaced_out_when_their_writes_outgrow_the_budget(tmp_path):
+    """`trainer.snapshot_budget`: a write that costs more than the budget's share of the step
+    spaces the next snapshots out (at most MAX_SPACING apart); a budget of 0 keeps every
+    step's. The spacing follows the measured write and period, whatever the machine's speed."""
+    import math
+    import time
+
+    from meshrl.trainer.snapshot import MAX_SPACING, Snapshots
+
+    trainer = PolicyTrainer(make_config(), CPU)
+    trainer.train_step(make_batch())
+
+    def written(snaps, steps, pause_s=0.01):
+        out = []
+        for step in range(1, steps + 1):
+            time.sleep(pause_s)  # the step's period
+            if snaps.due(step):
+                snaps.start(step, trainer.model, trainer.optimizer, trainer.scheduler)
+                snaps.finish()
+                out.append(step)
+        return out
+
+    # step 1's write has no period to compare with; step 2's is far past a millionth of it
+    tight = Snapshots(str(tmp_path / "tight"), 1, blocking=True, budget=1e-6)
+    assert written(tight, 25) == [1, 2, 12, 22] and tight.spacing == MAX_SPACING
+    assert written(Snapshots(str(tmp_path / "off"), 1, blocking=True, budget=0.0), 6) == [1, 2, 3, 4, 5, 6]
+    assert written(Snapshots(str(tmp_path / "every2"), 2, blocking=True, budget=0.0), 6) == [2, 4, 6]
+    mid = Snapshots(str(tmp_path / "mid"), 1, blocking=True, budget=0.05)
+    written(mid, 2, pause_s=0.05)  # the spacing comes from step 2's write and period
+    assert mid.write_s > 0 and mid.period_s > 0
+    assert mid.spacing == min(MAX_SPACING, max(1, math.ceil(mid.write_s / (0.05 * mid.period_s))))
+
+
 # ---- real Monarch meshes -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def loop():

@@ -132,6 +132,9 @@ def _check_trainer(c: Config) -> None:
     need(trainer.checkpoint_every >= 0, "trainer.checkpoint_every", f"must be at least 0, got {trainer.checkpoint_every}")
     need(trainer.checkpoint_every_s >= 0, "trainer.checkpoint_every_s", f"must be at least 0 (0 = off), got {trainer.checkpoint_every_s}")
     need(trainer.snapshot_every >= 0, "trainer.snapshot_every", f"must be at least 0 (0 = off), got {trainer.snapshot_every}")
+    need(
+        0 <= trainer.snapshot_budget <= 1, "trainer.snapshot_budget", f"must be in [0, 1] (a share of the step; 0 = no spacing), got {trainer.snapshot_budget}"
+    )
     need(trainer.max_restarts >= 0, "trainer.max_restarts", f"must be at least 0 (0 = a dead trainer stops the run), got {trainer.max_restarts}")
     need(trainer.restart_timeout_s > 0, "trainer.restart_timeout_s", f"must be positive, got {trainer.restart_timeout_s}")
     need(

@@ -30,7 +30,7 @@ from meshrl.logs import capture_role_output
 from meshrl.config.cpus import cpus_for
 from meshrl.pinning import pin_this_process
 from meshrl.trainer.policy import PolicyTrainer
-from meshrl.trainer.snapshot import Snapshots, snapshot_root
+from meshrl.trainer.snapshot import Snapshots, snapshot_budget, snapshot_root
 
 
 class TrainerActor(Actor):
@@ -76,7 +76,9 @@ class TrainerActor(Actor):
             self._objects = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
             if config.trainer.snapshot_every > 0:  # the background write's collectives on a group of their own
                 group = dist.new_group(backend="gloo") if world > 1 else None
-                self.snapshots = Snapshots(snapshot_root(config.logging.run_dir), config.trainer.snapshot_every, group, blocking=not use_cuda)
+                self.snapshots = Snapshots(
+                    snapshot_root(config.logging.run_dir), config.trainer.snapshot_every, group, blocking=not use_cuda, budget=snapshot_budget(config)
+                )
         if config.trainer.compile:
             self.trainer.warm_up()
         return self.trainer.shard_info()
@@ -158,6 +160,8 @@ class TrainerActor(Actor):
         if snapshot or settled:  # this step's staging; the wait for the last step's write, at this step's start
             metrics["trainer/snapshot_stage_s"] = self.snapshots.stage_s if snapshot else 0.0
             metrics["trainer/snapshot_wait_s"] = self.snapshots.wait_s if settled else 0.0
+            metrics["trainer/snapshot_write_s"] = self.snapshots.write_s if settled else 0.0
+            metrics["trainer/snapshot_spacing"] = self.snapshots.spacing
         metrics.update(critic_metrics)
         return metrics
 

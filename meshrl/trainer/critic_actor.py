@@ -40,7 +40,7 @@ from meshrl.config.cpus import cpus_for
 from meshrl.logs import capture_role_output
 from meshrl.pinning import pin_this_process
 from meshrl.trainer.critic import CriticTrainer
-from meshrl.trainer.snapshot import Snapshots, snapshot_root
+from meshrl.trainer.snapshot import Snapshots, snapshot_budget, snapshot_root
 from meshrl.trainer.values import reduce_value_metrics, value_metric_sums
 
 SNAPSHOTS_KEPT = 3
@@ -113,7 +113,7 @@ class CriticActor(Actor):
         self.config, self.critic = config, build_critic(config)
         if config.trainer.snapshot_every:
             root = snapshot_root(critic_root(config.logging.run_dir))
-            self.snapshots = Snapshots(root, config.trainer.snapshot_every, blocking=True, keep=SNAPSHOTS_KEPT)
+            self.snapshots = Snapshots(root, config.trainer.snapshot_every, blocking=True, keep=SNAPSHOTS_KEPT, budget=snapshot_budget(config))
         return self._info()
 
     def _train(self, batch: TensorDict, returns: torch.Tensor, old: torch.Tensor) -> dict[str, float]:

@@ -28,6 +28,7 @@ complete snapshots are kept.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -44,6 +45,18 @@ _THREADS = ThreadPoolExecutor(1, thread_name_prefix="meshrl-snapshot")
 KEEP = 2
 """Complete snapshots kept (the newest is restored; the one before it is the fallback while
 the newest is replaced)."""
+MAX_SPACING = 10
+"""The most steps `trainer.snapshot_budget` spaces snapshots apart: a heal loses at most this
+many steps, and the queue keeps this many steps' batches for it."""
+
+
+def snapshot_budget(config) -> float:
+    """`trainer.snapshot_budget` where a write takes cores from training or generation: a
+    trainer that shares every core with the generators (`placement: colocate`, on CPU).
+    With cores of its own (`split`) the write runs while the trainer waits for its next
+    batch, and only what outlasts that wait is on the step's path (`snapshot_wait_s`):
+    0 there, no spacing."""
+    return config.trainer.snapshot_budget if config.placement == "colocate" else 0.0
 
 
 def snapshot_root(run_dir: str) -> str:
@@ -130,22 +143,38 @@ class Snapshots:
     its own shards (`rank-R.pt`, torch.save, by a thread, no staging copy: the caller
     changes nothing before `finish()`), the CPU trainer's way; else DCP's async_save, the
     GPU trainer's. `keep`: complete snapshots kept. `complete`: the step of the newest
-    snapshot `finish()` completed (0: none)."""
+    snapshot `finish()` completed (0: none).
 
-    def __init__(self, root: str, every: int, process_group=None, blocking: bool = False, keep: int = KEEP):
+    `budget` (`trainer.snapshot_budget`): the share of a step the writes may cost. A write
+    runs beside training, but on a host whose cores all compute it takes them from the
+    step; when one write (`write_s`, timed in its thread) is more than `budget` of the
+    step's period (from one `due` to the next), the next snapshots come `spacing` steps
+    apart, the fewest that keep their average within it (at least `every`, at most
+    `MAX_SPACING`). Every rank agrees on both figures (their maximum over the group).
+    DCP's writes (GPU) are not timed, so they keep `every`."""
+
+    def __init__(self, root: str, every: int, process_group=None, blocking: bool = False, keep: int = KEEP, budget: float = 0.0):
         self.root, self.every, self.pg, self.blocking, self.keep = os.path.abspath(root), every, process_group, blocking, keep
+        self.budget, self.spacing = budget, every
         self._pending: tuple[Any, str, str, dict, bool] | None = None  # (future, temp dir, name, metadata, completed by the thread)
-        self.stage_s = self.wait_s = 0.0
-        self.complete = 0
+        self.stage_s = self.wait_s = self.write_s = self.period_s = 0.0
+        self.complete = self._started = 0
+        self._last_due: float | None = None
 
     def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
+        """Called once a step, after the optimizer step: whether this step's state is written."""
+        now = time.perf_counter()
+        if self._last_due is not None:
+            self.period_s = now - self._last_due
+        self._last_due = now
+        return self.every > 0 and step - self._started >= self.spacing
 
     def start(self, step: int, model, optimizer, scheduler=None) -> None:
         import torch.distributed.checkpoint as dcp
 
         if self._pending is not None:
             self.finish()
+        self._started = step
         t0 = time.perf_counter()
         rank = dist.get_rank() if dist.is_initialized() else 0
         name = f"step-{step:08d}"
@@ -166,18 +195,20 @@ class Snapshots:
             dist.barrier(group=self.pg)
         save_rng(tmp, rng)
         if self.blocking:  # DCP's planning and metadata cost more than the write of a small model: plain shards
-            future = _THREADS.submit(torch.save, local_state(model, optimizer), os.path.join(tmp, f"rank-{rank}.pt"))
+            future = _THREADS.submit(_timed, torch.save, local_state(model, optimizer), os.path.join(tmp, f"rank-{rank}.pt"))
         else:
             writer = dcp.FileSystemWriter(tmp, sync_files=False)
             future = dcp.async_save(_train_state(model, optimizer), storage_writer=writer, process_group=self.pg, no_dist=self.pg is None)
         self._pending = (future, tmp, name, meta, False)
         self.stage_s = time.perf_counter() - t0
 
-    def _write(self, model, optimizer, tmp: str, name: str, meta: dict, rng: dict) -> None:
+    def _write(self, model, optimizer, tmp: str, name: str, meta: dict, rng: dict) -> float:
+        t0 = time.perf_counter()
         _fresh(self.root, tmp)
         save_rng(tmp, rng)
         torch.save(local_state(model, optimizer), os.path.join(tmp, "rank-0.pt"))
         self._complete(tmp, name, meta)
+        return time.perf_counter() - t0
 
     def finish(self) -> str | None:
         """Wait for the pending write and complete it (rank 0); the snapshot's path, or None
@@ -187,15 +218,23 @@ class Snapshots:
         t0 = time.perf_counter()
         future, tmp, name, meta, completed = self._pending
         self._pending = None
-        future.result()  # DCP: every rank's shards and the metadata are written once the coordinator's is
-        if not completed:
-            if self.blocking and self.pg is not None:
-                dist.barrier(group=self.pg)  # every rank's file is written
-            if (dist.get_rank() if dist.is_initialized() else 0) == 0:
-                self._complete(tmp, name, meta)
+        written = future.result()  # DCP: every rank's shards and the metadata are written once the coordinator's is
+        if self.blocking:
+            self._space(written)  # with several ranks, a collective: every rank's file is written after it
+        if not completed and (dist.get_rank() if dist.is_initialized() else 0) == 0:
+            self._complete(tmp, name, meta)
         self.wait_s = time.perf_counter() - t0
         self.complete = int(meta["step"])
         return os.path.join(self.root, name)
+
+    def _space(self, write_s: float) -> None:
+        """The steps until the next snapshot, from this write's time against the step's period."""
+        figures = torch.tensor([write_s, self.period_s], dtype=torch.float64)
+        if self.pg is not None:
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.pg)
+        self.write_s, period = figures.tolist()
+        if self.budget > 0 and period > 0:
+            self.spacing = min(MAX_SPACING, max(self.every, math.ceil(self.write_s / (self.budget * period))))
 
     def _complete(self, tmp: str, name: str, meta: dict) -> None:
         final = os.path.join(self.root, name)
@@ -215,6 +254,12 @@ class Snapshots:
         for n in os.listdir(self.root):  # temp dirs of writes a crash cut short
             if n.startswith(".step-") and n.endswith(".tmp") and n != f".{newest}.tmp":
                 shutil.rmtree(os.path.join(self.root, n), ignore_errors=True)
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
 
 
 def _fresh(root: str, tmp: str) -> None:
