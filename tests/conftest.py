@@ -16,7 +16,25 @@ import types
 import pytest
 
 
+def pytest_collection_finish(session):
+    import gc
+
+    gc.freeze()  # torch, vLLM and the test modules: alive until the end, never walked again
+
+
+def pytest_unconfigure(config):
+    import gc
+
+    gc.unfreeze()  # the interpreter's last pass frees them as before (else nanobind reports leaks at exit)
+
+
 def pytest_configure(config):
+    # The suite's process is the controller of every in-process run: it collects young objects
+    # every 100,000 allocations, as meshrl's own processes do (meshrl/collector.py), and
+    # freezes what collection imported (pytest_collection_finish).
+    from meshrl import collector
+
+    collector.fewer_passes()
     # Test procs keep their output on the terminal, where pytest shows it with a failure; the
     # console tests run `meshrl` in a subprocess without this, to check the quiet default.
     # Set here, not at import: a `meshrl` subprocess that imports a test module's env or
