@@ -186,7 +186,7 @@ class Snapshots:
         }
         rng = rng_state()  # as the step left them: a restored trainer draws what this one would have
         if self.blocking and self.pg is None:  # one rank: the whole write, its completion included, by the thread
-            self._pending = (_THREADS.submit(self._write, model, optimizer, tmp, name, meta, rng), tmp, name, meta, True)
+            self._pending = (_THREADS.submit(_timed, self._write, model, optimizer, tmp, name, meta, rng), tmp, name, meta, True)
             self.stage_s = time.perf_counter() - t0
             return
         if rank == 0:
@@ -202,13 +202,11 @@ class Snapshots:
         self._pending = (future, tmp, name, meta, False)
         self.stage_s = time.perf_counter() - t0
 
-    def _write(self, model, optimizer, tmp: str, name: str, meta: dict, rng: dict) -> float:
-        t0 = time.perf_counter()
+    def _write(self, model, optimizer, tmp: str, name: str, meta: dict, rng: dict) -> None:
         _fresh(self.root, tmp)
         save_rng(tmp, rng)
         torch.save(local_state(model, optimizer), os.path.join(tmp, "rank-0.pt"))
         self._complete(tmp, name, meta)
-        return time.perf_counter() - t0
 
     def finish(self) -> str | None:
         """Wait for the pending write and complete it (rank 0); the snapshot's path, or None
@@ -257,6 +255,7 @@ class Snapshots:
 
 
 def _timed(fn, *args) -> float:
+    """Call `fn(*args)` (a snapshot's write, in its thread); the seconds it took."""
     t0 = time.perf_counter()
     fn(*args)
     return time.perf_counter() - t0
