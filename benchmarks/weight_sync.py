@@ -30,9 +30,9 @@ import torch
 from monarch.actor import Actor, endpoint, this_host
 
 from meshrl.config import WeightSyncConfig
-from meshrl.weightsync.connect import WeightSync
-from meshrl.weightsync.publisher import Publisher
-from meshrl.weightsync.subscriber import Subscriber
+from meshrl.weightsync.connect import WeightSync, sidecars
+from meshrl.weightsync.publisher import Publisher, publisher_agent
+from meshrl.weightsync.subscriber import Subscriber, subscriber_agent
 from meshrl.weightsync.collective import broadcast_buckets, make_group
 
 # name -> (dim, ffn, layers, vocab); about the named number of parameters
@@ -82,8 +82,8 @@ class BenchTrainer(Actor):
         self.params: list[tuple[str, torch.Tensor]] = []
 
     @endpoint
-    def weight_sync_handle(self):
-        return self.publisher.handle
+    def weight_sync_key(self):
+        return self.publisher.key
 
     @endpoint
     def build(self, size: str, dtype: str, lora_rank: int = 0) -> dict:
@@ -142,8 +142,8 @@ class BenchGenerator(Actor):
         return self._dst
 
     @endpoint
-    async def weight_sync_handle(self):
-        return self.subscriber.handle
+    async def weight_sync_key(self):
+        return self.subscriber.key
 
     @endpoint
     async def fetch(self, version: int) -> float:
@@ -209,8 +209,8 @@ async def bench_transport(transport: str, sizes: list[str], args) -> list[dict]:
     try:
         trainer = trainer_procs.spawn("trainer", BenchTrainer, cfg)
         gens = gen_procs.spawn("gens", BenchGenerator, cfg)
-        pub = await trainer.weight_sync_handle.call_one()
-        subs = [h for _, h in (await gens.weight_sync_handle.call()).items()]
+        pub = publisher_agent(trainer_procs, await trainer.weight_sync_key.call_one())
+        subs = sidecars(gen_procs, await gens.weight_sync_key.call(), subscriber_agent)
         ws = await WeightSync(WeightSyncConfig(**cfg)).connect(pub, subs)
         if transport == "collective":
             spec = ws.spec(args.subscribers)

@@ -95,6 +95,22 @@ def monarch_unprefixed_logs() -> None:
     monarch_config.prefix_python_logs_with_actor = False
 
 
+def spawn_owned_by_caller(procs, name: str, actor_class, *args):
+    """Spawn `actor_class` on `procs` from the calling process, which then owns its mesh.
+
+    In Monarch 0.7 an actor mesh spawned inside a proc (`this_proc().spawn`) has its mesh
+    controller in that proc, and every process that calls the mesh talks to that controller.
+    A message from it that the caller cannot deliver is returned to it; when its proc dies
+    before that return is acknowledged, the return comes back undeliverable too, and the
+    caller's mailbox ends the whole process ("client received undeliverable message:
+    crashing", exit status 1, nothing on the console). A weight-sync sidecar spawned inside
+    a generator, killed right after the controller rewired weight sync, ended the
+    controller (and the test suite) this way. Spawned from the controller instead, a sidecar's
+    mesh controller lives in the process that outlives every proc it calls.
+    """
+    return procs.spawn(name, actor_class, *args)
+
+
 def endpoint_for_callers_that_may_die(method):
     """A concurrent endpoint whose answer is dropped, with a warning, when its caller is gone.
 

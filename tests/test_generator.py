@@ -111,7 +111,7 @@ def world(tmp_path_factory):
     try:
         gen, info = spawn_generator(procs, "generator", make_config(), ckpt)
         assert info["version"] == 0
-        yield {"root": root, "model": model, "ckpt": ckpt, "gen": gen, "helpers": helpers, "setup": info}
+        yield {"root": root, "model": model, "ckpt": ckpt, "gen": gen, "procs": procs, "helpers": helpers, "setup": info}
     finally:
         if gen is not None:
             try:
@@ -686,8 +686,8 @@ class WeightsPublisher(Actor):
         self.publisher = Publisher(WeightSyncConfig(**weight_sync))
 
     @endpoint
-    def weight_sync_handle(self):
-        return self.publisher.handle
+    def weight_sync_key(self):
+        return self.publisher.key
 
     @endpoint
     def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -703,11 +703,16 @@ def test_weight_sync_update_equals_loading_the_tensors(world, transport):
     tensors are copied in."""
     from meshrl.config import WeightSyncConfig
     from meshrl.weightsync.connect import WeightSync
+    from meshrl.weightsync.publisher import publisher_agent
+    from meshrl.weightsync.subscriber import subscriber_agent
 
     gen = world["gen"]
     weight_sync = {"transport": transport, "timeout_s": 60.0}
     publisher = world["helpers"].spawn("weights_publisher", WeightsPublisher, weight_sync)
-    handles = [publisher.weight_sync_handle.call_one().get(timeout=CALL_S), gen.weight_sync_handle.call_one().get(timeout=CALL_S)]
+    handles = [
+        publisher_agent(world["helpers"], publisher.weight_sync_key.call_one().get(timeout=CALL_S)),
+        subscriber_agent(world["procs"], gen.weight_sync_key.call_one().get(timeout=CALL_S)),
+    ]
     ws = asyncio.run(WeightSync(WeightSyncConfig(**weight_sync)).connect(handles[0], handles[1:]))
     new_model = tiny_qwen3(2)
     version = gen.version.call_one().get(timeout=CALL_S) + 1

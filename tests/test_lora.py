@@ -125,13 +125,16 @@ def test_adapter_sync_equals_a_fresh_engine_loaded_with_the_exported_adapter(tmp
         # worker itself and loaded from its buffer into the adapter
         from meshrl.config import WeightSyncConfig
         from meshrl.weightsync.connect import WeightSync
+        from meshrl.weightsync.publisher import publisher_agent
+        from meshrl.weightsync.subscriber import subscriber_agent
         from tests.test_generator import WeightsPublisher
 
         weight_sync = {"transport": "collective", "timeout_s": 60.0}
         publisher = procs[1].spawn("adapter_publisher", WeightsPublisher, weight_sync)
         ws = asyncio.run(
             WeightSync(WeightSyncConfig(**weight_sync)).connect(
-                publisher.weight_sync_handle.call_one().get(timeout=60), [synced.weight_sync_handle.call_one().get(timeout=60)]
+                publisher_agent(procs[1], publisher.weight_sync_key.call_one().get(timeout=60)),
+                [subscriber_agent(procs[0], synced.weight_sync_key.call_one().get(timeout=60))],
             )
         )
         randomise_adapters(trainer, 5)

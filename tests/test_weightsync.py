@@ -23,9 +23,9 @@ from monarch.actor import Actor, endpoint, this_host
 
 from meshrl.config import WeightSyncConfig
 from meshrl.weightsync import WeightSyncError, plan_layout
-from meshrl.weightsync.connect import WeightSync
-from meshrl.weightsync.publisher import Publisher
-from meshrl.weightsync.subscriber import Subscriber
+from meshrl.weightsync.connect import WeightSync, sidecars
+from meshrl.weightsync.publisher import Publisher, publisher_agent
+from meshrl.weightsync.subscriber import Subscriber, subscriber_agent
 from meshrl.weightsync.layout import allocate, pack, unpack
 from meshrl.weightsync.staging import StagingPool
 from tests.conftest import fetched_into_shared_buffer
@@ -289,8 +289,8 @@ class StandInTrainer(Actor):
         self.publisher = Publisher(WeightSyncConfig(**cfg))
 
     @endpoint
-    def weight_sync_handle(self):
-        return self.publisher.handle
+    def weight_sync_key(self):
+        return self.publisher.key
 
     @endpoint
     def publish(self, version: int) -> str:
@@ -338,8 +338,8 @@ class StandInGenerator(Actor):
         self.subscriber = Subscriber(WeightSyncConfig(**cfg), shared_memory=True)  # as the real generator
 
     @endpoint
-    async def weight_sync_handle(self):
-        return self.subscriber.handle
+    async def weight_sync_key(self):
+        return self.subscriber.key
 
     @endpoint
     async def fetch(self, version: int | None, timeout: float) -> tuple:
@@ -379,8 +379,8 @@ async def start(cfg: dict, scale: int, generators: int = 2):
     gen_procs = this_host().spawn_procs(per_host={"procs": generators})
     trainer = trainer_procs.spawn("trainer", StandInTrainer, cfg, scale)
     gens = gen_procs.spawn("gens", StandInGenerator, cfg)
-    pub = await trainer.weight_sync_handle.call_one()
-    subs = [h for _, h in (await gens.weight_sync_handle.call()).items()]
+    pub = publisher_agent(trainer_procs, await trainer.weight_sync_key.call_one())
+    subs = sidecars(gen_procs, await gens.weight_sync_key.call(), subscriber_agent)
     ws = await WeightSync(WeightSyncConfig(**cfg)).connect(pub, subs)
     return trainer_procs, gen_procs, trainer, gens, ws
 
@@ -494,7 +494,7 @@ def test_publisher_killed_mid_transfer_then_recovers(transport, tmp_path):
             # a new publisher proc: the next version goes through
             new_procs = this_host().spawn_procs(per_host={"procs": 1})
             trainer2 = new_procs.spawn("trainer2", StandInTrainer, cfg, 28)
-            await ws.reconnect(publisher=await trainer2.weight_sync_handle.call_one())
+            await ws.reconnect(publisher=publisher_agent(new_procs, await trainer2.weight_sync_key.call_one()))
             s3 = await trainer2.publish.call_one(3)
             for _, (v, s, _) in (await gens.fetch.call(3, timeout)).items():
                 assert (v, s) == (3, s3)

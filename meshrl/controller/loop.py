@@ -22,7 +22,7 @@ import logging
 import os
 import time
 
-from meshrl.compat import awaited, monarch_unprefixed_logs, settled
+from meshrl.compat import monarch_unprefixed_logs, settled
 from meshrl.config import Config, ConfigError
 from meshrl.controller import checkpoint as checkpoints, colocate
 from meshrl.controller.breaker import FailureBreaker, report_cliffs
@@ -179,7 +179,7 @@ class RLLoop:
         self.generators.source_lost = self.healer.trainer_dead  # an update cut off by a dead trainer keeps its replica
         await self.generators.start(c.generator.replicas)
         self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), weights_on_gpu(self.alloc.plan, c.weight_sync.transport)).connect(
-            await self.trainer.publisher_handle(), await self._subscribers()
+            await self.trainer.publisher_handle(), self.generators.subscribers()
         )
         teacher = None
         if c.distill.teacher:  # on-policy distillation: a replica on the teacher's checkpoint scores every episode
@@ -201,12 +201,9 @@ class RLLoop:
         self.evaluations = Evaluations(c, self.run_dir, self.workers, self._record)
         self.collect = StepMetrics(self.queue, self.generators, self.workers, self.scorers)
 
-    async def _subscribers(self) -> list:
-        return [await awaited(r.actor.weight_sync_handle.call_one()) for r in self.generators.replicas]
-
     async def _rewire(self) -> None:
         """After a replica was replaced or added: weight sync and the workers follow."""
-        await self.weight_sync.reconnect(subscribers=await self._subscribers())
+        await self.weight_sync.reconnect(subscribers=self.generators.subscribers())
         if self.workers is not None:
             await self.workers.set_generators(self.generators.handles())
 

@@ -51,6 +51,8 @@ class Member:
     last_stats_at: float | None = None
     ident: int = -1
     """Workers: the id the episode queue knows this one by."""
+    weight_sync: object = None
+    """Generator replicas: the sidecar agent of their weight-sync subscriber (None: a teacher)."""
 
     def on_this_host(self) -> bool:
         return self.host == socket.gethostname()

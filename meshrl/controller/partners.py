@@ -25,7 +25,6 @@ import logging
 import os
 import time
 
-from meshrl.compat import awaited
 from meshrl.config import Config
 from meshrl.controller import checkpoint as checkpoints
 from meshrl.controller.heal import proc_alive, replace_trainer, trainer_pids
@@ -78,18 +77,15 @@ class TrainedModel:
         self.generators.source_lost = self.trainer_dead  # an update cut off by its dead trainer keeps the replica
         await self.generators.start(c.generator.replicas)
         on_gpu = weights_on_gpu(self.alloc.plan, c.weight_sync.transport)
-        self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), on_gpu).connect(publisher, await self._subscribers())
+        self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), on_gpu).connect(publisher, self.generators.subscribers())
 
     def handles(self) -> list:
         return self.generators.handles()
 
-    async def _subscribers(self) -> list:
-        return [await awaited(r.actor.weight_sync_handle.call_one()) for r in self.generators.replicas]
-
     async def _rewire(self) -> None:
         """After one of its replicas was replaced: weight sync and the workers follow."""
         if self.weight_sync is not None:
-            await self.weight_sync.reconnect(subscribers=await self._subscribers())
+            await self.weight_sync.reconnect(subscribers=self.generators.subscribers())
         await self.workers_changed(self.handles(), self.index)
 
     def trainer_dead(self) -> bool:

@@ -20,6 +20,7 @@ from meshrl.generator.actor import GeneratorActor
 from meshrl.agent.actor import RolloutWorkerActor
 from meshrl.agent.worker import summarize
 from meshrl.errors import first_line
+from meshrl.weightsync.subscriber import subscriber_agent
 
 log = logging.getLogger("meshrl")
 WORKER_ID_STRIDE = 1 << 20
@@ -90,7 +91,15 @@ class GeneratorPool:
                 actor.setup.call_one(self.config.to_dict(), self.checkpoint_dir, self.checkpoint_version, index, self.teacher),
                 self.config.generator.startup_timeout_s,
             )
-        return Member(index, procs, actor, info["processes"]["host"], info["processes"]["pids"])
+            member = Member(index, procs, actor, info["processes"]["host"], info["processes"]["pids"])
+            if not self.teacher:  # its weight-sync sidecar, spawned from here (see subscriber_agent)
+                key = await asyncio.wait_for(awaited(actor.weight_sync_key.call_one()), self.config.generator.startup_timeout_s)
+                member.weight_sync = subscriber_agent(procs, key)
+        return member
+
+    def subscribers(self) -> list:
+        """The replicas' weight-sync subscribers, for WeightSync.connect."""
+        return [r.weight_sync for r in self.replicas]
 
     async def start(self, n: int) -> None:
         """The first `n` replicas, started at once."""

@@ -133,8 +133,9 @@ class GeneratorActor(Actor):
 
     # ---- weight sync ----------------------------------------------------------------------
     @concurrent_endpoint
-    async def weight_sync_handle(self):
-        """This replica's weight-sync subscriber handle (see meshrl.weightsync)."""
+    async def weight_sync_key(self) -> str:
+        """This replica's weight-sync subscriber, by the key its sidecar agent finds it by
+        (the controller spawns the agent: meshrl.weightsync.subscriber.subscriber_agent)."""
         if self.subscriber is None:
             from meshrl.weightsync.subscriber import Subscriber
 
@@ -142,14 +143,14 @@ class GeneratorActor(Actor):
             # a collective group's ranks are the engine's workers themselves (on their GPUs)
             gen = self._gen()
             self.subscriber = Subscriber(gen.config.weight_sync, shared_memory=True, engine=gen.engine)
-        return self.subscriber.handle
+        return self.subscriber.key
 
     @concurrent_endpoint
     async def sync_weights(self, version: int) -> dict:
         """Fetch policy `version` (or newer) over weight sync and apply it in the configured
         update mode; returns the version now running and the seconds spent."""
         if self.subscriber is None:
-            raise RuntimeError("weight sync is not connected: call weight_sync_handle and connect first")
+            raise RuntimeError("weight sync is not connected: call weight_sync_key and connect first")
         t0 = time.monotonic()
         connection = self.subscriber.connections
         try:

@@ -90,8 +90,9 @@ class TrainerActor(Actor):
 
     # ---- the RL loop's step: pull a batch, train, publish the new version -------------------
     @endpoint
-    async def weight_sync_handle(self):
-        """The publisher's handle on the publishing rank (0), None elsewhere (the controller connects it to the generators)."""
+    async def weight_sync_key(self) -> str | None:
+        """The publisher's key on the publishing rank (0), None elsewhere: the controller
+        spawns its sidecar agent there and connects it to the generators."""
         trainer = self._need()
         if trainer.rank != 0:
             return None
@@ -99,7 +100,7 @@ class TrainerActor(Actor):
             from meshrl.weightsync.publisher import Publisher
 
             self.publisher = Publisher(trainer.config.weight_sync)
-        return self.publisher.handle
+        return self.publisher.key
 
     @endpoint
     async def train_from_queue(self, queue, num_groups: int, timeout_s: float, critic=None, model: int = 0) -> dict:
@@ -257,6 +258,7 @@ class TrainerMesh:
     def __init__(self, procs, actors, world: int, timeout_s: float = 600.0):
         self.procs, self.actors, self.world, self.timeout_s = procs, actors, world, timeout_s
         self.version = 0
+        self._publisher = None
 
     async def _all(self, endpoint_, *args, timeout_s: float | None = None) -> list:
         values = await asyncio.wait_for(endpoint_.call(*args), timeout_s or self.timeout_s)
@@ -276,8 +278,13 @@ class TrainerMesh:
         return out
 
     async def publisher_handle(self):
-        """The weight-sync publisher's handle (rank 0's)."""
-        return next(h for h in await self._all(self.actors.weight_sync_handle) if h is not None)
+        """The weight-sync publisher's sidecar agent (rank 0's), spawned once from here."""
+        if self._publisher is None:
+            from meshrl.weightsync.publisher import publisher_agent
+
+            key = next(k for k in await self._all(self.actors.weight_sync_key) if k is not None)
+            self._publisher = publisher_agent(self.procs.slice(**{dim: 0 for dim in self.procs.extent.keys()}), key)
+        return self._publisher
 
     async def set_lr(self, lr: float) -> None:
         await self._all(self.actors.set_lr, lr)

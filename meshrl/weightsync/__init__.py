@@ -7,8 +7,8 @@ Trainer actor (the rank that holds the gathered, HF-named tensors)::
     from meshrl.weightsync.publisher import Publisher
     self.publisher = Publisher(cfg.weight_sync)          # in __init__ or setup, inside the actor
     @endpoint
-    def weight_sync_handle(self):                        # async def if the actor's endpoints are async
-        return self.publisher.handle if self.is_publishing_rank else None
+    def weight_sync_key(self):                           # async def if the actor's endpoints are async
+        return self.publisher.key if self.is_publishing_rank else None
     ...after optimizer step k:
     self.publisher.publish(k, hf_named_tensors)          # copies into staging, returns; cheap
 
@@ -17,17 +17,20 @@ Generator actor::
     from meshrl.weightsync.subscriber import Subscriber
     self.subscriber = Subscriber(cfg.weight_sync, shared_memory=True)
     @endpoint
-    async def weight_sync_handle(self):
-        return self.subscriber.handle
+    async def weight_sync_key(self):
+        return self.subscriber.key
     ...when it wants new weights:
     version, tensors = await self.subscriber.fetch()              # newest, no wait if none newer
     version, tensors = await self.subscriber.fetch(version=k)     # at least k, waits up to timeout_s
 
-Controller::
+Controller (it spawns each sidecar agent on the proc that holds its publisher or subscriber,
+so that the agents' meshes are its own)::
 
-    ws = await WeightSync(cfg.weight_sync).connect(publisher_handle, subscriber_handles)
+    publisher = publisher_agent(trainer_rank0_procs, await trainer.weight_sync_key.call_one())
+    subscribers = [subscriber_agent(p, await g.weight_sync_key.call_one()) for p, g in generators]
+    ws = await WeightSync(cfg.weight_sync).connect(publisher, subscribers)
     ...after a trainer (or generator) restart:
-    await ws.reconnect(publisher=new_handle)
+    await ws.reconnect(publisher=new_publisher)
 
     from meshrl.weightsync.connect import WeightSync
 

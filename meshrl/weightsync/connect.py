@@ -16,6 +16,15 @@ from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
 from meshrl.weightsync.spec import SyncSpec
 
 
+def sidecars(procs, keys, spawn_agent) -> list:
+    """Spawn, from this (the controller's) process, the sidecar agent of each publisher or
+    subscriber that `keys` names: the ValueMesh of `weight_sync_key.call()` on an actor mesh
+    over `procs`, one agent per proc whose key is not None, in rank order. `spawn_agent`:
+    `publisher_agent` or `subscriber_agent`."""
+    ranked = sorted(keys.items(), key=lambda point_key: point_key[0].rank)
+    return [spawn_agent(procs.slice(**dict(point)), key) for point, key in ranked if key is not None]
+
+
 class WeightSync:
     """Owns the connection between one publisher and its subscribers.
 

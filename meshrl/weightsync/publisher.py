@@ -16,8 +16,9 @@ import time
 from typing import Iterable
 
 import torch
-from monarch.actor import Actor, concurrent_endpoint, this_proc
+from monarch.actor import Actor, concurrent_endpoint
 
+from meshrl.compat import spawn_owned_by_caller
 from meshrl.config import WeightSyncConfig
 from meshrl.weightsync.rdma import serve_acquire
 from meshrl.weightsync.shared import serve_acquire_shared
@@ -44,9 +45,9 @@ class Publisher:
         self._background: CollectiveSender | FileWriter | None = None
         self.key = f"{os.getpid()}-{next(_ids)}"
         _PUBLISHERS[self.key] = self
-        # A sidecar actor in this process serves subscribers and the controller, so those
-        # calls never queue behind the trainer actor's own (long) endpoints.
-        self.handle = this_proc().spawn(f"weightsync_publisher_{self.key}", PublisherAgent, self.key)
+        # A sidecar actor in this process (`publisher_agent`, spawned by the controller) serves
+        # subscribers and the controller, so those calls never queue behind the trainer
+        # actor's own (long) endpoints.
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], stream: bool = False) -> float:
         """Copy the full HF-named tensors into a staging slot and make `version` available.
@@ -103,6 +104,13 @@ class Publisher:
     def close(self) -> None:
         self.close_transport()
         _PUBLISHERS.pop(self.key, None)
+
+
+def publisher_agent(procs, key: str):
+    """Spawn the sidecar of the Publisher `key` on `procs` (a one-proc mesh: the publishing
+    rank's), from the controller: the agent's mesh is then owned by the controller's
+    process, which outlives every trainer proc (`meshrl.compat.spawn_owned_by_caller` says why)."""
+    return spawn_owned_by_caller(procs, "weightsync_publisher", PublisherAgent, key)
 
 
 class PublisherAgent(Actor):

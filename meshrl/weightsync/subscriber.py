@@ -21,8 +21,9 @@ import os
 import time
 
 import torch
-from monarch.actor import Actor, concurrent_endpoint, this_proc
+from monarch.actor import Actor, concurrent_endpoint
 
+from meshrl.compat import spawn_owned_by_caller
 from meshrl.config import WeightSyncConfig
 from meshrl.weightsync import files
 from meshrl.weightsync.buffers import ReceiveBuffers
@@ -57,8 +58,7 @@ class Subscriber:
         """Connections begun so far (`configure`): a fetch that spans one may hold what the old one took."""
         self.connecting = False
         self.key = f"{os.getpid()}-{next(_ids)}"
-        _SUBSCRIBERS[self.key] = self
-        self.handle = this_proc().spawn(f"weightsync_subscriber_{self.key}", SubscriberAgent, self.key)
+        _SUBSCRIBERS[self.key] = self  # its sidecar (`subscriber_agent`) finds it here
 
     def configure(self, spec: SyncSpec, rank: int, publisher) -> None:
         """(Re)connect to a publisher; called by the controller through the sidecar."""
@@ -176,6 +176,12 @@ class Subscriber:
             if time.monotonic() >= deadline:
                 return None
             await asyncio.sleep(FILE_POLL_S)
+
+
+def subscriber_agent(procs, key: str):
+    """Spawn the sidecar of the Subscriber `key` on `procs` (its generator's one-proc mesh),
+    from the controller, which then owns the agent's mesh (see `publisher_agent`)."""
+    return spawn_owned_by_caller(procs, "weightsync_subscriber", SubscriberAgent, key)
 
 
 class SubscriberAgent(Actor):
