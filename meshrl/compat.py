@@ -246,9 +246,8 @@ def vllm_async_llm(engine_args):
     engine's start on a small machine (measured: 9.4 s against 4.2 s forked in the default
     run, decoding as fast; benchmarks/README.md section 22). Not the default: a forked engine
     core also inherits every descriptor of its Monarch proc (its channels to the controller
-    among them), and the one full suite run with it on lost its controller process mid-run
-    without a trace, a cause not found (a later run without the fork lost it the same way,
-    so the fork may not be the cause; not tried again).
+    among them). (The one full suite run with it on that lost its controller process lost
+    it to a cause found since, not the fork: `spawn_owned_by_caller`.)
     """
     import os
 
