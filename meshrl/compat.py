@@ -237,17 +237,18 @@ def vllm_cpu_defaults(startup_timeout_s: float | None = None) -> None:
 
 
 def vllm_async_llm(engine_args):
-    """`AsyncLLM.from_engine_args(engine_args)`; with MESHRL_VLLM_FORK=1 in the environment, a
-    one-worker CPU engine's engine-core process is forked from this one instead of spawned.
+    """`AsyncLLM.from_engine_args(engine_args)`; a one-worker CPU engine's engine-core process
+    is forked from this one instead of spawned (MESHRL_VLLM_FORK=0 in the environment: spawned).
 
     vLLM's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn while it builds the config,
     so that each worker sets up its OpenMP threads in a fresh process. A spawned engine core
     imports torch and vLLM again, single-threaded, before it loads a model: most of an
     engine's start on a small machine (measured: 9.4 s against 4.2 s forked in the default
-    run, decoding as fast; benchmarks/README.md section 22). Not the default: a forked engine
-    core also inherits every descriptor of its Monarch proc (its channels to the controller
-    among them). (The one full suite run with it on that lost its controller process lost
-    it to a cause found since, not the fork: `spawn_owned_by_caller`.)
+    run, decoding as fast; benchmarks/README.md section 22). One worker only: its OpenMP
+    threads start fresh in the forked process, as they would in a spawned one, and
+    tensor-parallel workers keep vLLM's choice. A forked engine core inherits every
+    descriptor of its Monarch proc; the controller never relies on one closing, as it stops
+    a replica's engine processes by pid (`Member.kill_leftovers`).
     """
     import os
 
@@ -256,7 +257,7 @@ def vllm_async_llm(engine_args):
 
     config = engine_args.create_engine_config()
     kwargs = dict(enable_log_requests=engine_args.enable_log_requests, disable_log_stats=engine_args.disable_log_stats)
-    if not current_platform.is_cpu() or engine_args.tensor_parallel_size != 1 or os.environ.get("MESHRL_VLLM_FORK") != "1":
+    if not current_platform.is_cpu() or engine_args.tensor_parallel_size != 1 or os.environ.get("MESHRL_VLLM_FORK", "1") == "0":
         return AsyncLLM.from_vllm_config(config, **kwargs)
     with _environment_set("VLLM_WORKER_MULTIPROC_METHOD", "fork"):
         return AsyncLLM.from_vllm_config(config, **kwargs)

@@ -182,7 +182,7 @@ class VLLMEngine:
         # vLLM's groups span this engine's own processes only, all on this host: loopback, or
         # on a host `meshrl worker` serves, its named address (the worker set gloo's interface).
         with gloo_on_this_host():
-            self.llm = vllm_async_llm(self.engine_args())  # MESHRL_VLLM_FORK=1: its engine core forked (compat.py)
+            self.llm = vllm_async_llm(self.engine_args())  # on CPU its engine core is forked (compat.py)
         elapsed = time.monotonic() - t0
         if elapsed > self.gen.startup_timeout_s:
             self.shutdown()
