@@ -452,6 +452,36 @@ class NetnsHosts:
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
+def kill_during_checkpoint(session, pid: int, writing: str, restarts) -> dict:
+    """SIGKILL trainer proc `pid` inside one of `session`'s checkpoint calls: as soon as the
+    write at `writing` (a trainer's temp directory) is seen under way, or, when the write
+    finished between two looks, just before a second call, which then meets a dead trainer.
+    `restarts()`: that trainer's heals so far. Returns what the call did."""
+    import threading
+
+    before, seen, done = restarts(), {}, threading.Event()
+
+    def watch():
+        while not done.is_set():
+            if os.path.isdir(writing):
+                seen["during_write"] = True
+                os.kill(pid, signal.SIGKILL)
+                return
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    path = session.checkpoint()
+    done.set()
+    thread.join(5)
+    if restarts() == before:  # the write was not seen under way
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        path = session.checkpoint()
+    return {"path": path, "heals": restarts() - before, "version": session.version, **seen}
+
+
 def two_host_config(run_dir, wait_s: float, defaults: dict, **sections) -> dict:
     """The small problem (8 groups of 8, one micro-batch) run across two hosts, as
     tests/test_multihost.py and tests/test_slurm.py run it: `wait_s` bounds an engine's

@@ -25,6 +25,7 @@ from meshrl.rollout.env import ContractError
 from meshrl.rollout.game import Ask, Outcome, as_ask, as_asks, as_outcome
 from meshrl.tasks import PROPOSE_ATTEMPTS, ProposeSolveGame
 from meshrl.rollout.game import Reply
+from tests import conftest
 from tests.test_loop import trained_groups, wait_no_children
 
 MODELS = ["policy", "proposer"]
@@ -181,7 +182,9 @@ def coevolved(tmp_path_factory):
         rows += session.step(STEPS - KILL_TRAINER_AFTER)
         new_trainer_pid = proposer.pids[0][0]
         queue = session._call(awaited(session.loop.queue.state_dict.call_one()), 60)
-        checkpoint = session.checkpoint()
+        # and again inside the checkpoint call, as its write is under way: healed, and saved at the policy's version
+        writing = os.path.join(run_dir, "checkpoints", "models", "proposer", f".step-{STEPS:08d}.tmp")
+        checkpointed = conftest.kill_during_checkpoint(session, proposer.pids[0][0], writing, lambda: proposer.restarts)
         result = session.finish()
     finally:
         session.stop()
@@ -189,7 +192,8 @@ def coevolved(tmp_path_factory):
     return {
         "rows": rows,
         "queue": queue,
-        "checkpoint": checkpoint,
+        "checkpoint": checkpointed["path"],
+        "checkpointed": checkpointed,
         "result": result,
         "resumed": [r for r in resumed.metrics if "version" in r],
         "trainer_pids": (trainer_pid, new_trainer_pid),
@@ -247,6 +251,8 @@ def test_a_killed_trainer_of_one_model_is_healed_and_rejoins_the_policys_version
     assert len(healed) == 1 and int(healed[0]["version"]) == KILL_TRAINER_AFTER + 1, [int(r["version"]) for r in healed]
     assert healed[0]["proposer/trainer/steps_lost"] <= 1 and healed[0]["proposer/trainer/restart_s"] > 0
     assert rows[-1]["proposer/trainer/restarts"] == 1 and rows[-1]["trainer/restarts"] == 0
+    # killed again in the checkpoint call after the last step: healed there, the call made again
+    assert coevolved["checkpointed"]["heals"] == 1 and coevolved["checkpointed"]["version"] == STEPS, coevolved["checkpointed"]
     for r in rows[KILL_TRAINER_AFTER:]:  # it goes on training at the policy's version, on real rows
         assert r["proposer/trainer/loss"] == r["proposer/trainer/loss"] and abs(r["proposer/trainer/loss"]) < 1e3
 

@@ -15,6 +15,7 @@ import torch
 import meshrl
 from meshrl.compat import awaited
 from meshrl.trainer.snapshot import load_snapshot, newest_complete, snapshot_root, snapshot_step
+from tests import conftest
 from tests.test_loop import tiny, trained_groups, wait_no_children
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -54,36 +55,6 @@ def kill_during_snapshot(run_dir: str, pids: list[int], step: int, timeout_s: fl
     return thread
 
 
-def kill_during_checkpoint(session) -> dict:
-    """SIGKILL the trainer inside a checkpoint call: as soon as its write is seen under way
-    (its temp directory), or, when the write finished between two looks, just before a
-    second call, which then meets a dead trainer. Returns what the call did."""
-    loop = session.loop
-    pid = session._call(loop.trainer.shard_info(), 60)[0]["pid"]
-    tmp = os.path.join(session.run_dir, "checkpoints", "trainer", f".step-{session.version:08d}.tmp")
-    restarts, seen, done = loop.healer.restarts, {}, threading.Event()
-
-    def watch():
-        while not done.is_set():
-            if os.path.isdir(tmp):
-                seen["during_write"] = True
-                os.kill(pid, signal.SIGKILL)
-                return
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    path = session.checkpoint()
-    done.set()
-    thread.join(5)
-    if loop.healer.restarts == restarts:  # the write was not seen under way
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        path = session.checkpoint()
-    return {"path": path, "heals": loop.healer.restarts - restarts, "version": session.version, **seen}
-
-
 def run_and_kill(run_dir, procs: int, kill_ranks: list[int], checkpoint_kill: bool = False, **sections) -> dict:
     """A short default-like run (asynchronous, buffer depth 2) whose trainer ranks
     `kill_ranks` are SIGKILLed during step KILL_AT's snapshot (and, with `checkpoint_kill`,
@@ -99,7 +70,10 @@ def run_and_kill(run_dir, procs: int, kill_ranks: list[int], checkpoint_kill: bo
         killer = kill_during_snapshot(session.run_dir, [pids[r] for r in kill_ranks], KILL_AT)
         if checkpoint_kill:
             rows += session.step(CHECKPOINT_AT - session.version)
-            checkpointed = kill_during_checkpoint(session)
+            loop = session.loop
+            pid = session._call(loop.trainer.shard_info(), 60)[0]["pid"]
+            writing = os.path.join(session.run_dir, "checkpoints", "trainer", f".step-{session.version:08d}.tmp")
+            checkpointed = conftest.kill_during_checkpoint(session, pid, writing, lambda: loop.healer.restarts)
         rows += session.step(STEPS - session.version)
         killer.join(5)
         new_pids = [info["pid"] for info in session._call(session.loop.trainer.shard_info(), 60)]

@@ -317,14 +317,20 @@ class RLLoop:
         await self.healer.heal(e, call)
 
     async def _healing(self, call: str, make_call):
-        """A trainer call outside the step (`make_call()`, which reads `self.trainer` when called):
-        a trainer proc that dies in it is healed, and the call is made again on the new mesh,
-        whose state may be one step older (`self.version` says which). Any other failure is
-        the call's own."""
+        """A trainer call outside the step (`make_call()`, which reads `self.trainer` and the
+        trained models' trainers when called): a trainer proc that dies in it is healed, and
+        the call is made again on the new mesh. The policy's state may then be one step older
+        (`self.version` says which); a trained model's is trained back up to the policy's.
+        Any other failure is the call's own."""
         while True:
             try:
                 return await make_call()
             except Exception as e:  # noqa: BLE001 - only a lost trainer proc is healed here
+                partner = next((p for p in self.partners if p.trainer_dead()), None)
+                if partner is not None and not self.healer.trainer_dead():
+                    c = self.config
+                    await partner.heal_outside_step(e, self.queue, c.batch_groups, c.buffer.get_timeout_s, self.version)
+                    continue
                 if not self.healer.lost_a_proc(e):
                     raise
                 await self._trainer_failed(e, call)
@@ -453,7 +459,8 @@ class RLLoop:
     async def export(self) -> str:
         """The policy's final Hugging Face checkpoint (hf/final), and each trained model's beside it (hf/final-NAME)."""
         for p in self.partners:
-            await checkpoints.export_hf(p.trainer, os.path.join(self.run_dir, "hf", f"final-{p.name}"), self.run_dir, self.tokenizer_dir)
+            path = os.path.join(self.run_dir, "hf", f"final-{p.name}")
+            await self._healing("export", lambda p=p, path=path: checkpoints.export_hf(p.trainer, path, self.run_dir, self.tokenizer_dir))
         return await self.export_to(os.path.join(self.run_dir, "hf", "final"))
 
     async def shutdown(self) -> None:

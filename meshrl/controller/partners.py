@@ -113,10 +113,18 @@ class TrainedModel:
         out.pop("trained_groups", None)
         return {"version": version, **{f"{self.name}/{k}": v for k, v in out.items()}}
 
-    async def heal(self, error: BaseException, version: int) -> None:
+    async def heal_outside_step(self, error: BaseException, queue, num_groups: int, timeout_s: float, version: int) -> None:
+        """Its trainer died in a call outside the step (a checkpoint, an export) while the
+        policy is at `version`: heal it, then train it back up to `version` on the batches it
+        lost (the queue keeps them), so that what is saved or exported next is at the policy's."""
+        restored = await self.heal(error, version)
+        if restored < version:
+            await self.train(queue, num_groups, timeout_s, version - 1)
+
+    async def heal(self, error: BaseException, version: int) -> int:
         """Replace its dead trainer mesh and restore it (controller/heal.py's `replace_trainer`),
         bounded by its trainer.max_restarts and restart_timeout_s; TrainerFailed with one line
-        when it may not or cannot."""
+        when it may not or cannot. Returns the version it was restored at."""
         c, run_dir = self.config, self.run_config.logging.run_dir
         first = first_line(str(error)) or type(error).__name__
         dead = [rank for rank, (pid, started) in enumerate(self.pids) if not proc_alive(pid, started)]
@@ -156,6 +164,7 @@ class TrainedModel:
             f"healed in {took:.1f}s from version {restored} ({lost} step(s) to train again; restart {self.restarts} of {c.trainer.max_restarts})",
             file=console(),
         )
+        return restored
 
     def update(self, version: int) -> None:
         """Move its generators to `version` in the background (after the previous move)."""
