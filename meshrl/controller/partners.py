@@ -119,7 +119,9 @@ class TrainedModel:
         lost (the queue keeps them), so that what is saved or exported next is at the policy's."""
         restored = await self.heal(error, version)
         if restored < version:
+            healed = self.pending  # the heal's metrics, for the next step's row (train would take them)
             await self.train(queue, num_groups, timeout_s, version - 1)
+            self.pending = healed
 
     async def heal(self, error: BaseException, version: int) -> int:
         """Replace its dead trainer mesh and restore it (controller/heal.py's `replace_trainer`),
