@@ -452,13 +452,14 @@ class NetnsHosts:
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
-def kill_during_checkpoint(session, pid: int, writing: str, restarts) -> dict:
+def kill_during_checkpoint(session, pid: int, root: str, restarts) -> dict:
     """SIGKILL trainer proc `pid` inside one of `session`'s checkpoint calls: as soon as the
-    write at `writing` (a trainer's temp directory) is seen under way, or, when the write
-    finished between two looks, just before a second call, which then meets a dead trainer.
-    `restarts()`: that trainer's heals so far. Returns what the call did."""
+    trainer's write of this step under `root` (its checkpoint directory) is seen under way,
+    or, when the write finished between two looks, just before a second call, which then
+    meets a dead trainer. `restarts()`: that trainer's heals so far. Returns what the call did."""
     import threading
 
+    writing = os.path.join(root, f".step-{session.version:08d}.tmp")  # trainer/checkpoint.py's temp directory
     before, seen, done = restarts(), {}, threading.Event()
 
     def watch():

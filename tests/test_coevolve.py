@@ -183,8 +183,8 @@ def coevolved(tmp_path_factory):
         new_trainer_pid = proposer.pids[0][0]
         queue = session._call(awaited(session.loop.queue.state_dict.call_one()), 60)
         # and again inside the checkpoint call, as its write is under way: healed, and saved at the policy's version
-        writing = os.path.join(run_dir, "checkpoints", "models", "proposer", f".step-{STEPS:08d}.tmp")
-        checkpointed = conftest.kill_during_checkpoint(session, proposer.pids[0][0], writing, lambda: proposer.restarts)
+        root = os.path.join(run_dir, "checkpoints", "models", "proposer")
+        checkpointed = conftest.kill_during_checkpoint(session, proposer.pids[0][0], root, lambda: proposer.restarts)
         result = session.finish()
     finally:
         session.stop()

@@ -72,8 +72,8 @@ def run_and_kill(run_dir, procs: int, kill_ranks: list[int], checkpoint_kill: bo
             rows += session.step(CHECKPOINT_AT - session.version)
             loop = session.loop
             pid = session._call(loop.trainer.shard_info(), 60)[0]["pid"]
-            writing = os.path.join(session.run_dir, "checkpoints", "trainer", f".step-{session.version:08d}.tmp")
-            checkpointed = conftest.kill_during_checkpoint(session, pid, writing, lambda: loop.healer.restarts)
+            root = os.path.join(session.run_dir, "checkpoints", "trainer")
+            checkpointed = conftest.kill_during_checkpoint(session, pid, root, lambda: loop.healer.restarts)
         rows += session.step(STEPS - session.version)
         killer.join(5)
         new_pids = [info["pid"] for info in session._call(session.loop.trainer.shard_info(), 60)]

@@ -280,10 +280,11 @@ class TrainerMesh:
     async def publisher_handle(self):
         """The weight-sync publisher's sidecar agent (rank 0's), spawned once from here."""
         if self._publisher is None:
+            from meshrl.weightsync.connect import sidecars
             from meshrl.weightsync.publisher import publisher_agent
 
-            key = next(k for k in await self._all(self.actors.weight_sync_key) if k is not None)
-            self._publisher = publisher_agent(self.procs.slice(**{dim: 0 for dim in self.procs.extent.keys()}), key)
+            keys = await asyncio.wait_for(self.actors.weight_sync_key.call(), self.timeout_s)
+            (self._publisher,) = sidecars(self.procs, keys, publisher_agent)  # the one rank with a publisher
         return self._publisher
 
     async def set_lr(self, lr: float) -> None:
