@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -55,11 +56,11 @@ def kill_during_snapshot(run_dir: str, pids: list[int], step: int, timeout_s: fl
     return thread
 
 
-def run_and_kill(run_dir, procs: int, kill_ranks: list[int], checkpoint_kill: bool = False, **sections) -> dict:
+def run_and_kill(run_dir, procs: int, kill_ranks: list[int], checkpoint_kill: bool = False, kill_host: bool = False, **sections) -> dict:
     """A short default-like run (asynchronous, buffer depth 2) whose trainer ranks
-    `kill_ranks` are SIGKILLed during step KILL_AT's snapshot (and, with `checkpoint_kill`,
-    the trainer again inside a checkpoint call after step CHECKPOINT_AT); returns what the
-    tests check."""
+    `kill_ranks` are SIGKILLed during step KILL_AT's snapshot (with `kill_host`, the process
+    launcher's stand-in host they run on too; and, with `checkpoint_kill`, the trainer again
+    inside a checkpoint call after step CHECKPOINT_AT); returns what the tests check."""
     cfg = tiny(run_dir, steps=STEPS, batch_groups=GROUPS, trainer={"checkpoint_every": 0, "procs": procs}, **sections)
     session = meshrl.Session(cfg)
     checkpointed = None
@@ -67,7 +68,8 @@ def run_and_kill(run_dir, procs: int, kill_ranks: list[int], checkpoint_kill: bo
         session.start()
         rows = session.step(KILL_AT - 1)
         pids = [info["pid"] for info in session._call(session.loop.trainer.shard_info(), 60)]
-        killer = kill_during_snapshot(session.run_dir, [pids[r] for r in kill_ranks], KILL_AT)
+        hosts = {name: state.pid for name, state in session.loop.alloc._job._host_to_pid.items()} if kill_host else {}
+        killer = kill_during_snapshot(session.run_dir, [pids[r] for r in kill_ranks] + [hosts[h] for h in hosts if h.startswith("trainer")], KILL_AT)
         if checkpoint_kill:
             rows += session.step(CHECKPOINT_AT - session.version)
             loop = session.loop
@@ -77,6 +79,8 @@ def run_and_kill(run_dir, procs: int, kill_ranks: list[int], checkpoint_kill: bo
         rows += session.step(STEPS - session.version)
         killer.join(5)
         new_pids = [info["pid"] for info in session._call(session.loop.trainer.shard_info(), 60)]
+        new_hosts = [psutil.Process(pid).ppid() for pid in new_pids]
+        spares_left = session.loop.alloc.spares_left()
         queue = session._call(awaited(session.loop.queue.state_dict.call_one()), 60)
         result = session.finish()
     finally:
@@ -86,6 +90,9 @@ def run_and_kill(run_dir, procs: int, kill_ranks: list[int], checkpoint_kill: bo
         "history": result.metrics,
         "pids": pids,
         "new_pids": new_pids,
+        "hosts": hosts,
+        "new_hosts": new_hosts,
+        "spares_left": spares_left,
         "queue": queue,
         "during_write": killer.seen.get("during_write"),
         "checkpointed": checkpointed,
@@ -144,11 +151,17 @@ def test_fsdp_trainer_with_one_proc_killed_is_healed(tmp_path):
     check_healed(run_and_kill(tmp_path / "run", procs=2, kill_ranks=[1]))
 
 
-def test_trainer_on_a_stand_in_host_is_healed(tmp_path):
-    """The process launcher's two ProcessJob hosts (the Slurm path without a cluster): the
-    weights cross to the generators' host by the collective transport, whose group the heal
-    re-creates while a generator may be taking a version from the dead trainer."""
-    check_healed(run_and_kill(tmp_path / "run", procs=1, kill_ranks=[0], launcher={"kind": "process", "hosts": 2}))
+def test_lost_trainer_host_is_healed_on_a_spare_host(tmp_path):
+    """The process launcher's ProcessJob hosts (the Slurm path without a cluster), a trainer
+    host, a generator host and a spare (launcher.spare_hosts=1): the trainer's whole host is
+    SIGKILLed, its host agent with its proc. The heal finds the host silent and spawns the
+    new trainer on the spare. The weights cross to the generators' host by the collective
+    transport, whose group the heal re-creates while a generator may be taking a version
+    from the dead trainer."""
+    run = run_and_kill(tmp_path / "run", procs=1, kill_ranks=[0], kill_host=True, launcher={"kind": "process", "hosts": 2, "spare_hosts": 1})
+    check_healed(run)
+    assert set(run["hosts"]) == {"trainer_0", "generator_0", "spare_0"}
+    assert run["new_hosts"] == [run["hosts"]["spare_0"]] and run["spares_left"] == 0, run
 
 
 # ---- a snapshot write killed part-way -----------------------------------------------------------

@@ -53,6 +53,27 @@ def test_plan_hosts_splits_roles(tmp_path):
         plan_hosts(uneven)
 
 
+def test_spare_hosts_join_the_job_and_must_hold_the_whole_trainer(tmp_path):
+    """launcher.spare_hosts: an idle mesh the job holds beside the plan's, as many hosts as
+    the trainer's (it moves whole); refused in one line where it cannot serve."""
+    from meshrl.launch.hosts import job_meshes
+
+    assert job_meshes(_config(tmp_path, kind="process", hosts=3, spare_hosts=2)) == {"trainer": 2, "generator": 1, "spare": 2}
+    assert job_meshes(_config(tmp_path, kind="process", hosts=3)) == plan_hosts(_config(tmp_path, kind="process", hosts=3))
+    assert "spare=2" in describe_job(_config(tmp_path, kind="slurm", hosts=3, spare_hosts=2))
+    assert "#SBATCH --nodes=5" in render_sbatch(_config(tmp_path, kind="slurm", hosts=3, spare_hosts=2))
+    with pytest.raises(ConfigError, match="launcher.spare_hosts.*set it to 2"):
+        job_meshes(_config(tmp_path, kind="process", hosts=3, spare_hosts=1))
+    with pytest.raises(ConfigError, match="launcher.spare_hosts.*episode queue"):
+        job_meshes(_config(tmp_path, kind="process", hosts=1, spare_hosts=1))
+    with pytest.raises(ConfigError, match="launcher.spare_hosts.*no hosts to spare"):
+        _config(tmp_path, kind="local", spare_hosts=1)
+    with pytest.raises(ConfigError, match="launcher.spare_hosts.*at least 0"):
+        _config(tmp_path, kind="process", spare_hosts=-1)
+    workers = dict(kind="workers", address="127.0.0.1", workers=["127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.1:5003"], spare_hosts=1)
+    assert job_meshes(_config(tmp_path, **workers)) == {"trainer": 1, "generator": 1, "spare": 1}  # the last worker listed is the spare
+
+
 # ---- ProcessJob hosts: the Slurm code path on this machine ---------------------------------
 @pytest.mark.slow  # ProcessJob hosts and a proc mesh per role
 @pytest.mark.timeout(120)

@@ -184,9 +184,12 @@ def test_colocated_mode_takes_turns_on_every_core_and_loads_weights_in_place(tmp
     """placement=colocate on CPU: trainer and engine share every core, the engine sleeps
     through each training step (no token arrives then), weights reach it from the trainer's
     shared-memory snapshot, one step off the policy (max_lag 1), then synchronous (max_lag 0),
-    where a wrong or stale weight load would show as a sampler/trainer log-prob gap."""
+    where a wrong or stale weight load would show as a sampler/trainer log-prob gap. Then the
+    trainer's proc is SIGKILLed between two steps: the next step's call, the engine asleep for
+    it, fails; the trainer is healed, the engine wakes on the restored version, and the step is
+    trained again, with no group lost or trained twice and the log-probs still equal."""
     cores = set(os.sched_getaffinity(0))
-    cfg = tiny(tmp_path / "colocate", steps=6, placement="colocate", buffer={"max_lag": 1}, trainer={"checkpoint_every": 0, "loss": {"correction": "none"}})
+    cfg = tiny(tmp_path / "colocate", steps=8, placement="colocate", buffer={"max_lag": 1}, trainer={"checkpoint_every": 0, "loss": {"correction": "none"}})
     with meshrl.Session(cfg) as session:
         session.start()
         loop = session.loop
@@ -197,16 +200,26 @@ def test_colocated_mode_takes_turns_on_every_core_and_loads_weights_in_place(tmp
         one_off = session.step(4)
         session.set(max_lag=0)
         synchronous = session.step(2)
+        os.kill(info["pid"], signal.SIGKILL)
+        healed = session.step(8 - session.version)
         session.sync_generators()
         ((_, _, stats),) = session._call(loop.generators.read_stats())
+        (new_info,) = session._call(loop.trainer.shard_info())
     assert all(r["trainer/staleness_max"] <= 1 and r["colocate/sleep_s"] >= 0 for r in one_off)
     assert all(r["trainer/staleness_max"] == 0 for r in synchronous[1:])  # the first was admitted one step off
     # synchronous: each version loaded while the engine slept, which woke on it; one step off: loaded after waking
     assert all("colocate/load_s" in r for r in synchronous) and not any("colocate/load_s" in r for r in one_off)
     assert nothing_stale(one_off)  # (the bound tightened at step 5 masks the batch admitted one step off before it)
-    assert stats["sleeps"] >= 6 and stats["tokens_while_asleep"] == 0, stats
-    assert stats["version"] == 6
     assert synchronous[-1]["trainer/logprob_mismatch"] < 2e-3, synchronous[-1]["trainer/logprob_mismatch"]
+    # the heal: a new proc, every step trained (a step it lost once more, from its own batch), each group once
+    assert new_info["pid"] != info["pid"] and healed[0]["trainer/restarts"] == 1 and healed[0]["trainer/steps_lost"] <= 1, healed[0]
+    kept = {int(r["version"]): r for r in one_off + synchronous + healed}
+    assert sorted(kept) == list(range(1, 9)) and len(one_off + synchronous + healed) - len(kept) == healed[0]["trainer/steps_lost"]
+    groups = trained_groups(kept.values())
+    assert len(groups) == len(set(groups)), "a group was trained twice"
+    assert all(r["trainer/staleness_max"] == 0 for r in healed) and healed[-1]["trainer/logprob_mismatch"] < 2e-3, healed
+    assert stats["sleeps"] >= 8 and stats["tokens_while_asleep"] == 0, stats
+    assert stats["version"] == 8
     assert not wait_no_children()
 
 

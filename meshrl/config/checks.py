@@ -217,6 +217,12 @@ def _check_launcher(c: Config) -> None:
     else:
         need(not launcher.workers, "launcher.workers", f"only launcher.kind=workers attaches to workers, not {launcher.kind!r}: set the kind or drop the list")
     need(launcher.gpus_per_host >= 0, "launcher.gpus_per_host", f"must be at least 0, got {launcher.gpus_per_host}")
+    need(launcher.spare_hosts >= 0, "launcher.spare_hosts", f"must be at least 0, got {launcher.spare_hosts}")
+    need(
+        launcher.spare_hosts == 0 or launcher.kind in ("process", "slurm", "workers"),
+        "launcher.spare_hosts",
+        f"launcher.kind={launcher.kind} runs on this host alone and has no hosts to spare: set it to 0, or use process, slurm or workers",
+    )
     need(launcher.start_timeout_s > 0, "launcher.start_timeout_s", f"must be positive, got {launcher.start_timeout_s}")
     parts = launcher.time_limit.split(":")
     need(len(parts) == 3 and all(p.isdigit() for p in parts), "launcher.time_limit", f"{launcher.time_limit!r} must look like HH:MM:SS")
@@ -296,10 +302,12 @@ def _check_workers(c: Config) -> None:
     """Hosts given as `meshrl worker` addresses, and this controller's own address on their network."""
     launcher = c.launcher
     need(len(launcher.workers) >= 1, "launcher.workers", "launcher.kind=workers needs the IP:PORT of at least one `meshrl worker`")
+    working = len(launcher.workers) - launcher.spare_hosts
+    need(working >= 1, "launcher.spare_hosts", f"{launcher.spare_hosts} spares leave none of the {len(launcher.workers)} launcher.workers to run on: lower it")
     need(
-        launcher.hosts in (1, len(launcher.workers)),
+        launcher.hosts in (1, working),
         "launcher.hosts",
-        f"is {launcher.hosts} but launcher.workers lists {len(launcher.workers)}: drop launcher.hosts (the workers are the hosts)",
+        f"is {launcher.hosts} but launcher.workers lists {working} hosts besides launcher.spare_hosts: drop launcher.hosts (the workers are the hosts)",
     )
     for i, w in enumerate(launcher.workers):
         try:

@@ -273,7 +273,7 @@ class LauncherConfig:
     hosts: int = 1
     """Hosts to allocate (process/slurm; with `workers`, the number of `launcher.workers`). One host holds every role; with more, hosts split between trainer and generator (by GPUs when `gpus_per_host` > 0, else in proportion to their procs), and the coordinator (episode queue, rollout workers and their envs) shares the first generator host, where every model turn is asked for."""
     workers: list[str] = field(default_factory=list)
-    """launcher.kind=workers: `IP:PORT` of each host's `meshrl worker`, in host order (the trainer hosts first, then the generator hosts)."""
+    """launcher.kind=workers: `IP:PORT` of each host's `meshrl worker`, in host order (the trainer hosts first, then the generator hosts, then `launcher.spare_hosts` spares)."""
     address: str | None = None
     """launcher.kind=workers: this controller's own IP as the hosts reach it. Its Monarch channel and the weight-sync store listen on it and nowhere else. Required with `workers`; must be an address of this machine."""
     gpus_per_host: int = 0
@@ -292,6 +292,8 @@ class LauncherConfig:
     """Longest wait for the allocation to start running and its hosts to connect (queueing included); then the job is cancelled."""
     signal_before_s: int = 180
     """Slurm: ask for SIGTERM this many seconds before the time limit (`#SBATCH --signal=TERM@N`). On it, as on `scancel` or preemption, the run lets the step in flight finish, checkpoints within trainer.interrupt_checkpoint_timeout_s, and releases the allocation; keep it above that timeout. Slurm may send it up to a minute early."""
+    spare_hosts: int = 0
+    """Hosts the job holds beyond `launcher.hosts`, idle, for the trainer (process, slurm and workers launchers; with `workers`, the last ones listed). When a trainer host is lost (its procs dead and its host no longer answers), the healed trainer is spawned on the spare hosts instead of its own (docs/healing.md). The trainer moves whole, so it needs as many spares as it has hosts; each heal that moves uses them up. 0: a lost trainer host stops the run, resumably."""
     max_resubmits: int = 0
     """Slurm: after Slurm signaled the allocation and the run checkpointed, submit a fresh allocation and continue the run from that checkpoint (same step numbering), up to this many times. 0: stop, and print the `meshrl run --resume RUN_DIR` that continues it."""
 

@@ -5,7 +5,8 @@ When the trainer's call fails and the episode queue still answers, `TrainerHeale
    trainer's publisher; a replica that failed under it is kept, `GeneratorPool.source_lost`);
 2. stops what is left of the trainer mesh and SIGKILLs its procs on this host that are
    still alive (a rank blocked in a collective with the dead one never returns);
-3. spawns a new mesh on the same slots (the allocation's trainer hosts and device plan);
+3. spawns a new mesh on the same slots (the allocation's trainer hosts and device plan), or
+   on the launcher's spare hosts when its own no longer answer (launcher.spare_hosts);
 4. restores the newest complete trainer state: the per-step snapshot
    (meshrl/trainer/snapshot.py) or the last checkpoint, whichever is newer, else the
    seeded start of a run that began at version 0;
@@ -16,7 +17,9 @@ When the trainer's call fails and the episode queue still answers, `TrainerHeale
    trainer.snapshot_every=1 no generator is ahead of it (a version is announced only once
    its snapshot is complete); with more, one ahead keeps its newer weights until the
    retrained trainer passes them (weight sync never hands out an older version).
-Under PPO the critic (its own proc) follows the policy: after a policy heal it is restored
+Under placement=colocate the engines slept for the dead trainer's step: the loop has the
+restored version loaded into them and wakes them (`RLLoop._woken_after_heal`), as after any
+step, before the step is trained again. Under PPO the critic (its own proc) follows the policy: after a policy heal it is restored
 to its own newest state at or below the restored version (RUN_DIR/critic/snapshots, else
 its last checkpoint), so that no batch trains it twice. A critic proc that dies is healed
 by `heal_critic`: a new proc, the same restore, the failed step's batch back to the queue.
@@ -111,7 +114,8 @@ async def replace_trainer(config, alloc, trainer, pids: list, run_dir: str, star
     version the controller holds: a trainer that died after its snapshot was written but
     before its step returned is one ahead, and that step is trained again so that its row
     and groups are not lost), else the seeded start of a run that began at version 0.
-    Returns (the new mesh, its version). The policy's trainer and each trained model beside
+    A trainer whose hosts no longer answer moves to the launcher's spare hosts, where it has
+    them (launcher.spare_hosts). Returns (the new mesh, its version). The policy's trainer and each trained model beside
     it (controller/partners.py) are replaced by this."""
     try:
         await asyncio.wait_for(trainer.stop(), 90)
@@ -119,6 +123,8 @@ async def replace_trainer(config, alloc, trainer, pids: list, run_dir: str, star
         pass
     for pid, started in pids:
         _kill(pid, started)
+    if alloc.spares_left() and not await alloc.answers("trainer"):  # its host is gone: the spares take the new mesh
+        alloc.move_to_spares("trainer")
     path, _ = newest_state(run_dir, checkpoint_dir, at_most)
     if path is None and start_version > 0:
         raise RuntimeError(f"no complete trainer state at or after the run's start (version {start_version})")
@@ -167,8 +173,6 @@ class TrainerHealer:
         c = self.loop.config
         if self.restarts >= c.trainer.max_restarts:
             return f"trainer.max_restarts={c.trainer.max_restarts} restart(s) used"
-        if c.placement == "colocate":
-            return "placement=colocate (the trainer and the engines take turns on the devices) is not healed"
         return None
 
     async def heal(self, error: BaseException, call: str = "step") -> None:
@@ -190,7 +194,7 @@ class TrainerHealer:
                 f"not healed: {why_not}; {checkpoints.how_to_resume(loop.run_dir)}"
             ) from error
         self.restarts += 1
-        t0 = time.monotonic()
+        t0, spares = time.monotonic(), loop.alloc.spares_left()
         try:
             version, retaken = await asyncio.wait_for(self._replace(), c.trainer.restart_timeout_s)
         except Exception as e:  # noqa: BLE001 - the heal itself failed: stop, resumably
@@ -200,11 +204,13 @@ class TrainerHealer:
                 f"{checkpoints.how_to_resume(loop.run_dir)}"
             ) from e
         took = time.monotonic() - t0
+        moved = spares - loop.alloc.spares_left()
+        where = f" on {moved} spare host(s) (its own is lost)" if moved else ""
         lost = max(0, loop.version - version)
         loop.version = version
         self.pending_metrics.update({"trainer/restarts": float(self.restarts), "trainer/restart_s": took, "trainer/steps_lost": float(lost)})
         print(
-            f"meshrl: trainer {who} died at version {version + lost} in its {call} ({first_line(first, 160)}); healed in {took:.1f}s "
+            f"meshrl: trainer {who} died at version {version + lost} in its {call} ({first_line(first, 160)}); healed in {took:.1f}s{where} "
             f"from version {version} ({lost} step(s) lost, {len(retaken)} group(s) to train again; restart {self.restarts} of {c.trainer.max_restarts})",
             file=console(),
         )

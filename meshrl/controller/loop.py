@@ -133,13 +133,8 @@ class RLLoop:
             print(f"meshrl: placement auto -> {placement} ({why})", file=console())
         c.placement, c.weight_sync.transport = placement, resolve_transport(c)
         c.trainer.cpus, c.generator.cpus = resolve_cpus(c)
-        log.info(
-            "placement: %s, trainer cpus %r, generator cpus %r, weight transport %s",
-            c.placement,
-            c.trainer.cpus or "any",
-            c.generator.cpus or "any",
-            c.weight_sync.transport,
-        )
+        cpus = f"trainer cpus {c.trainer.cpus or 'any'!r}, generator cpus {c.generator.cpus or 'any'!r}"
+        log.info("placement: %s, %s, weight transport %s", c.placement, cpus, c.weight_sync.transport)
         self.tokenizer_dir = c.model.tokenizer or c.model.path or build_char_tokenizer(os.path.join(self.run_dir, "tokenizer"))
         self.alloc = await allocate(c).__aenter__()
         # colocated on GPUs: the trainer frees memory (and AdamW's state where the memory plan says) before the engines wake
@@ -233,6 +228,7 @@ class RLLoop:
                     break
                 except Exception as e:  # noqa: BLE001 - a dead trainer proc is healed, or ends the run resumably
                     await self._trainer_failed(e)
+                    handoff.update(await self._woken_after_heal())
             if partners is not None:
                 handoff.update(await self._watching(partners))
         finally:
@@ -334,6 +330,14 @@ class RLLoop:
                 if not self.healer.lost_a_proc(e):
                     raise
                 await self._trainer_failed(e, call)
+
+    async def _woken_after_heal(self) -> dict[str, float]:
+        """placement=colocate: the engines slept for the dead trainer's step; with the healed
+        version loaded (asleep on GPU they dropped their weights) they wake, as between steps."""
+        if self.config.placement != "colocate":
+            return {}
+        await self._finish_update()  # the heal's update to the restored version
+        return await colocate.wake_for_generators(self.alloc.plan, self.trainer, self.generators, self._offload_optimizer)
 
     async def _hand_devices_to_trainer(self) -> dict[str, float]:
         """placement=colocate, before the trainer's call: the previous weight load done, then

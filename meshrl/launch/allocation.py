@@ -21,7 +21,7 @@ from monarch.actor import HostMesh, ProcMesh, this_host
 from meshrl.compat import awaited, settled
 from meshrl.config import Config, ConfigError
 from meshrl.launch.devices import plan_devices
-from meshrl.launch.hosts import ROLES, plan_hosts, role_meshes
+from meshrl.launch.hosts import ROLES, SPARE_MESH, job_meshes, role_meshes
 from meshrl.launch.signals import exit_on_sigterm, in_main_thread
 from meshrl.launch.slurm import SignalWatch, render_sbatch, slurm_dir, slurm_job
 from meshrl.launch.workers import attach_workers
@@ -30,6 +30,10 @@ logger = logging.getLogger("meshrl.launch")
 
 STOP_TIMEOUT_S = 30.0
 """Longest wait for one proc mesh or host mesh to stop before moving on to the next."""
+HOST_PROBE_S = 20.0
+"""How long a host has to start a bare proc (Monarch's bootstrap, no torch) before it counts
+as lost: a spawn on a host that is gone waits forever, and a loaded live one answers within
+seconds."""
 
 
 def with_env(envs: list[dict[str, str]]):
@@ -53,7 +57,7 @@ def allocate(config: Config) -> Allocation:
     if config.launcher.dry_run:
         raise ConfigError("launcher.dry_run", "a dry run starts no hosts: print meshrl.launch.describe_job(config) instead")
     if config.launcher.kind in ("process", "slurm", "workers"):
-        plan_hosts(config)  # fail on an impossible plan before anything starts
+        job_meshes(config)  # fail on an impossible plan before anything starts
     return Allocation(config)
 
 
@@ -63,7 +67,7 @@ def describe_job(config: Config) -> str:
     if kind in ("local", "torchx"):
         where = "this host" if kind == "local" else "this host (inside a TorchX job)"
         return f"launcher.kind={kind}: trainer, generator and coord on {where}\n"
-    plan = ", ".join(f"{name}={n}" for name, n in plan_hosts(config).items())
+    plan = ", ".join(f"{name}={n}" for name, n in job_meshes(config).items())
     text = f"launcher.kind={kind}: host meshes {plan}; coord on the first trainer host\n"
     if kind == "slurm":
         text += render_sbatch(config)
@@ -100,6 +104,8 @@ class Allocation:
         self._job: Any = None  # the Monarch job (process/slurm), None for local/torchx
         self._owned: dict[str, HostMesh] = {}  # host meshes from the job, shut down on stop
         self._roles: dict[str, HostMesh] = {}
+        self._spares_used = 0  # hosts of the spare mesh the trainer has moved to
+        self._lost: list[HostMesh] = []  # the trainer's meshes it left for spares: their shutdown would wait out its timeout
         self._procs: list[ProcMesh] = []
         self._old_sigterm: Any = None
         self._watch: SignalWatch | None = None  # slurm: relays Slurm's SIGTERM to this process
@@ -130,7 +136,7 @@ class Allocation:
                 if self.kind == "process":
                     from monarch.job import ProcessJob
 
-                    self._job = ProcessJob(plan_hosts(self.config))
+                    self._job = ProcessJob(job_meshes(self.config))
                 else:
                     self._job = slurm_job(self.config)
                 # cached_path=None: always a fresh allocation, never a stale one from an earlier run.
@@ -158,7 +164,8 @@ class Allocation:
             for procs in reversed(self._procs):
                 await _quietly(procs.stop(), "proc mesh stop")
             # together: a mesh whose hosts are gone waits out its timeout, the others need not wait behind it
-            await asyncio.gather(*(_quietly(mesh.shutdown(), f"host mesh {name!r} shutdown") for name, mesh in self._owned.items()))
+            live = {name: mesh for name, mesh in self._owned.items() if not any(mesh is lost for lost in self._lost)}
+            await asyncio.gather(*(_quietly(mesh.shutdown(), f"host mesh {name!r} shutdown") for name, mesh in live.items()))
         finally:
             self._procs.clear()
             self._kill_job()
@@ -200,6 +207,35 @@ class Allocation:
             return mesh
         h = index % mesh.sizes["hosts"]
         return mesh.slice(hosts=slice(h, h + 1))
+
+    async def answers(self, role: str, timeout: float = HOST_PROBE_S) -> bool:
+        """Whether every host of `role` still starts a proc: a bare one is spawned on each
+        (no actor, no torch) and stopped. A host that is gone never answers the spawn."""
+        probe = self.host_mesh(role).spawn_procs(per_host={"procs": 1}, name="host_probe")
+        try:
+            await asyncio.wait_for(awaited(probe.initialized), timeout)
+            return True
+        except Exception:  # noqa: BLE001 - timed out, or refused: a host is gone
+            return False
+        finally:
+            await settled(probe.stop(), 5)  # on a lost host it never ends: the job's stop takes it
+
+    def spares_left(self) -> int:
+        mesh = self._owned.get(SPARE_MESH)
+        return mesh.sizes["hosts"] - self._spares_used if mesh is not None else 0
+
+    def move_to_spares(self, role: str = "trainer") -> str:
+        """`role` (the trainer) leaves its hosts for as many unused spare hosts
+        (launcher.spare_hosts); its next spawn lands there. Returns which, for the console."""
+        n, first = self.hosts(role), self._spares_used
+        if self.spares_left() < n:
+            raise RuntimeError(
+                f"its host is lost and {self.spares_left()} of launcher.spare_hosts={self.config.launcher.spare_hosts} spare hosts are left, {n} needed"
+            )
+        self._lost.append(self._roles[role])
+        self._roles[role] = self._owned[SPARE_MESH].slice(hosts=slice(first, first + n))
+        self._spares_used += n
+        return f"spare host{'s' if n > 1 else ''} {first}" + (f"-{first + n - 1}" if n > 1 else "")
 
     def spawn_procs(self, role: str, procs: int, **kwargs: Any) -> ProcMesh:
         """Spawn `procs` processes for `role`, split evenly over its hosts; stopped by `stop()`.

@@ -13,6 +13,8 @@ from meshrl.config import Config, ConfigError
 ROLES = ("trainer", "generator", "coord")
 SHARED_MESH = "hosts"
 """The mesh name when one host holds every role."""
+SPARE_MESH = "spare"
+"""The mesh of launcher.spare_hosts idle hosts a trainer whose host is lost moves to."""
 
 
 def plan_hosts(config: Config) -> dict[str, int]:
@@ -23,7 +25,7 @@ def plan_hosts(config: Config) -> dict[str, int]:
     stay on one host), otherwise a ConfigError says what to change.
     """
     la = config.launcher
-    hosts = len(la.workers) if la.kind == "workers" else la.hosts
+    hosts = len(la.workers) - la.spare_hosts if la.kind == "workers" else la.hosts
     trainer_procs = config.trainer.procs
     generator_procs = config.generator.replicas * config.generator.tp
     if hosts == 1:
@@ -55,6 +57,25 @@ def plan_hosts(config: Config) -> dict[str, int]:
             "left after the trainer: raise launcher.hosts",
         )
     return {"trainer": trainer_hosts, "generator": generator_hosts}
+
+
+def job_meshes(config: Config) -> dict[str, int]:
+    """What the job holds: `plan_hosts`' meshes, plus the `SPARE_MESH` of launcher.spare_hosts
+    hosts, which must be enough to take the whole trainer mesh, on its own hosts."""
+    meshes = plan_hosts(config)
+    spares = config.launcher.spare_hosts
+    if spares:
+        trainer_hosts = meshes.get("trainer")
+        if trainer_hosts is None:
+            raise ConfigError(
+                "launcher.spare_hosts",
+                "with launcher.hosts=1 the trainer shares its host with the episode queue, which a lost host takes with it: "
+                "raise launcher.hosts to 2 or more, or set launcher.spare_hosts=0",
+            )
+        if spares < trainer_hosts:
+            raise ConfigError("launcher.spare_hosts", f"the trainer moves whole, onto as many spares as its {trainer_hosts} hosts: set it to {trainer_hosts}")
+        meshes[SPARE_MESH] = spares
+    return meshes
 
 
 def role_meshes(meshes: dict) -> dict:

@@ -20,7 +20,7 @@ from typing import Any
 from unittest import mock
 
 from meshrl.config import Config, ConfigError
-from meshrl.launch.hosts import plan_hosts
+from meshrl.launch.hosts import job_meshes
 
 logger = logging.getLogger("meshrl.launch")
 
@@ -69,7 +69,7 @@ def _slurm_job_class() -> type:
 def slurm_job(config: Config) -> Any:
     la = config.launcher
     return _slurm_job_class()(
-        meshes=plan_hosts(config),
+        meshes=job_meshes(config),
         # the controller's interpreter (a venv on a shared filesystem), running Monarch's worker
         # under slurm_worker, which relays Slurm's SIGTERM to the controller (SignalWatch)
         python_exe=f"{sys.executable} -m meshrl.launch.slurm_worker --notify {shlex.quote(slurm_dir(config))}",
@@ -112,7 +112,7 @@ def render_sbatch(config: Config) -> str:
         mock.patch.object(monarch_slurm.logger, "disabled", True),  # it would log "Submitting SLURM job"
     ):
         job = slurm_job(config)
-        job._submit_slurm_job(sum(plan_hosts(config).values()))
+        job._submit_slurm_job(sum(job_meshes(config).values()))
     return scripts[0]
 
 

@@ -13,7 +13,7 @@ import os
 from meshrl.config import Config, ConfigError, ip_and_port
 from meshrl.host import HOST_ADDRESS_ENV, interface_of
 from meshrl.launch.devices import NCCL_IFNAME_ENV
-from meshrl.launch.hosts import plan_hosts
+from meshrl.launch.hosts import job_meshes
 from meshrl.launch.signals import exit_on_sigterm
 
 
@@ -31,14 +31,14 @@ def _local_addresses() -> set[str]:
 
 
 def attach_workers(config: Config) -> dict:
-    """Host meshes over the running `meshrl worker`s, in plan order (trainer hosts first).
+    """Host meshes over the running `meshrl worker`s, in plan order (trainer hosts first, spares last).
     The controller's own Monarch channel listens on `launcher.address` only."""
     from monarch.actor import attach_to_workers, enable_transport
 
     la = config.launcher
     enable_transport(f"tcp://{la.address}:0")
     meshes, first = {}, 0
-    for name, count in plan_hosts(config).items():
+    for name, count in job_meshes(config).items():
         workers = [f"tcp://{w}" for w in la.workers[first : first + count]]
         meshes[name] = attach_to_workers(name=name, ca="trust_all_connections", workers=workers)
         first += count
