@@ -336,7 +336,8 @@ class RLLoop:
         version loaded (asleep on GPU they dropped their weights) they wake, as between steps."""
         if self.config.placement != "colocate":
             return {}
-        await self._finish_update()  # the heal's update to the restored version
+        if self._update_task is not None:  # the heal's update to the restored version
+            await self._finish_update()
         return await colocate.wake_for_generators(self.alloc.plan, self.trainer, self.generators, self._offload_optimizer)
 
     async def _hand_devices_to_trainer(self) -> dict[str, float]:
