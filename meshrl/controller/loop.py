@@ -32,7 +32,7 @@ from meshrl.controller.heal import TrainerHealer
 from meshrl.controller.partners import TrainedModel
 from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool, log_mesh_failures
 from meshrl.errors import TrainerFailed, UserCodeFailed, find, first_line, one_line
-from meshrl.launch.allocation import allocate
+from meshrl.launch.allocation import LOST_HOST_STOP_S, allocate
 from meshrl.launch.devices import gpus_per_host, resolve_placement, resolve_transport, weights_on_gpu
 from meshrl.launch.memory import plan_memory
 from meshrl.logs import console
@@ -52,10 +52,6 @@ from meshrl.weightsync.connect import WeightSync
 log = logging.getLogger("meshrl")
 HEALTH_CHECK_S = 5.0
 """How often a step waiting for its batch checks that the queue, generators and workers are alive."""
-LOST_HOST_STOP_S = 10.0
-"""After the coordinator's host was lost, the bound on each call and stop of the procs that may
-have been on it (generators, scorers, the coordinator): they answer nothing, and Monarch's own
-wait for a stop there is longer."""
 QUEUE_SILENT_CHECKS = 2
 """Health checks in a row the episode queue must leave unanswered (each bounded by
 `_queue_answers`' timeout) before the run stops as lost: its host is down, and without this
@@ -486,10 +482,12 @@ class RLLoop:
         pools = [pool for pool in (self.generators, self.teacher, self.scorers) if pool is not None]
         stop_s = 60.0 if coordinator_up else LOST_HOST_STOP_S
         await asyncio.gather(*(pool.shutdown(stop_s) for pool in pools), *(p.shutdown(stop_s) for p in self.partners))
+        # a trainer blocked on the lost queue's batch ends with the job's stop, which kills what is left
         meshes = [mesh.stop() for mesh in (getattr(self, "trainer", None), self.critic) if mesh is not None]
         coord = [self.coord.stop()] if getattr(self, "coord", None) is not None else []
-        await asyncio.gather(*(settled(stop, 120) for stop in meshes), *(settled(stop, stop_s) for stop in coord))
+        await asyncio.gather(*(settled(stop, 120 if coordinator_up else stop_s) for stop in meshes), *(settled(stop, stop_s) for stop in coord))
         if getattr(self, "alloc", None) is not None:
+            self.alloc.host_lost = self.alloc.host_lost or not coordinator_up
             await self.alloc.__aexit__(None, None, None)
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()

@@ -30,6 +30,12 @@ logger = logging.getLogger("meshrl.launch")
 
 STOP_TIMEOUT_S = 30.0
 """Longest wait for one proc mesh or host mesh to stop before moving on to the next."""
+LOST_HOST_STOP_S = 10.0
+"""With a host lost (the coordinator's, or `Allocation.host_lost`), the bound on each call and
+stop of the procs that may be on it or wait on it (the controller's generators, scorers,
+coordinator and trainer) and on each proc mesh's stop and host mesh's shutdown here: they
+answer nothing, Monarch's own wait for a stop there is longer, and the job's kill that
+follows ends whatever they left."""
 HOST_PROBE_S = 20.0
 """How long a host has to start a bare proc (Monarch's bootstrap, no torch) before it counts
 as lost: a spawn on a host that is gone waits forever, and a loaded live one answers within
@@ -105,6 +111,8 @@ class Allocation:
         self._owned: dict[str, HostMesh] = {}  # host meshes from the job, shut down on stop
         self._roles: dict[str, HostMesh] = {}
         self._spares_used = 0  # hosts of the spare mesh the trainer has moved to
+        self.host_lost = False
+        """Set by the controller when one of the job's hosts is gone: `stop` bounds each wait by LOST_HOST_STOP_S."""
         self._lost: list[HostMesh] = []  # the trainer's meshes it left for spares: their shutdown would wait out its timeout
         self._procs: list[ProcMesh] = []
         self._old_sigterm: Any = None
@@ -160,12 +168,13 @@ class Allocation:
         self._stopped = True
         if self._watch is not None:  # first: cancelling the job signals its workers, who would note it
             self._watch.stop()
+        bound = LOST_HOST_STOP_S if self.host_lost else STOP_TIMEOUT_S
         try:
             for procs in reversed(self._procs):
-                await _quietly(procs.stop(), "proc mesh stop")
+                await _quietly(procs.stop(), "proc mesh stop", bound)
             # together: a mesh whose hosts are gone waits out its timeout, the others need not wait behind it
             live = {name: mesh for name, mesh in self._owned.items() if not any(mesh is lost for lost in self._lost)}
-            await asyncio.gather(*(_quietly(mesh.shutdown(), f"host mesh {name!r} shutdown") for name, mesh in live.items()))
+            await asyncio.gather(*(_quietly(mesh.shutdown(), f"host mesh {name!r} shutdown", bound) for name, mesh in live.items()))
         finally:
             self._procs.clear()
             self._kill_job()
@@ -268,8 +277,8 @@ class Allocation:
             self._old_sigterm = None
 
 
-async def _quietly(future: Any, what: str) -> None:
+async def _quietly(future: Any, what: str, timeout: float = STOP_TIMEOUT_S) -> None:
     """Await a Monarch stop/shutdown future with a timeout; log, don't raise: teardown goes on."""
-    e = await settled(future, STOP_TIMEOUT_S)
+    e = await settled(future, timeout)
     if e is not None:  # an already-dead proc or host fails here: nothing left to stop
         logger.warning("launcher: %s failed: %s: %s", what, type(e).__name__, e)
