@@ -157,6 +157,11 @@ class TrainerHealer:
         """Note the current trainer mesh's procs (after it started or was replaced)."""
         self.pids = await trainer_pids(self.loop.trainer)
 
+    def kill_procs(self) -> None:
+        """SIGKILL the current trainer mesh's procs on this host that still run (after its stop)."""
+        for pid, started in self.pids:
+            _kill(pid, started)
+
     def trainer_dead(self) -> bool:
         """Whether a proc of the current trainer mesh on this host is gone."""
         return any(not proc_alive(pid, started) for pid, started in self.pids)

@@ -482,12 +482,14 @@ class RLLoop:
         pools = [pool for pool in (self.generators, self.teacher, self.scorers) if pool is not None]
         stop_s = 60.0 if coordinator_up else LOST_HOST_STOP_S
         await asyncio.gather(*(pool.shutdown(stop_s) for pool in pools), *(p.shutdown(stop_s) for p in self.partners))
-        # a trainer blocked on the lost queue's batch ends with the job's stop, which kills what is left
+        # a trainer blocked on a lost queue's batch: killed here where it runs on this host, else by the job's stop
+        lost = getattr(self, "queue", None) is not None and not coordinator_up
         meshes = [mesh.stop() for mesh in (getattr(self, "trainer", None), self.critic) if mesh is not None]
         coord = [self.coord.stop()] if getattr(self, "coord", None) is not None else []
-        await asyncio.gather(*(settled(stop, 120 if coordinator_up else stop_s) for stop in meshes), *(settled(stop, stop_s) for stop in coord))
+        await asyncio.gather(*(settled(stop, stop_s if lost else 120) for stop in meshes), *(settled(stop, stop_s) for stop in coord))
+        self.healer.kill_procs()
         if getattr(self, "alloc", None) is not None:
-            self.alloc.host_lost = self.alloc.host_lost or not coordinator_up
+            self.alloc.host_lost = self.alloc.host_lost or lost
             await self.alloc.__aexit__(None, None, None)
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
