@@ -64,8 +64,8 @@ def test_spare_hosts_join_the_job_and_must_hold_the_whole_trainer(tmp_path):
     assert "#SBATCH --nodes=5" in render_sbatch(_config(tmp_path, kind="slurm", hosts=3, spare_hosts=2))
     with pytest.raises(ConfigError, match="launcher.spare_hosts.*set it to 2"):
         job_meshes(_config(tmp_path, kind="process", hosts=3, spare_hosts=1))
-    with pytest.raises(ConfigError, match="launcher.spare_hosts.*episode queue"):
-        job_meshes(_config(tmp_path, kind="process", hosts=1, spare_hosts=1))
+    with pytest.raises(ConfigError, match="launcher.spare_hosts.*episode queue"):  # the plan refuses it: preflight's device plan too
+        plan_hosts(_config(tmp_path, kind="process", hosts=1, spare_hosts=1))
     with pytest.raises(ConfigError, match="launcher.spare_hosts.*no hosts to spare"):
         _config(tmp_path, kind="local", spare_hosts=1)
     with pytest.raises(ConfigError, match="launcher.spare_hosts.*at least 0"):

@@ -233,9 +233,9 @@ class Allocation:
         mesh = self._owned.get(SPARE_MESH)
         return mesh.sizes["hosts"] - self._spares_used if mesh is not None else 0
 
-    def move_to_spares(self, role: str = "trainer") -> str:
+    def move_to_spares(self, role: str = "trainer") -> None:
         """`role` (the trainer) leaves its hosts for as many unused spare hosts
-        (launcher.spare_hosts); its next spawn lands there. Returns which, for the console."""
+        (launcher.spare_hosts); its next spawn lands there."""
         n, first = self.hosts(role), self._spares_used
         if self.spares_left() < n:
             raise RuntimeError(
@@ -244,7 +244,6 @@ class Allocation:
         self._lost.append(self._roles[role])
         self._roles[role] = self._owned[SPARE_MESH].slice(hosts=slice(first, first + n))
         self._spares_used += n
-        return f"spare host{'s' if n > 1 else ''} {first}" + (f"-{first + n - 1}" if n > 1 else "")
 
     def spawn_procs(self, role: str, procs: int, **kwargs: Any) -> ProcMesh:
         """Spawn `procs` processes for `role`, split evenly over its hosts; stopped by `stop()`.

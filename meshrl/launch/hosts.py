@@ -22,13 +22,15 @@ def plan_hosts(config: Config) -> dict[str, int]:
 
     {"hosts": 1} for one host; else {"trainer": t, "generator": g} with t + g = hosts.
     Each role's procs must split evenly over its hosts (a generator replica's `tp` procs
-    stay on one host), otherwise a ConfigError says what to change.
+    stay on one host), and launcher.spare_hosts must be able to take the trainer's, otherwise
+    a ConfigError says what to change.
     """
     la = config.launcher
     hosts = len(la.workers) - la.spare_hosts if la.kind == "workers" else la.hosts
     trainer_procs = config.trainer.procs
     generator_procs = config.generator.replicas * config.generator.tp
     if hosts == 1:
+        _check_spares(config, None)
         return {SHARED_MESH: 1}
     if la.gpus_per_host > 0:
         trainer_hosts = math.ceil(trainer_procs / la.gpus_per_host)
@@ -56,26 +58,30 @@ def plan_hosts(config: Config) -> dict[str, int]:
             f"{generator_procs} generator procs need more than the {generator_hosts} hosts x {la.gpus_per_host} GPUs "
             "left after the trainer: raise launcher.hosts",
         )
+    _check_spares(config, trainer_hosts)
     return {"trainer": trainer_hosts, "generator": generator_hosts}
 
 
 def job_meshes(config: Config) -> dict[str, int]:
     """What the job holds: `plan_hosts`' meshes, plus the `SPARE_MESH` of launcher.spare_hosts
-    hosts, which must be enough to take the whole trainer mesh, on its own hosts."""
+    idle hosts (checked there)."""
     meshes = plan_hosts(config)
-    spares = config.launcher.spare_hosts
-    if spares:
-        trainer_hosts = meshes.get("trainer")
-        if trainer_hosts is None:
-            raise ConfigError(
-                "launcher.spare_hosts",
-                "with launcher.hosts=1 the trainer shares its host with the episode queue, which a lost host takes with it: "
-                "raise launcher.hosts to 2 or more, or set launcher.spare_hosts=0",
-            )
-        if spares < trainer_hosts:
-            raise ConfigError("launcher.spare_hosts", f"the trainer moves whole, onto as many spares as its {trainer_hosts} hosts: set it to {trainer_hosts}")
-        meshes[SPARE_MESH] = spares
+    if config.launcher.spare_hosts:
+        meshes[SPARE_MESH] = config.launcher.spare_hosts
     return meshes
+
+
+def _check_spares(config: Config, trainer_hosts: int | None) -> None:
+    """launcher.spare_hosts must be able to take the whole trainer mesh, on hosts of its own."""
+    spares = config.launcher.spare_hosts
+    if spares and trainer_hosts is None:
+        raise ConfigError(
+            "launcher.spare_hosts",
+            "with launcher.hosts=1 the trainer shares its host with the episode queue, which a lost host takes with it: "
+            "raise launcher.hosts to 2 or more, or set launcher.spare_hosts=0",
+        )
+    if spares and spares < trainer_hosts:
+        raise ConfigError("launcher.spare_hosts", f"the trainer moves whole, onto as many spares as its {trainer_hosts} hosts: set it to {trainer_hosts}")
 
 
 def role_meshes(meshes: dict) -> dict:
