@@ -69,15 +69,17 @@ def proc_alive(pid: int, started: float | None) -> bool:
     return running_process(pid, started) is not None
 
 
-def _kill(pid: int, started: float | None) -> None:
+def kill_running(pids: list[tuple[int, float | None]]) -> None:
+    """SIGKILL each (pid, start time) on this host that still runs as that process."""
     import psutil
 
-    proc = running_process(pid, started) if started is not None else None
-    if proc is not None:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
+    for pid, started in pids:
+        proc = running_process(pid, started) if started is not None else None
+        if proc is not None:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
 
 
 def _reads_like_a_lost_proc(error: BaseException) -> bool:
@@ -121,8 +123,7 @@ async def replace_trainer(config, alloc, trainer, pids: list, run_dir: str, star
         await asyncio.wait_for(trainer.stop(), 90)
     except Exception:  # noqa: BLE001 - dead procs do not answer; they are killed below
         pass
-    for pid, started in pids:
-        _kill(pid, started)
+    kill_running(pids)
     if alloc.spares_left() and not await alloc.answers("trainer"):  # its host is gone: the spares take the new mesh
         alloc.move_to_spares("trainer")
     path, _ = newest_state(run_dir, checkpoint_dir, at_most)
@@ -159,8 +160,7 @@ class TrainerHealer:
 
     def kill_procs(self) -> None:
         """SIGKILL the current trainer mesh's procs on this host that still run (after its stop)."""
-        for pid, started in self.pids:
-            _kill(pid, started)
+        kill_running(self.pids)
 
     def trainer_dead(self) -> bool:
         """Whether a proc of the current trainer mesh on this host is gone."""
