@@ -211,8 +211,11 @@ def test_colocated_mode_takes_turns_on_every_core_and_loads_weights_in_place(tmp
     assert all("colocate/load_s" in r for r in synchronous) and not any("colocate/load_s" in r for r in one_off)
     assert nothing_stale(one_off)  # (the bound tightened at step 5 masks the batch admitted one step off before it)
     assert synchronous[-1]["trainer/logprob_mismatch"] < 2e-3, synchronous[-1]["trainer/logprob_mismatch"]
-    # the heal: a new proc, every step trained (a step it lost once more, from its own batch), each group once
-    assert new_info["pid"] != info["pid"] and healed[0]["trainer/restarts"] == 1 and healed[0]["trainer/steps_lost"] <= 1, healed[0]
+    # the heal: a new proc, every step trained (the steps it lost once more, from their own batches), each group once.
+    # Colocated on CPU the snapshot writes take cores from generation, so they are spaced out to stay within
+    # trainer.snapshot_budget (trainer/snapshot_spacing): a heal loses at most that many steps, at least one.
+    spacing = max([1.0] + [r["trainer/snapshot_spacing"] for r in one_off + synchronous if "trainer/snapshot_spacing" in r])
+    assert new_info["pid"] != info["pid"] and healed[0]["trainer/restarts"] == 1 and healed[0]["trainer/steps_lost"] <= spacing, (spacing, healed[0])
     kept = {int(r["version"]): r for r in one_off + synchronous + healed}
     assert sorted(kept) == list(range(1, 9)) and len(one_off + synchronous + healed) - len(kept) == healed[0]["trainer/steps_lost"]
     groups = trained_groups(kept.values())
