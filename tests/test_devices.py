@@ -204,3 +204,50 @@ def test_trainer_procs_start_with_exactly_their_planned_devices():
 
     infos = asyncio.run(asyncio.wait_for(main(), 600))
     assert [(info["rank"], info["devices"]) for info in infos] == [(0, ["0", "trainer 0"]), (1, ["1", "trainer 1"])]
+
+
+def test_trained_models_get_gpus_of_their_own_after_the_policys_roles(monkeypatch):
+    """Several trained models (docs/coevolve.md) on one host of GPUs: each model's trainer ranks
+    and replicas come after the policy's, on GPUs no other proc holds; each proc starts seeing
+    its own; the memory plan counts each model's own shape; what does not fit names the model's field."""
+    from meshrl.launch.devices import resolve_placement
+    from meshrl.launch.memory import plan_memory
+
+    monkeypatch.delenv(NCCL_IFNAME_ENV, raising=False)
+    two = [{"name": "proposer", "generator": {"replicas": 2}}, {"name": "critic_b", "trainer": {"device": "cpu"}}]
+    c = config(models=two, launcher={"gpus_per_host": 6, "gpu_memory_gib": 80})
+    assert resolve_placement(c)[0] == "split"  # auto: each model on devices of its own
+    plan = plan_devices(c)
+    assert_disjoint(plan)
+    got = [(s.role, s.index, s.gpus) for s in plan.slots]
+    assert got == [
+        ("trainer", 0, (0,)),
+        ("generator", 0, (1,)),
+        ("proposer/trainer", 0, (2,)),
+        ("proposer/generator", 0, (3,)),
+        ("proposer/generator", 1, (4,)),
+        ("critic_b/trainer", 0, ()),  # a CPU trainer holds none
+        ("critic_b/generator", 0, (5,)),
+    ]
+    assert plan.env("proposer/generator", 1)[DEVICE_ENV] == "4" and plan.env("proposer/trainer", 0)[PLAN_ENV] == "proposer/trainer 0"
+    assert [(s.role, s.gpus) for s in plan.view("proposer").slots] == [("trainer", (2,)), ("generator", (3,)), ("generator", (4,))]
+    assert [s.role for s in plan.view("policy").slots] == ["trainer", "generator"]
+    assert weights_on_gpu(plan.view("proposer"), "collective") and not weights_on_gpu(plan.view("critic_b"), "collective")
+    assert "proposer/generator  1" in plan.table()
+    memory = plan_memory(c, plan=plan)
+    roles = {(g.where[2], h.role) for g in memory.gpus for h in g.holdings}
+    assert {(2, "proposer/trainer"), (4, "proposer/generator")} <= roles and (0, "trainer") in roles
+    with pytest.raises(ConfigError) as e:  # critic_b's replica finds no GPU left: its own field, and what the others hold
+        plan_devices(config(models=two, launcher={"gpus_per_host": 5}))
+    assert e.value.field_path == "models[1].generator.replicas" and "(5 of the 5 GPUs of hosts[0])" in str(e.value), str(e.value)
+    big = {"vocab_size": 151936, "dim": 4096, "n_layers": 36, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 12288}
+    memory = plan_memory(config(models=[{"name": "big", "model": big}], launcher={"gpus_per_host": 4, "gpu_memory_gib": 80}))
+    assert memory.problems[0][0] == "models[0].trainer.procs" and memory.problems[0][1].startswith("trained model big: hosts[0] GPU 2 needs")
+    cpu = plan_devices(config(models=two))
+    assert cpu.layout == "cpu" and [s.role for s in cpu.slots][2:] == [
+        "proposer/trainer",
+        "proposer/generator",
+        "proposer/generator",
+        "critic_b/trainer",
+        "critic_b/generator",
+    ]

@@ -109,7 +109,9 @@ def newest_state(run_dir: str, checkpoint_dir: str | None = None, at_most: int |
     return path, step
 
 
-async def replace_trainer(config, alloc, trainer, pids: list, run_dir: str, start_version: int, checkpoint_dir: str | None = None, at_most: int | None = None):
+async def replace_trainer(
+    config, alloc, trainer, pids: list, run_dir: str, start_version: int, checkpoint_dir: str | None = None, at_most: int | None = None, role: str = "trainer"
+):
     """Stop what is left of `trainer`, SIGKILL its procs on this host that still live (a rank
     waiting in a collective with the dead one never returns), spawn a new mesh on the same
     slots and restore the newest complete state under `run_dir` at or below `at_most` (the
@@ -117,7 +119,7 @@ async def replace_trainer(config, alloc, trainer, pids: list, run_dir: str, star
     before its step returned is one ahead, and that step is trained again so that its row
     and groups are not lost), else the seeded start of a run that began at version 0.
     A trainer whose hosts no longer answer moves to the launcher's spare hosts, where it has
-    them (launcher.spare_hosts). Returns (the new mesh, its version). The policy's trainer and each trained model beside
+    them (launcher.spare_hosts). `role`: its slots in the device plan. Returns (the new mesh, its version). The policy's trainer and each trained model beside
     it (controller/partners.py) are replaced by this."""
     try:
         await asyncio.wait_for(trainer.stop(), 90)
@@ -129,7 +131,9 @@ async def replace_trainer(config, alloc, trainer, pids: list, run_dir: str, star
     path, _ = newest_state(run_dir, checkpoint_dir, at_most)
     if path is None and start_version > 0:
         raise RuntimeError(f"no complete trainer state at or after the run's start (version {start_version})")
-    new = await spawn_trainer(config, config.trainer.collective_timeout_s, host_mesh=alloc.host_mesh("trainer"), hosts=alloc.hosts("trainer"), plan=alloc.plan)
+    new = await spawn_trainer(
+        config, config.trainer.collective_timeout_s, host_mesh=alloc.host_mesh("trainer"), hosts=alloc.hosts("trainer"), plan=alloc.plan, role=role
+    )
     version = await new.load_checkpoint(path) if path is not None else 0  # a snapshot or a checkpoint
     drop_after(snapshot_root(run_dir), version)  # a step written before its call failed is trained again
     return new, version

@@ -123,8 +123,6 @@ class RLLoop:
                 "beside a CPU trainer, and this host has GPUs: set trainer.device=cpu, or a group advantage",
             )
         placement, why = resolve_placement(c)
-        if c.models and placement == "colocate":  # config/checks.py refuses it set by hand
-            placement, why = "split", "several trained models run each on procs of its own"
         if c.placement == "auto" and gpus_per_host(c) == 0:  # the console says which CPU placement, and why
             print(f"meshrl: placement auto -> {placement} ({why})", file=console())
         c.placement, c.weight_sync.transport = placement, resolve_transport(c)

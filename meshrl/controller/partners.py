@@ -64,7 +64,12 @@ class TrainedModel:
         c = self.config
         os.makedirs(c.logging.run_dir, exist_ok=True)
         self.trainer = await spawn_trainer(
-            c, c.trainer.collective_timeout_s, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan
+            c,
+            c.trainer.collective_timeout_s,
+            host_mesh=self.alloc.host_mesh("trainer"),
+            hosts=self.alloc.hosts("trainer"),
+            plan=self.alloc.plan,
+            role=f"{self.name}/trainer",
         )
         if checkpoint_dir is not None:
             restored = await self.trainer.load_checkpoint(checkpoint_dir)
@@ -73,10 +78,10 @@ class TrainedModel:
         self.pids, self.start_version = await trainer_pids(self.trainer), version
         publisher = await self.trainer.publisher_handle()
         initial = await self.trainer.export_hf(os.path.join(c.logging.run_dir, "hf", f"v{version}"))
-        self.generators = GeneratorPool(c, self.alloc, initial, version, self._rewire)
+        self.generators = GeneratorPool(c, self.alloc, initial, version, self._rewire, model=self.name)
         self.generators.source_lost = self.trainer_dead  # an update cut off by its dead trainer keeps the replica
         await self.generators.start(c.generator.replicas)
-        on_gpu = weights_on_gpu(self.alloc.plan, c.weight_sync.transport)
+        on_gpu = weights_on_gpu(self.alloc.plan.view(self.name), c.weight_sync.transport)
         self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), on_gpu).connect(publisher, self.generators.subscribers())
 
     def handles(self) -> list:
@@ -147,7 +152,9 @@ class TrainedModel:
         saved = os.path.join(run_dir, "checkpoints", "models", self.name)
         try:
             self.trainer, restored = await asyncio.wait_for(
-                replace_trainer(c, self.alloc, self.trainer, self.pids, c.logging.run_dir, self.start_version, saved, at_most=version),
+                replace_trainer(
+                    c, self.alloc, self.trainer, self.pids, c.logging.run_dir, self.start_version, saved, at_most=version, role=f"{self.name}/trainer"
+                ),
                 c.trainer.restart_timeout_s,
             )
             self.pids = await trainer_pids(self.trainer)

@@ -50,11 +50,21 @@ def log_mesh_failures() -> Callable[[], None]:
 class GeneratorPool:
     """The generator replicas: spawn, weight updates, health checks, replacement, rescale."""
 
-    def __init__(self, config: Config, alloc, checkpoint_dir: str, checkpoint_version: int, on_change: Callable[[], Awaitable[None]], teacher: bool = False):
+    def __init__(
+        self,
+        config: Config,
+        alloc,
+        checkpoint_dir: str,
+        checkpoint_version: int,
+        on_change: Callable[[], Awaitable[None]],
+        teacher: bool = False,
+        model: str = "policy",
+    ):
         # A replica starts from the Hugging Face export of `checkpoint_version`, then fetches
         # the current version over weight sync. A teacher pool (on-policy distillation,
         # meshrl/distill.py) scores episodes on a fixed checkpoint: no weight sync ever.
-        self.teacher = teacher
+        # `model`: whose replicas these are (a trained model beside the policy has slots of its own).
+        self.teacher, self.model = teacher, model
         self.config, self.alloc = config, alloc
         self.checkpoint_dir, self.checkpoint_version = checkpoint_dir, checkpoint_version
         self.on_change = on_change  # re-wires weight sync and the workers after a change
@@ -68,7 +78,9 @@ class GeneratorPool:
 
     @property
     def _role(self) -> str:
-        return "teacher" if self.teacher else "generator"
+        """Its role in the device plan."""
+        role = "teacher" if self.teacher else "generator"
+        return role if self.model == "policy" else f"{self.model}/{role}"
 
     def handles(self) -> list:
         return [r.actor for r in self.replicas]

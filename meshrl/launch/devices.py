@@ -5,8 +5,10 @@
     plan.env("generator", 3)             # {"CUDA_VISIBLE_DEVICES": "4,5"}: set before the proc starts
 
 Roles that hold devices: trainer ranks (one GPU each), generator replicas (`generator.tp`
-GPUs each), the distillation teacher (one replica, `tp` GPUs) and the scorers (one GPU per
-reward model or judge replica, `scoring.scorers`). Hosts come from the host
+GPUs each), the distillation teacher (one replica, `tp` GPUs), the scorers (one GPU per
+reward model or judge replica, `scoring.scorers`), and each trained model beside the policy
+(`models`: roles `NAME/trainer` and `NAME/generator`, from its own sections, after the
+policy's roles; always split). Hosts come from the host
 plan (`hosts.py`): on one host every role shares its GPUs; on split hosts the trainer's
 hosts hold the trainer ranks, the generator hosts the replicas (round-robin, as the
 allocation spawns them), the teacher and the scorers on the first generator host (colocated:
@@ -32,7 +34,7 @@ Pure: the standard library and the config, no torch import and no CUDA initialis
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshrl.config import Config, ConfigError
 from meshrl.config.cpus import AUTO
@@ -98,7 +100,7 @@ class DevicePlan:
         none, such as the queue and the rollout workers); empty on a CPU plan."""
         if self.layout == "cpu":
             return {}
-        if role not in ("trainer", "generator", "teacher", "scorer"):
+        if role.rpartition("/")[2] not in ("trainer", "generator", "teacher", "scorer"):
             return {DEVICE_ENV: ""}
         gpus = [self.visible[i] if self.visible else str(i) for i in self._machine_gpus(self.slot(role, index))]
         env = {DEVICE_ENV: ",".join(gpus), PLAN_ENV: f"{role} {index}"}
@@ -116,6 +118,15 @@ class DevicePlan:
 
     def envs(self, role: str, indices: list[int]) -> list[dict[str, str]]:
         return [self.env(role, i) for i in indices]
+
+    def view(self, model: str) -> "DevicePlan":
+        """The plan as trained model `model` sees it (`policy`: the policy's): its own slots,
+        under the plain role names (`trainer`, `generator`), on the same hosts."""
+        if model == "policy":
+            mine = [s for s in self.slots if "/" not in s.role]
+        else:
+            mine = [replace(s, role=s.role.partition("/")[2]) for s in self.slots if s.role.startswith(model + "/")]
+        return replace(self, slots=mine)
 
     def table(self) -> str:
         """The plan as a text table, one row per proc that holds devices."""
@@ -246,6 +257,8 @@ def resolve_placement(config: Config, gpus: int | None = None) -> tuple[str, str
     t, gen = c.trainer, c.generator
     if c.launcher.hosts > 1 or c.distill.teacher or scorer_gpus(c):
         return "split", "several hosts, a distillation teacher or model scorers: each role on devices of its own"
+    if c.models:
+        return "split", "several trained models: each model's trainer and generators on devices of their own"
     if c.trainer.loss.advantage == "gae":
         return "split", "PPO's critic trains beside the policy on a proc of its own"
     if g == 0:
@@ -310,18 +323,8 @@ def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
             f"{g} GPUs, where weights pass through shared memory, not {config.weight_sync.transport}: "
             "set auto or shm, or placement=split with more GPUs",
         )
-    if config.models and g:
-        raise ConfigError(
-            "models",
-            f"several trained models run on CPU procs only so far (the device and memory plans hold one model), and this run plans {g} GPUs per host: "
-            "set launcher.gpus_per_host=0 and trainer.device=cpu, or train the policy alone",
-        )
     plan = _colocated(config, g, hosts) if g and placement == "colocate" else _split(config, g, hosts)
-    for m in config.models:  # each trained model beside the policy: its trainer procs and generator replicas, on CPU
-        view = config.for_model(m.name)
-        plan.slots += [Slot(f"{m.name}/trainer", r, *_trainer_host(config, hosts, r), ()) for r in range(view.trainer.procs)]
-        plan.slots += [Slot(f"{m.name}/generator", i, *_generator_host(hosts, i), ()) for i in range(view.generator.replicas)]
-    plan.placement = "split" if config.models else placement
+    plan.placement = placement
     plan.one_machine = config.launcher.kind in ("local", "torchx", "process")
     plan.stand_ins = config.launcher.kind == "process" and sum(hosts.values()) > 1
     if g and plan.one_machine:
@@ -339,27 +342,17 @@ def plan_devices(config: Config, gpus: int | None = None) -> DevicePlan:
 
 def _split(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
     t, gen = config.trainer, config.generator
-    if g == 0:
-        if t.device == "cuda":
-            raise ConfigError("trainer.device", f"is cuda but no GPU was found ({_where(config)}): set launcher.gpus_per_host, or trainer.device=auto")
-        return DevicePlan(
-            "cpu",
-            0,
-            hosts,
-            [Slot("trainer", r, *_trainer_host(config, hosts, r), ()) for r in range(t.procs)]
-            + [Slot("generator", i, *_generator_host(hosts, i), ()) for i in range(gen.replicas)]
-            + ([Slot("teacher", 0, *_generator_host(hosts, 0), ())] if config.distill.teacher else [])
-            + [Slot("scorer", k, *_generator_host(hosts, 0), ()) for k in range(scorer_gpus(config))],
-        )
-    plan = DevicePlan("disaggregated", g, hosts)
+    if g == 0 and t.device == "cuda":
+        raise ConfigError("trainer.device", f"is cuda but no GPU was found ({_where(config)}): set launcher.gpus_per_host, or trainer.device=auto")
+    plan = DevicePlan("disaggregated" if g else "cpu", g, hosts)
     taken: dict[tuple[str, int], int] = {}  # (mesh, host) -> GPUs handed out so far
 
-    def take(role: str, index: int, mesh: str, host: int, n: int, field_path: str) -> None:
-        first = taken.get((mesh, host), 0)
-        if first + n > g:
-            raise ConfigError(field_path, _no_fit(config, hosts, g))
+    def take(role: str, index: int, mesh: str, host: int, n: int, field_path: str, why=lambda: _no_fit(config, hosts, g)) -> None:
+        first = taken.get((mesh, host), 0) if g else 0
+        if g and first + n > g:
+            raise ConfigError(field_path, why())
         taken[(mesh, host)] = first + n
-        plan.slots.append(Slot(role, index, mesh, host, tuple(range(first, first + n))))
+        plan.slots.append(Slot(role, index, mesh, host, tuple(range(first, first + n)) if g else ()))
 
     for r in range(t.procs):  # a CPU trainer (trainer.device=cpu) beside GPU generators holds none
         take("trainer", r, *_trainer_host(config, hosts, r), 0 if t.device == "cpu" else 1, "trainer.procs")
@@ -369,6 +362,19 @@ def _split(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
         take("teacher", 0, *_generator_host(hosts, 0), gen.tp, "distill.teacher")
     for k in range(scorer_gpus(config)):  # reward models and judges, in scoring.scorers order
         take("scorer", k, *_generator_host(hosts, 0), 1, "scoring.scorers")
+    for i, m in enumerate(config.models):  # each trained model beside the policy: its trainer ranks and replicas, after the policy's
+        view = config.for_model(m.name)
+        vt, vg, at = view.trainer, view.generator, f"models[{i}]"
+
+        def why(name=m.name, at=at, held=dict(taken), need=(0 if vt.device == "cpu" else vt.procs) + vg.replicas * vg.tp) -> str:
+            return _no_fit_model(name, at, g, held, need)
+
+        if g == 0 and vt.device == "cuda":
+            raise ConfigError(f"{at}.trainer.device", f"is cuda but no GPU was found ({_where(config)}): set launcher.gpus_per_host, or trainer.device=auto")
+        for r in range(vt.procs):
+            take(f"{m.name}/trainer", r, *_trainer_host(view, hosts, r), 0 if vt.device == "cpu" else 1, f"{at}.trainer.procs", why)
+        for k in range(vg.replicas):
+            take(f"{m.name}/generator", k, *_generator_host(hosts, k), vg.tp, f"{at}.generator.replicas", why)
     return plan
 
 
@@ -412,6 +418,15 @@ def _where(config: Config) -> str:
         else f"{DEVICE_ENV}={os.environ.get(DEVICE_ENV)!r}"
         if DEVICE_ENV in os.environ
         else "no NVIDIA driver on this host"
+    )
+
+
+def _no_fit_model(name: str, at: str, g: int, held: dict[tuple[str, int], int], need: int) -> str:
+    """Why trained model `name` (config path `at`) finds no room beside the roles placed before it (`held`)."""
+    used = ", ".join(f"{n} of the {g} GPUs of {mesh}[{h}]" for (mesh, h), n in held.items())
+    return (
+        f"trained model {name} needs {need} GPUs ({at}.trainer.procs + {at}.generator.replicas x tp) beside what the policy's roles "
+        f"and the models before it hold ({used}): lower them, raise launcher.gpus_per_host, or set {at}.trainer.device=cpu"
     )
 
 

@@ -315,12 +315,29 @@ def plan_memory(config: Config, capacity: float | None = None, plan=None) -> Mem
     """The memory plan of `config`'s device plan (`plan`: the allocation's, else worked out
     here); None on a CPU plan, or when the GPUs' size is unknown (no GPU here and
     `launcher.gpu_memory_gib` unset)."""
-    from meshrl.launch.devices import plan_devices, resolve_transport, weights_on_gpu
+    from meshrl.launch.devices import plan_devices
 
     plan = plan or plan_devices(config)
     capacity = gpu_capacity(config) if capacity is None else capacity
     if plan.layout == "cpu" or capacity <= 0:
         return None
+    out = _one_model(config, capacity, plan.view("policy"))
+    for i, m in enumerate(config.models):  # each trained model beside the policy, on GPUs of its own (placement split)
+        mine = _one_model(config.for_model(m.name), capacity, plan.view(m.name))
+        for h in (h for gpu in mine.gpus for h in gpu.holdings):
+            h.role = f"{m.name}/{h.role}"
+        out.gpus += mine.gpus
+        for where, items in mine.host_ram.items():
+            out.host_ram.setdefault(where, []).extend((f"{m.name}'s {what}", b) for what, b in items)
+        own = ("model", "trainer", "generator")  # the sections a trained model sets for itself; the rest are the run's
+        out.problems += [(f"models[{i}].{f}" if f.partition(".")[0] in own else f, f"trained model {m.name}: {why}") for f, why in mine.problems]
+    return out
+
+
+def _one_model(config: Config, capacity: float, plan) -> MemoryPlan:
+    """The memory plan of one trained model's slots (`plan`: its view of the device plan)."""
+    from meshrl.launch.devices import resolve_transport, weights_on_gpu
+
     shape = model_shape(config)
     teacher = model_shape(config, config.distill.teacher) if config.distill.teacher else shape
     transport = resolve_transport(config)

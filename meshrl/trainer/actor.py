@@ -339,6 +339,7 @@ async def spawn_trainer(
     hosts: int = 1,
     *,
     plan=None,
+    role: str = "trainer",
     actor_class: type[TrainerActor] = TrainerActor,
     mesh_class: type[TrainerMesh] = TrainerMesh,
 ) -> TrainerMesh:
@@ -346,7 +347,8 @@ async def spawn_trainer(
 
     `host_mesh`: a Monarch host mesh from a launcher (default: this host) spanning `hosts`
     hosts; each gets `trainer.procs / hosts` procs, each started with its GPU from `plan` (the
-    run's device plan; default: the config's, decided here). The caller owns the returned mesh:
+    run's device plan; default: the config's, decided here; `role`: its slots there, `NAME/trainer`
+    for a trained model beside the policy). The caller owns the returned mesh:
     `await mesh.stop()`. `actor_class` / `mesh_class`: subclasses to spawn and return
     instead (tests add inspection endpoints this way; the procs must be able to import
     `actor_class` by its module path).
@@ -357,7 +359,7 @@ async def spawn_trainer(
     if n % hosts:
         raise ValueError(f"trainer.procs={n} must be a multiple of the {hosts} trainer hosts")
     plan = plan or plan_devices(config)  # each rank starts seeing only its own GPU
-    procs = (host_mesh or this_host()).spawn_procs(per_host={"procs": n // hosts}, bootstrap_command=with_env(plan.envs("trainer", list(range(n)))))
+    procs = (host_mesh or this_host()).spawn_procs(per_host={"procs": n // hosts}, bootstrap_command=with_env(plan.envs(role, list(range(n)))))
     async with stopped_on_failure(procs):
         await asyncio.wait_for(setup_torch_elastic_env_async(procs), 60)
         actors = procs.spawn("trainer", actor_class)
