@@ -251,3 +251,28 @@ def test_trained_models_get_gpus_of_their_own_after_the_policys_roles(monkeypatc
         "critic_b/trainer",
         "critic_b/generator",
     ]
+
+
+def test_ppos_critic_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypatch):
+    """trainer.loss.advantage=gae: the critic's proc holds one GPU on the trainer's first host
+    beside a GPU trainer (none beside a CPU trainer), starts seeing it alone, and the memory
+    plan counts it; a host too small for it says so in one line naming the critic."""
+    from meshrl.launch.memory import plan_memory
+
+    monkeypatch.delenv(NCCL_IFNAME_ENV, raising=False)
+    gae = {"trainer": {"procs": 2, "loss": {"advantage": "gae"}}, "generator": {"replicas": 2}}
+    c = config(**gae, launcher={"gpus_per_host": 5, "gpu_memory_gib": 80})
+    plan = plan_devices(c)
+    assert_disjoint(plan)
+    assert [(s.role, s.gpus) for s in plan.slots] == [("trainer", (0,)), ("trainer", (1,)), ("critic", (2,)), ("generator", (3,)), ("generator", (4,))]
+    assert plan.env("critic", 0)[DEVICE_ENV] == "2" and plan.env("critic", 0)[PLAN_ENV] == "critic 0"
+    memory = plan_memory(c, plan=plan)
+    (critic,) = memory.gpu("hosts", 0, 2).holdings
+    assert critic.role == "critic" and dict(critic.lines)["weights (float32)"] > 0 and "weight-sync staging (2 slots)" not in dict(critic.lines)
+    assert "critic 0:" in memory.table() and not memory.problems
+    with pytest.raises(ConfigError) as e:
+        plan_devices(config(**gae, launcher={"gpus_per_host": 4}))
+    assert "+ the critic 1" in str(e.value), str(e.value)
+    cpu_trainer = plan_devices(config(trainer={"device": "cpu", "loss": {"advantage": "gae"}}, launcher={"gpus_per_host": 1}))
+    assert plan_devices(config(trainer={"loss": {"advantage": "gae"}})).slot("critic", 0).gpus == () == cpu_trainer.slot("critic", 0).gpus
+    assert cpu_trainer.env("critic", 0)[DEVICE_ENV] == ""  # a CPU critic beside GPU generators sees no GPU (critic_actor.py: on the CPU)

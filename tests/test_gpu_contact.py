@@ -163,7 +163,7 @@ def qwen3_config(tmp_path, size: str, **sections) -> Config:
 
 
 def test_memory_plan_parameters_match_the_published_sizes(tmp_path):
-    from meshrl.launch.memory import model_shape
+    from meshrl.launch.shape import model_shape
 
     # Qwen3's model cards: 0.6B (0.44B without embeddings), 8.2B, 32.8B
     for size, billions in (("0.6B", 0.596), ("8B", 8.19), ("32B", 32.76)):

@@ -35,9 +35,7 @@ def gae_config(**sections) -> dict:
         (gae_config(distill={"teacher": "/some/teacher"}), "distill.teacher", "distillation"),
         (gae_config(scoring={"scorers": [{"kind": "function", "path": "m:f", "process": "step"}]}), "scoring.scorers[0].process", "process rewards"),
         (gae_config(lora={"rank": 8}), "lora.rank", "no LoRA critic"),
-        (gae_config(placement="colocate"), "placement", "CPU procs only"),
-        (gae_config(trainer={"device": "cuda", "loss": {"advantage": "gae"}}), "trainer.device", "CPU procs only"),
-        (gae_config(launcher={"gpus_per_host": 8}), "trainer.device", "CPU procs only"),
+        (gae_config(placement="colocate"), "placement", "at the same time as the trainer"),
         (gae_config(buffer={"dynamic_sampling": True}), "buffer.dynamic_sampling", "critic's signal"),
         # the critic section without a critic
         ({"critic": {"lr": 1e-4}}, "critic", "trainer.loss.advantage=gae"),

@@ -270,15 +270,8 @@ def _check_critic(c: Config) -> None:
     need(
         c.placement != "colocate",
         "placement",
-        "the critic runs on CPU procs only here, beside the trainer's, and colocate hands the host's cores "
-        "to one role at a time: set placement=split (or auto)",
-    )
-    gpu_trainer = c.trainer.device == "cuda" or c.trainer.device == "auto" and c.launcher.gpus_per_host > 0
-    need(
-        not gpu_trainer,
-        "trainer.device",
-        "the critic runs on CPU procs only here (the device and memory plans do not cover it yet), "
-        "beside a CPU trainer: set trainer.device=cpu, or a group advantage",
+        "the critic trains on a proc (and GPU) of its own at the same time as the trainer, and colocate hands the "
+        "devices to one role at a time: set placement=split (or auto)",
     )
     need(
         not c.buffer.dynamic_sampling,

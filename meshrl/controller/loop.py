@@ -23,7 +23,7 @@ import os
 import time
 
 from meshrl.compat import monarch_unprefixed_logs, settled
-from meshrl.config import Config, ConfigError
+from meshrl.config import Config
 from meshrl.controller import checkpoint as checkpoints, colocate
 from meshrl.controller.breaker import FailureBreaker, report_cliffs
 from meshrl.controller.collect import StepMetrics
@@ -116,12 +116,6 @@ class RLLoop:
                 + "); set it to the hosts' GPUs for a GPU run",
                 file=console(),
             )
-        if c.trainer.loss.advantage == "gae" and c.trainer.device == "auto" and gpus_per_host(c) > 0:  # config/checks.py refuses the rest
-            raise ConfigError(
-                "trainer.device",
-                "the critic runs on CPU procs only here (the device and memory plans do not cover it yet), "
-                "beside a CPU trainer, and this host has GPUs: set trainer.device=cpu, or a group advantage",
-            )
         placement, why = resolve_placement(c)
         if c.placement == "auto" and gpus_per_host(c) == 0:  # the console says which CPU placement, and why
             print(f"meshrl: placement auto -> {placement} ({why})", file=console())
@@ -152,7 +146,7 @@ class RLLoop:
         await self.trainer.publisher_handle()  # creates the publisher before its first step
         await self.queue.metrics.call_one()  # its proc started beside the trainer's
         await self.healer.watch()  # the trainer's procs, to tell a dead one (controller/heal.py)
-        if c.trainer.loss.advantage == "gae":  # PPO's critic: one proc on the trainer's first host, on its cores
+        if c.trainer.loss.advantage == "gae":  # PPO's critic: one proc on the trainer's first host (its cores, or a GPU of its own)
             self.critic = await spawn_critic(c, self.alloc.host("trainer", 0), self.alloc.bootstrap("critic"))
         if self.resume:
             self.version, self.history = await checkpoints.restore(self.run_dir, self.trainer, self.queue, self.watch, self.critic)

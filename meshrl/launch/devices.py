@@ -100,7 +100,7 @@ class DevicePlan:
         none, such as the queue and the rollout workers); empty on a CPU plan."""
         if self.layout == "cpu":
             return {}
-        if role.rpartition("/")[2] not in ("trainer", "generator", "teacher", "scorer"):
+        if role.rpartition("/")[2] not in ("trainer", "critic", "generator", "teacher", "scorer"):
             return {DEVICE_ENV: ""}
         gpus = [self.visible[i] if self.visible else str(i) for i in self._machine_gpus(self.slot(role, index))]
         env = {DEVICE_ENV: ",".join(gpus), PLAN_ENV: f"{role} {index}"}
@@ -200,7 +200,13 @@ def gpus_per_host(config: Config) -> int:
 def _split_gpus_needed(config: Config) -> int:
     """GPUs one host needs for every role on GPUs of its own."""
     t, gen = config.trainer, config.generator
-    return (0 if t.device == "cpu" else t.procs) + gen.replicas * gen.tp + (gen.tp if config.distill.teacher else 0) + scorer_gpus(config)
+    trainer = (0 if t.device == "cpu" else t.procs) + critic_gpus(config)
+    return trainer + gen.replicas * gen.tp + (gen.tp if config.distill.teacher else 0) + scorer_gpus(config)
+
+
+def critic_gpus(config: Config) -> int:
+    """GPUs PPO's critic holds: one, beside a GPU trainer (trainer.loss.advantage=gae)."""
+    return int(config.trainer.loss.advantage == "gae" and config.trainer.device != "cpu")
 
 
 def scorer_gpus(config: Config) -> int:
@@ -356,6 +362,8 @@ def _split(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
 
     for r in range(t.procs):  # a CPU trainer (trainer.device=cpu) beside GPU generators holds none
         take("trainer", r, *_trainer_host(config, hosts, r), 0 if t.device == "cpu" else 1, "trainer.procs")
+    if t.loss.advantage == "gae":  # PPO's critic: one proc on the trainer's first host, on the trainer's kind of device
+        take("critic", 0, *_trainer_host(config, hosts, 0), critic_gpus(config), "trainer.procs")
     for i in range(gen.replicas):
         take("generator", i, *_generator_host(hosts, i), gen.tp, "generator.replicas")
     if config.distill.teacher:
@@ -434,22 +442,26 @@ def _no_fit(config: Config, hosts: dict[str, int], g: int) -> str:
     t, gen = config.trainer, config.generator
     teacher = (gen.tp if config.distill.teacher else 0) + scorer_gpus(config)
     if SHARED_MESH in hosts:
-        ranks = 0 if t.device == "cpu" else t.procs
+        ranks = (0 if t.device == "cpu" else t.procs) + critic_gpus(config)
         need = ranks + gen.replicas * gen.tp + teacher
         room = max(0, (g - ranks - teacher) // gen.tp)
         if room >= 1:
             fix = f"generator.replicas={room}"
-        elif g - gen.tp - teacher >= 1:
-            fix = f"trainer.procs={g - gen.tp - teacher}"
+        elif g - gen.tp - teacher - critic_gpus(config) >= 1:
+            fix = f"trainer.procs={g - gen.tp - teacher - critic_gpus(config)}"
+        elif critic_gpus(config):  # PPO's critic is never colocated
+            fix = "trainer.device=cpu (the trainer and the critic on the host's cores)"
         else:  # one GPU, or fewer than one trainer rank and one replica need
             fix = "placement=colocate (trainer and generators sharing the GPUs, time-sliced)"
         return (
-            f"the plan needs {need} GPUs on one host (trainer.procs={ranks} + generator.replicas={gen.replicas} x generator.tp={gen.tp}"
+            f"the plan needs {need} GPUs on one host (trainer.procs={ranks - critic_gpus(config)}"
+            + (" + the critic 1" if critic_gpus(config) else "")
+            + f" + generator.replicas={gen.replicas} x generator.tp={gen.tp}"
             f"{f' + the teacher and scorers {teacher}' if teacher else ''}), and the host has {g}: set {fix}, or raise launcher.hosts"
         )
-    per_trainer_host = t.procs // hosts["trainer"]
+    per_trainer_host = t.procs // hosts["trainer"] + critic_gpus(config)  # the critic: on the first
     per_gen_host = -(-gen.replicas // hosts["generator"]) * gen.tp + teacher
     return (
-        f"{hosts['trainer']} trainer hosts x {per_trainer_host} ranks and {hosts['generator']} generator hosts x {per_gen_host} GPUs "
+        f"{hosts['trainer']} trainer hosts x {per_trainer_host} GPUs and {hosts['generator']} generator hosts x {per_gen_host} GPUs "
         f"do not fit {g} GPUs per host: lower trainer.procs or generator.replicas, or raise launcher.hosts"
     )

@@ -32,85 +32,18 @@ whole step at 1.05x this count on CPU without checkpointing (fp32, dim 512).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshrl.config import Config, ConfigError
+from meshrl.launch.shape import DTYPE_BYTES, Shape, model_shape
 
 GiB = float(1 << 30)
 CUDA_CONTEXT = 0.5 * GiB
 """A CUDA context and its kernels' workspace (cuBLAS, NCCL): about this much on recent GPUs."""
 LOGIT_CHUNK = 1024
 """Tokens per LM-head chunk (meshrl/trainer/logprobs.py `token_logprobs`' chunk_size)."""
-SELECTIVE_KEEPS = 0.39
-"""Share of a block's saved activations that TorchTitan's selective (op) checkpointing keeps:
-measured (benchmarks/README.md section 14: 21.6 of 55.7 KB per token per layer)."""
 HEADROOM = 0.95
 """Plans are held to this share of a GPU: the allocator's fragmentation and what is not counted."""
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A decoder's sizes (dense, or MoE with `experts` of `ffn` each and `top_k` active)."""
-
-    vocab: int
-    dim: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    tied: bool = False
-    experts: int = 0
-    top_k: int = 0
-
-    @property
-    def layer_params(self) -> int:
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = self.dim * (q + 2 * kv) + q * self.dim + 2 * self.head_dim  # q, k, v, o and Qwen3's q/k norms
-        mlp = 3 * self.dim * self.ffn * max(self.experts, 1) + self.dim * self.experts  # experts and router
-        return attention + mlp + 2 * self.dim  # two RMSNorms
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_params + self.vocab * self.dim * (1 if self.tied else 2) + self.dim
-
-    def activation_bytes_per_token_layer(self, mode: str, dtype_bytes: int) -> float:
-        """Bytes a block keeps for backward per token: without checkpointing, the two norms'
-        inputs and outputs (4 dim), q/k/v and their normed and rotated copies with the
-        attention output (6 q + 4 kv, GQA's k and v repeated to q's heads), and the MLP's
-        gate, up, activation and product (4 ffn, x top_k for MoE). `full` keeps each block's
-        input alone (the block recomputed in backward is counted once, by the caller)."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        none = (4 * self.dim + 6 * q + 4 * kv + 4 * self.ffn * max(self.top_k, 1)) * dtype_bytes
-        return {"none": none, "selective": SELECTIVE_KEEPS * none, "memory_budget": none, "full": self.dim * dtype_bytes}[mode]
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
-
-
-def model_shape(config: Config, path: str | None = None) -> Shape:
-    """The policy's Shape: the checkpoint's config.json where `model.path` is set; `path`:
-    another checkpoint's (a distillation teacher's)."""
-    m, head_dim, tied = config.model, None, False
-    path = path or m.path
-    if path is not None:
-        from meshrl.config.hf import model_args_from_hf
-
-        m, overrides = model_args_from_hf(path)
-        head_dim, tied = overrides.get("head_dim"), overrides.get("tie", False)
-    return Shape(
-        vocab=m.vocab_size,
-        dim=m.dim,
-        layers=m.n_layers,
-        heads=m.n_heads,
-        kv_heads=m.n_kv_heads,
-        head_dim=head_dim or m.dim // m.n_heads,
-        ffn=m.ffn_dim,
-        tied=tied,
-        experts=m.num_experts if m.moe else 0,
-        top_k=m.experts_top_k if m.moe else 0,
-    )
 
 
 @dataclass
@@ -232,6 +165,16 @@ def trainer_holding(config: Config, shape: Shape, rank: int, staging_on_gpu: boo
     return h
 
 
+def critic_holding(config: Config, shape: Shape) -> Holding:
+    """PPO's critic: the policy's shape with a one-value head, trained in full on one proc
+    (unsharded), no activation checkpointing, no KL reference, nothing staged for weight sync.
+    Counted as a trainer rank of that kind (its LM head counted whole: a little over)."""
+    t = replace(config.trainer, procs=1, tp=1, cp=1, dp_shard=-1, activation_checkpoint="none", micro_batch_size=config.critic.micro_batch_size)
+    view = replace(config, trainer=replace(t, loss=replace(t.loss, kl_coef=0.0)), lora=replace(config.lora, rank=0))
+    h = trainer_holding(view, shape, 0, staging_on_gpu=False)
+    return replace(h, role="critic")
+
+
 def lora_params(config: Config, shape: Shape) -> int:
     """LoRA adapter parameters: rank x (in + out) per targeted projection and layer."""
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -350,6 +293,8 @@ def _one_model(config: Config, capacity: float, plan) -> MemoryPlan:
             holding = (
                 trainer_holding(config, shape, slot.index, staging_on_gpu)
                 if slot.role == "trainer"
+                else critic_holding(config, shape)
+                if slot.role == "critic"
                 else scorer_holding(config, slot.index, capacity)
                 if slot.role == "scorer"
                 else generator_holding(
@@ -445,6 +390,10 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
                 )
         elif trainer is not None:
             out.append(_trainer_fix(config, trainer, at, cap))
+        elif gpu.holdings[0].role == "critic":  # one proc, unsharded (a critic over several procs is not built)
+            out.append(
+                ("critic.micro_batch_size", f"{at} for the critic's step on one GPU: lower it, or set trainer.device=cpu (the critic beside a CPU trainer)")
+            )
         else:
             out.append(
                 (

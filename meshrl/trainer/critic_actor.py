@@ -37,6 +37,7 @@ from tensordict import TensorDict
 from meshrl.compat import awaited, settled, stopped_on_failure
 from meshrl.config import Config
 from meshrl.config.cpus import cpus_for
+from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV
 from meshrl.logs import capture_role_output
 from meshrl.pinning import pin_this_process
 from meshrl.trainer.critic import CriticTrainer
@@ -58,8 +59,8 @@ TRAIN_METRICS = ("value_loss", "value_clip_frac", "value_abs_max", "grad_norm", 
 explained variance and means are those of the batch it scored, reported when it scored it."""
 
 
-def build_critic(config: Config) -> CriticTrainer:
-    """The CriticTrainer `config.critic` describes, on the CPU (`critic.init`: the policy's
+def build_critic(config: Config, device: str = "cpu") -> CriticTrainer:
+    """The CriticTrainer `config.critic` describes, on `device` (`critic.init`: the policy's
     starting weights, or the policy's shapes from seed + 1)."""
     from meshrl.trainer.parallelize import compute_dtype
 
@@ -85,8 +86,8 @@ def build_critic(config: Config) -> CriticTrainer:
         micro_batch_tokens=config.trainer.micro_batch_tokens,
         epochs=cc.epochs,
         seed=seed,
-        device="cpu",
-        compute_dtype=compute_dtype(config.trainer, "cpu"),
+        device=device,
+        compute_dtype=compute_dtype(config.trainer, device),
         hf_overrides=overrides,
     )
 
@@ -104,13 +105,17 @@ class CriticActor(Actor):
 
     @endpoint
     async def setup(self, config_dict: dict) -> dict:
-        """Pin to the trainer's (first proc's) cores, build the value model and its optimizer."""
+        """Build the value model and its optimizer: on the GPU the device plan started this proc
+        seeing (beside a GPU trainer), else pinned to the trainer's (first proc's) cores."""
         config = Config.from_dict(config_dict)
         capture_role_output(config, "critic")
+        device = "cuda" if PLAN_ENV in os.environ and os.environ.get(DEVICE_ENV) else "cpu"
+        if device == "cuda":
+            torch.cuda.set_device(0)  # its one GPU
         cpus = cpus_for(config.trainer.cpus, 0)
-        if cpus is not None:
+        if cpus is not None and device == "cpu":
             pin_this_process(cpus)  # also sizes torch's thread pool to them
-        self.config, self.critic = config, build_critic(config)
+        self.config, self.critic = config, build_critic(config, device)
         if config.trainer.snapshot_every:
             root = snapshot_root(critic_root(config.logging.run_dir))
             self.snapshots = Snapshots(root, config.trainer.snapshot_every, blocking=True, keep=SNAPSHOTS_KEPT, budget=snapshot_budget(config))
@@ -138,6 +143,7 @@ class CriticActor(Actor):
             "threads": torch.get_num_threads(),
             "params": sum(p.numel() for p in critic.model.parameters()),
             "cpus": sorted(os.sched_getaffinity(0)),
+            "device": str(critic.device),
         }
 
     async def _finish(self) -> float:
