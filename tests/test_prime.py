@@ -57,11 +57,11 @@ def test_sparse_task_is_one_or_zero():
 
 
 # ---- the PRM itself ------------------------------------------------------------------------
-def make_prm(run_dir, **spec):
+def make_prm(run_dir, restore: bool = False, **spec):
     from meshrl.scorers.prm import ImplicitPRM
 
     c = Config.from_dict(prm_config({"kind": "prm", **spec}, logging={"run_dir": str(run_dir)}))
-    return ImplicitPRM(c.scoring.scorers[0], c, "prm"), c
+    return ImplicitPRM(c.scoring.scorers[0], c, "prm", restore), c
 
 
 def toy_items(n: int = 16, seed: int = 0) -> list[dict]:
@@ -122,6 +122,27 @@ def test_prm_training_lowers_its_loss_on_outcomes(tmp_path):
     path = prm.save()
     assert path == os.path.join(str(tmp_path), "checkpoints", "prm-prm", "state.pt")
     assert torch.load(path, weights_only=False)["version"] == 12
+
+
+def test_a_resumed_or_replacing_prm_goes_on_from_its_saved_state(tmp_path):
+    """restore=True (a resumed run, a replica replacing a dead one): weights, AdamW and version
+    from its newest save, pi_ref still the starting weights; its next step is the step the
+    saved PRM would have taken. restore=False, or nothing saved: the start."""
+    prm, _ = make_prm(tmp_path, lr=2e-2)
+    items = toy_items(16)
+    for _ in range(3):
+        prm.score_batch(items)
+    prm.save()
+    fresh, _ = make_prm(tmp_path, lr=2e-2)
+    back, _ = make_prm(tmp_path, restore=True, lr=2e-2)
+    assert (fresh.version, fresh.restored, back.version, back.restored) == (0, None, 3, 3)
+    assert all(torch.equal(t, prm.model.state_dict()[n]) for n, t in back.model.state_dict().items())
+    assert all(torch.equal(t, fresh.ref.state_dict()[n]) for n, t in back.ref.state_dict().items())
+    want, _ = prm.score_batch(items)
+    got, _ = back.score_batch(items)  # AdamW's moments came back too: the same step, the same scores after it
+    assert [r["score"] for r in got] == [r["score"] for r in want] and back.version == prm.version == 4
+    assert all(torch.equal(t, prm.model.state_dict()[n]) for n, t in back.model.state_dict().items())
+    assert make_prm(tmp_path / "elsewhere", restore=True)[0].restored is None
 
 
 def test_update_before_scores_with_the_version_that_trained_on_the_batch(tmp_path):
@@ -196,7 +217,7 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path)
     """configs/prime.yaml synchronously (tests/README.md: learning tests) for 20 steps on
     the sparse task: every group scored by one PRM version, the PRM's per-token rewards in
     the trained advantages, its BCE on batches it has not yet trained on falling, its
-    state under the run's checkpoints/."""
+    state under the run's checkpoints/, and a resumed run's PRM going on from that state."""
     import yaml
 
     import meshrl
@@ -236,3 +257,7 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path)
     state = torch.load(os.path.join(tmp_path, "run", "checkpoints", "prm-prm", "state.pt"), weights_only=False)
     assert state["version"] >= version[-1] + 1  # saved when the run stopped, after its last step
     assert not wait_no_children(), "procs outlived the run"
+    # resumed for one step: the PRM goes on from its saved state (from its start, it would score at version 0)
+    resumed = [r for r in meshrl.run(resume=str(tmp_path / "run"), overrides=[f"steps={STEPS + 1}"]).metrics if "trainer/reward_mean" in r]
+    assert len(resumed) == STEPS + 1 and resumed[-1]["scoring/prm/version"] >= state["version"], ([r["scoring/prm/version"] for r in resumed], state["version"])
+    assert not wait_no_children(), "procs outlived the resumed run"

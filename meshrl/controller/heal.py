@@ -47,20 +47,22 @@ from meshrl.trainer.snapshot import drop_after, newest_complete, snapshot_root, 
 
 async def trainer_pids(trainer) -> list[tuple[int, float | None]]:
     """(pid, start time) of each trainer rank, by rank; the start time is None off this host."""
+    return [local_proc(int(info["pid"]), info.get("host")) for info in await trainer.shard_info()]
+
+
+def local_proc(pid: int, host: str | None) -> tuple[int, float | None]:
+    """(pid, its start time) of a proc on `host` (None: this one); the start time is None off
+    this host, or where the proc is gone."""
     import socket
 
     import psutil
 
-    pids = []
-    for info in await trainer.shard_info():
-        if info.get("host", socket.gethostname()) != socket.gethostname():
-            pids.append((int(info["pid"]), None))
-            continue
-        try:
-            pids.append((int(info["pid"]), psutil.Process(int(info["pid"])).create_time()))
-        except psutil.Error:
-            pids.append((int(info["pid"]), None))
-    return pids
+    if host not in (None, socket.gethostname()):
+        return pid, None
+    try:
+        return pid, psutil.Process(pid).create_time()
+    except psutil.Error:
+        return pid, None
 
 
 def proc_alive(pid: int, started: float | None) -> bool:
@@ -282,6 +284,7 @@ class TrainerHealer:
             raise RuntimeError(f"no complete critic state at or after the run's start (version {self.start_version})")
         if respawn or path is None:
             await settled(loop.critic.stop(), 90)  # a dead proc does not answer its teardown
+            kill_running([loop.critic.proc])  # one wedged but alive would keep its GPU memory from the new one
             loop.critic = await spawn_critic(c, loop.alloc.host("trainer", 0), loop.alloc.bootstrap("critic"))
         restored = await loop.critic.load_checkpoint(path) if path is not None else 0
         drop_after(snapshot_root(critic_root(loop.run_dir)), restored)  # steps it trains again, on the batches the queue kept

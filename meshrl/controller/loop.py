@@ -171,7 +171,7 @@ class RLLoop:
             teacher = self.teacher.handles()[0]
         scorers = None
         if any(s.kind in ON_PROCS for s in c.scoring.scorers):  # reward models, judges, remote clients: procs of their own
-            self.scorers = ScorerPool(c, self.alloc, self._rewire_scorers)
+            self.scorers = ScorerPool(c, self.alloc, self._rewire_scorers, self.resume)
             await self.scorers.start()
             scorers = self.scorers.handles()
         partner_dirs = checkpoints.partner_dirs(self.run_dir) if self.resume else {}
@@ -441,6 +441,8 @@ class RLLoop:
         is no time to start a new trainer."""
         save = lambda: checkpoints.save(self.run_dir, self.trainer, self.queue, self.version, self.history, self.critic, self.partners)  # noqa: E731
         path, self.version = await (self._healing("checkpoint", save) if heal else save())
+        if self.scorers is not None:  # an implicit PRM's state beside it
+            await self.scorers.save_trained()
         self._last_checkpoint = time.monotonic()
         if self.watch is not None:
             self.watch.checkpointed(self.version)

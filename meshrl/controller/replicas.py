@@ -249,12 +249,14 @@ class GeneratorPool:
 class ScorerPool:
     """The scorer replicas of scoring.scorers (meshrl/scorers/): spawn, health checks,
     replacement. Each replica has a proc of its own; a reward model or a judge holds the
-    GPUs the device plan gives role `scorer` at its index (none on CPU)."""
+    GPUs the device plan gives role `scorer` at its index (none on CPU). A scorer that trains
+    (an implicit PRM) starts from its newest saved state when the run resumes (`resume`) and
+    when it replaces a dead replica."""
 
-    def __init__(self, config: Config, alloc, on_change: Callable[[], Awaitable[None]]):
+    def __init__(self, config: Config, alloc, on_change: Callable[[], Awaitable[None]], resume: bool = False):
         from meshrl.scorers import ON_PROCS
 
-        self.config, self.alloc, self.on_change = config, alloc, on_change
+        self.config, self.alloc, self.on_change, self.resume = config, alloc, on_change, resume
         self.names = config.scoring.scorer_names()
         # (scorer index, replica) of every replica, in the order of the device plan's `scorer` slots
         self.slots = [(i, r) for i, s in enumerate(config.scoring.scorers) if s.kind in ON_PROCS for r in range(s.replicas)]
@@ -268,7 +270,7 @@ class ScorerPool:
             out.setdefault(i, []).append(m.actor)
         return out
 
-    async def spawn(self, slot: int) -> Member:
+    async def spawn(self, slot: int, restore: bool = False) -> Member:
         from meshrl.launch.devices import scorer_slots
         from meshrl.scorers.actor import ScorerActor
 
@@ -280,12 +282,14 @@ class ScorerPool:
             procs = self.alloc.host("generator", 0).spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap("scorer", [gpu_slot]))
         actor = procs.spawn(f"scorer-{self.names[index]}-{replica}", ScorerActor)
         async with stopped_on_failure(procs):
-            info = await asyncio.wait_for(actor.setup.call_one(self.config.to_dict(), index, replica), self.config.generator.startup_timeout_s)
+            info = await asyncio.wait_for(actor.setup.call_one(self.config.to_dict(), index, replica, restore), self.config.generator.startup_timeout_s)
+        if info.get("restored") is not None:
+            log.warning("scorer %s replica %d restored its saved state, version %d", self.names[index], replica, info["restored"])
         return Member(slot, procs, actor, info["host"], info["pids"])
 
     async def start(self) -> None:
         for slot in range(len(self.slots)):
-            self.members[self.slots[slot]] = await self.spawn(slot)
+            self.members[self.slots[slot]] = await self.spawn(slot, restore=self.resume)
 
     async def check(self) -> None:
         """Replace any replica whose proc is gone (by pid on this host, else asked)."""
@@ -297,13 +301,22 @@ class ScorerPool:
                 log.warning("%s died; replacing it", name)
                 await m.stop()
                 try:
-                    self.members[key] = await self.spawn(m.index)
+                    self.members[key] = await self.spawn(m.index, restore=True)
                 except Exception as e:  # noqa: BLE001 - the next health check tries again; the workers ask the others meanwhile
                     log.warning("%s could not be replaced yet (%s); the next health check tries again", name, str(e)[:200])
                     continue
                 self.replaced += 1
                 await self.on_change()
                 log.warning("%s replaced", name)
+
+    async def save_trained(self, timeout_s: float = 120.0) -> None:
+        """Each trained scorer (an implicit PRM) saves its state, with the run's checkpoint; one
+        that does not answer (dead: the health check replaces it) is logged, not waited for."""
+        for (index, replica), m in self.members.items():
+            if self.config.scoring.scorers[index].kind == "prm":
+                failed = await settled(m.actor.save_state.call_one(), timeout_s)
+                if failed is not None:
+                    log.warning("scorer %s replica %d did not save its state (%s)", self.names[index], replica, first_line(str(failed), 200))
 
     async def shutdown(self, stop_s: float = 60.0) -> None:
         await stop_members(list(self.members.values()), stop_s)

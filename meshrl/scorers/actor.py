@@ -1,12 +1,13 @@
 """`ScorerActor`: one scorer replica (a reward model, a judge, a remote client or an implicit PRM) on a proc.
 
 scorer = procs.spawn("scorer-rm-0", ScorerActor)
-await scorer.setup.call_one(config.to_dict(), index, replica)   # scoring.scorers[index]
+await scorer.setup.call_one(config.to_dict(), index, replica)   # scoring.scorers[index]; restore=True: a PRM's saved state
 results = await scorer.score.call_one(items)                     # see service.py
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 
@@ -26,7 +27,7 @@ class ScorerActor(Actor):
         self.service: ScorerService | None = None
 
     @endpoint
-    async def setup(self, config_dict: dict, index: int, replica: int = 0) -> dict:
+    async def setup(self, config_dict: dict, index: int, replica: int = 0, restore: bool = False) -> dict:
         import socket
 
         import psutil
@@ -41,7 +42,7 @@ class ScorerActor(Actor):
             # while unpinned it runs on whichever core is idle at the moment.
             torch.set_num_threads(1)
         try:
-            backend = await start_backend(spec, config, replica)
+            backend = await start_backend(spec, config, replica, restore)
         except Exception as e:  # noqa: BLE001 - some engine errors do not pickle, and one that cannot be sent aborts the caller
             raise RuntimeError(f"scorer {config.scoring.scorer_names()[index]} could not start: {type(e).__name__}: {str(e)[:500]}") from None
         if spec.kind == "prm":
@@ -51,7 +52,8 @@ class ScorerActor(Actor):
         gc.collect()
         gc.freeze()  # as a generator replica: the collector walks only what is made from here on
         me = psutil.Process()
-        return {"host": socket.gethostname(), "pids": [(p.pid, p.create_time()) for p in [me, *me.children(recursive=True)]]}
+        pids = [(p.pid, p.create_time()) for p in [me, *me.children(recursive=True)]]
+        return {"host": socket.gethostname(), "pids": pids, "restored": getattr(backend, "restored", None)}
 
     @endpoint_for_callers_that_may_die
     async def score(self, items: list[dict]) -> list[dict]:
@@ -64,6 +66,13 @@ class ScorerActor(Actor):
     @concurrent_endpoint
     async def stats(self) -> dict:
         return {**(self.service.stats() if self.service else {}), "pid": os.getpid()}
+
+    @concurrent_endpoint
+    async def save_state(self) -> str | None:
+        """A trained scorer's (an implicit PRM's) state saved now, beside the run's checkpoint:
+        its path; None for a scorer that does not train."""
+        save = getattr(self.service.backend if self.service else None, "save", None)
+        return await asyncio.to_thread(save) if save is not None else None
 
     @concurrent_endpoint
     async def shutdown_engine(self) -> None:

@@ -278,8 +278,9 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-async def start_backend(spec: ScorerConfig, config, replica: int = 0):
-    """The backend of `spec` on this proc, ready to score (a judge's engine started)."""
+async def start_backend(spec: ScorerConfig, config, replica: int = 0, restore: bool = False):
+    """The backend of `spec` on this proc, ready to score (a judge's engine started). `restore`:
+    a trained scorer (an implicit PRM) starts from its newest saved state, where it has one."""
     if spec.kind == "reward_model":
         return await asyncio.to_thread(RewardModel, spec.path, spec.max_len)
     if spec.kind == "judge":
@@ -291,5 +292,5 @@ async def start_backend(spec: ScorerConfig, config, replica: int = 0):
     if spec.kind == "prm":
         from meshrl.scorers.prm import ImplicitPRM
 
-        return await asyncio.to_thread(ImplicitPRM, spec, config, config.scoring.scorer_names()[config.scoring.scorers.index(spec)])
+        return await asyncio.to_thread(ImplicitPRM, spec, config, config.scoring.scorer_names()[config.scoring.scorers.index(spec)], restore)
     raise ValueError(f"a {spec.kind!r} scorer runs in the rollout workers, not on a scorer proc")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import threading
 import time
 
 import torch
@@ -100,7 +101,7 @@ def rows(items: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
 class ImplicitPRM:
     """The PRM and its frozen reference on this proc, its AdamW and its version."""
 
-    def __init__(self, spec: ScorerConfig, config: Config, name: str):
+    def __init__(self, spec: ScorerConfig, config: Config, name: str, restore: bool = False):
         self.spec, self.beta = spec, spec.beta
         self.model = build_causal_lm(config, spec).train()
         self.ref = copy.deepcopy(self.model).eval()
@@ -112,6 +113,20 @@ class ImplicitPRM:
         self.dir = os.path.join(config.logging.run_dir, "checkpoints", f"prm-{name}")
         self.save_every_s = config.trainer.checkpoint_every_s
         self._saved_at = time.monotonic()
+        self._lock = threading.RLock()  # a save (the run's checkpoint, asked from another thread) never sees half a step
+        self.restored = self.load() if restore else None
+
+    def load(self) -> int | None:
+        """Its newest saved state, where there is one (a resumed run, or this replica replacing a
+        dead one): the version it restored, else None. pi_ref stays the starting weights."""
+        path = os.path.join(self.dir, "state.pt")
+        if not os.path.isfile(path):
+            return None
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        return self.version
 
     def rewards(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[B, T] q_t on `mask`, 0 elsewhere; differentiable through the PRM when grad is on."""
@@ -136,6 +151,10 @@ class ImplicitPRM:
     def score_batch(self, items: list[dict]) -> tuple[list[dict], dict]:
         """Per item {"score": [q_t at each of its positions], "version", "loss", "accuracy",
         "prob"}; and the batch's training metrics. Scored and trained as `update` says."""
+        with self._lock:
+            return self._score_batch(items)
+
+    def _score_batch(self, items: list[dict]) -> tuple[list[dict], dict]:
         tokens, mask, _, outcome = rows(items)
         trained: dict = {}
         if self.spec.update == "before":
@@ -173,13 +192,15 @@ class ImplicitPRM:
 
     def save(self) -> str:
         """The PRM's state (model, AdamW, version) as RUN_DIR/checkpoints/prm-NAME/state.pt,
-        written to a temp file and renamed, so a crash leaves the previous one whole."""
-        os.makedirs(self.dir, exist_ok=True)
-        path = os.path.join(self.dir, "state.pt")
-        torch.save(self.state(), path + ".tmp")
-        os.replace(path + ".tmp", path)
-        self._saved_at = time.monotonic()
-        return path
+        written to a temp file and renamed, so a crash leaves the previous one whole. Saved
+        every trainer.checkpoint_every_s, with each of the run's checkpoints, and at its stop."""
+        with self._lock:
+            os.makedirs(self.dir, exist_ok=True)
+            path = os.path.join(self.dir, "state.pt")
+            torch.save(self.state(), path + ".tmp")
+            os.replace(path + ".tmp", path)
+            self._saved_at = time.monotonic()
+            return path
 
     def shutdown(self) -> None:
         self.save()

@@ -28,8 +28,10 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import os
+import socket
 import time
 
+import psutil
 import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 from tensordict import TensorDict
@@ -139,6 +141,8 @@ class CriticActor(Actor):
         critic = self._need()
         return {
             "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": psutil.Process().create_time(),
             "version": critic.version,
             "threads": torch.get_num_threads(),
             "params": sum(p.numel() for p in critic.model.parameters()),
@@ -220,6 +224,7 @@ class CriticMesh:
     def __init__(self, procs, actor, timeout_s: float):
         self.procs, self.actor, self.timeout_s = procs, actor, timeout_s
         self.pid: int | None = None  # its proc's, once set up
+        self.proc: tuple[int, float | None] = (0, None)  # (pid, start time on this host; None elsewhere), for a heal's kill
 
     async def _call(self, endpoint_, *args):
         return await asyncio.wait_for(awaited(endpoint_.call_one(*args)), self.timeout_s)
@@ -253,5 +258,7 @@ async def spawn_critic(config: Config, host_mesh, bootstrap_command=None) -> Cri
     async with stopped_on_failure(procs):
         actor = procs.spawn("critic", CriticActor)
         mesh = CriticMesh(procs, actor, timeout_s)
-        mesh.pid = (await mesh._call(actor.setup, config.to_dict()))["pid"]
+        info = await mesh._call(actor.setup, config.to_dict())
+        mesh.pid = info["pid"]
+        mesh.proc = (info["pid"], info["started"] if info["host"] == socket.gethostname() else None)
         return mesh

@@ -26,7 +26,7 @@ def row_lengths(td: TensorDict) -> torch.Tensor:
     """[B] tokens each row really holds (rows are right-padded; an episode ends on its last token)."""
     used = td["versions"] != PAD_VERSION
     T = used.shape[1]
-    last = torch.where(used, torch.arange(T), -1).max(dim=1).values
+    last = torch.where(used, torch.arange(T, device=used.device), -1).max(dim=1).values  # on the rows' device (a GPU critic's micro-batch)
     return last + 1
 
 

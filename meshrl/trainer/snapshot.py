@@ -116,7 +116,8 @@ def load_snapshot(path: str, model, optimizer, scheduler=None) -> int:
     if meta.get("extra", {}).get("snapshot") != "local":
         return int(load_checkpoint(path, model, optimizer, scheduler)["step"])
     rank = dist.get_rank() if dist.is_initialized() else 0
-    saved = torch.load(os.path.join(path, f"rank-{rank}.pt"), weights_only=False)
+    # to host memory first: read onto the GPU it would sit beside the live state, a second copy the memory plan does not count
+    saved = torch.load(os.path.join(path, f"rank-{rank}.pt"), map_location="cpu", weights_only=False)
     with torch.no_grad():
         for name, t in model.state_dict().items():
             _local(t).copy_(saved["model"][name])
@@ -127,7 +128,8 @@ def load_snapshot(path: str, model, optimizer, scheduler=None) -> int:
         if isinstance(p, DTensor):
             for n, v in st.items():
                 if torch.is_tensor(v) and v.shape == p.to_local().shape and v.dim() > 0:
-                    st[n] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+                    local = v.to(p.to_local().device)
+                    st[n] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
     optimizer.load_state_dict(optim)
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
