@@ -276,3 +276,25 @@ def test_ppos_critic_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypatch)
     cpu_trainer = plan_devices(config(trainer={"device": "cpu", "loss": {"advantage": "gae"}}, launcher={"gpus_per_host": 1}))
     assert plan_devices(config(trainer={"loss": {"advantage": "gae"}})).slot("critic", 0).gpus == () == cpu_trainer.slot("critic", 0).gpus
     assert cpu_trainer.env("critic", 0)[DEVICE_ENV] == ""  # a CPU critic beside GPU generators sees no GPU (critic_actor.py: on the CPU)
+
+
+def test_an_implicit_prm_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypatch):
+    """PRIME's PRM (a scorer that trains): one GPU of its own beside a GPU trainer, after the
+    trainer's and the generators' (scorer row 0), counted as a float32 model trained on whole
+    batches beside its frozen reference; beside a CPU trainer it holds none (the coordinator's proc)."""
+    from meshrl.launch.devices import scorer_slots
+    from meshrl.launch.memory import plan_memory
+
+    monkeypatch.delenv(NCCL_IFNAME_ENV, raising=False)
+    prm = {"data": {"source": "task:digits_sparse"}, "scoring": {"scorers": [{"kind": "prm", "batch_size": 8}]}}
+    c = config(**prm, launcher={"gpus_per_host": 3, "gpu_memory_gib": 80})
+    plan = plan_devices(c)
+    assert_disjoint(plan)
+    assert [(s.role, s.gpus) for s in plan.slots] == [("trainer", (0,)), ("generator", (1,)), ("scorer", (2,))]
+    assert plan.env("scorer", 0)[DEVICE_ENV] == "2" and scorer_slots(c) == [(0, 0)]
+    (held,) = plan_memory(c, plan=plan).gpu("hosts", 0, 2).holdings
+    lines = dict(held.lines)
+    assert held.role == "scorer" and lines["KL reference weights (float32)"] == lines["weights (float32)"] > 0  # pi_ref beside it
+    assert "activations (none checkpointing, 2048 tokens)" in lines  # batch_size 8 x model.max_seq_len 256
+    cpu = config(**prm, trainer={"device": "cpu"}, launcher={"gpus_per_host": 2})
+    assert scorer_slots(cpu) == [] and [s.role for s in plan_devices(cpu).slots] == ["trainer", "generator"]

@@ -32,7 +32,6 @@ def prm_config(*scorers, **sections) -> dict:
         (prm_config({"kind": "prm", "beta": 0}), "scoring.scorers[0].beta", "positive"),
         (prm_config({"kind": "prm", "lr": float("nan")}), "scoring.scorers[0].lr", "positive"),
         (prm_config({"kind": "prm"}, {"kind": "function", "path": "m:f", "process": "turn"}), "scoring.scorers", "one process baseline"),
-        (prm_config(trainer={"device": "cuda"}), "trainer.device", "CPU scorer proc"),
         (prm_config(trainer={"loss": {"advantage": "gae"}}), "scoring.scorers[0].kind", "PPO's critic"),
     ],
 )

@@ -340,8 +340,6 @@ def _check_prm(c: Config, sc, path: str) -> None:
         "scoring.scorers",
         f"a prm and scorers {others} would share one process baseline (the prm's is leave-one-out): keep one process scorer",
     )
-    gpu = c.trainer.device == "cuda" or c.trainer.device == "auto" and c.launcher.gpus_per_host > 0
-    need(not gpu, "trainer.device", "a prm runs on a CPU scorer proc (the device and memory plans do not cover it yet): set trainer.device=cpu")
 
 
 def _check_scorer(sc, path: str) -> None:

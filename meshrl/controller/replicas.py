@@ -275,7 +275,7 @@ class ScorerPool:
         from meshrl.scorers.actor import ScorerActor
 
         index, replica = self.slots[slot]
-        if self.config.scoring.scorers[index].kind in ("remote", "prm"):  # a remote client holds no GPU, nor does an implicit PRM (CPU only)
+        if (index, replica) not in scorer_slots(self.config):  # a remote client holds no GPU, nor does a PRM beside a CPU trainer
             procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap("coord"))
         else:  # its GPU is the device plan's scorer slot (none on CPU), on the first generator host
             gpu_slot = scorer_slots(self.config).index((index, replica))

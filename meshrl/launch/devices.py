@@ -210,14 +210,18 @@ def critic_gpus(config: Config) -> int:
 
 
 def scorer_gpus(config: Config) -> int:
-    """GPUs the scorer procs hold: one per reward model or judge replica (a remote client none)."""
+    """GPUs the scorer procs hold: one per reward model or judge replica, and an implicit PRM's
+    beside a GPU trainer (a remote client none)."""
     return len(scorer_slots(config))
 
 
 def scorer_slots(config: Config) -> list[tuple[int, int]]:
     """(scoring.scorers index, replica) of each scorer proc that holds a GPU: the device
-    plan's `scorer` slots 0, 1, ... in this order."""
-    return [(i, r) for i, s in enumerate(config.scoring.scorers) if s.kind in ("reward_model", "judge") for r in range(s.replicas)]
+    plan's `scorer` slots 0, 1, ... in this order. An implicit PRM trains: it holds one
+    where the trainer does (on the host's cores beside a CPU trainer)."""
+    prm = config.trainer.device != "cpu" and gpus_per_host(config) > 0
+    kinds = ("reward_model", "judge", "prm") if prm else ("reward_model", "judge")
+    return [(i, r) for i, s in enumerate(config.scoring.scorers) if s.kind in kinds for r in range(s.replicas)]
 
 
 # `placement=auto` on one CPU host colocates (every role all the cores, taking turns) when a

@@ -169,10 +169,17 @@ def critic_holding(config: Config, shape: Shape) -> Holding:
     """PPO's critic: the policy's shape with a one-value head, trained in full on one proc
     (unsharded), no activation checkpointing, no KL reference, nothing staged for weight sync.
     Counted as a trainer rank of that kind (its LM head counted whole: a little over)."""
-    t = replace(config.trainer, procs=1, tp=1, cp=1, dp_shard=-1, activation_checkpoint="none", micro_batch_size=config.critic.micro_batch_size)
-    view = replace(config, trainer=replace(t, loss=replace(t.loss, kl_coef=0.0)), lora=replace(config.lora, rank=0))
-    h = trainer_holding(view, shape, 0, staging_on_gpu=False)
-    return replace(h, role="critic")
+    return _one_proc_holding(config, shape, "critic", 0, config.critic.micro_batch_size, reference=False, dtype=config.trainer.compute_dtype)
+
+
+def _one_proc_holding(config: Config, shape: Shape, role: str, index: int, rows: int, reference: bool, dtype: str) -> Holding:
+    """A model trained in full on one proc beside the trainer (the critic, an implicit PRM):
+    a trainer rank's holding, unsharded, `rows` rows of model.max_seq_len a forward, a frozen
+    float32 reference copy where it keeps one, computing in `dtype`, nothing staged."""
+    t = replace(config.trainer, procs=1, tp=1, cp=1, dp_shard=-1, activation_checkpoint="none", micro_batch_size=rows, micro_batch_tokens=0)
+    t = replace(t, compute_dtype=dtype, loss=replace(t.loss, kl_coef=1.0 if reference else 0.0))
+    h = trainer_holding(replace(config, trainer=t, lora=replace(config.lora, rank=0)), shape, 0, staging_on_gpu=False)
+    return replace(h, role=role, index=index)
 
 
 def lora_params(config: Config, shape: Shape) -> int:
@@ -216,6 +223,9 @@ def scorer_holding(config: Config, index: int, capacity: float) -> Holding:
     from meshrl.launch.devices import scorer_slots
 
     spec = config.scoring.scorers[scorer_slots(config)[index][0]]
+    if spec.kind == "prm":  # trains in float32 on whole batches, beside its frozen starting copy (pi_ref)
+        shape = model_shape(config, spec.path) if spec.path else model_shape(config)
+        return _one_proc_holding(config, shape, "scorer", index, spec.batch_size, reference=True, dtype="float32")
     if spec.kind == "judge":
         try:
             return generator_holding(config, model_shape(config, spec.path), "scorer", index, capacity, False)

@@ -39,11 +39,12 @@ import torch
 import torch.nn.functional as F
 
 from meshrl.config import Config, ScorerConfig
+from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV
 
 
-def build_causal_lm(config: Config, spec: ScorerConfig):
-    """The PRM's starting model: `spec.path` (a HF causal LM), else the policy's starting
-    weights (model.path, or build_model's seeded initialisation, as the trainer makes it)."""
+def build_causal_lm(config: Config, spec: ScorerConfig, device: str = "cpu"):
+    """The PRM's starting model on `device`: `spec.path` (a HF causal LM), else the policy's
+    starting weights (model.path, or build_model's seeded initialisation, as the trainer makes it)."""
     from meshrl.config.hf import model_args_from_hf
     from meshrl.trainer.checkpoint import load_hf
     from meshrl.trainer.model import build_model
@@ -52,7 +53,7 @@ def build_causal_lm(config: Config, spec: ScorerConfig):
     cfg, overrides = config.model, None
     if path is not None:
         cfg, overrides = model_args_from_hf(path)
-    model, specs = build_model(cfg, "cpu", seed=config.seed, hf_overrides=overrides)
+    model, specs = build_model(cfg, device, seed=config.seed, hf_overrides=overrides)
     if path is not None:
         load_hf(model, specs, path)
     return model
@@ -103,7 +104,9 @@ class ImplicitPRM:
 
     def __init__(self, spec: ScorerConfig, config: Config, name: str, restore: bool = False):
         self.spec, self.beta = spec, spec.beta
-        self.model = build_causal_lm(config, spec).train()
+        # the GPU the device plan started this proc seeing (beside a GPU trainer), else the CPU; float32 either way
+        self.device = torch.device("cuda", 0) if PLAN_ENV in os.environ and os.environ.get(DEVICE_ENV) else torch.device("cpu")
+        self.model = build_causal_lm(config, spec, str(self.device)).train()
         self.ref = copy.deepcopy(self.model).eval()
         for p in self.ref.parameters():
             p.requires_grad_(False)
@@ -155,13 +158,14 @@ class ImplicitPRM:
             return self._score_batch(items)
 
     def _score_batch(self, items: list[dict]) -> tuple[list[dict], dict]:
-        tokens, mask, _, outcome = rows(items)
+        tokens, mask, _, outcome = (t.to(self.device) for t in rows(items))
         trained: dict = {}
         if self.spec.update == "before":
             trained = self.train(tokens, mask, outcome)
         version = self.version
         with torch.no_grad():
             q = self.rewards(tokens, mask)
+        q, outcome = q.cpu(), outcome.cpu()  # read item by item below
         logit = q.sum(1)
         loss = F.binary_cross_entropy_with_logits(logit, outcome, reduction="none")
         correct = (logit > 0) == (outcome > 0.5)
