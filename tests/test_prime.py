@@ -212,7 +212,7 @@ STEPS = 20
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path):
+def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path, caplog):
     """configs/prime.yaml synchronously (tests/README.md: learning tests) for 20 steps on
     the sparse task: every group scored by one PRM version, the PRM's per-token rewards in
     the trained advantages, its BCE on batches it has not yet trained on falling, its
@@ -256,7 +256,10 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path)
     state = torch.load(os.path.join(tmp_path, "run", "checkpoints", "prm-prm", "state.pt"), weights_only=False)
     assert state["version"] >= version[-1] + 1  # saved when the run stopped, after its last step
     assert not wait_no_children(), "procs outlived the run"
-    # resumed for one step: the PRM goes on from its saved state (from its start, it would score at version 0)
+    # resumed for one step: the PRM goes on from its saved state. Its batch may hold groups the
+    # checkpoint kept, scored before the stop (at versions >= the last step's); a PRM from its
+    # start would score the new ones at version 0 and pull the step's mean under version[-1].
     resumed = [r for r in meshrl.run(resume=str(tmp_path / "run"), overrides=[f"steps={STEPS + 1}"]).metrics if "trainer/reward_mean" in r]
-    assert len(resumed) == STEPS + 1 and resumed[-1]["scoring/prm/version"] >= state["version"], ([r["scoring/prm/version"] for r in resumed], state["version"])
+    assert len(resumed) == STEPS + 1 and resumed[-1]["scoring/prm/version"] >= version[-1], ([r["scoring/prm/version"] for r in resumed], version[-1])
+    assert f"scorer prm replica 0 restored its saved state, version {state['version']}" in caplog.text, caplog.text[-2000:]
     assert not wait_no_children(), "procs outlived the resumed run"
