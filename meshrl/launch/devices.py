@@ -167,6 +167,12 @@ class DevicePlan:
         return out
 
 
+def planned_gpu() -> bool:
+    """Whether the device plan started this proc with GPUs of its own (PLAN_ENV set and
+    CUDA_VISIBLE_DEVICES naming some): it then uses its device 0."""
+    return PLAN_ENV in os.environ and bool(os.environ.get(DEVICE_ENV))
+
+
 def visible_gpus() -> list[str] | None:
     """The GPUs `CUDA_VISIBLE_DEVICES` names, in its order (indices or UUIDs, up to the first
     invalid `-1`, as CUDA reads it); None when it is not set."""

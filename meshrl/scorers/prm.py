@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from meshrl.config import Config, ScorerConfig
-from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV
+from meshrl.launch.devices import planned_gpu
 
 
 def build_causal_lm(config: Config, spec: ScorerConfig, device: str = "cpu"):
@@ -105,7 +105,7 @@ class ImplicitPRM:
     def __init__(self, spec: ScorerConfig, config: Config, name: str, restore: bool = False):
         self.spec, self.beta = spec, spec.beta
         # the GPU the device plan started this proc seeing (beside a GPU trainer), else the CPU; float32 either way
-        self.device = torch.device("cuda", 0) if PLAN_ENV in os.environ and os.environ.get(DEVICE_ENV) else torch.device("cpu")
+        self.device = torch.device("cuda", 0) if planned_gpu() else torch.device("cpu")
         self.model = build_causal_lm(config, spec, str(self.device)).train()
         self.ref = copy.deepcopy(self.model).eval()
         for p in self.ref.parameters():

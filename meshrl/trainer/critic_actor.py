@@ -39,7 +39,7 @@ from tensordict import TensorDict
 from meshrl.compat import awaited, settled, stopped_on_failure
 from meshrl.config import Config
 from meshrl.config.cpus import cpus_for
-from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV
+from meshrl.launch.devices import planned_gpu
 from meshrl.logs import capture_role_output
 from meshrl.pinning import pin_this_process
 from meshrl.trainer.critic import CriticTrainer
@@ -111,7 +111,7 @@ class CriticActor(Actor):
         seeing (beside a GPU trainer), else pinned to the trainer's (first proc's) cores."""
         config = Config.from_dict(config_dict)
         capture_role_output(config, "critic")
-        device = "cuda" if PLAN_ENV in os.environ and os.environ.get(DEVICE_ENV) else "cpu"
+        device = "cuda" if planned_gpu() else "cpu"
         if device == "cuda":
             torch.cuda.set_device(0)  # its one GPU
         cpus = cpus_for(config.trainer.cpus, 0)
