@@ -4,15 +4,16 @@ Three parts, each a ratio against a reference measured in the same invocation:
 1. `--part store`: one trainer rank (PolicyTrainer, single proc, CPU), per model size: a
    training step, then the ways to keep its state: torch DCP `async_save` (a GPU trainer's
    snapshot: the staging copy, then the wait for the write after the version's gather that
-   overlaps it), this rank's shards written with torch.save in the caller (a CPU trainer's
-   snapshot, `blocking`), a blocking DCP `save`, and an in-memory copy held by an actor on
+   overlaps it), this rank's shards copied into its slot's file in the caller (a CPU trainer's
+   snapshot, `blocking`; its two slots written once each before the measured ones), a blocking DCP `save`, and an in-memory copy held by an actor on
    another proc (the state sent over Monarch).
 2. `--part runs`: whole runs of a config with trainer.snapshot_every=1 and 0, interleaved,
    `--repeats` each: the median step time's ratio.
 3. `--part heal`: one run whose trainer proc is SIGKILLed between two steps: trainer/restart_s
    and the seconds from the kill to the end of the next trained step.
 
-    python benchmarks/snapshot_cost.py [--part store,runs,heal] [--steps 16] [--repeats 2] [--size default|25M] [--out benchmarks/results/snapshot_cost.json]
+    python benchmarks/snapshot_cost.py [--part store,runs,heal] [--steps 16] [--repeats 2] [--size default|25M]
+        [--snapshot-budget B] [--out benchmarks/results/snapshot_cost.json]
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def store_part(reps: int) -> dict:
             root = tempfile.mkdtemp(prefix="snapshot_cost_")
             asynchronous, blocking = Snapshots(root + "/a", 1), Snapshots(root + "/b", 1, blocking=True)
             t = {"step_s": [], "publish_s": [], "async_stage_s": [], "async_wait_s": [], "blocking_s": [], "dcp_blocking_s": [], "in_memory_s": []}
-            for i in range(reps + 1):
+            for i in range(reps + 2):
                 t0 = time.perf_counter()
                 trainer.train_step(batch, trainer.step)
                 step_s = time.perf_counter() - t0
@@ -114,8 +115,8 @@ def store_part(reps: int) -> dict:
                 t3 = time.perf_counter()
                 keeper.keep.call_one(flat_state(trainer)).get()
                 in_memory_s = time.perf_counter() - t3
-                if i == 0:
-                    continue  # warm-up
+                if i < 2:
+                    continue  # warm-up: both of the blocking snapshot's slots exist from here on
                 for key, value in (
                     ("step_s", step_s),
                     ("publish_s", publish_s),
@@ -206,6 +207,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--config", default="", help="runs part: a config file (default: the embedded default)")
     ap.add_argument("--size", choices=list(SIZES), default="default", help="runs part: the model (25M: section 14's trainer-bound problem, short answers)")
+    ap.add_argument("--snapshot-budget", type=float, default=None, help="runs part: trainer.snapshot_budget (default: the config's; 0 writes every step)")
     ap.add_argument("--out", default="benchmarks/results/snapshot_cost.json")
     args = ap.parse_args()
     parts = args.part.split(",")
@@ -213,7 +215,9 @@ def main() -> None:
     if "store" in parts:
         out["store"] = store_part(args.reps)
     if "runs" in parts:
-        extra = None if args.size == "default" else TRAINER_BOUND | {"model": {**SIZES[args.size], "dtype": "float32"}}
+        extra = {} if args.size == "default" else TRAINER_BOUND | {"model": {**SIZES[args.size], "dtype": "float32"}}
+        if args.snapshot_budget is not None:
+            extra = extra | {"trainer": {**extra.get("trainer", {}), "snapshot_budget": args.snapshot_budget}}
         out["runs_default"] = runs_part(args.config, args.steps, args.repeats, extra)
         r = out["runs_default"]
         print(f"default config: median step with snapshots / without = {r['ratio_step_s']:.3f}; snapshot share of a step {r['snapshot_frac_of_step']:.3f}")

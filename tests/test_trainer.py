@@ -384,6 +384,42 @@ def test_snapshots_and_checkpoints_keep_the_random_generators(tmp_path):
         assert torch.equal(torch.rand(8), expected)
 
 
+def test_snapshots_overwrite_their_slots_in_place_and_restore_exactly(tmp_path):
+    """A CPU rank's snapshot copies its state into the oldest kept slot's file, in place (two
+    files for any number of steps, never the newest complete one), and restores the exact
+    weights, AdamW state and lr schedule; what is restored owns its memory: later writes into
+    the file it came from leave it as restored."""
+    from meshrl.trainer.snapshot import Snapshots, load_snapshot
+
+    def state(t):
+        optim = [(k, n, v.clone()) for k, st in t.optimizer.state_dict()["state"].items() for n, v in st.items()]
+        return [(n, p.detach().clone()) for n, p in t.model.state_dict().items()] + optim, t.scheduler.state_dict()
+
+    def same(a, b):
+        return a[1] == b[1] and len(a[0]) == len(b[0]) and all(x[:-1] == y[:-1] and torch.equal(x[-1], y[-1]) for x, y in zip(a[0], b[0]))
+
+    trainer = PolicyTrainer(make_config(), CPU)
+    root = tmp_path / "snapshots"
+    snaps = Snapshots(str(root), 1, blocking=True)
+    files = set()
+    for step in range(1, 6):
+        trainer.train_step(make_batch(seed=step))
+        snaps.start(step, trainer.model, trainer.optimizer, trainer.scheduler)
+        files.add(os.stat(os.path.join(snaps.finish(), "rank-0.bin")).st_ino)
+    saved = state(trainer)
+    assert sorted(os.listdir(root)) == ["latest", "step-00000004", "step-00000005"] and len(files) == 2
+    fresh = PolicyTrainer(make_config(), CPU)
+    assert not same(state(fresh), saved)
+    assert load_snapshot(str(root / "step-00000005"), fresh.model, fresh.optimizer, fresh.scheduler) == 5
+    assert same(state(fresh), saved) and len(saved[0]) > len(dict(fresh.model.state_dict()))  # AdamW's moments too
+    for step in (6, 7):  # both files rewritten, the one restored from included
+        trainer.train_step(make_batch(seed=step))
+        snaps.start(step, trainer.model, trainer.optimizer, trainer.scheduler)
+        snaps.finish()
+    assert sorted(os.listdir(root)) == ["latest", "step-00000006", "step-00000007"]
+    assert same(state(fresh), saved) and not same(state(trainer), saved)
+
+
 def test_snapshots_are_spaced_out_when_their_writes_outgrow_the_budget(tmp_path):
     """`trainer.snapshot_budget`: a write that costs more than the budget's share of the step
     spaces the next snapshots out (at most MAX_SPACING apart); a budget of 0 keeps every

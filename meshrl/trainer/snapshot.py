@@ -8,11 +8,16 @@ is published and the next batch is awaited, off the step's path. So the newest v
 trainer announced may be one step ahead of its newest complete snapshot, and a heal loses
 at most that step, which it trains again from the batch the queue holds for it.
 
-A CPU trainer's state already is in host memory: each rank's shards go to `rank-R.pt` with
-torch.save, without a copy (nothing changes the weights or the optimizer's state before
-`finish()`); DCP's planning and metadata cost more than the write itself on small models,
-and a heal restores into a mesh of the same shape, so DCP's resharding is not needed. A GPU
-trainer uses DCP's `async_save`, whose staging takes the state off the device.
+A CPU trainer's state already is in host memory: each rank copies its shards into a flat
+file of its own (`rank-R.bin`, mapped into memory, its layout beside it in `rank-R.layout`).
+A snapshot directory is reused: the oldest of the kept ones is claimed (its marker removed
+first, then renamed) and overwritten in place, so a write is one memory copy into pages the
+file already holds. A new file of each write (torch.save) pays for the kernel allocating and
+zeroing those pages again every step, about ten times the copy on a 300 MB state, and on a
+host whose cores all compute that is taken from training and generation. DCP's planning and
+metadata cost more than the write itself on small models, and a heal restores into a mesh of
+the same shape, so DCP's resharding is not needed. A GPU trainer uses DCP's `async_save`,
+whose staging takes the state off the device.
 benchmarks/snapshot_cost.py measured the candidates (docs/healing.md). A snapshot is
 completed the way a checkpoint is (meshrl/trainer/checkpoint.py: a marker written last into
 the temp directory, the directory renamed, `latest` pointed at it), by the writing thread
@@ -30,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -102,6 +108,71 @@ def local_state(model, optimizer) -> dict:
     return {"model": {n: _local(t) for n, t in model.state_dict().items()}, "optim": optim}
 
 
+class _Ref:
+    """A tensor's place in a slot's layout (its index), standing in for it in the pickled structure."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __getstate__(self):
+        return self.index
+
+    def __setstate__(self, index):
+        self.index = index
+
+
+_ALIGN = 64
+"""Byte alignment of each tensor in a slot's flat file (any dtype's view of it is aligned)."""
+
+
+def _flatten(obj, tensors: list):
+    """`obj` with each tensor appended to `tensors` and replaced by its `_Ref`."""
+    if torch.is_tensor(obj):
+        tensors.append(obj)
+        return _Ref(len(tensors) - 1)
+    if isinstance(obj, dict):
+        return {k: _flatten(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_flatten(v, tensors) for v in obj)
+    return obj
+
+
+def _unflatten(obj, tensors: list):
+    if isinstance(obj, _Ref):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _unflatten(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unflatten(v, tensors) for v in obj)
+    return obj
+
+
+def _view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    count = math.prod(shape)
+    size = count * torch.empty((), dtype=dtype).element_size()
+    return flat[offset : offset + size].view(dtype)[:count].view(shape)
+
+
+def _layout(tensors: list) -> tuple[list, int]:
+    """Each tensor's (offset, dtype, shape) in the flat file, and the file's size."""
+    layout, offset = [], 0
+    for t in tensors:
+        layout.append((offset, t.dtype, tuple(t.shape)))
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return layout, max(offset, _ALIGN)
+
+
+def _read_slot(path: str, rank: int) -> dict:
+    """A rank's state from a slot: its tensors copied out of the file (the file is overwritten
+    in place by a later snapshot, so nothing restored may keep pointing into it)."""
+    with open(os.path.join(path, f"rank-{rank}.layout"), "rb") as f:
+        saved = pickle.load(f)
+    flat = torch.frombuffer(bytearray(open(os.path.join(path, f"rank-{rank}.bin"), "rb").read(saved["nbytes"])), dtype=torch.uint8)
+    return _unflatten(saved["state"], [_view(flat, *entry).clone() for entry in saved["layout"]])
+
+
 def is_snapshot(path: str) -> bool:
     return os.path.isfile(os.path.join(path, COMPLETE_MARKER)) and os.path.basename(os.path.dirname(os.path.abspath(path))) == "snapshots"
 
@@ -113,11 +184,11 @@ def load_snapshot(path: str, model, optimizer, scheduler=None) -> int:
 
     with open(os.path.join(path, COMPLETE_MARKER)) as f:
         meta = json.load(f)
-    if meta.get("extra", {}).get("snapshot") != "local":
+    if meta.get("extra", {}).get("snapshot") != "slots":
         return int(load_checkpoint(path, model, optimizer, scheduler)["step"])
     rank = dist.get_rank() if dist.is_initialized() else 0
     # to host memory first: read onto the GPU it would sit beside the live state, a second copy the memory plan does not count
-    saved = torch.load(os.path.join(path, f"rank-{rank}.pt"), map_location="cpu", weights_only=False)
+    saved = _read_slot(path, rank)
     with torch.no_grad():
         for name, t in model.state_dict().items():
             _local(t).copy_(saved["model"][name])
@@ -142,7 +213,7 @@ class Snapshots:
     `finish()` before the next one; collective: every rank calls both in step.
     `process_group`: a gloo group of its own (the background write's collectives must not
     interleave with the training's), None for a single rank. `blocking`: each rank writes
-    its own shards (`rank-R.pt`, torch.save, by a thread, no staging copy: the caller
+    its own shards (into its slot's flat file, by a thread, no staging copy: the caller
     changes nothing before `finish()`), the CPU trainer's way; else DCP's async_save, the
     GPU trainer's. `keep`: complete snapshots kept. `complete`: the step of the newest
     snapshot `finish()` completed (0: none).
@@ -162,6 +233,7 @@ class Snapshots:
         self.stage_s = self.wait_s = self.write_s = self.period_s = 0.0
         self.complete = self._started = 0
         self._last_due: float | None = None
+        self._files: dict[tuple[int, int], torch.Tensor] = {}  # (device, inode) of a slot's flat file: its mapping, kept from write to write
 
     def due(self, step: int) -> bool:
         """Called once a step, after the optimizer step: whether this step's state is written."""
@@ -184,7 +256,7 @@ class Snapshots:
         meta = {
             "step": step,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "extra": {"snapshot": "local" if self.blocking else "dcp"},
+            "extra": {"snapshot": "slots" if self.blocking else "dcp"},
         }
         rng = rng_state()  # as the step left them: a restored trainer draws what this one would have
         if self.blocking and self.pg is None:  # one rank: the whole write, its completion included, by the thread
@@ -192,12 +264,12 @@ class Snapshots:
             self.stage_s = time.perf_counter() - t0
             return
         if rank == 0:
-            _fresh(self.root, tmp)
+            _claim(self.root, tmp, self.keep)
         if self.pg is not None:
             dist.barrier(group=self.pg)
         save_rng(tmp, rng)
         if self.blocking:  # DCP's planning and metadata cost more than the write of a small model: plain shards
-            future = _THREADS.submit(_timed, torch.save, local_state(model, optimizer), os.path.join(tmp, f"rank-{rank}.pt"))
+            future = _THREADS.submit(_timed, self._write_slot, local_state(model, optimizer), tmp, rank)
         else:
             writer = dcp.FileSystemWriter(tmp, sync_files=False)
             future = dcp.async_save(_train_state(model, optimizer), storage_writer=writer, process_group=self.pg, no_dist=self.pg is None)
@@ -205,10 +277,38 @@ class Snapshots:
         self.stage_s = time.perf_counter() - t0
 
     def _write(self, model, optimizer, tmp: str, name: str, meta: dict, rng: dict) -> None:
-        _fresh(self.root, tmp)
+        _claim(self.root, tmp, self.keep)
         save_rng(tmp, rng)
-        torch.save(local_state(model, optimizer), os.path.join(tmp, "rank-0.pt"))
+        self._write_slot(local_state(model, optimizer), tmp, 0)
         self._complete(tmp, name, meta)
+
+    def _write_slot(self, state: dict, directory: str, rank: int) -> None:
+        """This rank's `state` into the slot `directory`: its tensors copied into the flat file
+        (mapped once, then reused), the structure and layout beside it."""
+        tensors: list = []
+        skeleton = _flatten(state, tensors)
+        layout, nbytes = _layout(tensors)
+        flat = self._file(os.path.join(directory, f"rank-{rank}.bin"), nbytes)
+        with torch.no_grad():
+            for entry, t in zip(layout, tensors):
+                _view(flat, *entry).copy_(t)
+        with open(os.path.join(directory, f"rank-{rank}.layout"), "wb") as f:
+            pickle.dump({"state": skeleton, "layout": layout, "nbytes": nbytes}, f)
+
+    def _file(self, path: str, nbytes: int) -> torch.Tensor:
+        """The flat file at `path`, `nbytes` long, mapped shared: the mapping this rank already
+        holds for it (the same inode, renamed with its slot), else a new one."""
+        with open(path, "ab") as f:
+            if os.fstat(f.fileno()).st_size != nbytes:
+                f.truncate(nbytes)
+            st = os.fstat(f.fileno())
+        key = (st.st_dev, st.st_ino)  # unique while mapped: a mapping keeps even a removed file's inode alive
+        flat = self._files.get(key)
+        if flat is None or flat.numel() != nbytes:
+            flat = self._files[key] = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            while len(self._files) > self.keep + 1:  # slots removed since (drop_after): let their memory go
+                self._files.pop(next(iter(self._files)))
+        return flat
 
     def finish(self) -> str | None:
         """Wait for the pending write and complete it (rank 0); the snapshot's path, or None
@@ -263,8 +363,22 @@ def _timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def _fresh(root: str, tmp: str) -> None:
-    """An empty temp directory for a snapshot (debris of a crashed write of the same step removed)."""
+def _claim(root: str, tmp: str, keep: int) -> None:
+    """The temp directory `tmp` for the next snapshot: a slot the write may reuse, else a new
+    one. A write cut short left a temp directory (never completed: reused first); else, with
+    `keep` snapshots already there (and another to restore meanwhile), the oldest is claimed: its marker goes first (from then on
+    it is never restored), then it is renamed. The newest complete snapshot is never claimed."""
     os.makedirs(root, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    if os.path.isdir(tmp):
+        return
+    names = os.listdir(root)
+    stale = sorted(n for n in names if n.startswith(".step-") and n.endswith(".tmp"))
+    done = sorted(n for n in names if n.startswith("step-"))
+    source = stale[0] if stale else (done[0] if len(done) >= max(keep, 2) else None)
+    if source is None:
+        os.makedirs(tmp)
+        return
+    marker = os.path.join(root, source, COMPLETE_MARKER)
+    if os.path.exists(marker):
+        os.remove(marker)
+    os.replace(os.path.join(root, source), tmp)
