@@ -272,7 +272,11 @@ def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
         healed += session.step(1)
         critic_after = session._call(loop.critic.info(), 60)
         version_after = session.version
+        session._call(loop.export(), 300)  # the run's end: hf/final, and hf/final-critic beside it
+        critic_dir = torch.load(session.checkpoint(), weights_only=False)["critic_dir"]  # the same critic, as a checkpoint
+        run_config = loop.config
     check_critic_heals(healed, critic_after, version_after, info["pid"])
+    check_critic_export(tmp_path / "run" / "hf" / "final-critic", critic_dir, run_config)
     (adv, _, run_metrics), (adv_restored, _, restored_metrics) = scored
     assert restored_metrics["critic/version"] == run_metrics["critic/version"] == STEPS
     assert run_metrics["critic/value_mean"] != 0  # a fresh critic's values are 0
@@ -294,6 +298,27 @@ def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
     assert sum(ev[STEPS // 2 :]) / (STEPS - STEPS // 2) > ev[0] + EV_MARGIN, ev
     assert sum(reward[-3:]) / 3 > sum(reward[:2]) / 2 + REWARD_MARGIN, reward
     assert not wait_no_children(), "procs outlived the run"
+
+
+def check_critic_export(path, critic_dir: str, config) -> None:
+    """The run's exported critic loads in transformers as a one-label token classifier with
+    the policy's tokenizer, and values pack_one's batch as the critic restored from its
+    checkpoint of the same version does (its logit at t is the value at t + 1)."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    from meshrl.trainer.critic_actor import build_critic
+
+    hf = AutoModelForTokenClassification.from_pretrained(path).eval()
+    assert hf.config.num_labels == 1 and AutoTokenizer.from_pretrained(path).vocab_size > 0
+    restored = build_critic(config, "cpu")
+    restored.load_checkpoint(critic_dir)
+    batch = pack_one()
+    values = restored.values(batch)
+    with torch.no_grad():
+        logits = hf(input_ids=batch["tokens"]).logits[..., 0]
+    mask = batch["loss_mask"][:, 1:]
+    assert values[:, 1:][mask].abs().max() > 1e-3
+    assert torch.allclose(logits[:, :-1][mask], values[:, 1:][mask], atol=1e-4)
 
 
 def check_critic_heals(healed: list[dict], critic: dict, version: int, old_pid: int) -> None:

@@ -30,7 +30,7 @@ from meshrl.logs import capture_role_output
 from meshrl.config.cpus import cpus_for
 from meshrl.pinning import pin_this_process
 from meshrl.trainer.policy import PolicyTrainer
-from meshrl.trainer.snapshot import Snapshots, snapshot_budget, snapshot_root
+from meshrl.trainer.snapshot import Snapshots, snapshot_budget, snapshot_inline, snapshot_root
 
 
 class TrainerActor(Actor):
@@ -77,7 +77,12 @@ class TrainerActor(Actor):
             if config.trainer.snapshot_every > 0:  # the background write's collectives on a group of their own
                 group = dist.new_group(backend="gloo") if world > 1 else None
                 self.snapshots = Snapshots(
-                    snapshot_root(config.logging.run_dir), config.trainer.snapshot_every, group, blocking=not use_cuda, budget=snapshot_budget(config)
+                    snapshot_root(config.logging.run_dir),
+                    config.trainer.snapshot_every,
+                    group,
+                    blocking=not use_cuda,
+                    budget=snapshot_budget(config),
+                    inline=snapshot_inline(config),
                 )
         if config.trainer.compile:
             self.trainer.warm_up()

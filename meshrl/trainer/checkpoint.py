@@ -75,32 +75,42 @@ def export_hf(
     complete or not at all (written beside it, then renamed). `source_config`: a HF
     config.json to start from (a checkpoint the model was loaded from keeps its settings).
     """
-    from safetensors.torch import save_file
-
     # gathering is collective (every rank walks it); only rank 0, the writer, keeps a host copy
     rank0 = _rank() == 0
     tensors = {name: t.cpu() if rank0 else None for name, t in hf_state_dict(model, specs, dtype, merge_lora)}
     out_dir = os.path.abspath(out_dir)
     if rank0:
-        config = dict(specs.hf_config)
-        if source_config is not None:
-            with open(source_config) as f:
-                config = json.load(f)
-        if not config:
-            raise NotImplementedError(f"no HF config for family {specs.family!r}")
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
-        tmp = out_dir + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        _fsync_tree(tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(tmp, out_dir)
-        _fsync_dir(os.path.dirname(out_dir))
+        write_hf_dir(tensors, hf_config(specs, dtype, source_config), out_dir)
     _barrier()
     return out_dir
+
+
+def hf_config(specs: ModelSpecs, dtype: torch.dtype, source_config: str | os.PathLike | None = None) -> dict:
+    """The config.json of an export: the one the model was loaded from, else its family's."""
+    config = dict(specs.hf_config)
+    if source_config is not None:
+        with open(source_config) as f:
+            config = json.load(f)
+    if not config:
+        raise NotImplementedError(f"no HF config for family {specs.family!r}")
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return config
+
+
+def write_hf_dir(tensors: dict[str, torch.Tensor], config: dict, out_dir: str) -> None:
+    """`out_dir` (model.safetensors + config.json), complete or not at all: written beside it, then renamed."""
+    from safetensors.torch import save_file
+
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    _fsync_tree(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    _fsync_dir(os.path.dirname(out_dir))
 
 
 SAFETENSORS_DTYPES = {

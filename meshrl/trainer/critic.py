@@ -78,8 +78,8 @@ def build_value_model(
     checkpoint directory; every weight but the LM head is loaded from it (the head is the
     value head's own). None with `model_config.path` set: that checkpoint, its sizes read
     from its config.json, as PolicyTrainer does. Tied embeddings are untied (the head no
-    longer shares the embedding's shape). `specs.hf_config` still describes a causal LM: a
-    HF export of the critic is not supported.
+    longer shares the embedding's shape). `specs.hf_config` still describes a causal LM;
+    `export_value_model_hf` writes the value model's own.
     """
     from meshrl.config.hf import model_args_from_hf
     from meshrl.trainer.model import build_model
@@ -102,6 +102,30 @@ def build_value_model(
     elif init_from is not None:
         load_trunk(model, init_from, "the state dict")
     return model, specs
+
+
+def export_value_model_hf(model: nn.Module, specs, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, source_config=None) -> str:
+    """The value model as a Hugging Face token-classification checkpoint with one label
+    (`<Family>ForTokenClassification`, `num_labels` 1: the form verl's and TRL's critics
+    load): the trunk under the causal LM's names, the value head as `score`. Its logits at
+    position t value the state after token t, which `token_values` reads at t + 1. One
+    unsharded rank; returns the directory."""
+    from meshrl.trainer.checkpoint import hf_config, write_hf_dir
+
+    adapter = specs.adapter_cls(specs.titan_config, None)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        full = full_tensor(t.detach()).to(dtype).cpu()
+        if name.startswith(HEAD + "."):
+            tensors["score." + name[len(HEAD) + 1 :]] = full.contiguous()
+        else:
+            tensors.update({k: v.contiguous() for k, v in adapter.to_hf({name: full}).items()})
+    config = hf_config(specs, dtype, source_config)
+    config["architectures"] = [a.replace("ForCausalLM", "ForTokenClassification") for a in config.get("architectures", [])]
+    config.update(num_labels=1, id2label={"0": "VALUE"}, label2id={"VALUE": 0}, tie_word_embeddings=False)
+    out = os.path.abspath(out_dir)
+    write_hf_dir(tensors, config, out)
+    return out
 
 
 def load_trunk(model: nn.Module, tensors: Mapping[str, torch.Tensor], source: str = "the state dict") -> None:
@@ -186,6 +210,7 @@ class CriticTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
         self.version = 0
         """train_step calls taken = the version of the current weights."""
+        self._source_config = os.path.join(model_config.path, "config.json") if model_config.path else None
 
     def autocast(self):
         on = self.compute_dtype != torch.float32
@@ -319,6 +344,10 @@ class CriticTrainer:
         from meshrl.trainer import checkpoint as ckpt
 
         return ckpt.save_checkpoint(root, self.version, self.model, self.optimizer, self.scheduler)
+
+    def export_hf(self, path: str, dtype: torch.dtype = torch.float32) -> str:
+        """The current value model as a HF token-classification checkpoint (`export_value_model_hf`)."""
+        return export_value_model_hf(self.model, self.specs, path, dtype, self._source_config)
 
     def load_checkpoint(self, path: str) -> int:
         """A checkpoint's state, or a per-step snapshot's (meshrl/trainer/snapshot.py); its version."""

@@ -202,6 +202,12 @@ class CriticActor(Actor):
         return self._need().load_checkpoint(path)
 
     @endpoint
+    async def export_hf(self, path: str) -> str:
+        """The critic after its last batch's step, as a HF token-classification checkpoint in the policy's dtype."""
+        await self._finish()
+        return self._need().export_hf(path, getattr(torch, self.config.model.dtype))
+
+    @endpoint
     async def info(self) -> dict:
         """pid, version (after the step in flight), threads, parameters, cores."""
         await self._finish()
@@ -234,6 +240,10 @@ class CriticMesh:
 
     async def load_checkpoint(self, path: str) -> int:
         return await self._call(self.actor.load_checkpoint, path)
+
+    async def export_hf(self, path: str, base_dir: str | None = None) -> str:
+        """`base_dir`: unused (no LoRA critic); the policy's trainer takes it."""
+        return await self._call(self.actor.export_hf, path)
 
     async def info(self) -> dict:
         return await self._call(self.actor.info)

@@ -32,6 +32,7 @@ complete snapshots are kept.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -63,6 +64,16 @@ def snapshot_budget(config) -> float:
     batch, and only what outlasts that wait is on the step's path (`snapshot_wait_s`):
     0 there, no spacing."""
     return config.trainer.snapshot_budget if config.placement == "colocate" else 0.0
+
+
+def snapshot_inline(config) -> bool:
+    """Whether a CPU trainer writes each snapshot in its own turn, before it returns: where it
+    shares every core with the generators (`placement: colocate`), a write in the background
+    runs while the engines generate, and an engine whose threads wait for each other at every
+    decode step is slowed by any thread beside them far more than the write's own work.
+    Written in the trainer's turn it costs that work alone (one memory copy), on the step's
+    path, and the snapshot is complete before the version is announced."""
+    return config.placement == "colocate"
 
 
 def snapshot_root(run_dir: str) -> str:
@@ -155,6 +166,17 @@ def _view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple) -> 
     return flat[offset : offset + size].view(dtype)[:count].view(shape)
 
 
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` without ATen's thread pool where both are contiguous host tensors: a
+    plain memcpy. This runs in the snapshot's thread, and an ATen parallel region entered from
+    a second thread of the proc starts an OpenMP team of its own beside the training's, which
+    measurably slowed every later training step of the proc (benchmarks/README.md, section 19)."""
+    if src.device.type == "cpu" and src.is_contiguous() and src.dtype == dst.dtype:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+    else:
+        dst.copy_(src)
+
+
 def _layout(tensors: list) -> tuple[list, int]:
     """Each tensor's (offset, dtype, shape) in the flat file, and the file's size."""
     layout, offset = [], 0
@@ -224,10 +246,14 @@ class Snapshots:
     step's period (from one `due` to the next), the next snapshots come `spacing` steps
     apart, the fewest that keep their average within it (at least `every`, at most
     `MAX_SPACING`). Every rank agrees on both figures (their maximum over the group).
-    DCP's writes (GPU) are not timed, so they keep `every`."""
+    DCP's writes (GPU) are not timed, so they keep `every`.
 
-    def __init__(self, root: str, every: int, process_group=None, blocking: bool = False, keep: int = KEEP, budget: float = 0.0):
+    `inline` (`snapshot_inline`, with `blocking`): `start()` returns once the write is done,
+    so the trainer pays it in its own turn rather than beside the engines."""
+
+    def __init__(self, root: str, every: int, process_group=None, blocking: bool = False, keep: int = KEEP, budget: float = 0.0, inline: bool = False):
         self.root, self.every, self.pg, self.blocking, self.keep = os.path.abspath(root), every, process_group, blocking, keep
+        self.inline = inline and blocking
         self.budget, self.spacing = budget, every
         self._pending: tuple[Any, str, str, dict, bool] | None = None  # (future, temp dir, name, metadata, completed by the thread)
         self.stage_s = self.wait_s = self.write_s = self.period_s = 0.0
@@ -261,6 +287,8 @@ class Snapshots:
         rng = rng_state()  # as the step left them: a restored trainer draws what this one would have
         if self.blocking and self.pg is None:  # one rank: the whole write, its completion included, by the thread
             self._pending = (_THREADS.submit(_timed, self._write, model, optimizer, tmp, name, meta, rng), tmp, name, meta, True)
+            if self.inline:
+                self._pending[0].result()
             self.stage_s = time.perf_counter() - t0
             return
         if rank == 0:
@@ -274,6 +302,8 @@ class Snapshots:
             writer = dcp.FileSystemWriter(tmp, sync_files=False)
             future = dcp.async_save(_train_state(model, optimizer), storage_writer=writer, process_group=self.pg, no_dist=self.pg is None)
         self._pending = (future, tmp, name, meta, False)
+        if self.inline:
+            future.result()
         self.stage_s = time.perf_counter() - t0
 
     def _write(self, model, optimizer, tmp: str, name: str, meta: dict, rng: dict) -> None:
@@ -291,7 +321,7 @@ class Snapshots:
         flat = self._file(os.path.join(directory, f"rank-{rank}.bin"), nbytes)
         with torch.no_grad():
             for entry, t in zip(layout, tensors):
-                _view(flat, *entry).copy_(t)
+                _copy_into(_view(flat, *entry), t)
         with open(os.path.join(directory, f"rank-{rank}.layout"), "wb") as f:
             pickle.dump({"state": skeleton, "layout": layout, "nbytes": nbytes}, f)
 
