@@ -8,7 +8,7 @@ The trainer's rank 0 calls `advantages` with each batch it samples from the epis
     advantages(batch s):  finish the critic's train step on batch s-1 (usually done already)
                           values of batch s under that critic (version v = s-1 batches trained)
                           GAE -> per-token advantages, the loss mask   --> back to the trainer
-                          start the critic's train step on batch s, in a thread of this proc
+                          start the critic's train step on batch s, on its own thread
 
 so the critic trains on batch s while the policy does, each on its own proc, and the
 critic's step is off the policy's path unless it takes longer than the policy's step plus
@@ -117,7 +117,7 @@ class CriticActor(Actor):
         cpus = cpus_for(config.trainer.cpus, 0)
         if cpus is not None and device == "cpu":
             pin_this_process(cpus)  # also sizes torch's thread pool to them
-        self.config, self.critic = config, build_critic(config, device)
+        self.config, self.critic = config, await self._run(build_critic, config, device)
         if config.trainer.snapshot_every:
             root = snapshot_root(critic_root(config.logging.run_dir))
             self.snapshots = Snapshots(root, config.trainer.snapshot_every, blocking=True, keep=SNAPSHOTS_KEPT, budget=snapshot_budget(config))
@@ -150,6 +150,13 @@ class CriticActor(Actor):
             "device": str(critic.device),
         }
 
+    async def _run(self, fn, *args):
+        """`fn(*args)` on the critic's one thread. All of its tensor work runs there: ATen
+        parallel regions entered from a second thread of the proc start an OpenMP team of
+        their own, and the critic's values and steps each took a third longer with two
+        teams (benchmarks/README.md, section 19)."""
+        return await asyncio.wrap_future(self._pool.submit(fn, *args))
+
     async def _finish(self) -> float:
         """Wait for the train step in flight, if any (its metrics are kept for the next
         answer; its error is raised here). Returns the seconds waited."""
@@ -172,9 +179,8 @@ class CriticActor(Actor):
         finished, self._finished = self._finished, {}
         t0 = time.perf_counter()
         version = critic.version
-        returns, old = critic.advantages(batch, whiten=cc.whiten)  # writes batch["token_advantage"], drops failed rows from the mask
+        returns, old, scored = await self._run(self._score, batch, cc.whiten)  # writes batch["token_advantage"], drops failed rows from the mask
         mask = batch["loss_mask"]
-        scored = reduce_value_metrics([value_metric_sums(old, returns, mask)])
         score_s = time.perf_counter() - t0
         self._training = self._pool.submit(self._train, batch, returns, old)
         warm = policy_step < cc.policy_warmup
@@ -190,22 +196,27 @@ class CriticActor(Actor):
         }
         return (None if warm else batch["token_advantage"]), mask, metrics
 
+    def _score(self, batch: TensorDict, whiten: bool):
+        critic = self._need()
+        returns, old = critic.advantages(batch, whiten=whiten)
+        return returns, old, reduce_value_metrics([value_metric_sums(old, returns, batch["loss_mask"])])
+
     @endpoint
     async def save_checkpoint(self, root: str) -> str:
         """The critic after its last batch's step (waited for), as a DCP checkpoint under `root`."""
         await self._finish()
-        return self._need().save_checkpoint(root)
+        return await self._run(self._need().save_checkpoint, root)
 
     @endpoint
     async def load_checkpoint(self, path: str) -> int:
         await self._finish()
-        return self._need().load_checkpoint(path)
+        return await self._run(self._need().load_checkpoint, path)
 
     @endpoint
     async def export_hf(self, path: str) -> str:
         """The critic after its last batch's step, as a HF token-classification checkpoint in the policy's dtype."""
         await self._finish()
-        return self._need().export_hf(path, getattr(torch, self.config.model.dtype))
+        return await self._run(self._need().export_hf, path, getattr(torch, self.config.model.dtype))
 
     @endpoint
     async def info(self) -> dict:

@@ -32,7 +32,6 @@ complete snapshots are kept.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -47,6 +46,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshrl.trainer.checkpoint import COMPLETE_MARKER, LATEST, _train_state, load_rng, rng_state, save_rng
+from meshrl.weightsync.bytecopy import copy_pieces
 
 _THREADS = ThreadPoolExecutor(1, thread_name_prefix="meshrl-snapshot")
 KEEP = 2
@@ -166,15 +166,9 @@ def _view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple) -> 
     return flat[offset : offset + size].view(dtype)[:count].view(shape)
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst.copy_(src)` without ATen's thread pool where both are contiguous host tensors: a
-    plain memcpy. This runs in the snapshot's thread, and an ATen parallel region entered from
-    a second thread of the proc starts an OpenMP team of its own beside the training's, which
-    measurably slowed every later training step of the proc (benchmarks/README.md, section 19)."""
-    if src.device.type == "cpu" and src.is_contiguous() and src.dtype == dst.dtype:
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
-    else:
-        dst.copy_(src)
+def _bytes(t: torch.Tensor):
+    """A contiguous host tensor's bytes, as a numpy uint8 array over the same memory."""
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def _layout(tensors: list) -> tuple[list, int]:
@@ -319,9 +313,19 @@ class Snapshots:
         skeleton = _flatten(state, tensors)
         layout, nbytes = _layout(tensors)
         flat = self._file(os.path.join(directory, f"rank-{rank}.bin"), nbytes)
+        # Host tensors are copied as bytes by numpy (weightsync/bytecopy.py), not by ATen: this
+        # is the snapshot's thread, and an ATen parallel region entered from a second thread of
+        # the proc starts an OpenMP team of its own beside the training's, which slowed every
+        # later training step of the proc by about a quarter (benchmarks/README.md, section 19).
+        pairs = []
         with torch.no_grad():
             for entry, t in zip(layout, tensors):
-                _copy_into(_view(flat, *entry), t)
+                dst = _view(flat, *entry)
+                if t.device.type == "cpu" and t.is_contiguous() and t.numel():
+                    pairs.append((_bytes(dst), _bytes(t)))
+                elif t.numel():
+                    dst.copy_(t)
+        copy_pieces(pairs)
         with open(os.path.join(directory, f"rank-{rank}.layout"), "wb") as f:
             pickle.dump({"state": skeleton, "layout": layout, "nbytes": nbytes}, f)
 
