@@ -148,6 +148,8 @@ class TrainerActor(Actor):
         snapshot = self.snapshots is not None and self.snapshots.due(trainer.step)
         if snapshot:  # on GPUs staged to host memory here; written while the version is published and the next batch awaited
             self.snapshots.start(trainer.step, trainer.model, trainer.optimizer, trainer.scheduler)
+            if self.snapshots.inline:  # written in this turn (colocated on CPU): complete before the version is announced
+                settled = self._settle_snapshot() or settled
         t1 = time.perf_counter()
         copy_s = self._publish(trainer)
         publish_s = time.perf_counter() - t1
