@@ -162,8 +162,7 @@ def _unflatten(obj, tensors: list):
 
 def _view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
     count = math.prod(shape)
-    size = count * torch.empty((), dtype=dtype).element_size()
-    return flat[offset : offset + size].view(dtype)[:count].view(shape)
+    return flat[offset : offset + count * dtype.itemsize].view(dtype).view(shape)
 
 
 def _bytes(t: torch.Tensor):
@@ -185,7 +184,8 @@ def _read_slot(path: str, rank: int) -> dict:
     in place by a later snapshot, so nothing restored may keep pointing into it)."""
     with open(os.path.join(path, f"rank-{rank}.layout"), "rb") as f:
         saved = pickle.load(f)
-    flat = torch.frombuffer(bytearray(open(os.path.join(path, f"rank-{rank}.bin"), "rb").read(saved["nbytes"])), dtype=torch.uint8)
+    with open(os.path.join(path, f"rank-{rank}.bin"), "rb") as f:
+        flat = torch.frombuffer(bytearray(f.read(saved["nbytes"])), dtype=torch.uint8)
     return _unflatten(saved["state"], [_view(flat, *entry).clone() for entry in saved["layout"]])
 
 
@@ -200,11 +200,15 @@ def load_snapshot(path: str, model, optimizer, scheduler=None) -> int:
 
     with open(os.path.join(path, COMPLETE_MARKER)) as f:
         meta = json.load(f)
-    if meta.get("extra", {}).get("snapshot") != "slots":
+    kind = meta.get("extra", {}).get("snapshot")
+    if kind not in ("slots", "local"):  # "local": torch.save'd shards, as written before the slots
         return int(load_checkpoint(path, model, optimizer, scheduler)["step"])
     rank = dist.get_rank() if dist.is_initialized() else 0
     # to host memory first: read onto the GPU it would sit beside the live state, a second copy the memory plan does not count
-    saved = _read_slot(path, rank)
+    if kind == "slots":
+        saved = _read_slot(path, rank)
+    else:
+        saved = torch.load(os.path.join(path, f"rank-{rank}.pt"), map_location="cpu", weights_only=False)
     with torch.no_grad():
         for name, t in model.state_dict().items():
             _local(t).copy_(saved["model"][name])
@@ -399,16 +403,17 @@ def _timed(fn, *args) -> float:
 
 def _claim(root: str, tmp: str, keep: int) -> None:
     """The temp directory `tmp` for the next snapshot: a slot the write may reuse, else a new
-    one. A write cut short left a temp directory (never completed: reused first); else, with
-    `keep` snapshots already there (and another to restore meanwhile), the oldest is claimed: its marker goes first (from then on
-    it is never restored), then it is renamed. The newest complete snapshot is never claimed."""
+    one. A directory no heal would restore (a write cut short, a marker removed by a claim cut
+    short) is reused first; else, with `keep` complete snapshots there (at least 2: one stays
+    restorable meanwhile), the oldest is claimed: its marker goes first (from then on it is
+    never restored), then it is renamed. The newest complete snapshot is never claimed."""
     os.makedirs(root, exist_ok=True)
     if os.path.isdir(tmp):
         return
-    names = os.listdir(root)
-    stale = sorted(n for n in names if n.startswith(".step-") and n.endswith(".tmp"))
-    done = sorted(n for n in names if n.startswith("step-"))
-    source = stale[0] if stale else (done[0] if len(done) >= max(keep, 2) else None)
+    names = sorted(os.listdir(root))
+    done = [n for n in names if n.startswith("step-") and os.path.isfile(os.path.join(root, n, COMPLETE_MARKER))]
+    spare = [n for n in names if n.startswith(".step-") and n.endswith(".tmp") or n.startswith("step-") and n not in done]
+    source = spare[0] if spare else (done[0] if len(done) >= max(keep, 2) else None)
     if source is None:
         os.makedirs(tmp)
         return
