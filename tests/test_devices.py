@@ -243,6 +243,7 @@ def test_trained_models_get_gpus_of_their_own_after_the_policys_roles(monkeypatc
     big = {"vocab_size": 151936, "dim": 4096, "n_layers": 36, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 12288}
     memory = plan_memory(config(models=[{"name": "big", "model": big}], launcher={"gpus_per_host": 4, "gpu_memory_gib": 80}))
     assert memory.problems[0][0] == "models[0].trainer.procs" and memory.problems[0][1].startswith("trained model big: hosts[0] GPU 2 needs")
+    assert "more trainer procs" in memory.problems[0][1] and "lora" not in memory.problems[0][1]  # a run with trained models refuses adapters
     cpu = plan_devices(config(models=two))
     assert cpu.layout == "cpu" and [s.role for s in cpu.slots][2:] == [
         "proposer/trainer",

@@ -274,9 +274,9 @@ def plan_memory(config: Config, capacity: float | None = None, plan=None) -> Mem
     capacity = gpu_capacity(config) if capacity is None else capacity
     if plan.layout == "cpu" or capacity <= 0:
         return None
-    out = _one_model(config, capacity, plan.view("policy"))
+    out = _one_model(config, capacity, plan.view("policy"), adapters=not config.models)
     for i, m in enumerate(config.models):  # each trained model beside the policy, on GPUs of its own (placement split)
-        mine = _one_model(config.for_model(m.name), capacity, plan.view(m.name))
+        mine = _one_model(config.for_model(m.name), capacity, plan.view(m.name), adapters=False)
         for h in (h for gpu in mine.gpus for h in gpu.holdings):
             h.role = f"{m.name}/{h.role}"
         out.gpus += mine.gpus
@@ -287,8 +287,10 @@ def plan_memory(config: Config, capacity: float | None = None, plan=None) -> Mem
     return out
 
 
-def _one_model(config: Config, capacity: float, plan) -> MemoryPlan:
-    """The memory plan of one trained model's slots (`plan`: its view of the device plan)."""
+def _one_model(config: Config, capacity: float, plan, adapters: bool = True) -> MemoryPlan:
+    """The memory plan of one trained model's slots (`plan`: its view of the device plan).
+    `adapters`: whether a misfit may be told to train LoRA adapters (a run with trained
+    models refuses them)."""
     from meshrl.launch.devices import resolve_transport, weights_on_gpu
 
     shape = model_shape(config)
@@ -321,7 +323,7 @@ def _one_model(config: Config, capacity: float, plan) -> MemoryPlan:
             for h in g.holdings:
                 if h.kept is not None:
                     h.kept.discard("AdamW moments (2 x float32)")
-    out.problems = problems(config, shape, out)
+    out.problems = problems(config, shape, out, adapters)
     return out
 
 
@@ -352,7 +354,7 @@ def checkpoint_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
-def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, str]]:
+def problems(config: Config, shape: Shape, plan: MemoryPlan, adapters: bool = True) -> list[tuple[str, str]]:
     """What does not fit, each as (field, the fix): the first GPU's line for each field."""
     cap, g, db = plan.capacity, config.generator, DTYPE_BYTES[config.model.dtype]
     out: list[tuple[str, str]] = []
@@ -384,7 +386,7 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
         if gpu.colocated:
             engines = [h for h in gpu.holdings if h.role != "trainer"]
             if trainer.total + CUDA_CONTEXT * len(engines) > HEADROOM * cap:  # the engines asleep
-                out.append(_trainer_fix(config, trainer, at + " for the trainer's step alone", cap))
+                out.append(_trainer_fix(config, trainer, at + " for the trainer's step alone", cap, adapters))
             else:
                 # what the engines' budgets may take beside the trainer's share and their own contexts
                 room = HEADROOM * cap - trainer.while_generating - sum(h.total - budget for h in engines)
@@ -399,7 +401,7 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
                     )
                 )
         elif trainer is not None:
-            out.append(_trainer_fix(config, trainer, at, cap))
+            out.append(_trainer_fix(config, trainer, at, cap, adapters))
         elif gpu.holdings[0].role == "critic":  # one proc, unsharded (a critic over several procs is not built)
             out.append(
                 ("critic.micro_batch_size", f"{at} for the critic's step on one GPU: lower it, or set trainer.device=cpu (the critic beside a CPU trainer)")
@@ -419,7 +421,7 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
     return list(firsts.items())
 
 
-def _trainer_fix(config: Config, trainer: Holding, at: str, cap: float) -> tuple[str, str]:
+def _trainer_fix(config: Config, trainer: Holding, at: str, cap: float, adapters: bool = True) -> tuple[str, str]:
     """The field whose change shrinks the trainer's largest share."""
     lines = dict(trainer.lines)
     state = sum(b for w, b in lines.items() if w.startswith(("weights", "gradients", "AdamW", "KL reference")))
@@ -443,7 +445,8 @@ def _trainer_fix(config: Config, trainer: Holding, at: str, cap: float) -> tuple
         return ("trainer.micro_batch_tokens" if t.micro_batch_tokens else "trainer.micro_batch_size"), f"{at} {biggest}: lower it" + (
             "" if t.cp > 1 else ", or split long rows over GPUs with trainer.cp"
         )
-    return "trainer.procs", f"{at} {biggest}: shard them over more trainer procs (GPUs), or train LoRA adapters (lora.rank)"
+    lora = adapters and config.trainer.loss.advantage != "gae"  # a critic or trained models refuse adapters
+    return "trainer.procs", f"{at} {biggest}: shard them over more trainer procs (GPUs)" + (", or train LoRA adapters (lora.rank)" if lora else "")
 
 
 def check_memory(config: Config, devices=None) -> MemoryPlan | None:

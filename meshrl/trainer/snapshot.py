@@ -6,7 +6,8 @@ hands the write to a thread; `finish()` waits for it, and the trainer calls it j
 its next optimizer step, after the next batch arrived: the write runs while the new version
 is published and the next batch is awaited, off the step's path. So the newest version a
 trainer announced may be one step ahead of its newest complete snapshot, and a heal loses
-at most that step, which it trains again from the batch the queue holds for it.
+at most that step, which it trains again from the batch the queue holds for it. Colocated
+on CPU (`snapshot_inline`) the write is made, and completed, before the step returns.
 
 A CPU trainer's state already is in host memory: each rank copies its shards into a flat
 file of its own (`rank-R.bin`, mapped into memory, its layout beside it in `rank-R.layout`).
