@@ -442,6 +442,15 @@ def machine() -> dict:
     }
 
 
+def write_result(out: dict, path: str) -> None:
+    """A benchmark's JSON at `path`, with the machine as it was at the end (`machine_after`)."""
+    out["machine_after"] = machine()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {path}")
+
+
 def mode_means(runs: list[dict], batch: int) -> dict:
     """One mode's figures averaged over its runs (one per seed); samples/s from the mean step."""
     keys = ("step_s", "trainer_idle_frac", "generator_idle_frac", "G_s", "T_s", "staleness_mean", "mismatch_mean", "startup_s")

@@ -99,7 +99,7 @@ def main() -> None:
         out = policy_part(args.steps) if args.variant == "policy" else critic_variant(args.steps, args.variant == "critic-one")
         print(json.dumps(out))
         return
-    from benchmarks.async_vs_sync import machine
+    from benchmarks.async_vs_sync import machine, write_result
 
     result = {"machine": machine(), "args": vars(args)}
     for variant in ("policy", "critic-two", "critic-one", "critic-two", "critic-one"):
@@ -114,12 +114,8 @@ def main() -> None:
         "critic_values_two_threads_over_one": statistics.mean(a["values_s"] / b["values_s"] for a, b in zip(two, one)),
         "critic_step_two_threads_over_one": statistics.mean(a["step_s"] / b["step_s"] for a, b in zip(two, one)),
     }
-    result["machine_after"] = machine()
     print(json.dumps(result["ratios"]))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.async_vs_sync import machine  # noqa: E402
+from benchmarks.async_vs_sync import machine, write_result  # noqa: E402
 from benchmarks.trainer_throughput import make_batch  # noqa: E402
 from meshrl.config import Config  # noqa: E402
 
@@ -224,11 +224,7 @@ def main() -> None:
     if "heal" in parts:
         out["heal"] = heal_part(args.steps)
         print(json.dumps(out["heal"]))
-    out["machine_after"] = machine()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result(out, args.out)
 
 
 if __name__ == "__main__":

@@ -483,6 +483,22 @@ def kill_during_checkpoint(session, pid: int, root: str, restarts) -> dict:
     return {"path": path, "heals": restarts() - before, "version": session.version, **seen}
 
 
+def check_exported_critic(path, values, batch) -> None:
+    """transformers loads the critic exported at `path` as a one-label token classifier, and
+    its logit at position t equals `values` (the critic's [B, T] values of `batch`) at t + 1,
+    the state before that token, on every model token; `values` must not be all zero there."""
+    import torch
+    from transformers import AutoModelForTokenClassification
+
+    hf = AutoModelForTokenClassification.from_pretrained(path).eval()
+    assert hf.config.num_labels == 1 and type(hf).__name__.endswith("ForTokenClassification")
+    with torch.no_grad():
+        logits = hf(input_ids=batch["tokens"]).logits[..., 0]
+    mask = batch["loss_mask"][:, 1:]
+    assert values[:, 1:][mask].abs().max() > 1e-3
+    assert torch.allclose(logits[:, :-1][mask], values[:, 1:][mask], atol=1e-4)
+
+
 def two_host_config(run_dir, wait_s: float, defaults: dict, **sections) -> dict:
     """The small problem (8 groups of 8, one micro-batch) run across two hosts, as
     tests/test_multihost.py and tests/test_slurm.py run it: `wait_s` bounds an engine's

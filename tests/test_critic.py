@@ -307,22 +307,14 @@ def test_critic_exports_a_token_classification_model_transformers_loads(tmp_path
     """hf/final-critic: transformers' AutoModelForTokenClassification loads the exported critic
     (one label, the form verl's and TRL's critics take), and its logit at position t is the
     critic's value at t + 1 (the state before that token) on every model token."""
-    from transformers import AutoModelForTokenClassification
+    from tests.conftest import check_exported_critic
 
     critic = CriticTrainer(ModelConfig(family=family), lr=1e-2, seed=4, micro_batch_size=6)
     batch = toy_batch(1, rows=6)
     for _ in range(2):  # the head moves off zero
         returns, old = critic.advantages(batch)
         critic.train_step(batch, returns, old)
-    path = critic.export_hf(str(tmp_path / "critic"))
-    hf = AutoModelForTokenClassification.from_pretrained(path).eval()
-    assert hf.config.num_labels == 1 and type(hf).__name__.endswith("ForTokenClassification")
-    values = critic.values(batch)
-    with torch.no_grad():
-        logits = hf(input_ids=batch["tokens"]).logits[..., 0]
-    mask = batch["loss_mask"][:, 1:]
-    assert values[:, 1:][mask].abs().max() > 1e-3
-    assert torch.allclose(logits[:, :-1][mask], values[:, 1:][mask], atol=1e-4)
+    check_exported_critic(critic.export_hf(str(tmp_path / "critic")), critic.values(batch), batch)
 
 
 def test_critic_skips_a_non_finite_step():
