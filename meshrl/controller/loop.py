@@ -458,7 +458,7 @@ class RLLoop:
             try:
                 await checkpoints.export_hf(self.critic, os.path.join(self.run_dir, "hf", "final-critic"), self.run_dir, self.tokenizer_dir)
             except Exception as e:  # noqa: BLE001 - the policy's export goes on; the critic's checkpoints keep its state
-                log.warning("meshrl: the critic's export failed (%s: %s); its state is in its checkpoints", type(e).__name__, first_line(str(e), 200))
+                log.warning("the critic's export failed (%s: %s); its state is in its checkpoints", type(e).__name__, first_line(str(e), 200))
         for p in self.partners:
             path = os.path.join(self.run_dir, "hf", f"final-{p.name}")
             await self._healing("export", lambda p=p, path=path: checkpoints.export_hf(p.trainer, path, self.run_dir, self.tokenizer_dir))

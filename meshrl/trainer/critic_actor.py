@@ -153,8 +153,8 @@ class CriticActor(Actor):
     async def _run(self, fn, *args):
         """`fn(*args)` on the critic's one thread. All of its tensor work runs there: ATen
         parallel regions entered from a second thread of the proc start an OpenMP team of
-        their own, and the critic's values and steps each took a third longer with two
-        teams (benchmarks/README.md, section 19)."""
+        their own, and with two the critic's values took 1.42 times as long and its steps 1.31
+        times (benchmarks/README.md, section 19)."""
         return await asyncio.wrap_future(self._pool.submit(fn, *args))
 
     async def _finish(self) -> float:

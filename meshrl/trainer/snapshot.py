@@ -69,11 +69,11 @@ def snapshot_budget(config) -> float:
 
 def snapshot_inline(config) -> bool:
     """Whether a CPU trainer writes each snapshot in its own turn, before it returns: where it
-    shares every core with the generators (`placement: colocate`), a write in the background
-    runs while the engines generate, and an engine whose threads wait for each other at every
-    decode step is slowed by any thread beside them far more than the write's own work.
-    Written in the trainer's turn it costs that work alone (one memory copy), on the step's
-    path, and the snapshot is complete before the version is announced."""
+    shares every core with the generators (`placement: colocate`) the roles take the cores in
+    turn, and a write in the background would run in the engines' turn, on cores they spread
+    every decode step over. In the trainer's turn the copy has the cores to itself, its cost
+    is on the step's path where it is measured (`trainer/snapshot_stage_s`), and the snapshot
+    is complete before the version is announced, so a heal loses no step."""
     return config.placement == "colocate"
 
 
