@@ -120,19 +120,8 @@ def local_state(model, optimizer) -> dict:
     return {"model": {n: _local(t) for n, t in model.state_dict().items()}, "optim": optim}
 
 
-class _Ref:
+class _Ref(int):
     """A tensor's place in a slot's layout (its index), standing in for it in the pickled structure."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-    def __getstate__(self):
-        return self.index
-
-    def __setstate__(self, index):
-        self.index = index
 
 
 _ALIGN = 64
@@ -153,7 +142,7 @@ def _flatten(obj, tensors: list):
 
 def _unflatten(obj, tensors: list):
     if isinstance(obj, _Ref):
-        return tensors[obj.index]
+        return tensors[obj]
     if isinstance(obj, dict):
         return {k: _unflatten(v, tensors) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
