@@ -144,16 +144,22 @@ def test_adapter_sync_equals_a_fresh_engine_loaded_with_the_exported_adapter(tmp
         final = trainer.export_hf(str(tmp_path / "v5"))
         fresh, _ = spawn_generator(procs[1], "fresh", config, final, version=5)
 
-        # at temperature 1 each engine's log-prob of every token it samples is the trainer's
+        # at temperature 1 each engine's log-prob of every token it samples is the trainer's.
+        # The tolerance sits between the kernels' noise and the weakest break measured on this
+        # model: engine and trainer differed by up to 9.2e-5 (once in about ten full runs, else
+        # under 1e-5); one projection's adapter rounded to bf16 moves a log-prob 6e-4, one
+        # projection's adapter missing 0.2, the previous version's adapters 0.54.
         trainer.model.eval()
-        for gen in (synced, fresh):
+        for name, gen in (("synced", synced), ("fresh", fresh)):
             for p in asks:
                 r = gen.generate.call_one(p, 20, 1.0, 5).get(timeout=120)
                 ids = torch.tensor([p + r.token_ids])
                 with torch.no_grad():
                     logp = torch.log_softmax(trainer.model(ids)[0, len(p) - 1 : -1].double(), -1)
                 want = logp.gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
-                torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, atol=1e-5, rtol=0)
+                torch.testing.assert_close(
+                    torch.tensor(r.logprobs, dtype=torch.float64), want, atol=3e-4, rtol=0, msg=lambda m, name=name: f"{name} engine: {m}"
+                )
                 assert set(r.versions) == {5}
     finally:
         for gen in (synced, fresh):

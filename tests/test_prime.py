@@ -144,6 +144,43 @@ def test_a_resumed_or_replacing_prm_goes_on_from_its_saved_state(tmp_path):
     assert make_prm(tmp_path / "elsewhere", restore=True)[0].restored is None
 
 
+def test_prm_exports_as_a_hf_causal_lm_whose_log_ratio_is_its_reward(tmp_path):
+    """hf/final-NAME: transformers loads the PRM and its exported reference, and beta times the
+    difference of their log-probs is the PRM's own q_t on every model token; implicit_prm.json
+    names beta, the version and the reference (a checkpoint the PRM started from is named, not copied)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from meshrl.scorers.prm import rows
+
+    prm, _ = make_prm(tmp_path / "run", lr=2e-2, beta=0.2)
+    items = toy_items(8)
+    for _ in range(3):
+        prm.score_batch(items)
+    out = prm.export_hf(str(tmp_path / "hf" / "final-prm"))
+    assert out == {"path": str(tmp_path / "hf" / "final-prm"), "reference": str(tmp_path / "hf" / "final-prm-reference"), "version": 3}
+    info = json.load(open(os.path.join(out["path"], "implicit_prm.json")))
+    assert info == {"beta": 0.2, "version": 3, "reference": out["reference"]}
+    tokens, mask, _, _ = rows(items)
+
+    def logprobs(path):
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            lp = torch.log_softmax(model(tokens).logits[:, :-1].double(), -1).gather(2, tokens[:, 1:, None])[..., 0]
+        return torch.cat([torch.zeros(len(tokens), 1, dtype=lp.dtype), lp], 1)
+
+    q = info["beta"] * (logprobs(out["path"]) - logprobs(out["reference"]))
+    with torch.no_grad():
+        want = prm.rewards(tokens, mask)
+    assert bool((want[mask].abs() > 1e-3).all())  # trained: a reference equal to the PRM would give 0
+    torch.testing.assert_close(q[mask].float(), want[mask], atol=1e-5, rtol=0)
+    # a PRM that started from a checkpoint names it
+    back, _ = make_prm(tmp_path / "run2", path=out["path"])
+    assert back.export_hf(str(tmp_path / "hf2" / "final-prm"))["reference"] == out["path"]
+    assert not os.path.exists(str(tmp_path / "hf2" / "final-prm-reference"))
+
+
 def test_update_before_scores_with_the_version_that_trained_on_the_batch(tmp_path):
     prm, _ = make_prm(tmp_path, update="before")
     results, trained = prm.score_batch(toy_items())
@@ -217,6 +254,8 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path,
     the sparse task: every group scored by one PRM version, the PRM's per-token rewards in
     the trained advantages, its BCE on batches it has not yet trained on falling, its
     state under the run's checkpoints/, and a resumed run's PRM going on from that state."""
+    import json
+
     import yaml
 
     import meshrl
@@ -255,6 +294,11 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path,
     assert sum(reward[-4:]) / 4 > sum(reward[:3]) / 3 + 0.45, reward
     state = torch.load(os.path.join(tmp_path, "run", "checkpoints", "prm-prm", "state.pt"), weights_only=False)
     assert state["version"] >= version[-1] + 1  # saved when the run stopped, after its last step
+    # exported at the end (hf/final-prm, its pi_ref beside it), each with the run's tokenizer
+    hf = tmp_path / "run" / "hf"
+    info = json.load(open(hf / "final-prm" / "implicit_prm.json"))
+    assert version[-1] <= info["version"] <= state["version"] and info["reference"] == str(hf / "final-prm-reference")
+    assert all(os.path.isfile(hf / d / f) for d in ("final-prm", "final-prm-reference") for f in ("config.json", "model.safetensors", "tokenizer_config.json"))
     assert not wait_no_children(), "procs outlived the run"
     # resumed for one step: the PRM goes on from its saved state. Its batch may hold groups the
     # checkpoint kept, scored before the stop (at versions >= the last step's); a PRM from its

@@ -10,6 +10,7 @@ checkpoints resumes from the previous one.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -17,7 +18,10 @@ import torch
 
 from meshrl.compat import awaited
 from meshrl.config import Config
+from meshrl.errors import first_line
 from meshrl.trainer.checkpoint import checkpoint_step, write_atomic
+
+log = logging.getLogger("meshrl")
 
 CHECKPOINT_FILE = "loop_state.pt"
 
@@ -111,6 +115,29 @@ async def export_hf(trainer, path: str, run_dir: str, tokenizer_dir: str) -> str
     path = await trainer.export_hf(path, lora_base_dir(run_dir))
     load_tokenizer(tokenizer_dir).save_pretrained(path)
     return path
+
+
+async def export_critic(critic, run_dir: str, tokenizer_dir: str) -> None:
+    """PPO's critic at hf/final-critic; one that fails is logged (its checkpoints keep its
+    state) and the policy's export goes on."""
+    try:
+        await export_hf(critic, os.path.join(run_dir, "hf", "final-critic"), run_dir, tokenizer_dir)
+    except Exception as e:  # noqa: BLE001
+        log.warning("the critic's export failed (%s: %s); its state is in its checkpoints", type(e).__name__, first_line(str(e), 200))
+
+
+async def export_scorers(scorers, run_dir: str, tokenizer_dir: str) -> list[dict]:
+    """Each implicit PRM at hf/final-NAME with its tokenizer, and its pi_ref where the run
+    exported it (ScorerPool.export_trained); each export's {"path", "reference", "version"}."""
+    from meshrl.tokenizer import load_tokenizer
+
+    hf_dir = os.path.join(run_dir, "hf")
+    done = await scorers.export_trained(hf_dir)
+    for d in done:
+        for path in (d["path"], d["reference"]):
+            if os.path.dirname(path) == os.path.abspath(hf_dir):  # a checkpoint the PRM started from keeps its own
+                load_tokenizer(tokenizer_dir).save_pretrained(path)
+    return done
 
 
 def how_to_resume(run_dir: str) -> str:

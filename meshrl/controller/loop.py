@@ -452,13 +452,12 @@ class RLLoop:
 
     # ---- the end -------------------------------------------------------------------------------
     async def export(self) -> str:
-        """The policy's final Hugging Face checkpoint (hf/final), and each trained model's beside
-        it (hf/final-NAME); PPO's critic as a token-classification model (hf/final-critic)."""
+        """The policy's final HF checkpoint (hf/final), each trained model's and implicit PRM's
+        beside it (hf/final-NAME), PPO's critic as a token classifier (hf/final-critic)."""
+        if self.scorers is not None:
+            await checkpoints.export_scorers(self.scorers, self.run_dir, self.tokenizer_dir)
         if self.critic is not None:
-            try:
-                await checkpoints.export_hf(self.critic, os.path.join(self.run_dir, "hf", "final-critic"), self.run_dir, self.tokenizer_dir)
-            except Exception as e:  # noqa: BLE001 - the policy's export goes on; the critic's checkpoints keep its state
-                log.warning("the critic's export failed (%s: %s); its state is in its checkpoints", type(e).__name__, first_line(str(e), 200))
+            await checkpoints.export_critic(self.critic, self.run_dir, self.tokenizer_dir)
         for p in self.partners:
             path = os.path.join(self.run_dir, "hf", f"final-{p.name}")
             await self._healing("export", lambda p=p, path=path: checkpoints.export_hf(p.trainer, path, self.run_dir, self.tokenizer_dir))

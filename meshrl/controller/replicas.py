@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from typing import Awaitable, Callable
 
 from meshrl.compat import awaited, settled, stopped_on_failure
@@ -317,6 +318,26 @@ class ScorerPool:
                 failed = await settled(m.actor.save_state.call_one(), timeout_s)
                 if failed is not None:
                     log.warning("scorer %s replica %d did not save its state (%s)", self.names[index], replica, first_line(str(failed), 200))
+
+    async def export_trained(self, hf_dir: str, timeout_s: float = 300.0) -> list[dict]:
+        """Each trained scorer (an implicit PRM, one replica) exported to `hf_dir`/final-NAME;
+        what each export returned (ImplicitPRM.export_hf). One that fails or does not answer is
+        logged and skipped: its saved state stays under checkpoints/."""
+        done = []
+        for (index, replica), m in sorted(self.members.items()):
+            if self.config.scoring.scorers[index].kind != "prm":
+                continue
+            path = os.path.join(hf_dir, f"final-{self.names[index]}")
+            try:
+                done.append(await asyncio.wait_for(awaited(m.actor.export_hf.call_one(path)), timeout_s))
+            except Exception as e:  # noqa: BLE001 - the policy's export goes on
+                log.warning(
+                    "scorer %s did not export (%s); its state is in checkpoints/prm-%s",
+                    self.names[index],
+                    first_line(str(e) or type(e).__name__, 200),
+                    self.names[index],
+                )
+        return done
 
     async def shutdown(self, stop_s: float = 60.0) -> None:
         await stop_members(list(self.members.values()), stop_s)

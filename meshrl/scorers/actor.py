@@ -75,6 +75,13 @@ class ScorerActor(Actor):
         return await asyncio.to_thread(save) if save is not None else None
 
     @concurrent_endpoint
+    async def export_hf(self, path: str) -> dict | None:
+        """A trained scorer (an implicit PRM) exported as a Hugging Face model at `path`
+        (ImplicitPRM.export_hf); None for a scorer that does not train."""
+        export = getattr(self.service.backend if self.service else None, "export_hf", None)
+        return await asyncio.to_thread(export, path) if export is not None else None
+
+    @concurrent_endpoint
     async def shutdown_engine(self) -> None:
         shutdown = getattr(self.service.backend if self.service else None, "shutdown", None)
         if shutdown is not None:

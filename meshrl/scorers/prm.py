@@ -30,6 +30,7 @@ not trained on); `before` trains first, as PRIME's recipe does, and scores with 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import threading
@@ -43,8 +44,8 @@ from meshrl.launch.devices import planned_gpu
 
 
 def build_causal_lm(config: Config, spec: ScorerConfig, device: str = "cpu"):
-    """The PRM's starting model on `device`: `spec.path` (a HF causal LM), else the policy's
-    starting weights (model.path, or build_model's seeded initialisation, as the trainer makes it)."""
+    """The PRM's starting model on `device` and its specs: `spec.path` (a HF causal LM), else the
+    policy's starting weights (model.path, or build_model's seeded initialisation, as the trainer makes it)."""
     from meshrl.config.hf import model_args_from_hf
     from meshrl.trainer.checkpoint import load_hf
     from meshrl.trainer.model import build_model
@@ -56,7 +57,7 @@ def build_causal_lm(config: Config, spec: ScorerConfig, device: str = "cpu"):
     model, specs = build_model(cfg, device, seed=config.seed, hf_overrides=overrides)
     if path is not None:
         load_hf(model, specs, path)
-    return model
+    return model, specs
 
 
 def group_items(episodes) -> list[dict]:
@@ -106,7 +107,9 @@ class ImplicitPRM:
         self.spec, self.beta = spec, spec.beta
         # the GPU the device plan started this proc seeing (beside a GPU trainer), else the CPU; float32 either way
         self.device = torch.device("cuda", 0) if planned_gpu() else torch.device("cpu")
-        self.model = build_causal_lm(config, spec, str(self.device)).train()
+        self.model, self.specs = build_causal_lm(config, spec, str(self.device))
+        self.model.train()
+        self.start_path = spec.path or config.model.path  # pi_ref's checkpoint, where it has one
         self.ref = copy.deepcopy(self.model).eval()
         for p in self.ref.parameters():
             p.requires_grad_(False)
@@ -205,6 +208,22 @@ class ImplicitPRM:
             os.replace(path + ".tmp", path)
             self._saved_at = time.monotonic()
             return path
+
+    def export_hf(self, path: str) -> dict:
+        """The PRM at its current version as a Hugging Face causal LM at `path` (float32, as it
+        trains), and `path/implicit_prm.json`: beta, the version, and pi_ref, without which its
+        log-probs are no reward. pi_ref is the checkpoint the PRM started from, or, where it
+        started from the policy's seeded initialisation, that frozen copy exported beside it
+        (`path`-reference). Returns {"path", "reference", "version"}."""
+        from meshrl.trainer.checkpoint import export_hf, write_atomic
+
+        with self._lock:
+            source = os.path.join(self.start_path, "config.json") if self.start_path else None
+            reference = os.path.abspath(self.start_path) if self.start_path else export_hf(self.ref, self.specs, path + "-reference", torch.float32)
+            out = export_hf(self.model, self.specs, path, torch.float32, source_config=source)
+            info = {"beta": self.beta, "version": self.version, "reference": reference}
+            write_atomic(os.path.join(out, "implicit_prm.json"), json.dumps(info, indent=2))
+            return {"path": out, "reference": reference, "version": self.version}
 
     def shutdown(self) -> None:
         self.save()
