@@ -33,7 +33,7 @@ from meshrl.rollout.sandbox import check_sandbox
 from meshrl.scorers.checks import check_reward_fn, check_scorer_files, probe_scorers
 from meshrl.tasks import needs_sandbox
 from meshrl.tokenizer import check_tokenizer, check_tokenizer_dir
-from meshrl.trainer.checks import check_lora, check_model, check_model_files, check_routed_experts, check_teacher
+from meshrl.trainer.checks import check_critic_files, check_lora, check_model, check_model_files, check_routed_experts, check_teacher
 
 
 def check(c: Config) -> None:
@@ -47,6 +47,7 @@ def check(c: Config) -> None:
     check_scorer_files(c)
     check_eval_source(c)
     check_teacher(c)
+    check_critic_files(c)
     check_lora(c)
     check_env(c)
     _each_model(c, check_model_files)

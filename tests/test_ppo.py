@@ -51,6 +51,7 @@ def gae_config(**sections) -> dict:
         (gae_config(critic={"epochs": 0}), "critic.epochs", "at least 1"),
         (gae_config(critic={"micro_batch_size": 0}), "critic.micro_batch_size", "at least 1"),
         (gae_config(critic={"timeout_s": 0}), "critic.timeout_s", "positive"),
+        (gae_config(critic={"path": "/some/critic", "init": "scratch"}), "critic.init", "already says where the critic starts"),
         (gae_config(critic={"timeout_s": 1500}), "trainer.collective_timeout_s", "critic.timeout_s"),
     ],
 )
@@ -96,6 +97,79 @@ def test_critic_starts_from_the_policys_weights_or_its_own():
     scratch = build_critic(config).model.state_dict()
     assert not torch.equal(scratch["tok_embeddings.weight"], policy["tok_embeddings.weight"])
     assert critic.epochs == 4 and critic.value_clip == 0.5
+
+
+def reward_model_checkpoint(path, vocab: int = 128, labels: int = 1, positions: int = 256) -> str:
+    """A random Qwen3 one-label sequence classifier (a reward model) of its own shape (hidden
+    48, one layer: not the default policy's 64 and two), saved as a HF checkpoint."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=24,
+        max_position_embeddings=positions,
+        num_labels=labels,
+        pad_token_id=0,
+    )
+    Qwen3ForSequenceClassification(cfg).save_pretrained(str(path))
+    return str(path)
+
+
+def test_critic_starts_from_a_checkpoint_of_its_own(tmp_path):
+    """critic.path: a critic exported by a run comes back whole (the same values); a reward
+    model of another shape gives its trunk and its score head (transformers' per-token scores
+    are the critic's values, one position on), is planned at its own shape, and exports as a
+    token classifier; what cannot serve is refused in one line before any mesh starts."""
+    from transformers import AutoModelForSequenceClassification
+
+    from meshrl.launch.memory import critic_holding
+    from meshrl.launch.shape import model_shape
+    from meshrl.preflight import check
+    from meshrl.trainer.critic_actor import build_critic
+    from tests.conftest import check_exported_critic
+    from tests.test_critic import toy_batch
+
+    batch = toy_batch(1, rows=6)
+    trained = build_critic(Config.from_dict(gae_config(seed=3)))
+    for _ in range(2):  # the head moves off zero
+        returns, old = trained.advantages(batch.clone())
+        trained.train_step(batch, returns, old)
+    exported = trained.export_hf(str(tmp_path / "final-critic"))
+    again = build_critic(Config.from_dict(gae_config(seed=5, critic={"path": exported})))
+    assert torch.allclose(again.values(batch), trained.values(batch), atol=1e-6) and trained.values(batch).abs().max() > 1e-3
+
+    rm_dir = reward_model_checkpoint(tmp_path / "rm")
+    config = Config.from_dict(gae_config(critic={"path": rm_dir}))
+    check(config)
+    critic = build_critic(config)
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    assert critic.model.tok_embeddings.weight.shape == (128, 48)
+    assert torch.equal(critic.model.lm_head.weight, rm.score.weight) and (critic.model.lm_head.bias == 0).all()
+    mask = batch["loss_mask"][:, 1:]
+    with torch.no_grad():
+        per_token = rm.score(rm.model(input_ids=batch["tokens"]).last_hidden_state)[..., 0]  # before the last-token pooling
+    assert torch.allclose(critic.values(batch)[:, 1:][mask], per_token[:, :-1][mask], atol=1e-4)
+    check_exported_critic(critic.export_hf(str(tmp_path / "from-rm")), critic.values(batch), batch)
+    # the memory plan counts the critic at the reward model's shape, not the policy's
+    policy_shape = model_shape(config)
+    assert critic_holding(config, policy_shape).total == critic_holding(Config.from_dict(gae_config()), model_shape(config, rm_dir)).total
+    assert critic_holding(config, policy_shape).total < critic_holding(Config.from_dict(gae_config()), policy_shape).total
+
+    for path, words in (
+        (tmp_path / "nowhere", "no config.json"),
+        (reward_model_checkpoint(tmp_path / "small-vocab", vocab=64), "vocabulary (64) is smaller than the policy's (128)"),
+        (reward_model_checkpoint(tmp_path / "short", positions=128), "max_position_embeddings=128 is under model.max_seq_len=256"),
+        (reward_model_checkpoint(tmp_path / "three", labels=3), "a classifier with 3 labels"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            check(Config.from_dict(gae_config(critic={"path": str(path)})))
+        assert info.value.field_path == "critic.path" and words in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
 def test_critic_epochs_are_optimizer_steps_on_one_batch_and_one_version():

@@ -168,7 +168,10 @@ def trainer_holding(config: Config, shape: Shape, rank: int, staging_on_gpu: boo
 def critic_holding(config: Config, shape: Shape) -> Holding:
     """PPO's critic: the policy's shape with a one-value head, trained in full on one proc
     (unsharded), no activation checkpointing, no KL reference, nothing staged for weight sync.
-    Counted as a trainer rank of that kind (its LM head counted whole: a little over)."""
+    Counted as a trainer rank of that kind (its LM head counted whole: a little over), at the
+    shape of `critic.path` where it names a checkpoint of its own."""
+    if config.critic.path is not None:
+        shape = model_shape(config, config.critic.path)
     return _one_proc_holding(config, shape, "critic", 0, config.critic.micro_batch_size, reference=False, dtype=config.trainer.compute_dtype)
 
 

@@ -1,6 +1,6 @@
 """The models' checks before a run starts: checkpoints, parallelism, LoRA, the teacher.
 
-`check_model_files`, `check_teacher` and `check_lora` need only the files a config names
+`check_model_files`, `check_teacher`, `check_critic_files` and `check_lora` need only the files a config names
 and the trainer's projection names; `check_model` reads the policy's checkpoint (it loads
 as one of the families meshrl builds, trainer.tp divides its heads, model.max_seq_len fits
 its positions, it has weights) and holds tensor and context parallelism and the dtype to
@@ -11,6 +11,7 @@ fix. Nothing here imports torch until a check needs it (LoRA's names), so that
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,54 @@ def check_teacher(c: Config) -> None:
             "distill.teacher",
             f"{di.teacher!r} is not a Hugging Face checkpoint directory (no config.json): give the teacher's local checkpoint, or null",
         )
+
+
+def check_critic_files(c: Config) -> None:
+    """critic.path, when set, is a checkpoint the critic can start from and read the policy's
+    tokens with: it loads as a family meshrl builds, has weights, covers the policy's
+    vocabulary and model.max_seq_len, and a classifier there has one label."""
+    path = c.critic.path
+    if path is None or c.trainer.loss.advantage != "gae":
+        return
+    need(
+        os.path.isfile(os.path.join(path, "config.json")),
+        "critic.path",
+        f"{path!r} is not a Hugging Face checkpoint directory (no config.json): give one, or null",
+    )
+    try:
+        shape = model_args_from_hf(path)[0]
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        policy = model_args_from_hf(c.model.path)[0] if c.model.path else c.model
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(
+            "critic.path",
+            f"{path!r} does not load as a checkpoint ({type(e).__name__}: {first_line(str(e))}): give a qwen3, qwen3_moe, llama or deepseek_v3 checkpoint",
+        ) from None
+    need(
+        any(n.endswith((".safetensors", ".bin")) for n in os.listdir(path)),
+        "critic.path",
+        f"{path!r} has a config.json but no weight files (*.safetensors): point it at a complete checkpoint",
+    )
+    need(
+        shape.vocab_size >= policy.vocab_size,
+        "critic.path",
+        f"its vocabulary ({shape.vocab_size}) is smaller than the policy's ({policy.vocab_size}): "
+        "the critic reads the policy's token ids, so it needs the policy's tokenizer",
+    )
+    need(
+        shape.max_seq_len >= c.model.max_seq_len,
+        "critic.path",
+        f"its max_position_embeddings={shape.max_seq_len} is under model.max_seq_len={c.model.max_seq_len}: "
+        "the critic values whole episodes; lower model.max_seq_len or give a longer checkpoint",
+    )
+    classifier = any(a.endswith(("ForTokenClassification", "ForSequenceClassification")) for a in hf.get("architectures") or [])
+    labels = len(hf.get("id2label") or {}) or hf.get("num_labels", 1)
+    need(
+        not classifier or labels == 1,
+        "critic.path",
+        f"a classifier with {labels} labels: a critic's value head has one; give a one-label classifier or a causal LM",
+    )
 
 
 def check_lora(c: Config) -> None:

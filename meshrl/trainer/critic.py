@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 import warnings
 from typing import Any, Mapping
@@ -76,7 +77,8 @@ def build_value_model(
 
     `init_from`: a TorchTitan-named state dict (a policy's `model.state_dict()`) or a HF
     checkpoint directory; every weight but the LM head is loaded from it (the head is the
-    value head's own). None with `model_config.path` set: that checkpoint, its sizes read
+    value head's own), and a one-label classifier's `score` head (a critic's, a reward
+    model's) becomes the value head. None with `model_config.path` set: that checkpoint, its sizes read
     from its config.json, as PolicyTrainer does. Tied embeddings are untied (the head no
     longer shares the embedding's shape). `specs.hf_config` still describes a causal LM;
     `export_value_model_hf` writes the value model's own.
@@ -97,8 +99,12 @@ def build_value_model(
     if isinstance(init_from, (str, os.PathLike)):
         from meshrl.trainer.checkpoint import read_hf_tensors
 
+        tensors = read_hf_tensors(init_from)
+        score = {k[len("score.") :]: tensors.pop(k) for k in [k for k in tensors if k.startswith("score.")]}
         adapter = specs.adapter_cls(specs.titan_config, str(init_from))
-        load_trunk(model, adapter.from_hf(read_hf_tensors(init_from)), str(init_from))
+        load_trunk(model, adapter.from_hf(tensors), str(init_from))
+        if score:  # a one-label classifier's head: a critic's (with its bias) or a reward model's (none: 0)
+            load_head(getattr(model, HEAD), score, str(init_from))
     elif init_from is not None:
         load_trunk(model, init_from, "the state dict")
     return model, specs
@@ -121,11 +127,22 @@ def export_value_model_hf(model: nn.Module, specs, out_dir: str | os.PathLike, d
         else:
             tensors.update({k: v.contiguous() for k, v in adapter.to_hf({name: full}).items()})
     config = hf_config(specs, dtype, source_config)
-    config["architectures"] = [a.replace("ForCausalLM", "ForTokenClassification") for a in config.get("architectures", [])]
+    # from a causal LM's config, or a reward model's (a sequence classifier) the critic started from
+    config["architectures"] = [re.sub(r"For\w+$", "ForTokenClassification", a) for a in config.get("architectures", [])]
     config.update(num_labels=1, id2label={"0": "VALUE"}, label2id={"VALUE": 0}, tie_word_embeddings=False)
     out = os.path.abspath(out_dir)
     write_hf_dir(tensors, config, out)
     return out
+
+
+def load_head(head: nn.Module, score: Mapping[str, torch.Tensor], source: str) -> None:
+    """A HF classifier's `score` weights (and bias, where it has one) into the value head."""
+    weight = score["weight"]
+    if tuple(weight.shape) != tuple(head.weight.shape):
+        raise ValueError(f"{source}: its score head is {tuple(weight.shape)}, a value head is {tuple(head.weight.shape)} (one label over the hidden size)")
+    with torch.no_grad():
+        head.weight.copy_(weight.to(head.weight.dtype))
+        head.bias.copy_(score["bias"].to(head.bias.dtype) if "bias" in score else torch.zeros_like(head.bias))
 
 
 def load_trunk(model: nn.Module, tensors: Mapping[str, torch.Tensor], source: str = "the state dict") -> None:

@@ -62,12 +62,15 @@ explained variance and means are those of the batch it scored, reported when it 
 
 
 def build_critic(config: Config, device: str = "cpu") -> CriticTrainer:
-    """The CriticTrainer `config.critic` describes, on `device` (`critic.init`: the policy's
-    starting weights, or the policy's shapes from seed + 1)."""
+    """The CriticTrainer `config.critic` describes, on `device` (`critic.path`: that
+    checkpoint; else `critic.init`: the policy's starting weights, or the policy's shapes from
+    seed + 1)."""
     from meshrl.trainer.parallelize import compute_dtype
 
     cc, model, overrides, seed = config.critic, config.model, None, config.seed
-    if cc.init == "scratch":
+    if cc.path is not None:
+        model = dataclasses.replace(model, path=cc.path)
+    elif cc.init == "scratch":
         seed = config.seed + 1
         if model.path is not None:  # the checkpoint's shapes, none of its weights
             from meshrl.config.hf import model_args_from_hf
