@@ -158,7 +158,10 @@ def test_lost_trainer_host_is_healed_on_a_spare_host(tmp_path):
     new trainer on the spare. The weights cross to the generators' host by the collective
     transport, whose group the heal re-creates while a generator may be taking a version
     from the dead trainer."""
-    run = run_and_kill(tmp_path / "run", procs=1, kill_ranks=[0], kill_host=True, launcher={"kind": "process", "hosts": 2, "spare_hosts": 1})
+    # launcher.host_timeout_s 10: the stand-in hosts are this machine's processes, whose agents
+    # answer in milliseconds; at Monarch's 60 s the silent host took a minute to be reported
+    launcher = {"kind": "process", "hosts": 2, "spare_hosts": 1, "host_timeout_s": 10}
+    run = run_and_kill(tmp_path / "run", procs=1, kill_ranks=[0], kill_host=True, launcher=launcher)
     check_healed(run)
     assert set(run["hosts"]) == {"trainer_0", "generator_0", "spare_0"}
     assert run["new_hosts"] == [run["hosts"]["spare_0"]] and run["spares_left"] == 0, run

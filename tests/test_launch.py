@@ -263,3 +263,4 @@ def test_slurm_signal_and_resubmit_knobs_are_checked():
     assert Config.from_dict({"launcher": {"kind": "slurm", "signal_before_s": 60}, "trainer": {"interrupt_checkpoint_timeout_s": 30}})
     assert "launcher.max_resubmits" in problem({"kind": "local", "max_resubmits": 1})
     assert "launcher.max_resubmits" in problem({"kind": "slurm", "max_resubmits": -1})
+    assert "launcher.host_timeout_s" in problem({"kind": "slurm", "host_timeout_s": 0.5})

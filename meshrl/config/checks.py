@@ -224,6 +224,11 @@ def _check_launcher(c: Config) -> None:
         f"launcher.kind={launcher.kind} runs on this host alone and has no hosts to spare: set it to 0, or use process, slurm or workers",
     )
     need(launcher.start_timeout_s > 0, "launcher.start_timeout_s", f"must be positive, got {launcher.start_timeout_s}")
+    need(
+        launcher.host_timeout_s >= 1,
+        "launcher.host_timeout_s",
+        f"must be at least 1 s (a host's agent answers within milliseconds when up), got {launcher.host_timeout_s}",
+    )
     parts = launcher.time_limit.split(":")
     need(len(parts) == 3 and all(p.isdigit() for p in parts), "launcher.time_limit", f"{launcher.time_limit!r} must look like HH:MM:SS")
     need(launcher.max_resubmits >= 0, "launcher.max_resubmits", f"must be at least 0, got {launcher.max_resubmits}")

@@ -14,7 +14,7 @@ import atexit
 import logging
 import signal
 import socket
-from typing import Any
+from typing import Any, Callable
 
 from monarch.actor import HostMesh, ProcMesh, this_host
 
@@ -37,9 +37,19 @@ coordinator and trainer) and on each proc mesh's stop and host mesh's shutdown h
 answer nothing, Monarch's own wait for a stop there is longer, and the job's kill that
 follows ends whatever they left."""
 HOST_PROBE_S = 20.0
-"""How long a host has to start a bare proc (Monarch's bootstrap, no torch) before it counts
-as lost: a spawn on a host that is gone waits forever, and a loaded live one answers within
-seconds."""
+"""How long a host has at most to start a bare proc (Monarch's bootstrap, no torch) before it
+counts as lost (and no longer than launcher.host_timeout_s): a spawn on a host that is gone
+waits forever, and a loaded live one answers within seconds."""
+
+
+def host_timeout(seconds: float) -> Callable[[], None]:
+    """Monarch's bound on a host's silence (`get_proc_state_max_idle`) set for this process,
+    whose mesh controllers query the hosts; returns what puts the previous one back."""
+    import monarch.config
+
+    before = monarch.config.get_global_config().get("get_proc_state_max_idle")
+    monarch.config.configure(get_proc_state_max_idle=f"{round(seconds * 1000)}ms")
+    return lambda: monarch.config.configure(get_proc_state_max_idle=before) if before else None
 
 
 def with_env(envs: list[dict[str, str]]):
@@ -119,6 +129,8 @@ class Allocation:
         self._watch: SignalWatch | None = None  # slurm: relays Slurm's SIGTERM to this process
         self._started = False
         self._stopped = False
+        self._restore_host_timeout: Callable[[], None] | None = None
+        self._probe_stops: set = set()  # stops of probes a lost host never answered: not waited for
 
     def bootstrap(self, role: str, indices: list[int] | None = None):
         """The `bootstrap_command` for procs of `role` (one per index; `coord` and the rollout
@@ -131,6 +143,7 @@ class Allocation:
         if self._started:
             return self
         self._started = True
+        self._restore_host_timeout = host_timeout(self.config.launcher.host_timeout_s)
         if self.kind in ("local", "torchx"):
             host = this_host()
             self._roles = {role: host for role in ROLES}
@@ -179,6 +192,9 @@ class Allocation:
             self._procs.clear()
             self._kill_job()
             self._restore_sigterm()
+            if self._restore_host_timeout is not None:
+                self._restore_host_timeout()
+                self._restore_host_timeout = None
 
     async def __aenter__(self) -> "Allocation":
         return await self.start()
@@ -217,17 +233,22 @@ class Allocation:
         h = index % mesh.sizes["hosts"]
         return mesh.slice(hosts=slice(h, h + 1))
 
-    async def answers(self, role: str, timeout: float = HOST_PROBE_S) -> bool:
-        """Whether every host of `role` still starts a proc: a bare one is spawned on each
+    async def answers(self, role: str, timeout: float | None = None) -> bool:
+        """Whether every host of `role` still starts a proc within `timeout` (default
+        HOST_PROBE_S, or launcher.host_timeout_s if shorter): a bare one is spawned on each
         (no actor, no torch) and stopped. A host that is gone never answers the spawn."""
+        timeout = min(HOST_PROBE_S, self.config.launcher.host_timeout_s) if timeout is None else timeout
         probe = self.host_mesh(role).spawn_procs(per_host={"procs": 1}, name="host_probe")
         try:
             await asyncio.wait_for(awaited(probe.initialized), timeout)
-            return True
         except Exception:  # noqa: BLE001 - timed out, or refused: a host is gone
+            # its stop never ends there (the job's stop takes the proc): not waited for
+            stop = asyncio.ensure_future(settled(probe.stop(), 5))
+            self._probe_stops.add(stop)
+            stop.add_done_callback(self._probe_stops.discard)
             return False
-        finally:
-            await settled(probe.stop(), 5)  # on a lost host it never ends: the job's stop takes it
+        await settled(probe.stop(), 5)
+        return True
 
     def spares_left(self) -> int:
         mesh = self._owned.get(SPARE_MESH)
