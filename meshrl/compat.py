@@ -263,6 +263,34 @@ def vllm_async_llm(engine_args):
         return AsyncLLM.from_vllm_config(config, **kwargs)
 
 
+def vllm_engine_holds_sigterm(holder, hold: bool) -> bool:
+    """Keep SIGTERM ignored in a vLLM engine process (`hold`), or give vLLM its own handler
+    back (not `hold`, before the engine's shutdown, which stops its processes with SIGTERM).
+
+    Why: vLLM's engine core (and each worker process it spawns) installs a SIGTERM handler that
+    shuts the engine down, over the SIG_IGN it inherits. Under Slurm, whose warning SIGTERM
+    (time limit, preemption, `scancel --signal=TERM`) reaches every process of the job, every
+    engine then died at once while the run was still finishing its step: in-flight requests
+    were aborted, and a weight update under way hung until weight_sync.timeout_s, holding
+    the trainer and the interrupt checkpoint behind it (meshrl.launch.slurm_worker leaves
+    SIGTERM to the controller for every other proc). Runs as a worker RPC, which vLLM executes
+    in the process's main thread; returns whether it could (only there can a handler be set).
+    A one-worker engine runs its worker in the engine-core process (on CPU, as the suite runs
+    it), so both are covered; with several worker processes (tp > 1) the engine core is not.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if hold:
+        holder._meshrl_vllm_sigterm = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    elif getattr(holder, "_meshrl_vllm_sigterm", None) is not None:
+        signal.signal(signal.SIGTERM, holder._meshrl_vllm_sigterm)
+        holder._meshrl_vllm_sigterm = None
+    return True
+
+
 def vllm_runs_lora_on(moe: bool) -> bool:
     """Whether the generators can run the policy's LoRA adapter (adapter-only weight sync).
 

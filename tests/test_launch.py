@@ -159,6 +159,46 @@ def test_sigterm_to_the_controller_kills_its_hosts(tmp_path):
             proc.wait(timeout=10)
 
 
+ENGINE_UNDER_SLURM = """
+import os, signal, sys, threading, time
+from meshrl.compat import vllm_engine_holds_sigterm
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as slurm_worker starts every proc of the job
+
+
+def vllm_handler(signum, frame):  # what vLLM's engine core installs over it: shut down
+    print("engine shut down", flush=True)
+    sys.exit(3)
+
+
+signal.signal(signal.SIGTERM, vllm_handler)
+holder, off_main = type("Worker", (), {})(), []
+threading.Thread(target=lambda: off_main.append(vllm_engine_holds_sigterm(holder, True))).start()
+time.sleep(0.2)
+print("off the main thread:", off_main, flush=True)
+assert vllm_engine_holds_sigterm(holder, True)
+os.kill(os.getpid(), signal.SIGTERM)  # Slurm's warning
+time.sleep(0.2)
+print("engine alive", flush=True)
+assert vllm_engine_holds_sigterm(holder, False)  # before meshrl shuts it down
+os.kill(os.getpid(), signal.SIGTERM)  # vLLM's own shutdown
+time.sleep(2)
+print("not reached", flush=True)
+"""
+
+
+def test_an_engine_under_slurm_outlives_the_warning_sigterm_and_still_stops_on_its_own():
+    """compat.vllm_engine_holds_sigterm in a process shaped like vLLM's engine core under
+    slurm_worker: SIGTERM ignored from the start, then vLLM's handler over it. Held, Slurm's
+    SIGTERM leaves it running; released, vLLM's handler is back for its shutdown; off the
+    main thread nothing can be set and it says so."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", ENGINE_UNDER_SLURM], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["off the main thread: [False]", "engine alive", "engine shut down"], out.stdout
+
+
 def test_local_gives_this_host_to_every_role(tmp_path):
     async def main():
         alloc = allocate(_config(tmp_path, kind="local"))

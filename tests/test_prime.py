@@ -31,6 +31,7 @@ def prm_config(*scorers, **sections) -> dict:
         (prm_config({"kind": "prm", "process": "step"}), "scoring.scorers[0].process", "every model token"),
         (prm_config({"kind": "prm", "beta": 0}), "scoring.scorers[0].beta", "positive"),
         (prm_config({"kind": "prm", "lr": float("nan")}), "scoring.scorers[0].lr", "positive"),
+        (prm_config({"kind": "prm", "train_accuracy": [0.8, 0.2]}), "scoring.scorers[0].train_accuracy", "low <= high"),
         (prm_config({"kind": "prm"}, {"kind": "function", "path": "m:f", "process": "turn"}), "scoring.scorers", "one process baseline"),
         (prm_config(trainer={"loss": {"advantage": "gae"}}), "scoring.scorers[0].kind", "PPO's critic"),
     ],
@@ -181,6 +182,30 @@ def test_prm_exports_as_a_hf_causal_lm_whose_log_ratio_is_its_reward(tmp_path):
     assert not os.path.exists(str(tmp_path / "hf2" / "final-prm-reference"))
 
 
+def test_accuracy_filter_trains_on_the_groups_in_band_only(tmp_path):
+    """train_accuracy [0.2, 0.8] (PRIME's): of three groups (all right, half right, all wrong)
+    the PRM's step is the step it takes on the half-right group alone; every item is still
+    scored; a batch with no group in band takes no step. Off ([0, 1]) it trains on all."""
+    items = toy_items(12)
+    for i, it in enumerate(items):
+        it["group"] = i // 4
+        it["outcome"] = {0: 1.0, 1: float(i % 2), 2: 0.0}[i // 4]
+    filtered, _ = make_prm(tmp_path / "a", lr=2e-2, train_accuracy=[0.2, 0.8])
+    alone, _ = make_prm(tmp_path / "b", lr=2e-2)
+    everything, _ = make_prm(tmp_path / "c", lr=2e-2)
+    results, trained = filtered.score_batch(items)
+    alone.score_batch(items[4:8])
+    everything.score_batch(items)
+    assert len(results) == 12 and all(r["score"] is not None for r in results)
+    assert trained["trained_frac"] == pytest.approx(1 / 3) and filtered.version == 1
+    for n, t in filtered.model.state_dict().items():
+        assert torch.allclose(t, alone.model.state_dict()[n], atol=1e-6), n
+    assert any(not torch.allclose(t, everything.model.state_dict()[n]) for n, t in filtered.model.state_dict().items())
+    none_in_band = [dict(it, group=0, outcome=1.0) for it in items]
+    _, trained = filtered.score_batch(none_in_band)
+    assert trained == {"trained_frac": 0.0} and filtered.version == 1
+
+
 def test_update_before_scores_with_the_version_that_trained_on_the_batch(tmp_path):
     prm, _ = make_prm(tmp_path, update="before")
     results, trained = prm.score_batch(toy_items())
@@ -213,7 +238,7 @@ def test_group_items_score_model_tokens_only():
 
     ep = Episode(0, 0, [Turn("env", [1, 2]), Turn("model", [5, 6], [0.0] * 2, [0] * 2, reward=1.0), Turn("env", [9]), Turn("model", [7], [0.0], [0])])
     ep.signals["env"] = 1.0
-    assert group_items([ep]) == [{"token_ids": [1, 2, 5, 6, 9, 7], "positions": [2, 3, 5], "outcome": 1.0}]
+    assert group_items([ep]) == [{"token_ids": [1, 2, 5, 6, 9, 7], "positions": [2, 3, 5], "outcome": 1.0, "group": 0}]
 
 
 # ---- advantages: separate leave-one-out baselines, summed ----------------------------------

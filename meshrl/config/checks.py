@@ -333,6 +333,12 @@ def _check_prm(c: Config, sc, path: str) -> None:
     """An implicit PRM's values, and what it cannot combine with (docs/coevolve.md, PRIME)."""
     need(math.isfinite(sc.beta) and sc.beta > 0, f"{path}.beta", f"must be a positive number, got {sc.beta}")
     need(math.isfinite(sc.lr) and sc.lr > 0, f"{path}.lr", f"must be a positive number, got {sc.lr}")
+    band = sc.train_accuracy
+    need(
+        len(band) == 2 and 0 <= band[0] <= band[1] <= 1,
+        f"{path}.train_accuracy",
+        f"must be [low, high] with 0 <= low <= high <= 1 (shares of a group's successful episodes), got {band}",
+    )
     need(
         sc.replicas == 1,
         f"{path}.replicas",

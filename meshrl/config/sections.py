@@ -174,6 +174,8 @@ class ScorerConfig:
     """`prm`: AdamW learning rate of the PRM's one step per scored batch (1e-3 suits the tiny default model; PRIME used 1e-6 on 7B checkpoints)."""
     update: Literal["after", "before"] = "after"
     """`prm`: when the PRM trains on a batch's outcomes: `after` scoring it (its scores come from a PRM that has not seen those outcomes), or `before` (PRIME's default: the PRM fits the batch, then scores it)."""
+    train_accuracy: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    """`prm`: PRIME's accuracy filter. The PRM trains only on the groups whose share of successful episodes (outcome above 0.5) lies in this closed range [low, high]; every group is still scored. PRIME used [0.2, 0.8]: a group all right or all wrong says nothing about which of its steps mattered. A batch with no such group takes no step (the version stays). [0, 1]: every group (the default)."""
 
 
 @dataclass

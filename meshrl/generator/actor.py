@@ -181,6 +181,7 @@ class GeneratorActor(Actor):
             return
         try:
             await self.generator.stop(10.0)
+            await self.generator.release_sigterm()
         finally:
             self.generator.shutdown()
             self.generator = None

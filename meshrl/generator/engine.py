@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 import torch
@@ -124,6 +125,8 @@ class VLLMEngine:
         V1 runner, the CPU one, returns none) instead of vLLM's own (runner V2, GPU)."""
         self.routing_shape: tuple[int, int] | None = None
         """[layers, top-k] of one token's captured routing (set by `start`)."""
+        self.holds_sigterm = False
+        """Whether the engine's processes keep SIGTERM ignored (`start`, compat.vllm_engine_holds_sigterm)."""
 
     # ---- lifecycle ------------------------------------------------------------------------
     def engine_args(self):
@@ -189,10 +192,22 @@ class VLLMEngine:
             raise TimeoutError(f"vLLM engine took {elapsed:.0f}s to start (generator.startup_timeout_s={self.gen.startup_timeout_s})")
         self.loop = asyncio.get_running_loop()  # the loop `self.llm` serves (other threads submit to it)
         await self.llm.collective_rpc("meshrl_no_collection_at_exit")
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:  # SIGTERM is the controller's (launch/slurm_worker.py): the engine keeps it so
+            self.holds_sigterm = all(await self.llm.collective_rpc("meshrl_hold_sigterm", args=(True,)))
         if self.capture_routing:
             self.routing_shape = tuple((await self.llm.collective_rpc("meshrl_capture_routing"))[0])
         await self.set_version(version)
         return elapsed
+
+    async def release_sigterm(self, timeout_s: float = 5.0) -> None:
+        """vLLM's own SIGTERM handler back in the engine's processes, before `shutdown` stops
+        them with SIGTERM (else they would wait out vLLM's grace and be killed)."""
+        if self.llm is not None and self.holds_sigterm:
+            try:
+                await asyncio.wait_for(self.llm.collective_rpc("meshrl_hold_sigterm", args=(False,)), timeout_s)
+                self.holds_sigterm = False
+            except Exception:  # noqa: BLE001 - a dead or stuck engine is killed by vLLM's shutdown anyway
+                pass
 
     def shutdown(self) -> None:
         if self.llm is not None:

@@ -109,6 +109,9 @@ class Generator:
     def version(self) -> int:
         return self.engine.version
 
+    async def release_sigterm(self) -> None:
+        await self.engine.release_sigterm()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

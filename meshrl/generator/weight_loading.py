@@ -302,6 +302,12 @@ class MeshrlWorkerExtension:
 
         no_collection_at_exit()
 
+    def meshrl_hold_sigterm(self, hold: bool) -> bool:
+        """SIGTERM kept ignored in this engine process, or vLLM's handler back (compat.py)."""
+        from meshrl.compat import vllm_engine_holds_sigterm
+
+        return vllm_engine_holds_sigterm(self, hold)
+
     def meshrl_set_logit_scale(self, scale: float) -> int:
         """Multiply the logits by `scale` (relative to the model's own logit scale): a scoring
         engine's logit temperature (VLLMEngine.set_logit_temperature). vLLM's LogitsProcessor

@@ -154,7 +154,7 @@ class EpisodeScorers:
                 ep.signals[name] = result["prob"]  # the PRM's P(outcome = 1): sigmoid of its summed rewards
                 ep.signals[f"{name}/version"] = float(result["version"])
                 ep.signals[f"{name}/version_lag"] = float(result["version"] - seen.get(index, 0))
-                for key in ("loss", "accuracy", "train_loss", "grad_norm"):
+                for key in ("loss", "accuracy", "train_loss", "grad_norm", "trained_frac"):
                     if key in result:
                         ep.signals[f"{name}/{key}"] = result[key]
 

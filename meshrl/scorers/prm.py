@@ -70,8 +70,19 @@ def group_items(episodes) -> list[dict]:
             if turn.role == "model":
                 positions += range(at, at + len(turn.token_ids))
             at += len(turn.token_ids)
-        items.append({"token_ids": list(ep.token_ids), "positions": positions, "outcome": float(ep.signals.get("env", ep.reward))})
+        items.append({"token_ids": list(ep.token_ids), "positions": positions, "outcome": float(ep.signals.get("env", ep.reward)), "group": ep.group_id})
     return items
+
+
+def in_band(items: list[dict], band) -> torch.Tensor:
+    """[B] True for each item whose group's share of successful episodes (outcome > 0.5)
+    lies in the closed range `band` (PRIME's accuracy filter); items without a group are one group each."""
+    groups: dict = {}
+    for i, it in enumerate(items):
+        groups.setdefault(it.get("group", ("item", i)), []).append(float(it["outcome"]) > 0.5)
+    share = {g: sum(wins) / len(wins) for g, wins in groups.items()}
+    low, high = band
+    return torch.tensor([low <= share[it.get("group", ("item", i))] <= high for i, it in enumerate(items)])
 
 
 def note_process_terms(group, episodes, name: str) -> None:
@@ -143,8 +154,16 @@ class ImplicitPRM:
             ref, _ = token_logprobs(self.ref, tokens, mask)
         return torch.where(mask, self.beta * (lp - ref), torch.zeros_like(lp))
 
-    def train(self, tokens: torch.Tensor, mask: torch.Tensor, outcome: torch.Tensor) -> dict:
-        """One AdamW step of BCE(sigmoid(sum_t q_t), outcome) over the batch; version + 1."""
+    def train(self, tokens: torch.Tensor, mask: torch.Tensor, outcome: torch.Tensor, keep: torch.Tensor | None = None) -> dict:
+        """One AdamW step of BCE(sigmoid(sum_t q_t), outcome) over the batch's rows `keep`
+        (default all; PRIME's accuracy filter, `in_band`); version + 1. No row kept: no step."""
+        if keep is not None:
+            if not bool(keep.any()):
+                return {"trained_frac": 0.0}
+            frac = float(keep.float().mean())
+            tokens, mask, outcome = tokens[keep], mask[keep], outcome[keep]
+        else:
+            frac = 1.0
         self.optimizer.zero_grad(set_to_none=True)
         logit = self.rewards(tokens, mask).sum(1)
         loss = F.binary_cross_entropy_with_logits(logit, outcome)
@@ -152,7 +171,7 @@ class ImplicitPRM:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.version += 1
-        return {"train_loss": loss.item(), "grad_norm": norm.item()}
+        return {"train_loss": loss.item(), "grad_norm": norm.item(), "trained_frac": frac}
 
     def score_batch(self, items: list[dict]) -> tuple[list[dict], dict]:
         """Per item {"score": [q_t at each of its positions], "version", "loss", "accuracy",
@@ -162,9 +181,10 @@ class ImplicitPRM:
 
     def _score_batch(self, items: list[dict]) -> tuple[list[dict], dict]:
         tokens, mask, _, outcome = (t.to(self.device) for t in rows(items))
+        keep = None if list(self.spec.train_accuracy) == [0.0, 1.0] else in_band(items, self.spec.train_accuracy).to(self.device)
         trained: dict = {}
         if self.spec.update == "before":
-            trained = self.train(tokens, mask, outcome)
+            trained = self.train(tokens, mask, outcome, keep)
         version = self.version
         with torch.no_grad():
             q = self.rewards(tokens, mask)
@@ -173,7 +193,7 @@ class ImplicitPRM:
         loss = F.binary_cross_entropy_with_logits(logit, outcome, reduction="none")
         correct = (logit > 0) == (outcome > 0.5)
         if self.spec.update == "after":
-            trained = self.train(tokens, mask, outcome)
+            trained = self.train(tokens, mask, outcome, keep)
         results = []
         for i, it in enumerate(items):
             values = [float(q[i, p]) if p > 0 else 0.0 for p in it["positions"]]
