@@ -127,6 +127,14 @@ def test_two_nodes_train_and_resubmit_after_slurms_sigterm(slurm_cluster, tmp_pa
     assert versions == sorted(versions) and versions[-1] >= 5, versions  # node b's generators got every new version
     jobs = sorted(f.split("_")[1] for f in os.listdir(run_dir / "slurm") if f.endswith(".out"))
     assert len(jobs) == 2 and first_job in jobs, jobs  # a second allocation finished the run
+    # Slurm's SIGTERM did not stop the first allocation's vLLM engine (its own handler did that,
+    # aborting its requests, before compat.vllm_engine_holds_sigterm): the engine core's only
+    # SIGTERM is the one vLLM's shutdown sent when meshrl stopped it, after its requests ended
+    first = "".join(open(run_dir / "slurm" / f).read() for f in os.listdir(run_dir / "slurm") if f.startswith(f"slurm_{first_job}_"))
+    assert "(EngineCore pid=" in first, first[-3000:]  # the engine core's own lines are here
+    stopped_by = first.count("EngineCore: trigger received signal=SIGTERM")
+    assert stopped_by <= first.count("Process manager: send sigterm to process EngineCore"), first[-3000:]
+    assert "aborting in-flight requests" not in first, first[-3000:]
     assert leftovers(slurm_cluster) == {"jobs": [], "a": [], "b": []}
     print(f"Slurm SIGTERM at step {stopped[0].split()[4]}, resubmitted, trainer healed ({healed[0]}), finished: {time.monotonic() - t0:.0f} s")
 
