@@ -234,7 +234,8 @@ def test_a_lost_node_stops_the_run_resumably(slurm_cluster, tmp_path):
     run stops with one line naming `meshrl run --resume RUN_DIR`, a checkpoint is there, and
     once the node is back nothing of the job is left. (Last in this module: it takes a node down.)"""
     run_dir = tmp_path / "run"
-    cfg = slurm_config(run_dir, steps=8, trainer={"checkpoint_every": 2, "interrupt_checkpoint_timeout_s": 30})
+    # launcher.host_timeout_s 15: the nodes are network namespaces of this machine (see test_multihost.py)
+    cfg = slurm_config(run_dir, steps=8, trainer={"checkpoint_every": 2, "interrupt_checkpoint_timeout_s": 30}, launcher={"host_timeout_s": 15})
     controller = start_controller(slurm_cluster, tmp_path, "lost", [write_config(tmp_path, "lost", cfg)])
     wait_rows(run_dir, controller, 3)
     slurm_cluster.hosts.kill("b")
