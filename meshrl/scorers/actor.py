@@ -83,7 +83,11 @@ class ScorerActor(Actor):
 
     @concurrent_endpoint
     async def shutdown_engine(self) -> None:
-        shutdown = getattr(self.service.backend if self.service else None, "shutdown", None)
+        backend = self.service.backend if self.service else None
+        release = getattr(backend, "release_sigterm", None)  # a judge's engine: vLLM's SIGTERM handler back first (compat.py)
+        if release is not None:
+            await release()
+        shutdown = getattr(backend, "shutdown", None)
         if shutdown is not None:
             shutdown()
         self.service = None

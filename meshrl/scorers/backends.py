@@ -220,6 +220,9 @@ class Judge:
             for r in replies
         ]
 
+    async def release_sigterm(self) -> None:
+        await self.engine.release_sigterm()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
