@@ -133,10 +133,13 @@ async def export_scorers(scorers, run_dir: str, tokenizer_dir: str) -> list[dict
 
     hf_dir = os.path.join(run_dir, "hf")
     done = await scorers.export_trained(hf_dir)
-    for d in done:
-        for path in (d["path"], d["reference"]):
-            if os.path.dirname(path) == os.path.abspath(hf_dir):  # a checkpoint the PRM started from keeps its own
-                load_tokenizer(tokenizer_dir).save_pretrained(path)
+    ours = [
+        p for d in done for p in (d["path"], d["reference"]) if os.path.dirname(p) == os.path.abspath(hf_dir)
+    ]  # a checkpoint the PRM started from keeps its own
+    if ours:
+        tokenizer = load_tokenizer(tokenizer_dir)  # read once for every directory it goes to
+        for path in ours:
+            tokenizer.save_pretrained(path)
     return done
 
 
