@@ -38,21 +38,21 @@ from meshrl.trainer.checks import check_critic_files, check_lora, check_model, c
 
 def check(c: Config) -> None:
     """The domain checks of a built config (reads files, writes none); raise the first problem."""
-    check_model_files(c)
-    check_tokenizer_dir(c)
-    if c.buffer.sampling not in ("fifo", "random"):
-        check_import("buffer.sampling", c.buffer.sampling, "'fifo', 'random' or a sampling function")
-    check_reward_fn(c)
+    # Ordered from the highest layer down (data, scorers, models, rollout, tokenizer), so that
+    # no check runs below the next one: each component's own checks, in their modules.
     check_data(c)
-    check_scorer_files(c)
     check_eval_source(c)
+    check_reward_fn(c)
+    check_scorer_files(c)
+    check_model_files(c)
     check_teacher(c)
     check_critic_files(c)
     check_lora(c)
-    check_env(c)
     _each_model(c, check_model_files)
-    if c.rollout.tool_parser not in ("hermes", "compact"):
-        check_import("rollout.tool_parser", c.rollout.tool_parser, "'hermes', 'compact' or a parser function")
+    check_env(c)
+    if c.buffer.sampling not in ("fifo", "random"):
+        check_import("buffer.sampling", c.buffer.sampling, "'fifo', 'random' or a sampling function")
+    check_tokenizer_dir(c)
 
 
 def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:

@@ -105,6 +105,8 @@ class Task:
     """multi-turn: (run Config) -> a fresh env for one episode"""
     sandbox: bool = False
     """the task runs model-written code (meshrl/rollout/sandbox.py): preflight checks the sandbox"""
+    game: bool = False
+    """its env is a game whose turns several trained models speak (meshrl/rollout/game.py)"""
 
     def sample(self, rng: random.Random, data: DataConfig | None = None) -> dict[str, Any]:
         return self.make(rng, data or DataConfig())
@@ -418,7 +420,7 @@ TASKS: dict[str, Task] = {
     "guess": Task("guess", _make_guess, env=GuessEnv),
     "longtail": Task("longtail", _make_longtail, longtail_reward),
     "longtail_chat": Task("longtail_chat", _make_longtail_chat, env=LongtailChatEnv),
-    "propose": Task("propose", _make_propose, env=ProposeSolveGame),
+    "propose": Task("propose", _make_propose, env=ProposeSolveGame, game=True),
 }
 
 

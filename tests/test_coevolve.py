@@ -5,11 +5,13 @@ tagged with their model, advantages within (group, model), each model's rows, th
 refusals, per-model metrics and task:propose's rewards. One whole run of
 configs/coevolve.yaml (the proposer and the solver, each with its own trainer proc, vLLM
 engine and weight sync) has the proposer's generator killed part-way, then its trainer, and
-is resumed for one more step; several tests read it.
+is resumed for one more step on the process launcher's two stand-in hosts; several tests
+read it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -134,11 +136,23 @@ def test_trained_models_config_view_and_refusals():
         "models[0].generator.group_size": {"models": [{"name": "a", "generator": {"group_size": 2}}]},
         "trainer.loss.advantage": {"models": [{"name": "a"}], "trainer": {"loss": {"advantage": "gae"}}},
         "placement": {"models": [{"name": "a"}], "placement": "colocate"},
+        "launcher.kind": {"models": [{"name": "a"}], "launcher": {"kind": "workers", "workers": ["10.0.0.2:26600"], "address": "10.0.0.1"}},
+        # evaluation plays the policy alone: a held-out source of its own, not the game
+        "eval.source": {"models": [{"name": "a"}], "data": {"source": "task:propose"}, "eval": {"every": 5}},
     }
     for field, data in bad.items():
         with pytest.raises(ConfigError) as e:
             Config.from_dict(data)
         assert e.value.field_path == field, (field, str(e.value))
+    for kind in ("process", "slurm"):  # the launchers several trained models run on, beside local
+        Config.from_dict({"models": [{"name": "a"}], "launcher": {"kind": kind, "hosts": 2}})
+    for source in ("data.jsonl", "task:propose"):  # a file is scored by the run's reward (the game's); the game itself
+        with pytest.raises(ConfigError) as e:
+            config = Config.from_dict({"models": [{"name": "a"}], "data": {"source": "task:propose"}, "eval": {"every": 5, "source": source}})
+            from meshrl.data_checks import check_eval_source
+
+            check_eval_source(config)
+        assert e.value.field_path == "eval.source", str(e.value)
 
 
 def test_task_propose_rewards_learnability_and_feeds_the_solver_on_a_bad_proposal():
@@ -168,7 +182,10 @@ STEPS, KILL_AFTER, KILL_TRAINER_AFTER = 30, 12, 20
 @pytest.fixture(scope="module")
 def coevolved(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("coevolve") / "run"
-    config = Config.from_yaml(os.path.join(os.path.dirname(__file__), "..", "configs", "coevolve.yaml"), [f"logging.run_dir={run_dir}"])
+    # the solver (the policy) also evaluated alone on task:digits every 10 steps, as Absolute Zero
+    # evaluates its solver on held-out problems while the game trains it
+    evaluation = ["eval.every=10", "eval.source=task:digits", "eval.num_prompts=8", "eval.k=1"]
+    config = Config.from_yaml(os.path.join(os.path.dirname(__file__), "..", "configs", "coevolve.yaml"), [f"logging.run_dir={run_dir}", *evaluation])
     session = meshrl.Session(config)
     try:
         session.start()
@@ -188,7 +205,9 @@ def coevolved(tmp_path_factory):
         result = session.finish()
     finally:
         session.stop()
-    resumed = meshrl.run(resume=str(run_dir), overrides=[f"steps={STEPS + 1}"])  # each model restored at the policy's version
+    # each model restored at the policy's version, the run moved onto the process launcher's two
+    # stand-in hosts: every trainer on the trainer host, every engine on the generator host
+    resumed = meshrl.run(resume=str(run_dir), overrides=[f"steps={STEPS + 1}", "launcher.kind=process", "launcher.hosts=2"])
     return {
         "rows": rows,
         "queue": queue,
@@ -196,6 +215,7 @@ def coevolved(tmp_path_factory):
         "checkpointed": checkpointed,
         "result": result,
         "resumed": [r for r in resumed.metrics if "version" in r],
+        "resumed_launcher": (lambda la: (la.kind, la.hosts))(Config.from_yaml(os.path.join(run_dir, "config.yaml")).launcher),  # as the resumed run wrote it
         "trainer_pids": (trainer_pid, new_trainer_pid),
         "run_dir": str(run_dir),
         "leftovers": wait_no_children(),
@@ -217,6 +237,18 @@ def test_both_models_rewards_rise_from_their_first_tenth(coevolved):
     for key, margin in (("reward/mean", 0.4), ("proposer/reward/mean", 0.03)):
         first, last = _tenths(rows, key)
         assert last - first > margin, (key, first, last)
+
+
+@pytest.mark.slow
+def test_the_policy_is_evaluated_alone_on_a_held_out_task(coevolved):
+    with open(os.path.join(coevolved["run_dir"], "metrics.jsonl")) as f:  # evaluations are rows of their own
+        evals = [r for r in map(json.loads, f) if "eval/greedy_reward" in r]
+    assert [int(r["step"]) for r in evals] == [10, 20, 30, STEPS + 1]  # every 10 steps and each run's last
+    assert all(r["eval/prompts"] == 8 and r["eval/failed"] == 0 for r in evals)
+    assert all(r["eval/version_min"] >= r["step"] - 3 for r in evals)  # played by recent policy versions
+    # The solver writes digits by then (its training reward ends near 0.98); task:digits rewards the
+    # share of digits in its answer: 1.0 at every evaluation of one run, 0.42 at step 5 and 1.0 at step 10 of a 10-step one
+    assert evals[-1]["eval/greedy_reward"] > 0.5, [r["eval/greedy_reward"] for r in evals]
 
 
 @pytest.mark.slow
@@ -264,6 +296,7 @@ def test_each_model_is_checkpointed_exported_and_resumed(coevolved):
     for name in ("final", "final-proposer"):
         assert os.path.isfile(os.path.join(coevolved["run_dir"], "hf", name, "config.json"))
     assert os.path.isdir(os.path.join(coevolved["run_dir"], "models", "proposer", "hf", "v0"))  # its generators' first weights
-    (after,) = coevolved["resumed"][-1:]  # the resumed run's one step: both models went on from step STEPS
+    assert coevolved["resumed_launcher"] == ("process", 2)
+    (after,) = coevolved["resumed"][-1:]  # the resumed run's one step, on two hosts: both models went on from step STEPS
     assert int(after["version"]) == STEPS + 1 and "proposer/trainer/loss" in after
     assert after["proposer/trainer/lr"] == coevolved["rows"][-1]["proposer/trainer/lr"]

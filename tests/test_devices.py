@@ -243,7 +243,15 @@ def test_trained_models_get_gpus_of_their_own_after_the_policys_roles(monkeypatc
     big = {"vocab_size": 151936, "dim": 4096, "n_layers": 36, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 12288}
     memory = plan_memory(config(models=[{"name": "big", "model": big}], launcher={"gpus_per_host": 4, "gpu_memory_gib": 80}))
     assert memory.problems[0][0] == "models[0].trainer.procs" and memory.problems[0][1].startswith("trained model big: hosts[0] GPU 2 needs")
-    assert "more trainer procs" in memory.problems[0][1] and "lora" not in memory.problems[0][1]  # a run with trained models refuses adapters
+    assert "more trainer procs" in memory.problems[0][1] and "lora.rank" in memory.problems[0][1]  # trained models may train adapters too
+    adapters = plan_memory(config(models=[{"name": "big", "model": big}], lora={"rank": 8}, launcher={"gpus_per_host": 4, "gpu_memory_gib": 80}))
+    (held,) = adapters.gpu("hosts", 0, 2).holdings
+    lines = dict(held.lines)
+    assert not adapters.problems and lines["AdamW moments (2 x float32)"] < 0.01 * lines["weights (float32)"]  # its adapters alone
+    # and weight sync stages and receives its adapters alone (it staged two whole copies, 61 GiB, before)
+    assert lines["weight-sync staging (2 slots)"] < 0.01 * lines["weights (float32)"]
+    (engine,) = adapters.gpu("hosts", 0, 3).holdings
+    assert dict(engine.lines)["weight receive buffers (2 adapter copies, outside vLLM's budget)"] < 0.01 * lines["weights (float32)"]
     cpu = plan_devices(config(models=two))
     assert cpu.layout == "cpu" and [s.role for s in cpu.slots][2:] == [
         "proposer/trainer",
@@ -277,6 +285,17 @@ def test_ppos_critic_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypatch)
     cpu_trainer = plan_devices(config(trainer={"device": "cpu", "loss": {"advantage": "gae"}}, launcher={"gpus_per_host": 1}))
     assert plan_devices(config(trainer={"loss": {"advantage": "gae"}})).slot("critic", 0).gpus == () == cpu_trainer.slot("critic", 0).gpus
     assert cpu_trainer.env("critic", 0)[DEVICE_ENV] == ""  # a CPU critic beside GPU generators sees no GPU (critic_actor.py: on the CPU)
+    # critic.procs=2: a GPU each, FSDP's shards counted: half the weights and AdamW state of the one-proc critic's
+    two = config(**gae, critic={"procs": 2}, launcher={"gpus_per_host": 6, "gpu_memory_gib": 80})
+    plan = plan_devices(two)
+    assert_disjoint(plan)
+    assert [(s.role, s.index, s.gpus) for s in plan.slots if s.role == "critic"] == [("critic", 0, (2,)), ("critic", 1, (3,))]
+    assert plan.env("critic", 1)[DEVICE_ENV] == "3"
+    halves = [dict(h.lines) for gpu in (2, 3) for h in plan_memory(two, plan=plan).gpu("hosts", 0, gpu).holdings]
+    assert all(h["weights (float32)"] == pytest.approx(dict(critic.lines)["weights (float32)"] / 2) for h in halves)
+    with pytest.raises(ConfigError) as e:
+        plan_devices(config(**gae, critic={"procs": 2}, launcher={"gpus_per_host": 5}))
+    assert "+ the critic 2" in str(e.value), str(e.value)
 
 
 def test_an_implicit_prm_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypatch):

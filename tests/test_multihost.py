@@ -102,7 +102,9 @@ def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
     """Host B (generators, queue, rollout workers) dies mid-run: the run stops within its
     timeouts with one line naming the checkpoint, and `--resume` on fresh workers finishes it."""
     run_dir = tmp_path / "run"
-    cfg = two_host_config(run_dir, two_hosts, steps=12, trainer={"checkpoint_every": 2})
+    # launcher.host_timeout_s 15: the hosts are network namespaces of this machine, whose agents
+    # answer in milliseconds; at Monarch's 60 s the run stopped 62 s after host B died, at 15 s 36 s
+    cfg = two_host_config(run_dir, two_hosts, steps=12, trainer={"checkpoint_every": 2}, launcher={"host_timeout_s": 15})
     controller = start_run(two_hosts, tmp_path, cfg, "down")
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while controller.poll() is None and time.monotonic() < deadline:
@@ -128,9 +130,11 @@ def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
     # proc on host A is SIGKILLed two steps in: the heal spawns the new one through host A's
     # `meshrl worker` (docs/healing.md) and the run finishes. The kill comes as the row of an
     # even step is written, so it often lands in that step's checkpoint call, healed as well.
+    resumed_at, started = last_checkpoint_step(str(run_dir)), time.time()
     controller = start_run(two_hosts, tmp_path, cfg, "resumed", resume=True)
-    resumed_at = last_checkpoint_step(str(run_dir))
-    wait_rows(controller, run_dir, resumed_at + 2)
+    # two steps the resumed run wrote: the first run's rows past its checkpoint are still in the
+    # file until the resumed run cuts them, and counting those found no trainer proc yet
+    wait_rows(controller, run_dir, resumed_at + 2, since=started)
     victim = conftest.trainer_pid(two_hosts.pids("a"), "worker")
     assert victim is not None, "not one trainer proc on host A"
     os.kill(victim, signal.SIGKILL)
@@ -148,11 +152,12 @@ def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
     print(f"host B down: the run stopped {stopped_s:.0f} s later, at step {done}; {healed[0]}")
 
 
-def wait_rows(controller, run_dir, n: int, timeout: float = RUN_TIMEOUT_S) -> None:
-    """Until the run has written `n` metric rows (bounded; fails if the run ends first)."""
-    deadline = time.monotonic() + timeout
+def wait_rows(controller, run_dir, n: int, timeout: float = RUN_TIMEOUT_S, since: float = 0.0) -> None:
+    """Until the run has written `n` metric rows, the file last written after `since` (a
+    wall-clock time; bounded; fails if the run ends first)."""
+    deadline, path = time.monotonic() + timeout, run_dir / "metrics.jsonl"
     while time.monotonic() < deadline and controller.poll() is None:
-        if os.path.isfile(run_dir / "metrics.jsonl") and len(rows_of(run_dir)) >= n:
+        if os.path.isfile(path) and os.path.getmtime(path) > since and len(rows_of(run_dir)) >= n:
             return
         time.sleep(0.2)
     pytest.fail(f"the run wrote fewer than {n} rows (exit {controller.poll()})")

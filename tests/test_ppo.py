@@ -6,6 +6,7 @@ The pure core (GAE, the value loss, CriticTrainer) is tested in tests/test_criti
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 
@@ -49,6 +50,7 @@ def gae_config(**sections) -> dict:
         (gae_config(critic={"lam": 1.5}), "critic.lam", "[0, 1]"),
         (gae_config(steps=5, critic={"policy_warmup": 5}), "critic.policy_warmup", "never train on the critic"),
         (gae_config(critic={"epochs": 0}), "critic.epochs", "at least 1"),
+        (gae_config(critic={"procs": 0}), "critic.procs", "at least 1"),
         (gae_config(critic={"micro_batch_size": 0}), "critic.micro_batch_size", "at least 1"),
         (gae_config(critic={"timeout_s": 0}), "critic.timeout_s", "positive"),
         (gae_config(critic={"path": "/some/critic", "init": "scratch"}), "critic.init", "already says where the critic starts"),
@@ -190,6 +192,82 @@ def test_critic_epochs_are_optimizer_steps_on_one_batch_and_one_version():
     assert m3["value_clip_frac"] == pytest.approx(m1["value_clip_frac"]) and m3["value_clip_frac"] > 0
 
 
+def _six_episodes():
+    from meshrl.episode import Episode, Turn, pack
+
+    return pack(
+        [Episode(0, i, [Turn("env", [1, 2 + i % 3]), Turn("model", [5 + i, 6, 7, 8 + i % 2], [0.0] * 4, [0] * 4, reward=float(i % 2) * 4)]) for i in range(6)]
+    )
+
+
+def _critic_steps(critic, out_dir: str) -> dict:
+    """Values of `_six_episodes`, two train steps on it, its values after, a DCP checkpoint
+    and a HF export into `out_dir`: what a sharded and an unsharded critic must agree on."""
+    batch = _six_episodes()
+    returns, old = critic.advantages(batch)
+    metrics = [critic.train_step(batch, returns, old) for _ in range(2)]
+    after = critic.values(_six_episodes())
+    checkpoint = critic.save_checkpoint(os.path.join(out_dir, "ckpt"))
+    critic.export_hf(os.path.join(out_dir, "hf"))
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in critic.model.parameters())
+    return {
+        "old": old.numpy(),
+        "advantage": batch["token_advantage"].numpy(),
+        "after": after.numpy(),
+        "metrics": metrics,
+        "checkpoint": checkpoint,
+        "local": local,
+    }
+
+
+def _sharded_critic_rank(rank: int, out_dir: str, hf_dir: str) -> dict:
+    from meshrl.config import ModelConfig
+    from meshrl.trainer.critic import CriticTrainer
+
+    critic = CriticTrainer(ModelConfig(), lr=0.01, seed=1, epochs=2, micro_batch_size=2)
+    assert (critic.dp_rank, critic.dp_world) == (rank, 2)
+    out = _critic_steps(critic, out_dir)
+    # from a checkpoint: built on the meta device, sharded, then each rank loads its shards
+    out["loaded"] = CriticTrainer(ModelConfig(path=hf_dir), seed=5, micro_batch_size=2).values(_six_episodes()).numpy()
+    return out
+
+
+@pytest.mark.slow  # two gloo procs
+def test_a_critic_sharded_over_two_procs_values_and_trains_as_one_proc(tmp_path):
+    """critic.procs=2: FSDP2 over two gloo ranks, each holding half the weights and valuing
+    half the rows, gives the values, advantages, metrics and weights one unsharded proc
+    does; its DCP checkpoint and HF export are the same model's; and a sharded critic
+    started from a HF critic (built on the meta device, loaded shard by shard, its value
+    head included) values as the unsharded one loaded from it does."""
+    from meshrl.config import ModelConfig
+    from meshrl.trainer.critic import CriticTrainer
+
+    from tests.conftest import gloo_ranks
+
+    one = CriticTrainer(ModelConfig(), lr=0.01, seed=1, epochs=2, micro_batch_size=2)
+    full = sum(p.numel() for p in one.model.parameters())
+    single = _critic_steps(one, str(tmp_path / "one"))
+    hf_one = str(tmp_path / "one" / "hf")
+    sharded = gloo_ranks(_sharded_critic_rank, 2, str(tmp_path / "two"), hf_one)
+    assert all(r["local"] < 0.6 * full for r in sharded)  # each rank holds about half
+    for r in sharded:
+        for key in ("old", "advantage"):
+            assert torch.allclose(torch.from_numpy(r[key]), torch.from_numpy(single[key]), atol=1e-6), key
+        assert torch.allclose(torch.from_numpy(r["after"]), torch.from_numpy(single["after"]), atol=1e-4)
+        for mine, theirs in zip(r["metrics"], single["metrics"]):
+            for k in ("value_loss", "explained_variance", "value_tokens", "grad_norm"):
+                assert mine[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
+        # the HF critic's values (its trained head included: not 0) whether loaded sharded or whole
+        assert torch.allclose(torch.from_numpy(r["loaded"]), torch.from_numpy(single["after"]), atol=1e-4)
+    assert not torch.allclose(torch.from_numpy(single["after"]), torch.from_numpy(single["old"]))  # it trained
+    # the sharded checkpoint restores into one proc (DCP reshards), and its export is the same model's
+    restored = CriticTrainer(ModelConfig(), seed=7)
+    assert restored.load_checkpoint(sharded[0]["checkpoint"]) == 2
+    assert torch.allclose(restored.values(_six_episodes()), torch.from_numpy(single["after"]), atol=1e-4)
+    exported = CriticTrainer(ModelConfig(path=str(tmp_path / "two" / "hf")), seed=7)
+    assert torch.allclose(exported.values(_six_episodes()), torch.from_numpy(single["after"]), atol=1e-4)
+
+
 def pack_one():
     from meshrl.episode import Episode, Turn, pack
 
@@ -313,14 +391,16 @@ def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
     critic, synchronous (tests/README.md: learning tests), 16 groups of 8 a batch (the critic's values generalise from more
     episodes; steps cost about a second). The critic scores each batch on its own proc,
     pinned to the trainer's cores, and trains on it while the policy does; its checkpoint,
-    beside the policy's, gives a fresh critic proc the same values."""
+    beside the policy's, gives a fresh unsharded critic the same values, and the same values
+    again after each trained on one more batch."""
     import meshrl
-    from meshrl.compat import awaited
-    from meshrl.trainer.critic_actor import spawn_critic
+    from meshrl.trainer.critic_actor import rank0, spawn_critic
 
     from tests.conftest import example_config
 
-    cfg = example_config("ppo", tmp_path / "run", logging={"plot": False})  # examples/ppo/small.yaml
+    # the run's critic sharded over two procs (critic.procs=2): spawned, pinned, snapshotted,
+    # healed and exported as one
+    cfg = example_config("ppo", tmp_path / "run", logging={"plot": False}, critic={"procs": 2})  # examples/ppo/small.yaml
     assert cfg["steps"] == STEPS and cfg["batch_groups"] == 16
     with meshrl.Session(cfg) as session:
         loop = session.loop
@@ -330,11 +410,16 @@ def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
         assert set(info["cpus"]) == os.sched_getaffinity(trainer["pid"])
         rows = session.step(STEPS)
         critic_dir = torch.load(session.checkpoint(), weights_only=False)["critic_dir"]
-        fresh = session._call(spawn_critic(loop.config, loop.alloc.host("trainer", 0)), 120)
+        # a fresh critic on one proc, unsharded, from the two-proc critic's checkpoint (DCP reshards)
+        assert len({pid for pid, _ in loop.critic.proc_ids}) == 2 and loop.critic.proc_ids[0][0] == info["pid"]
+        one = dataclasses.replace(loop.config.critic, procs=1)
+        fresh_config = dataclasses.replace(loop.config, critic=one, logging=dataclasses.replace(loop.config.logging, run_dir=str(tmp_path / "fresh")))
+        fresh = session._call(spawn_critic(fresh_config, loop.alloc.host("trainer", 0)), 120)
         try:
             assert session._call(fresh.load_checkpoint(critic_dir), 60) == STEPS
             batch = pack_one()
-            scored = [session._call(awaited(mesh.advantages.call_one(batch.clone(), STEPS)), 60) for mesh in (loop.critic.actor, fresh.actor)]
+            # scored, then (each having trained on that batch, sharded and not) scored again
+            scored, again = ([session._call(rank0(mesh.advantages, batch.clone(), STEPS), 60) for mesh in (loop.critic.actor, fresh.actor)] for _ in range(2))
         finally:
             session._call(fresh.stop(), 120)
         # Healing: the critic's proc killed, then the policy's trainer proc (the critic has
@@ -356,6 +441,10 @@ def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
     assert run_metrics["critic/value_mean"] != 0  # a fresh critic's values are 0
     assert restored_metrics["critic/value_mean"] == pytest.approx(run_metrics["critic/value_mean"], abs=1e-6)
     assert torch.allclose(adv, adv_restored, atol=1e-5)
+    (adv, _, run_metrics), (adv_restored, _, restored_metrics) = again
+    assert restored_metrics["critic/version"] == run_metrics["critic/version"] == STEPS + 1
+    assert restored_metrics["critic/value_mean"] == pytest.approx(run_metrics["critic/value_mean"], abs=1e-4)
+    assert torch.allclose(adv, adv_restored, atol=1e-4)
     ev = [r["critic/explained_variance"] for r in rows]
     reward = [r["trainer/reward_mean"] for r in rows]
     print("PPO reward", [round(x, 3) for x in reward], "explained variance", [round(x, 3) for x in ev])

@@ -18,6 +18,7 @@ import time
 import pytest
 import yaml
 
+from meshrl.controller.checkpoint import partner_dirs
 from tests.conftest import trainer_pid, two_host_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -230,14 +231,28 @@ def test_torchx_job_trains_on_slurm(slurm_cluster, tmp_path):
 
 
 def test_a_lost_node_stops_the_run_resumably(slurm_cluster, tmp_path):
-    """Node b (generators, episode queue, rollout workers) dies mid-run, slurmd and all: the
-    run stops with one line naming `meshrl run --resume RUN_DIR`, a checkpoint is there, and
-    once the node is back nothing of the job is left. (Last in this module: it takes a node down.)"""
+    """Two co-evolving models (configs/coevolve.yaml's proposer and solver), each training
+    LoRA adapters, across the two nodes: both trainers on node a, both models' engines on
+    node b, each model's adapters crossing every step. Node b (generators, episode queue, rollout workers) dies mid-run,
+    slurmd and all: the run stops with one line naming `meshrl run --resume RUN_DIR`, a
+    checkpoint of both models is there, and once the node is back nothing of the job is
+    left. (Last in this module: it takes a node down.)"""
     run_dir = tmp_path / "run"
     # launcher.host_timeout_s 15: the nodes are network namespaces of this machine (see test_multihost.py)
-    cfg = slurm_config(run_dir, steps=8, trainer={"checkpoint_every": 2, "interrupt_checkpoint_timeout_s": 30}, launcher={"host_timeout_s": 15})
+    cfg = slurm_config(
+        run_dir,
+        steps=10,
+        batch_groups=4,
+        data={"source": "task:propose"},
+        generator={"group_size": 4, "update_mode": "block"},
+        buffer={"depth": 0, "max_lag": 0},  # synchronous: every token sampled by the adapters its step trains
+        lora={"rank": 8},
+        models=[{"name": "proposer", "trainer": {"lr": 0.005}}],
+        trainer={"checkpoint_every": 2, "interrupt_checkpoint_timeout_s": 30},
+        launcher={"host_timeout_s": 15},
+    )
     controller = start_controller(slurm_cluster, tmp_path, "lost", [write_config(tmp_path, "lost", cfg)])
-    wait_rows(run_dir, controller, 3)
+    wait_rows(run_dir, controller, 5)
     slurm_cluster.hosts.kill("b")
     t0 = time.monotonic()
     rc = wait_exit(controller, RUN_TIMEOUT_S)
@@ -247,8 +262,17 @@ def test_a_lost_node_stops_the_run_resumably(slurm_cluster, tmp_path):
     resumable = [line for line in meshrl_lines(log) if f"meshrl run --resume {run_dir}" in line]
     assert len(resumable) == 1, log[-3000:]
     assert os.path.isfile(run_dir / "checkpoints" / "latest")
-    done = len(rows_of(run_dir))
-    assert 3 <= done < 8
+    rows = rows_of(run_dir)
+    done = len(rows)
+    assert 5 <= done < 10
+    assert all(r["proposer/trainer/tokens"] > 0 for r in rows), rows  # the proposer trained on its own rows every step
+    # each model's engine on node b sampled with the adapters its trainer on node a had just trained
+    # (non-zero from step 2: LoRA's B starts at 0): the trainer's log-probs are the sampler's
+    for key in ("trainer/logprob_mismatch", "proposer/trainer/logprob_mismatch"):
+        assert all(r[key] < 1e-3 for r in rows), [r[key] for r in rows]
+    assert os.path.isdir(run_dir / "models" / "proposer" / "hf" / "base")  # the proposer's frozen base, its own
+    models = partner_dirs(str(run_dir))  # the latest checkpoint's models beside the policy
+    assert set(models) == {"proposer"} and os.path.isdir(models["proposer"]), models
     slurm_cluster.restart_node("b")
     assert leftovers(slurm_cluster) == {"jobs": [], "a": [], "b": []}
     print(f"node b lost at step {done}: the run stopped {stopped_s:.0f} s later: {resumable[0]}")

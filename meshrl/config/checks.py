@@ -268,13 +268,23 @@ def _check_models(c: Config) -> None:
         (c.trainer.loss.advantage == "gae", "trainer.loss.advantage", "a critic values the policy's turns only: use a group advantage"),
         (c.distill.teacher is not None, "distill.teacher", "distillation scores the policy's episodes only: drop it, or the other models"),
         (bool(c.scoring.scorers), "scoring.scorers", "scorers score the policy's episodes only: give a game's rewards from its env"),
-        (c.lora.rank > 0, "lora.rank", "adapters are the policy's alone here: train every model in full (lora.rank=0)"),
         (c.placement == "colocate", "placement", "several trained models run split (each on procs of its own): set placement=split or auto"),
-        (c.launcher.kind != "local", "launcher.kind", "several trained models run on the local launcher only so far"),
-        (c.eval.source is not None, "eval.source", "evaluation plays single-model episodes: drop it with several trained models"),
+        (
+            c.launcher.kind not in ("local", "process", "slurm"),
+            "launcher.kind",
+            "several trained models run on the local, process and slurm launchers so far (`meshrl worker` hosts untested)",
+        ),
     )
     for bad, path, message in refused:
         need(not bad, path, f"{message} (models: {', '.join(names[1:])})")
+    if c.eval.every > 0 or c.eval.source is not None:  # the policy alone on held-out prompts, as Absolute Zero evaluates its solver
+        alone = c.eval.source is not None and source_kind(c.eval.source) in ("task", "reasoning_gym") and c.rollout.env is None
+        need(
+            alone,
+            "eval.source",
+            "with several trained models evaluation plays the policy alone on a `task:` or `reasoning_gym:` source of its own "
+            f"(e.g. task:digits; not the game, nor a run with rollout.env) (models: {', '.join(names[1:])})",
+        )
     for m in c.models:
         c.for_model(m.name)  # each model's sections, checked as the policy's are
 

@@ -230,6 +230,7 @@ def _check_critic(c: Config) -> None:
         need(critic == type(critic)(), "critic", "only PPO's critic reads this section: set trainer.loss.advantage=gae, or drop it")
         return
     need(critic.path is None or critic.init == "policy", "critic.init", "critic.path already says where the critic starts: drop init=scratch, or the path")
+    need(critic.procs >= 1, "critic.procs", f"must be at least 1, got {critic.procs}")
     need(critic.lr > 0, "critic.lr", f"must be positive, got {critic.lr}")
     need(critic.weight_decay >= 0, "critic.weight_decay", f"must be at least 0, got {critic.weight_decay}")
     need(critic.warmup_steps >= 0, "critic.warmup_steps", f"must be at least 0, got {critic.warmup_steps}")

@@ -203,6 +203,8 @@ class CriticConfig:
     """Where the value model's weights start. `policy`: the policy's starting weights (its `model.path` checkpoint, or the same seeded initialisation as a from-scratch policy) with a zero value head, so the first values are 0 and the first advantages are the returns; `scratch`: the policy's shapes, initialised from `seed` + 1. The value head is a Linear(dim, 1) in place of the LM head either way."""
     path: str | None = None
     """A Hugging Face checkpoint directory the critic starts from instead (its own shape, which may differ from the policy's): a one-label token classifier (a critic exported as `hf/final-critic`, or another framework's) keeps its value head; a one-label sequence classifier (a reward model, as OpenRLHF starts its critic) gives its score head as the value head; a causal LM gives its trunk, under a zero value head. It reads the policy's token ids, so it must share the policy's tokenizer: its vocabulary must cover the policy's and its positions `model.max_seq_len`. null: `init` says."""
+    procs: int = 1
+    """Procs the critic trains on, on the trainer's first host, its weights, gradients and AdamW state sharded over them by FSDP2 (each proc computes the values and gradients of its share of a batch's rows): a critic too large for one GPU, or a CPU critic given more cores. Beside a GPU trainer each holds a GPU of its own. 1: one unsharded proc."""
     lr: float = 1e-3
     """The critic's AdamW learning rate. The default suits the tiny from-scratch default model (with `epochs` 4; at 5e-3 its values overshoot the mean return for the first steps); pretrained checkpoints want about 1e-6 to 1e-5."""
     weight_decay: float = 0.0
@@ -232,7 +234,7 @@ class CriticConfig:
 @dataclass
 class LoRAConfig:
     rank: int = 0
-    """LoRA rank. 0: off (full fine-tuning). Above 0: the base weights are frozen, the trainer's optimizer holds the adapters only, and weight sync sends the adapter alone, loaded through vLLM's LoRA support."""
+    """LoRA rank. 0: off (full fine-tuning). Above 0: the base weights are frozen, the trainer's optimizer holds the adapters only, and weight sync sends the adapter alone, loaded through vLLM's LoRA support. With `models`, every trained model trains adapters of its own on its own base."""
     alpha: float = 16.0
     """Scaling numerator: an adapter's update is scaled by alpha / rank."""
     targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])

@@ -284,8 +284,8 @@ class TrainerHealer:
             raise RuntimeError(f"no complete critic state at or after the run's start (version {self.start_version})")
         if respawn or path is None:
             await settled(loop.critic.stop(), 90)  # a dead proc does not answer its teardown
-            kill_running([loop.critic.proc])  # one wedged but alive would keep its GPU memory from the new one
-            loop.critic = await spawn_critic(c, loop.alloc.host("trainer", 0), loop.alloc.bootstrap("critic"))
+            kill_running(loop.critic.proc_ids)  # one wedged but alive would keep its GPU memory from the new one
+            loop.critic = await spawn_critic(c, loop.alloc.host("trainer", 0), loop.alloc.bootstrap("critic", list(range(c.critic.procs))))
         restored = await loop.critic.load_checkpoint(path) if path is not None else 0
         drop_after(snapshot_root(critic_root(loop.run_dir)), restored)  # steps it trains again, on the batches the queue kept
         return restored

@@ -146,8 +146,8 @@ class RLLoop:
         await self.trainer.publisher_handle()  # creates the publisher before its first step
         await self.queue.metrics.call_one()  # its proc started beside the trainer's
         await self.healer.watch()  # the trainer's procs, to tell a dead one (controller/heal.py)
-        if c.trainer.loss.advantage == "gae":  # PPO's critic: one proc on the trainer's first host (its cores, or a GPU of its own)
-            self.critic = await spawn_critic(c, self.alloc.host("trainer", 0), self.alloc.bootstrap("critic"))
+        if c.trainer.loss.advantage == "gae":  # PPO's critic: critic.procs on the trainer's first host (its cores, or GPUs of their own)
+            self.critic = await spawn_critic(c, self.alloc.host("trainer", 0), self.alloc.bootstrap("critic", list(range(c.critic.procs))))
         if self.resume:
             self.version, self.history = await checkpoints.restore(self.run_dir, self.trainer, self.queue, self.watch, self.critic)
             self.healer.start_version = self.version
@@ -460,7 +460,8 @@ class RLLoop:
             await checkpoints.export_critic(self.critic, self.run_dir, self.tokenizer_dir)
         for p in self.partners:
             path = os.path.join(self.run_dir, "hf", f"final-{p.name}")
-            await self._healing("export", lambda p=p, path=path: checkpoints.export_hf(p.trainer, path, self.run_dir, self.tokenizer_dir))
+            export = lambda p=p, path=path: checkpoints.export_hf(p.trainer, path, p.config.logging.run_dir, self.tokenizer_dir)  # noqa: E731 (its own LoRA base)
+            await self._healing("export", export)
         return await self.export_to(os.path.join(self.run_dir, "hf", "final"))
 
     async def shutdown(self) -> None:

@@ -77,7 +77,8 @@ class TrainedModel:
                 raise RuntimeError(f"trained model {self.name}'s checkpoint is at version {restored}, the policy's at {version}")
         self.pids, self.start_version = await trainer_pids(self.trainer), version
         publisher = await self.trainer.publisher_handle()
-        initial = await self.trainer.export_hf(os.path.join(c.logging.run_dir, "hf", f"v{version}"))
+        # under LoRA its adapters' frozen base goes to its own models/NAME/hf/base
+        initial = await self.trainer.export_hf(os.path.join(c.logging.run_dir, "hf", f"v{version}"), checkpoints.lora_base_dir(c.logging.run_dir))
         self.generators = GeneratorPool(c, self.alloc, initial, version, self._rewire, model=self.name)
         self.generators.source_lost = self.trainer_dead  # an update cut off by its dead trainer keeps the replica
         await self.generators.start(c.generator.replicas)

@@ -211,8 +211,8 @@ def _split_gpus_needed(config: Config) -> int:
 
 
 def critic_gpus(config: Config) -> int:
-    """GPUs PPO's critic holds: one, beside a GPU trainer (trainer.loss.advantage=gae)."""
-    return int(config.trainer.loss.advantage == "gae" and config.trainer.device != "cpu")
+    """GPUs PPO's critic holds: one per critic proc, beside a GPU trainer (trainer.loss.advantage=gae)."""
+    return config.critic.procs if config.trainer.loss.advantage == "gae" and config.trainer.device != "cpu" else 0
 
 
 def scorer_gpus(config: Config) -> int:
@@ -372,8 +372,9 @@ def _split(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
 
     for r in range(t.procs):  # a CPU trainer (trainer.device=cpu) beside GPU generators holds none
         take("trainer", r, *_trainer_host(config, hosts, r), 0 if t.device == "cpu" else 1, "trainer.procs")
-    if t.loss.advantage == "gae":  # PPO's critic: one proc on the trainer's first host, on the trainer's kind of device
-        take("critic", 0, *_trainer_host(config, hosts, 0), critic_gpus(config), "trainer.procs")
+    if t.loss.advantage == "gae":  # PPO's critic: critic.procs on the trainer's first host, on the trainer's kind of device
+        for r in range(config.critic.procs):
+            take("critic", r, *_trainer_host(config, hosts, 0), 1 if critic_gpus(config) else 0, "critic.procs" if r else "trainer.procs")
     for i in range(gen.replicas):
         take("generator", i, *_generator_host(hosts, i), gen.tp, "generator.replicas")
     if config.distill.teacher:
@@ -465,7 +466,7 @@ def _no_fit(config: Config, hosts: dict[str, int], g: int) -> str:
             fix = "placement=colocate (trainer and generators sharing the GPUs, time-sliced)"
         return (
             f"the plan needs {need} GPUs on one host (trainer.procs={ranks - critic_gpus(config)}"
-            + (" + the critic 1" if critic_gpus(config) else "")
+            + (f" + the critic {critic_gpus(config)}" if critic_gpus(config) else "")
             + f" + generator.replicas={gen.replicas} x generator.tp={gen.tp}"
             f"{f' + the teacher and scorers {teacher}' if teacher else ''}), and the host has {g}: set {fix}, or raise launcher.hosts"
         )

@@ -12,10 +12,11 @@ FSDP's data-parallel shards x CP x TP):
   tokens (`activation_bytes_per_token_layer`, by checkpointing mode, divided over CP); the LM
   head's float32 chunk (meshrl/trainer/logprobs.py: 1024 tokens x vocabulary, three
   buffers) and the gathered hidden states; on rank 0, weight-sync staging slots on the GPU
-  (two model copies in `model.dtype`) and the one gathered tensor being copied.
+  (two copies in `model.dtype` of what each version sends: the model, or LoRA's adapters)
+  and the one gathered tensor being copied.
 - generator replica, per TP worker: vLLM's budget (`generator.gpu_memory_utilization` of the
   GPU), inside which the weights `P x dtype / tp` and the KV cache sit; with the collective
-  transport, the receive buffers outside it (two copies of the whole model per worker).
+  transport, the receive buffers outside it (two copies of what each version sends per worker).
 - each proc: its CUDA context (`CUDA_CONTEXT`).
 - `trainer.compute_dtype=float32` on GPU: attention falls back to SDPA's math kernel, which
   keeps each layer's float32 scores and softmax (tokens x attended positions x heads).
@@ -159,30 +160,41 @@ def trainer_holding(config: Config, shape: Shape, rank: int, staging_on_gpu: boo
         h.lines.append(("attention scores (float32 compute: the math kernel)", scores))
     h.lines.append(("LM head chunk and hidden states", 3 * LOGIT_CHUNK * shape.vocab * 4 + tokens * shape.dim * 4))
     if staging_on_gpu and rank == 0:
-        h.lines += [("weight-sync staging (2 slots)", 2 * P * db), ("one gathered tensor", head * db)]
+        h.lines += [
+            ("weight-sync staging (2 slots)", 2 * synced_params(config, shape) * db),
+            ("one gathered tensor", (head if config.lora.rank == 0 else 0) * db),
+        ]
     h.lines.append(("CUDA context", CUDA_CONTEXT))
     h.kept = {"weights (float32)", "KL reference weights (float32)", "weight-sync staging (2 slots)", "CUDA context", "AdamW moments (2 x float32)"}
     return h
 
 
-def critic_holding(config: Config, shape: Shape) -> Holding:
-    """PPO's critic: the policy's shape with a one-value head, trained in full on one proc
-    (unsharded), no activation checkpointing, no KL reference, nothing staged for weight sync.
-    Counted as a trainer rank of that kind (its LM head counted whole: a little over), at the
-    shape of `critic.path` where it names a checkpoint of its own."""
+def critic_holding(config: Config, shape: Shape, rank: int = 0) -> Holding:
+    """PPO's critic: the policy's shape with a one-value head, trained in full, sharded by
+    FSDP over its `critic.procs` procs, no activation checkpointing, no KL reference, nothing
+    staged for weight sync. Counted as a trainer rank of that kind (its LM head counted
+    whole: a little over), at the shape of `critic.path` where it names a checkpoint of its own."""
     if config.critic.path is not None:
         shape = model_shape(config, config.critic.path)
-    return _one_proc_holding(config, shape, "critic", 0, config.critic.micro_batch_size, reference=False, dtype=config.trainer.compute_dtype)
+    return _one_proc_holding(
+        config, shape, "critic", rank, config.critic.micro_batch_size, reference=False, dtype=config.trainer.compute_dtype, procs=config.critic.procs
+    )
 
 
-def _one_proc_holding(config: Config, shape: Shape, role: str, index: int, rows: int, reference: bool, dtype: str) -> Holding:
-    """A model trained in full on one proc beside the trainer (the critic, an implicit PRM):
-    a trainer rank's holding, unsharded, `rows` rows of model.max_seq_len a forward, a frozen
-    float32 reference copy where it keeps one, computing in `dtype`, nothing staged."""
-    t = replace(config.trainer, procs=1, tp=1, cp=1, dp_shard=-1, activation_checkpoint="none", micro_batch_size=rows, micro_batch_tokens=0)
+def _one_proc_holding(config: Config, shape: Shape, role: str, index: int, rows: int, reference: bool, dtype: str, procs: int = 1) -> Holding:
+    """A model trained in full beside the trainer (the critic, an implicit PRM): a trainer
+    rank's holding, sharded over `procs` (1: unsharded), `rows` rows of model.max_seq_len a
+    forward, a frozen float32 reference copy where it keeps one, computing in `dtype`, nothing staged."""
+    t = replace(config.trainer, procs=procs, tp=1, cp=1, dp_shard=-1, activation_checkpoint="none", micro_batch_size=rows, micro_batch_tokens=0)
     t = replace(t, compute_dtype=dtype, loss=replace(t.loss, kl_coef=1.0 if reference else 0.0))
     h = trainer_holding(replace(config, trainer=t, lora=replace(config.lora, rank=0)), shape, 0, staging_on_gpu=False)
     return replace(h, role=role, index=index)
+
+
+def synced_params(config: Config, shape: Shape) -> int:
+    """Parameters weight sync sends each version: the whole model, or under LoRA the
+    adapters alone (on GPUs vLLM runs every family's adapters: compat.vllm_runs_lora_on)."""
+    return shape.params if config.lora.rank == 0 else lora_params(config, shape)
 
 
 def lora_params(config: Config, shape: Shape) -> int:
@@ -211,7 +223,8 @@ def generator_holding(config: Config, shape: Shape, role: str, index: int, capac
         f"{max(kv, 0) / (shape.kv_bytes_per_token(db) / g.tp):,.0f} tokens"
     )
     if receive_on_gpu:
-        h.lines.append(("weight receive buffers (2 model copies, outside vLLM's budget)", 2 * shape.params * db))
+        what = "model copies" if config.lora.rank == 0 else "adapter copies"
+        h.lines.append((f"weight receive buffers (2 {what}, outside vLLM's budget)", 2 * synced_params(config, shape) * db))
     return h
 
 
@@ -277,9 +290,9 @@ def plan_memory(config: Config, capacity: float | None = None, plan=None) -> Mem
     capacity = gpu_capacity(config) if capacity is None else capacity
     if plan.layout == "cpu" or capacity <= 0:
         return None
-    out = _one_model(config, capacity, plan.view("policy"), adapters=not config.models)
+    out = _one_model(config, capacity, plan.view("policy"))
     for i, m in enumerate(config.models):  # each trained model beside the policy, on GPUs of its own (placement split)
-        mine = _one_model(config.for_model(m.name), capacity, plan.view(m.name), adapters=False)
+        mine = _one_model(config.for_model(m.name), capacity, plan.view(m.name))
         for h in (h for gpu in mine.gpus for h in gpu.holdings):
             h.role = f"{m.name}/{h.role}"
         out.gpus += mine.gpus
@@ -290,10 +303,8 @@ def plan_memory(config: Config, capacity: float | None = None, plan=None) -> Mem
     return out
 
 
-def _one_model(config: Config, capacity: float, plan, adapters: bool = True) -> MemoryPlan:
-    """The memory plan of one trained model's slots (`plan`: its view of the device plan).
-    `adapters`: whether a misfit may be told to train LoRA adapters (a run with trained
-    models refuses them)."""
+def _one_model(config: Config, capacity: float, plan) -> MemoryPlan:
+    """The memory plan of one trained model's slots (`plan`: its view of the device plan)."""
     from meshrl.launch.devices import resolve_transport, weights_on_gpu
 
     shape = model_shape(config)
@@ -308,7 +319,7 @@ def _one_model(config: Config, capacity: float, plan, adapters: bool = True) -> 
             holding = (
                 trainer_holding(config, shape, slot.index, staging_on_gpu)
                 if slot.role == "trainer"
-                else critic_holding(config, shape)
+                else critic_holding(config, shape, slot.index)
                 if slot.role == "critic"
                 else scorer_holding(config, slot.index, capacity)
                 if slot.role == "scorer"
@@ -326,7 +337,7 @@ def _one_model(config: Config, capacity: float, plan, adapters: bool = True) -> 
             for h in g.holdings:
                 if h.kept is not None:
                     h.kept.discard("AdamW moments (2 x float32)")
-    out.problems = problems(config, shape, out, adapters)
+    out.problems = problems(config, shape, out)
     return out
 
 
@@ -357,7 +368,7 @@ def checkpoint_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
-def problems(config: Config, shape: Shape, plan: MemoryPlan, adapters: bool = True) -> list[tuple[str, str]]:
+def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, str]]:
     """What does not fit, each as (field, the fix): the first GPU's line for each field."""
     cap, g, db = plan.capacity, config.generator, DTYPE_BYTES[config.model.dtype]
     out: list[tuple[str, str]] = []
@@ -389,7 +400,7 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan, adapters: bool = Tr
         if gpu.colocated:
             engines = [h for h in gpu.holdings if h.role != "trainer"]
             if trainer.total + CUDA_CONTEXT * len(engines) > HEADROOM * cap:  # the engines asleep
-                out.append(_trainer_fix(config, trainer, at + " for the trainer's step alone", cap, adapters))
+                out.append(_trainer_fix(config, trainer, at + " for the trainer's step alone", cap))
             else:
                 # what the engines' budgets may take beside the trainer's share and their own contexts
                 room = HEADROOM * cap - trainer.while_generating - sum(h.total - budget for h in engines)
@@ -404,10 +415,14 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan, adapters: bool = Tr
                     )
                 )
         elif trainer is not None:
-            out.append(_trainer_fix(config, trainer, at, cap, adapters))
-        elif gpu.holdings[0].role == "critic":  # one proc, unsharded (a critic over several procs is not built)
+            out.append(_trainer_fix(config, trainer, at, cap))
+        elif gpu.holdings[0].role == "critic":
             out.append(
-                ("critic.micro_batch_size", f"{at} for the critic's step on one GPU: lower it, or set trainer.device=cpu (the critic beside a CPU trainer)")
+                (
+                    "critic.procs",
+                    f"{at} for the critic's step: shard it over more procs (critic.procs={2 * config.critic.procs}), lower critic.micro_batch_size, "
+                    "or set trainer.device=cpu (the critic beside a CPU trainer)",
+                )
             )
         else:
             out.append(
@@ -424,7 +439,7 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan, adapters: bool = Tr
     return list(firsts.items())
 
 
-def _trainer_fix(config: Config, trainer: Holding, at: str, cap: float, adapters: bool = True) -> tuple[str, str]:
+def _trainer_fix(config: Config, trainer: Holding, at: str, cap: float) -> tuple[str, str]:
     """The field whose change shrinks the trainer's largest share."""
     lines = dict(trainer.lines)
     state = sum(b for w, b in lines.items() if w.startswith(("weights", "gradients", "AdamW", "KL reference")))
@@ -448,7 +463,7 @@ def _trainer_fix(config: Config, trainer: Holding, at: str, cap: float, adapters
         return ("trainer.micro_batch_tokens" if t.micro_batch_tokens else "trainer.micro_batch_size"), f"{at} {biggest}: lower it" + (
             "" if t.cp > 1 else ", or split long rows over GPUs with trainer.cp"
         )
-    lora = adapters and config.trainer.loss.advantage != "gae"  # a critic or trained models refuse adapters
+    lora = config.trainer.loss.advantage != "gae"  # a critic refuses adapters
     return "trainer.procs", f"{at} {biggest}: shard them over more trainer procs (GPUs)" + (", or train LoRA adapters (lora.rank)" if lora else "")
 
 

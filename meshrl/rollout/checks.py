@@ -26,9 +26,12 @@ from meshrl.rollout.game import Outcome, Reply, as_asks, as_outcome, is_ask
 
 
 def check_env(c: Config) -> None:
-    """`rollout.env` must import and name an env class (with `reset` and `step`) or a
-    function that makes an env from rollout.env_args."""
+    """`rollout.tool_parser`, when not built in, must import; `rollout.env` must import and
+    name an env class (with `reset` and `step`) or a function that makes an env from
+    rollout.env_args."""
     r = c.rollout
+    if r.tool_parser not in ("hermes", "compact"):
+        check_import("rollout.tool_parser", r.tool_parser, "'hermes', 'compact' or a parser function")
     if r.env is None:
         return
     check_import("rollout.env", r.env, "an env class")
@@ -57,6 +60,12 @@ def check_env(c: Config) -> None:
         ) from None
     except ValueError:
         pass  # no signature to read (some builtins): the probe calls it
+
+
+def check_reward_path(field: str, path: str) -> None:
+    """`path` must import as a reward function callable as fn(prompt, response, sample)."""
+    check_import(field, path, "a reward function")
+    check_reward_signature(import_callable(path), field)
 
 
 def check_reward_signature(fn: Callable, field: str) -> None:

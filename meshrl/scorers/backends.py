@@ -38,7 +38,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from meshrl.config import ScorerConfig
+from meshrl.config import ConfigError, ScorerConfig
 
 Result = Any  # float | list[float] | Failed
 
@@ -297,3 +297,24 @@ async def start_backend(spec: ScorerConfig, config, replica: int = 0, restore: b
 
         return await asyncio.to_thread(ImplicitPRM, spec, config, config.scoring.scorer_names()[config.scoring.scorers.index(spec)], restore)
     raise ValueError(f"a {spec.kind!r} scorer runs in the rollout workers, not on a scorer proc")
+
+
+def check_judge(sc: ScorerConfig, path: str) -> None:
+    """A judge's template fills with a probe item and its parser reads `probe_reply` as a
+    number; else a ConfigError on the field at `path`."""
+    try:
+        fill_template(sc.template, {"prompt": "q", "response": "r", "answer": "a"})
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(
+            f"{path}.template", f"cannot be filled ({type(e).__name__}: {e}): use only {{prompt}}, {{response}} and {{answer}}, and double other braces"
+        ) from None
+    if sc.parser not in ("number", "yes_no"):
+        from meshrl.imports import check_import
+
+        check_import(f"{path}.parser", sc.parser, "'number', 'yes_no' or a parser function")
+    score = parse_reply(load_parser(sc.parser), sc.probe_reply, sc.scale, None)
+    if not isinstance(score, float):
+        raise ConfigError(
+            f"{path}.parser",
+            f"{sc.parser!r} cannot read probe_reply={sc.probe_reply!r} as a number: fix the parser, or set probe_reply to a reply of your judge's format",
+        )

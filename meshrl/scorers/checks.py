@@ -14,19 +14,18 @@ import json
 import os
 
 from meshrl.config import Config, ConfigError, ScorerConfig
-from meshrl.config.loading import need
-from meshrl.imports import check_import, import_callable
-from meshrl.rollout.checks import check_reward_signature, probe_reward, run_probe
+from meshrl.imports import import_callable
+from meshrl.rollout.checks import check_reward_path, probe_reward, run_probe
 
 
 def check_reward_fn(c: Config) -> None:
     """scoring.reward_fn imports and takes (prompt, response, sample); scoring.reward_model is a directory."""
     s = c.scoring
     if s.reward_fn is not None:
-        check_import("scoring.reward_fn", s.reward_fn, "a reward function")
-        check_reward_signature(import_callable(s.reward_fn), "scoring.reward_fn")
+        check_reward_path("scoring.reward_fn", s.reward_fn)
     if s.reward_model is not None:
-        need(os.path.isdir(s.reward_model), "scoring.reward_model", f"directory {s.reward_model!r} not found: give a local checkpoint directory or null")
+        if not os.path.isdir(s.reward_model):
+            raise ConfigError("scoring.reward_model", f"directory {s.reward_model!r} not found: give a local checkpoint directory or null")
 
 
 def check_scorer_files(c: Config) -> None:
@@ -42,55 +41,36 @@ def _check_scorer(sc: ScorerConfig, path: str) -> None:
     """A scorer's code and checkpoint: an importable function, a checkpoint with the right
     head and a tokenizer, a judge template and parser that work on a probe."""
     if sc.kind == "function":
-        check_import(f"{path}.path", sc.path, "a reward function")
-        check_reward_signature(import_callable(sc.path), f"{path}.path")
+        check_reward_path(f"{path}.path", sc.path)
     if sc.kind in ("reward_model", "judge") or sc.kind == "prm" and sc.path:
         _check_checkpoint(f"{path}.path", sc.path, sc.kind)
     if sc.kind == "judge":
-        from meshrl.scorers.backends import fill_template, load_parser, parse_reply
+        from meshrl.scorers.backends import check_judge
 
-        try:
-            fill_template(sc.template, {"prompt": "q", "response": "r", "answer": "a"})
-        except (KeyError, IndexError, ValueError) as e:
-            need(
-                False,
-                f"{path}.template",
-                f"cannot be filled ({type(e).__name__}: {e}): use only {{prompt}}, {{response}} and {{answer}}, and double other braces",
-            )
-        if sc.parser not in ("number", "yes_no"):
-            check_import(f"{path}.parser", sc.parser, "'number', 'yes_no' or a parser function")
-        score = parse_reply(load_parser(sc.parser), sc.probe_reply, sc.scale, None)
-        need(
-            isinstance(score, float),
-            f"{path}.parser",
-            f"{sc.parser!r} cannot read probe_reply={sc.probe_reply!r} as a number: fix the parser, or set probe_reply to a reply of your judge's format",
-        )
+        check_judge(sc, path)
 
 
 def _check_checkpoint(field: str, path: str, kind: str) -> None:
     """A local checkpoint of the kind's head (sequence classification with one label, or a
     causal LM), with a tokenizer beside it."""
     config_file = os.path.join(path, "config.json")
-    need(os.path.isfile(config_file), field, f"{path!r} is not a Hugging Face checkpoint directory (no config.json): give a local checkpoint")
+    if not os.path.isfile(config_file):
+        raise ConfigError(field, f"{path!r} is not a Hugging Face checkpoint directory (no config.json): give a local checkpoint")
     with open(config_file) as f:
         hf = json.load(f)
     arch = " ".join(hf.get("architectures") or [])
     if kind == "reward_model":
         want = "a reward model is a sequence-classification checkpoint with one label (AutoModelForSequenceClassification, num_labels=1)"
-        need("ForSequenceClassification" in arch, field, f"{path!r} is {arch or 'no known architecture'}: {want}")
+        if "ForSequenceClassification" not in arch:
+            raise ConfigError(field, f"{path!r} is {arch or 'no known architecture'}: {want}")
         labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
-        need(labels == 1, field, f"{path!r} has a head of {labels} labels: {want}")
+        if labels != 1:
+            raise ConfigError(field, f"{path!r} has a head of {labels} labels: {want}")
     else:
-        need(
-            "ForCausalLM" in arch or "ForConditionalGeneration" in arch,
-            field,
-            f"{path!r} is {arch or 'no known architecture'}: a {kind} is a causal LM checkpoint",
-        )
-    need(
-        any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")),
-        field,
-        f"{path!r} has no tokenizer: save the scorer's tokenizer beside its weights (tokenizer.save_pretrained)",
-    )
+        if not ("ForCausalLM" in arch or "ForConditionalGeneration" in arch):
+            raise ConfigError(field, f"{path!r} is {arch or 'no known architecture'}: a {kind} is a causal LM checkpoint")
+    if not any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ConfigError(field, f"{path!r} has no tokenizer: save the scorer's tokenizer beside its weights (tokenizer.save_pretrained)")
 
 
 def probe_scorers(c: Config, record: dict) -> None:

@@ -186,8 +186,9 @@ class TrainerActor(Actor):
         """The critic's per-token advantages and loss mask written into `batch` (in place;
         during critic.policy_warmup only the mask: the policy trains on the group advantage);
         returns the critic's metrics, with `critic/gae_trained` saying which it was."""
-        call = awaited(critic.advantages.call_one(batch, trainer.step))
-        token_advantage, loss_mask, metrics = await asyncio.wait_for(call, trainer.config.critic.timeout_s)
+        call = awaited(critic.advantages.call(batch, trainer.step))  # every critic rank values its share; rank 0 answers
+        values = await asyncio.wait_for(call, trainer.config.critic.timeout_s)
+        token_advantage, loss_mask, metrics = min(values.items(), key=lambda kv: kv[0].rank)[1]
         batch["loss_mask"] = loss_mask
         if token_advantage is not None:
             batch["token_advantage"] = token_advantage

@@ -176,15 +176,19 @@ def load_hf(model: nn.Module, specs: ModelSpecs, path: str | os.PathLike) -> Non
         raise KeyError(f"{path} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     with torch.no_grad():
         for name, target in own.items():
-            if name not in titan:
-                continue
-            full = titan[name].to(dtype=target.dtype)
-            if isinstance(target, DTensor):
-                # every rank read the same file: shard locally, no communication needed
-                full = distribute_tensor(full.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
-                target.to_local().copy_(full.to_local())
-            else:
-                target.copy_(full)
+            if name in titan:
+                copy_whole_into(target, titan[name])
+
+
+def copy_whole_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """`full` (the whole tensor, the same on every rank) into `target`: a plain tensor, or
+    this rank's shard of a DTensor, cut locally with no communication."""
+    full = full.to(dtype=target.dtype)
+    if isinstance(target, DTensor):
+        full = distribute_tensor(full.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(full.to_local())
+    else:
+        target.copy_(full.to(target.device))
 
 
 # ---- DCP training checkpoints --------------------------------------------------------------

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from meshrl.config import MOE_FAMILIES, Config, ConfigError
 from meshrl.config.hf import model_args_from_hf
-from meshrl.config.loading import need
 from meshrl.errors import first_line
 
 if TYPE_CHECKING:
@@ -28,25 +27,22 @@ def check_model_files(c: Config) -> None:
     """model.path, when set, is a directory holding a config.json."""
     m = c.model
     if m.path is not None:
-        need(
-            os.path.isdir(m.path),
-            "model.path",
-            f"directory {m.path!r} not found: give a local Hugging Face checkpoint directory, or null to initialise from scratch",
-        )
-        need(
-            os.path.isfile(os.path.join(m.path, "config.json")), "model.path", f"{m.path!r} has no config.json: point it at a Hugging Face checkpoint directory"
-        )
+        if not os.path.isdir(m.path):
+            raise ConfigError(
+                "model.path", f"directory {m.path!r} not found: give a local Hugging Face checkpoint directory, or null to initialise from scratch"
+            )
+        if not os.path.isfile(os.path.join(m.path, "config.json")):
+            raise ConfigError("model.path", f"{m.path!r} has no config.json: point it at a Hugging Face checkpoint directory")
 
 
 def check_teacher(c: Config) -> None:
     """distill.teacher, when set, is a checkpoint directory."""
     di = c.distill
     if di.teacher is not None:
-        need(
-            os.path.isfile(os.path.join(di.teacher, "config.json")),
-            "distill.teacher",
-            f"{di.teacher!r} is not a Hugging Face checkpoint directory (no config.json): give the teacher's local checkpoint, or null",
-        )
+        if not os.path.isfile(os.path.join(di.teacher, "config.json")):
+            raise ConfigError(
+                "distill.teacher", f"{di.teacher!r} is not a Hugging Face checkpoint directory (no config.json): give the teacher's local checkpoint, or null"
+            )
 
 
 def check_critic_files(c: Config) -> None:
@@ -56,11 +52,8 @@ def check_critic_files(c: Config) -> None:
     path = c.critic.path
     if path is None or c.trainer.loss.advantage != "gae":
         return
-    need(
-        os.path.isfile(os.path.join(path, "config.json")),
-        "critic.path",
-        f"{path!r} is not a Hugging Face checkpoint directory (no config.json): give one, or null",
-    )
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError("critic.path", f"{path!r} is not a Hugging Face checkpoint directory (no config.json): give one, or null")
     try:
         shape = model_args_from_hf(path)[0]
         with open(os.path.join(path, "config.json")) as f:
@@ -71,30 +64,24 @@ def check_critic_files(c: Config) -> None:
             "critic.path",
             f"{path!r} does not load as a checkpoint ({type(e).__name__}: {first_line(str(e))}): give a qwen3, qwen3_moe, llama or deepseek_v3 checkpoint",
         ) from None
-    need(
-        any(n.endswith((".safetensors", ".bin")) for n in os.listdir(path)),
-        "critic.path",
-        f"{path!r} has a config.json but no weight files (*.safetensors): point it at a complete checkpoint",
-    )
-    need(
-        shape.vocab_size >= policy.vocab_size,
-        "critic.path",
-        f"its vocabulary ({shape.vocab_size}) is smaller than the policy's ({policy.vocab_size}): "
-        "the critic reads the policy's token ids, so it needs the policy's tokenizer",
-    )
-    need(
-        shape.max_seq_len >= c.model.max_seq_len,
-        "critic.path",
-        f"its max_position_embeddings={shape.max_seq_len} is under model.max_seq_len={c.model.max_seq_len}: "
-        "the critic values whole episodes; lower model.max_seq_len or give a longer checkpoint",
-    )
+    if not any(n.endswith((".safetensors", ".bin")) for n in os.listdir(path)):
+        raise ConfigError("critic.path", f"{path!r} has a config.json but no weight files (*.safetensors): point it at a complete checkpoint")
+    if shape.vocab_size < policy.vocab_size:
+        raise ConfigError(
+            "critic.path",
+            f"its vocabulary ({shape.vocab_size}) is smaller than the policy's ({policy.vocab_size}): "
+            "the critic reads the policy's token ids, so it needs the policy's tokenizer",
+        )
+    if shape.max_seq_len < c.model.max_seq_len:
+        raise ConfigError(
+            "critic.path",
+            f"its max_position_embeddings={shape.max_seq_len} is under model.max_seq_len={c.model.max_seq_len}: "
+            "the critic values whole episodes; lower model.max_seq_len or give a longer checkpoint",
+        )
     classifier = any(a.endswith(("ForTokenClassification", "ForSequenceClassification")) for a in hf.get("architectures") or [])
     labels = len(hf.get("id2label") or {}) or hf.get("num_labels", 1)
-    need(
-        not classifier or labels == 1,
-        "critic.path",
-        f"a classifier with {labels} labels: a critic's value head has one; give a one-label classifier or a causal LM",
-    )
+    if classifier and labels != 1:
+        raise ConfigError("critic.path", f"a classifier with {labels} labels: a critic's value head has one; give a one-label classifier or a causal LM")
 
 
 def check_lora(c: Config) -> None:
@@ -104,7 +91,8 @@ def check_lora(c: Config) -> None:
         from meshrl.trainer.lora import TITAN_NAMES
 
         unknown = sorted(set(lo.targets) - set(TITAN_NAMES))
-        need(not unknown, "lora.targets", f"unknown {unknown}: choose from {sorted(TITAN_NAMES)}")
+        if unknown:
+            raise ConfigError("lora.targets", f"unknown {unknown}: choose from {sorted(TITAN_NAMES)}")
 
 
 def check_model(c: Config, plan: DevicePlan) -> str:

@@ -12,10 +12,11 @@ when it sampled token t, env turns included.
 
 `CriticTrainer` is one rank: the value model, AdamW with a linear warm-up, the clipped
 value loss over micro-batches with global denominators (meshrl/trainer/values.py), `epochs`
-optimizer steps per batch (one by default), and a version counter (one per batch). It runs
-on one rank; it is shaped like `PolicyTrainer` (per-rank micro-batch plans, `_sum`/`_max`
-metrics all-reduced in one place, TorchTitan's grad clip) so that FSDP can be added the
-same way.
+optimizer steps per batch (one by default), and a version counter (one per batch). Built
+in an initialised process group of several ranks (`critic.procs`), it shards the value
+model with FSDP2 as `PolicyTrainer` does: each rank values and trains on its share of the
+rows (per-rank micro-batch plans), the values are summed across ranks, and the metrics'
+`_sum`/`_max` parts are all-reduced in one place.
 
 Flow per batch (the caller's, e.g. the trainer actor):
 
@@ -74,6 +75,7 @@ def build_value_model(
     hf_overrides: dict | None = None,
 ):
     """The value model: `build_model(model_config)` with a zero value head; returns (module, ModelSpecs).
+    On the meta device nothing is loaded (`load_value_weights` after sharding does).
 
     `init_from`: a TorchTitan-named state dict (a policy's `model.state_dict()`) or a HF
     checkpoint directory; every weight but the LM head is loaded from it (the head is the
@@ -96,26 +98,34 @@ def build_value_model(
         model.enable_weight_tying = False
         model.tok_embeddings.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone())
     setattr(model, HEAD, value_head(model.lm_head.in_features, device))
-    if isinstance(init_from, (str, os.PathLike)):
+    if init_from is not None and torch.device(device).type != "meta":
+        load_value_weights(model, specs, init_from)
+    return model, specs
+
+
+def load_value_weights(model: nn.Module, specs, source: str | os.PathLike | Mapping[str, torch.Tensor]) -> None:
+    """`source` into the value model (plain or sharded; every rank reads the whole source):
+    a HF checkpoint directory's trunk, and a one-label classifier's `score` head as the value
+    head; or a TorchTitan-named state dict's trunk."""
+    if isinstance(source, (str, os.PathLike)):
         from meshrl.trainer.checkpoint import read_hf_tensors
 
-        tensors = read_hf_tensors(init_from)
+        tensors = read_hf_tensors(source)
         score = {k[len("score.") :]: tensors.pop(k) for k in [k for k in tensors if k.startswith("score.")]}
-        adapter = specs.adapter_cls(specs.titan_config, str(init_from))
-        load_trunk(model, adapter.from_hf(tensors), str(init_from))
+        adapter = specs.adapter_cls(specs.titan_config, str(source))
+        load_trunk(model, adapter.from_hf(tensors), str(source))
         if score:  # a one-label classifier's head: a critic's (with its bias) or a reward model's (none: 0)
-            load_head(getattr(model, HEAD), score, str(init_from))
-    elif init_from is not None:
-        load_trunk(model, init_from, "the state dict")
-    return model, specs
+            load_head(getattr(model, HEAD), score, str(source))
+    else:
+        load_trunk(model, source, "the state dict")
 
 
 def export_value_model_hf(model: nn.Module, specs, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, source_config=None) -> str:
     """The value model as a Hugging Face token-classification checkpoint with one label
     (`<Family>ForTokenClassification`, `num_labels` 1: the form verl's and TRL's critics
     load): the trunk under the causal LM's names, the value head as `score`. Its logits at
-    position t value the state after token t, which `token_values` reads at t + 1. One
-    unsharded rank; returns the directory."""
+    position t value the state after token t, which `token_values` reads at t + 1. Sharded:
+    a collective, every rank calls it, rank 0 writes; returns the directory."""
     from meshrl.trainer.checkpoint import hf_config, write_hf_dir
 
     adapter = specs.adapter_cls(specs.titan_config, None)
@@ -126,6 +136,8 @@ def export_value_model_hf(model: nn.Module, specs, out_dir: str | os.PathLike, d
             tensors["score." + name[len(HEAD) + 1 :]] = full.contiguous()
         else:
             tensors.update({k: v.contiguous() for k, v in adapter.to_hf({name: full}).items()})
+    if dist.is_initialized() and dist.get_rank() != 0:  # every rank gathered the shards; rank 0 writes them
+        return os.path.abspath(out_dir)
     config = hf_config(specs, dtype, source_config)
     # from a causal LM's config, or a reward model's (a sequence classifier) the critic started from
     config["architectures"] = [re.sub(r"For\w+$", "ForTokenClassification", a) for a in config.get("architectures", [])]
@@ -137,12 +149,14 @@ def export_value_model_hf(model: nn.Module, specs, out_dir: str | os.PathLike, d
 
 def load_head(head: nn.Module, score: Mapping[str, torch.Tensor], source: str) -> None:
     """A HF classifier's `score` weights (and bias, where it has one) into the value head."""
+    from meshrl.trainer.checkpoint import copy_whole_into
+
     weight = score["weight"]
     if tuple(weight.shape) != tuple(head.weight.shape):
         raise ValueError(f"{source}: its score head is {tuple(weight.shape)}, a value head is {tuple(head.weight.shape)} (one label over the hidden size)")
     with torch.no_grad():
-        head.weight.copy_(weight.to(head.weight.dtype))
-        head.bias.copy_(score["bias"].to(head.bias.dtype) if "bias" in score else torch.zeros_like(head.bias))
+        copy_whole_into(head.weight, weight)
+        copy_whole_into(head.bias, score["bias"] if "bias" in score else torch.zeros(tuple(head.bias.shape)))
 
 
 def load_trunk(model: nn.Module, tensors: Mapping[str, torch.Tensor], source: str = "the state dict") -> None:
@@ -151,6 +165,8 @@ def load_trunk(model: nn.Module, tensors: Mapping[str, torch.Tensor], source: st
     missing = [n for n, _ in model.named_parameters() if not n.startswith(HEAD + ".") and n not in tensors]
     if missing:
         raise KeyError(f"{source} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    from meshrl.trainer.checkpoint import copy_whole_into
+
     with torch.no_grad():
         for name, target in model.state_dict().items():
             if name.startswith(HEAD + ".") or name not in tensors:
@@ -158,7 +174,7 @@ def load_trunk(model: nn.Module, tensors: Mapping[str, torch.Tensor], source: st
             src = full_tensor(tensors[name])
             if tuple(src.shape) != tuple(target.shape):
                 raise ValueError(f"{source}: {name} is {tuple(src.shape)}, the value model's is {tuple(target.shape)}")
-            target.copy_(src.to(dtype=target.dtype, device=target.device))
+            copy_whole_into(target, src)
 
 
 def token_values(model: nn.Module, batch: TensorDict, *, packed: bool = False) -> torch.Tensor:
@@ -213,21 +229,49 @@ class CriticTrainer:
         self.value_clip, self.gamma, self.lam, self.aggregation = value_clip, gamma, lam, aggregation
         self.grad_clip, self.micro_batch_size, self.micro_batch_tokens = grad_clip, micro_batch_size, micro_batch_tokens
         self.epochs = epochs
-        self.model, self.specs = build_value_model(model_config, seed=seed, device=self.device, init_from=init_from, hf_overrides=hf_overrides)
+        # Sharded and started from a checkpoint, the model is built on the meta device, sharded,
+        # then materialised and loaded shard by shard, as PolicyTrainer does: no rank holds
+        # the whole critic on its device. From the seed it is built whole, the same on every rank.
+        sharded = dist.is_initialized() and dist.get_world_size() > 1
+        source = init_from if init_from is not None else model_config.path
+        on_meta = sharded and source is not None
+        build_on = torch.device("meta") if on_meta else self.device
+        self.model, self.specs = build_value_model(model_config, seed=seed, device=build_on, init_from=init_from, hf_overrides=hf_overrides)
         self.compute_dtype = compute_dtype
         if self.device.type == "cpu" and compute_dtype != torch.float32:
             from meshrl.compat import titan_float32_islands_under_cpu_autocast
 
             titan_float32_islands_under_cpu_autocast(self.model)
-        # One data-parallel rank for now; FSDP would set these from the trainer mesh, shard the
-        # model, and turn off FSDP's gradient division (the losses use global denominators).
         self.dp_rank, self.dp_world, self._dp_group = 0, 1, None
+        if sharded:
+            self._shard()
+        if on_meta:
+            from meshrl.trainer.policy import materialize
+
+            materialize(self.model, self.device, seed)
+            load_value_weights(self.model, self.specs, source)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
         self.version = 0
         """train_step calls taken = the version of the current weights."""
         self._source_config = os.path.join(model_config.path, "config.json") if model_config.path else None
+
+    def _shard(self) -> None:
+        """FSDP2 over every rank of the critic's process group (TorchTitan's parallelize
+        function for the family; no TP, CP or EP): each rank keeps 1/world of the weights,
+        gradients and AdamW state and trains on its share of the rows. The losses are
+        normalised by global counts, so ranks' gradients add up instead of averaging."""
+        from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+
+        from meshrl.config import TrainerConfig
+        from meshrl.trainer.parallelize import parallelism_config, parallelize
+
+        world = dist.get_world_size()
+        parallelism = parallelism_config(TrainerConfig(procs=world), world)
+        self.model, _ = parallelize(self.model, self.specs.parallelize_fn, parallelism, world, self.device.type, self.compute_dtype)
+        disable_fsdp_gradient_division(self.model)
+        self.dp_rank, self.dp_world = dist.get_rank(), world
 
     def autocast(self):
         on = self.compute_dtype != torch.float32
@@ -246,12 +290,17 @@ class CriticTrainer:
         B, T = batch["tokens"].shape
         out = torch.zeros(B, T, dtype=torch.float32)
         for idx in self._plans(batch)[self.dp_rank]:
-            if not idx:
+            if not idx and self.dp_world == 1:
                 continue
-            part = trim(batch[torch.tensor(idx)])
+            part = trim(batch[torch.tensor(idx or [0])])  # a rank with no rows left still runs FSDP's gathers
             with self.autocast():
                 v = token_values(self.model, part, packed=self.micro_batch_tokens > 0)
-            out[torch.tensor(idx), : v.shape[1]] = v.float().cpu()
+            if idx:
+                out[torch.tensor(idx), : v.shape[1]] = v.float().cpu()
+        if self.dp_world > 1:  # each rank valued its own rows: the sum is the whole batch's, on every rank
+            out = out.to(self.device)
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._dp_group)
+            out = out.cpu()
         return out
 
     def advantages(self, batch: TensorDict, whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

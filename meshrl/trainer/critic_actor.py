@@ -1,6 +1,7 @@
 """PPO's critic on a proc mesh of its own: `CriticActor`, the Monarch shell around
-`meshrl/trainer/critic.py`'s `CriticTrainer` (one rank), and `CriticMesh` / `spawn_critic`,
-the controller's handle on it.
+`meshrl/trainer/critic.py`'s `CriticTrainer` (one rank per proc; `critic.procs` > 1: FSDP2
+over them), and `CriticMesh` / `spawn_critic`, the controller's handle on it. Every call
+goes to every rank, whose collectives run in step; rank 0 answers.
 
 The trainer's rank 0 calls `advantages` with each batch it samples from the episode queue
 (trainer/actor.py `train_from_queue`; the controller never touches the data):
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import socket
@@ -33,15 +35,18 @@ import time
 
 import psutil
 import torch
+import torch.distributed as dist
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 from tensordict import TensorDict
 
 from meshrl.compat import awaited, settled, stopped_on_failure
 from meshrl.config import Config
 from meshrl.config.cpus import cpus_for
+from meshrl.host import gloo_on_this_host, host_address
 from meshrl.launch.devices import planned_gpu
 from meshrl.logs import capture_role_output
 from meshrl.pinning import pin_this_process
+from meshrl.trainer.actor import init_process_group_listening_on
 from meshrl.trainer.critic import CriticTrainer
 from meshrl.trainer.snapshot import Snapshots, snapshot_budget, snapshot_root
 from meshrl.trainer.values import reduce_value_metrics, value_metric_sums
@@ -98,7 +103,7 @@ def build_critic(config: Config, device: str = "cpu") -> CriticTrainer:
 
 
 class CriticActor(Actor):
-    """The critic's one rank. Endpoints run one at a time; its train step runs in a thread."""
+    """One rank of the critic. Endpoints run one at a time; its train step runs in a thread."""
 
     def __init__(self) -> None:
         self.critic: CriticTrainer | None = None
@@ -111,19 +116,31 @@ class CriticActor(Actor):
     @endpoint
     async def setup(self, config_dict: dict) -> dict:
         """Build the value model and its optimizer: on the GPU the device plan started this proc
-        seeing (beside a GPU trainer), else pinned to the trainer's (first proc's) cores."""
+        seeing (beside a GPU trainer), else pinned to the cores of the trainer's proc of the
+        same local rank. With several procs: torch.distributed from the elastic env (rank 0's
+        store on this host's address only), then the model sharded over them."""
         config = Config.from_dict(config_dict)
-        capture_role_output(config, "critic")
+        world = config.critic.procs
+        rank = int(os.environ["RANK"]) if world > 1 else 0
+        capture_role_output(config, "critic" if world == 1 else f"critic-{rank}")
         device = "cuda" if planned_gpu() else "cpu"
         if device == "cuda":
             torch.cuda.set_device(0)  # its one GPU
-        cpus = cpus_for(config.trainer.cpus, 0)
+        cpus = cpus_for(config.trainer.cpus, rank)
         if cpus is not None and device == "cpu":
             pin_this_process(cpus)  # also sizes torch's thread pool to them
-        self.config, self.critic = config, await self._run(build_critic, config, device)
+        elif device == "cpu" and world > 1:  # the critic's procs share the host's cores: don't oversubscribe them
+            await self._run(torch.set_num_threads, max(1, (os.cpu_count() or 1) // world))  # on the thread its tensor work runs on
+        group = None  # several procs: the snapshots' collectives on a gloo group of their own
+        with gloo_on_this_host() if world > 1 else contextlib.nullcontext():
+            if world > 1:
+                timeout_s = config.trainer.collective_timeout_s
+                await self._run(init_process_group_listening_on, host_address() or "127.0.0.1", rank, world, device == "cuda", timeout_s)
+                group = await self._run(dist.new_group, None, None, "gloo") if config.trainer.snapshot_every else None
+            self.config, self.critic = config, await self._run(build_critic, config, device)
         if config.trainer.snapshot_every:
             root = snapshot_root(critic_root(config.logging.run_dir))
-            self.snapshots = Snapshots(root, config.trainer.snapshot_every, blocking=True, keep=SNAPSHOTS_KEPT, budget=snapshot_budget(config))
+            self.snapshots = Snapshots(root, config.trainer.snapshot_every, group, blocking=True, keep=SNAPSHOTS_KEPT, budget=snapshot_budget(config))
         return self._info()
 
     def _train(self, batch: TensorDict, returns: torch.Tensor, old: torch.Tensor) -> dict[str, float]:
@@ -143,6 +160,7 @@ class CriticActor(Actor):
     def _info(self) -> dict:
         critic = self._need()
         return {
+            "rank": critic.dp_rank,
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started": psutil.Process().create_time(),
@@ -176,6 +194,8 @@ class CriticActor(Actor):
 
         token_advantage is None while `critic.policy_warmup` lasts (the policy trains on the
         group advantage the workers wrote); the loss mask has failed episodes off either way.
+        Every rank gets the batch and values its share of the rows; rank 0 answers, the
+        others give (None, None, {}).
         """
         critic, cc = self._need(), self.config.critic
         wait_s = await self._finish()
@@ -186,6 +206,8 @@ class CriticActor(Actor):
         mask = batch["loss_mask"]
         score_s = time.perf_counter() - t0
         self._training = self._pool.submit(self._train, batch, returns, old)
+        if critic.dp_rank != 0:
+            return None, None, {}
         warm = policy_step < cc.policy_warmup
         metrics = {
             "critic/version": float(version),
@@ -236,18 +258,26 @@ class CriticActor(Actor):
     @endpoint
     async def teardown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+async def rank0(endpoint_, *args):
+    """`endpoint_` called on every critic rank (their collectives run in step); rank 0's answer."""
+    values = await awaited(endpoint_.call(*args))
+    return min(values.items(), key=lambda kv: kv[0].rank)[1]
 
 
 class CriticMesh:
-    """The controller's handle on the critic's proc. Every call has a timeout; `stop()` always."""
+    """The controller's handle on the critic's procs. Every call has a timeout; `stop()` always."""
 
     def __init__(self, procs, actor, timeout_s: float):
         self.procs, self.actor, self.timeout_s = procs, actor, timeout_s
-        self.pid: int | None = None  # its proc's, once set up
-        self.proc: tuple[int, float | None] = (0, None)  # (pid, start time on this host; None elsewhere), for a heal's kill
+        self.pid: int | None = None  # rank 0's proc's, once set up
+        self.proc_ids: list[tuple[int, float | None]] = []  # each rank's (pid, start time on this host; None elsewhere), for a heal's kill
 
     async def _call(self, endpoint_, *args):
-        return await asyncio.wait_for(awaited(endpoint_.call_one(*args)), self.timeout_s)
+        return await asyncio.wait_for(rank0(endpoint_, *args), self.timeout_s)
 
     async def save_checkpoint(self, root: str) -> str:
         return await self._call(self.actor.save_checkpoint, root)
@@ -263,8 +293,8 @@ class CriticMesh:
         return await self._call(self.actor.info)
 
     async def answers(self, timeout_s: float = 10.0) -> bool:
-        """Whether the critic's proc still answers (after a failed step: whose fault it was)."""
-        return await settled(self.actor.ping.call_one(), timeout_s) is None  # dead or unreachable: all the same
+        """Whether every critic proc still answers (after a failed step: whose fault it was)."""
+        return await settled(self.actor.ping.call(), timeout_s) is None  # dead or unreachable: all the same
 
     async def stop(self) -> None:
         try:
@@ -275,14 +305,20 @@ class CriticMesh:
 
 
 async def spawn_critic(config: Config, host_mesh, bootstrap_command=None) -> CriticMesh:
-    """One proc on `host_mesh` (the trainer's first host), its actor set up from `config`.
-    The caller owns the returned mesh: `await mesh.stop()`."""
-    timeout_s = config.critic.timeout_s
-    procs = host_mesh.spawn_procs(per_host={"procs": 1}, bootstrap_command=bootstrap_command)
+    """`critic.procs` procs on `host_mesh` (the trainer's first host), each started by
+    `bootstrap_command` (the device plan's, for its slots), their actors set up from
+    `config`. The caller owns the returned mesh: `await mesh.stop()`."""
+    from monarch.spmd import setup_torch_elastic_env_async
+
+    timeout_s, n = config.critic.timeout_s, config.critic.procs
+    procs = host_mesh.spawn_procs(per_host={"procs": n}, bootstrap_command=bootstrap_command)
     async with stopped_on_failure(procs):
+        if n > 1:
+            await asyncio.wait_for(setup_torch_elastic_env_async(procs), 60)
         actor = procs.spawn("critic", CriticActor)
         mesh = CriticMesh(procs, actor, timeout_s)
-        info = await mesh._call(actor.setup, config.to_dict())
-        mesh.pid = info["pid"]
-        mesh.proc = (info["pid"], info["started"] if info["host"] == socket.gethostname() else None)
+        values = await asyncio.wait_for(awaited(actor.setup.call(config.to_dict())), timeout_s)
+        infos = [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]
+        mesh.pid = infos[0]["pid"]
+        mesh.proc_ids = [(i["pid"], i["started"] if i["host"] == socket.gethostname() else None) for i in infos]
         return mesh
