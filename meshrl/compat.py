@@ -58,6 +58,16 @@ async def awaited(future):
     return await future
 
 
+def by_rank(values) -> list:
+    """The answers of a Monarch ValueMesh (what `endpoint.call` returns) in rank order.
+
+    A ValueMesh yields (point, value) pairs keyed by each point's coordinates, not by rank,
+    and its order is not documented; a caller that wants rank 0's answer, or each rank's in
+    turn, reads the rank off each point here.
+    """
+    return [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]
+
+
 async def settled(future, timeout_s: float) -> Exception | None:
     """Await a Monarch future (or a coroutine) for at most `timeout_s`; its failure, or the
     timeout, is returned instead of raised. For teardown, which goes on whatever one part

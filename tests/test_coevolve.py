@@ -136,7 +136,6 @@ def test_trained_models_config_view_and_refusals():
         "models[0].generator.group_size": {"models": [{"name": "a", "generator": {"group_size": 2}}]},
         "trainer.loss.advantage": {"models": [{"name": "a"}], "trainer": {"loss": {"advantage": "gae"}}},
         "placement": {"models": [{"name": "a"}], "placement": "colocate"},
-        "launcher.kind": {"models": [{"name": "a"}], "launcher": {"kind": "workers", "workers": ["10.0.0.2:26600"], "address": "10.0.0.1"}},
         # evaluation plays the policy alone: a held-out source of its own, not the game
         "eval.source": {"models": [{"name": "a"}], "data": {"source": "task:propose"}, "eval": {"every": 5}},
     }
@@ -144,8 +143,9 @@ def test_trained_models_config_view_and_refusals():
         with pytest.raises(ConfigError) as e:
             Config.from_dict(data)
         assert e.value.field_path == field, (field, str(e.value))
-    for kind in ("process", "slurm"):  # the launchers several trained models run on, beside local
+    for kind in ("process", "slurm"):  # every launcher: local, process and Slurm hosts, `meshrl worker` hosts
         Config.from_dict({"models": [{"name": "a"}], "launcher": {"kind": kind, "hosts": 2}})
+    Config.from_dict({"models": [{"name": "a"}], "launcher": {"kind": "workers", "workers": ["10.0.0.2:26600"], "address": "10.0.0.1"}})
     for source in ("data.jsonl", "task:propose"):  # a file is scored by the run's reward (the game's); the game itself
         with pytest.raises(ConfigError) as e:
             config = Config.from_dict({"models": [{"name": "a"}], "data": {"source": "task:propose"}, "eval": {"every": 5, "source": source}})

@@ -98,6 +98,40 @@ def test_two_hosts_train_across_the_link(two_hosts, tmp_path, transport):
     assert wait_empty(two_hosts) == {"a": [], "b": []}, "processes outlived the run"
 
 
+def test_two_co_evolving_models_train_across_the_link(two_hosts, tmp_path):
+    """configs/coevolve.yaml's game on `meshrl worker` hosts: the solver's (the policy's) and
+    the proposer's trainers on A, both models' engines on B, each model's weights crossing
+    the link every step."""
+    run_dir = tmp_path / "run"
+    # synchronous, as above: each step's log-prob match checks each model's weights arrived whole;
+    # 6 steps of 4 groups: the assertions hold from the second step (every step's weights cross)
+    cfg = two_host_config(
+        run_dir,
+        two_hosts,
+        steps=6,
+        batch_groups=4,
+        data={"source": "task:propose"},
+        models=[{"name": "proposer"}],
+        buffer={"depth": 0, "max_lag": 0},
+        generator={"group_size": 4, "update_mode": "block"},
+    )
+    controller = start_run(two_hosts, tmp_path, cfg, "models")
+    seen = watch(two_hosts, controller, RUN_TIMEOUT_S)
+    log = (tmp_path / "models-controller.log").read_text()
+    assert controller.returncode == 0, log[-3000:]
+    rows = rows_of(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    for prefix in ("", "proposer/"):
+        assert all(r[f"{prefix}trainer/tokens"] > 0 for r in rows), prefix  # each model trained on its own rows every step
+        assert all(r[f"{prefix}trainer/staleness_max"] == 0 for r in rows), prefix
+        mismatch = [r[f"{prefix}trainer/logprob_mismatch"] for r in rows]
+        assert max(mismatch) < 2e-3, (prefix, mismatch)  # the sampler on B held the weights its trainer on A had
+    assert os.path.isdir(run_dir / "hf" / "final-proposer")
+    for h, listeners in seen.items():
+        assert listeners == {("tcp", two_hosts.ADDRESSES[h])}, f"host {h} listened on {sorted(listeners)}"
+    assert wait_empty(two_hosts) == {"a": [], "b": []}, "processes outlived the run"
+
+
 def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
     """Host B (generators, queue, rollout workers) dies mid-run: the run stops within its
     timeouts with one line naming the checkpoint, and `--resume` on fresh workers finishes it."""

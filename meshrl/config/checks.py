@@ -269,11 +269,6 @@ def _check_models(c: Config) -> None:
         (c.distill.teacher is not None, "distill.teacher", "distillation scores the policy's episodes only: drop it, or the other models"),
         (bool(c.scoring.scorers), "scoring.scorers", "scorers score the policy's episodes only: give a game's rewards from its env"),
         (c.placement == "colocate", "placement", "several trained models run split (each on procs of its own): set placement=split or auto"),
-        (
-            c.launcher.kind not in ("local", "process", "slurm"),
-            "launcher.kind",
-            "several trained models run on the local, process and slurm launchers so far (`meshrl worker` hosts untested)",
-        ),
     )
     for bad, path, message in refused:
         need(not bad, path, f"{message} (models: {', '.join(names[1:])})")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from monarch.actor import Actor, endpoint, this_host
 
-from meshrl.compat import awaited, stopped_on_failure, tcp_store_listening_on
+from meshrl.compat import awaited, by_rank, stopped_on_failure, tcp_store_listening_on
 from meshrl.config import Config
 from meshrl.episode import model_rows
 from meshrl.host import gloo_on_this_host, host_address
@@ -188,7 +188,7 @@ class TrainerActor(Actor):
         returns the critic's metrics, with `critic/gae_trained` saying which it was."""
         call = awaited(critic.advantages.call(batch, trainer.step))  # every critic rank values its share; rank 0 answers
         values = await asyncio.wait_for(call, trainer.config.critic.timeout_s)
-        token_advantage, loss_mask, metrics = min(values.items(), key=lambda kv: kv[0].rank)[1]
+        token_advantage, loss_mask, metrics = by_rank(values)[0]
         batch["loss_mask"] = loss_mask
         if token_advantage is not None:
             batch["token_advantage"] = token_advantage
@@ -270,7 +270,7 @@ class TrainerMesh:
 
     async def _all(self, endpoint_, *args, timeout_s: float | None = None) -> list:
         values = await asyncio.wait_for(endpoint_.call(*args), timeout_s or self.timeout_s)
-        return [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]
+        return by_rank(values)
 
     async def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict:
         out = (await self._all(self.actors.train_step, batch, current_version))[0]

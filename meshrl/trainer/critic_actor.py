@@ -39,7 +39,7 @@ import torch.distributed as dist
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 from tensordict import TensorDict
 
-from meshrl.compat import awaited, settled, stopped_on_failure
+from meshrl.compat import awaited, by_rank, settled, stopped_on_failure
 from meshrl.config import Config
 from meshrl.config.cpus import cpus_for
 from meshrl.host import gloo_on_this_host, host_address
@@ -265,7 +265,7 @@ class CriticActor(Actor):
 async def rank0(endpoint_, *args):
     """`endpoint_` called on every critic rank (their collectives run in step); rank 0's answer."""
     values = await awaited(endpoint_.call(*args))
-    return min(values.items(), key=lambda kv: kv[0].rank)[1]
+    return by_rank(values)[0]
 
 
 class CriticMesh:
@@ -318,7 +318,7 @@ async def spawn_critic(config: Config, host_mesh, bootstrap_command=None) -> Cri
         actor = procs.spawn("critic", CriticActor)
         mesh = CriticMesh(procs, actor, timeout_s)
         values = await asyncio.wait_for(awaited(actor.setup.call(config.to_dict())), timeout_s)
-        infos = [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]
+        infos = by_rank(values)
         mesh.pid = infos[0]["pid"]
         mesh.proc_ids = [(i["pid"], i["started"] if i["host"] == socket.gethostname() else None) for i in infos]
         return mesh
