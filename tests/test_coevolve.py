@@ -134,7 +134,9 @@ def test_trained_models_config_view_and_refusals():
         "models[1].name": {"models": [{"name": "a"}, {"name": "a"}]},
         "models[0].trainer.lrr": {"models": [{"name": "a", "trainer": {"lrr": 1}}]},
         "models[0].generator.group_size": {"models": [{"name": "a", "generator": {"group_size": 2}}]},
-        "trainer.loss.advantage": {"models": [{"name": "a"}], "trainer": {"loss": {"advantage": "gae"}}},
+        # PPO's critic values the policy's rows alone: a model beside it trains on a group advantage
+        "models[0].trainer.loss.advantage": {"models": [{"name": "a"}], "trainer": {"loss": {"advantage": "gae"}}},
+        "models[1].trainer.loss.advantage": {"models": [{"name": "a"}, {"name": "b", "trainer": {"loss": {"advantage": "gae"}}}]},
         "placement": {"models": [{"name": "a"}], "placement": "colocate"},
         # evaluation plays the policy alone: a held-out source of its own, not the game
         "eval.source": {"models": [{"name": "a"}], "data": {"source": "task:propose"}, "eval": {"every": 5}},
@@ -146,6 +148,7 @@ def test_trained_models_config_view_and_refusals():
     for kind in ("process", "slurm"):  # every launcher: local, process and Slurm hosts, `meshrl worker` hosts
         Config.from_dict({"models": [{"name": "a"}], "launcher": {"kind": kind, "hosts": 2}})
     Config.from_dict({"models": [{"name": "a"}], "launcher": {"kind": "workers", "workers": ["10.0.0.2:26600"], "address": "10.0.0.1"}})
+    Config.from_dict({"models": [{"name": "a", "trainer": {"loss": {"advantage": "rloo"}}}], "trainer": {"loss": {"advantage": "gae"}}})
     for source in ("data.jsonl", "task:propose"):  # a file is scored by the run's reward (the game's); the game itself
         with pytest.raises(ConfigError) as e:
             config = Config.from_dict({"models": [{"name": "a"}], "data": {"source": "task:propose"}, "eval": {"every": 5, "source": source}})

@@ -245,3 +245,31 @@ def test_every_field_is_documented_and_reference_is_current():
     walk(ScorerConfig)  # the items of scoring.scorers
     with open(os.path.join(ROOT, "docs/config.md")) as f:
         assert f.read() == reference_markdown() + "\n", "docs/config.md is stale: run `meshrl config docs > docs/config.md`"
+
+
+def test_every_link_in_the_readmes_and_docs_resolves():
+    """Each relative link of README.md, docs/, benchmarks/, tests/ and examples/ names a file
+    that exists, and each `#anchor` a heading of its page (GitHub's slugs)."""
+    import re
+
+    def anchors(path: str) -> set[str]:
+        text, seen = re.sub(r"```.*?```", "", open(path).read(), flags=re.S), {}
+        for heading in re.findall(r"^#{1,6} (.*)$", text, flags=re.M):
+            slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            seen[slug] = seen.get(slug, -1) + 1
+            yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+
+    pages = [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]
+    pages += [os.path.join(ROOT, "benchmarks", "README.md"), os.path.join(ROOT, "tests", "README.md")]
+    pages += glob.glob(os.path.join(ROOT, "examples", "**", "*.md"), recursive=True)
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", open(page).read(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            if not os.path.exists(dest) or (anchor and dest.endswith(".md") and anchor not in set(anchors(dest))):
+                broken.append(f"{os.path.relpath(page, ROOT)}: {target}")
+    assert len(pages) > 10 and not broken, broken

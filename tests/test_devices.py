@@ -296,6 +296,21 @@ def test_ppos_critic_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypatch)
     with pytest.raises(ConfigError) as e:
         plan_devices(config(**gae, critic={"procs": 2}, launcher={"gpus_per_host": 5}))
     assert "+ the critic 2" in str(e.value), str(e.value)
+    # beside co-evolving models (docs/coevolve.md): the policy's critic after the policy's trainer,
+    # each model's roles after the policy's, and none for a model (its advantage is a group's)
+    grpo = [{"name": "proposer", "trainer": {"procs": 1, "loss": {"advantage": "grpo"}}, "generator": {"replicas": 1}}]
+    models = config(**gae, models=grpo, launcher={"gpus_per_host": 7, "gpu_memory_gib": 80})
+    plan = plan_devices(models)
+    assert_disjoint(plan)
+    assert [(s.role, s.gpus) for s in plan.slots][2:] == [
+        ("critic", (2,)),
+        ("generator", (3,)),
+        ("generator", (4,)),
+        ("proposer/trainer", (5,)),
+        ("proposer/generator", (6,)),
+    ]
+    memory = plan_memory(models, plan=plan)
+    assert not memory.problems and [h.role for h in memory.gpu("hosts", 0, 2).holdings] == ["critic"]
 
 
 def test_an_implicit_prm_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypatch):

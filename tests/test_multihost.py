@@ -101,7 +101,8 @@ def test_two_hosts_train_across_the_link(two_hosts, tmp_path, transport):
 def test_two_co_evolving_models_train_across_the_link(two_hosts, tmp_path):
     """configs/coevolve.yaml's game on `meshrl worker` hosts: the solver's (the policy's) and
     the proposer's trainers on A, both models' engines on B, each model's weights crossing
-    the link every step."""
+    the link every step. The solver trains by PPO with its critic (a proc of its own on A),
+    the proposer on its group advantage."""
     run_dir = tmp_path / "run"
     # synchronous, as above: each step's log-prob match checks each model's weights arrived whole;
     # 6 steps of 4 groups: the assertions hold from the second step (every step's weights cross)
@@ -111,7 +112,8 @@ def test_two_co_evolving_models_train_across_the_link(two_hosts, tmp_path):
         steps=6,
         batch_groups=4,
         data={"source": "task:propose"},
-        models=[{"name": "proposer"}],
+        models=[{"name": "proposer", "trainer": {"loss": {"advantage": "grpo"}}}],
+        trainer={"loss": {"advantage": "gae"}},
         buffer={"depth": 0, "max_lag": 0},
         generator={"group_size": 4, "update_mode": "block"},
     )
@@ -126,7 +128,13 @@ def test_two_co_evolving_models_train_across_the_link(two_hosts, tmp_path):
         assert all(r[f"{prefix}trainer/staleness_max"] == 0 for r in rows), prefix
         mismatch = [r[f"{prefix}trainer/logprob_mismatch"] for r in rows]
         assert max(mismatch) < 2e-3, (prefix, mismatch)  # the sampler on B held the weights its trainer on A had
-    assert os.path.isdir(run_dir / "hf" / "final-proposer")
+    # the critic valued the solver's rows of every batch, one version behind at most, and the
+    # solver trained on its advantages from the first step (critic.policy_warmup 0)
+    assert all(r["critic/gae_trained"] == 1 and r["critic/version_lag"] <= 1 for r in rows), rows
+    assert all(r.get("critic/value_nonfinite", 0) == 0 for r in rows)
+    assert {"proposer/critic/version"}.isdisjoint(rows[-1])  # the proposer has none
+    for export in ("final-proposer", "final-critic"):
+        assert os.path.isdir(run_dir / "hf" / export), export
     for h, listeners in seen.items():
         assert listeners == {("tcp", two_hosts.ADDRESSES[h])}, f"host {h} listened on {sorted(listeners)}"
     assert wait_empty(two_hosts) == {"a": [], "b": []}, "processes outlived the run"

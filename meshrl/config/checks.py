@@ -265,7 +265,6 @@ def _check_models(c: Config) -> None:
         need("group_size" not in m.generator, f"models[{i}].generator.group_size", "a group is the run's: every model's episodes share generator.group_size")
         names.append(m.name)
     refused = (
-        (c.trainer.loss.advantage == "gae", "trainer.loss.advantage", "a critic values the policy's turns only: use a group advantage"),
         (c.distill.teacher is not None, "distill.teacher", "distillation scores the policy's episodes only: drop it, or the other models"),
         (bool(c.scoring.scorers), "scoring.scorers", "scorers score the policy's episodes only: give a game's rewards from its env"),
         (c.placement == "colocate", "placement", "several trained models run split (each on procs of its own): set placement=split or auto"),
@@ -280,8 +279,15 @@ def _check_models(c: Config) -> None:
             "with several trained models evaluation plays the policy alone on a `task:` or `reasoning_gym:` source of its own "
             f"(e.g. task:digits; not the game, nor a run with rollout.env) (models: {', '.join(names[1:])})",
         )
-    for m in c.models:
-        c.for_model(m.name)  # each model's sections, checked as the policy's are
+    for i, m in enumerate(c.models):
+        view = c.for_model(m.name)  # each model's sections, checked as the policy's are
+        need(
+            view.trainer.loss.advantage != "gae",
+            f"models[{i}].trainer.loss.advantage",
+            f"PPO's critic values the policy's turns only, and {m.name} "
+            + ("inherits the policy's gae" if "advantage" not in m.trainer.get("loss", {}) else "asks for one")
+            + ": set it to a group advantage (grpo, grpo_no_std or rloo)",
+        )
 
 
 _SECTIONS = (
