@@ -10,6 +10,7 @@ import signal
 import string
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -406,8 +407,8 @@ class NetnsHosts:
         self.procs.append(proc)
         return proc
 
-    def worker(self, host: str, port: int, log_path) -> subprocess.Popen:
-        return self.run(host, [sys.executable, "-m", "meshrl", "worker", "--address", f"{self.ADDRESSES[host]}:{port}"], log_path)
+    def worker(self, host: str, port: int, log_path, env: dict | None = None) -> subprocess.Popen:
+        return self.run(host, [sys.executable, "-m", "meshrl", "worker", "--address", f"{self.ADDRESSES[host]}:{port}"], log_path, env)
 
     def pids(self, host: str) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", self.names[host]], capture_output=True, text=True, timeout=30).stdout
@@ -452,13 +453,42 @@ class NetnsHosts:
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
+def kill_during_snapshot(run_dir: str, pids: list[int], step: int, timeout_s: float = 300.0) -> threading.Thread:
+    """SIGKILL `pids` as soon as the snapshot of `step` is being written (its temp directory
+    exists: the batch of that step was taken and trained); if the write is never seen (it
+    can finish between two looks), as soon as the snapshot is complete."""
+    from meshrl.trainer.snapshot import snapshot_root
+
+    root = snapshot_root(run_dir)
+    name = f"step-{step:08d}"
+    seen = {}
+
+    def watch():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if os.path.isdir(os.path.join(root, f".{name}.tmp")):
+                seen["during_write"] = True
+                break
+            if os.path.isdir(os.path.join(root, name)):
+                seen["during_write"] = False
+                break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.seen = seen
+    thread.start()
+    return thread
+
+
 def kill_during_checkpoint(session, pid: int, root: str, restarts) -> dict:
     """SIGKILL trainer proc `pid` inside one of `session`'s checkpoint calls: as soon as the
     trainer's write of this step under `root` (its checkpoint directory) is seen under way,
     or, when the write finished between two looks, just before a second call, which then
     meets a dead trainer. `restarts()`: that trainer's heals so far. Returns what the call did."""
-    import threading
-
     writing = os.path.join(root, f".step-{session.version:08d}.tmp")  # trainer/checkpoint.py's temp directory
     before, seen, done = restarts(), {}, threading.Event()
 

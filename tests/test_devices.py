@@ -311,6 +311,19 @@ def test_ppos_critic_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypatch)
     ]
     memory = plan_memory(models, plan=plan)
     assert not memory.problems and [h.role for h in memory.gpu("hosts", 0, 2).holdings] == ["critic"]
+    # a model that trains by gae too (here inheriting the policy's): a critic of its own, after its trainer
+    own = config(
+        **gae, models=[{"name": "proposer", "trainer": {"procs": 1}, "generator": {"replicas": 1}}], launcher={"gpus_per_host": 8, "gpu_memory_gib": 80}
+    )
+    plan = plan_devices(own)
+    assert_disjoint(plan)
+    assert [(s.role, s.gpus) for s in plan.slots][5:] == [("proposer/trainer", (5,)), ("proposer/critic", (6,)), ("proposer/generator", (7,))]
+    assert plan.env("proposer/critic", 0)[DEVICE_ENV] == "6" and [s.role for s in plan.view("proposer").slots] == ["trainer", "critic", "generator"]
+    memory = plan_memory(own, plan=plan)
+    assert not memory.problems and [h.role for h in memory.gpu("hosts", 0, 6).holdings] == ["proposer/critic"]
+    with pytest.raises(ConfigError) as e:  # one GPU short: the model's field, its critic named
+        plan_devices(config(**gae, models=[{"name": "proposer", "trainer": {"procs": 1}, "generator": {"replicas": 1}}], launcher={"gpus_per_host": 7}))
+    assert e.value.field_path == "models[0].generator.replicas" and "its critic's critic.procs" in str(e.value), str(e.value)
 
 
 def test_an_implicit_prm_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypatch):

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import psutil
@@ -15,7 +14,7 @@ import torch
 
 import meshrl
 from meshrl.compat import awaited
-from meshrl.trainer.snapshot import load_snapshot, newest_complete, snapshot_root, snapshot_step
+from meshrl.trainer.snapshot import load_snapshot, newest_complete, snapshot_step
 from tests import conftest
 from tests.test_loop import tiny, trained_groups, wait_no_children
 
@@ -25,35 +24,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, GROUPS = 6, 4
 KILL_AT = 3  # the trainer is killed while it writes this step's snapshot (or, missing that, right after)
 CHECKPOINT_AT = 4  # the single proc's run: killed again in a checkpoint call after this step
-
-
-def kill_during_snapshot(run_dir: str, pids: list[int], step: int, timeout_s: float = 300.0) -> threading.Thread:
-    """SIGKILL `pids` as soon as the snapshot of `step` is being written (its temp directory
-    exists: the batch of that step was taken and trained); if the write is never seen (it
-    can finish between two looks), as soon as the snapshot is complete."""
-    root = snapshot_root(run_dir)
-    name = f"step-{step:08d}"
-    seen = {}
-
-    def watch():
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if os.path.isdir(os.path.join(root, f".{name}.tmp")):
-                seen["during_write"] = True
-                break
-            if os.path.isdir(os.path.join(root, name)):
-                seen["during_write"] = False
-                break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.seen = seen
-    thread.start()
-    return thread
 
 
 def run_and_kill(run_dir, procs: int, kill_ranks: list[int], checkpoint_kill: bool = False, kill_host: bool = False, **sections) -> dict:
@@ -69,7 +39,7 @@ def run_and_kill(run_dir, procs: int, kill_ranks: list[int], checkpoint_kill: bo
         rows = session.step(KILL_AT - 1)
         pids = [info["pid"] for info in session._call(session.loop.trainer.shard_info(), 60)]
         hosts = {name: state.pid for name, state in session.loop.alloc._job._host_to_pid.items()} if kill_host else {}
-        killer = kill_during_snapshot(session.run_dir, [pids[r] for r in kill_ranks] + [hosts[h] for h in hosts if h.startswith("trainer")], KILL_AT)
+        killer = conftest.kill_during_snapshot(session.run_dir, [pids[r] for r in kill_ranks] + [hosts[h] for h in hosts if h.startswith("trainer")], KILL_AT)
         if checkpoint_kill:
             rows += session.step(CHECKPOINT_AT - session.version)
             loop = session.loop

@@ -32,24 +32,27 @@ def two_host_config(run_dir, hosts, **sections) -> dict:
     return conftest.two_host_config(run_dir, 120, {"steps": 16, "launcher": launcher}, **sections)
 
 
-def start_run(hosts, tmp_path, cfg: dict, name: str, resume: bool = False, overrides: tuple[str, ...] = ()):
+def start_run(hosts, tmp_path, cfg: dict, name: str, resume: bool = False, overrides: tuple[str, ...] = (), env: dict | None = None):
     """Both workers, then the controller inside A (`overrides` after a resume's run
-    directory); returns the controller's process."""
+    directory; `env` for all three); returns the controller's process."""
     for h in ("a", "b"):
-        hosts.worker(h, PORT, tmp_path / f"{name}-worker-{h}.log")
+        hosts.worker(h, PORT, tmp_path / f"{name}-worker-{h}.log", env)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     args = ["--resume", cfg["logging"]["run_dir"], *overrides] if resume else [str(path)]
-    return hosts.run("a", [sys.executable, "-m", "meshrl", "run", *args], tmp_path / f"{name}-controller.log")
+    return hosts.run("a", [sys.executable, "-m", "meshrl", "run", *args], tmp_path / f"{name}-controller.log", env)
 
 
-def watch(hosts, controller, timeout: float) -> dict[str, set]:
-    """Every listener seen in each namespace until the controller exits (bounded)."""
+def watch(hosts, controller, timeout: float, each=None) -> dict[str, set]:
+    """Every listener seen in each namespace until the controller exits (bounded); `each()`
+    is called on every look."""
     seen = {"a": set(), "b": set()}
     deadline = time.monotonic() + timeout
     while controller.poll() is None and time.monotonic() < deadline:
         for h in seen:
             seen[h] |= hosts.listeners(h)
+        if each is not None:
+            each()
         time.sleep(0.5)
     if controller.poll() is None:
         controller.kill()
@@ -101,39 +104,60 @@ def test_two_hosts_train_across_the_link(two_hosts, tmp_path, transport):
 def test_two_co_evolving_models_train_across_the_link(two_hosts, tmp_path):
     """configs/coevolve.yaml's game on `meshrl worker` hosts: the solver's (the policy's) and
     the proposer's trainers on A, both models' engines on B, each model's weights crossing
-    the link every step. The solver trains by PPO with its critic (a proc of its own on A),
-    the proposer on its group advantage."""
+    the link every step. Each model trains by PPO with a critic of its own (procs on A); the
+    proposer's critic is killed two steps in and healed."""
     run_dir = tmp_path / "run"
     # synchronous, as above: each step's log-prob match checks each model's weights arrived whole;
-    # 6 steps of 4 groups: the assertions hold from the second step (every step's weights cross)
+    # 8 steps of 4 groups: the assertions hold from the second step, the kill lands after the second
     cfg = two_host_config(
         run_dir,
         two_hosts,
-        steps=6,
+        steps=8,
         batch_groups=4,
         data={"source": "task:propose"},
-        models=[{"name": "proposer", "trainer": {"loss": {"advantage": "grpo"}}}],
+        models=[{"name": "proposer"}],  # it inherits the policy's gae: a critic of its own
         trainer={"loss": {"advantage": "gae"}},
         buffer={"depth": 0, "max_lag": 0},
         generator={"group_size": 4, "update_mode": "block"},
     )
-    controller = start_run(two_hosts, tmp_path, cfg, "models")
-    seen = watch(two_hosts, controller, RUN_TIMEOUT_S)
+    # the quiet default (not the suite's MESHRL_VERBOSE): every proc's output in RUN_DIR's logs,
+    # so that the proposer's critic is the proc on A writing models/proposer/logs/critic.log
+    controller = start_run(two_hosts, tmp_path, cfg, "models", env={"MESHRL_VERBOSE": "0"})
+    killed = []
+
+    def kill_the_proposers_critic():
+        if killed or not os.path.isfile(run_dir / "metrics.jsonl") or len(rows_of(run_dir)) < 2:
+            return
+        log = str(run_dir / "models" / "proposer" / "logs" / "critic.log")
+        for pid in two_hosts.pids("a"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/1") == log:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            except OSError:
+                pass
+
+    seen = watch(two_hosts, controller, RUN_TIMEOUT_S, kill_the_proposers_critic)
     log = (tmp_path / "models-controller.log").read_text()
     assert controller.returncode == 0, log[-3000:]
+    assert len(killed) == 1, killed
     rows = rows_of(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     for prefix in ("", "proposer/"):
         assert all(r[f"{prefix}trainer/tokens"] > 0 for r in rows), prefix  # each model trained on its own rows every step
         assert all(r[f"{prefix}trainer/staleness_max"] == 0 for r in rows), prefix
         mismatch = [r[f"{prefix}trainer/logprob_mismatch"] for r in rows]
         assert max(mismatch) < 2e-3, (prefix, mismatch)  # the sampler on B held the weights its trainer on A had
-    # the critic valued the solver's rows of every batch, one version behind at most, and the
-    # solver trained on its advantages from the first step (critic.policy_warmup 0)
-    assert all(r["critic/gae_trained"] == 1 and r["critic/version_lag"] <= 1 for r in rows), rows
-    assert all(r.get("critic/value_nonfinite", 0) == 0 for r in rows)
-    assert {"proposer/critic/version"}.isdisjoint(rows[-1])  # the proposer has none
-    for export in ("final-proposer", "final-critic"):
+        # each critic valued its model's rows of every batch, one version behind at most, and its
+        # model trained on its advantages from the first step (critic.policy_warmup 0)
+        assert all(r[f"{prefix}critic/gae_trained"] == 1 and r[f"{prefix}critic/version_lag"] <= 1 for r in rows), prefix
+        assert all(r.get(f"{prefix}critic/value_nonfinite", 0) == 0 for r in rows), prefix
+    # the proposer's critic healed once, losing at most its last step; the solver's untouched
+    healed = [r for r in rows if "proposer/critic/steps_lost" in r]
+    assert len(healed) == 1 and healed[0]["proposer/critic/steps_lost"] <= 1 and healed[0]["proposer/critic/restart_s"] > 0
+    assert rows[-1]["proposer/critic/restarts"] == 1 and rows[-1]["critic/restarts"] == 0
+    assert sum(1 for line in log.splitlines() if "trained model proposer's critic" in line and "healed in" in line) == 1, log[-3000:]
+    for export in ("final-proposer", "final-critic", "final-proposer-critic"):
         assert os.path.isdir(run_dir / "hf" / export), export
     for h, listeners in seen.items():
         assert listeners == {("tcp", two_hosts.ADDRESSES[h])}, f"host {h} listened on {sorted(listeners)}"

@@ -281,13 +281,14 @@ def _check_models(c: Config) -> None:
         )
     for i, m in enumerate(c.models):
         view = c.for_model(m.name)  # each model's sections, checked as the policy's are
-        need(
-            view.trainer.loss.advantage != "gae",
-            f"models[{i}].trainer.loss.advantage",
-            f"PPO's critic values the policy's turns only, and {m.name} "
-            + ("inherits the policy's gae" if "advantage" not in m.trainer.get("loss", {}) else "asks for one")
-            + ": set it to a group advantage (grpo, grpo_no_std or rloo)",
-        )
+        if view.trainer.loss.advantage == "gae":  # a critic of its own, started from its own weights (critic.init)
+            how = "inherits the policy's gae" if "advantage" not in m.trainer.get("loss", {}) else "trains by gae"
+            need(
+                c.critic.path is None,
+                "critic.path",
+                f"names the policy's critic checkpoint, and {m.name} {how}: its critic starts from its own weights "
+                f"(critic.init); drop critic.path, or set models[{i}].trainer.loss.advantage to grpo",
+            )
 
 
 _SECTIONS = (

@@ -41,6 +41,7 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
     # after its train step on the policy's last batch: the critic's version is the policy's
     critic_dir = await critic.save_checkpoint(os.path.join(root, "critic")) if critic is not None else None
     models = {p.name: await p.save_checkpoint(os.path.join(root, "models")) for p in partners}
+    model_critics = {p.name: await p.critic.save_checkpoint(os.path.join(root, "models", f"{p.name}-critic")) for p in partners if p.critic is not None}
     # After an interrupted step the trainer may have finished a step the loop never saw
     # (its metrics row is lost, its weights are not).
     version = max(version, checkpoint_step(trainer_dir))
@@ -49,6 +50,7 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
         "trainer_dir": trainer_dir,
         "critic_dir": critic_dir,
         "models": models,
+        "model_critics": model_critics,
         "queue": await awaited(queue.state_dict.call_one()),
         "history": history,
     }
@@ -93,12 +95,13 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None) -> tupl
     return version, history
 
 
-def partner_dirs(run_dir: str) -> dict[str, str]:
-    """The latest checkpoint's trained models beside the policy: {name: their trainer checkpoint}."""
+def partner_dirs(run_dir: str, what: str = "models") -> dict[str, str]:
+    """The latest checkpoint's trained models beside the policy: {name: their trainer
+    checkpoint} (`what`="model_critics": {name: their critic's checkpoint})."""
     root = os.path.join(run_dir, "checkpoints")
     with open(os.path.join(root, "latest")) as f:
         state = torch.load(os.path.join(root, f.read().strip()), weights_only=False)
-    return dict(state.get("models") or {})
+    return dict(state.get(what) or {})
 
 
 def lora_base_dir(run_dir: str) -> str:
@@ -117,11 +120,11 @@ async def export_hf(trainer, path: str, run_dir: str, tokenizer_dir: str) -> str
     return path
 
 
-async def export_critic(critic, run_dir: str, tokenizer_dir: str) -> None:
-    """PPO's critic at hf/final-critic; one that fails is logged (its checkpoints keep its
-    state) and the policy's export goes on."""
+async def export_critic(critic, run_dir: str, tokenizer_dir: str, name: str = "final-critic") -> None:
+    """PPO's critic at hf/NAME (a trained model's: final-MODEL-critic); one that fails is
+    logged (its checkpoints keep its state) and the policy's export goes on."""
     try:
-        await export_hf(critic, os.path.join(run_dir, "hf", "final-critic"), run_dir, tokenizer_dir)
+        await export_hf(critic, os.path.join(run_dir, "hf", name), run_dir, tokenizer_dir)
     except Exception as e:  # noqa: BLE001
         log.warning("the critic's export failed (%s: %s); its state is in its checkpoints", type(e).__name__, first_line(str(e), 200))
 

@@ -141,6 +141,26 @@ async def replace_trainer(
     return new, version
 
 
+async def restore_critic(config, alloc, critic, checkpoint_dir: str, version: int, start_version: int, respawn: bool, role: str = "critic"):
+    """PPO's `critic` (a CriticMesh of the model `config` trains) at its newest complete state
+    at or below `version` (its snapshots under critic_root(config.logging.run_dir), else its
+    checkpoint in `checkpoint_dir`), on new procs first when `respawn` (or when there is no
+    such state, at a run's start: a fresh critic). `role`: its slots in the device plan.
+    Returns (the critic, its version); the policy's critic and each trained model's are
+    restored by this."""
+    root = critic_root(config.logging.run_dir)
+    path, _ = newest_state(root, checkpoint_dir, at_most=version)
+    if path is None and start_version > 0:
+        raise RuntimeError(f"no complete critic state at or after the run's start (version {start_version})")
+    if respawn or path is None:
+        await settled(critic.stop(), 90)  # a dead proc does not answer its teardown
+        kill_running(critic.proc_ids)  # one wedged but alive would keep its GPU memory from the new one
+        critic = await spawn_critic(config, alloc.host("trainer", 0), alloc.bootstrap(role, list(range(config.critic.procs))))
+    restored = await critic.load_checkpoint(path) if path is not None else 0
+    drop_after(snapshot_root(root), restored)  # steps it trains again, on the batches the queue kept
+    return critic, restored
+
+
 class TrainerHealer:
     """The loop's trainer healer: counts restarts and heals within the bounds."""
 
@@ -275,17 +295,9 @@ class TrainerHealer:
         )
 
     async def _restore_critic(self, version: int, respawn: bool) -> int:
-        """The critic at its newest complete state at or below the policy's `version` (its
-        snapshots, else its last checkpoint), on a new proc first when `respawn` (or when
-        there is no such state, at a run's start: a fresh critic). Returns its version."""
-        loop, c = self.loop, self.loop.config
-        path, _ = newest_state(critic_root(loop.run_dir), os.path.join(loop.run_dir, "checkpoints", "critic"), at_most=version)
-        if path is None and self.start_version > 0:
-            raise RuntimeError(f"no complete critic state at or after the run's start (version {self.start_version})")
-        if respawn or path is None:
-            await settled(loop.critic.stop(), 90)  # a dead proc does not answer its teardown
-            kill_running(loop.critic.proc_ids)  # one wedged but alive would keep its GPU memory from the new one
-            loop.critic = await spawn_critic(c, loop.alloc.host("trainer", 0), loop.alloc.bootstrap("critic", list(range(c.critic.procs))))
-        restored = await loop.critic.load_checkpoint(path) if path is not None else 0
-        drop_after(snapshot_root(critic_root(loop.run_dir)), restored)  # steps it trains again, on the batches the queue kept
+        """The critic at its newest complete state at or below the policy's `version`
+        (`restore_critic`). Returns its version."""
+        loop = self.loop
+        checkpoint_dir = os.path.join(loop.run_dir, "checkpoints", "critic")
+        loop.critic, restored = await restore_critic(loop.config, loop.alloc, loop.critic, checkpoint_dir, version, self.start_version, respawn)
         return restored

@@ -151,8 +151,9 @@ class RLLoop:
         if self.resume:
             self.version, self.history = await checkpoints.restore(self.run_dir, self.trainer, self.queue, self.watch, self.critic)
             self.healer.start_version = self.version
-            for trained in (self.run_dir, critic_root(self.run_dir), *(c.for_model(m.name).logging.run_dir for m in c.models)):
-                drop_after(snapshot_root(trained), self.version)  # the previous run's, past its checkpoint: never restored
+            for run_dir in (self.run_dir, *(c.for_model(m.name).logging.run_dir for m in c.models)):
+                for trained in (run_dir, critic_root(run_dir)):  # the previous run's snapshots past its checkpoint: never restored
+                    drop_after(snapshot_root(trained), self.version)
         # Rows past the restored step belong to steps about to be trained again: cut them.
         wandb = dict(project=c.logging.wandb_project, mode=c.logging.wandb_mode, config=c.to_dict()) if c.logging.wandb else None
         self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version, wandb=wandb)
@@ -458,10 +459,8 @@ class RLLoop:
             await checkpoints.export_scorers(self.scorers, self.run_dir, self.tokenizer_dir)
         if self.critic is not None:
             await checkpoints.export_critic(self.critic, self.run_dir, self.tokenizer_dir)
-        for p in self.partners:
-            path = os.path.join(self.run_dir, "hf", f"final-{p.name}")
-            export = lambda p=p, path=path: checkpoints.export_hf(p.trainer, path, p.config.logging.run_dir, self.tokenizer_dir)  # noqa: E731 (its own LoRA base)
-            await self._healing("export", export)
+        for p in self.partners:  # hf/final-NAME (its own LoRA base), and its critic's beside it
+            await self._healing("export", lambda p=p: p.export(self.run_dir, self.tokenizer_dir))
         return await self.export_to(os.path.join(self.run_dir, "hf", "final"))
 
     async def shutdown(self) -> None:

@@ -25,14 +25,16 @@ import logging
 import os
 import time
 
+from meshrl.compat import settled
 from meshrl.config import Config
 from meshrl.controller import checkpoint as checkpoints
-from meshrl.controller.heal import proc_alive, replace_trainer, trainer_pids
+from meshrl.controller.heal import proc_alive, replace_trainer, restore_critic, trainer_pids
 from meshrl.controller.replicas import GeneratorPool
 from meshrl.errors import TrainerFailed, first_line
 from meshrl.logs import console
 from meshrl.launch.devices import weights_on_gpu
 from meshrl.trainer.actor import TrainerMesh, spawn_trainer
+from meshrl.trainer.critic_actor import CriticMesh, spawn_critic
 from meshrl.weightsync.connect import WeightSync
 
 log = logging.getLogger("meshrl")
@@ -49,11 +51,13 @@ class TrainedModel:
         self.alloc = alloc
         self.workers_changed = workers_changed  # async (handles, model index): the workers follow a replacement
         self.trainer: TrainerMesh | None = None
+        self.critic: CriticMesh | None = None  # PPO's critic of its own, where it trains by gae
         self.generators: GeneratorPool | None = None
         self.weight_sync: WeightSync | None = None
         self._update: asyncio.Task | None = None
         self.pids: list = []  # its trainer's (pid, start time) per rank, to tell a dead one
         self.restarts = 0
+        self.critic_restarts = 0
         self.start_version = 0
         self.pending: dict[str, float] = {}  # a heal's metrics, for the next row
 
@@ -76,6 +80,13 @@ class TrainedModel:
             if restored != version:
                 raise RuntimeError(f"trained model {self.name}'s checkpoint is at version {restored}, the policy's at {version}")
         self.pids, self.start_version = await trainer_pids(self.trainer), version
+        if c.trainer.loss.advantage == "gae":  # its critic, on its trainer's first host, from its own weights or its checkpoint
+            self.critic = await spawn_critic(c, self.alloc.host("trainer", 0), self.alloc.bootstrap(f"{self.name}/critic", list(range(c.critic.procs))))
+            if checkpoint_dir is not None:
+                saved = checkpoints.partner_dirs(self.run_config.logging.run_dir, "model_critics").get(self.name)
+                if saved is None:
+                    raise RuntimeError(f"trained model {self.name} trains by gae, and the checkpoint holds no critic of its own")
+                await self.critic.load_checkpoint(saved)
         publisher = await self.trainer.publisher_handle()
         # under LoRA its adapters' frozen base goes to its own models/NAME/hf/base
         initial = await self.trainer.export_hf(os.path.join(c.logging.run_dir, "hf", f"v{version}"), checkpoints.lora_base_dir(c.logging.run_dir))
@@ -104,7 +115,8 @@ class TrainedModel:
         t0 = time.monotonic()
         while True:
             try:
-                out = await self.trainer.train_from_queue(queue, num_groups, timeout_s, None, self.index)
+                critic = self.critic.actor if self.critic is not None else None
+                out = await self.trainer.train_from_queue(queue, num_groups, timeout_s, critic, self.index)
             except Exception as e:  # noqa: BLE001 - a dead proc is healed; anything else ends the run resumably
                 await self.heal(e, version)
                 continue
@@ -113,6 +125,8 @@ class TrainedModel:
         out.update(self.pending)
         self.pending = {}
         out["trainer/restarts"] = float(self.restarts)
+        if self.critic is not None:
+            out["critic/restarts"] = float(self.critic_restarts)
         out["time/trainer_call_s"] = time.monotonic() - t0
         out["generator/replicas_replaced"] = float(self.generators.replaced)
         version = out.pop("version")
@@ -138,6 +152,8 @@ class TrainedModel:
         dead = [rank for rank, (pid, started) in enumerate(self.pids) if not proc_alive(pid, started)]
         failed = f"trained model {self.name}'s trainer failed at version {version}"
         who = ", ".join(f"rank {r} (pid {self.pids[r][0]})" for r in dead)
+        if not dead and self.critic is not None and not await self.critic.answers():  # its critic's proc died
+            return await self._heal_critic(error, version)
         if not dead:  # it raised, alive: a new mesh would raise again
             raise TrainerFailed(f"{failed} ({type(error).__name__}: {first}); {checkpoints.how_to_resume(run_dir)}") from error
         if self.restarts >= c.trainer.max_restarts:
@@ -159,6 +175,8 @@ class TrainedModel:
                 c.trainer.restart_timeout_s,
             )
             self.pids = await trainer_pids(self.trainer)
+            if self.critic is not None:  # back to the trainer's version with it: no batch trains it twice
+                await self._restore_critic(restored, respawn=not await self.critic.answers())
             publisher = await self.trainer.publisher_handle()
             await self.trainer.publish_current()
             self.weight_sync = await self.weight_sync.reconnect(publisher=publisher)
@@ -175,6 +193,43 @@ class TrainedModel:
             file=console(),
         )
         return restored
+
+    async def _restore_critic(self, version: int, respawn: bool) -> int:
+        saved = os.path.join(self.run_config.logging.run_dir, "checkpoints", "models", f"{self.name}-critic")
+        self.critic, restored = await restore_critic(self.config, self.alloc, self.critic, saved, version, self.start_version, respawn, f"{self.name}/critic")
+        return restored
+
+    async def _heal_critic(self, error: BaseException, version: int) -> int:
+        """Its critic's proc died in its step at `version`: new procs, restored to the critic's
+        newest state at or below it; the step is then trained again on the same batch (the
+        queue keeps it). Bounded as its trainer's heal. Returns its trainer's version."""
+        c, run_dir = self.config, self.run_config.logging.run_dir
+        first = first_line(str(error)) or type(error).__name__
+        what = f"trained model {self.name}'s critic (pid {self.critic.pid}) stopped answering at version {version} ({first})"
+        if self.critic_restarts >= c.trainer.max_restarts:
+            raise TrainerFailed(f"{what}; not healed: trainer.max_restarts={c.trainer.max_restarts} used; {checkpoints.how_to_resume(run_dir)}") from error
+        self.critic_restarts += 1
+        t0 = time.monotonic()
+        try:
+            restored = await asyncio.wait_for(self._restore_critic(version, respawn=True), c.trainer.restart_timeout_s)
+        except Exception as e:  # noqa: BLE001 - the heal itself failed: stop, resumably
+            raise TrainerFailed(
+                f"{what} and could not be restarted ({type(e).__name__}: {first_line(str(e), 200)}); {checkpoints.how_to_resume(run_dir)}"
+            ) from e
+        took, lost = time.monotonic() - t0, max(0, version - restored)
+        self.pending.update({"critic/restart_s": took, "critic/steps_lost": float(lost)})
+        print(
+            f"meshrl: {first_line(what, 200)}; healed in {took:.1f}s from critic version {restored} "
+            f"({lost} critic step(s) lost; restart {self.critic_restarts} of {c.trainer.max_restarts})",
+            file=console(),
+        )
+        return version
+
+    async def export(self, run_dir: str, tokenizer_dir: str) -> None:
+        """hf/final-NAME, and its critic's hf/final-NAME-critic where it has one."""
+        await checkpoints.export_hf(self.trainer, os.path.join(run_dir, "hf", f"final-{self.name}"), self.config.logging.run_dir, tokenizer_dir)
+        if self.critic is not None:
+            await checkpoints.export_critic(self.critic, run_dir, tokenizer_dir, f"final-{self.name}-critic")
 
     def update(self, version: int) -> None:
         """Move its generators to `version` in the background (after the previous move)."""
@@ -204,8 +259,6 @@ class TrainedModel:
             self._update.cancel()
         if self.generators is not None:
             await self.generators.shutdown(stop_s)
-        if self.trainer is not None:
-            try:
-                await self.trainer.stop()
-            except Exception:  # noqa: BLE001 - best effort on every exit path
-                pass
+        for mesh in (self.trainer, self.critic):
+            if mesh is not None:
+                await settled(mesh.stop(), 120)  # best effort on every exit path, bounded as the policy's

@@ -385,13 +385,16 @@ def _split(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
         view = config.for_model(m.name)
         vt, vg, at = view.trainer, view.generator, f"models[{i}]"
 
-        def why(name=m.name, at=at, held=dict(taken), need=(0 if vt.device == "cpu" else vt.procs) + vg.replicas * vg.tp) -> str:
-            return _no_fit_model(name, at, g, held, need)
+        def why(name=m.name, at=at, held=dict(taken), need=(0 if vt.device == "cpu" else vt.procs) + critic_gpus(view) + vg.replicas * vg.tp) -> str:
+            return _no_fit_model(name, at, g, held, need, critic_gpus(view))
 
         if g == 0 and vt.device == "cuda":
             raise ConfigError(f"{at}.trainer.device", f"is cuda but no GPU was found ({_where(config)}): set launcher.gpus_per_host, or trainer.device=auto")
         for r in range(vt.procs):
             take(f"{m.name}/trainer", r, *_trainer_host(view, hosts, r), 0 if vt.device == "cpu" else 1, f"{at}.trainer.procs", why)
+        if vt.loss.advantage == "gae":  # its critic, as the policy's: on its trainer's first host
+            for r in range(view.critic.procs):
+                take(f"{m.name}/critic", r, *_trainer_host(view, hosts, 0), 1 if critic_gpus(view) else 0, f"{at}.trainer.procs", why)
         for k in range(vg.replicas):
             take(f"{m.name}/generator", k, *_generator_host(hosts, k), vg.tp, f"{at}.generator.replicas", why)
     return plan
@@ -440,11 +443,12 @@ def _where(config: Config) -> str:
     )
 
 
-def _no_fit_model(name: str, at: str, g: int, held: dict[tuple[str, int], int], need: int) -> str:
+def _no_fit_model(name: str, at: str, g: int, held: dict[tuple[str, int], int], need: int, critic: int = 0) -> str:
     """Why trained model `name` (config path `at`) finds no room beside the roles placed before it (`held`)."""
     used = ", ".join(f"{n} of the {g} GPUs of {mesh}[{h}]" for (mesh, h), n in held.items())
+    its_critic = " + its critic's critic.procs" if critic else ""
     return (
-        f"trained model {name} needs {need} GPUs ({at}.trainer.procs + {at}.generator.replicas x tp) beside what the policy's roles "
+        f"trained model {name} needs {need} GPUs ({at}.trainer.procs{its_critic} + {at}.generator.replicas x tp) beside what the policy's roles "
         f"and the models before it hold ({used}): lower them, raise launcher.gpus_per_host, or set {at}.trainer.device=cpu"
     )
 
