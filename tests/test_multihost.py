@@ -105,7 +105,7 @@ def test_two_co_evolving_models_train_across_the_link(two_hosts, tmp_path):
     """configs/coevolve.yaml's game on `meshrl worker` hosts: the solver's (the policy's) and
     the proposer's trainers on A, both models' engines on B, each model's weights crossing
     the link every step. Each model trains by PPO with a critic of its own (procs on A); the
-    proposer's critic is killed two steps in and healed."""
+    proposer's critic is killed two steps in and healed, and the run is resumed for a step."""
     run_dir = tmp_path / "run"
     # synchronous, as above: each step's log-prob match checks each model's weights arrived whole;
     # 8 steps of 4 groups: the assertions hold from the second step, the kill lands after the second
@@ -162,6 +162,15 @@ def test_two_co_evolving_models_train_across_the_link(two_hosts, tmp_path):
     for h, listeners in seen.items():
         assert listeners == {("tcp", two_hosts.ADDRESSES[h])}, f"host {h} listened on {sorted(listeners)}"
     assert wait_empty(two_hosts) == {"a": [], "b": []}, "processes outlived the run"
+    # resumed for one more step: each critic restored from the final checkpoint, one step on
+    controller = start_run(two_hosts, tmp_path, cfg, "models-resumed", resume=True, overrides=("steps=9",), env={"MESHRL_VERBOSE": "0"})
+    watch(two_hosts, controller, RUN_TIMEOUT_S)
+    assert controller.returncode == 0, (tmp_path / "models-resumed-controller.log").read_text()[-3000:]
+    last, after = rows[-1], rows_of(run_dir)[-1]
+    assert after["step"] == 9 and after["proposer/critic/restarts"] == 0
+    for key in ("critic/version", "proposer/critic/version"):
+        assert after[key] == last[key] + 1, (key, last[key], after[key])
+    assert wait_empty(two_hosts) == {"a": [], "b": []}, "processes outlived the resumed run"
 
 
 def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):

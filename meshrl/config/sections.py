@@ -331,7 +331,7 @@ class TrainedModelConfig:
     model: dict[str, Any] = field(default_factory=dict)
     """Overrides of the policy's `model` section (e.g. `path` for its own checkpoint, or its own shapes); empty: the policy's architecture, initialised from seed + 1 + its index in `models` (a start of its own)."""
     trainer: dict[str, Any] = field(default_factory=dict)
-    """Overrides of the policy's `trainer` section (e.g. `lr`, `procs`, `loss: {clip_high: 0.3}`)."""
+    """Overrides of the policy's `trainer` section (e.g. `lr`, `procs`, `loss: {clip_high: 0.3}`). With `loss.advantage: gae` (set here, or the policy's inherited) the model trains by PPO with a critic of its own (the `critic` section's settings, from its own weights; `NAME/critic/...`, `hf/final-NAME-critic`); `loss: {advantage: grpo}` keeps a model on a group advantage beside a PPO policy."""
     generator: dict[str, Any] = field(default_factory=dict)
     """Overrides of the policy's `generator` section (e.g. `replicas`, `temperature`); `group_size` is the run's."""
 

@@ -186,7 +186,7 @@ class TrainedModel:
             ) from e
         self.update(restored)  # a generator behind it (its update cut off) catches up
         took, lost = time.monotonic() - t0, max(0, version - restored)
-        self.pending = {"trainer/restart_s": took, "trainer/steps_lost": float(lost)}
+        self.pending.update({"trainer/restart_s": took, "trainer/steps_lost": float(lost)})
         print(
             f"meshrl: trained model {self.name}'s trainer {who} died at version {version} ({first_line(first, 160)}); "
             f"healed in {took:.1f}s from version {restored} ({lost} step(s) to train again; restart {self.restarts} of {c.trainer.max_restarts})",
