@@ -201,7 +201,7 @@ def coevolved(tmp_path_factory):
         rows += session.step(KILL_TRAINER_AFTER - KILL_AFTER)
         trainer_pid = proposer.pids[0][0]
         # in its next step, as it writes that step's snapshot (or, missing the write, right after
-        # it): healed from its newest complete snapshot, and the step the write was for trained again
+        # it): healed from its newest complete snapshot, so a write caught under way has that step trained again
         killer = conftest.kill_during_snapshot(proposer.config.logging.run_dir, [trainer_pid], KILL_TRAINER_AFTER + 1)
         rows += session.step(STEPS - KILL_TRAINER_AFTER)
         killer.join(5)
