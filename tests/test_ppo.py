@@ -392,11 +392,12 @@ def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
     episodes; steps cost about a second). The critic scores each batch on its own proc,
     pinned to the trainer's cores, and trains on it while the policy does; its checkpoint,
     beside the policy's, gives a fresh unsharded critic the same values, and the same values
-    again after each trained on one more batch."""
+    again after each trained on one more batch. Its proc killed in a step, then in a
+    checkpoint's write, is healed each time."""
     import meshrl
     from meshrl.trainer.critic_actor import rank0, spawn_critic
 
-    from tests.conftest import example_config
+    from tests.conftest import example_config, kill_during_checkpoint
 
     # the run's critic sharded over two procs (critic.procs=2): spawned, pinned, snapshotted,
     # healed and exported as one
@@ -432,8 +433,16 @@ def test_ppo_run_learns_with_its_critic_on_a_proc_of_its_own(tmp_path):
         critic_after = session._call(loop.critic.info(), 60)
         version_after = session.version
         session._call(loop.export(), 300)  # the run's end: hf/final, and hf/final-critic beside it
-        critic_dir = torch.load(session.checkpoint(), weights_only=False)["critic_dir"]  # the same critic, as a checkpoint
+        # the same critic, as a checkpoint, with its proc killed while it writes it: healed from
+        # its snapshot of the same version, and the checkpoint written again
+        checkpointed = kill_during_checkpoint(
+            session, critic_after["pid"], str(tmp_path / "run" / "checkpoints" / "critic"), lambda: loop.healer.critic_restarts
+        )
+        critic_dir = torch.load(checkpointed["path"], weights_only=False)["critic_dir"]
+        critic_healed = session._call(loop.critic.info(), 60)
         run_config = loop.config
+    assert checkpointed["heals"] == 1 and checkpointed["version"] == version_after, checkpointed
+    assert critic_healed["pid"] != critic_after["pid"] and critic_healed["version"] == version_after  # no critic step lost
     check_critic_heals(healed, critic_after, version_after, info["pid"])
     check_critic_export(tmp_path / "run" / "hf" / "final-critic", critic_dir, run_config)
     (adv, _, run_metrics), (adv_restored, _, restored_metrics) = scored

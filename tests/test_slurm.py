@@ -18,7 +18,7 @@ import time
 import pytest
 import yaml
 
-from meshrl.controller.checkpoint import partner_dirs
+from meshrl.controller.checkpoint import saved_models
 from tests.conftest import trainer_pid, two_host_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -271,8 +271,8 @@ def test_a_lost_node_stops_the_run_resumably(slurm_cluster, tmp_path):
     for key in ("trainer/logprob_mismatch", "proposer/trainer/logprob_mismatch"):
         assert all(r[key] < 1e-3 for r in rows), [r[key] for r in rows]
     assert os.path.isdir(run_dir / "models" / "proposer" / "hf" / "base")  # the proposer's frozen base, its own
-    models = partner_dirs(str(run_dir))  # the latest checkpoint's models beside the policy
-    assert set(models) == {"proposer"} and os.path.isdir(models["proposer"]), models
+    models = saved_models(str(run_dir))  # the latest checkpoint's models beside the policy
+    assert set(models) == {"proposer"} and os.path.isdir(models["proposer"][0]) and models["proposer"][1] is None, models
     slurm_cluster.restart_node("b")
     assert leftovers(slurm_cluster) == {"jobs": [], "a": [], "b": []}
     print(f"node b lost at step {done}: the run stopped {stopped_s:.0f} s later: {resumable[0]}")

@@ -95,13 +95,14 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None) -> tupl
     return version, history
 
 
-def partner_dirs(run_dir: str, what: str = "models") -> dict[str, str]:
-    """The latest checkpoint's trained models beside the policy: {name: their trainer
-    checkpoint} (`what`="model_critics": {name: their critic's checkpoint})."""
+def saved_models(run_dir: str) -> dict[str, tuple[str, str | None]]:
+    """The latest checkpoint's trained models beside the policy: {name: (their trainer
+    checkpoint, their critic's, or None where they train without one)}."""
     root = os.path.join(run_dir, "checkpoints")
     with open(os.path.join(root, "latest")) as f:
         state = torch.load(os.path.join(root, f.read().strip()), weights_only=False)
-    return dict(state.get(what) or {})
+    critics = state.get("model_critics") or {}
+    return {name: (path, critics.get(name)) for name, path in (state.get("models") or {}).items()}
 
 
 def lora_base_dir(run_dir: str) -> str:

@@ -71,6 +71,11 @@ def proc_alive(pid: int, started: float | None) -> bool:
     return running_process(pid, started) is not None
 
 
+def procs_dead(pids: list[tuple[int, float | None]]) -> bool:
+    """Whether a proc of `pids` ((pid, start time) each) on this host is gone."""
+    return any(not proc_alive(pid, started) for pid, started in pids)
+
+
 def kill_running(pids: list[tuple[int, float | None]]) -> None:
     """SIGKILL each (pid, start time) on this host that still runs as that process."""
     import psutil
@@ -161,6 +166,28 @@ async def restore_critic(config, alloc, critic, checkpoint_dir: str, version: in
     return critic, restored
 
 
+async def critic_healed(config, run_dir: str, what: str, restarts: int, restore, error: BaseException):
+    """A dead critic healed by `restore()` (new procs at its newest state) within
+    trainer.restart_timeout_s, while `restarts` (its heals so far) is under
+    trainer.max_restarts; `what` (whose critic died, and when) opens the one line of the
+    TrainerFailed (resumable) raised when it may not or cannot. Returns (what `restore()`
+    returned, the heal's seconds). The policy's critic and each trained model's heal by this."""
+    c = config
+    if restarts >= c.trainer.max_restarts:
+        raise TrainerFailed(
+            f"{what}; not healed: trainer.max_restarts={c.trainer.max_restarts} restart(s) used; {checkpoints.how_to_resume(run_dir)}"
+        ) from error
+    t0 = time.monotonic()
+    try:
+        out = await asyncio.wait_for(restore(), c.trainer.restart_timeout_s)
+    except Exception as e:  # noqa: BLE001 - the heal itself failed: stop, resumably
+        raise TrainerFailed(
+            f"{what} and could not be restarted within trainer.restart_timeout_s={c.trainer.restart_timeout_s:.0f}s "
+            f"({type(e).__name__}: {first_line(str(e), 200)}); {checkpoints.how_to_resume(run_dir)}"
+        ) from e
+    return out, time.monotonic() - t0
+
+
 class TrainerHealer:
     """The loop's trainer healer: counts restarts and heals within the bounds."""
 
@@ -190,7 +217,11 @@ class TrainerHealer:
 
     def trainer_dead(self) -> bool:
         """Whether a proc of the current trainer mesh on this host is gone."""
-        return any(not proc_alive(pid, started) for pid, started in self.pids)
+        return procs_dead(self.pids)
+
+    def critic_dead(self) -> bool:
+        """Whether a proc of PPO's critic on this host is gone."""
+        return self.loop.critic is not None and procs_dead(self.loop.critic.proc_ids)
 
     def lost_a_proc(self, error: BaseException) -> bool:
         """Whether `error` came from a trainer proc that is gone: on this host it no longer runs;
@@ -266,27 +297,21 @@ class TrainerHealer:
 
     # ---- PPO's critic --------------------------------------------------------------------------
     async def heal_critic(self, error: BaseException) -> None:
-        """The critic's proc died (the trainer's call to it failed, and it does not answer): a
-        new proc on the same host, restored to the critic's newest state at or below the
-        policy's version; the batch the failed step took goes back to the queue, and the
-        step is trained again. Raises TrainerFailed with one line when it may not or cannot."""
+        """The critic's proc died (a call to it failed, and it does not answer): a new proc on
+        the same host, restored to the critic's newest state at or below the policy's
+        version; the batch a failed step took goes back to the queue, and the step is trained
+        again. Raises TrainerFailed with one line when it may not or cannot."""
         loop, c = self.loop, self.loop.config
         first = first_line(str(error)) or type(error).__name__
         what = f"the critic (pid {loop.critic.pid}) stopped answering at version {loop.version} ({type(error).__name__}: {first})"
-        if self.critic_restarts >= c.trainer.max_restarts:
-            used = f"trainer.max_restarts={c.trainer.max_restarts} restart(s) used"
-            raise TrainerFailed(f"{what}; not healed: {used}; {checkpoints.how_to_resume(loop.run_dir)}") from error
+
+        async def restore() -> tuple[int, list]:
+            restored = await self._restore_critic(loop.version, respawn=True)
+            return restored, await awaited(loop.queue.retake.call_one(loop.version))
+
+        (restored, retaken), took = await critic_healed(c, loop.run_dir, what, self.critic_restarts, restore, error)
         self.critic_restarts += 1
-        t0 = time.monotonic()
-        try:
-            restored = await asyncio.wait_for(self._restore_critic(loop.version, respawn=True), c.trainer.restart_timeout_s)
-            retaken = await awaited(loop.queue.retake.call_one(loop.version))
-        except Exception as e:  # noqa: BLE001 - the heal itself failed: stop, resumably
-            raise TrainerFailed(
-                f"{what} and could not be restarted within trainer.restart_timeout_s={c.trainer.restart_timeout_s:.0f}s "
-                f"({type(e).__name__}: {first_line(str(e), 200)}); {checkpoints.how_to_resume(loop.run_dir)}"
-            ) from e
-        took, lost = time.monotonic() - t0, max(0, loop.version - restored)
+        lost = max(0, loop.version - restored)
         self.pending_metrics.update({"critic/restart_s": took, "critic/steps_lost": float(lost)})
         print(
             f"meshrl: {first_line(what, 200)}; healed in {took:.1f}s from critic version {restored} "

@@ -175,10 +175,10 @@ class RLLoop:
             self.scorers = ScorerPool(c, self.alloc, self._rewire_scorers, self.resume)
             await self.scorers.start()
             scorers = self.scorers.handles()
-        partner_dirs = checkpoints.partner_dirs(self.run_dir) if self.resume else {}
-        for spec in c.models:  # each its trainer, generators and weight sync, at the policy's version
+        saved = checkpoints.saved_models(self.run_dir) if self.resume else {}
+        for spec in c.models:  # each its trainer (and critic), generators and weight sync, at the policy's version
             self.partners.append(TrainedModel(c, spec.name, self.alloc, self._rewire_partner))
-            await self.partners[-1].start(self.version, partner_dirs.get(spec.name))
+            await self.partners[-1].start(self.version, *saved.get(spec.name, (None, None)))
         self.workers.teacher, self.workers.scorers = teacher, scorers or {}
         self.workers.partners = [p.handles() for p in self.partners]
         await self.workers.start(self.generators.handles())
@@ -306,17 +306,17 @@ class RLLoop:
         trained models' trainers when called): a trainer proc that dies in it is healed, and
         the call is made again on the new mesh. The policy's state may then be one step older
         (`self.version` says which); a trained model's is trained back up to the policy's.
-        Any other failure is the call's own."""
+        A critic proc that dies in it is healed the same way. Any other failure is the call's own."""
         while True:
             try:
                 return await make_call()
-            except Exception as e:  # noqa: BLE001 - only a lost trainer proc is healed here
-                partner = next((p for p in self.partners if p.trainer_dead()), None)
+            except Exception as e:  # noqa: BLE001 - only a lost trainer or critic proc is healed here
+                partner = next((p for p in self.partners if p.dead()), None)
                 if partner is not None and not self.healer.trainer_dead():
                     c = self.config
                     await partner.heal_outside_step(e, self.queue, c.batch_groups, c.buffer.get_timeout_s, self.version)
                     continue
-                if not self.healer.lost_a_proc(e):
+                if not (self.healer.lost_a_proc(e) or self.healer.critic_dead()):
                     raise
                 await self._trainer_failed(e, call)
 
@@ -458,7 +458,7 @@ class RLLoop:
         if self.scorers is not None:
             await checkpoints.export_scorers(self.scorers, self.run_dir, self.tokenizer_dir)
         if self.critic is not None:
-            await checkpoints.export_critic(self.critic, self.run_dir, self.tokenizer_dir)
+            await self._healing("export", lambda: checkpoints.export_critic(self.critic, self.run_dir, self.tokenizer_dir))
         for p in self.partners:  # hf/final-NAME (its own LoRA base), and its critic's beside it
             await self._healing("export", lambda p=p: p.export(self.run_dir, self.tokenizer_dir))
         return await self.export_to(os.path.join(self.run_dir, "hf", "final"))

@@ -28,7 +28,7 @@ import time
 from meshrl.compat import settled
 from meshrl.config import Config
 from meshrl.controller import checkpoint as checkpoints
-from meshrl.controller.heal import proc_alive, replace_trainer, restore_critic, trainer_pids
+from meshrl.controller.heal import critic_healed, proc_alive, procs_dead, replace_trainer, restore_critic, trainer_pids
 from meshrl.controller.replicas import GeneratorPool
 from meshrl.errors import TrainerFailed, first_line
 from meshrl.logs import console
@@ -61,10 +61,11 @@ class TrainedModel:
         self.start_version = 0
         self.pending: dict[str, float] = {}  # a heal's metrics, for the next row
 
-    async def start(self, version: int, checkpoint_dir: str | None = None) -> None:
+    async def start(self, version: int, checkpoint_dir: str | None = None, critic_dir: str | None = None) -> None:
         """Its trainer (from its model section, or from `checkpoint_dir`: a resumed run's
-        checkpoint, at the policy's `version`), an export for its generators to start from,
-        the generators, and weight sync between them."""
+        checkpoint, at the policy's `version`), its critic where it trains by gae (from its
+        weights, or `critic_dir` beside `checkpoint_dir`), an export for its generators to
+        start from, the generators, and weight sync between them."""
         c = self.config
         os.makedirs(c.logging.run_dir, exist_ok=True)
         self.trainer = await spawn_trainer(
@@ -83,10 +84,9 @@ class TrainedModel:
         if c.trainer.loss.advantage == "gae":  # its critic, on its trainer's first host, from its own weights or its checkpoint
             self.critic = await spawn_critic(c, self.alloc.host("trainer", 0), self.alloc.bootstrap(f"{self.name}/critic", list(range(c.critic.procs))))
             if checkpoint_dir is not None:
-                saved = checkpoints.partner_dirs(self.run_config.logging.run_dir, "model_critics").get(self.name)
-                if saved is None:
+                if critic_dir is None:
                     raise RuntimeError(f"trained model {self.name} trains by gae, and the checkpoint holds no critic of its own")
-                await self.critic.load_checkpoint(saved)
+                await self.critic.load_checkpoint(critic_dir)
         publisher = await self.trainer.publisher_handle()
         # under LoRA its adapters' frozen base goes to its own models/NAME/hf/base
         initial = await self.trainer.export_hf(os.path.join(c.logging.run_dir, "hf", f"v{version}"), checkpoints.lora_base_dir(c.logging.run_dir))
@@ -106,7 +106,7 @@ class TrainedModel:
         await self.workers_changed(self.handles(), self.index)
 
     def trainer_dead(self) -> bool:
-        return any(not proc_alive(pid, started) for pid, started in self.pids)
+        return procs_dead(self.pids)
 
     async def train(self, queue, num_groups: int, timeout_s: float, version: int) -> dict:
         """Its step on the policy's batch of `version` (to version + 1), its own rows; metrics
@@ -200,23 +200,16 @@ class TrainedModel:
         return restored
 
     async def _heal_critic(self, error: BaseException, version: int) -> int:
-        """Its critic's proc died in its step at `version`: new procs, restored to the critic's
-        newest state at or below it; the step is then trained again on the same batch (the
-        queue keeps it). Bounded as its trainer's heal. Returns its trainer's version."""
+        """Its critic's proc died at `version`: new procs, restored to the critic's newest
+        state at or below it (heal.py's `critic_healed`, bounded as its trainer's heal); a
+        failed step is then trained again on the same batch (the queue keeps it). Returns
+        its trainer's version."""
         c, run_dir = self.config, self.run_config.logging.run_dir
         first = first_line(str(error)) or type(error).__name__
         what = f"trained model {self.name}'s critic (pid {self.critic.pid}) stopped answering at version {version} ({first})"
-        if self.critic_restarts >= c.trainer.max_restarts:
-            raise TrainerFailed(f"{what}; not healed: trainer.max_restarts={c.trainer.max_restarts} used; {checkpoints.how_to_resume(run_dir)}") from error
+        restored, took = await critic_healed(c, run_dir, what, self.critic_restarts, lambda: self._restore_critic(version, respawn=True), error)
         self.critic_restarts += 1
-        t0 = time.monotonic()
-        try:
-            restored = await asyncio.wait_for(self._restore_critic(version, respawn=True), c.trainer.restart_timeout_s)
-        except Exception as e:  # noqa: BLE001 - the heal itself failed: stop, resumably
-            raise TrainerFailed(
-                f"{what} and could not be restarted ({type(e).__name__}: {first_line(str(e), 200)}); {checkpoints.how_to_resume(run_dir)}"
-            ) from e
-        took, lost = time.monotonic() - t0, max(0, version - restored)
+        lost = max(0, version - restored)
         self.pending.update({"critic/restart_s": took, "critic/steps_lost": float(lost)})
         print(
             f"meshrl: {first_line(what, 200)}; healed in {took:.1f}s from critic version {restored} "
@@ -224,6 +217,10 @@ class TrainedModel:
             file=console(),
         )
         return version
+
+    def dead(self) -> bool:
+        """Whether a proc of its trainer or of its critic on this host is gone."""
+        return self.trainer_dead() or (self.critic is not None and procs_dead(self.critic.proc_ids))
 
     async def export(self, run_dir: str, tokenizer_dir: str) -> None:
         """hf/final-NAME, and its critic's hf/final-NAME-critic where it has one."""
