@@ -33,7 +33,9 @@ from meshrl.rollout.env import RewardFn
 log = logging.getLogger("meshrl")
 SHUTDOWN_S = 300.0
 """The longest `Session.stop` waits for the run's procs to stop (each part has its own bound)."""
-PROGRESS_KEYS = ("reward/mean", "trainer/loss", "trainer/staleness_max", "trainer/idle_frac")
+# the trained batch's reward: every step has one (`reward/mean` covers only the episodes that
+# finished during the step, none in a step shorter than an episode)
+PROGRESS_KEYS = ("trainer/reward_mean", "trainer/loss", "trainer/staleness_max", "trainer/idle_frac")
 
 
 @dataclass

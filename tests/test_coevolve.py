@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -313,3 +315,18 @@ def test_each_model_is_checkpointed_exported_and_resumed(coevolved):
     (after,) = coevolved["resumed"][-1:]  # the resumed run's one step, on two hosts: both models went on from step STEPS
     assert int(after["version"]) == STEPS + 1 and "proposer/trainer/loss" in after
     assert after["proposer/trainer/lr"] == coevolved["rows"][-1]["proposer/trainer/lr"]
+
+
+@pytest.mark.slow
+def test_meshrl_eval_evaluates_the_policy_of_a_run_with_trained_models(coevolved):
+    """`meshrl eval RUN_DIR` on the co-evolution run: its final policy (hf/final, the solver)
+    alone on the run's held-out task, on one engine, as the run evaluated it."""
+    run_dir = coevolved["run_dir"]
+    done = subprocess.run([sys.executable, "-m", "meshrl", "eval", run_dir], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"evaluating {os.path.join(run_dir, 'hf', 'final')} on 8 held-out prompts" in done.stderr, done.stderr[-2000:]
+    with open(os.path.join(run_dir, "eval", "eval.json")) as f:
+        metrics = json.load(f)["metrics"]
+    assert metrics["eval/prompts"] == 8 and metrics["eval/failed"] == 0
+    assert metrics["eval/greedy_reward"] > 0.5, metrics  # as the run's own evaluations of its solver
+    assert not wait_no_children()
