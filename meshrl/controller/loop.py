@@ -161,25 +161,27 @@ class RLLoop:
         initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"), checkpoints.lora_base_dir(self.run_dir))
         self.generators.checkpoint_dir, self.generators.checkpoint_version = initial, self.version
         self.generators.source_lost = self.healer.trainer_dead  # an update cut off by a dead trainer keeps its replica
-        await self.generators.start(c.generator.replicas)
-        self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), weights_on_gpu(self.alloc.plan, c.weight_sync.transport)).connect(
-            await self.trainer.publisher_handle(), self.generators.subscribers()
-        )
-        teacher = None
+
+        async def generators() -> None:  # and weight sync to them
+            await self.generators.start(c.generator.replicas)
+            on_gpu, publisher = weights_on_gpu(self.alloc.plan, c.weight_sync.transport), await self.trainer.publisher_handle()
+            self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), on_gpu).connect(publisher, self.generators.subscribers())
+
         if c.distill.teacher:  # on-policy distillation: a replica on the teacher's checkpoint scores every episode
             self.teacher = GeneratorPool(c, self.alloc, c.distill.teacher, 0, self._rewire_teacher, teacher=True)
-            await self.teacher.start(1)
-            teacher = self.teacher.handles()[0]
-        scorers = None
         if any(s.kind in ON_PROCS for s in c.scoring.scorers):  # reward models, judges, remote clients: procs of their own
             self.scorers = ScorerPool(c, self.alloc, self._rewire_scorers, self.resume)
-            await self.scorers.start()
-            scorers = self.scorers.handles()
         saved = checkpoints.saved_models(self.run_dir) if self.resume else {}
-        for spec in c.models:  # each its trainer (and critic), generators and weight sync, at the policy's version
-            self.partners.append(TrainedModel(c, spec.name, self.alloc, self._rewire_partner))
-            await self.partners[-1].start(self.version, *saved.get(spec.name, (None, None)))
-        self.workers.teacher, self.workers.scorers = teacher, scorers or {}
+        self.partners = [TrainedModel(c, spec.name, self.alloc, self._rewire_partner) for spec in c.models]
+        # The policy's generators, the teacher, the scorers and each trained model (its trainer,
+        # critic, generators and weight sync) start at once: each mostly waits on its own procs.
+        starts = [generators(), *(p.start(self.version, *saved.get(p.name, (None, None))) for p in self.partners)]
+        starts += [self.teacher.start(1)] if self.teacher is not None else []
+        starts += [self.scorers.start()] if self.scorers is not None else []
+        failed = [e for e in await asyncio.gather(*starts, return_exceptions=True) if isinstance(e, BaseException)]
+        if failed:  # every start has ended: shutdown() stops what each got to
+            raise failed[0]
+        self.workers.teacher, self.workers.scorers = self.teacher and self.teacher.handles()[0], self.scorers.handles() if self.scorers else {}
         self.workers.partners = [p.handles() for p in self.partners]
         await self.workers.start(self.generators.handles())
         self.evaluations = Evaluations(c, self.run_dir, self.workers, self._record)

@@ -68,6 +68,9 @@ class TrainedModel:
         start from, the generators, and weight sync between them."""
         c = self.config
         os.makedirs(c.logging.run_dir, exist_ok=True)
+        # its generators' procs now: they import vLLM while its trainer starts, set up once it has exported
+        self.generators = GeneratorPool(c, self.alloc, None, version, self._rewire, model=self.name)
+        self.generators.warm(c.generator.replicas)
         self.trainer = await spawn_trainer(
             c,
             c.trainer.collective_timeout_s,
@@ -90,7 +93,7 @@ class TrainedModel:
         publisher = await self.trainer.publisher_handle()
         # under LoRA its adapters' frozen base goes to its own models/NAME/hf/base
         initial = await self.trainer.export_hf(os.path.join(c.logging.run_dir, "hf", f"v{version}"), checkpoints.lora_base_dir(c.logging.run_dir))
-        self.generators = GeneratorPool(c, self.alloc, initial, version, self._rewire, model=self.name)
+        self.generators.checkpoint_dir = initial
         self.generators.source_lost = self.trainer_dead  # an update cut off by its dead trainer keeps the replica
         await self.generators.start(c.generator.replicas)
         on_gpu = weights_on_gpu(self.alloc.plan.view(self.name), c.weight_sync.transport)
