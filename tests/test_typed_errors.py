@@ -193,3 +193,25 @@ def test_a_spawn_that_fails_is_reported_by_its_own_error_not_its_stops():
             return "up"
 
     assert asyncio.run(fine()) == "up" and Procs.stops == 1  # a member that came up keeps its procs
+
+
+def test_starts_made_at_once_all_end_before_the_first_failure_is_raised():
+    """RLLoop.start starts the policy's engines, the teacher, the scorers and each trained
+    model at once (`all_ended`): a failed start is raised only once every other start has
+    ended, so that the stop finds (and stops) what each got to; the first failure given wins."""
+    from meshrl.controller.members import all_ended
+
+    ended = []
+
+    async def slow():
+        await asyncio.sleep(0.05)
+        ended.append("slow")
+
+    async def fails(error: Exception, after_s: float):
+        await asyncio.sleep(after_s)
+        raise error
+
+    with pytest.raises(RuntimeError, match="the engine failed"):
+        asyncio.run(all_ended(fails(RuntimeError("the engine failed"), 0), slow(), fails(ValueError("later"), 0.01)))
+    assert ended == ["slow"]
+    asyncio.run(all_ended())  # nothing to start

@@ -29,6 +29,7 @@ from meshrl.controller.breaker import FailureBreaker, report_cliffs
 from meshrl.controller.collect import StepMetrics
 from meshrl.controller.evaluation import Evaluations
 from meshrl.controller.heal import TrainerHealer
+from meshrl.controller.members import all_ended
 from meshrl.controller.partners import TrainedModel
 from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool, log_mesh_failures
 from meshrl.errors import TrainerFailed, UserCodeFailed, find, first_line, one_line
@@ -178,9 +179,7 @@ class RLLoop:
         starts = [generators(), *(p.start(self.version, *saved.get(p.name, (None, None))) for p in self.partners)]
         starts += [self.teacher.start(1)] if self.teacher is not None else []
         starts += [self.scorers.start()] if self.scorers is not None else []
-        failed = [e for e in await asyncio.gather(*starts, return_exceptions=True) if isinstance(e, BaseException)]
-        if failed:  # every start has ended: shutdown() stops what each got to
-            raise failed[0]
+        await all_ended(*starts)
         self.workers.teacher, self.workers.scorers = self.teacher and self.teacher.handles()[0], self.scorers.handles() if self.scorers else {}
         self.workers.partners = [p.handles() for p in self.partners]
         await self.workers.start(self.generators.handles())

@@ -110,6 +110,14 @@ async def stop_members(members: list[Member], stop_s: float = 60.0) -> None:
     await asyncio.gather(*(m.stop(stop_s) for m in members))
 
 
+async def all_ended(*starts) -> None:
+    """Await `starts` at once; once every one has ended, raise the first failure in the
+    order given (the caller's stop then stops what each got to)."""
+    failed = [e for e in await asyncio.gather(*starts, return_exceptions=True) if isinstance(e, BaseException)]
+    if failed:
+        raise failed[0]
+
+
 async def start_all(spawns) -> list[Member]:
     """Members started at once (a pool's replicas import and load concurrently, not one after
     another). If any fails, the others are stopped and the first failure is raised."""
