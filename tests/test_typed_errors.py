@@ -62,6 +62,54 @@ def test_the_loop_tells_a_batch_timeout_by_its_type(tmp_path):
         asyncio.run(loop.step())
 
 
+def test_a_call_outside_the_step_heals_the_dead_proc_it_met_and_is_made_again(tmp_path):
+    """A checkpoint or an export (`RLLoop._healing`) that fails beside a trained model whose
+    critic proc is gone (`TrainedModel.dead`: its pid no longer runs as the process that
+    started then) heals that model and makes the call again; a failure with every proc
+    alive is the call's own, raised as it is."""
+    import os
+    import subprocess
+    import sys
+    import types
+
+    from meshrl.controller.heal import local_proc
+    from meshrl.controller.loop import RLLoop
+    from meshrl.controller.partners import TrainedModel
+
+    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = local_proc(gone.pid, None)
+    gone.kill()
+    gone.wait()
+    alive = local_proc(os.getpid(), None)
+    config = Config.from_dict({"models": [{"name": "proposer"}], "logging": {"run_dir": str(tmp_path)}})
+    loop = RLLoop(config)
+    model = TrainedModel(config, "proposer", None, None)
+    model.pids, model.critic = [alive], types.SimpleNamespace(proc_ids=[dead])  # its trainer alive, its critic's proc gone
+    healed, calls = [], []
+
+    async def heal_outside_step(error, queue, num_groups, timeout_s, version):
+        healed.append((str(error), version))
+        model.critic.proc_ids = [alive]  # a new critic proc
+
+    async def save():
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise RuntimeError("Endpoint call critic.save_checkpoint() failed")
+        return "saved"
+
+    async def fails():
+        raise ValueError("disk full")
+
+    model.heal_outside_step = heal_outside_step
+    loop.partners, loop.healer.pids, loop.queue, loop.version = [model], [alive], None, 7
+    assert model.dead() and not model.trainer_dead()
+    assert asyncio.run(loop._healing("checkpoint", save)) == "saved"
+    assert healed == [("Endpoint call critic.save_checkpoint() failed", 7)] and len(calls) == 2
+    with pytest.raises(ValueError, match="disk full"):
+        asyncio.run(loop._healing("checkpoint", fails))
+    assert len(healed) == 1
+
+
 def test_a_queue_silent_on_two_health_checks_in_a_row_stops_the_run_resumably(tmp_path):
     """The episode queue's host goes down mid-step: the health check stops the run on its second
     unanswered call in a row (not when buffer.get_timeout_s runs out), and replaces nothing
