@@ -346,3 +346,29 @@ def test_an_implicit_prm_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypa
     assert "activations (none checkpointing, 2048 tokens)" in lines  # batch_size 8 x model.max_seq_len 256
     cpu = config(**prm, trainer={"device": "cpu"}, launcher={"gpus_per_host": 2})
     assert scorer_slots(cpu) == [] and [s.role for s in plan_devices(cpu).slots] == ["trainer", "generator"]
+
+
+def test_a_prm_sharded_over_two_procs_gets_a_gpu_for_each_and_half_of_each_holding(monkeypatch):
+    """scoring.scorers[].procs=2 beside a GPU trainer: two scorer rows, one GPU each (the
+    replica's procs start seeing slots 2 and 3), each planned with half the PRM's weights,
+    pi_ref's and AdamW's state, and half a batch's rows."""
+    from meshrl.launch.devices import scorer_slots
+    from meshrl.launch.memory import plan_memory
+
+    monkeypatch.delenv(NCCL_IFNAME_ENV, raising=False)
+    one, two = (
+        config(
+            **{"data": {"source": "task:digits_sparse"}, "scoring": {"scorers": [{"kind": "prm", "batch_size": 8, "procs": n}]}},
+            launcher={"gpus_per_host": 4, "gpu_memory_gib": 80},
+        )
+        for n in (1, 2)
+    )
+    plan = plan_devices(two)
+    assert_disjoint(plan)
+    assert [(s.role, s.gpus) for s in plan.slots][2:] == [("scorer", (2,)), ("scorer", (3,))] and scorer_slots(two) == [(0, 0), (0, 0)]
+    held = [plan_memory(two, plan=plan).gpu("hosts", 0, g).holdings[0] for g in (2, 3)]
+    alone = dict(plan_memory(one, plan=plan_devices(one)).gpu("hosts", 0, 2).holdings[0].lines)
+    for h in held:
+        lines = dict(h.lines)
+        assert h.role == "scorer" and lines["weights (float32)"] == pytest.approx(alone["weights (float32)"] / 2, rel=0.01)
+        assert lines["KL reference weights (float32)"] == lines["weights (float32)"] and "activations (none checkpointing, 1024 tokens)" in lines

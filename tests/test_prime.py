@@ -28,6 +28,8 @@ def prm_config(*scorers, **sections) -> dict:
     "data, field, words",
     [
         (prm_config({"kind": "prm", "replicas": 2}), "scoring.scorers[0].replicas", "not synced"),
+        (prm_config({"kind": "prm", "procs": 0}), "scoring.scorers[0].procs", "at least 1"),
+        (prm_config({"kind": "remote", "url": "http://127.0.0.1:1/", "procs": 2}), "scoring.scorers[0].procs", "only a prm shards"),
         (prm_config({"kind": "prm", "process": "step"}), "scoring.scorers[0].process", "every model token"),
         (prm_config({"kind": "prm", "beta": 0}), "scoring.scorers[0].beta", "positive"),
         (prm_config({"kind": "prm", "lr": float("nan")}), "scoring.scorers[0].lr", "positive"),
@@ -182,6 +184,65 @@ def test_prm_exports_as_a_hf_causal_lm_whose_log_ratio_is_its_reward(tmp_path):
     assert not os.path.exists(str(tmp_path / "hf2" / "final-prm-reference"))
 
 
+def _prm_steps(prm, items: list[dict], out_dir: str) -> dict:
+    """Three steps on `items` (15 rows: the ranks' shares differ), one on a single row (a rank
+    without a row of its own runs FSDP's gathers on a borrowed one), a save, an export: what a
+    sharded and an unsharded PRM must agree on. Rows and results as plain floats."""
+    steps = [prm.score_rows(items, False) for _ in range(3)] + [prm.score_rows(items[:1], True)]
+    prm.export_hf(os.path.join(out_dir, "hf", "final-prm"))
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in prm.model.parameters())
+    return {"steps": steps, "local": local, "version": prm.version}
+
+
+def _sharded_prm_rank(rank: int, run_dir: str) -> dict:
+    prm, _ = make_prm(run_dir, lr=2e-2)
+    assert (prm.rank, prm.world) == (rank, 2)
+    out = _prm_steps(prm, toy_items(15), run_dir)
+    back, _ = make_prm(run_dir, restore=True, lr=2e-2)  # its whole saved state, cut into this rank's shards again
+    out["restored"] = (back.restored, back.score_rows(toy_items(15), False))
+    return out
+
+
+@pytest.mark.slow  # two gloo procs
+def test_a_prm_sharded_over_two_procs_scores_and_trains_as_one_proc(tmp_path):
+    """scoring.scorers[].procs=2: the PRM and pi_ref sharded over two gloo ranks (FSDP2), each
+    scoring and training on every other row, give the scores, losses and training metrics one
+    proc gives (the loss normalised by the whole batch's rows), a rank without a row included;
+    the state the ranks save is whole (it restores into one proc, and into two, the step after
+    it equal), and their export is the same model's."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import gloo_ranks
+
+    items = toy_items(15)
+    one, _ = make_prm(tmp_path / "one", lr=2e-2)
+    full = sum(p.numel() for p in one.model.parameters())
+    single = _prm_steps(one, items, str(tmp_path / "one"))
+    sharded = gloo_ranks(_sharded_prm_rank, 2, str(tmp_path / "two"))
+    assert all(r["local"] < 0.6 * full for r in sharded) and [r["version"] for r in sharded] == [4, 4] == [single["version"]] * 2
+    for k, (want_rows, want_trained) in enumerate(single["steps"]):
+        got = sorted(row for r in sharded for row in r["steps"][k][0])
+        assert [i for i, _ in got] == [i for i, _ in want_rows], k  # every row once, rank 0's and rank 1's
+        for (_, mine), (_, theirs) in zip(got, want_rows):
+            assert mine["version"] == theirs["version"] and mine["score"] == pytest.approx(theirs["score"], abs=1e-5)
+            assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5) and mine["accuracy"] == theirs["accuracy"]
+        for r in sharded:
+            assert r["steps"][k][1] == pytest.approx(want_trained, rel=1e-4, abs=1e-6), k
+    assert single["steps"][2][0][0][1]["score"] != single["steps"][0][0][0][1]["score"]  # it trained
+    # the saved state is whole: one proc restores it, and its next step is the one the ranks took after restoring
+    back, _ = make_prm(tmp_path / "two", restore=True, lr=2e-2)
+    want = back.score_rows(items, False)[0]
+    got = sorted(row for r in sharded for row in r["restored"][1][0])
+    assert back.restored == 4 and [r["restored"][0] for r in sharded] == [4, 4]
+    assert [q for _, m in got for q in m["score"]] == pytest.approx([q for _, m in want for q in m["score"]], abs=1e-5)
+    two, one_ = (load_file(str(d / "hf" / "final-prm" / "model.safetensors")) for d in (tmp_path / "two", tmp_path / "one"))
+    # AdamW's first steps move a weight by about lr (2e-2) whatever the size of its gradient, so
+    # the ranks' other order of summation shows in the weights at 1e-4 (measured 8e-5); a missing
+    # or untrained shard would be off by a step, 2e-2
+    assert sorted(two) == sorted(one_) and all(torch.allclose(two[k], one_[k], atol=1e-3) for k in two)
+    assert os.path.isfile(tmp_path / "two" / "hf" / "final-prm" / "implicit_prm.json")
+
+
 def test_accuracy_filter_trains_on_the_groups_in_band_only(tmp_path):
     """train_accuracy [0.2, 0.8] (PRIME's): of three groups (all right, half right, all wrong)
     the PRM's step is the step it takes on the half-right group alone; every item is still
@@ -325,10 +386,19 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path,
     assert version[-1] <= info["version"] <= state["version"] and info["reference"] == str(hf / "final-prm-reference")
     assert all(os.path.isfile(hf / d / f) for d in ("final-prm", "final-prm-reference") for f in ("config.json", "model.safetensors", "tokenizer_config.json"))
     assert not wait_no_children(), "procs outlived the run"
-    # resumed for one step: the PRM goes on from its saved state. Its batch may hold groups the
-    # checkpoint kept, scored before the stop (at versions >= the last step's); a PRM from its
-    # start would score the new ones at version 0 and pull the step's mean under version[-1].
-    resumed = [r for r in meshrl.run(resume=str(tmp_path / "run"), overrides=[f"steps={STEPS + 1}"]).metrics if "trainer/reward_mean" in r]
+    # resumed for one step, its PRM sharded over two procs (scoring.scorers[0].procs=2): the PRM
+    # goes on from its saved state, which is whole, so two procs load what one saved. Its batch
+    # may hold groups the checkpoint kept, scored before the stop (at versions >= the last
+    # step's); a PRM from its start would score the new ones at version 0 and pull the step's
+    # mean under version[-1].
+    two = json.dumps([{**cfg["scoring"]["scorers"][0], "procs": 2}])
+    again = meshrl.run(resume=str(tmp_path / "run"), overrides=[f"steps={STEPS + 1}", f"scoring.scorers={two}"])
+    resumed = [r for r in again.metrics if "trainer/reward_mean" in r]
     assert len(resumed) == STEPS + 1 and resumed[-1]["scoring/prm/version"] >= version[-1], ([r["scoring/prm/version"] for r in resumed], version[-1])
-    assert f"scorer prm replica 0 restored its saved state, version {state['version']}" in caplog.text, caplog.text[-2000:]
+    assert resumed[-1].get("scoring/prm/failed", 0) == 0 and resumed[-1]["scoring/prm/process_abs"] > 0
+    restored = f"scorer prm replica 0 restored its saved state, version {state['version']}, sharded over 2 procs"
+    assert restored in caplog.text, caplog.text[-2000:]
+    # the sharded PRM saved and exported at the stop: past the state it restored
+    assert torch.load(os.path.join(tmp_path, "run", "checkpoints", "prm-prm", "state.pt"), weights_only=False)["version"] > state["version"]
+    assert json.load(open(hf / "final-prm" / "implicit_prm.json"))["version"] > state["version"]
     assert not wait_no_children(), "procs outlived the resumed run"

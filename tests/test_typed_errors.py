@@ -263,3 +263,26 @@ def test_starts_made_at_once_all_end_before_the_first_failure_is_raised():
         asyncio.run(all_ended(fails(RuntimeError("the engine failed"), 0), slow(), fails(ValueError("later"), 0.01)))
     assert ended == ["slow"]
     asyncio.run(all_ended())  # nothing to start
+
+
+def test_a_member_on_several_procs_is_gone_when_any_of_its_own_procs_is():
+    """A sharded PRM's replica (Member.own = its procs): the health check replaces it when any
+    of its ranks' procs is gone, not only rank 0's; past `own`, pids are engine processes and
+    do not count."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+
+    from meshrl.controller.members import Member
+
+    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = (gone.pid, psutil.Process(gone.pid).create_time())
+    gone.kill()
+    gone.wait()
+    me = (os.getpid(), psutil.Process().create_time())
+    assert not Member(0, None, None, socket.gethostname(), [me, dead], own=2).alive()  # rank 1 gone
+    assert Member(0, None, None, socket.gethostname(), [me, dead], own=1).alive()  # a proc of its engine: not its own
+    assert Member(0, None, None, socket.gethostname(), [me, me], own=2).alive()

@@ -354,7 +354,7 @@ def _check_prm(c: Config, sc, path: str) -> None:
     need(
         sc.replicas == 1,
         f"{path}.replicas",
-        f"is {sc.replicas}: a prm trains in its one scorer proc, and its weights are not synced between replicas: set replicas=1",
+        f"is {sc.replicas}: a prm trains in one replica, and its weights are not synced between replicas: set replicas=1 (`procs` shards it)",
     )
     need(sc.process == "none", f"{path}.process", "a prm scores every model token (PRIME's per-token rewards): leave process=none")
     others = [i for i, o in enumerate(c.scoring.scorers) if o is not sc and (o.process != "none" or o.kind == "prm")]
@@ -382,6 +382,9 @@ def _check_scorer(sc, path: str) -> None:
     need(sc.timeout_s > 0, f"{path}.timeout_s", f"must be positive, got {sc.timeout_s}")
     need(sc.retries >= 0, f"{path}.retries", f"must be at least 0, got {sc.retries}")
     need(sc.replicas >= 1, f"{path}.replicas", f"must be at least 1, got {sc.replicas}")
+    need(sc.procs >= 1, f"{path}.procs", f"must be at least 1, got {sc.procs}")
+    alone = f"is {sc.procs}: only a prm shards its model over procs; a {sc.kind} scales by `replicas`: set procs=1"
+    need(sc.procs == 1 or sc.kind == "prm", f"{path}.procs", alone)
     need(sc.max_len >= 8, f"{path}.max_len", f"must be at least 8 tokens, got {sc.max_len}")
     need(sc.max_new_tokens >= 1, f"{path}.max_new_tokens", f"must be at least 1, got {sc.max_new_tokens}")
     need(sc.unparsable is None or math.isfinite(sc.unparsable), f"{path}.unparsable", f"must be a finite number or null, got {sc.unparsable}")

@@ -164,6 +164,8 @@ class ScorerConfig:
     """`remote`: further tries after a failed HTTP call (with 0.5 s, 1 s, ... between them); a request still failing fails its episode and is counted in `scoring/NAME/failed`."""
     replicas: int = 1
     """Scorer procs of this signal (requests go to the least loaded); a dead one is replaced and its requests asked again. Ignored for `function`."""
+    procs: int = 1
+    """`prm`: procs of its one replica. Above 1, the PRM, its frozen reference and its AdamW state are sharded over them (FSDP2), each scoring and training on its share of every batch's rows, so a PRM the size of the policy fits where the policy's trainer does (a GPU each beside a GPU trainer). Every other kind: 1 (they scale by `replicas`)."""
     process: Literal["none", "turn", "step"] = "none"
     """Process reward: `turn` scores the episode after each model turn, `step` after each `step_delimiter` inside the model's text (a reward model scores each prefix; a function or remote server returns a list, one score per step). The step scores become per-token advantages (scoring.process_advantage); the outcome score is the last step's."""
     step_delimiter: str = "\n"

@@ -46,7 +46,9 @@ class Member:
     actor: object
     host: str = ""
     pids: list[tuple[int, float]] = field(default_factory=list)
-    """(pid, start time): the member's proc first, then (replicas) its vLLM engine processes."""
+    """(pid, start time): the member's procs first, then (replicas) its vLLM engine processes."""
+    own: int = 1
+    """How many of `pids` are the member's own procs (a sharded PRM's ranks; else 1)."""
     last_stats: dict = field(default_factory=dict)
     last_stats_at: float | None = None
     ident: int = -1
@@ -58,8 +60,8 @@ class Member:
         return self.host == socket.gethostname()
 
     def alive(self) -> bool:
-        """Whether the member's own proc still runs (on this host; no round trip)."""
-        return bool(self.pids) and running_process(*self.pids[0]) is not None
+        """Whether the member's own procs all still run (on this host; no round trip)."""
+        return bool(self.pids) and all(running_process(*p) is not None for p in self.pids[: self.own])
 
     async def gone(self, endpoint: str) -> bool:
         """Whether the member is gone: by its pid on this host, else by asking `endpoint`

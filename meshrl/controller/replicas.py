@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Awaitable, Callable
 
-from meshrl.compat import awaited, settled, stopped_on_failure
+from meshrl.compat import awaited, by_rank, settled, stopped_on_failure
 from meshrl.controller.members import Member, start_all, stop_members
 from meshrl.config import Config
 from meshrl.generator.actor import GeneratorActor
@@ -249,8 +249,9 @@ class GeneratorPool:
 
 class ScorerPool:
     """The scorer replicas of scoring.scorers (meshrl/scorers/): spawn, health checks,
-    replacement. Each replica has a proc of its own; a reward model or a judge holds the
-    GPUs the device plan gives role `scorer` at its index (none on CPU). A scorer that trains
+    replacement. Each replica has a proc of its own (a sharded PRM `procs` of them, stopped
+    and replaced together); a reward model or a judge holds the GPUs the device plan gives
+    role `scorer` at its index (none on CPU). A scorer that trains
     (an implicit PRM) starts from its newest saved state when the run resumes (`resume`) and
     when it replaces a dead replica."""
 
@@ -272,21 +273,32 @@ class ScorerPool:
         return out
 
     async def spawn(self, slot: int, restore: bool = False) -> Member:
+        from monarch.spmd import setup_torch_elastic_env_async
+
         from meshrl.launch.devices import scorer_slots
         from meshrl.scorers.actor import ScorerActor
 
         index, replica = self.slots[slot]
+        n = self.config.scoring.scorers[index].procs  # a sharded PRM's ranks (scorers/prm.py); else 1
         if (index, replica) not in scorer_slots(self.config):  # a remote client holds no GPU, nor does a PRM beside a CPU trainer
-            procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap("coord"))
-        else:  # its GPU is the device plan's scorer slot (none on CPU), on the first generator host
-            gpu_slot = scorer_slots(self.config).index((index, replica))
-            procs = self.alloc.host("generator", 0).spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap("scorer", [gpu_slot]))
-        actor = procs.spawn(f"scorer-{self.names[index]}-{replica}", ScorerActor)
+            procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": n}, bootstrap_command=self.alloc.bootstrap("coord"))
+        else:  # its GPUs are the device plan's scorer slots (none on CPU), on the first generator host
+            first = scorer_slots(self.config).index((index, replica))
+            bootstrap = self.alloc.bootstrap("scorer", list(range(first, first + n)))
+            procs = self.alloc.host("generator", 0).spawn_procs(per_host={"procs": n}, bootstrap_command=bootstrap)
         async with stopped_on_failure(procs):
-            info = await asyncio.wait_for(actor.setup.call_one(self.config.to_dict(), index, replica, restore), self.config.generator.startup_timeout_s)
-        if info.get("restored") is not None:
-            log.warning("scorer %s replica %d restored its saved state, version %d", self.names[index], replica, info["restored"])
-        return Member(slot, procs, actor, info["host"], info["pids"])
+            if n > 1:  # torch.distributed's env for the PRM's FSDP ranks
+                await asyncio.wait_for(setup_torch_elastic_env_async(procs), 60)
+            actor = procs.spawn(f"scorer-{self.names[index]}-{replica}", ScorerActor)
+            # rank 0 answers the rollout workers and leads the others through each batch (ScorerActor.follow)
+            lead, others = (actor.slice(procs=slice(0, 1)), actor.slice(procs=slice(1, n))) if n > 1 else (actor, None)
+            setup = awaited(actor.setup.call(self.config.to_dict(), index, replica, restore, others))
+            infos = by_rank(await asyncio.wait_for(setup, self.config.generator.startup_timeout_s))
+        if infos[0].get("restored") is not None:
+            over = f", sharded over {infos[0]['world']} procs" if infos[0]["world"] > 1 else ""  # as its rank 0 found its group
+            log.warning("scorer %s replica %d restored its saved state, version %d%s", self.names[index], replica, infos[0]["restored"], over)
+        pids = [info["pids"][0] for info in infos] + [p for info in infos for p in info["pids"][1:]]
+        return Member(slot, procs, lead, infos[0]["host"], pids, own=n)
 
     async def start(self) -> None:
         for slot in range(len(self.slots)):

@@ -223,11 +223,12 @@ def scorer_gpus(config: Config) -> int:
 
 def scorer_slots(config: Config) -> list[tuple[int, int]]:
     """(scoring.scorers index, replica) of each scorer proc that holds a GPU: the device
-    plan's `scorer` slots 0, 1, ... in this order. An implicit PRM trains: it holds one
-    where the trainer does (on the host's cores beside a CPU trainer)."""
+    plan's `scorer` slots 0, 1, ... in this order. An implicit PRM trains: each of its `procs`
+    holds one where the trainer does (on the host's cores beside a CPU trainer), its slots
+    one after another."""
     prm = config.trainer.device != "cpu" and gpus_per_host(config) > 0
     kinds = ("reward_model", "judge", "prm") if prm else ("reward_model", "judge")
-    return [(i, r) for i, s in enumerate(config.scoring.scorers) if s.kind in kinds for r in range(s.replicas)]
+    return [(i, r) for i, s in enumerate(config.scoring.scorers) if s.kind in kinds for r in range(s.replicas) for _ in range(s.procs)]
 
 
 # `placement=auto` on one CPU host colocates (every role all the cores, taking turns) when a

@@ -239,9 +239,9 @@ def scorer_holding(config: Config, index: int, capacity: float) -> Holding:
     from meshrl.launch.devices import scorer_slots
 
     spec = config.scoring.scorers[scorer_slots(config)[index][0]]
-    if spec.kind == "prm":  # trains in float32 on whole batches, beside its frozen starting copy (pi_ref)
+    if spec.kind == "prm":  # trains in float32 on its share of each batch, beside its frozen starting copy (pi_ref), over `procs`
         shape = model_shape(config, spec.path) if spec.path else model_shape(config)
-        return _one_proc_holding(config, shape, "scorer", index, spec.batch_size, reference=True, dtype="float32")
+        return _one_proc_holding(config, shape, "scorer", index, -(-spec.batch_size // spec.procs), reference=True, dtype="float32", procs=spec.procs)
     if spec.kind == "judge":
         try:
             return generator_holding(config, model_shape(config, spec.path), "scorer", index, capacity, False)

@@ -12,9 +12,13 @@ env's replies) are context, never scored.
 Why it trains here, in the scorer proc, and not on a trainer mesh of its own: what it needs
 (every episode's ids and outcome) is what the rollout workers already send it, its only
 consumer is itself, so no weight sync is needed, and one optimizer step per scored batch
-costs a forward and backward of a model the size of the policy, on one proc. One replica
-only (config/checks.py refuses more): replicas would each train on a share of the episodes
-and drift apart.
+costs a forward and backward of a model the size of the policy. One replica only
+(config/checks.py refuses more): replicas would each train on a share of the episodes and
+drift apart. That replica may span `procs` procs: the PRM, pi_ref and AdamW's state are then
+sharded over them (FSDP2, as PPO's critic is), every rank gets the whole batch, scores and
+trains on its share of the rows (every `procs`-th), and the loss is normalised by the whole
+batch's count, so the step is the one a single proc would take. Rank 0 answers the rollout
+workers and leads the others through each call in the same order (scorers/service.py).
 
 Versions. `version` counts the PRM's optimizer steps. Each request is one whole group
 (`EpisodeScorers.score_group`), and `PRMService` (scorers/service.py) never splits a request across batches, so
@@ -37,6 +41,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshrl.config import Config, ScorerConfig
@@ -45,7 +50,10 @@ from meshrl.launch.devices import planned_gpu
 
 def build_causal_lm(config: Config, spec: ScorerConfig, device: str = "cpu"):
     """The PRM's starting model on `device` and its specs: `spec.path` (a HF causal LM), else the
-    policy's starting weights (model.path, or build_model's seeded initialisation, as the trainer makes it)."""
+    policy's starting weights (model.path, or build_model's seeded initialisation, as the trainer
+    makes it). Under torch.distributed with several ranks, this rank's FSDP2 shard of it: from a
+    checkpoint built on the meta device, sharded, then loaded shard by shard (no rank holds it
+    whole); from the seed built whole, the same on every rank, then sharded."""
     from meshrl.config.hf import model_args_from_hf
     from meshrl.trainer.checkpoint import load_hf
     from meshrl.trainer.model import build_model
@@ -54,7 +62,21 @@ def build_causal_lm(config: Config, spec: ScorerConfig, device: str = "cpu"):
     cfg, overrides = config.model, None
     if path is not None:
         cfg, overrides = model_args_from_hf(path)
-    model, specs = build_model(cfg, device, seed=config.seed, hf_overrides=overrides)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    on_meta = world > 1 and path is not None
+    model, specs = build_model(cfg, "meta" if on_meta else device, seed=config.seed, hf_overrides=overrides)
+    if world > 1:
+        from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+
+        from meshrl.config import TrainerConfig
+        from meshrl.trainer.parallelize import parallelism_config, parallelize
+        from meshrl.trainer.policy import materialize
+
+        parallelism = parallelism_config(TrainerConfig(procs=world), world)
+        model, _ = parallelize(model, specs.parallelize_fn, parallelism, world, torch.device(device).type, torch.float32)
+        disable_fsdp_gradient_division(model)  # each rank's loss is normalised by the whole batch's count: gradients add up
+        if on_meta:
+            materialize(model, torch.device(device), config.seed)
     if path is not None:
         load_hf(model, specs, path)
     return model, specs
@@ -112,16 +134,19 @@ def rows(items: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
 
 
 class ImplicitPRM:
-    """The PRM and its frozen reference on this proc, its AdamW and its version."""
+    """The PRM and its frozen reference on this proc (one rank's shards of both where it spans
+    several procs), its AdamW and its version."""
 
     def __init__(self, spec: ScorerConfig, config: Config, name: str, restore: bool = False):
         self.spec, self.beta = spec, spec.beta
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         # the GPU the device plan started this proc seeing (beside a GPU trainer), else the CPU; float32 either way
         self.device = torch.device("cuda", 0) if planned_gpu() else torch.device("cpu")
         self.model, self.specs = build_causal_lm(config, spec, str(self.device))
         self.model.train()
         self.start_path = spec.path or config.model.path  # pi_ref's checkpoint, where it has one
-        self.ref = copy.deepcopy(self.model).eval()
+        # sharded, pi_ref is a second sharded build of the same start (a deep copy of an FSDP module is not one)
+        self.ref = (copy.deepcopy(self.model) if self.world == 1 else build_causal_lm(config, spec, str(self.device))[0]).eval()
         for p in self.ref.parameters():
             p.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=0.0)
@@ -135,13 +160,17 @@ class ImplicitPRM:
 
     def load(self) -> int | None:
         """Its newest saved state, where there is one (a resumed run, or this replica replacing a
-        dead one): the version it restored, else None. pi_ref stays the starting weights."""
+        dead one): the version it restored, else None. pi_ref stays the starting weights. The
+        state is whole (`state`), so it loads over any number of procs; each rank reads it and
+        keeps its shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
         path = os.path.join(self.dir, "state.pt")
         if not os.path.isfile(path):
             return None
         state = torch.load(path, map_location="cpu", weights_only=True)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        options = StateDictOptions(full_state_dict=True)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
         self.version = int(state["version"])
         return self.version
 
@@ -154,37 +183,63 @@ class ImplicitPRM:
             ref, _ = token_logprobs(self.ref, tokens, mask)
         return torch.where(mask, self.beta * (lp - ref), torch.zeros_like(lp))
 
-    def train(self, tokens: torch.Tensor, mask: torch.Tensor, outcome: torch.Tensor, keep: torch.Tensor | None = None) -> dict:
-        """One AdamW step of BCE(sigmoid(sum_t q_t), outcome) over the batch's rows `keep`
-        (default all; PRIME's accuracy filter, `in_band`); version + 1. No row kept: no step."""
-        if keep is not None:
-            if not bool(keep.any()):
-                return {"trained_frac": 0.0}
-            frac = float(keep.float().mean())
-            tokens, mask, outcome = tokens[keep], mask[keep], outcome[keep]
-        else:
-            frac = 1.0
+    def train(self, tokens: torch.Tensor, mask: torch.Tensor, outcome: torch.Tensor, weight: torch.Tensor, kept: int, total: int) -> dict:
+        """One AdamW step of BCE(sigmoid(sum_t q_t), outcome), the mean over the `kept` rows of
+        the whole batch (of `total`; PRIME's accuracy filter, `in_band`) that pass the filter;
+        this rank's rows are those with `weight` > 0. Version + 1; no row kept anywhere: no step.
+        Collective where the PRM is sharded: every rank calls it, a rank without a kept row on
+        one of its rows with weight 0."""
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        if kept == 0:
+            return {"trained_frac": 0.0}
+        on = weight > 0
+        if not bool(on.any()):
+            on[0] = True  # FSDP's gathers run on every rank; this row adds nothing
+        tokens, mask, outcome, weight = tokens[on], mask[on], outcome[on], weight[on]
         self.optimizer.zero_grad(set_to_none=True)
         logit = self.rewards(tokens, mask).sum(1)
-        loss = F.binary_cross_entropy_with_logits(logit, outcome)
+        loss = (F.binary_cross_entropy_with_logits(logit, outcome, reduction="none") * weight).sum() / kept
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        norm = clip_grad_norm_(list(self.model.parameters()), self.grad_clip if self.grad_clip > 0 else float("inf"), foreach=True)
         self.optimizer.step()
         self.version += 1
-        return {"train_loss": loss.item(), "grad_norm": norm.item(), "trained_frac": frac}
+        loss = loss.detach()
+        if self.world > 1:
+            dist.all_reduce(loss)
+        return {"train_loss": loss.item(), "grad_norm": float(norm), "trained_frac": kept / total}
 
     def score_batch(self, items: list[dict]) -> tuple[list[dict], dict]:
         """Per item {"score": [q_t at each of its positions], "version", "loss", "accuracy",
-        "prob"}; and the batch's training metrics. Scored and trained as `update` says."""
-        with self._lock:
-            return self._score_batch(items)
+        "prob"}; and the batch's training metrics. Scored and trained as `update` says; saved
+        when due. One proc only (sharded: `score_rows` on every rank)."""
+        mine, trained = self.score_rows(items, self.save_due())
+        return [r for _, r in mine], trained
 
-    def _score_batch(self, items: list[dict]) -> tuple[list[dict], dict]:
-        tokens, mask, _, outcome = (t.to(self.device) for t in rows(items))
-        keep = None if list(self.spec.train_accuracy) == [0.0, 1.0] else in_band(items, self.spec.train_accuracy).to(self.device)
+    def save_due(self) -> bool:
+        return time.monotonic() - self._saved_at >= self.save_every_s
+
+    def score_rows(self, items: list[dict], save: bool) -> tuple[list[tuple[int, dict]], dict]:
+        """(row, result) for this rank's rows of `items` (every `world`-th from its rank), and
+        the batch's training metrics; then the state saved where `save` (decided by rank 0, so
+        every rank saves at the same call). Collective where the PRM is sharded."""
+        with self._lock:
+            out = self._score_rows(items)
+            if save:
+                self.save()
+            return out
+
+    def _score_rows(self, items: list[dict]) -> tuple[list[tuple[int, dict]], dict]:
+        tokens, mask, _, outcome = rows(items)
+        keep = torch.ones(len(items), dtype=torch.bool) if list(self.spec.train_accuracy) == [0.0, 1.0] else in_band(items, self.spec.train_accuracy)
+        mine = list(range(self.rank, len(items), self.world))
+        run = torch.tensor(mine or [0])  # a rank without a row runs row 0 for FSDP's gathers; its results are dropped
+        weight = (keep[run] & bool(mine)).float().to(self.device)
+        tokens, mask, outcome = (t[run].to(self.device) for t in (tokens, mask, outcome))
+        step = (tokens, mask, outcome, weight, int(keep.sum()), len(items))
         trained: dict = {}
         if self.spec.update == "before":
-            trained = self.train(tokens, mask, outcome, keep)
+            trained = self.train(*step)
         version = self.version
         with torch.no_grad():
             q = self.rewards(tokens, mask)
@@ -193,39 +248,39 @@ class ImplicitPRM:
         loss = F.binary_cross_entropy_with_logits(logit, outcome, reduction="none")
         correct = (logit > 0) == (outcome > 0.5)
         if self.spec.update == "after":
-            trained = self.train(tokens, mask, outcome, keep)
+            trained = self.train(*step)
         results = []
-        for i, it in enumerate(items):
-            values = [float(q[i, p]) if p > 0 else 0.0 for p in it["positions"]]
+        for j, i in enumerate(mine):
+            values = [float(q[j, p]) if p > 0 else 0.0 for p in items[i]["positions"]]
             if not all(math.isfinite(v) for v in values):
-                results.append({"score": None, "error": f"non-finite PRM reward at version {version}"})
+                results.append((i, {"score": None, "error": f"non-finite PRM reward at version {version}"}))
                 continue
-            results.append(
-                {
-                    "score": values,
-                    "version": version,
-                    "latest": self.version,
-                    "loss": float(loss[i]),
-                    "accuracy": float(correct[i]),
-                    "prob": float(torch.sigmoid(logit[i])),
-                }
-            )
-        if time.monotonic() - self._saved_at >= self.save_every_s:
-            self.save()
+            prob, right = float(torch.sigmoid(logit[j])), float(correct[j])
+            results.append((i, {"score": values, "version": version, "latest": self.version, "loss": float(loss[j]), "accuracy": right, "prob": prob}))
         return results, trained
 
     def state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+        """Model and AdamW state whole (gathered from every rank where sharded: collective), on
+        the CPU, keyed by parameter name, and the version."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {"model": model, "optimizer": optimizer, "version": self.version}
 
     def save(self) -> str:
         """The PRM's state (model, AdamW, version) as RUN_DIR/checkpoints/prm-NAME/state.pt,
         written to a temp file and renamed, so a crash leaves the previous one whole. Saved
-        every trainer.checkpoint_every_s, with each of the run's checkpoints, and at its stop."""
+        every trainer.checkpoint_every_s, with each of the run's checkpoints, and at its stop.
+        Collective where the PRM is sharded; rank 0 writes."""
         with self._lock:
-            os.makedirs(self.dir, exist_ok=True)
+            state = self.state()
             path = os.path.join(self.dir, "state.pt")
-            torch.save(self.state(), path + ".tmp")
-            os.replace(path + ".tmp", path)
+            if self.rank == 0:
+                os.makedirs(self.dir, exist_ok=True)
+                torch.save(state, path + ".tmp")
+                os.replace(path + ".tmp", path)
+            if self.world > 1:
+                dist.barrier()
             self._saved_at = time.monotonic()
             return path
 
@@ -240,9 +295,10 @@ class ImplicitPRM:
         with self._lock:
             source = os.path.join(self.start_path, "config.json") if self.start_path else None
             reference = os.path.abspath(self.start_path) if self.start_path else export_hf(self.ref, self.specs, path + "-reference", torch.float32)
-            out = export_hf(self.model, self.specs, path, torch.float32, source_config=source)
+            out = export_hf(self.model, self.specs, path, torch.float32, source_config=source)  # collective where sharded: rank 0 writes
             info = {"beta": self.beta, "version": self.version, "reference": reference}
-            write_atomic(os.path.join(out, "implicit_prm.json"), json.dumps(info, indent=2))
+            if self.rank == 0:
+                write_atomic(os.path.join(out, "implicit_prm.json"), json.dumps(info, indent=2))
             return {"path": out, "reference": reference, "version": self.version}
 
     def shutdown(self) -> None:

@@ -23,6 +23,7 @@ import time
 
 from typing import TYPE_CHECKING
 
+from meshrl.compat import awaited, by_rank
 from meshrl.config import ScorerConfig
 from meshrl.scorers.backends import Failed, Judged
 
@@ -125,17 +126,39 @@ class ScorerService:
 class PRMService(ScorerService):
     """The PRM replica's queue: ScorerService's, with requests (one group each) never split,
     and each batch scored (and trained on) by one PRM version in a thread. Results as
-    ScorerService's, plus version, loss and accuracy."""
+    ScorerService's, plus version, loss and accuracy.
+
+    A PRM sharded over several procs runs this on rank 0, which leads the others (`followers`,
+    their ScorerActor.follow) through every collective call (a batch, a save, an export, the
+    stop) one at a time: each message reaches them in the order it was sent, so every rank
+    makes the same calls in the same order."""
 
     whole_requests = True
 
-    def __init__(self, backend: ImplicitPRM, spec: ScorerConfig):
+    def __init__(self, backend: ImplicitPRM, spec: ScorerConfig, followers=None):
         super().__init__(backend, spec)
         self.last_trained: dict = {}
+        self.followers = followers
+        self._turn = asyncio.Lock()
+
+    async def lead(self, op: str, *args):
+        """The backend's `op(*args)` on this rank (in a thread) and on every follower at once:
+        this rank's answer, and the followers' in rank order."""
+        async with self._turn:
+            # a Monarch call is sent when awaited (compat.awaited): as a task, it goes while this rank works
+            theirs = asyncio.create_task(awaited(self.followers.follow.call(op, *args))) if self.followers is not None else None
+            try:
+                mine = await asyncio.to_thread(getattr(self.backend, op), *args)
+            except BaseException:
+                if theirs is not None:
+                    theirs.cancel()  # the followers' collective fails by its own timeout, or the health check replaces them
+                raise
+            return mine, (by_rank(await theirs) if theirs is not None else [])
 
     async def _score(self, items: list[dict]) -> list[dict]:
         try:
-            results, self.last_trained = await asyncio.to_thread(self.backend.score_batch, items)
+            (rows, self.last_trained), others = await self.lead("score_rows", items, self.backend.save_due())
+            results = [r for _, r in sorted(rows + [row for theirs, _ in others for row in theirs], key=lambda row: row[0])]
         except Exception as e:  # noqa: BLE001 - a batch that fails fails its items, not the scorer
             results = [{"score": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}] * len(items)
         return [{"error": None, "unparsable": False, **self.last_trained, **r} for r in results]
