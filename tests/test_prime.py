@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 
 import pytest
 import torch
@@ -386,18 +387,28 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path,
     assert version[-1] <= info["version"] <= state["version"] and info["reference"] == str(hf / "final-prm-reference")
     assert all(os.path.isfile(hf / d / f) for d in ("final-prm", "final-prm-reference") for f in ("config.json", "model.safetensors", "tokenizer_config.json"))
     assert not wait_no_children(), "procs outlived the run"
-    # resumed for one step, its PRM sharded over two procs (scoring.scorers[0].procs=2): the PRM
-    # goes on from its saved state, which is whole, so two procs load what one saved. Its batch
-    # may hold groups the checkpoint kept, scored before the stop (at versions >= the last
+    # resumed, its PRM sharded over two procs (scoring.scorers[0].procs=2): the PRM goes on from
+    # its saved state, which is whole, so two procs load what one saved. The first resumed
+    # batch may hold groups the checkpoint kept, scored before the stop (at versions >= the last
     # step's); a PRM from its start would score the new ones at version 0 and pull the step's
-    # mean under version[-1].
+    # mean under version[-1]. Then its rank 1 is killed: the replica is replaced whole, from its
+    # last save, and no episode fails for it.
     two = json.dumps([{**cfg["scoring"]["scorers"][0], "procs": 2}])
-    again = meshrl.run(resume=str(tmp_path / "run"), overrides=[f"steps={STEPS + 1}", f"scoring.scorers={two}"])
-    resumed = [r for r in again.metrics if "trainer/reward_mean" in r]
-    assert len(resumed) == STEPS + 1 and resumed[-1]["scoring/prm/version"] >= version[-1], ([r["scoring/prm/version"] for r in resumed], version[-1])
-    assert resumed[-1].get("scoring/prm/failed", 0) == 0 and resumed[-1]["scoring/prm/process_abs"] > 0
-    restored = f"scorer prm replica 0 restored its saved state, version {state['version']}, sharded over 2 procs"
-    assert restored in caplog.text, caplog.text[-2000:]
+    s = meshrl.Session(resume=str(tmp_path / "run"), overrides=[f"steps={STEPS + 4}", f"scoring.scorers={two}"]).start()
+    try:
+        resumed = s.step(1)
+        assert resumed[-1]["scoring/prm/version"] >= version[-1], ([r["scoring/prm/version"] for r in resumed], version[-1])
+        restored = f"scorer prm replica 0 restored its saved state, version {state['version']}, sharded over 2 procs"
+        assert restored in caplog.text, caplog.text[-2000:]
+        rank1 = s.loop.scorers.members[(0, 0)].pids[1][0]
+        os.kill(rank1, signal.SIGKILL)
+        resumed += s.step(3)
+        s.finish()
+    finally:
+        s.stop()
+    assert resumed[-1]["scoring/replicas_replaced"] >= 1 and caplog.text.count(restored) == 2  # the replacement restored the same save
+    assert sum(r.get("episode/failed", 0) + r.get("scoring/prm/failed", 0) for r in resumed) == 0
+    assert all(r["scoring/prm/process_abs"] > 0 for r in resumed)
     # the sharded PRM saved and exported at the stop: past the state it restored
     assert torch.load(os.path.join(tmp_path, "run", "checkpoints", "prm-prm", "state.pt"), weights_only=False)["version"] > state["version"]
     assert json.load(open(hf / "final-prm" / "implicit_prm.json"))["version"] > state["version"]

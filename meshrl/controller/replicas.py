@@ -312,6 +312,9 @@ class ScorerPool:
             async with self._lock:
                 name = f"scorer {self.names[key[0]]} replica {key[1]}"
                 log.warning("%s died; replacing it", name)
+                # the ranks still alive of a sharded PRM are killed first: a live actor stopped with
+                # the workers' calls on its way returns them undeliverable, which ends the caller (Monarch)
+                m.kill_leftovers()
                 await m.stop()
                 try:
                     self.members[key] = await self.spawn(m.index, restore=True)

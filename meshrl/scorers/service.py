@@ -19,12 +19,14 @@ shows as such.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 from typing import TYPE_CHECKING
 
 from meshrl.compat import awaited, by_rank
 from meshrl.config import ScorerConfig
+from meshrl.errors import first_line
 from meshrl.scorers.backends import Failed, Judged
 
 if TYPE_CHECKING:
@@ -123,6 +125,10 @@ class ScorerService:
         return {"batches": self.batches, "items": self.items, "busy_s": self.busy_s, "waiting": self._waiting_items()}
 
 
+EXIT_RANKS_OUT_OF_STEP = 75
+"""A sharded PRM's rank 0 ends its proc with this status when a collective call failed (PRMService.lead)."""
+
+
 class PRMService(ScorerService):
     """The PRM replica's queue: ScorerService's, with requests (one group each) never split,
     and each batch scored (and trained on) by one PRM version in a thread. Results as
@@ -143,21 +149,27 @@ class PRMService(ScorerService):
 
     async def lead(self, op: str, *args):
         """The backend's `op(*args)` on this rank (in a thread) and on every follower at once:
-        this rank's answer, and the followers' in rank order."""
+        this rank's answer, and the followers' in rank order.
+
+        Sharded, a call that fails on any rank (a rank died, or its collective failed) leaves the
+        ranks' collectives out of step for good: this proc then ends itself, so the health check
+        replaces the replica whole from its last save, and the rollout workers ask the new one
+        (they ask again when a call fails, as for any dead replica)."""
         async with self._turn:
+            if self.followers is None:
+                return await asyncio.to_thread(getattr(self.backend, op), *args), []
             # a Monarch call is sent when awaited (compat.awaited): as a task, it goes while this rank works
-            theirs = asyncio.create_task(awaited(self.followers.follow.call(op, *args))) if self.followers is not None else None
+            theirs = asyncio.create_task(awaited(self.followers.follow.call(op, *args)))
             try:
                 mine = await asyncio.to_thread(getattr(self.backend, op), *args)
-            except BaseException:
-                if theirs is not None:
-                    theirs.cancel()  # the followers' collective fails by its own timeout, or the health check replaces them
-                raise
-            return mine, (by_rank(await theirs) if theirs is not None else [])
+                return mine, by_rank(await theirs)
+            except Exception as e:  # noqa: BLE001 - see above
+                print(f"meshrl: the PRM's {op} failed across its ranks ({first_line(str(e) or type(e).__name__, 300)}); ending rank 0", flush=True)
+                os._exit(EXIT_RANKS_OUT_OF_STEP)
 
     async def _score(self, items: list[dict]) -> list[dict]:
         try:
-            (rows, self.last_trained), others = await self.lead("score_rows", items, self.backend.save_due())
+            (rows, self.last_trained), others = await self.lead("score_rows", items, self.backend.save_due())  # one proc: an error fails the batch
             results = [r for _, r in sorted(rows + [row for theirs, _ in others for row in theirs], key=lambda row: row[0])]
         except Exception as e:  # noqa: BLE001 - a batch that fails fails its items, not the scorer
             results = [{"score": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}] * len(items)
