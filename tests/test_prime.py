@@ -1,7 +1,8 @@
 """PRIME's online implicit PRM (scoring.scorers[].kind=prm; docs/coevolve.md, "PRIME"): the
 config's refusals, the PRM's rewards and training step, one PRM version per group in its
-service, the leave-one-out process baseline, and one synchronous run on the sparse task
-with the PRM on a scorer proc of its own."""
+service, the leave-one-out process baseline, the PRM sharded over two procs against one, and
+one synchronous run on the sparse task with the PRM on a scorer proc of its own (resumed
+with it on two procs, one of them killed)."""
 
 from __future__ import annotations
 

@@ -126,8 +126,12 @@ class ScorerActor(Actor):
 
 
 def _join_group(config: Config, rank: int, world: int) -> None:
-    """This rank of a sharded PRM joins its ranks' torch.distributed group (gloo on the CPU, NCCL
-    on GPUs), listening as the critic's does; its collectives are bounded by trainer.collective_timeout_s."""
+    """This rank of a sharded PRM joins its ranks' torch.distributed group (NCCL where the device
+    plan gave it a GPU, as ImplicitPRM trains there; else gloo, even on a host with GPUs), listening
+    as the critic's does; its collectives are bounded by trainer.collective_timeout_s."""
+    from meshrl.launch.devices import planned_gpu
     from meshrl.trainer.actor import init_process_group_listening_on
 
-    init_process_group_listening_on(host_address() or "127.0.0.1", rank, world, cuda_present(), config.trainer.collective_timeout_s)
+    if planned_gpu():
+        torch.cuda.set_device(0)  # its own GPU, the one the plan started it seeing
+    init_process_group_listening_on(host_address() or "127.0.0.1", rank, world, planned_gpu(), config.trainer.collective_timeout_s)
