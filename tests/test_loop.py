@@ -94,8 +94,10 @@ def nothing_stale(rows) -> bool:
 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
+    """The async run the tests below read, sampling with top_p 0.9 and top_k 20 at temperature
+    0.8 (the sampling-mask replay: test_async_run_bounded_staleness_and_outputs)."""
     run_dir = tmp_path_factory.mktemp("async") / "run"
-    cfg = tiny(run_dir, buffer={"depth": 2, "max_lag": 1}, generator={"update_mode": "keep"})
+    cfg = tiny(run_dir, buffer={"depth": 2, "max_lag": 1}, generator={"update_mode": "keep", "top_p": 0.9, "top_k": 20, "temperature": 0.8})
     return meshrl.run(cfg)
 
 
@@ -115,9 +117,12 @@ def test_async_run_bounded_staleness_and_outputs(async_run):
     groups = trained_groups(rows)
     assert len(groups) == len(set(groups)) == 6 * 4, "a group was trained twice or lost"
     # Step 1 trains only on version-0 tokens, sampled by vLLM from the weights the trainer
-    # holds: the sampler's log-probs and the trainer's recomputed ones must agree (float32).
+    # holds: the sampler's log-probs and the trainer's recomputed ones must agree (float32),
+    # under the replayed top-p / top-k truncation too: the trainer's log-probs equal vLLM's
+    # processed ones, and every sampled token lies inside the mask it replays.
     assert rows[0]["trainer/staleness_max"] == 0
     assert rows[0]["trainer/logprob_mismatch"] < 2e-3, rows[0]["trainer/logprob_mismatch"]
+    assert rows[0]["trainer/sampling_mask_miss_frac"] == 0.0
     assert not wait_no_children(), "procs outlived the run"
 
 
@@ -336,24 +341,6 @@ class ThreeTurnEnv:
         return StepResult(reward=sum(ch.isdigit() for ch in turn.text[:4]) / 4, done=True)
 
 
-def test_user_env_by_import_path_plays_multi_turn_episodes(tmp_path):
-    cfg = tiny(
-        tmp_path / "multi",
-        steps=3,
-        trainer={"checkpoint_every": 0},
-        rollout={"env": "tests.test_loop:ThreeTurnEnv", "env_args": {"replies": 2}, "max_turns": 4},
-        generator={"max_new_tokens": 4},
-    )
-    rows = meshrl.run(cfg).metrics
-    assert [int(r["step"]) for r in rows] == [1, 2, 3]
-    turns = [r["episode/turns_mean"] for r in rows if "episode/turns_mean" in r]
-    assert turns and all(t == 3 for t in turns), turns
-    assert all(r["episode/env_tokens_mean"] > 0 for r in rows if "episode/env_tokens_mean" in r)
-    assert all(r["episode/failed"] == 0 for r in rows if "episode/failed" in r)
-    assert nothing_stale(rows)
-    assert not wait_no_children()
-
-
 def test_longtail_chat_turns_and_lengths_vary_within_budgets(tmp_path):
     """task:longtail_chat on the real loop: episodes of 1-3 rounds, each answer within its
     round's own budget, lengths spread like the configured tail."""
@@ -429,13 +416,26 @@ def test_torchx_local_scheduler_runs_the_tiny_default(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
 
 
-def test_dead_trainer_stops_the_run_with_a_resumable_message(tmp_path):
-    # past trainer.max_restarts (here 0: never healed) a dead trainer stops the run; tests/test_heal.py heals one
-    cfg = tiny(tmp_path / "trainer_dies", trainer={"checkpoint_every": 1, "max_restarts": 0})
+def test_user_env_plays_multi_turn_episodes_and_a_dead_trainer_stops_the_run_resumably(tmp_path):
+    """A user's env by import path plays three-turn episodes for three steps. Then, past
+    trainer.max_restarts (here 0: never healed), a dead trainer stops the run with a resumable
+    message (tests/test_heal.py heals one). One run for both: the kill comes after the steps read."""
+    cfg = tiny(
+        tmp_path / "multi",
+        trainer={"checkpoint_every": 1, "max_restarts": 0},
+        rollout={"env": "tests.test_loop:ThreeTurnEnv", "env_args": {"replies": 2}, "max_turns": 4},
+        generator={"max_new_tokens": 4},
+    )
     session = meshrl.Session(cfg)
     try:
         session.start()
-        session.step(1)
+        rows = session.step(3)
+        assert len(rows) == 3 and session.version == 3
+        turns = [r["episode/turns_mean"] for r in rows if "episode/turns_mean" in r]
+        assert turns and all(t == 3 for t in turns), turns
+        assert all(r["episode/env_tokens_mean"] > 0 for r in rows if "episode/env_tokens_mean" in r)
+        assert all(r["episode/failed"] == 0 for r in rows if "episode/failed" in r)
+        assert nothing_stale(rows)
         pid = session._call(session.loop.trainer.shard_info(), 60)[0]["pid"]
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(TrainerFailed, match=r"not healed: trainer.max_restarts=0 .*meshrl run --resume"):
@@ -448,17 +448,6 @@ def test_dead_trainer_stops_the_run_with_a_resumable_message(tmp_path):
 def test_cli_bad_reward_path_exits_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "meshrl", "run", "scoring.reward_fn=nosuch"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "scoring.reward_fn" in out.stderr
-
-
-def test_sampling_mask_replay_matches_the_samplers_processed_logprobs(tmp_path):
-    """At top_p=0.9 and top_k=20, step 1 trains version-0 tokens with version-0 weights: the
-    trainer's log-probs under the replayed truncation equal vLLM's processed log-probs."""
-    cfg = tiny(tmp_path / "mask", steps=1, trainer={"checkpoint_every": 0}, generator={"top_p": 0.9, "top_k": 20, "temperature": 0.8})
-    row = meshrl.run(cfg).metrics[0]
-    assert row["trainer/staleness_max"] == 0
-    assert row["trainer/logprob_mismatch"] < 2e-3, row["trainer/logprob_mismatch"]
-    assert row["trainer/sampling_mask_miss_frac"] == 0.0
-    assert not wait_no_children()
 
 
 def test_distillation_run_pulls_the_student_toward_the_teacher(tmp_path):
