@@ -9,7 +9,9 @@ seed, so the same initial weights and prompts):
 - `prime-sync`:  configs/prime.yaml synchronously (buffer depth 0, lag 0, update_mode block);
 - `prime-async`: configs/prime.yaml as shipped (the default's depth 2, lag 2, update_mode keep);
 - `grpo-async`, `rloo-async`: the outcome-only arms as shipped, asynchronous: what asynchrony
-  alone costs on this task, for the PRM's async-minus-sync gap to be read against.
+  alone costs on this task, for the PRM's async-minus-sync gap to be read against;
+- `prime-sync-procs2`: `prime-sync` with its PRM sharded over two procs (scoring.scorers[0].procs=2):
+  the same steps as one proc, so the same curve within noise, at what cost per step.
 
 Per arm: the reward per sample (the trained batch's mean env reward at each step, against
 the samples generated so far), the first step whose reward reaches `--reach`, the mean
@@ -51,6 +53,8 @@ def arm_config(arm: str, steps: int, seed: int, run_dir: str) -> dict:
     over = {"steps": steps, "seed": seed, "logging.run_dir": run_dir, "logging.progress": "false", "logging.plot": "false", "logging.tensorboard": "false"}
     if not arm.endswith("-async"):
         over.update(SYNC)
+    if arm.endswith("-procs2"):
+        cfg["scoring"]["scorers"][0]["procs"] = 2
     return apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])
 
 
@@ -71,14 +75,20 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str) -> dict:
         "samples": [(i + 1) * per_step * group for i in range(len(rows))],
         "reward": [r["trainer/reward_mean"] for r in rows],
         "staleness_max": max(r.get("trainer/staleness_max", 0) for r in rows),
+        "step_s": [r.get("time/step_s") for r in rows],
     }
-    for key in ("loss", "accuracy", "version", "version_lag", "process_abs"):
+    for key in ("loss", "accuracy", "version", "version_lag", "process_abs", "score_s"):
         out[f"prm_{key}"] = [r.get(f"scoring/prm/{key}") for r in rows]
     return out
 
 
 def reach(rewards: list[float], level: float) -> int | None:
     return next((i + 1 for i, r in enumerate(rewards) if r >= level), None)
+
+
+def _median_after_start(values: list | None) -> float | None:
+    kept = [x for x in (values or [])[3:] if x is not None]
+    return statistics.median(kept) if kept else None
 
 
 def summary(runs: list[dict], level: float) -> dict:
@@ -95,6 +105,9 @@ def summary(runs: list[dict], level: float) -> dict:
             "final_reward": [r["reward"][-1] for r in rs],
             "step_reaching": [reach(r["reward"], level) for r in rs],
             "wall_s": [round(r["wall_s"], 1) for r in rs],
+            # after the first 3 steps (start-up); the PRM's time per batch scored and trained
+            "step_s_median": [_median_after_start(r.get("step_s")) for r in rs],
+            "prm_score_s_median": [_median_after_start(r.get("prm_score_s")) for r in rs],
         }
     for base in ("prime", "grpo", "rloo"):
         sync_arm = "prime-sync" if base == "prime" else base
