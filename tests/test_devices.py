@@ -372,3 +372,16 @@ def test_a_prm_sharded_over_two_procs_gets_a_gpu_for_each_and_half_of_each_holdi
         lines = dict(h.lines)
         assert h.role == "scorer" and lines["weights (float32)"] == pytest.approx(alone["weights (float32)"] / 2, rel=0.01)
         assert lines["KL reference weights (float32)"] == lines["weights (float32)"] and "activations (none checkpointing, 1024 tokens)" in lines
+
+
+def test_a_colocated_prm_gets_its_procs_on_distinct_gpus_or_is_refused_in_one_line(monkeypatch):
+    """placement=colocate lays a PRM's ranks round-robin over the host's GPUs: each on a GPU of
+    its own (one NCCL group cannot hold two ranks on one GPU), or, with more procs than GPUs,
+    refused on its `procs` field."""
+    monkeypatch.delenv(NCCL_IFNAME_ENV, raising=False)
+    prm = {"data": {"source": "task:digits_sparse"}, "placement": "colocate", "trainer": {"procs": 2}}
+    plan = plan_devices(config(**prm, scoring={"scorers": [{"kind": "prm", "procs": 2}]}, launcher={"gpus_per_host": 2}))
+    assert sorted(s.gpus for s in plan.slots if s.role == "scorer") == [(0,), (1,)]
+    with pytest.raises(ConfigError) as e:
+        plan_devices(config(**prm, scoring={"scorers": [{"kind": "prm", "procs": 3}]}, launcher={"gpus_per_host": 2}))
+    assert e.value.field_path == "scoring.scorers[0].procs" and "set procs=2 or fewer" in str(e.value) and "\n" not in str(e.value)

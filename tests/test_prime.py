@@ -149,6 +149,21 @@ def test_a_resumed_or_replacing_prm_goes_on_from_its_saved_state(tmp_path):
     assert make_prm(tmp_path / "elsewhere", restore=True)[0].restored is None
 
 
+def test_a_prm_saved_before_its_first_step_restores_to_the_same_first_step(tmp_path):
+    """A save at version 0 (a checkpoint before the PRM's first batch) stores no AdamW state;
+    asking torch for one would take a zero step and shrink the first real one (AdamW's bias
+    correction then counts two steps). The restored PRM's first step is a fresh one's."""
+    prm, _ = make_prm(tmp_path, lr=2e-2)
+    prm.save()
+    assert torch.load(os.path.join(tmp_path, "checkpoints", "prm-prm", "state.pt"), weights_only=False)["optimizer"] == {}
+    back, _ = make_prm(tmp_path, restore=True, lr=2e-2)
+    fresh, _ = make_prm(tmp_path / "fresh", lr=2e-2)
+    items = toy_items(16)
+    assert back.restored == 0 and not back.optimizer.state
+    back.score_batch(items), fresh.score_batch(items)
+    assert all(torch.equal(t, fresh.model.state_dict()[n]) for n, t in back.model.state_dict().items())
+
+
 def test_prm_exports_as_a_hf_causal_lm_whose_log_ratio_is_its_reward(tmp_path):
     """hf/final-NAME: transformers loads the PRM and its exported reference, and beta times the
     difference of their log-probs is the PRM's own q_t on every model token; implicit_prm.json

@@ -414,9 +414,13 @@ def _colocated(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
             f"placement=colocate puts generator.replicas={gen.replicas} x generator.tp={gen.tp} GPUs on a host of {g}: "
             f"set generator.replicas={max(1, g // gen.tp)}" + ("" if gen.tp <= g else f" and generator.tp={g}"),
         )
+    for i, s in enumerate(config.scoring.scorers):  # a sharded PRM's ranks are one NCCL group: two on one GPU cannot start
+        if s.kind == "prm" and s.procs > g:
+            why = f"placement=colocate puts each of a prm's procs on a GPU of its own, and the host has {g}: set procs={g} or fewer"
+            raise ConfigError(f"scoring.scorers[{i}].procs", why)
     slots = [Slot("trainer", r, SHARED_MESH, 0, (r,)) for r in range(t.procs)]
     slots += [Slot("generator", i, SHARED_MESH, 0, tuple(range(i * gen.tp, (i + 1) * gen.tp))) for i in range(gen.replicas)]
-    # reward models and judges share the GPUs too, round-robin; they stay resident (not slept)
+    # reward models, judges and a PRM's ranks share the GPUs too, round-robin (a PRM's on distinct ones); they stay resident (not slept)
     slots += [Slot("scorer", k, SHARED_MESH, 0, (k % g,)) for k in range(scorer_gpus(config))]
     return DevicePlan("colocated", g, hosts, slots, "colocate")
 

@@ -163,14 +163,16 @@ class ImplicitPRM:
         dead one): the version it restored, else None. pi_ref stays the starting weights. The
         state is whole (`state`), so it loads over any number of procs; each rank reads it and
         keeps its shards."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
         path = os.path.join(self.dir, "state.pt")
         if not os.path.isfile(path):
             return None
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mapped: the ranks of one host share its pages
         options = StateDictOptions(full_state_dict=True)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
+        set_model_state_dict(self.model, state["model"], options=options)
+        if state["optimizer"]:  # saved before its first step: AdamW had no state yet (`state`)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         self.version = int(state["version"])
         return self.version
 
@@ -260,11 +262,14 @@ class ImplicitPRM:
         return results, trained
 
     def state(self) -> dict:
-        """Model and AdamW state whole (gathered from every rank where sharded: collective), on
-        the CPU, keyed by parameter name, and the version."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        """Model and AdamW state whole (gathered from every rank where sharded: collective; rank 0
+        keeps it), on the CPU, keyed by parameter name, and the version. Before AdamW's first
+        step its state is {}: torch would make one by a zero step, which skews the first real one."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-        model, optimizer = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = get_model_state_dict(self.model, options=options)
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options) if self.optimizer.state else {}
         return {"model": model, "optimizer": optimizer, "version": self.version}
 
     def save(self) -> str:
