@@ -164,6 +164,24 @@ def test_a_prm_saved_before_its_first_step_restores_to_the_same_first_step(tmp_p
     assert all(torch.equal(t, fresh.model.state_dict()[n]) for n, t in back.model.state_dict().items())
 
 
+def test_a_prm_state_saved_by_an_earlier_meshrl_restores(tmp_path):
+    """A state.pt of the earlier layout (`optimizer.state_dict()`: AdamW's states by index, as a
+    run made before the states were keyed by name saved it) restores weights, AdamW's moments
+    and version: the restored PRM's next step is the saving one's."""
+    prm, _ = make_prm(tmp_path, lr=2e-2)
+    items = toy_items(16)
+    for _ in range(2):
+        prm.score_batch(items)
+    os.makedirs(prm.dir, exist_ok=True)
+    torch.save({"model": prm.model.state_dict(), "optimizer": prm.optimizer.state_dict(), "version": prm.version}, os.path.join(prm.dir, "state.pt"))
+    back, _ = make_prm(tmp_path, restore=True, lr=2e-2)
+    assert back.restored == 2
+    want, _ = prm.score_batch(items)
+    got, _ = back.score_batch(items)
+    assert [r["score"] for r in got] == [r["score"] for r in want]
+    assert all(torch.equal(t, prm.model.state_dict()[n]) for n, t in back.model.state_dict().items())
+
+
 def test_prm_exports_as_a_hf_causal_lm_whose_log_ratio_is_its_reward(tmp_path):
     """hf/final-NAME: transformers loads the PRM and its exported reference, and beta times the
     difference of their log-probs is the PRM's own q_t on every model token; implicit_prm.json

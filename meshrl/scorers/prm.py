@@ -171,8 +171,13 @@ class ImplicitPRM:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mapped: the ranks of one host share its pages
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, state["model"], options=options)
-        if state["optimizer"]:  # saved before its first step: AdamW had no state yet (`state`)
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        optimizer = state["optimizer"] if state["optimizer"].get("state") else {}  # none before AdamW's first step (`state`)
+        if optimizer and all(isinstance(k, int) for k in optimizer["state"]):  # saved by an earlier meshrl: optimizer.state_dict()'s indices
+            names = [n for n, _ in self.model.named_parameters()]  # in the order its AdamW was given them
+            groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optimizer["param_groups"]]
+            optimizer = {"state": {names[i]: v for i, v in optimizer["state"].items()}, "param_groups": groups}
+        if optimizer:
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
         self.version = int(state["version"])
         return self.version
 
