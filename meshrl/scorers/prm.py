@@ -66,15 +66,10 @@ def build_causal_lm(config: Config, spec: ScorerConfig, device: str = "cpu"):
     on_meta = world > 1 and path is not None
     model, specs = build_model(cfg, "meta" if on_meta else device, seed=config.seed, hf_overrides=overrides)
     if world > 1:
-        from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
-
-        from meshrl.config import TrainerConfig
-        from meshrl.trainer.parallelize import parallelism_config, parallelize
+        from meshrl.trainer.parallelize import shard_over_ranks
         from meshrl.trainer.policy import materialize
 
-        parallelism = parallelism_config(TrainerConfig(procs=world), world)
-        model, _ = parallelize(model, specs.parallelize_fn, parallelism, world, torch.device(device).type, torch.float32)
-        disable_fsdp_gradient_division(model)  # each rank's loss is normalised by the whole batch's count: gradients add up
+        model = shard_over_ranks(model, specs.parallelize_fn, torch.device(device).type, torch.float32)  # as PPO's critic
         if on_meta:
             materialize(model, torch.device(device), config.seed)
     if path is not None:

@@ -258,20 +258,11 @@ class CriticTrainer:
         self._source_config = os.path.join(model_config.path, "config.json") if model_config.path else None
 
     def _shard(self) -> None:
-        """FSDP2 over every rank of the critic's process group (TorchTitan's parallelize
-        function for the family; no TP, CP or EP): each rank keeps 1/world of the weights,
-        gradients and AdamW state and trains on its share of the rows. The losses are
-        normalised by global counts, so ranks' gradients add up instead of averaging."""
-        from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+        """FSDP2 over every rank of the critic's process group (`shard_over_ranks`)."""
+        from meshrl.trainer.parallelize import shard_over_ranks
 
-        from meshrl.config import TrainerConfig
-        from meshrl.trainer.parallelize import parallelism_config, parallelize
-
-        world = dist.get_world_size()
-        parallelism = parallelism_config(TrainerConfig(procs=world), world)
-        self.model, _ = parallelize(self.model, self.specs.parallelize_fn, parallelism, world, self.device.type, self.compute_dtype)
-        disable_fsdp_gradient_division(self.model)
-        self.dp_rank, self.dp_world = dist.get_rank(), world
+        self.model = shard_over_ranks(self.model, self.specs.parallelize_fn, self.device.type, self.compute_dtype)
+        self.dp_rank, self.dp_world = dist.get_rank(), dist.get_world_size()
 
     def autocast(self):
         on = self.compute_dtype != torch.float32

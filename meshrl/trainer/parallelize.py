@@ -128,3 +128,18 @@ def parallelize(
     if device_type == "cpu":
         titan_force_sum_reduction(model)
     return model, dims
+
+
+def shard_over_ranks(model: nn.Module, parallelize_fn, device_type: str, dtype: torch.dtype) -> nn.Module:
+    """FSDP2 over every rank of the default process group (TorchTitan's parallelize function for
+    the family; no TP, CP or EP), for a model trained beside the policy (PPO's critic, a PRM):
+    each rank keeps 1/world of the weights, gradients and AdamW state and trains on its share of
+    the rows. FSDP's gradient division is off: the callers normalise their losses by the whole
+    batch's counts, so the ranks' gradients add up instead of averaging."""
+    import torch.distributed as dist
+    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+
+    world = dist.get_world_size()
+    model, _ = parallelize(model, parallelize_fn, parallelism_config(TrainerConfig(procs=world), world), world, device_type, dtype)
+    disable_fsdp_gradient_division(model)
+    return model
