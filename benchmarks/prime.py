@@ -11,7 +11,9 @@ seed, so the same initial weights and prompts):
 - `grpo-async`, `rloo-async`: the outcome-only arms as shipped, asynchronous: what asynchrony
   alone costs on this task, for the PRM's async-minus-sync gap to be read against;
 - `prime-sync-procs2`: `prime-sync` with its PRM sharded over two procs (scoring.scorers[0].procs=2):
-  the same steps as one proc, so the same curve within noise, at what cost per step.
+  the same steps as one proc, so the same curve within noise, at what cost per step;
+- an async arm with `-sampler`, `-versions` or `-proximal` appended (`grpo-async-versions`):
+  that `trainer.loss.clip_against`, the anchor of the PPO clip for stale tokens.
 
 Per arm: the reward per sample (the trained batch's mean env reward at each step, against
 the samples generated so far), the first step whose reward reaches `--reach`, the mean
@@ -51,8 +53,11 @@ def arm_config(arm: str, steps: int, seed: int, run_dir: str) -> dict:
         cfg["scoring"] = {}
         cfg["trainer"]["loss"]["advantage"] = arm.split("-")[0]
     over = {"steps": steps, "seed": seed, "logging.run_dir": run_dir, "logging.progress": "false", "logging.plot": "false", "logging.tensorboard": "false"}
-    if not arm.endswith("-async"):
+    if "-async" not in arm:
         over.update(SYNC)
+    anchor = arm.rsplit("-", 1)[-1]
+    if "-async-" in arm and anchor in ("sampler", "versions", "proximal"):
+        over["trainer.loss.clip_against"] = anchor
     if arm.endswith("-procs2"):
         cfg["scoring"]["scorers"][0]["procs"] = 2
     return apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])
@@ -76,10 +81,18 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str) -> dict:
         "reward": [r["trainer/reward_mean"] for r in rows],
         "staleness_max": max(r.get("trainer/staleness_max", 0) for r in rows),
         "step_s": [r.get("time/step_s") for r in rows],
+        "clip_frac": [r.get("trainer/clip_frac") for r in rows],
     }
     for key in ("loss", "accuracy", "version", "version_lag", "process_abs", "score_s"):
         out[f"prm_{key}"] = [r.get(f"scoring/prm/{key}") for r in rows]
     return out
+
+
+def cpu() -> str:
+    """This machine's cores and the CPU flags a figure depends on (AMX or not)."""
+    flags = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split()
+    kept = sorted(f for f in set(flags) if f.startswith(("avx2", "avx512f", "avx512_bf16", "amx")))
+    return f"{os.cpu_count()} cores; {' '.join(kept)}{'' if any(f.startswith('amx') for f in kept) else '; no AMX'}"
 
 
 def reach(rewards: list[float], level: float) -> int | None:
@@ -109,12 +122,13 @@ def summary(runs: list[dict], level: float) -> dict:
             "step_s_median": [_median_after_start(r.get("step_s")) for r in rs],
             "prm_score_s_median": [_median_after_start(r.get("prm_score_s")) for r in rs],
         }
-    for base in ("prime", "grpo", "rloo"):
+    for arm in [a for a in by_arm if "-async" in a]:
+        base = arm.split("-")[0]
         sync_arm = "prime-sync" if base == "prime" else base
-        if sync_arm in by_arm and f"{base}-async" in by_arm:
+        if sync_arm in by_arm:
             sync = {r["seed"]: statistics.fmean(r["reward"]) for r in by_arm[sync_arm]}
-            gaps = [statistics.fmean(r["reward"]) - sync[r["seed"]] for r in by_arm[f"{base}-async"] if r["seed"] in sync]
-            table[f"{base}_async_minus_sync"] = {
+            gaps = [statistics.fmean(r["reward"]) - sync[r["seed"]] for r in by_arm[arm] if r["seed"] in sync]
+            table[f"{arm}_minus_sync"] = {
                 "gaps": gaps,
                 "mean": statistics.fmean(gaps) if gaps else None,
                 "stdev": statistics.stdev(gaps) if len(gaps) > 1 else None,
@@ -131,6 +145,7 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(RESULTS, "prime.json"))
     p.add_argument("--merge", action="store_true", help="add these runs to --out's (another invocation's arms)")
     p.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "bench-prime"))
+    p.add_argument("--machine", default=cpu(), help="the machine, as stored beside the runs")
     args = p.parse_args()
     runs = json.load(open(args.out))["runs"] if args.merge and os.path.exists(args.out) else []
     for seed in args.seeds:
@@ -140,15 +155,15 @@ def main() -> None:
             print(f"{arm:12s} seed {seed}: reward {' '.join(f'{x:.2f}' for x in r['reward'])}  ({r['wall_s']:.0f}s)", flush=True)
             os.makedirs(os.path.dirname(args.out), exist_ok=True)
             with open(args.out, "w") as f:
-                json.dump({"steps": args.steps, "runs": runs, "summary": summary(runs, args.reach)}, f, indent=1)
+                json.dump({"steps": args.steps, "machine": args.machine, "runs": runs, "summary": summary(runs, args.reach)}, f, indent=1)
     table = summary(runs, args.reach)
     print(f"\n{'arm':12s} {'mean reward/sample':>20s} {'final':>18s} {f'step >= {args.reach}':>16s}")
     for arm, row in table.items():
-        if arm.endswith("async_minus_sync"):
+        if arm.endswith("_minus_sync"):
             continue
         print(f"{arm:12s} {row['mean_reward']:20.3f} {' '.join(f'{x:.2f}' for x in row['final_reward']):>18s} {str(row['step_reaching']):>16s}")
     for key, gap in table.items():
-        if key.endswith("async_minus_sync"):
+        if key.endswith("_minus_sync"):
             print(f"{key}: mean reward per run, paired by seed: {[round(g, 3) for g in gap['gaps']]} (mean {gap['mean']:.3f})")
 
 

@@ -19,7 +19,7 @@ AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 
 
 # ---- reference: plain Python floats, one token at a time, analytic gradient ---------------------
-def reference(lp, mu, adv, mask, cfg, prox_logprobs=None, ref_logprobs=None, entropy=None, token_count=None, seq_count=None):
+def reference(lp, mu, adv, mask, cfg, prox_logprobs=None, ref_logprobs=None, entropy=None, lags=None, token_count=None, seq_count=None):
     """Return (loss, dloss/dlp as nested lists) computed token by token in float64."""
     lp, mu, adv, mask = lp.tolist(), mu.tolist(), adv.tolist(), mask.tolist()
     prox = lp if prox_logprobs is None else prox_logprobs.tolist()
@@ -58,10 +58,11 @@ def reference(lp, mu, adv, mask, cfg, prox_logprobs=None, ref_logprobs=None, ent
                 w = rho
             elif cfg.correction == "opsm":
                 w = 0.0 if (A < 0 and seq_gap > cfg.opsm_delta) else 1.0
-            if cfg.clip_against == "sampler":
+            if cfg.clip_against in ("sampler", "versions"):
                 R = math.exp(lp[i][t] - mu[i][t]) if lp[i][t] - mu[i][t] < 700 else math.inf  # pi_theta / mu
+                n = 1 if cfg.clip_against == "sampler" else int(lags[i][t]) + 1  # one trust region per version of the lag
                 l = -w * r * A
-                g = 0.0 if (A > 0 and R > hi) or (A < 0 and R < lo) else -w * r * A
+                g = 0.0 if (A > 0 and R > hi**n) or (A < 0 and R < lo**n) else -w * r * A
             else:
                 unclipped, clipped = r * A, min(max(r, lo), hi) * A
                 if unclipped <= clipped:
@@ -210,7 +211,7 @@ def test_metrics_match_loops():
     clip_low=st.floats(0.05, 0.3),
     clip_high=st.floats(0.05, 0.5),
     with_prox=st.booleans(),
-    clip_against=st.sampled_from(["sampler", "proximal"]),
+    clip_against=st.sampled_from(["sampler", "versions", "proximal"]),
 )
 def test_matches_reference_random(data, B, T, correction, aggregation, clip_low, clip_high, with_prox, clip_against):
     def tensor(lo, hi):
@@ -222,8 +223,9 @@ def test_matches_reference_random(data, B, T, correction, aggregation, clip_low,
     mu = (lp if prox is None else prox) + tensor(-1.5, 1.5)
     mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=B * T, max_size=B * T))).view(B, T)
     adv = torch.tensor(data.draw(st.lists(st.floats(-2, 2, width=32), min_size=B, max_size=B)))
+    lags = torch.tensor(data.draw(st.lists(st.integers(0, 3), min_size=B * T, max_size=B * T))).view(B, T)
     cfg = LossConfig(correction=correction, aggregation=aggregation, clip_low=clip_low, clip_high=clip_high, clip_against=clip_against)
-    assert_matches(lp, mu, adv, mask, cfg, prox_logprobs=prox)
+    assert_matches(lp, mu, adv, mask, cfg, prox_logprobs=prox, lags=lags)
 
 
 # ---- edge cases --------------------------------------------------------------------------------
@@ -327,6 +329,29 @@ def test_one_step_per_batch_clips_against_the_sampler():
     # The former anchor (the trainer's own policy) clips nothing and pushes every token.
     _, grad_prox, m_prox = run_loss(lp, mu, adv, mask, dataclasses.replace(cfg, clip_against="proximal"))
     assert m_prox["clip_frac_sum"] == 0 and (grad_prox != 0).all()
+
+
+def test_the_versions_anchor_gives_each_version_of_the_lag_its_own_trust_region():
+    """`clip_against: versions`: the same ratio to the sampler, with the bounds compounded once
+    per version since the token was sampled. A token that rose 1.5x (A > 0) is clipped when on
+    policy (1.5 > 1.28) but not two versions stale (1.28^3 = 2.1), one at 3x is clipped at
+    both; a token that fell to 0.7x (A < 0) is clipped on policy (0.7 < 0.8), not one version
+    stale (0.8^2 = 0.64). On-policy tokens clip exactly as `sampler` does; a lag is required."""
+    mu = torch.full((2, 3), -1.0)
+    R = torch.tensor([[1.5, 1.5, 3.0], [0.7, 0.7, 0.5]])  # pi_theta / mu
+    lags = torch.tensor([[0, 2, 2], [0, 1, 1]])
+    lp = mu + R.log()
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    cfg = LossConfig(correction="tis", clip_against="versions")
+    _, grad, m = assert_matches(lp, mu, adv, mask, cfg, lags=lags)
+    assert grad[0, 0] == 0 and grad[0, 1] < 0 and grad[0, 2] == 0
+    assert grad[1, 0] == 0 and grad[1, 1] > 0 and grad[1, 2] == 0
+    assert m["clip_frac_sum"] == 4
+    _, grad_sampler, _ = run_loss(lp, mu, adv, mask, dataclasses.replace(cfg, clip_against="sampler"))
+    assert (grad_sampler[:, 0] == grad[:, 0]).all() and (grad_sampler == 0).all()
+    with pytest.raises(ValueError, match="needs lags"):
+        policy_loss(lp, mu, adv, mask, cfg)
 
 
 def test_clip_higher_is_asymmetric():

@@ -265,6 +265,7 @@ class PolicyTrainer:
                     prox_logprobs=logprobs.detach(),
                     ref_logprobs=ref,
                     entropy=entropy,
+                    lags=(version - packed["versions"]).clamp(min=0),
                     token_count=token_count,
                     seq_count=seq_count,
                 )
