@@ -60,7 +60,7 @@ def reference(lp, mu, adv, mask, cfg, prox_logprobs=None, ref_logprobs=None, ent
                 w = 0.0 if (A < 0 and seq_gap > cfg.opsm_delta) else 1.0
             if cfg.clip_against in ("sampler", "versions"):
                 R = math.exp(lp[i][t] - mu[i][t]) if lp[i][t] - mu[i][t] < 700 else math.inf  # pi_theta / mu
-                n = 1 if cfg.clip_against == "sampler" else int(lags[i][t]) + 1  # one trust region per version of the lag
+                n = 1 if cfg.clip_against == "sampler" or lags is None else int(lags[i][t]) + 1  # one trust region per version of the lag
                 l = -w * r * A
                 g = 0.0 if (A > 0 and R > hi**n) or (A < 0 and R < lo**n) else -w * r * A
             else:
@@ -319,7 +319,7 @@ def test_one_step_per_batch_clips_against_the_sampler():
     lp = mu + R.log()
     adv = torch.tensor([1.0, -1.0])
     mask = torch.ones(2, 3, dtype=torch.bool)
-    cfg = LossConfig(correction="tis")  # the default anchor
+    cfg = LossConfig(correction="tis", clip_against="sampler")
     _, grad, m = assert_matches(lp, mu, adv, mask, cfg)
     assert grad[0, 0] == 0 and grad[1, 0] == 0  # moved past the band in the advantage's direction: clipped
     assert grad[0, 1] < 0 and grad[1, 1] > 0  # within the band: pushed, weight min(rho, C)
@@ -336,7 +336,8 @@ def test_the_versions_anchor_gives_each_version_of_the_lag_its_own_trust_region(
     per version since the token was sampled. A token that rose 1.5x (A > 0) is clipped when on
     policy (1.5 > 1.28) but not two versions stale (1.28^3 = 2.1), one at 3x is clipped at
     both; a token that fell to 0.7x (A < 0) is clipped on policy (0.7 < 0.8), not one version
-    stale (0.8^2 = 0.64). On-policy tokens clip exactly as `sampler` does; a lag is required."""
+    stale (0.8^2 = 0.64). On-policy tokens clip exactly as `sampler` does, and so does every
+    token when no lags are given."""
     mu = torch.full((2, 3), -1.0)
     R = torch.tensor([[1.5, 1.5, 3.0], [0.7, 0.7, 0.5]])  # pi_theta / mu
     lags = torch.tensor([[0, 2, 2], [0, 1, 1]])
@@ -350,8 +351,9 @@ def test_the_versions_anchor_gives_each_version_of_the_lag_its_own_trust_region(
     assert m["clip_frac_sum"] == 4
     _, grad_sampler, _ = run_loss(lp, mu, adv, mask, dataclasses.replace(cfg, clip_against="sampler"))
     assert (grad_sampler[:, 0] == grad[:, 0]).all() and (grad_sampler == 0).all()
-    with pytest.raises(ValueError, match="needs lags"):
-        policy_loss(lp, mu, adv, mask, cfg)
+    _, grad_no_lags, _ = run_loss(lp, mu, adv, mask, cfg)
+    assert (grad_no_lags == grad_sampler).all()
+    assert LossConfig().clip_against == "versions"  # the default since it closed the sparse task's async gap
 
 
 def test_clip_higher_is_asymmetric():

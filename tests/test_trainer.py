@@ -7,6 +7,7 @@ torch.distributed), so every mesh result is compared against the single-process 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 
@@ -553,6 +554,26 @@ def test_moe_trains_with_experts_split_across_ranks(loop):
         run(loop, mesh.stop(), 120)
 
 
+def test_the_trainer_widens_the_clip_by_each_token_s_lag():
+    """`clip_against: versions` (the default): the trainer hands the loss each token's lag, its
+    version minus the token's. Every token sampled at 1.5x less than the trainer's policy gives
+    R = 1.5: clipped where its advantage is positive when on-policy (past 1.28), not one version
+    stale (1.28^2 = 1.64); `sampler` clips it at any lag. The learning rate is near 0 so that
+    the same R holds at each step."""
+    config = make_config(lr=1e-12)
+    trainer = PolicyTrainer(config, CPU)
+    batch = make_batch(seed=3, version=0)
+    batch["versions"] = torch.where(batch["loss_mask"], 0, batch["versions"])  # every model token sampled by version 0
+    _, lp = trainer.compute_logprobs(batch)
+    batch["sampler_logprobs"] = torch.where(batch["loss_mask"], lp - math.log(1.5), 0.0)
+    positive = float(((batch["advantage"][:, None] > 0) & batch["loss_mask"]).sum() / batch["loss_mask"].sum())
+    assert 0 < positive < 1
+    on_policy, one_stale = (trainer.train_step(batch, current_version=v)["clip_frac"] for v in (0, 1))
+    assert on_policy == pytest.approx(positive, abs=1e-6) and one_stale == 0.0
+    config.trainer.loss.clip_against = "sampler"
+    assert trainer.train_step(batch, current_version=1)["clip_frac"] == pytest.approx(positive, abs=1e-6)
+
+
 def test_kl_reference_and_entropy_bonus_paths():
     config = make_config()
     config.trainer.loss.kl_coef, config.trainer.loss.entropy_coef, config.trainer.loss.correction = 0.1, 0.01, "decoupled"
@@ -571,6 +592,7 @@ def test_stale_batches_are_clipped_against_the_sampler():
     and again on what version 0 sampled, the policy must soon hit the clip (measured from
     the sampler's log-probs), and the drift metrics must see how far it went."""
     config = make_config(lr=0.05)
+    config.trainer.loss.clip_against = "sampler"  # one region for the whole lag: the clip is sure to act
     trainer = PolicyTrainer(config, CPU)
     batch = make_batch(seed=3, version=0)
     rows, lp = trainer.compute_logprobs(batch)

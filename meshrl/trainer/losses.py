@@ -8,25 +8,26 @@ that policy and the sampler mu that produced the token):
 
 The surrogate S depends on the clip's anchor, `cfg.clip_against`:
 
-    sampler   S = r * A, with its gradient stopped where the clip is active on R = pi_theta / mu
-              (A > 0 and R > 1 + clip_high, or A < 0 and R < 1 - clip_low)
-    versions  as sampler, with the bounds compounded once per version between the token's
-              sampling and this step: (1 + clip_high)^(k+1) and (1 - clip_low)^(k+1) for a
-              token of lag k (lag 0: sampler's bounds)
+    versions  S = r * A, with its gradient stopped where the clip is active on R = pi_theta / mu,
+              with the bounds compounded once per version between the token's sampling and
+              this step: A > 0 and R > (1 + clip_high)^(k+1), or A < 0 and
+              R < (1 - clip_low)^(k+1), for a token of lag k
+    sampler   as versions with k taken as 0 for every token: one trust region for the whole lag
     proximal  S = min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)
 
 With one optimizer step per batch, pi_prox is the trainer's policy of this very forward, so
 r = 1 in value: a clip on r never acts, and nothing stops a batch sampled a few versions ago
 from pushing a token further the way the versions in between already pushed it (with `tis`,
 a token whose probability rose since it was sampled is even pushed harder, up to is_cap).
-The `sampler` anchor measures the step from the policy that sampled the token, across the
-whole staleness lag, as PPO's old policy; where it does not clip, the gradient is the same
-as `proximal`'s (w * A * grad log pi_theta). Its one trust region spans all the lag's
-versions, so a stale token that the versions in between already moved by a clip's width
-gets no more gradient, though each of those versions stayed in its own region: on a sparse
-reward, where a batch's few rewarded samples are what the steps in between pushed up, that
-held async learning back (benchmarks/README.md section 18). The `versions` anchor gives each
-version of the lag its own region: still a bound on the whole drift, which `proximal` is not.
+The `versions` and `sampler` anchors measure the step from the policy that sampled the
+token, across the whole staleness lag, as PPO's old policy; where they do not clip, the
+gradient is the same as `proximal`'s (w * A * grad log pi_theta). `sampler`'s one trust
+region spans all the lag's versions, so a stale token that the versions in between already
+moved by a clip's width gets no more gradient, though each of those versions stayed in its
+own region: on a sparse reward, where a batch's few rewarded samples are what the steps in
+between pushed up, that held async learning back (benchmarks/README.md section 18).
+`versions` gives each version of the lag its own region: still a bound on the whole drift,
+which `proximal` is not.
 
 A_it is the sequence's advantage A_i on every token, or a per-token advantage when the
 batch has one (on-policy distillation, meshrl/distill.py).
@@ -164,8 +165,8 @@ def policy_loss(
         still carrying the policy gradient). Required by `decoupled`.
       ref_logprobs: [B,T] reference-policy log-probs; required when `cfg.kl_coef > 0`.
       entropy: [B,T] per-token entropy of pi_theta; its bonus applies when `cfg.entropy_coef > 0`.
-      lags: [B,T] versions trained since each token was sampled (0: on-policy). Required by
-        `clip_against: versions`.
+      lags: [B,T] versions trained since each token was sampled, for `clip_against: versions`.
+        None: every token on-policy (lag 0).
       token_count / seq_count: global denominators for `aggregate` (see there).
 
     Returns (loss, metrics). Metrics are detached scalar tensors over this call, meant to be
@@ -178,8 +179,6 @@ def policy_loss(
     """
     if cfg.correction == "decoupled" and prox_logprobs is None:
         raise ValueError("correction 'decoupled' needs prox_logprobs: the trainer's log-probs before this optimizer step")
-    if cfg.clip_against == "versions" and lags is None:
-        raise ValueError("clip_against 'versions' needs lags: the versions trained since each token was sampled")
     if cfg.kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs from the reference model")
     if tuple(advantages.shape) not in (tuple(logprobs.shape[:1]), tuple(logprobs.shape)):
@@ -200,7 +199,7 @@ def policy_loss(
         # The clip decides on pi_theta / mu (module doc): a clipped token keeps its value and
         # loses its gradient; an unclipped one has r's gradient, weighted by the correction.
         behaviour_ratio = torch.where(mask, lp.detach() - mu, zero).exp()  # may be inf: only compared
-        spans = 1.0 if cfg.clip_against == "sampler" else torch.where(mask, lags.float().clamp(min=0) + 1, 1.0)
+        spans = 1.0 if cfg.clip_against == "sampler" or lags is None else torch.where(mask, lags.float().clamp(min=0) + 1, 1.0)
         high, low = (1 + cfg.clip_high) ** spans, (1 - cfg.clip_low) ** spans
         clipped = ((adv > 0) & (behaviour_ratio > high)) | ((adv < 0) & (behaviour_ratio < low))
         surrogate = torch.where(clipped, ratio.detach() * adv, ratio * adv)
