@@ -42,6 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 sys.path.insert(0, ROOT)
 
+from benchmarks.async_vs_sync import machine  # noqa: E402
+
 SYNC = {"buffer.depth": 0, "buffer.max_lag": 0, "generator.update_mode": "block"}
 
 
@@ -86,13 +88,6 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str) -> dict:
     for key in ("loss", "accuracy", "version", "version_lag", "process_abs", "score_s"):
         out[f"prm_{key}"] = [r.get(f"scoring/prm/{key}") for r in rows]
     return out
-
-
-def cpu() -> str:
-    """This machine's cores and the CPU flags a figure depends on (AMX or not)."""
-    flags = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split()
-    kept = sorted(f for f in set(flags) if f.startswith(("avx2", "avx512f", "avx512_bf16", "amx")))
-    return f"{os.cpu_count()} cores; {' '.join(kept)}{'' if any(f.startswith('amx') for f in kept) else '; no AMX'}"
 
 
 def reach(rewards: list[float], level: float) -> int | None:
@@ -145,7 +140,6 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(RESULTS, "prime.json"))
     p.add_argument("--merge", action="store_true", help="add these runs to --out's (another invocation's arms)")
     p.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "bench-prime"))
-    p.add_argument("--machine", default=cpu(), help="the machine, as stored beside the runs")
     args = p.parse_args()
     runs = json.load(open(args.out))["runs"] if args.merge and os.path.exists(args.out) else []
     for seed in args.seeds:
@@ -155,7 +149,7 @@ def main() -> None:
             print(f"{arm:12s} seed {seed}: reward {' '.join(f'{x:.2f}' for x in r['reward'])}  ({r['wall_s']:.0f}s)", flush=True)
             os.makedirs(os.path.dirname(args.out), exist_ok=True)
             with open(args.out, "w") as f:
-                json.dump({"steps": args.steps, "machine": args.machine, "runs": runs, "summary": summary(runs, args.reach)}, f, indent=1)
+                json.dump({"steps": args.steps, "machine": machine(), "runs": runs, "summary": summary(runs, args.reach)}, f, indent=1)
     table = summary(runs, args.reach)
     print(f"\n{'arm':12s} {'mean reward/sample':>20s} {'final':>18s} {f'step >= {args.reach}':>16s}")
     for arm, row in table.items():

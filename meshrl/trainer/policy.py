@@ -240,6 +240,7 @@ class PolicyTrainer:
         plans = self._plans(batch)
         for idx in plans[self.dp_rank]:
             packed = trim(batch[torch.tensor(idx or [0])]).to(self.device)
+            lag = (version - packed["versions"]).clamp(min=0)  # versions trained since each token was sampled
             want_entropy = True  # the bonus when entropy_coef > 0; the trainer/entropy metric always
             misses: list = []
             replay_changed: list = []
@@ -265,7 +266,7 @@ class PolicyTrainer:
                     prox_logprobs=logprobs.detach(),
                     ref_logprobs=ref,
                     entropy=entropy,
-                    lags=(version - packed["versions"]).clamp(min=0),
+                    lags=lag,
                     token_count=token_count,
                     seq_count=seq_count,
                 )
@@ -287,8 +288,7 @@ class PolicyTrainer:
                 m["routing_replay_changed_sum"] = (at_token & packed["loss_mask"]).sum().float() * float(bool(idx))
             metrics.append({k: v.detach().cpu() for k, v in m.items()})
             if idx:
-                mask = packed["loss_mask"].cpu()
-                lag = (version - packed["versions"].cpu()).clamp(min=0)
+                mask, lag = packed["loss_mask"].cpu(), lag.cpu()
                 lag_sum += (lag * mask).sum()
                 lag_max = torch.maximum(lag_max, torch.where(mask, lag, 0).max() if mask.any() else lag_max)
         grad_norm = self._clip_grads(tcfg.grad_clip)
