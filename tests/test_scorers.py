@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -273,7 +274,7 @@ def test_episode_reward_weighs_each_signal_and_logs_each_one(char_tokenizer):
         }
     )
     scorers = EpisodeScorers(cfg, char_tokenizer)
-    scorers.set_replicas({1: [StandIn(value=0.25)]})
+    scorers.set_replicas({1: [(0, StandIn(value=0.25))]})
     ep = _episode(char_tokenizer, "12,345")
     asyncio.run(scorers.score(ep, {"prompt": "a:", "answer": ""}))
     assert ep.finish_reason == "stop"
@@ -293,28 +294,57 @@ def test_a_failed_score_fails_its_episode_and_a_dead_replica_is_asked_again(char
     cfg = Config.from_dict({"scoring": {"scorers": [{"kind": "remote", "url": "http://127.0.0.1:9/", "timeout_s": 0.5}]}})
     scorers = EpisodeScorers(cfg, char_tokenizer)
     dead, fresh = StandIn("dead"), StandIn(value=0.75)
-    scorers.set_replicas({0: [dead]})
+    scorers.set_replicas({0: [(0, dead)]})
 
     async def replaced_meanwhile():
         ep = _episode(char_tokenizer, "123")
         task = asyncio.create_task(scorers.score(ep, {"prompt": "a:"}))
         await asyncio.sleep(0.3)
-        scorers.set_replicas({0: [fresh]})  # as the controller does once the replacement is up
+        scorers.set_replicas({0: [(1, fresh)]})  # as the controller does once the replacement is up
         await task
         return ep
 
     ep = asyncio.run(replaced_meanwhile())
     assert dead.calls >= 1 and fresh.calls == 1 and ep.signals["remote"] == 0.75 and ep.finish_reason == "stop"
 
-    scorers.set_replicas({0: [StandIn("hang")]})  # alive but too slow: the episode fails, counted
+    scorers.set_replicas({0: [(2, StandIn("hang"))]})  # alive but too slow: the episode fails, counted
     ep = _episode(char_tokenizer, "123")
     asyncio.run(scorers.score(ep, {"prompt": "a:"}))
     assert ep.finish_reason == "failed" and ep.signals["remote/failed"] == 1.0 and "timeout_s" in ep.failure
 
     scorers.replace_s = 0.2
-    scorers.set_replicas({0: [StandIn("dead")]})  # never replaced: the group is played again
+    scorers.set_replicas({0: [(3, StandIn("dead"))]})  # never replaced: the group is played again
     with pytest.raises(ScorerUnavailable):
         asyncio.run(scorers.score(_episode(char_tokenizer, "1"), {"prompt": "a:"}))
+
+
+def test_a_replica_that_dies_without_answering_is_dropped_when_it_leaves_the_list(char_tokenizer):
+    """A replica that dies with a call in flight may never answer (a sharded PRM's rank 0
+    whose peer died): once the controller's list drops it, the call goes to the replacement
+    at once, not after timeout_s. A replica still listed is never asked twice."""
+    cfg = Config.from_dict({"scoring": {"scorers": [{"kind": "remote", "url": "http://127.0.0.1:9/", "timeout_s": 30}]}})
+    scorers = EpisodeScorers(cfg, char_tokenizer)
+    silent, other, fresh = StandIn("hang"), StandIn("hang"), StandIn(value=0.5)
+
+    async def main():
+        scorers.set_replicas({0: [(0, silent)]})
+        ep = _episode(char_tokenizer, "123")
+        task = asyncio.create_task(scorers.score(ep, {"prompt": "a:"}))
+        await asyncio.sleep(0.2)
+        scorers.set_replicas({0: [(0, other)]})  # the same replica's handle, sent again: still listed
+        await asyncio.sleep(0.2)
+        assert silent.calls == 1 and other.calls == 0 and not task.done()
+        scorers.set_replicas({})  # found dead: the controller drops it while its replacement starts
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        scorers.set_replicas({0: [(1, fresh)]})
+        await asyncio.wait_for(task, 5)
+        return ep
+
+    start = time.monotonic()
+    ep = asyncio.run(main())
+    assert fresh.calls == 1 and ep.signals["remote"] == 0.5 and ep.finish_reason == "stop"
+    assert time.monotonic() - start < 5
 
 
 # ---- checks before the run -------------------------------------------------------------------

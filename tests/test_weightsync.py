@@ -327,7 +327,26 @@ class StandInTrainer(Actor):
         return self.publish._method(self, version)
 
     @endpoint
-    def publish_then_die(self, version: int, delay_s: float) -> str:
+    def publish_then_die(self, version: int, delay_s: float | None) -> str:
+        """Publish, then die after delay_s; None: die halfway through writing the version's
+        file (the `files` transport's writer thread), however fast this machine writes."""
+        if delay_s is None:
+            from meshrl.weightsync import files
+
+            write = files.write_version
+
+            def write_then_die(path, flat, layout, version, wait_packed=None):
+                half = layout.total_bytes // 2
+
+                def wait(end: int) -> bool:
+                    if end > half:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return wait_packed is None or wait_packed(end)
+
+                return write(path, flat, layout, version, wait)
+
+            files.write_version = write_then_die
+            return self.publish._method(self, version)
         s = self.publish._method(self, version)
         threading.Timer(delay_s, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
         return s
@@ -477,8 +496,8 @@ def test_publisher_killed_mid_transfer_then_recovers(transport, tmp_path):
             t0 = time.monotonic()
             s2 = None
             try:
-                # files: die before the 150 MB file is written; others: once bytes are moving
-                s2 = await trainer.publish_then_die.call_one(2, 0.001 if transport == "files" else 0.02)
+                # files: die halfway through writing the 150 MB file; others: once bytes are moving
+                s2 = await trainer.publish_then_die.call_one(2, None if transport == "files" else 0.02)
             except Exception:  # noqa: BLE001 - the kill may beat the reply
                 pass
             for _, (v, msg, waited) in (await waiting).items():

@@ -52,7 +52,8 @@ class Member:
     last_stats: dict = field(default_factory=dict)
     last_stats_at: float | None = None
     ident: int = -1
-    """Workers: the id the episode queue knows this one by."""
+    """Workers: the id the episode queue knows this one by; scorer replicas: their incarnation,
+    which the workers' clients tell replicas apart by."""
     weight_sync: object = None
     """Generator replicas: the sidecar agent of their weight-sync subscriber (None: a teacher)."""
 

@@ -263,13 +263,17 @@ class ScorerPool:
         # (scorer index, replica) of every replica, in the order of the device plan's `scorer` slots
         self.slots = [(i, r) for i, s in enumerate(config.scoring.scorers) if s.kind in ON_PROCS for r in range(s.replicas)]
         self.members: dict[tuple[int, int], Member] = {}
+        self.down: set[tuple[int, int]] = set()  # members found dead and not replaced yet
         self.replaced = 0
         self._lock = asyncio.Lock()
+        self._incarnations = itertools.count()
 
     def handles(self) -> dict[int, list]:
+        """{scorer index: [(incarnation, actor)]} of the live replicas (meshrl/scorers/client.py)."""
         out: dict[int, list] = {}
-        for (i, _), m in sorted(self.members.items()):
-            out.setdefault(i, []).append(m.actor)
+        for key, m in sorted(self.members.items()):
+            if key not in self.down:
+                out.setdefault(key[0], []).append((m.ident, m.actor))
         return out
 
     async def spawn(self, slot: int, restore: bool = False) -> Member:
@@ -298,7 +302,7 @@ class ScorerPool:
             over = f", sharded over {infos[0]['world']} procs" if infos[0]["world"] > 1 else ""  # as its rank 0 found its group
             log.warning("scorer %s replica %d restored its saved state, version %d%s", self.names[index], replica, infos[0]["restored"], over)
         pids = [info["pids"][0] for info in infos] + [p for info in infos for p in info["pids"][1:]]
-        return Member(slot, procs, lead, infos[0]["host"], pids, own=n)
+        return Member(slot, procs, lead, infos[0]["host"], pids, own=n, ident=next(self._incarnations))
 
     async def start(self) -> None:
         for slot in range(len(self.slots)):
@@ -316,11 +320,15 @@ class ScorerPool:
                 # the workers' calls on its way returns them undeliverable, which ends the caller (Monarch)
                 m.kill_leftovers()
                 await m.stop()
+                if key not in self.down:  # the workers drop its calls in flight and ask the others
+                    self.down.add(key)
+                    await self.on_change()
                 try:
                     self.members[key] = await self.spawn(m.index, restore=True)
                 except Exception as e:  # noqa: BLE001 - the next health check tries again; the workers ask the others meanwhile
                     log.warning("%s could not be replaced yet (%s); the next health check tries again", name, str(e)[:200])
                     continue
+                self.down.discard(key)
                 self.replaced += 1
                 await self.on_change()
                 log.warning("%s replaced", name)

@@ -19,7 +19,12 @@ failing, a judge reply was unparsable with `unparsable: null`) or takes longer t
 `scoring/NAME/failed`. A replica that dies is not the episode's fault: the call is asked
 again of the others, or of its replacement, for as long as a replica takes to start; only
 then does it raise GenerationFailed, and the worker re-queues the whole group, so no
-episode is lost.
+episode is lost. A replica dies two ways for its caller: the call raises, or the replica
+leaves the controller's list with the call unanswered (a sharded PRM's rank 0 whose peer
+died may never answer). Replicas are listed as (incarnation, actor): the incarnation, not
+the handle (a fresh object each time the list is sent), says whether the one asked is still
+listed. A listed replica is never asked twice for one item: an implicit PRM trains on what
+it scores.
 """
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ class ScorerUnavailable(Exception):
     """No replica of a scorer answered within its start-up bound: the group is played again."""
 
 
+class ReplicaGone(Exception):
+    """The replica asked left the controller's list (it died) before it answered."""
+
+
 class EpisodeScorers:
     def __init__(self, config: Config, tokenizer):
         from meshrl.imports import import_callable
@@ -53,8 +62,8 @@ class EpisodeScorers:
         self.functions = {i: import_callable(s.path) for i, s in enumerate(self.specs) if s.kind == "function"}
         self.per_group = [i for i, s in enumerate(self.specs) if s.kind == "prm"]  # scored a whole group at a time
         self.versions: dict[int, int] = {}  # per-group scorer index -> newest version it has answered with
-        self.replicas: dict[int, list] = {}
-        self._load: dict[int, int] = {}  # id(actor) -> calls in flight
+        self.replicas: dict[int, list[tuple]] = {}  # scorer index -> [(incarnation, actor)]
+        self._load: dict = {}  # incarnation -> calls in flight
         self._changed = asyncio.Event()
         self._waiting: dict[int, list] = {}  # scorer index -> items not yet sent, with their futures
         self._calls: set[asyncio.Task] = set()  # score calls in flight
@@ -65,7 +74,8 @@ class EpisodeScorers:
         return bool(self.specs)
 
     def set_replicas(self, replicas: dict[int, list]) -> None:
-        self.replicas = {int(k): list(v) for k, v in replicas.items()}
+        """{scoring.scorers index: [(incarnation, actor), ...]}, from the controller's ScorerPool."""
+        self.replicas = {int(k): [(ident, actor) for ident, actor in v] for k, v in replicas.items()}
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -211,10 +221,10 @@ class EpisodeScorers:
         while results is None and error is None:
             replicas = self.replicas.get(index) or []
             if replicas:
-                actor = min(replicas, key=lambda a: self._load.get(id(a), 0))
-                self._load[id(actor)] = self._load.get(id(actor), 0) + 1
+                ident, actor = min(replicas, key=lambda r: self._load.get(r[0], 0))
+                self._load[ident] = self._load.get(ident, 0) + 1
                 try:
-                    results = await asyncio.wait_for(awaited(actor.score.call_one(items)), spec.timeout_s)
+                    results = await self._ask(index, ident, actor, items)
                     break
                 except (asyncio.TimeoutError, TimeoutError):
                     results = [{"error": f"took longer than scoring.scorers[{index}].timeout_s={spec.timeout_s:g}s"}] * len(batch)
@@ -226,7 +236,7 @@ class EpisodeScorers:
                 except Exception as e:  # noqa: BLE001 - a dead replica: asked again below
                     last = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
                 finally:
-                    self._load[id(actor)] -= 1
+                    self._load[ident] -= 1
             left = deadline - time.monotonic()
             if left <= 0:
                 error = ScorerUnavailable(f"scorer {self.names[index]}: no replica answered in {self.replace_s:g}s ({last})")
@@ -243,6 +253,24 @@ class EpisodeScorers:
                 future.set_exception(error)
             else:
                 future.set_result(dict(results[k]))
+
+    async def _ask(self, index: int, ident, actor, items: list) -> list:
+        """The replica's answers, within the scorer's timeout_s; ReplicaGone as soon as the
+        controller's list of replicas no longer holds this one."""
+        call = asyncio.ensure_future(asyncio.wait_for(awaited(actor.score.call_one(items)), self.specs[index].timeout_s))
+        try:
+            while True:
+                changed = asyncio.ensure_future(self._changed.wait())
+                try:
+                    await asyncio.wait({call, changed}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+                if call.done():
+                    return call.result()
+                if all(other != ident for other, _ in self.replicas.get(index, [])):
+                    raise ReplicaGone(f"replica {ident} of scorer {self.names[index]} left the list unanswered")
+        finally:
+            call.cancel()  # no-op once done
 
 
 def scoring_item(record: dict, response: str) -> dict:
