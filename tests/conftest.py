@@ -29,6 +29,14 @@ def pytest_unconfigure(config):
     gc.unfreeze()  # the interpreter's last pass frees them as before (else nanobind reports leaks at exit)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The CPU the run had, under its results: learning curves and timings differ by CPU kind."""
+    from benchmarks.async_vs_sync import machine
+
+    m = machine()
+    terminalreporter.write_line(f"machine: {m['cpu_model']}, {m['cpus']} CPUs, flags {' '.join(m['cpu_flags']) or '-'}, {m['mem_gib']} GiB")
+
+
 def pytest_configure(config):
     # The suite's process is the controller of every in-process run: it collects young objects
     # every 100,000 allocations, as meshrl's own processes do (meshrl/collector.py), and
