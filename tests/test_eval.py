@@ -62,10 +62,13 @@ def test_eval_during_training_is_reproduced_by_meshrl_eval(tmp_path):
     reward = [r["trainer/reward_mean"] for r in result.metrics if "trainer/reward_mean" in r]
     print("math reward", [round(x, 3) for x in reward])
     assert len(reward) == 30 and all(r["trainer/staleness_max"] == 0 for r in result.metrics if "trainer/staleness_max" in r)
-    # Measured over 5 runs (4 of this test, 1 by `meshrl run`, beside other suites at load
-    # average 7-21 on 2 cores): the last 3 steps' reward 0.234-0.265 above the first 3's
-    # (0.016-0.037). With trainer.lr=1e-12 (the policy never moves): -0.005; this fails.
-    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + MATH_MARGIN, reward
+    # The curve differs by CPU kind as much as by seed (each kind's kernels round differently).
+    # Measured over 10 runs (seeds 0-5 on an AMX Xeon, seeds 0-3 there with MKL and oneDNN held
+    # to AVX2): the last 5 steps' reward 0.12-0.38 above the first 5's
+    # (3 against 3: 0.13-0.40, and 0.098 once in CI on another CPU, which failed the 0.1 margin
+    # this had then). A policy that never moves (trainer.lr=1e-12): -0.005, where the noise of
+    # a 5-step mean at these rewards is about 0.01; this fails.
+    assert sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + MATH_MARGIN, reward
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         evals = [r for r in map(json.loads, f) if "eval/greedy_accuracy" in r]
     assert [int(r["step"]) for r in evals] == [15, 30], evals
@@ -88,7 +91,7 @@ def test_eval_during_training_is_reproduced_by_meshrl_eval(tmp_path):
     assert not wait_no_children()
 
 
-MATH_MARGIN = 0.1
+MATH_MARGIN = 0.05
 
 
 @pytest.mark.slow
