@@ -484,23 +484,25 @@ def test_lora_run_on_fsdp2_trains_the_adapter_alone_and_reward_rises(tmp_path):
     from tests.conftest import build_lora_base
 
     base = build_lora_base(tmp_path / "base")
-    # 8 groups a batch and lr 0.01: with 4 groups or lr 0.02 the adapter's steps are noisy
-    # enough that reward can rise and fall back within a short run.
+    # 8 groups a batch and lr 0.005: with 4 groups, or lr 0.01 on some CPU kinds, the adapter's
+    # steps are noisy enough that reward can rise and fall back within a short run (lr 0.01:
+    # 0.83 at step 6, then 0.39 to the end, in CI; 0.99 then 0.61 here with torch and vLLM held to AVX2 kernels).
     cfg = tiny(
         tmp_path / "run",
         steps=LORA_STEPS,
         batch_groups=8,
         model={"path": base},
         lora={"rank": 8},
-        trainer={"checkpoint_every": 0, "procs": 2, "lr": 0.01},
+        trainer={"checkpoint_every": 0, "procs": 2, "lr": 0.005},
         **SYNC,
     )
     result = meshrl.run(cfg)
     reward = [r["trainer/reward_mean"] for r in result.metrics if "trainer/reward_mean" in r]
     print("LoRA reward", [round(x, 3) for x in reward])
     assert len(reward) == LORA_STEPS and all(r["trainer/staleness_max"] == 0 for r in result.metrics)
-    # Measured over 6 runs (4 beside other tests): the last 3 steps' reward 0.87-0.92 above
-    # the first 2's (at 0.98-1.0); with the advantages zeroed it stays flat.
+    # Measured over 6 runs at lr 0.005 (seeds 0-2 on an AMX Xeon, and again with torch's
+    # kernels and vLLM's kernel build held to AVX2): the last 3 steps' reward 0.88-0.91 above the
+    # first 2's, at 0.97-1.0 from step 11 on; with the advantages zeroed it stays flat.
     assert sum(reward[-3:]) / 3 > sum(reward[:2]) / 2 + 0.5, reward
     final = tmp_path / "run" / "hf" / "final"
     assert (final / "adapter" / "adapter_model.safetensors").is_file() and (final / "model.safetensors").is_file()
