@@ -32,10 +32,17 @@ def _wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
     """The pids still running (not zombies) after waiting up to timeout_s."""
     deadline = time.monotonic() + timeout_s
     while True:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if _running(p)]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # gone, also between a look and the next
+        return False
 
 
 # ---- the host plan -------------------------------------------------------------------------
