@@ -608,3 +608,30 @@ def test_stale_batches_are_clipped_against_the_sampler():
     assert last["is_ratio_p1"] <= last["is_ratio_p50"] <= last["is_ratio_p99"]
     assert all(o["entropy"] > 0 for o in outs)
     assert 0.0 <= first["zero_variance_groups"] <= 1.0
+
+
+def test_a_checkpoint_before_the_first_step_changes_no_step(tmp_path):
+    """A checkpoint at version 0 (`Session.checkpoint()` before training) holds no optimizer
+    state: torch would make AdamW one by a step of lr 0, on the live optimizer too, and the
+    first real step would be taken as AdamW's second (0.74 of its size). The trainer that
+    saved, and one restored from its save, each take the step a fresh trainer takes."""
+
+    def stepped(trainer):
+        trainer.train_step(make_batch())
+        return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+    torch.manual_seed(0)
+    expected = stepped(PolicyTrainer(make_config(), CPU))
+    torch.manual_seed(0)
+    saver = PolicyTrainer(make_config(), CPU)
+    path = saver.save_checkpoint(str(tmp_path))
+    assert not saver.optimizer.state
+    torch.manual_seed(0)
+    restored = PolicyTrainer(make_config(), CPU)
+    stepped(restored)  # a trained optimizer, then the version-0 state restored over it
+    restored.load_checkpoint(path)
+    assert not restored.optimizer.state
+    for trainer in (saver, restored):
+        got = stepped(trainer)
+        for name, t in expected.items():
+            assert torch.equal(got[name], t), name

@@ -246,10 +246,25 @@ def load_rng(directory: str) -> bool:
     return True
 
 
-def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer has taken a step (AdamW keeps no state before its first).
+    Every rank steps together, so every rank answers the same."""
+    return any(bool(s) for s in optimizer.state.values())
+
+
+def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer, with_optimizer: bool = True) -> dict[str, Any]:
+    """The DCP state: the model's, and the optimizer's where it has one. torch's
+    `get_optimizer_state_dict` makes an optimizer that has not stepped yet a state by a
+    step of lr 0, on the live optimizer: AdamW's next real step would then be its second,
+    its bias correction making it 0.74 of a first step. So a state saved before the first
+    step (a checkpoint at version 0) holds the model alone, and restoring it leaves the
+    optimizer without state, as a fresh one."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model)}
+    if with_optimizer:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    return state
 
 
 def save_checkpoint(
@@ -269,11 +284,12 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of the same step
         os.makedirs(tmp)
     _barrier()
-    dcp.save(_train_state(model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    stepped = _stepped(optimizer)
+    dcp.save(_train_state(model, optimizer, stepped), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
     save_rng(tmp)
     _barrier()
     if _rank() == 0:
-        meta = {"step": step, "scheduler": scheduler.state_dict() if scheduler is not None else None, "extra": extra or {}}
+        meta = {"step": step, "scheduler": scheduler.state_dict() if scheduler is not None else None, "extra": extra or {}, "optimizer_state": stepped}
         write_atomic(os.path.join(tmp, COMPLETE_MARKER), json.dumps(meta))
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
@@ -311,12 +327,16 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     path = resolve_checkpoint(path)
-    state = _train_state(model, optimizer)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
     with open(os.path.join(path, COMPLETE_MARKER)) as f:
         meta = json.load(f)
+    stepped = meta.get("optimizer_state", True)  # checkpoints written before the flag hold one
+    if not stepped:
+        optimizer.state.clear()  # saved before the first step: as a fresh optimizer
+    state = _train_state(model, optimizer, stepped)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    set_model_state_dict(model, state["model"])
+    if stepped:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
     load_rng(path)
