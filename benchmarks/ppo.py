@@ -16,6 +16,15 @@ not compared.
     python benchmarks/ppo.py [--steps 24] [--seeds 0 1 2]
 
 Prints a table, writes benchmarks/results/ppo.json with the machine record.
+
+`--ceiling` measures instead what a value model can explain on this task, without a run:
+a stream of batches shaped as the task's (64 answers of 8 characters, each a digit with
+probability p, the reward the share of digits), p rising from 0.1 to 0.95 over the steps as
+the policy's reward does. Per step, each on the batch before anything trains on it (as the
+run reports): the explained variance of the oracle, E[R | the characters so far] with the
+batch's true p; of the same oracle with the previous batch's p (what a critic one batch
+behind can know at best); and of meshrl's critic (`CriticTrainer`, configs/ppo.yaml's lr
+and epochs) trained on the stream. Writes benchmarks/results/ppo_ceiling.json.
 """
 
 from __future__ import annotations
@@ -59,6 +68,61 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str) -> dict:
     return out
 
 
+def ceiling(steps: int, seed: int, rows: int = 64, length: int = 8) -> dict:
+    """One stream of `--ceiling` (module docstring): per-step explained variances."""
+    import random
+
+    import torch
+
+    from meshrl.config import ModelConfig
+    from meshrl.episode import Episode, Turn, pack
+    from meshrl.trainer.critic import CriticTrainer
+    from meshrl.trainer.values import gae, reduce_value_metrics, value_metric_sums
+
+    critic_cfg = yaml.safe_load(open(os.path.join(ROOT, "configs", "ppo.yaml")))["critic"]
+    critic = CriticTrainer(ModelConfig(), lr=critic_cfg["lr"], epochs=critic_cfg["epochs"], value_clip=critic_cfg["value_clip"], seed=seed)
+    rng = random.Random(seed)
+
+    def ev(values, returns, mask):
+        return reduce_value_metrics([value_metric_sums(values, returns, mask)])["explained_variance"]
+
+    def oracle(digit_rows, mask, p):  # E[R | the first k characters] at each answer position
+        v = torch.zeros(mask.shape)
+        for i, digits in enumerate(digit_rows):
+            pos = mask[i].nonzero().flatten().tolist()
+            for k, t in enumerate(pos):
+                v[i, t] = (sum(digits[:k]) + (length - k) * p) / length
+        return v
+
+    out = {"seed": seed, "p": [], "oracle": [], "oracle_one_behind": [], "critic": []}
+    previous_p = 0.1
+    for step in range(steps):
+        p = 0.1 + 0.85 * step / max(steps - 1, 1)
+        digit_rows = [[rng.random() < p for _ in range(length)] for _ in range(rows)]
+        episodes = [
+            Episode(
+                i // 8,
+                i,
+                [
+                    Turn("env", [ord("q"), ord(":")]),
+                    Turn("model", [ord(rng.choice("0123456789" if d else "abcdefghij")) for d in row], [0.0] * length, [0] * length, reward=sum(row) / length),
+                ],
+            )
+            for i, row in enumerate(digit_rows)
+        ]
+        batch = pack(episodes)
+        mask = batch["loss_mask"].bool()
+        returns, old = critic.advantages(batch)
+        target = gae(old, batch["dense_reward"], mask)[1]
+        out["p"].append(p)
+        out["oracle"].append(ev(oracle(digit_rows, mask, p), target, mask))
+        out["oracle_one_behind"].append(ev(oracle(digit_rows, mask, previous_p), target, mask))
+        out["critic"].append(ev(old, target, mask))
+        critic.train_step(batch, returns, old)
+        previous_p = p
+    return out
+
+
 def reach(rewards: list[float], level: float) -> int | None:
     return next((i + 1 for i, r in enumerate(rewards) if r >= level), None)
 
@@ -70,7 +134,18 @@ def main() -> None:
     p.add_argument("--reach", type=float, default=0.9)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ppo.json"))
     p.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "bench-ppo"))
+    p.add_argument("--ceiling", action="store_true", help="what a value model can explain on this task (module docstring)")
     a = p.parse_args()
+    if a.ceiling:
+        streams = [ceiling(a.steps, seed) for seed in a.seeds]
+        for s in streams:
+            half = slice(len(s["p"]) // 2, None)  # the second half: the critic has had half the stream to learn
+            means = {k: round(statistics.fmean(s[k][half]), 3) for k in ("oracle", "oracle_one_behind", "critic")}
+            print(json.dumps({"seed": s["seed"], "mean over the second half": means}), flush=True)
+        out = a.out.replace("ppo.json", "ppo_ceiling.json")
+        with open(out, "w") as f:
+            json.dump({"machine": machine(), "steps": a.steps, "streams": streams}, f, indent=1)
+        return
     runs = []
     for seed in a.seeds:
         for arm in ("ppo", "grpo"):  # interleaved: a change in the machine's load hits both alike
