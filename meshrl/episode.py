@@ -40,7 +40,7 @@ a teacher's scores, `assign_distill_advantages` adds `token_advantage`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from tensordict import TensorDict
@@ -98,6 +98,8 @@ class Episode:
     """The trained model that speaks in it (its index in config.model_names()): a game's thread."""
     threads: list["Episode"] = field(default_factory=list)
     """A game's episode: its threads, each a row of its own (`rows`); empty for an env's."""
+    opening: Any = None
+    """A game's thread: the observation that opened it (what its model's scorers are sent as the prompt)."""
 
     @property
     def rows(self) -> list["Episode"]:

@@ -224,7 +224,7 @@ def references(config) -> list[Reference]:
     if s.scorers and s.env_weight == 0:
         out.append(Reference("env (the env's reward, the task's verifier; weight 0)", "scoring/env/mean", "scoring/env/corr_trained", "scoring/env/std"))
     for name, spec in zip(s.scorer_names(), s.scorers):
-        if spec.weight == 0:
+        if spec.weight == 0 and spec.model == "policy":  # another model's scores are not the policy's reward
             out.append(Reference(f"{name} (scorer, weight 0)", f"scoring/{name}/mean", f"scoring/{name}/corr_trained", f"scoring/{name}/std"))
     if config.eval.every:
         out.append(Reference("eval (the env's reward on held-out prompts)", EVAL_KEY, None, None))

@@ -139,6 +139,10 @@ def test_trained_models_config_view_and_refusals():
         # critic.path is the policy's critic: a model's own critic starts from that model's weights
         "critic.path": {"models": [{"name": "a"}], "trainer": {"loss": {"advantage": "gae"}}, "critic": {"path": "/a/critic"}},
         "placement": {"models": [{"name": "a"}], "placement": "colocate"},
+        # a scorer names a trained model of the run, and with models it scores outcomes only
+        "scoring.scorers[0].model": {"scoring": {"scorers": [{"kind": "function", "path": "m:f", "model": "proposer"}]}},
+        "scoring.scorers[1].kind": {"models": [{"name": "a"}], "scoring": {"scorers": [{"kind": "function", "path": "m:f"}, {"kind": "prm"}]}},
+        "scoring.scorers[0].process": {"models": [{"name": "a"}], "scoring": {"scorers": [{"kind": "function", "path": "m:f", "process": "step"}]}},
         # evaluation plays the policy alone: a held-out source of its own, not the game
         "eval.source": {"models": [{"name": "a"}], "data": {"source": "task:propose"}, "eval": {"every": 5}},
     }
@@ -160,6 +164,60 @@ def test_trained_models_config_view_and_refusals():
 
             check_eval_source(config)
         assert e.value.field_path == "eval.source", str(e.value)
+
+
+def proposal_score(prompt, response, sample):
+    """A scorer of the proposer's threads (the run below): 0.25 for a proposal sent with the
+    proposer's opening observation (task:propose's "p:"; "q:" in the unit test), else 0."""
+    return 0.25 if prompt in ("p:", "q:") else 0.0  # the same for every proposal: the proposer's advantages do not change
+
+
+def test_a_scorer_of_one_model_scores_the_threads_it_speaks_in(char_tokenizer):
+    """scoring.scorers[].model: each thread is scored by the scorers of the model that speaks in
+    it, sent the observation that opened the thread as its prompt; the score joins that
+    thread's reward, and a failed score fails the whole episode."""
+    import asyncio
+
+    from meshrl.agent.game import thread_windows
+    from meshrl.scorers.client import EpisodeScorers
+
+    def game_episode() -> Episode:
+        ep = Episode(0, 0)
+        proposal = Episode(0, 0, model=1, opening="q:")
+        proposal.turns = [Turn("env", char_tokenizer.encode("q:")), Turn("model", char_tokenizer.encode("7"), [0.0], [1], reward=0.6)]
+        ep.threads = [proposal]
+        for i in range(2):
+            attempt = Episode(0, i + 1, model=0, opening="8:")
+            ids = char_tokenizer.encode("123")
+            attempt.turns = [Turn("env", char_tokenizer.encode("8:")), Turn("model", ids, [0.0] * 3, [1] * 3, reward=0.5)]
+            ep.threads.append(attempt)
+        return ep
+
+    scorers = [
+        {"kind": "function", "path": "tests.test_coevolve:proposal_score", "model": "proposer", "name": "proposal", "weight": 2.0},
+        {"kind": "function", "path": "tests.test_scorers:times_two", "weight": 0.1},  # the policy's: 2 x len(response)
+    ]
+    config = Config.from_dict({"models": [{"name": "proposer"}], "scoring": {"env_weight": 0.5, "scorers": scorers}})
+    ep = game_episode()
+    asyncio.run(EpisodeScorers(config, char_tokenizer).score(ep, {"prompt": "r:", "answer": ""}))  # not the threads' openings
+    proposal, *attempts = ep.threads
+    assert ep.finish_reason == "stop", ep.failure
+    assert proposal.signals == {"env": 0.6, "proposal": 0.25, "proposal/wait_s": proposal.signals["proposal/wait_s"]}
+    assert proposal.reward == pytest.approx(0.5 * 0.6 + 2.0 * 0.25)
+    for a in attempts:  # sent "8:" as the prompt: the proposer's scorer would say 0 there, and is not asked
+        assert "proposal" not in a.signals and a.signals["function"] == 6.0
+        assert a.reward == pytest.approx(0.5 * 0.5 + 0.1 * 6.0)
+    row = summarize(thread_windows(ep, ["policy", "proposer"]))
+    assert row["proposer/scoring/proposal/mean"] == 0.25 and row["scoring/function/mean"] == 6.0
+    assert "scoring/proposal/mean" not in row and "proposer/scoring/function/mean" not in row
+
+    # a scorer of a model with no thread here changes nothing; one that fails fails every thread
+    config = Config.from_dict({"models": [{"name": "proposer"}], "scoring": {"scorers": [{**scorers[0], "path": "tests.test_scorers:boom"}]}})
+    ep = game_episode()
+    asyncio.run(EpisodeScorers(config, char_tokenizer).score(ep, {"prompt": "r:", "answer": ""}))  # not the threads' openings
+    assert ep.finish_reason == "failed" and "no score today" in ep.failure
+    assert all(t.finish_reason == "failed" for t in ep.threads) and ep.threads[1].reward == 0.0
+    assert ep.threads[1].signals == {}  # the solver's threads: nobody's to score
 
 
 def test_task_propose_rewards_learnability_and_feeds_the_solver_on_a_bad_proposal():
@@ -192,7 +250,9 @@ def coevolved(tmp_path_factory):
     # the solver (the policy) also evaluated alone on task:digits every 10 steps, as Absolute Zero
     # evaluates its solver on held-out problems while the game trains it
     evaluation = ["eval.every=10", "eval.source=task:digits", "eval.num_prompts=8", "eval.k=1"]
-    config = Config.from_yaml(os.path.join(os.path.dirname(__file__), "..", "configs", "coevolve.yaml"), [f"logging.run_dir={run_dir}", *evaluation])
+    # and a scorer of the proposer's threads alone (scoring.scorers[].model)
+    scorer = 'scoring.scorers=[{kind: function, path: "tests.test_coevolve:proposal_score", model: proposer, name: proposal}]'
+    config = Config.from_yaml(os.path.join(os.path.dirname(__file__), "..", "configs", "coevolve.yaml"), [f"logging.run_dir={run_dir}", *evaluation, scorer])
     session = meshrl.Session(config)
     try:
         session.start()
@@ -251,6 +311,18 @@ def test_both_models_rewards_rise_from_their_first_tenth(coevolved):
 
 
 @pytest.mark.slow
+def test_a_scorer_of_the_proposer_scores_its_threads_alone(coevolved):
+    """Every step's proposals were scored by the proposer's scorer, sent the proposer's opening
+    (0.25: `proposal_score`), on top of the game's reward (at least 0.25, resumed run included);
+    the solver's threads were not. (A step whose window no worker reported into has no episode
+    metrics at all.)"""
+    reported = [r for r in coevolved["rows"] + coevolved["resumed"] if "proposer/reward/mean" in r]
+    assert len(reported) >= STEPS // 3
+    for r in reported:
+        assert r["proposer/scoring/proposal/mean"] == 0.25, r["version"]
+        assert r["proposer/reward/mean"] >= 0.25 - 1e-6 and "scoring/proposal/mean" not in r, r["version"]
+
+
 def test_the_policy_is_evaluated_alone_on_a_held_out_task(coevolved):
     with open(os.path.join(coevolved["run_dir"], "metrics.jsonl")) as f:  # evaluations are rows of their own
         evals = [r for r in map(json.loads, f) if "eval/greedy_reward" in r]

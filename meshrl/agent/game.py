@@ -62,7 +62,7 @@ async def _turn(worker, env, ask: Ask, ep: Episode, threads, speakers, last, ver
     model = c.model_names().index(ask.model)
     thread = threads.get(ask.thread)
     if thread is None:
-        thread = Episode(ep.group_id, ep.sample_id * MAX_THREADS + len(threads), model=model)
+        thread = Episode(ep.group_id, ep.sample_id * MAX_THREADS + len(threads), model=model, opening=ask.observation)
         threads[ask.thread], speakers[ask.thread] = thread, ask.model
         ep.threads.append(thread)
         thread.turns.append(Turn("env", renderer.initial_ids(ask.observation)))
@@ -97,6 +97,7 @@ def thread_windows(ep: Episode, names: list[str]) -> list[dict]:
                 "tool_calls": 0.0,
                 "env_tokens": float(row.env_tokens),
                 "env_s": ep.env_s if i == 0 else 0.0,
+                **{f"scoring/{k}": v for k, v in row.signals.items()},
             }
         )
     return out

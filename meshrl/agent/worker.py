@@ -429,7 +429,7 @@ def summarize(windows: list[dict[str, float]], failed_total: float = 0.0, first_
     row = _summary(policy, failed_total, first_failure) if policy else {}
     for name, rows in by_model.items():
         theirs = _summary(rows)
-        row.update({f"{name}/{k}": theirs[k] for k in MODEL_METRICS})
+        row.update({f"{name}/{k}": v for k, v in theirs.items() if k in MODEL_METRICS or k.startswith("scoring/")})
     return row
 
 

@@ -117,8 +117,10 @@ def _check_scoring(c: Config) -> None:
         f"is {scoring.env_weight:g}, and it weighs the env's reward against scoring.scorers, of which there are none: add a scorer, or leave env_weight at 1",
     )
     need(math.isfinite(scoring.process_weight), "scoring.process_weight", f"must be a finite number, got {scoring.process_weight}")
+    models = c.model_names()
     for i, sc in enumerate(scoring.scorers):
         _check_scorer(sc, f"scoring.scorers[{i}]")
+        need(sc.model in models, f"scoring.scorers[{i}].model", f"names no trained model ({sc.model!r}): the run trains {', '.join(models)}")
         if sc.kind == "prm":
             _check_prm(c, sc, f"scoring.scorers[{i}]")
     if scoring.scorers:
@@ -266,7 +268,6 @@ def _check_models(c: Config) -> None:
         names.append(m.name)
     refused = (
         (c.distill.teacher is not None, "distill.teacher", "distillation scores the policy's episodes only: drop it, or the other models"),
-        (bool(c.scoring.scorers), "scoring.scorers", "scorers score the policy's episodes only: give a game's rewards from its env"),
         (c.placement == "colocate", "placement", "several trained models run split (each on procs of its own): set placement=split or auto"),
     )
     for bad, path, message in refused:
@@ -278,6 +279,13 @@ def _check_models(c: Config) -> None:
             "eval.source",
             "with several trained models evaluation plays the policy alone on a `task:` or `reasoning_gym:` source of its own "
             f"(e.g. task:digits; not the game, nor a run with rollout.env) (models: {', '.join(names[1:])})",
+        )
+    for i, sc in enumerate(c.scoring.scorers):  # outcome scores of a thread; process rewards are the policy's of a run without models
+        need(
+            sc.kind != "prm" and sc.process == "none",
+            f"scoring.scorers[{i}].kind" if sc.kind == "prm" else f"scoring.scorers[{i}].process",
+            "with several trained models a scorer scores each thread's outcome: an implicit PRM and process rewards are not built "
+            f"for games (models: {', '.join(names[1:])})",
         )
     for i, m in enumerate(c.models):
         view = c.for_model(m.name)  # each model's sections, checked as the policy's are

@@ -134,6 +134,8 @@ class ScorerConfig:
     """Name of the signal in the metrics (`scoring/NAME/...`). None: the kind, numbered when two scorers of a kind have no name."""
     weight: float = 1.0
     """The signal's weight in the trained reward: reward = scoring.env_weight x the env's reward + the sum of weight x score. 0: logged, not trained on."""
+    model: str = "policy"
+    """The trained model whose episodes it scores: `policy`, or the name of one of `models` (docs/coevolve.md). In a game each thread that model speaks in is scored on its own: its opening observation is the prompt, its text after that the response, and the score joins that thread's reward (`scoring.env_weight` x the game's reward for the thread + weight x score), reported as `NAME/scoring/SCORER/...` for a model beside the policy. With `models` a scorer scores outcomes only (no `process`, no `prm`)."""
     path: str | None = None
     """`function`: import path `module:function` (prompt, response, sample) -> float, or a list of floats (one per step) with `process`; `reward_model` / `judge`: a local checkpoint directory (its own tokenizer and chat template); `prm`: a causal-LM checkpoint directory with the policy's tokenizer, or None for the policy's starting weights (model.path, or the same seeded initialisation)."""
     url: str | None = None
@@ -408,7 +410,8 @@ class Config:
     def for_model(self, name: str) -> "Config":
         """The run as the trained model `name` sees it: its model, trainer and generator
         sections (the policy's, with its overrides), the run directory models/NAME/ for its
-        logs and checkpoints, and no other models. `policy`: this config."""
+        logs and checkpoints, no other models and no scorers (the rollout workers score each
+        model's threads with the run's `scoring`, meshrl/scorers/client.py). `policy`: this config."""
         if name == "policy":
             return self
         index, spec = next((i, m) for i, m in enumerate(self.models) if m.name == name)
@@ -420,6 +423,7 @@ class Config:
         data["generator"]["group_size"] = self.generator.group_size
         data["logging"]["run_dir"] = os.path.join(self.logging.run_dir, "models", name)
         data["models"] = []
+        data.pop("scoring")
         try:
             return Config.from_dict(data)
         except ConfigError as e:

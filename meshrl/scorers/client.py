@@ -59,6 +59,7 @@ class EpisodeScorers:
         self.config, self.tokenizer = config, tokenizer
         self.specs: list[ScorerConfig] = list(config.scoring.scorers)
         self.names = config.scoring.scorer_names()
+        self.models = config.model_names()  # a row's `model` index -> the name its scorers carry
         self.functions = {i: import_callable(s.path) for i, s in enumerate(self.specs) if s.kind == "function"}
         self.per_group = [i for i, s in enumerate(self.specs) if s.kind == "prm"]  # scored a whole group at a time
         self.versions: dict[int, int] = {}  # per-group scorer index -> newest version it has answered with
@@ -80,15 +81,19 @@ class EpisodeScorers:
         self._changed = asyncio.Event()
 
     # ---- one episode ---------------------------------------------------------------------------
-    def items(self, ep: Episode, record: dict) -> list[dict]:
-        """What each scorer is sent for `ep` (backends.py has the fields); a process scorer's
-        item also holds the steps, and the positions of their last tokens (`step_ends`,
-        kept by this worker)."""
+    def items(self, ep: Episode, record: dict) -> list[dict | None]:
+        """What each scorer is sent for `ep`, a row of the trained model `ep.model` (backends.py
+        has the fields): None for a scorer of another model or one scored with its group (a
+        prm); a process scorer's item also holds the steps, and the positions of their last
+        tokens (`step_ends`, kept by this worker). A game's thread is sent with the observation
+        that opened it as the prompt."""
+        if ep.opening is not None:
+            record = {**record, "prompt": ep.opening}
         base = scoring_item(record, self.tokenizer.decode(ep.token_ids[ep.prompt_len :], skip_special_tokens=True))
         items = []
         for spec in self.specs:
-            if spec.kind == "prm":
-                items.append(None)  # scored with its group (score_group)
+            if spec.kind == "prm" or spec.model != self.models[ep.model]:
+                items.append(None)  # another model's, or scored with its group (score_group)
                 continue
             item = dict(base)
             if spec.process != "none":
@@ -98,10 +103,24 @@ class EpisodeScorers:
         return items
 
     async def score(self, ep: Episode, record: dict) -> None:
-        """Score `ep` with every scorer and set its rewards (in place). A failed episode is
-        left as it is; a failed score fails the episode."""
+        """Score `ep` with every scorer of its model and set its rewards (in place); a game's
+        episode thread by thread, each with the scorers of the model that speaks in it. A
+        failed episode is left as it is; a failed score fails the episode (every thread)."""
         if ep.finish_reason == "failed":
             return
+        if not ep.threads:
+            return await self._score_row(ep, record)
+        await asyncio.gather(*(self._score_row(row, record) for row in ep.threads))
+        failed = next((row for row in ep.threads if row.finish_reason == "failed"), None)
+        if failed is not None:
+            ep.finish_reason, ep.failure = "failed", failed.failure
+            for row in ep.threads:
+                row.finish_reason = "failed"
+
+    async def _score_row(self, ep: Episode, record: dict) -> None:
+        """`score` of one row: an env's episode, or a game's thread."""
+        if not any(spec.model == self.models[ep.model] for spec in self.specs):
+            return  # a thread of a model nobody scores keeps the game's reward as it is
         items = self.items(ep, record)
         mine = [i for i, item in enumerate(items) if item is not None]
         results = await asyncio.gather(*(self._one(i, items[i]) for i in mine))
