@@ -46,7 +46,7 @@ from benchmarks.async_vs_sync import machine  # noqa: E402
 SYNC = {"buffer.depth": 0, "buffer.max_lag": 0, "generator.update_mode": "block"}
 
 
-def run_arm(arm: str, steps: int, seed: int, run_dir: str) -> dict:
+def run_arm(arm: str, steps: int, seed: int, run_dir: str, task: str | None = None) -> dict:
     import meshrl
     from meshrl.config.loading import apply_overrides
 
@@ -55,6 +55,8 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str) -> dict:
         cfg.pop("critic", None)
         cfg["trainer"]["loss"]["advantage"] = "grpo"
     over = {**SYNC, "steps": steps, "seed": seed, "logging.run_dir": run_dir}
+    if task is not None:  # another built-in task than the config's (the default one)
+        over["data.source"] = f"task:{task}"
     over.update({"logging.progress": "false", "logging.plot": "false", "logging.tensorboard": "false"})
     start = time.time()
     rows = [r for r in meshrl.run(apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])).metrics if "trainer/reward_mean" in r]
@@ -134,6 +136,7 @@ def main() -> None:
     p.add_argument("--reach", type=float, default=0.9)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ppo.json"))
     p.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "bench-ppo"))
+    p.add_argument("--task", default=None, help="a built-in task for both arms instead of the default (e.g. digits_sparse)")
     p.add_argument("--ceiling", action="store_true", help="what a value model can explain on this task (module docstring)")
     a = p.parse_args()
     if a.ceiling:
@@ -149,7 +152,7 @@ def main() -> None:
     runs = []
     for seed in a.seeds:
         for arm in ("ppo", "grpo"):  # interleaved: a change in the machine's load hits both alike
-            r = run_arm(arm, a.steps, seed, os.path.join(a.run_dir, f"{arm}-{seed}"))
+            r = run_arm(arm, a.steps, seed, os.path.join(a.run_dir, f"{arm}-{seed}"), a.task)
             r["step_reaching"] = reach(r["reward"], a.reach)
             r["mean_reward"] = statistics.fmean(r["reward"])
             runs.append(r)
@@ -157,7 +160,7 @@ def main() -> None:
             print(json.dumps(shown), "reward", " ".join(f"{x:.2f}" for x in r["reward"]), flush=True)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"machine": machine(), "steps": a.steps, "reach": a.reach, "runs": runs}, f, indent=1)
+        json.dump({"machine": machine(), "task": a.task or "digits", "steps": a.steps, "reach": a.reach, "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

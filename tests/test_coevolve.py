@@ -323,6 +323,7 @@ def test_a_scorer_of_the_proposer_scores_its_threads_alone(coevolved):
         assert r["proposer/reward/mean"] >= 0.25 - 1e-6 and "scoring/proposal/mean" not in r, r["version"]
 
 
+@pytest.mark.slow
 def test_the_policy_is_evaluated_alone_on_a_held_out_task(coevolved):
     with open(os.path.join(coevolved["run_dir"], "metrics.jsonl")) as f:  # evaluations are rows of their own
         evals = [r for r in map(json.loads, f) if "eval/greedy_reward" in r]
