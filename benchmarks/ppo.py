@@ -5,7 +5,10 @@ weights and prompts), synchronously (buffer depth 0, lag 0, update_mode block), 
 suite's learning tests run, so that the arms differ in the advantage alone:
 
 - `ppo`:  configs/ppo.yaml: every model token's advantage from the critic (GAE);
-- `grpo`: the same config with `trainer.loss.advantage: grpo` (no critic).
+- `grpo`: the same config with `trainer.loss.advantage: grpo` (no critic);
+- `ppo-v0` (`--arms`): `ppo` with a critic that never learns (lr 1e-12: V = 0, so each
+  token's advantage is its episode's return whitened over the batch), to tell the critic's
+  values from the estimator around them.
 
 Per run: the trained batch's mean reward at each step, the first step reaching `--reach`,
 the mean over all steps (area under the curve per sample), and for PPO the critic's
@@ -54,6 +57,8 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str, task: str | None = No
     if arm == "grpo":
         cfg.pop("critic", None)
         cfg["trainer"]["loss"]["advantage"] = "grpo"
+    if arm == "ppo-v0":  # the critic never moves from its zero head: V = 0, the advantages are the whitened returns
+        cfg["critic"]["lr"] = 1e-12
     over = {**SYNC, "steps": steps, "seed": seed, "logging.run_dir": run_dir}
     if task is not None:  # another built-in task than the config's (the default one)
         over["data.source"] = f"task:{task}"
@@ -62,7 +67,7 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str, task: str | None = No
     rows = [r for r in meshrl.run(apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])).metrics if "trainer/reward_mean" in r]
     reward = [r["trainer/reward_mean"] for r in rows]
     out = {"arm": arm, "seed": seed, "wall_s": time.time() - start, "reward": reward}
-    if arm == "ppo":
+    if arm.startswith("ppo"):
         unsaturated = [r for r in rows if r["trainer/reward_mean"] < 0.95]
         out["explained_variance"] = [r.get("critic/explained_variance") for r in rows]
         out["ev_mean_unsaturated"] = statistics.fmean(r["critic/explained_variance"] for r in unsaturated[1:]) if len(unsaturated) > 1 else None
@@ -136,6 +141,7 @@ def main() -> None:
     p.add_argument("--reach", type=float, default=0.9)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ppo.json"))
     p.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "bench-ppo"))
+    p.add_argument("--arms", nargs="+", default=["ppo", "grpo"], help="ppo, grpo, ppo-v0 (a critic that never learns)")
     p.add_argument("--task", default=None, help="a built-in task for both arms instead of the default (e.g. digits_sparse)")
     p.add_argument("--ceiling", action="store_true", help="what a value model can explain on this task (module docstring)")
     a = p.parse_args()
@@ -151,7 +157,7 @@ def main() -> None:
         return
     runs = []
     for seed in a.seeds:
-        for arm in ("ppo", "grpo"):  # interleaved: a change in the machine's load hits both alike
+        for arm in a.arms:  # interleaved: a change in the machine's load hits both alike
             r = run_arm(arm, a.steps, seed, os.path.join(a.run_dir, f"{arm}-{seed}"), a.task)
             r["step_reaching"] = reach(r["reward"], a.reach)
             r["mean_reward"] = statistics.fmean(r["reward"])
