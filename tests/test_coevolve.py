@@ -211,7 +211,7 @@ def test_a_scorer_of_one_model_scores_the_threads_it_speaks_in(char_tokenizer):
     assert row["proposer/scoring/proposal/mean"] == 0.25 and row["scoring/function/mean"] == 6.0
     assert "scoring/proposal/mean" not in row and "proposer/scoring/function/mean" not in row
 
-    # a scorer of a model with no thread here changes nothing; one that fails fails every thread
+    # only the proposer scored: the solver's threads are left alone, and a failed score fails every thread
     config = Config.from_dict({"models": [{"name": "proposer"}], "scoring": {"scorers": [{**scorers[0], "path": "tests.test_scorers:boom"}]}})
     ep = game_episode()
     asyncio.run(EpisodeScorers(config, char_tokenizer).score(ep, {"prompt": "r:", "answer": ""}))  # not the threads' openings
