@@ -140,6 +140,22 @@ def test_a_queue_silent_on_two_health_checks_in_a_row_stops_the_run_resumably(tm
         asyncio.run(loop.check_health())
     assert len(checked) == 6 and loop_module.QUEUE_SILENT_CHECKS == 2
 
+    # the queue's host goes down between the first ask and a replacement's call to the queue (a
+    # dead worker's groups re-queued): that call's failure counts as the queue's silence, not
+    # as the run's own failure; a failure while the queue answers is raised as it is
+    class Requeue(Pool):
+        async def check(self, *args):
+            raise RuntimeError("Endpoint call queue.requeue() failed")
+
+    loop.workers, loop._queue_silent = Requeue(), 0
+    answers[:] = [True, False, False]
+    asyncio.run(loop.check_health())  # answered, the replacement failed, then silent: one
+    with pytest.raises(TrainerFailed, match=r"^the episode queue stopped answering at version 4"):
+        asyncio.run(loop.check_health())
+    answers[:] = [True, True]
+    with pytest.raises(RuntimeError, match="queue.requeue"):
+        asyncio.run(loop.check_health())
+
 
 def test_a_signal_during_the_teardown_lets_it_finish_and_the_failure_stand(tmp_path):
     """A run fails, and SIGTERM (a scheduler noticing the same lost node) arrives while its

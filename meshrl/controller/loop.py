@@ -340,17 +340,15 @@ class RLLoop:
         return out
 
     async def _watch_failures(self, row: dict) -> None:
-        """The failure breaker (controller/breaker.py): it warns, or it trips, and then the
-        run checkpoints and stops with EpisodesFailed."""
+        """The failure breaker (controller/breaker.py) warns, or trips: the run checkpoints and stops with EpisodesFailed."""
         first = self.breaker.tripped(self.version, row)
         if first is not None:
             await self.checkpoint()
             raise self.breaker.stopped(first, self.version, self.run_dir)
 
     async def _watch_divergence(self, row: dict) -> None:
-        """The divergence alarm (meshrl/stability.py): the history's new rows, evaluations'
-        included, each line logged and marked as `alarm/divergence`; under
-        alarm.on_divergence=stop the run checkpoints and stops with the line."""
+        """The divergence alarm (meshrl/stability.py) on the history's new rows, evaluations' included: each line logged and
+        marked as `alarm/divergence`; under alarm.on_divergence=stop the run checkpoints and stops with the line."""
         rows, self._divergence_seen = self.history[self._divergence_seen :], len(self.history)
         lines = [d.line() for r in rows for d in self.divergence.update(int(r["step"]), r)]
         for line in lines:
@@ -361,10 +359,8 @@ class RLLoop:
             raise RewardDiverged(f"{lines[0]}; alarm.on_divergence=stop: checkpointed at step {self.version} and stopped")
 
     def _queue_lost(self) -> TrainerFailed:
-        return TrainerFailed(
-            f"the episode queue stopped answering at version {self.version}: its host "
-            f"(the coordinator's, with the rollout workers) is down or unreachable; {checkpoints.how_to_resume(self.run_dir)}"
-        )
+        why = "its host (the coordinator's, with the rollout workers) is down or unreachable"
+        return TrainerFailed(f"the episode queue stopped answering at version {self.version}: {why}; {checkpoints.how_to_resume(self.run_dir)}")
 
     async def _queue_answers(self, timeout_s: float = 10.0) -> bool:
         return await settled(self.queue.metrics.call_one(), timeout_s) is None  # dead, unreachable or too slow: all the same
@@ -381,20 +377,25 @@ class RLLoop:
     async def check_health(self) -> None:
         """Stop the run if the episode queue's host is gone; replace dead generator replicas
         and rollout workers (between steps, and every HEALTH_CHECK_S during one)."""
-        if not await self._queue_answers():  # nothing else is replaced while its host may be gone
-            self._queue_silent += 1
-            if self._queue_silent >= QUEUE_SILENT_CHECKS:
-                raise self._queue_lost()
-            return
-        self._queue_silent = 0
-        await self.generators.check(self.version)
-        for p in self.partners:
-            await p.check(self.version)
-        if self.teacher is not None:
-            await self.teacher.check(0)
-        if self.scorers is not None:
-            await self.scorers.check()
-        await self.workers.check(self.generators.handles())
+        error = None
+        if await self._queue_answers():  # nothing else is replaced while its host may be gone
+            self._queue_silent = 0
+            try:
+                await self.generators.check(self.version)
+                for p in self.partners:
+                    await p.check(self.version)
+                if self.teacher is not None:
+                    await self.teacher.check(0)
+                if self.scorers is not None:
+                    await self.scorers.check()
+                return await self.workers.check(self.generators.handles())
+            except Exception as e:  # noqa: BLE001 - a replacement that met the queue's host going down counts as its silence
+                if await self._queue_answers():
+                    raise
+                error = e
+        self._queue_silent += 1
+        if self._queue_silent >= QUEUE_SILENT_CHECKS:
+            raise self._queue_lost() from error
 
     async def _watching(self, call: asyncio.Future):
         """The trainer's call, with dead replicas and workers replaced while it waits: one
