@@ -25,8 +25,8 @@ a stream of batches shaped as the task's (64 answers of 8 characters, each a dig
 probability p, the reward the share of digits), p rising from 0.1 to 0.95 over the steps as
 the policy's reward does. Per step, each on the batch before anything trains on it (as the
 run reports): the explained variance of the oracle, E[R | the characters so far] with the
-batch's true p; of the same oracle with the previous batch's p (what a critic one batch
-behind can know at best); and of meshrl's critic (`CriticTrainer`, configs/ppo.yaml's lr
+batch's true p; of the same oracle with the previous batch's p (a value model that has not
+seen the batch's p yet); and of meshrl's critic (`CriticTrainer`, configs/ppo.yaml's lr
 and epochs) trained on the stream. Writes benchmarks/results/ppo_ceiling.json.
 """
 
