@@ -220,7 +220,9 @@ class Session:
 
     def sync_generators(self) -> None:
         """Wait until every generator replica runs the trainer's current version."""
-        self._call(self._need().wait_for_generators(), self.config.weight_sync.timeout_s + 120)
+        from meshrl.controller import control
+
+        self._call(control.wait_for_generators(self._need()), self.config.weight_sync.timeout_s + 120)
 
     def evaluate(self) -> dict[str, float] | None:
         """Evaluate the current policy on the held-out prompts (eval.*) now; its `eval/`

@@ -138,7 +138,8 @@ def test_trained_models_config_view_and_refusals():
         "models[0].generator.group_size": {"models": [{"name": "a", "generator": {"group_size": 2}}]},
         # critic.path is the policy's critic: a model's own critic starts from that model's weights
         "critic.path": {"models": [{"name": "a"}], "trainer": {"loss": {"advantage": "gae"}}, "critic": {"path": "/a/critic"}},
-        "placement": {"models": [{"name": "a"}], "placement": "colocate"},
+        # colocated models take turns on the devices: a model's critic would need its own beside its trainer
+        "models[0].trainer.loss.advantage": {"models": [{"name": "a", "trainer": {"loss": {"advantage": "gae"}}}], "placement": "colocate"},
         # a scorer names a trained model of the run, and with models it scores outcomes only
         "scoring.scorers[0].model": {"scoring": {"scorers": [{"kind": "function", "path": "m:f", "model": "proposer"}]}},
         "scoring.scorers[1].kind": {"models": [{"name": "a"}], "scoring": {"scorers": [{"kind": "function", "path": "m:f"}, {"kind": "prm"}]}},
@@ -157,6 +158,7 @@ def test_trained_models_config_view_and_refusals():
     Config.from_dict({"models": [{"name": "a"}], "trainer": {"loss": {"advantage": "gae"}}})
     Config.from_dict({"models": [{"name": "a", "trainer": {"loss": {"advantage": "rloo"}}}], "trainer": {"loss": {"advantage": "gae"}}})
     Config.from_dict({"models": [{"name": "a", "trainer": {"loss": {"advantage": "gae"}}}]})
+    Config.from_dict({"models": [{"name": "a"}], "placement": "colocate"})  # the models take turns on the same devices
     for source in ("data.jsonl", "task:propose"):  # a file is scored by the run's reward (the game's); the game itself
         with pytest.raises(ConfigError) as e:
             config = Config.from_dict({"models": [{"name": "a"}], "data": {"source": "task:propose"}, "eval": {"every": 5, "source": source}})

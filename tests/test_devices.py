@@ -262,6 +262,52 @@ def test_trained_models_get_gpus_of_their_own_after_the_policys_roles(monkeypatc
     ]
 
 
+def test_colocated_models_share_the_gpus_their_trainers_step_in_turn_in_the_memory_plan(monkeypatch):
+    """placement=colocate with trained models beside the policy (docs/coevolve.md): each model's
+    trainer ranks and replicas on the same GPUs as the policy's; the memory plan counts every
+    engine generating at once beside what each trainer keeps, and one trainer's step at a time;
+    what does not fit names the budget that would, or the model's field."""
+    from meshrl.launch.devices import resolve_placement
+    from meshrl.launch.memory import CUDA_CONTEXT, plan_memory
+
+    monkeypatch.setenv(NCCL_IFNAME_ENV, "lo")
+    one = {"name": "proposer"}
+    c = config(placement="colocate", models=[one], generator={"gpu_memory_utilization": 0.4}, launcher={"gpus_per_host": 1, "gpu_memory_gib": 80})
+    plan = plan_devices(c)
+    assert plan.layout == "colocated" and [(s.role, s.gpus) for s in plan.slots] == [
+        ("trainer", (0,)),
+        ("generator", (0,)),
+        ("proposer/trainer", (0,)),
+        ("proposer/generator", (0,)),
+    ]
+    assert [(s.role, s.gpus) for s in plan.view("proposer").slots] == [("trainer", (0,)), ("generator", (0,))]
+    assert plan.env("proposer/generator", 0) == {DEVICE_ENV: "0", PLAN_ENV: "proposer/generator 0"}
+    memory = plan_memory(c, plan=plan)
+    (gpu,) = memory.gpus
+    assert [h.role for h in gpu.holdings] == ["trainer", "generator", "proposer/trainer", "proposer/generator"] and not memory.problems
+    trainers, engines = gpu.holdings[0::2], gpu.holdings[1::2]
+    kept = sum(h.while_generating for h in trainers)
+    stepping = max(h.total - h.while_generating for h in trainers) + kept + 2 * CUDA_CONTEXT  # one trainer's step at a time
+    assert gpu.peak == max(stepping, kept + sum(h.total for h in engines)) < sum(h.total for h in gpu.holdings)
+    # at vLLM's default budget (half the GPU each) two engines cannot fit: the budget that would, in one line
+    crowded = plan_memory(config(placement="colocate", models=[one], launcher={"gpus_per_host": 1, "gpu_memory_gib": 80}))
+    ((field, why),) = crowded.problems
+    assert field == "placement" and "policy, proposer: their 2 engines generate at once" in why and "at most 0.46" in why, why
+    fits = plan_memory(
+        config(placement="colocate", models=[one], generator={"gpu_memory_utilization": 0.46}, launcher={"gpus_per_host": 1, "gpu_memory_gib": 80})
+    )
+    assert not fits.problems, fits.problems
+    for model, field in (({"trainer": {"procs": 2}}, "models[0].trainer.procs"), ({"generator": {"replicas": 2}}, "models[0].generator.replicas")):
+        with pytest.raises(ConfigError) as e:  # laid out as the policy's: within the host's GPUs
+            plan_devices(config(placement="colocate", models=[{**one, **model}], launcher={"gpus_per_host": 1}))
+        assert e.value.field_path == field and "placement=split" in str(e.value), str(e.value)
+    # auto: split where every model's roles fit GPUs of their own, else colocated where they fit sharing, never with a critic
+    assert [resolve_placement(config(models=[one], launcher={"gpus_per_host": g}))[0] for g in (1, 3, 4)] == ["colocate", "colocate", "split"]
+    gae = {**one, "trainer": {"loss": {"advantage": "gae"}}}
+    assert resolve_placement(config(models=[gae], launcher={"gpus_per_host": 2}))[0] == "split"
+    assert resolve_placement(config(models=[one]))[0] == "split"  # on CPU cores, placement=colocate when asked
+
+
 def test_ppos_critic_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypatch):
     """trainer.loss.advantage=gae: the critic's proc holds one GPU on the trainer's first host
     beside a GPU trainer (none beside a CPU trainer), starts seeing it alone, and the memory

@@ -185,23 +185,36 @@ def test_sync_mode_trains_only_on_policy_on_pinned_cores(tmp_path):
     assert not wait_no_children()
 
 
-def test_colocated_mode_takes_turns_on_every_core_and_loads_weights_in_place(tmp_path):
-    """placement=colocate on CPU: trainer and engine share every core, the engine sleeps
-    through each training step (no token arrives then), weights reach it from the trainer's
-    shared-memory snapshot, one step off the policy (max_lag 1), then synchronous (max_lag 0),
-    where a wrong or stale weight load would show as a sampler/trainer log-prob gap. Then the
-    trainer's proc is SIGKILLed between two steps: the next step's call, the engine asleep for
-    it, fails; the trainer is healed, the engine wakes on the restored version, and the step is
-    trained again, with no group lost or trained twice and the log-probs still equal."""
+def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp_path):
+    """placement=colocate on CPU, with a trained model beside the policy (task:propose: the
+    policy solves, the proposer proposes; docs/coevolve.md): both trainers and both engines
+    share every core; every engine sleeps through each training step, the policy's and then the
+    proposer's in turn (no token arrives then), and weights reach each engine from its own
+    trainer's shared-memory snapshot, one step off the policy (max_lag 1), then synchronous
+    (max_lag 0), where a wrong or stale weight load would show as a sampler/trainer log-prob gap
+    for either model. Then the policy trainer's proc is SIGKILLed between two steps: the next
+    step's call, the engines asleep for it, fails; the trainer is healed, the engines wake on the
+    restored version, and the step is trained again, with no group lost or trained twice and
+    the log-probs still equal."""
     cores = set(os.sched_getaffinity(0))
-    cfg = tiny(tmp_path / "colocate", steps=8, placement="colocate", buffer={"max_lag": 1}, trainer={"checkpoint_every": 0, "loss": {"correction": "none"}})
+    cfg = tiny(
+        tmp_path / "colocate",
+        steps=8,
+        placement="colocate",
+        buffer={"max_lag": 1},
+        trainer={"checkpoint_every": 0, "loss": {"correction": "none"}},
+        data={"source": "task:propose"},
+        models=[{"name": "proposer", "trainer": {"lr": 0.005}}],
+    )
     with meshrl.Session(cfg) as session:
         session.start()
         loop = session.loop
+        (proposer,) = loop.partners
         assert loop.config.placement == "colocate" and loop.config.weight_sync.transport == "shm"
         (info,) = session._call(loop.trainer.shard_info())
-        assert os.sched_getaffinity(info["pid"]) == cores
-        assert all(os.sched_getaffinity(pid) == cores for pid, _ in loop.generators.replicas[0].pids)
+        (proposer_info,) = session._call(proposer.trainer.shard_info())
+        engines = [pid for pool in (loop.generators, proposer.generators) for pid, _ in pool.replicas[0].pids]
+        assert all(os.sched_getaffinity(pid) == cores for pid in (info["pid"], proposer_info["pid"], *engines))
         one_off = session.step(4)
         session.set(max_lag=0)
         synchronous = session.step(2)
@@ -209,13 +222,16 @@ def test_colocated_mode_takes_turns_on_every_core_and_loads_weights_in_place(tmp
         healed = session.step(8 - session.version)
         session.sync_generators()
         ((_, _, stats),) = session._call(loop.generators.read_stats())
+        ((_, _, proposer_stats),) = session._call(proposer.generators.read_stats())
         (new_info,) = session._call(loop.trainer.shard_info())
-    assert all(r["trainer/staleness_max"] <= 1 and r["colocate/sleep_s"] >= 0 for r in one_off)
-    assert all(r["trainer/staleness_max"] == 0 for r in synchronous[1:])  # the first was admitted one step off
-    # synchronous: each version loaded while the engine slept, which woke on it; one step off: loaded after waking
-    assert all("colocate/load_s" in r for r in synchronous) and not any("colocate/load_s" in r for r in one_off)
+    for model in ("", "proposer/"):  # each model trained every step, within its own bound
+        assert all(r[f"{model}trainer/staleness_max"] <= 1 for r in one_off) and all(r["colocate/sleep_s"] >= 0 for r in one_off)
+        assert all(r[f"{model}trainer/staleness_max"] == 0 for r in synchronous[1:] + healed)  # the first was admitted one step off
+        # synchronous: each version loaded while the engines slept, which woke on it; one step off: loaded after waking
+        assert all(f"{model}colocate/load_s" in r for r in synchronous) and not any(f"{model}colocate/load_s" in r for r in one_off)
+        assert synchronous[-1][f"{model}trainer/logprob_mismatch"] < 2e-3, (model, synchronous[-1])
+        assert healed[-1][f"{model}trainer/logprob_mismatch"] < 2e-3, (model, healed[-1])
     assert nothing_stale(one_off)  # (the bound tightened at step 5 masks the batch admitted one step off before it)
-    assert synchronous[-1]["trainer/logprob_mismatch"] < 2e-3, synchronous[-1]["trainer/logprob_mismatch"]
     # the heal: a new proc, every step trained (the steps it lost once more, from their own batches), each group once.
     # Colocated on CPU the snapshot writes take cores from generation, so they are spaced out to stay within
     # trainer.snapshot_budget (trainer/snapshot_spacing): a heal loses at most that many steps, at least one.
@@ -225,9 +241,8 @@ def test_colocated_mode_takes_turns_on_every_core_and_loads_weights_in_place(tmp
     assert sorted(kept) == list(range(1, 9)) and len(one_off + synchronous + healed) - len(kept) == healed[0]["trainer/steps_lost"]
     groups = trained_groups(kept.values())
     assert len(groups) == len(set(groups)), "a group was trained twice"
-    assert all(r["trainer/staleness_max"] == 0 for r in healed) and healed[-1]["trainer/logprob_mismatch"] < 2e-3, healed
-    assert stats["sleeps"] >= 8 and stats["tokens_while_asleep"] == 0, stats
-    assert stats["version"] == 8
+    for engine in (stats, proposer_stats):  # no engine generated while any trainer stepped
+        assert engine["sleeps"] >= 8 and engine["tokens_while_asleep"] == 0 and engine["version"] == 8, engine
     assert not wait_no_children()
 
 

@@ -130,7 +130,7 @@ def test_critic_starts_from_a_checkpoint_of_its_own(tmp_path):
     token classifier; what cannot serve is refused in one line before any mesh starts."""
     from transformers import AutoModelForSequenceClassification
 
-    from meshrl.launch.memory import critic_holding
+    from meshrl.launch.holdings import critic_holding
     from meshrl.launch.shape import model_shape
     from meshrl.preflight import check
     from meshrl.trainer.critic_actor import build_critic

@@ -266,28 +266,31 @@ def _check_models(c: Config) -> None:
         need(m.name not in names, path, f"{m.name!r} is taken ({taken}): give each model a name of its own")
         need("group_size" not in m.generator, f"models[{i}].generator.group_size", "a group is the run's: every model's episodes share generator.group_size")
         names.append(m.name)
-    refused = (
-        (c.distill.teacher is not None, "distill.teacher", "distillation scores the policy's episodes only: drop it, or the other models"),
-        (c.placement == "colocate", "placement", "several trained models run split (each on procs of its own): set placement=split or auto"),
-    )
-    for bad, path, message in refused:
-        need(not bad, path, f"{message} (models: {', '.join(names[1:])})")
+    models = ", ".join(names[1:])
+    need(c.distill.teacher is None, "distill.teacher", f"distillation scores the policy's episodes only: drop it, or the other models (models: {models})")
     if c.eval.every > 0 or c.eval.source is not None:  # the policy alone on held-out prompts, as Absolute Zero evaluates its solver
         alone = c.eval.source is not None and source_kind(c.eval.source) in ("task", "reasoning_gym") and c.rollout.env is None
         need(
             alone,
             "eval.source",
             "with several trained models evaluation plays the policy alone on a `task:` or `reasoning_gym:` source of its own "
-            f"(e.g. task:digits; not the game, nor a run with rollout.env) (models: {', '.join(names[1:])})",
+            f"(e.g. task:digits; not the game, nor a run with rollout.env) (models: {models})",
         )
     for i, sc in enumerate(c.scoring.scorers):  # outcome scores of a thread; process rewards are the policy's of a run without models
         need(
             sc.kind != "prm" and sc.process == "none",
             f"scoring.scorers[{i}].kind" if sc.kind == "prm" else f"scoring.scorers[{i}].process",
             "with several trained models a scorer scores each thread's outcome: an implicit PRM and process rewards are not built "
-            f"for games (models: {', '.join(names[1:])})",
+            f"for games (models: {models})",
         )
     for i, m in enumerate(c.models):
+        gae = m.trainer.get("loss", {}).get("advantage", c.trainer.loss.advantage) == "gae"
+        need(
+            not (gae and c.placement == "colocate"),
+            f"models[{i}].trainer.loss.advantage",
+            f"{m.name} trains by gae, and its critic would train beside its trainer, while colocate hands the devices to one "
+            "role at a time: set placement=split, or a group advantage (grpo) for it",
+        )
         view = c.for_model(m.name)  # each model's sections, checked as the policy's are
         if view.trainer.loss.advantage == "gae":  # a critic of its own, started from its own weights (critic.init)
             how = "inherits the policy's gae" if "advantage" not in m.trainer.get("loss", {}) else "trains by gae"

@@ -2,6 +2,9 @@
 
 Before the trainer's call the batch is completed and the generators sleep (`sleep_for_trainer`);
 after it the trainer frees its memory (colocated on GPUs) and the engines wake (`wake_for_generators`).
+Trained models beside the policy (`config.models`) share the same devices: every model's
+engines sleep and wake together, and the trainers step in turn, the policy's first, each
+freeing its memory before the next (`release`), so each step has the devices to itself.
 """
 
 from __future__ import annotations
@@ -23,28 +26,50 @@ def wakes_on_new_version(config: Config, plan) -> bool:
     return config.placement == "colocate" and (config.buffer.max_lag == 0 or plan.layout == "colocated")
 
 
-async def sleep_for_trainer(config: Config, plan, queue, generators, watching, t0: float) -> dict[str, float]:
-    """Before the trainer's call (the previous weight load done, since `t0`): the batch
-    complete (nothing more is admitted until the trainer's next version), then the
-    generators asleep, their devices the trainer's until `wake_for_generators`. `watching`
-    is the loop's wait that replaces dead replicas and workers meanwhile."""
+async def sleep_for_trainer(config: Config, plan, queue, pools: list, watching, t0: float) -> dict[str, float]:
+    """Before the trainer's call (the previous weight loads done, since `t0`): the batch
+    complete (nothing more is admitted until the trainer's next version), then every
+    generator pool in `pools` asleep, their devices the trainers' until `wake_for_generators`.
+    `watching` is the loop's wait that replaces dead replicas and workers meanwhile."""
     out = {}
     ready = await watching(asyncio.ensure_future(awaited(queue.wait_ready.call_one(config.batch_groups, config.buffer.get_timeout_s))))
     if not ready:  # the trainer's own wait reports it, with the queue's counts
         return out
     out["colocate/generate_s"] = time.monotonic() - t0
     t0 = time.monotonic()
-    await generators.sleep(keep_weights=not wakes_on_new_version(config, plan))
+    await asyncio.gather(*(pool.sleep(keep_weights=not wakes_on_new_version(config, plan)) for pool in pools))
     out["colocate/sleep_s"] = time.monotonic() - t0
     return out
 
 
-async def wake_for_generators(plan, trainer, generators, offload_optimizer: bool) -> dict[str, float]:
-    """After the trainer's call: its memory freed where the GPU is shared, then the engines awake."""
-    out = {}
-    if plan.layout == "colocated":  # the GPU is the trainer's until the engines wake
-        out.update(await trainer.release_memory(offload_optimizer))
+async def release(plan, trainer, offload_optimizer: bool) -> dict[str, float]:
+    """After a trainer's step, where the GPU is shared: its memory freed for the next trainer
+    (a trained model's, in turn) or for the engines."""
+    return await trainer.release_memory(offload_optimizer) if plan.layout == "colocated" else {}
+
+
+async def wake_for_generators(plan, trainer, pools: list, offload_optimizer: bool) -> dict[str, float]:
+    """After the trainers' calls: the policy `trainer`'s memory freed where the GPU is shared
+    (None: freed already, before the trained models' turns), then every pool's engines awake."""
+    out = await release(plan, trainer, offload_optimizer) if trainer is not None else {}
     t0 = time.monotonic()
-    await generators.wake()
+    await asyncio.gather(*(pool.wake() for pool in pools))
     out["colocate/wake_s"] = time.monotonic() - t0
     return out
+
+
+async def models_in_turn(plan, trainer, partners: list, train, offload_optimizer: bool) -> dict[str, float]:
+    """After the policy `trainer`'s step: its memory freed, then each trained model's step
+    (`train(model)`, on the policy's batch) in turn, each freeing its memory after it."""
+    out = await release(plan, trainer, offload_optimizer)
+    for p in partners:
+        out.update(await train(p))
+        out.update({f"{p.name}/{k}": v for k, v in (await release(plan, p.trainer, offload_optimizer)).items()})
+    return out
+
+
+async def load_models(partners: list, version: int) -> dict[str, float]:
+    """Each trained model's `version` loaded into its generators while they sleep."""
+    for p in partners:
+        p.update(version)
+    return {f"{p.name}/colocate/load_s": await p.finish_update() for p in partners}

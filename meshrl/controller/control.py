@@ -26,6 +26,15 @@ async def generate_text(loop, prompts: list[str], temperature: float | None = No
     return [list(await asyncio.gather(*(one(t) for _ in range(n)))) for t in prompts]
 
 
+async def wait_for_generators(loop) -> None:
+    """Until every replica runs the trainer's current version: each step starts the update to
+    its new version (the policy's, each trained model's), so waiting for those is enough."""
+    if loop._update_task is not None:
+        await loop._finish_update()
+    for p in loop.partners:
+        await p.finish_update()
+
+
 async def pause_generation(loop) -> None:
     await asyncio.gather(*(awaited(r.actor.pause_generation.call_one()) for r in loop.generators.replicas))
 

@@ -111,12 +111,9 @@ class RLLoop:
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             f.write(c.to_yaml())  # as given: `auto` placement is resolved again on the host that resumes it
         if c.launcher.kind in ("slurm", "workers") and c.launcher.gpus_per_host == 0 and c.trainer.device == "auto":
-            print(
-                f"meshrl: launcher.gpus_per_host=0: this {c.launcher.kind} run plans no GPUs (every role on CPU"
-                + (", and the Slurm job asks for none" if c.launcher.kind == "slurm" else "")
-                + "); set it to the hosts' GPUs for a GPU run",
-                file=console(),
-            )
+            job = ", and the Slurm job asks for none" if c.launcher.kind == "slurm" else ""
+            why = f"this {c.launcher.kind} run plans no GPUs (every role on CPU{job}); set it to the hosts' GPUs for a GPU run"
+            print(f"meshrl: launcher.gpus_per_host=0: {why}", file=console())
         placement, why = resolve_placement(c)
         if c.placement == "auto" and gpus_per_host(c) == 0:  # the console says which CPU placement, and why
             print(f"meshrl: placement auto -> {placement} ({why})", file=console())
@@ -210,7 +207,8 @@ class RLLoop:
         background, and record metrics."""
         c = self.config
         handoff: dict = {}
-        partners = asyncio.ensure_future(self._train_partners()) if self.partners else None  # on the policy's batch, at once
+        # the trained models on the policy's batch at once (colocated: in turn, after the policy's trainer)
+        partners = asyncio.ensure_future(self._train_partners()) if self.partners and c.placement != "colocate" else None
         try:
             while True:  # once, or again after the trainer was healed (controller/heal.py)
                 try:
@@ -221,6 +219,9 @@ class RLLoop:
                     handoff.update(await self._woken_after_heal())
             if partners is not None:
                 handoff.update(await self._watching(partners))
+            elif self.partners:
+                turn = lambda p: self._watching(asyncio.ensure_future(self._train_partners([p])))  # noqa: E731
+                handoff.update(await colocate.models_in_turn(self.alloc.plan, self.trainer, self.partners, turn, self._offload_optimizer))
         finally:
             if partners is not None and not partners.done():
                 partners.cancel()
@@ -232,17 +233,20 @@ class RLLoop:
         try:
             if colocate.wakes_on_new_version(c, self.alloc.plan):  # loaded while the engines sleep
                 out["colocate/load_s"] = await self._update_generators(self.version)
+                out.update(await colocate.load_models(self.partners, self.version))
             if c.placement == "colocate":
-                out.update(await colocate.wake_for_generators(self.alloc.plan, self.trainer, self.generators, self._offload_optimizer))
+                released = None if self.partners else self.trainer  # with trained models: before their turns
+                out.update(await colocate.wake_for_generators(self.alloc.plan, released, self._pools(), self._offload_optimizer))
             if self._update_task is not None:  # in the background since the last step: usually done
                 t0 = time.monotonic()
                 out["sync/previous_update_s"] = await self._finish_update()
                 out["sync/previous_update_wait_s"] = time.monotonic() - t0
             if not colocate.wakes_on_new_version(c, self.alloc.plan):
                 self._update_task = asyncio.create_task(self._update_generators(self.version))
-            for p in self.partners:
-                out[f"{p.name}/sync/previous_update_s"] = await p.finish_update()
-                p.update(self.version)
+            for p in self.partners:  # each model's generators follow in the background, unless loaded above
+                out.setdefault(f"{p.name}/sync/previous_update_s", await p.finish_update())
+                if "colocate/load_s" not in out:
+                    p.update(self.version)
             row = await self.collect.row(out)
             self._record(self.version, row)
             await self._watch_failures(row)
@@ -270,11 +274,11 @@ class RLLoop:
         out = await self._watching(asyncio.ensure_future(self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s, critic)))
         return {**out, "_call_start": call_start}
 
-    async def _train_partners(self) -> dict:
-        """Each trained model beside the policy, its step on the policy's batch (controller/partners.py)."""
-        c, outs = self.config, {}
-        calls = (p.train(self.queue, c.batch_groups, c.buffer.get_timeout_s, self.version) for p in self.partners)
-        for p, out in zip(self.partners, await asyncio.gather(*calls)):
+    async def _train_partners(self, partners: list | None = None) -> dict:
+        """Each trained model beside the policy (`partners`: these), its step on the policy's batch (controller/partners.py)."""
+        c, outs, partners = self.config, {}, self.partners if partners is None else partners
+        calls = (p.train(self.queue, c.batch_groups, c.buffer.get_timeout_s, self.version) for p in partners)
+        for p, out in zip(partners, await asyncio.gather(*calls)):
             if out.pop("version") != self.version + 1:
                 raise TrainerFailed(f"trained model {p.name} is not at the policy's version {self.version + 1}: {checkpoints.how_to_resume(self.run_dir)}")
             outs.update(out)
@@ -328,7 +332,10 @@ class RLLoop:
             return {}
         if self._update_task is not None:  # the heal's update to the restored version
             await self._finish_update()
-        return await colocate.wake_for_generators(self.alloc.plan, self.trainer, self.generators, self._offload_optimizer)
+        return await colocate.wake_for_generators(self.alloc.plan, self.trainer, self._pools(), self._offload_optimizer)
+
+    def _pools(self) -> list:  # the generator pools that sleep while the trainers step
+        return [self.generators, *(p.generators for p in self.partners)]
 
     async def _hand_devices_to_trainer(self) -> dict[str, float]:
         """placement=colocate, before the trainer's call: the previous weight load done, then
@@ -336,7 +343,9 @@ class RLLoop:
         out, t0 = {}, time.monotonic()
         if self._update_task is not None:
             out["sync/previous_update_s"] = await self._finish_update()
-        out.update(await colocate.sleep_for_trainer(self.config, self.alloc.plan, self.queue, self.generators, self._watching, t0))
+        for p in self.partners:  # one step off: their loads in the background since the last step
+            out[f"{p.name}/sync/previous_update_s"] = await p.finish_update()
+        out.update(await colocate.sleep_for_trainer(self.config, self.alloc.plan, self.queue, self._pools(), self._watching, t0))
         return out
 
     async def _watch_failures(self, row: dict) -> None:
@@ -398,9 +407,8 @@ class RLLoop:
             raise self._queue_lost() from error
 
     async def _watching(self, call: asyncio.Future):
-        """The trainer's call, with dead replicas and workers replaced while it waits: one
-        that dies mid-step holds groups its batch needs, which would otherwise come back
-        only when the batch timed out."""
+        """The trainer's call, with dead replicas and workers replaced while it waits: one that dies
+        mid-step holds groups its batch needs, which would otherwise return only at the batch's timeout."""
         try:
             while True:
                 done, _ = await asyncio.wait({call}, timeout=HEALTH_CHECK_S)
@@ -423,14 +431,6 @@ class RLLoop:
         self.metrics.write(step, row)
 
     # ---- the Session's calls (the others are in controller/control.py) -----------------------
-    async def wait_for_generators(self) -> None:
-        """Until every replica runs the trainer's current version: each step starts the
-        update to its new version, so waiting for the pending update is enough."""
-        if self._update_task is not None:
-            await self._finish_update()
-        for p in self.partners:
-            await p.finish_update()
-
     async def export_to(self, path: str) -> str:
         """The current policy as a Hugging Face checkpoint at `path`, with its tokenizer (a
         trainer that dies meanwhile is healed, and the export made from the restored state)."""

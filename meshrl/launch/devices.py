@@ -8,7 +8,7 @@ Roles that hold devices: trainer ranks (one GPU each), generator replicas (`gene
 GPUs each), the distillation teacher (one replica, `tp` GPUs), the scorers (one GPU per
 reward model or judge replica, `scoring.scorers`), and each trained model beside the policy
 (`models`: roles `NAME/trainer` and `NAME/generator`, from its own sections, after the
-policy's roles; always split). Hosts come from the host
+policy's roles; colocated, on the same GPUs as the policy's). Hosts come from the host
 plan (`hosts.py`): on one host every role shares its GPUs; on split hosts the trainer's
 hosts hold the trainer ranks, the generator hosts the replicas (round-robin, as the
 allocation spawns them), the teacher and the scorers on the first generator host (colocated:
@@ -26,7 +26,8 @@ Layouts (`placement`, resolved by `resolve_placement`):
   (`trainer.device=cpu`) holds no GPU and leaves them all to the generators.
 - `colocated` (placement=colocate, one host): trainer rank r on GPU r, generator replica i on
   GPUs i*tp .. i*tp+tp-1, the same GPUs time-sliced (the loop sleeps the engines during a
-  training step). It fits when trainer.procs and replicas x tp each fit the host's GPUs.
+  training step). It fits when trainer.procs and replicas x tp each fit the host's GPUs, for
+  the policy and for each trained model beside it (laid out the same way, on the same GPUs).
 Without GPUs the plan is `cpu`: no device is named, cores are pinned by `meshrl/pinning.py`.
 Pure: the standard library and the config, no torch import and no CUDA initialisation.
 """
@@ -207,7 +208,8 @@ def _split_gpus_needed(config: Config) -> int:
     """GPUs one host needs for every role on GPUs of its own."""
     t, gen = config.trainer, config.generator
     trainer = (0 if t.device == "cpu" else t.procs) + critic_gpus(config)
-    return trainer + gen.replicas * gen.tp + (gen.tp if config.distill.teacher else 0) + scorer_gpus(config)
+    models = sum(_split_gpus_needed(config.for_model(m.name)) for m in config.models)  # a view has no models of its own
+    return trainer + gen.replicas * gen.tp + (gen.tp if config.distill.teacher else 0) + scorer_gpus(config) + models
 
 
 def critic_gpus(config: Config) -> int:
@@ -264,18 +266,18 @@ def trainer_gflop_per_step(config) -> float:
 def resolve_placement(config: Config, gpus: int | None = None) -> tuple[str, str]:
     """(`split` or `colocate`, why): `config.placement`, with `auto` decided for `gpus` per host
     (None: `gpus_per_host(config)`). On GPUs: colocate on one host where the roles do not fit
-    one each and do fit sharing, split everywhere else (several hosts, a CPU trainer). On a
+    one each and do fit sharing (every trained model's too, none with a critic), split
+    everywhere else (several hosts, a CPU trainer). On a
     host with no GPU: colocate only where it can be (one machine, a shared-memory weight
     handoff, cores not pinned by hand) and the trainer's step outweighs generating its batch."""
     c = config
     if c.placement != "auto":
         return c.placement, "set by placement"
     g = gpus_per_host(c) if gpus is None else gpus
-    t, gen = c.trainer, c.generator
     if c.launcher.hosts > 1 or c.distill.teacher or scorer_gpus(c):
         return "split", "several hosts, a distillation teacher or model scorers: each role on devices of its own"
-    if c.models:
-        return "split", "several trained models: each model's trainer and generators on devices of their own"
+    if c.models and g == 0:
+        return "split", "several trained models: each model's trainer and generators on cores of their own; placement=colocate takes turns on all of them"
     if c.trainer.loss.advantage == "gae":
         return "split", "PPO's critic trains beside the policy on a proc of its own"
     if g == 0:
@@ -291,11 +293,14 @@ def resolve_placement(config: Config, gpus: int | None = None) -> tuple[str, str
         return "split", (
             f"a training step is about {gflop:.1f} GFLOP: trainer and generators overlap on their own cores; placement=colocate takes turns on all of them"
         )
-    if t.device == "cpu":
+    if c.trainer.device == "cpu":
         return "split", "a CPU trainer leaves every GPU to the generators"
     if _split_gpus_needed(c) <= g:
         return "split", "every role fits GPUs of its own"
-    if t.procs <= g and gen.replicas * gen.tp <= g:
+    views = [c, *(c.for_model(m.name) for m in c.models)]
+    if any(v.trainer.loss.advantage == "gae" or v.trainer.device == "cpu" for v in views):
+        return "split", "a trained model's critic or CPU trainer: each role on devices of its own"
+    if all(v.trainer.procs <= g and v.generator.replicas * v.generator.tp <= g for v in views):
         return "colocate", "the roles do not fit GPUs of their own and do fit sharing them"
     return "split", "the roles fit neither apart nor sharing (the device plan says what to change)"
 
@@ -422,19 +427,23 @@ def _colocated(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
     slots += [Slot("generator", i, SHARED_MESH, 0, tuple(range(i * gen.tp, (i + 1) * gen.tp))) for i in range(gen.replicas)]
     # reward models, judges and a PRM's ranks share the GPUs too, round-robin (a PRM's on distinct ones); they stay resident (not slept)
     slots += [Slot("scorer", k, SHARED_MESH, 0, (k % g,)) for k in range(scorer_gpus(config))]
+    for i, m in enumerate(config.models):  # each trained model beside the policy on the same GPUs, laid out as the policy's
+        vt, vg, at = config.for_model(m.name).trainer, config.for_model(m.name).generator, f"models[{i}]"
+        bad = f"{at}.trainer.device" if vt.device == "cpu" else f"{at}.trainer.procs" if vt.procs > g else f"{at}.generator.replicas"
+        if vt.device == "cpu" or vt.procs > g or vg.replicas * vg.tp > g:
+            why = f"placement=colocate lays trained model {m.name} out on the host's {g} GPUs as the policy's (a GPU trainer; ranks, replicas x tp within them)"
+            raise ConfigError(bad, f"{why}: lower it, or set placement=split")
+        slots += [Slot(f"{m.name}/trainer", r, SHARED_MESH, 0, (r,)) for r in range(vt.procs)]
+        slots += [Slot(f"{m.name}/generator", k, SHARED_MESH, 0, tuple(range(k * vg.tp, (k + 1) * vg.tp))) for k in range(vg.replicas)]
     return DevicePlan("colocated", g, hosts, slots, "colocate")
 
 
 def _trainer_host(config: Config, hosts: dict[str, int], rank: int) -> tuple[str, int]:
-    if SHARED_MESH in hosts:
-        return SHARED_MESH, 0
-    return "trainer", rank // (config.trainer.procs // hosts["trainer"])  # spawn_procs fills hosts in order
+    return (SHARED_MESH, 0) if SHARED_MESH in hosts else ("trainer", rank // (config.trainer.procs // hosts["trainer"]))  # spawn_procs fills hosts in order
 
 
 def _generator_host(hosts: dict[str, int], replica: int) -> tuple[str, int]:
-    if SHARED_MESH in hosts:
-        return SHARED_MESH, 0
-    return "generator", replica % hosts["generator"]  # Allocation.host: round-robin by index
+    return (SHARED_MESH, 0) if SHARED_MESH in hosts else ("generator", replica % hosts["generator"])  # Allocation.host: round-robin by index
 
 
 def _where(config: Config) -> str:
