@@ -1,8 +1,9 @@
 """Prompts: built-in or reasoning-gym tasks, JSONL/Parquet files or `datasets` directories; resumable.
 
-`PromptNode` is a torchdata `BaseNode` over one source's records, shuffled per epoch with
-the run seed; its state is (epoch, index), so a resumed run continues exactly where it
-stopped. A record is a dict with `prompt` (text, or a list of chat messages) and `answer`,
+The episode queue draws records through `PromptNode` (meshrl/queue/prompts.py), a torchdata
+node over one source's records, shuffled per epoch with the run seed, whose state (epoch,
+index) lets a resumed run continue exactly where it stopped; this module imports no torch,
+so the checks before a run read rows without it. A record is a dict with `prompt` (text, or a list of chat messages) and `answer`,
 plus whatever else the source holds; the episode queue (meshrl/queue/) hands records
 out to rollout workers, whose env turns them into episodes. Records cross actor
 boundaries, so they hold plain picklable, JSON-able values only.
@@ -13,8 +14,11 @@ and the first that does not is a `DataError` whose message is `FILE:LINE: what i
 `check_source` runs that over a whole source, bounded in time, before any mesh starts
 (`check_records`, at preflight: the first bad row is then a `ConfigError` of kind `data
 error`); the episode queue meets the same error with the same line if a row past that
-bound, or a generated record, is bad. The checks that read no rows (the source exists, its
-package is installed, something scores it) are in meshrl/data_checks.py.
+bound, or a generated record, is bad. The checks that read no rows come first, at preflight
+and in `meshrl config show`: `check_data` (a `task:` source names a built-in task, and a
+multi-turn one gets its reward from its env; a `reasoning_gym:` task exists with the
+arguments given; a file or `datasets` directory is there; something scores it; a longtail
+tail fits the generation budget) and `check_eval_source` (the same of `eval.source`).
 
 Task and reasoning-gym sources are generated, never stored: record i of an epoch is a pure
 function of (seed, epoch, i). That is what makes resuming exact without saving data, and
@@ -27,19 +31,93 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import random
 import time
 from typing import Any, Callable, Iterator
 
-from torchdata.nodes import BaseNode
-
 from meshrl.config import Config, ConfigError, DataConfig, source_kind
 from meshrl.imports import missing_extra
-from meshrl.tasks import get_task
+from meshrl.tasks import TASKS, answer_budget, get_task
 
 
 class DataError(ValueError):
     """A row that cannot be a record; the message is `FILE:LINE: what is wrong`."""
+
+
+def check_data(c: Config) -> None:
+    """data.source exists, its package is installed, something scores it, and a longtail
+    tail fits the generation budget."""
+    d, s = c.data, c.scoring
+    if d.source in ("task:longtail", "task:longtail_chat"):
+        _check_budget(c)
+    _check_source(c, "data.source", d.source, d.task_args)
+    if source_kind(d.source) == "task":
+        name = d.source.removeprefix("task:")
+        if TASKS[name].env is not None and c.rollout.env is None:
+            if s.reward_fn or s.reward_model:
+                raise ConfigError(
+                    "scoring.reward_fn", f"task:{name} is multi-turn and its env gives the reward: unset scoring.reward_fn / reward_model, or set rollout.env"
+                )
+    elif source_kind(d.source) in ("file", "dataset"):
+        if s.reward_fn is None and s.reward_model is None and c.rollout.env is None:
+            raise ConfigError(
+                "scoring.reward_fn", f"a file data source ({d.source}) needs a reward: set scoring.reward_fn, scoring.reward_model or rollout.env"
+            )
+
+
+def check_eval_source(c: Config) -> None:
+    """eval.source, when set, exists and its package is installed; with several trained
+    models, it is no game (the policy plays it alone)."""
+    if c.eval.source is not None:
+        _check_source(c, "eval.source", c.eval.source, c.eval.task_args)
+        name = c.eval.source.removeprefix("task:")
+        if c.models and source_kind(c.eval.source) == "task" and TASKS[name].game:
+            raise ConfigError("eval.source", f"task:{name} is a game of several models: evaluate the policy alone on a task of its own (e.g. task:digits)")
+
+
+def _check_source(c: Config, path: str, source: str, task_args: dict) -> None:
+    """A prompt source that exists and whose package is installed."""
+    kind = source_kind(source)
+    if kind == "task":
+        name = source.removeprefix("task:")
+        if name not in TASKS:
+            raise ConfigError(path, f"unknown built-in task {name!r}: use one of {', '.join('task:' + t for t in TASKS)}")
+    elif kind == "reasoning_gym":
+        problem = missing_extra("reasoning_gym")
+        if problem is not None:
+            raise ConfigError(path, f"{source} {problem}")
+        from reasoning_gym.factory import DATASETS
+
+        name = source.removeprefix("reasoning_gym:")
+        if name not in DATASETS:
+            raise ConfigError(path, f"reasoning-gym has no task {name!r}: see reasoning_gym.factory.DATASETS (e.g. basic_arithmetic, chain_sum, leg_counting)")
+        reasoning_gym_dataset(name, task_args, c.seed, 1, path.replace("source", "task_args"))  # bad ones: a ConfigError naming them
+    elif kind == "file":
+        if not os.path.isfile(source):
+            raise ConfigError(path, f"file {source!r} not found: give a local .jsonl or .parquet file")
+    else:
+        if not os.path.isdir(source):
+            raise ConfigError(path, f"{source!r} must be 'task:NAME', 'reasoning_gym:NAME', a .jsonl/.parquet file or a datasets save_to_disk directory")
+        if not (os.path.isfile(os.path.join(source, "dataset_info.json")) or os.path.isfile(os.path.join(source, "dataset_dict.json"))):
+            raise ConfigError(path, f"directory {source!r} is not a datasets save_to_disk directory (no dataset_info.json): save it with Dataset.save_to_disk")
+
+
+def _check_budget(c: Config) -> None:
+    """The longtail tasks' longest answer must fit the generation budget and the context
+    (the tail's own ranges are checked with the values, in config/checks.py)."""
+    n = c.data.lengths
+    budget = answer_budget(n.max, n.slack)
+    if c.generator.max_new_tokens < budget:
+        raise ConfigError(
+            "generator.max_new_tokens",
+            f"must be at least {budget} (the budget of the longest longtail answer, data.lengths.max x (1 + slack) + 2), got {c.generator.max_new_tokens}; "
+            "raise it or lower data.lengths.max",
+        )
+    if c.model.max_seq_len < budget + 16:
+        raise ConfigError(
+            "model.max_seq_len", f"must be at least {budget + 16} (the longest longtail answer's budget plus its prompt), got {c.model.max_seq_len}"
+        )
 
 
 def load_records(cfg: DataConfig) -> list[dict[str, Any]] | None:
@@ -232,42 +310,6 @@ def reasoning_gym_record(entry: dict) -> dict:
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
     return {**entry, "prompt": [{"role": "system", "content": SYSTEM_PROMPTS["default"]}, {"role": "user", "content": entry["question"]}]}
-
-
-class PromptNode(BaseNode[dict]):
-    """Endless, per-epoch shuffled records of one source; state = (epoch, index)."""
-
-    def __init__(self, cfg: DataConfig, seed: int):
-        super().__init__()
-        self.cfg, self.seed = cfg, seed
-        self.records = load_records(cfg)
-        self.generate = None if self.records is not None else generator(cfg, str(seed), cfg.num_prompts)
-        self.size = len(self.records) if self.records is not None else cfg.num_prompts
-
-    def reset(self, initial_state: dict | None = None) -> None:
-        super().reset(initial_state)
-        self.epoch = initial_state["epoch"] if initial_state else 0
-        self.index = initial_state["index"] if initial_state else 0
-        self._order = self._permutation(self.epoch)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(self.size))
-        if self.cfg.shuffle and self.records is not None:  # generated records are random already
-            random.Random(f"{self.seed}/{epoch}").shuffle(order)
-        return order
-
-    def next(self) -> dict:
-        if self.index >= self.size:
-            self.epoch, self.index = self.epoch + 1, 0
-            self._order = self._permutation(self.epoch)
-        i = self._order[self.index]
-        self.index += 1
-        if self.records is not None:
-            return dict(self.records[i])
-        return self.generate(self.epoch, i)
-
-    def get_state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
 
 
 def eval_records(config: Config) -> list[dict]:

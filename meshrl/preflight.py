@@ -9,8 +9,7 @@ and the TorchX component call them before any mesh starts; nothing below them im
 this module.
 
 Each check lives beside what it checks: the model's in meshrl/trainer/checks.py, the
-tokenizer's in meshrl/tokenizer.py, the data source's in meshrl/data_checks.py (its rows in
-meshrl/data.py), the scorers' in meshrl/scorers/checks.py, the env and reward contracts in
+tokenizer's in meshrl/tokenizer.py, the data source's and its rows in meshrl/data.py, the scorers' in meshrl/scorers/checks.py, the env and reward contracts in
 meshrl/rollout/checks.py (the table is docs/contracts.md), the sandbox's in
 meshrl/rollout/sandbox.py, Slurm's in meshrl/launch/slurm.py, the workers' address in
 meshrl/launch/workers.py, the device and memory plans in meshrl/launch/. This module is the
@@ -23,7 +22,7 @@ from __future__ import annotations
 import os
 
 from meshrl.config import Config, ConfigError
-from meshrl.data_checks import check_data, check_eval_source
+from meshrl.data import check_data, check_eval_source, check_records
 from meshrl.imports import check_import
 from meshrl.launch.devices import plan_devices
 from meshrl.launch.memory import check_memory
@@ -117,8 +116,6 @@ def check_user_code(c: Config, reward_fn: RewardFn | None = None) -> None:
     key = (c.to_yaml(), id(reward_fn))
     if key in _checked:
         return
-    from meshrl.data import check_records  # torch (torchdata): only where rows are read
-
     record = check_records(c)
     if c.contracts.probe:
         probe_user_code(c, record, reward_fn)

@@ -89,6 +89,11 @@ def check_tokenizer(c: Config) -> None:
     tokenizer_dir, field_path = (m.tokenizer, "model.tokenizer") if m.tokenizer else (m.path, "model.path")
     if tokenizer_dir is None:
         return
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+    if os.path.isdir(tokenizer_dir) and not any(os.path.exists(os.path.join(tokenizer_dir, f)) for f in files):  # without importing transformers
+        raise ConfigError(
+            field_path, f"no tokenizer loads from {tokenizer_dir!r}: it holds none of {', '.join(files)}; give a Hugging Face tokenizer's directory"
+        )
     try:
         load_tokenizer(tokenizer_dir)
     except Exception as e:  # noqa: BLE001 - whatever transformers raises, the directory is the user's to fix

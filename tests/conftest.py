@@ -101,6 +101,13 @@ QWEN_STYLE_TEMPLATE = (
 `<|im_start|>user\\n<tool_response>...</tool_response><|im_end|>`, `<|im_end|>` ends a turn."""
 
 
+def exact_answer(prompt, response, sample):
+    """A reward for runs the tests start as `meshrl` processes: 1 where the response is the
+    record's answer. It lives here, not in a test module, so that the process checking it
+    imports nothing heavy for it (a test module imports most of meshrl)."""
+    return float(response == sample["answer"])
+
+
 def build_qwen_style_tokenizer(path: str | os.PathLike) -> str:
     """A character-level tokenizer with Qwen's turn specials and QWEN_STYLE_TEMPLATE, saved at `path`.
 

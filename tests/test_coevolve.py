@@ -162,7 +162,7 @@ def test_trained_models_config_view_and_refusals():
     for source in ("data.jsonl", "task:propose"):  # a file is scored by the run's reward (the game's); the game itself
         with pytest.raises(ConfigError) as e:
             config = Config.from_dict({"models": [{"name": "a"}], "data": {"source": "task:propose"}, "eval": {"every": 5, "source": source}})
-            from meshrl.data_checks import check_eval_source
+            from meshrl.data import check_eval_source
 
             check_eval_source(config)
         assert e.value.field_path == "eval.source", str(e.value)

@@ -426,11 +426,11 @@ def test_cli_refuses_the_issues_cases_in_one_line_before_any_mesh(tmp_path):
             "meshrl: contract error: scoring.reward_fn: reward function json:dumps cannot be called as (prompt, response, sample)",
         ),
         (
-            [f"data.source={bad_json}", "scoring.reward_fn=tests.test_data_scoring:exact"],
+            [f"data.source={bad_json}", "scoring.reward_fn=tests.conftest:exact_answer"],
             f"meshrl: data error: {bad_json}:2: not valid JSON (Expecting ',' delimiter at column 29)",
         ),
         (
-            [f"data.source={no_prompt}", "scoring.reward_fn=tests.test_data_scoring:exact"],
+            [f"data.source={no_prompt}", "scoring.reward_fn=tests.conftest:exact_answer"],
             f"meshrl: data error: {no_prompt}:1: no 'prompt' field (data.prompt_key); the row's fields: 'question', 'answer'",
         ),
     ]
@@ -568,7 +568,7 @@ def test_a_bad_row_found_by_the_queue_is_one_line_not_a_supervision_trace(tmp_pa
     out = cli(
         "run",
         f"data.source={rows}",
-        "scoring.reward_fn=tests.test_data_scoring:exact",
+        "scoring.reward_fn=tests.conftest:exact_answer",
         "contracts.data_check_s=0",
         "steps=2",
         *SMALL,

@@ -15,7 +15,7 @@ import pytest
 
 from meshrl import episode
 from meshrl.config import Config
-from meshrl.data import PromptNode
+from meshrl.queue.prompts import PromptNode
 from meshrl.generator.engine import RequestResult
 from meshrl.metrics import MetricsWriter, read_metrics
 from meshrl.queue import Claim, EpisodeQueue

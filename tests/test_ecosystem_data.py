@@ -12,7 +12,8 @@ import pytest
 
 from meshrl.config import Config, ConfigError
 from meshrl.preflight import check
-from meshrl.data import PromptNode, eval_records, load_records
+from meshrl.data import eval_records, load_records
+from meshrl.queue.prompts import PromptNode
 from meshrl.rollout.chat import ChatRenderer
 from meshrl.scoring import resolve_reward
 from meshrl.verifiers import final_answer, math_answer, reasoning_gym_reward

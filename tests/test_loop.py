@@ -22,7 +22,7 @@ import pytest
 import meshrl
 from meshrl.config import Config
 from meshrl.errors import TrainerFailed
-from meshrl.data import PromptNode
+from meshrl.queue.prompts import PromptNode
 from meshrl.rollout.env import StepResult
 from tests.conftest import example_config
 

@@ -123,8 +123,10 @@ def plan_memory(config: Config, capacity: float | None = None, plan=None) -> Mem
     from meshrl.launch.devices import plan_devices
 
     plan = plan or plan_devices(config)
+    if plan.layout == "cpu":  # before asking NVML, whose binding comes with torch (compat.py)
+        return None
     capacity = gpu_capacity(config) if capacity is None else capacity
-    if plan.layout == "cpu" or capacity <= 0:
+    if capacity <= 0:
         return None
     out = _one_model(config, capacity, plan.view("policy"))
     for i, m in enumerate(config.models):  # each trained model beside the policy: on GPUs of its own, or colocated on the policy's

@@ -56,7 +56,7 @@ from tensordict import TensorDict
 
 from meshrl import episode
 from meshrl.config import Config
-from meshrl.data import PromptNode
+from meshrl.queue.prompts import PromptNode
 from meshrl.errors import UserCodeError, describe
 from meshrl.logs import role_log
 

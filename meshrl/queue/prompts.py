@@ -1,0 +1,51 @@
+"""The prompt stream the episode queue draws from: a torchdata node over one source's records.
+
+`PromptNode` shuffles each epoch with the run seed (stored sources; generated tasks are random
+already); its state is (epoch, index), so a resumed run continues exactly where it stopped.
+The records themselves come from meshrl/data.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+from torchdata.nodes import BaseNode
+
+from meshrl.config import DataConfig
+from meshrl.data import generator, load_records
+
+
+class PromptNode(BaseNode[dict]):
+    """Endless, per-epoch shuffled records of one source; state = (epoch, index)."""
+
+    def __init__(self, cfg: DataConfig, seed: int):
+        super().__init__()
+        self.cfg, self.seed = cfg, seed
+        self.records = load_records(cfg)
+        self.generate = None if self.records is not None else generator(cfg, str(seed), cfg.num_prompts)
+        self.size = len(self.records) if self.records is not None else cfg.num_prompts
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self.epoch = initial_state["epoch"] if initial_state else 0
+        self.index = initial_state["index"] if initial_state else 0
+        self._order = self._permutation(self.epoch)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(self.size))
+        if self.cfg.shuffle and self.records is not None:  # generated records are random already
+            random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        return order
+
+    def next(self) -> dict:
+        if self.index >= self.size:
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        i = self._order[self.index]
+        self.index += 1
+        if self.records is not None:
+            return dict(self.records[i])
+        return self.generate(self.epoch, i)
+
+    def get_state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
