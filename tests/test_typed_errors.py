@@ -279,6 +279,25 @@ def test_starts_made_at_once_all_end_before_the_first_failure_is_raised():
         asyncio.run(all_ended(fails(RuntimeError("the engine failed"), 0), slow(), fails(ValueError("later"), 0.01)))
     assert ended == ["slow"]
     asyncio.run(all_ended())  # nothing to start
+    # engines sharing a GPU (trained models colocated on one) start one after another: the
+    # second begins only once the first has ended, and a failure stops what follows unstarted
+    from meshrl.controller.members import in_order
+
+    order = []
+
+    async def start(name: str, fail: bool = False):
+        order.append(f"{name} begins")
+        await asyncio.sleep(0.02)
+        if fail:
+            raise RuntimeError(f"{name} failed")
+        order.append(f"{name} ends")
+
+    asyncio.run(in_order(start("policy"), start("proposer")))
+    assert order == ["policy begins", "policy ends", "proposer begins", "proposer ends"]
+    order.clear()
+    with pytest.raises(RuntimeError, match="policy failed"):
+        asyncio.run(in_order(start("policy", fail=True), start("proposer")))
+    assert order == ["policy begins"]
 
 
 def test_a_member_on_several_procs_is_gone_when_any_of_its_own_procs_is():

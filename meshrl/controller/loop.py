@@ -29,7 +29,7 @@ from meshrl.controller.breaker import FailureBreaker, report_cliffs
 from meshrl.controller.collect import StepMetrics
 from meshrl.controller.evaluation import Evaluations
 from meshrl.controller.heal import TrainerHealer
-from meshrl.controller.members import all_ended
+from meshrl.controller.members import all_ended, in_order
 from meshrl.controller.partners import TrainedModel
 from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool, log_mesh_failures
 from meshrl.errors import TrainerFailed, UserCodeFailed, find, first_line, one_line
@@ -171,12 +171,12 @@ class RLLoop:
             self.scorers = ScorerPool(c, self.alloc, self._rewire_scorers, self.resume)
         saved = checkpoints.saved_models(self.run_dir) if self.resume else {}
         self.partners = [TrainedModel(c, spec.name, self.alloc, self._rewire_partner) for spec in c.models]
-        # The policy's generators, the teacher, the scorers and each trained model (its trainer,
-        # critic, generators and weight sync) start at once: each mostly waits on its own procs.
+        # The policy's generators, the teacher, the scorers and each trained model (its trainer, critic, generators and weight
+        # sync) start at once, each mostly waiting on its procs; models sharing GPUs in turn (members.py `in_order`: why)
         starts = [generators(), *(p.start(self.version, *saved.get(p.name, (None, None))) for p in self.partners)]
         starts += [self.teacher.start(1)] if self.teacher is not None else []
         starts += [self.scorers.start()] if self.scorers is not None else []
-        await all_ended(*starts)
+        await (in_order if self.partners and self.alloc.plan.layout == "colocated" else all_ended)(*starts)
         self.workers.teacher, self.workers.scorers = self.teacher and self.teacher.handles()[0], self.scorers.handles() if self.scorers else {}
         self.workers.partners = [p.handles() for p in self.partners]
         await self.workers.start(self.generators.handles())

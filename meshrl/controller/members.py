@@ -121,6 +121,20 @@ async def all_ended(*starts) -> None:
         raise failed[0]
 
 
+async def in_order(*starts) -> None:
+    """Await `starts` one after another, the first failure raised at once (the caller's stop
+    then stops what each got to). For engines that share a GPU (trained models colocated on
+    one): vLLM sizes an engine's KV cache from the memory it finds free as it profiles, so
+    two engines profiling one GPU at once would each count the other's passing use."""
+    pending = list(starts)
+    try:
+        while pending:
+            await pending.pop(0)
+    finally:
+        for start in pending:  # never started: closed, not left unawaited
+            start.close()
+
+
 async def start_all(spawns) -> list[Member]:
     """Members started at once (a pool's replicas import and load concurrently, not one after
     another). If any fails, the others are stopped and the first failure is raised."""
