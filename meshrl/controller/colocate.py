@@ -4,7 +4,8 @@ Before the trainer's call the batch is completed and the generators sleep (`slee
 after it the trainer frees its memory (colocated on GPUs) and the engines wake (`wake_for_generators`).
 Trained models beside the policy (`config.models`) share the same devices: every model's
 engines sleep and wake together, and the trainers step in turn, the policy's first, each
-freeing its memory before the next (`release`), so each step has the devices to itself.
+freeing its memory before the next (`release`), so each step has the devices to itself. Each
+trainer frees it too before its engines first start, which size their KV cache by what is free.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 
 from meshrl.compat import awaited
 from meshrl.config import Config
+from meshrl.launch.memory import plan_memory
 
 
 def wakes_on_new_version(config: Config, plan) -> bool:
@@ -42,6 +44,13 @@ async def sleep_for_trainer(config: Config, plan, queue, pools: list, watching, 
     return out
 
 
+def offloads_optimizer(config: Config, plan) -> bool:
+    """Colocated on GPUs, whether a trainer that frees its memory for the engines also moves
+    AdamW's state to host memory: where the memory plan needs it, or `trainer.offload_optimizer=always`."""
+    memory = plan_memory(config, plan=plan) if plan.layout == "colocated" else None
+    return memory is not None and memory.offload_optimizer or config.trainer.offload_optimizer == "always"
+
+
 async def release(plan, trainer, offload_optimizer: bool) -> dict[str, float]:
     """After a trainer's step, where the GPU is shared: its memory freed for the next trainer
     (a trained model's, in turn) or for the engines."""
@@ -68,8 +77,9 @@ async def models_in_turn(plan, trainer, partners: list, train, offload_optimizer
     return out
 
 
-async def load_models(partners: list, version: int) -> dict[str, float]:
-    """Each trained model's `version` loaded into its generators while they sleep."""
+async def load_models(partners: list, version: int | None = None) -> dict[str, float]:
+    """Each trained model's `version` (None: the one its trainer holds) loaded into its
+    generators while they sleep."""
     for p in partners:
-        p.update(version)
+        p.update(p.trainer.version if version is None else version)
     return {f"{p.name}/colocate/load_s": await p.finish_update() for p in partners}

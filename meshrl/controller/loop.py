@@ -35,7 +35,6 @@ from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool, lo
 from meshrl.errors import TrainerFailed, UserCodeFailed, find, first_line, one_line
 from meshrl.launch.allocation import LOST_HOST_STOP_S, allocate
 from meshrl.launch.devices import gpus_per_host, resolve_placement, resolve_transport, weights_on_gpu
-from meshrl.launch.memory import plan_memory
 from meshrl.logs import console
 from meshrl.metrics import MetricsWriter
 from meshrl.pinning import resolve_cpus
@@ -123,9 +122,7 @@ class RLLoop:
         log.info("placement: %s, %s, weight transport %s", c.placement, cpus, c.weight_sync.transport)
         self.tokenizer_dir = c.model.tokenizer or c.model.path or build_char_tokenizer(os.path.join(self.run_dir, "tokenizer"))
         self.alloc = await allocate(c).__aenter__()
-        # colocated on GPUs: the trainer frees memory (and AdamW's state where the memory plan says) before the engines wake
-        memory = plan_memory(c, plan=self.alloc.plan) if self.alloc.plan.layout == "colocated" else None
-        self._offload_optimizer = memory is not None and memory.offload_optimizer or c.trainer.offload_optimizer == "always"
+        self._offload_optimizer = colocate.offloads_optimizer(c, self.alloc.plan)
 
         # The coordinator proc holds the episode queue; each rollout worker has a proc of its own.
         self.coord = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap("coord"))
@@ -157,6 +154,7 @@ class RLLoop:
         self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version, wandb=wandb)
         self._last_checkpoint = time.monotonic()
         initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"), checkpoints.lora_base_dir(self.run_dir))
+        await colocate.release(self.alloc.plan, self.trainer, self._offload_optimizer)  # on a shared GPU, before the engines start
         self.generators.checkpoint_dir, self.generators.checkpoint_version = initial, self.version
         self.generators.source_lost = self.healer.trainer_dead  # an update cut off by a dead trainer keeps its replica
 
@@ -326,12 +324,13 @@ class RLLoop:
                 await self._trainer_failed(e, call)
 
     async def _woken_after_heal(self) -> dict[str, float]:
-        """placement=colocate: the engines slept for the dead trainer's step; with the healed
-        version loaded (asleep on GPU they dropped their weights) they wake, as between steps."""
+        """placement=colocate: the engines slept for the dead trainer's step; with the healed version loaded (asleep on
+        GPU every model's engines dropped their weights: each back at its trainer's version) they wake, as between steps."""
         if self.config.placement != "colocate":
             return {}
         if self._update_task is not None:  # the heal's update to the restored version
             await self._finish_update()
+        await colocate.load_models(self.partners if colocate.wakes_on_new_version(self.config, self.alloc.plan) else [])
         return await colocate.wake_for_generators(self.alloc.plan, self.trainer, self._pools(), self._offload_optimizer)
 
     def _pools(self) -> list:  # the generator pools that sleep while the trainers step
@@ -430,13 +429,12 @@ class RLLoop:
         self.history.append({"step": step, **row})
         self.metrics.write(step, row)
 
-    # ---- the Session's calls (the others are in controller/control.py) -----------------------
+    # ---- checkpoint and export (controller/checkpoint.py) ------------------------------------
     async def export_to(self, path: str) -> str:
         """The current policy as a Hugging Face checkpoint at `path`, with its tokenizer (a
         trainer that dies meanwhile is healed, and the export made from the restored state)."""
         return await self._healing("export", lambda: checkpoints.export_hf(self.trainer, path, self.run_dir, self.tokenizer_dir))
 
-    # ---- checkpoint and export (controller/checkpoint.py) ------------------------------------
     async def checkpoint(self, heal: bool = True) -> str:
         """Trainer state (DCP), the episode queue and the metrics history, atomically. A trainer
         that dies meanwhile is healed (`heal`) and the restored state saved: it may be one step

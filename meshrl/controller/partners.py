@@ -27,7 +27,7 @@ import time
 
 from meshrl.compat import settled
 from meshrl.config import Config
-from meshrl.controller import checkpoint as checkpoints
+from meshrl.controller import checkpoint as checkpoints, colocate
 from meshrl.controller.heal import critic_healed, proc_alive, procs_dead, replace_trainer, restore_critic, trainer_pids
 from meshrl.controller.replicas import GeneratorPool
 from meshrl.errors import TrainerFailed, first_line
@@ -93,6 +93,7 @@ class TrainedModel:
         publisher = await self.trainer.publisher_handle()
         # under LoRA its adapters' frozen base goes to its own models/NAME/hf/base
         initial = await self.trainer.export_hf(os.path.join(c.logging.run_dir, "hf", f"v{version}"), checkpoints.lora_base_dir(c.logging.run_dir))
+        await colocate.release(self.alloc.plan, self.trainer, colocate.offloads_optimizer(self.run_config, self.alloc.plan))  # before its engines start
         self.generators.checkpoint_dir = initial
         self.generators.source_lost = self.trainer_dead  # an update cut off by its dead trainer keeps the replica
         await self.generators.start(c.generator.replicas)
@@ -187,7 +188,8 @@ class TrainedModel:
             raise TrainerFailed(
                 f"{failed} ({first}) and could not be restarted ({type(e).__name__}: {first_line(str(e), 200)}); {checkpoints.how_to_resume(run_dir)}"
             ) from e
-        self.update(restored)  # a generator behind it (its update cut off) catches up
+        if c.placement != "colocate":  # colocated, its engines sleep: loaded once its step is done (colocate.load_models)
+            self.update(restored)  # a generator behind it (its update cut off) catches up
         took, lost = time.monotonic() - t0, max(0, version - restored)
         self.pending.update({"trainer/restart_s": took, "trainer/steps_lost": float(lost)})
         print(
