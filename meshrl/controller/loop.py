@@ -123,7 +123,6 @@ class RLLoop:
         self.tokenizer_dir = c.model.tokenizer or c.model.path or build_char_tokenizer(os.path.join(self.run_dir, "tokenizer"))
         self.alloc = await allocate(c).__aenter__()
         self._offload_optimizer = colocate.offloads_optimizer(c, self.alloc.plan)
-
         # The coordinator proc holds the episode queue; each rollout worker has a proc of its own.
         self.coord = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap("coord"))
         self.queue = self.coord.spawn("queue", EpisodeQueueActor, c.to_dict())
@@ -169,12 +168,15 @@ class RLLoop:
             self.scorers = ScorerPool(c, self.alloc, self._rewire_scorers, self.resume)
         saved = checkpoints.saved_models(self.run_dir) if self.resume else {}
         self.partners = [TrainedModel(c, spec.name, self.alloc, self._rewire_partner) for spec in c.models]
-        # The policy's generators, the teacher, the scorers and each trained model (its trainer, critic, generators and weight
-        # sync) start at once, each mostly waiting on its procs; models sharing GPUs in turn (members.py `in_order`: why)
-        starts = [generators(), *(p.start(self.version, *saved.get(p.name, (None, None))) for p in self.partners)]
+        # The policy's generators, the teacher, the scorers and each trained model start at once, each mostly waiting on its
+        # procs; models sharing GPUs: every trainer first, then each model's engines in turn (members.py `in_order`: why)
+        shared = bool(self.partners) and self.alloc.plan.layout == "colocated"
+        if shared:
+            await all_ended(*(p.start_trainer(self.version, *saved.get(p.name, (None, None))) for p in self.partners))
+        starts = [generators(), *(p.start_generators() if shared else p.start(self.version, *saved.get(p.name, (None, None))) for p in self.partners)]
         starts += [self.teacher.start(1)] if self.teacher is not None else []
         starts += [self.scorers.start()] if self.scorers is not None else []
-        await (in_order if self.partners and self.alloc.plan.layout == "colocated" else all_ended)(*starts)
+        await (in_order if shared else all_ended)(*starts)
         self.workers.teacher, self.workers.scorers = self.teacher and self.teacher.handles()[0], self.scorers.handles() if self.scorers else {}
         self.workers.partners = [p.handles() for p in self.partners]
         await self.workers.start(self.generators.handles())

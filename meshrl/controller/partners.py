@@ -62,10 +62,15 @@ class TrainedModel:
         self.pending: dict[str, float] = {}  # a heal's metrics, for the next row
 
     async def start(self, version: int, checkpoint_dir: str | None = None, critic_dir: str | None = None) -> None:
+        """Its trainer (`start_trainer`), then its generators and weight sync between them (`start_generators`)."""
+        await self.start_trainer(version, checkpoint_dir, critic_dir)
+        await self.start_generators()
+
+    async def start_trainer(self, version: int, checkpoint_dir: str | None = None, critic_dir: str | None = None) -> None:
         """Its trainer (from its model section, or from `checkpoint_dir`: a resumed run's
         checkpoint, at the policy's `version`), its critic where it trains by gae (from its
-        weights, or `critic_dir` beside `checkpoint_dir`), an export for its generators to
-        start from, the generators, and weight sync between them."""
+        weights, or `critic_dir` beside `checkpoint_dir`), and an export for its generators to
+        start from; their procs spawned meanwhile (they import vLLM)."""
         c = self.config
         os.makedirs(c.logging.run_dir, exist_ok=True)
         # its generators' procs now: they import vLLM while its trainer starts, set up once it has exported
@@ -90,14 +95,19 @@ class TrainedModel:
                 if critic_dir is None:
                     raise RuntimeError(f"trained model {self.name} trains by gae, and the checkpoint holds no critic of its own")
                 await self.critic.load_checkpoint(critic_dir)
-        publisher = await self.trainer.publisher_handle()
+        await self.trainer.publisher_handle()  # created before its first step, as the policy's
         # under LoRA its adapters' frozen base goes to its own models/NAME/hf/base
         initial = await self.trainer.export_hf(os.path.join(c.logging.run_dir, "hf", f"v{version}"), checkpoints.lora_base_dir(c.logging.run_dir))
         await colocate.release(self.alloc.plan, self.trainer, colocate.offloads_optimizer(self.run_config, self.alloc.plan))  # before its engines start
         self.generators.checkpoint_dir = initial
         self.generators.source_lost = self.trainer_dead  # an update cut off by its dead trainer keeps the replica
+
+    async def start_generators(self) -> None:
+        """Its generators, from its trainer's export, and weight sync from its trainer to them."""
+        c = self.config
         await self.generators.start(c.generator.replicas)
         on_gpu = weights_on_gpu(self.alloc.plan.view(self.name), c.weight_sync.transport)
+        publisher = await self.trainer.publisher_handle()
         self.weight_sync = await WeightSync(c.weight_sync, self.alloc.controller_address(), on_gpu).connect(publisher, self.generators.subscribers())
 
     def handles(self) -> list:
