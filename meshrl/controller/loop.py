@@ -31,7 +31,7 @@ from meshrl.controller.evaluation import Evaluations
 from meshrl.controller.heal import TrainerHealer
 from meshrl.controller.members import all_ended, in_order
 from meshrl.controller.partners import TrainedModel
-from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool, log_mesh_failures
+from meshrl.controller.replicas import GeneratorPool, MeshFailureLog, ScorerPool, WorkerPool
 from meshrl.errors import TrainerFailed, UserCodeFailed, find, first_line, one_line
 from meshrl.launch.allocation import LOST_HOST_STOP_S, allocate
 from meshrl.launch.devices import gpus_per_host, resolve_placement, resolve_transport, weights_on_gpu
@@ -79,7 +79,7 @@ class RLLoop:
         self.collect: StepMetrics | None = None
         self.evaluations: Evaluations | None = None
         self._update_task: asyncio.Task | None = None
-        self._restore_fault_hook = None
+        self.mesh_failures = MeshFailureLog()  # logged, not Monarch's interrupt (controller/replicas.py)
         self.breaker = FailureBreaker(config)
         self.healer = TrainerHealer(self)  # replaces a dead trainer mesh (controller/heal.py)
         self.watch = CliffWatch.from_config(config.alarm) if config.alarm.enabled else None
@@ -105,7 +105,7 @@ class RLLoop:
     async def start(self) -> None:
         c = self.config
         monarch_unprefixed_logs()  # meshrl's lines as written, once (compat.py)
-        self._restore_fault_hook = log_mesh_failures()
+        self.mesh_failures.install()
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             f.write(c.to_yaml())  # as given: `auto` placement is resolved again on the host that resumes it
@@ -467,6 +467,7 @@ class RLLoop:
 
     async def shutdown(self) -> None:
         """Stop everything this loop started, on every exit path; never raises."""
+        self.mesh_failures.quiet()  # what it stops reports as failing: into the log file, not onto the console
         for part in (self.collect, self.evaluations):
             if part is not None:
                 part.cancel()
@@ -494,6 +495,4 @@ class RLLoop:
             await self.alloc.__aexit__(None, None, None)
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
-        if self._restore_fault_hook is not None:
-            self._restore_fault_hook()
-            self._restore_fault_hook = None
+        self.mesh_failures.restore()

@@ -28,24 +28,35 @@ WORKER_ID_STRIDE = 1 << 20
 """Worker ids in the queue are index + stride * incarnation."""
 
 
-def log_mesh_failures() -> Callable[[], None]:
+class MeshFailureLog:
     """Monarch's default answer to a proc that dies is to interrupt the client. A run
-    replaces dead generators and workers and reports a dead trainer itself, so failures
-    are only logged here and surface as errors of the calls that touch the dead procs.
-    Returns the function that puts Monarch's hook back."""
-    import monarch.actor
+    replaces dead generators and workers and reports a dead trainer itself, so from
+    `install` on, failures are only logged (a warning, on the console) and surface as errors
+    of the calls that touch the dead procs. Once the run stops (`quiet`), the procs it stops
+    report as failing too, one stopped while its actor still starts among them: those go to
+    the log file alone. `restore` puts Monarch's hook back."""
 
-    previous = monarch.actor.unhandled_fault_hook
+    def __init__(self):
+        self.previous, self.installed, self.stopping = None, False, False
 
-    def log_failure(failure) -> None:
-        log.warning("mesh failure: %s", first_line(str(failure)))
+    def install(self) -> None:
+        import monarch.actor
 
-    def restore() -> None:
-        if previous is not None:
-            monarch.actor.unhandled_fault_hook = previous
+        self.previous, self.installed = monarch.actor.unhandled_fault_hook, True
+        monarch.actor.unhandled_fault_hook = self.log
 
-    monarch.actor.unhandled_fault_hook = log_failure
-    return restore
+    def log(self, failure) -> None:
+        (log.info if self.stopping else log.warning)("mesh failure: %s", first_line(str(failure)))
+
+    def quiet(self) -> None:
+        self.stopping = True
+
+    def restore(self) -> None:
+        import monarch.actor
+
+        if self.installed and self.previous is not None:
+            monarch.actor.unhandled_fault_hook = self.previous
+        self.installed = False
 
 
 class GeneratorPool:
