@@ -89,10 +89,16 @@ def check_tokenizer(c: Config) -> None:
     tokenizer_dir, field_path = (m.tokenizer, "model.tokenizer") if m.tokenizer else (m.path, "model.path")
     if tokenizer_dir is None:
         return
-    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-    if os.path.isdir(tokenizer_dir) and not any(os.path.exists(os.path.join(tokenizer_dir, f)) for f in files):  # without importing transformers
+
+    # a directory with no tokenizer file at all is refused without importing transformers (seconds)
+    def tokenizer_file(name: str) -> bool:
+        return any(part in name for part in ("token", "vocab", "merges")) or name.endswith(".model")
+
+    if os.path.isdir(tokenizer_dir) and not any(map(tokenizer_file, os.listdir(tokenizer_dir))):
         raise ConfigError(
-            field_path, f"no tokenizer loads from {tokenizer_dir!r}: it holds none of {', '.join(files)}; give a Hugging Face tokenizer's directory"
+            field_path,
+            f"no tokenizer loads from {tokenizer_dir!r}: it holds no tokenizer file (tokenizer.json, tokenizer_config.json, a vocabulary, "
+            "merges or a sentencepiece model); give a Hugging Face tokenizer's directory",
         )
     try:
         load_tokenizer(tokenizer_dir)
