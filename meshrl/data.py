@@ -3,10 +3,10 @@
 The episode queue draws records through `PromptNode` (meshrl/queue/prompts.py), a torchdata
 node over one source's records, shuffled per epoch with the run seed, whose state (epoch,
 index) lets a resumed run continue exactly where it stopped; this module imports no torch,
-so the checks before a run read rows without it. A record is a dict with `prompt` (text, or a list of chat messages) and `answer`,
-plus whatever else the source holds; the episode queue (meshrl/queue/) hands records
-out to rollout workers, whose env turns them into episodes. Records cross actor
-boundaries, so they hold plain picklable, JSON-able values only.
+so the checks before a run read rows without it. A record is a dict with `prompt` (text, or
+a list of chat messages) and `answer`, plus whatever else the source holds; the episode
+queue (meshrl/queue/) hands records out to rollout workers, whose env turns them into
+episodes. Records cross actor boundaries, so they hold plain picklable, JSON-able values only.
 
 A stored source is read row by row (`iter_rows`): every row must parse and hold its prompt,
 and the first that does not is a `DataError` whose message is `FILE:LINE: what is wrong`

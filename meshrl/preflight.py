@@ -9,7 +9,8 @@ and the TorchX component call them before any mesh starts; nothing below them im
 this module.
 
 Each check lives beside what it checks: the model's in meshrl/trainer/checks.py, the
-tokenizer's in meshrl/tokenizer.py, the data source's and its rows in meshrl/data.py, the scorers' in meshrl/scorers/checks.py, the env and reward contracts in
+tokenizer's in meshrl/tokenizer.py, the data source's and its rows in meshrl/data.py, the
+scorers' in meshrl/scorers/checks.py, the env and reward contracts in
 meshrl/rollout/checks.py (the table is docs/contracts.md), the sandbox's in
 meshrl/rollout/sandbox.py, Slurm's in meshrl/launch/slurm.py, the workers' address in
 meshrl/launch/workers.py, the device and memory plans in meshrl/launch/. This module is the

@@ -297,6 +297,17 @@ def test_colocated_models_share_the_gpus_their_trainers_step_in_turn_in_the_memo
         config(placement="colocate", models=[one], generator={"gpu_memory_utilization": 0.46}, launcher={"gpus_per_host": 1, "gpu_memory_gib": 80})
     )
     assert not fits.problems, fits.problems
+    # where one trainer's step beside what the other keeps is what overflows, the budgets are not the fix
+    from meshrl.launch.memory import GiB, GPUPlan, Holding, MemoryPlan, _colocated_models
+
+    def trainer(role: str) -> Holding:  # a 60 GiB step that keeps 20 GiB while the engines generate
+        return Holding(role, 0, [("weights (float32)", 20 * GiB), ("activations", 40 * GiB)], kept={"weights (float32)"})
+
+    engines = [Holding(role, 0, [("vLLM budget (5% of the GPU)", 4 * GiB)]) for role in ("generator", "proposer/generator")]
+    stepping = MemoryPlan(80 * GiB, [GPUPlan(("hosts", 0, 0), [trainer("trainer"), engines[0], trainer("proposer/trainer"), engines[1]])], {}, True, [])
+    _colocated_models(c, stepping)
+    ((field, why),) = stepping.problems
+    assert field == "placement" and "a trainer's step beside what the other trainers keep" in why and "gpu_memory_utilization" not in why, why
     for model, field in (({"trainer": {"procs": 2}}, "models[0].trainer.procs"), ({"generator": {"replicas": 2}}, "models[0].generator.replicas")):
         with pytest.raises(ConfigError) as e:  # laid out as the policy's: within the host's GPUs
             plan_devices(config(placement="colocate", models=[{**one, **model}], launcher={"gpus_per_host": 1}))

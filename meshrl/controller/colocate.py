@@ -77,9 +77,9 @@ async def models_in_turn(plan, trainer, partners: list, train, offload_optimizer
     return out
 
 
-async def load_models(partners: list, version: int | None = None) -> dict[str, float]:
-    """Each trained model's `version` (None: the one its trainer holds) loaded into its
-    generators while they sleep."""
+async def load_models(partners: list) -> dict[str, float]:
+    """Each trained model's version, the one its trainer holds, loaded into its generators
+    while they sleep (after a step, or after the policy's heal)."""
     for p in partners:
-        p.update(p.trainer.version if version is None else version)
+        p.update(p.trainer.version)
     return {f"{p.name}/colocate/load_s": await p.finish_update() for p in partners}

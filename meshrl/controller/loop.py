@@ -167,7 +167,7 @@ class RLLoop:
         if any(s.kind in ON_PROCS for s in c.scoring.scorers):  # reward models, judges, remote clients: procs of their own
             self.scorers = ScorerPool(c, self.alloc, self._rewire_scorers, self.resume)
         saved = checkpoints.saved_models(self.run_dir) if self.resume else {}
-        self.partners = [TrainedModel(c, spec.name, self.alloc, self._rewire_partner) for spec in c.models]
+        self.partners = [TrainedModel(c, spec.name, self.alloc, self._rewire_partner, self._offload_optimizer) for spec in c.models]
         # The policy's generators, the teacher, the scorers and each trained model start at once, each mostly waiting on its
         # procs; models sharing GPUs: every trainer first, then each model's engines in turn (members.py `in_order`: why)
         shared = bool(self.partners) and self.alloc.plan.layout == "colocated"
@@ -231,9 +231,10 @@ class RLLoop:
         out.update(handoff)
         out.update(self.healer.metrics())
         try:
-            if colocate.wakes_on_new_version(c, self.alloc.plan):  # loaded while the engines sleep
+            load_asleep = colocate.wakes_on_new_version(c, self.alloc.plan)  # each version loaded while the engines sleep
+            if load_asleep:
                 out["colocate/load_s"] = await self._update_generators(self.version)
-                out.update(await colocate.load_models(self.partners, self.version))
+                out.update(await colocate.load_models(self.partners))
             if c.placement == "colocate":
                 released = None if self.partners else self.trainer  # with trained models: before their turns
                 out.update(await colocate.wake_for_generators(self.alloc.plan, released, self._pools(), self._offload_optimizer))
@@ -241,11 +242,11 @@ class RLLoop:
                 t0 = time.monotonic()
                 out["sync/previous_update_s"] = await self._finish_update()
                 out["sync/previous_update_wait_s"] = time.monotonic() - t0
-            if not colocate.wakes_on_new_version(c, self.alloc.plan):
+            if not load_asleep:
                 self._update_task = asyncio.create_task(self._update_generators(self.version))
             for p in self.partners:  # each model's generators follow in the background, unless loaded above
                 out.setdefault(f"{p.name}/sync/previous_update_s", await p.finish_update())
-                if "colocate/load_s" not in out:
+                if not load_asleep:
                     p.update(self.version)
             row = await self.collect.row(out)
             self._record(self.version, row)

@@ -44,8 +44,9 @@ log = logging.getLogger("meshrl")
 class TrainedModel:
     """One trained model beside the policy: trainer mesh, generator pool and weight sync."""
 
-    def __init__(self, config: Config, name: str, alloc, workers_changed):
+    def __init__(self, config: Config, name: str, alloc, workers_changed, offload_optimizer: bool = False):
         self.run_config = config
+        self.offload_optimizer = offload_optimizer  # colocated on GPUs: the run's (colocate.offloads_optimizer)
         self.name = name
         self.index = config.model_names().index(name)
         self.config = config.for_model(name)
@@ -99,7 +100,7 @@ class TrainedModel:
         await self.trainer.publisher_handle()  # created before its first step, as the policy's
         # under LoRA its adapters' frozen base goes to its own models/NAME/hf/base
         initial = await self.trainer.export_hf(os.path.join(c.logging.run_dir, "hf", f"v{version}"), checkpoints.lora_base_dir(c.logging.run_dir))
-        await colocate.release(self.alloc.plan, self.trainer, colocate.offloads_optimizer(self.run_config, self.alloc.plan))  # before its engines start
+        await colocate.release(self.alloc.plan, self.trainer, self.offload_optimizer)  # before its engines start
         self.generators.checkpoint_dir = initial
         self.generators.source_lost = self.trainer_dead  # an update cut off by its dead trainer keeps the replica
 
@@ -199,7 +200,7 @@ class TrainedModel:
             raise TrainerFailed(
                 f"{failed} ({first}) and could not be restarted ({type(e).__name__}: {first_line(str(e), 200)}); {checkpoints.how_to_resume(run_dir)}"
             ) from e
-        if c.placement != "colocate":  # colocated, its engines sleep: loaded once its step is done (colocate.load_models)
+        if c.placement != "colocate":  # colocated, its engines sleep: loaded once the step is done (colocate.load_models)
             self.update(restored)  # a generator behind it (its update cut off) catches up
         took, lost = time.monotonic() - t0, max(0, version - restored)
         self.pending.update({"trainer/restart_s": took, "trainer/steps_lost": float(lost)})

@@ -135,7 +135,10 @@ def plan_memory(config: Config, capacity: float | None = None, plan=None) -> Mem
             for h in gpu.holdings:
                 h.role = f"{m.name}/{h.role}"
             shared = next((g for g in out.gpus if g.where == gpu.where), None)
-            shared.holdings.extend(gpu.holdings) if shared is not None else out.gpus.append(gpu)
+            if shared is not None:
+                shared.holdings.extend(gpu.holdings)
+            else:
+                out.gpus.append(gpu)
         out.offload_optimizer |= mine.offload_optimizer  # colocated: one setting for every model (`_colocated_models`)
         for where, items in mine.host_ram.items():
             out.host_ram.setdefault(where, []).extend((f"{m.name}'s {what}", b) for what, b in items)
@@ -150,26 +153,28 @@ def _colocated_models(config: Config, out: MemoryPlan) -> None:
     """Every trained model on the same GPUs (placement=colocate): AdamW's state offloaded
     while the engines generate where the shared GPU needs it (`trainer.offload_optimizer`
     auto), and a GPU that still does not fit refused, naming what shares it."""
-    over = [g for g in out.gpus if g.peak > HEADROOM * out.capacity]
+    over = any(g.peak > HEADROOM * out.capacity for g in out.gpus)
     if out.offload_optimizer or over and config.trainer.offload_optimizer == "auto":  # one model's plan offloads: each model's does
         out.offload_optimizer = True
         for h in (h for g in out.gpus for h in g.holdings if h.kept is not None):
             h.kept.discard("AdamW moments (2 x float32)")
-    for gpu in (g for g in out.gpus if g.peak > HEADROOM * out.capacity):
-        mesh, host, index = gpu.where
-        names = ", ".join(["policy", *(m.name for m in config.models)])
-        engines = [h for h in gpu.holdings if not _trains(h)]
+    gpu = next((g for g in out.gpus if g.peak > HEADROOM * out.capacity), None)
+    if gpu is None:
+        return
+    cap, (mesh, host, index) = HEADROOM * out.capacity, gpu.where
+    engines = [h for h in gpu.holdings if not _trains(h)]
+    generating = sum(h.while_generating for h in gpu.holdings if _trains(h)) + sum(h.total for h in engines)
+    offload = "" if out.offload_optimizer else ", set trainer.offload_optimizer=always"
+    if generating > cap:  # what the engines' budgets may take beside the trainers' kept memory and the engines' own
         budgets = sum(b for h in engines for w, b in h.lines if w.startswith("vLLM budget"))
-        room = HEADROOM * out.capacity - (gpu.peak - budgets if gpu.peak > budgets else 0)  # what the budgets may take
-        why = (
-            f"{mesh}[{host}] GPU {index} needs {gpu.peak / GiB:.1f} GiB of {out.capacity / GiB:.0f} GiB with every trained model on it "
-            f"({names}: their {len(engines)} engines generate at once beside what each trainer keeps; the trainers step in turn): "
-            f"lower each model's generator.gpu_memory_utilization to at most {max(room / len(engines) / out.capacity - 0.005, 0):.2f}"
-            + ("" if out.offload_optimizer else ", set trainer.offload_optimizer=always")
-            + ", or give the models GPUs of their own (placement=split)"
-        )
-        out.problems.append(("placement", why))
-        break
+        share = max((cap - (generating - budgets)) / len(engines) / out.capacity - 0.005, 0)
+        fix = f"their {len(engines)} engines generate at once beside what each trainer keeps): "
+        fix += f"lower each model's generator.gpu_memory_utilization to at most {share:.2f}{offload}"
+    else:
+        fix = f"a trainer's step beside what the other trainers keep): shard the models over more trainer procs{offload}"
+    names = ", ".join(["policy", *(m.name for m in config.models)])
+    at = f"{mesh}[{host}] GPU {index} needs {gpu.peak / GiB:.1f} GiB of {out.capacity / GiB:.0f} GiB with every trained model on it ({names}: "
+    out.problems.append(("placement", f"{at}{fix}, or give the models GPUs of their own (placement=split)"))
 
 
 def _one_model(config: Config, capacity: float, plan) -> MemoryPlan:
