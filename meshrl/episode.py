@@ -352,6 +352,16 @@ def group_slices(td: TensorDict) -> list[slice]:
     return slices
 
 
+def leave_out(td: TensorDict, models: set[int]) -> TensorDict:
+    """A game's group with the rows of `models` (frozen: served, never trained) out of every
+    loss: they stay in the batch, their loss mask cleared, so that no staleness bound or lag
+    counts their tokens (version 0 for good) and no trainer takes them (`model_rows`)."""
+    if models and "model" in td.keys():
+        frozen = torch.isin(td["model"], torch.tensor(sorted(models)))
+        td["loss_mask"] = td["loss_mask"] & ~frozen[:, None]
+    return td
+
+
 def model_rows(td: TensorDict, model: int) -> TensorDict:
     """A game's batch as trained model `model` trains on it: its rows only (a batch without
     the `model` key is the policy's alone). With none of its rows (every one failed before it

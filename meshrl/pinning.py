@@ -34,6 +34,23 @@ import torch
 
 from meshrl.compat import cuda_present
 from meshrl.config.cpus import AUTO, cpus_for, parse_cpu_lists
+from meshrl.launch.devices import gpus_per_host, resolve_placement, resolve_transport
+from meshrl.logs import console
+
+
+def settle_layout(config) -> None:
+    """The run's `auto` choices made for this host, in place: its placement (said on the
+    console where it was chosen on CPU, and why), its weight transport and each role's cores."""
+    c = config
+    if c.launcher.kind in ("slurm", "workers") and c.launcher.gpus_per_host == 0 and c.trainer.device == "auto":
+        job = ", and the Slurm job asks for none" if c.launcher.kind == "slurm" else ""
+        why = f"this {c.launcher.kind} run plans no GPUs (every role on CPU{job}); set it to the hosts' GPUs for a GPU run"
+        print(f"meshrl: launcher.gpus_per_host=0: {why}", file=console())
+    placement, why = resolve_placement(c)
+    if c.placement == "auto" and gpus_per_host(c) == 0:
+        print(f"meshrl: placement auto -> {placement} ({why})", file=console())
+    c.placement, c.weight_sync.transport = placement, resolve_transport(c)
+    c.trainer.cpus, c.generator.cpus = resolve_cpus(c)
 
 
 def resolve_cpus(config, cores: list[int] | None = None) -> tuple[str, str]:

@@ -168,6 +168,65 @@ def test_trained_models_config_view_and_refusals():
         assert e.value.field_path == "eval.source", str(e.value)
 
 
+def test_a_frozen_model_is_served_never_trained_and_left_out_of_every_loss(tmp_path, char_tokenizer):
+    """models[i].frozen: refused without a checkpoint or with a trainer section of its own; no
+    trainer, critic or adapters of its own (a gae policy and colocate stay allowed beside it);
+    its rows stay in the group with nothing in the loss, so the queue's bound never counts its
+    version-0 tokens; and its turns ask its generators for version 0, not the claim's."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from meshrl.agent.game import play_game
+    from meshrl.episode import leave_out
+    from meshrl.queue.buffer import EpisodeQueue
+    from meshrl.rollout.chat import ChatRenderer
+
+    frozen = {"name": "proposer", "frozen": True, "model": {"path": str(tmp_path)}}
+    for field, spec in {"models[0].model.path": {"name": "a", "frozen": True}, "models[0].trainer": {**frozen, "trainer": {"lr": 0.1}}}.items():
+        with pytest.raises(ConfigError) as e:
+            Config.from_dict({"models": [spec]})
+        assert e.value.field_path == field, str(e.value)
+    c = Config.from_dict({"models": [frozen, {"name": "b"}], "lora": {"rank": 4}})
+    assert c.frozen_models() == {1} and c.for_model("proposer").lora.rank == 0 and c.for_model("b").lora.rank == 4
+    Config.from_dict({"models": [frozen], "trainer": {"loss": {"advantage": "gae"}}, "critic": {"path": "/a/critic"}})  # no critic of its own
+    assert EpisodeQueue(Config.from_dict({"models": [frozen]})).partners == 0  # no trainer takes the shared batches
+
+    episodes = []
+    for i in range(2):
+        ep = Episode(0, i)
+        ep.threads = [_thread(1, i * 64, 1.0 - i), _thread(0, i * 64 + 1, float(i), n=3)]
+        episodes.append(ep)
+    td = leave_out(assign_advantages(pack(episodes), "grpo"), {1})
+    assert td["model"].tolist() == [1, 0, 1, 0] and td["versions"][0, 2].item() == 5  # kept, tagged as sampled
+    assert not td["loss_mask"][td["model"] == 1].any() and td["loss_mask"][td["model"] == 0].sum() == 6
+    assert model_rows(td, 0)["loss_mask"].sum() == 6
+
+    class Turns:  # each model's generators: what version each turn asked for
+        def __init__(self):
+            self.asked = []
+
+        async def generate(self, replica, ids, budget, version, temperature):
+            self.asked.append(version)
+            return SimpleNamespace(token_ids=[5], logprobs=[0.0], versions=[0], finish_reason="stop", routed_experts=None)
+
+    class Game:
+        def step(self, reply):
+            return Ask("policy", "solve", "3:") if reply.model == "proposer" else Outcome({"propose": 1.0, "solve": 1.0})
+
+    config = Config.from_dict({"models": [frozen]})
+    turns = [Turns(), Turns()]
+    renderer = ChatRenderer(char_tokenizer)
+    worker = SimpleNamespace(config=config, model_turns=turns, tokenizer=char_tokenizer, _renderer=lambda env: renderer)
+
+    async def env_call(env, method, arg):
+        return getattr(env, method)(arg)
+
+    worker._env_call = env_call
+    ep = Episode(0, 0)
+    asyncio.run(play_game(worker, Game(), Ask("proposer", "propose", "p:"), ep, 7, [0, 0], None))
+    assert turns[1].asked == [0] and turns[0].asked == [7]  # the frozen proposer at version 0, the solver at the claim's
+
+
 def proposal_score(prompt, response, sample):
     """A scorer of the proposer's threads (the run below): 0.25 for a proposal sent with the
     proposer's opening observation (task:propose's "p:"; "q:" in the unit test), else 0."""

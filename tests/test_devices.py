@@ -16,6 +16,7 @@ import yaml
 
 from meshrl.config import Config, ConfigError
 from meshrl.launch.devices import DEVICE_ENV, NCCL_IFNAME_ENV, PLAN_ENV, plan_devices, resolve_transport, weights_on_gpu
+from tests import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -317,6 +318,33 @@ def test_colocated_models_share_the_gpus_their_trainers_step_in_turn_in_the_memo
     gae = {**one, "trainer": {"loss": {"advantage": "gae"}}}
     assert resolve_placement(config(models=[gae], launcher={"gpus_per_host": 2}))[0] == "split"
     assert resolve_placement(config(models=[one]))[0] == "split"  # on CPU cores, placement=colocate when asked
+
+
+def test_a_frozen_model_holds_gpus_for_its_replicas_alone(monkeypatch, tmp_path):
+    """models[i].frozen on GPUs: its replicas alone in the device plan (split after the policy's
+    roles, or colocated on the policy's GPUs), an engine with no weight-sync buffers in the
+    memory plan, and `auto` counting its replicas alone; too few GPUs names its replicas."""
+    from meshrl.launch.devices import resolve_placement
+    from meshrl.launch.memory import plan_memory
+
+    monkeypatch.delenv(NCCL_IFNAME_ENV, raising=False)
+    frozen = {"name": "user", "frozen": True, "model": {"path": conftest.build_digit_teacher(tmp_path / "user")}, "generator": {"replicas": 2}}
+    c = config(models=[frozen], launcher={"gpus_per_host": 4, "gpu_memory_gib": 80})
+    assert resolve_placement(c)[0] == "split"  # 1 + 1 + its 2 replicas fit GPUs of their own
+    plan = plan_devices(c)
+    assert [(s.role, s.gpus) for s in plan.slots] == [("trainer", (0,)), ("generator", (1,)), ("user/generator", (2,)), ("user/generator", (3,))]
+    memory = plan_memory(c, plan=plan)
+    (held,) = memory.gpu("hosts", 0, 2).holdings
+    assert held.role == "user/generator" and not any("receive" in what for what, _ in held.lines) and not memory.problems, held.lines
+    trained = plan_memory(config(models=[{**frozen, "frozen": False, "generator": {"replicas": 1}}], launcher={"gpus_per_host": 4, "gpu_memory_gib": 80}))
+    assert any("receive" in what for h in trained.gpu("hosts", 0, 3).holdings for what, _ in h.lines)  # a trained model's engine receives
+    with pytest.raises(ConfigError) as e:
+        plan_devices(config(models=[frozen], placement="split", launcher={"gpus_per_host": 3}))
+    assert e.value.field_path == "models[0].generator.replicas" and "frozen model user needs 2 GPUs" in str(e.value), str(e.value)
+    shared = config(models=[frozen], placement="colocate", generator={"gpu_memory_utilization": 0.3}, launcher={"gpus_per_host": 2, "gpu_memory_gib": 80})
+    slots = [(s.role, s.gpus) for s in plan_devices(shared).slots]
+    assert slots == [("trainer", (0,)), ("generator", (0,)), ("user/generator", (0,)), ("user/generator", (1,))]
+    assert resolve_placement(config(models=[frozen], launcher={"gpus_per_host": 2}))[0] == "colocate"
 
 
 def test_ppos_critic_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypatch):

@@ -9,8 +9,9 @@
 
 Each model's turns go to its own generator replicas (its TurnBatcher): a proposer's
 engine holds the proposer's weights, the solver's the solver's, and each tags its tokens
-with its own version. The claim's version gates every model's generators alike: the
-models train in lockstep (one batch, one step each), so version v means v steps of each.
+with its own version. The claim's version gates every trained model's generators alike: the
+models train in lockstep (one batch, one step each), so version v means v steps of each. A
+frozen model's generators serve its checkpoint at version 0, and its threads train nothing.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ async def _turn(worker, env, ask: Ask, ep: Episode, threads, speakers, last, ver
         thread.turns.pop()
         return None
     budget = min(c.generator.max_new_tokens, room, ask.max_new_tokens or room)
-    out = await worker.model_turns[model].generate(replicas[model], thread.token_ids, budget, version, temperature)
+    floor = 0 if model in c.frozen_models() else version  # a frozen model's generators stay at version 0
+    out = await worker.model_turns[model].generate(replicas[model], thread.token_ids, budget, floor, temperature)
     thread.turns.append(Turn("model", out.token_ids, out.logprobs, out.versions, finish_reason=out.finish_reason, routed_experts=out.routed_experts))
     last[ask.thread] = list(out.token_ids)
     if out.finish_reason == "abort":

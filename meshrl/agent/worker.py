@@ -37,7 +37,7 @@ from meshrl.config import Config
 from meshrl.errors import describe, find, one_line, source_location, user_location
 from meshrl.logs import role_log
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
-from meshrl.episode import Episode, Turn, assign_advantages, pack
+from meshrl.episode import Episode, Turn, assign_advantages, leave_out, pack
 from meshrl.rollout.chat import ChatRenderer
 from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name
 from meshrl.agent.game import play_game, thread_windows
@@ -325,7 +325,7 @@ class RolloutWorker:
         never stays RUNNING under a worker that is alive but gave it up."""
         try:
             episodes = await self.play_group(claim)
-            group = await self._packed(episodes)
+            group = leave_out(await self._packed(episodes), self.config.frozen_models())  # a frozen model's rows train nothing
             if self._stopping:
                 return
             accepted = await asyncio.wait_for(awaited(queue.put.call_one(claim.group_id, group, claim.token)), 120)

@@ -265,6 +265,9 @@ def _check_models(c: Config) -> None:
         taken = "the policy" if m.name == "policy" else "by another model"
         need(m.name not in names, path, f"{m.name!r} is taken ({taken}): give each model a name of its own")
         need("group_size" not in m.generator, f"models[{i}].generator.group_size", "a group is the run's: every model's episodes share generator.group_size")
+        if m.frozen:  # served from a checkpoint of its own, never trained
+            need(bool(m.model.get("path")), f"models[{i}].model.path", "a frozen model serves a checkpoint, never trained: set a Hugging Face model directory")
+            need(not m.trainer, f"models[{i}].trainer", f"{m.name} is frozen and has no trainer: drop its trainer section, or frozen")
         names.append(m.name)
     models = ", ".join(names[1:])
     need(c.distill.teacher is None, "distill.teacher", f"distillation scores the policy's episodes only: drop it, or the other models (models: {models})")
@@ -284,6 +287,8 @@ def _check_models(c: Config) -> None:
             f"for games (models: {models})",
         )
     for i, m in enumerate(c.models):
+        if m.frozen:  # no trainer, no critic
+            continue
         gae = m.trainer.get("loss", {}).get("advantage", c.trainer.loss.advantage) == "gae"
         need(
             not (gae and c.placement == "colocate"),

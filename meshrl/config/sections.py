@@ -328,7 +328,7 @@ class LoggingConfig:
 
 @dataclass
 class TrainedModelConfig:
-    """A trained model beside the policy: its own trainer mesh, optimizer, version counter, generators and weight sync (co-evolving policies, docs/coevolve.md). Each section here overrides the policy's section of that name, key by key; the rest is the policy's."""
+    """A model beside the policy (co-evolving policies, docs/coevolve.md): trained, with its own trainer mesh, optimizer, version counter, generators and weight sync; or served alone (`frozen`). Each section here overrides the policy's section of that name, key by key; the rest is the policy's."""
 
     name: str = ""
     """The model's name: what a game env's `Ask.model` says (the policy is `policy`), the prefix of its metrics (`NAME/trainer/...`, `NAME/reward/mean`) and its directory under the run's (`models/NAME/`: its logs and first export; its checkpoint goes under `checkpoints/models/NAME`, its final export to `hf/final-NAME`)."""
@@ -338,6 +338,8 @@ class TrainedModelConfig:
     """Overrides of the policy's `trainer` section (e.g. `lr`, `procs`, `loss: {clip_high: 0.3}`). With `loss.advantage: gae` (set here, or the policy's inherited) the model trains by PPO with a critic of its own (the `critic` section's settings, from its own weights; `NAME/critic/...`, `hf/final-NAME-critic`); `loss: {advantage: grpo}` keeps a model on a group advantage beside a PPO policy."""
     generator: dict[str, Any] = field(default_factory=dict)
     """Overrides of the policy's `generator` section (e.g. `replicas`, `temperature`); `group_size` is the run's."""
+    frozen: bool = False
+    """Served, never trained (a fixed opponent, an LLM user simulator): its generators serve `model.path` (a checkpoint that shares the policy's tokenizer) with no trainer, optimizer, weight sync, checkpoint or export of its own; its threads are played, scored and reported (`NAME/reward/mean`) but left out of every loss, and its tokens stay at version 0 without counting as stale. Set no `trainer` section for it."""
 
 
 @dataclass
@@ -404,8 +406,12 @@ class Config:
         return dataclasses.asdict(self)
 
     def model_names(self) -> list[str]:
-        """The trained models, the policy first: their index is the `model` key of a game's rows."""
+        """The models, the policy first: their index is the `model` key of a game's rows."""
         return ["policy"] + [m.name for m in self.models]
+
+    def frozen_models(self) -> set[int]:
+        """The indices (in `model_names`) of the models served and never trained (`models[i].frozen`)."""
+        return {i + 1 for i, m in enumerate(self.models) if m.frozen}
 
     def for_model(self, name: str) -> "Config":
         """The run as the trained model `name` sees it: its model, trainer and generator
@@ -422,6 +428,8 @@ class Config:
             data["seed"] = self.seed + 1 + index  # the policy's shapes, a start of its own
         data["generator"]["group_size"] = self.generator.group_size
         data["logging"]["run_dir"] = os.path.join(self.logging.run_dir, "models", name)
+        if spec.frozen:  # it serves its checkpoint whole: no adapters of its own
+            data["lora"] = {**data["lora"], "rank": 0}
         data["models"] = []
         data.pop("scoring")
         try:

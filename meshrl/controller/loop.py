@@ -30,14 +30,13 @@ from meshrl.controller.collect import StepMetrics
 from meshrl.controller.evaluation import Evaluations
 from meshrl.controller.heal import TrainerHealer
 from meshrl.controller.members import all_ended, in_order
-from meshrl.controller.partners import TrainedModel
+from meshrl.controller.partners import TrainedModel, served_pools
 from meshrl.controller.replicas import GeneratorPool, MeshFailureLog, ScorerPool, WorkerPool
 from meshrl.errors import TrainerFailed, UserCodeFailed, find, first_line, one_line
 from meshrl.launch.allocation import LOST_HOST_STOP_S, allocate
-from meshrl.launch.devices import gpus_per_host, resolve_placement, resolve_transport, weights_on_gpu
-from meshrl.logs import console
+from meshrl.launch.devices import weights_on_gpu
 from meshrl.metrics import MetricsWriter
-from meshrl.pinning import resolve_cpus
+from meshrl.pinning import settle_layout
 from meshrl.queue.actor import EpisodeQueueActor
 from meshrl.queue.buffer import BatchTimeout
 from meshrl.rollout.env import RewardFn
@@ -76,6 +75,7 @@ class RLLoop:
         self.workers: WorkerPool | None = None
         self.critic = None  # PPO's critic (trainer.loss.advantage=gae): a CriticMesh
         self.partners: list[TrainedModel] = []  # config.models: trained models beside the policy (controller/partners.py)
+        self.served: dict[str, GeneratorPool] = {}  # and the frozen ones: generators alone
         self.collect: StepMetrics | None = None
         self.evaluations: Evaluations | None = None
         self._update_task: asyncio.Task | None = None
@@ -109,15 +109,7 @@ class RLLoop:
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             f.write(c.to_yaml())  # as given: `auto` placement is resolved again on the host that resumes it
-        if c.launcher.kind in ("slurm", "workers") and c.launcher.gpus_per_host == 0 and c.trainer.device == "auto":
-            job = ", and the Slurm job asks for none" if c.launcher.kind == "slurm" else ""
-            why = f"this {c.launcher.kind} run plans no GPUs (every role on CPU{job}); set it to the hosts' GPUs for a GPU run"
-            print(f"meshrl: launcher.gpus_per_host=0: {why}", file=console())
-        placement, why = resolve_placement(c)
-        if c.placement == "auto" and gpus_per_host(c) == 0:  # the console says which CPU placement, and why
-            print(f"meshrl: placement auto -> {placement} ({why})", file=console())
-        c.placement, c.weight_sync.transport = placement, resolve_transport(c)
-        c.trainer.cpus, c.generator.cpus = resolve_cpus(c)
+        settle_layout(c)  # placement, weight transport and cores decided for this host
         cpus = f"trainer cpus {c.trainer.cpus or 'any'!r}, generator cpus {c.generator.cpus or 'any'!r}"
         log.info("placement: %s, %s, weight transport %s", c.placement, cpus, c.weight_sync.transport)
         self.tokenizer_dir = c.model.tokenizer or c.model.path or build_char_tokenizer(os.path.join(self.run_dir, "tokenizer"))
@@ -167,18 +159,21 @@ class RLLoop:
         if any(s.kind in ON_PROCS for s in c.scoring.scorers):  # reward models, judges, remote clients: procs of their own
             self.scorers = ScorerPool(c, self.alloc, self._rewire_scorers, self.resume)
         saved = checkpoints.saved_models(self.run_dir) if self.resume else {}
-        self.partners = [TrainedModel(c, spec.name, self.alloc, self._rewire_partner, self._offload_optimizer) for spec in c.models]
+        self.partners = [TrainedModel(c, spec.name, self.alloc, self._rewire_partner, self._offload_optimizer) for spec in c.models if not spec.frozen]
+        self.served = served_pools(c, self.alloc, self._rewire_partner)
         # The policy's generators, the teacher, the scorers and each trained model start at once, each mostly waiting on its
         # procs; models sharing GPUs: every trainer first, then each model's engines in turn (members.py `in_order`: why)
         shared = bool(self.partners) and self.alloc.plan.layout == "colocated"
         if shared:
             await all_ended(*(p.start_trainer(self.version, *saved.get(p.name, (None, None))) for p in self.partners))
         starts = [generators(), *(p.start_generators() if shared else p.start(self.version, *saved.get(p.name, (None, None))) for p in self.partners)]
+        starts += [pool.start(pool.config.generator.replicas) for pool in self.served.values()]
         starts += [self.teacher.start(1)] if self.teacher is not None else []
         starts += [self.scorers.start()] if self.scorers is not None else []
         await (in_order if shared else all_ended)(*starts)
         self.workers.teacher, self.workers.scorers = self.teacher and self.teacher.handles()[0], self.scorers.handles() if self.scorers else {}
-        self.workers.partners = [p.handles() for p in self.partners]
+        pools = {p.name: p.generators for p in self.partners} | self.served
+        self.workers.partners = [pools[name].handles() for name in c.model_names()[1:]]
         await self.workers.start(self.generators.handles())
         self.evaluations = Evaluations(c, self.run_dir, self.workers, self._record)
         self.collect = StepMetrics(self.queue, self.generators, self.workers, self.scorers)
@@ -337,7 +332,7 @@ class RLLoop:
         return await colocate.wake_for_generators(self.alloc.plan, self.trainer, self._pools(), self._offload_optimizer)
 
     def _pools(self) -> list:  # the generator pools that sleep while the trainers step
-        return [self.generators, *(p.generators for p in self.partners)]
+        return [self.generators, *(p.generators for p in self.partners), *self.served.values()]
 
     async def _hand_devices_to_trainer(self) -> dict[str, float]:
         """placement=colocate, before the trainer's call: the previous weight load done, then
@@ -393,8 +388,8 @@ class RLLoop:
             self._queue_silent = 0
             try:
                 await self.generators.check(self.version)
-                for p in self.partners:
-                    await p.check(self.version)
+                for p in [*self.partners, *self.served.values()]:  # a frozen model's replicas: version 0 for good
+                    await p.check(self.version if isinstance(p, TrainedModel) else 0)
                 if self.teacher is not None:
                     await self.teacher.check(0)
                 if self.scorers is not None:
@@ -482,7 +477,7 @@ class RLLoop:
         if coordinator_up:
             await settled(self.queue.close.call_one(), 30)  # best effort; its proc is stopped below
         # The generators before the trainers they read weights from; each stage's parts at once.
-        pools = [pool for pool in (self.generators, self.teacher, self.scorers) if pool is not None]
+        pools = [pool for pool in (self.generators, self.teacher, self.scorers, *self.served.values()) if pool is not None]
         stop_s = 60.0 if coordinator_up else LOST_HOST_STOP_S
         await asyncio.gather(*(pool.shutdown(stop_s) for pool in pools), *(p.shutdown(stop_s) for p in self.partners))
         # a trainer blocked on a lost queue's batch: killed here where it runs on this host, else by the job's stop

@@ -1,4 +1,4 @@
-"""The trained models beside the policy (`config.models`, docs/coevolve.md): each its own stack.
+"""The models beside the policy (`config.models`, docs/coevolve.md): each its own stack.
 
     model NAME:  trainer mesh (its config view: config.for_model(NAME))  --publish v-->
                  weight sync --> its generator replicas <-- the rollout workers' turns of NAME
@@ -17,6 +17,8 @@ dead trainer proc is replaced on the same slots and restored from its newest com
 the steps it lost from the batches the queue keeps for it (`EpisodeQueue.shared`: the
 current version's and the one before), so it rejoins the policy's version within the step.
 Its checkpoint is written and restored with the policy's (controller/checkpoint.py).
+
+A frozen model (`served_pools`) is its generator replicas alone, on its own checkpoint.
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ from meshrl.trainer.critic_actor import CriticMesh, spawn_critic
 from meshrl.weightsync.connect import WeightSync
 
 log = logging.getLogger("meshrl")
+
+
+def served_pools(config: Config, alloc, rewire) -> dict[str, GeneratorPool]:
+    """Each frozen model's generator replicas (`models[i].frozen`): its checkpoint at version 0,
+    never updated, healed as any pool's (`check(0)`); `rewire(handles, model index)` tells the
+    workers of a replacement."""
+    pools = {}
+    for index in sorted(config.frozen_models()):
+        name = config.model_names()[index]
+        view = config.for_model(name)
+        pool = GeneratorPool(view, alloc, view.model.path, 0, None, model=name, frozen=True)
+        pool.on_change = lambda pool=pool, index=index: rewire(pool.handles(), index)
+        pools[name] = pool
+    return pools
 
 
 class TrainedModel:

@@ -71,12 +71,15 @@ class GeneratorPool:
         on_change: Callable[[], Awaitable[None]],
         teacher: bool = False,
         model: str = "policy",
+        frozen: bool = False,
     ):
         # A replica starts from the Hugging Face export of `checkpoint_version`, then fetches
         # the current version over weight sync. A teacher pool (on-policy distillation,
-        # meshrl/distill.py) scores episodes on a fixed checkpoint: no weight sync ever.
-        # `model`: whose replicas these are (a trained model beside the policy has slots of its own).
+        # meshrl/distill.py) scores episodes on a fixed checkpoint, and a frozen model's
+        # (`models[i].frozen`) generates from one: no weight sync ever.
+        # `model`: whose replicas these are (a model beside the policy has slots of its own).
         self.teacher, self.model = teacher, model
+        self.frozen = teacher or frozen
         self.config, self.alloc = config, alloc
         self.checkpoint_dir, self.checkpoint_version = checkpoint_dir, checkpoint_version
         self.on_change = on_change  # re-wires weight sync and the workers after a change
@@ -116,7 +119,7 @@ class GeneratorPool:
                 self.config.generator.startup_timeout_s,
             )
             member = Member(index, procs, actor, info["processes"]["host"], info["processes"]["pids"])
-            if not self.teacher:  # its weight-sync sidecar, spawned from here (see subscriber_agent)
+            if not self.frozen:  # its weight-sync sidecar, spawned from here (see subscriber_agent)
                 key = await asyncio.wait_for(awaited(actor.weight_sync_key.call_one()), self.config.generator.startup_timeout_s)
                 member.weight_sync = subscriber_agent(procs, key)
         return member
@@ -154,8 +157,8 @@ class GeneratorPool:
     async def sleep(self, keep_weights: bool = True) -> None:
         """placement=colocate: every replica gives the devices to the trainer, dropping its
         weights unless `keep_weights` (a replica that fails to is replaced at the next health
-        check)."""
-        await self._all("sleep", keep_weights)
+        check). A frozen model's keep theirs: nothing would load them again."""
+        await self._all("sleep", keep_weights or self.frozen)
 
     async def wake(self) -> None:
         await self._all("wake")
@@ -178,7 +181,7 @@ class GeneratorPool:
             fresh = await self.spawn(replica.index)
             self.replicas[self.replicas.index(replica)] = fresh
             await self.on_change()
-            if not self.teacher:
+            if not self.frozen:
                 await asyncio.wait_for(awaited(fresh.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
             self.replaced += 1
             log.warning("%s replica %d replaced", self._role, replica.index)
@@ -235,7 +238,7 @@ class GeneratorPool:
                     added.append(fresh)
             finally:
                 await self.on_change()  # the workers never keep a stopped replica
-            for r in added if not self.teacher else []:  # a teacher's weights never change
+            for r in added if not self.frozen else []:  # a teacher's or a frozen model's weights never change
                 await asyncio.wait_for(awaited(r.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
 
     async def read_stats(self) -> list[tuple[Member, float, dict | None]]:

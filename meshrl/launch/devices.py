@@ -8,7 +8,7 @@ Roles that hold devices: trainer ranks (one GPU each), generator replicas (`gene
 GPUs each), the distillation teacher (one replica, `tp` GPUs), the scorers (one GPU per
 reward model or judge replica, `scoring.scorers`), and each trained model beside the policy
 (`models`: roles `NAME/trainer` and `NAME/generator`, from its own sections, after the
-policy's roles; colocated, on the same GPUs as the policy's). Hosts come from the host
+policy's roles; colocated, on the same GPUs as the policy's; a frozen one: its replicas alone). Hosts come from the host
 plan (`hosts.py`): on one host every role shares its GPUs; on split hosts the trainer's
 hosts hold the trainer ranks, the generator hosts the replicas (round-robin, as the
 allocation spawns them), the teacher and the scorers on the first generator host (colocated:
@@ -208,7 +208,8 @@ def _split_gpus_needed(config: Config) -> int:
     """GPUs one host needs for every role on GPUs of its own."""
     t, gen = config.trainer, config.generator
     trainer = (0 if t.device == "cpu" else t.procs) + critic_gpus(config)
-    models = sum(_split_gpus_needed(config.for_model(m.name)) for m in config.models)  # a view has no models of its own
+    views = [(m.frozen, config.for_model(m.name)) for m in config.models]  # a view has no models of its own; a frozen one: replicas alone
+    models = sum(v.generator.replicas * v.generator.tp if frozen else _split_gpus_needed(v) for frozen, v in views)
     return trainer + gen.replicas * gen.tp + (gen.tp if config.distill.teacher else 0) + scorer_gpus(config) + models
 
 
@@ -297,10 +298,11 @@ def resolve_placement(config: Config, gpus: int | None = None) -> tuple[str, str
         return "split", "a CPU trainer leaves every GPU to the generators"
     if _split_gpus_needed(c) <= g:
         return "split", "every role fits GPUs of its own"
-    views = [c, *(c.for_model(m.name) for m in c.models)]
+    views = [c, *(c.for_model(m.name) for m in c.models if not m.frozen)]
     if any(v.trainer.loss.advantage == "gae" or v.trainer.device == "cpu" for v in views):
         return "split", "a trained model's critic or CPU trainer: each role on devices of its own"
-    if all(v.trainer.procs <= g and v.generator.replicas * v.generator.tp <= g for v in views):
+    served = [c.for_model(m.name).generator for m in c.models if m.frozen]
+    if all(v.trainer.procs <= g and v.generator.replicas * v.generator.tp <= g for v in views) and all(v.replicas * v.tp <= g for v in served):
         return "colocate", "the roles do not fit GPUs of their own and do fit sharing them"
     return "split", "the roles fit neither apart nor sharing (the device plan says what to change)"
 
@@ -390,15 +392,16 @@ def _split(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
     for i, m in enumerate(config.models):  # each trained model beside the policy: its trainer ranks and replicas, after the policy's
         view = config.for_model(m.name)
         vt, vg, at = view.trainer, view.generator, f"models[{i}]"
+        trains = 0 if m.frozen else (0 if vt.device == "cpu" else vt.procs) + critic_gpus(view)
 
-        def why(name=m.name, at=at, held=dict(taken), need=(0 if vt.device == "cpu" else vt.procs) + critic_gpus(view) + vg.replicas * vg.tp) -> str:
-            return _no_fit_model(name, at, g, held, need, critic_gpus(view))
+        def why(name=m.name, at=at, held=dict(taken), need=trains + vg.replicas * vg.tp, frozen=m.frozen) -> str:
+            return _no_fit_model(name, at, g, held, need, critic_gpus(view), frozen)
 
-        if g == 0 and vt.device == "cuda":
+        if g == 0 and vt.device == "cuda" and not m.frozen:
             raise ConfigError(f"{at}.trainer.device", f"is cuda but no GPU was found ({_where(config)}): set launcher.gpus_per_host, or trainer.device=auto")
-        for r in range(vt.procs):
+        for r in range(0 if m.frozen else vt.procs):  # a frozen model: its replicas alone
             take(f"{m.name}/trainer", r, *_trainer_host(view, hosts, r), 0 if vt.device == "cpu" else 1, f"{at}.trainer.procs", why)
-        if vt.loss.advantage == "gae":  # its critic, as the policy's: on its trainer's first host
+        if vt.loss.advantage == "gae" and not m.frozen:  # its critic, as the policy's: on its trainer's first host
             for r in range(view.critic.procs):
                 take(f"{m.name}/critic", r, *_trainer_host(view, hosts, 0), 1 if critic_gpus(view) else 0, f"{at}.trainer.procs", why)
         for k in range(vg.replicas):
@@ -429,11 +432,11 @@ def _colocated(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
     slots += [Slot("scorer", k, SHARED_MESH, 0, (k % g,)) for k in range(scorer_gpus(config))]
     for i, m in enumerate(config.models):  # each trained model beside the policy on the same GPUs, laid out as the policy's
         vt, vg, at = config.for_model(m.name).trainer, config.for_model(m.name).generator, f"models[{i}]"
-        bad = f"{at}.trainer.device" if vt.device == "cpu" else f"{at}.trainer.procs" if vt.procs > g else f"{at}.generator.replicas"
-        if vt.device == "cpu" or vt.procs > g or vg.replicas * vg.tp > g:
-            why = f"placement=colocate lays trained model {m.name} out on the host's {g} GPUs as the policy's (a GPU trainer; ranks, replicas x tp within them)"
-            raise ConfigError(bad, f"{why}: lower it, or set placement=split")
-        slots += [Slot(f"{m.name}/trainer", r, SHARED_MESH, 0, (r,)) for r in range(vt.procs)]
+        trainer = None if m.frozen else f"{at}.trainer.device" if vt.device == "cpu" else f"{at}.trainer.procs" if vt.procs > g else None
+        if trainer or vg.replicas * vg.tp > g:
+            why = f"placement=colocate lays model {m.name} out on the host's {g} GPUs as the policy's (a GPU trainer; ranks, replicas x tp within them)"
+            raise ConfigError(trainer or f"{at}.generator.replicas", f"{why}: lower it, or set placement=split")
+        slots += [Slot(f"{m.name}/trainer", r, SHARED_MESH, 0, (r,)) for r in range(0 if m.frozen else vt.procs)]
         slots += [Slot(f"{m.name}/generator", k, SHARED_MESH, 0, tuple(range(k * vg.tp, (k + 1) * vg.tp))) for k in range(vg.replicas)]
     return DevicePlan("colocated", g, hosts, slots, "colocate")
 
@@ -457,13 +460,13 @@ def _where(config: Config) -> str:
     )
 
 
-def _no_fit_model(name: str, at: str, g: int, held: dict[tuple[str, int], int], need: int, critic: int = 0) -> str:
-    """Why trained model `name` (config path `at`) finds no room beside the roles placed before it (`held`)."""
+def _no_fit_model(name: str, at: str, g: int, held: dict[tuple[str, int], int], need: int, critic: int = 0, frozen: bool = False) -> str:
+    """Why model `name` (config path `at`; `frozen`: replicas alone) finds no room beside the roles placed before it (`held`)."""
     used = ", ".join(f"{n} of the {g} GPUs of {mesh}[{h}]" for (mesh, h), n in held.items())
-    its_critic = " + its critic's critic.procs" if critic else ""
+    ranks = "" if frozen else f"{at}.trainer.procs" + (" + its critic's critic.procs" if critic else "") + " + "
     return (
-        f"trained model {name} needs {need} GPUs ({at}.trainer.procs{its_critic} + {at}.generator.replicas x tp) beside what the policy's roles "
-        f"and the models before it hold ({used}): lower them, raise launcher.gpus_per_host, or set {at}.trainer.device=cpu"
+        f"{'frozen' if frozen else 'trained'} model {name} needs {need} GPUs ({ranks}{at}.generator.replicas x tp) beside what the policy's roles "
+        f"and the models before it hold ({used}): lower them, raise launcher.gpus_per_host" + ("" if frozen else f", or set {at}.trainer.device=cpu")
     )
 
 

@@ -130,7 +130,7 @@ def plan_memory(config: Config, capacity: float | None = None, plan=None) -> Mem
         return None
     out = _one_model(config, capacity, plan.view("policy"))
     for i, m in enumerate(config.models):  # each trained model beside the policy: on GPUs of its own, or colocated on the policy's
-        mine = _one_model(config.for_model(m.name), capacity, plan.view(m.name))
+        mine = _one_model(config.for_model(m.name), capacity, plan.view(m.name), frozen=m.frozen)
         for gpu in mine.gpus:
             for h in gpu.holdings:
                 h.role = f"{m.name}/{h.role}"
@@ -177,15 +177,16 @@ def _colocated_models(config: Config, out: MemoryPlan) -> None:
     out.problems.append(("placement", f"{at}{fix}, or give the models GPUs of their own (placement=split)"))
 
 
-def _one_model(config: Config, capacity: float, plan) -> MemoryPlan:
-    """The memory plan of one trained model's slots (`plan`: its view of the device plan)."""
+def _one_model(config: Config, capacity: float, plan, frozen: bool = False) -> MemoryPlan:
+    """The memory plan of one model's slots (`plan`: its view of the device plan; `frozen`: its
+    replicas alone, with no weight sync to receive)."""
     from meshrl.launch.devices import resolve_transport, weights_on_gpu
 
     shape = model_shape(config)
     teacher = model_shape(config, config.distill.teacher) if config.distill.teacher else shape
     transport = resolve_transport(config)
     staging_on_gpu = weights_on_gpu(plan, transport)
-    receive_on_gpu = transport == "collective" and staging_on_gpu
+    receive_on_gpu = transport == "collective" and staging_on_gpu and not frozen
     gpus: dict[tuple[str, int, int], GPUPlan] = {}
     for slot in plan.slots:
         for gpu in slot.gpus:

@@ -142,7 +142,7 @@ class EpisodeQueue:
         self.dropped_ids: list[int] = []  # group ids dropped (stale, or without signal), in order
         # each version's batch, for the trained models beside the policy (config.models): they
         # train on the very batch the policy's trainer took, each on its own rows (`shared`)
-        self.partners = len(config.models)
+        self.partners = len(config.models) - len(config.frozen_models())
         self._shared: dict[int, TensorDict] = {}
         self._cond = threading.Condition()
         self._rng = random.Random(config.seed)
