@@ -464,3 +464,43 @@ def test_meshrl_eval_evaluates_the_policy_of_a_run_with_trained_models(coevolved
     assert metrics["eval/prompts"] == 8 and metrics["eval/failed"] == 0
     assert metrics["eval/greedy_reward"] > 0.5, metrics  # as the run's own evaluations of its solver
     assert not wait_no_children()
+
+
+@pytest.mark.slow
+def test_a_solver_trains_against_a_frozen_proposer_whose_generator_is_healed(tmp_path):
+    """task:propose with the proposer frozen (models[0].frozen, served from a checkpoint of its
+    own that leans to digits) and the solver trained, one step off (max_lag 1): the solver
+    trains every step and nothing is masked or dropped as stale although every proposal is
+    at version 0; the proposer has no trainer, no checkpoint and no export, and its engine
+    keeps version 0 while the solver's follows the trainer. Its generator proc is SIGKILLed
+    part-way: replaced from its checkpoint, with no group lost or trained twice."""
+    from tests.test_loop import nothing_stale, tiny
+
+    steps = 6
+    proposer = conftest.build_digit_teacher(tmp_path / "proposer")
+    model = {"name": "proposer", "frozen": True, "model": {"path": proposer}}
+    cfg = tiny(tmp_path / "run", steps=steps, buffer={"depth": 2, "max_lag": 1}, data={"source": "task:propose"}, models=[model])
+    with meshrl.Session(cfg) as session:
+        session.start()
+        loop = session.loop
+        assert loop.partners == [] and list(loop.served) == ["proposer"]
+        rows = session.step(2)
+        pool = loop.served["proposer"]
+        pid = session._call(awaited(pool.replicas[0].actor.stats.call_one()), 60)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        rows += session.step(steps - 2)
+        session.sync_generators()
+        ((_, _, stats),) = session._call(pool.read_stats())
+        ((_, _, solver),) = session._call(loop.generators.read_stats())
+        result = session.finish()
+    assert [int(r["version"]) for r in rows] == list(range(1, steps + 1)) and nothing_stale(rows)
+    assert all(r["trainer/staleness_max"] <= 1 for r in rows)
+    assert pool.replaced >= 1 and stats["pid"] != pid and stats["version"] == 0 and solver["version"] == steps, (stats, solver)
+    reported = [r for r in rows if "proposer/reward/mean" in r]
+    assert reported and not any(k.startswith("proposer/trainer/") for r in rows for k in r)
+    groups = trained_groups(rows)
+    assert len(groups) == len(set(groups)), "a group was trained twice"
+    state = torch.load(result.checkpoint, weights_only=False)
+    assert not state["models"] and not os.path.exists(os.path.join(result.run_dir, "hf", "final-proposer"))
+    assert os.path.isfile(os.path.join(result.run_dir, "hf", "final", "config.json"))
+    assert not wait_no_children()
