@@ -27,7 +27,10 @@ the policy's reward does. Per step, each on the batch before anything trains on 
 run reports): the explained variance of the oracle, E[R | the characters so far] with the
 batch's true p; of the same oracle with the previous batch's p (a value model that has not
 seen the batch's p yet); and of meshrl's critic (`CriticTrainer`, configs/ppo.yaml's lr
-and epochs) trained on the stream. Writes benchmarks/results/ppo_ceiling.json.
+and epochs) trained on the stream. Writes benchmarks/results/ppo_ceiling.json. With
+`--task digits_sparse` the reward is that task's (1 when at least 2 of the first 4
+characters are digits), and `--p P` holds every batch at digit probability P (a policy
+that does not move): ppo_ceiling[_sparse][_pP].json.
 """
 
 from __future__ import annotations
@@ -75,9 +78,11 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str, task: str | None = No
     return out
 
 
-def ceiling(steps: int, seed: int, rows: int = 64, length: int = 8) -> dict:
-    """One stream of `--ceiling` (module docstring): per-step explained variances."""
+def ceiling(steps: int, seed: int, rows: int = 64, length: int = 8, sparse: bool = False, fixed_p: float | None = None) -> dict:
+    """One stream of `--ceiling` (module docstring): per-step explained variances; `sparse`:
+    digits_sparse's reward; `fixed_p`: every batch at that digit probability."""
     import random
+    from math import comb
 
     import torch
 
@@ -93,18 +98,23 @@ def ceiling(steps: int, seed: int, rows: int = 64, length: int = 8) -> dict:
     def ev(values, returns, mask):
         return reduce_value_metrics([value_metric_sums(values, returns, mask)])["explained_variance"]
 
-    def oracle(digit_rows, mask, p):  # E[R | the first k characters] at each answer position
+    def expected(digits, k, p):  # E[R | the first k characters]
+        if not sparse:
+            return (sum(digits[:k]) + (length - k) * p) / length
+        left, need = max(0, 4 - k), max(0, 2 - sum(digits[: min(k, 4)]))  # at least 2 digits among the first 4
+        return sum(comb(left, j) * p**j * (1 - p) ** (left - j) for j in range(need, left + 1))
+
+    def oracle(digit_rows, mask, p):  # at each answer position
         v = torch.zeros(mask.shape)
         for i, digits in enumerate(digit_rows):
-            pos = mask[i].nonzero().flatten().tolist()
-            for k, t in enumerate(pos):
-                v[i, t] = (sum(digits[:k]) + (length - k) * p) / length
+            for k, t in enumerate(mask[i].nonzero().flatten().tolist()):
+                v[i, t] = expected(digits, k, p)
         return v
 
-    out = {"seed": seed, "p": [], "oracle": [], "oracle_one_behind": [], "critic": []}
+    out = {"seed": seed, "p": [], "reward": [], "oracle": [], "oracle_one_behind": [], "critic": []}
     previous_p = 0.1
     for step in range(steps):
-        p = 0.1 + 0.85 * step / max(steps - 1, 1)
+        p = fixed_p if fixed_p is not None else 0.1 + 0.85 * step / max(steps - 1, 1)
         digit_rows = [[rng.random() < p for _ in range(length)] for _ in range(rows)]
         episodes = [
             Episode(
@@ -112,7 +122,7 @@ def ceiling(steps: int, seed: int, rows: int = 64, length: int = 8) -> dict:
                 i,
                 [
                     Turn("env", [ord("q"), ord(":")]),
-                    Turn("model", [ord(rng.choice("0123456789" if d else "abcdefghij")) for d in row], [0.0] * length, [0] * length, reward=sum(row) / length),
+                    Turn("model", [ord(rng.choice("0123456789" if d else "abcdefghij")) for d in row], [0.0] * length, [0] * length, reward=expected(row, length, p)),
                 ],
             )
             for i, row in enumerate(digit_rows)
@@ -122,6 +132,7 @@ def ceiling(steps: int, seed: int, rows: int = 64, length: int = 8) -> dict:
         returns, old = critic.advantages(batch)
         target = gae(old, batch["dense_reward"], mask)[1]
         out["p"].append(p)
+        out["reward"].append(float(batch["reward"].mean()))
         out["oracle"].append(ev(oracle(digit_rows, mask, p), target, mask))
         out["oracle_one_behind"].append(ev(oracle(digit_rows, mask, previous_p), target, mask))
         out["critic"].append(ev(old, target, mask))
@@ -144,16 +155,21 @@ def main() -> None:
     p.add_argument("--arms", nargs="+", default=["ppo", "grpo"], help="ppo, grpo, ppo-v0 (a critic that never learns)")
     p.add_argument("--task", default=None, help="a built-in task for both arms instead of the default (e.g. digits_sparse)")
     p.add_argument("--ceiling", action="store_true", help="what a value model can explain on this task (module docstring)")
+    p.add_argument("--p", type=float, default=None, help="--ceiling: every batch at this digit probability (a policy that does not move)")
     a = p.parse_args()
     if a.ceiling:
-        streams = [ceiling(a.steps, seed) for seed in a.seeds]
-        for s in streams:
-            half = slice(len(s["p"]) // 2, None)  # the second half: the critic has had half the stream to learn
-            means = {k: round(statistics.fmean(s[k][half]), 3) for k in ("oracle", "oracle_one_behind", "critic")}
-            print(json.dumps({"seed": s["seed"], "mean over the second half": means}), flush=True)
-        out = a.out.replace("ppo.json", "ppo_ceiling.json")
-        with open(out, "w") as f:
-            json.dump({"machine": machine(), "steps": a.steps, "streams": streams}, f, indent=1)
+        if a.task not in (None, "digits", "digits_sparse"):
+            p.error("--ceiling knows the tasks digits and digits_sparse")
+        streams = [ceiling(a.steps, seed, sparse=a.task == "digits_sparse", fixed_p=a.p) for seed in a.seeds]
+        for s in streams:  # after half the stream (the critic has had that long to learn), and its last quarter;
+            # steps whose batch is near all-correct (reward >= 0.95) left out, as the runs' means: no variance to explain
+            for name, start in (("second half", len(s["p"]) // 2), ("last quarter", len(s["p"]) * 3 // 4)):
+                kept = [i for i in range(start, len(s["p"])) if s["reward"][i] < 0.95]
+                means = {k: round(statistics.fmean(s[k][i] for i in kept), 3) if kept else None for k in ("oracle", "oracle_one_behind", "critic")}
+                print(json.dumps({"seed": s["seed"], f"mean over the {name}, {len(kept)} steps": means}), flush=True)
+        name = "ppo_ceiling" + ("_sparse" if a.task == "digits_sparse" else "") + ("" if a.p is None else f"_p{a.p:g}")
+        with open(a.out.replace("ppo.json", f"{name}.json"), "w") as f:
+            json.dump({"machine": machine(), "task": a.task or "digits", "p": a.p, "steps": a.steps, "streams": streams}, f, indent=1)
         return
     runs = []
     for seed in a.seeds:
