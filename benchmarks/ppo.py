@@ -52,7 +52,7 @@ from benchmarks.async_vs_sync import machine  # noqa: E402
 SYNC = {"buffer.depth": 0, "buffer.max_lag": 0, "generator.update_mode": "block"}
 
 
-def run_arm(arm: str, steps: int, seed: int, run_dir: str, task: str | None = None) -> dict:
+def run_arm(arm: str, steps: int, seed: int, run_dir: str, task: str | None = None, policy_lr: float | None = None) -> dict:
     import meshrl
     from meshrl.config.loading import apply_overrides
 
@@ -65,6 +65,8 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str, task: str | None = No
     over = {**SYNC, "steps": steps, "seed": seed, "logging.run_dir": run_dir}
     if task is not None:  # another built-in task than the config's (the default one)
         over["data.source"] = f"task:{task}"
+    if policy_lr is not None:  # a policy that learns slower (or faster) than the config's
+        over["trainer.lr"] = policy_lr
     over.update({"logging.progress": "false", "logging.plot": "false", "logging.tensorboard": "false"})
     start = time.time()
     rows = [r for r in meshrl.run(apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])).metrics if "trainer/reward_mean" in r]
@@ -116,16 +118,10 @@ def ceiling(steps: int, seed: int, rows: int = 64, length: int = 8, sparse: bool
     for step in range(steps):
         p = fixed_p if fixed_p is not None else 0.1 + 0.85 * step / max(steps - 1, 1)
         digit_rows = [[rng.random() < p for _ in range(length)] for _ in range(rows)]
+        answers = [[ord(rng.choice("0123456789" if d else "abcdefghij")) for d in row] for row in digit_rows]
         episodes = [
-            Episode(
-                i // 8,
-                i,
-                [
-                    Turn("env", [ord("q"), ord(":")]),
-                    Turn("model", [ord(rng.choice("0123456789" if d else "abcdefghij")) for d in row], [0.0] * length, [0] * length, reward=expected(row, length, p)),
-                ],
-            )
-            for i, row in enumerate(digit_rows)
+            Episode(i // 8, i, [Turn("env", [ord("q"), ord(":")]), Turn("model", ids, [0.0] * length, [0] * length, reward=expected(row, length, p))])
+            for i, (row, ids) in enumerate(zip(digit_rows, answers))
         ]
         batch = pack(episodes)
         mask = batch["loss_mask"].bool()
@@ -154,6 +150,7 @@ def main() -> None:
     p.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "bench-ppo"))
     p.add_argument("--arms", nargs="+", default=["ppo", "grpo"], help="ppo, grpo, ppo-v0 (a critic that never learns)")
     p.add_argument("--task", default=None, help="a built-in task for both arms instead of the default (e.g. digits_sparse)")
+    p.add_argument("--policy-lr", type=float, default=None, help="the policy's trainer.lr for every arm (default: the config's)")
     p.add_argument("--ceiling", action="store_true", help="what a value model can explain on this task (module docstring)")
     p.add_argument("--p", type=float, default=None, help="--ceiling: every batch at this digit probability (a policy that does not move)")
     a = p.parse_args()
@@ -174,7 +171,7 @@ def main() -> None:
     runs = []
     for seed in a.seeds:
         for arm in a.arms:  # interleaved: a change in the machine's load hits both alike
-            r = run_arm(arm, a.steps, seed, os.path.join(a.run_dir, f"{arm}-{seed}"), a.task)
+            r = run_arm(arm, a.steps, seed, os.path.join(a.run_dir, f"{arm}-{seed}"), a.task, a.policy_lr)
             r["step_reaching"] = reach(r["reward"], a.reach)
             r["mean_reward"] = statistics.fmean(r["reward"])
             runs.append(r)
@@ -182,7 +179,7 @@ def main() -> None:
             print(json.dumps(shown), "reward", " ".join(f"{x:.2f}" for x in r["reward"]), flush=True)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"machine": machine(), "task": a.task or "digits", "steps": a.steps, "reach": a.reach, "runs": runs}, f, indent=1)
+        json.dump({"machine": machine(), "task": a.task or "digits", "policy_lr": a.policy_lr, "steps": a.steps, "reach": a.reach, "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

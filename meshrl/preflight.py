@@ -33,7 +33,15 @@ from meshrl.rollout.sandbox import check_sandbox
 from meshrl.scorers.checks import check_reward_fn, check_scorer_files, probe_scorers
 from meshrl.tasks import needs_sandbox
 from meshrl.tokenizer import check_tokenizer, check_tokenizer_dir
-from meshrl.trainer.checks import check_critic_files, check_lora, check_model, check_model_files, check_routed_experts, check_teacher
+from meshrl.trainer.checks import (
+    check_critic_files,
+    check_lora,
+    check_model,
+    check_model_files,
+    check_models_vocabulary,
+    check_routed_experts,
+    check_teacher,
+)
 
 
 def check(c: Config) -> None:
@@ -49,6 +57,7 @@ def check(c: Config) -> None:
     check_critic_files(c)
     check_lora(c)
     _each_model(c, check_model_files)
+    check_models_vocabulary(c)
     check_env(c)
     if c.buffer.sampling not in ("fifo", "random"):
         check_import("buffer.sampling", c.buffer.sampling, "'fifo', 'random' or a sampling function")

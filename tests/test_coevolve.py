@@ -190,6 +190,17 @@ def test_a_frozen_model_is_served_never_trained_and_left_out_of_every_loss(tmp_p
     assert c.frozen_models() == {1} and c.for_model("proposer").lora.rank == 0 and c.for_model("b").lora.rank == 4
     Config.from_dict({"models": [frozen], "trainer": {"loss": {"advantage": "gae"}}, "critic": {"path": "/a/critic"}})  # no critic of its own
     assert EpisodeQueue(Config.from_dict({"models": [frozen]})).partners == 0  # no trainer takes the shared batches
+    # its checkpoint speaks the policy's token ids: a smaller vocabulary is refused before anything starts
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from meshrl.preflight import check
+
+    small = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    Qwen3ForCausalLM(small).save_pretrained(str(tmp_path / "small"))
+    with pytest.raises(ConfigError) as e:
+        check(Config.from_dict({"models": [{**frozen, "model": {"path": str(tmp_path / "small")}}]}))
+    assert e.value.field_path == "models[0].model.path" and "vocabulary (64) is smaller than the policy's (128)" in str(e.value), str(e.value)
+    check(Config.from_dict({"models": [{**frozen, "model": {"path": conftest.build_digit_teacher(tmp_path / "digits")}}]}))
 
     episodes = []
     for i in range(2):

@@ -35,6 +35,25 @@ def check_model_files(c: Config) -> None:
             raise ConfigError("model.path", f"{m.path!r} has no config.json: point it at a Hugging Face checkpoint directory")
 
 
+def check_models_vocabulary(c: Config) -> None:
+    """Each model beside the policy with a checkpoint of its own (`models[i].model.path`)
+    speaks in the policy's token ids: its vocabulary covers the policy's. (A checkpoint that
+    does not load is `check_model`'s to refuse.)"""
+
+    def vocab(path: str | None) -> int | None:
+        try:
+            return model_args_from_hf(path)[0].vocab_size if path else None
+        except (OSError, ValueError, KeyError):
+            return None
+
+    policy = vocab(c.model.path) or c.model.vocab_size
+    for i, m in enumerate(c.models):
+        n = vocab(m.model.get("path"))
+        if n is not None and n < policy:
+            why = f"its vocabulary ({n}) is smaller than the policy's ({policy}): every model of a game reads and writes the policy's token ids"
+            raise ConfigError(f"models[{i}].model.path", f"{why}, so it needs the policy's tokenizer")
+
+
 def check_teacher(c: Config) -> None:
     """distill.teacher, when set, is a checkpoint directory."""
     di = c.distill
