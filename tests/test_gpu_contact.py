@@ -382,3 +382,56 @@ def test_a_replica_that_missed_a_version_never_generates_again():
     assert pool.replicas == [good] and bad.stopped and good.synced == [3] and changes
     asyncio.run(pool.check(3))
     assert [r.index for r in pool.replicas] == [0, 1] and pool.replicas[1] is spawned[1] and spawned[1].synced == [3]
+
+
+def test_a_sleeping_pool_replaces_a_dead_replica_once_it_wakes():
+    """placement=colocate: a replica that dies while the pool sleeps for a trainer's step is
+    not replaced then (its replacement's engine would start awake on the devices the trainer
+    steps on, and nothing generates meanwhile) but at the first health check after `wake`;
+    a frozen model's replicas sleep keeping their weights, which nothing would load again."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from meshrl.controller.replicas import GeneratorPool
+
+    class Replica:
+        def __init__(self, index):
+            self.index, self.dead, self.calls, self.pids = index, False, [], [(1000 + index, 0)]
+
+            def endpoint(name):
+                async def call(*args):
+                    self.calls.append((name, *args))
+
+                return SimpleNamespace(call_one=call)
+
+            self.actor = SimpleNamespace(sleep=endpoint("sleep"), wake=endpoint("wake"), sync_weights=endpoint("sync"))
+
+        async def stop(self):
+            self.dead = True
+
+        def on_this_host(self):
+            return True
+
+        def alive(self):
+            return not self.dead
+
+    async def on_change():
+        pass
+
+    async def spawn(index):
+        return Replica(index)
+
+    config = Config.from_dict({"generator": {"replicas": 2}})
+    for frozen in (False, True):
+        pool = GeneratorPool(config, SimpleNamespace(plan=plan_devices(config)), "unused", 0, on_change=on_change, frozen=frozen)
+        pool.replicas, pool.spawn = [Replica(0), Replica(1)], spawn
+        asyncio.run(pool.sleep(keep_weights=False))
+        assert all(r.calls == [("sleep", frozen)] for r in pool.replicas)  # level 2 unless frozen
+        dead = pool.replicas[1]
+        dead.dead = True
+        asyncio.run(pool.check(4))
+        assert pool.replicas[1] is dead and pool.replaced == 0  # asleep: left for after the step
+        asyncio.run(pool.wake())
+        asyncio.run(pool.check(4))
+        fresh = pool.replicas[1]
+        assert fresh is not dead and pool.replaced == 1 and fresh.calls == ([] if frozen else [("sync", 4)]), fresh.calls

@@ -84,6 +84,7 @@ class GeneratorPool:
         self.checkpoint_dir, self.checkpoint_version = checkpoint_dir, checkpoint_version
         self.on_change = on_change  # re-wires weight sync and the workers after a change
         self.replicas: list[Member] = []
+        self.asleep = False  # placement=colocate: between `sleep` and `wake`, a trainer steps on the devices
         self.replaced = 0
         self._lock = asyncio.Lock()  # a failed update and a health check may both see one death
         self._warm: dict[int, tuple] = {}  # replica index: (procs, actor) spawned by `warm`, not set up yet
@@ -158,9 +159,11 @@ class GeneratorPool:
         """placement=colocate: every replica gives the devices to the trainer, dropping its
         weights unless `keep_weights` (a replica that fails to is replaced at the next health
         check). A frozen model's keep theirs: nothing would load them again."""
+        self.asleep = True
         await self._all("sleep", keep_weights or self.frozen)
 
     async def wake(self) -> None:
+        self.asleep = False
         await self._all("wake")
 
     async def _all(self, endpoint: str, *args) -> None:
@@ -196,7 +199,10 @@ class GeneratorPool:
     async def check(self, version: int) -> None:
         """Replace any replica whose proc is gone, and spawn the ones an earlier failure left
         missing. One on this host is checked by its pid (asking it would wait behind the
-        weight update it is applying); others are asked."""
+        weight update it is applying); others are asked. Not while the pool sleeps: a replica
+        started then would take the devices a trainer steps on, and none generates anyway."""
+        if self.asleep:
+            return
         want = 1 if self.teacher else self.config.generator.replicas
         missing = want - len(self.replicas)
         if missing > 0:
