@@ -268,6 +268,37 @@ def gloo_ranks(target, world: int, *args, timeout_s: float = 240) -> list:
 
 
 # ---- hand-made episode groups -----------------------------------------------------------------
+class FakeReplica:
+    """A generator replica's stand-in for GeneratorPool's unit tests: its actor's endpoints
+    (`sync_weights`, `sleep`, `wake`) record their calls; `broken`: a weight update fails."""
+
+    def __init__(self, index: int, broken: bool = False):
+        self.index, self.broken, self.stopped, self.calls, self.pids = index, broken, False, [], [(1000 + index, 0)]
+
+        def endpoint(name: str):
+            async def call(*args):
+                if name == "sync_weights" and self.broken:
+                    raise RuntimeError("the transfer broke")
+                self.calls.append((name, *args))
+
+            return types.SimpleNamespace(call_one=call)
+
+        self.actor = types.SimpleNamespace(**{name: endpoint(name) for name in ("sync_weights", "sleep", "wake")})
+
+    @property
+    def synced(self) -> list[int]:
+        return [call[1] for call in self.calls if call[0] == "sync_weights"]
+
+    async def stop(self):
+        self.stopped = True
+
+    def on_this_host(self):
+        return True
+
+    def alive(self):
+        return not self.stopped
+
+
 def make_group(gid: int, n: int, versions: list[int], prompt_len: int = 3, advantage: str = "grpo_no_std"):
     """A packed group of `n` single-turn episodes (group id `gid`, sample ids gid * 100 + i):
     a `prompt_len`-token prompt, then one model turn whose tokens carry `versions`; episode

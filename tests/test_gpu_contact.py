@@ -13,6 +13,7 @@ import pytest
 
 from meshrl.config import Config, ConfigError
 from meshrl.launch.devices import plan_devices
+from tests import conftest
 
 # A fresh interpreter where torch believes it was built with CUDA and NVML sees one GPU;
 # the CUDA runtime's device count (what marks later forks as unable to use CUDA) records
@@ -338,26 +339,7 @@ def test_a_replica_that_missed_a_version_never_generates_again():
 
     from meshrl.controller.replicas import GeneratorPool
 
-    class Replica:
-        def __init__(self, index, broken=False):
-            self.index, self.broken, self.stopped, self.synced = index, broken, False, []
-
-            async def sync(version):
-                if self.broken:
-                    raise RuntimeError("the transfer broke")
-                self.synced.append(version)
-
-            self.actor = SimpleNamespace(sync_weights=SimpleNamespace(call_one=sync))
-
-        async def stop(self):
-            self.stopped = True
-
-        def on_this_host(self):
-            return True
-
-        def alive(self):
-            return not self.stopped
-
+    Replica = conftest.FakeReplica
     changes = []
 
     async def on_change():
@@ -394,26 +376,7 @@ def test_a_sleeping_pool_replaces_a_dead_replica_once_it_wakes():
 
     from meshrl.controller.replicas import GeneratorPool
 
-    class Replica:
-        def __init__(self, index):
-            self.index, self.dead, self.calls, self.pids = index, False, [], [(1000 + index, 0)]
-
-            def endpoint(name):
-                async def call(*args):
-                    self.calls.append((name, *args))
-
-                return SimpleNamespace(call_one=call)
-
-            self.actor = SimpleNamespace(sleep=endpoint("sleep"), wake=endpoint("wake"), sync_weights=endpoint("sync"))
-
-        async def stop(self):
-            self.dead = True
-
-        def on_this_host(self):
-            return True
-
-        def alive(self):
-            return not self.dead
+    Replica = conftest.FakeReplica
 
     async def on_change():
         pass
@@ -428,10 +391,10 @@ def test_a_sleeping_pool_replaces_a_dead_replica_once_it_wakes():
         asyncio.run(pool.sleep(keep_weights=False))
         assert all(r.calls == [("sleep", frozen)] for r in pool.replicas)  # level 2 unless frozen
         dead = pool.replicas[1]
-        dead.dead = True
+        dead.stopped = True
         asyncio.run(pool.check(4))
         assert pool.replicas[1] is dead and pool.replaced == 0  # asleep: left for after the step
         asyncio.run(pool.wake())
         asyncio.run(pool.check(4))
         fresh = pool.replicas[1]
-        assert fresh is not dead and pool.replaced == 1 and fresh.calls == ([] if frozen else [("sync", 4)]), fresh.calls
+        assert fresh is not dead and pool.replaced == 1 and fresh.calls == ([] if frozen else [("sync_weights", 4)]), fresh.calls
