@@ -388,8 +388,10 @@ class RLLoop:
             self._queue_silent = 0
             try:
                 await self.generators.check(self.version)
-                for p in [*self.partners, *self.served.values()]:  # a frozen model's replicas: version 0 for good
-                    await p.check(self.version if isinstance(p, TrainedModel) else 0)
+                for p in self.partners:
+                    await p.check(self.version)
+                for pool in self.served.values():  # a frozen model's replicas: version 0 for good
+                    await pool.check(0)
                 if self.teacher is not None:
                     await self.teacher.check(0)
                 if self.scorers is not None:
