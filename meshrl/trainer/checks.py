@@ -35,21 +35,26 @@ def check_model_files(c: Config) -> None:
             raise ConfigError("model.path", f"{m.path!r} has no config.json: point it at a Hugging Face checkpoint directory")
 
 
+def _policy_args(c: Config):
+    """The policy's model args: read from its checkpoint (`model.path`), else its `model` section."""
+    return model_args_from_hf(c.model.path)[0] if c.model.path else c.model
+
+
 def check_models_vocabulary(c: Config) -> None:
     """Each model beside the policy with a checkpoint of its own (`models[i].model.path`)
     speaks in the policy's token ids: its vocabulary covers the policy's. (A checkpoint that
-    does not load is `check_model`'s to refuse.)"""
-
-    def vocab(path: str | None) -> int | None:
-        try:
-            return model_args_from_hf(path)[0].vocab_size if path else None
-        except (OSError, ValueError, KeyError):
-            return None
-
-    policy = vocab(c.model.path) or c.model.vocab_size
+    does not load, the policy's or a model's, is `check_model`'s to refuse.)"""
+    loads = (OSError, ValueError, KeyError)
+    try:
+        policy = _policy_args(c).vocab_size
+    except loads:
+        return
     for i, m in enumerate(c.models):
-        n = vocab(m.model.get("path"))
-        if n is not None and n < policy:
+        try:
+            n = model_args_from_hf(m.model["path"])[0].vocab_size if m.model.get("path") else policy
+        except loads:
+            continue
+        if n < policy:
             why = f"its vocabulary ({n}) is smaller than the policy's ({policy}): every model of a game reads and writes the policy's token ids"
             raise ConfigError(f"models[{i}].model.path", f"{why}, so it needs the policy's tokenizer")
 
@@ -77,7 +82,7 @@ def check_critic_files(c: Config) -> None:
         shape = model_args_from_hf(path)[0]
         with open(os.path.join(path, "config.json")) as f:
             hf = json.load(f)
-        policy = model_args_from_hf(c.model.path)[0] if c.model.path else c.model
+        policy = _policy_args(c)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(
             "critic.path",
