@@ -54,6 +54,13 @@ def test_overrides_dict_and_code_agree():
         ({"generator": {"update_mode": "pause"}}, "generator.update_mode", "must be one of"),
         ({"trainer": {"procs": 3, "dp_shard": 2}}, "trainer.procs", "not divisible"),
         ({"trainer": {"procs": 2, "ep": 2}}, "trainer.ep", "MoE"),
+        ({"trainer": {"pace": {"every": 0}}}, "trainer.pace.every", "at least 1"),
+        ({"trainer": {"pace": {"every": 2, "steps": 3}}}, "trainer.pace.steps", "1 to trainer.pace.every=2"),
+        (
+            {"data": {"source": "task:propose"}, "models": [{"name": "p", "trainer": {"pace": {"every": 2, "offset": 2}}}]},
+            "models[0].trainer.pace.offset",
+            "0 to",
+        ),
         ({"buffer": {"max_lag": -1}}, "buffer.max_lag", "at least 0"),
         ({"buffer": {"depth": -1}}, "buffer.depth", "at least 0"),
         ({"buffer": {"depth": 0}}, "generator.update_mode", "'block'"),

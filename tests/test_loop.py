@@ -195,7 +195,8 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
     for either model. Then the policy trainer's proc is SIGKILLed between two steps: the next
     step's call, the engines asleep for it, fails; the trainer is healed, the engines wake on the
     restored version, and the step is trained again, with no group lost or trained twice and
-    the log-probs still equal."""
+    the log-probs still equal. The proposer updates on every second step (trainer.pace): on the
+    others its engine is loaded with the weights it already held, under the new version."""
     cores = set(os.sched_getaffinity(0))
     cfg = tiny(
         tmp_path / "colocate",
@@ -204,7 +205,7 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
         buffer={"max_lag": 1},
         trainer={"checkpoint_every": 0, "loss": {"correction": "none"}},
         data={"source": "task:propose"},
-        models=[{"name": "proposer", "trainer": {"lr": 0.005}}],
+        models=[{"name": "proposer", "trainer": {"lr": 0.005, "pace": {"every": 2}}}],
     )
     with meshrl.Session(cfg) as session:
         session.start()
@@ -241,6 +242,7 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
     assert sorted(kept) == list(range(1, 9)) and len(one_off + synchronous + healed) - len(kept) == healed[0]["trainer/steps_lost"]
     groups = trained_groups(kept.values())
     assert len(groups) == len(set(groups)), "a group was trained twice"
+    assert [kept[v]["proposer/trainer/updated"] for v in range(1, 9)] == [1.0, 0.0] * 4 and all(r["trainer/updated"] for r in kept.values())
     for engine in (stats, proposer_stats):  # no engine generated while any trainer stepped
         assert engine["sleeps"] >= 8 and engine["tokens_while_asleep"] == 0 and engine["version"] == 8, engine
     assert not wait_no_children()

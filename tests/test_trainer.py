@@ -277,6 +277,31 @@ def test_env_tokens_never_train_in_a_train_step(monkeypatch):
         assert (logprobs.grad[loss_mask] != 0).any()
 
 
+def test_a_step_off_the_trainers_pace_keeps_weights_and_optimizer_and_moves_the_version():
+    """trainer.pace {every: 2, offset: 1}: step 1 holds, step 2 updates (as an unpaced
+    trainer's first step does, on the same batch), step 3 holds. A held step reports the
+    same loss an update would have taken, with no gradient and nothing moved."""
+    paced, plain = PolicyTrainer(make_config(pace={"every": 2, "offset": 1}), CPU), PolicyTrainer(make_config(), CPU)
+    start = {n: p.detach().clone() for n, p in paced.model.named_parameters()}
+    first, second = make_batch(seed=3, version=0), make_batch(seed=4, version=1)
+    held = paced.train_step(first, current_version=0)
+    assert held["version"] == 1 and held["updated"] == 0.0 and held["grad_norm"] == 0.0
+    assert held["tokens"] == float(first["loss_mask"].sum()) and math.isfinite(held["loss"])
+    assert held["loss"] == plain.train_step(first, current_version=0)["loss"]  # the loss an update would have taken
+    assert all(torch.equal(p, start[n]) for n, p in paced.model.named_parameters())
+    assert not paced.optimizer.state and all(p.grad is None for p in paced.model.parameters())
+    moved = paced.train_step(second, current_version=1)
+    assert moved["version"] == 2 and moved["updated"] == 1.0 and moved["grad_norm"] > 0
+    fresh = PolicyTrainer(make_config(), CPU)
+    fresh.train_step(second, current_version=1)  # an unpaced trainer's first update, on that batch: the same weights
+    reference = dict(fresh.model.named_parameters())
+    assert all(torch.equal(p, reference[n]) for n, p in paced.model.named_parameters())
+    assert not all(torch.equal(p, start[n]) for n, p in paced.model.named_parameters())
+    after = {n: p.detach().clone() for n, p in paced.model.named_parameters()}
+    assert paced.train_step(make_batch(seed=5, version=2), current_version=2)["updated"] == 0.0
+    assert paced.step == 3 and all(torch.equal(p, after[n]) for n, p in paced.model.named_parameters())
+
+
 def test_bf16_compute_on_cpu_tracks_float32_and_keeps_float32_state():
     batch = make_batch(version=1)
     fp32 = PolicyTrainer(make_config(), CPU)

@@ -10,7 +10,8 @@
 Each model's turns go to its own generator replicas (its TurnBatcher): a proposer's
 engine holds the proposer's weights, the solver's the solver's, and each tags its tokens
 with its own version. The claim's version gates every trained model's generators alike: the
-models train in lockstep (one batch, one step each), so version v means v steps of each. A
+models step in lockstep (one batch, one step each; a step off a model's `trainer.pace` keeps its
+weights), so version v means v steps of each. A
 frozen model's generators serve its checkpoint at version 0, and its threads train nothing.
 """
 

@@ -26,6 +26,7 @@ from meshrl.config.sections import (
     LoRAConfig,
     LossConfig,
     ModelConfig,
+    PaceConfig,
     RolloutConfig,
     SandboxConfig,
     ScorerConfig,

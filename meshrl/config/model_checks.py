@@ -51,6 +51,14 @@ def _check_trainer(c: Config) -> None:
     dp = trainer.procs if trainer.dp_shard == -1 else trainer.dp_shard
     need(trainer.procs % dp == 0, "trainer.procs", f"{trainer.procs} procs are not divisible by trainer.dp_shard={dp}: make procs a multiple of dp_shard")
     need(trainer.procs % trainer.ep == 0, "trainer.procs", f"{trainer.procs} procs are not divisible by trainer.ep={trainer.ep}: make procs a multiple of ep")
+    pace = trainer.pace
+    need(pace.every >= 1, "trainer.pace.every", f"a period of steps must be at least 1, got {pace.every}")
+    need(
+        1 <= pace.steps <= pace.every,
+        "trainer.pace.steps",
+        f"must be 1 to trainer.pace.every={pace.every} (the steps of a period that update), got {pace.steps}",
+    )
+    need(0 <= pace.offset < pace.every, "trainer.pace.offset", f"must be 0 to trainer.pace.every - 1 = {pace.every - 1}, got {pace.offset}")
     need(trainer.tp >= 1, "trainer.tp", f"must be at least 1, got {trainer.tp}")
     need(trainer.cp >= 1, "trainer.cp", f"must be at least 1, got {trainer.cp}")
     together = trainer.tp * trainer.cp  # procs that train the same rows: data parallel runs over procs / together

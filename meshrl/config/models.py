@@ -82,6 +82,28 @@ class LossConfig:
 
 
 @dataclass
+class PaceConfig:
+    """On which steps a trainer updates its weights. Every step it takes its batch, and its
+    version moves on with the run's; on a step off its pace it computes its loss and metrics
+    without gradients (`trainer/updated` 0) and keeps its weights and optimizer state, so
+    its generators go on sampling the weights of its last update under the new version
+    number. Step s (1, 2, ...: the version it makes) updates when
+    (s - 1 - offset) mod every < steps. Models beside the policy train at paces of their own
+    (docs/coevolve.md "Models at different paces")."""
+
+    every: int = 1
+    """The period, in steps. 1: every step updates."""
+    steps: int = 1
+    """How many consecutive steps of each period update (1 to `every`): `every: 20, steps: 10` trains ten steps, then holds ten."""
+    offset: int = 0
+    """The step of each period where the updates start (0 to `every` - 1): two models at `every: 2`, offsets 0 and 1, take turns."""
+
+    def updates(self, version: int) -> bool:
+        """Whether the step that makes `version` (1, 2, ...) updates the weights."""
+        return (version - 1 - self.offset) % self.every < self.steps
+
+
+@dataclass
 class TrainerConfig:
     procs: int = 1
     """Trainer processes (one GPU each on GPU machines)."""
@@ -137,6 +159,8 @@ class TrainerConfig:
     """The longest one heal may take (stop the dead mesh, spawn a new one, restore, reconnect weight sync); past it the run stops, resumably."""
     loss: LossConfig = field(default_factory=LossConfig)
     """The policy loss and its off-policy corrections."""
+    pace: PaceConfig = field(default_factory=PaceConfig)
+    """On which steps the weights update (every step by default); a model beside the policy may set a pace of its own."""
 
 
 @dataclass

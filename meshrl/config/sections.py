@@ -27,6 +27,7 @@ from meshrl.config.models import (  # noqa: F401 (MOE_FAMILIES: re-exported)
     LoRAConfig,
     LossConfig,
     ModelConfig,
+    PaceConfig,
     TrainerConfig,
     WeightSyncConfig,
 )

@@ -7,9 +7,9 @@ A game (meshrl/rollout/game.py) says which model speaks each turn; the rollout w
 each turn to that model's replicas and pack every thread as a row tagged with its model.
 Every step the policy's trainer samples the batch and each model here trains on the same
 batch at once (colocated: in turn, controller/colocate.py), on its own rows, on its own procs
-(trainer/actor.py `train_from_queue`), so all the models are at the same version after
-each step and the queue's admission and staleness bound hold for each model's tokens
-against its own version.
+(trainer/actor.py `train_from_queue`; a step off its `trainer.pace` keeps its weights), so
+all the models are at the same version after each step and the queue's admission and
+staleness bound hold for each model's tokens against its own version.
 
 Each model's generators are healed as the policy's are (`check`), and so is its trainer: a
 dead trainer proc is replaced on the same slots and restored from its newest complete state

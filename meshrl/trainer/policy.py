@@ -22,13 +22,11 @@ from torch import nn
 from tensordict import TensorDict
 
 from meshrl.compat import titan_float32_islands_under_cpu_autocast, vllm_runs_lora_on
-from meshrl.config import Config
+from meshrl.config import MOE_FAMILIES, Config
 from meshrl.episode import FINISH_REASONS, PAD_VERSION, group_slices, trim
-from meshrl.trainer import checkpoint as ckpt
-from meshrl.trainer import lora
+from meshrl.trainer import checkpoint as ckpt, lora
 from meshrl.trainer.logprobs import token_logprobs
 from meshrl.trainer.losses import policy_loss, reduce_metrics
-from meshrl.config import MOE_FAMILIES
 from meshrl.config.hf import model_args_from_hf
 from meshrl.trainer.model import build_model
 from meshrl.trainer.offload import OptimizerOffload
@@ -222,13 +220,15 @@ class PolicyTrainer:
 
     # ---- training -----------------------------------------------------------------------
     def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict[str, float]:
-        """One optimizer step on `batch` (the full batch; every rank gets the same one).
+        """One optimizer step on `batch` (the full batch; every rank gets the same one); on a
+        step off `trainer.pace` the same loss and metrics without gradients, the weights kept.
 
         Returns metrics and `version`, the policy version the step produced (= steps taken).
         """
         t0 = time.perf_counter()
         tcfg, lcfg = self.config.trainer, self.config.trainer.loss
         version = self.step if current_version is None else current_version
+        update = tcfg.pace.updates(self.step + 1)
         # global denominators, so that micro-batch losses on all ranks sum to the batch loss
         token_count = int(batch["loss_mask"].sum())
         seq_count = int(batch["loss_mask"].any(dim=1).sum())
@@ -246,6 +246,7 @@ class PolicyTrainer:
             replay_changed: list = []
             # MoE routing replay stays on through backward: checkpointed blocks recompute their routers there
             with contextlib.ExitStack() as replaying:
+                replaying.enter_context(torch.set_grad_enabled(update))
                 logprobs, entropy = self._logprobs(
                     self.model, packed, with_entropy=want_entropy, misses=misses, replay_changed=replay_changed, keep_replay=replaying
                 )
@@ -281,7 +282,8 @@ class PolicyTrainer:
                 if not idx:  # padding micro-batch: gradient of zero, metrics of nothing
                     loss = loss * 0.0
                     m = {k: torch.zeros_like(v) for k, v in m.items()}
-                loss.backward()
+                if update:
+                    loss.backward()
             if replay_changed:  # trained tokens whose forward replay moved off the live routers' choice
                 at_token = torch.zeros_like(packed["loss_mask"])
                 at_token[:, 1:] = replay_changed[0][:, :-1]
@@ -291,9 +293,10 @@ class PolicyTrainer:
                 mask, lag = packed["loss_mask"].cpu(), lag.cpu()
                 lag_sum += (lag * mask).sum()
                 lag_max = torch.maximum(lag_max, torch.where(mask, lag, 0).max() if mask.any() else lag_max)
-        grad_norm = self._clip_grads(tcfg.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
+        grad_norm = self._clip_grads(tcfg.grad_clip) if update else 0.0
+        if update:
+            self.optimizer.step()
+            self.scheduler.step()
         self.step += 1
         merged = self._reduce_across_ranks(metrics, lag_sum, lag_max)
         out = reduce_metrics([merged])
@@ -302,6 +305,7 @@ class PolicyTrainer:
         out.update(
             version=self.step,
             grad_norm=float(grad_norm),
+            updated=float(update),
             logprob_mismatch=out.get("mismatch", 0.0),
             staleness_mean=float(merged["lag_sum"]) / tokens,
             staleness_max=float(merged["lag_max"]),
