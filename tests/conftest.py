@@ -1002,3 +1002,46 @@ def replies_in_order(tok, texts: list[str]):
     """reply(ids) giving `texts` in turn, each ended by the end-of-turn token."""
     left = list(texts)
     return lambda ids: tok.encode(left.pop(0), add_special_tokens=False) + [tok.eos_token_id]
+
+
+def is_loopback(ip: str) -> bool:
+    """Whether a socket's address is loopback (an IPv4-mapped IPv6 one too)."""
+    import ipaddress
+
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def listening_sockets(proc) -> list[tuple[str, str, int]]:
+    """(protocol, address, port) of every socket of the psutil `proc` that accepts from
+    anyone: TCP listeners, and bound UDP sockets that are not connected to one peer."""
+    import socket
+
+    import psutil
+
+    found = []
+    for c in proc.net_connections(kind="inet"):
+        if c.type == socket.SOCK_STREAM and c.status == psutil.CONN_LISTEN:
+            found.append(("tcp", c.laddr.ip, c.laddr.port))
+        elif c.type == socket.SOCK_DGRAM and c.laddr and not c.raddr:
+            found.append(("udp", c.laddr.ip, c.laddr.port))
+    return found
+
+
+def watch_listeners(root, seen: dict) -> None:
+    """One look at the listening sockets of `root`'s whole process tree (psutil), each new one
+    recorded in `seen` as (protocol, address, port) -> "pid name cmdline"."""
+    import psutil
+
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            for sock in listening_sockets(p):
+                seen.setdefault(sock, f"{p.pid} {p.name()} {' '.join(p.cmdline())[:80]}")
+        except psutil.Error:
+            pass  # exited meanwhile

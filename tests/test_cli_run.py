@@ -1,5 +1,6 @@
 """`meshrl run` as a new user meets it: a quiet console, SIGTERM that checkpoints, and a
-resume that keeps step numbering without duplicate metric rows."""
+resume that keeps step numbering without duplicate metric rows; and a single-host run
+that opens no socket another host could reach (docs/security.md)."""
 
 import json
 import os
@@ -11,6 +12,8 @@ import time
 
 import psutil
 import pytest
+
+from tests.conftest import is_loopback, watch_listeners
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -52,11 +55,18 @@ def leftovers(since: float) -> list[psutil.Process]:
     return found
 
 
-def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console(tmp_path):
+def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console_listening_on_loopback(tmp_path):
+    """While the run trains, the listening sockets of its whole process tree (the controller
+    with the weight-sync store, trainer, generator, queue and worker procs, vLLM's engine
+    process) are looked at every half second: any bound to a wildcard (0.0.0.0, ::) or a
+    routable address fails the test, named."""
     run_dir = tmp_path / "run"
     started = time.time()
+    seen: dict[tuple[str, str, int], str] = {}  # (protocol, address, port) -> its process
+    # weight_sync.transport=collective: the transport that listens most, a store in the
+    # controller and a gloo group (a one-host run's default, shm, opens no socket for weights)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshrl", "run", f"logging.run_dir={run_dir}", "steps=60", *SMALL],
+        [sys.executable, "-m", "meshrl", "run", f"logging.run_dir={run_dir}", "steps=60", "weight_sync.transport=collective", *SMALL],
         cwd=ROOT,
         env=quiet_env(),
         stdout=subprocess.PIPE,
@@ -64,7 +74,9 @@ def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console(tmp
     )
     try:
         deadline = time.monotonic() + 400
+        root = psutil.Process(proc.pid)
         while len(steps_in(run_dir)) < 6 and proc.poll() is None and time.monotonic() < deadline:
+            watch_listeners(root, seen)
             time.sleep(0.5)
         assert proc.poll() is None, f"the run ended before it was stopped: {proc.stdout.read().decode()}"
         assert len(steps_in(run_dir)) >= 6, "the run did not reach step 6"
@@ -89,6 +101,11 @@ def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console(tmp
     while leftovers(started) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not leftovers(started), "procs outlived the stopped run"
+    # The controller hosts the weight-sync store for the whole run: if the watch did not
+    # see it, it saw nothing.
+    assert any(owner.startswith(f"{proc.pid} ") for owner in seen.values()), f"no listener of the controller was seen: {seen}"
+    exposed = [f"{proto} {ip}:{port} (pid {owner})" for (proto, ip, port), owner in sorted(seen.items()) if not is_loopback(ip)]
+    assert not exposed, "sockets reachable from other hosts:\n" + "\n".join(exposed)
 
     # A crash after the checkpoint left rows of steps that will be trained again: resume cuts them.
     with open(run_dir / "metrics.jsonl", "a") as f:
