@@ -6,14 +6,16 @@ Arms, each run once per seed at equal samples (same steps, batch, group size and
   (the policy), each with its own trainer proc, optimizer, vLLM engine and weight sync;
 - `self-play`:  the same game with `models: []`: the policy proposes and solves (one trainer
   trains every row, one engine serves every turn), the reference measured in the same
-  invocation.
+  invocation;
+- `paced`: two models, the proposer updating on one step in `--pace-every`
+  (`models[0].trainer.pace.every`; docs/coevolve.md "Models at different paces").
 
 Per run: the mean step time after the first three steps (start-up excluded), the run's wall
 clock, each model's reward in its first and last tenth of the steps, the largest staleness
 of each model's trained tokens, and the stale tokens the queue masked. The cost of the second
 trained model is the ratio of the two arms' mean step times, seed by seed.
 
-    python benchmarks/coevolve.py [--steps 30] [--seeds 0 1 2]
+    python benchmarks/coevolve.py [--steps 30] [--seeds 0 1 2] [--arms two-models self-play paced --pace-every 4]
 
 Prints a table, writes benchmarks/results/coevolve.json with the machine record.
 """
@@ -35,13 +37,16 @@ sys.path.insert(0, ROOT)
 from benchmarks.async_vs_sync import machine  # noqa: E402
 
 
-def run_arm(arm: str, steps: int, seed: int, run_dir: str) -> dict:
+def run_arm(arm: str, steps: int, seed: int, run_dir: str, pace_every: int = 4) -> dict:
     import meshrl
     from meshrl.config.loading import apply_overrides
 
     cfg = yaml.safe_load(open(os.path.join(ROOT, "configs", "coevolve.yaml")))
     if arm == "self-play":
         cfg["models"] = []
+    if arm == "paced":
+        trainer = cfg["models"][0].setdefault("trainer", {})
+        trainer["pace"] = {"every": pace_every}
     over = {"steps": steps, "seed": seed, "logging.run_dir": run_dir, "logging.progress": "false", "logging.plot": "false", "logging.tensorboard": "false"}
     cfg = apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])
     start = time.time()
@@ -62,23 +67,27 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--arms", nargs="+", default=["two-models", "self-play"])
+    p.add_argument("--arms", nargs="+", default=["two-models", "self-play"], choices=["two-models", "self-play", "paced"])
+    p.add_argument("--pace-every", type=int, default=4, help="the paced arm's proposer updates on one step in this many")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "coevolve.json"))
     p.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "bench-coevolve"))
     a = p.parse_args()
     runs = []
     for seed in a.seeds:
         for arm in a.arms:  # interleaved, so that a change in the machine's load hits both arms alike
-            r = run_arm(arm, a.steps, seed, os.path.join(a.run_dir, f"{arm}-{seed}"))
+            r = run_arm(arm, a.steps, seed, os.path.join(a.run_dir, f"{arm}-{seed}"), a.pace_every)
             runs.append(r)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
     by = {(r["arm"], r["seed"]): r for r in runs}
     ratios = [by["two-models", s]["step_s"] / by["self-play", s]["step_s"] for s in a.seeds if ("two-models", s) in by and ("self-play", s) in by]
+    paced = [by["paced", s]["step_s"] / by["self-play", s]["step_s"] for s in a.seeds if ("paced", s) in by and ("self-play", s) in by]
     summary = {"step_time_ratio_two_over_one": ratios, "mean_ratio": statistics.fmean(ratios) if ratios else None}
+    if paced:
+        summary.update(pace_every=a.pace_every, step_time_ratio_paced_over_one=paced, mean_ratio_paced=statistics.fmean(paced))
     print(json.dumps(summary))
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"machine": machine(), "steps": a.steps, "runs": runs, "summary": summary}, f, indent=1)
+        json.dump({"machine": machine(), "steps": a.steps, "arms": a.arms, "runs": runs, "summary": summary}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from meshrl.config import Config
 from meshrl.errors import TrainerFailed
 from meshrl.queue.prompts import PromptNode
 from meshrl.rollout.env import StepResult
-from tests.conftest import example_config
+from tests.conftest import example_config, kill_during_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -209,17 +209,21 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
     for either model. Then the policy trainer's proc is SIGKILLed between two steps: the next
     step's call, the engines asleep for it, fails; the trainer is healed, the engines wake on the
     restored version, and the step is trained again, with no group lost or trained twice and
-    the log-probs still equal. The proposer updates on every second step (trainer.pace): on the
-    others its engine is loaded with the weights it already held, under the new version."""
+    the log-probs still equal. Then the proposer's trainer is SIGKILLed inside a checkpoint
+    call: healed there, it trains its lost step again with every engine asleep, and the call
+    saves. The proposer updates on every second step (trainer.pace): on the others its engine
+    is loaded with the weights it already held, under the new version."""
     cores = set(os.sched_getaffinity(0))
     cfg = tiny(
         tmp_path / "colocate",
-        steps=8,
+        steps=9,
         placement="colocate",
         buffer={"max_lag": 1},
         trainer={"checkpoint_every": 0, "loss": {"correction": "none"}},
         data={"source": "task:propose"},
-        models=[{"name": "proposer", "trainer": {"lr": 0.005, "pace": {"every": 2}}}],
+        # the proposer's snapshots every step, never spaced out (snapshot_budget 0): its heal in the
+        # checkpoint call loses at most one step, whose batch the queue still keeps for it
+        models=[{"name": "proposer", "trainer": {"lr": 0.005, "pace": {"every": 2}, "snapshot_budget": 0}}],
     )
     with meshrl.Session(cfg) as session:
         session.start()
@@ -235,6 +239,9 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
         synchronous = session.step(2)
         os.kill(info["pid"], signal.SIGKILL)
         healed = session.step(8 - session.version)
+        root = os.path.join(session.run_dir, "checkpoints", "models", "proposer")
+        checkpointed = kill_during_checkpoint(session, proposer.pids[0][0], root, lambda: proposer.restarts)
+        after = session.step(1)
         session.sync_generators()
         ((_, _, stats),) = session._call(loop.generators.read_stats())
         ((_, _, proposer_stats),) = session._call(proposer.generators.read_stats())
@@ -246,19 +253,23 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
         assert all(f"{model}colocate/load_s" in r for r in synchronous) and not any(f"{model}colocate/load_s" in r for r in one_off)
         assert synchronous[-1][f"{model}trainer/logprob_mismatch"] < 2e-3, (model, synchronous[-1])
         assert healed[-1][f"{model}trainer/logprob_mismatch"] < 2e-3, (model, healed[-1])
+        assert after[-1][f"{model}trainer/logprob_mismatch"] < 2e-3, (model, after[-1])
     assert nothing_stale(one_off)  # (the bound tightened at step 5 masks the batch admitted one step off before it)
     # the heal: a new proc, every step trained (the steps it lost once more, from their own batches), each group once.
     # Colocated on CPU the snapshot writes take cores from generation, so they are spaced out to stay within
     # trainer.snapshot_budget (trainer/snapshot_spacing): a heal loses at most that many steps, at least one.
     spacing = max([1.0] + [r["trainer/snapshot_spacing"] for r in one_off + synchronous if "trainer/snapshot_spacing" in r])
     assert new_info["pid"] != info["pid"] and healed[0]["trainer/restarts"] == 1 and healed[0]["trainer/steps_lost"] <= spacing, (spacing, healed[0])
-    kept = {int(r["version"]): r for r in one_off + synchronous + healed}
-    assert sorted(kept) == list(range(1, 9)) and len(one_off + synchronous + healed) - len(kept) == healed[0]["trainer/steps_lost"]
+    kept = {int(r["version"]): r for r in one_off + synchronous + healed + after}
+    assert sorted(kept) == list(range(1, 10)) and len(one_off + synchronous + healed + after) - len(kept) == healed[0]["trainer/steps_lost"]
     groups = trained_groups(kept.values())
     assert len(groups) == len(set(groups)), "a group was trained twice"
-    assert [kept[v]["proposer/trainer/updated"] for v in range(1, 9)] == [1.0, 0.0] * 4 and all(r["trainer/updated"] for r in kept.values())
+    assert [kept[v]["proposer/trainer/updated"] for v in range(1, 10)] == [1.0, 0.0] * 4 + [1.0] and all(r["trainer/updated"] for r in kept.values())
+    # the proposer healed in the checkpoint call, its lost step trained again with every engine asleep, and saved
+    assert checkpointed["heals"] == 1 and checkpointed["version"] == 8, checkpointed
+    assert after[0]["proposer/trainer/restarts"] == 1 and after[0]["proposer/colocate/heal_asleep_s"] > 0, after[0]
     for engine in (stats, proposer_stats):  # no engine generated while any trainer stepped
-        assert engine["sleeps"] >= 8 and engine["tokens_while_asleep"] == 0 and engine["version"] == 8, engine
+        assert engine["sleeps"] >= 10 and engine["tokens_while_asleep"] == 0 and engine["version"] == 9, engine
     assert not wait_no_children()
 
 

@@ -6,6 +6,8 @@ Trained models beside the policy (`config.models`) share the same devices: every
 engines sleep and wake together, and the trainers step in turn, the policy's first, each
 freeing its memory before the next (`release`), so each step has the devices to itself. Each
 trainer frees it too before its engines first start, which size their KV cache by what is free.
+A trained model healed outside the step retrains what it lost with the engines asleep too
+(`asleep_while`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,21 @@ async def models_in_turn(plan, trainer, partners: list, train, offload_optimizer
         out.update(await train(p))
         out.update({f"{p.name}/{k}": v for k, v in (await release(plan, p.trainer, offload_optimizer)).items()})
     return out
+
+
+async def asleep_while(plan, pools: list, partner, heal, offload_optimizer: bool) -> None:
+    """A trained model whose trainer died in a call outside the step (a checkpoint, an export)
+    is restored and trains the steps it lost (`heal`, its `heal_outside_step`) as a step
+    trains: every engine asleep, then its memory freed, then every engine awake. They sleep
+    keeping their weights, the versions they held, which the model's retrained ones equal."""
+    t0 = time.monotonic()
+    await asyncio.gather(*(pool.sleep(keep_weights=True) for pool in pools))
+    try:
+        await heal
+        await release(plan, partner.trainer, offload_optimizer)
+    finally:
+        await asyncio.gather(*(pool.wake() for pool in pools))
+    partner.pending["colocate/heal_asleep_s"] = time.monotonic() - t0
 
 
 async def load_models(partners: list) -> dict[str, float]:

@@ -315,7 +315,8 @@ class RLLoop:
                 partner = next((p for p in self.partners if p.dead()), None)
                 if partner is not None and not self.healer.trainer_dead():
                     c = self.config
-                    await partner.heal_outside_step(e, self.queue, c.batch_groups, c.buffer.get_timeout_s, self.version)
+                    heal = partner.heal_outside_step(e, self.queue, c.batch_groups, c.buffer.get_timeout_s, self.version)
+                    await (colocate.asleep_while(self.alloc.plan, self._pools(), partner, heal, self._offload_optimizer) if c.placement == "colocate" else heal)
                     continue
                 if not (self.healer.lost_a_proc(e) or self.healer.critic_dead()):
                     raise
