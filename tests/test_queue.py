@@ -15,6 +15,7 @@ from meshrl import episode
 from meshrl.config import Config
 from meshrl.errors import UserCodeError
 from meshrl.queue import EpisodeQueue, QueueClosed, straggler_wait
+from meshrl.queue.buffer import BatchTimeout
 from meshrl.queue.actor import EpisodeQueueActor
 from tests.conftest import make_group
 
@@ -694,6 +695,31 @@ def test_queue_actor_with_a_worker_mesh():
             await queue_procs.stop()
 
     asyncio.run(main())
+
+
+def test_shared_batches_are_kept_back_to_each_trained_models_restorable_version():
+    """The batches the models beside the policy train on (`shared`): the last two, and every
+    one since a model's newest restorable version, which its healed trainer trains again;
+    one let go raises at once, in one line, instead of waiting out the timeout."""
+    data = {"batch_groups": 1, "data": {"source": "task:propose"}, "models": [{"name": "proposer"}], "buffer": {"dynamic_sampling": False}}
+    q = EpisodeQueue(Config.from_dict(data))
+    taken = {}
+    for version in range(3):
+        for c in claim_all(q):
+            deliver(q, c)
+        taken[version] = q.sample(1, version)["group_id"]
+        q.set_version(version + 1)
+        q.set_partner_durable(1, 0)  # the model's snapshots stopped at version 0
+    assert all(torch.equal(q.shared(v, 0)["group_id"], taken[v]) for v in (0, 1, 2))
+    q.set_partner_durable(1, 2)  # restorable at 2 again: what it no longer needs is let go
+    for c in claim_all(q):
+        deliver(q, c)
+    q.sample(1, 3)
+    assert q.shared(2, 0) is not None and q.shared(3, 0) is not None
+    start = time.monotonic()
+    with pytest.raises(BatchTimeout, match=r"no batch for version 0: let go"):
+        q.shared(0, 30)
+    assert time.monotonic() - start < 1
 
 
 def test_retake_puts_back_the_batches_taken_since_the_restored_version_once():

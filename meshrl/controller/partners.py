@@ -14,8 +14,9 @@ staleness bound hold for each model's tokens against its own version.
 Each model's generators are healed as the policy's are (`check`), and so is its trainer: a
 dead trainer proc is replaced on the same slots and restored from its newest complete state
 (its per-step snapshot under models/NAME/snapshots, or its last checkpoint), then retrains
-the steps it lost from the batches the queue keeps for it (`EpisodeQueue.shared`: the
-current version's and the one before), so it rejoins the policy's version within the step.
+the steps it lost from the batches the queue keeps for it (`EpisodeQueue.shared`: the last
+two, and every one since its newest restorable version), so it rejoins the policy's version
+within the step.
 Its checkpoint is written and restored with the policy's (controller/checkpoint.py).
 
 A frozen model (`served_pools`) is its generator replicas alone, on its own checkpoint.

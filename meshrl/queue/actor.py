@@ -67,6 +67,10 @@ class EpisodeQueueActor(Actor):
         self.queue.set_version(version, durable)
 
     @concurrent_endpoint
+    async def set_partner_durable(self, model: int, durable: int) -> None:
+        self.queue.set_partner_durable(model, durable)
+
+    @concurrent_endpoint
     async def retake(self, version: int) -> list[int]:
         return self.queue.retake(version)
 

@@ -75,10 +75,8 @@ def uniform(groups: Sequence[TensorDict], n: int, rng: random.Random) -> list[in
 
 
 def resolve_policy(name: str) -> SamplingPolicy:
-    if name == "fifo":
-        return fifo
-    if name == "random":
-        return uniform
+    if name in ("fifo", "random"):
+        return fifo if name == "fifo" else uniform
     module, _, attr = name.partition(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -144,6 +142,7 @@ class EpisodeQueue:
         # train on the very batch the policy's trainer took, each on its own rows (`shared`)
         self.partners = len(config.models) - len(config.frozen_models())
         self._shared: dict[int, TensorDict] = {}
+        self._partner_durable: dict[int, int] = {}  # model index -> the newest version its trainer can be restored to
         self._cond = threading.Condition()
         self._rng = random.Random(config.seed)
         self._closed = False
@@ -283,8 +282,9 @@ class EpisodeQueue:
                 del self.ready[i]
             self.held.append((current_version, picked))
             batch = episode.concat(picked)
-            if self.partners:
-                self._shared = {v: b for v, b in self._shared.items() if v >= current_version - 1}
+            if self.partners:  # kept back to the oldest version a healed model's trainer would train again
+                keep_from = min([current_version - 1, *self._partner_durable.values()])
+                self._shared = {v: b for v, b in self._shared.items() if v >= keep_from}
                 self._shared[current_version] = batch
             ids = [int(g["group_id"][0]) for g in picked]
             self.consumed += ids
@@ -302,14 +302,23 @@ class EpisodeQueue:
         """The batch the policy's trainer took for `version` (waits for it at most `timeout`
         s, default buffer.get_timeout_s): what each trained model beside the policy trains
         its step `version` on. The policy's trainer may be a step ahead, so the last two
-        versions' batches are kept."""
+        versions' batches are kept, and those since each model's restorable version
+        (`set_partner_durable`), which its healed trainer trains again. One let go raises at once."""
         timeout = self.cfg.get_timeout_s if timeout is None else timeout
         with self._cond:
+            if self._shared and version < min(self._shared):  # no model's trainer could be restored to it any more
+                raise BatchTimeout(f"no batch for version {version}: let go (the oldest kept: {min(self._shared)}; see trainer.snapshot_every)")
             if not self._cond.wait_for(lambda: self._closed or version in self._shared, timeout):
                 raise BatchTimeout(f"no batch for version {version} after {timeout:.0f}s: the policy's trainer has not taken it")
             if self._closed:
                 self._raise_closed()
             return self._shared[version]
+
+    def set_partner_durable(self, model: int, durable: int) -> None:
+        """The newest version trained model `model`'s trainer can be restored to (its newest
+        complete snapshot): the batches from it on are kept for its heal (`shared`)."""
+        with self._cond:
+            self._partner_durable[model] = durable
 
     def wait_ready(self, num_groups: int, timeout: float) -> bool:
         """Wait until `num_groups` groups are READY (a batch the trainer can take at once);

@@ -153,8 +153,11 @@ class TrainerActor(Actor):
         t1 = time.perf_counter()
         copy_s = self._publish(trainer)
         publish_s = time.perf_counter() - t1
+        durable = self.durable if self.snapshots is not None else trainer.step
         if trainer.rank == 0 and not model:  # the queue holds every batch taken since the newest complete snapshot
-            await awaited(queue.set_version.call_one(trainer.step, self.durable if self.snapshots is not None else trainer.step))
+            await awaited(queue.set_version.call_one(trainer.step, durable))
+        elif trainer.rank == 0:  # and, for a trained model beside the policy, each shared batch since its own
+            await awaited(queue.set_partner_durable.call_one(model, durable))
         metrics = {f"trainer/{k}": v for k, v in out.items() if k != "version"}
         metrics.update(
             {
