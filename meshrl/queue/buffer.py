@@ -307,7 +307,7 @@ class EpisodeQueue:
         timeout = self.cfg.get_timeout_s if timeout is None else timeout
         with self._cond:
             if self._shared and version < min(self._shared):  # no model's trainer could be restored to it any more
-                raise BatchTimeout(f"no batch for version {version}: let go (the oldest kept: {min(self._shared)}; see trainer.snapshot_every)")
+                raise LookupError(f"no batch for version {version}: let go (the oldest kept: {min(self._shared)}; see trainer.snapshot_every)")
             if not self._cond.wait_for(lambda: self._closed or version in self._shared, timeout):
                 raise BatchTimeout(f"no batch for version {version} after {timeout:.0f}s: the policy's trainer has not taken it")
             if self._closed:
