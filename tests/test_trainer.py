@@ -277,10 +277,14 @@ def test_env_tokens_never_train_in_a_train_step(monkeypatch):
         assert (logprobs.grad[loss_mask] != 0).any()
 
 
-def test_a_step_off_the_trainers_pace_keeps_weights_and_optimizer_and_moves_the_version():
+def test_a_step_off_the_trainers_pace_keeps_weights_and_optimizer_and_moves_the_version(tmp_path):
     """trainer.pace {every: 2, offset: 1}: step 1 holds, step 2 updates (as an unpaced
     trainer's first step does, on the same batch), step 3 holds. A held step reports the
-    same loss an update would have taken, with no gradient and nothing moved."""
+    same loss an update would have taken, with no gradient and nothing moved. A snapshot by
+    DCP (a GPU trainer's) of the held step gives the optimizer no state (torch's state dict
+    would make it one by a step of lr 0), and a trainer restored from it updates alike."""
+    from meshrl.trainer.snapshot import Snapshots, load_snapshot
+
     paced, plain = PolicyTrainer(make_config(pace={"every": 2, "offset": 1}), CPU), PolicyTrainer(make_config(), CPU)
     start = {n: p.detach().clone() for n, p in paced.model.named_parameters()}
     first, second = make_batch(seed=3, version=0), make_batch(seed=4, version=1)
@@ -290,7 +294,14 @@ def test_a_step_off_the_trainers_pace_keeps_weights_and_optimizer_and_moves_the_
     assert held["loss"] == plain.train_step(first, current_version=0)["loss"]  # the loss an update would have taken
     assert all(torch.equal(p, start[n]) for n, p in paced.model.named_parameters())
     assert not paced.optimizer.state and all(p.grad is None for p in paced.model.parameters())
+    snaps = Snapshots(str(tmp_path / "snapshots"), 1, blocking=False)
+    snaps.start(1, paced.model, paced.optimizer, paced.scheduler)
+    restored = PolicyTrainer(make_config(pace={"every": 2, "offset": 1}), CPU)
+    assert not paced.optimizer.state and load_snapshot(snaps.finish(), restored.model, restored.optimizer, restored.scheduler) == 1
+    restored.step = 1
+    restored.train_step(second, current_version=1)
     moved = paced.train_step(second, current_version=1)
+    assert all(torch.equal(p, q) for p, q in zip(paced.model.parameters(), restored.model.parameters()))
     assert moved["version"] == 2 and moved["updated"] == 1.0 and moved["grad_norm"] > 0
     fresh = PolicyTrainer(make_config(), CPU)
     fresh.train_step(second, current_version=1)  # an unpaced trainer's first update, on that batch: the same weights

@@ -79,16 +79,24 @@ async def models_in_turn(plan, trainer, partners: list, train, offload_optimizer
     return out
 
 
-async def asleep_while(plan, pools: list, partner, heal, offload_optimizer: bool) -> None:
+async def asleep_while(loop, partner, heal) -> None:
     """A trained model whose trainer died in a call outside the step (a checkpoint, an export)
     is restored and trains the steps it lost (`heal`, its `heal_outside_step`) as a step
-    trains: every engine asleep, then its memory freed, then every engine awake. They sleep
-    keeping their weights, the versions they held, which the model's retrained ones equal."""
+    trains: the weight loads under way done (none wakes an engine's weights meanwhile, but the
+    dead trainer's own, which the heal cancels), every engine asleep keeping its weights, then
+    the model's memory freed and its version loaded into its engines, then every engine awake."""
     t0 = time.monotonic()
+    if loop._update_task is not None:
+        await loop._finish_update()
+    for p in loop.partners:
+        if p is not partner:
+            await p.finish_update()
+    pools = loop._pools()
     await asyncio.gather(*(pool.sleep(keep_weights=True) for pool in pools))
     try:
         await heal
-        await release(plan, partner.trainer, offload_optimizer)
+        await release(loop.alloc.plan, partner.trainer, loop._offload_optimizer)
+        await load_models([partner])
     finally:
         await asyncio.gather(*(pool.wake() for pool in pools))
     partner.pending["colocate/heal_asleep_s"] = time.monotonic() - t0

@@ -316,7 +316,7 @@ class RLLoop:
                 if partner is not None and not self.healer.trainer_dead():
                     c = self.config
                     heal = partner.heal_outside_step(e, self.queue, c.batch_groups, c.buffer.get_timeout_s, self.version)
-                    await (colocate.asleep_while(self.alloc.plan, self._pools(), partner, heal, self._offload_optimizer) if c.placement == "colocate" else heal)
+                    await (colocate.asleep_while(self, partner, heal) if c.placement == "colocate" else heal)
                     continue
                 if not (self.healer.lost_a_proc(e) or self.healer.critic_dead()):
                     raise

@@ -143,3 +143,15 @@ def shard_over_ranks(model: nn.Module, parallelize_fn, device_type: str, dtype: 
     model, _ = parallelize(model, parallelize_fn, parallelism_config(TrainerConfig(procs=world), world), world, device_type, dtype)
     disable_fsdp_gradient_division(model)
     return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Every FSDP2 module of `model` back to its shards. FSDP reshards in backward what it
+    keeps gathered after a forward (TorchTitan's root: the final norm and the output head); a
+    forward with no backward (a step off trainer.pace) leaves it gathered until the next
+    step's backward, through generation on a shared GPU. No-op without FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

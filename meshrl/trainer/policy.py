@@ -31,7 +31,7 @@ from meshrl.config.hf import model_args_from_hf
 from meshrl.trainer.model import build_model
 from meshrl.trainer.offload import OptimizerOffload
 from meshrl.trainer.packing import micro_batch_plans, row_lengths
-from meshrl.trainer.parallelize import ac_config, compile_config, compile_unsharded, compute_dtype, parallelism_config, parallelize
+from meshrl.trainer.parallelize import ac_config, compile_config, compile_unsharded, compute_dtype, parallelism_config, parallelize, reshard
 from meshrl.trainer.routing import input_positions
 from meshrl.trainer.snapshot import is_snapshot, load_snapshot
 
@@ -61,14 +61,12 @@ class PolicyTrainer:
         mcfg, tcfg = config.model, config.trainer
         overrides: dict = {}
         if mcfg.path is not None:
-            hf_cfg, overrides = model_args_from_hf(mcfg.path)
-            mcfg = hf_cfg
+            mcfg, overrides = model_args_from_hf(mcfg.path)
         self.model_config = mcfg
         self.parallelism = parallelism_config(tcfg, world_size)
-        # A checkpoint's model on a trainer mesh is built on the meta device, sharded, then
-        # materialised and loaded shard by shard (as TorchTitan's trainer does): no rank ever
-        # holds the whole model. A from-scratch model is built whole with the seed, so every
-        # rank and world size starts from the same weights.
+        # A checkpoint's model on a trainer mesh is built on the meta device, sharded, then materialised and
+        # loaded shard by shard (as TorchTitan's trainer does): no rank ever holds the whole model. A
+        # from-scratch model is built whole with the seed, so every rank and world size starts from the same weights.
         on_meta = mcfg.path is not None and dist.is_initialized()
         build_on = torch.device("meta") if on_meta else device
         self.model, self.specs = build_model(mcfg, build_on, seed=config.seed, hf_overrides=overrides, parallelism=self.parallelism, lora=config.lora)
@@ -297,6 +295,8 @@ class PolicyTrainer:
         if update:
             self.optimizer.step()
             self.scheduler.step()
+        else:
+            reshard(self.model)  # what FSDP keeps gathered after a forward, which only a backward reshards
         self.step += 1
         merged = self._reduce_across_ranks(metrics, lag_sum, lag_max)
         out = reduce_metrics([merged])

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshrl.trainer.checkpoint import COMPLETE_MARKER, LATEST, _train_state, load_rng, rng_state, save_rng
+from meshrl.trainer.checkpoint import COMPLETE_MARKER, LATEST, _stepped, _train_state, load_rng, rng_state, save_rng
 from meshrl.weightsync.bytecopy import copy_pieces
 
 _THREADS = ThreadPoolExecutor(1, thread_name_prefix="meshrl-snapshot")
@@ -288,7 +288,11 @@ class Snapshots:
             future = _THREADS.submit(_timed, self._write_slot, local_state(model, optimizer), tmp, rank)
         else:
             writer = dcp.FileSystemWriter(tmp, sync_files=False)
-            future = dcp.async_save(_train_state(model, optimizer), storage_writer=writer, process_group=self.pg, no_dist=self.pg is None)
+            # an optimizer not stepped yet (its first steps off trainer.pace) saved without state, as a
+            # version-0 checkpoint is: torch would make it one by a step of lr 0 (checkpoint._train_state)
+            meta["optimizer_state"] = stepped = _stepped(optimizer)
+            state = _train_state(model, optimizer, stepped)
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.pg, no_dist=self.pg is None)
         self._pending = (future, tmp, name, meta, False)
         if self.inline:
             future.result()
