@@ -79,6 +79,17 @@ async def models_in_turn(plan, trainer, partners: list, train, offload_optimizer
     return out
 
 
+async def settle_updates(loop, but=None) -> dict[str, float]:
+    """The weight loads under way done, the policy's and each trained model's (one step off,
+    in the background since the last step), but the model `but`'s: its trainer died, and
+    its heal cancels its load, which would wait on the dead trainer. Their seconds, by name."""
+    out = {"sync/previous_update_s": await loop._finish_update()} if loop._update_task is not None else {}
+    for p in loop.partners:
+        if p is not but:
+            out[f"{p.name}/sync/previous_update_s"] = await p.finish_update()
+    return out
+
+
 async def asleep_while(loop, partner, heal) -> None:
     """A trained model whose trainer died in a call outside the step (a checkpoint, an export)
     is restored and trains the steps it lost (`heal`, its `heal_outside_step`) as a step
@@ -86,11 +97,7 @@ async def asleep_while(loop, partner, heal) -> None:
     dead trainer's own, which the heal cancels), every engine asleep keeping its weights, then
     the model's memory freed and its version loaded into its engines, then every engine awake."""
     t0 = time.monotonic()
-    if loop._update_task is not None:
-        await loop._finish_update()
-    for p in loop.partners:
-        if p is not partner:
-            await p.finish_update()
+    await settle_updates(loop, but=partner)
     pools = loop._pools()
     await asyncio.gather(*(pool.sleep(keep_weights=True) for pool in pools))
     try:

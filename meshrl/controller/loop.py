@@ -338,11 +338,8 @@ class RLLoop:
     async def _hand_devices_to_trainer(self) -> dict[str, float]:
         """placement=colocate, before the trainer's call: the previous weight load done, then
         the generators asleep on a complete batch (controller/colocate.py)."""
-        out, t0 = {}, time.monotonic()
-        if self._update_task is not None:
-            out["sync/previous_update_s"] = await self._finish_update()
-        for p in self.partners:  # one step off: their loads in the background since the last step
-            out[f"{p.name}/sync/previous_update_s"] = await p.finish_update()
+        t0 = time.monotonic()
+        out = await colocate.settle_updates(self)
         out.update(await colocate.sleep_for_trainer(self.config, self.alloc.plan, self.queue, self._pools(), self._watching, t0))
         return out
 
