@@ -23,9 +23,13 @@ the sampler draws there, and a teacher replica scores there (see
 
 Flow in a rollout worker, per group:
 
-    scores = await teacher.score_many.call_one([e.token_ids for e in episodes])
-    for e, s in zip(episodes, scores): attach_teacher_logprobs(e, s)   # str: a failed score
+    rows = [r for e in episodes for r in e.rows if r.model == 0]      # a game's: the policy's threads
+    scores = await teacher.score_many.call_one([r.token_ids for r in rows])
+    for r, s in zip(rows, scores): attach_teacher_logprobs(r, s)       # str: a failed score
     group = assign_distill_advantages(pack(episodes), kl_weight, reward_weight, mode)
+
+In a game (docs/coevolve.md) the student is the policy: the teacher scores the policy's
+threads, and the other models' rows train on their group advantages as without a teacher.
 
 The trainer reports `trainer/distill_reverse_kl`, the token mean of log mu - log pi_teacher
 over each trained batch: an estimate of KL(student || teacher) along the student's samples.
@@ -62,16 +66,20 @@ def assign_distill_advantages(td: TensorDict, kl_weight: float, reward_weight: f
         token_advantage = kl_weight * (teacher_logprobs - sampler_logprobs) + reward_weight * advantage
 
     on loss tokens, 0 elsewhere. A failed episode leaves the loss as in `assign_advantages`.
-    A batch with no `teacher_logprobs` is accepted only when every episode failed (none was
-    worth scoring): it gets zeros, so that it concatenates with scored batches."""
+    In a game the teacher distills the policy alone: the rows of the other models keep their
+    group advantage, `token_advantage = advantage`. A batch with no `teacher_logprobs` is
+    accepted only when every row of the policy failed (none was worth scoring): it gets
+    zeros, so that it concatenates with scored batches."""
     failed = td["finish_reason"] == FINISH_REASONS["failed"]
+    student = td["model"] == 0 if "model" in td.keys() else torch.ones_like(failed)
     if "teacher_logprobs" not in td.keys():
-        if not bool(failed.all()):
+        if not bool((failed | ~student).all()):
             raise ValueError("assign_distill_advantages needs teacher_logprobs: attach the teacher's scores before pack")
         td["teacher_logprobs"] = torch.zeros_like(td["sampler_logprobs"])
     assign_advantages(td, mode)
     mask = td["loss_mask"]
     gap = td["teacher_logprobs"] - td["sampler_logprobs"]
-    per_token = kl_weight * gap + reward_weight * td["advantage"][:, None]
+    distilled = kl_weight * gap + reward_weight * td["advantage"][:, None]
+    per_token = torch.where(student[:, None], distilled, td["advantage"][:, None].expand_as(distilled))
     td["token_advantage"] = torch.where(mask, per_token, torch.zeros_like(per_token)).to(torch.float32)
     return td

@@ -141,9 +141,10 @@ def pack(episodes: Sequence[Episode]) -> TensorDict:
     """Episodes (rows keep their order) as a rollout TensorDict; see the module docstring.
 
     `teacher_logprobs` is written when any model turn carries a teacher's scores; then every
-    model turn of an episode that did not fail must carry them (a failed episode leaves the
-    loss, so its turns may be unscored), else a ValueError: a silent 0 would read as a
-    confident teacher."""
+    model turn of a row that did not fail must carry them, else a ValueError: a silent 0
+    would read as a confident teacher. A failed row leaves the loss, so its turns may be
+    unscored, and so may a game's rows of a model the teacher does not score (only the
+    policy is distilled: meshrl/distill.py)."""
     if not episodes:
         raise ValueError("pack needs at least one episode")
     game = any(e.threads for e in episodes)
@@ -164,9 +165,10 @@ def pack(episodes: Sequence[Episode]) -> TensorDict:
     teacher = None
     if any(t.teacher_logprobs is not None for e in episodes for t in e.model_turns):
         teacher = torch.zeros(B, T, dtype=torch.float32)
+        students = {e.model for e in episodes if any(t.teacher_logprobs is not None for t in e.model_turns)}
         for e in episodes:
             unscored = [t for t in e.model_turns if t.teacher_logprobs is None and t.token_ids]
-            if unscored and e.finish_reason != "failed":
+            if unscored and e.finish_reason != "failed" and e.model in students:
                 raise ValueError(f"episode {e.sample_id}: {len(unscored)} model turn(s) without teacher log-probs")
     for i, episode in enumerate(episodes):
         at = 0
@@ -365,9 +367,13 @@ def leave_out(td: TensorDict, models: set[int]) -> TensorDict:
 def model_rows(td: TensorDict, model: int) -> TensorDict:
     """A game's batch as trained model `model` trains on it: its rows only (a batch without
     the `model` key is the policy's alone). With none of its rows (every one failed before it
-    spoke), one row with nothing in the loss, so that its step still runs and counts."""
+    spoke), one row with nothing in the loss, so that its step still runs and counts. The
+    teacher's log-probs are the policy's (the student of distillation): another model's rows
+    leave them out, and train on their group advantages (`token_advantage` holds them)."""
     if "model" not in td.keys():
         return td
+    if model != 0 and "teacher_logprobs" in td.keys():
+        td = td.exclude("teacher_logprobs")
     mine = td["model"] == model
     if mine.any():
         return td[mine]

@@ -484,13 +484,16 @@ def test_a_solver_trains_against_a_frozen_proposer_whose_generator_is_healed(tmp
     trains every step and nothing is masked or dropped as stale although every proposal is
     at version 0; the proposer has no trainer, no checkpoint and no export, and its engine
     keeps version 0 while the solver's follows the trainer. Its generator proc is SIGKILLed
-    part-way: replaced from its checkpoint, with no group lost or trained twice."""
+    part-way: replaced from its checkpoint, with no group lost or trained twice. The solver is
+    also distilled from a teacher (the same digit-leaning checkpoint, on an engine of its
+    own) beside its reward: the teacher scores the solver's threads alone."""
     from tests.test_loop import nothing_stale, tiny
 
     steps = 6
     proposer = conftest.build_digit_teacher(tmp_path / "proposer")
     model = {"name": "proposer", "frozen": True, "model": {"path": proposer}}
-    cfg = tiny(tmp_path / "run", steps=steps, buffer={"depth": 2, "max_lag": 1}, data={"source": "task:propose"}, models=[model])
+    distill = {"teacher": proposer, "kl_weight": 0.1, "reward_weight": 1.0}
+    cfg = tiny(tmp_path / "run", steps=steps, buffer={"depth": 2, "max_lag": 1}, data={"source": "task:propose"}, models=[model], distill=distill)
     with meshrl.Session(cfg) as session:
         session.start()
         loop = session.loop
@@ -506,6 +509,10 @@ def test_a_solver_trains_against_a_frozen_proposer_whose_generator_is_healed(tmp
         result = session.finish()
     assert [int(r["version"]) for r in rows] == list(range(1, steps + 1)) and nothing_stale(rows)
     assert all(r["trainer/staleness_max"] <= 1 for r in rows)
+    # The teacher's log-probs on the solver's tokens: the token mean of log mu - log pi_teacher
+    # is about a KL (>= 0 in expectation). Unscored tokens (log pi_teacher read as 0) would give
+    # the sampler's mean log-prob, below -2 for a tiny model over a hundred characters.
+    assert all(r["trainer/distill_reverse_kl"] > -1.0 for r in rows), [r["trainer/distill_reverse_kl"] for r in rows]
     assert pool.replaced >= 1 and stats["pid"] != pid and stats["version"] == 0 and solver["version"] == steps, (stats, solver)
     reported = [r for r in rows if "proposer/reward/mean" in r]
     assert reported and not any(k.startswith("proposer/trainer/") for r in rows for k in r)

@@ -253,6 +253,9 @@ def test_trained_models_get_gpus_of_their_own_after_the_policys_roles(monkeypatc
     assert lines["weight-sync staging (2 slots)"] < 0.01 * lines["weights (float32)"]
     (engine,) = adapters.gpu("hosts", 0, 3).holdings
     assert dict(engine.lines)["weight receive buffers (2 adapter copies, outside vLLM's budget)"] < 0.01 * lines["weights (float32)"]
+    taught = plan_devices(config(models=two[:1], distill={"teacher": "/x"}, launcher={"gpus_per_host": 6}))  # the policy's teacher
+    assert [(s.role, s.gpus) for s in taught.slots][2:4] == [("teacher", (2,)), ("proposer/trainer", (3,))]
+    assert "teacher" not in [s.role for s in taught.view("proposer").slots]
     cpu = plan_devices(config(models=two))
     assert cpu.layout == "cpu" and [s.role for s in cpu.slots][2:] == [
         "proposer/trainer",

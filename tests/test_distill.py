@@ -105,6 +105,40 @@ def test_unscored_batch_is_accepted_only_when_every_episode_failed():
         assign_distill_advantages(pack([Episode(3, 0, [env([1]), model([2], [-1.0])])]), 1.0, 1.0, "grpo")
 
 
+def game_episode(sample_id: int, solver_reward: float, teacher=True, proposer_reward: float = 0.5) -> Episode:
+    """A game's episode (task:propose's shape): a thread of the proposer (model 1) and one of the
+    policy (model 0); only the policy's turns carry the teacher's scores."""
+    proposer = Episode(0, sample_id, [env([1]), model([2], [-1.5], reward=proposer_reward)], model=1)
+    solver = Episode(0, sample_id, [env([3]), model([4, 5], [-0.5, -1.0], [-0.2, -3.0] if teacher else None, reward=solver_reward)])
+    return Episode(0, sample_id, threads=[proposer, solver])
+
+
+def test_in_a_game_the_teacher_distills_the_policys_rows_and_the_others_keep_their_group_advantage():
+    kl_w, r_w = 0.5, 2.0
+    games = [game_episode(0, 1.0), game_episode(1, 0.0, proposer_reward=1.0)]
+    td = assign_distill_advantages(pack(games), kl_w, r_w, "grpo")
+    plain = assign_advantages(pack(games), "grpo")
+    assert td["model"].tolist() == [1, 0, 1, 0] and torch.equal(td["advantage"], plain["advantage"])
+    for b in (1, 3):  # the policy's threads: reverse KL to the teacher plus the weighted group advantage
+        want = [kl_w * (t - mu) + r_w * float(plain["advantage"][b]) for t, mu in ((-0.2, -0.5), (-3.0, -1.0))]
+        assert td["token_advantage"][b, 1:3].tolist() == pytest.approx(want)
+    for b in (0, 2):  # the proposer's: its group advantage alone, on its one token, whatever the weights
+        assert td["token_advantage"][b].tolist() == pytest.approx([0.0, float(plain["advantage"][b]), 0.0])
+    # each trainer's rows: the teacher's log-probs reach the policy's alone
+    proposer, policy = episode.model_rows(td, 1), episode.model_rows(td, 0)
+    assert "teacher_logprobs" not in proposer.keys() and proposer["token_advantage"][:, 1].tolist() == pytest.approx(plain["advantage"][[0, 2]].tolist())
+    assert policy["teacher_logprobs"][:, 1:3].flatten().tolist() == pytest.approx([-0.2, -3.0] * 2)
+    # a policy's thread left unscored while another is scored is refused; every policy row failed: zeros
+    with pytest.raises(ValueError, match="without teacher log-probs"):
+        pack([game_episode(0, 1.0), game_episode(1, 0.0, teacher=False)])
+    unscored = [game_episode(0, 1.0, teacher=False)]
+    for row in unscored[0].threads:
+        row.finish_reason = "failed" if row.model == 0 else "stop"
+    assert not bool(assign_distill_advantages(pack(unscored), kl_w, r_w, "grpo")["loss_mask"][1].any())
+    with pytest.raises(ValueError, match="needs teacher_logprobs"):
+        assign_distill_advantages(pack([game_episode(0, 1.0, teacher=False)]), kl_w, r_w, "grpo")
+
+
 def test_concat_pad_and_trim_keep_the_distillation_keys():
     a = assign_distill_advantages(pack(scored_episodes()[:2]), 1.0, 1.0, "grpo")  # T = 6
     b = assign_distill_advantages(pack(scored_episodes()[2:]), 1.0, 1.0, "grpo")  # T = 4

@@ -366,12 +366,13 @@ class RolloutWorker:
 
     async def _packed(self, episodes: list[Episode]):
         """The group as the trainer reads it: advantages from the rewards or, under
-        distillation, per token from the teacher's scores of every episode that did not fail
-        (a failed score fails the call: the group is played again)."""
+        distillation, per token from the teacher's scores of every row of the policy that did
+        not fail (a game's other models are not distilled; a failed score fails the call: the
+        group is played again)."""
         loss = self.config.trainer.loss
         if self.teacher is None:
             return self._with_process(assign_advantages(pack(episodes), loss.advantage), episodes)
-        scored = [ep for ep in episodes if ep.finish_reason != "failed"]
+        scored = [row for ep in episodes for row in ep.rows if row.model == 0 and row.finish_reason != "failed"]
         timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
         scores = await asyncio.wait_for(awaited(self.teacher.score_many.call_one([ep.token_ids for ep in scored])), timeout) if scored else []
         for ep, score in zip(scored, scores):

@@ -270,7 +270,6 @@ def _check_models(c: Config) -> None:
             need(not m.trainer, f"models[{i}].trainer", f"{m.name} is frozen and has no trainer: drop its trainer section, or frozen")
         names.append(m.name)
     models = ", ".join(names[1:])
-    need(c.distill.teacher is None, "distill.teacher", f"distillation scores the policy's episodes only: drop it, or the other models (models: {models})")
     if c.eval.every > 0 or c.eval.source is not None:  # the policy alone on held-out prompts, as Absolute Zero evaluates its solver
         alone = c.eval.source is not None and source_kind(c.eval.source) in ("task", "reasoning_gym") and c.rollout.env is None
         need(

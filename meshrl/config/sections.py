@@ -417,8 +417,9 @@ class Config:
     def for_model(self, name: str) -> "Config":
         """The run as the trained model `name` sees it: its model, trainer and generator
         sections (the policy's, with its overrides), the run directory models/NAME/ for its
-        logs and checkpoints, no other models and no scorers (the rollout workers score each
-        model's threads with the run's `scoring`, meshrl/scorers/client.py). `policy`: this config."""
+        logs and checkpoints, no other models, no scorers (the rollout workers score each
+        model's threads with the run's `scoring`, meshrl/scorers/client.py) and no distillation
+        teacher (it distills the policy alone). `policy`: this config."""
         if name == "policy":
             return self
         index, spec = next((i, m) for i, m in enumerate(self.models) if m.name == name)
@@ -433,6 +434,7 @@ class Config:
             data["lora"] = {**data["lora"], "rank": 0}
         data["models"] = []
         data.pop("scoring")
+        data.pop("distill")
         try:
             return Config.from_dict(data)
         except ConfigError as e:
