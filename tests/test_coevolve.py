@@ -140,10 +140,13 @@ def test_trained_models_config_view_and_refusals():
         "critic.path": {"models": [{"name": "a"}], "trainer": {"loss": {"advantage": "gae"}}, "critic": {"path": "/a/critic"}},
         # colocated models take turns on the devices: a model's critic would need its own beside its trainer
         "models[0].trainer.loss.advantage": {"models": [{"name": "a", "trainer": {"loss": {"advantage": "gae"}}}], "placement": "colocate"},
-        # a scorer names a trained model of the run, and with models it scores outcomes only
+        # a scorer names a trained model of the run; a PRM is the policy's; process rewards not beside a model's critic
         "scoring.scorers[0].model": {"scoring": {"scorers": [{"kind": "function", "path": "m:f", "model": "proposer"}]}},
-        "scoring.scorers[1].kind": {"models": [{"name": "a"}], "scoring": {"scorers": [{"kind": "function", "path": "m:f"}, {"kind": "prm"}]}},
-        "scoring.scorers[0].process": {"models": [{"name": "a"}], "scoring": {"scorers": [{"kind": "function", "path": "m:f", "process": "step"}]}},
+        "scoring.scorers[1].model": {"models": [{"name": "a"}], "scoring": {"scorers": [{"kind": "function", "path": "m:f"}, {"kind": "prm", "model": "a"}]}},
+        "scoring.scorers[0].process": {
+            "models": [{"name": "a", "trainer": {"loss": {"advantage": "gae"}}}],
+            "scoring": {"scorers": [{"kind": "function", "path": "m:f", "process": "turn", "model": "a"}]},
+        },
         # evaluation plays the policy alone: a held-out source of its own, not the game
         "eval.source": {"models": [{"name": "a"}], "data": {"source": "task:propose"}, "eval": {"every": 5}},
     }
@@ -159,6 +162,8 @@ def test_trained_models_config_view_and_refusals():
     Config.from_dict({"models": [{"name": "a", "trainer": {"loss": {"advantage": "rloo"}}}], "trainer": {"loss": {"advantage": "gae"}}})
     Config.from_dict({"models": [{"name": "a", "trainer": {"loss": {"advantage": "gae"}}}]})
     Config.from_dict({"models": [{"name": "a"}], "placement": "colocate"})  # the models take turns on the same devices
+    Config.from_dict({"models": [{"name": "a"}], "scoring": {"scorers": [{"kind": "prm"}]}})  # the policy's PRM in a game
+    Config.from_dict({"models": [{"name": "a"}], "scoring": {"scorers": [{"kind": "function", "path": "m:f", "process": "turn", "model": "a"}]}})
     for source in ("data.jsonl", "task:propose"):  # a file is scored by the run's reward (the game's); the game itself
         with pytest.raises(ConfigError) as e:
             config = Config.from_dict({"models": [{"name": "a"}], "data": {"source": "task:propose"}, "eval": {"every": 5, "source": source}})
@@ -290,6 +295,51 @@ def test_a_scorer_of_one_model_scores_the_threads_it_speaks_in(char_tokenizer):
     assert ep.finish_reason == "failed" and "no score today" in ep.failure
     assert all(t.finish_reason == "failed" for t in ep.threads) and ep.threads[1].reward == 0.0
     assert ep.threads[1].signals == {}  # the solver's threads: nobody's to score
+
+
+def thread_steps(prompt, response, sample):
+    """A process scorer of the proposer's threads (the unit test below): 0.1 x each step's length."""
+    return [0.1 * len(step) for step in sample["steps"]]
+
+
+def test_process_rewards_in_a_game_reach_the_threads_of_the_model_scored(tmp_path, char_tokenizer):
+    """A process scorer of the proposer's turns: its step scores land on the proposer's
+    threads, centred within the proposer's rows of the group, and the policy's rows keep their
+    outcome advantage; the rows the worker packs are the threads, in order."""
+    import asyncio
+
+    from meshrl.agent.worker import RolloutWorker
+    from meshrl.scorers.client import EpisodeScorers
+
+    def game(sample_id: int, proposal: str) -> Episode:
+        ep = Episode(0, sample_id)
+        prop = Episode(0, sample_id * 8, model=1, opening="q:")
+        prop.turns = [
+            Turn("env", char_tokenizer.encode("q:")),
+            Turn("model", char_tokenizer.encode(proposal), [0.0] * len(proposal), [1] * len(proposal), reward=0.5),
+        ]
+        solve = Episode(0, sample_id * 8 + 1, model=0, opening="8:")
+        solve.turns = [Turn("env", char_tokenizer.encode("8:")), Turn("model", char_tokenizer.encode("12"), [0.0] * 2, [1] * 2, reward=float(sample_id))]
+        ep.threads = [prop, solve]
+        return ep
+
+    scorer = {"kind": "function", "path": "tests.test_coevolve:thread_steps", "process": "turn", "model": "proposer", "weight": 1.0}
+    config = Config.from_dict({"models": [{"name": "proposer"}], "scoring": {"scorers": [scorer], "env_weight": 1.0, "process_weight": 2.0}})
+    episodes = [game(0, "7"), game(1, "789")]
+    scorers = EpisodeScorers(config, char_tokenizer)
+    for ep in episodes:
+        asyncio.run(scorers.score(ep, {"prompt": "r:", "answer": ""}))
+    assert [ep.threads[0].process for ep in episodes] == [[(2, pytest.approx(0.1))], [(4, pytest.approx(0.3))]]
+    assert all(ep.threads[1].process == [] for ep in episodes)  # nobody scores the policy's steps
+    char_tokenizer.save_pretrained(tmp_path / "tok")
+    group = asyncio.run(RolloutWorker(config, str(tmp_path / "tok"))._packed(episodes))
+    assert group["model"].tolist() == [1, 0, 1, 0]
+    adv, per_token, mask = group["advantage"], group["token_advantage"], group["loss_mask"]
+    for b in (1, 3):  # the policy's: its outcome advantage on every token
+        assert per_token[b][mask[b]].tolist() == pytest.approx([float(adv[b])] * 2)
+    # the proposer's: its outcome (0.5 + its step score) advantage, plus 2 x (its score - the proposer rows' mean 0.2)
+    assert per_token[0][mask[0]].tolist() == pytest.approx([float(adv[0]) + 2.0 * (0.1 - 0.2)])
+    assert per_token[2][mask[2]].tolist() == pytest.approx([float(adv[2]) + 2.0 * (0.3 - 0.2)] * 3)
 
 
 def test_task_propose_rewards_learnability_and_feeds_the_solver_on_a_bad_proposal():
@@ -486,14 +536,19 @@ def test_a_solver_trains_against_a_frozen_proposer_whose_generator_is_healed(tmp
     keeps version 0 while the solver's follows the trainer. Its generator proc is SIGKILLed
     part-way: replaced from its checkpoint, with no group lost or trained twice. The solver is
     also distilled from a teacher (the same digit-leaning checkpoint, on an engine of its
-    own) beside its reward: the teacher scores the solver's threads alone."""
+    own) beside its reward: the teacher scores the solver's threads alone; and PRIME's implicit
+    PRM scores the solver's threads token by token and trains on their outcomes."""
     from tests.test_loop import nothing_stale, tiny
 
     steps = 6
     proposer = conftest.build_digit_teacher(tmp_path / "proposer")
     model = {"name": "proposer", "frozen": True, "model": {"path": proposer}}
     distill = {"teacher": proposer, "kl_weight": 0.1, "reward_weight": 1.0}
-    cfg = tiny(tmp_path / "run", steps=steps, buffer={"depth": 2, "max_lag": 1}, data={"source": "task:propose"}, models=[model], distill=distill)
+    prm = {"kind": "prm", "lr": 0.01, "batch_wait_s": 0.05}  # configs/prime.yaml's PRM of the tiny policy
+    scoring = {"scorers": [prm], "process_weight": 0.5}
+    cfg = tiny(
+        tmp_path / "run", steps=steps, buffer={"depth": 2, "max_lag": 1}, data={"source": "task:propose"}, models=[model], distill=distill, scoring=scoring
+    )
     with meshrl.Session(cfg) as session:
         session.start()
         loop = session.loop
@@ -513,6 +568,11 @@ def test_a_solver_trains_against_a_frozen_proposer_whose_generator_is_healed(tmp
     # is about a KL (>= 0 in expectation). Unscored tokens (log pi_teacher read as 0) would give
     # the sampler's mean log-prob, below -2 for a tiny model over a hundred characters.
     assert all(r["trainer/distill_reverse_kl"] > -1.0 for r in rows), [r["trainer/distill_reverse_kl"] for r in rows]
+    # The PRM scored the solver's threads (its versions rise, its per-token rewards reached the
+    # loss) and never the proposer's.
+    version = [r["scoring/prm/version"] for r in rows]
+    assert version == sorted(version) and version[-1] >= steps - 2 and all(r["scoring/prm/process_abs"] > 0 for r in rows[1:]), version
+    assert not any(k.startswith("proposer/scoring/") for r in rows for k in r)
     assert pool.replaced >= 1 and stats["pid"] != pid and stats["version"] == 0 and solver["version"] == steps, (stats, solver)
     reported = [r for r in rows if "proposer/reward/mean" in r]
     assert reported and not any(k.startswith("proposer/trainer/") for r in rows for k in r)

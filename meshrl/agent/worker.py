@@ -383,17 +383,19 @@ class RolloutWorker:
         return self._with_process(assign_distill_advantages(pack(episodes), d.kl_weight, d.reward_weight, loss.advantage), episodes)
 
     def _with_process(self, group, episodes: list[Episode]):
-        """Under process scorers, the per-token advantages of meshrl/scorers/process.py."""
+        """Under process scorers, the per-token advantages of meshrl/scorers/process.py (a
+        game's: of its threads, the group's rows)."""
         s = self.config.scoring
         prm = any(spec.kind == "prm" for spec in s.scorers)
         if not prm and not any(spec.process != "none" for spec in s.scorers):
             return group
-        scores, ends = process_tensors(episodes, group["tokens"].shape[1])
+        rows = [row for ep in episodes for row in ep.rows]
+        scores, ends = process_tensors(rows, group["tokens"].shape[1])
         group = assign_process_advantages(group, scores, ends, s.process_weight, s.process_advantage, "loo" if prm else "mean")
         if prm:
             from meshrl.scorers.prm import note_process_terms
 
-            note_process_terms(group, episodes, s.scorer_names()[[spec.kind for spec in s.scorers].index("prm")])
+            note_process_terms(group, rows, s.scorer_names()[[spec.kind for spec in s.scorers].index("prm")])
         return group
 
     async def stop(self, timeout_s: float = 30.0) -> None:

@@ -278,13 +278,21 @@ def _check_models(c: Config) -> None:
             "with several trained models evaluation plays the policy alone on a `task:` or `reasoning_gym:` source of its own "
             f"(e.g. task:digits; not the game, nor a run with rollout.env) (models: {models})",
         )
-    for i, sc in enumerate(c.scoring.scorers):  # outcome scores of a thread; process rewards are the policy's of a run without models
-        need(
-            sc.kind != "prm" and sc.process == "none",
-            f"scoring.scorers[{i}].kind" if sc.kind == "prm" else f"scoring.scorers[{i}].process",
-            "with several trained models a scorer scores each thread's outcome: an implicit PRM and process rewards are not built "
-            f"for games (models: {models})",
-        )
+    for i, sc in enumerate(c.scoring.scorers):  # per-token rewards on the threads of the model a scorer names
+        if sc.kind == "prm":  # it starts from the policy's weights (or its own path) and trains on the policy's outcomes
+            need(
+                sc.model == "policy",
+                f"scoring.scorers[{i}].model",
+                f"an implicit PRM scores and trains on the policy's threads (it starts from the policy's weights): set model=policy (models: {models})",
+            )
+        elif sc.process != "none" and sc.model != "policy":
+            spec = c.models[names.index(sc.model) - 1]
+            gae = not spec.frozen and c.for_model(sc.model).trainer.loss.advantage == "gae"
+            need(
+                not gae,
+                f"scoring.scorers[{i}].process",
+                f"process rewards and {sc.model}'s critic (it trains by gae) both set every token's advantage: set process=none, or a group advantage for it",
+            )
     for i, m in enumerate(c.models):
         if m.frozen:  # no trainer, no critic
             continue

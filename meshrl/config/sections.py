@@ -136,7 +136,7 @@ class ScorerConfig:
     weight: float = 1.0
     """The signal's weight in the trained reward: reward = scoring.env_weight x the env's reward + the sum of weight x score. 0: logged, not trained on."""
     model: str = "policy"
-    """The trained model whose episodes it scores: `policy`, or the name of one of `models` (docs/coevolve.md). In a game each thread that model speaks in is scored on its own: its opening observation is the prompt, its text after that the response, and the score joins that thread's reward (`scoring.env_weight` x the game's reward for the thread + weight x score), reported as `NAME/scoring/SCORER/...` for a model beside the policy. With `models` a scorer scores outcomes only (no `process`, no `prm`)."""
+    """The trained model whose episodes it scores: `policy`, or the name of one of `models` (docs/coevolve.md). In a game each thread that model speaks in is scored on its own: its opening observation is the prompt, its text after that the response, and the score joins that thread's reward (`scoring.env_weight` x the game's reward for the thread + weight x score), reported as `NAME/scoring/SCORER/...` for a model beside the policy. A process scorer's steps are that thread's, its baseline its model's rows of the group; a `prm` scores the policy's threads alone."""
     path: str | None = None
     """`function`: import path `module:function` (prompt, response, sample) -> float, or a list of floats (one per step) with `process`; `reward_model` / `judge`: a local checkpoint directory (its own tokenizer and chat template); `prm`: a causal-LM checkpoint directory with the policy's tokenizer, or None for the policy's starting weights (model.path, or the same seeded initialisation)."""
     url: str | None = None

@@ -157,12 +157,14 @@ class EpisodeScorers:
     async def score_group(self, episodes: list[Episode], seen: dict[int, int]) -> None:
         """Score the group's played episodes with each per-group scorer (an implicit PRM), all
         in one request, so one PRM version scores them all (meshrl/scorers/prm.py); its
-        per-token rewards join `episode.process`. `seen`: `versions` when the group began."""
+        per-token rewards join `episode.process`. A game's episodes are scored by their
+        threads of the model the PRM names (a failed score fails the whole episode).
+        `seen`: `versions` when the group began."""
         from meshrl.scorers.prm import group_items
 
         for index in self.per_group:
             spec, name = self.specs[index], self.names[index]
-            played = [ep for ep in episodes if ep.finish_reason != "failed"]
+            played = [row for ep in episodes if ep.finish_reason != "failed" for row in ep.rows if self.models[row.model] == spec.model]
             if not played:
                 continue
             items = group_items(played)
@@ -186,6 +188,12 @@ class EpisodeScorers:
                 for key in ("loss", "accuracy", "train_loss", "grad_norm", "trained_frac"):
                     if key in result:
                         ep.signals[f"{name}/{key}"] = result[key]
+        for ep in episodes:  # a game's thread that failed its score fails its episode, as `score` does
+            failed = next((row for row in ep.threads if row.finish_reason == "failed"), None)
+            if failed is not None and ep.finish_reason != "failed":
+                ep.finish_reason, ep.failure = "failed", failed.failure
+                for row in ep.threads:
+                    row.finish_reason = "failed"
 
     async def _one(self, index: int, item: dict) -> dict:
         spec = self.specs[index]

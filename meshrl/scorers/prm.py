@@ -109,7 +109,7 @@ def note_process_terms(group, episodes, name: str) -> None:
     term = (group["token_advantage"] - group["advantage"][:, None]).abs()
     mask = group["loss_mask"]
     for i, ep in enumerate(episodes):
-        if ep.finish_reason != "failed" and bool(mask[i].any()):
+        if ep.finish_reason != "failed" and name in ep.signals and bool(mask[i].any()):  # the rows it scored (a game's: the policy's)
             ep.signals[f"{name}/process_abs"] = float(term[i][mask[i]].mean())
 
 

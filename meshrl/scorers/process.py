@@ -13,7 +13,9 @@ with w = scoring.process_weight and A_group the outcome reward's group advantage
 outcome counts each process scorer's last step score). An implicit PRM (meshrl/scorers/prm.py)
 makes every model token a step, adds nothing to the outcome, and replaces b by each episode's
 leave-one-out baseline (PRIME's: the other episodes' mean per-token score). Either way the advantage is constant
-inside a step and changes only right after a step's last token. The result is the batch's
+inside a step and changes only right after a step's last token. In a game the rows are its
+threads: a scorer steps through the threads of the model it names, and each model's rows of
+a group are a group of their own (as for the outcome's advantage). The result is the batch's
 per-token `token_advantage`, which the loss trains on (as distillation's; both add up).
 """
 
@@ -24,7 +26,7 @@ from typing import Sequence
 import torch
 from tensordict import TensorDict
 
-from meshrl.episode import FINISH_REASONS, Episode
+from meshrl.episode import FINISH_REASONS, MAX_MODELS, Episode
 
 
 def step_ends(episode: Episode, tokenizer, process: str, delimiter: str) -> list[int]:
@@ -81,9 +83,10 @@ def assign_process_advantages(td: TensorDict, scores: torch.Tensor, ends: torch.
     T = td["tokens"].shape[1]
     scores, ends = scores[:, :T], ends[:, :T]
     trained = td["finish_reason"] != FINISH_REASONS["failed"]
+    gid = td["group_id"] * MAX_MODELS + td["model"] if "model" in td.keys() else td["group_id"]  # a game: each model's rows
     centred = torch.zeros_like(scores)
-    for g in torch.unique(td["group_id"]):
-        rows = (td["group_id"] == g) & trained
+    for g in torch.unique(gid):
+        rows = (gid == g) & trained
         steps = ends & rows[:, None]
         if baseline == "loo":
             b = loo_baselines(scores, ends, rows)
