@@ -287,7 +287,7 @@ def group_advantages(reward: torch.Tensor, group_id: torch.Tensor, mode: Literal
     raise ValueError(f"unknown advantage mode {mode!r}")
 
 
-def assign_advantages(td: TensorDict, mode: str) -> TensorDict:
+def assign_advantages(td: TensorDict, mode: str | Sequence[str]) -> TensorDict:
     """Fill `advantage` from `reward` and `group_id` (in place; returns td).
 
     A failed episode (its env raised or timed out) says nothing about the policy: it takes
@@ -295,23 +295,27 @@ def assign_advantages(td: TensorDict, mode: str) -> TensorDict:
     A group with fewer than two episodes left gets advantage 0 under `rloo`. `gae` (PPO with a
     critic) fills `grpo`'s: the policy trains on it during `critic.policy_warmup`, and on the
     critic's per-token advantages, written at the trainer, after. A game's rows are
-    normalised within (group, model): each model against its own rows of the prompt."""
-    mode = "grpo" if mode == "gae" else mode
+    normalised within (group, model): each model against its own rows of the prompt, by its
+    own mode where `mode` is a list (one per model, by its index in `config.model_names()`)."""
     failed = td["finish_reason"] == FINISH_REASONS["failed"]
     advantage = torch.zeros_like(td["reward"])
     ok = ~failed
-    if ok.any():
-        gid = td["group_id"] * MAX_MODELS + td["model"] if "model" in td.keys() else td["group_id"]
-        reward, gid = td["reward"][ok], gid[ok]
-        if mode == "rloo":
-            _, inverse, counts = torch.unique(gid, return_inverse=True, return_counts=True)
+    model = td["model"] if "model" in td.keys() else torch.zeros_like(td["group_id"])
+    gid = td["group_id"] * MAX_MODELS + model
+    for m in torch.unique(model[ok]).tolist():
+        rows = ok & (model == m)
+        how = mode if isinstance(mode, str) else mode[m]
+        how = "grpo" if how == "gae" else how
+        reward, g = td["reward"][rows], gid[rows]
+        if how == "rloo":
+            _, inverse, counts = torch.unique(g, return_inverse=True, return_counts=True)
             alone = counts[inverse] < 2
             adv = torch.zeros_like(reward)
             if (~alone).any():
-                adv[~alone] = group_advantages(reward[~alone], gid[~alone], mode)
+                adv[~alone] = group_advantages(reward[~alone], g[~alone], how)
         else:
-            adv = group_advantages(reward, gid, mode)
-        advantage[ok] = adv
+            adv = group_advantages(reward, g, how)
+        advantage[rows] = adv
     td["advantage"] = advantage
     td["loss_mask"] = td["loss_mask"] & ok[:, None]
     return td

@@ -104,6 +104,10 @@ def test_a_games_threads_pack_as_rows_of_their_models_with_advantages_per_model(
     assert none.batch_size[0] == 1 and not none["loss_mask"].any()
     single = pack([_thread(0, 0, 1.0)])
     assert "model" not in single.keys() and model_rows(single, 0) is single  # one model: as before
+    # each model by its own mode (models[i].trainer.loss.advantage): the policy's grpo, the proposer's rloo
+    own = assign_advantages(pack(episodes), ["grpo", "rloo"])
+    assert torch.equal(own["advantage"][own["model"] == 0], td["advantage"][td["model"] == 0])
+    assert own["advantage"][own["model"] == 1].tolist() == pytest.approx([-1.0, 0.5, 0.5])  # r - mean of the others
 
 
 def test_a_failed_game_episode_leaves_the_loss_with_every_thread():
@@ -163,6 +167,12 @@ def test_trained_models_config_view_and_refusals():
     Config.from_dict({"models": [{"name": "a", "trainer": {"loss": {"advantage": "gae"}}}]})
     Config.from_dict({"models": [{"name": "a"}], "placement": "colocate"})  # the models take turns on the same devices
     Config.from_dict({"models": [{"name": "a"}], "scoring": {"scorers": [{"kind": "prm"}]}})  # the policy's PRM in a game
+    # the policy's teacher and process rewards are the policy's: a model beside it may train by gae, or the policy by gae beside them
+    gae = {"loss": {"advantage": "gae"}}
+    taught = Config.from_dict({"models": [{"name": "a", "trainer": gae}], "distill": {"teacher": "/t"}})
+    assert taught.for_model("a").distill.teacher is None and taught.distill.teacher == "/t"
+    steps = {"kind": "function", "path": "m:f", "process": "turn", "model": "a"}
+    Config.from_dict({"models": [{"name": "a", "trainer": {"loss": {"advantage": "grpo"}}}], "trainer": gae, "scoring": {"scorers": [steps]}})
     Config.from_dict({"models": [{"name": "a"}], "scoring": {"scorers": [{"kind": "function", "path": "m:f", "process": "turn", "model": "a"}]}})
     for source in ("data.jsonl", "task:propose"):  # a file is scored by the run's reward (the game's); the game itself
         with pytest.raises(ConfigError) as e:
@@ -324,7 +334,12 @@ def test_process_rewards_in_a_game_reach_the_threads_of_the_model_scored(tmp_pat
         return ep
 
     scorer = {"kind": "function", "path": "tests.test_coevolve:thread_steps", "process": "turn", "model": "proposer", "weight": 1.0}
-    config = Config.from_dict({"models": [{"name": "proposer"}], "scoring": {"scorers": [scorer], "env_weight": 1.0, "process_weight": 2.0}})
+    rloo = {"name": "proposer", "trainer": {"loss": {"advantage": "rloo"}}}  # its own advantage, not the policy's grpo
+    config = Config.from_dict({"models": [rloo], "scoring": {"scorers": [scorer], "env_weight": 1.0, "process_weight": 2.0}})
+    # and a second, of the policy's turns: each model's step scores are centred within its own rows
+    config_both = Config.from_dict(
+        {"models": [{"name": "proposer"}], "scoring": {"scorers": [scorer, {**scorer, "model": "policy", "name": "solved"}], "process_weight": 2.0}}
+    )
     episodes = [game(0, "7"), game(1, "789")]
     scorers = EpisodeScorers(config, char_tokenizer)
     for ep in episodes:
@@ -335,11 +350,21 @@ def test_process_rewards_in_a_game_reach_the_threads_of_the_model_scored(tmp_pat
     group = asyncio.run(RolloutWorker(config, str(tmp_path / "tok"))._packed(episodes))
     assert group["model"].tolist() == [1, 0, 1, 0]
     adv, per_token, mask = group["advantage"], group["token_advantage"], group["loss_mask"]
+    assert adv[[0, 2]].tolist() == pytest.approx([-0.2, 0.2])  # rloo on the proposer's rewards 0.6 and 0.8
     for b in (1, 3):  # the policy's: its outcome advantage on every token
         assert per_token[b][mask[b]].tolist() == pytest.approx([float(adv[b])] * 2)
     # the proposer's: its outcome (0.5 + its step score) advantage, plus 2 x (its score - the proposer rows' mean 0.2)
     assert per_token[0][mask[0]].tolist() == pytest.approx([float(adv[0]) + 2.0 * (0.1 - 0.2)])
     assert per_token[2][mask[2]].tolist() == pytest.approx([float(adv[2]) + 2.0 * (0.3 - 0.2)] * 3)
+    episodes = [game(0, "7"), game(1, "789")]
+    episodes[1].threads[1].turns[1] = Turn("model", char_tokenizer.encode("1234"), [0.0] * 4, [1] * 4, reward=1.0)
+    for ep in episodes:
+        asyncio.run(EpisodeScorers(config_both, char_tokenizer).score(ep, {"prompt": "r:", "answer": ""}))
+    group = asyncio.run(RolloutWorker(config_both, str(tmp_path / "tok"))._packed(episodes))
+    adv, per_token, mask = group["advantage"], group["token_advantage"], group["loss_mask"]
+    assert per_token[0][mask[0]].tolist() == pytest.approx([float(adv[0]) + 2.0 * (0.1 - 0.2)])  # the proposer's mean 0.2
+    assert per_token[1][mask[1]].tolist() == pytest.approx([float(adv[1]) + 2.0 * (0.2 - 0.3)] * 2)  # the policy's mean 0.3
+    assert per_token[3][mask[3]].tolist() == pytest.approx([float(adv[3]) + 2.0 * (0.4 - 0.3)] * 4)
 
 
 def test_task_propose_rewards_learnability_and_feeds_the_solver_on_a_bad_proposal():
@@ -570,8 +595,9 @@ def test_a_solver_trains_against_a_frozen_proposer_whose_generator_is_healed(tmp
     assert all(r["trainer/distill_reverse_kl"] > -1.0 for r in rows), [r["trainer/distill_reverse_kl"] for r in rows]
     # The PRM scored the solver's threads (its versions rise, its per-token rewards reached the
     # loss) and never the proposer's.
-    version = [r["scoring/prm/version"] for r in rows]
-    assert version == sorted(version) and version[-1] >= steps - 2 and all(r["scoring/prm/process_abs"] > 0 for r in rows[1:]), version
+    scored = [r for r in rows if "scoring/prm/version" in r]  # a step that took no new group reports no scores
+    version = [r["scoring/prm/version"] for r in scored]
+    assert len(scored) >= steps - 2 and version[-1] > version[0] and all(r["scoring/prm/process_abs"] > 0 for r in scored), version
     assert not any(k.startswith("proposer/scoring/") for r in rows for k in r)
     assert pool.replaced >= 1 and stats["pid"] != pid and stats["version"] == 0 and solver["version"] == steps, (stats, solver)
     reported = [r for r in rows if "proposer/reward/mean" in r]

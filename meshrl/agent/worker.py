@@ -107,6 +107,10 @@ class RolloutWorker:
         self.model_turns = [self.turns] + [TurnBatcher(config) for _ in config.models]
         self.teacher = None  # on-policy distillation: the teacher's scoring replica (meshrl/distill.py)
         self.scorers = EpisodeScorers(config, self.tokenizer)  # scoring.scorers (meshrl/scorers/)
+        # each trained model's group advantage (a game's rows: models[i].trainer.loss.advantage may differ from the policy's)
+        self.advantages = [config.trainer.loss.advantage] + [
+            config.trainer.loss.advantage if m.frozen else config.for_model(m.name).trainer.loss.advantage for m in config.models
+        ]
         self._renderers: dict[str, ChatRenderer] = {}
         self._task: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
@@ -369,9 +373,9 @@ class RolloutWorker:
         distillation, per token from the teacher's scores of every row of the policy that did
         not fail (a game's other models are not distilled; a failed score fails the call: the
         group is played again)."""
-        loss = self.config.trainer.loss
+        modes = self.advantages if len(self.advantages) > 1 else self.advantages[0]
         if self.teacher is None:
-            return self._with_process(assign_advantages(pack(episodes), loss.advantage), episodes)
+            return self._with_process(assign_advantages(pack(episodes), modes), episodes)
         scored = [row for ep in episodes for row in ep.rows if row.model == 0 and row.finish_reason != "failed"]
         timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
         scores = await asyncio.wait_for(awaited(self.teacher.score_many.call_one([ep.token_ids for ep in scored])), timeout) if scored else []
@@ -380,7 +384,7 @@ class RolloutWorker:
                 raise GenerationFailed(f"the teacher could not score episode {ep.sample_id}: {score}")
             attach_teacher_logprobs(ep, score)
         d = self.config.distill
-        return self._with_process(assign_distill_advantages(pack(episodes), d.kl_weight, d.reward_weight, loss.advantage), episodes)
+        return self._with_process(assign_distill_advantages(pack(episodes), d.kl_weight, d.reward_weight, modes), episodes)
 
     def _with_process(self, group, episodes: list[Episode]):
         """Under process scorers, the per-token advantages of meshrl/scorers/process.py (a
@@ -391,11 +395,12 @@ class RolloutWorker:
             return group
         rows = [row for ep in episodes for row in ep.rows]
         scores, ends = process_tensors(rows, group["tokens"].shape[1])
+        before = group["token_advantage"].clone() if "token_advantage" in group.keys() else group["advantage"][:, None]  # a teacher's, or the outcome's
         group = assign_process_advantages(group, scores, ends, s.process_weight, s.process_advantage, "loo" if prm else "mean")
         if prm:
             from meshrl.scorers.prm import note_process_terms
 
-            note_process_terms(group, rows, s.scorer_names()[[spec.kind for spec in s.scorers].index("prm")])
+            note_process_terms(group, rows, s.scorer_names()[[spec.kind for spec in s.scorers].index("prm")], before)
         return group
 
     async def stop(self, timeout_s: float = 30.0) -> None:

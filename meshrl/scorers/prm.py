@@ -102,11 +102,12 @@ def in_band(items: list[dict], band) -> torch.Tensor:
     return torch.tensor([low <= share[it.get("group", ("item", i))] <= high for i, it in enumerate(items)])
 
 
-def note_process_terms(group, episodes, name: str) -> None:
+def note_process_terms(group, episodes, name: str, before) -> None:
     """Each trained episode's mean |process term| over its trained tokens (its per-token
-    advantage less its outcome advantage), as `scoring/NAME/process_abs`: the PRM's rewards
-    reached the loss when it is above 0."""
-    term = (group["token_advantage"] - group["advantage"][:, None]).abs()
+    advantage less `before`, what it was without the PRM: the outcome's advantage, or a
+    teacher's per-token one), as `scoring/NAME/process_abs`: the PRM's rewards reached the
+    loss when it is above 0."""
+    term = (group["token_advantage"] - before).abs()
     mask = group["loss_mask"]
     for i, ep in enumerate(episodes):
         if ep.finish_reason != "failed" and name in ep.signals and bool(mask[i].any()):  # the rows it scored (a game's: the policy's)
