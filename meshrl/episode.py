@@ -326,11 +326,14 @@ def without_signal(group: TensorDict) -> bool:
     left out) all have the same reward, or fewer than two trained, so every group advantage
     is 0; and no per-token advantage (distillation) is non-zero on a trained token. Compared
     on the rewards, not the advantages: equal float rewards can leave a rounding residue in
-    a normalised advantage."""
-    ok = group["finish_reason"] != FINISH_REASONS["failed"]
-    rewards = group["reward"][ok]
-    if rewards.numel() >= 2 and not bool((rewards == rewards[0]).all()):
-        return False
+    a normalised advantage. A game's rows are compared within each model (its advantages
+    are), and a frozen model's rows, out of the loss, not at all."""
+    ok = (group["finish_reason"] != FINISH_REASONS["failed"]) & group["loss_mask"].any(1)
+    model = group["model"] if "model" in group.keys() else torch.zeros_like(group["group_id"])
+    for m in torch.unique(model[ok]).tolist():
+        rewards = group["reward"][ok & (model == m)]
+        if rewards.numel() >= 2 and not bool((rewards == rewards[0]).all()):
+            return False
     if "token_advantage" in group.keys():
         return not bool((group["token_advantage"][group["loss_mask"]] != 0).any())
     return True

@@ -110,6 +110,23 @@ def test_a_games_threads_pack_as_rows_of_their_models_with_advantages_per_model(
     assert own["advantage"][own["model"] == 1].tolist() == pytest.approx([-1.0, 0.5, 0.5])  # r - mean of the others
 
 
+def test_a_games_group_carries_signal_when_one_models_rows_differ_and_not_across_models():
+    from meshrl.episode import leave_out, without_signal
+
+    def group(rewards: list[tuple[float, float]]):
+        episodes = []
+        for i, (solver, proposer) in enumerate(rewards):
+            ep = Episode(0, i)
+            ep.threads = [_thread(1, i * 64, proposer), _thread(0, i * 64 + 1, solver)]
+            episodes.append(ep)
+        return assign_advantages(pack(episodes), "grpo")
+
+    assert without_signal(group([(1.0, 0.0), (1.0, 0.0)]))  # each model's rows equal: every advantage 0
+    assert not without_signal(group([(1.0, 0.0), (1.0, 1.0)]))  # the proposer's differ
+    assert not without_signal(group([(1.0, 0.5), (0.0, 0.5)]))  # the solver's differ
+    assert without_signal(leave_out(group([(1.0, 0.0), (1.0, 1.0)]), {1}))  # a frozen proposer's rows train nothing
+
+
 def test_a_failed_game_episode_leaves_the_loss_with_every_thread():
     ep = Episode(0, 0, finish_reason="failed")
     ep.threads = [_thread(1, 0, 1.0), _thread(0, 1, 1.0)]
