@@ -108,9 +108,8 @@ class RolloutWorker:
         self.teacher = None  # on-policy distillation: the teacher's scoring replica (meshrl/distill.py)
         self.scorers = EpisodeScorers(config, self.tokenizer)  # scoring.scorers (meshrl/scorers/)
         # each trained model's group advantage (a game's rows: models[i].trainer.loss.advantage may differ from the policy's)
-        self.advantages = [config.trainer.loss.advantage] + [
-            config.trainer.loss.advantage if m.frozen else config.for_model(m.name).trainer.loss.advantage for m in config.models
-        ]
+        # (read from each model's overrides: a model's whole config view would check its cores against this proc's)
+        self.advantages = [config.trainer.loss.advantage] + [m.trainer.get("loss", {}).get("advantage", config.trainer.loss.advantage) for m in config.models]
         self._renderers: dict[str, ChatRenderer] = {}
         self._task: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()

@@ -287,7 +287,7 @@ def _check_models(c: Config) -> None:
             )
         elif sc.process != "none" and sc.model != "policy":
             spec = c.models[names.index(sc.model) - 1]
-            gae = not spec.frozen and c.for_model(sc.model).trainer.loss.advantage == "gae"
+            gae = not spec.frozen and spec.trainer.get("loss", {}).get("advantage", c.trainer.loss.advantage) == "gae"
             need(
                 not gae,
                 f"scoring.scorers[{i}].process",
