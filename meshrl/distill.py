@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 from tensordict import TensorDict
 
-from meshrl.episode import FINISH_REASONS, Episode, assign_advantages
+from meshrl.episode import FINISH_REASONS, Episode, assign_advantages, row_models
 
 
 def attach_teacher_logprobs(episode: Episode, scores: Sequence[float]) -> Episode:
@@ -59,7 +59,7 @@ def attach_teacher_logprobs(episode: Episode, scores: Sequence[float]) -> Episod
     return episode
 
 
-def assign_distill_advantages(td: TensorDict, kl_weight: float, reward_weight: float, mode: str) -> TensorDict:
+def assign_distill_advantages(td: TensorDict, kl_weight: float, reward_weight: float, mode: str | Sequence[str]) -> TensorDict:
     """Fill `advantage` (the task's group advantage, as `assign_advantages`) and the
     per-token `token_advantage` [B, T] the loss then trains on (in place; returns td):
 
@@ -71,7 +71,7 @@ def assign_distill_advantages(td: TensorDict, kl_weight: float, reward_weight: f
     accepted only when every row of the policy failed (none was worth scoring): it gets
     zeros, so that it concatenates with scored batches."""
     failed = td["finish_reason"] == FINISH_REASONS["failed"]
-    student = td["model"] == 0 if "model" in td.keys() else torch.ones_like(failed)
+    student = row_models(td) == 0
     if "teacher_logprobs" not in td.keys():
         if not bool((failed | ~student).all()):
             raise ValueError("assign_distill_advantages needs teacher_logprobs: attach the teacher's scores before pack")

@@ -287,6 +287,11 @@ def group_advantages(reward: torch.Tensor, group_id: torch.Tensor, mode: Literal
     raise ValueError(f"unknown advantage mode {mode!r}")
 
 
+def row_models(td: TensorDict) -> torch.Tensor:
+    """[B] each row's model (its index in `config.model_names()`): a game's `model` key, else 0 (the policy's)."""
+    return td["model"] if "model" in td.keys() else torch.zeros_like(td["group_id"])
+
+
 def assign_advantages(td: TensorDict, mode: str | Sequence[str]) -> TensorDict:
     """Fill `advantage` from `reward` and `group_id` (in place; returns td).
 
@@ -300,7 +305,7 @@ def assign_advantages(td: TensorDict, mode: str | Sequence[str]) -> TensorDict:
     failed = td["finish_reason"] == FINISH_REASONS["failed"]
     advantage = torch.zeros_like(td["reward"])
     ok = ~failed
-    model = td["model"] if "model" in td.keys() else torch.zeros_like(td["group_id"])
+    model = row_models(td)
     gid = td["group_id"] * MAX_MODELS + model
     for m in torch.unique(model[ok]).tolist():
         rows = ok & (model == m)
@@ -329,7 +334,7 @@ def without_signal(group: TensorDict) -> bool:
     a normalised advantage. A game's rows are compared within each model (its advantages
     are), and a frozen model's rows, out of the loss, not at all."""
     ok = (group["finish_reason"] != FINISH_REASONS["failed"]) & group["loss_mask"].any(1)
-    model = group["model"] if "model" in group.keys() else torch.zeros_like(group["group_id"])
+    model = row_models(group)
     for m in torch.unique(model[ok]).tolist():
         rewards = group["reward"][ok & (model == m)]
         if rewards.numel() >= 2 and not bool((rewards == rewards[0]).all()):

@@ -107,9 +107,7 @@ class RolloutWorker:
         self.model_turns = [self.turns] + [TurnBatcher(config) for _ in config.models]
         self.teacher = None  # on-policy distillation: the teacher's scoring replica (meshrl/distill.py)
         self.scorers = EpisodeScorers(config, self.tokenizer)  # scoring.scorers (meshrl/scorers/)
-        # each trained model's group advantage (a game's rows: models[i].trainer.loss.advantage may differ from the policy's)
-        # (read from each model's overrides: a model's whole config view would check its cores against this proc's)
-        self.advantages = [config.trainer.loss.advantage] + [m.trainer.get("loss", {}).get("advantage", config.trainer.loss.advantage) for m in config.models]
+        self.advantages = config.advantage_modes()  # each model's group advantage, by its `model` index
         self._renderers: dict[str, ChatRenderer] = {}
         self._task: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
@@ -372,9 +370,8 @@ class RolloutWorker:
         distillation, per token from the teacher's scores of every row of the policy that did
         not fail (a game's other models are not distilled; a failed score fails the call: the
         group is played again)."""
-        modes = self.advantages if len(self.advantages) > 1 else self.advantages[0]
         if self.teacher is None:
-            return self._with_process(assign_advantages(pack(episodes), modes), episodes)
+            return self._with_process(assign_advantages(pack(episodes), self.advantages), episodes)
         scored = [row for ep in episodes for row in ep.rows if row.model == 0 and row.finish_reason != "failed"]
         timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
         scores = await asyncio.wait_for(awaited(self.teacher.score_many.call_one([ep.token_ids for ep in scored])), timeout) if scored else []
@@ -383,7 +380,7 @@ class RolloutWorker:
                 raise GenerationFailed(f"the teacher could not score episode {ep.sample_id}: {score}")
             attach_teacher_logprobs(ep, score)
         d = self.config.distill
-        return self._with_process(assign_distill_advantages(pack(episodes), d.kl_weight, d.reward_weight, modes), episodes)
+        return self._with_process(assign_distill_advantages(pack(episodes), d.kl_weight, d.reward_weight, self.advantages), episodes)
 
     def _with_process(self, group, episodes: list[Episode]):
         """Under process scorers, the per-token advantages of meshrl/scorers/process.py (a

@@ -286,8 +286,8 @@ def _check_models(c: Config) -> None:
                 f"an implicit PRM scores and trains on the policy's threads (it starts from the policy's weights): set model=policy (models: {models})",
             )
         elif sc.process != "none" and sc.model != "policy":
-            spec = c.models[names.index(sc.model) - 1]
-            gae = not spec.frozen and spec.trainer.get("loss", {}).get("advantage", c.trainer.loss.advantage) == "gae"
+            index = names.index(sc.model)
+            gae = index not in c.frozen_models() and c.advantage_modes()[index] == "gae"
             need(
                 not gae,
                 f"scoring.scorers[{i}].process",
@@ -296,7 +296,7 @@ def _check_models(c: Config) -> None:
     for i, m in enumerate(c.models):
         if m.frozen:  # no trainer, no critic
             continue
-        gae = m.trainer.get("loss", {}).get("advantage", c.trainer.loss.advantage) == "gae"
+        gae = c.advantage_modes()[i + 1] == "gae"
         need(
             not (gae and c.placement == "colocate"),
             f"models[{i}].trainer.loss.advantage",

@@ -410,6 +410,13 @@ class Config:
         """The models, the policy first: their index is the `model` key of a game's rows."""
         return ["policy"] + [m.name for m in self.models]
 
+    def advantage_modes(self) -> list[str]:
+        """Each model's `trainer.loss.advantage`, by its index in `model_names`: a model's own
+        override, else the policy's. Read from the overrides, not from `for_model`'s whole view,
+        which also checks the model's cores against the proc that builds it."""
+        mode = self.trainer.loss.advantage
+        return [mode] + [m.trainer.get("loss", {}).get("advantage", mode) for m in self.models]
+
     def frozen_models(self) -> set[int]:
         """The indices (in `model_names`) of the models served and never trained (`models[i].frozen`)."""
         return {i + 1 for i, m in enumerate(self.models) if m.frozen}

@@ -111,11 +111,7 @@ class EpisodeScorers:
         if not ep.threads:
             return await self._score_row(ep, record)
         await asyncio.gather(*(self._score_row(row, record) for row in ep.threads))
-        failed = next((row for row in ep.threads if row.finish_reason == "failed"), None)
-        if failed is not None:
-            ep.finish_reason, ep.failure = "failed", failed.failure
-            for row in ep.threads:
-                row.finish_reason = "failed"
+        fail_with_threads(ep)
 
     async def _score_row(self, ep: Episode, record: dict) -> None:
         """`score` of one row: an env's episode, or a game's thread."""
@@ -188,12 +184,8 @@ class EpisodeScorers:
                 for key in ("loss", "accuracy", "train_loss", "grad_norm", "trained_frac"):
                     if key in result:
                         ep.signals[f"{name}/{key}"] = result[key]
-        for ep in episodes:  # a game's thread that failed its score fails its episode, as `score` does
-            failed = next((row for row in ep.threads if row.finish_reason == "failed"), None)
-            if failed is not None and ep.finish_reason != "failed":
-                ep.finish_reason, ep.failure = "failed", failed.failure
-                for row in ep.threads:
-                    row.finish_reason = "failed"
+        for ep in episodes:
+            fail_with_threads(ep)
 
     async def _one(self, index: int, item: dict) -> dict:
         spec = self.specs[index]
@@ -298,6 +290,16 @@ class EpisodeScorers:
                     raise ReplicaGone(f"replica {ident} of scorer {self.names[index]} left the list unanswered")
         finally:
             call.cancel()  # no-op once done
+
+
+def fail_with_threads(ep: Episode) -> None:
+    """A game's episode with a thread that failed its score fails whole, every thread with it
+    (in place; an env's episode, or a game's with no failed thread, is left as it is)."""
+    failed = next((row for row in ep.threads if row.finish_reason == "failed"), None)
+    if failed is not None and ep.finish_reason != "failed":
+        ep.finish_reason, ep.failure = "failed", failed.failure
+        for row in ep.threads:
+            row.finish_reason = "failed"
 
 
 def scoring_item(record: dict, response: str) -> dict:

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from tensordict import TensorDict
 
-from meshrl.episode import FINISH_REASONS, MAX_MODELS, Episode
+from meshrl.episode import FINISH_REASONS, MAX_MODELS, Episode, row_models
 
 
 def step_ends(episode: Episode, tokenizer, process: str, delimiter: str) -> list[int]:
@@ -83,7 +83,7 @@ def assign_process_advantages(td: TensorDict, scores: torch.Tensor, ends: torch.
     T = td["tokens"].shape[1]
     scores, ends = scores[:, :T], ends[:, :T]
     trained = td["finish_reason"] != FINISH_REASONS["failed"]
-    gid = td["group_id"] * MAX_MODELS + td["model"] if "model" in td.keys() else td["group_id"]  # a game: each model's rows
+    gid = td["group_id"] * MAX_MODELS + row_models(td)  # a game: each model's rows of a group apart
     centred = torch.zeros_like(scores)
     for g in torch.unique(gid):
         rows = (gid == g) & trained
