@@ -80,7 +80,7 @@ def bench_plain_vllm(ckpt: str) -> dict:
 
 
 async def _generate_all(gen, requests: list[list[int]]) -> list:
-    from meshrl.compat import awaited
+    from meshrl.futures import awaited
 
     return await asyncio.gather(*(awaited(gen.generate.call_one(ids)) for ids in requests))
 
@@ -88,7 +88,7 @@ async def _generate_all(gen, requests: list[list[int]]) -> list:
 async def _update_while_generating(gen, requests: list[list[int]], version: int, weights, mode: str) -> dict:
     """Send every request; once about a quarter of their tokens are out (mid-completion),
     apply `weights` as `version` in `mode`; wait for all of them."""
-    from meshrl.compat import awaited
+    from meshrl.futures import awaited
 
     before = (await gen.stats.call_one())["tokens_generated"]
     calls = [asyncio.ensure_future(awaited(gen.generate.call_one(ids))) for ids in requests]

@@ -4,7 +4,7 @@ vLLM or TorchTitan), each checked and measured:
 - fork_after_query: a process that asks about GPUs the way meshrl does (compat.cuda_present,
   through NVML) can still fork a child that uses CUDA, as vLLM's engine core needs; the
   plain `torch.cuda.is_available()` and a real CUDA init, for comparison.
-- nvml_memory: compat.nvml_gpu_memory (the memory plan's GPU size) against CUDA's own figure.
+- nvml_memory: launch.memory.nvml_gpu_memory (the memory plan's GPU size) against CUDA's own figure.
 - optimizer_offload: trainer/offload.py on AdamW state on the GPU: memory given back, the
   pinned round trip's time, and the next step bit-equal to one that never moved.
 - staging: weightsync's StagingPool with GPU slots, a version streamed in (each tensor made,
@@ -68,7 +68,7 @@ def fork_after_query() -> dict:
 def nvml_memory() -> dict:
     import torch
 
-    from meshrl.compat import nvml_gpu_memory
+    from meshrl.launch.memory import nvml_gpu_memory
 
     return {"nvml_bytes": nvml_gpu_memory(), "cuda_bytes": torch.cuda.get_device_properties(0).total_memory}
 

@@ -185,7 +185,7 @@ class Session:
 
     def buffer_state(self) -> dict[str, float]:
         """The episode queue's counters: groups ready, running and pending, staleness."""
-        from meshrl.compat import awaited
+        from meshrl.futures import awaited
 
         return self._call(awaited(self._need().queue.metrics.call_one()), 60)
 
@@ -244,7 +244,7 @@ class Session:
         `timeout_s` (otherwise close the queue, so the trainer stops waiting for a batch),
         then checkpoint, all within `timeout_s`. Returns the checkpoint, None if none was
         written in time."""
-        from meshrl.compat import awaited
+        from meshrl.futures import awaited
 
         loop, deadline = self._need(), time.monotonic() + timeout_s
         step, self._interrupted = self._interrupted, None

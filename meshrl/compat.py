@@ -1,17 +1,69 @@
-"""Workarounds for Monarch, TorchTitan and vLLM, each one small function with its reason.
+"""Workarounds for Monarch, TorchTitan, vLLM and tensordict, each one small function with its reason.
 
 Each can be dropped once upstream handles its case. Callers apply them explicitly
-(nothing is patched on import).
+(nothing is patched on import). This module imports no torch at the top: `meshrl/__init__.py`
+puts `DeferredDynamoMarks` on the import path of every meshrl process before torch loads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.abc
+import importlib.machinery
 import json
 import os
+import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+
+# ---- tensordict ----
+class DeferredDynamoMarks(importlib.abc.MetaPathFinder):
+    """Imports tensordict with its torch.compile marks held until torch._dynamo is imported.
+
+    tensordict 0.15 marks a few functions as it is imported (`torch.compiler.allow_in_graph`,
+    `assume_constant_result`), and each mark imports torch._dynamo: as long again as torch
+    itself (python -X importtime), in procs that never compile (the queue, the rollout
+    workers, the controller). Both marks return their function unchanged; held here, each is
+    applied as soon as torch._dynamo is imported. Where it already is (a generator, after
+    vLLM), nothing is held.
+    """
+
+    def __init__(self) -> None:
+        self.held: list[tuple[str, object]] = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in ("tensordict", "torch._dynamo") or (name == "tensordict" and "torch._dynamo" in sys.modules):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            return None  # an install this does not know: imported as it would be without this
+        run = spec.loader.exec_module
+        spec.loader.exec_module = lambda module: self._holding(run, module) if name == "tensordict" else (run(module), self._mark())
+        return spec
+
+    def _holding(self, run, module) -> None:
+        import torch.compiler
+
+        marks = {mark: getattr(torch.compiler, mark) for mark in ("allow_in_graph", "assume_constant_result")}
+        for mark in marks:
+            setattr(torch.compiler, mark, lambda fn, mark=mark: self.held.append((mark, fn)) or fn)
+        try:
+            run(module)
+        finally:
+            for mark, fn in marks.items():
+                setattr(torch.compiler, mark, fn)
+            self._mark()  # torch._dynamo imported meanwhile: what was held after it is marked now
+
+    def _mark(self) -> None:
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None and hasattr(dynamo, "allow_in_graph"):
+            held, self.held = self.held, []
+            for mark, fn in held:
+                getattr(dynamo, mark)(fn)
 
 
 # ---- CUDA ----
@@ -26,71 +78,13 @@ def cuda_present() -> bool:
     first: the engine core then fails with "Cannot re-initialize CUDA in forked subprocess".
     So every question meshrl asks before vLLM starts goes through NVML.
     """
+    import torch
+
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     return torch.cuda.is_available()
 
 
-def nvml_gpu_memory() -> int | None:
-    """Bytes of memory of this process's first GPU, read through NVML (CUDA stays
-    uninitialised, see `cuda_present`); None without a GPU or NVML."""
-    if not cuda_present():
-        return None
-    try:
-        import pynvml  # nvidia-ml-py: vLLM depends on it
-
-        pynvml.nvmlInit()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
-        handle = pynvml.nvmlDeviceGetHandleByUUID(visible) if visible.startswith("GPU-") else pynvml.nvmlDeviceGetHandleByIndex(int(visible))
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
-    except Exception:  # noqa: BLE001 - no NVML library or an unreadable device: size unknown
-        return None
-
-
 # ---- Monarch ----
-async def awaited(future):
-    """A Monarch future as a coroutine.
-
-    Monarch futures start only when awaited and are not coroutines: `asyncio.create_task`
-    and `ensure_future` refuse them, and a future handed to `wait_for` or `gather` before
-    it is awaited has not started its call. Wrapping it here makes a bounded or concurrent
-    wait on an endpoint call behave like any coroutine's.
-    """
-    return await future
-
-
-def by_rank(values) -> list:
-    """The answers of a Monarch ValueMesh (what `endpoint.call` returns) in rank order.
-
-    A ValueMesh yields (point, value) pairs keyed by each point's coordinates, not by rank,
-    and its order is not documented; a caller that wants rank 0's answer, or each rank's in
-    turn, reads the rank off each point here.
-    """
-    return [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]
-
-
-async def settled(future, timeout_s: float) -> Exception | None:
-    """Await a Monarch future (or a coroutine) for at most `timeout_s`; its failure, or the
-    timeout, is returned instead of raised. For teardown, which goes on whatever one part
-    did: a dead proc's or host's call fails or times out here."""
-    try:
-        await asyncio.wait_for(awaited(future), timeout_s)
-    except Exception as e:  # noqa: BLE001 - dead, unreachable or too slow: the caller decides
-        return e
-    return None
-
-
-@contextlib.asynccontextmanager
-async def stopped_on_failure(procs, timeout_s: float = 60.0):
-    """Stop `procs` (a Monarch proc mesh just spawned) if the block fails, then re-raise the
-    block's failure: a stop that fails or times out (a proc that never came up answers
-    nothing) must not replace the error the user needs to see."""
-    try:
-        yield
-    except BaseException:
-        await settled(procs.stop(), timeout_s)
-        raise
-
-
 def monarch_unprefixed_logs() -> None:
     """Leave meshrl's log records as they were written.
 
@@ -178,6 +172,7 @@ def titan_use_cpu_device_type() -> None:
     """
     if cuda_present():
         return
+    import torch
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.models.common.token_dispatcher as token_dispatcher
@@ -212,6 +207,7 @@ def titan_float32_islands_under_cpu_autocast(model: torch.nn.Module) -> int:
     The matmuls, where bf16 pays (AMX), stay bf16. Wraps the instances' `forward`;
     returns how many.
     """
+    import torch
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.nn_modules import RMSNorm
 
@@ -449,7 +445,6 @@ async def openenv_unread_message(client, timeout_s: float = 1.0) -> str | None:
     fails with ConnectionClosed instead of that refusal, which is left on the socket. The
     client has no public way to read it: this reads its private `_ws`.
     """
-    import asyncio
 
     ws = getattr(client, "_ws", None)
     if ws is None:

@@ -48,8 +48,8 @@ def _try(path: str, check: Callable[[], tuple[str, str]], fix: str) -> Row:
 
 
 def gpus() -> tuple[str, str]:
-    from meshrl.compat import nvml_gpu_memory
     from meshrl.launch.devices import detected_gpus
+    from meshrl.launch.memory import nvml_gpu_memory
 
     n = detected_gpus()
     if n == 0:

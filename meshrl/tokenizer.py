@@ -14,6 +14,7 @@ any mesh starts (meshrl/preflight.py lists them): the directory is there, and it
 
 from __future__ import annotations
 
+import json
 import os
 import string
 from typing import TYPE_CHECKING
@@ -67,12 +68,41 @@ def build_char_tokenizer(path: str | os.PathLike) -> str:
     return str(path)
 
 
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""What transformers 5 writes as `tokenizer_class` for a tokenizer of no model's own class."""
+
+
+def generic_tokenizer_class(path: str) -> bool:
+    """Whether `AutoTokenizer` would load the tokenizer at `path` by its generic class, read
+    off its files alone: no model config (`config.json`), no remote-code `auto_map`, and the
+    generic class named in tokenizer_config.json. Then `AutoTokenizer.from_pretrained` only
+    resolves that class by name and calls its `from_pretrained`, and `load_tokenizer` calls it
+    directly: on its first use `AutoTokenizer` (transformers 5.19) imports the model registry
+    (its auto-model modules, generation, and through them torch._dynamo), seconds of CPU in
+    every rollout worker and the controller (python -X importtime). The character tokenizer
+    of the default and the tests is such a tokenizer."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            tokenizer_config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return (
+        not os.path.exists(os.path.join(path, "config.json"))
+        and "auto_map" not in tokenizer_config
+        and tokenizer_config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+    )
+
+
 def load_tokenizer(path: str | os.PathLike):
     """Load a Hugging Face tokenizer from a local directory (never from a hub)."""
-    from transformers import AutoTokenizer
-
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory {str(path)!r} not found")
+    if generic_tokenizer_class(str(path)):  # AutoTokenizer's pick, without its seconds of imports
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 

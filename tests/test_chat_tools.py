@@ -91,6 +91,59 @@ def test_char_template_is_compact_and_keeps_the_ids(char_tokenizer):
     assert len(tok.encode("<bos>Uhi<eos>", add_special_tokens=False)) == len("hi") + 3
 
 
+def test_load_tokenizer_gives_what_autotokenizer_gives(tmp_path):
+    """`load_tokenizer` skips AutoTokenizer (and its imports) only where AutoTokenizer would pick
+    the generic class from the tokenizer files alone, and the tokenizer it loads is the same."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from meshrl.tokenizer import build_char_tokenizer, generic_tokenizer_class, load_tokenizer
+    from tests.conftest import build_qwen_style_tokenizer
+
+    messages = [{"role": "user", "content": "hi 2+3?"}, {"role": "assistant", "content": "5"}]
+    for path in (build_char_tokenizer(tmp_path / "char"), build_qwen_style_tokenizer(tmp_path / "qwen")):
+        ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path, local_files_only=True)
+        assert generic_tokenizer_class(path) and type(ours) is type(auto)
+        assert ours.apply_chat_template(messages, tokenize=False) == auto.apply_chat_template(messages, tokenize=False)
+        assert ours("ab c\n")["input_ids"] == auto("ab c\n")["input_ids"] and ours.init_kwargs == auto.init_kwargs
+        assert (ours.pad_token_id, ours.eos_token_id, len(ours)) == (auto.pad_token_id, auto.eos_token_id, len(auto))
+    # a model's config beside it, or remote code, or a class of a model's own: AutoTokenizer decides
+    with_config = shutil.copytree(tmp_path / "char", tmp_path / "with_config")
+    (with_config / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    remote = shutil.copytree(tmp_path / "char", tmp_path / "remote")
+    own_class = shutil.copytree(tmp_path / "char", tmp_path / "own_class")
+    for folder, change in ((remote, {"auto_map": {"AutoTokenizer": [None, "tok.Tok"]}}), (own_class, {"tokenizer_class": "Qwen2Tokenizer"})):
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps(config | change))
+    assert not any(generic_tokenizer_class(str(path)) for path in (with_config, remote, own_class, tmp_path / "nothing"))
+
+
+def test_tensordict_imports_without_dynamo_and_marks_its_functions_once_dynamo_loads():
+    """meshrl's processes import tensordict without torch._dynamo (compat.DeferredDynamoMarks);
+    importing torch._dynamo afterwards gives each held function its torch.compile mark, as an
+    import of tensordict with torch._dynamo loaded first does."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        import meshrl, tensordict, tensordict.base as base, tensordict.utils as utils
+        import meshrl.controller.loop, meshrl.queue, meshrl.agent.worker
+        assert "torch._dynamo" not in sys.modules
+        import torch._dynamo
+        from torch._dynamo import trace_rules
+        allowed = trace_rules._allowed_callable_ids
+        assert id(utils._add_batch_dim_c) in allowed and id(base._foreach_copy_compiled) in allowed
+        assert utils._lock_warn._dynamo_marked_constant
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 def test_glue_and_specials(qwen_style_tokenizer, char_tokenizer):
     tok = qwen_style_tokenizer
     renderer = ChatRenderer(tok)

@@ -22,7 +22,7 @@ import torch
 
 import meshrl
 from meshrl.agent.worker import summarize
-from meshrl.compat import awaited
+from meshrl.futures import awaited
 from meshrl.config import Config, ConfigError
 from meshrl.episode import Episode, Turn, assign_advantages, model_rows, pack
 from meshrl.rollout.env import ContractError

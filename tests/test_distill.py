@@ -16,7 +16,7 @@ import torch
 from monarch.actor import concurrent_endpoint, this_host
 
 from meshrl import episode
-from meshrl.compat import awaited
+from meshrl.futures import awaited
 from meshrl.config import LossConfig
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, pack

@@ -22,7 +22,7 @@ import pytest
 import torch
 from monarch.actor import Actor, endpoint, this_host
 
-from meshrl.compat import awaited
+from meshrl.futures import awaited
 from meshrl.config import Config
 from meshrl.generator.engine import RequestResult
 from meshrl.rollout.env import StepResult

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import meshrl
-from meshrl.compat import awaited
+from meshrl.futures import awaited
 from meshrl.trainer.snapshot import load_snapshot, newest_complete, snapshot_step
 from tests import conftest
 from tests.test_loop import tiny, trained_groups, wait_no_children

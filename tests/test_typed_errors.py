@@ -235,7 +235,7 @@ def test_the_queues_error_types_survive_two_actor_hops():
 def test_a_spawn_that_fails_is_reported_by_its_own_error_not_its_stops():
     """A member's setup fails and stopping its procs fails too (a proc that never came up
     answers nothing): the setup's error is the one raised, and the procs were stopped."""
-    from meshrl.compat import stopped_on_failure
+    from meshrl.futures import stopped_on_failure
 
     class Procs:
         stops = 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from meshrl.compat import awaited
+from meshrl.futures import awaited
 from meshrl.config import Config
 
 COALESCE_S = 0.002

@@ -32,7 +32,7 @@ import json
 import logging
 import time
 
-from meshrl.compat import awaited
+from meshrl.futures import awaited
 from meshrl.config import Config
 from meshrl.errors import describe, find, one_line, source_location, user_location
 from meshrl.logs import role_log

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from meshrl.compat import awaited
+from meshrl.futures import awaited
 from meshrl.config import Config
 from meshrl.errors import first_line
 from meshrl.trainer.checkpoint import checkpoint_step, write_atomic

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from meshrl.compat import awaited
+from meshrl.futures import awaited
 
 
 class StepMetrics:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from meshrl.compat import awaited
+from meshrl.futures import awaited
 from meshrl.config import Config
 from meshrl.launch.memory import plan_memory
 

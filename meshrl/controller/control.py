@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from meshrl.compat import awaited
+from meshrl.futures import awaited
 
 
 async def generate_text(loop, prompts: list[str], temperature: float | None = None) -> list[list[str]]:

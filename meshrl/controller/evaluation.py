@@ -23,7 +23,7 @@ import os
 
 from typing import Callable
 
-from meshrl.compat import awaited
+from meshrl.futures import awaited
 from meshrl.config import Config, ConfigError
 from meshrl.errors import first_line
 

@@ -34,7 +34,7 @@ import asyncio
 import os
 import time
 
-from meshrl.compat import awaited, settled
+from meshrl.futures import awaited, settled
 from meshrl.controller import checkpoint as checkpoints
 from meshrl.controller.members import running_process
 from meshrl.errors import TrainerFailed, first_line

@@ -22,7 +22,8 @@ import logging
 import os
 import time
 
-from meshrl.compat import monarch_unprefixed_logs, settled
+from meshrl.compat import monarch_unprefixed_logs
+from meshrl.futures import settled
 from meshrl.config import Config
 from meshrl.controller import checkpoint as checkpoints, colocate
 from meshrl.controller.breaker import FailureBreaker, report_cliffs

@@ -11,7 +11,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from meshrl.compat import settled
+from meshrl.futures import settled
 
 
 def running_process(pid: int, started: float):

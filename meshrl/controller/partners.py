@@ -29,7 +29,7 @@ import logging
 import os
 import time
 
-from meshrl.compat import settled
+from meshrl.futures import settled
 from meshrl.config import Config
 from meshrl.controller import checkpoint as checkpoints, colocate
 from meshrl.controller.heal import critic_healed, proc_alive, procs_dead, replace_trainer, restore_critic, trainer_pids

@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Awaitable, Callable
 
-from meshrl.compat import awaited, by_rank, settled, stopped_on_failure
+from meshrl.futures import awaited, by_rank, settled, stopped_on_failure
 from meshrl.controller.members import Member, start_all, stop_members
 from meshrl.config import Config
 from meshrl.generator.actor import GeneratorActor

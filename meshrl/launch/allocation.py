@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from monarch.actor import HostMesh, ProcMesh, this_host
 
-from meshrl.compat import awaited, settled
+from meshrl.futures import awaited, settled
 from meshrl.config import Config, ConfigError
 from meshrl.launch.devices import plan_devices
 from meshrl.launch.hosts import ROLES, SPARE_MESH, job_meshes, role_meshes

@@ -16,8 +16,10 @@ each beside what the others keep.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+from meshrl.compat import cuda_present
 from meshrl.config import Config, ConfigError
 from meshrl.launch.holdings import (
     CUDA_CONTEXT,
@@ -111,9 +113,23 @@ def gpu_capacity(config: Config) -> float:
     """Bytes per GPU: `launcher.gpu_memory_gib`, else the first visible GPU's (NVML; 0 when none)."""
     if config.launcher.gpu_memory_gib > 0:
         return config.launcher.gpu_memory_gib * GiB
-    from meshrl.compat import nvml_gpu_memory
-
     return float(nvml_gpu_memory() or 0)
+
+
+def nvml_gpu_memory() -> int | None:
+    """Bytes of memory of this process's first GPU, read through NVML (CUDA stays
+    uninitialised, see `compat.cuda_present`); None without a GPU or NVML."""
+    if not cuda_present():
+        return None
+    try:
+        import pynvml  # nvidia-ml-py: vLLM depends on it
+
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        handle = pynvml.nvmlDeviceGetHandleByUUID(visible) if visible.startswith("GPU-") else pynvml.nvmlDeviceGetHandleByIndex(int(visible))
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+    except Exception:  # noqa: BLE001 - no NVML library or an unreadable device: size unknown
+        return None
 
 
 def plan_memory(config: Config, capacity: float | None = None, plan=None) -> MemoryPlan | None:

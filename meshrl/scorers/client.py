@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from meshrl.compat import awaited
+from meshrl.futures import awaited
 from meshrl.config import Config, ScorerConfig
 from meshrl.episode import Episode
 from meshrl.rollout.env import call_reward, prompt_text

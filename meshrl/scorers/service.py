@@ -24,7 +24,7 @@ import time
 
 from typing import TYPE_CHECKING
 
-from meshrl.compat import awaited, by_rank
+from meshrl.futures import awaited, by_rank
 from meshrl.config import ScorerConfig
 from meshrl.errors import first_line
 from meshrl.scorers.backends import Failed, Judged
@@ -158,7 +158,7 @@ class PRMService(ScorerService):
         async with self._turn:
             if self.followers is None:
                 return await asyncio.to_thread(getattr(self.backend, op), *args), []
-            # a Monarch call is sent when awaited (compat.awaited): as a task, it goes while this rank works
+            # a Monarch call is sent when awaited (futures.awaited): as a task, it goes while this rank works
             theirs = asyncio.create_task(awaited(self.followers.follow.call(op, *args)))
             try:
                 mine = await asyncio.to_thread(getattr(self.backend, op), *args)

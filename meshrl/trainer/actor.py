@@ -20,7 +20,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from monarch.actor import Actor, endpoint, this_host
 
-from meshrl.compat import awaited, by_rank, stopped_on_failure, tcp_store_listening_on
+from meshrl.compat import tcp_store_listening_on
+from meshrl.futures import awaited, by_rank, stopped_on_failure
 from meshrl.config import Config
 from meshrl.episode import model_rows
 from meshrl.host import gloo_on_this_host, host_address

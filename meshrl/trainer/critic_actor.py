@@ -39,7 +39,7 @@ import torch.distributed as dist
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 from tensordict import TensorDict
 
-from meshrl.compat import awaited, by_rank, settled, stopped_on_failure
+from meshrl.futures import awaited, by_rank, settled, stopped_on_failure
 from meshrl.config import Config
 from meshrl.config.cpus import cpus_for
 from meshrl.host import gloo_on_this_host, host_address

@@ -10,7 +10,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from meshrl.compat import awaited, tcp_store_listening_on
+from meshrl.compat import tcp_store_listening_on
+from meshrl.futures import awaited
 from meshrl.config import WeightSyncConfig
 from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
 from meshrl.weightsync.spec import SyncSpec

@@ -1,0 +1,55 @@
+"""Monarch calls awaited like coroutines: bounded, settled, read rank by rank.
+
+A Monarch endpoint call returns a future that starts only when awaited and is not a
+coroutine, and a mesh's answers come back keyed by each point's coordinates. These few
+helpers make every bounded, concurrent or best-effort wait in meshrl read the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+async def awaited(future):
+    """A Monarch future as a coroutine.
+
+    Monarch futures start only when awaited and are not coroutines: `asyncio.create_task`
+    and `ensure_future` refuse them, and a future handed to `wait_for` or `gather` before
+    it is awaited has not started its call. Wrapping it here makes a bounded or concurrent
+    wait on an endpoint call behave like any coroutine's.
+    """
+    return await future
+
+
+def by_rank(values) -> list:
+    """The answers of a Monarch ValueMesh (what `endpoint.call` returns) in rank order.
+
+    A ValueMesh yields (point, value) pairs keyed by each point's coordinates, not by rank,
+    and its order is not documented; a caller that wants rank 0's answer, or each rank's in
+    turn, reads the rank off each point here.
+    """
+    return [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]
+
+
+async def settled(future, timeout_s: float) -> Exception | None:
+    """Await a Monarch future (or a coroutine) for at most `timeout_s`; its failure, or the
+    timeout, is returned instead of raised. For teardown, which goes on whatever one part
+    did: a dead proc's or host's call fails or times out here."""
+    try:
+        await asyncio.wait_for(awaited(future), timeout_s)
+    except Exception as e:  # noqa: BLE001 - dead, unreachable or too slow: the caller decides
+        return e
+    return None
+
+
+@contextlib.asynccontextmanager
+async def stopped_on_failure(procs, timeout_s: float = 60.0):
+    """Stop `procs` (a Monarch proc mesh just spawned) if the block fails, then re-raise the
+    block's failure: a stop that fails or times out (a proc that never came up answers
+    nothing) must not replace the error the user needs to see."""
+    try:
+        yield
+    except BaseException:
+        await settled(procs.stop(), timeout_s)
+        raise
