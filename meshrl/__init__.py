@@ -6,7 +6,8 @@ from meshrl import collector, compat
 
 if collector.in_a_monarch_proc():  # a proc Monarch started for meshrl's actors: before torch is imported
     collector.for_a_monarch_proc()
-sys.meta_path.insert(0, compat.DeferredDynamoMarks())  # tensordict without torch._dynamo: seconds off each process that never compiles
+if not any(isinstance(finder, compat.DeferredDynamoMarks) for finder in sys.meta_path):  # once, reloaded or not
+    sys.meta_path.insert(0, compat.DeferredDynamoMarks())  # tensordict without torch._dynamo: seconds off each process that never compiles
 
 from meshrl.config import Config, ConfigError  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Workarounds for Monarch, TorchTitan, vLLM and tensordict, each one small function with its reason.
 
-Each can be dropped once upstream handles its case. Callers apply them explicitly
-(nothing is patched on import). This module imports no torch at the top: `meshrl/__init__.py`
-puts `DeferredDynamoMarks` on the import path of every meshrl process before torch loads.
+Each can be dropped once upstream handles its case. Callers apply them explicitly; the one
+applied as meshrl is imported is `DeferredDynamoMarks`, put on the import path of every meshrl
+process by `meshrl/__init__.py` before torch loads (so this module imports no torch at the top).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ class DeferredDynamoMarks(importlib.abc.MetaPathFinder):
     `assume_constant_result`), and each mark imports torch._dynamo: as long again as torch
     itself (python -X importtime), in procs that never compile (the queue, the rollout
     workers, the controller). Both marks return their function unchanged; held here, each is
-    applied as soon as torch._dynamo is imported. Where it already is (a generator, after
-    vLLM), nothing is held.
+    applied as soon as torch._dynamo is imported (at once when it already is: tensordict
+    keeps the recorders it imported by name). Where torch._dynamo is loaded before tensordict
+    (a generator, after vLLM), nothing is held.
     """
 
     def __init__(self) -> None:
@@ -39,10 +40,10 @@ class DeferredDynamoMarks(importlib.abc.MetaPathFinder):
         if name not in ("tensordict", "torch._dynamo") or (name == "tensordict" and "torch._dynamo" in sys.modules):
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path, target)
-        if spec is None or not hasattr(spec.loader, "exec_module"):
-            return None  # an install this does not know: imported as it would be without this
-        run = spec.loader.exec_module
-        spec.loader.exec_module = lambda module: self._holding(run, module) if name == "tensordict" else (run(module), self._mark())
+        if spec is None or type(spec.loader) not in (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader):
+            return None  # a loader of a kind shared between modules (a zip): imported as without this
+        run = spec.loader.exec_module  # this spec's own loader, made for it by PathFinder
+        spec.loader.exec_module = lambda module: self._holding(run, module) if name == "tensordict" else (run(module), self._mark(module))
         return spec
 
     def _holding(self, run, module) -> None:
@@ -50,7 +51,7 @@ class DeferredDynamoMarks(importlib.abc.MetaPathFinder):
 
         marks = {mark: getattr(torch.compiler, mark) for mark in ("allow_in_graph", "assume_constant_result")}
         for mark in marks:
-            setattr(torch.compiler, mark, lambda fn, mark=mark: self.held.append((mark, fn)) or fn)
+            setattr(torch.compiler, mark, lambda fn, mark=mark: self.held.append((mark, fn)) or self._mark() or fn)
         try:
             run(module)
         finally:
@@ -58,12 +59,18 @@ class DeferredDynamoMarks(importlib.abc.MetaPathFinder):
                 setattr(torch.compiler, mark, fn)
             self._mark()  # torch._dynamo imported meanwhile: what was held after it is marked now
 
-    def _mark(self) -> None:
-        dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is not None and hasattr(dynamo, "allow_in_graph"):
-            held, self.held = self.held, []
-            for mark, fn in held:
+    def _mark(self, loaded=None) -> None:  # `loaded`: torch._dynamo just run, still marked initializing by importlib
+        dynamo = loaded or sys.modules.get("torch._dynamo")
+        if dynamo is None or (loaded is None and getattr(dynamo.__spec__, "_initializing", False)):
+            return
+        held, self.held = self.held, []
+        for mark, fn in held:
+            try:
                 getattr(dynamo, mark)(fn)
+            except Exception as e:  # noqa: BLE001 - an unmarked function compiles slower, never wrongly; an import must not fail
+                import logging
+
+                logging.getLogger("meshrl").warning("torch.compile mark %s of %r not applied (%s: %s)", mark, fn, type(e).__name__, e)
 
 
 # ---- CUDA ----

@@ -123,7 +123,7 @@ def test_load_tokenizer_gives_what_autotokenizer_gives(tmp_path):
 def test_tensordict_imports_without_dynamo_and_marks_its_functions_once_dynamo_loads():
     """meshrl's processes import tensordict without torch._dynamo (compat.DeferredDynamoMarks);
     importing torch._dynamo afterwards gives each held function its torch.compile mark, as an
-    import of tensordict with torch._dynamo loaded first does."""
+    import of tensordict with torch._dynamo loaded first does, and a mark made after it at once."""
     import subprocess
     import sys
     import textwrap
@@ -138,6 +138,10 @@ def test_tensordict_imports_without_dynamo_and_marks_its_functions_once_dynamo_l
         allowed = trace_rules._allowed_callable_ids
         assert id(utils._add_batch_dim_c) in allowed and id(base._foreach_copy_compiled) in allowed
         assert utils._lock_warn._dynamo_marked_constant
+        def late(x):
+            return x
+        utils.allow_in_graph(late)  # tensordict's own name for the mark, called after torch._dynamo loaded
+        assert id(late) in allowed
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

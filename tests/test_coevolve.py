@@ -22,9 +22,9 @@ import torch
 
 import meshrl
 from meshrl.agent.worker import summarize
-from meshrl.futures import awaited
 from meshrl.config import Config, ConfigError
 from meshrl.episode import Episode, Turn, assign_advantages, model_rows, pack
+from meshrl.futures import awaited
 from meshrl.rollout.env import ContractError
 from meshrl.rollout.game import Ask, Outcome, as_ask, as_asks, as_outcome
 from meshrl.tasks import PROPOSE_ATTEMPTS, ProposeSolveGame

@@ -16,10 +16,10 @@ import torch
 from monarch.actor import concurrent_endpoint, this_host
 
 from meshrl import episode
-from meshrl.futures import awaited
 from meshrl.config import LossConfig
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, pack
+from meshrl.futures import awaited
 from meshrl.generator.actor import GeneratorActor
 from meshrl.trainer.losses import CORRECTIONS, policy_loss, reduce_metrics
 from tests.test_generator import CALL_S, hf_logprobs, make_config, prompts, save_checkpoint, tiny_qwen3

@@ -22,8 +22,8 @@ import pytest
 import torch
 from monarch.actor import Actor, endpoint, this_host
 
-from meshrl.futures import awaited
 from meshrl.config import Config
+from meshrl.futures import awaited
 from meshrl.generator.engine import RequestResult
 from meshrl.rollout.env import StepResult
 from meshrl.tokenizer import build_char_tokenizer

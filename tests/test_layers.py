@@ -27,6 +27,7 @@ PURE = [
     "meshrl.imports",
     "meshrl.tokenizer",
     "meshrl.compat",
+    "meshrl.futures",
     "meshrl.errors",
     "meshrl.stability",
     # the domain and the checks that need it

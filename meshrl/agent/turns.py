@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 
-from meshrl.futures import awaited
 from meshrl.config import Config
+from meshrl.futures import awaited
 
 COALESCE_S = 0.002
 """Model turns asked for within this long of the first go to a replica in one message."""

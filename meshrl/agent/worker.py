@@ -32,9 +32,9 @@ import json
 import logging
 import time
 
-from meshrl.futures import awaited
 from meshrl.config import Config
 from meshrl.errors import describe, find, one_line, source_location, user_location
+from meshrl.futures import awaited
 from meshrl.logs import role_log
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, leave_out, pack

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from meshrl.futures import awaited
 from meshrl.config import Config
 from meshrl.errors import first_line
+from meshrl.futures import awaited
 from meshrl.trainer.checkpoint import checkpoint_step, write_atomic
 
 log = logging.getLogger("meshrl")

@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from meshrl.futures import awaited
 from meshrl.config import Config
+from meshrl.futures import awaited
 from meshrl.launch.memory import plan_memory
 
 

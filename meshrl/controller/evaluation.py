@@ -23,9 +23,9 @@ import os
 
 from typing import Callable
 
-from meshrl.futures import awaited
 from meshrl.config import Config, ConfigError
 from meshrl.errors import first_line
+from meshrl.futures import awaited
 
 log = logging.getLogger("meshrl")
 SUCCESS = 1.0

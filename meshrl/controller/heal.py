@@ -34,10 +34,10 @@ import asyncio
 import os
 import time
 
-from meshrl.futures import awaited, settled
 from meshrl.controller import checkpoint as checkpoints
 from meshrl.controller.members import running_process
 from meshrl.errors import TrainerFailed, first_line
+from meshrl.futures import awaited, settled
 from meshrl.logs import console
 from meshrl.trainer.actor import spawn_trainer
 from meshrl.trainer.critic_actor import critic_root, spawn_critic

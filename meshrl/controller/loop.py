@@ -23,7 +23,6 @@ import os
 import time
 
 from meshrl.compat import monarch_unprefixed_logs
-from meshrl.futures import settled
 from meshrl.config import Config
 from meshrl.controller import checkpoint as checkpoints, colocate
 from meshrl.controller.breaker import FailureBreaker, report_cliffs
@@ -34,6 +33,7 @@ from meshrl.controller.members import all_ended, in_order
 from meshrl.controller.partners import TrainedModel, served_pools
 from meshrl.controller.replicas import GeneratorPool, MeshFailureLog, ScorerPool, WorkerPool
 from meshrl.errors import TrainerFailed, UserCodeFailed, find, first_line, one_line
+from meshrl.futures import settled
 from meshrl.launch.allocation import LOST_HOST_STOP_S, allocate
 from meshrl.launch.devices import weights_on_gpu
 from meshrl.metrics import MetricsWriter

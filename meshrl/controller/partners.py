@@ -29,12 +29,12 @@ import logging
 import os
 import time
 
-from meshrl.futures import settled
 from meshrl.config import Config
 from meshrl.controller import checkpoint as checkpoints, colocate
 from meshrl.controller.heal import critic_healed, proc_alive, procs_dead, replace_trainer, restore_critic, trainer_pids
 from meshrl.controller.replicas import GeneratorPool
 from meshrl.errors import TrainerFailed, first_line
+from meshrl.futures import settled
 from meshrl.logs import console
 from meshrl.launch.devices import weights_on_gpu
 from meshrl.trainer.actor import TrainerMesh, spawn_trainer

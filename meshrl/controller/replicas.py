@@ -14,9 +14,9 @@ import logging
 import os
 from typing import Awaitable, Callable
 
-from meshrl.futures import awaited, by_rank, settled, stopped_on_failure
 from meshrl.controller.members import Member, start_all, stop_members
 from meshrl.config import Config
+from meshrl.futures import awaited, by_rank, settled, stopped_on_failure
 from meshrl.generator.actor import GeneratorActor
 from meshrl.agent.actor import RolloutWorkerActor
 from meshrl.agent.worker import summarize

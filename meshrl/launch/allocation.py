@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 from monarch.actor import HostMesh, ProcMesh, this_host
 
-from meshrl.futures import awaited, settled
 from meshrl.config import Config, ConfigError
+from meshrl.futures import awaited, settled
 from meshrl.launch.devices import plan_devices
 from meshrl.launch.hosts import ROLES, SPARE_MESH, job_meshes, role_meshes
 from meshrl.launch.signals import exit_on_sigterm, in_main_thread

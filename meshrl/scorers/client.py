@@ -32,9 +32,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from meshrl.futures import awaited
 from meshrl.config import Config, ScorerConfig
 from meshrl.episode import Episode
+from meshrl.futures import awaited
 from meshrl.rollout.env import call_reward, prompt_text
 from meshrl.scorers.process import step_ends, step_texts
 

@@ -24,9 +24,9 @@ import time
 
 from typing import TYPE_CHECKING
 
-from meshrl.futures import awaited, by_rank
 from meshrl.config import ScorerConfig
 from meshrl.errors import first_line
+from meshrl.futures import awaited, by_rank
 from meshrl.scorers.backends import Failed, Judged
 
 if TYPE_CHECKING:

@@ -21,9 +21,9 @@ from tensordict import TensorDict
 from monarch.actor import Actor, endpoint, this_host
 
 from meshrl.compat import tcp_store_listening_on
-from meshrl.futures import awaited, by_rank, stopped_on_failure
 from meshrl.config import Config
 from meshrl.episode import model_rows
+from meshrl.futures import awaited, by_rank, stopped_on_failure
 from meshrl.host import gloo_on_this_host, host_address
 from meshrl.launch.allocation import with_env
 from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV, plan_devices

@@ -39,9 +39,9 @@ import torch.distributed as dist
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 from tensordict import TensorDict
 
-from meshrl.futures import awaited, by_rank, settled, stopped_on_failure
 from meshrl.config import Config
 from meshrl.config.cpus import cpus_for
+from meshrl.futures import awaited, by_rank, settled, stopped_on_failure
 from meshrl.host import gloo_on_this_host, host_address
 from meshrl.launch.devices import planned_gpu
 from meshrl.logs import capture_role_output

@@ -11,8 +11,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from meshrl.compat import tcp_store_listening_on
-from meshrl.futures import awaited
 from meshrl.config import WeightSyncConfig
+from meshrl.futures import awaited
 from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
 from meshrl.weightsync.spec import SyncSpec
 
