@@ -87,7 +87,8 @@ def generic_tokenizer_class(path: str) -> bool:
     except (OSError, ValueError):
         return False
     return (
-        not os.path.exists(os.path.join(path, "config.json"))
+        isinstance(tokenizer_config, dict)
+        and not os.path.exists(os.path.join(path, "config.json"))
         and "auto_map" not in tokenizer_config
         and tokenizer_config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
     )
