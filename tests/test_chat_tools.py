@@ -120,34 +120,6 @@ def test_load_tokenizer_gives_what_autotokenizer_gives(tmp_path):
     assert not any(generic_tokenizer_class(str(path)) for path in (with_config, remote, own_class, tmp_path / "nothing"))
 
 
-def test_tensordict_imports_without_dynamo_and_marks_its_functions_once_dynamo_loads():
-    """meshrl's processes import tensordict without torch._dynamo (compat.DeferredDynamoMarks);
-    importing torch._dynamo afterwards gives each held function its torch.compile mark, as an
-    import of tensordict with torch._dynamo loaded first does, and a mark made after it at once."""
-    import subprocess
-    import sys
-    import textwrap
-
-    code = textwrap.dedent("""
-        import sys
-        import meshrl, tensordict, tensordict.base as base, tensordict.utils as utils
-        import meshrl.controller.loop, meshrl.queue, meshrl.agent.worker
-        assert "torch._dynamo" not in sys.modules
-        import torch._dynamo
-        from torch._dynamo import trace_rules
-        allowed = trace_rules._allowed_callable_ids
-        assert id(utils._add_batch_dim_c) in allowed and id(base._foreach_copy_compiled) in allowed
-        assert utils._lock_warn._dynamo_marked_constant
-        def late(x):
-            return x
-        utils.allow_in_graph(late)  # tensordict's own name for the mark, called after torch._dynamo loaded
-        assert id(late) in allowed
-        print("ok")
-    """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
-
-
 def test_glue_and_specials(qwen_style_tokenizer, char_tokenizer):
     tok = qwen_style_tokenizer
     renderer = ChatRenderer(tok)

@@ -5,7 +5,7 @@ Each module below is imported in a fresh interpreter in which `import monarch` a
 there: a trainer step, a weight layout packed, staged and unpacked, an episode group
 packed and queued, a rollout worker built. A module that starts importing Monarch or vLLM
 at import time, or a core that needs them to run, fails this test with the import chain
-that pulled them in.
+that pulled them in. The procs that never compile import no torch._dynamo either.
 """
 
 from __future__ import annotations
@@ -153,3 +153,29 @@ def test_pure_cores_import_and_run_without_monarch_or_vllm():
     done = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(PURE), ",".join(SHELLS)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert done.stdout.startswith("ok"), done.stdout
+
+
+def test_tensordict_imports_without_dynamo_and_marks_its_functions_once_dynamo_loads():
+    """meshrl's processes import tensordict without torch._dynamo (compat.DeferredDynamoMarks);
+    importing torch._dynamo afterwards gives each held function its torch.compile mark, as an
+    import of tensordict with torch._dynamo loaded first does, and a mark made after it at once."""
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        import meshrl, tensordict, tensordict.base as base, tensordict.utils as utils
+        import meshrl.controller.loop, meshrl.queue, meshrl.agent.worker
+        assert "torch._dynamo" not in sys.modules
+        import torch._dynamo
+        from torch._dynamo import trace_rules
+        allowed = trace_rules._allowed_callable_ids
+        assert id(utils._add_batch_dim_c) in allowed and id(base._foreach_copy_compiled) in allowed
+        assert utils._lock_warn._dynamo_marked_constant
+        def late(x):
+            return x
+        utils.allow_in_graph(late)  # tensordict's own name for the mark, called after torch._dynamo loaded
+        assert id(late) in allowed
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
