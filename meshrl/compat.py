@@ -79,10 +79,9 @@ def cuda_present() -> bool:
 
     `torch.cuda.is_available()` goes through the CUDA runtime's device count unless
     PYTORCH_NVML_BASED_CUDA_CHECK is set, and a process that did that cannot use CUDA in a
-    child it forks afterwards. vLLM on GPU starts its engine core with fork (its default
-    `VLLM_WORKER_MULTIPROC_METHOD`, switched to spawn only when CUDA is already initialised),
-    and `import vllm` sets the NVML check itself, too late for a generator proc that asked
-    first: the engine core then fails with "Cannot re-initialize CUDA in forked subprocess".
+    child it forks afterwards. vLLM on GPU forks its engine core, and `import vllm` sets the
+    NVML check itself, too late for a generator proc that asked first: the engine core then
+    fails with "Cannot re-initialize CUDA in forked subprocess".
     So every question meshrl asks before vLLM starts goes through NVML.
     """
     import torch
@@ -114,10 +113,9 @@ def spawn_owned_by_caller(procs, name: str, actor_class, *args):
     A message from it that the caller cannot deliver is returned to it; when its proc dies
     before that return is acknowledged, the return comes back undeliverable too, and the
     caller's mailbox ends the whole process ("client received undeliverable message:
-    crashing", exit status 1, nothing on the console). A weight-sync sidecar spawned inside
-    a generator, killed right after the controller rewired weight sync, ended the
-    controller (and the test suite) this way. Spawned from the controller instead, a sidecar's
-    mesh controller lives in the process that outlives every proc it calls.
+    crashing", exit status 1): a killed generator's weight-sync sidecar ended the controller
+    this way. Spawned from the controller, a sidecar's mesh controller lives in the process
+    that outlives every proc it calls.
     """
     return procs.spawn(name, actor_class, *args)
 
@@ -125,11 +123,10 @@ def spawn_owned_by_caller(procs, name: str, actor_class, *args):
 def endpoint_for_callers_that_may_die(method):
     """A concurrent endpoint whose answer is dropped, with a warning, when its caller is gone.
 
-    Monarch hands an undeliverable reply back to the actor that sent it and fails that
-    actor (the documented `_handle_undeliverable_message` hook is never called for endpoint
-    replies in 0.7). A generator replica and the episode queue answer many rollout workers;
-    one worker that dies, is replaced, or is stopped before them at shutdown would take the
-    replica and its engine, or the whole queue, down with it. So the endpoint answers on an
+    Monarch 0.7 hands an undeliverable reply back to the actor that sent it and fails that
+    actor (`_handle_undeliverable_message` is never called for endpoint replies). A generator
+    and the episode queue answer many rollout workers; one that dies or is stopped first
+    would take the replica, or the whole queue, down with it. So the endpoint answers on an
     explicit port that does not return undeliverable messages. Callers see a plain endpoint:
     `actor.method.call_one(*args) -> result`, errors as ActorError.
     """
@@ -173,9 +170,8 @@ def titan_use_sdpa_attention(model_config, sdpa_class) -> None:
 def titan_use_cpu_device_type() -> None:
     """Make TorchTitan's global `device_type` "cpu" when no accelerator is present.
 
-    `torchtitan.tools.utils` falls back to "cuda" when it finds no accelerator, and
-    ParallelDims builds its DeviceMesh (and the MoE dispatcher its buffers) on that
-    device type; the modules import the name by value, so each copy is patched.
+    `torchtitan.tools.utils` falls back to "cuda" without an accelerator, and ParallelDims
+    builds its DeviceMesh (the MoE dispatcher its buffers) on it; each import's copy is patched.
     """
     if cuda_present():
         return
@@ -207,8 +203,7 @@ def titan_float32_islands_under_cpu_autocast(model: torch.nn.Module) -> int:
     """Run attention and RMSNorm in float32 while the matmuls autocast to bf16 (in place).
 
     - Attention: CPU autocast casts `scaled_dot_product_attention` to bf16, and its CPU
-      flash-attention backward in bf16 is about 7x slower than in float32 (measured 20 ms
-      vs 3 ms per layer for 16 x 61 tokens, head dim 32; 470 ms of a 1.3 s step).
+      flash-attention backward in bf16 is several times slower than in float32.
     - RMSNorm: a bf16 input with float32 weights misses the fused kernel (torch warns
       "Mismatch dtype between input and weight") and runs as separate pow/mean/mul ops.
     The matmuls, where bf16 pays (AMX), stay bf16. Wraps the instances' `forward`;
@@ -256,10 +251,9 @@ def vllm_async_llm(engine_args):
     vLLM's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn while it builds the config,
     so that each worker sets up its OpenMP threads in a fresh process. A spawned engine core
     imports torch and vLLM again, single-threaded, before it loads a model: most of an
-    engine's start on a small machine (measured: 9.4 s against 4.2 s forked in the default
-    run, decoding as fast; benchmarks/README.md section 22). One worker only: its OpenMP
-    threads start fresh in the forked process, as they would in a spawned one, and
-    tensor-parallel workers keep vLLM's choice. A forked engine core inherits every
+    engine's start on a small machine (benchmarks/README.md section 22), for the same decode
+    speed. One worker only: its OpenMP threads start fresh in the forked process, as they
+    would in a spawned one, and tensor-parallel workers keep vLLM's choice. A forked engine core inherits every
     descriptor of its Monarch proc; the controller never relies on one closing, as it stops
     a replica's engine processes by pid (`Member.kill_leftovers`).
     """
@@ -276,17 +270,29 @@ def vllm_async_llm(engine_args):
         return AsyncLLM.from_vllm_config(config, **kwargs)
 
 
+def vllm_cpu_eager_token_ranks() -> None:
+    """The sampler of the vLLM worker this runs in (a collective_rpc) counts token ranks eagerly.
+
+    vLLM 0.32's sampler counts each sampled token's rank with a function under torch.compile,
+    even in an eager engine: inductor compiles it at the engine's first request for log-probs,
+    which every engine's first rollouts wait on, again in each replaced replica. Eager, the
+    expression gives the same counts; compiling spares a [batch, vocabulary] boolean
+    temporary, host memory on CPU. meshrl never reads the ranks.
+    """
+    import vllm.v1.sample.sampler as sampler
+
+    sampler.batched_count_greater_than = lambda x, values: (x >= values).sum(-1)
+
+
 def vllm_engine_holds_sigterm(holder, hold: bool) -> bool:
     """Keep SIGTERM ignored in a vLLM engine process (`hold`), or give vLLM its own handler
     back (not `hold`, before the engine's shutdown, which stops its processes with SIGTERM).
 
     Why: vLLM's engine core (and each worker process it spawns) installs a SIGTERM handler that
-    shuts the engine down, over the SIG_IGN it inherits. Under Slurm, whose warning SIGTERM
-    (time limit, preemption, `scancel --signal=TERM`) reaches every process of the job, every
-    engine then died at once while the run was still finishing its step: in-flight requests
-    were aborted, and a weight update under way hung until weight_sync.timeout_s, holding
-    the trainer and the interrupt checkpoint behind it (meshrl.launch.slurm_worker leaves
-    SIGTERM to the controller for every other proc). Runs as a worker RPC, which vLLM executes
+    shuts the engine down, over the SIG_IGN it inherits. Slurm's warning SIGTERM (time limit,
+    preemption) reaches every process of the job: every engine died while the run finished
+    its step, and a weight update under way hung until weight_sync.timeout_s, holding the
+    interrupt checkpoint behind it (meshrl.launch.slurm_worker leaves SIGTERM to the controller). Runs as a worker RPC, which vLLM executes
     in the process's main thread; returns whether it could (only there can a handler be set).
     A one-worker engine runs its worker in the engine-core process (on CPU, as the suite runs
     it), so both are covered; with several worker processes (tp > 1) the engine core is not.
@@ -349,10 +355,9 @@ def vllm_cpu_single_worker_executor(tensor_parallel_size: int):
     one, so that each worker sets its OpenMP threads in a fresh process. Under `AsyncLLM` the
     engine core is already a fresh process of its own, and the extra worker process costs
     every decode step a hand-off: a shared-memory queue with a spin-wait, and a context
-    switch when both share a core. Measured on one core, 128 sequences x 48 tokens of the
-    benchmark model: 7-17% less decode time in process, with the same outputs; with two
-    OpenMP threads the worker still binds both cores. The platform only replaces the string
-    "uni", so the executor is named by its class.
+    switch when both share a core. In process the outputs are the same, and the worker still
+    binds every core of its OpenMP threads. The platform only replaces the string "uni", so
+    the executor is named by its class.
     """
     from vllm.platforms import current_platform
 
@@ -367,10 +372,9 @@ def vllm_cpu_single_worker_executor(tensor_parallel_size: int):
 def tcp_store_listening_on(host: str, timeout, port: int = 0):
     """A TCPStore server (`is_master=True`) that listens on `host`'s address only.
 
-    torch's TCPStore server listens on every interface, IPv4 and IPv6, whatever host it is
-    given (measured with torch 2.13: `ss -ltn` shows `*:PORT` for host "127.0.0.1"); the
-    host only tells clients where to connect. A store answers any client and asks for no
-    credentials, so a single-host run would be reachable from the network. The constructor
+    torch 2.13's TCPStore server listens on every interface whatever host it is given
+    (`ss -ltn` shows `*:PORT` for "127.0.0.1"), and it answers any client without
+    credentials: a single-host run would be reachable from the network. The constructor
     also takes a socket that is already listening (`master_listen_fd`): we bind that one to
     `host` (a name: its first address) and `port` (0: a free one). A wildcard host is refused.
     """
@@ -447,10 +451,9 @@ def _environment_set(name: str, value: str):
 async def openenv_unread_message(client, timeout_s: float = 1.0) -> str | None:
     """The message still waiting, unread, on an OpenEnv client's WebSocket (None if none).
 
-    openenv-core 0.3.0: a server that holds its `max_concurrent_envs` sessions sends its
-    CAPACITY_REACHED refusal and closes the socket at once, so the client's reset usually
-    fails with ConnectionClosed instead of that refusal, which is left on the socket. The
-    client has no public way to read it: this reads its private `_ws`.
+    openenv-core 0.3.0: a server at its `max_concurrent_envs` sends CAPACITY_REACHED and
+    closes the socket at once, so the client's reset fails with ConnectionClosed and the
+    refusal is left unread; the client has no public way to read it: this reads `_ws`.
     """
 
     ws = getattr(client, "_ws", None)
@@ -468,15 +471,12 @@ def squeue_json_job(squeue_json: str, job_id: str) -> dict | None:
     `SlurmJob` reads; None when squeue does not list it.
 
     SlurmJob takes the first job of that output, reads its `job_state` as a list and its
-    hosts from `job_resources.nodes.allocation[].name`: the output of Slurm 24.05 and later.
-    Slurm 22.05 (Debian 12's) ignores `--job` when it writes JSON and lists every job it
-    still holds, finished ones included, so the first is often another job (SlurmJob then
-    takes a finished one for its own, and cancels its own job as no longer active); it
-    writes `job_state` as a string and the hosts as `job_resources.allocated_nodes[].nodename`
-    (a list, or a dict by index before 22.05), on which SlurmJob fails ('str' object has no
-    attribute 'get'). So: pick the job by id, and rewrite the older shape into the newer one
-    (newer output passes through unchanged). `meshrl.launch.slurm`'s SlurmJob subclass
-    reads squeue through this.
+    hosts from `job_resources.nodes.allocation[].name` (Slurm 24.05 and later). Slurm 22.05
+    (Debian 12's) ignores `--job` in JSON and lists every job it holds, finished ones too,
+    so SlurmJob took another job for its own and cancelled its own; it writes `job_state`
+    as a string and the hosts as `job_resources.allocated_nodes[].nodename` (a list, or a
+    dict by index), where SlurmJob fails. So the job is picked by id and rewritten into the
+    newer shape (newer output passes unchanged). `meshrl.launch.slurm`'s SlurmJob reads this.
     """
     jobs = [j for j in json.loads(squeue_json).get("jobs", []) if str(j.get("job_id")) == str(job_id)]
     return slurm_job_info_newer_shape(jobs[0]) if jobs else None

@@ -441,6 +441,27 @@ def test_cpu_engine_runs_the_model_in_its_engine_core_process(world):
 
 
 @pytest.mark.slow
+def test_cpu_sampler_counts_token_ranks_without_compiling(monkeypatch):
+    """compat.vllm_cpu_eager_token_ranks: the sampler's log-prob gather (every request of a
+    meshrl engine asks for log-probs) compiles nothing and counts the ranks vLLM's does."""
+    import torch._dynamo.utils as dynamo_utils
+    import vllm.v1.sample.sampler as sampler
+
+    from meshrl.compat import vllm_cpu_eager_token_ranks
+
+    monkeypatch.setattr(sampler, "batched_count_greater_than", sampler.batched_count_greater_than)  # put back after
+    logprobs = torch.log_softmax(torch.randn(6, 97, generator=torch.Generator().manual_seed(0)), -1)
+    token_ids = torch.tensor([0, 5, 17, 96, 40, 3])
+    vllm_cpu_eager_token_ranks()
+    frames = dynamo_utils.counters["frames"]["total"]
+    got = sampler.Sampler.gather_logprobs(logprobs, 2, token_ids)
+    assert dynamo_utils.counters["frames"]["total"] == frames  # no frame compiled
+    chosen = logprobs.gather(-1, token_ids[:, None])
+    assert got.selected_token_ranks.tolist() == (logprobs >= chosen).sum(-1).tolist()
+    assert got.logprobs[:, 0].tolist() == chosen[:, 0].tolist()
+
+
+@pytest.mark.slow
 def test_greedy_matches_transformers(world):
     model, gen = world["model"], world["gen"]
     v = gen.version.call_one().get(timeout=CALL_S)

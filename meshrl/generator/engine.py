@@ -192,6 +192,8 @@ class VLLMEngine:
             raise TimeoutError(f"vLLM engine took {elapsed:.0f}s to start (generator.startup_timeout_s={self.gen.startup_timeout_s})")
         self.loop = asyncio.get_running_loop()  # the loop `self.llm` serves (other threads submit to it)
         await self.llm.collective_rpc("meshrl_no_collection_at_exit")
+        if not cuda_present():  # before the first request, which would compile the sampler's rank count
+            await self.llm.collective_rpc("meshrl_eager_token_ranks")
         if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:  # SIGTERM is the controller's (launch/slurm_worker.py): the engine keeps it so
             self.holds_sigterm = all(await self.llm.collective_rpc("meshrl_hold_sigterm", args=(True,)))
         if self.capture_routing:

@@ -302,6 +302,12 @@ class MeshrlWorkerExtension:
 
         no_collection_at_exit()
 
+    def meshrl_eager_token_ranks(self) -> None:
+        """On CPU: the sampler's token ranks counted without torch.compile (compat.py)."""
+        from meshrl.compat import vllm_cpu_eager_token_ranks
+
+        vllm_cpu_eager_token_ranks()
+
     def meshrl_hold_sigterm(self, hold: bool) -> bool:
         """SIGTERM kept ignored in this engine process, or vLLM's handler back (compat.py)."""
         from meshrl.compat import vllm_engine_holds_sigterm
