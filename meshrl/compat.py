@@ -237,8 +237,6 @@ def vllm_cpu_defaults(startup_timeout_s: float | None = None) -> None:
     bound on the engine-core handshake, read once when vLLM is imported; set it from
     generator.startup_timeout_s so a stuck start-up fails instead of hanging.
     """
-    import os
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if startup_timeout_s is not None:
         os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(int(max(1, startup_timeout_s))))
@@ -248,16 +246,17 @@ def vllm_async_llm(engine_args):
     """`AsyncLLM.from_engine_args(engine_args)`; a one-worker CPU engine's engine-core process
     is forked from this one instead of spawned (MESHRL_VLLM_FORK=0 in the environment: spawned).
 
-    vLLM's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn while it builds the config,
-    so that each worker sets up its OpenMP threads in a fresh process. A spawned engine core
-    imports torch and vLLM again, single-threaded, before it loads a model: most of an
-    engine's start on a small machine (benchmarks/README.md section 22), for the same decode
-    speed. One worker only: its OpenMP threads start fresh in the forked process, as they
-    would in a spawned one, and tensor-parallel workers keep vLLM's choice. A forked engine core inherits every
-    descriptor of its Monarch proc; the controller never relies on one closing, as it stops
-    a replica's engine processes by pid (`Member.kill_leftovers`).
+    vLLM's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn while it builds the config, so
+    that each worker sets up its OpenMP threads in a fresh process. A spawned engine core
+    imports torch and vLLM again, single-threaded, before it loads a model: most of an engine's
+    start on a small machine (benchmarks/README.md section 22), for the same decode speed. One
+    worker only: its OpenMP threads start fresh in the forked process, as in a spawned one;
+    tensor-parallel workers keep vLLM's choice. This heap is frozen first (`gc.freeze`): the
+    engine core's full collections (five as vLLM loads the model and freezes its own heap)
+    then skip all it inherits. It inherits every descriptor of its Monarch proc too; the
+    controller stops a replica's engine processes by pid (`Member.kill_leftovers`).
     """
-    import os
+    import gc
 
     from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -266,6 +265,7 @@ def vllm_async_llm(engine_args):
     kwargs = dict(enable_log_requests=engine_args.enable_log_requests, disable_log_stats=engine_args.disable_log_stats)
     if not current_platform.is_cpu() or engine_args.tensor_parallel_size != 1 or os.environ.get("MESHRL_VLLM_FORK", "1") == "0":
         return AsyncLLM.from_vllm_config(config, **kwargs)
+    gc.freeze()
     with _environment_set("VLLM_WORKER_MULTIPROC_METHOD", "fork"):
         return AsyncLLM.from_vllm_config(config, **kwargs)
 
@@ -435,8 +435,6 @@ def nccl_errors_raise():
 @contextlib.contextmanager
 def _environment_set(name: str, value: str):
     """`name`=`value` in this process's environment inside the block, as before it after."""
-    import os
-
     old = os.environ.get(name)
     os.environ[name] = value
     try:
