@@ -477,15 +477,16 @@ class RLLoop:
             await self.workers.shutdown(host_up=coordinator_up)
         if coordinator_up:
             await settled(self.queue.close.call_one(), 30)  # best effort; its proc is stopped below
-        # The generators before the trainers they read weights from; each stage's parts at once.
+        # Every engine before the trainers it reads weights from, then every proc at once (each stage's parts at once).
         pools = [pool for pool in (self.generators, self.teacher, self.scorers, *self.served.values()) if pool is not None]
         stop_s = 60.0 if coordinator_up else LOST_HOST_STOP_S
-        await asyncio.gather(*(pool.shutdown(stop_s) for pool in pools), *(p.shutdown(stop_s) for p in self.partners))
+        await asyncio.gather(*(pool.stop_engines(stop_s) for pool in (*pools, *(p.generators for p in self.partners)) if pool is not None))
         # a trainer blocked on a lost queue's batch: killed here where it runs on this host, else by the job's stop
         lost = getattr(self, "queue", None) is not None and not coordinator_up
         meshes = [mesh.stop() for mesh in (getattr(self, "trainer", None), self.critic) if mesh is not None]
         coord = [self.coord.stop()] if getattr(self, "coord", None) is not None else []
-        await asyncio.gather(*(settled(stop, stop_s if lost else 120) for stop in meshes), *(settled(stop, stop_s) for stop in coord))
+        stops = [*(settled(stop, stop_s if lost else 120) for stop in meshes), *(settled(stop, stop_s) for stop in coord)]
+        await asyncio.gather(*(pool.shutdown(stop_s) for pool in pools), *(p.shutdown(stop_s) for p in self.partners), *stops)
         self.healer.kill_procs()
         if getattr(self, "alloc", None) is not None:
             self.alloc.host_lost = self.alloc.host_lost or lost

@@ -108,9 +108,15 @@ async def stop_members(members: list[Member], stop_s: float = 60.0) -> None:
     after a host was lost, whose procs answer nothing and whose stops only wait out
     Monarch's bound (those on this host are then killed, the launcher's host shutdown ends
     the rest). A replica whose proc is known dead is not asked."""
+    await stop_engines(members, stop_s)
+    await asyncio.gather(*(m.stop(stop_s) for m in members))
+
+
+async def stop_engines(members: list[Member], stop_s: float = 60.0) -> None:
+    """Each live replica's engine at once (`stop_members`' first half); asked again, a stopped
+    engine answers at once."""
     live = [m for m in members if not m.on_this_host() or m.alive()]
     await asyncio.gather(*(settled(m.actor.shutdown_engine.call_one(), min(30.0, stop_s)) for m in live))
-    await asyncio.gather(*(m.stop(stop_s) for m in members))
 
 
 async def all_ended(*starts) -> None:

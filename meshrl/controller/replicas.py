@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Awaitable, Callable
 
-from meshrl.controller.members import Member, start_all, stop_members
+from meshrl.controller.members import Member, start_all, stop_engines, stop_members
 from meshrl.config import Config
 from meshrl.futures import awaited, by_rank, settled, stopped_on_failure
 from meshrl.generator.actor import GeneratorActor
@@ -260,6 +260,9 @@ class GeneratorPool:
 
         return list(await asyncio.gather(*(read(r) for r in list(self.replicas))))
 
+    async def stop_engines(self, stop_s: float = 60.0) -> None:
+        await stop_engines(self.replicas, stop_s)
+
     async def shutdown(self, stop_s: float = 60.0) -> None:
         """Every replica at once (`stop_members`), and any warmed proc never set up."""
         await stop_members(self.replicas, stop_s)
@@ -381,6 +384,9 @@ class ScorerPool:
                     self.names[index],
                 )
         return done
+
+    async def stop_engines(self, stop_s: float = 60.0) -> None:
+        await stop_engines(list(self.members.values()), stop_s)
 
     async def shutdown(self, stop_s: float = 60.0) -> None:
         await stop_members(list(self.members.values()), stop_s)

@@ -12,12 +12,10 @@ of every token of a sequence given the ones before it, in one prefill. They are 
 from the model's logits with no sampling step (no temperature, top-k or top-p, whatever the
 request's sampling parameters), so a teacher that must score at generator.temperature
 scales its logits by 1/T in the model itself (`set_logit_temperature`). Prompt log-probs
-exist only for positions the engine computes in that request: a prefix served from the
-prefix cache has none (vLLM fills only rows from the first computed token on). vLLM
-therefore skips the cache lookup for such requests (`skip_reading_prefix_cache` defaults to
-True with `prompt_logprobs`); `score` sets it explicitly, so the whole sequence is
-prefilled and every position scored. Its blocks are still written to the cache (salted by
-version, as generation's are). The last token is scored at the request's one sampling step
+exist only for positions the engine computes in that request (none for a prefix served
+from the prefix cache), so `score` sets `skip_reading_prefix_cache` (vLLM's default with
+`prompt_logprobs`): every position is prefilled and scored. Its blocks are still written to
+the cache (salted by version, as generation's are). The last token is scored at the request's one sampling step
 instead (`logprob_token_ids`), so a sequence as long as the context still fits. Memory: the
 prefill materialises float32 logits [prefill chunk tokens x vocab] for the prompt rows.
 
@@ -212,9 +210,12 @@ class VLLMEngine:
                 pass
 
     def shutdown(self) -> None:
+        """Stop the engine's processes. On CPU they are killed right after vLLM's SIGTERM: its
+        teardown there (a full collection of the engine's heap, its KV cache freed) would only
+        delay processes about to exit, whose weight buffers are this process's."""
         if self.llm is not None:
             llm, self.llm = self.llm, None
-            llm.shutdown()
+            llm.shutdown(timeout=None if cuda_present() else 0)
 
     # ---- generation -----------------------------------------------------------------------
     def sampling_params(self, max_tokens: int, temperature: float | None = None):
