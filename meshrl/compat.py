@@ -25,12 +25,11 @@ class DeferredDynamoMarks(importlib.abc.MetaPathFinder):
     """Imports tensordict with its torch.compile marks held until torch._dynamo is imported.
 
     tensordict 0.15 marks a few functions as it is imported (`torch.compiler.allow_in_graph`,
-    `assume_constant_result`), and each mark imports torch._dynamo: as long again as torch
-    itself (python -X importtime), in procs that never compile (the queue, the rollout
-    workers, the controller). Both marks return their function unchanged; held here, each is
-    applied as soon as torch._dynamo is imported (at once when it already is: tensordict
-    keeps the recorders it imported by name). Where torch._dynamo is loaded before tensordict
-    (a generator, after vLLM), nothing is held.
+    `assume_constant_result`), and each mark imports torch._dynamo, as long again as torch
+    itself, in procs that never compile (the queue, the rollout workers, the controller).
+    Both marks return their function unchanged; held here, each is applied as soon as
+    torch._dynamo is imported (at once when it already is: tensordict keeps the recorders it
+    imported by name). Where torch._dynamo loads first (a generator, after vLLM), none is held.
     """
 
     def __init__(self) -> None:
@@ -188,10 +187,8 @@ def titan_use_cpu_device_type() -> None:
 
 
 def titan_force_sum_reduction(model: torch.nn.Module) -> None:
-    """Make FSDP2 reduce gradients with SUM (then divide) instead of PREMUL_SUM.
-
-    With a gradient divide factor FSDP2 asks for ReduceOp.PREMUL_SUM, which gloo rejects.
-    """
+    """Make FSDP2 reduce gradients with SUM (then divide): with a gradient divide factor it asks
+    for ReduceOp.PREMUL_SUM, which gloo rejects."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
@@ -251,8 +248,8 @@ def vllm_async_llm(engine_args):
     imports torch and vLLM again, single-threaded, before it loads a model: most of an engine's
     start on a small machine (benchmarks/README.md section 22), for the same decode speed. One
     worker only: its OpenMP threads start fresh in the forked process, as in a spawned one;
-    tensor-parallel workers keep vLLM's choice. This heap is frozen first (`gc.freeze`): the
-    engine core's full collections (five as vLLM loads the model and freezes its own heap)
+    tensor-parallel workers keep vLLM's choice. This heap is frozen while it forks (`gc.freeze`):
+    the engine core's full collections (five as vLLM loads the model and freezes its own heap)
     then skip all it inherits. It inherits every descriptor of its Monarch proc too; the
     controller stops a replica's engine processes by pid (`Member.kill_leftovers`).
     """
@@ -266,8 +263,11 @@ def vllm_async_llm(engine_args):
     if not current_platform.is_cpu() or engine_args.tensor_parallel_size != 1 or os.environ.get("MESHRL_VLLM_FORK", "1") == "0":
         return AsyncLLM.from_vllm_config(config, **kwargs)
     gc.freeze()
-    with _environment_set("VLLM_WORKER_MULTIPROC_METHOD", "fork"):
-        return AsyncLLM.from_vllm_config(config, **kwargs)
+    try:
+        with _environment_set("VLLM_WORKER_MULTIPROC_METHOD", "fork"):
+            return AsyncLLM.from_vllm_config(config, **kwargs)
+    finally:
+        gc.unfreeze()  # this process's garbage stays collectable
 
 
 def vllm_cpu_eager_token_ranks() -> None:
@@ -276,12 +276,17 @@ def vllm_cpu_eager_token_ranks() -> None:
     vLLM 0.32's sampler counts each sampled token's rank with a function under torch.compile,
     even in an eager engine: inductor compiles it at the engine's first request for log-probs,
     which every engine's first rollouts wait on, again in each replaced replica. Eager, the
-    expression gives the same counts; compiling spares a [batch, vocabulary] boolean
-    temporary, host memory on CPU. meshrl never reads the ranks.
+    expression gives the same counts; it runs in blocks of rows, whose boolean and int64
+    temporaries (the fusion compiling spares) stay small (a prefill chunk's prompt log-probs
+    come through it too). meshrl never reads the ranks.
     """
+    import torch
     import vllm.v1.sample.sampler as sampler
 
-    sampler.batched_count_greater_than = lambda x, values: (x >= values).sum(-1)
+    def count(x: torch.Tensor, values: torch.Tensor, rows: int = 32) -> torch.Tensor:
+        return torch.cat([(a >= b).sum(-1) for a, b in zip(x.split(rows), values.split(rows))])
+
+    sampler.batched_count_greater_than = count
 
 
 def vllm_engine_holds_sigterm(holder, hold: bool) -> bool:
@@ -314,9 +319,8 @@ def vllm_runs_lora_on(moe: bool) -> bool:
     """Whether the generators can run the policy's LoRA adapter (adapter-only weight sync).
 
     vLLM's CPU backend runs every MoE layer of a LoRA-enabled engine through its Triton MoE
-    kernel, even with adapters on attention alone; the CPU build has no Triton backend and
-    the engine dies at its first step. There, a MoE policy's LoRA is synced merged into its
-    full weights (as without LoRA), and the generators run no adapter.
+    kernel, even with adapters on attention alone, which the CPU build lacks: there a MoE
+    policy's LoRA is synced merged into its full weights, and the generators run no adapter.
     """
     return not moe or cuda_present()
 
@@ -325,12 +329,11 @@ def vllm_cpu_moe_prepack_after_reload(model: torch.nn.Module, loaded: set[str]) 
     """Re-run the CPU MoE prepack on the expert layers an in-place reload just wrote.
 
     vLLM's CPU MoE kernel keeps its expert weights prepacked (`process_weights_after_loading`
-    of its CPU experts). An in-place reload (`reload_weights`) treats a second load as a
-    weight update and skips that step (unquantized_fused_moe_method._setup_kernel), so the
-    checkpoint-layout values land in the prepacked storage and the experts compute garbage
-    (reloading a model's own expert weights moved its log-probs by 0.05). Only the layers
-    whose weights were in `loaded` (HF names) were reloaded; the others still hold packed
-    weights and must not be packed twice. Returns the layers repacked.
+    of its CPU experts). An in-place reload (`reload_weights`) skips that step for a second
+    load (unquantized_fused_moe_method._setup_kernel), so checkpoint-layout values land in
+    the prepacked storage and the experts compute garbage. Only the layers whose weights
+    were in `loaded` (HF names) were reloaded; the others still hold packed weights and must
+    not be packed twice. Returns the layers repacked.
     """
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
@@ -405,12 +408,11 @@ def gloo_default_device_on_loopback():
     in processes started inside it (they inherit its environment), listen on loopback.
 
     Without an explicit device, a gloo group listens on the address this host's name
-    resolves to (or on GLOO_SOCKET_IFNAME's interface): a routable address on many hosts
-    (measured: with the hostname set to the host's 192.0.2.2, vLLM's engine and the trainer
-    listened there). Code that creates its groups through `init_process_group` or
-    `new_group` (vLLM's engine, TorchTitan) cannot pass a device; the environment variable,
-    read as each group is created, is the one way in. Use it only where every member of
-    those groups is on this host. The previous value is restored on exit.
+    resolves to (or on GLOO_SOCKET_IFNAME's interface): a routable address on many hosts.
+    Code that creates its groups through `init_process_group` or `new_group` (vLLM's engine,
+    TorchTitan) cannot pass a device; the environment variable, read as each group is
+    created, is the one way in. Use it only where every member of those groups is on this
+    host. The previous value is restored on exit.
     """
     import socket
 
@@ -424,10 +426,9 @@ def gloo_default_device_on_loopback():
 @contextlib.contextmanager
 def nccl_errors_raise():
     """NCCL groups created inside this block raise their errors (a timed-out or failed
-    collective) in the caller and abort their communicators, instead of torch's default for
-    NCCL errors (TORCH_NCCL_ASYNC_ERROR_HANDLING=3), which tears the whole process down: a
-    dead generator must cost the weight sync a reconnect, not the trainer its process. torch
-    reads the mode as each group is created; the previous value is restored on exit."""
+    collective) in the caller and abort their communicators, instead of torch's default
+    (TORCH_NCCL_ASYNC_ERROR_HANDLING=3), which tears the process down: a dead generator must
+    cost the weight sync a reconnect, not the trainer its process. Read at each group's creation."""
     with _environment_set("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"):  # CleanUpOnly: abort, raise, keep the process
         yield
 

@@ -450,8 +450,9 @@ def test_cpu_sampler_counts_token_ranks_without_compiling(monkeypatch):
     from meshrl.compat import vllm_cpu_eager_token_ranks
 
     monkeypatch.setattr(sampler, "batched_count_greater_than", sampler.batched_count_greater_than)  # put back after
-    logprobs = torch.log_softmax(torch.randn(6, 97, generator=torch.Generator().manual_seed(0)), -1)
-    token_ids = torch.tensor([0, 5, 17, 96, 40, 3])
+    g = torch.Generator().manual_seed(0)
+    logprobs = torch.log_softmax(torch.randn(70, 97, generator=g), -1)  # rows in blocks of 32: three blocks
+    token_ids = torch.randint(0, 97, (70,), generator=g)
     vllm_cpu_eager_token_ranks()
     frames = dynamo_utils.counters["frames"]["total"]
     got = sampler.Sampler.gather_logprobs(logprobs, 2, token_ids)

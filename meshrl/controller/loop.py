@@ -470,6 +470,8 @@ class RLLoop:
                 part.cancel()
         if self._update_task is not None:
             self._update_task.cancel()
+        for p in self.partners:  # before their engines stop: an update cut off there would replace a replica
+            p.cancel_update()
         # The workers and the queue share the coordinator's host: when the queue is silent that
         # host is gone, and asking them to stop would only wait out each call's bound.
         coordinator_up = getattr(self, "queue", None) is not None and self._queue_silent == 0 and await self._queue_answers(5.0)
@@ -486,7 +488,7 @@ class RLLoop:
         meshes = [mesh.stop() for mesh in (getattr(self, "trainer", None), self.critic) if mesh is not None]
         coord = [self.coord.stop()] if getattr(self, "coord", None) is not None else []
         stops = [*(settled(stop, stop_s if lost else 120) for stop in meshes), *(settled(stop, stop_s) for stop in coord)]
-        await asyncio.gather(*(pool.shutdown(stop_s) for pool in pools), *(p.shutdown(stop_s) for p in self.partners), *stops)
+        await asyncio.gather(*(pool.shutdown(stop_s, False) for pool in pools), *(p.shutdown(stop_s, False) for p in self.partners), *stops)
         self.healer.kill_procs()
         if getattr(self, "alloc", None) is not None:
             self.alloc.host_lost = self.alloc.host_lost or lost

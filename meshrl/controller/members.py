@@ -102,13 +102,14 @@ class Member:
         self.kill_leftovers()
 
 
-async def stop_members(members: list[Member], stop_s: float = 60.0) -> None:
+async def stop_members(members: list[Member], stop_s: float = 60.0, engines: bool = True) -> None:
     """Each replica's engine, then its proc, all at once: a teardown waits for the slowest
     (a dead host's, up to its bounds), not for their sum. `stop_s` bounds each call: shorter
     after a host was lost, whose procs answer nothing and whose stops only wait out
     Monarch's bound (those on this host are then killed, the launcher's host shutdown ends
     the rest). A replica whose proc is known dead is not asked."""
-    await stop_engines(members, stop_s)
+    if engines:  # False: stopped already (`stop_engines`)
+        await stop_engines(members, stop_s)
     await asyncio.gather(*(m.stop(stop_s) for m in members))
 
 

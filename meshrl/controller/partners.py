@@ -285,11 +285,14 @@ class TrainedModel:
     async def save_checkpoint(self, root: str) -> str:
         return await self.trainer.save_checkpoint(os.path.join(root, self.name))
 
-    async def shutdown(self, stop_s: float = 60.0) -> None:
+    def cancel_update(self) -> None:
         if self._update is not None:
             self._update.cancel()
+
+    async def shutdown(self, stop_s: float = 60.0, engines: bool = True) -> None:
+        self.cancel_update()
         if self.generators is not None:
-            await self.generators.shutdown(stop_s)
+            await self.generators.shutdown(stop_s, engines)
         for mesh in (self.trainer, self.critic):
             if mesh is not None:
                 await settled(mesh.stop(), 120)  # best effort on every exit path, bounded as the policy's

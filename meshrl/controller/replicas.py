@@ -231,13 +231,15 @@ class GeneratorPool:
         async with self._lock:
             added = []
             try:
-                while len(self.replicas) > n:
-                    gone = self.replicas.pop()
+                gone = [self.replicas.pop() for _ in range(len(self.replicas) - n)]
+                if gone:  # the workers send them nothing more before they stop: a call to a stopped actor fails its sender
+                    await self.on_change()
+                for r in gone:
                     try:
-                        await asyncio.wait_for(awaited(gone.actor.shutdown_engine.call_one()), 60)
+                        await asyncio.wait_for(awaited(r.actor.shutdown_engine.call_one()), 60)
                     except Exception as e:  # noqa: BLE001 - it is stopped below either way
-                        log.warning("generator replica %d did not shut down cleanly: %s", gone.index, str(e)[:200])
-                    await gone.stop()
+                        log.warning("generator replica %d did not shut down cleanly: %s", r.index, str(e)[:200])
+                    await r.stop()
                 while len(self.replicas) < n:  # the lowest index free: its GPUs are the plan's (a dropped replica's too)
                     fresh = await self.spawn(min(set(range(n)) - {r.index for r in self.replicas}))
                     self.replicas = sorted(self.replicas + [fresh], key=lambda r: r.index)
@@ -263,9 +265,9 @@ class GeneratorPool:
     async def stop_engines(self, stop_s: float = 60.0) -> None:
         await stop_engines(self.replicas, stop_s)
 
-    async def shutdown(self, stop_s: float = 60.0) -> None:
+    async def shutdown(self, stop_s: float = 60.0, engines: bool = True) -> None:
         """Every replica at once (`stop_members`), and any warmed proc never set up."""
-        await stop_members(self.replicas, stop_s)
+        await stop_members(self.replicas, stop_s, engines)
         await asyncio.gather(*(settled(procs.stop(), stop_s) for procs, _ in self._warm.values()))
         self.replicas, self._warm = [], {}
 
@@ -388,8 +390,8 @@ class ScorerPool:
     async def stop_engines(self, stop_s: float = 60.0) -> None:
         await stop_engines(list(self.members.values()), stop_s)
 
-    async def shutdown(self, stop_s: float = 60.0) -> None:
-        await stop_members(list(self.members.values()), stop_s)
+    async def shutdown(self, stop_s: float = 60.0, engines: bool = True) -> None:
+        await stop_members(list(self.members.values()), stop_s, engines)
         self.members = {}
 
 

@@ -210,12 +210,12 @@ class VLLMEngine:
                 pass
 
     def shutdown(self) -> None:
-        """Stop the engine's processes. On CPU they are killed right after vLLM's SIGTERM: its
-        teardown there (a full collection of the engine's heap, its KV cache freed) would only
-        delay processes about to exit, whose weight buffers are this process's."""
+        """Stop the engine's processes. A one-worker CPU engine's are killed right after vLLM's
+        SIGTERM: its teardown (a full collection of its heap, its KV cache freed) would only
+        delay processes about to exit, which hold no shared memory (this process's weights)."""
         if self.llm is not None:
             llm, self.llm = self.llm, None
-            llm.shutdown(timeout=None if cuda_present() else 0)
+            llm.shutdown(timeout=0 if self.gen.tp == 1 and not cuda_present() else None)
 
     # ---- generation -----------------------------------------------------------------------
     def sampling_params(self, max_tokens: int, temperature: float | None = None):
