@@ -573,14 +573,13 @@ def test_meshrl_eval_evaluates_the_policy_of_a_run_with_trained_models(coevolved
 def test_a_solver_trains_against_a_frozen_proposer_whose_generator_is_healed(tmp_path):
     """task:propose with the proposer frozen (models[0].frozen, served from a checkpoint of its
     own that leans to digits) and the solver trained, one step off (max_lag 1): the solver
-    trains every step and nothing is masked or dropped as stale although every proposal is
-    at version 0; the proposer has no trainer, no checkpoint and no export, and its engine
-    keeps version 0 while the solver's follows the trainer. Its generator proc is SIGKILLed
+    trains every step within the bound although every proposal is at version 0; the proposer
+    has no trainer, no checkpoint and no export, and its engine keeps version 0 while the solver's follows the trainer. Its generator proc is SIGKILLed
     part-way: replaced from its checkpoint, with no group lost or trained twice. The solver is
     also distilled from a teacher (the same digit-leaning checkpoint, on an engine of its
     own) beside its reward: the teacher scores the solver's threads alone; and PRIME's implicit
     PRM scores the solver's threads token by token and trains on their outcomes."""
-    from tests.test_loop import nothing_stale, tiny
+    from tests.test_loop import tiny
 
     steps = 6
     proposer = conftest.build_digit_teacher(tmp_path / "proposer")
@@ -604,8 +603,13 @@ def test_a_solver_trains_against_a_frozen_proposer_whose_generator_is_healed(tmp
         ((_, _, stats),) = session._call(pool.read_stats())
         ((_, _, solver),) = session._call(loop.generators.read_stats())
         result = session.finish()
-    assert [int(r["version"]) for r in rows] == list(range(1, steps + 1)) and nothing_stale(rows)
+    assert [int(r["version"]) for r in rows] == list(range(1, steps + 1))
     assert all(r["trainer/staleness_max"] <= 1 for r in rows)
+    # No proposal (all at version 0) counts against the bound: its rows leave every loss mask
+    # (test_a_frozen_model_is_served_never_trained_and_left_out_of_every_loss). A solver group
+    # whose scores (the teacher's, the PRM's) come in after the trainer moved on twice is masked
+    # by the bound, as it must be; how often depends on the cores' speeds (26 tokens in one
+    # full run of the suite, none in others), so no masking count is asserted here.
     # The teacher's log-probs on the solver's tokens: the token mean of log mu - log pi_teacher
     # is about a KL (>= 0 in expectation). Unscored tokens (log pi_teacher read as 0) would give
     # the sampler's mean log-prob, below -2 for a tiny model over a hundred characters.
