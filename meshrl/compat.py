@@ -297,8 +297,9 @@ def vllm_engine_holds_sigterm(holder, hold: bool) -> bool:
     shuts the engine down, over the SIG_IGN it inherits. Slurm's warning SIGTERM (time limit,
     preemption) reaches every process of the job: every engine died while the run finished
     its step, and a weight update under way hung until weight_sync.timeout_s, holding the
-    interrupt checkpoint behind it (meshrl.launch.slurm_worker leaves SIGTERM to the controller). Runs as a worker RPC, which vLLM executes
-    in the process's main thread; returns whether it could (only there can a handler be set).
+    interrupt checkpoint behind it (meshrl.launch.slurm_worker leaves SIGTERM to the
+    controller). Runs as a worker RPC, which vLLM executes in the process's main thread;
+    returns whether it could (only there can a handler be set).
     A one-worker engine runs its worker in the engine-core process (on CPU, as the suite runs
     it), so both are covered; with several worker processes (tp > 1) the engine core is not.
     """

@@ -15,9 +15,9 @@ scales its logits by 1/T in the model itself (`set_logit_temperature`). Prompt l
 exist only for positions the engine computes in that request (none for a prefix served
 from the prefix cache), so `score` sets `skip_reading_prefix_cache` (vLLM's default with
 `prompt_logprobs`): every position is prefilled and scored. Its blocks are still written to
-the cache (salted by version, as generation's are). The last token is scored at the request's one sampling step
-instead (`logprob_token_ids`), so a sequence as long as the context still fits. Memory: the
-prefill materialises float32 logits [prefill chunk tokens x vocab] for the prompt rows.
+the cache (salted by version, as generation's are). The last token is scored at the
+request's one sampling step (`logprob_token_ids`): a sequence as long as the context fits.
+The prefill materialises float32 logits [prefill chunk tokens x vocab] for the prompt rows.
 
 Versions: vLLM stamps every engine step's outputs with the engine's current "weight
 version" and reports, on a request's final output, the spans of output tokens produced
