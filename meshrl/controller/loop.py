@@ -488,7 +488,7 @@ class RLLoop:
         meshes = [mesh.stop() for mesh in (getattr(self, "trainer", None), self.critic) if mesh is not None]
         coord = [self.coord.stop()] if getattr(self, "coord", None) is not None else []
         stops = [*(settled(stop, stop_s if lost else 120) for stop in meshes), *(settled(stop, stop_s) for stop in coord)]
-        await asyncio.gather(*(pool.shutdown(stop_s, False) for pool in pools), *(p.shutdown(stop_s, False) for p in self.partners), *stops)
+        await asyncio.gather(*(pool.shutdown(stop_s, engines=False) for pool in pools), *(p.shutdown(stop_s, engines=False) for p in self.partners), *stops)
         self.healer.kill_procs()
         if getattr(self, "alloc", None) is not None:
             self.alloc.host_lost = self.alloc.host_lost or lost
