@@ -108,6 +108,22 @@ def exact_answer(prompt, response, sample):
     return float(response == sample["answer"])
 
 
+REWARD_GATE_ENV = "MESHRL_TEST_REWARD_GATE"
+
+
+def gated_digits_reward(prompt, response, sample):
+    """task:digits' reward, held while the file named by $MESHRL_TEST_REWARD_GATE exists (at
+    most 120 s): a test that must act while a run still has steps to go creates the file, so
+    the run stops at its next batch whatever the machine's speed, and removes it after."""
+    from meshrl.tasks import get_task
+
+    gate = os.environ.get(REWARD_GATE_ENV)
+    deadline = time.monotonic() + 120
+    while gate and os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return get_task("digits").reward(prompt, response, sample)
+
+
 def build_qwen_style_tokenizer(path: str | os.PathLike) -> str:
     """A character-level tokenizer with Qwen's turn specials and QWEN_STYLE_TEMPLATE, saved at `path`.
 

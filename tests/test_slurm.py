@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from meshrl.controller.checkpoint import saved_models
-from tests.conftest import trainer_pid, two_host_config
+from tests.conftest import REWARD_GATE_ENV, trainer_pid, two_host_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -32,10 +32,10 @@ def slurm_config(run_dir, **sections) -> dict:
     return two_host_config(run_dir, 300, {"steps": 10, "launcher": launcher}, **sections)
 
 
-def start_controller(cluster, tmp_path, name: str, args: list[str]):
-    """`meshrl run ARGS` on node a, with this checkout on PYTHONPATH (the job's workers get
-    the controller's environment, as sbatch exports it)."""
-    env = {**cluster.env, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+def start_controller(cluster, tmp_path, name: str, args: list[str], env: dict | None = None):
+    """`meshrl run ARGS` on node a, with this checkout on PYTHONPATH and `env` added (the
+    job's workers get the controller's environment, as sbatch exports it)."""
+    env = {**cluster.env, **(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     return cluster.hosts.run("a", [sys.executable, "-m", "meshrl", "run", *args], tmp_path / f"{name}.log", env=env)
 
 
@@ -94,10 +94,15 @@ def test_two_nodes_train_and_resubmit_after_slurms_sigterm(slurm_cluster, tmp_pa
     SIGKILLed: the run heals it through the job's Monarch worker (docs/healing.md) and
     finishes; a metric row comes twice only for a step the heal lost."""
     run_dir = tmp_path / "run"
-    steps = 10
-    cfg = slurm_config(run_dir, steps=steps, launcher={"max_resubmits": 1})
+    # Slurm's SIGTERM reaches the run some steps after scancel (five on a fast machine): 16
+    # steps leave the second allocation steps to go. Its rewards are then held (the gate file)
+    # from its first row until the trainer is killed, so the kill lands mid-run however fast
+    # the steps are (without it a run stopped at step 8 of 10 had finished before the kill).
+    steps = 16
+    gate = tmp_path / "gate"
+    cfg = slurm_config(run_dir, steps=steps, launcher={"max_resubmits": 1}, scoring={"reward_fn": "tests.conftest:gated_digits_reward"})
     t0 = time.monotonic()
-    controller = start_controller(slurm_cluster, tmp_path, "preempt", [write_config(tmp_path, "preempt", cfg)])
+    controller = start_controller(slurm_cluster, tmp_path, "preempt", [write_config(tmp_path, "preempt", cfg)], env={REWARD_GATE_ENV: str(gate)})
     wait_rows(run_dir, controller, 3)
     # node b runs the slurm_worker task, Monarch's worker and the procs spawned there (generator, episode queue)
     on_b = [p for p in slurm_cluster.processes("b", exclude=DAEMONS + ("slurmstepd",)) if "python" in p]
@@ -107,10 +112,17 @@ def test_two_nodes_train_and_resubmit_after_slurms_sigterm(slurm_cluster, tmp_pa
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while "meshrl: resubmitting" not in (tmp_path / "preempt.log").read_text() and controller.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    wait_rows(run_dir, controller, len(rows_of(run_dir)) + 2)  # two steps into the second allocation
-    victim = trainer_pid(slurm_cluster.hosts.pids("a"), "slurm_worker")
-    assert victim is not None, slurm_cluster.processes("a", exclude=DAEMONS)
-    os.kill(victim, signal.SIGKILL)
+    stopped_at = len(rows_of(run_dir))
+    assert stopped_at < steps, "the run ended before Slurm's SIGTERM reached it"
+    wait_rows(run_dir, controller, stopped_at + 1)  # a step into the second allocation
+    gate.touch()
+    try:
+        victim = trainer_pid(slurm_cluster.hosts.pids("a"), "slurm_worker")
+        assert victim is not None, slurm_cluster.processes("a", exclude=DAEMONS)
+        assert len(rows_of(run_dir)) < steps, "the run ended before its trainer could be killed"
+        os.kill(victim, signal.SIGKILL)
+    finally:
+        gate.unlink()
     rc = wait_exit(controller, RUN_TIMEOUT_S)
     log = (tmp_path / "preempt.log").read_text()
     assert rc == 0, log[-4000:] + slurm_cluster.logs()
