@@ -179,7 +179,14 @@ def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
     run_dir = tmp_path / "run"
     # launcher.host_timeout_s 15: the hosts are network namespaces of this machine, whose agents
     # answer in milliseconds; at Monarch's 60 s the run stopped 62 s after host B died, at 15 s 36 s
-    cfg = two_host_config(run_dir, two_hosts, steps=12, trainer={"checkpoint_every": 2}, launcher={"host_timeout_s": 15})
+    cfg = two_host_config(
+        run_dir,
+        two_hosts,
+        steps=12,
+        trainer={"checkpoint_every": 2},
+        launcher={"host_timeout_s": 15},
+        scoring={"reward_fn": "tests.conftest:gated_digits_reward"},
+    )
     controller = start_run(two_hosts, tmp_path, cfg, "down")
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while controller.poll() is None and time.monotonic() < deadline:
@@ -205,14 +212,21 @@ def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
     # proc on host A is SIGKILLed two steps in: the heal spawns the new one through host A's
     # `meshrl worker` (docs/healing.md) and the run finishes. The kill comes as the row of an
     # even step is written, so it often lands in that step's checkpoint call, healed as well.
-    resumed_at, started = last_checkpoint_step(str(run_dir)), time.time()
-    controller = start_run(two_hosts, tmp_path, cfg, "resumed", resume=True)
+    # Its rewards are held (the gate file) from there until the kill, so the kill lands with
+    # steps to go however fast the steps are.
+    resumed_at, started, gate = last_checkpoint_step(str(run_dir)), time.time(), tmp_path / "gate"
+    controller = start_run(two_hosts, tmp_path, cfg, "resumed", resume=True, env={conftest.REWARD_GATE_ENV: str(gate)})
     # two steps the resumed run wrote: the first run's rows past its checkpoint are still in the
     # file until the resumed run cuts them, and counting those found no trainer proc yet
     wait_rows(controller, run_dir, resumed_at + 2, since=started)
-    victim = conftest.trainer_pid(two_hosts.pids("a"), "worker")
-    assert victim is not None, "not one trainer proc on host A"
-    os.kill(victim, signal.SIGKILL)
+    gate.touch()
+    try:
+        victim = conftest.trainer_pid(two_hosts.pids("a"), "worker")
+        assert victim is not None, "not one trainer proc on host A"
+        assert len(rows_of(run_dir)) < 12, "the run ended before its trainer could be killed"
+        os.kill(victim, signal.SIGKILL)
+    finally:
+        gate.unlink()
     watch(two_hosts, controller, RUN_TIMEOUT_S)
     log = (tmp_path / "resumed-controller.log").read_text()
     assert controller.returncode == 0, log[-3000:]
