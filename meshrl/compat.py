@@ -104,18 +104,32 @@ def monarch_unprefixed_logs() -> None:
     monarch_config.prefix_python_logs_with_actor = False
 
 
+def monarch_prompt_supervision(poll: str = "1s") -> None:
+    """Have Monarch notice a dead proc within `poll`, not 10 s.
+
+    Monarch's mesh controllers ask each actor mesh's procs for their state every
+    HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY (10 s by default); a call to a proc killed
+    meanwhile fails only then, so every heal and replacement started up to 10 s late. One
+    state query per mesh per `poll` is little beside a run's own messages. A value set in the
+    environment is kept; procs spawned from here inherit it. Monarch reads its config as it is
+    imported: if it was, the read is done again."""
+    if "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY" in os.environ:
+        return
+    os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = poll
+    if "monarch" in sys.modules:
+        from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env
+
+        reload_config_from_env()
+
+
 def spawn_owned_by_caller(procs, name: str, actor_class, *args):
     """Spawn `actor_class` on `procs` from the calling process, which then owns its mesh.
 
-    In Monarch 0.7 an actor mesh spawned inside a proc (`this_proc().spawn`) has its mesh
-    controller in that proc, and every process that calls the mesh talks to that controller.
-    A message from it that the caller cannot deliver is returned to it; when its proc dies
-    before that return is acknowledged, the return comes back undeliverable too, and the
-    caller's mailbox ends the whole process ("client received undeliverable message:
-    crashing", exit status 1): a killed generator's weight-sync sidecar ended the controller
-    this way. Spawned from the controller, a sidecar's mesh controller lives in the process
-    that outlives every proc it calls.
-    """
+    In Monarch 0.7 an actor mesh spawned inside a proc has its mesh controller in that proc.
+    When that proc dies, a message its controller returned undeliverable comes back
+    undeliverable too, and the caller's mailbox ends the whole process ("client received
+    undeliverable message: crashing"): a killed generator's weight-sync sidecar ended the
+    controller this way. Spawned from the controller, the mesh controller outlives it."""
     return procs.spawn(name, actor_class, *args)
 
 
@@ -153,12 +167,10 @@ def endpoint_for_callers_that_may_die(method):
 def titan_use_sdpa_attention(model_config, sdpa_class) -> None:
     """Swap every layer's inner attention config for SDPA that also takes packed rows (in place).
 
-    TorchTitan's language models accept only `flex` (no backward on CPU) or `varlen`
-    (needs flash attention) for packed documents, and its SDPA refuses attention masks.
-    meshrl's padded rows are one causal sequence each (right-padded), where plain causal
-    SDPA computes the same thing and runs anywhere; packed rows come with TorchTitan's
-    `VarlenMetadata`, which meshrl/trainer/attention.py's SDPA subclass (`sdpa_class`) attends
-    document by document.
+    TorchTitan's models take only `flex` (no backward on CPU) or `varlen` (flash attention)
+    for packed documents, and its SDPA refuses masks. A padded row is one causal sequence,
+    where causal SDPA runs anywhere; packed rows carry `VarlenMetadata`, which `sdpa_class`
+    (meshrl/trainer/attention.py) attends document by document.
     """
     for layer in list(model_config.layers) + list(getattr(model_config, "mtp_layers", None) or []):
         attention = getattr(layer, "attention", None)
@@ -199,12 +211,9 @@ def titan_force_sum_reduction(model: torch.nn.Module) -> None:
 def titan_float32_islands_under_cpu_autocast(model: torch.nn.Module) -> int:
     """Run attention and RMSNorm in float32 while the matmuls autocast to bf16 (in place).
 
-    - Attention: CPU autocast casts `scaled_dot_product_attention` to bf16, and its CPU
-      flash-attention backward in bf16 is several times slower than in float32.
-    - RMSNorm: a bf16 input with float32 weights misses the fused kernel (torch warns
-      "Mismatch dtype between input and weight") and runs as separate pow/mean/mul ops.
-    The matmuls, where bf16 pays (AMX), stay bf16. Wraps the instances' `forward`;
-    returns how many.
+    CPU autocast runs SDPA in bf16, whose CPU flash-attention backward is several times slower
+    than float32's; a bf16 input with float32 RMSNorm weights misses the fused kernel. The
+    matmuls, where bf16 pays (AMX), stay bf16. Wraps the instances' `forward`; returns how many.
     """
     import torch
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -293,15 +302,11 @@ def vllm_engine_holds_sigterm(holder, hold: bool) -> bool:
     """Keep SIGTERM ignored in a vLLM engine process (`hold`), or give vLLM its own handler
     back (not `hold`, before the engine's shutdown, which stops its processes with SIGTERM).
 
-    Why: vLLM's engine core (and each worker process it spawns) installs a SIGTERM handler that
-    shuts the engine down, over the SIG_IGN it inherits. Slurm's warning SIGTERM (time limit,
-    preemption) reaches every process of the job: every engine died while the run finished
-    its step, and a weight update under way hung until weight_sync.timeout_s, holding the
-    interrupt checkpoint behind it (meshrl.launch.slurm_worker leaves SIGTERM to the
-    controller). Runs as a worker RPC, which vLLM executes in the process's main thread;
-    returns whether it could (only there can a handler be set).
-    A one-worker engine runs its worker in the engine-core process (on CPU, as the suite runs
-    it), so both are covered; with several worker processes (tp > 1) the engine core is not.
+    vLLM's engine core and workers install a SIGTERM handler that shuts the engine down.
+    Slurm's warning SIGTERM reaches every process of the job: every engine died while the run
+    finished its step, and a weight update under way hung until weight_sync.timeout_s. Runs as
+    a worker RPC, in the process's main thread (returns whether it is there). A one-worker
+    engine runs its worker in the engine-core process; with tp > 1 the engine core is not covered.
     """
     import signal
     import threading
@@ -329,12 +334,10 @@ def vllm_runs_lora_on(moe: bool) -> bool:
 def vllm_cpu_moe_prepack_after_reload(model: torch.nn.Module, loaded: set[str]) -> int:
     """Re-run the CPU MoE prepack on the expert layers an in-place reload just wrote.
 
-    vLLM's CPU MoE kernel keeps its expert weights prepacked (`process_weights_after_loading`
-    of its CPU experts). An in-place reload (`reload_weights`) skips that step for a second
-    load (unquantized_fused_moe_method._setup_kernel), so checkpoint-layout values land in
-    the prepacked storage and the experts compute garbage. Only the layers whose weights
-    were in `loaded` (HF names) were reloaded; the others still hold packed weights and must
-    not be packed twice. Returns the layers repacked.
+    vLLM's CPU MoE kernel keeps its expert weights prepacked. An in-place reload skips the
+    prepack for a second load (unquantized_fused_moe_method._setup_kernel), so checkpoint-layout
+    values land in the packed storage and the experts compute garbage. Only the layers with
+    weights in `loaded` (HF names) are repacked: the others must not be packed twice.
     """
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
@@ -355,13 +358,10 @@ def vllm_cpu_single_worker_executor(tensor_parallel_size: int):
     """The in-process worker executor for a one-worker CPU engine; None where vLLM's own
     choice stands (a GPU, or several CPU workers).
 
-    vLLM's CPU platform replaces the single-worker executor ("uni") with the multiprocess
-    one, so that each worker sets its OpenMP threads in a fresh process. Under `AsyncLLM` the
-    engine core is already a fresh process of its own, and the extra worker process costs
-    every decode step a hand-off: a shared-memory queue with a spin-wait, and a context
-    switch when both share a core. In process the outputs are the same, and the worker still
-    binds every core of its OpenMP threads. The platform only replaces the string "uni", so
-    the executor is named by its class.
+    vLLM's CPU platform replaces the single-worker executor ("uni") with the multiprocess one.
+    Under `AsyncLLM` the engine core is already a fresh process, and the extra worker process
+    costs every decode step a hand-off (a shared-memory queue with a spin-wait). In process the
+    outputs are the same; the platform only replaces the string "uni", so the class is named.
     """
     from vllm.platforms import current_platform
 

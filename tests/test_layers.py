@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PURE = [
@@ -179,3 +181,17 @@ def test_tensordict_imports_without_dynamo_and_marks_its_functions_once_dynamo_l
     """)
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("preset", [None, "7s"])
+def test_meshrl_has_monarch_poll_its_meshes_every_second_unless_told(preset):
+    """compat.monarch_prompt_supervision, as `import meshrl` applies it: Monarch's supervision
+    poll (10 s by default, how late a killed proc's calls fail) is 1 s in meshrl's processes,
+    read again where Monarch was imported first; a value the user set is kept."""
+    code = "import os, monarch.actor, meshrl; print(os.environ['HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY'])"
+    env = {k: v for k, v in os.environ.items() if k != "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"}
+    if preset is not None:
+        env["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = preset
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == (preset or "1s")
