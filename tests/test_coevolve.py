@@ -616,9 +616,11 @@ def test_a_solver_trains_against_a_frozen_proposer_whose_generator_is_healed(tmp
     assert all(r["trainer/distill_reverse_kl"] > -1.0 for r in rows), [r["trainer/distill_reverse_kl"] for r in rows]
     # The PRM scored the solver's threads (its versions rise, its per-token rewards reached the
     # loss) and never the proposer's.
-    scored = [r for r in rows if "scoring/prm/version" in r]  # a step that took no new group reports no scores
+    # A row reports the scores of the episodes that finished in its step's window: with steps
+    # this fast, a window may hold two batches' episodes and the next none, so only some rows do.
+    scored = [r for r in rows if "scoring/prm/version" in r]
     version = [r["scoring/prm/version"] for r in scored]
-    assert len(scored) >= steps - 2 and version[-1] > version[0] and all(r["scoring/prm/process_abs"] > 0 for r in scored), version
+    assert len(scored) >= 2 and version[-1] > version[0] and all(r["scoring/prm/process_abs"] > 0 for r in scored), version
     assert not any(k.startswith("proposer/scoring/") for r in rows for k in r)
     assert pool.replaced >= 1 and stats["pid"] != pid and stats["version"] == 0 and solver["version"] == steps, (stats, solver)
     reported = [r for r in rows if "proposer/reward/mean" in r]

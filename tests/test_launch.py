@@ -179,8 +179,9 @@ def vllm_handler(signum, frame):  # what vLLM's engine core installs over it: sh
 
 signal.signal(signal.SIGTERM, vllm_handler)
 holder, off_main = type("Worker", (), {})(), []
-threading.Thread(target=lambda: off_main.append(vllm_engine_holds_sigterm(holder, True))).start()
-time.sleep(0.2)
+thread = threading.Thread(target=lambda: off_main.append(vllm_engine_holds_sigterm(holder, True)))
+thread.start()
+thread.join(10)
 print("off the main thread:", off_main, flush=True)
 assert vllm_engine_holds_sigterm(holder, True)
 os.kill(os.getpid(), signal.SIGTERM)  # Slurm's warning

@@ -212,10 +212,13 @@ def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
     # proc on host A is SIGKILLed two steps in: the heal spawns the new one through host A's
     # `meshrl worker` (docs/healing.md) and the run finishes. The kill comes as the row of an
     # even step is written, so it often lands in that step's checkpoint call, healed as well.
-    # Its rewards are held (the gate file) from there until the kill, so the kill lands with
-    # steps to go however fast the steps are.
+    # Its rewards are held (the gate file) from there until the kill, and it runs 8 steps past
+    # its checkpoint: the batches scored before the gate (depth 2: up to 3) leave steps to go
+    # however fast the steps are and wherever the first run stopped.
     resumed_at, started, gate = last_checkpoint_step(str(run_dir)), time.time(), tmp_path / "gate"
-    controller = start_run(two_hosts, tmp_path, cfg, "resumed", resume=True, env={conftest.REWARD_GATE_ENV: str(gate)})
+    last = resumed_at + 8
+    env = {conftest.REWARD_GATE_ENV: str(gate)}
+    controller = start_run(two_hosts, tmp_path, cfg, "resumed", resume=True, overrides=(f"steps={last}",), env=env)
     # two steps the resumed run wrote: the first run's rows past its checkpoint are still in the
     # file until the resumed run cuts them, and counting those found no trainer proc yet
     wait_rows(controller, run_dir, resumed_at + 2, since=started)
@@ -223,7 +226,7 @@ def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
     try:
         victim = conftest.trainer_pid(two_hosts.pids("a"), "worker")
         assert victim is not None, "not one trainer proc on host A"
-        assert len(rows_of(run_dir)) < 12, "the run ended before its trainer could be killed"
+        assert len(rows_of(run_dir)) < last, "the run ended before its trainer could be killed"
         os.kill(victim, signal.SIGKILL)
     finally:
         gate.unlink()
@@ -232,11 +235,11 @@ def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
     assert controller.returncode == 0, log[-3000:]
     rows = rows_of(run_dir)
     kept = {r["step"]: r for r in rows}  # a step the heal lost is written again: the later row is kept
-    assert sorted(kept) == list(range(1, 13)), [r["step"] for r in rows]
+    assert sorted(kept) == list(range(1, last + 1)), [r["step"] for r in rows]
     assert len(rows) - len(kept) == max(r.get("trainer/steps_lost", 0) for r in rows) <= 1
     healed = [line for line in log.splitlines() if line.startswith("meshrl: trainer rank 0") and f"(pid {victim}) died" in line]
     assert len(healed) == 1 and "healed in" in healed[0], log[-3000:]
-    assert kept[12]["trainer/restarts"] == 1
+    assert kept[last]["trainer/restarts"] == 1
     assert wait_empty(two_hosts) == {"a": [], "b": []}
     print(f"host B down: the run stopped {stopped_s:.0f} s later, at step {done}; {healed[0]}")
 

@@ -94,11 +94,12 @@ def test_two_nodes_train_and_resubmit_after_slurms_sigterm(slurm_cluster, tmp_pa
     SIGKILLed: the run heals it through the job's Monarch worker (docs/healing.md) and
     finishes; a metric row comes twice only for a step the heal lost."""
     run_dir = tmp_path / "run"
-    # Slurm's SIGTERM reaches the run some steps after scancel (five on a fast machine): 16
+    # Slurm's SIGTERM reaches the run some steps after scancel (five on a fast machine): 24
     # steps leave the second allocation steps to go. Its rewards are then held (the gate file)
     # from its first row until the trainer is killed, so the kill lands mid-run however fast
-    # the steps are (without it a run stopped at step 8 of 10 had finished before the kill).
-    steps = 16
+    # the steps are (without it a run stopped at step 8 of 10 had finished before the kill);
+    # the batches scored before the gate (up to 3) still train.
+    steps = 24
     gate = tmp_path / "gate"
     cfg = slurm_config(run_dir, steps=steps, launcher={"max_resubmits": 1}, scoring={"reward_fn": "tests.conftest:gated_digits_reward"})
     t0 = time.monotonic()
@@ -113,7 +114,7 @@ def test_two_nodes_train_and_resubmit_after_slurms_sigterm(slurm_cluster, tmp_pa
     while "meshrl: resubmitting" not in (tmp_path / "preempt.log").read_text() and controller.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     stopped_at = len(rows_of(run_dir))
-    assert stopped_at < steps, "the run ended before Slurm's SIGTERM reached it"
+    assert stopped_at + 5 < steps, f"Slurm's SIGTERM stopped the run at step {stopped_at} of {steps}: too late to kill its trainer mid-run"
     wait_rows(run_dir, controller, stopped_at + 1)  # a step into the second allocation
     gate.touch()
     try:
