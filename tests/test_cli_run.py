@@ -64,9 +64,10 @@ def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console_lis
     started = time.time()
     seen: dict[tuple[str, str, int], str] = {}  # (protocol, address, port) -> its process
     # weight_sync.transport=collective: the transport that listens most, a store in the
-    # controller and a gloo group (a one-host run's default, shm, opens no socket for weights)
+    # controller and a gloo group (a one-host run's default, shm, opens no socket for weights).
+    # steps=1000: SIGTERM ends it; a run of 60 fast steps had ended between two looks.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshrl", "run", f"logging.run_dir={run_dir}", "steps=60", "weight_sync.transport=collective", *SMALL],
+        [sys.executable, "-m", "meshrl", "run", f"logging.run_dir={run_dir}", "steps=1000", "weight_sync.transport=collective", *SMALL],
         cwd=ROOT,
         env=quiet_env(),
         stdout=subprocess.PIPE,

@@ -108,11 +108,12 @@ def test_two_co_evolving_models_train_across_the_link(two_hosts, tmp_path):
     proposer's critic is killed two steps in and healed, and the run is resumed for a step."""
     run_dir = tmp_path / "run"
     # synchronous, as above: each step's log-prob match checks each model's weights arrived whole;
-    # 8 steps of 4 groups: the assertions hold from the second step, the kill lands after the second
+    # 12 steps of 4 groups: the assertions hold from the second step, the kill lands after the
+    # second, between two looks of `watch` (each lists both hosts' sockets): 10 steps to spare
     cfg = two_host_config(
         run_dir,
         two_hosts,
-        steps=8,
+        steps=12,
         batch_groups=4,
         data={"source": "task:propose"},
         models=[{"name": "proposer"}],  # it inherits the policy's gae: a critic of its own
@@ -142,7 +143,7 @@ def test_two_co_evolving_models_train_across_the_link(two_hosts, tmp_path):
     assert controller.returncode == 0, log[-3000:]
     assert len(killed) == 1, killed
     rows = rows_of(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["step"] for r in rows] == list(range(1, 13))
     for prefix in ("", "proposer/"):
         assert all(r[f"{prefix}trainer/tokens"] > 0 for r in rows), prefix  # each model trained on its own rows every step
         assert all(r[f"{prefix}trainer/staleness_max"] == 0 for r in rows), prefix
@@ -163,11 +164,11 @@ def test_two_co_evolving_models_train_across_the_link(two_hosts, tmp_path):
         assert listeners == {("tcp", two_hosts.ADDRESSES[h])}, f"host {h} listened on {sorted(listeners)}"
     assert wait_empty(two_hosts) == {"a": [], "b": []}, "processes outlived the run"
     # resumed for one more step: each critic restored from the final checkpoint, one step on
-    controller = start_run(two_hosts, tmp_path, cfg, "models-resumed", resume=True, overrides=("steps=9",), env={"MESHRL_VERBOSE": "0"})
+    controller = start_run(two_hosts, tmp_path, cfg, "models-resumed", resume=True, overrides=("steps=13",), env={"MESHRL_VERBOSE": "0"})
     watch(two_hosts, controller, RUN_TIMEOUT_S)
     assert controller.returncode == 0, (tmp_path / "models-resumed-controller.log").read_text()[-3000:]
     last, after = rows[-1], rows_of(run_dir)[-1]
-    assert after["step"] == 9 and after["proposer/critic/restarts"] == 0
+    assert after["step"] == 13 and after["proposer/critic/restarts"] == 0
     for key in ("critic/version", "proposer/critic/version"):
         assert after[key] == last[key] + 1, (key, last[key], after[key])
     assert wait_empty(two_hosts) == {"a": [], "b": []}, "processes outlived the resumed run"
