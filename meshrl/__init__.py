@@ -6,7 +6,7 @@ from meshrl import collector, compat
 
 if collector.in_a_monarch_proc():  # a proc Monarch started for meshrl's actors: before torch is imported
     collector.for_a_monarch_proc()
-compat.monarch_prompt_supervision()  # before Monarch is imported, in the controller and every proc it starts
+compat.monarch_prompt_supervision()  # in the controller, before Monarch loads; the procs it starts inherit it
 if not any(isinstance(finder, compat.DeferredDynamoMarks) for finder in sys.meta_path):  # once, reloaded or not
     sys.meta_path.insert(0, compat.DeferredDynamoMarks())  # tensordict without torch._dynamo: seconds off each process that never compiles
 

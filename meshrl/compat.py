@@ -1,8 +1,8 @@
 """Workarounds for Monarch, TorchTitan, vLLM and tensordict, each one small function with its reason.
 
-Each can be dropped once upstream handles its case. Callers apply them explicitly; the one
-applied as meshrl is imported is `DeferredDynamoMarks`, put on the import path of every meshrl
-process by `meshrl/__init__.py` before torch loads (so this module imports no torch at the top).
+Each can be dropped once upstream handles its case. Callers apply them explicitly; two are
+applied by `meshrl/__init__.py` as meshrl is imported, before torch loads (so this module
+imports no torch at the top): `DeferredDynamoMarks` and `monarch_prompt_supervision`.
 """
 
 from __future__ import annotations
@@ -125,11 +125,11 @@ def monarch_prompt_supervision(poll: str = "1s") -> None:
 def spawn_owned_by_caller(procs, name: str, actor_class, *args):
     """Spawn `actor_class` on `procs` from the calling process, which then owns its mesh.
 
-    In Monarch 0.7 an actor mesh spawned inside a proc has its mesh controller in that proc.
-    When that proc dies, a message its controller returned undeliverable comes back
-    undeliverable too, and the caller's mailbox ends the whole process ("client received
-    undeliverable message: crashing"): a killed generator's weight-sync sidecar ended the
-    controller this way. Spawned from the controller, the mesh controller outlives it."""
+    In Monarch 0.7 a mesh spawned inside a proc has its mesh controller there. A message from
+    it that a caller cannot take is returned; if the proc died first, the return is
+    undeliverable too, and the caller's mailbox ends its process ("client received
+    undeliverable message: crashing"). Spawned from the controller, the mesh's controller
+    lives in the process that outlives every proc it calls."""
     return procs.spawn(name, actor_class, *args)
 
 
@@ -168,7 +168,7 @@ def titan_use_sdpa_attention(model_config, sdpa_class) -> None:
     """Swap every layer's inner attention config for SDPA that also takes packed rows (in place).
 
     TorchTitan's models take only `flex` (no backward on CPU) or `varlen` (flash attention)
-    for packed documents, and its SDPA refuses masks. A padded row is one causal sequence,
+    for packed documents, and its SDPA refuses masks. A right-padded row is one causal sequence,
     where causal SDPA runs anywhere; packed rows carry `VarlenMetadata`, which `sdpa_class`
     (meshrl/trainer/attention.py) attends document by document.
     """
@@ -212,8 +212,8 @@ def titan_float32_islands_under_cpu_autocast(model: torch.nn.Module) -> int:
     """Run attention and RMSNorm in float32 while the matmuls autocast to bf16 (in place).
 
     CPU autocast runs SDPA in bf16, whose CPU flash-attention backward is several times slower
-    than float32's; a bf16 input with float32 RMSNorm weights misses the fused kernel. The
-    matmuls, where bf16 pays (AMX), stay bf16. Wraps the instances' `forward`; returns how many.
+    than float32's; a bf16 input with float32 RMSNorm weights misses the fused kernel ("Mismatch
+    dtype between input and weight"). Matmuls, where bf16 pays (AMX), stay bf16. Returns how many.
     """
     import torch
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -302,11 +302,11 @@ def vllm_engine_holds_sigterm(holder, hold: bool) -> bool:
     """Keep SIGTERM ignored in a vLLM engine process (`hold`), or give vLLM its own handler
     back (not `hold`, before the engine's shutdown, which stops its processes with SIGTERM).
 
-    vLLM's engine core and workers install a SIGTERM handler that shuts the engine down.
-    Slurm's warning SIGTERM reaches every process of the job: every engine died while the run
-    finished its step, and a weight update under way hung until weight_sync.timeout_s. Runs as
-    a worker RPC, in the process's main thread (returns whether it is there). A one-worker
-    engine runs its worker in the engine-core process; with tp > 1 the engine core is not covered.
+    vLLM's engine core and workers install a SIGTERM handler that shuts the engine down, over
+    the SIG_IGN slurm_worker gives them. Slurm's warning SIGTERM reaches every process of the
+    job: engines died while the run finished its step, a weight update hung, and the interrupt
+    checkpoint waited behind it. Runs as a worker RPC in the process's main thread, the only
+    one that can set a handler (returns whether it is there). With tp > 1 the engine core is not.
     """
     import signal
     import threading
@@ -334,10 +334,10 @@ def vllm_runs_lora_on(moe: bool) -> bool:
 def vllm_cpu_moe_prepack_after_reload(model: torch.nn.Module, loaded: set[str]) -> int:
     """Re-run the CPU MoE prepack on the expert layers an in-place reload just wrote.
 
-    vLLM's CPU MoE kernel keeps its expert weights prepacked. An in-place reload skips the
-    prepack for a second load (unquantized_fused_moe_method._setup_kernel), so checkpoint-layout
-    values land in the packed storage and the experts compute garbage. Only the layers with
-    weights in `loaded` (HF names) are repacked: the others must not be packed twice.
+    vLLM's CPU experts prepack their weights (`process_weights_after_loading`); `reload_weights`
+    skips that for a second load (unquantized_fused_moe_method._setup_kernel), so checkpoint-layout
+    values land in the packed storage and the experts compute garbage. Only the layers with weights
+    in `loaded` (HF names) are repacked, the others must not be twice; returns how many.
     """
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
@@ -358,10 +358,10 @@ def vllm_cpu_single_worker_executor(tensor_parallel_size: int):
     """The in-process worker executor for a one-worker CPU engine; None where vLLM's own
     choice stands (a GPU, or several CPU workers).
 
-    vLLM's CPU platform replaces the single-worker executor ("uni") with the multiprocess one.
-    Under `AsyncLLM` the engine core is already a fresh process, and the extra worker process
-    costs every decode step a hand-off (a shared-memory queue with a spin-wait). In process the
-    outputs are the same; the platform only replaces the string "uni", so the class is named.
+    vLLM's CPU platform replaces "uni" with the multiprocess executor, so each worker sets up its
+    OpenMP threads in a fresh process; under `AsyncLLM` the engine core already is one, and the
+    extra process costs every decode step a hand-off (a spin-waited shared-memory queue). In
+    process the outputs are the same, its threads bound to every core; the class is named.
     """
     from vllm.platforms import current_platform
 

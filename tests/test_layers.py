@@ -187,11 +187,22 @@ def test_tensordict_imports_without_dynamo_and_marks_its_functions_once_dynamo_l
 def test_meshrl_has_monarch_poll_its_meshes_every_second_unless_told(preset):
     """compat.monarch_prompt_supervision, as `import meshrl` applies it: Monarch's supervision
     poll (10 s by default, how late a killed proc's calls fail) is 1 s in meshrl's processes,
-    read again where Monarch was imported first; a value the user set is kept."""
-    code = "import os, monarch.actor, meshrl; print(os.environ['HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY'])"
+    read again (once) where Monarch was imported first; a value the user set is kept, unread."""
+    import json
+    import textwrap
+
+    code = textwrap.dedent("""
+        import json, os
+        import monarch.actor
+        import monarch._rust_bindings.monarch_hyperactor.config as config
+        reads, reload = [], config.reload_config_from_env
+        config.reload_config_from_env = lambda: (reads.append(1), reload())[1]
+        import meshrl
+        print(json.dumps({"poll": os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"], "reads": len(reads)}))
+    """)
     env = {k: v for k, v in os.environ.items() if k != "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"}
     if preset is not None:
         env["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = preset
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == (preset or "1s")
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"poll": preset or "1s", "reads": 0 if preset else 1}
