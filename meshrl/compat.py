@@ -306,7 +306,7 @@ def vllm_engine_holds_sigterm(holder, hold: bool) -> bool:
     the SIG_IGN slurm_worker gives them. Slurm's warning SIGTERM reaches every process of the
     job: engines died while the run finished its step, a weight update hung, and the interrupt
     checkpoint waited behind it. Runs as a worker RPC in the process's main thread, the only
-    one that can set a handler (returns whether it is there). With tp > 1 the engine core is not.
+    one that can set a handler (returns whether it is there). With tp > 1 the engine core is not held.
     """
     import signal
     import threading
