@@ -124,6 +124,16 @@ def gated_digits_reward(prompt, response, sample):
     return get_task("digits").reward(prompt, response, sample)
 
 
+@contextlib.contextmanager
+def rewards_held(gate):
+    """`gated_digits_reward` holds every reward while this block runs (the `gate` file exists)."""
+    gate.touch()
+    try:
+        yield
+    finally:
+        gate.unlink()
+
+
 def build_qwen_style_tokenizer(path: str | os.PathLike) -> str:
     """A character-level tokenizer with Qwen's turn specials and QWEN_STYLE_TEMPLATE, saved at `path`.
 

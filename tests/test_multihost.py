@@ -223,14 +223,11 @@ def test_a_dead_host_stops_the_run_resumably(two_hosts, tmp_path):
     # two steps the resumed run wrote: the first run's rows past its checkpoint are still in the
     # file until the resumed run cuts them, and counting those found no trainer proc yet
     wait_rows(controller, run_dir, resumed_at + 2, since=started)
-    gate.touch()
-    try:
+    with conftest.rewards_held(gate):
         victim = conftest.trainer_pid(two_hosts.pids("a"), "worker")
         assert victim is not None, "not one trainer proc on host A"
         assert len(rows_of(run_dir)) < last, "the run ended before its trainer could be killed"
         os.kill(victim, signal.SIGKILL)
-    finally:
-        gate.unlink()
     watch(two_hosts, controller, RUN_TIMEOUT_S)
     log = (tmp_path / "resumed-controller.log").read_text()
     assert controller.returncode == 0, log[-3000:]

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from meshrl.controller.checkpoint import saved_models
-from tests.conftest import REWARD_GATE_ENV, trainer_pid, two_host_config
+from tests.conftest import REWARD_GATE_ENV, rewards_held, trainer_pid, two_host_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -116,14 +116,11 @@ def test_two_nodes_train_and_resubmit_after_slurms_sigterm(slurm_cluster, tmp_pa
     stopped_at = len(rows_of(run_dir))
     assert stopped_at + 5 < steps, f"Slurm's SIGTERM stopped the run at step {stopped_at} of {steps}: too late to kill its trainer mid-run"
     wait_rows(run_dir, controller, stopped_at + 1)  # a step into the second allocation
-    gate.touch()
-    try:
+    with rewards_held(gate):
         victim = trainer_pid(slurm_cluster.hosts.pids("a"), "slurm_worker")
         assert victim is not None, slurm_cluster.processes("a", exclude=DAEMONS)
         assert len(rows_of(run_dir)) < steps, "the run ended before its trainer could be killed"
         os.kill(victim, signal.SIGKILL)
-    finally:
-        gate.unlink()
     rc = wait_exit(controller, RUN_TIMEOUT_S)
     log = (tmp_path / "preempt.log").read_text()
     assert rc == 0, log[-4000:] + slurm_cluster.logs()
