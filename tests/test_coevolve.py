@@ -577,8 +577,9 @@ def test_a_solver_trains_against_a_frozen_proposer_whose_generator_is_healed(tmp
     has no trainer, no checkpoint and no export, and its engine keeps version 0 while the
     solver's follows the trainer. Its generator proc is SIGKILLed part-way: replaced from its
     checkpoint, with no group lost or trained twice. The solver is also distilled from a
-    teacher (the same digit-leaning checkpoint, on an engine of its own) beside its reward: the teacher scores the solver's threads alone; and PRIME's implicit
-    PRM scores the solver's threads token by token and trains on their outcomes."""
+    teacher (the same digit-leaning checkpoint, on an engine of its own) beside its reward:
+    the teacher scores the solver's threads alone; and PRIME's implicit PRM scores the
+    solver's threads token by token and trains on their outcomes."""
     from tests.test_loop import tiny
 
     steps = 6
