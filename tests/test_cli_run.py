@@ -76,7 +76,10 @@ def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console_lis
     try:
         deadline = time.monotonic() + 400
         root = psutil.Process(proc.pid)
-        while len(steps_in(run_dir)) < 6 and proc.poll() is None and time.monotonic() < deadline:
+        # until step 6 and a look that found the controller's store: a run's first steps can
+        # come and go between two looks, each of which lists every proc's sockets
+        controller_seen = lambda: any(owner.startswith(f"{proc.pid} ") for owner in seen.values())  # noqa: E731
+        while (len(steps_in(run_dir)) < 6 or not controller_seen()) and proc.poll() is None and time.monotonic() < deadline:
             watch_listeners(root, seen)
             time.sleep(0.5)
         assert proc.poll() is None, f"the run ended before it was stopped: {proc.stdout.read().decode()}"
@@ -104,7 +107,7 @@ def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console_lis
     assert not leftovers(started), "procs outlived the stopped run"
     # The controller hosts the weight-sync store for the whole run: if the watch did not
     # see it, it saw nothing.
-    assert any(owner.startswith(f"{proc.pid} ") for owner in seen.values()), f"no listener of the controller was seen: {seen}"
+    assert controller_seen(), f"no listener of the controller was seen: {seen}"
     exposed = [f"{proto} {ip}:{port} (pid {owner})" for (proto, ip, port), owner in sorted(seen.items()) if not is_loopback(ip)]
     assert not exposed, "sockets reachable from other hosts:\n" + "\n".join(exposed)
 
