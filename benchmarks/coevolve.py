@@ -10,7 +10,8 @@ Arms, each run once per seed at equal samples (same steps, batch, group size and
 - `paced`: two models, the proposer updating on one step in `--pace-every`
   (`models[0].trainer.pace.every`; docs/coevolve.md "Models at different paces").
 
-Per run: the mean step time after the first three steps (start-up excluded), the run's wall
+Per run: the mean step time after the first three steps (start-up excluded), the mean time of
+the proposer's engine's weight move (`proposer/sync/previous_update_s`), the run's wall
 clock, each model's reward in its first and last tenth of the steps, the largest staleness
 of each model's trained tokens, and the stale tokens the queue masked. The cost of the second
 trained model is the ratio of the two arms' mean step times, seed by seed.
@@ -60,6 +61,9 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str, pace_every: int = 4) 
         if f"{prefix}trainer/staleness_max" in rows[-1]:
             out[f"{name}_staleness_max"] = max(r[f"{prefix}trainer/staleness_max"] for r in rows)
     out["masked_stale_tokens"] = rows[-1]["buffer/masked_stale_tokens"]
+    moves = [r["proposer/sync/previous_update_s"] for r in rows[3:] if "proposer/sync/previous_update_s" in r]
+    if moves:  # its engine's weight move, each step (a relabel on a step its trainer held)
+        out["proposer_update_s"] = statistics.fmean(moves)
     return out
 
 

@@ -325,8 +325,12 @@ class FakeEngine:
     weights = True
     """False while asleep without its weights (VLLMEngine.sleep(keep_weights=False))."""
 
-    async def sleep(self, keep_weights: bool = True) -> None:
-        self.running, self.weights = False, keep_weights
+    sleep_mode = True
+    """As on a GPU: a sleep without `keep_weights` drops them (False: as on CPU, it pauses)."""
+
+    async def sleep(self, keep_weights: bool = True) -> bool:
+        self.running, self.weights = False, keep_weights or not self.sleep_mode
+        return not self.weights
 
     async def wake_weights(self) -> None:
         self.weights = True
@@ -424,6 +428,45 @@ def test_a_pause_outlasts_sleep_and_wake_until_resume(monkeypatch):
         await gen.wake()
         assert (await asyncio.wait_for(waiting, 5)).versions == [2, 2]
         assert gen.stats()["sleeps"] == 4
+
+    asyncio.run(main())
+
+
+def test_a_version_with_the_weights_held_is_relabelled_not_loaded(monkeypatch):
+    """A trainer's step off its trainer.pace makes a version with the weights of the one before
+    (TrainerActor.weights_id keeps their name): an engine that loaded them runs on under the new
+    version, nothing loaded; one that holds other weights, dropped them asleep, or is past the
+    version loads as before."""
+    import meshrl.generator.service as service
+
+    monkeypatch.setattr(service, "VLLMEngine", FakeEngine)
+    config = Config.from_dict({"generator": {"max_new_tokens": 2}})
+
+    async def main():
+        gen = service.Generator(config, "unused")
+        await gen.start(0)
+        assert not await gen.relabel(1, "a")  # the start's weights have no name
+        await gen.update_weights(1, {}, "keep", weights_id="a")
+        assert await gen.relabel(2, "a") and gen.version == 2
+        assert (await gen.generate([1, 7])).versions == [2, 2]
+        assert not await gen.relabel(3, "b") and gen.version == 2  # other weights
+        assert not await gen.relabel(1, "a")  # never back
+        await gen.sleep(keep_weights=True)
+        assert await gen.relabel(3, "a")  # asleep with its weights (CPU, or level 1)
+        await gen.wake()
+        await gen.sleep(keep_weights=False)
+        assert not await gen.relabel(4, "a")  # dropped: the version must be loaded
+        await gen.update_weights(4, {}, "keep", weights_id="a")
+        await gen.wake()
+        assert await gen.relabel(5, "a") and gen.version == 5
+        await gen.update_weights(6, {}, "keep")  # a load whose weights are not named
+        assert not await gen.relabel(7, "a")
+        stats = gen.stats()
+        assert stats["relabels"] == 3 and [u["version"] for u in stats["updates"]] == [1, 4, 6], stats
+        gen.engine.sleep_mode = False  # on CPU a sleep pauses, whatever it is asked to keep
+        await gen.update_weights(7, {}, "keep", weights_id="b")
+        await gen.sleep(keep_weights=False)
+        assert await gen.relabel(8, "b")
 
     asyncio.run(main())
 

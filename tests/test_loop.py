@@ -212,7 +212,7 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
     the log-probs still equal. Then the proposer's trainer is SIGKILLed inside a checkpoint
     call: healed there, it trains its lost step again with every engine asleep, and the call
     saves. The proposer updates on every second step (trainer.pace): on the others its engine
-    is loaded with the weights it already held, under the new version."""
+    is relabelled to the new version, nothing loaded, and its log-probs still equal."""
     cores = set(os.sched_getaffinity(0))
     cfg = tiny(
         tmp_path / "colocate",
@@ -270,6 +270,12 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
     assert 0 <= after[0]["proposer/trainer/steps_lost"] <= max([1.0] + [r.get("proposer/trainer/snapshot_spacing", 1.0) for r in kept.values()])
     for engine in (stats, proposer_stats):  # no engine generated while any trainer stepped
         assert engine["sleeps"] >= 10 and engine["tokens_while_asleep"] == 0 and engine["version"] == 9, engine
+    # the proposer's held versions before its heal (2, 4, 6; 8 was loaded again after it) relabelled, not loaded
+    assert proposer_stats["relabels"] >= 3 and not {2, 4, 6} & {u["version"] for u in proposer_stats["updates"]}, (
+        proposer_stats["relabels"],
+        proposer_stats["updates"],
+    )
+    assert stats["relabels"] == 0  # the policy updates every step
     assert not wait_no_children()
 
 

@@ -222,6 +222,7 @@ class RLLoop:
             if partners is not None and not partners.done():
                 partners.cancel()
         call_start = out.pop("_call_start")
+        weights_id = out.pop("weights_id", None)  # the policy's generators relabelled where they hold these weights
         self.version = out["version"]
         out["time/trainer_call_s"] = time.monotonic() - call_start
         out.update(handoff)
@@ -229,7 +230,7 @@ class RLLoop:
         try:
             load_asleep = colocate.wakes_on_new_version(c, self.alloc.plan)  # each version loaded while the engines sleep
             if load_asleep:
-                out["colocate/load_s"] = await self._update_generators(self.version)
+                out["colocate/load_s"] = await self._update_generators(self.version, weights_id)
                 out.update(await colocate.load_models(self.partners))
             if c.placement == "colocate":
                 released = None if self.partners else self.trainer  # with trained models: before their turns
@@ -239,7 +240,7 @@ class RLLoop:
                 out["sync/previous_update_s"] = await self._finish_update()
                 out["sync/previous_update_wait_s"] = time.monotonic() - t0
             if not load_asleep:
-                self._update_task = asyncio.create_task(self._update_generators(self.version))
+                self._update_task = asyncio.create_task(self._update_generators(self.version, weights_id))
             for p in self.partners:  # each model's generators follow in the background, unless loaded above
                 out.setdefault(f"{p.name}/sync/previous_update_s", await p.finish_update())
                 if not load_asleep:
@@ -370,9 +371,9 @@ class RLLoop:
     async def _queue_answers(self, timeout_s: float = 10.0) -> bool:
         return await settled(self.queue.metrics.call_one(), timeout_s) is None  # dead, unreachable or too slow: all the same
 
-    async def _update_generators(self, version: int) -> float:
+    async def _update_generators(self, version: int, weights_id: str | None = None) -> float:
         t0 = time.monotonic()
-        await self.generators.update(version)
+        await self.generators.update(version, weights_id)
         return time.monotonic() - t0
 
     async def _finish_update(self) -> float:

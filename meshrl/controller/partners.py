@@ -79,6 +79,7 @@ class TrainedModel:
         self.critic_restarts = 0
         self.start_version = 0
         self.pending: dict[str, float] = {}  # a heal's metrics, for the next row
+        self.weights: tuple[int, str | None] = (-1, None)  # (version, its trainer's weights_id) of its last step
 
     async def start(self, version: int, checkpoint_dir: str | None = None, critic_dir: str | None = None) -> None:
         """Its trainer (`start_trainer`), then its generators and weight sync between them (`start_generators`)."""
@@ -164,6 +165,7 @@ class TrainedModel:
         out["generator/replicas_replaced"] = float(self.generators.replaced)
         version = out.pop("version")
         out.pop("trained_groups", None)
+        self.weights = (version, out.pop("weights_id", None))
         return {"version": version, **{f"{self.name}/{k}": v for k, v in out.items()}}
 
     async def heal_outside_step(self, error: BaseException, queue, num_groups: int, timeout_s: float, version: int) -> None:
@@ -194,6 +196,7 @@ class TrainedModel:
                 f"{failed} ({first}); not healed: trainer.max_restarts={c.trainer.max_restarts} used; {checkpoints.how_to_resume(run_dir)}"
             ) from error
         self.restarts += 1
+        self.weights = (-1, None)  # a new trainer's weights: loaded in full
         t0 = time.monotonic()
         if self._update is not None:  # reading from the dead publisher
             self._update.cancel()
@@ -263,14 +266,16 @@ class TrainedModel:
             await checkpoints.export_critic(self.critic, run_dir, tokenizer_dir, f"final-{self.name}-critic")
 
     def update(self, version: int) -> None:
-        """Move its generators to `version` in the background (after the previous move)."""
+        """Move its generators to `version` in the background (after the previous move):
+        relabelled where `version`'s weights are those they hold (its trainer's step held them)."""
         previous = self._update
+        weights_id = self.weights[1] if self.weights[0] == version else None
 
         async def move() -> float:
             if previous is not None:
                 await previous
             t0 = time.monotonic()
-            await self.generators.update(version)
+            await self.generators.update(version, weights_id)
             return time.monotonic() - t0
 
         self._update = asyncio.create_task(move())

@@ -133,13 +133,14 @@ class GeneratorPool:
         """The first `n` replicas, started at once."""
         self.replicas = await start_all(self.spawn(i) for i in range(n))
 
-    async def update(self, version: int) -> None:
-        """Every replica fetches and applies `version`; a replica that fails is replaced."""
+    async def update(self, version: int, weights_id: str | None = None) -> None:
+        """Every replica fetches and applies `version`, or is relabelled to it where it holds
+        the weights the trainer names `weights_id` already; a replica that fails is replaced."""
         timeout = self.config.weight_sync.timeout_s + 30
 
         async def one(r: Member) -> None:
             try:
-                await asyncio.wait_for(awaited(r.actor.sync_weights.call_one(version)), timeout)
+                await asyncio.wait_for(awaited(r.actor.sync_weights.call_one(version, weights_id)), timeout)
             except Exception as e:  # noqa: BLE001 - a dead replica is replaced, the run goes on
                 if self.source_lost() and (r.alive() or not r.on_this_host()):  # the publisher died under it: the heal updates it again
                     log.warning("generator replica %d missed version %d: the trainer it read from died", r.index, version)

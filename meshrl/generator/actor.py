@@ -146,15 +146,19 @@ class GeneratorActor(Actor):
         return self.subscriber.key
 
     @concurrent_endpoint
-    async def sync_weights(self, version: int) -> dict:
+    async def sync_weights(self, version: int, weights_id: str | None = None) -> dict:
         """Fetch policy `version` (or newer) over weight sync and apply it in the configured
-        update mode; returns the version now running and the seconds spent."""
+        update mode; returns the version now running and the seconds spent. `weights_id`: the
+        trainer's name of that version's weights; an engine holding them already is relabelled
+        instead, nothing fetched or loaded (a version made by a step off trainer.pace)."""
         if self.subscriber is None:
             raise RuntimeError("weight sync is not connected: call weight_sync_key and connect first")
         t0 = time.monotonic()
+        if weights_id is not None and await self._gen().relabel(version, weights_id):
+            return {"version": version, "fetch_s": 0.0, "held_s": 0.0, "relabelled": True}
         connection = self.subscriber.connections
         try:
-            return await self._sync(version, t0)
+            return await self._sync(version, t0, weights_id)
         except Exception:
             if self.subscriber.connections == connection:
                 raise
@@ -163,13 +167,13 @@ class GeneratorActor(Actor):
         deadline = time.monotonic() + self.subscriber.cfg.timeout_s
         while self.subscriber.connecting and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return await self._sync(version, t0)
+        return await self._sync(version, t0, weights_id)
 
-    async def _sync(self, version: int, t0: float) -> dict:
+    async def _sync(self, version: int, t0: float, weights_id: str | None) -> dict:
         got, tensors = await self.subscriber.fetch(version=version)
         fetch_s = time.monotonic() - t0
-        try:
-            held_s = await self._gen().update_weights(got, tensors)
+        try:  # a newer version than asked for has weights of another name
+            held_s = await self._gen().update_weights(got, tensors, weights_id=weights_id if got == version else None)
         finally:
             await self.subscriber.loaded()  # shm: the trainer's slot is free again
         return {"version": got, "fetch_s": fetch_s, "held_s": held_s}

@@ -345,19 +345,19 @@ class VLLMEngine:
     async def resume(self) -> None:
         await self.llm.resume_generation()
 
-    async def sleep(self, keep_weights: bool = True) -> None:
-        """Stop generating and, with sleep mode (GPU), free the engine's GPU memory so a
-        colocated trainer has the GPU: the KV cache, and the weights too: moved to host memory
-        (level 1, `keep_weights`), or dropped (level 2) when a new version is loaded before the
-        engine runs again (`wake_weights`, then the load, then `wake_up`), which saves copying
-        the whole model out and back. Requests in flight are aborted (there should be none:
-        the loop sleeps the engine once its batch is done). An engine running a LoRA adapter
-        keeps its weights: a version replaces the adapter alone, never the base model."""
+    async def sleep(self, keep_weights: bool = True) -> bool:
+        """Stop generating and, with sleep mode (GPU), free the engine's GPU memory for a
+        colocated trainer: the KV cache, and the weights: moved to host memory (level 1,
+        `keep_weights`), or dropped (level 2; returns True) when a new version is loaded before
+        it runs again (`wake_weights`, the load, `wake_up`), saving the copy out and back.
+        Requests in flight are aborted (the loop sleeps it once its batch is done: none). An
+        engine running a LoRA adapter keeps its weights: a version replaces the adapter alone."""
+        drop = self.sleep_mode and not keep_weights and self.adapter_config is None
         if self.sleep_mode:
-            drop = not keep_weights and self.adapter_config is None
             await self.llm.sleep(level=2 if drop else 1, mode="abort")
         else:
             await self.pause("keep")
+        return drop
 
     async def wake_weights(self) -> None:
         """While asleep: give the weights their GPU memory back (and their contents, after

@@ -97,6 +97,9 @@ class Generator:
         self._tokens_asleep = 0
         self.update_pauses: list[tuple[str, int, float]] = []
         """(mode, version, seconds generation was held) for each update."""
+        self.weights_id: str | None = None
+        """The trainer's name of the weights loaded (TrainerActor.weights_id); None: not known."""
+        self._relabels = 0
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, version: int = 0) -> float:
@@ -210,7 +213,8 @@ class Generator:
         async with self._update_lock:
             self._asleep = True
             self._open.clear()
-            await self.engine.sleep(keep_weights)
+            if await self.engine.sleep(keep_weights):  # dropped (GPU): a relabel would wake on nothing
+                self.weights_id = None
             self._sleeps += 1
             self._asleep_from = self.engine.tokens_generated
 
@@ -237,16 +241,33 @@ class Generator:
         await self.engine.resume()
 
     # ---- weights --------------------------------------------------------------------------
-    async def update_weights(self, version: int, tensors: dict[str, torch.Tensor] | ReceivedInEngine | GpuSlot, mode: str | None = None) -> float:
+    async def relabel(self, version: int, weights_id: str) -> bool:
+        """Run on under `version` without loading anything, where `weights_id` names the weights
+        loaded already (a trainer's step off its trainer.pace keeps them); False where it does
+        not, or where this engine is past `version`: then a load is needed."""
+        async with self._update_lock:
+            if weights_id != self.weights_id or self.version > version:
+                return False
+            await self.engine.set_version(version)
+            self._relabels += 1
+        async with self._changed:
+            self._changed.notify_all()
+        return True
+
+    async def update_weights(
+        self, version: int, tensors: dict[str, torch.Tensor] | ReceivedInEngine | GpuSlot, mode: str | None = None, weights_id: str | None = None
+    ) -> float:
         """Apply `version`'s tensors (full HF-named weights, or with LoRA the PEFT-named
         adapter; ReceivedInEngine: already received by the engine's workers; GpuSlot: the
-        trainer's GPU slot, through CUDA IPC); returns seconds generation was held."""
+        trainer's GPU slot, through CUDA IPC), which the trainer names `weights_id`; returns
+        seconds generation was held."""
         mode = mode or self.gen.update_mode
         if mode not in UPDATE_MODES:
             raise ValueError(f"update mode must be one of {UPDATE_MODES}, got {mode!r}")
         timeout = self.config.weight_sync.timeout_s
         async with self._update_lock:
             self._open.clear()  # no new requests (or resumed prefixes) until the new version
+            self.weights_id = None  # until the load is done
             t0 = time.monotonic()
             try:
                 if self._asleep:
@@ -270,6 +291,7 @@ class Generator:
                 else:
                     await self.engine.load_tensors(tensors, timeout)
                 await self.engine.set_version(version)
+                self.weights_id = weights_id
             finally:
                 if self._asleep:
                     pass  # asleep (paused, on GPU its KV cache freed) until `wake`
@@ -302,4 +324,5 @@ class Generator:
             "sleeps": self._sleeps,
             "tokens_while_asleep": self._tokens_asleep,
             "updates": [{"mode": m, "version": v, "held_s": h} for m, v, h in self.update_pauses],
+            "relabels": self._relabels,
         }

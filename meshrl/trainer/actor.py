@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import time
 
 import torch
@@ -43,6 +44,10 @@ class TrainerActor(Actor):
         self._objects = None  # the gloo group Python objects are broadcast over on GPUs (None: the default group)
         self.snapshots: Snapshots | None = None  # trainer.snapshot_every > 0: what a healed trainer restores
         self.durable = 0  # the newest version a healed trainer can restore (version 0: the seeded start)
+        self.weights_id = secrets.token_hex(8)
+        """Names the weights held now; a new one whenever they change (an update, a load). A version
+        whose weights keep the last one's id (a step off trainer.pace) needs no load in an engine
+        that holds them: it is relabelled (GeneratorActor.sync_weights)."""
 
     @endpoint
     async def setup(self, config_dict: dict) -> dict:
@@ -146,6 +151,8 @@ class TrainerActor(Actor):
         wait_s = time.perf_counter() - t0
         settled = self._settle_snapshot()  # the last step's, written while this batch was awaited
         out = trainer.train_step(batch, trainer.step)
+        if out["updated"]:
+            self.weights_id = secrets.token_hex(8)
         snapshot = self.snapshots is not None and self.snapshots.due(trainer.step)
         if snapshot:  # on GPUs staged to host memory here; written while the version is published and the next batch awaited
             self.snapshots.start(trainer.step, trainer.model, trainer.optimizer, trainer.scheduler)
@@ -165,6 +172,7 @@ class TrainerActor(Actor):
                 "version": out["version"],
                 "trainer/wait_s": wait_s,
                 "trained_groups": groups if trainer.rank == 0 else [],
+                "weights_id": self.weights_id,
                 "sync/publish_s": publish_s,
                 "sync/stage_copy_s": copy_s,
             }
@@ -249,6 +257,7 @@ class TrainerActor(Actor):
     async def load_checkpoint(self, path: str) -> int:
         self._settle_snapshot()
         self.durable = self._need().load_checkpoint(path)
+        self.weights_id = secrets.token_hex(8)
         return self.durable
 
     @endpoint
