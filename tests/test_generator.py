@@ -471,6 +471,43 @@ def test_a_version_with_the_weights_held_is_relabelled_not_loaded(monkeypatch):
     asyncio.run(main())
 
 
+def test_a_loaded_version_takes_its_weights_name_only_when_surely_its_bytes(monkeypatch):
+    """GeneratorActor._sync names the weights it loads only when they are the version asked
+    for, just transferred: not a newer version, not the subscriber's held tensors (after a
+    heal those can be a dead trainer's), not a file (a dead trainer's or an earlier run's may
+    be left in the directory). Unnamed weights are loaded again at the next version."""
+    from types import SimpleNamespace
+
+    import meshrl.generator.service as service
+    from meshrl.generator.actor import GeneratorActor
+
+    monkeypatch.setattr(service, "VLLMEngine", FakeEngine)
+
+    class Subscriber:  # Subscriber.fetch's contract: version or newer; held tensors without a transfer
+        spec, version, newest = SimpleNamespace(transport="shm"), -1, 0
+
+        async def fetch(self, version: int):
+            self.version = self.version if version <= self.version else max(version, self.newest)
+            return self.version, {}
+
+        async def loaded(self) -> None:
+            pass
+
+    async def main():
+        actor = object.__new__(GeneratorActor)
+        actor.generator = service.Generator(Config.from_dict({"generator": {"max_new_tokens": 2}}), "unused")
+        await actor.generator.start(0)
+        actor.subscriber, named = Subscriber(), []
+        for transport, newest, version in (("shm", 5, 4), ("shm", 5, 5), ("shm", 6, 6), ("files", 7, 7), ("collective", 8, 8)):
+            actor.subscriber.spec.transport, actor.subscriber.newest = transport, newest
+            await actor._sync(version, 0.0, f"w{version}")
+            named.append((actor.generator.version, actor.generator.weights_id))
+        # 4 asked, 5 came; 5 held already; 6 transferred; 7 from a file; 8 received in the engine
+        assert named == [(5, None), (5, None), (6, "w6"), (7, None), (8, "w8")], named
+
+    asyncio.run(main())
+
+
 # ---- a real engine on a proc mesh -----------------------------------------------------------------
 @pytest.mark.slow
 def test_cpu_engine_runs_the_model_in_its_engine_core_process(world):

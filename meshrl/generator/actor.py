@@ -170,10 +170,15 @@ class GeneratorActor(Actor):
         return await self._sync(version, t0, weights_id)
 
     async def _sync(self, version: int, t0: float, weights_id: str | None) -> dict:
+        # The name goes with the bytes only where they are surely the ones it names: `version`
+        # itself (not a newer one), just transferred from the trainer connected now (not what
+        # the subscriber held: after a heal, a dead trainer's), and not read from files (a dead
+        # trainer's, or an earlier run's, may be left in the directory).
+        fresh = self.subscriber.version < version and getattr(self.subscriber.spec, "transport", None) != "files"
         got, tensors = await self.subscriber.fetch(version=version)
         fetch_s = time.monotonic() - t0
-        try:  # a newer version than asked for has weights of another name
-            held_s = await self._gen().update_weights(got, tensors, weights_id=weights_id if got == version else None)
+        try:
+            held_s = await self._gen().update_weights(got, tensors, weights_id=weights_id if fresh and got == version else None)
         finally:
             await self.subscriber.loaded()  # shm: the trainer's slot is free again
         return {"version": got, "fetch_s": fetch_s, "held_s": held_s}

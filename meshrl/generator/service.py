@@ -213,8 +213,12 @@ class Generator:
         async with self._update_lock:
             self._asleep = True
             self._open.clear()
-            if await self.engine.sleep(keep_weights):  # dropped (GPU): a relabel would wake on nothing
-                self.weights_id = None
+            try:
+                if await self.engine.sleep(keep_weights):  # dropped (GPU): a relabel would wake on nothing
+                    self.weights_id = None
+            except BaseException:
+                self.weights_id = None if not keep_weights else self.weights_id  # perhaps dropped
+                raise
             self._sleeps += 1
             self._asleep_from = self.engine.tokens_generated
 

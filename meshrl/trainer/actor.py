@@ -238,7 +238,10 @@ class TrainerActor(Actor):
     @endpoint
     async def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict:
         """One step on a batch the controller sends (benchmarks; the RL loop uses `train_from_queue`)."""
-        return self._need().train_step(batch, current_version)
+        out = self._need().train_step(batch, current_version)
+        if out["updated"]:
+            self.weights_id = secrets.token_hex(8)
+        return out
 
     @endpoint
     async def export_hf(self, path: str, base_dir: str | None = None) -> str:
