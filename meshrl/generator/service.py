@@ -217,7 +217,8 @@ class Generator:
                 if await self.engine.sleep(keep_weights):  # dropped (GPU): a relabel would wake on nothing
                     self.weights_id = None
             except BaseException:
-                self.weights_id = None if not keep_weights else self.weights_id  # perhaps dropped
+                if not keep_weights:  # perhaps dropped before it failed
+                    self.weights_id = None
                 raise
             self._sleeps += 1
             self._asleep_from = self.engine.tokens_generated
