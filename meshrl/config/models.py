@@ -87,9 +87,9 @@ class PaceConfig:
     version moves on with the run's; on a step off its pace it computes its loss and metrics
     without gradients (`trainer/updated` 0) and keeps its weights and optimizer state, so
     its generators go on sampling the weights of its last update under the new version
-    number (relabelled to it where they hold those weights, nothing loaded). Step s (1, 2, ...: the version it makes) updates when
-    (s - 1 - offset) mod every < steps. Models beside the policy train at paces of their own
-    (docs/coevolve.md "Models at different paces")."""
+    number (relabelled to it where they hold those weights, nothing loaded). Step s (1, 2,
+    ...: the version it makes) updates when (s - 1 - offset) mod every < steps. Models beside
+    the policy train at paces of their own (docs/coevolve.md "Models at different paces")."""
 
     every: int = 1
     """The period, in steps. 1: every step updates."""

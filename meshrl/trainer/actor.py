@@ -150,9 +150,7 @@ class TrainerActor(Actor):
             raise RuntimeError("rank 0's call to the critic failed: this step is not trained")
         wait_s = time.perf_counter() - t0
         settled = self._settle_snapshot()  # the last step's, written while this batch was awaited
-        out = trainer.train_step(batch, trainer.step)
-        if out["updated"]:
-            self.weights_id = secrets.token_hex(8)
+        out = self._train_step(batch, trainer.step)
         snapshot = self.snapshots is not None and self.snapshots.due(trainer.step)
         if snapshot:  # on GPUs staged to host memory here; written while the version is published and the next batch awaited
             self.snapshots.start(trainer.step, trainer.model, trainer.optimizer, trainer.scheduler)
@@ -238,6 +236,10 @@ class TrainerActor(Actor):
     @endpoint
     async def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict:
         """One step on a batch the controller sends (benchmarks; the RL loop uses `train_from_queue`)."""
+        return self._train_step(batch, current_version)
+
+    def _train_step(self, batch: TensorDict, current_version: int | None) -> dict:
+        """PolicyTrainer.train_step, with the weights renamed where it updated them."""
         out = self._need().train_step(batch, current_version)
         if out["updated"]:
             self.weights_id = secrets.token_hex(8)
