@@ -13,8 +13,10 @@ suite's learning tests run, so that the arms differ in the advantage alone:
 Per run: the trained batch's mean reward at each step, the first step reaching `--reach`,
 the mean over all steps (area under the curve per sample), and for PPO the critic's
 explained variance on batches it had not trained on yet (mean over the steps before the
-rewards saturate, where it is defined) and its version lag. Each run's wall clock is stored,
-not compared.
+rewards saturate, where it is defined), its version lag, and each run's mean step time after
+its first three steps. Synchronous runs' wall clocks and step times are stored, not compared:
+`--async` runs the arms as the config ships instead, for what the critic costs in step time
+(`--critic-epochs N` sets its optimizer steps per batch).
 
     python benchmarks/ppo.py [--steps 24] [--seeds 0 1 2]
 
@@ -52,7 +54,9 @@ from benchmarks.async_vs_sync import machine  # noqa: E402
 SYNC = {"buffer.depth": 0, "buffer.max_lag": 0, "generator.update_mode": "block"}
 
 
-def run_arm(arm: str, steps: int, seed: int, run_dir: str, task: str | None = None, policy_lr: float | None = None) -> dict:
+def run_arm(
+    arm: str, steps: int, seed: int, run_dir: str, task: str | None = None, policy_lr: float | None = None, critic_epochs: int | None = None, sync: bool = True
+) -> dict:
     import meshrl
     from meshrl.config.loading import apply_overrides
 
@@ -62,7 +66,9 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str, task: str | None = No
         cfg["trainer"]["loss"]["advantage"] = "grpo"
     if arm == "ppo-v0":  # the critic never moves from its zero head: V = 0, the advantages are the whitened returns
         cfg["critic"]["lr"] = 1e-12
-    over = {**SYNC, "steps": steps, "seed": seed, "logging.run_dir": run_dir}
+    if critic_epochs is not None and "critic" in cfg:
+        cfg["critic"]["epochs"] = critic_epochs
+    over = {**(SYNC if sync else {}), "steps": steps, "seed": seed, "logging.run_dir": run_dir}
     if task is not None:  # another built-in task than the config's (the default one)
         over["data.source"] = f"task:{task}"
     if policy_lr is not None:  # a policy that learns slower (or faster) than the config's
@@ -72,11 +78,13 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str, task: str | None = No
     rows = [r for r in meshrl.run(apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])).metrics if "trainer/reward_mean" in r]
     reward = [r["trainer/reward_mean"] for r in rows]
     out = {"arm": arm, "seed": seed, "wall_s": time.time() - start, "reward": reward}
+    out["step_s"] = statistics.fmean(r["time/step_s"] for r in rows[3:])  # start-up's first steps left out
     if arm.startswith("ppo"):
         unsaturated = [r for r in rows if r["trainer/reward_mean"] < 0.95]
         out["explained_variance"] = [r.get("critic/explained_variance") for r in rows]
         out["ev_mean_unsaturated"] = statistics.fmean(r["critic/explained_variance"] for r in unsaturated[1:]) if len(unsaturated) > 1 else None
         out["version_lag_max"] = max(r.get("critic/version_lag", 0) for r in rows)
+        out["critic_step_s"] = statistics.fmean(r["critic/step_time_s"] for r in rows[3:] if "critic/step_time_s" in r)
     return out
 
 
@@ -151,6 +159,8 @@ def main() -> None:
     p.add_argument("--arms", nargs="+", default=["ppo", "grpo"], help="ppo, grpo, ppo-v0 (a critic that never learns)")
     p.add_argument("--task", default=None, help="a built-in task for both arms instead of the default (e.g. digits_sparse)")
     p.add_argument("--policy-lr", type=float, default=None, help="the policy's trainer.lr for every arm (default: the config's)")
+    p.add_argument("--critic-epochs", type=int, default=None, help="the critic's optimizer steps per batch (default: the config's)")
+    p.add_argument("--async", dest="asynchronous", action="store_true", help="run as the config ships (asynchronous): for step times, not curves")
     p.add_argument("--ceiling", action="store_true", help="what a value model can explain on this task (module docstring)")
     p.add_argument("--p", type=float, default=None, help="--ceiling: every batch at this digit probability (a policy that does not move)")
     a = p.parse_args()
@@ -171,7 +181,7 @@ def main() -> None:
     runs = []
     for seed in a.seeds:
         for arm in a.arms:  # interleaved: a change in the machine's load hits both alike
-            r = run_arm(arm, a.steps, seed, os.path.join(a.run_dir, f"{arm}-{seed}"), a.task, a.policy_lr)
+            r = run_arm(arm, a.steps, seed, os.path.join(a.run_dir, f"{arm}-{seed}"), a.task, a.policy_lr, a.critic_epochs, not a.asynchronous)
             r["step_reaching"] = reach(r["reward"], a.reach)
             r["mean_reward"] = statistics.fmean(r["reward"])
             runs.append(r)
@@ -179,7 +189,20 @@ def main() -> None:
             print(json.dumps(shown), "reward", " ".join(f"{x:.2f}" for x in r["reward"]), flush=True)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"machine": machine(), "task": a.task or "digits", "policy_lr": a.policy_lr, "steps": a.steps, "reach": a.reach, "runs": runs}, f, indent=1)
+        json.dump(
+            {
+                "machine": machine(),
+                "task": a.task or "digits",
+                "policy_lr": a.policy_lr,
+                "critic_epochs": a.critic_epochs,
+                "asynchronous": a.asynchronous,
+                "steps": a.steps,
+                "reach": a.reach,
+                "runs": runs,
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":
