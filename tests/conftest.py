@@ -675,20 +675,12 @@ def two_hosts():
         hosts.stop()
 
 
-def build_digit_teacher(path: str | os.PathLike, seed: int = 0) -> str:
-    """A distillation teacher for the default model's shapes and the character tokenizer: a
-    random Qwen3 whose every next-token distribution leans to the digits (hidden dim 0
-    of every embedding is a positive constant that the digits' lm_head rows read strongly),
-    saved as a Hugging Face checkpoint."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def tiny_qwen3_config(eos_token_id: int = 2):
+    """The default model's shapes as a Hugging Face Qwen3Config (vocab 128, hidden 64, 2
+    layers, head_dim 32: the smallest head the vLLM CPU attention kernels accept)."""
+    from transformers import Qwen3Config
 
-    from meshrl.tokenizer import build_char_tokenizer, load_tokenizer
-
-    tok = load_tokenizer(build_char_tokenizer(os.path.join(str(path), "tokenizer")))
-    digits = tok.convert_tokens_to_ids(list(string.digits))
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
+    return Qwen3Config(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
@@ -698,11 +690,26 @@ def build_digit_teacher(path: str | os.PathLike, seed: int = 0) -> str:
         head_dim=32,
         max_position_embeddings=256,
         bos_token_id=1,
-        eos_token_id=2,
+        eos_token_id=eos_token_id,
         pad_token_id=0,
         tie_word_embeddings=False,
     )
-    model = Qwen3ForCausalLM(cfg).eval()
+
+
+def build_digit_teacher(path: str | os.PathLike, seed: int = 0) -> str:
+    """A distillation teacher for the default model's shapes and the character tokenizer: a
+    random Qwen3 whose every next-token distribution leans to the digits (hidden dim 0
+    of every embedding is a positive constant that the digits' lm_head rows read strongly),
+    saved as a Hugging Face checkpoint."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from meshrl.tokenizer import build_char_tokenizer, load_tokenizer
+
+    tok = load_tokenizer(build_char_tokenizer(os.path.join(str(path), "tokenizer")))
+    digits = tok.convert_tokens_to_ids(list(string.digits))
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(tiny_qwen3_config()).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 0.5
         model.lm_head.weight[digits, 0] = 0.6  # about 80% of each next token's mass on the digits

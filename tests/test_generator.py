@@ -36,28 +36,15 @@ FLOWING = 400
 
 
 def tiny_qwen3(seed: int):
-    """A random Qwen3 (vocab 128, hidden 64, 2 layers, head_dim 32: the smallest head the
-    vLLM CPU attention kernels accept). Hidden dim 0 of every embedding is a positive
+    """A random Qwen3 of the default model's shapes (tests/conftest.py). Hidden dim 0 of every embedding is a positive
     constant and lm_head row EOS is strongly negative on it, so EOS is never sampled;
     lm_head is scaled up so the distribution is peaked (greedy has clear winners)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
+
+    from tests.conftest import tiny_qwen3_config
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    model = Qwen3ForCausalLM(cfg).eval()
+    model = Qwen3ForCausalLM(tiny_qwen3_config(EOS)).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 0.2
         model.lm_head.weight.mul_(10.0)
