@@ -22,6 +22,15 @@ async def awaited(future):
     return await future
 
 
+async def bounded(future, timeout_s: float, what: str):
+    """Await a Monarch future (or a coroutine) for at most `timeout_s`: its answer, its own
+    failure, or a TimeoutError that says which call (`what`) did not answer."""
+    try:
+        return await asyncio.wait_for(awaited(future), timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"{what} did not answer within {timeout_s:g}s") from None
+
+
 def by_rank(values) -> list:
     """The answers of a Monarch ValueMesh (what `endpoint.call` returns) in rank order.
 

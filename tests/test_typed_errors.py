@@ -232,6 +232,26 @@ def test_the_queues_error_types_survive_two_actor_hops():
     asyncio.run(main())
 
 
+def test_a_bounded_call_to_the_queue_answers_or_names_the_call_that_did_not():
+    """The loop's start and a resume wait on the queue through `bounded`: its answer comes
+    back; a call the queue keeps waiting in (a sample with no rollouts) ends at the bound, in
+    a TimeoutError that says which call."""
+    from meshrl.futures import bounded
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        try:
+            cfg = Config.from_dict({"batch_groups": 1, "buffer": {"dynamic_sampling": False}}).to_dict()
+            queue = procs.spawn("queue", EpisodeQueueActor, cfg)
+            assert isinstance(await bounded(queue.metrics.call_one(), 60, "the episode queue"), dict)
+            with pytest.raises(TimeoutError, match=r"^the episode queue, sampling did not answer within 0.5s$"):
+                await bounded(queue.sample.call_one(1, 0, 5.0), 0.5, "the episode queue, sampling")
+        finally:
+            await procs.stop()
+
+    asyncio.run(main())
+
+
 def test_a_spawn_that_fails_is_reported_by_its_own_error_not_its_stops():
     """A member's setup fails and stopping its procs fails too (a proc that never came up
     answers nothing): the setup's error is the one raised, and the procs were stopped."""

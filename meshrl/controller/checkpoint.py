@@ -18,7 +18,7 @@ import torch
 
 from meshrl.config import Config
 from meshrl.errors import first_line
-from meshrl.futures import awaited
+from meshrl.futures import awaited, bounded
 from meshrl.trainer.checkpoint import checkpoint_step, write_atomic
 
 log = logging.getLogger("meshrl")
@@ -84,7 +84,7 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None) -> tupl
                 "resume it with its own advantage, or start a new run"
             )
         await critic.load_checkpoint(state["critic_dir"])
-    await awaited(queue.load_state_dict.call_one(state["queue"]))
+    await bounded(queue.load_state_dict.call_one(state["queue"]), trainer.timeout_s, "the episode queue, loading its checkpointed state")
     history = state["history"]
     if watch is not None:
         saved = {int(name[5:11]) for name in os.listdir(root) if name.startswith("step_") and name.endswith(CHECKPOINT_FILE)}

@@ -33,7 +33,7 @@ from meshrl.controller.members import all_ended, in_order
 from meshrl.controller.partners import TrainedModel, served_pools
 from meshrl.controller.replicas import GeneratorPool, MeshFailureLog, ScorerPool, WorkerPool
 from meshrl.errors import TrainerFailed, UserCodeFailed, find, first_line, one_line
-from meshrl.futures import settled
+from meshrl.futures import bounded, settled
 from meshrl.launch.allocation import LOST_HOST_STOP_S, allocate
 from meshrl.launch.devices import weights_on_gpu
 from meshrl.metrics import MetricsWriter
@@ -131,7 +131,7 @@ class RLLoop:
             c, c.trainer.collective_timeout_s, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan
         )
         await self.trainer.publisher_handle()  # creates the publisher before its first step
-        await self.queue.metrics.call_one()  # its proc started beside the trainer's
+        await bounded(self.queue.metrics.call_one(), c.trainer.collective_timeout_s, "the episode queue (its proc starting, its data loading)")
         await self.healer.watch()  # the trainer's procs, to tell a dead one (controller/heal.py)
         if c.trainer.loss.advantage == "gae":  # PPO's critic: critic.procs on the trainer's first host (its cores, or GPUs of their own)
             self.critic = await spawn_critic(c, self.alloc.host("trainer", 0), self.alloc.bootstrap("critic", list(range(c.critic.procs))))
