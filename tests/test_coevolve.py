@@ -182,6 +182,16 @@ def test_trained_models_config_view_and_refusals():
     Config.from_dict({"models": [{"name": "a"}], "trainer": {"loss": {"advantage": "gae"}}})
     Config.from_dict({"models": [{"name": "a", "trainer": {"loss": {"advantage": "rloo"}}}], "trainer": {"loss": {"advantage": "gae"}}})
     Config.from_dict({"models": [{"name": "a", "trainer": {"loss": {"advantage": "gae"}}}]})
+    # the critic section's settings, for whichever models train by gae, beside models that do not
+    mixed = Config.from_dict(
+        {"models": [{"name": "a", "trainer": {"loss": {"advantage": "grpo"}}}], "trainer": {"loss": {"advantage": "gae"}}, "critic": {"lr": 1e-4}}
+    )
+    assert mixed.critic.lr == 1e-4
+    mixed = Config.from_dict({"models": [{"name": "a", "trainer": {"loss": {"advantage": "gae"}}}], "critic": {"epochs": 2}})
+    assert mixed.for_model("a").critic.epochs == 2
+    with pytest.raises(ConfigError) as e:  # read by no model
+        Config.from_dict({"models": [{"name": "a"}], "critic": {"epochs": 2}})
+    assert e.value.field_path == "critic"
     Config.from_dict({"models": [{"name": "a"}], "placement": "colocate"})  # the models take turns on the same devices
     Config.from_dict({"models": [{"name": "a"}], "scoring": {"scorers": [{"kind": "prm"}]}})  # the policy's PRM in a game
     # the policy's teacher and process rewards are the policy's: a model beside it may train by gae, or the policy by gae beside them

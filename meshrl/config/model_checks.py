@@ -234,8 +234,9 @@ def _check_distill(c: Config) -> None:
 def _check_critic(c: Config) -> None:
     """PPO's critic (trainer.loss.advantage=gae): its ranges, and what it cannot run beside."""
     critic = c.critic
-    if c.trainer.loss.advantage != "gae":
-        need(critic == type(critic)(), "critic", "only PPO's critic reads this section: set trainer.loss.advantage=gae, or drop it")
+    if c.trainer.loss.advantage != "gae":  # read by a model beside the policy that trains by gae, or by none
+        trained = [mode for i, mode in enumerate(c.advantage_modes()) if i not in c.frozen_models()]
+        need(critic == type(critic)() or "gae" in trained, "critic", "only PPO's critic reads this section: set trainer.loss.advantage=gae, or drop it")
         return
     need(critic.path is None or critic.init == "policy", "critic.init", "critic.path already says where the critic starts: drop init=scratch, or the path")
     need(critic.procs >= 1, "critic.procs", f"must be at least 1, got {critic.procs}")

@@ -439,6 +439,8 @@ class Config:
         data["logging"]["run_dir"] = os.path.join(self.logging.run_dir, "models", name)
         if spec.frozen:  # it serves its checkpoint whole: no adapters of its own
             data["lora"] = {**data["lora"], "rank": 0}
+        if data["trainer"]["loss"]["advantage"] != "gae":  # no critic of its own: the section is another model's
+            data.pop("critic")
         data["models"] = []
         data.pop("scoring")
         data.pop("distill")
