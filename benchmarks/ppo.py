@@ -78,13 +78,13 @@ def run_arm(
     rows = [r for r in meshrl.run(apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])).metrics if "trainer/reward_mean" in r]
     reward = [r["trainer/reward_mean"] for r in rows]
     out = {"arm": arm, "seed": seed, "wall_s": time.time() - start, "reward": reward}
-    out["step_s"] = statistics.fmean(r["time/step_s"] for r in rows[3:])  # start-up's first steps left out
+    out["step_s"] = statistics.fmean(r["time/step_s"] for r in rows[3:] or rows)  # start-up's first steps left out
     if arm.startswith("ppo"):
         unsaturated = [r for r in rows if r["trainer/reward_mean"] < 0.95]
         out["explained_variance"] = [r.get("critic/explained_variance") for r in rows]
         out["ev_mean_unsaturated"] = statistics.fmean(r["critic/explained_variance"] for r in unsaturated[1:]) if len(unsaturated) > 1 else None
         out["version_lag_max"] = max(r.get("critic/version_lag", 0) for r in rows)
-        out["critic_step_s"] = statistics.fmean(r["critic/step_time_s"] for r in rows[3:] if "critic/step_time_s" in r)
+        out["critic_step_s"] = statistics.fmean(r["critic/step_time_s"] for r in rows[3:] or rows if "critic/step_time_s" in r)
     return out
 
 

@@ -26,8 +26,11 @@ async def bounded(future, timeout_s: float, what: str):
     """Await a Monarch future (or a coroutine) for at most `timeout_s`: its answer, its own
     failure, or a TimeoutError that says which call (`what`) did not answer."""
     try:
-        return await asyncio.wait_for(awaited(future), timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_s) as bound:
+            return await awaited(future)
+    except TimeoutError:
+        if not bound.expired():  # the call's own TimeoutError (the queue's BatchTimeout is one): its own
+            raise
         raise TimeoutError(f"{what} did not answer within {timeout_s:g}s") from None
 
 

@@ -159,6 +159,8 @@ def test_trained_models_config_view_and_refusals():
         "models[0].generator.group_size": {"models": [{"name": "a", "generator": {"group_size": 2}}]},
         # critic.path is the policy's critic: a model's own critic starts from that model's weights
         "critic.path": {"models": [{"name": "a"}], "trainer": {"loss": {"advantage": "gae"}}, "critic": {"path": "/a/critic"}},
+        # the critic section's values are its own fields, also where only a model beside the policy reads it
+        "critic.procs": {"models": [{"name": "a", "trainer": {"loss": {"advantage": "gae"}}}], "critic": {"procs": 0}},
         # colocated models take turns on the devices: a model's critic would need its own beside its trainer
         "models[0].trainer.loss.advantage": {"models": [{"name": "a", "trainer": {"loss": {"advantage": "gae"}}}], "placement": "colocate"},
         # a scorer names a trained model of the run; a PRM is the policy's; process rewards not beside a model's critic

@@ -342,13 +342,13 @@ def test_checkpoint_saves_the_critic_beside_the_policy_and_restores_it(tmp_path)
     path, version = asyncio.run(checkpoints.save(str(tmp_path), _Trainer(3), _Queue(), 3, [], critic))
     assert version == 3 and torch.load(path, weights_only=False)["critic_dir"].startswith(str(tmp_path / "checkpoints" / "critic"))
     fresh = _Critic(config)
-    assert asyncio.run(checkpoints.restore(str(tmp_path), _Trainer(0), _Queue(), None, fresh))[0] == 3
+    assert asyncio.run(checkpoints.restore(str(tmp_path), _Trainer(0), _Queue(), None, fresh, timeout_s=60))[0] == 3
     assert fresh.critic.version == 3
     assert torch.equal(fresh.critic.model.lm_head.weight, critic.critic.model.lm_head.weight)
     # a checkpoint written without a critic cannot give one back
     asyncio.run(checkpoints.save(str(tmp_path), _Trainer(4), _Queue(), 4, []))
     with pytest.raises(RuntimeError, match="has no critic"):
-        asyncio.run(checkpoints.restore(str(tmp_path), _Trainer(0), _Queue(), None, _Critic(config)))
+        asyncio.run(checkpoints.restore(str(tmp_path), _Trainer(0), _Queue(), None, _Critic(config), timeout_s=60))
 
 
 def test_critic_snapshots_restore_its_step_and_a_resume_drops_the_later_ones(tmp_path):

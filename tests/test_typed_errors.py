@@ -235,7 +235,8 @@ def test_the_queues_error_types_survive_two_actor_hops():
 def test_a_bounded_call_to_the_queue_answers_or_names_the_call_that_did_not():
     """The loop's start and a resume wait on the queue through `bounded`: its answer comes
     back; a call the queue keeps waiting in (a sample with no rollouts) ends at the bound, in
-    a TimeoutError that says which call."""
+    a TimeoutError that says which call; the call's own failure within the bound is raised as
+    it is."""
     from meshrl.futures import bounded
 
     async def main():
@@ -246,6 +247,12 @@ def test_a_bounded_call_to_the_queue_answers_or_names_the_call_that_did_not():
             assert isinstance(await bounded(queue.metrics.call_one(), 60, "the episode queue"), dict)
             with pytest.raises(TimeoutError, match=r"^the episode queue, sampling did not answer within 0.5s$"):
                 await bounded(queue.sample.call_one(1, 0, 5.0), 0.5, "the episode queue, sampling")
+
+            async def own():  # a call's own TimeoutError within the bound stays its own
+                raise TimeoutError("its own failure")
+
+            with pytest.raises(TimeoutError, match=r"^its own failure$"):
+                await bounded(own(), 30, "the call")
         finally:
             await procs.stop()
 

@@ -237,24 +237,9 @@ def _check_critic(c: Config) -> None:
     if c.trainer.loss.advantage != "gae":  # read by a model beside the policy that trains by gae, or by none
         trained = [mode for i, mode in enumerate(c.advantage_modes()) if i not in c.frozen_models()]
         need(critic == type(critic)() or "gae" in trained, "critic", "only PPO's critic reads this section: set trainer.loss.advantage=gae, or drop it")
+        _check_critic_ranges(c)  # here too, so that a bad value is named critic.X, not under a model's view
         return
-    need(critic.path is None or critic.init == "policy", "critic.init", "critic.path already says where the critic starts: drop init=scratch, or the path")
-    need(critic.procs >= 1, "critic.procs", f"must be at least 1, got {critic.procs}")
-    need(critic.lr > 0, "critic.lr", f"must be positive, got {critic.lr}")
-    need(critic.weight_decay >= 0, "critic.weight_decay", f"must be at least 0, got {critic.weight_decay}")
-    need(critic.warmup_steps >= 0, "critic.warmup_steps", f"must be at least 0, got {critic.warmup_steps}")
-    need(critic.grad_clip >= 0, "critic.grad_clip", f"must be at least 0 (0 disables), got {critic.grad_clip}")
-    need(critic.value_clip is None or critic.value_clip > 0, "critic.value_clip", f"must be positive (or null for no clip), got {critic.value_clip}")
-    need(0 < critic.gamma <= 1, "critic.gamma", f"must be in (0, 1], got {critic.gamma}")
-    need(0 <= critic.lam <= 1, "critic.lam", f"must be in [0, 1], got {critic.lam}")
-    need(
-        0 <= critic.policy_warmup < c.steps,
-        "critic.policy_warmup",
-        f"must be from 0 to steps - 1 ({c.steps - 1}), got {critic.policy_warmup}: the policy would never train on the critic's advantages",
-    )
-    need(critic.epochs >= 1, "critic.epochs", f"must be at least 1, got {critic.epochs}")
-    need(critic.micro_batch_size >= 1, "critic.micro_batch_size", f"must be at least 1, got {critic.micro_batch_size}")
-    need(critic.timeout_s > 0, "critic.timeout_s", f"must be positive, got {critic.timeout_s}")
+    _check_critic_ranges(c)
     waited = c.buffer.get_timeout_s + critic.timeout_s
     need(
         c.trainer.collective_timeout_s > waited,
@@ -290,6 +275,28 @@ def _check_critic(c: Config) -> None:
         "drops groups whose episodes all scored the same, which still carry the critic's signal "
         "(A = return - V is not 0 where V is wrong): set it to false with trainer.loss.advantage=gae",
     )
+
+
+def _check_critic_ranges(c: Config) -> None:
+    """The critic section's own values, wherever a trained model reads it."""
+    critic = c.critic
+    need(critic.path is None or critic.init == "policy", "critic.init", "critic.path already says where the critic starts: drop init=scratch, or the path")
+    need(critic.procs >= 1, "critic.procs", f"must be at least 1, got {critic.procs}")
+    need(critic.lr > 0, "critic.lr", f"must be positive, got {critic.lr}")
+    need(critic.weight_decay >= 0, "critic.weight_decay", f"must be at least 0, got {critic.weight_decay}")
+    need(critic.warmup_steps >= 0, "critic.warmup_steps", f"must be at least 0, got {critic.warmup_steps}")
+    need(critic.grad_clip >= 0, "critic.grad_clip", f"must be at least 0 (0 disables), got {critic.grad_clip}")
+    need(critic.value_clip is None or critic.value_clip > 0, "critic.value_clip", f"must be positive (or null for no clip), got {critic.value_clip}")
+    need(0 < critic.gamma <= 1, "critic.gamma", f"must be in (0, 1], got {critic.gamma}")
+    need(0 <= critic.lam <= 1, "critic.lam", f"must be in [0, 1], got {critic.lam}")
+    need(
+        0 <= critic.policy_warmup < c.steps,
+        "critic.policy_warmup",
+        f"must be from 0 to steps - 1 ({c.steps - 1}), got {critic.policy_warmup}: the policy would never train on the critic's advantages",
+    )
+    need(critic.epochs >= 1, "critic.epochs", f"must be at least 1, got {critic.epochs}")
+    need(critic.micro_batch_size >= 1, "critic.micro_batch_size", f"must be at least 1, got {critic.micro_batch_size}")
+    need(critic.timeout_s > 0, "critic.timeout_s", f"must be positive, got {critic.timeout_s}")
 
 
 def _check_lora(c: Config) -> None:

@@ -64,9 +64,9 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
     return path, version
 
 
-async def restore(run_dir: str, trainer, queue, watch=None, critic=None) -> tuple[int, list[dict]]:
+async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, timeout_s: float) -> tuple[int, list[dict]]:
     """Load the latest checkpoint into the trainer, the critic (a CriticMesh, under PPO with a
-    critic) and the queue: its version and metrics history. `watch` (meshrl/stability.py's
+    critic) and the queue (its load bounded by `timeout_s`): its version and metrics history. `watch` (meshrl/stability.py's
     CliffWatch) picks up where it was, checkpoints included, silently."""
     root = os.path.join(run_dir, "checkpoints")
     latest = os.path.join(root, "latest")
@@ -84,7 +84,7 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None) -> tupl
                 "resume it with its own advantage, or start a new run"
             )
         await critic.load_checkpoint(state["critic_dir"])
-    await bounded(queue.load_state_dict.call_one(state["queue"]), trainer.timeout_s, "the episode queue, loading its checkpointed state")
+    await bounded(queue.load_state_dict.call_one(state["queue"]), timeout_s, "the episode queue, loading its checkpointed state")
     history = state["history"]
     if watch is not None:
         saved = {int(name[5:11]) for name in os.listdir(root) if name.startswith("step_") and name.endswith(CHECKPOINT_FILE)}

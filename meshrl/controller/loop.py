@@ -126,17 +126,15 @@ class RLLoop:
         self.workers = WorkerPool(c, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn)
         self.workers.warm()
 
-        # setup (checkpoint loading), export and DCP calls are bounded like the trainer's collectives
-        self.trainer = await spawn_trainer(
-            c, c.trainer.collective_timeout_s, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan
-        )
+        bound = c.trainer.collective_timeout_s  # the trainer's setup (checkpoint loading), export and DCP calls, the queue's start
+        self.trainer = await spawn_trainer(c, bound, host_mesh=self.alloc.host_mesh("trainer"), hosts=self.alloc.hosts("trainer"), plan=self.alloc.plan)
         await self.trainer.publisher_handle()  # creates the publisher before its first step
-        await bounded(self.queue.metrics.call_one(), c.trainer.collective_timeout_s, "the episode queue (its proc starting, its data loading)")
+        await bounded(self.queue.metrics.call_one(), bound, "the episode queue (its proc starting, its data loading)")
         await self.healer.watch()  # the trainer's procs, to tell a dead one (controller/heal.py)
         if c.trainer.loss.advantage == "gae":  # PPO's critic: critic.procs on the trainer's first host (its cores, or GPUs of their own)
             self.critic = await spawn_critic(c, self.alloc.host("trainer", 0), self.alloc.bootstrap("critic", list(range(c.critic.procs))))
         if self.resume:
-            self.version, self.history = await checkpoints.restore(self.run_dir, self.trainer, self.queue, self.watch, self.critic)
+            self.version, self.history = await checkpoints.restore(self.run_dir, self.trainer, self.queue, self.watch, self.critic, timeout_s=bound)
             self.healer.start_version = self.version
             for run_dir in (self.run_dir, *(c.for_model(m.name).logging.run_dir for m in c.models)):
                 for trained in (run_dir, critic_root(run_dir)):  # the previous run's snapshots past its checkpoint: never restored
