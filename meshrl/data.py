@@ -59,7 +59,13 @@ def check_data(c: Config) -> None:
                 raise ConfigError(
                     "scoring.reward_fn", f"task:{name} is multi-turn and its env gives the reward: unset scoring.reward_fn / reward_model, or set rollout.env"
                 )
-    elif source_kind(d.source) in ("file", "dataset"):
+    if c.models and c.rollout.env is None and not (source_kind(d.source) == "task" and TASKS[d.source.removeprefix("task:")].game):
+        raise ConfigError(
+            "models",
+            f"the models beside the policy speak in a game, and {d.source} is the policy's alone: "
+            "set rollout.env to a game, a game task (task:propose), or no models",
+        )
+    if source_kind(d.source) in ("file", "dataset"):
         if s.reward_fn is None and s.reward_model is None and c.rollout.env is None:
             raise ConfigError(
                 "scoring.reward_fn", f"a file data source ({d.source}) needs a reward: set scoring.reward_fn, scoring.reward_model or rollout.env"

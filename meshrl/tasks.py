@@ -392,6 +392,11 @@ class ProposeSolveGame:
         self.proposer = config.models[0].name if config is not None and config.models else "policy"  # one model: self-play
         self.solver, self.n, self.scores, self.valid = "policy", 4, [], False
 
+    @classmethod
+    def from_config(cls, config) -> "ProposeSolveGame":
+        """As `rollout.env` too (rollout/env.py `env_maker`): the names are the run's."""
+        return cls(config)
+
     def reset(self, sample: dict) -> Ask:
         return Ask(self.proposer, "propose", sample["prompt"], max_new_tokens=1)
 

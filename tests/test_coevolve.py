@@ -70,14 +70,46 @@ class GhostGame(TinyGame):
         return [Ask("policy", "a", "x"), Ask("ghost", "b", "y")]
 
 
+class NamedGame(TinyGame):
+    """A game that takes the run's model names from its config (rollout/env.py `env_maker`)."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(config.model_names())
+
+    def reset(self, sample):
+        return [Ask(name, name, sample["prompt"]) for name in self.names]
+
+    def step(self, replies):
+        return Outcome({name: 1.0 for name in self.names})
+
+
 def test_preflight_probes_a_users_game_against_the_runs_models():
-    from meshrl.rollout.checks import probe_env
+    from meshrl.data import check_data
+    from meshrl.rollout.checks import check_env, probe_env
 
     record = {"prompt": "q:", "answer": ""}
     probe_env(Config.from_dict({"rollout": {"env": "tests.test_coevolve:TinyGame"}}), record)
     with pytest.raises(ConfigError, match="asked model 'ghost': the run trains policy") as e:
         probe_env(Config.from_dict({"rollout": {"env": "tests.test_coevolve:GhostGame"}}), record)
     assert e.value.field_path == "rollout.env" and e.value.kind == "contract error"
+    # made as the workers make it: through from_config, which its constructor alone cannot stand in for
+    named = Config.from_dict({"rollout": {"env": "tests.test_coevolve:NamedGame"}, "models": [{"name": "a"}]})
+    check_env(named)
+    probe_env(named, record)
+    with pytest.raises(ConfigError, match="from_config says") as e:
+        check_env(Config.from_dict({"rollout": {"env": "tests.test_coevolve:NamedGame", "env_args": {"names": ["policy"]}}}))
+    # models beside the policy speak only in a game: the policy's task, or an env that is no game, is refused
+    with pytest.raises(ConfigError, match="speak in a game, and task:digits is the policy's alone") as e:
+        check_data(Config.from_dict({"models": [{"name": "a"}]}))
+    assert e.value.field_path == "models"
+    check_data(Config.from_dict({"models": [{"name": "a"}], "data": {"source": "task:propose"}}))
+    with pytest.raises(ConfigError, match="reset returned an observation, not an Ask: the models beside the policy [(]a[)]") as e:
+        probe_env(Config.from_dict({"rollout": {"env": "meshrl.tasks:GuessEnv"}, "models": [{"name": "a"}]}), record)
+    assert e.value.field_path == "rollout.env"
 
 
 def _thread(model: int, sample_id: int, reward: float, n: int = 2) -> Episode:
@@ -136,6 +168,20 @@ def test_a_failed_game_episode_leaves_the_loss_with_every_thread():
     assert not td["loss_mask"].any() and td["reward"].tolist() == [0.0, 0.0]
 
 
+def test_each_model_speaks_within_its_own_limits_and_a_resume_keeps_the_models_it_was_written_with():
+    from meshrl.agent.game import model_limits
+    from meshrl.controller.checkpoint import check_saved_models
+
+    c = Config.from_dict({"models": [{"name": "a", "generator": {"max_new_tokens": 3}, "model": {"max_seq_len": 64}}, {"name": "b"}]})
+    assert model_limits(c, 0) == (c.model.max_seq_len, c.generator.max_new_tokens)
+    assert model_limits(c, 1) == (64, 3) != model_limits(c, 0)
+    assert model_limits(c, 2) == model_limits(c, 0)  # no overrides: the run's
+    check_saved_models({"a": ("d", None), "b": ("e", None)}, ["b", "a"], "runs/x")
+    for trained in (["a"], ["a", "b", "c"], ["a", "renamed"]):
+        with pytest.raises(RuntimeError, match="checkpoint holds the trained models a, b, and this config trains"):
+            check_saved_models({"a": ("d", None), "b": ("e", None)}, trained, "runs/x")
+
+
 def test_per_model_episode_metrics_keep_the_policys_names():
     windows = [
         {"model": m, "reward": r, "success": 0.0, "failed": 0.0, "response_len": 1.0, "turns": 1.0, "tool_calls": 0.0, "env_tokens": 0.0, "env_s": 0.0}
@@ -173,6 +219,7 @@ def test_trained_models_config_view_and_refusals():
         # evaluation plays the policy alone: a held-out source of its own, not the game
         "eval.source": {"models": [{"name": "a"}], "data": {"source": "task:propose"}, "eval": {"every": 5}},
     }
+    bad["models[0].trainer.checkpoint_every"] = {"models": [{"name": "a", "trainer": {"checkpoint_every": 5}}]}  # one checkpoint, every model
     for field, data in bad.items():
         with pytest.raises(ConfigError) as e:
             Config.from_dict(data)
@@ -242,9 +289,9 @@ def test_a_frozen_model_is_served_never_trained_and_left_out_of_every_loss(tmp_p
     small = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     Qwen3ForCausalLM(small).save_pretrained(str(tmp_path / "small"))
     with pytest.raises(ConfigError) as e:
-        check(Config.from_dict({"models": [{**frozen, "model": {"path": str(tmp_path / "small")}}]}))
+        check(Config.from_dict({"models": [{**frozen, "model": {"path": str(tmp_path / "small")}}], "data": {"source": "task:propose"}}))
     assert e.value.field_path == "models[0].model.path" and "vocabulary (64) is smaller than the policy's (128)" in str(e.value), str(e.value)
-    check(Config.from_dict({"models": [{**frozen, "model": {"path": conftest.build_digit_teacher(tmp_path / "digits")}}]}))
+    check(Config.from_dict({"models": [{**frozen, "model": {"path": conftest.build_digit_teacher(tmp_path / "digits")}}], "data": {"source": "task:propose"}}))
 
     episodes = []
     for i in range(2):

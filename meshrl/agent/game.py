@@ -70,11 +70,12 @@ async def _turn(worker, env, ask: Ask, ep: Episode, threads, speakers, last, ver
         thread.turns.append(Turn("env", renderer.initial_ids(ask.observation)))
     else:
         thread.turns.append(Turn("env", renderer.continuation_ids(last[ask.thread], ask.observation)))
-    room = c.model.max_seq_len - len(thread)
+    max_seq_len, max_new_tokens = model_limits(c, model)
+    room = max_seq_len - len(thread)
     if room <= 0:
         thread.turns.pop()
         return None
-    budget = min(c.generator.max_new_tokens, room, ask.max_new_tokens or room)
+    budget = min(max_new_tokens, room, ask.max_new_tokens or room)
     floor = 0 if model in c.frozen_models() else version  # a frozen model's generators stay at version 0
     out = await worker.model_turns[model].generate(replicas[model], thread.token_ids, budget, floor, temperature)
     thread.turns.append(Turn("model", out.token_ids, out.logprobs, out.versions, finish_reason=out.finish_reason, routed_experts=out.routed_experts))
@@ -82,6 +83,15 @@ async def _turn(worker, env, ask: Ask, ep: Episode, threads, speakers, last, ver
     if out.finish_reason == "abort":
         raise GenerationFailed(f"{ask.model}'s generator replica {replicas[model]} is stopping")
     return Reply(ask.model, ask.thread, worker.tokenizer.decode(out.token_ids, skip_special_tokens=True), list(out.token_ids), out.finish_reason, k)
+
+
+def model_limits(c, model: int) -> tuple[int, int]:
+    """The `model.max_seq_len` and `generator.max_new_tokens` of the model at index `model` of
+    `c.model_names()`: its own overrides (`models[i].model`, `models[i].generator`), else the run's."""
+    if model == 0:
+        return c.model.max_seq_len, c.generator.max_new_tokens
+    spec = c.models[model - 1]
+    return spec.model.get("max_seq_len", c.model.max_seq_len), spec.generator.get("max_new_tokens", c.generator.max_new_tokens)
 
 
 def thread_windows(ep: Episode, names: list[str]) -> list[dict]:

@@ -59,17 +59,12 @@ RETRY_AFTER_S = 1.0
 def env_factory(config: Config, reward_fn=None):
     """() -> a fresh Env per episode: `rollout.env`, else the task's own env, else a
     SingleTurnEnv around the run's reward (passed in code, scoring.*, or the task's)."""
-    from meshrl.imports import import_callable
+    from meshrl.rollout.env import env_maker
     from meshrl.scoring import resolve_reward
     from meshrl.tasks import get_task
 
-    r = config.rollout
-    if r.env:
-        cls = import_callable(r.env)
-        from_config = getattr(cls, "from_config", None)  # envs that read the run's config (the sandbox's)
-        if from_config is not None:
-            return lambda: from_config(config, **r.env_args)
-        return lambda: cls(**r.env_args)
+    if config.rollout.env:
+        return env_maker(config)
     if config.data.source.startswith("task:") and reward_fn is None:
         task = get_task(config.data.source.removeprefix("task:"))
         if task.env is not None:

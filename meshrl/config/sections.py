@@ -114,9 +114,9 @@ class RolloutConfig:
     env: str | None = None
     """Import path `module:Class` of an environment (reset/step, see meshrl/rollout/env.py), one instance per episode. None: the task's own env, or a single-turn env around the reward."""
     env_args: dict = field(default_factory=dict)
-    """Keyword arguments for `env`'s constructor."""
+    """Keyword arguments for `env`'s constructor (or its classmethod `from_config(config, **env_args)`, where it has one)."""
     max_turns: int = 8
-    """Most model turns in one episode; an episode still going then ends with finish_reason `length`."""
+    """Most model turns in one episode; an episode still going then ends with finish_reason `length`. In a game (docs/coevolve.md), this times the number of models, each Ask of a list counting one; a game cut there ends unscored (every thread's reward 0)."""
     env_timeout_s: float = 30.0
     """Longest one env call (reset or step) may take; a timeout or exception fails that episode (reward 0) and the run goes on."""
     tool_parser: str = "hermes"

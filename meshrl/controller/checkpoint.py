@@ -105,6 +105,14 @@ def saved_models(run_dir: str) -> dict[str, tuple[str, str | None]]:
     return {name: (path, critics.get(name)) for name, path in (state.get("models") or {}).items()}
 
 
+def check_saved_models(saved: dict, trained: list[str], run_dir: str) -> None:
+    """A resumed run trains the models its checkpoint holds beside the policy: one added,
+    renamed, no longer frozen or dropped since has no state at the checkpoint's version."""
+    if sorted(saved) != sorted(trained):
+        held, now = ", ".join(sorted(saved)) or "none", ", ".join(trained) or "none"
+        raise RuntimeError(f"{run_dir}'s checkpoint holds the trained models {held}, and this config trains {now}: resume with the models it was written with")
+
+
 def lora_base_dir(run_dir: str) -> str:
     """Where a from-scratch LoRA policy's frozen base weights are exported (its adapters'
     PEFT base): once per run, beside the versions."""

@@ -21,7 +21,18 @@ from typing import Any, Callable
 from meshrl.config import Config, ConfigError
 from meshrl.errors import first_line, source_location, user_location
 from meshrl.imports import check_import, import_callable
-from meshrl.rollout.env import ContractError, ModelTurn, RewardFn, as_observation, as_step_result, call_bounded, call_reward, callable_name, prompt_text
+from meshrl.rollout.env import (
+    ContractError,
+    ModelTurn,
+    RewardFn,
+    as_observation,
+    as_step_result,
+    call_bounded,
+    call_reward,
+    callable_name,
+    env_maker,
+    prompt_text,
+)
 from meshrl.rollout.game import Outcome, Reply, as_asks, as_outcome, is_ask
 
 
@@ -48,10 +59,14 @@ def check_env(c: Config) -> None:
             )
     elif not callable(maker):
         raise ConfigError("rollout.env", f"{path!r} is a {type(maker).__name__}, not an env class or a function returning an env", kind="contract error")
+    from_config = getattr(maker, "from_config", None)  # an env that reads the run's config (rollout/env.py `env_maker`)
     try:
-        inspect.signature(maker).bind(**env_args)
+        if from_config is not None:
+            inspect.signature(from_config).bind(c, **env_args)
+        else:
+            inspect.signature(maker).bind(**env_args)
     except TypeError as e:
-        what = "its constructor" if inspect.isclass(maker) else "it"
+        what = "its from_config" if from_config is not None else "its constructor" if inspect.isclass(maker) else "it"
         raise ConfigError(
             "rollout.env",
             f"{path!r} cannot make an env from rollout.env_args {env_args}: {what} says {e}; "
@@ -124,7 +139,7 @@ def _raised(e: BaseException, what: str) -> str:
 def probe_env(c: Config, record: dict) -> None:
     """Construct the env, reset it on `record`, step it once on an empty model turn, close it."""
     r = c.rollout
-    maker, timeout = import_callable(r.env), r.env_timeout_s
+    make, timeout = env_maker(c), r.env_timeout_s
     source = c.data.source
 
     def fail(message: str) -> ConfigError:
@@ -132,7 +147,7 @@ def probe_env(c: Config, record: dict) -> None:
 
     async def probe() -> None:
         try:
-            env = maker(**r.env_args)
+            env = make()
         except Exception as e:  # noqa: BLE001 - the user's constructor
             raise fail(_raised(e, f"making the env {r.env!r} with rollout.env_args {r.env_args}")) from None
         name = f"env {callable_name(type(env))}"
@@ -151,6 +166,11 @@ def probe_env(c: Config, record: dict) -> None:
                 raise fail(f"{name}: reset of the first record of {source} took longer than rollout.env_timeout_s={timeout:g}s") from None
             except Exception as e:  # noqa: BLE001 - the user's reset
                 raise fail(_raised(e, f"{name}: reset of the first record of {source}")) from None
+            if c.models:  # without a game every row would be the policy's, and the other models would train on them
+                others = ", ".join(m.name for m in c.models)
+                raise fail(
+                    f"{name}: reset returned an observation, not an Ask: the models beside the policy ({others}) speak only in a game (docs/coevolve.md)"
+                )
             try:
                 as_step_result(await call_bounded(env.step, ModelTurn("", [], "stop", 0), timeout=timeout), env)
             except ContractError as e:

@@ -19,7 +19,8 @@ An env may also hold a `max_new_tokens` attribute: the token budget of the next 
 
 A user's env is any class with these two methods (or a function returning such an
 object), named by import path in YAML (`rollout.env: mypkg.envs:MazeEnv`, called with
-`rollout.env_args`); one instance plays one episode. Single-turn tasks and reward
+`rollout.env_args`, or through its classmethod `from_config(config, **env_args)` where it
+has one, to read the run's config); one instance plays one episode. Single-turn tasks and reward
 functions run as a `SingleTurnEnv`.
 
 The contract, checked on every call (`as_observation`, `as_step_result`, `as_reward`):
@@ -189,6 +190,20 @@ def _is_bool(value: Any) -> bool:
         return type(value).__name__ in ("bool", "bool_") or (isinstance(value, numbers.Integral) and value in (0, 1))
     except (TypeError, ValueError):
         return False
+
+
+def env_maker(config) -> Callable[[], Any]:
+    """`rollout.env` as a maker of fresh envs, as the rollout workers and preflight's probe
+    both make them: `from_config(config, **rollout.env_args)` where it has that classmethod,
+    else called with rollout.env_args."""
+    from meshrl.imports import import_callable
+
+    r = config.rollout
+    maker = import_callable(r.env)
+    from_config = getattr(maker, "from_config", None)
+    if from_config is not None:
+        return lambda: from_config(config, **r.env_args)
+    return lambda: maker(**r.env_args)
 
 
 async def call_bounded(fn: Callable, *args: Any, timeout: float) -> Any:
