@@ -68,6 +68,9 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
         raise ConfigError("--resume", f"{run_dir!r} has no checkpoint yet: nothing to resume")
     config = as_config(path, overrides)
     config.logging.run_dir = run_dir
+    from meshrl.controller.checkpoint import check_saved_models, saved_models
+
+    check_saved_models(saved_models(run_dir), [m.name for m in config.models if not m.frozen], run_dir)
     return config
 
 

@@ -341,8 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     collector.fewer_passes()
-    if os.getcwd() not in sys.path:  # a user's import paths (rollout.env, scoring.reward_fn) resolve from where the command runs,
-        sys.path.append(os.getcwd())  # as under `python -m meshrl` and in the procs a run starts; installed packages first
+    if not sys.flags.safe_path and os.getcwd() not in sys.path:  # a user's import paths (rollout.env, scoring.reward_fn)
+        sys.path.append(os.getcwd())  # resolve from where the command runs, after the installed packages (a local run's procs start there too)
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)

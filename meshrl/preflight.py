@@ -74,6 +74,8 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
     plan = plan_devices(c)  # every proc gets GPUs of its own, or one line saying which field to change
     if reward_fn is not None:
         check_reward_signature(reward_fn, "reward_fn")
+        if c.models and c.rollout.env is None:  # it would replace the game task's env (agent/worker.py env_factory)
+            raise ConfigError("models", "the models beside the policy speak only in a game, and a reward_fn passed in code plays the policy alone: pass none")
     _check_run_dir(c)
     if c.launcher.kind == "workers":
         from meshrl.launch.workers import check_address

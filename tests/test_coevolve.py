@@ -107,6 +107,11 @@ def test_preflight_probes_a_users_game_against_the_runs_models():
         check_data(Config.from_dict({"models": [{"name": "a"}]}))
     assert e.value.field_path == "models"
     check_data(Config.from_dict({"models": [{"name": "a"}], "data": {"source": "task:propose"}}))
+    from meshrl.preflight import preflight
+
+    with pytest.raises(ConfigError, match="a reward_fn passed in code plays the policy alone") as e:  # it would replace the game's env
+        preflight(Config.from_dict({"models": [{"name": "a"}], "data": {"source": "task:propose"}}), reward_fn=lambda prompt, response, sample: 0.0)
+    assert e.value.field_path == "models"
     with pytest.raises(ConfigError, match="reset returned an observation, not an Ask: the models beside the policy [(]a[)]") as e:
         probe_env(Config.from_dict({"rollout": {"env": "meshrl.tasks:GuessEnv"}, "models": [{"name": "a"}]}), record)
     assert e.value.field_path == "rollout.env"
@@ -133,7 +138,7 @@ def test_a_games_threads_pack_as_rows_of_their_models_with_advantages_per_model(
     mine = model_rows(td, 1)
     assert mine["model"].tolist() == [1, 1, 1] and mine["reward"].tolist() == [0.0, 1.0, 1.0]
     none = model_rows(td[td["model"] == 0], 1)  # no row of its own: one row, nothing in the loss
-    assert none.batch_size[0] == 1 and not none["loss_mask"].any()
+    assert none.batch_size[0] == 1 and not none["loss_mask"].any() and none["tokens"].shape[1] == 2  # never longer than its own max_seq_len
     single = pack([_thread(0, 0, 1.0)])
     assert "model" not in single.keys() and model_rows(single, 0) is single  # one model: as before
     # each model by its own mode (models[i].trainer.loss.advantage): the policy's grpo, the proposer's rloo
@@ -178,8 +183,9 @@ def test_each_model_speaks_within_its_own_limits_and_a_resume_keeps_the_models_i
     assert model_limits(c, 2) == model_limits(c, 0)  # no overrides: the run's
     check_saved_models({"a": ("d", None), "b": ("e", None)}, ["b", "a"], "runs/x")
     for trained in (["a"], ["a", "b", "c"], ["a", "renamed"]):
-        with pytest.raises(RuntimeError, match="checkpoint holds the trained models a, b, and this config trains"):
+        with pytest.raises(ConfigError, match="checkpoint holds the trained models a, b, and this config trains") as e:
             check_saved_models({"a": ("d", None), "b": ("e", None)}, trained, "runs/x")
+        assert e.value.field_path == "models"
 
 
 def test_per_model_episode_metrics_keep_the_policys_names():

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from meshrl.config import Config
+from meshrl.config import Config, ConfigError
 from meshrl.errors import first_line
 from meshrl.futures import awaited, bounded
 from meshrl.trainer.checkpoint import checkpoint_step, write_atomic
@@ -107,10 +107,12 @@ def saved_models(run_dir: str) -> dict[str, tuple[str, str | None]]:
 
 def check_saved_models(saved: dict, trained: list[str], run_dir: str) -> None:
     """A resumed run trains the models its checkpoint holds beside the policy: one added,
-    renamed, no longer frozen or dropped since has no state at the checkpoint's version."""
+    renamed, no longer frozen or dropped since has no state at the checkpoint's version.
+    Checked as the run's config is read (api.resume_config), before any mesh starts."""
     if sorted(saved) != sorted(trained):
         held, now = ", ".join(sorted(saved)) or "none", ", ".join(trained) or "none"
-        raise RuntimeError(f"{run_dir}'s checkpoint holds the trained models {held}, and this config trains {now}: resume with the models it was written with")
+        why = f"{run_dir}'s checkpoint holds the trained models {held}, and this config trains {now}"
+        raise ConfigError("models", f"{why}: resume with the models it was written with")
 
 
 def lora_base_dir(run_dir: str) -> str:

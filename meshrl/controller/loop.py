@@ -158,8 +158,6 @@ class RLLoop:
         if any(s.kind in ON_PROCS for s in c.scoring.scorers):  # reward models, judges, remote clients: procs of their own
             self.scorers = ScorerPool(c, self.alloc, self._rewire_scorers, self.resume)
         saved = checkpoints.saved_models(self.run_dir) if self.resume else {}
-        if self.resume:
-            checkpoints.check_saved_models(saved, [m.name for m in c.models if not m.frozen], self.run_dir)
         self.partners = [TrainedModel(c, spec.name, self.alloc, self._rewire_partner, self._offload_optimizer) for spec in c.models if not spec.frozen]
         self.served = served_pools(c, self.alloc, self._rewire_partner)
         # The policy's generators, the teacher, the scorers and each trained model start at once, each mostly waiting on its
