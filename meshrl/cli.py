@@ -205,23 +205,27 @@ def summary_line(result, wall_s: float) -> str:
     """Steps, the batches' reward at the first and last step, throughput, results. The
     reward is `buffer/sampled_reward_mean` (the trained batch plus the groups dynamic
     sampling dropped while it filled), else `trainer/reward_mean`: every step trains a batch
-    and has one, while `reward/mean` covers only the episodes that finished during the step."""
+    and has one, while `reward/mean` covers only the episodes that finished during the step.
+    With models beside the policy (a game's batch mixes their rows), each model's own
+    `trainer/reward_mean`."""
     rows = [r for r in result.metrics if "trainer/reward_mean" in r]
     if not rows:
         return f"meshrl: no step trained; results in {result.run_dir}"
     first, last = rows[0], rows[-1]
+    others = [k.removesuffix("/trainer/reward_mean") for k in last if k.endswith("/trainer/reward_mean")]
 
     def reward(row) -> float:
-        return row.get("buffer/sampled_reward_mean", row["trainer/reward_mean"])
+        return row["trainer/reward_mean"] if others else row.get("buffer/sampled_reward_mean", row["trainer/reward_mean"])
 
     samples = sum(r.get("trainer/seqs", 0.0) for r in result.metrics)
     train_s = sum(r.get("time/step_s", 0.0) for r in result.metrics)
     rate = f", {samples / train_s:.1f} samples/s" if train_s > 0 and samples else ""
     alarms = sum(1 for r in result.metrics for k in ("alarm/reward", "alarm/entropy", "alarm/divergence") if k in r)
     warned = f"; {alarms} alarm(s) raised (see above)" if alarms else ""
+    theirs = "".join(f", {name}'s {first.get(f'{name}/trainer/reward_mean', 0.0):.3f} -> {last[f'{name}/trainer/reward_mean']:.3f}" for name in others)
     return (
         f"meshrl: step {int(last['step'])} reached in {wall_s:.0f} s{rate}; reward {reward(first):.3f} "
-        f"(step {int(first['step'])}) -> {reward(last):.3f} (step {int(last['step'])}){warned}; "
+        f"(step {int(first['step'])}) -> {reward(last):.3f} (step {int(last['step'])}){theirs}{warned}; "
         f"results in {result.run_dir} (metrics.jsonl, curves.png, hf/final)"
     )
 

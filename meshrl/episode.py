@@ -100,6 +100,8 @@ class Episode:
     """A game's episode: its threads, each a row of its own (`rows`); empty for an env's."""
     opening: Any = None
     """A game's thread: the observation that opened it (what its model's scorers are sent as the prompt)."""
+    info: dict[str, float] = field(default_factory=dict)
+    """A game's episode: the numbers of its Outcome's `info`, reported as `game/KEY` (meshrl/agent/game.py)."""
 
     @property
     def rows(self) -> list["Episode"]:

@@ -128,3 +128,20 @@ def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console_lis
     # the sampled reward (the trained batch plus any groups dynamic sampling dropped)
     assert summary.group(2) == f"{last_row.get('buffer/sampled_reward_mean', last_row['trainer/reward_mean']):.3f}", (lines[-1], last_row)
     assert "nan" not in lines[-1]
+
+
+def test_the_summary_line_gives_each_models_own_reward_in_a_game():
+    """A game's batch mixes every model's rows: the summary gives the policy's trainer reward
+    and each other model's, not the mixed batch's."""
+    from types import SimpleNamespace
+
+    from meshrl.cli import summary_line
+
+    rows = [
+        {"step": 1, "trainer/reward_mean": 0.01, "teller/trainer/reward_mean": 0.08, "buffer/sampled_reward_mean": 0.04},
+        {"step": 16, "trainer/reward_mean": 0.02, "teller/trainer/reward_mean": 0.62, "buffer/sampled_reward_mean": 0.31},
+    ]
+    line = summary_line(SimpleNamespace(metrics=rows, run_dir="runs/g"), 24.0)
+    assert "reward 0.010 (step 1) -> 0.020 (step 16), teller's 0.080 -> 0.620;" in line, line
+    alone = summary_line(SimpleNamespace(metrics=[{k: v for k, v in r.items() if not k.startswith("teller/")} for r in rows], run_dir="runs/g"), 24.0)
+    assert "reward 0.040 (step 1) -> 0.310 (step 16);" in alone, alone  # one model: the sampled batch's, as before

@@ -189,13 +189,17 @@ def test_each_model_speaks_within_its_own_limits_and_a_resume_keeps_the_models_i
 
 
 def test_per_model_episode_metrics_keep_the_policys_names():
-    windows = [
-        {"model": m, "reward": r, "success": 0.0, "failed": 0.0, "response_len": 1.0, "turns": 1.0, "tool_calls": 0.0, "env_tokens": 0.0, "env_s": 0.0}
-        for m, r in [("policy", 1.0), ("policy", 0.0), ("proposer", 0.25), ("proposer", 0.75)]
-    ]
-    row = summarize(windows)
-    assert row["reward/mean"] == 0.5 and row["episode/count"] == 2
-    assert row["proposer/reward/mean"] == 0.5 and row["proposer/episode/count"] == 2
+    from meshrl.agent.game import thread_windows
+
+    games = []
+    for info, cut in (({"exact": 1.0}, False), ({"exact": 0.0}, True), ({}, False)):  # a game whose Outcome gave no info, too
+        ep = Episode(0, 0, threads=[_thread(0, 0, 1.0), _thread(1, 1, 0.25)], info=info)
+        ep.threads[1].finish_reason = "length" if cut else "stop"
+        games += thread_windows(ep, ["policy", "proposer"])
+    row = summarize(games)
+    assert row["reward/mean"] == 1.0 and row["episode/count"] == 3 and row["episode/truncated"] == 0
+    assert row["proposer/reward/mean"] == 0.25 and row["proposer/episode/count"] == 3 and row["proposer/episode/truncated"] == 1
+    assert row["game/exact"] == 0.5 and not any(k.startswith("proposer/game/") for k in row)  # once per game, over the games that gave it
 
 
 def test_trained_models_config_view_and_refusals():

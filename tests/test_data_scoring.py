@@ -499,7 +499,7 @@ class EchoEnv:
 def test_summarize_per_episode_windows():
     assert summarize([]) == {}
     windows = [
-        {"reward": r, "success": float(r >= 1.0), "failed": f, "response_len": n, "turns": t, "tool_calls": c, "env_tokens": e, "env_s": s}
+        {"reward": r, "success": float(r >= 1.0), "failed": f, "response_len": n, "turns": t, "tool_calls": c, "env_tokens": e, "env_s": s, "truncated": 0.0}
         for r, f, n, t, c, e, s in [(1.0, 0.0, 4.0, 2.0, 1.0, 6.0, 0.5), (0.0, 1.0, 2.0, 1.0, 0.0, 0.0, 0.25), (0.5, 0.0, 6.0, 3.0, 2.0, 9.0, 0.25)]
     ]
     m = summarize(windows, failed_total=7.0)

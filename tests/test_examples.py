@@ -221,6 +221,7 @@ def test_a_game_of_your_own_trains_each_model_on_its_own_turns(tmp_path):
     assert len(rows) == 16 and all(r["trainer/tokens"] > 0 and r["teller/trainer/tokens"] > 0 for r in rows)
     assert all(r["trainer/staleness_max"] <= 2 and r["teller/trainer/staleness_max"] <= 2 for r in rows)  # buffer.max_lag, each model's own
     assert len(rows_with(rows, "reward/mean")) >= 12 and sum(r.get("episode/failed", 0) + r.get("teller/episode/failed", 0) for r in rows) == 0
+    assert len(rows_with(rows, "game/exact")) >= 12 and all(0.0 <= r["game/exact"] <= 1.0 for r in rows_with(rows, "game/exact"))  # Outcome.info
     # Measured over 4 runs (`meshrl run examples/game/small.yaml`, 2 cores, nothing else
     # running): the teller's last 3 steps 0.570-0.627 above its first 3 (0.075-0.083). With
     # the teller's lr 1e-12 (it never moves): -0.006; this assertion fails.

@@ -4,7 +4,8 @@ The teller answers the data set's prompt in a few characters. The listener, in a
 its own, sees only what the teller said (`echo:TOLD:`) and says it back. The teller is
 rewarded for the share of digits it told (a skill of its own, the default task's), the
 listener for the share of the teller's characters it repeated in place. Each thread is a
-training row of the model that speaks in it, scored by the Outcome's reward for it.
+training row of the model that speaks in it, scored by the Outcome's reward for it; the
+share of games echoed exactly is reported as `game/exact`.
 
     rollout:
       env: examples.game.echo:EchoGame   # importable from where `meshrl run` starts
@@ -42,4 +43,4 @@ class EchoGame:
         told, heard = self.told, reply.text
         digits = sum(ch.isdigit() for ch in told) / self.length
         echoed = sum(a == b for a, b in zip(told, heard)) / len(told) if told else 0.0
-        return Outcome({"tell": digits, "echo": echoed})
+        return Outcome({"tell": digits, "echo": echoed}, info={"exact": float(bool(told) and heard[: len(told)] == told)})  # game/exact

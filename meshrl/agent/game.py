@@ -18,6 +18,7 @@ frozen model's generators serve its checkpoint at version 0, and its threads tra
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 from meshrl.episode import Episode, Turn
@@ -45,6 +46,7 @@ async def play_game(worker, env, ask, ep: Episode, version: int, replicas: list[
         ep.env_s += time.monotonic() - t0
         if isinstance(result, Outcome):
             outcome = as_outcome(result, env, speakers)
+            ep.info = {k: float(v) for k, v in outcome.info.items() if isinstance(v, (int, float)) and math.isfinite(v)}  # the rest is not logged
             for name, row in threads.items():
                 row.model_turns[-1].reward = outcome.rewards.get(name, 0.0)
                 row.finish_reason = row.model_turns[-1].finish_reason or "stop"
@@ -110,7 +112,9 @@ def thread_windows(ep: Episode, names: list[str]) -> list[dict]:
                 "tool_calls": 0.0,
                 "env_tokens": float(row.env_tokens),
                 "env_s": ep.env_s if i == 0 else 0.0,
+                "truncated": float(row.finish_reason == "length"),
                 **{f"scoring/{k}": v for k, v in row.signals.items()},
+                **({f"game/{k}": v for k, v in ep.info.items()} if i == 0 else {}),  # once per game
             }
         )
     return out

@@ -356,6 +356,7 @@ class RolloutWorker:
                     "tool_calls": float(ep.tool_calls),
                     "env_tokens": float(ep.env_tokens),
                     "env_s": ep.env_s,
+                    "truncated": float(ep.finish_reason == "length"),
                     **{f"scoring/{k}": v for k, v in ep.signals.items()},
                 }
             )
@@ -413,7 +414,7 @@ class RolloutWorker:
         return first
 
 
-MODEL_METRICS = ("reward/mean", "reward/std", "reward/success_rate", "response/length_mean", "episode/count", "episode/failed")
+MODEL_METRICS = ("reward/mean", "reward/std", "reward/success_rate", "response/length_mean", "episode/count", "episode/failed", "episode/truncated")
 """The episode metrics a game reports for each model beside the policy, as `NAME/...`."""
 
 
@@ -429,6 +430,12 @@ def summarize(windows: list[dict[str, float]], failed_total: float = 0.0, first_
     for name, rows in by_model.items():
         theirs = _summary(rows)
         row.update({f"{name}/{k}": v for k, v in theirs.items() if k in MODEL_METRICS or k.startswith("scoring/")})
+    games: dict[str, list[float]] = {}  # a game's Outcome.info, each number's mean over the games that gave it
+    for w in windows:
+        for key, value in w.items():
+            if key.startswith("game/"):
+                games.setdefault(key, []).append(value)
+    row.update({key: sum(vs) / len(vs) for key, vs in games.items()})
     return row
 
 
@@ -456,6 +463,7 @@ def _summary(windows: list[dict[str, float]], failed_total: float = 0.0, first_f
         "episode/tool_calls_mean": mean("tool_calls"),
         "episode/env_tokens_mean": mean("env_tokens"),
         "episode/failed": sum(w["failed"] for w in windows),
+        "episode/truncated": sum(w["truncated"] for w in windows),  # cut at max_new_tokens, max_turns or max_seq_len
         "episode/failed_total": failed_total,
         "episode/env_s": sum(w["env_s"] for w in windows),
         **scoring_metrics(windows),

@@ -68,7 +68,8 @@ class Reply:
 
 @dataclass
 class Outcome:
-    """The episode is over: each thread's reward."""
+    """The episode is over: each thread's reward, and `info`, whose numbers the run reports as
+    `game/KEY` (each one's mean over the step's games that gave it)."""
 
     rewards: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
