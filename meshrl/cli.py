@@ -222,7 +222,13 @@ def summary_line(result, wall_s: float) -> str:
     rate = f", {samples / train_s:.1f} samples/s" if train_s > 0 and samples else ""
     alarms = sum(1 for r in result.metrics for k in ("alarm/reward", "alarm/entropy", "alarm/divergence") if k in r)
     warned = f"; {alarms} alarm(s) raised (see above)" if alarms else ""
-    theirs = "".join(f", {name}'s {first.get(f'{name}/trainer/reward_mean', 0.0):.3f} -> {last[f'{name}/trainer/reward_mean']:.3f}" for name in others)
+
+    def own(name: str) -> str:  # from the first step that has it
+        key = f"{name}/trainer/reward_mean"
+        since = next(r for r in rows if key in r)
+        return f", {name}'s {since[key]:.3f}" + (f" (step {int(since['step'])})" if since is not first else "") + f" -> {last[key]:.3f}"
+
+    theirs = "".join(own(name) for name in others)
     return (
         f"meshrl: step {int(last['step'])} reached in {wall_s:.0f} s{rate}; reward {reward(first):.3f} "
         f"(step {int(first['step'])}) -> {reward(last):.3f} (step {int(last['step'])}){theirs}{warned}; "

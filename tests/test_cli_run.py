@@ -145,3 +145,5 @@ def test_the_summary_line_gives_each_models_own_reward_in_a_game():
     assert "reward 0.010 (step 1) -> 0.020 (step 16), teller's 0.080 -> 0.620;" in line, line
     alone = summary_line(SimpleNamespace(metrics=[{k: v for k, v in r.items() if not k.startswith("teller/")} for r in rows], run_dir="runs/g"), 24.0)
     assert "reward 0.040 (step 1) -> 0.310 (step 16);" in alone, alone  # one model: the sampled batch's, as before
+    late = [{k: v for k, v in rows[0].items() if not k.startswith("teller/")}, {**rows[1], "step": 2}, {**rows[1], "step": 3}]
+    assert "teller's 0.620 (step 2) -> 0.620;" in summary_line(SimpleNamespace(metrics=late, run_dir="runs/g"), 24.0)  # from its first step that has it

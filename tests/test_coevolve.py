@@ -53,6 +53,15 @@ def test_the_game_contract_names_the_method_and_what_was_wrong():
     with pytest.raises(ContractError, match="finite number"):
         as_outcome(Outcome({"t": float("nan")}), game, {"t": "policy"})
     assert as_outcome(Outcome({"t": True}), game, {"t": "policy"}).rewards == {"t": 1.0}
+    with pytest.raises(ContractError, match=r"Outcome\(info=\[1\] \(list\)\): expected a dict"):
+        as_outcome(Outcome({"t": 1.0}, info=[1]), game, {"t": "policy"})
+    # its info as metrics (game/KEY): finite numbers, numpy's and bools too; the rest left out
+    import numpy as np
+
+    from meshrl.rollout.game import info_numbers
+
+    info = {"a": 1, "b": True, "c": np.float32(0.5), "d": np.int64(3), "e": "2", "f": float("nan"), "g": 10**400, "h": [1], "i": None}
+    assert info_numbers(info) == {"a": 1.0, "b": 1.0, "c": 0.5, "d": 3.0}
 
 
 class TinyGame:
@@ -230,6 +239,9 @@ def test_trained_models_config_view_and_refusals():
         "eval.source": {"models": [{"name": "a"}], "data": {"source": "task:propose"}, "eval": {"every": 5}},
     }
     bad["models[0].trainer.checkpoint_every"] = {"models": [{"name": "a", "trainer": {"checkpoint_every": 5}}]}  # one checkpoint, every model
+    with pytest.raises(ConfigError, match="a game's own numbers") as e:  # game/KEY is the game's
+        Config.from_dict({"models": [{"name": "game"}]})
+    assert e.value.field_path == "models[0].name"
     for field, data in bad.items():
         with pytest.raises(ConfigError) as e:
             Config.from_dict(data)

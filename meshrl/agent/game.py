@@ -18,11 +18,10 @@ frozen model's generators serve its checkpoint at version 0, and its threads tra
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 from meshrl.episode import Episode, Turn
-from meshrl.rollout.game import MAX_THREADS, Ask, Outcome, Reply, as_asks, as_outcome
+from meshrl.rollout.game import MAX_THREADS, Ask, Outcome, Reply, as_asks, as_outcome, info_numbers
 
 
 async def play_game(worker, env, ask, ep: Episode, version: int, replicas: list[int], temperature: float | None) -> None:
@@ -46,7 +45,7 @@ async def play_game(worker, env, ask, ep: Episode, version: int, replicas: list[
         ep.env_s += time.monotonic() - t0
         if isinstance(result, Outcome):
             outcome = as_outcome(result, env, speakers)
-            ep.info = {k: float(v) for k, v in outcome.info.items() if isinstance(v, (int, float)) and math.isfinite(v)}  # the rest is not logged
+            ep.info = info_numbers(outcome.info)
             for name, row in threads.items():
                 row.model_turns[-1].reward = outcome.rewards.get(name, 0.0)
                 row.finish_reason = row.model_turns[-1].finish_reason or "stop"

@@ -262,8 +262,8 @@ def _check_models(c: Config) -> None:
     for i, m in enumerate(c.models):
         path = f"models[{i}].name"
         need(bool(re.fullmatch(r"[a-z][a-z0-9_]{0,31}", m.name)), path, f"must be a short lowercase name (letters, digits, _), got {m.name!r}")
-        taken = "the policy" if m.name == "policy" else "by another model"
-        need(m.name not in names, path, f"{m.name!r} is taken ({taken}): give each model a name of its own")
+        taken = {"policy": "the policy", "game": "a game's own numbers, game/KEY"}.get(m.name, "by another model")
+        need(m.name not in names and m.name != "game", path, f"{m.name!r} is taken ({taken}): give each model a name of its own")
         need("group_size" not in m.generator, f"models[{i}].generator.group_size", "a group is the run's: every model's episodes share generator.group_size")
         for key in ("checkpoint_every", "checkpoint_every_s"):  # one checkpoint holds every model at one version
             need(key not in m.trainer, f"models[{i}].trainer.{key}", f"a checkpoint is the run's (every model at one version): set trainer.{key}")

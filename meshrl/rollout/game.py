@@ -30,6 +30,7 @@ when it is meant to be reused.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,4 +122,21 @@ def as_outcome(value: Any, game: Any, threads: dict[str, str]) -> Outcome:
     unknown = [t for t in value.rewards if t not in threads]
     if unknown:
         raise ContractError(f"{name}: step's Outcome rewards thread {unknown[0]!r}, which was never asked in", where)
+    if not isinstance(value.info or {}, dict):
+        raise ContractError(f"{name}: step returned Outcome(info={_shown(value.info)}): expected a dict (its numbers are reported as game/KEY)", where)
     return Outcome({t: as_reward(r, f"{name}: step's reward for thread {t!r}", where) for t, r in value.rewards.items()}, value.info or {})
+
+
+def info_numbers(info: dict) -> dict[str, float]:
+    """An Outcome's `info` as metrics: its finite numbers (numpy's and bools too), the rest left out."""
+    out = {}
+    for key, value in info.items():
+        if isinstance(value, (str, bytes)):
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            continue
+        if math.isfinite(number):
+            out[str(key)] = number
+    return out
