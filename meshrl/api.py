@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Coroutine
 
 from meshrl.config import Config, ConfigError, apply_overrides, load_yaml
@@ -45,7 +45,10 @@ class RunResult:
     """One row per step, as written to RUN_DIR/metrics.jsonl."""
     checkpoint: str | None
     hf_export: str | None
+    """The policy's Hugging Face export (RUN_DIR/hf/final)."""
     plot: str | None
+    hf_exports: dict[str, str] = field(default_factory=dict)
+    """Each trained model's beside the policy, by name (RUN_DIR/hf/final-NAME)."""
 
 
 def as_config(config: Config | dict | str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
@@ -281,7 +284,8 @@ class Session:
             ckpt = self._call(loop.checkpoint(), self._trainer_bound())
         hf = self._call(loop.export(), self._trainer_bound())
         png = plot_run(loop.run_dir) if self.config.logging.plot and loop.history else None
-        return RunResult(loop.run_dir, list(loop.history), ckpt, hf, png)
+        theirs = {p.name: os.path.join(loop.run_dir, "hf", f"final-{p.name}") for p in loop.partners}
+        return RunResult(loop.run_dir, list(loop.history), ckpt, hf, png, {name: path for name, path in theirs.items() if os.path.isdir(path)})
 
     def stop(self) -> None:
         """Shut every mesh and engine down; safe to call twice. A Ctrl-C or SIGTERM that comes

@@ -628,6 +628,8 @@ def test_each_model_is_checkpointed_exported_and_resumed(coevolved):
     assert set(state["models"]) == {"proposer"} and os.path.isdir(state["models"]["proposer"])
     for name in ("final", "final-proposer"):
         assert os.path.isfile(os.path.join(coevolved["run_dir"], "hf", name, "config.json"))
+    result = coevolved["result"]
+    assert result.hf_exports == {"proposer": os.path.join(result.run_dir, "hf", "final-proposer")}  # RunResult names each
     assert os.path.isdir(os.path.join(coevolved["run_dir"], "models", "proposer", "hf", "v0"))  # its generators' first weights
     assert coevolved["resumed_launcher"] == ("process", 2)
     (after,) = coevolved["resumed"][-1:]  # the resumed run's one step, on two hosts: both models went on from step STEPS
@@ -710,6 +712,6 @@ def test_a_solver_trains_against_a_frozen_proposer_whose_generator_is_healed(tmp
     groups = trained_groups(rows)
     assert len(groups) == len(set(groups)), "a group was trained twice"
     state = torch.load(result.checkpoint, weights_only=False)
-    assert not state["models"] and not os.path.exists(os.path.join(result.run_dir, "hf", "final-proposer"))
+    assert not state["models"] and not os.path.exists(os.path.join(result.run_dir, "hf", "final-proposer")) and result.hf_exports == {}
     assert os.path.isfile(os.path.join(result.run_dir, "hf", "final", "config.json"))
     assert not wait_no_children()

@@ -226,7 +226,7 @@ def test_a_game_of_your_own_trains_each_model_on_its_own_turns(tmp_path):
     # running): the teller's last 3 steps 0.570-0.627 above its first 3 (0.075-0.083). With
     # the teller's lr 1e-12 (it never moves): -0.006; this assertion fails.
     assert sum(teller[-3:]) / 3 > sum(teller[:3]) / 3 + GAME_MARGIN, teller
-    assert os.path.isfile(os.path.join(result.run_dir, "hf", "final-teller", "config.json"))
+    assert os.path.isfile(os.path.join(result.hf_exports["teller"], "config.json"))
     assert not wait_no_children()
 
 
