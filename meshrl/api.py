@@ -284,8 +284,7 @@ class Session:
             ckpt = self._call(loop.checkpoint(), self._trainer_bound())
         hf = self._call(loop.export(), self._trainer_bound())
         png = plot_run(loop.run_dir) if self.config.logging.plot and loop.history else None
-        theirs = {p.name: os.path.join(loop.run_dir, "hf", f"final-{p.name}") for p in loop.partners}
-        return RunResult(loop.run_dir, list(loop.history), ckpt, hf, png, {name: path for name, path in theirs.items() if os.path.isdir(path)})
+        return RunResult(loop.run_dir, list(loop.history), ckpt, hf, png, {p.name: p.export_dir(loop.run_dir) for p in loop.partners})
 
     def stop(self) -> None:
         """Shut every mesh and engine down; safe to call twice. A Ctrl-C or SIGTERM that comes

@@ -66,8 +66,9 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
 
 async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, timeout_s: float) -> tuple[int, list[dict]]:
     """Load the latest checkpoint into the trainer, the critic (a CriticMesh, under PPO with a
-    critic) and the queue (its load bounded by `timeout_s`): its version and metrics history. `watch` (meshrl/stability.py's
-    CliffWatch) picks up where it was, checkpoints included, silently."""
+    critic) and the queue (its load bounded by `timeout_s`): its version and metrics history.
+    `watch` (meshrl/stability.py's CliffWatch) picks up where it was, checkpoints included,
+    silently."""
     root = os.path.join(run_dir, "checkpoints")
     latest = os.path.join(root, "latest")
     if not os.path.isfile(latest):

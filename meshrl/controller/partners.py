@@ -259,9 +259,13 @@ class TrainedModel:
         """Whether a proc of its trainer or of its critic on this host is gone."""
         return self.trainer_dead() or (self.critic is not None and procs_dead(self.critic.proc_ids))
 
+    def export_dir(self, run_dir: str) -> str:
+        """Where its final export goes: RUN_DIR/hf/final-NAME."""
+        return os.path.join(run_dir, "hf", f"final-{self.name}")
+
     async def export(self, run_dir: str, tokenizer_dir: str) -> None:
         """hf/final-NAME, and its critic's hf/final-NAME-critic where it has one."""
-        await checkpoints.export_hf(self.trainer, os.path.join(run_dir, "hf", f"final-{self.name}"), self.config.logging.run_dir, tokenizer_dir)
+        await checkpoints.export_hf(self.trainer, self.export_dir(run_dir), self.config.logging.run_dir, tokenizer_dir)
         if self.critic is not None:
             await checkpoints.export_critic(self.critic, run_dir, tokenizer_dir, f"final-{self.name}-critic")
 
