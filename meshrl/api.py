@@ -38,6 +38,11 @@ SHUTDOWN_S = 300.0
 PROGRESS_KEYS = ("trainer/reward_mean", "trainer/loss", "trainer/staleness_max", "trainer/idle_frac")
 
 
+def progress_keys(config: Config) -> tuple[str, ...]:
+    """The progress bar's metrics: the policy's, then each trained model's own reward in a game."""
+    return PROGRESS_KEYS + tuple(f"{m.name}/trainer/reward_mean" for m in config.models if not m.frozen)
+
+
 @dataclass
 class RunResult:
     run_dir: str
@@ -178,7 +183,7 @@ class Session:
                 row = self._call(loop.step(), self._step_bound())
                 rows.append(row)
                 if bar is not None:
-                    bar.set_postfix_str(format_row(row, PROGRESS_KEYS))
+                    bar.set_postfix_str(format_row(row, progress_keys(loop.config)))
                     bar.update(max(0, loop.version - before))
         finally:
             if bar is not None:

@@ -220,7 +220,7 @@ def summary_line(result, wall_s: float) -> str:
     samples = sum(r.get("trainer/seqs", 0.0) for r in result.metrics)
     train_s = sum(r.get("time/step_s", 0.0) for r in result.metrics)
     rate = f", {samples / train_s:.1f} samples/s" if train_s > 0 and samples else ""
-    alarms = sum(1 for r in result.metrics for k in ("alarm/reward", "alarm/entropy", "alarm/divergence") if k in r)
+    alarms = sum(1 for r in result.metrics for k in r if k.startswith("alarm/") or "/alarm/" in k)  # NAME/alarm/KIND: a model's
     warned = f"; {alarms} alarm(s) raised (see above)" if alarms else ""
 
     def own(name: str) -> str:  # from the first step that has it

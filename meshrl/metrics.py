@@ -122,6 +122,20 @@ PANELS = [
 ]
 
 
+def panels_of(names: list[str]) -> list[tuple[str, list[str]]]:
+    """Each panel's title and the metrics it draws, of those a run has (`names`). In a game
+    each trained model's curve (`NAME/trainer/reward_mean`, `NAME/trainer/entropy`, ...) is
+    drawn beside the policy's."""
+    models = [n.removesuffix("/trainer/reward_mean") for n in names if n.endswith("/trainer/reward_mean")]
+    keys_of = lambda key: [key, *(f"{m}/{key}" for m in models)]  # noqa: E731
+    panels = [(title, [n for key in keys for k in keys_of(key) for n in names if n == k or k.endswith("@") and n.startswith(k)]) for title, keys in PANELS]
+    panels = [(title, keys) for title, keys in panels if keys or title != "held-out eval"]
+    signals = [n for n in names if n.startswith("scoring/") and n.endswith("/mean")]
+    if signals:  # the trained reward beside every signal (docs/stability.md: the divergence alarm)
+        panels.append((SIGNALS_PANEL, ["reward/mean", *signals, *(["eval/reward_mean"] if "eval/reward_mean" in names else [])]))
+    return panels
+
+
 def plot_run(run_dir: str, out: str | None = None) -> str:
     """Draw reward, staleness, utilisation and loss curves of a run to a PNG; returns its path."""
     import matplotlib
@@ -131,12 +145,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
 
     rows = read_metrics(run_dir)
     out = out or os.path.join(run_dir, "curves.png")
-    names = sorted({k for r in rows for k in r})
-    panels = [(title, [n for key in keys for n in names if n == key or key.endswith("@") and n.startswith(key)]) for title, keys in PANELS]
-    panels = [(title, keys) for title, keys in panels if keys or title != "held-out eval"]
-    signals = [n for n in names if n.startswith("scoring/") and n.endswith("/mean")]
-    if signals:  # the trained reward beside every signal (docs/stability.md: the divergence alarm)
-        panels.append((SIGNALS_PANEL, ["reward/mean", *signals, *(["eval/reward_mean"] if "eval/reward_mean" in names else [])]))
+    panels = panels_of(sorted({k for r in rows for k in r}))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     for ax, (title, keys) in zip(axes, panels):
         if title == SIGNALS_PANEL:
@@ -183,9 +192,11 @@ def _plot_signals(ax, rows: list[dict], keys: list[str]) -> None:
 
 
 def format_row(row: dict[str, float], keys: Iterable[str]) -> str:
-    """A short progress-bar postfix from selected metrics."""
+    """A short progress-bar postfix from selected metrics; a model's beside the policy's
+    (`NAME/trainer/reward_mean`) is labelled `NAME:reward_mean`."""
     parts = []
     for key in keys:
         if key in row:
-            parts.append(f"{key.split('/')[-1]}={row[key]:.3g}")
+            head, *_, last = key.split("/")
+            parts.append(f"{head + ':' if key.count('/') > 1 else ''}{last}={row[key]:.3g}")
     return " ".join(parts)

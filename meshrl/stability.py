@@ -11,6 +11,12 @@ not go unnoticed until its summary line. `CliffWatch` follows two per-step serie
 - entropy: `trainer/entropy` (nats per trained token). A cliff is the last window's mean
   under `alarm.entropy_floor`: no exploration left, every group scores the same.
 
+With trained models beside the policy (a game, docs/coevolve.md) each model is watched on
+its own rows: the policy on `trainer/reward_mean` and `trainer/entropy` (the buffer's reward
+mixes every model's rows, so one model's fall can hide under another's rise), each model
+NAME on `NAME/trainer/reward_mean` and `NAME/trainer/entropy`, its alarm named for it and
+marked `NAME/alarm/KIND`.
+
 Each kind raises one alarm and then stays quiet until its series is healthy again. The
 alarm names the last good checkpoint: the newest one written before the first unhealthy
 window began (the fall happened inside that window, and a checkpoint written during it
@@ -21,7 +27,7 @@ feeds it each step's row and logs the line.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from meshrl.errors import RunFailed
@@ -70,17 +76,25 @@ class Alarm:
     """The best window's mean reward (reward), or the floor (entropy)."""
     good_checkpoint: int | None
     """Step of the newest checkpoint written before the alarm's window began; None if none was."""
+    model: str = ""
+    """The trained model beside the policy whose series fell; empty: the policy."""
+
+    @property
+    def key(self) -> str:
+        """Its mark in the step's metrics row."""
+        return f"{self.model}/alarm/{self.kind}" if self.model else f"alarm/{self.kind}"
 
     def line(self, window: int, drop: float) -> str:
         """The one console line."""
+        whose = f"{self.model}'s " if self.model else ""
         if self.kind == "reward":
             what = (
-                f"reward fell off a cliff at step {self.step}: mean {self.value:.3f} over the last {window} steps, "
+                f"{whose}reward fell off a cliff at step {self.step}: mean {self.value:.3f} over the last {window} steps, "
                 f"under {drop:g} x the best window's {self.reference:.3f}"
             )
         else:
             what = (
-                f"policy entropy collapsed at step {self.step}: {self.value:.4f} nats per token over the last {window} "
+                f"{whose or 'policy '}entropy collapsed at step {self.step}: {self.value:.4f} nats per token over the last {window} "
                 f"steps, under alarm.entropy_floor={self.reference:g}"
             )
         if self.good_checkpoint is None:
@@ -91,56 +105,74 @@ class Alarm:
         )
 
 
-class CliffWatch:
-    """Feeds on one metrics row per step; returns the alarms to raise at that step."""
+@dataclass
+class _Series:
+    """One model's watched series: the last window of each, the best reward window, and
+    whether each kind is healthy (an alarm said once stays quiet until it is)."""
 
-    def __init__(self, window: int, reward_drop: float, min_best_reward: float, entropy_floor: float):
+    reward_keys: tuple[str, ...]
+    entropy_key: str
+    rewards: deque
+    entropies: deque
+    best: float = float("-inf")
+    healthy: dict = field(default_factory=lambda: {"reward": True, "entropy": True})
+
+
+class CliffWatch:
+    """Feeds on one metrics row per step; returns the alarms to raise at that step. `models`:
+    the trained models beside the policy, each watched on its own series."""
+
+    def __init__(self, window: int, reward_drop: float, min_best_reward: float, entropy_floor: float, models: Sequence[str] = ()):
         self.window, self.drop, self.min_best, self.floor = window, reward_drop, min_best_reward, entropy_floor
-        self.rewards: deque[float] = deque(maxlen=window)
-        self.entropies: deque[float] = deque(maxlen=window)
-        self.best = float("-inf")
-        self.healthy = {"reward": True, "entropy": True}
+        policy = REWARD_KEYS[1:] if models else REWARD_KEYS  # the buffer's reward mixes every model's rows
+
+        def series(keys, entropy):
+            return _Series(keys, entropy, deque(maxlen=window), deque(maxlen=window))
+
+        self.series = {"": series(policy, ENTROPY_KEY)}
+        self.series.update({m: series((f"{m}/{REWARD_KEYS[1]}",), f"{m}/{ENTROPY_KEY}") for m in models})
         self.checkpoints: list[int] = []
         self.raised: list[Alarm] = []
 
     @classmethod
-    def from_config(cls, alarm) -> "CliffWatch":
-        return cls(alarm.window, alarm.reward_drop, alarm.min_best_reward, alarm.entropy_floor)
+    def from_config(cls, config) -> "CliffWatch":
+        a = config.alarm
+        return cls(a.window, a.reward_drop, a.min_best_reward, a.entropy_floor, [m.name for m in config.models if not m.frozen])
 
     def checkpointed(self, step: int) -> None:
         self.checkpoints.append(step)
 
     def update(self, step: int, row: dict) -> list[Alarm]:
         alarms = []
-        reward = next((row[k] for k in REWARD_KEYS if k in row), None)
-        if reward is not None:
-            self.rewards.append(float(reward))
-            if len(self.rewards) == self.window:
-                mean = sum(self.rewards) / self.window
-                self.best = max(self.best, mean)
-                cliff = self.best >= self.min_best and mean < self.drop * self.best
-                alarms += self._judge("reward", step, cliff, mean, self.best)
-        if ENTROPY_KEY in row and self.floor > 0:
-            self.entropies.append(float(row[ENTROPY_KEY]))
-            if len(self.entropies) == self.window:
-                mean = sum(self.entropies) / self.window
-                alarms += self._judge("entropy", step, mean < self.floor, mean, self.floor)
+        for model, s in self.series.items():
+            reward = next((row[k] for k in s.reward_keys if k in row), None)
+            if reward is not None:
+                s.rewards.append(float(reward))
+                if len(s.rewards) == self.window:
+                    mean = sum(s.rewards) / self.window
+                    s.best = max(s.best, mean)
+                    cliff = s.best >= self.min_best and mean < self.drop * s.best
+                    alarms += self._judge(s, model, "reward", step, cliff, mean, s.best)
+            if s.entropy_key in row and self.floor > 0:
+                s.entropies.append(float(row[s.entropy_key]))
+                if len(s.entropies) == self.window:
+                    mean = sum(s.entropies) / self.window
+                    alarms += self._judge(s, model, "entropy", step, mean < self.floor, mean, self.floor)
         self.raised += alarms
         return alarms
 
-    def _judge(self, kind: str, step: int, cliff: bool, value: float, reference: float) -> list[Alarm]:
+    def _judge(self, s: _Series, model: str, kind: str, step: int, cliff: bool, value: float, reference: float) -> list[Alarm]:
         if not cliff:
-            self.healthy[kind] = True
+            s.healthy[kind] = True
             return []
-        if not self.healthy[kind]:
+        if not s.healthy[kind]:
             return []  # said already; quiet until the series recovers
-        self.healthy[kind] = False
+        s.healthy[kind] = False
         # the fall began inside this first unhealthy window: good checkpoints precede it
         good = [c for c in self.checkpoints if c <= step - self.window]
-        return [Alarm(kind, step, value, reference, max(good) if good else None)]
+        return [Alarm(kind, step, value, reference, max(good) if good else None, model)]
 
 
-# ---- the divergence alarm: the trained reward against a signal it does not train on ----------
 def ranks(values: Sequence[float]) -> list[float]:
     """1-based ranks, ties sharing their mean rank."""
     order = sorted(range(len(values)), key=values.__getitem__)

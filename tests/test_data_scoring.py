@@ -542,6 +542,24 @@ def test_metrics_jsonl_tensorboard_and_plot(tmp_path):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 
+def test_a_games_curves_and_progress_bar_show_each_trained_models_own_reward():
+    from meshrl.api import progress_keys
+    from meshrl.config import Config
+    from meshrl.metrics import format_row, panels_of
+
+    names = sorted(
+        ["reward/mean", "trainer/reward_mean", "trainer/entropy", "proposer/reward/mean", "proposer/trainer/reward_mean", "proposer/trainer/entropy"]
+    )
+    panels = dict(panels_of(names))
+    assert panels["reward"] == ["reward/mean", "proposer/reward/mean", "trainer/reward_mean", "proposer/trainer/reward_mean"]
+    assert panels["stability"] == ["trainer/entropy", "proposer/trainer/entropy"]
+    assert dict(panels_of(["trainer/entropy", "trainer/reward_mean"]))["stability"] == ["trainer/entropy"]  # one model: as before
+    c = Config.from_dict({"data": {"source": "task:propose"}, "models": [{"name": "proposer"}, {"name": "user", "frozen": True, "model": {"path": "/x"}}]})
+    keys = progress_keys(c)
+    assert keys[-1] == "proposer/trainer/reward_mean" and not any(k.startswith("user/") for k in keys)
+    assert format_row({"trainer/reward_mean": 0.5, "proposer/trainer/reward_mean": 0.25}, keys) == "reward_mean=0.5 proposer:reward_mean=0.25"
+
+
 def test_reward_model_scores_through_the_same_interface(tmp_path, tokenizer_dir):
     """A local sequence-classification checkpoint as the reward, via scoring.reward_model,
     played by a rollout worker through a SingleTurnEnv."""

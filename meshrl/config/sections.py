@@ -58,7 +58,7 @@ class AlarmConfig:
     window: int = 10
     """Steps per window: reward and entropy are judged on their mean over the last `window` steps."""
     reward_drop: float = 0.5
-    """Reward cliff: the last window's mean reward (`buffer/sampled_reward_mean`) falls under this fraction of the best window mean so far."""
+    """Reward cliff: the last window's mean reward (`buffer/sampled_reward_mean`) falls under this fraction of the best window mean so far. In a game each trained model's own `trainer/reward_mean` is watched (`NAME/trainer/reward_mean`), and its alarm names it."""
     min_best_reward: float = 0.1
     """A reward cliff needs a best window mean of at least this: a run that has not learned anything yet cannot fall."""
     entropy_floor: float = 0.02
@@ -329,7 +329,7 @@ class LoggingConfig:
 
 @dataclass
 class TrainedModelConfig:
-    """A model beside the policy (co-evolving policies, docs/coevolve.md): trained, with its own trainer mesh, optimizer, version counter, generators and weight sync; or served alone (`frozen`). Each section here overrides the policy's section of that name, key by key; the rest is the policy's."""
+    """A model beside the policy (co-evolving policies, docs/coevolve.md): trained, with its own trainer mesh, optimizer, generators and weight sync, stepping at the run's version (one counter; `trainer.pace` holds a model's weights on steps off its pace); or served alone (`frozen`). Each section here overrides the policy's section of that name, key by key; the rest is the policy's."""
 
     name: str = ""
     """The model's name: what a game env's `Ask.model` says (the policy is `policy`), the prefix of its metrics (`NAME/trainer/...`, `NAME/reward/mean`) and its directory under the run's (`models/NAME/`: its logs and first export; its checkpoint goes under `checkpoints/models/NAME`, its final export to `hf/final-NAME`)."""

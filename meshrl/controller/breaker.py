@@ -56,5 +56,5 @@ def report_cliffs(watch, version: int, row: dict, recorded: dict, alarm) -> None
     """The run-level alarm (meshrl/stability.py's CliffWatch, config `alarm`): one console
     line per cliff at step `version`, marked in its row and in the `recorded` history row."""
     for cliff in watch.update(version, row):
-        row[f"alarm/{cliff.kind}"] = recorded[f"alarm/{cliff.kind}"] = 1.0
+        row[cliff.key] = recorded[cliff.key] = 1.0
         log.warning("%s", cliff.line(alarm.window, alarm.reward_drop))

@@ -83,7 +83,7 @@ class RLLoop:
         self.mesh_failures = MeshFailureLog()  # logged, not Monarch's interrupt (controller/replicas.py)
         self.breaker = FailureBreaker(config)
         self.healer = TrainerHealer(self)  # replaces a dead trainer mesh (controller/heal.py)
-        self.watch = CliffWatch.from_config(config.alarm) if config.alarm.enabled else None
+        self.watch = CliffWatch.from_config(config) if config.alarm.enabled else None
         self.divergence = DivergenceWatch.from_config(config)  # None without a signal the run does not train on
         self._divergence_seen = 0  # history rows the divergence watch has read (evaluations' included)
         self._queue_silent = 0  # health checks in a row the queue left unanswered
