@@ -329,6 +329,46 @@ def test_service_never_splits_a_group_and_scores_it_with_one_version(tmp_path):
     assert service.stats()["version"] == 6 and service.stats()["items"] == 30
 
 
+def test_a_sharded_prm_whose_follower_is_wedged_ends_itself_to_be_replaced(monkeypatch, tmp_path):
+    """Rank 0 finished a batch, a follower never answers (alive, stuck past its last
+    collective): rank 0 ends its proc (as when a rank fails), so the health check replaces the
+    replica whole, rather than every later batch waiting behind the wedged one."""
+    import meshrl.scorers.service as service_module
+    from meshrl.scorers.service import EXIT_RANKS_OUT_OF_STEP, PRMService
+
+    class Ended(Exception):
+        pass
+
+    def end(status):
+        raise Ended(status)
+
+    class Wedged:  # the followers' mesh: its `follow` call never returns
+        class follow:
+            @staticmethod
+            async def call(op, *args):
+                await asyncio.Event().wait()
+
+    class Backend:
+        version = 0
+
+        def save(self):
+            return "saved"
+
+        def score_rows(self, items, save_due):
+            return [], {}
+
+    monkeypatch.setattr(service_module.os, "_exit", end)
+    from meshrl.config import ScorerConfig
+
+    for op, args, timeout_s, follow_timeout_s in [("save", (), 600, 0.2), ("score_rows", ([], False), 0.2, 600)]:
+        service = PRMService(Backend(), ScorerConfig(kind="prm", timeout_s=timeout_s), Wedged, follow_timeout_s=follow_timeout_s)
+        with pytest.raises(Ended) as ended:  # a batch within the scorer's timeout_s, a save within the collective bound
+            asyncio.run(asyncio.wait_for(service.lead(op, *args), 30))
+        assert ended.value.args == (EXIT_RANKS_OUT_OF_STEP,)
+    service.followers = None  # one proc: nothing to wait for
+    assert asyncio.run(service.lead("save")) == ("saved", [])
+
+
 def test_group_items_score_model_tokens_only():
     from meshrl.scorers.prm import group_items
 

@@ -64,7 +64,7 @@ class ScorerActor(Actor):
         if rank > 0:
             self.backend = backend
         elif spec.kind == "prm":
-            self.service = PRMService(backend, spec, followers)  # whole groups per batch, one PRM version each
+            self.service = PRMService(backend, spec, followers, config.trainer.collective_timeout_s)  # whole groups per batch, one PRM version each
         else:
             self.service = ScorerService(backend, spec)
         gc.collect()

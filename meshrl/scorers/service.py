@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from meshrl.config import ScorerConfig
 from meshrl.errors import first_line
-from meshrl.futures import awaited, by_rank
+from meshrl.futures import awaited, bounded, by_rank
 from meshrl.scorers.backends import Failed, Judged
 
 if TYPE_CHECKING:
@@ -141,10 +141,10 @@ class PRMService(ScorerService):
 
     whole_requests = True
 
-    def __init__(self, backend: ImplicitPRM, spec: ScorerConfig, followers=None):
+    def __init__(self, backend: ImplicitPRM, spec: ScorerConfig, followers=None, follow_timeout_s: float = 1800.0):
         super().__init__(backend, spec)
         self.last_trained: dict = {}
-        self.followers = followers
+        self.followers, self.follow_timeout_s = followers, follow_timeout_s
         self._turn = asyncio.Lock()
 
     async def lead(self, op: str, *args):
@@ -154,7 +154,12 @@ class PRMService(ScorerService):
         Sharded, a call that fails on any rank (a rank died, or its collective failed) leaves the
         ranks' collectives out of step for good: this proc then ends itself, so the health check
         replaces the replica whole from its last save, and the rollout workers ask the new one
-        (they ask again when a call fails, as for any dead replica)."""
+        (they ask again when a call fails, as for any dead replica). So does a follower that has
+        not answered within a bound after this rank finished the call (the scorer's `timeout_s`
+        for a batch, by when each of its requests has failed; `follow_timeout_s`,
+        trainer.collective_timeout_s, for a save or an export): every collective of the call is
+        behind this rank then, so that follower is wedged (alive, and answering nothing), and
+        this rank's `stats` alone would not show it."""
         async with self._turn:
             if self.followers is None:
                 return await asyncio.to_thread(getattr(self.backend, op), *args), []
@@ -162,7 +167,8 @@ class PRMService(ScorerService):
             theirs = asyncio.create_task(awaited(self.followers.follow.call(op, *args)))
             try:
                 mine = await asyncio.to_thread(getattr(self.backend, op), *args)
-                return mine, by_rank(await theirs)
+                bound = self.spec.timeout_s if op == "score_rows" else self.follow_timeout_s
+                return mine, by_rank(await bounded(theirs, bound, f"the PRM's ranks 1.. at {op}"))
             except Exception as e:  # noqa: BLE001 - see above
                 print(f"meshrl: the PRM's {op} failed across its ranks ({first_line(str(e) or type(e).__name__, 300)}); ending rank 0", flush=True)
                 os._exit(EXIT_RANKS_OUT_OF_STEP)
