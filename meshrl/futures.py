@@ -55,6 +55,15 @@ async def settled(future, timeout_s: float) -> Exception | None:
     return None
 
 
+async def settled_value(future, timeout_s: float):
+    """As `settled`, for a call whose answer is wanted: its answer, or its failure (the
+    timeout's included) as the value. For health checks that ask several members at once."""
+    try:
+        return await asyncio.wait_for(awaited(future), timeout_s)
+    except Exception as e:  # noqa: BLE001 - dead, unreachable or too slow: the caller decides
+        return e
+
+
 @contextlib.asynccontextmanager
 async def stopped_on_failure(procs, timeout_s: float = 60.0):
     """Stop `procs` (a Monarch proc mesh just spawned) if the block fails, then re-raise the

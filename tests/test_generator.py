@@ -369,6 +369,80 @@ def test_min_version_waits_for_the_version_and_times_out_naming_it(monkeypatch):
     asyncio.run(main())
 
 
+def test_a_replica_that_generates_nothing_with_requests_in_flight_counts_as_stalled(monkeypatch):
+    """`stalled_s` (the health check's reading of a wedged engine): the time with requests in
+    flight, generating, and no token; never while paused, and restarted by any progress."""
+    import meshrl.generator.service as service
+
+    class Wedged(FakeEngine):
+        async def run_request(self, request_id, token_ids, max_tokens, temperature=None) -> RequestResult:
+            await asyncio.Event().wait()  # alive, never answering: a hung engine core
+
+    monkeypatch.setattr(service, "VLLMEngine", Wedged)
+
+    async def main():
+        gen = service.Generator(Config.from_dict({}), "unused")
+        await gen.start(0)
+        now = time.monotonic()
+        assert gen.stalled_s(now + 100) == 0.0  # nothing in flight: idle, not stalled
+        waiting = asyncio.ensure_future(gen.generate([1, 7]))
+        await asyncio.sleep(0.05)
+        now = time.monotonic()
+        assert 99 < gen.stalled_s(now + 100) <= 100.1 and gen.stats()["requests_in_flight"] == 1
+        await gen.pause()  # held by the user (or an update): frozen, not wedged
+        assert gen.stalled_s(now + 500) == 0.0
+        await gen.resume()
+        resumed = time.monotonic()
+        assert gen.stalled_s(resumed + 10) == pytest.approx(10, abs=0.5)  # counted from the resume
+        gen.engine.tokens_generated += 1  # a token: the clock restarts from this reading
+        assert gen.stalled_s(resumed + 200) == 0.0 and gen.stalled_s(resumed + 250) == 50.0
+        waiting.cancel()
+
+    asyncio.run(main())
+
+
+def test_the_health_check_replaces_a_wedged_replica_and_leaves_a_busy_one(monkeypatch):
+    """GeneratorPool.check on members that answer `stats`: one stalled past
+    generator.stall_timeout_s is replaced as wedged (killed first); one under it, one on this
+    host too busy to answer (an update it applies), or any with the bound at 0, is left."""
+    from meshrl.controller.replicas import GeneratorPool
+
+    class Member:
+        def __init__(self, index, stalled, answers=True):
+            self.index, self.pids = index, [(os.getpid(), 0.0)]
+            stats = {"stalled_s": stalled, "requests_in_flight": 3}
+
+            async def call_one():
+                if not answers:
+                    await asyncio.sleep(60)
+                return stats
+
+            self.actor = type("Actor", (), {"stats": type("Endpoint", (), {"call_one": staticmethod(call_one)})})
+
+        def on_this_host(self):
+            return True
+
+        def alive(self):
+            return True
+
+    async def main(bound):
+        pool = GeneratorPool(Config.from_dict({"generator": {"stall_timeout_s": bound, "replicas": 3}}), None, "unused", 0, None)
+        pool.replicas = [Member(0, 400.0), Member(1, 10.0), Member(2, 0.0, answers=False)]
+        replaced = []
+
+        async def replace(replica, error, version, wedged=False):
+            replaced.append((replica.index, str(error), wedged))
+
+        pool.replace = replace
+        await pool.check(7)
+        return replaced
+
+    replaced = asyncio.run(main(300.0))
+    assert len(replaced) == 1 and replaced[0][0] == 0 and replaced[0][2]
+    assert "wedged: 3 requests in flight and no token for 400s (generator.stall_timeout_s=300)" in replaced[0][1]
+    assert asyncio.run(main(0.0)) == []
+
+
 def test_a_pause_outlasts_sleep_and_wake_until_resume(monkeypatch):
     """placement=colocate sleeps and wakes the engine around every training step: a user's
     `pause` made before or during a sleep holds until the user's `resume`, not the next wake."""

@@ -185,6 +185,7 @@ def _check_generator(c: Config) -> None:
     need(gen.max_num_seqs >= gen.group_size, "generator.max_num_seqs", f"{gen.max_num_seqs} cannot hold one group of generator.group_size={gen.group_size}")
     need(0 < gen.gpu_memory_utilization <= 1, "generator.gpu_memory_utilization", f"must be in (0, 1], got {gen.gpu_memory_utilization}")
     need(gen.startup_timeout_s > 0, "generator.startup_timeout_s", f"must be positive, got {gen.startup_timeout_s}")
+    need(gen.stall_timeout_s >= 0, "generator.stall_timeout_s", f"must be 0 (off) or positive, got {gen.stall_timeout_s}")
     here = c.launcher.kind in ("local", "process")  # these hosts are this machine: check the cores exist
     _check_cpus("trainer.cpus", trainer.cpus, 1, here)
     _check_cpus("generator.cpus", gen.cpus, gen.tp, here)

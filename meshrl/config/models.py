@@ -191,6 +191,8 @@ class GeneratorConfig:
     """MoE only: return the expert ids each sampled token was routed to, per layer, for routing replay (trainer.loss.routing_replay). On GPU vLLM returns them (model runner V2); on CPU meshrl's worker extension records them from vLLM's router hook (meshrl/generator/routing_capture.py)."""
     startup_timeout_s: float = 300.0
     """Seconds an engine may take to start before the run fails."""
+    stall_timeout_s: float = 300.0
+    """A replica with requests in flight that has produced no token and scored no sequence for this long, while generating (not paused, updating or asleep), is wedged (alive, not generating: a hung engine core or device) and replaced as a dead one is, its requests asked again of the others. Keep it above the longest prefill the run can ask for (the batch's prompts at model.max_seq_len) on the slowest device. 0: off (a wedged replica is then replaced only when its next weight update times out, weight_sync.timeout_s)."""
     cpus: str = "auto"
     """CPU cores the replicas are pinned to (their vLLM CPU workers bind their threads there), as a Linux CPU list; `|` separates per-replica lists, replica i taking list i modulo their count (`4-5|6-7`). `auto`: with a CPU trainer on this machine, half the cores, split between replicas (at least `tp` each). Empty: no pinning, vLLM binds its threads itself."""
 

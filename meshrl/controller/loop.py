@@ -31,7 +31,8 @@ from meshrl.controller.evaluation import Evaluations
 from meshrl.controller.heal import TrainerHealer
 from meshrl.controller.members import all_ended, in_order
 from meshrl.controller.partners import TrainedModel, served_pools
-from meshrl.controller.replicas import GeneratorPool, MeshFailureLog, ScorerPool, WorkerPool
+from meshrl.controller.members import MeshFailureLog
+from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool
 from meshrl.errors import TrainerFailed, UserCodeFailed, find, first_line, one_line
 from meshrl.futures import bounded, settled
 from meshrl.launch.allocation import LOST_HOST_STOP_S, allocate
@@ -80,7 +81,7 @@ class RLLoop:
         self.collect: StepMetrics | None = None
         self.evaluations: Evaluations | None = None
         self._update_task: asyncio.Task | None = None
-        self.mesh_failures = MeshFailureLog()  # logged, not Monarch's interrupt (controller/replicas.py)
+        self.mesh_failures = MeshFailureLog()  # logged, not Monarch's interrupt (controller/members.py)
         self.breaker = FailureBreaker(config)
         self.healer = TrainerHealer(self)  # replaces a dead trainer mesh (controller/heal.py)
         self.watch = CliffWatch.from_config(config) if config.alarm.enabled else None

@@ -1,17 +1,22 @@
 """One member of a pool (a generator or scorer replica, a rollout worker): its own proc mesh
 and actor, and its processes on its host. Whether it still runs (by pid, no round trip), the
 leftovers a killed one leaves (vLLM's orphaned engine processes, shared-memory names in
-/dev/shm), and starting or stopping several at once.
+/dev/shm), starting or stopping several at once, and how a member's death is reported
+(`MeshFailureLog`, in place of Monarch's interrupt).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
 
+from meshrl.errors import first_line
 from meshrl.futures import settled
+
+log = logging.getLogger("meshrl")
 
 
 def running_process(pid: int, started: float):
@@ -151,3 +156,34 @@ async def start_all(spawns) -> list[Member]:
         await asyncio.gather(*(m.stop() for m in started if isinstance(m, Member)))
         raise failed[0]
     return started
+
+
+class MeshFailureLog:
+    """Monarch's default answer to a proc that dies is to interrupt the client. A run
+    replaces dead generators and workers and reports a dead trainer itself, so from
+    `install` on, failures are only logged (a warning, on the console) and surface as errors
+    of the calls that touch the dead procs. Once the run stops (`quiet`), the procs it stops
+    report as failing too, one stopped while its actor still starts among them: those go to
+    the log file alone. `restore` puts Monarch's hook back."""
+
+    def __init__(self):
+        self.previous, self.installed, self.stopping = None, False, False
+
+    def install(self) -> None:
+        import monarch.actor
+
+        self.previous, self.installed = monarch.actor.unhandled_fault_hook, True
+        monarch.actor.unhandled_fault_hook = self.log
+
+    def log(self, failure) -> None:
+        (log.info if self.stopping else log.warning)("mesh failure: %s", first_line(str(failure)))
+
+    def quiet(self) -> None:
+        self.stopping = True
+
+    def restore(self) -> None:
+        import monarch.actor
+
+        if self.installed and self.previous is not None:
+            monarch.actor.unhandled_fault_hook = self.previous
+        self.installed = False

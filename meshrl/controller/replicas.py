@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 
 from meshrl.controller.members import Member, start_all, stop_engines, stop_members
 from meshrl.config import Config
-from meshrl.futures import awaited, by_rank, settled, stopped_on_failure
+from meshrl.futures import awaited, by_rank, settled, settled_value, stopped_on_failure
 from meshrl.generator.actor import GeneratorActor
 from meshrl.agent.actor import RolloutWorkerActor
 from meshrl.agent.worker import summarize
@@ -26,37 +26,6 @@ from meshrl.weightsync.subscriber import subscriber_agent
 log = logging.getLogger("meshrl")
 WORKER_ID_STRIDE = 1 << 20
 """Worker ids in the queue are index + stride * incarnation."""
-
-
-class MeshFailureLog:
-    """Monarch's default answer to a proc that dies is to interrupt the client. A run
-    replaces dead generators and workers and reports a dead trainer itself, so from
-    `install` on, failures are only logged (a warning, on the console) and surface as errors
-    of the calls that touch the dead procs. Once the run stops (`quiet`), the procs it stops
-    report as failing too, one stopped while its actor still starts among them: those go to
-    the log file alone. `restore` puts Monarch's hook back."""
-
-    def __init__(self):
-        self.previous, self.installed, self.stopping = None, False, False
-
-    def install(self) -> None:
-        import monarch.actor
-
-        self.previous, self.installed = monarch.actor.unhandled_fault_hook, True
-        monarch.actor.unhandled_fault_hook = self.log
-
-    def log(self, failure) -> None:
-        (log.info if self.stopping else log.warning)("mesh failure: %s", first_line(str(failure)))
-
-    def quiet(self) -> None:
-        self.stopping = True
-
-    def restore(self) -> None:
-        import monarch.actor
-
-        if self.installed and self.previous is not None:
-            monarch.actor.unhandled_fault_hook = self.previous
-        self.installed = False
 
 
 class GeneratorPool:
@@ -176,11 +145,16 @@ class GeneratorPool:
 
         await asyncio.gather(*(one(r) for r in list(self.replicas)))
 
-    async def replace(self, replica: Member, error: BaseException, version: int) -> None:
+    async def replace(self, replica: Member, error: BaseException, version: int, wedged: bool = False) -> None:
+        """A new replica in `replica`'s place. A `wedged` one (alive) is killed first: a live
+        actor stopped with the workers' calls on their way returns them undeliverable, which
+        ends the caller (Monarch), while a dead one's calls fail and are asked again."""
         async with self._lock:
             if replica not in self.replicas:
                 return
             log.warning("%s replica %d failed (%s); replacing it", self._role, replica.index, first_line(str(error), 200) or type(error).__name__)
+            if wedged:
+                replica.kill_leftovers()
             await replica.stop()
             fresh = await self.spawn(replica.index)
             self.replicas[self.replicas.index(replica)] = fresh
@@ -198,10 +172,12 @@ class GeneratorPool:
                 await self.on_change()  # the workers stop sending it turns
 
     async def check(self, version: int) -> None:
-        """Replace any replica whose proc is gone, and spawn the ones an earlier failure left
-        missing. One on this host is checked by its pid (asking it would wait behind the
-        weight update it is applying); others are asked. Not while the pool sleeps: a replica
-        started then would take the devices a trainer steps on, and none generates anyway."""
+        """Replace any replica whose proc is gone or that is wedged, and spawn the ones an
+        earlier failure left missing. One on this host is checked by its pid, then asked
+        briefly: no answer means it is applying a weight update, which its own bound judges.
+        One elsewhere is asked: no answer in 30 s, gone. Wedged: its `stalled_s` past
+        generator.stall_timeout_s. Not while the pool sleeps: a replica started then would take
+        the devices a trainer steps on, and none generates anyway."""
         if self.asleep:
             return
         want = 1 if self.teacher else self.config.generator.replicas
@@ -209,15 +185,19 @@ class GeneratorPool:
         if missing > 0:
             await self.scale(want, version)
             self.replaced += missing
-        for r in list(self.replicas):
-            if r.on_this_host():
-                if not r.alive():
-                    await self.replace(r, RuntimeError(f"its proc {r.pids[0][0]} exited"), version)
-                continue
-            try:
-                await asyncio.wait_for(awaited(r.actor.stats.call_one()), 30)
-            except Exception as e:  # noqa: BLE001
-                await self.replace(r, e, version)
+        dead = [r for r in self.replicas if r.on_this_host() and not r.alive()]
+        for r in dead:
+            await self.replace(r, RuntimeError(f"its proc {r.pids[0][0]} exited"), version)
+        live = [r for r in self.replicas if r not in dead]
+        answers = await asyncio.gather(*(settled_value(r.actor.stats.call_one(), 2 if r.on_this_host() else 30) for r in live))
+        stall = self.config.generator.stall_timeout_s
+        for r, answer in zip(live, answers):
+            if isinstance(answer, BaseException):
+                if not r.on_this_host():
+                    await self.replace(r, answer, version)
+            elif stall and answer.get("stalled_s", 0.0) > stall:
+                why = f"wedged: {answer['requests_in_flight']} requests in flight and no token for {answer['stalled_s']:.0f}s"
+                await self.replace(r, RuntimeError(f"{why} (generator.stall_timeout_s={stall:g})"), version, wedged=True)
 
     async def scale(self, n: int, version: int) -> None:
         if n < 1:

@@ -100,6 +100,8 @@ class Generator:
         self.weights_id: str | None = None
         """The trainer's name of the weights loaded (TrainerActor.weights_id); None: not known."""
         self._relabels = 0
+        self._progress = (0, 0.0)  # (tokens and requests counted, when that count last moved)
+        self._opened_at = time.monotonic()  # generation last (re)opened after a pause, an update or a sleep
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, version: int = 0) -> float:
@@ -204,7 +206,7 @@ class Generator:
             self._user_paused = False
             if not self._asleep:  # asleep: `wake` resumes
                 await self.engine.resume()
-                self._open.set()
+                self._reopen()
 
     async def sleep(self, keep_weights: bool = True) -> None:
         """placement=colocate, while the trainer steps: no requests, and on GPU the engine's
@@ -233,7 +235,7 @@ class Generator:
             self._asleep = False
             await self.engine.wake_up(resume=not self._user_paused)
             if not self._user_paused:
-                self._open.set()
+                self._reopen()
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """End every request (they return with finish_reason abort), bounded."""
@@ -304,12 +306,28 @@ class Generator:
                     await self.engine.pause("keep")
                 else:
                     await self.engine.resume()
-                    self._open.set()
+                    self._reopen()
                 async with self._changed:
                     self._changed.notify_all()
             held = time.monotonic() - t0
             self.update_pauses.append((mode, version, held))
             return held
+
+    def _reopen(self) -> None:
+        self._opened_at = time.monotonic()
+        self._open.set()
+
+    def stalled_s(self, now: float) -> float:
+        """Seconds the engine has had requests in flight, generating, and produced no token nor
+        scored a sequence (0 when it has none, or is paused, updating or asleep). Measured
+        between two calls of `stats` (the controller's health check and metrics read it every
+        few seconds): a count that moved since the last call restarts it."""
+        count = self.engine.tokens_generated + self.engine.tokens_scored + self._requests_done
+        if count != self._progress[0]:
+            self._progress = (count, now)
+        if self._in_flight <= 0 or not self._open.is_set() or self._asleep:
+            return 0.0
+        return max(0.0, now - max(self._progress[1], self._opened_at, self._busy_since or 0.0))
 
     # ---- stats ----------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -317,6 +335,7 @@ class Generator:
         busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
         tokens = self.engine.tokens_generated
         return {
+            "stalled_s": self.stalled_s(now),
             "version": self.version,
             "tokens_generated": tokens,
             "tokens_scored": self.engine.tokens_scored,
