@@ -296,10 +296,13 @@ def gloo_ranks(target, world: int, *args, timeout_s: float = 240) -> list:
 # ---- hand-made episode groups -----------------------------------------------------------------
 class FakeReplica:
     """A generator replica's stand-in for GeneratorPool's unit tests: its actor's endpoints
-    (`sync_weights`, `sleep`, `wake`) record their calls; `broken`: a weight update fails."""
+    (`sync_weights`, `sleep`, `wake`) record their calls; `broken`: a weight update fails.
+    `stats` answers the health check with `stalled_s` (none: it never answers, as a replica
+    busy applying an update); `killed` says whether `kill_leftovers` ran."""
 
-    def __init__(self, index: int, broken: bool = False):
+    def __init__(self, index: int, broken: bool = False, stalled_s: float | None = 0.0):
         self.index, self.broken, self.stopped, self.calls, self.pids = index, broken, False, [], [(1000 + index, 0)]
+        self.killed = False
 
         def endpoint(name: str):
             async def call(*args):
@@ -309,7 +312,15 @@ class FakeReplica:
 
             return types.SimpleNamespace(call_one=call)
 
-        self.actor = types.SimpleNamespace(**{name: endpoint(name) for name in ("sync_weights", "sleep", "wake")})
+        async def stats():
+            if stalled_s is None:
+                await asyncio.sleep(60)
+            return {"stalled_s": stalled_s, "requests_in_flight": 3}
+
+        self.actor = types.SimpleNamespace(**{name: endpoint(name) for name in ("sync_weights", "sleep", "wake")}, stats=types.SimpleNamespace(call_one=stats))
+
+    def kill_leftovers(self):
+        self.killed = True
 
     @property
     def synced(self) -> list[int]:

@@ -401,46 +401,39 @@ def test_a_replica_that_generates_nothing_with_requests_in_flight_counts_as_stal
     asyncio.run(main())
 
 
-def test_the_health_check_replaces_a_wedged_replica_and_leaves_a_busy_one(monkeypatch):
-    """GeneratorPool.check on members that answer `stats`: one stalled past
-    generator.stall_timeout_s is replaced as wedged (killed first); one under it, one on this
-    host too busy to answer (an update it applies), or any with the bound at 0, is left."""
+def test_the_health_check_replaces_a_wedged_replica_and_leaves_a_busy_one():
+    """GeneratorPool.check on replicas that answer `stats`: one stalled past
+    generator.stall_timeout_s is replaced as wedged (killed before its stop); one under it,
+    one on this host too busy to answer (an update it applies), or any with the bound at 0,
+    is left."""
+    from types import SimpleNamespace
+
     from meshrl.controller.replicas import GeneratorPool
-
-    class Member:
-        def __init__(self, index, stalled, answers=True):
-            self.index, self.pids = index, [(os.getpid(), 0.0)]
-            stats = {"stalled_s": stalled, "requests_in_flight": 3}
-
-            async def call_one():
-                if not answers:
-                    await asyncio.sleep(60)
-                return stats
-
-            self.actor = type("Actor", (), {"stats": type("Endpoint", (), {"call_one": staticmethod(call_one)})})
-
-        def on_this_host(self):
-            return True
-
-        def alive(self):
-            return True
+    from meshrl.launch.devices import plan_devices
+    from tests.conftest import FakeReplica
 
     async def main(bound):
-        pool = GeneratorPool(Config.from_dict({"generator": {"stall_timeout_s": bound, "replicas": 3}}), None, "unused", 0, None)
-        pool.replicas = [Member(0, 400.0), Member(1, 10.0), Member(2, 0.0, answers=False)]
-        replaced = []
+        config = Config.from_dict({"generator": {"stall_timeout_s": bound, "replicas": 3}})
 
-        async def replace(replica, error, version, wedged=False):
-            replaced.append((replica.index, str(error), wedged))
+        async def on_change():
+            pass
 
-        pool.replace = replace
+        pool = GeneratorPool(config, SimpleNamespace(plan=plan_devices(config)), "unused", 0, on_change=on_change)
+        pool.replicas = [FakeReplica(0, stalled_s=400.0), FakeReplica(1, stalled_s=10.0), FakeReplica(2, stalled_s=None)]
+        old = list(pool.replicas)
+
+        async def spawn(index):
+            return FakeReplica(index)
+
+        pool.spawn = spawn
         await pool.check(7)
-        return replaced
+        return old, pool
 
-    replaced = asyncio.run(main(300.0))
-    assert len(replaced) == 1 and replaced[0][0] == 0 and replaced[0][2]
-    assert "wedged: 3 requests in flight and no token for 400s (generator.stall_timeout_s=300)" in replaced[0][1]
-    assert asyncio.run(main(0.0)) == []
+    (wedged, slow, busy), pool = asyncio.run(main(300.0))
+    assert wedged.killed and wedged.stopped and pool.replicas[0] is not wedged and pool.replicas[0].synced == [7]
+    assert pool.replicas[1:] == [slow, busy] and not (slow.killed or busy.killed) and pool.replaced == 1
+    _, pool = asyncio.run(main(0.0))  # off
+    assert pool.replaced == 0
 
 
 def test_a_pause_outlasts_sleep_and_wake_until_resume(monkeypatch):
