@@ -27,15 +27,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from benchmarks.async_vs_sync import machine  # noqa: E402
+from common import ROOT, machine
 
 
 def run_arm(arm: str, steps: int, seed: int, run_dir: str, pace_every: int = 4) -> dict:

@@ -30,15 +30,13 @@ import itertools
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, SEED_STYLES, machine
 
-from async_vs_sync import RESULTS, SEED_STYLES, machine, time_to_reward  # noqa: E402
-
-from meshrl.config import Config  # noqa: E402  (importable once async_vs_sync put the repo root on the path)
+from async_vs_sync import time_to_reward  # noqa: E402
+from meshrl.config import Config  # noqa: E402  (importable once common put the repo root on the path)
 
 ARMS = {"distill": (1.0, 0.0), "rl": (0.0, 1.0), "mixed": (1.0, 1.0), "rl_plain": None}
 """arm -> (distill.kl_weight, distill.reward_weight); None: no teacher."""

@@ -20,11 +20,10 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import machine
 
 GROUPS, GROUP_SIZE, NEW_TOKENS, PROMPT_LEN, MAX_NUM_SEQS = 24, 4, 128, 16, 64
 
@@ -166,8 +165,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generator_overhead.json"))
     args = parser.parse_args()
-    from async_vs_sync import machine
-
     measured_on = machine()
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as root:

@@ -29,18 +29,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, SYSTEM_COLORS, machine
 
 from async_vs_sync import (  # noqa: E402
-    RESULTS,
-    SYSTEM_COLORS,
     add_common_args,
     bench_seeds,
-    machine,
     mean_gap,
     mode_means,
     reward_gap,
@@ -48,7 +44,7 @@ from async_vs_sync import (  # noqa: E402
     time_to_reward,
 )
 
-from meshrl.config import ModelConfig  # noqa: E402  (importable once async_vs_sync put the repo root on the path)
+from meshrl.config import ModelConfig  # noqa: E402  (importable once common put the repo root on the path)
 
 TARGET_SPEEDUP = 2.0
 MODEL_SIZES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")

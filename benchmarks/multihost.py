@@ -28,12 +28,8 @@ import time
 
 import yaml
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
+from common import RESULTS, bench_model, machine
 
-from async_vs_sync import RESULTS, bench_model, machine  # noqa: E402
 from tests.conftest import NetnsHosts, netns_unavailable  # noqa: E402
 
 PORT = 26700

@@ -33,16 +33,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
-sys.path.insert(0, ROOT)
-
-from benchmarks.async_vs_sync import machine  # noqa: E402
+from common import RESULTS, ROOT, machine
 
 SYNC = {"buffer.depth": 0, "buffer.max_lag": 0, "generator.update_mode": "block"}
 

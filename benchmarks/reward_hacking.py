@@ -36,12 +36,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
-
-from async_vs_sync import RESULTS, machine  # noqa: E402
+from common import RESULTS, ROOT, machine
 
 GUARD = {"kind": "function", "path": "meshrl.guards:repetition_guard", "weight": 0.0, "name": "guard"}
 KINDS = {

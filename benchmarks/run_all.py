@@ -20,11 +20,10 @@ import sys
 import threading
 import time
 
+from common import RESULTS, ROOT, machine
+from step_floor import SMALL_MODEL  # the small problem, one definition
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
-sys.path.insert(0, HERE)
-from step_floor import SMALL_MODEL  # noqa: E402  the small problem, one definition
 
 # (name, arguments, time limit in s); small sizes so that all of them fit in about 25 minutes
 BENCHMARKS = [
@@ -186,8 +185,6 @@ def main() -> None:
     args = p.parse_args()
     only = set(args.only.split(",")) if args.only else None
     os.makedirs(RESULTS, exist_ok=True)
-    from async_vs_sync import machine
-
     measured_on = machine()
     t0 = time.monotonic()
     runs = [run_one(*b) for b in BENCHMARKS if only is None or b[0] in only]

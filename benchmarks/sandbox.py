@@ -25,11 +25,9 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from common import ROOT, machine
 
 from meshrl.config import SandboxConfig  # noqa: E402
 from meshrl.rollout.sandbox import SandboxPool, interpreter  # noqa: E402
@@ -40,21 +38,10 @@ PROGRAMS = {
 }
 
 
-def machine() -> dict:
-    flags = subprocess.run("grep -o -w 'avx2\\|avx512f\\|amx_tile' /proc/cpuinfo | sort -u", shell=True, capture_output=True, text=True).stdout.split()
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+def sandbox_machine() -> dict:
+    """The common machine record, plus what decides the sandbox's cost: the kernel and bubblewrap."""
     bwrap = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
-    return {
-        "cpu_model": model,
-        "cpu_flags": flags,
-        "cpus": os.cpu_count(),
-        "cpus_visible": len(os.sched_getaffinity(0)),
-        "kernel": platform.release(),
-        "python_host": sys.version.split()[0],
-        "bwrap": bwrap,
-        "loadavg": os.getloadavg(),
-        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    return {**machine(), "kernel": platform.release(), "bwrap": bwrap}
 
 
 def stats(latencies: list[float], wall: float) -> dict:
@@ -121,7 +108,7 @@ async def concurrent(code: str, calls: int, callers: int = 4) -> dict:
 
 async def main(calls: int) -> dict:
     python, _ = interpreter(SandboxConfig())
-    results: dict = {"machine": machine(), "calls": calls, "python": python, "programs": PROGRAMS, "cases": {}}
+    results: dict = {"machine": sandbox_machine(), "calls": calls, "python": python, "programs": PROGRAMS, "cases": {}}
     for name, code in PROGRAMS.items():
         await bare(python, code, 5)  # page cache
         case = {
@@ -134,7 +121,7 @@ async def main(calls: int) -> dict:
         for mode in ("warm", "cold", "sustained"):
             case[mode]["overhead_p50_x_bare"] = case[mode]["p50_ms"] / case["bare"]["p50_ms"]
         results["cases"][name] = case
-    results["machine_after"] = machine()
+    results["machine_after"] = sandbox_machine()
     return results
 
 

@@ -27,8 +27,7 @@ import json
 import os
 import statistics
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
+from common import RESULTS
 
 
 def load(name: str) -> dict:

@@ -26,13 +26,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from async_vs_sync import RESULTS, machine  # noqa: E402
+from common import RESULTS, machine
 
 ARMS = ("verifier", "rm_only", "rm_logged")
 COLORS = {"verifier": "tab:gray", "rm_only": "tab:red", "rm_logged": "tab:blue"}

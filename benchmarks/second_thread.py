@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import machine, write_result
 
 MODEL = {"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 1536, "dtype": "float32"}  # section 14's
 
@@ -36,7 +35,7 @@ MODEL = {"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 15
 def policy_part(steps: int) -> dict:
     import torch
 
-    from benchmarks.trainer_throughput import make_batch
+    from trainer_throughput import make_batch
     from meshrl.config import Config
     from meshrl.trainer.policy import PolicyTrainer
     from meshrl.trainer.snapshot import Snapshots
@@ -66,7 +65,7 @@ def policy_part(steps: int) -> dict:
 
 
 def critic_variant(steps: int, one_thread: bool) -> dict:
-    from benchmarks.trainer_throughput import make_batch
+    from trainer_throughput import make_batch
     from meshrl.config import ModelConfig
     from meshrl.trainer.critic import CriticTrainer
 
@@ -99,8 +98,6 @@ def main() -> None:
         out = policy_part(args.steps) if args.variant == "policy" else critic_variant(args.steps, args.variant == "critic-one")
         print(json.dumps(out))
         return
-    from benchmarks.async_vs_sync import machine, write_result
-
     result = {"machine": machine(), "args": vars(args)}
     for variant in ("policy", "critic-two", "critic-one", "critic-two", "critic-one"):
         line = subprocess.run([sys.executable, __file__, "--variant", variant, "--steps", str(args.steps)], capture_output=True, text=True, check=True).stdout

@@ -23,16 +23,14 @@ import json
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import machine, write_result
 
-from benchmarks.async_vs_sync import machine, write_result  # noqa: E402
-from benchmarks.trainer_throughput import make_batch  # noqa: E402
+from trainer_throughput import make_batch  # noqa: E402
 from meshrl.config import Config  # noqa: E402
 
 SIZES = {

@@ -33,16 +33,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
+from common import RESULTS, ROOT, SEED_STYLES, SYSTEM_COLORS, machine
 
-from async_vs_sync import RESULTS, SEED_STYLES, SYSTEM_COLORS, machine, mean_gap, policy_samples, reward_gap  # noqa: E402
+from async_vs_sync import mean_gap, policy_samples, reward_gap  # noqa: E402
 
 CONFIGS = {
     "default": "configs/default.yaml",

@@ -24,15 +24,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, ROOT, machine
 
-from async_vs_sync import RESULTS, machine  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_MODEL = {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384}
 """About 0.8M parameters with the 128-token character vocabulary."""
 PROBLEMS = {

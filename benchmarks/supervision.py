@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import machine, write_result
 
 TRIAL = """
 import asyncio, json, os, signal, time
@@ -74,7 +74,6 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/supervision.json")
     args = ap.parse_args()
-    from benchmarks.async_vs_sync import machine, write_result
 
     result = {"machine": machine(), "args": vars(args), "meshrl": [], "monarch_default": []}
     for _ in range(args.trials):  # interleaved

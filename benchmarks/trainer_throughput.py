@@ -102,7 +102,7 @@ def main() -> None:
     print(f"{'setup':<28} {'step s (median)':>16} {'tokens/s':>10}")
     for r in rows:
         print(f"{r['setup']:<28} {r['step_s_median']:>16.3f} {r['tokens_per_s']:>10.0f}")
-    from async_vs_sync import machine
+    from common import machine
 
     print(json.dumps({"benchmark": "trainer_throughput", "machine": machine(), "params": n_params, "results": rows}))
 

@@ -25,13 +25,12 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, machine
 
-from async_vs_sync import MODE_CONFIGS, RESULTS, add_common_args, bench_config, bench_seeds, mean_gap, mode_means, reward_gap, run_seeds, time_to_reward  # noqa: E402
+from async_vs_sync import MODE_CONFIGS, add_common_args, bench_config, bench_seeds, mean_gap, mode_means, reward_gap, run_seeds, time_to_reward  # noqa: E402
 
 TARGET_SPEEDUP = 2.0
 
@@ -380,7 +379,7 @@ def main() -> None:
             f"{verdict['ceiling_over_trl_samples_per_s']:.2f}x TRL's samples/s; async beats it only by generating "
             f"more efficiently than sync (more sequences in flight)"
         )
-    from async_vs_sync import machine, plot
+    from async_vs_sync import plot
 
     payload = {
         "args": vars(args),

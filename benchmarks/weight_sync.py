@@ -282,7 +282,7 @@ async def main() -> None:
     ap.add_argument("--versions", type=int, default=3, help="timed versions per size (after two warm-ups)")
     ap.add_argument("--out", default="benchmarks/results/weight_sync.json")
     args = ap.parse_args()
-    from async_vs_sync import machine
+    from common import machine
 
     measured_on = machine()
     sizes = args.sizes.split(",")

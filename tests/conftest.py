@@ -32,7 +32,7 @@ def pytest_unconfigure(config):
 def pytest_terminal_summary(terminalreporter):
     """The CPU the run had, under its results: learning curves and timings differ by CPU kind."""
     try:
-        from benchmarks.async_vs_sync import machine
+        from benchmarks.common import machine
     except ImportError:  # run from outside the repository: no line, no failure
         return
     m = machine()
