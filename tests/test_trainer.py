@@ -313,6 +313,28 @@ def test_a_step_off_the_trainers_pace_keeps_weights_and_optimizer_and_moves_the_
     assert paced.step == 3 and all(torch.equal(p, after[n]) for n, p in paced.model.named_parameters())
 
 
+def test_a_paced_trainer_counts_its_lag_in_weight_updates_not_held_versions():
+    """Under trainer.pace a held step moves the version and not the weights: a token's lag (the
+    trust regions of clip_against=versions, the staleness metrics, the fresh/previous drift
+    metrics) counts the updates since it was sampled, for every pace (against a count by hand)."""
+    from meshrl.config import PaceConfig
+    from meshrl.trainer.losses import weight_lags
+
+    for every, steps, offset in [(1, 1, 0), (2, 1, 1), (4, 1, 0), (5, 2, 3), (3, 3, 2)]:
+        pace = PaceConfig(every=every, steps=steps, offset=offset)
+        for version in range(12):
+            versions = torch.arange(version + 2)  # one past `version`: never negative
+            want = [sum(pace.updates(s) for s in range(v + 1, version + 1)) for v in versions.tolist()]
+            assert weight_lags(versions, version, pace).tolist() == want, (every, steps, offset, version)
+    # every 2 from step 2 (steps 2, 4, ... update): at version 2 a token of version 0 is one update behind, not two
+    batch = make_batch(seed=6, version=1)
+    assert set(batch["versions"][batch["loss_mask"]].tolist()) == {0, 1}
+    paced, plain = PolicyTrainer(make_config(pace={"every": 2, "offset": 1}), CPU), PolicyTrainer(make_config(), CPU)
+    paced.step = plain.step = 2
+    assert paced.train_step(batch, current_version=2)["staleness_max"] == 1.0
+    assert plain.train_step(batch, current_version=2)["staleness_max"] == 2.0
+
+
 def test_bf16_compute_on_cpu_tracks_float32_and_keeps_float32_state():
     batch = make_batch(version=1)
     fp32 = PolicyTrainer(make_config(), CPU)

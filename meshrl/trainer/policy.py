@@ -26,7 +26,7 @@ from meshrl.config import MOE_FAMILIES, Config
 from meshrl.episode import FINISH_REASONS, PAD_VERSION, group_slices, trim
 from meshrl.trainer import checkpoint as ckpt, lora
 from meshrl.trainer.logprobs import token_logprobs
-from meshrl.trainer.losses import policy_loss, reduce_metrics
+from meshrl.trainer.losses import policy_loss, reduce_metrics, weight_lags
 from meshrl.config.hf import model_args_from_hf
 from meshrl.trainer.model import build_model
 from meshrl.trainer.offload import OptimizerOffload
@@ -238,7 +238,7 @@ class PolicyTrainer:
         plans = self._plans(batch)
         for idx in plans[self.dp_rank]:
             packed = trim(batch[torch.tensor(idx or [0])]).to(self.device)
-            lag = (version - packed["versions"]).clamp(min=0)  # versions trained since each token was sampled
+            lag = weight_lags(packed["versions"], version, tcfg.pace)  # weight updates since each token was sampled
             want_entropy = True  # the bonus when entropy_coef > 0; the trainer/entropy metric always
             misses: list = []
             replay_changed: list = []
@@ -274,7 +274,7 @@ class PolicyTrainer:
                 if "teacher_logprobs" in packed.keys():  # reduce_metrics: distill_reverse_kl, the token mean of log mu - log pi_teacher
                     gap = packed["sampler_logprobs"] - packed["teacher_logprobs"]
                     m["distill_reverse_kl_sum"] = torch.where(packed["loss_mask"], gap, 0.0).sum().detach()
-                m.update(_drift_sums(logprobs.detach(), packed, version))
+                m.update(_drift_sums(logprobs.detach(), packed, lag))
                 if idx:
                     gaps.append(torch.where(packed["loss_mask"], logprobs.detach() - packed["sampler_logprobs"].float(), 0.0)[packed["loss_mask"]].cpu())
                 if not idx:  # padding micro-batch: gradient of zero, metrics of nothing
@@ -428,17 +428,17 @@ class PolicyTrainer:
         return info
 
 
-def _drift_sums(logprobs: torch.Tensor, packed: TensorDict, version: int) -> dict[str, torch.Tensor]:
+def _drift_sums(logprobs: torch.Tensor, packed: TensorDict, lag: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-micro-batch sums behind `_drift_metrics` (summed across micro-batches and ranks).
 
     log rho = log pi_theta - log mu per loss token. Tokens of lag 0 were sampled by the very
     weights being trained: their gap is the engine's own (numerics, a prefix cached under older
     weights in keep mode), with no policy movement in it. Tokens of lag 1 were sampled by the
-    previous version, so k3(rho) = rho - 1 - log rho over them estimates KL(pi_prev || pi_theta)."""
+    weights of the update before, so k3(rho) = rho - 1 - log rho over them estimates
+    KL(pi_prev || pi_theta). `lag`: weight updates since each token (losses.weight_lags)."""
     mask = packed["loss_mask"]
     log_rho = torch.where(mask, logprobs.float() - packed["sampler_logprobs"].float(), 0.0)
     k3 = torch.where(mask, log_rho.clamp(max=30.0).exp() - 1 - log_rho, 0.0)
-    lag = version - packed["versions"]
     fresh, previous = mask & (lag == 0), mask & (lag == 1)
     return {
         "fresh_tokens_sum": fresh.sum().float(),
