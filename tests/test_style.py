@@ -1,8 +1,11 @@
-"""The code base is formatted and linted by ruff, with the settings in pyproject.toml."""
+"""The code base is formatted and linted by ruff, with the settings in pyproject.toml, and
+every relative link of the README and the docs resolves, to a file and to a heading."""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -22,3 +25,34 @@ def test_the_code_is_formatted():
 def test_the_code_passes_the_linter():
     out = _ruff("check")
     assert out.returncode == 0, f"`ruff check` finds:\n{out.stdout[-3000:]}{out.stderr[-2000:]}"
+
+
+def _headings(path: str) -> set[str]:
+    """The anchors GitHub makes of a page's headings (lower case, punctuation dropped but
+    `-` and `_`, spaces as `-`, a repeated one suffixed -1, -2, ...); none inside code blocks."""
+    out, seen, fenced = set(), {}, False
+    for line in open(path):
+        fenced ^= line.startswith("```")
+        heading = None if fenced else re.match(r"#+\s+(.*)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).replace("`", "").strip().lower()).replace(" ", "-")
+            out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def test_every_link_in_the_readme_and_docs_resolves():
+    pages = ["README.md", "benchmarks/README.md", "tests/README.md", *glob.glob("docs/*.md", root_dir=ROOT), *glob.glob("examples/*/README.md", root_dir=ROOT)]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", open(os.path.join(ROOT, page)).read(), flags=re.S)
+        for link in re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", text):
+            if link.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = link.partition("#")
+            target = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), path)) if path else os.path.join(ROOT, page)
+            if not os.path.exists(target):
+                broken.append(f"{page}: {link} (no such file)")
+            elif anchor and target.endswith(".md") and anchor not in _headings(target):
+                broken.append(f"{page}: {link} (no such heading)")
+    assert not broken, "\n".join(broken)
