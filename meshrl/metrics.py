@@ -197,6 +197,6 @@ def format_row(row: dict[str, float], keys: Iterable[str]) -> str:
     parts = []
     for key in keys:
         if key in row:
-            head, *_, last = key.split("/")
-            parts.append(f"{head + ':' if key.count('/') > 1 else ''}{last}={row[key]:.3g}")
+            words = key.split("/")
+            parts.append(f"{words[0] + ':' if len(words) > 2 else ''}{words[-1]}={row[key]:.3g}")
     return " ".join(parts)

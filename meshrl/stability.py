@@ -34,6 +34,7 @@ from meshrl.errors import RunFailed
 
 REWARD_KEYS = ("buffer/sampled_reward_mean", "trainer/reward_mean")
 ENTROPY_KEY = "trainer/entropy"
+TOKENS_KEY = "trainer/tokens"
 
 
 def window_means(values: Sequence[float], window: int) -> list[float]:
@@ -112,6 +113,8 @@ class _Series:
 
     reward_keys: tuple[str, ...]
     entropy_key: str
+    tokens_key: str
+    """A step where it is 0 trained none of the model's own rows (a stand-in row, masked): not a point of its series."""
     rewards: deque
     entropies: deque
     best: float = float("-inf")
@@ -126,11 +129,11 @@ class CliffWatch:
         self.window, self.drop, self.min_best, self.floor = window, reward_drop, min_best_reward, entropy_floor
         policy = REWARD_KEYS[1:] if models else REWARD_KEYS  # the buffer's reward mixes every model's rows
 
-        def series(keys, entropy):
-            return _Series(keys, entropy, deque(maxlen=window), deque(maxlen=window))
+        def series(keys, entropy, tokens):
+            return _Series(keys, entropy, tokens, deque(maxlen=window), deque(maxlen=window))
 
-        self.series = {"": series(policy, ENTROPY_KEY)}
-        self.series.update({m: series((f"{m}/{REWARD_KEYS[1]}",), f"{m}/{ENTROPY_KEY}") for m in models})
+        self.series = {"": series(policy, ENTROPY_KEY, TOKENS_KEY)}
+        self.series.update({m: series((f"{m}/{REWARD_KEYS[1]}",), f"{m}/{ENTROPY_KEY}", f"{m}/{TOKENS_KEY}") for m in models})
         self.checkpoints: list[int] = []
         self.raised: list[Alarm] = []
 
@@ -145,6 +148,8 @@ class CliffWatch:
     def update(self, step: int, row: dict) -> list[Alarm]:
         alarms = []
         for model, s in self.series.items():
+            if row.get(s.tokens_key) == 0:
+                continue
             reward = next((row[k] for k in s.reward_keys if k in row), None)
             if reward is not None:
                 s.rewards.append(float(reward))

@@ -107,6 +107,14 @@ def test_in_a_game_each_trained_model_is_watched_on_its_own_rows():
     ]
     assert fired[0][1].line(2, 0.5).startswith("ALARM: reward fell off a cliff at step 5")
     assert fired[1][1].line(2, 0.5).startswith("ALARM: proposer's entropy collapsed at step 5")
+    # a step that trained none of a model's own rows (a masked stand-in row: entropy 0, another
+    # model's reward) is no point of its series
+    spared = CliffWatch(window=2, reward_drop=0.5, min_best_reward=0.1, entropy_floor=0.05, models=["proposer"])
+    empty = {"proposer/trainer/tokens": 0.0, "proposer/trainer/entropy": 0.0, "proposer/trainer/reward_mean": 0.0}
+    for step in range(1, 7):
+        rows = {"trainer/tokens": 10.0, "trainer/entropy": 1.0, "trainer/reward_mean": 0.5, "proposer/trainer/tokens": 10.0}
+        rows |= {"proposer/trainer/entropy": 1.0, "proposer/trainer/reward_mean": 0.8} if step < 3 else empty
+        assert not spared.update(step, rows), step
     # one model watched alone reads the buffer's mix and misses the fall
     mixed = CliffWatch(window=2, reward_drop=0.5, min_best_reward=0.1, entropy_floor=0.0)
     assert not [a for i, (s, p) in enumerate(zip(solver, proposer)) for a in mixed.update(i, {"buffer/sampled_reward_mean": (s + p) / 2})]

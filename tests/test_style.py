@@ -28,14 +28,16 @@ def test_the_code_passes_the_linter():
 
 
 def _headings(path: str) -> set[str]:
-    """The anchors GitHub makes of a page's headings (lower case, punctuation dropped but
-    `-` and `_`, spaces as `-`, a repeated one suffixed -1, -2, ...); none inside code blocks."""
+    """The anchors GitHub makes of a page's headings (a link's text kept and its address
+    dropped, lower case, punctuation dropped but `-` and `_`, spaces as `-`, a repeated one
+    suffixed -1, -2, ...); none inside fenced code blocks."""
     out, seen, fenced = set(), {}, False
     for line in open(path):
-        fenced ^= line.startswith("```")
+        fenced ^= bool(re.match(r" {0,3}(`{3,}|~{3,})[^`]*$", line))  # a fence line, not inline code that starts a line
         heading = None if fenced else re.match(r"#+\s+(.*)", line)
         if heading:
-            slug = re.sub(r"[^\w\- ]", "", heading.group(1).replace("`", "").strip().lower()).replace(" ", "-")
+            text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).replace("`", "")
+            slug = re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
             out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
             seen[slug] = seen.get(slug, 0) + 1
     return out

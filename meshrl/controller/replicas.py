@@ -145,16 +145,17 @@ class GeneratorPool:
 
         await asyncio.gather(*(one(r) for r in list(self.replicas)))
 
-    async def replace(self, replica: Member, error: BaseException, version: int, wedged: bool = False) -> None:
-        """A new replica in `replica`'s place. A `wedged` one (alive) is killed first: a live
-        actor stopped with the workers' calls on their way returns them undeliverable, which
-        ends the caller (Monarch), while a dead one's calls fail and are asked again."""
+    async def replace(self, replica: Member, error: BaseException, version: int) -> None:
+        """A new replica in `replica`'s place. Its processes on this host are killed before its
+        stop (one may still be alive: wedged, or its update failed): a live actor stopped with
+        the workers' calls on their way returns them undeliverable, which ends the caller
+        (Monarch), while a dead one's calls fail and are asked again. Off this host it is
+        stopped alive, and a worker that ends so is replaced as a dead one is."""
         async with self._lock:
             if replica not in self.replicas:
                 return
             log.warning("%s replica %d failed (%s); replacing it", self._role, replica.index, first_line(str(error), 200) or type(error).__name__)
-            if wedged:
-                replica.kill_leftovers()
+            replica.kill_leftovers()
             await replica.stop()
             fresh = await self.spawn(replica.index)
             self.replicas[self.replicas.index(replica)] = fresh
@@ -197,7 +198,7 @@ class GeneratorPool:
                     await self.replace(r, answer, version)
             elif stall and answer.get("stalled_s", 0.0) > stall:
                 why = f"wedged: {answer['requests_in_flight']} requests in flight and no token for {answer['stalled_s']:.0f}s"
-                await self.replace(r, RuntimeError(f"{why} (generator.stall_timeout_s={stall:g})"), version, wedged=True)
+                await self.replace(r, RuntimeError(f"{why} (generator.stall_timeout_s={stall:g})"), version)
 
     async def scale(self, n: int, version: int) -> None:
         if n < 1:

@@ -100,8 +100,8 @@ class Generator:
         self.weights_id: str | None = None
         """The trainer's name of the weights loaded (TrainerActor.weights_id); None: not known."""
         self._relabels = 0
-        self._progress = (0, 0.0)  # (tokens and requests counted, when that count last moved)
-        self._opened_at = time.monotonic()  # generation last (re)opened after a pause, an update or a sleep
+        self._progress = (0, 0.0)  # (tokens counted, when the stall clock last started: that count moved, or work began)
+        self._closed_at: float | None = None  # the gate closed (a pause, an update, a sleep): the stall clock stops
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, version: int = 0) -> float:
@@ -179,8 +179,10 @@ class Generator:
             raise TimeoutError(f"generator replica {self.replica} is at version {self.version}, not {version}, after {timeout:g}s") from None
 
     def _request_started(self) -> None:
-        if self._in_flight == 0 and self._busy_since is None:
-            self._busy_since = time.monotonic()
+        if self._in_flight == 0:
+            self._progress = (self._progress[0], time.monotonic())  # work begins: so does the stall clock
+            if self._busy_since is None:
+                self._busy_since = time.monotonic()
         self._in_flight += 1
 
     async def _request_ended(self) -> None:
@@ -197,7 +199,7 @@ class Generator:
         Holds until `resume`, whatever `sleep` and `wake` do in between."""
         async with self._update_lock:
             self._user_paused = True
-            self._open.clear()
+            self._close()
             if not self._asleep:  # asleep: the engine runs nothing already
                 await self.engine.pause("keep")
 
@@ -214,7 +216,7 @@ class Generator:
         version loaded before `wake`). Requests that arrive wait for `wake`."""
         async with self._update_lock:
             self._asleep = True
-            self._open.clear()
+            self._close()
             try:
                 if await self.engine.sleep(keep_weights):  # dropped (GPU): a relabel would wake on nothing
                     self.weights_id = None
@@ -273,7 +275,7 @@ class Generator:
             raise ValueError(f"update mode must be one of {UPDATE_MODES}, got {mode!r}")
         timeout = self.config.weight_sync.timeout_s
         async with self._update_lock:
-            self._open.clear()  # no new requests (or resumed prefixes) until the new version
+            self._close()  # no new requests (or resumed prefixes) until the new version
             self.weights_id = None  # until the load is done
             t0 = time.monotonic()
             try:
@@ -313,21 +315,31 @@ class Generator:
             self.update_pauses.append((mode, version, held))
             return held
 
+    def _close(self) -> None:
+        if self._closed_at is None:
+            self._closed_at = time.monotonic()
+        self._open.clear()
+
     def _reopen(self) -> None:
-        self._opened_at = time.monotonic()
+        if self._closed_at is not None:  # the time closed does not count as stalled, nor restart the clock
+            count, since = self._progress
+            self._progress, self._closed_at = (count, since + time.monotonic() - self._closed_at), None
         self._open.set()
 
     def stalled_s(self, now: float) -> float:
         """Seconds the engine has had requests in flight, generating, and produced no token nor
-        scored a sequence (0 when it has none, or is paused, updating or asleep). Measured
-        between two calls of `stats` (the controller's health check and metrics read it every
-        few seconds): a count that moved since the last call restarts it."""
-        count = self.engine.tokens_generated + self.engine.tokens_scored + self._requests_done
+        scored one: the time since that count last moved or work began, less the time the gate
+        was closed (paused, updating, asleep: 0 while it is). Measured between two calls of
+        `stats` (the controller's health check and metrics read it every few seconds): a count
+        that moved since the last call restarts it. An update's aborted and resumed requests
+        are no progress: a replica whose engine answers pauses and loads but schedules nothing
+        still counts as stalled."""
+        count = self.engine.tokens_generated + self.engine.tokens_scored
         if count != self._progress[0]:
             self._progress = (count, now)
         if self._in_flight <= 0 or not self._open.is_set() or self._asleep:
             return 0.0
-        return max(0.0, now - max(self._progress[1], self._opened_at, self._busy_since or 0.0))
+        return max(0.0, now - self._progress[1])
 
     # ---- stats ----------------------------------------------------------------------------
     def stats(self) -> dict:
