@@ -238,6 +238,11 @@ def test_trained_models_get_gpus_of_their_own_after_the_policys_roles(monkeypatc
     memory = plan_memory(c, plan=plan)
     roles = {(g.where[2], h.role) for g in memory.gpus for h in g.holdings}
     assert {(2, "proposer/trainer"), (4, "proposer/generator")} <= roles and (0, "trainer") in roles
+    for procs in (1, 3):  # several hosts: a model's trainer ranks are laid out over the policy's trainer hosts, evenly
+        slurm = {"kind": "slurm", "hosts": 3, "gpus_per_host": 8}
+        with pytest.raises(ConfigError) as e:
+            plan_devices(config(launcher=slurm, trainer={"procs": 12}, models=[{"name": "p", "trainer": {"procs": procs}}]))
+        assert e.value.field_path == "models[0].trainer.procs" and "over the 2 trainer hosts: use a multiple of 2" in str(e.value)
     with pytest.raises(ConfigError) as e:  # critic_b's replica finds no GPU left: its own field, and what the others hold
         plan_devices(config(models=two, launcher={"gpus_per_host": 5}))
     assert e.value.field_path == "models[1].generator.replicas" and "(5 of the 5 GPUs of hosts[0])" in str(e.value), str(e.value)
@@ -264,6 +269,25 @@ def test_trained_models_get_gpus_of_their_own_after_the_policys_roles(monkeypatc
         "critic_b/trainer",
         "critic_b/generator",
     ]
+
+
+def test_the_memory_plan_counts_each_model_as_the_run_settles_placement_and_transport():
+    """placement and weight_sync.transport `auto`, as preflight sees them: every model's view
+    inherits the run's settled choice (pinning.settle_layout), so a model colocated on the
+    policy's GPU stages its versions there too, as the run will; a model's view alone would
+    resolve otherwise and leave its staging slots out."""
+    from meshrl.launch.devices import resolve_placement, resolve_transport
+    from meshrl.launch.memory import plan_memory
+
+    two_b = {"vocab_size": 151936, "dim": 2048, "n_layers": 28, "n_heads": 16, "n_kv_heads": 8, "ffn_dim": 6144, "dtype": "bfloat16"}
+    sections = {"data": {"source": "task:propose"}, "model": two_b, "models": [{"name": "proposer"}], "generator": {"gpu_memory_utilization": 0.3}}
+    c = config(**sections, launcher={"gpus_per_host": 2, "gpu_memory_gib": 80})
+    assert (resolve_placement(c)[0], resolve_transport(c)) == ("colocate", "shm")
+    settled = config(**sections, placement="colocate", weight_sync={"transport": "shm"}, launcher={"gpus_per_host": 2, "gpu_memory_gib": 80})
+    planned, run = plan_memory(c), plan_memory(settled)
+    staged = {h.role for g in planned.gpus for h in g.holdings if "weight-sync staging (2 slots)" in dict(h.lines)}
+    assert staged == {"trainer", "proposer/trainer"}
+    assert max(g.peak for g in planned.gpus) == max(g.peak for g in run.gpus) and planned.problems == run.problems != []
 
 
 def test_colocated_models_share_the_gpus_their_trainers_step_in_turn_in_the_memory_plan(monkeypatch):
@@ -312,6 +336,11 @@ def test_colocated_models_share_the_gpus_their_trainers_step_in_turn_in_the_memo
     _colocated_models(c, stepping)
     ((field, why),) = stepping.problems
     assert field == "placement" and "a trainer's step beside what the other trainers keep" in why and "gpu_memory_utilization" not in why, why
+    # a scorer on the shared GPU (a judge, a reward model, a PRM) never sleeps: held through the trainer's step too
+    prm = Holding("scorer", 0, [("PRM weights and AdamW", 15 * GiB)])
+    shared = GPUPlan(("hosts", 0, 0), [trainer("trainer"), engines[0], prm])
+    assert shared.peak == 60 * GiB + CUDA_CONTEXT + 15 * GiB  # the step, the engine asleep, the scorer resident
+    assert GPUPlan(("hosts", 0, 0), [trainer("trainer"), engines[0]]).peak == 60 * GiB + CUDA_CONTEXT
     for model, field in (({"trainer": {"procs": 2}}, "models[0].trainer.procs"), ({"generator": {"replicas": 2}}, "models[0].generator.replicas")):
         with pytest.raises(ConfigError) as e:  # laid out as the policy's: within the host's GPUs
             plan_devices(config(placement="colocate", models=[{**one, **model}], launcher={"gpus_per_host": 1}))

@@ -483,6 +483,13 @@ def test_a_pause_outlasts_sleep_and_wake_until_resume(monkeypatch):
         await gen.wake()
         assert (await asyncio.wait_for(waiting, 5)).versions == [2, 2]
         assert gen.stats()["sleeps"] == 4
+        # weights dropped and no load before the wake (the update was cut off: its trainer died): the
+        # engine stays paused and nothing generates from the freed memory until a version is loaded
+        await gen.sleep(keep_weights=False)
+        await gen.wake()
+        waiting = await held(gen)
+        await gen.update_weights(3, {}, "keep")
+        assert (await asyncio.wait_for(waiting, 5)).versions == [3, 3] and gen.engine.running
 
     asyncio.run(main())
 

@@ -161,9 +161,10 @@ class RLLoop:
         saved = checkpoints.saved_models(self.run_dir) if self.resume else {}
         self.partners = [TrainedModel(c, spec.name, self.alloc, self._rewire_partner, self._offload_optimizer) for spec in c.models if not spec.frozen]
         self.served = served_pools(c, self.alloc, self._rewire_partner)
-        # The policy's generators, the teacher, the scorers and each trained model start at once, each mostly waiting on its
-        # procs; models sharing GPUs: every trainer first, then each model's engines in turn (members.py `in_order`: why)
-        shared = bool(self.partners) and self.alloc.plan.layout == "colocated"
+        # The policy's generators, the teacher, the scorers and each model start at once, each mostly waiting on its procs;
+        # engines sharing GPUs (a colocated plan: every model's, a frozen one's, the teacher's, a judge's or a PRM's):
+        # every trainer first, then each engine in turn (members.py `in_order`: why)
+        shared = self.alloc.plan.layout == "colocated"
         if shared:
             await all_ended(*(p.start_trainer(self.version, *saved.get(p.name, (None, None))) for p in self.partners))
         starts = [generators(), *(p.start_generators() if shared else p.start(self.version, *saved.get(p.name, (None, None))) for p in self.partners)]

@@ -99,6 +99,7 @@ class Generator:
         """(mode, version, seconds generation was held) for each update."""
         self.weights_id: str | None = None
         """The trainer's name of the weights loaded (TrainerActor.weights_id); None: not known."""
+        self._dropped = False  # weights dropped at a sleep (level 2) and not loaded since
         self._relabels = 0
         self._progress = (0, 0.0)  # (tokens counted, when the stall clock last started: that count moved, or work began)
         self._closed_at: float | None = None  # the gate closed (a pause, an update, a sleep): the stall clock stops
@@ -219,10 +220,10 @@ class Generator:
             self._close()
             try:
                 if await self.engine.sleep(keep_weights):  # dropped (GPU): a relabel would wake on nothing
-                    self.weights_id = None
+                    self.weights_id, self._dropped = None, True
             except BaseException:
                 if not keep_weights:  # perhaps dropped before it failed
-                    self.weights_id = None
+                    self.weights_id, self._dropped = None, True
                 raise
             self._sleeps += 1
             self._asleep_from = self.engine.tokens_generated
@@ -235,8 +236,11 @@ class Generator:
                 self._tokens_asleep += self.engine.tokens_generated - self._asleep_from
                 self._asleep_from = None
             self._asleep = False
-            await self.engine.wake_up(resume=not self._user_paused)
-            if not self._user_paused:
+            # weights dropped at the sleep and no load since (the update was cut off: its trainer died) would generate
+            # from memory the sleep freed, under the old version: the engine stays paused and the gate closed until a load
+            hold = self._user_paused or self._dropped
+            await self.engine.wake_up(resume=not hold)
+            if not hold:
                 self._reopen()
 
     async def stop(self, timeout_s: float = 30.0) -> None:
@@ -300,7 +304,7 @@ class Generator:
                 else:
                     await self.engine.load_tensors(tensors, timeout)
                 await self.engine.set_version(version)
-                self.weights_id = weights_id
+                self.weights_id, self._dropped = weights_id, False
             finally:
                 if self._asleep:
                     pass  # asleep (paused, on GPU its KV cache freed) until `wake`

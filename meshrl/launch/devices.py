@@ -44,8 +44,7 @@ from meshrl.launch.hosts import SHARED_MESH, plan_hosts
 
 DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
 PLAN_ENV = "MESHRL_DEVICE_PLAN"
-"""Set in every proc the plan placed on GPUs: its role and index (`generator 3`). Such a proc
-sees only its own GPUs and uses its device 0."""
+"""Set in every proc the plan placed on GPUs: its role and index (`generator 3`); it sees only its own GPUs and uses its device 0."""
 NCCL_IFNAME_ENV = "NCCL_SOCKET_IFNAME"
 """Where NCCL's bootstrap sockets listen. NCCL reads it once per process, at its first
 communicator (TorchTitan's or weight sync's, whichever comes first), so a one-machine plan
@@ -219,8 +218,7 @@ def critic_gpus(config: Config) -> int:
 
 
 def scorer_gpus(config: Config) -> int:
-    """GPUs the scorer procs hold: one per reward model or judge replica, and an implicit PRM's
-    beside a GPU trainer (a remote client none)."""
+    """GPUs the scorer procs hold: one per reward model or judge replica, and an implicit PRM's beside a GPU trainer (a remote client none)."""
     return len(scorer_slots(config))
 
 
@@ -268,9 +266,9 @@ def resolve_placement(config: Config, gpus: int | None = None) -> tuple[str, str
     """(`split` or `colocate`, why): `config.placement`, with `auto` decided for `gpus` per host
     (None: `gpus_per_host(config)`). On GPUs: colocate on one host where the roles do not fit
     one each and do fit sharing (every trained model's too, none with a critic), split
-    everywhere else (several hosts, a CPU trainer). On a
-    host with no GPU: colocate only where it can be (one machine, a shared-memory weight
-    handoff, cores not pinned by hand) and the trainer's step outweighs generating its batch."""
+    everywhere else (several hosts, a CPU trainer). On a host with no GPU: colocate only where
+    it can be (one machine, a shared-memory weight handoff, cores not pinned by hand) and the
+    trainer's step outweighs generating its batch."""
     c = config
     if c.placement != "auto":
         return c.placement, "set by placement"
@@ -399,6 +397,8 @@ def _split(config: Config, g: int, hosts: dict[str, int]) -> DevicePlan:
 
         if g == 0 and vt.device == "cuda" and not m.frozen:
             raise ConfigError(f"{at}.trainer.device", f"is cuda but no GPU was found ({_where(config)}): set launcher.gpus_per_host, or trainer.device=auto")
+        if not m.frozen and vt.procs % (n := hosts.get("trainer", 1)):  # several hosts: laid out over the policy's trainer hosts
+            raise ConfigError(f"{at}.trainer.procs", f"{vt.procs} procs do not split evenly over the {n} trainer hosts: use a multiple of {n}")
         for r in range(0 if m.frozen else vt.procs):  # a frozen model: its replicas alone
             take(f"{m.name}/trainer", r, *_trainer_host(view, hosts, r), 0 if vt.device == "cpu" else 1, f"{at}.trainer.procs", why)
         if vt.loss.advantage == "gae" and not m.frozen:  # its critic, as the policy's: on its trainer's first host

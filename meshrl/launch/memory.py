@@ -16,6 +16,7 @@ each beside what the others keep.
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 
@@ -53,9 +54,10 @@ class GPUPlan:
         if not self.colocated:
             return sum(h.total for h in self.holdings)
         trainers = [h for h in self.holdings if _trains(h)]
-        engines = [h for h in self.holdings if not _trains(h)]
+        engines = [h for h in self.holdings if _sleeps(h)]
         asleep = CUDA_CONTEXT * len(engines)  # level-2 sleep frees the engine's weights and KV cache
-        kept = sum(h.while_generating for h in trainers)
+        # what trainers keep while the engines generate, and what never sleeps (a judge, a reward model, a PRM)
+        kept = sum(h.while_generating for h in trainers) + sum(h.total for h in self.holdings if _resident(h))
         # trained models' trainers step in turn, each freeing its step's memory before the next
         stepping = max(h.total - h.while_generating for h in trainers) + kept + asleep
         return max(stepping, kept + sum(h.total for h in engines))
@@ -64,6 +66,17 @@ class GPUPlan:
 def _trains(h: Holding) -> bool:
     """A trainer rank's holding: the policy's (`trainer`) or a trained model's (`NAME/trainer`)."""
     return h.role.rpartition("/")[2] == "trainer"
+
+
+def _sleeps(h: Holding) -> bool:
+    """A generator replica's holding (the policy's, a trained or a frozen model's): colocated,
+    it sleeps while the trainers step (controller/loop.py `_pools`)."""
+    return h.role.rpartition("/")[2] == "generator"
+
+
+def _resident(h: Holding) -> bool:
+    """Neither: a scorer (a judge, a reward model, a PRM), a teacher, a critic: held throughout."""
+    return not (_trains(h) or _sleeps(h))
 
 
 @dataclass
@@ -136,11 +149,15 @@ def plan_memory(config: Config, capacity: float | None = None, plan=None) -> Mem
     """The memory plan of `config`'s device plan (`plan`: the allocation's, else worked out
     here); None on a CPU plan, or when the GPUs' size is unknown (no GPU here and
     `launcher.gpu_memory_gib` unset)."""
-    from meshrl.launch.devices import plan_devices
+    from meshrl.launch.devices import plan_devices, resolve_placement, resolve_transport
 
     plan = plan or plan_devices(config)
     if plan.layout == "cpu":  # before asking NVML, whose binding comes with torch (compat.py)
         return None
+    if "auto" in (config.placement, config.weight_sync.transport):  # as the run settles them (pinning.settle_layout), before
+        config = copy.deepcopy(config)  # each model's view inherits them: one model's view alone may resolve otherwise
+        config.placement = resolve_placement(config)[0]
+        config.weight_sync.transport = resolve_transport(config)
     capacity = gpu_capacity(config) if capacity is None else capacity
     if capacity <= 0:
         return None
@@ -283,12 +300,14 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
         at = f"{mesh}[{host}] GPU {index} needs {gpu.peak / GiB:.1f} GiB of {cap / GiB:.0f} GiB"
         trainer = next((h for h in gpu.holdings if h.role == "trainer"), None)
         if gpu.colocated:
-            engines = [h for h in gpu.holdings if h.role != "trainer"]
-            if trainer.total + CUDA_CONTEXT * len(engines) > HEADROOM * cap:  # the engines asleep
-                out.append(_trainer_fix(config, trainer, at + " for the trainer's step alone", cap))
+            engines = [h for h in gpu.holdings if _sleeps(h)]
+            resident = sum(h.total for h in gpu.holdings if _resident(h))
+            beside = f" beside the scorers it shares the GPU with ({resident / GiB:.1f} GiB, never asleep)" if resident else ""
+            if trainer.total + CUDA_CONTEXT * len(engines) + resident > HEADROOM * cap:  # the engines asleep
+                out.append(_trainer_fix(config, trainer, at + " for the trainer's step" + (beside or " alone"), cap))
             else:
-                # what the engines' budgets may take beside the trainer's share and their own contexts
-                room = HEADROOM * cap - trainer.while_generating - sum(h.total - budget for h in engines)
+                # what the engines' budgets may take beside the trainer's share, the scorers and their own contexts
+                room = HEADROOM * cap - trainer.while_generating - resident - sum(h.total - budget for h in engines)
                 out.append(
                     (
                         "generator.gpu_memory_utilization",
