@@ -381,7 +381,7 @@ def test_a_replica_that_generates_nothing_with_requests_in_flight_counts_as_stal
     monkeypatch.setattr(service, "VLLMEngine", Wedged)
 
     async def main():
-        gen = service.Generator(Config.from_dict({}), "unused")
+        gen = service.Generator(Config.from_dict({"weight_sync": {"timeout_s": 0.5}}), "unused")
         await gen.start(0)
         assert gen.stalled_s(time.monotonic() + 100) == 0.0  # nothing in flight: idle, not stalled
         t0 = time.monotonic()
@@ -397,6 +397,12 @@ def test_a_replica_that_generates_nothing_with_requests_in_flight_counts_as_stal
         assert 10 <= gen.stalled_s(resumed + 10) < resumed + 10 - t0 - 0.9  # the second paused does not count
         gen.engine.tokens_generated += 1  # a token: the clock restarts from this reading
         assert gen.stalled_s(resumed + 200) == 0.0 and gen.stalled_s(resumed + 250) == pytest.approx(50.0)
+        # an update that drains (update_mode block) waits on requests the engine still generates: the clock runs
+        draining = asyncio.ensure_future(gen.update_weights(1, {}, "block"))
+        await asyncio.sleep(0.05)
+        assert gen.stalled_s(resumed + 600) == pytest.approx(400.0, abs=1)  # from the token read at resumed + 200
+        with pytest.raises(asyncio.TimeoutError):  # weight_sync.timeout_s: the update's own bound
+            await draining
         waiting.cancel()
 
     asyncio.run(main())

@@ -102,7 +102,7 @@ class Generator:
         self._dropped = False  # weights dropped at a sleep (level 2) and not loaded since
         self._relabels = 0
         self._progress = (0, 0.0)  # (tokens counted, when the stall clock last started: that count moved, or work began)
-        self._closed_at: float | None = None  # the gate closed (a pause, an update, a sleep): the stall clock stops
+        self._held_at: float | None = None  # the engine paused or asleep (a pause, an update's load, a sleep): the stall clock stops
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, version: int = 0) -> float:
@@ -279,7 +279,7 @@ class Generator:
             raise ValueError(f"update mode must be one of {UPDATE_MODES}, got {mode!r}")
         timeout = self.config.weight_sync.timeout_s
         async with self._update_lock:
-            self._close()  # no new requests (or resumed prefixes) until the new version
+            self._open.clear()  # no new requests (or resumed prefixes) until the new version
             self.weights_id = None  # until the load is done
             t0 = time.monotonic()
             try:
@@ -288,12 +288,15 @@ class Generator:
                 elif self._user_paused:
                     pass  # frozen: nothing runs, and a drain would wait forever
                 elif mode in ("keep", "abort"):
+                    self._stop_clock()
                     await self.engine.pause(mode)
                 else:
                     # Our own drain (the gate is closed, so nothing new is submitted): every
-                    # request we submitted has finished. Then freeze the idle engine for the load.
+                    # request we submitted has finished (the engine generates meanwhile: the stall
+                    # clock runs). Then freeze the idle engine for the load.
                     async with self._changed:
                         await asyncio.wait_for(self._changed.wait_for(lambda: self._in_flight == 0), timeout)
+                    self._stop_clock()
                     await self.engine.pause("keep")
                 if isinstance(tensors, ReceivedInEngine):
                     await self.engine.load_received(tensors.version, timeout)  # already in the workers
@@ -319,21 +322,27 @@ class Generator:
             self.update_pauses.append((mode, version, held))
             return held
 
+    def _stop_clock(self) -> None:
+        if self._held_at is None:
+            self._held_at = time.monotonic()
+
     def _close(self) -> None:
-        if self._closed_at is None:
-            self._closed_at = time.monotonic()
+        """No new requests, and the engine about to pause or sleep."""
+        self._stop_clock()
         self._open.clear()
 
     def _reopen(self) -> None:
-        if self._closed_at is not None:  # the time closed does not count as stalled, nor restart the clock
+        """The engine runs again: new requests in, and the stall clock on from where it stopped."""
+        if self._held_at is not None:  # the time held does not count as stalled, nor restart the clock
             count, since = self._progress
-            self._progress, self._closed_at = (count, since + time.monotonic() - self._closed_at), None
+            self._progress, self._held_at = (count, since + time.monotonic() - self._held_at), None
         self._open.set()
 
     def stalled_s(self, now: float) -> float:
         """Seconds the engine has had requests in flight, generating, and produced no token nor
-        scored one: the time since that count last moved or work began, less the time the gate
-        was closed (paused, updating, asleep: 0 while it is). Measured between two calls of
+        scored one: the time since that count last moved or work began, less the time the engine
+        was held (paused, loading an update, asleep: 0 while it is; an update's drain counts, as
+        the engine still generates). Measured between two calls of
         `stats` (the controller's health check and metrics read it every few seconds): a count
         that moved since the last call restarts it. An update's aborted and resumed requests
         are no progress: a replica whose engine answers pauses and loads but schedules nothing
@@ -341,7 +350,7 @@ class Generator:
         count = self.engine.tokens_generated + self.engine.tokens_scored
         if count != self._progress[0]:
             self._progress = (count, now)
-        if self._in_flight <= 0 or not self._open.is_set() or self._asleep:
+        if self._in_flight <= 0 or self._held_at is not None or self._asleep:
             return 0.0
         return max(0.0, now - self._progress[1])
 
