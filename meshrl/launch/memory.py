@@ -313,7 +313,7 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
                         "generator.gpu_memory_utilization",
                         f"{at} while the engines generate beside what the trainer keeps ({trainer.while_generating / GiB:.1f} GiB"
                         + (", AdamW state offloaded" if plan.offload_optimizer else "")
-                        + f"): lower it to at most {max(room / cap / len(engines), 0):.2f}"
+                        + f"): lower it to at most {max(room / cap / max(len(engines), 1), 0):.2f}"
                         + ("" if plan.offload_optimizer else ", or set trainer.offload_optimizer=always")
                         + ", or give trainer and generators GPUs of their own (placement=split)",
                     )
