@@ -211,8 +211,9 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
     restored version, and the step is trained again, with no group lost or trained twice and
     the log-probs still equal. Then the proposer's trainer is SIGKILLed inside a checkpoint
     call: healed there, it trains its lost step again with every engine asleep, and the call
-    saves. The proposer updates on every second step (trainer.pace): on the others its engine
-    is relabelled to the new version, nothing loaded, and its log-probs still equal."""
+    saves; then the policy's, likewise, its restored version loaded before the engines wake.
+    The proposer updates on every second step (trainer.pace): on the others its engine is
+    relabelled to the new version, nothing loaded, and its log-probs still equal."""
     cores = set(os.sched_getaffinity(0))
     cfg = tiny(
         tmp_path / "colocate",
@@ -239,7 +240,10 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
         healed = session.step(8 - session.version)
         root = os.path.join(session.run_dir, "checkpoints", "models", "proposer")
         checkpointed = kill_during_checkpoint(session, proposer.pids[0][0], root, lambda: proposer.restarts)
-        after = session.step(1)
+        ((policy_info,),) = [session._call(loop.trainer.shard_info())]
+        policy_root = os.path.join(session.run_dir, "checkpoints", "trainer")
+        policy_checkpointed = kill_during_checkpoint(session, policy_info["pid"], policy_root, lambda: loop.healer.restarts)
+        after = session.step(9 - session.version)  # the steps its heal lost, if any, then the last
         session.sync_generators()
         ((_, _, stats),) = session._call(loop.generators.read_stats())
         ((_, _, proposer_stats),) = session._call(proposer.generators.read_stats())
@@ -259,7 +263,8 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
     spacing = max([1.0] + [r["trainer/snapshot_spacing"] for r in one_off + synchronous if "trainer/snapshot_spacing" in r])
     assert new_info["pid"] != info["pid"] and healed[0]["trainer/restarts"] == 1 and healed[0]["trainer/steps_lost"] <= spacing, (spacing, healed[0])
     kept = {int(r["version"]): r for r in one_off + synchronous + healed + after}
-    assert sorted(kept) == list(range(1, 10)) and len(one_off + synchronous + healed + after) - len(kept) == healed[0]["trainer/steps_lost"]
+    lost = healed[0]["trainer/steps_lost"] + after[0]["trainer/steps_lost"]  # the two heals' (the second in a checkpoint call)
+    assert sorted(kept) == list(range(1, 10)) and len(one_off + synchronous + healed + after) - len(kept) == lost
     groups = trained_groups(kept.values())
     assert len(groups) == len(set(groups)), "a group was trained twice"
     assert [kept[v]["proposer/trainer/updated"] for v in range(1, 10)] == [1.0, 0.0] * 4 + [1.0] and all(r["trainer/updated"] for r in kept.values())
@@ -267,6 +272,11 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
     # queue keeps its batches since), the steps it lost trained again with every engine asleep, and saved
     assert checkpointed["heals"] == 1 and checkpointed["version"] == 8, checkpointed
     assert after[0]["proposer/trainer/restarts"] == 1 and after[0]["proposer/colocate/heal_asleep_s"] > 0, after[0]
+    # then the policy's trainer, killed in a checkpoint call too: healed there with every engine asleep, and saved at
+    # the version it was restored to (a step it lost is trained again after)
+    assert policy_checkpointed["heals"] == 1 and policy_checkpointed["version"] == 8 - after[0]["trainer/steps_lost"], policy_checkpointed
+    assert after[0]["trainer/restarts"] == 2 and after[0]["colocate/heal_asleep_s"] > 0, after[0]
+    assert after[0]["trainer/steps_lost"] <= spacing, (spacing, after[0])
     assert 0 <= after[0]["proposer/trainer/steps_lost"] <= max([1.0] + [r.get("proposer/trainer/snapshot_spacing", 1.0) for r in kept.values()])
     for engine in (stats, proposer_stats):  # no engine generated while any trainer stepped
         assert engine["sleeps"] >= 10 and engine["tokens_while_asleep"] == 0 and engine["version"] == 9, engine

@@ -6,8 +6,8 @@ Trained models beside the policy (`config.models`) share the same devices: every
 engines sleep and wake together, and the trainers step in turn, the policy's first, each
 freeing its memory before the next (`release`), so each step has the devices to itself. Each
 trainer frees it too before its engines first start, which size their KV cache by what is free.
-A trained model healed outside the step retrains what it lost with the engines asleep too
-(`asleep_while`).
+A trainer healed outside the step (the policy's or a trained model's) is restored with the
+engines asleep too (`asleep_while`).
 """
 
 from __future__ import annotations
@@ -79,11 +79,12 @@ async def models_in_turn(plan, trainer, partners: list, train, offload_optimizer
     return out
 
 
-async def settle_updates(loop, but=None) -> dict[str, float]:
-    """The weight loads under way done, the policy's and each trained model's (one step off,
-    in the background since the last step), but the model `but`'s: its trainer died, and
-    its heal cancels its load, which would wait on the dead trainer. Their seconds, by name."""
-    out = {"sync/previous_update_s": await loop._finish_update()} if loop._update_task is not None else {}
+async def settle_updates(loop, but=None, policy: bool = True) -> dict[str, float]:
+    """The weight loads under way done, the policy's (unless `policy` is False) and each trained
+    model's (one step off, in the background since the last step), but the model `but`'s: its
+    trainer died, and its heal cancels its load, which would wait on the dead trainer (the
+    policy's likewise when its trainer died). Their seconds, by name."""
+    out = {"sync/previous_update_s": await loop._finish_update()} if policy and loop._update_task is not None else {}
     for p in loop.partners:
         if p is not but:
             out[f"{p.name}/sync/previous_update_s"] = await p.finish_update()
@@ -91,22 +92,27 @@ async def settle_updates(loop, but=None) -> dict[str, float]:
 
 
 async def asleep_while(loop, partner, heal) -> None:
-    """A trained model whose trainer died in a call outside the step (a checkpoint, an export)
-    is restored and trains the steps it lost (`heal`, its `heal_outside_step`) as a step
-    trains: the weight loads under way done (none wakes an engine's weights meanwhile, but the
-    dead trainer's own, which the heal cancels), every engine asleep keeping its weights, then
-    the model's memory freed and its version loaded into its engines, then every engine awake."""
+    """A trainer that died in a call outside the step (a checkpoint, an export) is restored
+    as a step trains, its restore never beside awake engines: the weight loads under way done
+    (none wakes an engine's weights meanwhile, but the dead trainer's own, which the heal
+    cancels), every engine asleep keeping its weights, then the heal (`heal`: a trained
+    model's `heal_outside_step`, which trains the steps it lost; `partner` None: the policy's,
+    which starts the load of its restored version), its memory freed and its version loaded
+    into its engines, then every engine awake."""
     t0 = time.monotonic()
-    await settle_updates(loop, but=partner)
+    await settle_updates(loop, but=partner, policy=partner is not None)
     pools = loop._pools()
     await asyncio.gather(*(pool.sleep(keep_weights=True) for pool in pools))
     try:
         await heal
-        await release(loop.alloc.plan, partner.trainer, loop._offload_optimizer)
-        await load_models([partner])
+        await release(loop.alloc.plan, loop.trainer if partner is None else partner.trainer, loop._offload_optimizer)
+        if partner is not None:
+            await load_models([partner])
+        elif loop._update_task is not None:
+            await loop._finish_update()
     finally:
         await asyncio.gather(*(pool.wake() for pool in pools))
-    partner.pending["colocate/heal_asleep_s"] = time.monotonic() - t0
+    (loop.healer.pending_metrics if partner is None else partner.pending)["colocate/heal_asleep_s"] = time.monotonic() - t0
 
 
 async def load_models(partners: list) -> dict[str, float]:

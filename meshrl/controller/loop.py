@@ -316,13 +316,13 @@ class RLLoop:
             except Exception as e:  # noqa: BLE001 - only a lost trainer or critic proc is healed here
                 partner = next((p for p in self.partners if p.dead()), None)
                 if partner is not None and not self.healer.trainer_dead():
-                    c = self.config
-                    heal = partner.heal_outside_step(e, self.queue, c.batch_groups, c.buffer.get_timeout_s, self.version)
+                    heal = partner.heal_outside_step(e, self.queue, (c := self.config).batch_groups, c.buffer.get_timeout_s, self.version)
                     await (colocate.asleep_while(self, partner, heal) if c.placement == "colocate" else heal)
                     continue
                 if not (self.healer.lost_a_proc(e) or self.healer.critic_dead()):
                     raise
-                await self._trainer_failed(e, call)
+                colocated = self.config.placement == "colocate"  # the policy's healed with the engines asleep too
+                await (colocate.asleep_while(self, None, self._trainer_failed(e, call)) if colocated else self._trainer_failed(e, call))
 
     async def _woken_after_heal(self) -> dict[str, float]:
         """placement=colocate: the engines slept for the dead trainer's step; with the healed version loaded (asleep on
