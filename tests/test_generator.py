@@ -494,6 +494,20 @@ def test_a_pause_outlasts_sleep_and_wake_until_resume(monkeypatch):
         await gen.sleep(keep_weights=False)
         await gen.wake()
         waiting = await held(gen)
+        await gen.pause()  # a user's pause and resume do not release it either
+        await gen.resume()
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and not gen.engine.running
+
+        async def cut_off(tensors, timeout_s=120.0):
+            raise TimeoutError("the trainer's slot is gone")
+
+        gen.engine.load_tensors = cut_off  # nor does a load that fails
+        with pytest.raises(TimeoutError):
+            await gen.update_weights(3, {}, "keep")
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and not gen.engine.running
+        del gen.engine.load_tensors
         await gen.update_weights(3, {}, "keep")
         assert (await asyncio.wait_for(waiting, 5)).versions == [3, 3] and gen.engine.running
 

@@ -207,7 +207,7 @@ class Generator:
     async def resume(self) -> None:
         async with self._update_lock:
             self._user_paused = False
-            if not self._asleep:  # asleep: `wake` resumes
+            if not (self._asleep or self._dropped):  # asleep: `wake` resumes; weights dropped: the next load does
                 await self.engine.resume()
                 self._reopen()
 
@@ -311,7 +311,7 @@ class Generator:
             finally:
                 if self._asleep:
                     pass  # asleep (paused, on GPU its KV cache freed) until `wake`
-                elif self._user_paused:  # frozen before the update: stay frozen
+                elif self._user_paused or self._dropped:  # frozen before the update, or its load of dropped weights failed
                     await self.engine.pause("keep")
                 else:
                     await self.engine.resume()

@@ -195,13 +195,15 @@ def _colocated_models(config: Config, out: MemoryPlan) -> None:
     if gpu is None:
         return
     cap, (mesh, host, index) = HEADROOM * out.capacity, gpu.where
-    engines = [h for h in gpu.holdings if not _trains(h)]
-    generating = sum(h.while_generating for h in gpu.holdings if _trains(h)) + sum(h.total for h in engines)
+    engines = [h for h in gpu.holdings if _sleeps(h)]
+    resident = sum(h.total for h in gpu.holdings if _resident(h))  # scorers: never asleep
+    generating = sum(h.while_generating for h in gpu.holdings if _trains(h)) + resident + sum(h.total for h in engines)
     offload = "" if out.offload_optimizer else ", set trainer.offload_optimizer=always"
     if generating > cap:  # what the engines' budgets may take beside the trainers' kept memory and the engines' own
         budgets = sum(b for h in engines for w, b in h.lines if w.startswith("vLLM budget"))
-        share = max((cap - (generating - budgets)) / len(engines) / out.capacity - 0.005, 0)
-        fix = f"their {len(engines)} engines generate at once beside what each trainer keeps): "
+        share = max((cap - (generating - budgets)) / max(len(engines), 1) / out.capacity - 0.005, 0)
+        scorers = f" and the scorers ({resident / GiB:.1f} GiB, never asleep)" if resident else ""
+        fix = f"their {len(engines)} engines generate at once beside what each trainer keeps{scorers}): "
         fix += f"lower each model's generator.gpu_memory_utilization to at most {share:.2f}{offload}"
     else:
         fix = f"a trainer's step beside what the other trainers keep): shard the models over more trainer procs{offload}"
