@@ -162,7 +162,7 @@ class RLLoop:
         self.partners = [TrainedModel(c, spec.name, self.alloc, self._rewire_partner, self._offload_optimizer) for spec in c.models if not spec.frozen]
         self.served = served_pools(c, self.alloc, self._rewire_partner)
         # The policy's generators, the teacher, the scorers and each model start at once, each mostly waiting on its procs;
-        # engines sharing GPUs (a colocated plan: every model's, a frozen one's, the teacher's, a judge's or a PRM's):
+        # engines sharing GPUs (a colocated plan: every model's, a frozen one's, a judge's or a PRM's):
         # every trainer first, then each engine in turn (members.py `in_order`: why)
         shared = self.alloc.plan.layout == "colocated"
         if shared:
