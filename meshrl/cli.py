@@ -26,6 +26,7 @@ from meshrl import collector
 from meshrl.config import Config, ConfigError, apply_overrides, load_yaml, reference_markdown
 from meshrl.errors import first_line
 from meshrl.logs import console, quiet_console, verbose
+from meshrl.metrics import trained_models
 from meshrl.preflight import check, preflight
 
 USAGE_ERROR = 2
@@ -212,7 +213,7 @@ def summary_line(result, wall_s: float) -> str:
     if not rows:
         return f"meshrl: no step trained; results in {result.run_dir}"
     first, last = rows[0], rows[-1]
-    others = [k.removesuffix("/trainer/reward_mean") for k in last if k.endswith("/trainer/reward_mean")]
+    others = trained_models(last)
 
     def reward(row) -> float:
         return row["trainer/reward_mean"] if others else row.get("buffer/sampled_reward_mean", row["trainer/reward_mean"])

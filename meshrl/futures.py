@@ -48,11 +48,8 @@ async def settled(future, timeout_s: float) -> Exception | None:
     """Await a Monarch future (or a coroutine) for at most `timeout_s`; its failure, or the
     timeout, is returned instead of raised. For teardown, which goes on whatever one part
     did: a dead proc's or host's call fails or times out here."""
-    try:
-        await asyncio.wait_for(awaited(future), timeout_s)
-    except Exception as e:  # noqa: BLE001 - dead, unreachable or too slow: the caller decides
-        return e
-    return None
+    outcome = await settled_value(future, timeout_s)
+    return outcome if isinstance(outcome, Exception) else None
 
 
 async def settled_value(future, timeout_s: float):

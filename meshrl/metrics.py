@@ -122,11 +122,16 @@ PANELS = [
 ]
 
 
+def trained_models(names: Iterable[str]) -> list[str]:
+    """The trained models beside the policy that metric names show (a game's `NAME/trainer/reward_mean`)."""
+    return [n.removesuffix("/trainer/reward_mean") for n in names if n.endswith("/trainer/reward_mean")]
+
+
 def panels_of(names: list[str]) -> list[tuple[str, list[str]]]:
     """Each panel's title and the metrics it draws, of those a run has (`names`). In a game
     each trained model's curve (`NAME/trainer/reward_mean`, `NAME/trainer/entropy`, ...) is
     drawn beside the policy's."""
-    models = [n.removesuffix("/trainer/reward_mean") for n in names if n.endswith("/trainer/reward_mean")]
+    models = trained_models(names)
     keys_of = lambda key: [key, *(f"{m}/{key}" for m in models)]  # noqa: E731
     panels = [(title, [n for key in keys for k in keys_of(key) for n in names if n == k or k.endswith("@") and n.startswith(k)]) for title, keys in PANELS]
     panels = [(title, keys) for title, keys in panels if keys or title != "held-out eval"]

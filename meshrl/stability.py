@@ -178,6 +178,7 @@ class CliffWatch:
         return [Alarm(kind, step, value, reference, max(good) if good else None, model)]
 
 
+# ---- the divergence alarm: the trained reward against a signal it does not train on ----------
 def ranks(values: Sequence[float]) -> list[float]:
     """1-based ranks, ties sharing their mean rank."""
     order = sorted(range(len(values)), key=values.__getitem__)

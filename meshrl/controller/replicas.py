@@ -189,10 +189,10 @@ class GeneratorPool:
         dead = [r for r in self.replicas if r.on_this_host() and not r.alive()]
         for r in dead:
             await self.replace(r, RuntimeError(f"its proc {r.pids[0][0]} exited"), version)
-        live = [r for r in self.replicas if r not in dead]
-        answers = await asyncio.gather(*(settled_value(r.actor.stats.call_one(), 2 if r.on_this_host() else 30) for r in live))
         stall = self.config.generator.stall_timeout_s
-        for r, answer in zip(live, answers):
+        asked = [r for r in self.replicas if r not in dead and (stall or not r.on_this_host())]  # this host's: for a stall alone
+        answers = await asyncio.gather(*(settled_value(r.actor.stats.call_one(), 2 if r.on_this_host() else 30) for r in asked))
+        for r, answer in zip(asked, answers):
             if isinstance(answer, BaseException):
                 if not r.on_this_host():
                     await self.replace(r, answer, version)

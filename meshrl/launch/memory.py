@@ -50,14 +50,23 @@ class GPUPlan:
         return len({_trains(h) for h in self.holdings}) > 1
 
     @property
+    def engines(self) -> list[Holding]:
+        """The generator replicas' holdings: colocated, they sleep while the trainers step."""
+        return [h for h in self.holdings if _sleeps(h)]
+
+    @property
+    def resident(self) -> float:
+        """What never sleeps beside the trainers and engines (a judge, a reward model, a PRM)."""
+        return sum(h.total for h in self.holdings if _resident(h))
+
+    @property
     def peak(self) -> float:
         if not self.colocated:
             return sum(h.total for h in self.holdings)
         trainers = [h for h in self.holdings if _trains(h)]
-        engines = [h for h in self.holdings if _sleeps(h)]
+        engines = self.engines
         asleep = CUDA_CONTEXT * len(engines)  # level-2 sleep frees the engine's weights and KV cache
-        # what trainers keep while the engines generate, and what never sleeps (a judge, a reward model, a PRM)
-        kept = sum(h.while_generating for h in trainers) + sum(h.total for h in self.holdings if _resident(h))
+        kept = sum(h.while_generating for h in trainers) + self.resident  # what trainers keep while the engines generate
         # trained models' trainers step in turn, each freeing its step's memory before the next
         stepping = max(h.total - h.while_generating for h in trainers) + kept + asleep
         return max(stepping, kept + sum(h.total for h in engines))
@@ -195,8 +204,7 @@ def _colocated_models(config: Config, out: MemoryPlan) -> None:
     if gpu is None:
         return
     cap, (mesh, host, index) = HEADROOM * out.capacity, gpu.where
-    engines = [h for h in gpu.holdings if _sleeps(h)]
-    resident = sum(h.total for h in gpu.holdings if _resident(h))  # scorers: never asleep
+    engines, resident = gpu.engines, gpu.resident
     generating = sum(h.while_generating for h in gpu.holdings if _trains(h)) + resident + sum(h.total for h in engines)
     offload = "" if out.offload_optimizer else ", set trainer.offload_optimizer=always"
     if generating > cap:  # what the engines' budgets may take beside the trainers' kept memory and the engines' own
@@ -302,8 +310,7 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
         at = f"{mesh}[{host}] GPU {index} needs {gpu.peak / GiB:.1f} GiB of {cap / GiB:.0f} GiB"
         trainer = next((h for h in gpu.holdings if h.role == "trainer"), None)
         if gpu.colocated:
-            engines = [h for h in gpu.holdings if _sleeps(h)]
-            resident = sum(h.total for h in gpu.holdings if _resident(h))
+            engines, resident = gpu.engines, gpu.resident
             beside = f" beside the scorers it shares the GPU with ({resident / GiB:.1f} GiB, never asleep)" if resident else ""
             if trainer.total + CUDA_CONTEXT * len(engines) + resident > HEADROOM * cap:  # the engines asleep
                 out.append(_trainer_fix(config, trainer, at + " for the trainer's step" + (beside or " alone"), cap))
