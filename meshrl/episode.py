@@ -40,10 +40,13 @@ a teacher's scores, `assign_distill_advantages` adds `token_advantage`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import torch
 from tensordict import TensorDict
+
+if TYPE_CHECKING:
+    from meshrl.config import PaceConfig
 
 FINISH_REASONS = {"stop": 0, "length": 1, "abort": 2, "failed": 3}
 """`stop`: the env ended the episode; `length`: out of tokens or turns; `abort`: cut by a
@@ -346,10 +349,38 @@ def without_signal(group: TensorDict) -> bool:
     return True
 
 
-def staleness(td: TensorDict, current_version: int) -> torch.Tensor:
-    """[B, T] versions behind `current_version` of each model token (0 elsewhere)."""
-    lag = current_version - td["versions"]
-    return torch.where(td["versions"] == PAD_VERSION, torch.zeros_like(lag), lag)
+def staleness(td: TensorDict, current_version: int, paces: Sequence["PaceConfig"] | None = None) -> torch.Tensor:
+    """[B, T] lag of each model token behind `current_version` (0 elsewhere): in versions, or,
+    with `paces` (each model's `trainer.pace`, by its index in `config.model_names()`), in
+    its own model's weight updates (`weight_lags`), so that a model held by its pace counts
+    only the steps that moved its weights."""
+    versions = td["versions"]
+    lag = current_version - versions
+    if paces:
+        model = row_models(td)
+        for m in torch.unique(model).tolist():
+            if paces[m].steps < paces[m].every:  # some steps hold its weights
+                rows = model == m
+                lag[rows] = weight_lags(versions[rows], current_version, paces[m])
+    return torch.where(versions == PAD_VERSION, torch.zeros_like(lag), lag)
+
+
+def weight_lags(versions: torch.Tensor, version: int, pace: "PaceConfig") -> torch.Tensor:
+    """Per token, the weight updates between the version that sampled it and `version`: the
+    staleness bound's lag (`staleness`), and the trainer's lag k of `clip_against: versions`,
+    its staleness metrics and its fresh/previous drift metrics. Where every step updates it
+    is `version - versions`; under `trainer.pace` a held step moves the version but not the
+    weights, so it is not counted (the run's pace, taken to have held since the tokens were
+    sampled)."""
+
+    def updates_through(n):  # updating steps among 1..n: step s updates when (s - 1 - offset) mod every < steps
+        def below(m):  # u in [0, m) with u mod every < steps
+            return m // pace.every * pace.steps + torch.clamp(m % pace.every, max=pace.steps)
+
+        shift = pace.every - pace.offset  # u = s - 1 - offset + every >= 0 for s >= 1
+        return below(torch.as_tensor(n) + shift) - below(torch.as_tensor(shift))
+
+    return (updates_through(version) - updates_through(versions)).clamp(min=0)
 
 
 def sequence_staleness(td: TensorDict, current_version: int) -> torch.Tensor:

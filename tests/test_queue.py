@@ -249,6 +249,33 @@ def test_version_rejection_token_masks():
     assert q.dropped == 1 and q.metrics()["buffer/dropped_stale_groups"] == 1
 
 
+def test_a_model_held_by_its_pace_counts_its_lag_in_its_own_weight_updates():
+    """A game's proposer updating on steps 1, 5, 9, ... (`pace.every` 4) samples versions 1-4 on
+    the same weights: the bound masks the policy's tokens that lag, never the proposer's that
+    its held weights made, and masks the proposer's once an update moved its weights twice."""
+    q = EpisodeQueue(
+        Config.from_dict(
+            {
+                "models": [{"name": "proposer", "trainer": {"pace": {"every": 4}}}],
+                "buffer": {"depth": 4, "max_lag": 1, "lag_granularity": "token", "dynamic_sampling": False},
+            }
+        )
+    )
+    claim_all(q)
+    group = make_group(0, 2, [1, 2, 3])
+    group["model"] = torch.tensor([0, 1])  # row 0 the policy's, row 1 the proposer's
+    q.set_version(4)
+    assert q.put(0, group)
+    assert q.ready[0]["loss_mask"][:, 3:].tolist() == [[False, False, True], [True, True, True]]
+    assert q.metrics()["buffer/masked_stale_tokens"] == 2
+    assert episode.staleness(group, 9, q.paces)[1, 3:].tolist() == [2, 2, 2]  # updated at 5 and 9
+    assert episode.staleness(group, 9)[1, 3:].tolist() == [8, 7, 6]  # counted in versions
+    q.set_version(5)  # the proposer's first update since: a lag of 1 is within the bound
+    batch = q.sample(1, 5)
+    assert batch["loss_mask"][:, 3:].tolist() == [[False, False, False], [True, True, True]]
+    assert q.metrics()["buffer/lag_max"] == 1
+
+
 # ---- dynamic sampling ---------------------------------------------------------------------------
 def flat_group(gid: int, n: int, version: int, reward: float = 0.0, failed: int | None = None, token_advantage: bool = False):
     """A packed group of `n` episodes that all scored `reward`; episode `failed` (if given)

@@ -318,7 +318,7 @@ def test_a_paced_trainer_counts_its_lag_in_weight_updates_not_held_versions():
     trust regions of clip_against=versions, the staleness metrics, the fresh/previous drift
     metrics) counts the updates since it was sampled, for every pace (against a count by hand)."""
     from meshrl.config import PaceConfig
-    from meshrl.trainer.losses import weight_lags
+    from meshrl.episode import weight_lags
 
     for every, steps, offset in [(1, 1, 0), (2, 1, 1), (4, 1, 0), (5, 2, 3), (3, 3, 2)]:
         pace = PaceConfig(every=every, steps=steps, offset=offset)

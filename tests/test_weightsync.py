@@ -242,6 +242,30 @@ def test_a_two_buffer_receiver_lets_the_next_version_replace_the_unfetched_one()
     assert bufs.take() is first and bufs.take_latest(1)[0] == 3
 
 
+def test_an_engine_receives_into_its_gpu_only_where_every_peer_holds_one():
+    """A GPU engine's collective receiver (a vLLM worker's `WorkerReceive`) keeps its buffers
+    on its GPU only over NCCL (SyncSpec.on_gpu): beside a CPU trainer the group is gloo and
+    the buffers host memory, as the memory plan counts them, and no CUDA call is made."""
+    import socket
+
+    from meshrl.generator.weight_loading import WorkerReceive
+    from meshrl.weightsync.spec import SyncSpec
+
+    with socket.socket() as s:  # a loopback port nothing listens on: the join fails in its thread
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = SyncSpec("collective", 1.0, store_host="127.0.0.1", store_port=port, world_size=2, group_name="t", on_gpu=False)
+    receiver = WorkerReceive(spec, 1, torch.device("cuda", 0))
+    try:
+        assert receiver.buffers.device is None and receiver.buffers.max_buffers == 3
+        deadline = time.monotonic() + 30
+        while receiver.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "cuda" not in str(receiver.error).lower(), receiver.error  # the store's refusal, no CUDA call
+    finally:
+        receiver.close()
+
+
 def test_a_failed_worker_load_keeps_its_version_for_the_retry():
     """The vLLM worker's load from its receive buffer (MeshrlWorkerExtension.meshrl_ws_load):
     a load that fails keeps the version handed out, so the generator's next attempt loads it

@@ -200,7 +200,7 @@ class GeneratorConfig:
 @dataclass
 class WeightSyncConfig:
     transport: Literal["auto", "rdma", "collective", "files", "shm"] = "auto"
-    """How weights travel: Monarch RDMA buffers, a broadcast group (`collective`: the vLLM workers join it and receive into their own device memory), `shm` (one host only: the generators map the trainer's staging snapshot, a shared-memory file, and load from it, with no transfer and no receive copy; placement=colocate's handoff; colocated on one GPU, the snapshot is a bucket on that GPU that the engine opens through a CUDA IPC handle), or (named fallback) safetensors files. `auto`: `collective` across hosts, or on one host whose trainer and generators hold GPUs of their own (NCCL between GPU-resident buckets, received by the vLLM workers on their GPUs); else `shm`. The collective group is NCCL when every peer holds a GPU, else gloo."""
+    """How weights travel: Monarch RDMA buffers, a broadcast group (`collective`: the vLLM workers join it and receive into their own device memory), `shm` (one host only: the generators map the trainer's staging snapshot, a shared-memory file, and load from it, with no transfer and no receive copy; placement=colocate's handoff; colocated on one GPU, the snapshot is a bucket on that GPU that the engine opens through a CUDA IPC handle), or (named fallback) safetensors files. `auto`: `collective` across hosts, or on one host whose trainer and generators hold GPUs of their own (NCCL between GPU-resident buckets, received by the vLLM workers on their GPUs); else `shm`. The collective group is NCCL when every peer holds a GPU, else gloo, received into host memory."""
     bucket_mb: int = 256
     """Size of the packed transfer buckets, in MiB."""
     timeout_s: float = 120.0

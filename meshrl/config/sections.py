@@ -38,7 +38,7 @@ class BufferConfig:
     depth: int = 2
     """Batches admitted beyond the one the trainer trains next: 0 synchronous (on-policy), 1 a double buffer, K a bounded queue of K batches. Admission also never runs further ahead than `max_lag`."""
     max_lag: int | None = 2
-    """The staleness bound: no trained token is more than this many versions behind the trainer. Admission is derived from it (with `depth`), and tokens still too stale at sample time are masked or dropped. None: bounded by `depth` alone."""
+    """The staleness bound: no trained token is more than this many versions behind the trainer. Admission is derived from it (with `depth`), and tokens still too stale at sample time are masked or dropped. A model held by its `trainer.pace` counts its lag in its own weight updates there, not in the versions its held steps relabelled (docs/coevolve.md). None: bounded by `depth` alone."""
     lag_granularity: Literal["token", "sequence"] = "token"
     """`token`: stale tokens are masked out of the loss; `sequence`: a group whose oldest token is too stale is dropped whole (and replaced)."""
     sampling: str = "fifo"
@@ -416,6 +416,12 @@ class Config:
         which also checks the model's cores against the proc that builds it."""
         mode = self.trainer.loss.advantage
         return [mode] + [m.trainer.get("loss", {}).get("advantage", mode) for m in self.models]
+
+    def paces(self) -> list[PaceConfig]:
+        """Each model's `trainer.pace`, by its index in `model_names`: a model's own override
+        (merged over the policy's), else the policy's."""
+        own = [_merged(dataclasses.asdict(self.trainer.pace), m.trainer.get("pace", {})) for m in self.models]
+        return [self.trainer.pace] + [build(PaceConfig, p) for p in own]
 
     def frozen_models(self) -> set[int]:
         """The indices (in `model_names`) of the models served and never trained (`models[i].frozen`)."""

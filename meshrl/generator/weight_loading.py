@@ -125,16 +125,18 @@ def _cast(views: dict[str, torch.Tensor], dtype: str | None) -> dict[str, torch.
 
 class WorkerReceive:
     """The collective weight receiver a vLLM worker runs (`meshrl_ws_*`): joins the group in
-    a thread, then receives every broadcast version into buffers on the worker's device. On
-    a GPU the buffers are GPU memory and the group NCCL (SyncSpec.on_gpu): a version goes
-    from the trainer's GPU buckets to this GPU and into the model without touching the host.
-    A GPU keeps two copies of the model's bytes at most (the newest version and the one
-    being received); leave room for them under generator.gpu_memory_utilization."""
+    a thread, then receives every broadcast version into buffers. Where every peer holds a
+    GPU (SyncSpec.on_gpu) the buffers are this GPU's memory and the group NCCL: a version goes
+    from the trainer's GPU buckets to this GPU and into the model without touching the host,
+    and the GPU keeps two copies of the model's bytes at most (the newest version and the one
+    being received), which the memory plan counts outside generator.gpu_memory_utilization.
+    Otherwise (a CPU trainer beside GPU engines, or no GPU) they are host memory and the
+    group gloo, and the load copies each tensor to the engine's device."""
 
     def __init__(self, spec, rank: int, device: torch.device):
         from meshrl.weightsync.buffers import ReceiveBuffers
 
-        on_gpu = device.type == "cuda"
+        on_gpu = device.type == "cuda" and spec.on_gpu
         self.buffers = ReceiveBuffers(device=device if on_gpu else None, max_buffers=2 if on_gpu else 3)
         self.receiver = None
         self.error: BaseException | None = None
@@ -146,8 +148,8 @@ class WorkerReceive:
         from meshrl.weightsync.collective import CollectiveReceiver
 
         try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # the current device is per thread
+            if spec.on_gpu:
+                torch.cuda.set_device(device)  # the current device is per thread, NCCL's too
             receiver = CollectiveReceiver(spec, rank, self.buffers)
         except BaseException as e:  # noqa: BLE001 - reported by joined()
             self.error = e

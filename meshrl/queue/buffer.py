@@ -17,8 +17,8 @@ Every group of episodes (one prompt, `generator.group_size` episodes) is in one 
   only with weights at least that new, so every token of a group admitted at v is from a
   version >= v. With admission bounded as above, no trained token is more than `max_lag`
   versions old; the check at sample time (mask stale tokens, or drop the group, by
-  `lag_granularity`) is the guard for what admission cannot know: stragglers overtaken by
-  later groups, and a bound tightened mid-run.
+  `lag_granularity`; a model held by `trainer.pace` counts its own weight updates) guards
+  what admission cannot know: stragglers overtaken by later groups, a bound tightened mid-run.
 - Dynamic sampling (`buffer.dynamic_sampling`). A group whose episodes all scored the same
   carries no gradient (`episode.without_signal`): `put` drops it, as it drops a stale one,
   and admission starts a replacement. At most `max_dropped_per_batch` are dropped between
@@ -117,6 +117,7 @@ class EpisodeQueue:
         else:
             self.depth, self.max_lag = b.depth, 0 if b.depth == 0 else b.max_lag
         self.policy = resolve_policy(b.sampling)
+        self.paces = config.paces()  # a held model's lag counts its own weight updates
         self.node = PromptNode(config.data, config.seed)
         self.node.reset()
         self.version = 0
@@ -289,7 +290,7 @@ class EpisodeQueue:
             ids = [int(g["group_id"][0]) for g in picked]
             self.consumed += ids
             self._straggler_s = straggler_wait(start, [self._ready_at.pop(gid, start) for gid in ids])
-            self._lag_hist.update(episode.staleness(batch, current_version)[batch["loss_mask"]].tolist())
+            self._lag_hist.update(episode.staleness(batch, current_version, self.paces)[batch["loss_mask"]].tolist())
             ok = batch["finish_reason"] != episode.FINISH_REASONS["failed"]
             total, count = float(batch["reward"][ok].sum()) + self._flat_reward[0], int(ok.sum()) + self._flat_reward[1]
             self._sampled_reward = total / count if count else 0.0
@@ -396,7 +397,7 @@ class EpisodeQueue:
         if self.max_lag is None:
             return group
         real = group["loss_mask"]
-        stale = (episode.staleness(group, self.version) > self.max_lag) & real
+        stale = (episode.staleness(group, self.version, self.paces) > self.max_lag) & real
         if not stale.any():
             return group
         if self.cfg.lag_granularity == "sequence" or stale.sum() == real.sum():

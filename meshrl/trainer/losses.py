@@ -57,7 +57,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from meshrl.config import LossConfig, PaceConfig
+from meshrl.config import LossConfig
 
 Tensor = torch.Tensor
 Count = int | float | Tensor | None
@@ -139,23 +139,6 @@ def _at_least_one(count: int | float | Tensor, device: torch.device) -> Tensor:
     return torch.as_tensor(count, dtype=torch.float32, device=device).clamp(min=1)
 
 
-def weight_lags(versions: Tensor, version: int, pace: PaceConfig) -> Tensor:
-    """Per token, the weight updates between the version that sampled it and `version`, the
-    weights being trained: the lag k of `clip_against: versions`, the staleness metrics and the
-    fresh/previous drift metrics. Where every step updates it is `version - versions`; under
-    `trainer.pace` a held step moves the version but not the weights, so it is not counted
-    (the pace of the run's config, taken to have held since the tokens were sampled)."""
-
-    def updates_through(n):  # updating steps among 1..n: step s updates when (s - 1 - offset) mod every < steps
-        def below(m):  # u in [0, m) with u mod every < steps
-            return m // pace.every * pace.steps + torch.clamp(m % pace.every, max=pace.steps)
-
-        shift = pace.every - pace.offset  # u = s - 1 - offset + every >= 0 for s >= 1
-        return below(torch.as_tensor(n) + shift) - below(torch.as_tensor(shift))
-
-    return (updates_through(version) - updates_through(versions)).clamp(min=0)
-
-
 # ---- the loss -----------------------------------------------------------------------------------
 def policy_loss(
     logprobs: Tensor,
@@ -183,7 +166,7 @@ def policy_loss(
         still carrying the policy gradient). Required by `decoupled`.
       ref_logprobs: [B,T] reference-policy log-probs; required when `cfg.kl_coef > 0`.
       entropy: [B,T] per-token entropy of pi_theta; its bonus applies when `cfg.entropy_coef > 0`.
-      lags: [B,T] weight updates since each token was sampled (`weight_lags`), for `clip_against: versions`.
+      lags: [B,T] weight updates since each token was sampled (`episode.weight_lags`), for `clip_against: versions`.
         None: every token on-policy (lag 0).
       token_count / seq_count: global denominators for `aggregate` (see there).
 

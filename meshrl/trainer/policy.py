@@ -23,10 +23,10 @@ from tensordict import TensorDict
 
 from meshrl.compat import titan_float32_islands_under_cpu_autocast, vllm_runs_lora_on
 from meshrl.config import MOE_FAMILIES, Config
-from meshrl.episode import FINISH_REASONS, PAD_VERSION, group_slices, trim
+from meshrl.episode import FINISH_REASONS, PAD_VERSION, group_slices, trim, weight_lags
 from meshrl.trainer import checkpoint as ckpt, lora
 from meshrl.trainer.logprobs import token_logprobs
-from meshrl.trainer.losses import policy_loss, reduce_metrics, weight_lags
+from meshrl.trainer.losses import policy_loss, reduce_metrics
 from meshrl.config.hf import model_args_from_hf
 from meshrl.trainer.model import build_model
 from meshrl.trainer.offload import OptimizerOffload
@@ -435,7 +435,7 @@ def _drift_sums(logprobs: torch.Tensor, packed: TensorDict, lag: torch.Tensor) -
     weights being trained: their gap is the engine's own (numerics, a prefix cached under older
     weights in keep mode), with no policy movement in it. Tokens of lag 1 were sampled by the
     weights of the update before, so k3(rho) = rho - 1 - log rho over them estimates
-    KL(pi_prev || pi_theta). `lag`: weight updates since each token (losses.weight_lags)."""
+    KL(pi_prev || pi_theta). `lag`: weight updates since each token (episode.weight_lags)."""
     mask = packed["loss_mask"]
     log_rho = torch.where(mask, logprobs.float() - packed["sampler_logprobs"].float(), 0.0)
     k3 = torch.where(mask, log_rho.clamp(max=30.0).exp() - 1 - log_rho, 0.0)
