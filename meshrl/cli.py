@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     collector.fewer_passes()
     if not sys.flags.safe_path and os.getcwd() not in sys.path:  # a user's import paths (rollout.env, scoring.reward_fn)
-        sys.path.append(os.getcwd())  # resolve from where the command runs, after the installed packages (a local run's procs start there too)
+        sys.path.insert(0, os.getcwd())  # resolve from where the command runs, first, as a local run's procs do (they start there)
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)

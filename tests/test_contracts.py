@@ -486,6 +486,19 @@ def test_contract_checks_before_the_run_are_one_line_and_exit_2(args, want, tmp_
     assert not (tmp_path / "run" / "logs").exists()
 
 
+def test_the_cli_resolves_user_code_from_its_directory_first_as_the_procs_do(tmp_path, monkeypatch, capsys):
+    """A local run's procs start in the command's directory with it first on their import path
+    (Monarch's bootstrap is `python -m`); the CLI's own checks put it first too, so that a
+    user's module shadowing an installed one is the same module in both."""
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert main(["config", "show"]) == 0
+    assert sys.path[0] == str(tmp_path)
+    capsys.readouterr()
+
+
 def test_the_probe_can_be_switched_off_and_a_code_passed_reward_is_probed(tmp_path):
     from meshrl.preflight import preflight
 
