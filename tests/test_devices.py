@@ -317,6 +317,13 @@ def test_colocated_models_share_the_gpus_their_trainers_step_in_turn_in_the_memo
     kept = sum(h.while_generating for h in trainers)
     stepping = max(h.total - h.while_generating for h in trainers) + kept + 2 * CUDA_CONTEXT  # one trainer's step at a time
     assert gpu.peak == max(stepping, kept + sum(h.total for h in engines)) < sum(h.total for h in gpu.holdings)
+    # a proposer accumulating its held steps' gradients (trainer.pace.accumulate) keeps them while the engines generate
+    accumulating = {"name": "proposer", "trainer": {"pace": {"every": 4, "accumulate": True}}}
+    c2 = config(placement="colocate", models=[accumulating], generator={"gpu_memory_utilization": 0.4}, launcher={"gpus_per_host": 1, "gpu_memory_gib": 80})
+    (gpu2,) = plan_memory(c2, plan=plan_devices(c2)).gpus
+    grads = dict(gpu2.holdings[2].lines)["gradients (float32)"]
+    assert gpu2.holdings[2].while_generating == pytest.approx(trainers[1].while_generating + grads) and grads > 0
+    assert gpu2.holdings[0].while_generating == trainers[0].while_generating  # the policy's, unpaced, frees them
     # at vLLM's default budget (half the GPU each) two engines cannot fit: the budget that would, in one line
     crowded = plan_memory(config(placement="colocate", models=[one], launcher={"gpus_per_host": 1, "gpu_memory_gib": 80}))
     ((field, why),) = crowded.problems

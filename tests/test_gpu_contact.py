@@ -117,15 +117,15 @@ def test_drift_quantiles_hold_past_torch_quantiles_limit():
     optimizer step had been taken)."""
     import torch
 
-    from meshrl.trainer.policy import _quantiles
+    from meshrl.trainer.drift import quantiles
 
     x = torch.randn(1001, generator=torch.Generator().manual_seed(0))
     want = torch.quantile(x.double(), torch.tensor([0.01, 0.5, 0.99], dtype=torch.float64)).tolist()
-    assert _quantiles(x, [0.01, 0.5, 0.99]) == pytest.approx(want)
+    assert quantiles(x, [0.01, 0.5, 0.99]) == pytest.approx(want)
     big = torch.arange(2**24 + 2, dtype=torch.float32)
     with pytest.raises(RuntimeError):
         torch.quantile(big, 0.5)
-    assert _quantiles(big, [0.5]) == [pytest.approx((2**24 + 1) / 2)]
+    assert quantiles(big, [0.5]) == [pytest.approx((2**24 + 1) / 2)]
 
 
 def test_the_kl_reference_scores_in_eval_mode():

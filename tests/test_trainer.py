@@ -313,6 +313,36 @@ def test_a_step_off_the_trainers_pace_keeps_weights_and_optimizer_and_moves_the_
     assert paced.step == 3 and all(torch.equal(p, after[n]) for n, p in paced.model.named_parameters())
 
 
+def test_a_paced_trainer_that_accumulates_updates_on_the_rows_of_its_held_steps_too(tmp_path):
+    """trainer.pace {every: 2, offset: 1, accumulate: true}: step 1 holds (its weights kept) and
+    keeps its gradients, through a colocated release of the trainer's memory; step 2 updates on
+    the mean of both steps' gradients: as an unpaced trainer's one step on the two batches
+    together (their token counts equal). A restore drops the held gradients."""
+    pace = {"every": 2, "offset": 1, "accumulate": True}
+    paced, plain = PolicyTrainer(make_config(pace=pace), CPU), PolicyTrainer(make_config(), CPU)
+    start = {n: p.detach().clone() for n, p in paced.model.named_parameters()}
+    first = make_batch(seed=3, version=0)
+    second = first.clone()
+    second["advantage"] = first["advantage"].flip(0)  # other gradients, the same tokens
+    held = paced.train_step(first, current_version=0)
+    assert held["updated"] == 0.0 and held["update_steps"] == 0.0 and paced.held == 1
+    assert all(torch.equal(p, start[n]) for n, p in paced.model.named_parameters()) and not paced.optimizer.state
+    assert all(p.grad is not None for p in paced.model.parameters())
+    paced.release_memory()  # colocated: the held gradients stay
+    assert all(p.grad is not None for p in paced.model.parameters())
+    moved = paced.train_step(second, current_version=1)
+    assert moved["updated"] == 1.0 and moved["update_steps"] == 2.0 and paced.held == 0
+    together = plain.train_step(torch.cat([first, second]), current_version=0)
+    assert moved["grad_norm"] == pytest.approx(together["grad_norm"], rel=1e-5)
+    reference = dict(plain.model.named_parameters())  # AdamW's first step is about lr x sign(g): summation order shows at 1e-6
+    assert all(torch.allclose(p, reference[n], atol=1e-5) for n, p in paced.model.named_parameters())
+    assert not all(torch.allclose(p, start[n]) for n, p in paced.model.named_parameters())
+    paced.train_step(make_batch(seed=5, version=2), current_version=2)  # held again: gradients kept
+    assert paced.held == 1
+    assert paced.load_checkpoint(paced.save_checkpoint(str(tmp_path))) == 3
+    assert paced.held == 0 and all(p.grad is None for p in paced.model.parameters())
+
+
 def test_a_paced_trainer_counts_its_lag_in_weight_updates_not_held_versions():
     """Under trainer.pace a held step moves the version and not the weights: a token's lag (the
     trust regions of clip_against=versions, the staleness metrics, the fresh/previous drift

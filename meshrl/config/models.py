@@ -97,6 +97,8 @@ class PaceConfig:
     """How many consecutive steps of each period update (1 to `every`): `every: 20, steps: 10` trains ten steps, then holds ten."""
     offset: int = 0
     """The step of each period where the updates start (0 to `every` - 1): two models at `every: 2`, offsets 0 and 1, take turns."""
+    accumulate: bool = False
+    """On a step off the pace, also run the backward and keep the gradients: the next update steps on the mean of its own and the held steps' gradients, as one step on all their rows. Every one of those rows was sampled by the weights being trained (held since), so a model updating every 4th step trains on 4 steps' rows at its own rate. Costs a backward on held steps and keeps the gradients between steps (colocated on GPUs the memory plan counts them). Snapshots for a heal are taken at updates only; a resume from a checkpoint written between updates starts without the held gradients."""
 
     def updates(self, version: int) -> bool:
         """Whether the step that makes `version` (1, 2, ...) updates the weights."""

@@ -94,6 +94,8 @@ def trainer_holding(config: Config, shape: Shape, rank: int, staging_on_gpu: boo
         ]
     h.lines.append(("CUDA context", CUDA_CONTEXT))
     h.kept = {"weights (float32)", "KL reference weights (float32)", "weight-sync staging (2 slots)", "CUDA context", "AdamW moments (2 x float32)"}
+    if t.pace.accumulate:  # a held step's gradients wait for the next update
+        h.kept.add("gradients (float32)")
     return h
 
 

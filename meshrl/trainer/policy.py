@@ -11,7 +11,6 @@ never Monarch or vLLM: tests, benchmarks and GPU checks build it directly, and
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from typing import Any, Iterator
@@ -25,6 +24,7 @@ from meshrl.compat import titan_float32_islands_under_cpu_autocast, vllm_runs_lo
 from meshrl.config import MOE_FAMILIES, Config
 from meshrl.episode import FINISH_REASONS, PAD_VERSION, group_slices, trim, weight_lags
 from meshrl.trainer import checkpoint as ckpt, lora
+from meshrl.trainer.drift import drift_metrics, drift_sums
 from meshrl.trainer.logprobs import token_logprobs
 from meshrl.trainer.losses import policy_loss, reduce_metrics
 from meshrl.config.hf import model_args_from_hf
@@ -131,6 +131,7 @@ class PolicyTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.step = 0
         """Optimizer steps taken = the version of the current weights."""
+        self.held = 0  # held steps whose gradients wait for the next update (trainer.pace.accumulate)
         self._offload = OptimizerOffload()
         self._base_exported: str | None = None  # LoRA: where the base weights were exported
 
@@ -219,7 +220,9 @@ class PolicyTrainer:
     # ---- training -----------------------------------------------------------------------
     def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict[str, float]:
         """One optimizer step on `batch` (the full batch; every rank gets the same one); on a
-        step off `trainer.pace` the same loss and metrics without gradients, the weights kept.
+        step off `trainer.pace` the same loss and metrics without gradients, the weights kept,
+        or with `pace.accumulate` its gradients kept for the next update, which then takes the
+        mean of its own and theirs.
 
         Returns metrics and `version`, the policy version the step produced (= steps taken).
         """
@@ -227,11 +230,13 @@ class PolicyTrainer:
         tcfg, lcfg = self.config.trainer, self.config.trainer.loss
         version = self.step if current_version is None else current_version
         update = tcfg.pace.updates(self.step + 1)
+        grads = update or tcfg.pace.accumulate
         # global denominators, so that micro-batch losses on all ranks sum to the batch loss
         token_count = int(batch["loss_mask"].sum())
         seq_count = int(batch["loss_mask"].any(dim=1).sum())
         self._offload.restore()  # AdamW's state, if it waited in host memory while colocated engines generated
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.held:  # else the held steps' gradients, which this step adds to
+            self.optimizer.zero_grad(set_to_none=True)
         metrics: list[dict[str, torch.Tensor]] = []
         lag_sum, lag_max = torch.zeros(()), torch.zeros(())
         gaps: list[torch.Tensor] = []  # log pi - log mu of this rank's loss tokens, for quantiles
@@ -244,7 +249,7 @@ class PolicyTrainer:
             replay_changed: list = []
             # MoE routing replay stays on through backward: checkpointed blocks recompute their routers there
             with contextlib.ExitStack() as replaying:
-                replaying.enter_context(torch.set_grad_enabled(update))
+                replaying.enter_context(torch.set_grad_enabled(grads))
                 logprobs, entropy = self._logprobs(
                     self.model, packed, with_entropy=want_entropy, misses=misses, replay_changed=replay_changed, keep_replay=replaying
                 )
@@ -274,13 +279,13 @@ class PolicyTrainer:
                 if "teacher_logprobs" in packed.keys():  # reduce_metrics: distill_reverse_kl, the token mean of log mu - log pi_teacher
                     gap = packed["sampler_logprobs"] - packed["teacher_logprobs"]
                     m["distill_reverse_kl_sum"] = torch.where(packed["loss_mask"], gap, 0.0).sum().detach()
-                m.update(_drift_sums(logprobs.detach(), packed, lag))
+                m.update(drift_sums(logprobs.detach(), packed, lag))
                 if idx:
                     gaps.append(torch.where(packed["loss_mask"], logprobs.detach() - packed["sampler_logprobs"].float(), 0.0)[packed["loss_mask"]].cpu())
                 if not idx:  # padding micro-batch: gradient of zero, metrics of nothing
                     loss = loss * 0.0
                     m = {k: torch.zeros_like(v) for k, v in m.items()}
-                if update:
+                if grads:
                     loss.backward()
             if replay_changed:  # trained tokens whose forward replay moved off the live routers' choice
                 at_token = torch.zeros_like(packed["loss_mask"])
@@ -291,11 +296,17 @@ class PolicyTrainer:
                 mask, lag = packed["loss_mask"].cpu(), lag.cpu()
                 lag_sum += (lag * mask).sum()
                 lag_max = torch.maximum(lag_max, torch.where(mask, lag, 0).max() if mask.any() else lag_max)
+        trained_steps = self.held + 1 if update else 0  # the steps whose rows this update trains on
+        if update and self.held:  # the mean of each step's gradient, as one step on all their rows
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(trained_steps)
+        self.held = 0 if update else self.held + int(grads)
         grad_norm = self._clip_grads(tcfg.grad_clip) if update else 0.0
         if update:
             self.optimizer.step()
             self.scheduler.step()
-        else:
+        elif not grads:
             reshard(self.model)  # what FSDP keeps gathered after a forward, which only a backward reshards
         self.step += 1
         merged = self._reduce_across_ranks(metrics, lag_sum, lag_max)
@@ -306,6 +317,7 @@ class PolicyTrainer:
             version=self.step,
             grad_norm=float(grad_norm),
             updated=float(update),
+            **({"update_steps": float(trained_steps)} if tcfg.pace.accumulate else {}),
             logprob_mismatch=out.get("mismatch", 0.0),
             staleness_mean=float(merged["lag_sum"]) / tokens,
             staleness_max=float(merged["lag_max"]),
@@ -316,7 +328,7 @@ class PolicyTrainer:
             step_time_s=time.perf_counter() - t0,
             tokens_per_s=token_count / (time.perf_counter() - t0),
         )
-        out.update(_drift_metrics(merged, torch.cat(gaps) if gaps else torch.zeros(0)))
+        out.update(drift_metrics(merged, torch.cat(gaps) if gaps else torch.zeros(0)))
         out["zero_variance_groups"] = zero_variance_share(batch)
         out.update(self._layout_metrics(batch, plans))
         return out
@@ -391,8 +403,10 @@ class PolicyTrainer:
     def release_memory(self, offload_optimizer: bool = False) -> dict[str, float]:
         """Before colocated engines wake on this GPU: free the gradients, optionally move AdamW's
         state to host memory (back at the next step), and hand the allocator's cache back to
-        the driver, so the engine's KV cache finds the memory the memory plan counted on."""
-        self.optimizer.zero_grad(set_to_none=True)
+        the driver, so the engine's KV cache finds the memory the memory plan counted on. Held
+        steps' gradients (`trainer.pace.accumulate`) stay: the plan counts them as kept."""
+        if not self.held:
+            self.optimizer.zero_grad(set_to_none=True)
         moved = self._offload.offload(self.optimizer) if offload_optimizer else 0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -407,6 +421,8 @@ class PolicyTrainer:
     def load_checkpoint(self, path: str) -> int:
         """A checkpoint, or a per-step snapshot (trainer/snapshot.py, what a healed trainer restores)."""
         self._offload.restore()
+        self.held = 0  # held gradients are in no snapshot or checkpoint (a snapshot is taken where none are)
+        self.optimizer.zero_grad(set_to_none=True)
         if is_snapshot(path):
             self.step = load_snapshot(path, self.model, self.optimizer, self.scheduler)
         else:
@@ -426,62 +442,6 @@ class PolicyTrainer:
                     info["expert_placements"] = str(getattr(p, "placements", None))
                     break
         return info
-
-
-def _drift_sums(logprobs: torch.Tensor, packed: TensorDict, lag: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-micro-batch sums behind `_drift_metrics` (summed across micro-batches and ranks).
-
-    log rho = log pi_theta - log mu per loss token. Tokens of lag 0 were sampled by the very
-    weights being trained: their gap is the engine's own (numerics, a prefix cached under older
-    weights in keep mode), with no policy movement in it. Tokens of lag 1 were sampled by the
-    weights of the update before, so k3(rho) = rho - 1 - log rho over them estimates
-    KL(pi_prev || pi_theta). `lag`: weight updates since each token (episode.weight_lags)."""
-    mask = packed["loss_mask"]
-    log_rho = torch.where(mask, logprobs.float() - packed["sampler_logprobs"].float(), 0.0)
-    k3 = torch.where(mask, log_rho.clamp(max=30.0).exp() - 1 - log_rho, 0.0)
-    fresh, previous = mask & (lag == 0), mask & (lag == 1)
-    return {
-        "fresh_tokens_sum": fresh.sum().float(),
-        "fresh_mismatch_sum": torch.where(fresh, log_rho.abs(), 0.0).sum(),
-        "previous_tokens_sum": previous.sum().float(),
-        "kl_previous_sum": torch.where(previous, k3, 0.0).sum(),
-        "kl_sampler_sum": k3.sum(),
-    }
-
-
-def _drift_metrics(merged: dict[str, torch.Tensor], gaps: torch.Tensor) -> dict[str, float]:
-    """How far the policy being trained is from the policies that sampled its batch.
-
-    - mismatch_fresh: mean |log mu - log pi_theta| over tokens sampled by the current version
-      (the engine's gap alone; `mismatch` adds the policy's movement across the lag).
-    - kl_prev_version: KL(pi_{v-1} || pi_v), the last optimizer step's size, estimated (k3) on
-      the tokens the previous version sampled; absent when there are none (synchronous runs).
-    - kl_sampler: KL(mu || pi_theta) (k3) over every loss token, the whole lag included.
-    - is_ratio_p1 / p50 / p99 and logprob_gap_p99: quantiles of rho = pi_theta / mu and of
-      |log rho| over this rank's loss tokens (rank 0's share of the batch with several ranks)."""
-    tokens = max(float(merged.get("tokens_sum", 0.0)), 1.0)
-    out = {"kl_sampler": float(merged["kl_sampler_sum"]) / tokens}
-    if float(merged["fresh_tokens_sum"]) > 0:
-        out["mismatch_fresh"] = float(merged["fresh_mismatch_sum"]) / float(merged["fresh_tokens_sum"])
-    if float(merged["previous_tokens_sum"]) > 0:
-        out["kl_prev_version"] = float(merged["kl_previous_sum"]) / float(merged["previous_tokens_sum"])
-    if gaps.numel():
-        q = _quantiles(gaps, [0.01, 0.5, 0.99])
-        out.update(is_ratio_p1=math.exp(q[0]), is_ratio_p50=math.exp(q[1]), is_ratio_p99=math.exp(q[2]), logprob_gap_p99=_quantiles(gaps.abs(), [0.99])[0])
-    return out
-
-
-def _quantiles(x: torch.Tensor, qs: list[float]) -> list[float]:
-    """torch.quantile's linear interpolation, by sorting: torch.quantile refuses inputs past
-    2^24 elements, which a rank's loss tokens of long reasoning traces exceed."""
-    s = x.double().sort().values
-    out = []
-    for q in qs:
-        pos = q * (len(s) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(s) - 1)
-        out.append(float(s[lo] + (s[hi] - s[lo]) * (pos - lo)))
-    return out
 
 
 def zero_variance_share(batch: TensorDict) -> float:
