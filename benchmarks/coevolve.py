@@ -8,7 +8,9 @@ Arms, each run once per seed at equal samples (same steps, batch, group size and
   trains every row, one engine serves every turn), the reference measured in the same
   invocation;
 - `paced`: two models, the proposer updating on one step in `--pace-every`
-  (`models[0].trainer.pace.every`; docs/coevolve.md "Models at different paces").
+  (`models[0].trainer.pace.every`; docs/coevolve.md "Models at different paces");
+- `accumulate`: as `paced`, the proposer's update taking the rows of the steps it held too
+  (`pace.accumulate`): as many updates, on `--pace-every` times the rows each.
 
 Per run: the mean step time after the first three steps (start-up excluded), the mean time of
 the proposer's engine's weight move (`proposer/sync/previous_update_s`), the run's wall
@@ -16,7 +18,7 @@ clock, each model's reward in its first and last tenth of the steps, the largest
 of each model's trained tokens, and the stale tokens the queue masked. The cost of the second
 trained model is the ratio of the two arms' mean step times, seed by seed.
 
-    python benchmarks/coevolve.py [--steps 30] [--seeds 0 1 2] [--arms two-models self-play paced --pace-every 4]
+    python benchmarks/coevolve.py [--steps 30] [--seeds 0 1 2] [--arms two-models self-play paced accumulate --pace-every 4]
 
 Prints a table, writes benchmarks/results/coevolve.json with the machine record.
 """
@@ -41,9 +43,9 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str, pace_every: int = 4) 
     cfg = yaml.safe_load(open(os.path.join(ROOT, "configs", "coevolve.yaml")))
     if arm == "self-play":
         cfg["models"] = []
-    if arm == "paced":
+    if arm in ("paced", "accumulate"):
         trainer = cfg["models"][0].setdefault("trainer", {})
-        trainer["pace"] = {"every": pace_every}
+        trainer["pace"] = {"every": pace_every, "accumulate": arm == "accumulate"}
     over = {"steps": steps, "seed": seed, "logging.run_dir": run_dir, "logging.progress": "false", "logging.plot": "false", "logging.tensorboard": "false"}
     cfg = apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])
     start = time.time()
@@ -67,7 +69,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--arms", nargs="+", default=["two-models", "self-play"], choices=["two-models", "self-play", "paced"])
+    p.add_argument("--arms", nargs="+", default=["two-models", "self-play"], choices=["two-models", "self-play", "paced", "accumulate"])
     p.add_argument("--pace-every", type=int, default=4, help="the paced arm's proposer updates on one step in this many")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "coevolve.json"))
     p.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "bench-coevolve"))
@@ -80,10 +82,11 @@ def main() -> None:
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
     by = {(r["arm"], r["seed"]): r for r in runs}
     ratios = [by["two-models", s]["step_s"] / by["self-play", s]["step_s"] for s in a.seeds if ("two-models", s) in by and ("self-play", s) in by]
-    paced = [by["paced", s]["step_s"] / by["self-play", s]["step_s"] for s in a.seeds if ("paced", s) in by and ("self-play", s) in by]
     summary = {"step_time_ratio_two_over_one": ratios, "mean_ratio": statistics.fmean(ratios) if ratios else None}
-    if paced:
-        summary.update(pace_every=a.pace_every, step_time_ratio_paced_over_one=paced, mean_ratio_paced=statistics.fmean(paced))
+    for arm in ("paced", "accumulate"):
+        held = [by[arm, s]["step_s"] / by["self-play", s]["step_s"] for s in a.seeds if (arm, s) in by and ("self-play", s) in by]
+        if held:
+            summary.update({"pace_every": a.pace_every, f"step_time_ratio_{arm}_over_one": held, f"mean_ratio_{arm}": statistics.fmean(held)})
     print(json.dumps(summary))
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:

@@ -352,8 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     collector.fewer_passes()
-    if not sys.flags.safe_path and os.getcwd() not in sys.path:  # a user's import paths (rollout.env, scoring.reward_fn)
-        sys.path.insert(0, os.getcwd())  # resolve from where the command runs, first, as a local run's procs do (they start there)
+    if not sys.flags.safe_path:  # a user's import paths (rollout.env, scoring.reward_fn) resolve from where the command
+        sys.path[:] = [os.getcwd(), *(p for p in sys.path if p != os.getcwd())]  # runs, first, as a local run's procs do (they start there)
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)

@@ -493,7 +493,7 @@ def test_the_cli_resolves_user_code_from_its_directory_first_as_the_procs_do(tmp
     import sys
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))] + [str(tmp_path)])  # (last, as PYTHONPATH may put it)
     assert main(["config", "show"]) == 0
     assert sys.path[0] == str(tmp_path)
     capsys.readouterr()

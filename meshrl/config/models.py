@@ -98,11 +98,15 @@ class PaceConfig:
     offset: int = 0
     """The step of each period where the updates start (0 to `every` - 1): two models at `every: 2`, offsets 0 and 1, take turns."""
     accumulate: bool = False
-    """On a step off the pace, also run the backward and keep the gradients: the next update steps on the mean of its own and the held steps' gradients, as one step on all their rows. Every one of those rows was sampled by the weights being trained (held since), so a model updating every 4th step trains on 4 steps' rows at its own rate. Costs a backward on held steps and keeps the gradients between steps (colocated on GPUs the memory plan counts them). Snapshots for a heal are taken at updates only; a resume from a checkpoint written between updates starts without the held gradients."""
+    """On a step off the pace, also run the backward and keep the gradients: the next update steps as on all those steps' rows together (the loss's mean over all their tokens). In a synchronous run every one of those rows was sampled by the weights being trained (held since), so a model updating every 4th step trains on 4 steps' rows at its own rate. Costs a backward on held steps and keeps the gradients between steps (colocated on GPUs the memory plan counts them). Snapshots for a heal are taken at updates only, and a heal restores the newest state at or before the last update; a resume from a checkpoint written between updates starts without the held gradients."""
 
     def updates(self, version: int) -> bool:
         """Whether the step that makes `version` (1, 2, ...) updates the weights."""
         return (version - 1 - self.offset) % self.every < self.steps
+
+    def last_update(self, version: int) -> int:
+        """The newest step at or before `version` that updated the weights (0: none)."""
+        return next((s for s in range(version, max(0, version - self.every), -1) if self.updates(s)), 0)
 
 
 @dataclass
@@ -202,7 +206,7 @@ class GeneratorConfig:
 @dataclass
 class WeightSyncConfig:
     transport: Literal["auto", "rdma", "collective", "files", "shm"] = "auto"
-    """How weights travel: Monarch RDMA buffers, a broadcast group (`collective`: the vLLM workers join it and receive into their own device memory), `shm` (one host only: the generators map the trainer's staging snapshot, a shared-memory file, and load from it, with no transfer and no receive copy; placement=colocate's handoff; colocated on one GPU, the snapshot is a bucket on that GPU that the engine opens through a CUDA IPC handle), or (named fallback) safetensors files. `auto`: `collective` across hosts, or on one host whose trainer and generators hold GPUs of their own (NCCL between GPU-resident buckets, received by the vLLM workers on their GPUs); else `shm`. The collective group is NCCL when every peer holds a GPU, else gloo, received into host memory."""
+    """How weights travel: Monarch RDMA buffers, a broadcast group (`collective`: the vLLM workers join it and receive, into their GPU's memory where every peer holds a GPU, else into host memory), `shm` (one host only: the generators map the trainer's staging snapshot, a shared-memory file, and load from it, with no transfer and no receive copy; placement=colocate's handoff; colocated on one GPU, the snapshot is a bucket on that GPU that the engine opens through a CUDA IPC handle), or (named fallback) safetensors files. `auto`: `collective` across hosts, or on one host whose trainer and generators hold GPUs of their own (NCCL between GPU-resident buckets, received by the vLLM workers on their GPUs); else `shm`. The collective group is NCCL when every peer holds a GPU, else gloo, received into host memory."""
     bucket_mb: int = 256
     """Size of the packed transfer buckets, in MiB."""
     timeout_s: float = 120.0

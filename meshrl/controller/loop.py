@@ -29,9 +29,8 @@ from meshrl.controller.breaker import FailureBreaker, report_cliffs
 from meshrl.controller.collect import StepMetrics
 from meshrl.controller.evaluation import Evaluations
 from meshrl.controller.heal import TrainerHealer
-from meshrl.controller.members import all_ended, in_order
+from meshrl.controller.members import MeshFailureLog, all_ended, in_order
 from meshrl.controller.partners import TrainedModel, served_pools
-from meshrl.controller.members import MeshFailureLog
 from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool
 from meshrl.errors import TrainerFailed, UserCodeFailed, find, first_line, one_line
 from meshrl.futures import bounded, settled
@@ -273,12 +272,13 @@ class RLLoop:
         return {**out, "_call_start": call_start}
 
     async def _train_partners(self, partners: list | None = None) -> dict:
-        """Each trained model beside the policy (`partners`: these), its step on the policy's batch (controller/partners.py)."""
-        c, outs, partners = self.config, {}, self.partners if partners is None else partners
-        calls = (p.train(self.queue, c.batch_groups, c.buffer.get_timeout_s, self.version) for p in partners)
+        """Each trained model beside the policy (`partners`: these), its step on the policy's batch (controller/partners.py),
+        from the policy's `version` before its step (a heal of the policy meanwhile may take it back: they are then ahead)."""
+        c, outs, partners, version = self.config, {}, self.partners if partners is None else partners, self.version
+        calls = [p.train(self.queue, c.batch_groups, c.buffer.get_timeout_s, version) for p in partners]
         for p, out in zip(partners, await asyncio.gather(*calls)):
-            if out.pop("version") != self.version + 1:
-                raise TrainerFailed(f"trained model {p.name} is not at the policy's version {self.version + 1}: {checkpoints.how_to_resume(self.run_dir)}")
+            if out.pop("version") != version + 1:
+                raise TrainerFailed(f"trained model {p.name} is not at the policy's version {version + 1}: {checkpoints.how_to_resume(self.run_dir)}")
             outs.update(out)
         return outs
 

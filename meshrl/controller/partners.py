@@ -145,7 +145,13 @@ class TrainedModel:
     async def train(self, queue, num_groups: int, timeout_s: float, version: int) -> dict:
         """Its step on the policy's batch of `version` (to version + 1), its own rows; metrics
         under `NAME/`. A dead trainer proc is healed, and the restored trainer retrains each
-        step it lost on that step's batch until it is at version + 1."""
+        step it lost on that step's batch until it is at version + 1. Where the policy's heal
+        took it back to an older version, the model is ahead: it trained the batches the policy
+        trains again already (the same batches: the queue keeps them), and waits
+        (`NAME/trainer/ahead` 1, and no metric of a step of its own)."""
+        if self.trainer.version > version:
+            ahead, self.pending = {**self.pending, "trainer/ahead": 1.0, "trainer/restarts": float(self.restarts)}, {}
+            return {"version": version + 1, **{f"{self.name}/{k}": v for k, v in ahead.items()}}
         t0 = time.monotonic()
         while True:
             try:

@@ -132,6 +132,7 @@ class PolicyTrainer:
         self.step = 0
         """Optimizer steps taken = the version of the current weights."""
         self.held = 0  # held steps whose gradients wait for the next update (trainer.pace.accumulate)
+        self._held_count = 0  # their loss denominators (tokens, or sequences), summed
         self._offload = OptimizerOffload()
         self._base_exported: str | None = None  # LoRA: where the base weights were exported
 
@@ -221,8 +222,9 @@ class PolicyTrainer:
     def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict[str, float]:
         """One optimizer step on `batch` (the full batch; every rank gets the same one); on a
         step off `trainer.pace` the same loss and metrics without gradients, the weights kept,
-        or with `pace.accumulate` its gradients kept for the next update, which then takes the
-        mean of its own and theirs.
+        or with `pace.accumulate` its gradients kept for the next update, which then steps as
+        on the rows of all those steps together (the loss's mean over all their tokens, or
+        sequences, by `loss.aggregation`).
 
         Returns metrics and `version`, the policy version the step produced (= steps taken).
         """
@@ -235,8 +237,11 @@ class PolicyTrainer:
         token_count = int(batch["loss_mask"].sum())
         seq_count = int(batch["loss_mask"].any(dim=1).sum())
         self._offload.restore()  # AdamW's state, if it waited in host memory while colocated engines generated
-        if not self.held:  # else the held steps' gradients, which this step adds to
+        count = token_count if lcfg.aggregation == "token_mean" else seq_count  # the loss's denominator
+        if not self.held:
             self.optimizer.zero_grad(set_to_none=True)
+        elif count:  # the held steps' gradient x held count / count: this step's then adds as over their rows together
+            self._scale_grads(self._held_count / count)
         metrics: list[dict[str, torch.Tensor]] = []
         lag_sum, lag_max = torch.zeros(()), torch.zeros(())
         gaps: list[torch.Tensor] = []  # log pi - log mu of this rank's loss tokens, for quantiles
@@ -297,11 +302,9 @@ class PolicyTrainer:
                 lag_sum += (lag * mask).sum()
                 lag_max = torch.maximum(lag_max, torch.where(mask, lag, 0).max() if mask.any() else lag_max)
         trained_steps = self.held + 1 if update else 0  # the steps whose rows this update trains on
-        if update and self.held:  # the mean of each step's gradient, as one step on all their rows
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(trained_steps)
-        self.held = 0 if update else self.held + int(grads)
+        if self.held and count:  # back to a mean over every row of those steps
+            self._scale_grads(count / (self._held_count + count))
+        self.held, self._held_count = (0, 0) if update or not grads else (self.held + bool(count), self._held_count + count)
         grad_norm = self._clip_grads(tcfg.grad_clip) if update else 0.0
         if update:
             self.optimizer.step()
@@ -341,6 +344,11 @@ class PolicyTrainer:
         lengths = row_lengths(batch)
         ran = sum(int(lengths[mb].sum()) if t.micro_batch_tokens > 0 else len(mb) * int(lengths[mb].max()) for plan in plans for mb in plan if mb)
         return {"row_tokens_max": float(lengths.max()), "useful_token_frac": float(lengths.sum()) / max(ran, 1), "micro_batches": float(len(plans[0]))}
+
+    def _scale_grads(self, factor: float) -> None:
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
 
     def _clip_grads(self, max_norm: float) -> torch.Tensor:
         from torchtitan.distributed.utils import clip_grad_norm_
@@ -421,7 +429,7 @@ class PolicyTrainer:
     def load_checkpoint(self, path: str) -> int:
         """A checkpoint, or a per-step snapshot (trainer/snapshot.py, what a healed trainer restores)."""
         self._offload.restore()
-        self.held = 0  # held gradients are in no snapshot or checkpoint (a snapshot is taken where none are)
+        self.held = self._held_count = 0  # held gradients are in no snapshot or checkpoint (a snapshot is taken where none are)
         self.optimizer.zero_grad(set_to_none=True)
         if is_snapshot(path):
             self.step = load_snapshot(path, self.model, self.optimizer, self.scheduler)

@@ -73,7 +73,8 @@ def snapshot_inline(config) -> bool:
     turn, and a write in the background would run in the engines' turn, on cores they spread
     every decode step over. In the trainer's turn the copy has the cores to itself, its cost
     is on the step's path where it is measured (`trainer/snapshot_stage_s`), and the snapshot
-    is complete before the version is announced, so a heal loses no step."""
+    is complete before the version is announced, so a heal loses no step (but the held steps
+    of a trainer that accumulates over its pace, docs/healing.md)."""
     return config.placement == "colocate"
 
 
