@@ -43,6 +43,21 @@ class UserCodeError(RuntimeError):
     """A failure already told in one line (see `describe`): raised as is across actors."""
 
 
+class QueueClosed(RuntimeError):
+    """The episode queue was closed while a worker or the trainer waited on it."""
+
+
+class BatchTimeout(TimeoutError):
+    """The queue's `sample` waited its timeout (buffer.get_timeout_s) without a full batch:
+    rollouts are not arriving. The controller recognises it by type (`find`) after the trip
+    queue -> trainer -> controller."""
+
+
+class PolicyWentBack(RuntimeError):
+    """A trained model waited for the policy's batch of a version, and the policy's heal took it
+    back before it took that batch: the model is ahead, and waits for the policy (controller/partners.py)."""
+
+
 class RunFailed(RuntimeError):
     """The run stopped on a failure it can tell in one line (the message); `meshrl run` exits 1."""
 

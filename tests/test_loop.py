@@ -300,6 +300,42 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
     assert not wait_no_children()
 
 
+def test_a_trained_model_ahead_of_the_policy_its_heal_took_back_waits_for_it(tmp_path):
+    """placement=split, a proposer training beside the policy at once: the policy's trainer
+    (snapshots every 4 steps) is SIGKILLed after step 6. The proposer, already waiting for the
+    policy's batch of 6, is told by type that the policy went back to 4 (PolicyWentBack), and
+    waits through steps 5 and 6, which the policy trains again from their own batches; from 7
+    on both train again, each group once, the proposer at the policy's version."""
+    cfg = tiny(
+        tmp_path / "ahead",
+        steps=8,
+        placement="split",
+        trainer={"checkpoint_every": 0, "snapshot_every": 4},
+        data={"source": "task:propose"},
+        models=[{"name": "proposer", "trainer": {"snapshot_every": 1}}],
+    )
+    with meshrl.Session(cfg) as session:
+        session.start()
+        loop = session.loop
+        first = session.step(6)
+        (info,) = session._call(loop.trainer.shard_info())
+        os.kill(info["pid"], signal.SIGKILL)
+        healed = []
+        while session.version < 8:
+            healed += session.step(1)
+        (proposer,) = loop.partners
+        proposer_version = proposer.trainer.version
+    assert healed[0]["trainer/steps_lost"] == 2 and [int(r["version"]) for r in healed] == [5, 6, 7, 8], [int(r["version"]) for r in healed]
+    assert [r.get("proposer/trainer/ahead") for r in healed] == [1.0, 1.0, None, None]
+    assert not any("proposer/trainer/loss" in r for r in healed[:2]) and proposer_version == 8
+    trained = [int(r["version"]) for r in first + healed if "proposer/trainer/loss" in r]
+    assert trained == list(range(1, 9)), trained  # each of its steps once
+    kept = {int(r["version"]): r for r in first + healed}
+    groups = trained_groups(kept.values())
+    assert sorted(kept) == list(range(1, 9)) and len(groups) == len(set(groups)), "a group was trained twice"
+    assert not wait_no_children()
+
+
 def raising_reward(prompt, response, sample):
     """Raises on every sample whose response starts with an even character code."""
     if response and ord(response[0]) % 2 == 0:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from meshrl import episode
 from meshrl.config import Config
-from meshrl.errors import UserCodeError
+from meshrl.errors import PolicyWentBack, UserCodeError
 from meshrl.queue import EpisodeQueue, QueueClosed, straggler_wait
 from meshrl.queue.actor import EpisodeQueueActor
 from tests.conftest import make_group
@@ -746,6 +746,20 @@ def test_shared_batches_are_kept_back_to_each_trained_models_restorable_version(
     with pytest.raises(LookupError, match=r"no batch for version 0: let go"):
         q.shared(0, 30)
     assert time.monotonic() - start < 1
+    # a model waiting for the batch of 4 while the policy's heal takes it back to 3 (or taken back before it
+    # asked): told at once, by type, until the policy takes the batch of 4 again
+    q.set_version(4)
+    threading.Timer(0.2, q.retake, (3,)).start()
+    with pytest.raises(PolicyWentBack, match="went back to version 3 before taking the batch of 4"):
+        q.shared(4, 30)
+    with pytest.raises(PolicyWentBack):
+        q.shared(4, 30)
+    assert time.monotonic() - start < 5
+    q.sample(1, 3)  # the policy trains step 4 again, then takes the batch of 4
+    q.set_version(4)
+    for c in claim_all(q):
+        deliver(q, c)
+    assert torch.equal(q.sample(1, 4)["group_id"], q.shared(4, 0)["group_id"])
 
 
 def test_retake_puts_back_the_batches_taken_since_the_restored_version_once():

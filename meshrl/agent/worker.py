@@ -33,7 +33,7 @@ import logging
 import time
 
 from meshrl.config import Config
-from meshrl.errors import describe, find, one_line, source_location, user_location
+from meshrl.errors import QueueClosed, describe, find, one_line, source_location, user_location
 from meshrl.futures import awaited
 from meshrl.logs import role_log
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
@@ -43,7 +43,6 @@ from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as
 from meshrl.agent.game import play_game, thread_windows
 from meshrl.agent.turns import GenerationFailed, TurnBatcher
 from meshrl.rollout.game import is_ask
-from meshrl.queue.buffer import QueueClosed
 from meshrl.scorers.client import EpisodeScorers
 from meshrl.scorers.process import assign_process_advantages, process_tensors
 from meshrl.stability import signal_correlations

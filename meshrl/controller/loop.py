@@ -32,14 +32,13 @@ from meshrl.controller.heal import TrainerHealer
 from meshrl.controller.members import MeshFailureLog, all_ended, in_order
 from meshrl.controller.partners import TrainedModel, served_pools
 from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool
-from meshrl.errors import TrainerFailed, UserCodeFailed, find, first_line, one_line
+from meshrl.errors import BatchTimeout, TrainerFailed, UserCodeFailed, find, first_line, one_line
 from meshrl.futures import bounded, settled
 from meshrl.launch.allocation import LOST_HOST_STOP_S, allocate
 from meshrl.launch.devices import weights_on_gpu
 from meshrl.metrics import MetricsWriter
 from meshrl.pinning import settle_layout
 from meshrl.queue.actor import EpisodeQueueActor
-from meshrl.queue.buffer import BatchTimeout
 from meshrl.rollout.env import RewardFn
 from meshrl.scorers import ON_PROCS
 from meshrl.stability import CliffWatch, DivergenceWatch, RewardDiverged

@@ -33,7 +33,7 @@ from meshrl.config import Config
 from meshrl.controller import checkpoint as checkpoints, colocate
 from meshrl.controller.heal import critic_healed, proc_alive, procs_dead, replace_trainer, restore_critic, trainer_pids
 from meshrl.controller.replicas import GeneratorPool
-from meshrl.errors import TrainerFailed, first_line
+from meshrl.errors import PolicyWentBack, TrainerFailed, find, first_line
 from meshrl.futures import settled
 from meshrl.logs import console
 from meshrl.launch.devices import weights_on_gpu
@@ -150,14 +150,15 @@ class TrainedModel:
         trains again already (the same batches: the queue keeps them), and waits
         (`NAME/trainer/ahead` 1, and no metric of a step of its own)."""
         if self.trainer.version > version:
-            ahead, self.pending = {**self.pending, "trainer/ahead": 1.0, "trainer/restarts": float(self.restarts)}, {}
-            return {"version": version + 1, **{f"{self.name}/{k}": v for k, v in ahead.items()}}
+            return self._waits(version)
         t0 = time.monotonic()
         while True:
             try:
                 critic = self.critic.actor if self.critic is not None else None
                 out = await self.trainer.train_from_queue(queue, num_groups, timeout_s, critic, self.index)
             except Exception as e:  # noqa: BLE001 - a dead proc is healed; anything else ends the run resumably
+                if find(e, PolicyWentBack) is not None and self.trainer.version >= version:  # (split: it waited at once)
+                    return self._waits(version)
                 await self.heal(e, version)
                 continue
             if out["version"] > version:
@@ -173,6 +174,11 @@ class TrainedModel:
         out.pop("trained_groups", None)
         self.weights = (version, out.pop("weights_id", None))
         return {"version": version, **{f"{self.name}/{k}": v for k, v in out.items()}}
+
+    def _waits(self, version: int) -> dict:
+        """Its row of a step it waits through, ahead of the policy (`train`)."""
+        ahead, self.pending = {**self.pending, "trainer/ahead": 1.0, "trainer/restarts": float(self.restarts)}, {}
+        return {"version": version + 1, **{f"{self.name}/{k}": v for k, v in ahead.items()}}
 
     async def heal_outside_step(self, error: BaseException, queue, num_groups: int, timeout_s: float, version: int) -> None:
         """Its trainer died in a call outside the step (a checkpoint, an export) while the

@@ -57,7 +57,7 @@ from tensordict import TensorDict
 from meshrl import episode
 from meshrl.config import Config
 from meshrl.queue.prompts import PromptNode
-from meshrl.errors import UserCodeError, describe
+from meshrl.errors import BatchTimeout, PolicyWentBack, QueueClosed, UserCodeError, describe
 from meshrl.logs import role_log
 
 SamplingPolicy = Callable[[Sequence[TensorDict], int, random.Random], list[int]]
@@ -92,16 +92,6 @@ class Claim:
     """Its tokens must come from this policy version or newer (the generator waits for it)."""
     token: int = -1
     """Names this claim: only a put with it is taken (a re-claimed group's earlier holder is refused)."""
-
-
-class QueueClosed(RuntimeError):
-    """The queue was closed while a worker or the trainer waited on it."""
-
-
-class BatchTimeout(TimeoutError):
-    """`sample` waited its timeout (buffer.get_timeout_s) without a full batch: rollouts are
-    not arriving. The controller recognises it by type (meshrl.errors.find) after the trip
-    queue -> trainer -> controller."""
 
 
 class EpisodeQueue:
@@ -144,6 +134,7 @@ class EpisodeQueue:
         self.partners = len(config.models) - len(config.frozen_models())
         self._shared: dict[int, TensorDict] = {}
         self._partner_durable: dict[int, int] = {}  # model index -> the newest version its trainer can be restored to
+        self._back: tuple[int, int] | None = None  # (restored, reached): a heal took the policy back, until it takes `reached` again
         self._cond = threading.Condition()
         self._rng = random.Random(config.seed)
         self._closed = False
@@ -287,6 +278,7 @@ class EpisodeQueue:
                 keep_from = min([current_version - 1, *self._partner_durable.values()])
                 self._shared = {v: b for v, b in self._shared.items() if v >= keep_from}
                 self._shared[current_version] = batch
+                self._back = None if self._back is None or current_version >= self._back[1] else self._back
             ids = [int(g["group_id"][0]) for g in picked]
             self.consumed += ids
             self._straggler_s = straggler_wait(start, [self._ready_at.pop(gid, start) for gid in ids])
@@ -304,15 +296,19 @@ class EpisodeQueue:
         s, default buffer.get_timeout_s): what each trained model beside the policy trains
         its step `version` on. The policy's trainer may be a step ahead, so the last two
         versions' batches are kept, and those since each model's restorable version
-        (`set_partner_durable`), which its healed trainer trains again. One let go raises at once."""
+        (`set_partner_durable`), which its healed trainer trains again. One let go raises at
+        once, and PolicyWentBack once the policy's heal took it back before it took the batch."""
         timeout = self.cfg.get_timeout_s if timeout is None else timeout
         with self._cond:
             if self._shared and version < min(self._shared):  # no model's trainer could be restored to it any more
                 raise LookupError(f"no batch for version {version}: let go (the oldest kept: {min(self._shared)}; see trainer.snapshot_every)")
-            if not self._cond.wait_for(lambda: self._closed or version in self._shared, timeout):
+            behind = lambda: self._back is not None and self._back[0] < version <= self._back[1]  # noqa: E731
+            if not self._cond.wait_for(lambda: self._closed or version in self._shared or behind(), timeout):
                 raise BatchTimeout(f"no batch for version {version} after {timeout:.0f}s: the policy's trainer has not taken it")
             if self._closed:
                 self._raise_closed()
+            if version not in self._shared:  # (`retake`) it takes this batch later, as it reaches the version again
+                raise PolicyWentBack(f"the policy's trainer went back to version {self.version} before taking the batch of {version}")
             return self._shared[version]
 
     def set_partner_durable(self, model: int, durable: int) -> None:
@@ -354,6 +350,8 @@ class EpisodeQueue:
             for g in reversed(back):
                 self.ready.appendleft(g)
                 self._ready_at[int(g["group_id"][0])] = now
+            if version < self.version and self.partners:  # the models beside it waiting for a later batch are told (`shared`)
+                self._back = (version, self.version)
             self.version = min(self.version, version)
             self._stats["retaken_groups"] += len(back)
             self._cond.notify_all()

@@ -24,6 +24,7 @@ from monarch.actor import Actor, endpoint, this_host
 from meshrl.compat import tcp_store_listening_on
 from meshrl.config import Config
 from meshrl.episode import model_rows
+from meshrl.errors import BatchTimeout, PolicyWentBack, find
 from meshrl.futures import awaited, by_rank, stopped_on_failure
 from meshrl.host import gloo_on_this_host, host_address
 from meshrl.launch.allocation import with_env
@@ -127,27 +128,30 @@ class TrainerActor(Actor):
         if trainer.config.trainer.loss.advantage == "gae" and critic is None:
             raise RuntimeError("trainer.loss.advantage=gae trains on a critic's advantages, and no critic was given")
         t0 = time.perf_counter()
-        batch, critic_metrics, critic_failed = None, {}, None
+        batch, critic_metrics, failed = None, {}, None
         if trainer.rank == 0:
-            if model:
-                batch = await queue.shared.call_one(trainer.step, timeout_s)
-            else:
-                batch = await queue.sample.call_one(num_groups, trainer.step, timeout_s)
-            groups = batch["group_id"].unique_consecutive().tolist()
-            batch = model_rows(batch, model)
-            if critic is not None:
-                try:
+            try:  # a failure here (no batch, the critic's) ends this step untrained on every rank: told them below
+                if model:
+                    batch = await queue.shared.call_one(trainer.step, timeout_s)
+                else:
+                    batch = await queue.sample.call_one(num_groups, trainer.step, timeout_s)
+                groups = batch["group_id"].unique_consecutive().tolist()
+                batch = model_rows(batch, model)
+                if critic is not None:
                     critic_metrics = await self._critic_advantages(critic, batch, trainer)
-                except Exception as e:  # noqa: BLE001 - every rank ends this step untrained (the controller heals the critic)
-                    critic_failed = e
-        if trainer.world > 1:
-            box = [None if critic_failed is not None else batch]
+            except Exception as e:  # noqa: BLE001 - raised below (the controller heals a dead critic)
+                failed = e
+        if trainer.world > 1:  # the other ranks raise rank 0's typed failure too, whichever the controller hears first
+            told = (find(failed, BatchTimeout) or find(failed, PolicyWentBack)) if failed is not None else None
+            box = [batch if failed is None else told]
             dist.broadcast_object_list(box, src=0, group=self._objects)
             batch = box[0]
-        if critic_failed is not None:
-            raise critic_failed
+        if failed is not None:
+            raise failed
+        if isinstance(batch, Exception):
+            raise batch
         if batch is None:
-            raise RuntimeError("rank 0's call to the critic failed: this step is not trained")
+            raise RuntimeError("rank 0 took no batch (its queue or critic call failed): this step is not trained")
         wait_s = time.perf_counter() - t0
         settled = self._settle_snapshot()  # the last step's, written while this batch was awaited
         out = self._train_step(batch, trainer.step)
