@@ -57,7 +57,7 @@ def run_arm(arm: str, steps: int, seed: int, run_dir: str, pace_every: int = 4) 
             k = max(1, len(scored) // 10)
             out[f"{name}_first_tenth"], out[f"{name}_last_tenth"] = statistics.fmean(scored[:k]), statistics.fmean(scored[-k:])
         if f"{prefix}trainer/staleness_max" in rows[-1]:
-            out[f"{name}_staleness_max"] = max(r[f"{prefix}trainer/staleness_max"] for r in rows)
+            out[f"{name}_staleness_max"] = max(r[f"{prefix}trainer/staleness_max"] for r in rows if f"{prefix}trainer/staleness_max" in r)
     out["masked_stale_tokens"] = rows[-1]["buffer/masked_stale_tokens"]
     moves = [r["proposer/sync/previous_update_s"] for r in rows[3:] if "proposer/sync/previous_update_s" in r]
     if moves:  # its engine's weight move, each step (a relabel on a step its trainer held)

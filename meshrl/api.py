@@ -247,7 +247,8 @@ class Session:
         """Write the current policy as a Hugging Face checkpoint directory; returns its path."""
         return self._call(self._need().export_to(path), self._trainer_bound())
 
-    def checkpoint(self) -> str:
+    def checkpoint(self) -> str | None:
+        """The run's state now (None: deferred while trained models are ahead of a policy its heal took back)."""
         return self._call(self._need().checkpoint(), self._trainer_bound())
 
     def save_on_interrupt(self, timeout_s: float) -> str | None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from meshrl import episode
 from meshrl.config import Config
-from meshrl.errors import PolicyWentBack, UserCodeError
+from meshrl.errors import BatchTimeout, PolicyWentBack, UserCodeError
 from meshrl.queue import EpisodeQueue, QueueClosed, straggler_wait
 from meshrl.queue.actor import EpisodeQueueActor
 from tests.conftest import make_group
@@ -756,7 +756,9 @@ def test_shared_batches_are_kept_back_to_each_trained_models_restorable_version(
         q.shared(4, 30)
     assert time.monotonic() - start < 5
     q.sample(1, 3)  # the policy trains step 4 again, then takes the batch of 4
-    q.set_version(4)
+    q.set_version(4)  # back where it was: a model asking for the batch of 4 now waits for it, as before the heal
+    with pytest.raises(BatchTimeout):
+        q.shared(4, 0.1)
     for c in claim_all(q):
         deliver(q, c)
     assert torch.equal(q.sample(1, 4)["group_id"], q.shared(4, 0)["group_id"])
@@ -782,3 +784,10 @@ def test_retake_puts_back_the_batches_taken_since_the_restored_version_once():
     assert q.consumed == first + second + third and q.metrics()["buffer/retaken_groups"] == 4
     q.set_version(2)  # no durable version named: every batch taken is let go
     assert q.retake(2) == []
+    # under random sampling too, each batch is taken again as it was (the models beside the policy trained it so)
+    q = make_queue(batch_groups=2, depth=4, max_lag=None, sampling="random", seed=3)
+    for c in claim_all(q):
+        deliver(q, c)
+    taken = [set(q.sample(2, 0)["group_id"].tolist()), set(q.sample(2, 0)["group_id"].tolist())]
+    q.retake(0)
+    assert [set(q.sample(2, 0)["group_id"].tolist()) for _ in taken] == taken

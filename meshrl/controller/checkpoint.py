@@ -32,10 +32,16 @@ def due(config: Config, version: int, last_checkpoint: float) -> bool:
     return bool(every and version % every == 0 or every_s and time.monotonic() - last_checkpoint >= every_s)
 
 
-async def save(run_dir: str, trainer, queue, version: int, history: list[dict], critic=None, partners=()) -> tuple[str, int]:
+async def save(run_dir: str, trainer, queue, version: int, history: list[dict], critic=None, partners=()) -> tuple[str | None, int]:
     """Trainer state (DCP), the critic's (a CriticMesh, or None), each trained model's beside
     the policy (controller/partners.py, under its name), the episode queue and the metrics
-    history, atomically: the loop state's path and the version it holds."""
+    history, atomically: the loop state's path and the version it holds. Nothing (None) while
+    a trained model is ahead of the policy, which trains again the steps its heal lost: a
+    checkpoint never holds models at different versions, and the next one due saves them."""
+    ahead = [p.name for p in partners if p.trainer.version > version]
+    if ahead:
+        log.warning("checkpoint at version %d deferred: %s ahead of the policy, which trains the steps its heal lost again", version, ", ".join(ahead))
+        return None, version
     root = os.path.join(run_dir, "checkpoints")
     trainer_dir = await trainer.save_checkpoint(os.path.join(root, "trainer"))
     # after its train step on the policy's last batch: the critic's version is the policy's

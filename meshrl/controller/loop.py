@@ -434,13 +434,14 @@ class RLLoop:
         trainer that dies meanwhile is healed, and the export made from the restored state)."""
         return await self._healing("export", lambda: checkpoints.export_hf(self.trainer, path, self.run_dir, self.tokenizer_dir))
 
-    async def checkpoint(self, heal: bool = True) -> str:
-        """Trainer state (DCP), the episode queue and the metrics history, atomically. A trainer
-        that dies meanwhile is healed (`heal`) and the restored state saved: it may be one step
-        older, and the run trains that step again. After Ctrl-C or SIGTERM (`heal=False`) there
-        is no time to start a new trainer."""
+    async def checkpoint(self, heal: bool = True) -> str | None:
+        """Trainer state (DCP), the episode queue and the metrics history, atomically. A trainer that dies meanwhile is
+        healed (`heal`) and the restored state saved: it may be older, the run training those steps again (None, nothing
+        saved, while trained models are ahead of it: checkpoints.save). After Ctrl-C or SIGTERM (`heal=False`), no heal."""
         save = lambda: checkpoints.save(self.run_dir, self.trainer, self.queue, self.version, self.history, self.critic, self.partners)  # noqa: E731
         path, self.version = await (self._healing("checkpoint", save) if heal else save())
+        if path is None:
+            return None
         if self.scorers is not None:  # an implicit PRM's state beside it
             await self.scorers.save_trained()
         self._last_checkpoint = time.monotonic()

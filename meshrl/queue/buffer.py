@@ -26,15 +26,13 @@ Every group of episodes (one prompt, `generator.group_size` episodes) is in one 
   everything scores the same costs a bounded amount of extra generation and never stalls.
   Dropped groups were played by the current policy: their rewards still count in
   `buffer/sampled_reward_mean`.
-- The policy version comes from the trainer alone (`sample` and `set_version`).
-- `state_dict` keeps READY groups and re-queues RUNNING ones on load: no episode is lost or
-  trained twice across a resume.
+- The policy version comes from the trainer alone (`sample` and `set_version`). `state_dict`
+  keeps READY groups and re-queues RUNNING ones on load: none lost or trained twice on resume.
 - The batches taken since the trainer's newest restorable version (`set_version`'s
-  `durable`) are held: a healed trainer retakes them (`retake`, controller/heal.py), so the
-  step a dead trainer had in flight is trained again from its own batch.
-- The user's code here (a data source's records, a `buffer.sampling` policy) failing closes
-  the queue: `failure` holds the one line (meshrl/errors.py), and every claim and sample
-  from then on raises it as a `UserCodeError`, which the controller reports.
+  `durable`) are held: a healed trainer retakes them (`retake`, controller/heal.py), each step
+  it lost trained again from its own batch, whatever `buffer.sampling` would pick.
+- The user's code here (a data source's records, a `buffer.sampling` policy) failing closes the
+  queue on one line (`failure`), which every claim and sample then raises as a `UserCodeError`.
 
 `EpisodeQueue` is plain, thread-safe Python (no Monarch); `meshrl/queue/actor.py`'s
 `EpisodeQueueActor` serves it on a proc mesh.
@@ -134,7 +132,8 @@ class EpisodeQueue:
         self.partners = len(config.models) - len(config.frozen_models())
         self._shared: dict[int, TensorDict] = {}
         self._partner_durable: dict[int, int] = {}  # model index -> the newest version its trainer can be restored to
-        self._back: tuple[int, int] | None = None  # (restored, reached): a heal took the policy back, until it takes `reached` again
+        self._retaken: deque[list[int]] = deque()  # the group ids of each batch `retake` put back, for `sample`
+        self._back_from: int | None = None  # the version a heal took the policy back from, until it is there again
         self._cond = threading.Condition()
         self._rng = random.Random(config.seed)
         self._closed = False
@@ -261,7 +260,9 @@ class EpisodeQueue:
             if self._closed:
                 self._raise_closed()
             try:
-                chosen = list(self.policy(list(self.ready), num_groups, self._rng))
+                at = {int(g["group_id"][0]): i for i, g in enumerate(self.ready)}  # a retaken batch first, as it was
+                again = [at.get(gid) for gid in (self._retaken.popleft() if self._retaken else [])]
+                chosen = again if len(again) == num_groups and None not in again else list(self.policy(list(self.ready), num_groups, self._rng))
                 if len(set(chosen)) != num_groups or not all(isinstance(i, int) and 0 <= i < len(self.ready) for i in chosen):
                     raise ValueError(
                         f"sampling policy {self.cfg.sampling!r} returned {str(chosen)[:80]}: expected {num_groups} "
@@ -278,7 +279,6 @@ class EpisodeQueue:
                 keep_from = min([current_version - 1, *self._partner_durable.values()])
                 self._shared = {v: b for v, b in self._shared.items() if v >= keep_from}
                 self._shared[current_version] = batch
-                self._back = None if self._back is None or current_version >= self._back[1] else self._back
             ids = [int(g["group_id"][0]) for g in picked]
             self.consumed += ids
             self._straggler_s = straggler_wait(start, [self._ready_at.pop(gid, start) for gid in ids])
@@ -302,7 +302,7 @@ class EpisodeQueue:
         with self._cond:
             if self._shared and version < min(self._shared):  # no model's trainer could be restored to it any more
                 raise LookupError(f"no batch for version {version}: let go (the oldest kept: {min(self._shared)}; see trainer.snapshot_every)")
-            behind = lambda: self._back is not None and self._back[0] < version <= self._back[1]  # noqa: E731
+            behind = lambda: self._back_from is not None and self.version < version  # noqa: E731 (taken back below it)
             if not self._cond.wait_for(lambda: self._closed or version in self._shared or behind(), timeout):
                 raise BatchTimeout(f"no batch for version {version} after {timeout:.0f}s: the policy's trainer has not taken it")
             if self._closed:
@@ -342,6 +342,7 @@ class EpisodeQueue:
         again, once); the version goes back to `version`. Returns their group ids."""
         with self._cond:
             back = [g for v, groups in self.held if v >= version for g in groups]
+            self._retaken = deque([int(g["group_id"][0]) for g in groups] for v, groups in self.held if v >= version)
             self.held = [(v, groups) for v, groups in self.held if v < version]
             ids = [int(g["group_id"][0]) for g in back]
             gone = set(ids)
@@ -351,7 +352,7 @@ class EpisodeQueue:
                 self.ready.appendleft(g)
                 self._ready_at[int(g["group_id"][0])] = now
             if version < self.version and self.partners:  # the models beside it waiting for a later batch are told (`shared`)
-                self._back = (version, self.version)
+                self._back_from = self.version
             self.version = min(self.version, version)
             self._stats["retaken_groups"] += len(back)
             self._cond.notify_all()
@@ -381,6 +382,7 @@ class EpisodeQueue:
         if version == self.version:
             return
         self.version = version
+        self._back_from = None if self._back_from is None or version >= self._back_from else self._back_from
         self._recheck_ready()
         self._cond.notify_all()  # admission opened (the trainer's sample can move the version too)
 

@@ -24,7 +24,7 @@ from monarch.actor import Actor, endpoint, this_host
 from meshrl.compat import tcp_store_listening_on
 from meshrl.config import Config
 from meshrl.episode import model_rows
-from meshrl.errors import BatchTimeout, PolicyWentBack, find
+from meshrl.errors import BatchTimeout, PolicyWentBack, QueueClosed, UserCodeError, find
 from meshrl.futures import awaited, by_rank, stopped_on_failure
 from meshrl.host import gloo_on_this_host, host_address
 from meshrl.launch.allocation import with_env
@@ -142,7 +142,7 @@ class TrainerActor(Actor):
             except Exception as e:  # noqa: BLE001 - raised below (the controller heals a dead critic)
                 failed = e
         if trainer.world > 1:  # the other ranks raise rank 0's typed failure too, whichever the controller hears first
-            told = (find(failed, BatchTimeout) or find(failed, PolicyWentBack)) if failed is not None else None
+            told = next((e for kind in (BatchTimeout, PolicyWentBack, UserCodeError, QueueClosed) if (e := find(failed, kind))), None)
             box = [batch if failed is None else told]
             dist.broadcast_object_list(box, src=0, group=self._objects)
             batch = box[0]
