@@ -257,8 +257,9 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
     assert not any("proposer/trainer/loss" in r for r in healed[:2])
     for model in ("", "proposer/"):  # each model trained every step, within its own bound
         assert all(r[f"{model}trainer/staleness_max"] <= 1 for r in one_off) and all(r["colocate/sleep_s"] >= 0 for r in one_off)
-        trained = [r for r in synchronous[1:] + healed if f"{model}trainer/staleness_max" in r]
-        assert all(r[f"{model}trainer/staleness_max"] == 0 for r in trained)  # the first was admitted one step off
+        # step 5's batch was admitted one step off, before the bound tightened (and trained again after the heal)
+        trained = [r for r in synchronous + healed if f"{model}trainer/staleness_max" in r and int(r["version"]) > 5]
+        assert all(r[f"{model}trainer/staleness_max"] == 0 for r in trained), [(r["version"], r[f"{model}trainer/staleness_max"]) for r in trained]
         # synchronous: each version loaded while the engines slept, which woke on it; one step off: loaded after waking
         assert all(f"{model}colocate/load_s" in r for r in synchronous) and not any(f"{model}colocate/load_s" in r for r in one_off)
         assert synchronous[-1][f"{model}trainer/logprob_mismatch"] < 2e-3, (model, synchronous[-1])
