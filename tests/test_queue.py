@@ -790,4 +790,6 @@ def test_retake_puts_back_the_batches_taken_since_the_restored_version_once():
         deliver(q, c)
     taken = [set(q.sample(2, 0)["group_id"].tolist()), set(q.sample(2, 0)["group_id"].tolist())]
     q.retake(0)
+    assert set(q.sample(2, 0)["group_id"].tolist()) == taken[0]
+    q.retake(0)  # healed again before it took the second: both, in order
     assert [set(q.sample(2, 0)["group_id"].tolist()) for _ in taken] == taken

@@ -36,11 +36,13 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
     """Trainer state (DCP), the critic's (a CriticMesh, or None), each trained model's beside
     the policy (controller/partners.py, under its name), the episode queue and the metrics
     history, atomically: the loop state's path and the version it holds. Nothing (None) while
-    a trained model is ahead of the policy, which trains again the steps its heal lost: a
-    checkpoint never holds models at different versions, and the next one due saves them."""
-    ahead = [p.name for p in partners if p.trainer.version > version]
-    if ahead:
-        log.warning("checkpoint at version %d deferred: %s ahead of the policy, which trains the steps its heal lost again", version, ", ".join(ahead))
+    a trained model is at another version than the policy (ahead of it while it trains again
+    the steps its heal lost): a checkpoint never holds models at different versions, and the
+    next one due saves them."""
+    policy = max(version, trainer.version)  # (its trainer a step past the loop after an interrupted step)
+    apart = [p.name for p in partners if p.trainer.version != policy]
+    if apart:
+        log.warning("checkpoint at version %d deferred: %s not at the policy's version (its heal took it back)", version, ", ".join(apart))
         return None, version
     root = os.path.join(run_dir, "checkpoints")
     trainer_dir = await trainer.save_checkpoint(os.path.join(root, "trainer"))

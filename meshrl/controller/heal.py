@@ -135,9 +135,9 @@ async def replace_trainer(
     kill_running(pids)
     if alloc.spares_left() and not await alloc.answers("trainer"):  # its host is gone: the spares take the new mesh
         alloc.move_to_spares("trainer")
-    pace = config.trainer.pace
-    if pace.accumulate and at_most is not None:  # a state written on a held step lacks its held gradients: the last update's
-        at_most = max(pace.last_update(at_most), start_version)  # (or the run's start: a resume had none)
+    pace, t = config.trainer.pace, config.trainer
+    if pace.accumulate and t.snapshot_every > 0 and at_most is not None:  # a held step's state lacks its gradients:
+        at_most = max(pace.last_update(at_most), start_version)  # the last update's snapshot (or a resume's start)
     path, _ = newest_state(run_dir, checkpoint_dir, at_most)
     if path is None and start_version > 0:
         raise RuntimeError(f"no complete trainer state at or after the run's start (version {start_version})")

@@ -306,7 +306,7 @@ class RLLoop:
     async def _healing(self, call: str, make_call):
         """A trainer call outside the step (`make_call()`, which reads `self.trainer` and the
         trained models' trainers when called): a trainer proc that dies in it is healed, and
-        the call is made again on the new mesh. The policy's state may then be one step older
+        the call is made again on the new mesh. The policy's state may then be older
         (`self.version` says which); a trained model's is trained back up to the policy's.
         A critic proc that dies in it is healed the same way. Any other failure is the call's own."""
         while True:

@@ -30,7 +30,7 @@ Every group of episodes (one prompt, `generator.group_size` episodes) is in one 
   keeps READY groups and re-queues RUNNING ones on load: none lost or trained twice on resume.
 - The batches taken since the trainer's newest restorable version (`set_version`'s
   `durable`) are held: a healed trainer retakes them (`retake`, controller/heal.py), each step
-  it lost trained again from its own batch, whatever `buffer.sampling` would pick.
+  it lost trained again from its own batch whatever `buffer.sampling` picks (bar stale groups).
 - The user's code here (a data source's records, a `buffer.sampling` policy) failing closes the
   queue on one line (`failure`), which every claim and sample then raises as a `UserCodeError`.
 
@@ -342,7 +342,7 @@ class EpisodeQueue:
         again, once); the version goes back to `version`. Returns their group ids."""
         with self._cond:
             back = [g for v, groups in self.held if v >= version for g in groups]
-            self._retaken = deque([int(g["group_id"][0]) for g in groups] for v, groups in self.held if v >= version)
+            self._retaken = deque([*([int(g["group_id"][0]) for g in groups] for v, groups in self.held if v >= version), *self._retaken])
             self.held = [(v, groups) for v, groups in self.held if v < version]
             ids = [int(g["group_id"][0]) for g in back]
             gone = set(ids)
@@ -352,7 +352,7 @@ class EpisodeQueue:
                 self.ready.appendleft(g)
                 self._ready_at[int(g["group_id"][0])] = now
             if version < self.version and self.partners:  # the models beside it waiting for a later batch are told (`shared`)
-                self._back_from = self.version
+                self._back_from = max(self.version, self._back_from or 0)
             self.version = min(self.version, version)
             self._stats["retaken_groups"] += len(back)
             self._cond.notify_all()
