@@ -301,7 +301,7 @@ class _Trainer:
 
         self.model = torch.nn.Linear(2, 1)
         self.opt = torch.optim.AdamW(self.model.parameters())
-        self.step = step
+        self.step = self.version = step  # (a TrainerMesh's version: checkpoints.save compares the models' with it)
 
     async def save_checkpoint(self, root):
         from meshrl.trainer import checkpoint as ckpt
