@@ -333,8 +333,7 @@ def test_a_paced_trainer_that_accumulates_updates_on_the_rows_of_its_held_steps_
     stepped = {}  # each trainer's gradient as its optimizer steps
 
     def capture(trainer, name):
-        step = trainer.optimizer.step
-        trainer.optimizer.step = lambda *a, **k: (stepped.__setitem__(name, [p.grad.clone() for p in trainer.model.parameters()]), step(*a, **k))[1]
+        trainer.optimizer.register_step_pre_hook(lambda *_: stepped.__setitem__(name, [p.grad.clone() for p in trainer.model.parameters()]))
 
     capture(paced, "paced")
     capture(plain, "plain")
