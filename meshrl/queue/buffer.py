@@ -260,8 +260,8 @@ class EpisodeQueue:
             if self._closed:
                 self._raise_closed()
             try:
-                at = {int(g["group_id"][0]): i for i, g in enumerate(self.ready)}  # a retaken batch first, as it was
-                again = [at.get(gid) for gid in (self._retaken.popleft() if self._retaken else [])]
+                retaken = self._retaken.popleft() if self._retaken else []  # a retaken batch first, as it was
+                again = [next((i for i, g in enumerate(self.ready) if int(g["group_id"][0]) == gid), None) for gid in retaken]
                 chosen = again if len(again) == num_groups and None not in again else list(self.policy(list(self.ready), num_groups, self._rng))
                 if len(set(chosen)) != num_groups or not all(isinstance(i, int) and 0 <= i < len(self.ready) for i in chosen):
                     raise ValueError(
