@@ -284,8 +284,9 @@ def test_the_breaker_warns_once_per_failure_and_stops_after_k_failed_steps(tmp_p
     loop = RLLoop(Config.from_dict({"contracts": {"warn_failed_frac": 0.5, "stop_after_failed_steps": 2}, "logging": {"run_dir": str(tmp_path)}}))
     saved = []
 
-    async def checkpoint():
+    async def checkpoint():  # its path, or None where checkpoints.save defers it (trained models ahead of the policy)
         saved.append(loop.version)
+        return None if loop.version == 9 else f"step_{loop.version}"
 
     loop.checkpoint = checkpoint
     first = "worker-0: KeyError: 'x17' (envs.py:3; log: L)"
@@ -312,6 +313,8 @@ def test_the_breaker_warns_once_per_failure_and_stops_after_k_failed_steps(tmp_p
     ):
         step(7, 4, 4)
     assert saved == [7]
+    with pytest.raises(EpisodesFailed, match=r"fix it, then no checkpoint was written yet \(step 9's was deferred: trained models were ahead"):
+        step(9, 4, 4)  # a deferred checkpoint is not named as one to go on from
 
 
 # ---- data: every row checked, the first bad one as FILE:LINE ----------------------------------------

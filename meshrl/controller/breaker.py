@@ -44,12 +44,9 @@ class FailureBreaker:
             return first
         return None
 
-    def stopped(self, first: str, version: int, run_dir: str) -> EpisodesFailed:
-        """The error that stops the run, once it checkpointed at `version`."""
-        return EpisodesFailed(
-            f"every episode of the last {self.failed_steps} steps failed; the first of step {version}: {first}; "
-            f"fix it, then continue from the checkpoint at step {version} with: meshrl run --resume {run_dir}"
-        )
+    def stopped(self, first: str, version: int, resume: str) -> EpisodesFailed:
+        """The error that stops the run, once it checkpointed (`resume`: how to go on from there)."""
+        return EpisodesFailed(f"every episode of the last {self.failed_steps} steps failed; the first of step {version}: {first}; fix it, then {resume}")
 
 
 def report_cliffs(watch, version: int, row: dict, recorded: dict, alarm) -> None:

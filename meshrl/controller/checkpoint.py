@@ -166,6 +166,14 @@ async def export_scorers(scorers, run_dir: str, tokenizer_dir: str) -> list[dict
     return done
 
 
+def go_on(run_dir: str, version: int, saved: str | None) -> str:
+    """How to go on from a run stopped at `version`: from that step's checkpoint (`saved`, its path), or (None: deferred while
+    trained models were ahead of a healed policy, `save`) from the newest one before it."""
+    if saved:
+        return f"continue from the checkpoint at step {version} with: meshrl run --resume {run_dir}"
+    return f"{how_to_resume(run_dir)} (step {version}'s was deferred: trained models were ahead of the healed policy)"
+
+
 def how_to_resume(run_dir: str) -> str:
     if os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")):
         return f"resume from the last checkpoint with: meshrl run --resume {run_dir}"

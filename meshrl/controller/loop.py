@@ -347,9 +347,8 @@ class RLLoop:
     async def _watch_failures(self, row: dict) -> None:
         """The failure breaker (controller/breaker.py) warns, or trips: the run checkpoints and stops with EpisodesFailed."""
         first = self.breaker.tripped(self.version, row)
-        if first is not None:
-            await self.checkpoint()
-            raise self.breaker.stopped(first, self.version, self.run_dir)
+        if first is not None:  # its line says how to go on: from this step's checkpoint, or the one before if deferred
+            raise self.breaker.stopped(first, self.version, checkpoints.go_on(self.run_dir, self.version, await self.checkpoint()))
 
     async def _watch_divergence(self, row: dict) -> None:
         """The divergence alarm (meshrl/stability.py) on the history's new rows, evaluations' included: each line logged and
@@ -360,8 +359,9 @@ class RLLoop:
             row["alarm/divergence"] = self.history[-1]["alarm/divergence"] = 1.0
             log.warning("%s", line)
         if lines and self.config.alarm.on_divergence == "stop":
-            await self.checkpoint()
-            raise RewardDiverged(f"{lines[0]}; alarm.on_divergence=stop: checkpointed at step {self.version} and stopped")
+            saved = await self.checkpoint()
+            how = f"checkpointed at step {self.version} and stopped" if saved else f"stopped; {checkpoints.go_on(self.run_dir, self.version, None)}"
+            raise RewardDiverged(f"{lines[0]}; alarm.on_divergence=stop: {how}")
 
     def _queue_lost(self) -> TrainerFailed:
         why = "its host (the coordinator's, with the rollout workers) is down or unreachable"
