@@ -21,6 +21,7 @@ A group packs into a rollout TensorDict, one row per episode, right-padded to T 
 | advantage        | [B]          | float32 | group-normalised advantage                                   |
 | teacher_logprobs | [B, T]       | float32 | optional (distillation): teacher's log-prob of each model token (0 elsewhere) |
 | token_advantage  | [B, T]       | float32 | optional (distillation, process rewards, GAE): per-token advantage; the loss uses it instead of `advantage` |
+| process_reward   | [B, T]       | float32 | optional (process rewards under GAE): each step's weighted score at its last token, added to dense_reward by GAE |
 | group_id         | [B]          | int64   | id shared by the episodes of one prompt                      |
 | sample_id        | [B]          | int64   | unique id of the episode                                     |
 | finish_reason    | [B]          | int64   | one of FINISH_REASONS' codes                                 |
@@ -227,6 +228,7 @@ _PAD_VALUES = {
     "routed_experts": -1,
     "teacher_logprobs": 0.0,
     "token_advantage": 0.0,
+    "process_reward": 0.0,
 }
 
 
@@ -381,11 +383,6 @@ def weight_lags(versions: torch.Tensor, version: int, pace: "PaceConfig") -> tor
         return below(torch.as_tensor(n) + shift) - below(torch.as_tensor(shift))
 
     return (updates_through(version) - updates_through(versions)).clamp(min=0)
-
-
-def sequence_staleness(td: TensorDict, current_version: int) -> torch.Tensor:
-    """[B] lag of each episode's oldest model token."""
-    return staleness(td, current_version).amax(dim=1)
 
 
 def group_slices(td: TensorDict) -> list[slice]:

@@ -34,7 +34,6 @@ def gae_config(**sections) -> dict:
     [
         # what cannot combine with a critic, one line each
         (gae_config(distill={"teacher": "/some/teacher"}), "distill.teacher", "distillation"),
-        (gae_config(scoring={"scorers": [{"kind": "function", "path": "m:f", "process": "step"}]}), "scoring.scorers[0].process", "process rewards"),
         (gae_config(lora={"rank": 8}), "lora.rank", "no LoRA critic"),
         (gae_config(placement="colocate"), "placement", "at the same time as the trainer"),
         (gae_config(buffer={"dynamic_sampling": True}), "buffer.dynamic_sampling", "critic's signal"),
@@ -73,6 +72,9 @@ def test_gae_configs_that_build():
     # no group needed: one completion per prompt; the plain squared error; a warm-up below steps
     Config.from_dict(gae_config(generator={"group_size": 1}, critic={"value_clip": None, "policy_warmup": 3}))
     Config.from_dict(gae_config(trainer={"device": "cpu", "loss": {"advantage": "gae"}}, launcher={"gpus_per_host": 8}))
+    # process rewards and an implicit PRM: their step scores are rewards GAE adds up (scorers/process.py)
+    Config.from_dict(gae_config(scoring={"scorers": [{"kind": "function", "path": "m:f", "process": "step"}]}))
+    Config.from_dict(gae_config(scoring={"scorers": [{"kind": "prm"}]}))
 
 
 def test_group_advantage_under_gae_is_grpos():
@@ -506,3 +508,25 @@ def check_critic_heals(healed: list[dict], critic: dict, version: int, old_pid: 
 
 EV_MARGIN = 0.05
 REWARD_MARGIN = 0.3
+
+
+def quarter_per_turn(prompt, response, sample):
+    """A process scorer (`process: turn`): 0.25 for each model turn's step."""
+    return [0.25] * len(sample["steps"])
+
+
+@pytest.mark.slow
+def test_process_rewards_reach_the_critics_returns(tmp_path):
+    """A process scorer beside PPO's critic, through the whole run: each step's score, weighted
+    by 10, is a reward at its last token that GAE adds up, so every model token's return holds
+    at least 10 x 0.25 (the outcome alone is at most 1.25: the task's 1 and the scorer's last
+    step). Without the process rewards in GAE this fails."""
+    import meshrl
+
+    from tests.conftest import example_config
+
+    scorer = {"kind": "function", "path": "tests.test_ppo:quarter_per_turn", "process": "turn", "name": "steps"}
+    cfg = example_config("ppo", tmp_path / "run", steps=2, batch_groups=4, logging={"plot": False}, scoring={"process_weight": 10.0, "scorers": [scorer]})
+    rows = [r for r in meshrl.run(cfg).metrics if "critic/return_mean" in r]
+    assert len(rows) == 2 and all(r["scoring/steps/mean"] == 0.25 for r in rows), rows
+    assert all(r["critic/return_mean"] >= 2.5 for r in rows), [r["critic/return_mean"] for r in rows]

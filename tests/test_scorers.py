@@ -17,6 +17,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
 import meshrl
 from meshrl.config import Config, ConfigError, ScorerConfig
@@ -218,6 +219,31 @@ def test_process_advantages_change_exactly_after_the_scored_steps(mode):
         changes = [t for t in range(3, 8) if not math.isclose(adv[row, t], adv[row, t - 1], abs_tol=1e-7)]
         assert changes == [e + 1 for e, _ in steps[:-1]], (row, changes)
         assert adv[row, :2].tolist() == [0.0, 0.0]  # the prompt never trains
+
+
+def test_under_ppos_critic_step_scores_are_rewards_its_gae_adds_up():
+    """trainer.loss.advantage=gae with a process scorer: the worker writes each step's weighted
+    score at its last token (`process_reward`) and no per-token advantage (the critic's GAE
+    writes it); with V = 0 and gamma = lambda = 1 each token's return is the sum of the
+    rewards from it on, the turn's outcome and the step scores alike."""
+    from types import SimpleNamespace
+
+    from meshrl.agent.worker import RolloutWorker
+    from meshrl.trainer.values import ppo_advantages
+
+    config = Config.from_dict(
+        {"trainer": {"loss": {"advantage": "gae"}}, "scoring": {"process_weight": 0.5, "scorers": [{"kind": "function", "path": "m:f", "process": "step"}]}}
+    )
+    eps = [Episode(0, i, [Turn("env", [1, 2]), _model([3, 4, 5, 6, 7, 8], reward=float(i))]) for i in range(2)]
+    eps[0].process, eps[1].process = [(3, 0.5), (5, -1.0), (7, 2.5)], [(4, 1.0), (7, 0.0)]
+    td = RolloutWorker._with_process(SimpleNamespace(config=config), assign_advantages(pack(eps), "gae"), eps)
+    assert "token_advantage" not in td.keys()
+    assert td["process_reward"][0].tolist() == [0, 0, 0, 0.25, 0, -0.5, 0, 1.25] and td["process_reward"][1, 4] == 0.5
+    returns = ppo_advantages(td, torch.zeros(td["tokens"].shape), whiten=False)
+    rewards = td["dense_reward"] + td["process_reward"]
+    want = rewards.flip(1).cumsum(1).flip(1) * td["loss_mask"]
+    assert torch.allclose(returns, want) and returns[0, 2] == pytest.approx(0.25 - 0.5 + 1.25 + 0.0)
+    assert torch.equal(td["token_advantage"], returns)  # A = R - V with V = 0
 
 
 # ---- the worker's side -----------------------------------------------------------------------

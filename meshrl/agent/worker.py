@@ -32,6 +32,8 @@ import json
 import logging
 import time
 
+import torch
+
 from meshrl.config import Config
 from meshrl.errors import QueueClosed, describe, find, one_line, source_location, user_location
 from meshrl.futures import awaited
@@ -44,7 +46,7 @@ from meshrl.agent.game import play_game, thread_windows
 from meshrl.agent.turns import GenerationFailed, TurnBatcher
 from meshrl.rollout.game import is_ask
 from meshrl.scorers.client import EpisodeScorers
-from meshrl.scorers.process import assign_process_advantages, process_tensors
+from meshrl.scorers.process import assign_process_advantages, process_tensors, split_process
 from meshrl.stability import signal_correlations
 
 log = logging.getLogger("meshrl")
@@ -387,11 +389,18 @@ class RolloutWorker:
         rows = [row for ep in episodes for row in ep.rows]
         scores, ends = process_tensors(rows, group["tokens"].shape[1])
         before = group["token_advantage"].clone() if "token_advantage" in group.keys() else group["advantage"][:, None]  # a teacher's, or the outcome's
-        group = assign_process_advantages(group, scores, ends, s.process_weight, s.process_advantage, "loo" if prm else "mean")
+        modes = self.config.advantage_modes()
+        gae = torch.tensor([modes[row.model] == "gae" for row in rows])
+        if "gae" in modes:  # PPO's critic's rows: their step scores are rewards GAE adds up (`process_reward`)
+            scores, ends = split_process(group, scores, ends, s.process_weight, gae)
+        if not bool(gae.all()):
+            group = assign_process_advantages(group, scores, ends, s.process_weight, s.process_advantage, "loo" if prm else "mean")
         if prm:
             from meshrl.scorers.prm import note_process_terms
 
-            note_process_terms(group, rows, s.scorer_names()[[spec.kind for spec in s.scorers].index("prm")], before)
+            term = group["token_advantage"] - before if "token_advantage" in group.keys() else torch.zeros_like(group["dense_reward"])
+            term = torch.where(gae[:, None], group.get("process_reward", term), term)  # its share of the loss, or its rewards
+            note_process_terms(term, group["loss_mask"], rows, s.scorer_names()[[spec.kind for spec in s.scorers].index("prm")])
         return group
 
     async def stop(self, timeout_s: float = 30.0) -> None:

@@ -287,14 +287,6 @@ def _check_models(c: Config) -> None:
                 f"scoring.scorers[{i}].model",
                 f"an implicit PRM scores and trains on the policy's threads (it starts from the policy's weights): set model=policy (models: {models})",
             )
-        elif sc.process != "none" and sc.model != "policy":
-            index = names.index(sc.model)
-            gae = index not in c.frozen_models() and c.advantage_modes()[index] == "gae"
-            need(
-                not gae,
-                f"scoring.scorers[{i}].process",
-                f"process rewards and {sc.model}'s critic (it trains by gae) both set every token's advantage: set process=none, or a group advantage for it",
-            )
     for i, m in enumerate(c.models):
         if m.frozen:  # no trainer, no critic
             continue

@@ -252,13 +252,6 @@ def _check_critic(c: Config) -> None:
     need(
         not c.distill.teacher, "distill.teacher", "distillation and PPO's critic (trainer.loss.advantage=gae) both set every token's advantage: use one of them"
     )
-    for i, sc in enumerate(c.scoring.scorers):  # the policy's (another model's: config/checks.py `_check_models`)
-        need(
-            sc.model != "policy" or sc.process == "none" and sc.kind != "prm",
-            f"scoring.scorers[{i}].process" if sc.kind != "prm" else f"scoring.scorers[{i}].kind",
-            "process rewards and PPO's critic (trainer.loss.advantage=gae) both set every token's advantage: "
-            "set process=none (an outcome score trains through the critic's returns), or a group advantage",
-        )
     need(
         c.lora.rank == 0,
         "lora.rank",

@@ -170,7 +170,7 @@ class ScorerConfig:
     procs: int = 1
     """`prm`: procs of its one replica. Above 1, the PRM, its frozen reference and its AdamW state are sharded over them (FSDP2), each scoring and training on its share of every batch's rows, so a PRM the size of the policy fits where the policy's trainer does (a GPU each beside a GPU trainer). Every other kind: 1 (they scale by `replicas`)."""
     process: Literal["none", "turn", "step"] = "none"
-    """Process reward: `turn` scores the episode after each model turn, `step` after each `step_delimiter` inside the model's text (a reward model scores each prefix; a function or remote server returns a list, one score per step). The step scores become per-token advantages (scoring.process_advantage); the outcome score is the last step's."""
+    """Process reward: `turn` scores the episode after each model turn, `step` after each `step_delimiter` inside the model's text (a reward model scores each prefix; a function or remote server returns a list, one score per step). The step scores become per-token advantages (scoring.process_advantage), or under PPO's critic (`trainer.loss.advantage: gae`) rewards at each step's last token that GAE adds up; the outcome score is the last step's."""
     step_delimiter: str = "\n"
     """`process: step`: the text that ends a step (the response's end always ends the last)."""
     beta: float = 0.05
@@ -196,9 +196,9 @@ class ScoringConfig:
     env_weight: float = 1.0
     """Weight of the env's reward (the task's verifier, scoring.reward_fn or reward_model, or rollout.env's rewards) in the trained reward. 0 with scorers: the env's reward is only logged (`scoring/env/mean`), so the run learns from the scorers alone."""
     process_advantage: Literal["return", "step"] = "return"
-    """How step scores (a scorer with `process`) become per-token advantages. `return` (PRIME-style): each token gets the group advantage plus the sum of the group-centred step scores from its own step to the end; `step` (turn-level): each token gets the group advantage plus its own step's group-centred score."""
+    """How step scores (a scorer with `process`) become per-token advantages. `return` (PRIME-style): each token gets the group advantage plus the sum of the group-centred step scores from its own step to the end; `step` (turn-level): each token gets the group advantage plus its own step's group-centred score. A model trained by PPO's critic (`gae`) takes the step scores as rewards instead, its critic's values their baseline (neither form applies)."""
     process_weight: float = 1.0
-    """Weight of the process term in the per-token advantage."""
+    """Weight of the process term in the per-token advantage (under PPO's critic: of the step scores as rewards)."""
 
     def scorer_names(self) -> list[str]:
         """Each scorer's name in the metrics: its `name`, else its kind (numbered from 1 when

@@ -102,13 +102,12 @@ def in_band(items: list[dict], band) -> torch.Tensor:
     return torch.tensor([low <= share[it.get("group", ("item", i))] <= high for i, it in enumerate(items)])
 
 
-def note_process_terms(group, episodes, name: str, before) -> None:
-    """Each trained episode's mean |process term| over its trained tokens (its per-token
-    advantage less `before`, what it was without the PRM: the outcome's advantage, or a
-    teacher's per-token one), as `scoring/NAME/process_abs`: the PRM's rewards reached the
-    loss when it is above 0."""
-    term = (group["token_advantage"] - before).abs()
-    mask = group["loss_mask"]
+def note_process_terms(term, mask, episodes, name: str) -> None:
+    """Each trained episode's mean |process term| over its trained tokens, as
+    `scoring/NAME/process_abs`: the PRM's rewards reached the loss when it is above 0. `term`
+    [B, T]: the per-token advantage less what it was without the PRM (the outcome's advantage,
+    or a teacher's per-token one); under PPO's critic, the PRM's rewards GAE adds up."""
+    term = term.abs()
     for i, ep in enumerate(episodes):
         if ep.finish_reason != "failed" and name in ep.signals and bool(mask[i].any()):  # the rows it scored (a game's: the policy's)
             ep.signals[f"{name}/process_abs"] = float(term[i][mask[i]].mean())

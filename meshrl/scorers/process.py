@@ -17,6 +17,12 @@ inside a step and changes only right after a step's last token. In a game the ro
 threads: a scorer steps through the threads of the model it names, and each model's rows of
 a group are a group of their own (as for the outcome's advantage). The result is the batch's
 per-token `token_advantage`, which the loss trains on (as distillation's; both add up).
+
+Under PPO's critic (`trainer.loss.advantage: gae`) the step scores are rewards instead, as
+Math-Shepherd trains PPO on a PRM's step rewards: `process_reward` holds w * s_k at e_k,
+GAE adds it to the turns' rewards (meshrl/trainer/values.py), and the critic's value of each
+state is the baseline, so no group baseline is taken. With gamma = lambda = 1 that is the
+`return` form with V_t in place of b.
 """
 
 from __future__ import annotations
@@ -73,6 +79,17 @@ def loo_baselines(scores: torch.Tensor, ends: torch.Tensor, rows: torch.Tensor) 
         return None
     means = torch.where(has, (scores * ends).sum(1) / counts.clamp(min=1), torch.zeros(()))
     return (means[has].sum() - means) / (k - 1)
+
+
+def split_process(td: TensorDict, scores: torch.Tensor, ends: torch.Tensor, weight: float, gae_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's critic's rows (`gae_rows`, [B]): their weighted step scores as `process_reward`
+    [B, T] in `td` (0 elsewhere); returns the other rows' (scores, ends), for
+    `assign_process_advantages`."""
+    T = td["tokens"].shape[1]
+    scores, ends = scores[:, :T], ends[:, :T]
+    mine = ends & gae_rows[:, None]
+    td["process_reward"] = torch.where(mine, weight * scores, torch.zeros(())).to(torch.float32)
+    return torch.where(mine, torch.zeros(()), scores), ends & ~mine
 
 
 def assign_process_advantages(td: TensorDict, scores: torch.Tensor, ends: torch.Tensor, weight: float, mode: str, baseline: str = "mean") -> TensorDict:

@@ -133,13 +133,15 @@ def ppo_advantages(batch: TensorDict, values: Tensor, gamma: float = 1.0, lam: f
     advantages centred and scaled over the batch's model tokens (verl's default for GAE);
     returns are never whitened. A failed episode (finish_reason `failed`) leaves
     `loss_mask`, as `assign_advantages` does: its reward of 0 says nothing about the policy,
-    and the critic does not train on it either. Any `token_advantage` already there
-    (distillation, process rewards) is replaced, not added to.
+    and the critic does not train on it either. Process rewards (`process_reward`, a PRM's
+    or a process scorer's weighted step scores at each step's last token) add to the turns'
+    rewards.
     """
     failed = batch["finish_reason"] == FINISH_REASONS["failed"]
     mask = batch["loss_mask"].bool() & ~failed[:, None]
     batch["loss_mask"] = mask
-    advantages, returns = gae(values, batch["dense_reward"], mask, gamma, lam)
+    rewards = batch["dense_reward"] + batch["process_reward"] if "process_reward" in batch.keys() else batch["dense_reward"]
+    advantages, returns = gae(values, rewards, mask, gamma, lam)
     if whiten:
         advantages = masked_whiten(advantages, mask)
     batch["token_advantage"] = advantages
