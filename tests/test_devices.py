@@ -509,3 +509,23 @@ def test_a_colocated_prm_gets_its_procs_on_distinct_gpus_or_is_refused_in_one_li
     with pytest.raises(ConfigError) as e:
         plan_devices(config(**prm, scoring={"scorers": [{"kind": "prm", "procs": 3}]}, launcher={"gpus_per_host": 2}))
     assert e.value.field_path == "scoring.scorers[0].procs" and "set procs=2 or fewer" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_memory_plan_counts_weight_syncs_copies_in_host_memory():
+    """What weight sync holds in host memory, per host: the trainer's staging slots where they
+    are not on a GPU, and what the generators receive into host memory (rdma: up to 3 copies
+    per replica; a collective with a CPU peer: up to 3 per engine proc, each of a tp engine's)."""
+    from meshrl.launch.memory import plan_memory
+
+    gpus = {"gpus_per_host": 4, "gpu_memory_gib": 80}
+    nccl = plan_memory(config(launcher=gpus, weight_sync={"transport": "collective"}))
+    export = dict(nccl.host_ram["hosts", 0])["export on rank 0"]  # the model's bytes in model.dtype, as it is sent
+    assert not [w for w, _ in nccl.host_ram["hosts", 0] if "weight" in w]  # staged and received on the GPUs
+    rdma = dict(plan_memory(config(launcher=gpus, weight_sync={"transport": "rdma"}, generator={"replicas": 2})).host_ram["hosts", 0])
+    assert rdma["weight-sync staging on rank 0 (up to 4 slots)"] == 4 * export
+    assert rdma["weight receive buffers of 2 replicas (up to 3 copies per receiving proc)"] == 2 * 3 * export
+    gloo = plan_memory(config(launcher=gpus, trainer={"device": "cpu"}, weight_sync={"transport": "collective"}, generator={"tp": 2}))
+    assert dict(gloo.host_ram["hosts", 0])["weight receive buffers of 1 replica (up to 3 copies per receiving proc)"] == 2 * 3 * export
+    shm = dict(plan_memory(config(launcher=gpus, weight_sync={"transport": "shm"})).host_ram["hosts", 0])
+    assert "weight-sync staging on rank 0 (up to 4 slots)" in shm and not [w for w in shm if "receive" in w]  # engines read the trainer's slots
+    assert "hosts[0] host RAM:" in nccl.table() and "weight receive buffers" in plan_memory(config(launcher=gpus, weight_sync={"transport": "rdma"})).table()

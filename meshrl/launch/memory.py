@@ -31,6 +31,7 @@ from meshrl.launch.holdings import (
     critic_holding,
     generator_holding,
     scorer_holding,
+    synced_params,
     trainer_holding,
 )
 from meshrl.launch.shape import DTYPE_BYTES, Shape, model_shape
@@ -246,7 +247,7 @@ def _one_model(config: Config, capacity: float, plan, frozen: bool = False) -> M
                 )
             )  # a teacher's weights never change
             gpus.setdefault(where, GPUPlan(where)).holdings.append(holding)
-    out = MemoryPlan(capacity, list(gpus.values()), host_ram(config, shape, plan), False, [])
+    out = MemoryPlan(capacity, list(gpus.values()), host_ram(config, shape, plan, "none" if frozen else transport, staging_on_gpu, receive_on_gpu), False, [])
     colocated = [g for g in out.gpus if g.colocated]
     offload = config.trainer.offload_optimizer
     if offload == "always" or offload == "auto" and any(g.peak > HEADROOM * capacity for g in colocated):
@@ -259,13 +260,18 @@ def _one_model(config: Config, capacity: float, plan, frozen: bool = False) -> M
     return out
 
 
-def host_ram(config: Config, shape: Shape, plan) -> dict[tuple[str, int], list[tuple[str, float]]]:
+def host_ram(config: Config, shape: Shape, plan, transport: str, staging_on_gpu: bool, receive_on_gpu: bool) -> dict[tuple[str, int], list[tuple[str, float]]]:
     """Per trainer host: the checkpoint's files, mapped once (the page cache every rank of the
     host reads), the float32 copy of its largest tensor each rank makes while loading, and on
-    rank 0's host the export's whole-model copy in `model.dtype`."""
+    rank 0's host the export's whole-model copy in `model.dtype` and, staged in host memory
+    (any transport but a GPU collective), weight sync's slots (up to 4 copies of what it sends,
+    meshrl/weightsync/staging.py). Per generator host, what its replicas receive into host
+    memory: `rdma` up to 3 copies per replica, a `collective` whose peers are not all on GPUs
+    up to 3 per engine proc (meshrl/weightsync/buffers.py); `shm` reads the trainer's slots and
+    `files` the page cache."""
     db = DTYPE_BYTES[config.model.dtype]
     out: dict[tuple[str, int], list[tuple[str, float]]] = {}
-    largest = shape.vocab * shape.dim * 4
+    largest, synced = shape.vocab * shape.dim * 4, synced_params(config, shape) * db
     for slot in plan.slots:
         if slot.role != "trainer":
             continue
@@ -276,7 +282,19 @@ def host_ram(config: Config, shape: Shape, plan) -> dict[tuple[str, int], list[t
             items.append(("loading, per rank", 0.0))
             if slot.index == 0:
                 items.append(("export on rank 0", shape.params * db))
+                if not staging_on_gpu:
+                    items.append(("weight-sync staging on rank 0 (up to 4 slots)", 4 * synced))
         items[[w for w, _ in items].index("loading, per rank")] = ("loading, per rank", largest)
+    per_proc = {"rdma": 3, "collective": 0 if receive_on_gpu else 3}.get(transport, 0)  # copies each receiving proc holds
+    receiving: dict[tuple[str, int], tuple[int, float]] = {}
+    for slot in plan.slots:
+        if slot.role == "generator" and per_proc:  # rdma: the replica's proc; a collective: each of its engine's procs
+            replicas, held = receiving.get((slot.mesh, slot.host), (0, 0.0))
+            procs = 1 if transport == "rdma" else max(len(slot.gpus), 1)
+            receiving[(slot.mesh, slot.host)] = (replicas + 1, held + per_proc * procs * synced)
+    for where, (replicas, held) in receiving.items():
+        of = f"{replicas} replica{'s' if replicas > 1 else ''}"
+        out.setdefault(where, []).append((f"weight receive buffers of {of} (up to {per_proc} copies per receiving proc)", held))
     return out
 
 
