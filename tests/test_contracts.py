@@ -286,6 +286,8 @@ def test_the_breaker_warns_once_per_failure_and_stops_after_k_failed_steps(tmp_p
 
     async def checkpoint():  # its path, or None where checkpoints.save defers it (trained models ahead of the policy)
         saved.append(loop.version)
+        if loop.version == 11:  # a trainer healed in the call: the state saved is its restored one
+            loop.version = 10
         return None if loop.version == 9 else f"step_{loop.version}"
 
     loop.checkpoint = checkpoint
@@ -315,6 +317,8 @@ def test_the_breaker_warns_once_per_failure_and_stops_after_k_failed_steps(tmp_p
     assert saved == [7]
     with pytest.raises(EpisodesFailed, match=r"fix it, then no checkpoint was written yet \(step 9's was deferred: trained models were ahead"):
         step(9, 4, 4)  # a deferred checkpoint is not named as one to go on from
+    with pytest.raises(EpisodesFailed, match=r"the first of step 11: .*continue from the checkpoint at step 10 with"):
+        step(11, 4, 4)  # the step it tripped on, and the checkpoint it wrote
 
 
 # ---- data: every row checked, the first bad one as FILE:LINE ----------------------------------------

@@ -246,6 +246,44 @@ def test_under_ppos_critic_step_scores_are_rewards_its_gae_adds_up():
     assert torch.equal(td["token_advantage"], returns)  # A = R - V with V = 0
 
 
+def test_a_game_whose_models_train_by_gae_and_not_packs_every_group_with_the_same_keys():
+    """The policy by gae beside a model by grpo whose threads a process scorer steps through:
+    a group where only the policy spoke (the other's thread missing) and one where both did
+    queue together (the keys come from the config, not from the group's rows)."""
+    from types import SimpleNamespace
+
+    from meshrl.agent.worker import RolloutWorker
+    from meshrl.episode import concat
+
+    config = Config.from_dict(
+        {
+            "trainer": {"loss": {"advantage": "gae"}},
+            "models": [{"name": "a", "trainer": {"loss": {"advantage": "grpo"}}}],
+            "data": {"source": "task:propose"},
+            "scoring": {"scorers": [{"kind": "function", "path": "m:f", "process": "turn", "model": "a"}]},
+        }
+    )
+
+    def episode(group, i, models):
+        threads = [Episode(group, i, [Turn("env", [1]), _model([3, 4], reward=1.0)], model=m) for m in models]
+        for t in threads:
+            t.process = [(2, 0.5 * i)] if t.model == 1 else []
+        return Episode(group, i, threads=threads)
+
+    worker = SimpleNamespace(config=config)
+    groups = []
+    for group, models in ((0, [0]), (1, [0, 1])):
+        eps = [episode(group, i, models) for i in range(2)]
+        groups.append(RolloutWorker._with_process(worker, assign_advantages(pack(eps), "gae"), eps))
+    assert {"token_advantage", "process_reward"} <= set(groups[0].keys()) == set(groups[1].keys())
+    both = concat(groups)
+    assert both["process_reward"].abs().sum() == 0  # the policy's threads had no step scores; the model's train by its advantage
+    assert both["token_advantage"][-1, 1:].tolist() == [0.25, 0.25]  # the model's: its outcome's 0 and its step's 0.5 less their mean
+    # a group queued before a run wrote process rewards (a resumed queue) joins with none
+    old = groups[1].clone().exclude("process_reward")
+    assert concat([groups[0], old])["process_reward"].abs().sum() == 0
+
+
 # ---- the worker's side -----------------------------------------------------------------------
 def times_two(prompt, response, sample):
     return 2.0 * len(response)

@@ -393,7 +393,7 @@ class RolloutWorker:
         gae = torch.tensor([modes[row.model] == "gae" for row in rows])
         if "gae" in modes:  # PPO's critic's rows: their step scores are rewards GAE adds up (`process_reward`)
             scores, ends = split_process(group, scores, ends, s.process_weight, gae)
-        if not bool(gae.all()):
+        if any(mode != "gae" for mode in modes):  # from the config, not the group's rows: every group gets the same keys
             group = assign_process_advantages(group, scores, ends, s.process_weight, s.process_advantage, "loo" if prm else "mean")
         if prm:
             from meshrl.scorers.prm import note_process_terms

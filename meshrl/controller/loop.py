@@ -93,8 +93,7 @@ class RLLoop:
             await self.start()
         except BaseException as e:
             await self.shutdown()
-            line = one_line(e) if isinstance(e, Exception) else None
-            if line is not None:  # the user's data or code failed in an actor as it started
+            if (line := one_line(e) if isinstance(e, Exception) else None) is not None:  # the user's data or code failed in an actor as it started
                 raise UserCodeFailed(line) from e
             raise
         return self
@@ -347,8 +346,9 @@ class RLLoop:
     async def _watch_failures(self, row: dict) -> None:
         """The failure breaker (controller/breaker.py) warns, or trips: the run checkpoints and stops with EpisodesFailed."""
         first = self.breaker.tripped(self.version, row)
-        if first is not None:  # its line says how to go on: from this step's checkpoint, or the one before if deferred
-            raise self.breaker.stopped(first, self.version, checkpoints.go_on(self.run_dir, self.version, await self.checkpoint()))
+        if first is not None:  # its line says how to go on: from the checkpoint (a heal may move the version), or the one before if deferred
+            step, saved = self.version, await self.checkpoint()
+            raise self.breaker.stopped(first, step, checkpoints.go_on(self.run_dir, self.version, saved))
 
     async def _watch_divergence(self, row: dict) -> None:
         """The divergence alarm (meshrl/stability.py) on the history's new rows, evaluations' included: each line logged and
