@@ -10,6 +10,9 @@ seed, so the same initial weights and prompts):
 - `prime-async`: configs/prime.yaml as shipped (the default's depth 2, lag 2, update_mode keep);
 - `grpo-async`, `rloo-async`: the outcome-only arms as shipped, asynchronous: what asynchrony
   alone costs on this task, for the PRM's async-minus-sync gap to be read against;
+- `ppo`, `prime-ppo`: PPO with configs/ppo.yaml's critic (trainer.loss.advantage=gae),
+  synchronously, outcome only and with the PRM, whose per-token q are then rewards GAE adds up
+  (Math-Shepherd's way of training PPO on a PRM): whether the PRM helps a critic's run;
 - `prime-sync-procs2`: `prime-sync` with its PRM sharded over two procs (scoring.scorers[0].procs=2):
   the same steps as one proc, so the same curve within noise, at what cost per step;
 - an async arm with `-sampler`, `-versions` or `-proximal` appended (`grpo-async-versions`):
@@ -46,9 +49,12 @@ def arm_config(arm: str, steps: int, seed: int, run_dir: str) -> dict:
     from meshrl.config.loading import apply_overrides
 
     cfg = yaml.safe_load(open(os.path.join(ROOT, "configs", "prime.yaml")))
-    if arm.split("-")[0] in ("grpo", "rloo"):
+    if arm.split("-")[0] in ("grpo", "rloo", "ppo"):
         cfg["scoring"] = {}
         cfg["trainer"]["loss"]["advantage"] = arm.split("-")[0]
+    if "ppo" in arm.split("-"):  # PPO's critic, as configs/ppo.yaml sets it
+        cfg["trainer"]["loss"]["advantage"] = "gae"
+        cfg["critic"] = yaml.safe_load(open(os.path.join(ROOT, "configs", "ppo.yaml")))["critic"]
     over = {"steps": steps, "seed": seed, "logging.run_dir": run_dir, "logging.progress": "false", "logging.plot": "false", "logging.tensorboard": "false"}
     if "-async" not in arm:
         over.update(SYNC)
