@@ -238,7 +238,10 @@ def concat(batches: Sequence[TensorDict]) -> TensorDict:
         raise ValueError("concat needs at least one batch")
     T = max(b["tokens"].shape[1] for b in batches)
     if any("process_reward" in b.keys() for b in batches):  # absent (a group queued before a run had them): none
-        batches = [b if "process_reward" in b.keys() else b.clone().set("process_reward", torch.zeros(b["tokens"].shape)) for b in batches]
+        batches = [
+            b if "process_reward" in b.keys() else b.clone(recurse=False).set("process_reward", torch.zeros(b["tokens"].shape, dtype=torch.float32))
+            for b in batches
+        ]
     keys = set(batches[0].keys())
     if any(set(b.keys()) != keys for b in batches):
         raise ValueError("cannot concat rollout batches with different keys")

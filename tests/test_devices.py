@@ -513,8 +513,8 @@ def test_a_colocated_prm_gets_its_procs_on_distinct_gpus_or_is_refused_in_one_li
 
 def test_the_memory_plan_counts_weight_syncs_copies_in_host_memory():
     """What weight sync holds in host memory, per host: the trainer's staging slots where they
-    are not on a GPU, and what the generators receive into host memory (rdma: up to 3 copies
-    per replica; a collective with a CPU peer: up to 3 per engine proc, each of a tp engine's)."""
+    are not on a GPU, and what the generators receive into host memory (rdma and files: up to 3
+    copies per replica; a collective with a CPU peer: up to 3 per engine proc, each of a tp engine's)."""
     from meshrl.launch.memory import plan_memory
 
     gpus = {"gpus_per_host": 4, "gpu_memory_gib": 80}
@@ -524,6 +524,8 @@ def test_the_memory_plan_counts_weight_syncs_copies_in_host_memory():
     rdma = dict(plan_memory(config(launcher=gpus, weight_sync={"transport": "rdma"}, generator={"replicas": 2})).host_ram["hosts", 0])
     assert rdma["weight-sync staging on rank 0 (up to 4 slots)"] == 4 * export
     assert rdma["weight receive buffers of 2 replicas (up to 3 copies per receiving proc)"] == 2 * 3 * export
+    files = dict(plan_memory(config(launcher=gpus, weight_sync={"transport": "files"}, generator={"tp": 2})).host_ram["hosts", 0])
+    assert files["weight receive buffers of 1 replica (up to 3 copies per receiving proc)"] == 3 * export  # the replica's subscriber reads each file
     gloo = plan_memory(config(launcher=gpus, trainer={"device": "cpu"}, weight_sync={"transport": "collective"}, generator={"tp": 2}))
     assert dict(gloo.host_ram["hosts", 0])["weight receive buffers of 1 replica (up to 3 copies per receiving proc)"] == 2 * 3 * export
     shm = dict(plan_memory(config(launcher=gpus, weight_sync={"transport": "shm"})).host_ram["hosts", 0])

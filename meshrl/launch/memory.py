@@ -266,9 +266,9 @@ def host_ram(config: Config, shape: Shape, plan, transport: str, staging_on_gpu:
     rank 0's host the export's whole-model copy in `model.dtype` and, staged in host memory
     (any transport but a GPU collective), weight sync's slots (up to 4 copies of what it sends,
     meshrl/weightsync/staging.py). Per generator host, what its replicas receive into host
-    memory: `rdma` up to 3 copies per replica, a `collective` whose peers are not all on GPUs
-    up to 3 per engine proc (meshrl/weightsync/buffers.py); `shm` reads the trainer's slots and
-    `files` the page cache."""
+    memory: `rdma` and `files` up to 3 copies per replica, a `collective` whose peers are not
+    all on GPUs up to 3 per engine proc (meshrl/weightsync/buffers.py); `shm` loads from the
+    trainer's slots. (`files` also keeps versions in weight_sync.files_dir, on disk or tmpfs.)"""
     db = DTYPE_BYTES[config.model.dtype]
     out: dict[tuple[str, int], list[tuple[str, float]]] = {}
     largest, synced = shape.vocab * shape.dim * 4, synced_params(config, shape) * db
@@ -285,12 +285,12 @@ def host_ram(config: Config, shape: Shape, plan, transport: str, staging_on_gpu:
                 if not staging_on_gpu:
                     items.append(("weight-sync staging on rank 0 (up to 4 slots)", 4 * synced))
         items[[w for w, _ in items].index("loading, per rank")] = ("loading, per rank", largest)
-    per_proc = {"rdma": 3, "collective": 0 if receive_on_gpu else 3}.get(transport, 0)  # copies each receiving proc holds
+    per_proc = {"rdma": 3, "files": 3, "collective": 0 if receive_on_gpu else 3}.get(transport, 0)  # copies each receiving proc holds
     receiving: dict[tuple[str, int], tuple[int, float]] = {}
     for slot in plan.slots:
-        if slot.role == "generator" and per_proc:  # rdma: the replica's proc; a collective: each of its engine's procs
+        if slot.role == "generator" and per_proc:  # rdma, files: the replica's proc; a collective: each of its engine's procs
             replicas, held = receiving.get((slot.mesh, slot.host), (0, 0.0))
-            procs = 1 if transport == "rdma" else max(len(slot.gpus), 1)
+            procs = max(len(slot.gpus), 1) if transport == "collective" else 1
             receiving[(slot.mesh, slot.host)] = (replicas + 1, held + per_proc * procs * synced)
     for where, (replicas, held) in receiving.items():
         of = f"{replicas} replica{'s' if replicas > 1 else ''}"
