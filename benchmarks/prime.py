@@ -49,9 +49,11 @@ def arm_config(arm: str, steps: int, seed: int, run_dir: str) -> dict:
     from meshrl.config.loading import apply_overrides
 
     cfg = yaml.safe_load(open(os.path.join(ROOT, "configs", "prime.yaml")))
-    if arm.split("-")[0] in ("grpo", "rloo", "ppo"):
+    base = arm.split("-")[0]
+    if base in ("grpo", "rloo", "ppo"):  # outcome only
         cfg["scoring"] = {}
-        cfg["trainer"]["loss"]["advantage"] = arm.split("-")[0]
+    if base in ("grpo", "rloo"):
+        cfg["trainer"]["loss"]["advantage"] = base
     if "ppo" in arm.split("-"):  # PPO's critic, as configs/ppo.yaml sets it
         cfg["trainer"]["loss"]["advantage"] = "gae"
         cfg["critic"] = yaml.safe_load(open(os.path.join(ROOT, "configs", "ppo.yaml")))["critic"]
