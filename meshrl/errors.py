@@ -58,6 +58,11 @@ class PolicyWentBack(RuntimeError):
     back before it took that batch: the model is ahead, and waits for the policy (controller/partners.py)."""
 
 
+class ProcLost(RuntimeError):
+    """A call's proc on this host was found gone while the call waited (`futures.unless_lost`): the call is abandoned
+    and the proc healed at once, not after Monarch's delivery timeout for a message to a proc that just died."""
+
+
 class RunFailed(RuntimeError):
     """The run stopped on a failure it can tell in one line (the message); `meshrl run` exits 1."""
 

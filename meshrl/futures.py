@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from meshrl.errors import ProcLost
+
 
 async def awaited(future):
     """A Monarch future as a coroutine.
@@ -32,6 +34,23 @@ async def bounded(future, timeout_s: float, what: str):
         if not bound.expired():  # the call's own TimeoutError (the queue's BatchTimeout is one): its own
             raise
         raise TimeoutError(f"{what} did not answer within {timeout_s:g}s") from None
+
+
+async def unless_lost(future, lost, poll_s: float = 1.0):
+    """Await a Monarch future (or a coroutine) until it answers, or until `lost()` says a proc it
+    waits on is gone: then it is cancelled and ProcLost raised. A message sent to a proc killed
+    moments before (before Monarch's supervision saw it) fails only at Monarch's delivery
+    timeout; the heal that follows need not wait for it."""
+    call = asyncio.ensure_future(awaited(future))
+    try:
+        while not (await asyncio.wait({call}, timeout=poll_s))[0]:
+            if lost():
+                raise ProcLost("a proc of the call is gone (found on its host while the call waited)")
+        return call.result()
+    finally:
+        if not call.done():
+            call.cancel()
+            call.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def by_rank(values) -> list:

@@ -348,3 +348,35 @@ def test_a_member_on_several_procs_is_gone_when_any_of_its_own_procs_is():
     assert not Member(0, None, None, socket.gethostname(), [me, dead], own=2).alive()  # rank 1 gone
     assert Member(0, None, None, socket.gethostname(), [me, dead], own=1).alive()  # a proc of its engine: not its own
     assert Member(0, None, None, socket.gethostname(), [me, me], own=2).alive()
+
+
+def test_a_call_whose_proc_is_found_gone_ends_at_once_and_is_cancelled():
+    """`futures.unless_lost`: a call still waiting when its proc is seen gone on its host (a
+    message to a proc killed moments before fails only at Monarch's delivery timeout) ends in
+    ProcLost at the next poll, the call cancelled; a call that answers gives its answer."""
+    from meshrl.errors import ProcLost
+    from meshrl.futures import unless_lost
+
+    async def main():
+        cancelled, gone = [], []
+
+        async def waits():
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        asyncio.get_running_loop().call_later(0.2, gone.append, True)
+        with pytest.raises(ProcLost):
+            await asyncio.wait_for(unless_lost(waits(), lambda: bool(gone), poll_s=0.05), 10)
+        await asyncio.sleep(0)
+        assert cancelled == [True]
+
+        async def answers():
+            await asyncio.sleep(0.1)
+            return "answer"
+
+        assert await unless_lost(answers(), lambda: False, poll_s=0.05) == "answer"
+
+    asyncio.run(main())

@@ -129,7 +129,7 @@ async def replace_trainer(
     them (launcher.spare_hosts). `role`: its slots in the device plan. Returns (the new mesh, its version). The policy's trainer and each trained model beside
     it (controller/partners.py) are replaced by this."""
     try:
-        await asyncio.wait_for(trainer.stop(), 90)
+        await asyncio.wait_for(trainer.stop(teardown=not procs_dead(pids)), 90)
     except Exception:  # noqa: BLE001 - dead procs do not answer; they are killed below
         pass
     kill_running(pids)
@@ -161,7 +161,7 @@ async def restore_critic(config, alloc, critic, checkpoint_dir: str, version: in
     if path is None and start_version > 0:
         raise RuntimeError(f"no complete critic state at or after the run's start (version {start_version})")
     if respawn or path is None:
-        await settled(critic.stop(), 90)  # a dead proc does not answer its teardown
+        await settled(critic.stop(teardown=not procs_dead(critic.proc_ids)), 90)  # a dead proc does not answer its teardown
         kill_running(critic.proc_ids)  # one wedged but alive would keep its GPU memory from the new one
         critic = await spawn_critic(config, alloc.host("trainer", 0), alloc.bootstrap(role, list(range(config.critic.procs))))
     restored = await critic.load_checkpoint(path) if path is not None else 0
@@ -225,6 +225,16 @@ class TrainerHealer:
     def critic_dead(self) -> bool:
         """Whether a proc of PPO's critic on this host is gone."""
         return self.loop.critic is not None and procs_dead(self.loop.critic.proc_ids)
+
+    def any_dead(self) -> bool:
+        """Whether a proc of the policy's trainer or critic on this host is gone (polled while a step's call waits)."""
+        return self.trainer_dead() or self.critic_dead()
+
+    def stops(self) -> list:
+        """The stops of the policy's trainer and critic meshes (a mesh with a proc known dead: no teardown call to it)."""
+        loop = self.loop
+        trainer = [loop.trainer.stop(teardown=not self.trainer_dead())] if getattr(loop, "trainer", None) is not None else []
+        return trainer + ([loop.critic.stop(teardown=not self.critic_dead())] if loop.critic is not None else [])
 
     def lost_a_proc(self, error: BaseException) -> bool:
         """Whether `error` came from a trainer proc that is gone: on this host it no longer runs;

@@ -33,7 +33,7 @@ from meshrl.controller.members import MeshFailureLog, all_ended, in_order
 from meshrl.controller.partners import TrainedModel, served_pools
 from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool
 from meshrl.errors import BatchTimeout, TrainerFailed, UserCodeFailed, find, first_line, one_line
-from meshrl.futures import bounded, settled
+from meshrl.futures import bounded, settled, unless_lost
 from meshrl.launch.allocation import LOST_HOST_STOP_S, allocate
 from meshrl.launch.devices import weights_on_gpu
 from meshrl.metrics import MetricsWriter
@@ -265,8 +265,8 @@ class RLLoop:
         if c.placement == "colocate":
             handoff.update(await self._hand_devices_to_trainer())
             call_start = time.monotonic()
-        critic = self.critic.actor if self.critic is not None else None
-        out = await self._watching(asyncio.ensure_future(self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s, critic)))
+        call = self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s, self.critic and self.critic.actor)
+        out = await self._watching(asyncio.ensure_future(unless_lost(call, self.healer.any_dead)))  # a killed proc healed at once
         return {**out, "_call_start": call_start}
 
     async def _train_partners(self, partners: list | None = None) -> dict:
@@ -297,7 +297,7 @@ class RLLoop:
             ) from e
         if not await self._queue_answers():  # the trainer's call failed because the batches' source did
             raise self._queue_lost() from e
-        if self.critic is not None and not await self.critic.answers():  # its proc died: a new one, restored
+        if self.critic is not None and (self.healer.critic_dead() or not await self.critic.answers()):  # its proc died: healed
             await self.healer.heal_critic(e)
             return
         await self.healer.heal(e, call)
@@ -486,7 +486,7 @@ class RLLoop:
         await asyncio.gather(*(pool.stop_engines(stop_s) for pool in (*pools, *(p.generators for p in self.partners)) if pool is not None))
         # a trainer blocked on a lost queue's batch: killed here where it runs on this host, else by the job's stop
         lost = getattr(self, "queue", None) is not None and not coordinator_up
-        meshes = [mesh.stop() for mesh in (getattr(self, "trainer", None), self.critic) if mesh is not None]
+        meshes = self.healer.stops()
         coord = [self.coord.stop()] if getattr(self, "coord", None) is not None else []
         stops = [*(settled(stop, stop_s if lost else 120) for stop in meshes), *(settled(stop, stop_s) for stop in coord)]
         await asyncio.gather(*(pool.shutdown(stop_s, engines=False) for pool in pools), *(p.shutdown(stop_s, engines=False) for p in self.partners), *stops)

@@ -34,7 +34,7 @@ from meshrl.controller import checkpoint as checkpoints, colocate
 from meshrl.controller.heal import critic_healed, proc_alive, procs_dead, replace_trainer, restore_critic, trainer_pids
 from meshrl.controller.replicas import GeneratorPool
 from meshrl.errors import PolicyWentBack, TrainerFailed, find, first_line
-from meshrl.futures import settled
+from meshrl.futures import settled, unless_lost
 from meshrl.logs import console
 from meshrl.launch.devices import weights_on_gpu
 from meshrl.trainer.actor import TrainerMesh, spawn_trainer
@@ -155,7 +155,7 @@ class TrainedModel:
         while True:
             try:
                 critic = self.critic.actor if self.critic is not None else None
-                out = await self.trainer.train_from_queue(queue, num_groups, timeout_s, critic, self.index)
+                out = await unless_lost(self.trainer.train_from_queue(queue, num_groups, timeout_s, critic, self.index), self.dead)
             except Exception as e:  # noqa: BLE001 - a dead proc is healed; anything else ends the run resumably
                 if find(e, PolicyWentBack) is not None and self.trainer.version >= version:  # (split: it waited at once)
                     return self._waits(version)
@@ -199,7 +199,7 @@ class TrainedModel:
         dead = [rank for rank, (pid, started) in enumerate(self.pids) if not proc_alive(pid, started)]
         failed = f"trained model {self.name}'s trainer failed at version {version}"
         who = ", ".join(f"rank {r} (pid {self.pids[r][0]})" for r in dead)
-        if not dead and self.critic is not None and not await self.critic.answers():  # its critic's proc died
+        if not dead and self.critic is not None and (procs_dead(self.critic.proc_ids) or not await self.critic.answers()):  # its critic died
             return await self._heal_critic(error, version)
         if not dead:  # it raised, alive: a new mesh would raise again
             raise TrainerFailed(f"{failed} ({type(error).__name__}: {first}); {checkpoints.how_to_resume(run_dir)}") from error
@@ -314,6 +314,7 @@ class TrainedModel:
         self.cancel_update()
         if self.generators is not None:
             await self.generators.shutdown(stop_s, engines)
-        for mesh in (self.trainer, self.critic):
-            if mesh is not None:
-                await settled(mesh.stop(), 120)  # best effort on every exit path, bounded as the policy's
+        if self.trainer is not None:  # best effort on every exit path, bounded as the policy's; no teardown call to a dead proc
+            await settled(self.trainer.stop(teardown=not self.trainer_dead()), 120)
+        if self.critic is not None:
+            await settled(self.critic.stop(teardown=not procs_dead(self.critic.proc_ids)), 120)

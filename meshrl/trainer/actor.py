@@ -341,9 +341,12 @@ class TrainerMesh:
     async def shard_info(self) -> list[dict]:
         return await self._all(self.actors.shard_info)
 
-    async def stop(self) -> None:
+    async def stop(self, teardown: bool = True) -> None:
+        """Each rank's process group ended (`teardown`: not where a rank is known dead, whose share of the call
+        Monarch may fail only at its delivery timeout), then the procs stopped."""
         try:
-            await asyncio.wait_for(self.actors.teardown.call(), 30)
+            if teardown:
+                await asyncio.wait_for(self.actors.teardown.call(), 30)
         except Exception:
             pass  # the procs are stopped below either way
         await asyncio.wait_for(self.procs.stop(), 60)

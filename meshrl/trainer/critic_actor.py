@@ -296,9 +296,11 @@ class CriticMesh:
         """Whether every critic proc still answers (after a failed step: whose fault it was)."""
         return await settled(self.actor.ping.call(), timeout_s) is None  # dead or unreachable: all the same
 
-    async def stop(self) -> None:
+    async def stop(self, teardown: bool = True) -> None:
+        """Its process group ended (`teardown`: not where its proc is known dead), then its proc stopped."""
         try:
-            await asyncio.wait_for(awaited(self.actor.teardown.call_one()), 30)
+            if teardown:
+                await asyncio.wait_for(awaited(self.actor.teardown.call_one()), 30)
         except Exception:  # noqa: BLE001 - the proc is stopped below either way
             pass
         await asyncio.wait_for(self.procs.stop(), 60)
