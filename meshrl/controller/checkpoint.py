@@ -72,17 +72,23 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
     return path, version
 
 
+def latest_state(run_dir: str) -> dict:
+    """The loop state of the run's latest checkpoint (`checkpoints/latest` names its file)."""
+    root = os.path.join(run_dir, "checkpoints")
+    latest = os.path.join(root, "latest")
+    if not os.path.isfile(latest):
+        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from ({latest} missing)")
+    with open(latest) as f:
+        return torch.load(os.path.join(root, f.read().strip()), weights_only=False)
+
+
 async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, timeout_s: float) -> tuple[int, list[dict]]:
     """Load the latest checkpoint into the trainer, the critic (a CriticMesh, under PPO with a
     critic) and the queue (its load bounded by `timeout_s`): its version and metrics history.
     `watch` (meshrl/stability.py's CliffWatch) picks up where it was, checkpoints included,
     silently."""
     root = os.path.join(run_dir, "checkpoints")
-    latest = os.path.join(root, "latest")
-    if not os.path.isfile(latest):
-        raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from ({latest} missing)")
-    with open(latest) as f:
-        state = torch.load(os.path.join(root, f.read().strip()), weights_only=False)
+    state = latest_state(run_dir)
     version = await trainer.load_checkpoint(state["trainer_dir"])
     if version != state["version"]:
         raise RuntimeError(f"trainer checkpoint is at version {version}, loop state at {state['version']}")
@@ -107,9 +113,7 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
 def saved_models(run_dir: str) -> dict[str, tuple[str, str | None]]:
     """The latest checkpoint's trained models beside the policy: {name: (their trainer
     checkpoint, their critic's, or None where they train without one)}."""
-    root = os.path.join(run_dir, "checkpoints")
-    with open(os.path.join(root, "latest")) as f:
-        state = torch.load(os.path.join(root, f.read().strip()), weights_only=False)
+    state = latest_state(run_dir)
     critics = state.get("model_critics") or {}
     return {name: (path, critics.get(name)) for name, path in (state.get("models") or {}).items()}
 

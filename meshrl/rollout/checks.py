@@ -30,6 +30,7 @@ from meshrl.rollout.env import (
     call_bounded,
     call_reward,
     callable_name,
+    env_constructor,
     env_maker,
     prompt_text,
 )
@@ -59,14 +60,11 @@ def check_env(c: Config) -> None:
             )
     elif not callable(maker):
         raise ConfigError("rollout.env", f"{path!r} is a {type(maker).__name__}, not an env class or a function returning an env", kind="contract error")
-    from_config = getattr(maker, "from_config", None)  # an env that reads the run's config (rollout/env.py `env_maker`)
+    make, args = env_constructor(maker, c)  # as the workers make it (rollout/env.py `env_maker`)
     try:
-        if from_config is not None:
-            inspect.signature(from_config).bind(c, **env_args)
-        else:
-            inspect.signature(maker).bind(**env_args)
+        inspect.signature(make).bind(*args, **env_args)
     except TypeError as e:
-        what = "its from_config" if from_config is not None else "its constructor" if inspect.isclass(maker) else "it"
+        what = "its from_config" if args else "its constructor" if inspect.isclass(maker) else "it"
         raise ConfigError(
             "rollout.env",
             f"{path!r} cannot make an env from rollout.env_args {env_args}: {what} says {e}; "

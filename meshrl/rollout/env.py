@@ -199,11 +199,15 @@ def env_maker(config) -> Callable[[], Any]:
     from meshrl.imports import import_callable
 
     r = config.rollout
-    maker = import_callable(r.env)
+    make, args = env_constructor(import_callable(r.env), config)
+    return lambda: make(*args, **r.env_args)
+
+
+def env_constructor(maker, config) -> tuple[Callable[..., Any], tuple]:
+    """What makes an env of `maker` (rollout.env imported) and its positional arguments before
+    rollout.env_args: its `from_config` classmethod with the run's config, where it has one."""
     from_config = getattr(maker, "from_config", None)
-    if from_config is not None:
-        return lambda: from_config(config, **r.env_args)
-    return lambda: maker(**r.env_args)
+    return (from_config, (config,)) if from_config is not None else (maker, ())
 
 
 async def call_bounded(fn: Callable, *args: Any, timeout: float) -> Any:
