@@ -8,7 +8,12 @@ suite's learning tests run, so that the arms differ in the advantage alone:
 - `grpo`: the same config with `trainer.loss.advantage: grpo` (no critic);
 - `ppo-v0` (`--arms`): `ppo` with a critic that never learns (lr 1e-12: V = 0, so each
   token's advantage is its episode's return whitened over the batch), to tell the critic's
-  values from the estimator around them.
+  values from the estimator around them;
+- `ppo-vcppo`, `ppo-vapo` (`--arms`): `ppo` with decoupled GAE, the critic's returns at
+  lambda 1 and the policy's advantages at lambda 0.95 (VC-PPO) or at VAPO's length-adaptive
+  lambda, 1 - 1 / (0.05 x the answer's tokens). The default task's answers are 8 tokens,
+  for which VAPO's lambda is 0: that arm's advantages are the critic's one-step estimates
+  alone (its values' errors, unaveraged), the far end from `ppo`'s lambda 1.
 
 Per run: the trained batch's mean reward at each step, the first step reaching `--reach`,
 the mean over all steps (area under the curve per sample), and for PPO the critic's
@@ -62,6 +67,10 @@ def run_arm(
         cfg["trainer"]["loss"]["advantage"] = "grpo"
     if arm == "ppo-v0":  # the critic never moves from its zero head: V = 0, the advantages are the whitened returns
         cfg["critic"]["lr"] = 1e-12
+    if arm == "ppo-vcppo":  # decoupled GAE: the policy's advantages at lambda 0.95, the critic's returns at 1
+        cfg["critic"].update(lam=0.95, value_lam=1.0)
+    if arm == "ppo-vapo":  # VAPO's length-adaptive lambda (alpha 0.05) for the advantages, the returns at 1
+        cfg["critic"].update(adaptive_lam=0.05, value_lam=1.0)
     if critic_epochs is not None and "critic" in cfg:
         cfg["critic"]["epochs"] = critic_epochs
     over = {**(SYNC if sync else {}), "steps": steps, "seed": seed, "logging.run_dir": run_dir}
@@ -152,7 +161,7 @@ def main() -> None:
     p.add_argument("--reach", type=float, default=0.9)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ppo.json"))
     p.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "bench-ppo"))
-    p.add_argument("--arms", nargs="+", default=["ppo", "grpo"], help="ppo, grpo, ppo-v0 (a critic that never learns)")
+    p.add_argument("--arms", nargs="+", default=["ppo", "grpo"], help="ppo, grpo, ppo-v0 (a critic that never learns), ppo-vcppo, ppo-vapo (decoupled lambdas)")
     p.add_argument("--task", default=None, help="a built-in task for both arms instead of the default (e.g. digits_sparse)")
     p.add_argument("--policy-lr", type=float, default=None, help="the policy's trainer.lr for every arm (default: the config's)")
     p.add_argument("--critic-epochs", type=int, default=None, help="the critic's optimizer steps per batch (default: the config's)")

@@ -40,3 +40,14 @@ def interface_of(ip: str) -> str:
         if any(a.address.split("%")[0] == ip for a in addrs):
             return name
     raise ValueError(f"{ip} is not an address of this host: give one of its own")
+
+
+def started(proc=None) -> float:
+    """When `proc` (a psutil.Process; None: this one) started, in seconds since this host
+    booted. With its pid it tells a proc from a later one given the same pid; unlike psutil's
+    `create_time` (since the epoch, from the boot time the clock says now) it does not move
+    when the system clock is stepped, so a live proc never reads as gone."""
+    import psutil
+
+    proc = psutil.Process() if proc is None else proc
+    return proc.create_time() - psutil.boot_time()

@@ -18,7 +18,7 @@ from meshrl.trainer.critic import CriticTrainer, build_value_model, token_values
 from meshrl.trainer.losses import policy_loss
 from meshrl.trainer.model import build_model
 from meshrl.trainer.packing import row_lengths
-from meshrl.trainer.values import gae, masked_whiten, ppo_advantages, reduce_value_metrics, value_loss, value_metric_sums
+from meshrl.trainer.values import gae, length_lambdas, masked_whiten, ppo_advantages, reduce_value_metrics, value_loss, value_metric_sums
 
 NAN, INF = float("nan"), float("inf")
 
@@ -94,6 +94,38 @@ def test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value():
     assert torch.allclose(ret[1, 1:5], torch.full((4,), 2.0))
     ref_adv, ref_ret = reference_gae(values, rewards, mask, 1.0, 1.0)
     assert torch.allclose(adv, ref_adv, atol=1e-6) and torch.allclose(ret, ref_ret, atol=1e-6)
+
+
+def test_gae_takes_a_lambda_per_row():
+    values, rewards, mask = multi_turn_example()
+    adv, ret = gae(values, rewards, mask, 0.9, torch.tensor([0.8, 0.3]))
+    for row, lam in ((0, 0.8), (1, 0.3)):
+        ref_adv, ref_ret = reference_gae(values, rewards, mask, 0.9, lam)
+        assert torch.allclose(adv[row], ref_adv[row], atol=1e-6) and torch.allclose(ret[row], ref_ret[row], atol=1e-6)
+
+
+def test_decoupled_and_length_adaptive_lambdas_vapos():
+    """The critic's returns from `value_lam` (VC-PPO, VAPO: 1, the sums of rewards to come),
+    the policy's advantages from `lam`, or with `adaptive_lam` from each row's own
+    1 - 1 / (alpha * its model tokens): a row of 4 model tokens and one of 10."""
+
+    def batch():
+        rows = [[Turn("env", [1] * 2), Turn("model", [5] * n, [-1.0] * n, [0] * n, reward=r)] for n, r in ((4, 1.0), (10, 0.5))]
+        return pack([Episode(0, i, turns) for i, turns in enumerate(rows)])
+
+    b = batch()
+    mask = b["loss_mask"]
+    values = torch.where(mask, torch.linspace(0.0, 0.9, mask.shape[1]).expand_as(mask), NAN)
+    to_go = gae(values, b["dense_reward"], mask, 1.0, 1.0)[1]
+    returns = ppo_advantages(b, values, lam=0.5, value_lam=1.0, whiten=False)
+    assert torch.allclose(returns, to_go) and torch.allclose(to_go[0][mask[0]], torch.ones(4))
+    assert torch.allclose(b["token_advantage"], gae(values, b["dense_reward"], mask, 1.0, 0.5)[0])
+    b = batch()
+    returns = ppo_advantages(b, values, whiten=False, adaptive_lam=0.5)  # lambdas 1 - 1/2 and 1 - 1/5
+    assert torch.allclose(returns, to_go)
+    for row, lam in ((0, 0.5), (1, 0.8)):
+        assert torch.allclose(b["token_advantage"][row], reference_gae(values, b["dense_reward"], mask, 1.0, lam)[0][row], atol=1e-6)
+    assert length_lambdas(mask, 0.05).tolist() == [0.0, 0.0]  # VAPO's alpha on answers this short: the critic alone (TD(0))
 
 
 def test_gae_refuses_non_finite_values_on_model_tokens():

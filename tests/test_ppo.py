@@ -47,6 +47,8 @@ def gae_config(**sections) -> dict:
         (gae_config(critic={"value_clip": 0}), "critic.value_clip", "positive"),
         (gae_config(critic={"gamma": 0}), "critic.gamma", "(0, 1]"),
         (gae_config(critic={"lam": 1.5}), "critic.lam", "[0, 1]"),
+        (gae_config(critic={"value_lam": -0.1}), "critic.value_lam", "[0, 1]"),
+        (gae_config(critic={"adaptive_lam": -0.05}), "critic.adaptive_lam", "at least 0"),
         (gae_config(steps=5, critic={"policy_warmup": 5}), "critic.policy_warmup", "never train on the critic"),
         (gae_config(critic={"epochs": 0}), "critic.epochs", "at least 1"),
         (gae_config(critic={"procs": 0}), "critic.procs", "at least 1"),
@@ -71,6 +73,8 @@ def test_gae_configs_that_build():
     assert resolve_placement(c, gpus=0) == ("split", "PPO's critic trains beside the policy on a proc of its own")
     # no group needed: one completion per prompt; the plain squared error; a warm-up below steps
     Config.from_dict(gae_config(generator={"group_size": 1}, critic={"value_clip": None, "policy_warmup": 3}))
+    Config.from_dict(gae_config(critic={"value_lam": 1.0, "lam": 0.95}))  # VC-PPO's decoupled GAE; VAPO's below
+    Config.from_dict(gae_config(critic={"value_lam": 1.0, "adaptive_lam": 0.05}))
     Config.from_dict(gae_config(trainer={"device": "cpu", "loss": {"advantage": "gae"}}, launcher={"gpus_per_host": 8}))
     # process rewards and an implicit PRM: their step scores are rewards GAE adds up (scorers/process.py)
     Config.from_dict(gae_config(scoring={"scorers": [{"kind": "function", "path": "m:f", "process": "step"}]}))
@@ -192,6 +196,22 @@ def test_critic_epochs_are_optimizer_steps_on_one_batch_and_one_version():
     assert m3["version"] == 1 and m1["version"] == 3
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one.model.parameters(), three.model.parameters()))
     assert m3["value_clip_frac"] == pytest.approx(m1["value_clip_frac"]) and m3["value_clip_frac"] > 0
+
+
+def test_the_critic_a_config_builds_takes_its_lambdas():
+    """`critic.value_lam` and `critic.adaptive_lam` reach the CriticTrainer a run builds
+    (trainer/critic_actor.py `build_critic`) and its advantages: as `ppo_advantages` with them."""
+    from meshrl.trainer.critic_actor import build_critic
+    from meshrl.trainer.values import ppo_advantages
+
+    critic = build_critic(Config.from_dict(gae_config(critic={"lam": 0.9, "value_lam": 1.0, "adaptive_lam": 0.5})))
+    batch, expected = _six_episodes(), _six_episodes()
+    returns, old = critic.advantages(batch)
+    assert torch.equal(returns, ppo_advantages(expected, old, lam=0.9, value_lam=1.0, adaptive_lam=0.5))
+    assert torch.equal(batch["token_advantage"], expected["token_advantage"])
+    plain = _six_episodes()
+    ppo_advantages(plain, old, lam=0.9)
+    assert not torch.allclose(plain["token_advantage"], batch["token_advantage"])  # the lambdas made a difference
 
 
 def _six_episodes():

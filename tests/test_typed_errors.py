@@ -5,6 +5,7 @@ queue -> trainer-like relay -> controller on real procs, as the RL loop sees the
 controller's own ends of a run: a queue that stops answering, a signal during the teardown."""
 
 import asyncio
+import os
 import pickle
 
 import pytest
@@ -339,15 +340,33 @@ def test_a_member_on_several_procs_is_gone_when_any_of_its_own_procs_is():
     import psutil
 
     from meshrl.controller.members import Member
+    from meshrl.host import started
 
     gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    dead = (gone.pid, psutil.Process(gone.pid).create_time())
+    dead = (gone.pid, started(psutil.Process(gone.pid)))
     gone.kill()
     gone.wait()
-    me = (os.getpid(), psutil.Process().create_time())
+    me = (os.getpid(), started())
     assert not Member(0, None, None, socket.gethostname(), [me, dead], own=2).alive()  # rank 1 gone
     assert Member(0, None, None, socket.gethostname(), [me, dead], own=1).alive()  # a proc of its engine: not its own
     assert Member(0, None, None, socket.gethostname(), [me, me], own=2).alive()
+
+
+def test_a_live_proc_is_not_taken_for_gone_when_the_system_clock_steps(monkeypatch):
+    """A proc's start time is kept in seconds since boot (`host.started`): stepping the system
+    clock moves the epoch boot time psutil reads, and a live trainer polled every second
+    during its step (`futures.unless_lost`) must not then read as gone and be replaced."""
+    import psutil
+    import psutil._pslinux as linux
+
+    from meshrl.controller.members import running_process
+    from meshrl.host import started
+
+    me = (os.getpid(), started())
+    boot = linux.boot_time()
+    monkeypatch.setattr(linux, "boot_time", lambda: boot + 3600.0)  # the clock stepped an hour on
+    assert abs(psutil.Process().create_time() - (boot + me[1])) > 3000  # the epoch start time moved with it
+    assert running_process(*me) is not None and started() == pytest.approx(me[1], abs=1e-3)
 
 
 def test_a_call_whose_proc_is_found_gone_ends_at_once_and_is_cancelled():

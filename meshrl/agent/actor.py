@@ -11,6 +11,7 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 from meshrl.agent.worker import RolloutWorker
 from meshrl.config import Config
 from meshrl.errors import UserCodeError, describe
+from meshrl.host import started
 from meshrl.logs import capture_role_output, role_log
 from meshrl.pinning import place_light_process
 
@@ -41,15 +42,13 @@ class RolloutWorkerActor(Actor):
         policy (config.models' order), for games."""
         import socket
 
-        import psutil
-
         self.worker.set_generators(generators)
         for i, handles in enumerate(partners or []):
             self.worker.set_generators(handles, i + 1)
         self.worker.teacher = teacher
         self.worker.scorers.set_replicas(scorers or {})
         self.worker.start(queue)
-        return {"host": socket.gethostname(), "pids": [(os.getpid(), psutil.Process().create_time())]}
+        return {"host": socket.gethostname(), "pids": [(os.getpid(), started())]}
 
     @concurrent_endpoint
     async def set_generators(self, generators: list, model: int = 0) -> None:

@@ -283,6 +283,8 @@ def _check_critic_ranges(c: Config) -> None:
     need(critic.value_clip is None or critic.value_clip > 0, "critic.value_clip", f"must be positive (or null for no clip), got {critic.value_clip}")
     need(0 < critic.gamma <= 1, "critic.gamma", f"must be in (0, 1], got {critic.gamma}")
     need(0 <= critic.lam <= 1, "critic.lam", f"must be in [0, 1], got {critic.lam}")
+    need(critic.value_lam is None or 0 <= critic.value_lam <= 1, "critic.value_lam", f"must be in [0, 1] (or null: lam), got {critic.value_lam}")
+    need(critic.adaptive_lam >= 0, "critic.adaptive_lam", f"must be at least 0 (0: off; VAPO uses 0.05), got {critic.adaptive_lam}")
     need(
         0 <= critic.policy_warmup < c.steps,
         "critic.policy_warmup",

@@ -251,6 +251,10 @@ class CriticConfig:
     """GAE's discount, per model token (env tokens between turns are carried over, not counted). 1: the return is the sum of the rewards to come, as the task's reward is an episode's."""
     lam: float = 1.0
     """GAE's lambda: 1 gives A_t = return - V_t (unbiased, noisier); lower leans on the critic's own estimates of the next state (less variance, biased while the critic is wrong)."""
+    value_lam: float | None = None
+    """GAE's lambda for the critic's returns alone (VC-PPO's and VAPO's decoupled GAE): 1 keeps the critic's targets the unbiased sums of the rewards to come while `lam` (or `adaptive_lam`) below 1 lowers the variance of the policy's advantages. null: `lam` for both."""
+    adaptive_lam: float = 0.0
+    """VAPO's length-adaptive lambda for the policy's advantages: each episode's lambda is 1 - 1 / (adaptive_lam x its model tokens), at least 0, in place of `lam`, so a long answer sums more of its own rewards and a short one leans on the critic (VAPO: 0.05, with `value_lam` 1). The critic's returns keep `value_lam` (null: `lam`). 0: off."""
     whiten: bool = True
     """Centre and scale the advantages over each batch's model tokens (verl's default for GAE). The returns the critic regresses on are never whitened."""
     policy_warmup: int = 0

@@ -38,6 +38,7 @@ from meshrl.controller import checkpoint as checkpoints
 from meshrl.controller.members import running_process
 from meshrl.errors import TrainerFailed, first_line
 from meshrl.futures import awaited, settled
+from meshrl.host import started as start_time
 from meshrl.logs import console
 from meshrl.trainer.actor import spawn_trainer
 from meshrl.trainer.critic_actor import critic_root, spawn_critic
@@ -60,7 +61,7 @@ def local_proc(pid: int, host: str | None) -> tuple[int, float | None]:
     if host not in (None, socket.gethostname()):
         return pid, None
     try:
-        return pid, psutil.Process(pid).create_time()
+        return pid, start_time(psutil.Process(pid))
     except psutil.Error:
         return pid, None
 
@@ -226,10 +227,6 @@ class TrainerHealer:
         """Whether a proc of PPO's critic on this host is gone."""
         return self.loop.critic is not None and procs_dead(self.loop.critic.proc_ids)
 
-    def any_dead(self) -> bool:
-        """Whether a proc of the policy's trainer or critic on this host is gone (polled while a step's call waits)."""
-        return self.trainer_dead() or self.critic_dead()
-
     def stops(self) -> list:
         """The stops of the policy's trainer and critic meshes (a mesh with a proc known dead: no teardown call to it)."""
         loop = self.loop
@@ -299,7 +296,7 @@ class TrainerHealer:
         loop.trainer, version = await replace_trainer(c, loop.alloc, loop.trainer, self.pids, loop.run_dir, self.start_version, at_most=loop.version)
         await self.watch()
         if loop.critic is not None:  # back to the restored version with the policy: no batch trains it twice
-            await self._restore_critic(version, respawn=not await loop.critic.answers())
+            await self._restore_critic(version, respawn=self.critic_dead() or not await loop.critic.answers())
         retaken = await awaited(loop.queue.retake.call_one(version))
         publisher = await loop.trainer.publisher_handle()
         await loop.trainer.publish_current()

@@ -266,7 +266,7 @@ class RLLoop:
             handoff.update(await self._hand_devices_to_trainer())
             call_start = time.monotonic()
         call = self.trainer.train_from_queue(self.queue, c.batch_groups, c.buffer.get_timeout_s, self.critic and self.critic.actor)
-        out = await self._watching(asyncio.ensure_future(unless_lost(call, self.healer.any_dead)))  # a killed proc healed at once
+        out = await self._watching(asyncio.ensure_future(unless_lost(call, self.healer.trainer_dead)))  # a killed proc healed at once
         return {**out, "_call_start": call_start}
 
     async def _train_partners(self, partners: list | None = None) -> dict:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from meshrl.errors import first_line
 from meshrl.futures import settled
+from meshrl.host import started as start_time
 
 log = logging.getLogger("meshrl")
 
@@ -26,7 +27,7 @@ def running_process(pid: int, started: float):
 
     try:
         proc = psutil.Process(pid)
-        if abs(proc.create_time() - started) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+        if abs(start_time(proc) - started) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
             return proc
     except psutil.Error:
         pass

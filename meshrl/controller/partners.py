@@ -155,7 +155,7 @@ class TrainedModel:
         while True:
             try:
                 critic = self.critic.actor if self.critic is not None else None
-                out = await unless_lost(self.trainer.train_from_queue(queue, num_groups, timeout_s, critic, self.index), self.dead)
+                out = await unless_lost(self.trainer.train_from_queue(queue, num_groups, timeout_s, critic, self.index), self.trainer_dead)
             except Exception as e:  # noqa: BLE001 - a dead proc is healed; anything else ends the run resumably
                 if find(e, PolicyWentBack) is not None and self.trainer.version >= version:  # (split: it waited at once)
                     return self._waits(version)
@@ -224,7 +224,7 @@ class TrainedModel:
             )
             self.pids = await trainer_pids(self.trainer)
             if self.critic is not None:  # back to the trainer's version with it: no batch trains it twice
-                await self._restore_critic(restored, respawn=not await self.critic.answers())
+                await self._restore_critic(restored, respawn=procs_dead(self.critic.proc_ids) or not await self.critic.answers())
             publisher = await self.trainer.publisher_handle()
             await self.trainer.publish_current()
             self.weight_sync = await self.weight_sync.reconnect(publisher=publisher)

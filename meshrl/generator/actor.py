@@ -30,6 +30,7 @@ from meshrl.compat import endpoint_for_callers_that_may_die
 from meshrl.config import Config
 from meshrl.generator.engine import RequestResult
 from meshrl.generator.service import Generator
+from meshrl.host import started
 from meshrl.logs import capture_role_output
 from meshrl.config.cpus import cpus_for
 from meshrl.pinning import pin_this_process, vllm_threads_bind
@@ -205,4 +206,4 @@ def _process_tree() -> dict:
     import psutil
 
     me = psutil.Process()
-    return {"host": socket.gethostname(), "pids": [(p.pid, p.create_time()) for p in [me, *me.children(recursive=True)]]}
+    return {"host": socket.gethostname(), "pids": [(p.pid, started(p)) for p in [me, *me.children(recursive=True)]]}

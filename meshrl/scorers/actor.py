@@ -21,7 +21,7 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.compat import cuda_present, endpoint_for_callers_that_may_die
 from meshrl.config import Config
-from meshrl.host import gloo_on_this_host, host_address
+from meshrl.host import gloo_on_this_host, host_address, started
 from meshrl.logs import capture_role_output
 from meshrl.scorers.backends import start_backend
 from meshrl.scorers.service import PRMService, ScorerService
@@ -70,7 +70,7 @@ class ScorerActor(Actor):
         gc.collect()
         gc.freeze()  # as a generator replica: the collector walks only what is made from here on
         me = psutil.Process()
-        pids = [(p.pid, p.create_time()) for p in [me, *me.children(recursive=True)]]
+        pids = [(p.pid, started(p)) for p in [me, *me.children(recursive=True)]]
         return {"host": socket.gethostname(), "pids": pids, "restored": getattr(backend, "restored", None), "world": getattr(backend, "world", 1)}
 
     @endpoint_for_callers_that_may_die

@@ -196,8 +196,9 @@ class CriticTrainer:
 
     Args: model_config (the policy's sizes, or `path` to start from a checkpoint); lr,
     weight_decay, warmup_steps (linear warm-up of lr over that many steps), grad_clip (0: off),
-    value_clip (verl's cliprange_value; None: unclipped), gamma / lam (for `advantages`),
-    aggregation (as the policy loss's), micro_batch_size (rows per forward) or
+    value_clip (verl's cliprange_value; None: unclipped), gamma / lam / value_lam / adaptive_lam
+    (for `advantages`: values.ppo_advantages), aggregation (as the policy loss's),
+    micro_batch_size (rows per forward) or
     micro_batch_tokens (> 0: a token budget, rows packed), epochs (optimizer steps per
     batch, verl's critic ppo_epochs), seed, device, init_from (see `build_value_model`),
     compute_dtype (autocast on CPU; float32 master weights), hf_overrides (build_model's,
@@ -215,6 +216,8 @@ class CriticTrainer:
         value_clip: float | None = 0.5,
         gamma: float = 1.0,
         lam: float = 1.0,
+        value_lam: float | None = None,
+        adaptive_lam: float = 0.0,
         aggregation: str = "token_mean",
         micro_batch_size: int = 16,
         micro_batch_tokens: int = 0,
@@ -227,6 +230,7 @@ class CriticTrainer:
     ):
         self.device = torch.device(device)
         self.value_clip, self.gamma, self.lam, self.aggregation = value_clip, gamma, lam, aggregation
+        self.value_lam, self.adaptive_lam = value_lam, adaptive_lam
         self.grad_clip, self.micro_batch_size, self.micro_batch_tokens = grad_clip, micro_batch_size, micro_batch_tokens
         self.epochs = epochs
         # Sharded and started from a checkpoint, the model is built on the meta device, sharded,
@@ -295,11 +299,11 @@ class CriticTrainer:
         return out
 
     def advantages(self, batch: TensorDict, whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """`values` then `ppo_advantages` with this critic's gamma and lambda: writes
+        """`values` then `ppo_advantages` with this critic's gamma and lambdas: writes
         batch["token_advantage"] (and drops failed episodes from `loss_mask`); returns
         (returns, old_values), the arguments of `train_step`."""
         old = self.values(batch)
-        return ppo_advantages(batch, old, self.gamma, self.lam, whiten=whiten), old
+        return ppo_advantages(batch, old, self.gamma, self.lam, whiten, self.value_lam, self.adaptive_lam), old
 
     # ---- training -----------------------------------------------------------------------
     def train_step(self, batch: TensorDict, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:

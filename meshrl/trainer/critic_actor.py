@@ -33,7 +33,6 @@ import os
 import socket
 import time
 
-import psutil
 import torch
 import torch.distributed as dist
 from monarch.actor import Actor, concurrent_endpoint, endpoint
@@ -42,7 +41,7 @@ from tensordict import TensorDict
 from meshrl.config import Config
 from meshrl.config.cpus import cpus_for
 from meshrl.futures import awaited, by_rank, settled, stopped_on_failure
-from meshrl.host import gloo_on_this_host, host_address
+from meshrl.host import gloo_on_this_host, host_address, started
 from meshrl.launch.devices import planned_gpu
 from meshrl.logs import capture_role_output
 from meshrl.pinning import pin_this_process
@@ -91,6 +90,8 @@ def build_critic(config: Config, device: str = "cpu") -> CriticTrainer:
         value_clip=cc.value_clip,
         gamma=cc.gamma,
         lam=cc.lam,
+        value_lam=cc.value_lam,
+        adaptive_lam=cc.adaptive_lam,
         aggregation=config.trainer.loss.aggregation,
         micro_batch_size=cc.micro_batch_size,
         micro_batch_tokens=config.trainer.micro_batch_tokens,
@@ -163,7 +164,7 @@ class CriticActor(Actor):
             "rank": critic.dp_rank,
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "started": psutil.Process().create_time(),
+            "started": started(),
             "version": critic.version,
             "threads": torch.get_num_threads(),
             "params": sum(p.numel() for p in critic.model.parameters()),

@@ -18,6 +18,13 @@ row's next model token after t (none after the last: V = 0, A = 0 there):
 
 gamma = lam = 1 (verl's default) gives A_t = sum_{k >= t} r_k - V_t and R_t = sum_{k >= t} r_k.
 
+The policy's advantages and the critic's returns may take lambdas of their own (VC-PPO's and
+VAPO's decoupled GAE): returns with lambda 1 are the critic's unbiased Monte-Carlo targets,
+while a lower lambda for the advantages trades their variance for the critic's bias. VAPO's
+length-adaptive lambda gives each row its own, lam_b = 1 - 1 / (alpha * l_b) with l_b its
+model tokens (at least 0): a long answer sums more of its own rewards, a short one leans on
+the critic.
+
 Value loss (verl's / TRL's clipped form), per model token, with V_old the values the
 advantages were computed from and c = `clip`:
 
@@ -66,13 +73,14 @@ def _check_finite(name: str, x: Tensor, mask: Tensor) -> None:
 
 
 @torch.no_grad()
-def gae(values: Tensor, rewards: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0) -> tuple[Tensor, Tensor]:
+def gae(values: Tensor, rewards: Tensor, mask: Tensor, gamma: float = 1.0, lam: float | Tensor = 1.0) -> tuple[Tensor, Tensor]:
     """(advantages, returns), both [B, T] float32 and 0 off `mask` (see the module docstring).
 
-    values, rewards: [B, T], read on `mask` only. Each row's model tokens are first gathered
-    to the left (env tokens and padding drop out, their order kept), so the reverse loop runs
-    over the longest row's model tokens, not over T, and nothing off the mask is ever read.
-    gamma = lam = 1 takes the closed form (a reverse cumulative sum) instead of the loop.
+    values, rewards: [B, T], read on `mask` only. `lam`: one lambda, or each row's ([B]).
+    Each row's model tokens are first gathered to the left (env tokens and padding drop out,
+    their order kept), so the reverse loop runs over the longest row's model tokens, not over
+    T, and nothing off the mask is ever read. gamma = lam = 1 takes the closed form (a reverse
+    cumulative sum) instead of the loop.
     """
     if values.shape != rewards.shape or values.shape != mask.shape or values.dim() != 2:
         raise ValueError(f"values, rewards and mask must share one [B, T] shape, got {tuple(values.shape)}, {tuple(rewards.shape)}, {tuple(mask.shape)}")
@@ -88,7 +96,8 @@ def gae(values: Tensor, rewards: Tensor, mask: Tensor, gamma: float = 1.0, lam: 
     valid = torch.arange(L, device=mask.device)[None, :] < n[:, None]  # [B, L], trailing False
     v = torch.where(valid, values.float().gather(1, order), 0.0)
     r = torch.where(valid, rewards.float().gather(1, order), 0.0)
-    if gamma == 1.0 and lam == 1.0:
+    lam = torch.as_tensor(lam, dtype=torch.float32, device=mask.device).expand(B)
+    if gamma == 1.0 and bool((lam == 1.0).all()):
         ret = r.flip(1).cumsum(1).flip(1)
         adv = ret - v
     else:
@@ -124,7 +133,22 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 
 
 @torch.no_grad()
-def ppo_advantages(batch: TensorDict, values: Tensor, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True) -> Tensor:
+def length_lambdas(mask: Tensor, alpha: float) -> Tensor:
+    """VAPO's length-adaptive lambda of each row ([B]): 1 - 1 / (alpha * its model tokens), at least 0."""
+    tokens = mask.bool().sum(dim=1).clamp(min=1).double()
+    return (1.0 - 1.0 / (alpha * tokens)).clamp(min=0.0).float()
+
+
+@torch.no_grad()
+def ppo_advantages(
+    batch: TensorDict,
+    values: Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+    value_lam: float | None = None,
+    adaptive_lam: float = 0.0,
+) -> Tensor:
     """GAE on a rollout batch: writes `token_advantage` [B, T] (the per-token advantage the
     policy loss trains on instead of `advantage`) and returns the [B, T] returns, the
     critic's targets. In place on `batch`.
@@ -135,13 +159,18 @@ def ppo_advantages(batch: TensorDict, values: Tensor, gamma: float = 1.0, lam: f
     `loss_mask`, as `assign_advantages` does: its reward of 0 says nothing about the policy,
     and the critic does not train on it either. Process rewards (`process_reward`, a PRM's
     or a process scorer's weighted step scores at each step's last token) add to the turns'
-    rewards.
+    rewards. `value_lam` (None: `lam`): the returns' own lambda; `adaptive_lam` (> 0): the
+    advantages' lambda is each row's `length_lambdas` instead of `lam` (module docstring).
     """
     failed = batch["finish_reason"] == FINISH_REASONS["failed"]
     mask = batch["loss_mask"].bool() & ~failed[:, None]
     batch["loss_mask"] = mask
     rewards = batch["dense_reward"] + batch["process_reward"] if "process_reward" in batch.keys() else batch["dense_reward"]
-    advantages, returns = gae(values, rewards, mask, gamma, lam)
+    policy_lam = length_lambdas(mask, adaptive_lam) if adaptive_lam > 0 else lam
+    advantages, returns = gae(values, rewards, mask, gamma, policy_lam)
+    value_lam = lam if value_lam is None else value_lam
+    if adaptive_lam > 0 or value_lam != lam:  # decoupled: the critic's targets from a lambda of their own
+        returns = gae(values, rewards, mask, gamma, value_lam)[1]
     if whiten:
         advantages = masked_whiten(advantages, mask)
     batch["token_advantage"] = advantages
