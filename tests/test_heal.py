@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -135,6 +136,44 @@ def test_lost_trainer_host_is_healed_on_a_spare_host(tmp_path):
     check_healed(run)
     assert set(run["hosts"]) == {"trainer_0", "generator_0", "spare_0"}
     assert run["new_hosts"] == [run["hosts"]["spare_0"]] and run["spares_left"] == 0, run
+
+
+def test_a_trainer_killed_while_it_waits_for_its_batch_loses_no_group(tmp_path, monkeypatch):
+    """Synchronous, so the trainer waits in the queue's `sample` while each batch is generated;
+    with the batch's rewards held (the gate), its proc is SIGKILLed there. The heal's `retake`
+    ends that wait inside the queue: it takes no batch and does not move the version on, and
+    its answer to the dead proc is dropped without failing the queue. Once the rewards flow,
+    the new trainer takes the batch and the run trains every group once."""
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(conftest.REWARD_GATE_ENV, str(gate))  # the workers' procs inherit it
+    sync = {"buffer": {"depth": 0, "max_lag": 0, "get_timeout_s": 60}, "generator": {"update_mode": "block"}}
+    reward = {"reward_fn": "tests.conftest:gated_digits_reward"}
+    cfg = tiny(tmp_path / "run", steps=4, trainer={"checkpoint_every": 0, "snapshot_every": 1}, scoring=reward, **sync)
+    session, out = meshrl.Session(cfg), []
+    try:
+        session.start()
+        rows = session.step(2)
+        loop = session.loop
+        (info,) = session._call(loop.trainer.shard_info(), 60)
+        with conftest.rewards_held(gate):  # the next batch cannot be complete: its trainer waits for it
+            stepping = threading.Thread(target=lambda: out.extend(session.step(1)), daemon=True)
+            stepping.start()
+            time.sleep(1.0)
+            os.kill(info["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while "trainer/restart_s" not in loop.healer.pending_metrics and time.monotonic() < deadline:
+                time.sleep(0.1)  # healed, with the rewards still held
+        stepping.join(180)
+        assert out and out[0]["trainer/restarts"] == 1 and out[0]["trainer/steps_lost"] == 0, out
+        rows += out + session.step(4 - session.version)
+        queue = session._call(awaited(loop.queue.state_dict.call_one()), 60)
+    finally:
+        session.stop()
+    kept = list({int(r["version"]): r for r in rows}.values())
+    assert [int(r["version"]) for r in kept] == [1, 2, 3, 4] and len(rows) == 4
+    groups = trained_groups(kept)
+    assert len(groups) == len(set(groups)) == 4 * 4 and sorted(queue["consumed"]) == sorted(groups), "a group was lost or trained twice"
+    assert not wait_no_children(), "procs outlived the healed run"
 
 
 # ---- a snapshot write killed part-way -----------------------------------------------------------

@@ -793,3 +793,30 @@ def test_retake_puts_back_the_batches_taken_since_the_restored_version_once():
     assert set(q.sample(2, 0)["group_id"].tolist()) == taken[0]
     q.retake(0)  # healed again before it took the second: both, in order
     assert [set(q.sample(2, 0)["group_id"].tolist()) for _ in taken] == taken
+
+
+def test_a_sample_waiting_when_its_trainer_was_healed_takes_nothing():
+    """A trainer killed while its rank 0 waits in `sample` (generation slower than training) is
+    healed, and the queue's `retake` ends that wait: the dead trainer's call takes no batch
+    (no group is lost) and does not move the version back up past the restored one."""
+    import threading
+
+    q = make_queue(batch_groups=2, depth=0, max_lag=0)
+    for c in claim_all(q):
+        deliver(q, c)
+    q.sample(2, 0)
+    q.set_version(1, durable=0)
+    failed, entered, wait = [], threading.Event(), q._cond.wait
+
+    def waits(timeout=None):  # the sample's wait for groups has begun
+        entered.set()
+        return wait(timeout)
+
+    q._cond.wait = waits
+    waiting = threading.Thread(target=lambda: failed.append(pytest.raises(RuntimeError, q.sample, 2, 1, 30.0)))
+    waiting.start()
+    assert entered.wait(10)
+    back = q.retake(0)  # the heal: restored to version 0
+    waiting.join(10)
+    assert not waiting.is_alive() and "outlived its trainer" in str(failed[0].value)
+    assert q.version == 0 and q.sample(2, 0)["group_id"].unique().tolist() == back  # trained again by the new trainer

@@ -50,11 +50,11 @@ class EpisodeQueueActor(Actor):
     async def requeue(self, worker: int | None = None, group_ids: list[int] | None = None) -> int:
         return self.queue.requeue(worker, group_ids)
 
-    @concurrent_endpoint
+    @endpoint_for_callers_that_may_die  # a trainer killed while it waits is healed: the queue outlives its answer
     async def sample(self, num_groups: int, current_version: int, timeout: float | None = None) -> TensorDict:
         return await asyncio.to_thread(self.queue.sample, num_groups, current_version, timeout)
 
-    @concurrent_endpoint
+    @endpoint_for_callers_that_may_die
     async def shared(self, version: int, timeout: float | None = None) -> TensorDict:
         return await asyncio.to_thread(self.queue.shared, version, timeout)
 

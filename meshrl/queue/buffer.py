@@ -123,16 +123,13 @@ class EpisodeQueue:
         self._ready_at: dict[int, float] = {}  # group id -> when it was put (READY)
         self._straggler_s = 0.0
         self.consumed: list[int] = []  # group ids trained, in order
-        # batches taken since the trainer's newest restorable version, by the version they
-        # were sampled for: a healed trainer retakes them (`retake`)
-        self.held: list[tuple[int, list[TensorDict]]] = []
+        self.held: list[tuple[int, list[TensorDict]]] = []  # batches taken since the trainer's restorable version, by version (`retake`)
         self.dropped_ids: list[int] = []  # group ids dropped (stale, or without signal), in order
-        # each version's batch, for the trained models beside the policy (config.models): they
-        # train on the very batch the policy's trainer took, each on its own rows (`shared`)
-        self.partners = len(config.models) - len(config.frozen_models())
+        self.partners = len(config.models) - len(config.frozen_models())  # they train on the policy's batch, their own rows (`shared`)
         self._shared: dict[int, TensorDict] = {}
         self._partner_durable: dict[int, int] = {}  # model index -> the newest version its trainer can be restored to
         self._retaken: deque[list[int]] = deque()  # the group ids of each batch `retake` put back, for `sample`
+        self._heals = 0  # `retake`s so far: a sample waiting since before one was the replaced trainer's
         self._back_from: int | None = None  # the version a heal took the policy back from, until it is there again
         self._cond = threading.Condition()
         self._rng = random.Random(config.seed)
@@ -247,6 +244,7 @@ class EpisodeQueue:
         timeout = self.cfg.get_timeout_s if timeout is None else timeout
         start = time.monotonic()
         with self._cond:
+            heals = self._heals
             self._set_version(current_version)
             while len(self.ready) < num_groups and not self._closed:
                 left = timeout - (time.monotonic() - start)
@@ -256,6 +254,8 @@ class EpisodeQueue:
                         f"({len(self.running)} running): rollouts are not arriving; raise buffer.get_timeout_s or check the generators"
                     )
                 self._cond.wait(left)
+                if self._heals != heals:  # its trainer is gone: it takes no batch, nor moves the version on again
+                    raise RuntimeError(f"a sample for version {current_version} outlived its trainer, replaced by a heal")
                 self._set_version(current_version)
             if self._closed:
                 self._raise_closed()
@@ -353,7 +353,7 @@ class EpisodeQueue:
                 self._ready_at[int(g["group_id"][0])] = now
             if version < self.version and self.partners:  # the models beside it waiting for a later batch are told (`shared`)
                 self._back_from = max(self.version, self._back_from or 0)
-            self.version = min(self.version, version)
+            self.version, self._heals = min(self.version, version), self._heals + 1
             self._stats["retaken_groups"] += len(back)
             self._cond.notify_all()
             return ids
