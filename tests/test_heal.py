@@ -15,7 +15,7 @@ import torch
 
 import meshrl
 from meshrl.futures import awaited
-from meshrl.trainer.snapshot import load_snapshot, newest_complete, snapshot_step
+from meshrl.trainer.snapshot import load_snapshot, newest_complete, snapshot_root, snapshot_step
 from tests import conftest
 from tests.test_loop import tiny, trained_groups, wait_no_children
 
@@ -139,40 +139,52 @@ def test_lost_trainer_host_is_healed_on_a_spare_host(tmp_path):
 
 
 def test_a_trainer_killed_while_it_waits_for_its_batch_loses_no_group(tmp_path, monkeypatch):
-    """Synchronous, so the trainer waits in the queue's `sample` while each batch is generated;
-    with the batch's rewards held (the gate), its proc is SIGKILLed there. The heal's `retake`
+    """Synchronous, so the trainer waits in the queue's `sample` while each batch is generated.
+    With the next batch's rewards held (the gate, created once the batch before is complete, so
+    that none of the next can be), its proc is SIGKILLed while it waits. The heal's `retake`
     ends that wait inside the queue: it takes no batch and does not move the version on, and
     its answer to the dead proc is dropped without failing the queue. Once the rewards flow,
     the new trainer takes the batch and the run trains every group once."""
     gate = tmp_path / "gate"
     monkeypatch.setenv(conftest.REWARD_GATE_ENV, str(gate))  # the workers' procs inherit it
-    sync = {"buffer": {"depth": 0, "max_lag": 0, "get_timeout_s": 60}, "generator": {"update_mode": "block"}}
-    reward = {"reward_fn": "tests.conftest:gated_digits_reward"}
-    cfg = tiny(tmp_path / "run", steps=4, trainer={"checkpoint_every": 0, "snapshot_every": 1}, scoring=reward, **sync)
+    sync = {"buffer": {"depth": 0, "max_lag": 0, "get_timeout_s": 120}, "generator": {"update_mode": "block"}}
+    reward = {"reward_fn": "tests.conftest:gated_digits_reward", "timeout_s": 300}  # held longer than the heal takes
+    cfg = tiny(tmp_path / "run", steps=5, trainer={"checkpoint_every": 0, "snapshot_every": 1}, scoring=reward, **sync)
     session, out = meshrl.Session(cfg), []
+
+    def ready() -> float:
+        return session._call(awaited(session.loop.queue.metrics.call_one()), 60)["buffer/groups"]
+
     try:
         session.start()
         rows = session.step(2)
-        loop = session.loop
-        (info,) = session._call(loop.trainer.shard_info(), 60)
-        with conftest.rewards_held(gate):  # the next batch cannot be complete: its trainer waits for it
+        deadline = time.monotonic() + 120
+        while ready() < GROUPS and time.monotonic() < deadline:  # step 3's batch complete before the gate
+            time.sleep(0.05)
+        with conftest.rewards_held(gate):
+            rows += session.step(1)  # step 3, on its batch; step 4's cannot be complete now
+            loop = session.loop
+            (info,) = session._call(loop.trainer.shard_info(), 60)
+            while ((done := newest_complete(snapshot_root(session.run_dir))) is None or snapshot_step(done) != 3) and time.monotonic() < deadline:
+                time.sleep(0.05)  # the heal restores step 3's snapshot: no step lost
             stepping = threading.Thread(target=lambda: out.extend(session.step(1)), daemon=True)
             stepping.start()
-            time.sleep(1.0)
+            time.sleep(2.0)  # its call waits in `sample`
+            assert ready() < GROUPS and not out
             os.kill(info["pid"], signal.SIGKILL)
-            deadline = time.monotonic() + 120
-            while "trainer/restart_s" not in loop.healer.pending_metrics and time.monotonic() < deadline:
+            while "trainer/restart_s" not in loop.healer.pending_metrics and time.monotonic() < deadline + 120:
                 time.sleep(0.1)  # healed, with the rewards still held
+            assert "trainer/restart_s" in loop.healer.pending_metrics and not out
         stepping.join(180)
         assert out and out[0]["trainer/restarts"] == 1 and out[0]["trainer/steps_lost"] == 0, out
-        rows += out + session.step(4 - session.version)
+        rows += out + session.step(5 - session.version)
         queue = session._call(awaited(loop.queue.state_dict.call_one()), 60)
     finally:
         session.stop()
     kept = list({int(r["version"]): r for r in rows}.values())
-    assert [int(r["version"]) for r in kept] == [1, 2, 3, 4] and len(rows) == 4
+    assert [int(r["version"]) for r in kept] == [1, 2, 3, 4, 5] and len(rows) == 5
     groups = trained_groups(kept)
-    assert len(groups) == len(set(groups)) == 4 * 4 and sorted(queue["consumed"]) == sorted(groups), "a group was lost or trained twice"
+    assert len(groups) == len(set(groups)) == 5 * GROUPS and sorted(queue["consumed"]) == sorted(groups), "a group was lost or trained twice"
     assert not wait_no_children(), "procs outlived the healed run"
 
 

@@ -237,8 +237,8 @@ class EpisodeQueue:
 
     # ---- the trainer ----------------------------------------------------------------------------
     def sample(self, num_groups: int, current_version: int, timeout: float | None = None) -> TensorDict:
-        """`num_groups` READY groups as one batch for training version `current_version`;
-        waits for them at most `timeout` s (default buffer.get_timeout_s)."""
+        """`num_groups` READY groups as one batch for training version `current_version`; waits for them at most
+        `timeout` s (default buffer.get_timeout_s). A wait a `retake` overtook (a healed trainer's) raises, taking nothing."""
         if num_groups > (1 + self.ahead) * self.batch_groups:
             raise ValueError(f"cannot sample {num_groups} groups when at most {(1 + self.ahead) * self.batch_groups} are admitted")
         timeout = self.cfg.get_timeout_s if timeout is None else timeout
