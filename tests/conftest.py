@@ -113,7 +113,8 @@ REWARD_GATE_ENV = "MESHRL_TEST_REWARD_GATE"
 
 def gated_digits_reward(prompt, response, sample):
     """task:digits' reward, held while the file named by $MESHRL_TEST_REWARD_GATE exists (at
-    most 120 s): a test that must act while a run still has steps to go creates the file, so
+    most 120 s, and at most `scoring.timeout_s`, past which the episode fails and its group is
+    delivered): a test that must act while a run still has steps to go creates the file, so
     the run stops at its next batch whatever the machine's speed, and removes it after."""
     from meshrl.tasks import get_task
 
