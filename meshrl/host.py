@@ -51,3 +51,28 @@ def started(proc=None) -> float:
 
     proc = psutil.Process() if proc is None else proc
     return proc.create_time() - psutil.boot_time()
+
+
+def running_process(pid: int, start: float):
+    """The psutil handle of `pid` if it still runs and is the process that started at
+    `start` (`started`: not a later one given the same pid); None otherwise."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if abs(started(proc) - start) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    except psutil.Error:
+        pass
+    return None
+
+
+def proc_alive(pid: int, start: float | None) -> bool:
+    if start is None:
+        return True  # not on this host: its host mesh's stop ends it
+    return running_process(pid, start) is not None
+
+
+def procs_dead(pids: list[tuple[int, float | None]]) -> bool:
+    """Whether a proc of `pids` ((pid, start time) each; None: off this host) on this host is gone."""
+    return any(not proc_alive(pid, start) for pid, start in pids)

@@ -359,8 +359,7 @@ def test_a_live_proc_is_not_taken_for_gone_when_the_system_clock_steps(monkeypat
     import psutil
     import psutil._pslinux as linux
 
-    from meshrl.controller.members import running_process
-    from meshrl.host import started
+    from meshrl.host import running_process, started
 
     me = (os.getpid(), started())
     boot = linux.boot_time()

@@ -35,10 +35,9 @@ import os
 import time
 
 from meshrl.controller import checkpoint as checkpoints
-from meshrl.controller.members import running_process
 from meshrl.errors import TrainerFailed, first_line
 from meshrl.futures import awaited, settled
-from meshrl.host import started as start_time
+from meshrl.host import proc_alive, procs_dead, running_process, started as start_time
 from meshrl.logs import console
 from meshrl.trainer.actor import spawn_trainer
 from meshrl.trainer.critic_actor import critic_root, spawn_critic
@@ -64,17 +63,6 @@ def local_proc(pid: int, host: str | None) -> tuple[int, float | None]:
         return pid, start_time(psutil.Process(pid))
     except psutil.Error:
         return pid, None
-
-
-def proc_alive(pid: int, started: float | None) -> bool:
-    if started is None:
-        return True  # not on this host: its host mesh's stop ends it
-    return running_process(pid, started) is not None
-
-
-def procs_dead(pids: list[tuple[int, float | None]]) -> bool:
-    """Whether a proc of `pids` ((pid, start time) each) on this host is gone."""
-    return any(not proc_alive(pid, started) for pid, started in pids)
 
 
 def kill_running(pids: list[tuple[int, float | None]]) -> None:
@@ -162,7 +150,7 @@ async def restore_critic(config, alloc, critic, checkpoint_dir: str, version: in
     if path is None and start_version > 0:
         raise RuntimeError(f"no complete critic state at or after the run's start (version {start_version})")
     if respawn or path is None:
-        await settled(critic.stop(teardown=not procs_dead(critic.proc_ids)), 90)  # a dead proc does not answer its teardown
+        await settled(critic.stop(), 90)  # a dead proc does not answer its teardown
         kill_running(critic.proc_ids)  # one wedged but alive would keep its GPU memory from the new one
         critic = await spawn_critic(config, alloc.host("trainer", 0), alloc.bootstrap(role, list(range(config.critic.procs))))
     restored = await critic.load_checkpoint(path) if path is not None else 0
@@ -231,7 +219,7 @@ class TrainerHealer:
         """The stops of the policy's trainer and critic meshes (a mesh with a proc known dead: no teardown call to it)."""
         loop = self.loop
         trainer = [loop.trainer.stop(teardown=not self.trainer_dead())] if getattr(loop, "trainer", None) is not None else []
-        return trainer + ([loop.critic.stop(teardown=not self.critic_dead())] if loop.critic is not None else [])
+        return trainer + ([loop.critic.stop()] if loop.critic is not None else [])
 
     def lost_a_proc(self, error: BaseException) -> bool:
         """Whether `error` came from a trainer proc that is gone: on this host it no longer runs;
@@ -296,7 +284,7 @@ class TrainerHealer:
         loop.trainer, version = await replace_trainer(c, loop.alloc, loop.trainer, self.pids, loop.run_dir, self.start_version, at_most=loop.version)
         await self.watch()
         if loop.critic is not None:  # back to the restored version with the policy: no batch trains it twice
-            await self._restore_critic(version, respawn=self.critic_dead() or not await loop.critic.answers())
+            await self._restore_critic(version, respawn=not await loop.critic.answers())
         retaken = await awaited(loop.queue.retake.call_one(version))
         publisher = await loop.trainer.publisher_handle()
         await loop.trainer.publish_current()

@@ -297,7 +297,7 @@ class RLLoop:
             ) from e
         if not await self._queue_answers():  # the trainer's call failed because the batches' source did
             raise self._queue_lost() from e
-        if self.critic is not None and (self.healer.critic_dead() or not await self.critic.answers()):  # its proc died: healed
+        if self.critic is not None and not await self.critic.answers():  # its proc died: a new one, restored
             await self.healer.heal_critic(e)
             return
         await self.healer.heal(e, call)

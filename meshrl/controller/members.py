@@ -15,23 +15,9 @@ from dataclasses import dataclass, field
 
 from meshrl.errors import first_line
 from meshrl.futures import settled
-from meshrl.host import started as start_time
+from meshrl.host import running_process
 
 log = logging.getLogger("meshrl")
-
-
-def running_process(pid: int, started: float):
-    """The psutil handle of `pid` if it still runs and is the process that started at
-    `started` (not a later one given the same pid); None otherwise."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        if abs(start_time(proc) - started) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
-            return proc
-    except psutil.Error:
-        pass
-    return None
 
 
 def _shared_memory_segments(pid: int) -> set[str]:

@@ -31,10 +31,11 @@ import time
 
 from meshrl.config import Config
 from meshrl.controller import checkpoint as checkpoints, colocate
-from meshrl.controller.heal import critic_healed, proc_alive, procs_dead, replace_trainer, restore_critic, trainer_pids
+from meshrl.controller.heal import critic_healed, replace_trainer, restore_critic, trainer_pids
 from meshrl.controller.replicas import GeneratorPool
 from meshrl.errors import PolicyWentBack, TrainerFailed, find, first_line
 from meshrl.futures import settled, unless_lost
+from meshrl.host import proc_alive, procs_dead
 from meshrl.logs import console
 from meshrl.launch.devices import weights_on_gpu
 from meshrl.trainer.actor import TrainerMesh, spawn_trainer
@@ -199,7 +200,7 @@ class TrainedModel:
         dead = [rank for rank, (pid, started) in enumerate(self.pids) if not proc_alive(pid, started)]
         failed = f"trained model {self.name}'s trainer failed at version {version}"
         who = ", ".join(f"rank {r} (pid {self.pids[r][0]})" for r in dead)
-        if not dead and self.critic is not None and (procs_dead(self.critic.proc_ids) or not await self.critic.answers()):  # its critic died
+        if not dead and self.critic is not None and not await self.critic.answers():  # its critic's proc died
             return await self._heal_critic(error, version)
         if not dead:  # it raised, alive: a new mesh would raise again
             raise TrainerFailed(f"{failed} ({type(error).__name__}: {first}); {checkpoints.how_to_resume(run_dir)}") from error
@@ -224,7 +225,7 @@ class TrainedModel:
             )
             self.pids = await trainer_pids(self.trainer)
             if self.critic is not None:  # back to the trainer's version with it: no batch trains it twice
-                await self._restore_critic(restored, respawn=procs_dead(self.critic.proc_ids) or not await self.critic.answers())
+                await self._restore_critic(restored, respawn=not await self.critic.answers())
             publisher = await self.trainer.publisher_handle()
             await self.trainer.publish_current()
             self.weight_sync = await self.weight_sync.reconnect(publisher=publisher)
@@ -317,4 +318,4 @@ class TrainedModel:
         if self.trainer is not None:  # best effort on every exit path, bounded as the policy's; no teardown call to a dead proc
             await settled(self.trainer.stop(teardown=not self.trainer_dead()), 120)
         if self.critic is not None:
-            await settled(self.critic.stop(teardown=not procs_dead(self.critic.proc_ids)), 120)
+            await settled(self.critic.stop(), 120)

@@ -41,7 +41,7 @@ from tensordict import TensorDict
 from meshrl.config import Config
 from meshrl.config.cpus import cpus_for
 from meshrl.futures import awaited, by_rank, settled, stopped_on_failure
-from meshrl.host import gloo_on_this_host, host_address, started
+from meshrl.host import gloo_on_this_host, host_address, procs_dead, started
 from meshrl.launch.devices import planned_gpu
 from meshrl.logs import capture_role_output
 from meshrl.pinning import pin_this_process
@@ -294,13 +294,16 @@ class CriticMesh:
         return await self._call(self.actor.info)
 
     async def answers(self, timeout_s: float = 10.0) -> bool:
-        """Whether every critic proc still answers (after a failed step: whose fault it was)."""
+        """Whether every critic proc still answers (after a failed step: whose fault it was); one
+        seen gone on this host does not (it is not asked, whose answer could take Monarch's delivery timeout)."""
+        if procs_dead(self.proc_ids):
+            return False
         return await settled(self.actor.ping.call(), timeout_s) is None  # dead or unreachable: all the same
 
-    async def stop(self, teardown: bool = True) -> None:
-        """Its process group ended (`teardown`: not where its proc is known dead), then its proc stopped."""
+    async def stop(self) -> None:
+        """Its process group ended (no teardown call to a proc seen gone on this host), then its proc stopped."""
         try:
-            if teardown:
+            if not procs_dead(self.proc_ids):
                 await asyncio.wait_for(awaited(self.actor.teardown.call_one()), 30)
         except Exception:  # noqa: BLE001 - the proc is stopped below either way
             pass
