@@ -239,3 +239,80 @@ def test_a_snapshot_write_killed_part_way_restores_the_previous_complete_one(tmp
         if cut_writes:
             break
     assert cut_writes >= 1, "no kill landed during a write: the test did not test it"
+
+
+# ---- the heal's parts, with the meshes stood in for ------------------------------------------
+def test_a_model_healed_in_its_step_moves_its_generators_to_each_step_it_trains_again(tmp_path):
+    """A trained model beside the policy whose trainer is healed in a step from an older state
+    trains the lost steps again (`TrainedModel.train`). Its generators follow each of them at
+    once: the next batch's turns ask its engines for the version before the step's, which
+    otherwise they would reach only once the step (waiting for that batch) had ended."""
+    import asyncio
+
+    from meshrl.config import Config
+    from meshrl.controller.partners import TrainedModel
+
+    model = TrainedModel(Config.from_dict({"models": [{"name": "proposer"}], "logging": {"run_dir": str(tmp_path)}}), "proposer", None, None)
+    moved, made = [], iter([None, 6, 7, 8])  # dies in its step to 8; restored at 5, then makes 6, 7 and 8
+
+    class Generators:
+        replaced = 0
+
+        async def update(self, version, weights_id):
+            moved.append(version)
+
+    class Trainer:
+        version = 7
+
+        async def train_from_queue(self, *args):
+            made_now = next(made)
+            if made_now is None:
+                raise RuntimeError("supervision: proc exited")
+            return {"version": made_now, "weights_id": f"w{made_now}"}
+
+    async def heal(error, version):  # as TrainedModel.heal leaves it: the restored version, its generators moved there
+        model.update(5)
+        return 5
+
+    async def step():
+        out = await model.train(None, 4, 30.0, 7)
+        await model.finish_update()
+        return out
+
+    model.generators, model.trainer, model.heal = Generators(), Trainer(), heal
+    assert asyncio.run(step())["version"] == 8
+    assert moved == [5, 6, 7]  # 8: the loop's move at the step's end
+    assert model.weights == (8, "w8")
+
+
+def test_a_restore_that_fails_stops_the_mesh_the_heal_spawned(tmp_path, monkeypatch):
+    """`replace_trainer`: where the new mesh's restore raises (or the heal's bound cancels it),
+    that mesh is stopped before the failure goes on, not left holding its procs and memory."""
+    import asyncio
+    import types
+
+    from meshrl.config import Config
+    from meshrl.controller import heal
+
+    stopped = []
+
+    class Mesh:
+        def __init__(self, name):
+            self.name = name
+
+        async def stop(self, teardown=True):
+            stopped.append(self.name)
+
+        async def load_checkpoint(self, path):
+            raise OSError(f"{path}: unreadable")
+
+    async def spawn_trainer(*args, **kwargs):
+        return Mesh("new")
+
+    monkeypatch.setattr(heal, "spawn_trainer", spawn_trainer)
+    monkeypatch.setattr(heal, "newest_state", lambda *args, **kwargs: (str(tmp_path / "step-3"), 3))
+    alloc = types.SimpleNamespace(spares_left=lambda: False, host_mesh=lambda role: None, hosts=lambda role: None, plan=None)
+    config = Config.from_dict({"logging": {"run_dir": str(tmp_path)}})
+    with pytest.raises(OSError, match="unreadable"):
+        asyncio.run(heal.replace_trainer(config, alloc, Mesh("old"), [], str(tmp_path), 0, at_most=3))
+    assert stopped == ["old", "new"]

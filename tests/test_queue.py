@@ -764,6 +764,33 @@ def test_shared_batches_are_kept_back_to_each_trained_models_restorable_version(
     assert torch.equal(q.sample(1, 4)["group_id"], q.shared(4, 0)["group_id"])
 
 
+def test_a_models_wait_for_the_shared_batch_starts_again_when_the_policys_trainer_is_healed():
+    """A model waiting for the policy's batch (`shared`) while the policy's trainer is healed at
+    the same version (`retake`, nothing lost) waits its whole timeout again from the heal: the
+    new trainer takes the batch, and a heal that ran long does not end the model's wait first."""
+    data = {"batch_groups": 1, "data": {"source": "task:propose"}, "models": [{"name": "proposer"}], "buffer": {"dynamic_sampling": False}}
+    q = EpisodeQueue(Config.from_dict(data))
+    for c in claim_all(q):
+        deliver(q, c)
+    entered, wait = threading.Event(), q._cond.wait
+
+    def waits(timeout=None):  # the model's wait has begun
+        entered.set()
+        return wait(timeout)
+
+    def policy():  # healed 1.2 s into the model's 2-s wait, its new trainer takes the batch at 2.4 s
+        assert entered.wait(10)
+        start = time.monotonic()
+        time.sleep(1.2)
+        q.retake(0)
+        time.sleep(max(0.0, start + 2.4 - time.monotonic()))
+        q.sample(1, 0)
+
+    q._cond.wait = waits
+    threading.Thread(target=policy).start()
+    assert q.shared(0, 2.0)["group_id"].numel() > 0
+
+
 def test_retake_puts_back_the_batches_taken_since_the_restored_version_once():
     """A healed trainer (controller/heal.py) restored to version v retakes every batch taken
     for v and later, in order and out of `consumed`; batches before the durable version are let go."""

@@ -398,3 +398,36 @@ def test_a_call_whose_proc_is_found_gone_ends_at_once_and_is_cancelled():
         assert await unless_lost(answers(), lambda: False, poll_s=0.05) == "answer"
 
     asyncio.run(main())
+
+
+def test_a_trained_models_trainer_lost_on_another_host_is_its_own_to_heal(tmp_path):
+    """A trained model beside the policy whose trainer procs are on another host (no pid to
+    poll here) is taken as lost when Monarch reports a proc lost: its own heal, as the
+    policy's, takes that word (`heal.lost_a_proc`), and a call outside the step
+    (`RLLoop._healing`) heals it, not the policy's trainer on this host; an error the trainer
+    raised, alive, heals nothing."""
+    from meshrl.controller.heal import local_proc, lost_a_proc
+    from meshrl.controller.loop import RLLoop
+    from meshrl.controller.partners import TrainedModel
+
+    remote, here = [(4242, None)], [local_proc(os.getpid(), None)]
+    lost, raised = RuntimeError("actor mesh failed: supervision: proc exited"), ValueError("disk full")
+    assert lost_a_proc(remote, lost) and not lost_a_proc(remote, raised) and not lost_a_proc(here, lost)
+    config = Config.from_dict({"models": [{"name": "proposer"}], "logging": {"run_dir": str(tmp_path)}})
+    loop = RLLoop(config)
+    model = TrainedModel(config, "proposer", None, None)
+    model.pids, healed, calls = remote, [], []
+
+    async def heal_outside_step(error, queue, num_groups, timeout_s, version):
+        healed.append(version)
+
+    async def save():
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise lost
+        return "saved"
+
+    model.heal_outside_step = heal_outside_step
+    loop.partners, loop.healer.pids, loop.queue, loop.version = [model], here, None, 3
+    assert model.lost(lost) and not model.lost(raised)
+    assert asyncio.run(loop._healing("checkpoint", save)) == "saved" and healed == [3]

@@ -36,7 +36,7 @@ import time
 
 from meshrl.controller import checkpoint as checkpoints
 from meshrl.errors import TrainerFailed, first_line
-from meshrl.futures import awaited, settled
+from meshrl.futures import awaited, settled, stopped_on_failure
 from meshrl.host import proc_alive, procs_dead, running_process, started as start_time
 from meshrl.logs import console
 from meshrl.trainer.actor import spawn_trainer
@@ -82,6 +82,14 @@ def _reads_like_a_lost_proc(error: BaseException) -> bool:
     """A failure Monarch reports for a proc it lost (supervision), not one the trainer raised."""
     text = f"{type(error).__name__} {error}".lower()
     return any(word in text for word in ("supervision", "crashed", "proc exited", "stopped", "unreachable", "connection"))
+
+
+def lost_a_proc(pids: list, error: BaseException) -> bool:
+    """Whether `error` came from a proc of the trainer mesh `pids` (`trainer_pids`) that is
+    gone: on this host it no longer runs; on another host, Monarch reports it lost (a trainer
+    that raised, alive, is not healed: a new mesh would raise again)."""
+    remote = any(started is None for _, started in pids)
+    return procs_dead(pids) or (remote and _reads_like_a_lost_proc(error))
 
 
 def newest_state(run_dir: str, checkpoint_dir: str | None = None, at_most: int | None = None) -> tuple[str | None, int]:
@@ -133,7 +141,8 @@ async def replace_trainer(
     new = await spawn_trainer(
         config, config.trainer.collective_timeout_s, host_mesh=alloc.host_mesh("trainer"), hosts=alloc.hosts("trainer"), plan=alloc.plan, role=role
     )
-    version = await new.load_checkpoint(path) if path is not None else 0  # a snapshot or a checkpoint
+    async with stopped_on_failure(new):  # a restore that fails or outlasts the heal's bound leaves no procs behind
+        version = await new.load_checkpoint(path) if path is not None else 0  # a snapshot or a checkpoint
     drop_after(snapshot_root(run_dir), version)  # a step written before its call failed is trained again
     return new, version
 
@@ -153,7 +162,10 @@ async def restore_critic(config, alloc, critic, checkpoint_dir: str, version: in
         await settled(critic.stop(), 90)  # a dead proc does not answer its teardown
         kill_running(critic.proc_ids)  # one wedged but alive would keep its GPU memory from the new one
         critic = await spawn_critic(config, alloc.host("trainer", 0), alloc.bootstrap(role, list(range(config.critic.procs))))
-    restored = await critic.load_checkpoint(path) if path is not None else 0
+        async with stopped_on_failure(critic):
+            restored = await critic.load_checkpoint(path) if path is not None else 0
+    else:
+        restored = await critic.load_checkpoint(path)
     drop_after(snapshot_root(root), restored)  # steps it trains again, on the batches the queue kept
     return critic, restored
 
@@ -222,11 +234,8 @@ class TrainerHealer:
         return trainer + ([loop.critic.stop()] if loop.critic is not None else [])
 
     def lost_a_proc(self, error: BaseException) -> bool:
-        """Whether `error` came from a trainer proc that is gone: on this host it no longer runs;
-        on another host, Monarch reports it lost (a trainer that raised, alive, is not healed:
-        a new mesh would raise again)."""
-        remote = any(started is None for _, started in self.pids)
-        return self.trainer_dead() or (remote and _reads_like_a_lost_proc(error))
+        """Whether `error` came from a proc of the policy's trainer that is gone (`lost_a_proc`)."""
+        return lost_a_proc(self.pids, error)
 
     def can_heal(self) -> str | None:
         """Why this run's trainer is not healed (None: it is)."""

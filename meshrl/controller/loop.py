@@ -303,16 +303,16 @@ class RLLoop:
         await self.healer.heal(e, call)
 
     async def _healing(self, call: str, make_call):
-        """A trainer call outside the step (`make_call()`, which reads `self.trainer` and the
-        trained models' trainers when called): a trainer proc that dies in it is healed, and
-        the call is made again on the new mesh. The policy's state may then be older
-        (`self.version` says which); a trained model's is trained back up to the policy's.
-        A critic proc that dies in it is healed the same way. Any other failure is the call's own."""
+        """A trainer call outside the step (`make_call()`, which reads every trainer mesh when called): a trainer or
+        critic proc that dies in it is healed, and the call is made again on the new mesh. The policy's state may then
+        be older (`self.version` says which); a trained model's is trained back up to it. Any other failure is the call's own."""
         while True:
             try:
                 return await make_call()
             except Exception as e:  # noqa: BLE001 - only a lost trainer or critic proc is healed here
                 partner = next((p for p in self.partners if p.dead()), None)
+                if partner is None and not self.healer.lost_a_proc(e):  # not the policy's: one on another host, Monarch says
+                    partner = next((p for p in self.partners if p.lost(e)), None)
                 if partner is not None and not self.healer.trainer_dead():
                     heal = partner.heal_outside_step(e, self.queue, (c := self.config).batch_groups, c.buffer.get_timeout_s, self.version)
                     await (colocate.asleep_while(self, partner, heal) if c.placement == "colocate" else heal)

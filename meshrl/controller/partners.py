@@ -31,7 +31,7 @@ import time
 
 from meshrl.config import Config
 from meshrl.controller import checkpoint as checkpoints, colocate
-from meshrl.controller.heal import critic_healed, replace_trainer, restore_critic, trainer_pids
+from meshrl.controller.heal import critic_healed, lost_a_proc, replace_trainer, restore_critic, trainer_pids
 from meshrl.controller.replicas import GeneratorPool
 from meshrl.errors import PolicyWentBack, TrainerFailed, find, first_line
 from meshrl.futures import settled, unless_lost
@@ -164,6 +164,8 @@ class TrainedModel:
                 continue
             if out["version"] > version:
                 break
+            self.weights = (out["version"], out.get("weights_id"))
+            self._follow(out["version"])  # a lost step trained again: the next batch's turns may wait for its version
         out.update(self.pending)
         self.pending = {}
         out["trainer/restarts"] = float(self.restarts)
@@ -175,6 +177,12 @@ class TrainedModel:
         out.pop("trained_groups", None)
         self.weights = (version, out.pop("weights_id", None))
         return {"version": version, **{f"{self.name}/{k}": v for k, v in out.items()}}
+
+    def _follow(self, version: int) -> None:
+        """Its generators to `version`, made by a step it trained again after a heal (split;
+        colocated, its engines sleep through the heal and load its trainer's version as they wake)."""
+        if self.config.placement != "colocate":
+            self.update(version)
 
     def _waits(self, version: int) -> dict:
         """Its row of a step it waits through, ahead of the policy (`train`)."""
@@ -189,6 +197,7 @@ class TrainedModel:
         if restored < version:
             healed = self.pending  # the heal's metrics, for the next step's row (train would take them)
             await self.train(queue, num_groups, timeout_s, version - 1)
+            self._follow(version)
             self.pending = healed
 
     async def heal(self, error: BaseException, version: int) -> int:
@@ -202,6 +211,8 @@ class TrainedModel:
         who = ", ".join(f"rank {r} (pid {self.pids[r][0]})" for r in dead)
         if not dead and self.critic is not None and not await self.critic.answers():  # its critic's proc died
             return await self._heal_critic(error, version)
+        if not dead and lost_a_proc(self.pids, error):  # on another host: Monarch reports one of its procs lost
+            dead = [rank for rank, (_, started) in enumerate(self.pids) if started is None]
         if not dead:  # it raised, alive: a new mesh would raise again
             raise TrainerFailed(f"{failed} ({type(error).__name__}: {first}); {checkpoints.how_to_resume(run_dir)}") from error
         if self.restarts >= c.trainer.max_restarts:
@@ -271,6 +282,11 @@ class TrainedModel:
     def dead(self) -> bool:
         """Whether a proc of its trainer or of its critic on this host is gone."""
         return self.trainer_dead() or (self.critic is not None and procs_dead(self.critic.proc_ids))
+
+    def lost(self, error: BaseException) -> bool:
+        """Whether `error` may be its own: a proc of its on this host is gone, or Monarch reports
+        a proc lost and its trainer has procs on another host."""
+        return self.dead() or lost_a_proc(self.pids, error)
 
     def export_dir(self, run_dir: str) -> str:
         """Where its final export goes: RUN_DIR/hf/final-NAME."""

@@ -58,6 +58,9 @@ from meshrl.queue.prompts import PromptNode
 from meshrl.errors import BatchTimeout, PolicyWentBack, QueueClosed, UserCodeError, describe
 from meshrl.logs import role_log
 
+COUNTS = "puts samples requeued retaken_groups late_puts dropped_stale_groups dropped_stale_tokens masked_stale_tokens".split()
+COUNTS += ["dropped_zero_variance_groups", "kept_zero_variance_groups"]  # the counters `metrics` reports as buffer/NAME
+
 SamplingPolicy = Callable[[Sequence[TensorDict], int, random.Random], list[int]]
 """A plain callable choosing which `n` of the READY groups (oldest first) a batch takes."""
 
@@ -297,14 +300,20 @@ class EpisodeQueue:
         its step `version` on. The policy's trainer may be a step ahead, so the last two
         versions' batches are kept, and those since each model's restorable version
         (`set_partner_durable`), which its healed trainer trains again. One let go raises at
-        once, and PolicyWentBack once the policy's heal took it back before it took the batch."""
+        once, and PolicyWentBack once the policy's heal took it back before it took the batch.
+        A heal of the policy's trainer (`retake`) starts the wait's `timeout` again."""
         timeout = self.cfg.get_timeout_s if timeout is None else timeout
         with self._cond:
             if self._shared and version < min(self._shared):  # no model's trainer could be restored to it any more
                 raise LookupError(f"no batch for version {version}: let go (the oldest kept: {min(self._shared)}; see trainer.snapshot_every)")
             behind = lambda: self._back_from is not None and self.version < version  # noqa: E731 (taken back below it)
-            if not self._cond.wait_for(lambda: self._closed or version in self._shared or behind(), timeout):
-                raise BatchTimeout(f"no batch for version {version} after {timeout:.0f}s: the policy's trainer has not taken it")
+            heals, end = self._heals, time.monotonic() + timeout
+            while not (self._closed or version in self._shared or behind()):
+                if self._heals != heals:  # the policy's new trainer takes the batch: its wait starts now
+                    heals, end = self._heals, time.monotonic() + timeout
+                if end <= time.monotonic():
+                    raise BatchTimeout(f"no batch for version {version} after {timeout:.0f}s: the policy's trainer has not taken it")
+                self._cond.wait(end - time.monotonic())
             if self._closed:
                 self._raise_closed()
             if version not in self._shared:  # (`retake`) it takes this batch later, as it reaches the version again
@@ -421,16 +430,7 @@ class EpisodeQueue:
                 "buffer/running": float(len(self.running)),
                 "buffer/pending": float(len(self.pending)),
                 "buffer/admitted": float(self.next_group_id),
-                "buffer/puts": float(s["puts"]),
-                "buffer/samples": float(s["samples"]),
-                "buffer/requeued": float(s["requeued"]),
-                "buffer/retaken_groups": float(s["retaken_groups"]),
-                "buffer/late_puts": float(s["late_puts"]),
-                "buffer/dropped_stale_groups": float(s["dropped_stale_groups"]),
-                "buffer/dropped_stale_tokens": float(s["dropped_stale_tokens"]),
-                "buffer/masked_stale_tokens": float(s["masked_stale_tokens"]),
-                "buffer/dropped_zero_variance_groups": float(s["dropped_zero_variance_groups"]),
-                "buffer/kept_zero_variance_groups": float(s["kept_zero_variance_groups"]),
+                **{f"buffer/{k}": float(s[k]) for k in COUNTS},
                 "buffer/consumer_wait_s": s["consumer_wait_s"],
                 "buffer/straggler_s": self._straggler_s,
                 "buffer/lag_mean": sum(k * v for k, v in hist.items()) / tokens if tokens else 0.0,
