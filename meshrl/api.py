@@ -78,8 +78,22 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
     config.logging.run_dir = run_dir
     from meshrl.controller.checkpoint import check_saved_models, saved_models
 
-    check_saved_models(saved_models(run_dir), [m.name for m in config.models if not m.frozen], run_dir)
+    try:
+        saved = saved_models(run_dir)
+    except Exception as e:  # noqa: BLE001 - the file `latest` names is gone or cut short
+        why = first_line(str(e), 160) or type(e).__name__
+        raise ConfigError("--resume", f"{run_dir!r}: its latest checkpoint cannot be read ({why}): point checkpoints/latest at a complete one") from None
+    check_saved_models(saved, [m.name for m in config.models if not m.frozen], run_dir)
     return config
+
+
+def keep_earlier(run_dir: str) -> None:
+    """An earlier run in `run_dir` is moved aside, whole, before a new one starts there (checkpoint.keep_earlier_run)."""
+    from meshrl.controller.checkpoint import keep_earlier_run
+
+    kept = keep_earlier_run(run_dir)
+    if kept is not None:
+        print(f"meshrl: {run_dir} held an earlier run: kept whole in {kept}", file=console())
 
 
 class Session:
@@ -149,6 +163,8 @@ class Session:
             return self
         from meshrl.controller.loop import RLLoop
 
+        if not self._resume:
+            keep_earlier(self.config.logging.run_dir)
         loop = RLLoop(self.config, resume=self._resume, reward_fn=self._reward_fn)
         self._call(loop.__aenter__())
         self.loop = loop
@@ -317,15 +333,15 @@ def run(
     config: Config | dict | str | None = None, *, resume: str | None = None, reward_fn: RewardFn | None = None, overrides: list[str] | None = None
 ) -> RunResult:
     """Train to `config.steps` and return the run directory and per-step metrics."""
-    if resume is None:
-        config = as_config(config, overrides)
-        overrides = None
-        if config.launcher.dry_run:
-            from meshrl.launch import describe_job
+    checked = as_config(config, overrides) if resume is None else resume_config(resume, overrides)
+    if checked.launcher.dry_run:
+        from meshrl.launch import describe_job
 
-            check(config)  # a dry run starts nothing: no run directory to write, no model to load
-            print(describe_job(config))
-            return RunResult(os.path.abspath(config.logging.run_dir), [], None, None, None)
+        check(checked)  # a dry run starts nothing: no run directory to write, no model to load
+        print(describe_job(checked))
+        return RunResult(os.path.abspath(checked.logging.run_dir), [], None, None, None)
+    if resume is None:
+        config, overrides = checked, None
     session = Session(config, resume=resume, reward_fn=reward_fn, overrides=overrides)
     try:
         session.start()

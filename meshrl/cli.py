@@ -101,7 +101,7 @@ def _cmd_config_docs(ns: argparse.Namespace) -> int:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from meshrl.api import resume_config
+    from meshrl.api import keep_earlier, resume_config
 
     if ns.plan:
         if ns.resume:
@@ -116,6 +116,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     else:
         config = load_config([path, *overrides] if path else overrides)
     preflight(config)  # bad inputs end here, in one line, before any output is redirected
+    if not ns.resume and not config.launcher.dry_run:
+        keep_earlier(config.logging.run_dir)  # before this run's log goes there
     loud = verbose(config) or config.launcher.dry_run  # a dry run's output is the job description
     out = sys.stderr if loud else quiet_console(config.logging.run_dir)
     if not loud:  # nanobind's leak report at exit goes to the log

@@ -21,6 +21,7 @@ them, so that `meshrl config show` stays quick.
 from __future__ import annotations
 
 import os
+import shutil
 
 from meshrl.config import Config, ConfigError
 from meshrl.data import check_data, check_eval_source, check_records
@@ -77,6 +78,10 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
         if c.models and c.rollout.env is None:  # it would replace the game task's env (agent/worker.py env_factory)
             raise ConfigError("models", "the models beside the policy speak only in a game, and a reward_fn passed in code plays the policy alone: pass none")
     _check_run_dir(c)
+    if c.weight_sync.transport == "files" and c.weight_sync.files_dir is not None:
+        from meshrl.weightsync.connect import check_files_dir  # it imports torch: only where it is asked
+
+        check_files_dir(c)
     if c.launcher.kind == "workers":
         from meshrl.launch.workers import check_address
 
@@ -98,14 +103,20 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
 def _each_model(c: Config, check) -> None:
     """`check` on each trained model beside the policy (its config view), its field named under `models[i]`."""
     for i, m in enumerate(c.models):
+        view = c.for_model(m.name)  # a field of its own that is wrong already names models[i]
         try:
-            check(c.for_model(m.name))
+            check(view)
         except ConfigError as e:
             raise e.under(f"models[{i}]") from None
 
 
 def _check_run_dir(c: Config) -> None:
-    run_dir = os.path.abspath(c.logging.run_dir)
+    """RUN_DIR can be made and written. What the probe made is removed again: a config
+    refused by a later check, or a dry run, leaves no directory behind (the run makes it)."""
+    run_dir = made = os.path.abspath(c.logging.run_dir)
+    while not os.path.exists(os.path.dirname(made)):
+        made = os.path.dirname(made)
+    made = None if os.path.exists(run_dir) else made
     try:
         os.makedirs(run_dir, exist_ok=True)
         probe = os.path.join(run_dir, f".meshrl-write-check-{os.getpid()}")
@@ -114,6 +125,9 @@ def _check_run_dir(c: Config) -> None:
         os.remove(probe)
     except OSError as e:
         raise ConfigError("logging.run_dir", f"cannot write to {run_dir!r} ({e.strerror or type(e).__name__}): choose a writable directory") from None
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 _checked: set[tuple[str, int]] = set()

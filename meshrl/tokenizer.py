@@ -46,16 +46,23 @@ trained from scratch cannot discover a schema-shaped call by sampling, so its to
 use the compact `!` convention of `meshrl.rollout.tools.compact` instead."""
 
 
+def char_vocab() -> dict[str, int]:
+    """The character tokenizer's ids: `<pad>` 0, `<bos>` 1, `<eos>` 2, then one per character
+    (printable ASCII, space and newline)."""
+    vocab = {PAD: 0, BOS: 1, EOS: 2}
+    for c in string.printable:
+        if c not in "\t\r\x0b\x0c":
+            vocab[c] = len(vocab)
+    return vocab
+
+
 def build_char_tokenizer(path: str | os.PathLike) -> str:
-    """Build the character tokenizer, with `CHAR_CHAT_TEMPLATE`, and save it as a HF tokenizer
-    directory at `path`. Ids are fixed: `<pad>` 0, `<bos>` 1, `<eos>` 2, then one per character."""
+    """Build the character tokenizer (`char_vocab`), with `CHAR_CHAT_TEMPLATE`, and save it as
+    a HF tokenizer directory at `path`."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # printable ASCII + space + newline
-    vocab = {PAD: 0, BOS: 1, EOS: 2}
-    for c in chars:
-        vocab[c] = len(vocab)
+    vocab = char_vocab()
     assert len(vocab) <= CHAR_VOCAB_SIZE
     # BPE with no merges splits text into single characters; Fuse joins them back on decode.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
@@ -115,10 +122,13 @@ def check_tokenizer_dir(c: Config) -> None:
 
 
 def check_tokenizer(c: Config) -> None:
-    """A tokenizer loads from model.tokenizer, else from model.path (none to load: the default)."""
+    """A tokenizer loads from model.tokenizer, else from model.path (none to load: the built-in
+    character tokenizer), and the policy's vocabulary (its checkpoint's, else model.vocab_size)
+    has an embedding row for each of its token ids."""
     m = c.model
     tokenizer_dir, field_path = (m.tokenizer, "model.tokenizer") if m.tokenizer else (m.path, "model.path")
     if tokenizer_dir is None:
+        _covers(c, len(char_vocab()), "meshrl's built-in character tokenizer")
         return
 
     # a directory with no tokenizer file at all is refused without importing transformers (seconds)
@@ -132,10 +142,25 @@ def check_tokenizer(c: Config) -> None:
             "merges or a sentencepiece model); give a Hugging Face tokenizer's directory",
         )
     try:
-        load_tokenizer(tokenizer_dir)
+        size = len(load_tokenizer(tokenizer_dir))
     except Exception as e:  # noqa: BLE001 - whatever transformers raises, the directory is the user's to fix
         raise ConfigError(
             field_path,
             f"no tokenizer loads from {tokenizer_dir!r} ({type(e).__name__}: {first_line(str(e), 160)}): "
             "give a directory holding a Hugging Face tokenizer (tokenizer.json or tokenizer_config.json)",
         ) from None
+    _covers(c, size, f"the tokenizer at {field_path}={tokenizer_dir!r}")
+
+
+def _covers(c: Config, size: int, which: str) -> None:
+    """The policy's vocabulary has room for the `size` token ids of its tokenizer (`which`).
+    (Each model beside it covers the policy's: trainer/checks.py `check_models_vocabulary`.)"""
+    if c.model.path is None:
+        vocab, field_path = c.model.vocab_size, "model.vocab_size"
+    else:
+        from meshrl.config.hf import model_args_from_hf
+
+        vocab, field_path = model_args_from_hf(c.model.path)[0].vocab_size, "model.path"  # it loads: check_model came first
+    if vocab < size:
+        fix = f"set it to at least {size}" if c.model.path is None else "give the checkpoint its own tokenizer (model.tokenizer)"
+        raise ConfigError(field_path, f"its vocabulary ({vocab}) is smaller than that of {which} ({size} tokens): {fix}")

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 import yaml
 
 from meshrl.config import Config, ConfigError, ScorerConfig, apply_overrides, field_docs, reference_markdown
@@ -61,6 +62,14 @@ def test_overrides_dict_and_code_agree():
             "models[0].trainer.pace.offset",
             "0 to",
         ),
+        ({"data": {"source": "task:propose"}, "models": [{"name": "p", "trainer": {"loss": "grpo"}}]}, "models[0].trainer.loss", "mapping"),
+        ({"data": {"source": "task:propose"}, "models": [{"name": "p", "trainer": {"loss": [1]}}]}, "models[0].trainer.loss", "mapping"),
+        ({"data": {"source": "task:propose"}, "models": [{"name": "p", "model": {"dim": 65}}]}, "models[0].model.dim", "divisible"),
+        # no knob takes an infinite or undefined number
+        ({"trainer": {"lr": float("inf")}}, "trainer.lr", "finite"),
+        ({"trainer": {"loss": {"entropy_coef": float("nan")}}}, "trainer.loss.entropy_coef", "finite"),
+        ({"buffer": {"get_timeout_s": float("nan")}}, "buffer.get_timeout_s", "finite"),
+        ({"trainer": {"loss": {"advantage": "gae"}}, "generator": {"group_size": 0}}, "generator.group_size", "must be at least 1"),
         ({"buffer": {"max_lag": -1}}, "buffer.max_lag", "at least 0"),
         ({"buffer": {"depth": -1}}, "buffer.depth", "at least 0"),
         ({"buffer": {"depth": 0}}, "generator.update_mode", "'block'"),
@@ -119,6 +128,19 @@ def test_bad_values_name_the_field(data, field, words):
         check(Config.from_dict(data))  # the values' own checks, then the domain's
     assert info.value.field_path == field
     assert words in str(info.value)
+
+
+def test_an_override_names_one_entry_of_a_list_section():
+    """`models[i].x=v` on the command line changes that entry of the config's list, as the
+    error messages name it; an entry the config lacks, or `models.0.x`, is one line saying how."""
+    base = {"models": [{"name": "proposer", "trainer": {"lr": 1e-3}}]}
+    data = apply_overrides(base, ["models[0].trainer.lr=0.0003", "models[0].generator.replicas=2"])
+    assert data["models"][0] == {"name": "proposer", "trainer": {"lr": 0.0003}, "generator": {"replicas": 2}}
+    assert base["models"][0] == {"name": "proposer", "trainer": {"lr": 1e-3}}  # the config's own list is left as it was
+    with pytest.raises(ConfigError, match=r"^models\[1\]: no such entry: the config's models has 1"):
+        apply_overrides(base, ["models[1].trainer.lr=1"])
+    with pytest.raises(ConfigError, match=r"^models: is a list: name one entry, as models\[0\].trainer.lr="):
+        apply_overrides(base, ["models.0.trainer.lr=1"])
 
 
 def test_building_a_config_imports_no_domain():
@@ -237,7 +259,28 @@ def test_cli_unusable_paths_are_one_line_before_any_mesh(tmp_path):
         assert out.returncode == 2, (override, out.stderr)
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in out.stderr and field in lines[0], (override, out.stderr)
-        assert not os.path.exists(run_dir / "logs"), "something started"
+        assert not run_dir.exists(), "a refused config left its run directory behind"
+
+
+def test_a_resume_whose_checkpoint_is_gone_or_a_dry_one_changes_nothing(tmp_path, capsys):
+    """`--resume` of a run whose latest checkpoint file is gone: one line naming --resume (the
+    CLI's exit 2, as every ConfigError). A dry run of a resume checks and describes the job:
+    no file of the run is written or changed."""
+    import meshrl
+    from meshrl.api import resume_config
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(Config().to_yaml())
+    (run / "checkpoints" / "latest").write_text("loop-3.pt")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match=r"^--resume: .*: its latest checkpoint cannot be read \(.*loop-3.pt"):
+        resume_config(str(run))
+    torch.save({"step": 3}, run / "checkpoints" / "loop-3.pt")
+    result = meshrl.run(resume=str(run), overrides=["launcher.dry_run=true"])
+    assert result.metrics == [] and "launcher.kind=local" in capsys.readouterr().out  # the job it would start
+    after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "loop-3.pt"}
+    assert after == before, "a dry run changed the run it was to resume"
 
 
 def test_every_field_is_documented_and_reference_is_current():
@@ -280,3 +323,22 @@ def test_every_link_in_the_readmes_and_docs_resolves():
             if not os.path.exists(dest) or (anchor and dest.endswith(".md") and anchor not in set(anchors(dest))):
                 broken.append(f"{os.path.relpath(page, ROOT)}: {target}")
     assert len(pages) > 10 and not broken, broken
+
+
+def test_a_new_run_keeps_the_earlier_run_in_its_directory_whole(tmp_path):
+    """`keep_earlier_run`: a RUN_DIR holding an earlier run (its config.yaml) is moved aside
+    whole, to a name of its own each time; a directory without one (no run, or this run's
+    own log already there) stays where it is."""
+    from meshrl.controller.checkpoint import keep_earlier_run
+
+    run = tmp_path / "latest"
+    (run / "logs").mkdir(parents=True)
+    assert keep_earlier_run(str(run)) is None and run.exists()
+    kept = []
+    for _ in range(2):
+        (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (run / "config.yaml").write_text("steps: 3\n")
+        (run / "metrics.jsonl").write_text('{"step": 1}\n')
+        kept.append(keep_earlier_run(str(run)))
+        assert not run.exists() and os.path.isfile(os.path.join(kept[-1], "metrics.jsonl"))
+    assert kept[0] != kept[1] and all(os.path.basename(k).startswith("latest.") for k in kept)

@@ -602,3 +602,84 @@ def test_a_bad_row_found_by_the_queue_is_one_line_not_a_supervision_trace(tmp_pa
         f"at column 18) (log: {run_dir / 'logs' / 'queue.log'})"
     ), lines
     assert not any(re.search(r"Traceback|MeshFailure|SupervisionError", line) for line in lines), lines
+
+
+# ---- a model's vocabulary, the models' tokenizer, weight_sync.files_dir: one line, exit 2 ----------
+def refused(capsys, config: str, *args: str) -> str:
+    """The one line `meshrl run CONFIG ARGS launcher.dry_run=true` refuses the config with, after checking it exits 2."""
+    assert main(["run", os.path.join(ROOT, "configs", config), *args, "launcher.dry_run=true"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_a_from_scratch_vocab_size_covers_the_tokenizer(tokenizer_dir, tmp_path, capsys):
+    """model.vocab_size below the tokenizer's len() (the built-in one's, or model.tokenizer's),
+    and a model's beside the policy below the policy's, are refused before anything starts."""
+    from meshrl.preflight import check
+    from meshrl.tokenizer import char_vocab, load_tokenizer
+
+    assert len(char_vocab()) == len(load_tokenizer(tokenizer_dir)) == 99
+    run = f"logging.run_dir={tmp_path / 'run'}"
+    line = refused(capsys, "default.yaml", "model.vocab_size=10", run)
+    assert line.startswith("meshrl: config error: model.vocab_size: its vocabulary (10) is smaller than that of meshrl's built-in character tokenizer (99"), (
+        line
+    )
+    line = refused(capsys, "default.yaml", "model.vocab_size=98", f"model.tokenizer={tokenizer_dir}", run)
+    assert line.startswith(
+        f"meshrl: config error: model.vocab_size: its vocabulary (98) is smaller than that of the tokenizer at model.tokenizer={tokenizer_dir!r}"
+    ), line
+    line = refused(capsys, "coevolve.yaml", "model.vocab_size=256", "models=[{name: proposer, model: {vocab_size: 128}}]", run)
+    assert line.startswith("meshrl: config error: models[0].model.vocab_size: 128 is smaller than the policy's (256)"), line
+    check(Config.from_dict({"model": {"vocab_size": 99}}))
+    check(Config.from_dict({"data": {"source": "task:propose"}, "model": {"vocab_size": 99}, "models": [{"name": "proposer", "model": {"vocab_size": 128}}]}))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_prm_checkpoint_covers_the_policys_vocabulary(tokenizer_dir, tmp_path, capsys):
+    """scoring.scorers[].path of a prm reads the policy's token ids: a smaller vocabulary is refused as critic.path's is."""
+    import shutil
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from meshrl.preflight import check
+
+    for vocab in (64, 128):
+        shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+        Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, **shape)).save_pretrained(str(tmp_path / f"prm{vocab}"))
+        shutil.copytree(tokenizer_dir, tmp_path / f"prm{vocab}", dirs_exist_ok=True)
+    capsys.readouterr()  # transformers' progress bars
+    line = refused(capsys, "prime.yaml", f"scoring.scorers=[{{kind: prm, path: {tmp_path / 'prm64'}}}]", f"logging.run_dir={tmp_path / 'run'}")
+    assert line.startswith(
+        "meshrl: config error: scoring.scorers[0].path: its vocabulary (64) is smaller than the policy's (128): the PRM reads the policy's token ids"
+    ), line
+    check(Config.from_yaml(os.path.join(ROOT, "configs", "prime.yaml"), [f"scoring.scorers=[{{kind: prm, path: {tmp_path / 'prm128'}}}]"]))
+
+
+def test_every_model_shares_the_policys_tokenizer(tokenizer_dir, tmp_path, capsys):
+    """models[i].model.tokenizer, which the run would ignore, is refused unless it is the policy's."""
+    from meshrl.preflight import check
+
+    for own in ("/nonexistent", tokenizer_dir):
+        line = refused(capsys, "coevolve.yaml", f"models=[{{name: proposer, model: {{tokenizer: {own}}}}}]", f"logging.run_dir={tmp_path / 'run'}")
+        assert line.startswith(
+            f"meshrl: config error: models[0].model.tokenizer: {own!r} is not the policy's: every model shares the policy's tokenizer (model.tokenizer"
+        ), line
+    same = {"data": {"source": "task:propose"}, "model": {"tokenizer": tokenizer_dir}, "models": [{"name": "proposer", "model": {"tokenizer": tokenizer_dir}}]}
+    check(Config.from_dict(same))
+
+
+def test_weight_sync_files_dir_is_writable(tmp_path, capsys):
+    """weight_sync.files_dir, for the files transport, can be written (or made) before any mesh starts."""
+    from meshrl.weightsync.connect import check_files_dir
+
+    run = f"logging.run_dir={tmp_path / 'run'}"
+    line = refused(capsys, "default.yaml", "weight_sync.transport=files", "weight_sync.files_dir=/proc/nonexistent", run)
+    assert line.startswith("meshrl: config error: weight_sync.files_dir: cannot make '/proc/nonexistent': '/proc', the nearest of its folders that exists"), (
+        line
+    )
+    (tmp_path / "file").write_text("")
+    line = refused(capsys, "default.yaml", "weight_sync.transport=files", f"weight_sync.files_dir={tmp_path / 'file'}", run)
+    assert line.startswith(f"meshrl: config error: weight_sync.files_dir: {str(tmp_path / 'file')!r} is not a directory"), line
+    check_files_dir(Config.from_dict({"weight_sync": {"transport": "files", "files_dir": str(tmp_path / "new" / "weights")}}))
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # the probe leaves nothing behind

@@ -34,7 +34,7 @@ def prm_config(*scorers, **sections) -> dict:
         (prm_config({"kind": "remote", "url": "http://127.0.0.1:1/", "procs": 2}), "scoring.scorers[0].procs", "only a prm shards"),
         (prm_config({"kind": "prm", "process": "step"}), "scoring.scorers[0].process", "every model token"),
         (prm_config({"kind": "prm", "beta": 0}), "scoring.scorers[0].beta", "positive"),
-        (prm_config({"kind": "prm", "lr": float("nan")}), "scoring.scorers[0].lr", "positive"),
+        (prm_config({"kind": "prm", "lr": float("nan")}), "scoring.scorers[0].lr", "finite"),
         (prm_config({"kind": "prm", "train_accuracy": [0.8, 0.2]}), "scoring.scorers[0].train_accuracy", "low <= high"),
         (prm_config({"kind": "prm"}, {"kind": "function", "path": "m:f", "process": "turn"}), "scoring.scorers", "one process baseline"),
     ],

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import re
 import types
 import typing
 from typing import Any, Literal
@@ -68,7 +70,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         node = data
         parts = key.strip().split(".")
         for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
+            name, index = _indexed(part)
+            child = node.setdefault(name, {}) if index is None else _entry(node.get(name), index, ".".join([*parts[:i], name]))
+            if isinstance(child, list):
+                rest = parts[i + 1 :]
+                entry = f"{part}[{rest.pop(0) if rest[0].isdigit() else 0}]"
+                raise ConfigError(".".join(parts[: i + 1]), f"is a list: name one entry, as {'.'.join([entry, *rest])}=...")
             if not isinstance(child, dict):
                 raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section: remove the trailing keys")
             node = child
@@ -79,8 +86,23 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _deepcopy_dict(data: dict) -> dict:
-    return {k: _deepcopy_dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+def _indexed(part: str) -> tuple[str, int | None]:
+    """`models[1]` -> ("models", 1): an override's step into one entry of a list section."""
+    match = re.fullmatch(r"(\w+)\[(\d+)\]", part)
+    return (match[1], int(match[2])) if match else (part, None)
+
+
+def _entry(items: Any, index: int, path: str) -> Any:
+    if not isinstance(items, list) or index >= len(items):
+        count = len(items) if isinstance(items, list) else 0
+        raise ConfigError(f"{path}[{index}]", f"no such entry: the config's {path} has {count}; add it in the config file (or `{path}=[...]`)")
+    return items[index]
+
+
+def _deepcopy_dict(data: Any) -> Any:
+    if isinstance(data, list):
+        return [_deepcopy_dict(v) for v in data]
+    return {k: _deepcopy_dict(v) for k, v in data.items()} if isinstance(data, dict) else data
 
 
 def build(cls: type, data: Any, prefix: str = "") -> Any:
@@ -144,14 +166,18 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             return value
         raise ConfigError(path, f"expected an integer, got {_describe(value)}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads "1e-5" (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML reads "1e-5" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(path, f"expected a number, got {_describe(value)}")
+        if number is None:
+            raise ConfigError(path, f"expected a number, got {_describe(value)}")
+        need(math.isfinite(number), path, f"must be a finite number, got {value!r}")  # no knob takes inf or nan
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

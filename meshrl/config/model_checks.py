@@ -171,10 +171,11 @@ def _check_generator(c: Config) -> None:
     gen = c.generator
     need(gen.replicas >= 1, "generator.replicas", f"must be at least 1, got {gen.replicas}")
     need(gen.tp >= 1, "generator.tp", f"must be at least 1, got {gen.tp}")
+    one = loss.advantage in ("grpo_no_std", "gae")  # no group statistic that one completion leaves undefined
     need(
-        gen.group_size >= 2 or loss.advantage in ("grpo_no_std", "gae") and gen.group_size >= 1,
+        gen.group_size >= 2 or one and gen.group_size >= 1,
         "generator.group_size",
-        f"group advantages need at least 2 completions per prompt, got {gen.group_size}",
+        f"must be at least 1, got {gen.group_size}" if one else f"group advantages need at least 2 completions per prompt, got {gen.group_size}",
     )
     if loss.advantage == "rloo":
         need(gen.group_size >= 2, "generator.group_size", "rloo needs at least 2 completions per prompt")

@@ -23,7 +23,7 @@ class ModelConfig:
     tokenizer: str | None = None
     """Local Hugging Face tokenizer directory. None: the checkpoint directory if `path` is set, else meshrl's built-in character tokenizer."""
     vocab_size: int = 128
-    """Vocabulary size (from-scratch models only). Must cover the tokenizer; 128 fits the built-in character tokenizer."""
+    """Vocabulary size (from-scratch models only). Must cover the tokenizer, at least its len() (its highest token id + 1; checked before the run where its tokenizer.json says): the built-in character tokenizer has 99 tokens, and 128 fits it."""
     dim: int = 64
     """Hidden size (from-scratch models only; a checkpoint brings its own)."""
     n_layers: int = 2
@@ -212,7 +212,7 @@ class WeightSyncConfig:
     timeout_s: float = 120.0
     """Longest one version's transfer may take before it is an error."""
     files_dir: str | None = None
-    """Directory for the `files` transport. None: a folder in the run directory."""
+    """Directory for the `files` transport, made if missing; it, or its nearest existing parent, must be writable (checked before the run). None: a new directory the controller makes with `tempfile.mkdtemp` under the system's temporary directory ($TMPDIR, else /tmp), named `meshrl-weights-*`."""
 
 
 @dataclass

@@ -334,7 +334,7 @@ class TrainedModelConfig:
     name: str = ""
     """The model's name: what a game env's `Ask.model` says (the policy is `policy`), the prefix of its metrics (`NAME/trainer/...`, `NAME/reward/mean`) and its directory under the run's (`models/NAME/`: its logs and first export; its checkpoint goes under `checkpoints/models/NAME`, its final export to `hf/final-NAME`)."""
     model: dict[str, Any] = field(default_factory=dict)
-    """Overrides of the policy's `model` section (e.g. `path` for its own checkpoint, or its own shapes); empty: the policy's architecture, initialised from seed + 1 + its index in `models` (a start of its own)."""
+    """Overrides of the policy's `model` section (e.g. `path` for its own checkpoint, or its own shapes); empty: the policy's architecture, initialised from seed + 1 + its index in `models` (a start of its own). Every model shares the policy's tokenizer and token ids: a `tokenizer` other than the policy's is refused, and its vocabulary (its checkpoint's, or `vocab_size`) must cover the policy's."""
     trainer: dict[str, Any] = field(default_factory=dict)
     """Overrides of the policy's `trainer` section (e.g. `lr`, `procs`, `loss: {clip_high: 0.3}`). With `loss.advantage: gae` (set here, or the policy's inherited) the model trains by PPO with a critic of its own (the `critic` section's settings, from its own weights; `NAME/critic/...`, `hf/final-NAME-critic`); `loss: {advantage: grpo}` keeps a model on a group advantage beside a PPO policy."""
     generator: dict[str, Any] = field(default_factory=dict)
@@ -415,12 +415,12 @@ class Config:
         override, else the policy's. Read from the overrides, not from `for_model`'s whole view,
         which also checks the model's cores against the proc that builds it."""
         mode = self.trainer.loss.advantage
-        return [mode] + [m.trainer.get("loss", {}).get("advantage", mode) for m in self.models]
+        return [mode] + [_section(m.trainer, "loss").get("advantage", mode) for m in self.models]
 
     def paces(self) -> list[PaceConfig]:
         """Each model's `trainer.pace`, by its index in `model_names`: a model's own override
         (merged over the policy's), else the policy's."""
-        own = [_merged(dataclasses.asdict(self.trainer.pace), m.trainer.get("pace", {})) for m in self.models]
+        own = [_merged(dataclasses.asdict(self.trainer.pace), _section(m.trainer, "pace")) for m in self.models]
         return [self.trainer.pace] + [build(PaceConfig, p) for p in own]
 
     def frozen_models(self) -> set[int]:
@@ -445,7 +445,7 @@ class Config:
         data["logging"]["run_dir"] = os.path.join(self.logging.run_dir, "models", name)
         if spec.frozen:  # it serves its checkpoint whole: no adapters of its own
             data["lora"] = {**data["lora"], "rank": 0}
-        if data["trainer"]["loss"]["advantage"] != "gae":  # no critic of its own: the section is another model's
+        if _section(data["trainer"], "loss").get("advantage") != "gae":  # no critic of its own: the section is another model's
             data.pop("critic")
         data["models"] = []
         data.pop("scoring")
@@ -457,6 +457,13 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _section(overrides: dict, key: str) -> dict:
+    """A model's override of section `key` (e.g. its `trainer`'s `loss`); {} where it is not a
+    mapping, which `for_model` then refuses in one line, naming the field."""
+    value = overrides.get(key, {}) if isinstance(overrides, dict) else {}
+    return value if isinstance(value, dict) else {}
 
 
 def _merged(base: dict, overrides: dict) -> dict:

@@ -182,3 +182,19 @@ def how_to_resume(run_dir: str) -> str:
     if os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")):
         return f"resume from the last checkpoint with: meshrl run --resume {run_dir}"
     return "no checkpoint was written yet"
+
+
+def keep_earlier_run(run_dir: str) -> str | None:
+    """A new run (not `--resume`) whose RUN_DIR holds an earlier run (its config.yaml): that run
+    is moved to RUN_DIR.YYYYmmdd-HHMMSS (when it started) and kept whole, so that the new one
+    neither cuts its metrics nor leaves its checkpoints where `--resume` would take them for
+    its own. Returns where it went, None when there was none."""
+    config = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(config):
+        return None
+    base = f"{os.path.abspath(run_dir).rstrip(os.sep)}.{time.strftime('%Y%m%d-%H%M%S', time.localtime(os.path.getmtime(config)))}"
+    kept, n = base, 1
+    while os.path.exists(kept):
+        kept, n = f"{base}-{n}", n + 1
+    os.rename(run_dir, kept)
+    return kept

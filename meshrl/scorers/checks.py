@@ -34,16 +34,19 @@ def check_scorer_files(c: Config) -> None:
     if s.reward_model is not None:
         _check_checkpoint("scoring.reward_model", s.reward_model, "reward_model")
     for i, sc in enumerate(s.scorers):
-        _check_scorer(sc, f"scoring.scorers[{i}]")
+        _check_scorer(c, sc, f"scoring.scorers[{i}]")
 
 
-def _check_scorer(sc: ScorerConfig, path: str) -> None:
+def _check_scorer(c: Config, sc: ScorerConfig, path: str) -> None:
     """A scorer's code and checkpoint: an importable function, a checkpoint with the right
-    head and a tokenizer, a judge template and parser that work on a probe."""
+    head and a tokenizer, a judge template and parser that work on a probe, a PRM's
+    vocabulary that covers the policy's."""
     if sc.kind == "function":
         check_reward_path(f"{path}.path", sc.path)
     if sc.kind in ("reward_model", "judge") or sc.kind == "prm" and sc.path:
         _check_checkpoint(f"{path}.path", sc.path, sc.kind)
+    if sc.kind == "prm" and sc.path:
+        _check_prm_vocabulary(c, sc.path, f"{path}.path")
     if sc.kind == "judge":
         from meshrl.scorers.backends import check_judge
 
@@ -71,6 +74,23 @@ def _check_checkpoint(field: str, path: str, kind: str) -> None:
             raise ConfigError(field, f"{path!r} is {arch or 'no known architecture'}: a {kind} is a causal LM checkpoint")
     if not any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise ConfigError(field, f"{path!r} has no tokenizer: save the scorer's tokenizer beside its weights (tokenizer.save_pretrained)")
+
+
+def _check_prm_vocabulary(c: Config, path: str, field: str) -> None:
+    """A PRM's checkpoint reads the episodes' own token ids, the policy's: its vocabulary
+    covers the policy's. (One that does not load as a checkpoint is not this check's to refuse.)"""
+    from meshrl.config.hf import model_args_from_hf
+    from meshrl.trainer.checks import policy_vocabulary
+
+    policy = policy_vocabulary(c)
+    try:
+        n = model_args_from_hf(path)[0].vocab_size
+    except (OSError, ValueError, KeyError):
+        return
+    if policy is not None and n < policy:
+        raise ConfigError(
+            field, f"its vocabulary ({n}) is smaller than the policy's ({policy}): the PRM reads the policy's token ids, so it needs the policy's tokenizer"
+        )
 
 
 def probe_scorers(c: Config, record: dict) -> None:

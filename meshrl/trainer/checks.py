@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 
 def check_model_files(c: Config) -> None:
-    """model.path, when set, is a directory holding a config.json."""
+    """No model beside the policy names a tokenizer of its own; model.path, when set, is a
+    directory holding a config.json."""
+    _check_models_tokenizer(c)
     m = c.model
     if m.path is not None:
         if not os.path.isdir(m.path):
@@ -35,28 +37,61 @@ def check_model_files(c: Config) -> None:
             raise ConfigError("model.path", f"{m.path!r} has no config.json: point it at a Hugging Face checkpoint directory")
 
 
+def _check_models_tokenizer(c: Config) -> None:
+    """Every model reads and writes the policy's token ids, with the policy's tokenizer: a
+    `models[i].model.tokenizer` of its own would be ignored, so one that differs is refused."""
+    policy = c.model.tokenizer
+    for i, m in enumerate(c.models):
+        if "tokenizer" not in m.model:
+            continue
+        own = m.model["tokenizer"]
+        if own == policy or isinstance(own, str) and isinstance(policy, str) and os.path.realpath(own) == os.path.realpath(policy):
+            continue
+        raise ConfigError(
+            f"models[{i}].model.tokenizer",
+            f"{own!r} is not the policy's: every model shares the policy's tokenizer (model.tokenizer, else model.path's, else the built-in one); "
+            "remove it, or set model.tokenizer for them all",
+        )
+
+
 def _policy_args(c: Config):
     """The policy's model args: read from its checkpoint (`model.path`), else its `model` section."""
     return model_args_from_hf(c.model.path)[0] if c.model.path else c.model
 
 
+def policy_vocabulary(c: Config) -> int | None:
+    """The policy's vocabulary size (its checkpoint's, else model.vocab_size): the token ids a
+    model that reads its episodes must cover. None where its checkpoint does not load (`check_model` refuses it)."""
+    try:
+        return _policy_args(c).vocab_size
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def check_models_vocabulary(c: Config) -> None:
-    """Each model beside the policy with a checkpoint of its own (`models[i].model.path`)
-    speaks in the policy's token ids: its vocabulary covers the policy's. (A checkpoint that
-    does not load, the policy's or a model's, is `check_model`'s to refuse.)"""
+    """Each model beside the policy speaks in the policy's token ids: its vocabulary (its
+    checkpoint's, `models[i].model.path` or the policy's it inherits, else its
+    `model.vocab_size`) covers the policy's. (A checkpoint that does not load, the policy's or
+    a model's, is `check_model`'s to refuse.)"""
     loads = (OSError, ValueError, KeyError)
     try:
         policy = _policy_args(c).vocab_size
     except loads:
         return
+    why = f"is smaller than the policy's ({policy}): every model of a game reads and writes the policy's token ids"
     for i, m in enumerate(c.models):
+        path = m.model["path"] if "path" in m.model else c.model.path
+        if path is None:
+            n = m.model.get("vocab_size", c.model.vocab_size)
+            if isinstance(n, int) and n < policy:
+                raise ConfigError(f"models[{i}].model.vocab_size", f"{n} {why}: set it to at least {policy}")
+            continue
         try:
-            n = model_args_from_hf(m.model["path"])[0].vocab_size if m.model.get("path") else policy
+            n = model_args_from_hf(path)[0].vocab_size
         except loads:
             continue
         if n < policy:
-            why = f"its vocabulary ({n}) is smaller than the policy's ({policy}): every model of a game reads and writes the policy's token ids"
-            raise ConfigError(f"models[{i}].model.path", f"{why}, so it needs the policy's tokenizer")
+            raise ConfigError(f"models[{i}].model.path", f"its vocabulary ({n}) {why}, so it needs the policy's tokenizer")
 
 
 def check_teacher(c: Config) -> None:

@@ -1,9 +1,14 @@
-"""Controller side: wire one Publisher to its Subscribers, and re-wire after a restart."""
+"""Controller side: wire one Publisher to its Subscribers, and re-wire after a restart.
+
+`check_files_dir` is the `files` transport's check before a run (meshrl/trainer/checks.py's
+`check_model` calls it): weight_sync.files_dir can be written. Left null, `WeightSync` makes a
+new directory with `tempfile.mkdtemp` (`meshrl-weights-*` under $TMPDIR, else /tmp)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import tempfile
 import uuid
 from datetime import timedelta
@@ -11,7 +16,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from meshrl.compat import tcp_store_listening_on
-from meshrl.config import WeightSyncConfig
+from meshrl.config import Config, ConfigError, WeightSyncConfig
 from meshrl.futures import awaited
 from meshrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
 from meshrl.weightsync.spec import SyncSpec
@@ -24,6 +29,29 @@ def sidecars(procs, keys, spawn_agent) -> list:
     `publisher_agent` or `subscriber_agent`."""
     ranked = sorted(keys.items(), key=lambda point_key: point_key[0].rank)
     return [spawn_agent(procs.slice(**dict(point)), key) for point, key in ranked if key is not None]
+
+
+def check_files_dir(c: Config) -> None:
+    """weight_sync.files_dir, for the `files` transport, before any mesh starts: a directory
+    the publisher can write its versions in, or can make (`FileWriter` makes it): its nearest
+    existing parent takes a new folder. Tried by making and removing an empty folder there,
+    since `os.access` says yes to root even in a tree no one can write (/proc)."""
+    sync = c.weight_sync
+    if sync.transport != "files" or sync.files_dir is None:
+        return
+    path = os.path.abspath(sync.files_dir)
+    fix = f"choose a writable directory, or null for a new one under {tempfile.gettempdir()}"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError("weight_sync.files_dir", f"{path!r} is not a directory: {fix}")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".meshrl-write-check-", dir=parent))
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        what = f"{path!r} is not writable" if parent == path else f"cannot make {path!r}: {parent!r}, the nearest of its folders that exists, is not writable"
+        raise ConfigError("weight_sync.files_dir", f"{what} ({why}): {fix}") from None
 
 
 class WeightSync:
