@@ -87,13 +87,13 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
     return config
 
 
-def keep_earlier(run_dir: str) -> None:
-    """An earlier run in `run_dir` is moved aside, whole, before a new one starts there (checkpoint.keep_earlier_run)."""
+def keep_earlier(config: Config) -> None:
+    """An earlier run in the config's run directory is moved aside, whole, before a new one starts there (checkpoint.keep_earlier_run)."""
     from meshrl.controller.checkpoint import keep_earlier_run
 
-    kept = keep_earlier_run(run_dir)
+    kept = keep_earlier_run(config)
     if kept is not None:
-        print(f"meshrl: {run_dir} held an earlier run: kept whole in {kept}", file=console())
+        print(f"meshrl: {config.logging.run_dir} held an earlier run: kept whole in {kept}", file=console())
 
 
 class Session:
@@ -164,7 +164,7 @@ class Session:
         from meshrl.controller.loop import RLLoop
 
         if not self._resume:
-            keep_earlier(self.config.logging.run_dir)
+            keep_earlier(self.config)
         loop = RLLoop(self.config, resume=self._resume, reward_fn=self._reward_fn)
         self._call(loop.__aenter__())
         self.loop = loop

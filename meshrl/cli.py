@@ -117,7 +117,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         config = load_config([path, *overrides] if path else overrides)
     preflight(config)  # bad inputs end here, in one line, before any output is redirected
     if not ns.resume and not config.launcher.dry_run:
-        keep_earlier(config.logging.run_dir)  # before this run's log goes there
+        keep_earlier(config)  # before this run's log goes there
     loud = verbose(config) or config.launcher.dry_run  # a dry run's output is the job description
     out = sys.stderr if loud else quiet_console(config.logging.run_dir)
     if not loud:  # nanobind's leak report at exit goes to the log

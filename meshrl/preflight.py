@@ -20,8 +20,8 @@ them, so that `meshrl config show` stays quick.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 
 from meshrl.config import Config, ConfigError
 from meshrl.data import check_data, check_eval_source, check_records
@@ -113,12 +113,18 @@ def _each_model(c: Config, check) -> None:
 def _check_run_dir(c: Config) -> None:
     """RUN_DIR can be made and written. What the probe made is removed again: a config
     refused by a later check, or a dry run, leaves no directory behind (the run makes it)."""
-    run_dir = made = os.path.abspath(c.logging.run_dir)
-    while not os.path.exists(os.path.dirname(made)):
-        made = os.path.dirname(made)
-    made = None if os.path.exists(run_dir) else made
+    run_dir = missing = os.path.abspath(c.logging.run_dir)
+    levels, made = [], []
+    while not os.path.exists(missing):
+        levels.append(missing)
+        missing = os.path.dirname(missing)
     try:
-        os.makedirs(run_dir, exist_ok=True)
+        for level in reversed(levels):
+            try:
+                os.mkdir(level)
+                made.append(level)
+            except FileExistsError:  # made meanwhile by another: not ours to remove
+                pass
         probe = os.path.join(run_dir, f".meshrl-write-check-{os.getpid()}")
         with open(probe, "w") as f:
             f.write("ok")
@@ -126,8 +132,9 @@ def _check_run_dir(c: Config) -> None:
     except OSError as e:
         raise ConfigError("logging.run_dir", f"cannot write to {run_dir!r} ({e.strerror or type(e).__name__}): choose a writable directory") from None
     finally:
-        if made is not None:
-            shutil.rmtree(made, ignore_errors=True)
+        for level in reversed(made):  # only those this probe made, and only while empty
+            with contextlib.suppress(OSError):
+                os.rmdir(level)
 
 
 _checked: set[tuple[str, int]] = set()

@@ -137,8 +137,11 @@ def test_an_override_names_one_entry_of_a_list_section():
     data = apply_overrides(base, ["models[0].trainer.lr=0.0003", "models[0].generator.replicas=2"])
     assert data["models"][0] == {"name": "proposer", "trainer": {"lr": 0.0003}, "generator": {"replicas": 2}}
     assert base["models"][0] == {"name": "proposer", "trainer": {"lr": 1e-3}}  # the config's own list is left as it was
+    assert apply_overrides(base, ["models[0]={name: solver}"])["models"] == [{"name": "solver"}]  # an entry replaced whole
     with pytest.raises(ConfigError, match=r"^models\[1\]: no such entry: the config's models has 1"):
         apply_overrides(base, ["models[1].trainer.lr=1"])
+    with pytest.raises(ConfigError, match=r"^models\[1\]: no such entry"):
+        apply_overrides(base, ["models[1]={name: solver}"])
     with pytest.raises(ConfigError, match=r"^models: is a list: name one entry, as models\[0\].trainer.lr="):
         apply_overrides(base, ["models.0.trainer.lr=1"])
 
@@ -328,17 +331,22 @@ def test_every_link_in_the_readmes_and_docs_resolves():
 def test_a_new_run_keeps_the_earlier_run_in_its_directory_whole(tmp_path):
     """`keep_earlier_run`: a RUN_DIR holding an earlier run (its config.yaml) is moved aside
     whole, to a name of its own each time; a directory without one (no run, or this run's
-    own log already there) stays where it is."""
+    own log already there) stays where it is. A new config that reads a file of the earlier
+    run is refused in one line naming that field, before anything moves."""
     from meshrl.controller.checkpoint import keep_earlier_run
 
     run = tmp_path / "latest"
+    config = Config.from_dict({"logging": {"run_dir": str(run)}})
     (run / "logs").mkdir(parents=True)
-    assert keep_earlier_run(str(run)) is None and run.exists()
+    assert keep_earlier_run(config) is None and run.exists()
     kept = []
     for _ in range(2):
-        (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (run / "hf" / "final").mkdir(parents=True, exist_ok=True)
         (run / "config.yaml").write_text("steps: 3\n")
         (run / "metrics.jsonl").write_text('{"step": 1}\n')
-        kept.append(keep_earlier_run(str(run)))
+        reads = Config.from_dict({"logging": {"run_dir": str(run)}, "model": {"tokenizer": str(run / "hf" / "final")}})
+        with pytest.raises(ConfigError, match=r"^model.tokenizer: .* lies in logging.run_dir, which holds an earlier run"):
+            keep_earlier_run(reads)
+        kept.append(keep_earlier_run(config))
         assert not run.exists() and os.path.isfile(os.path.join(kept[-1], "metrics.jsonl"))
     assert kept[0] != kept[1] and all(os.path.basename(k).startswith("latest.") for k in kept)

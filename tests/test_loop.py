@@ -278,6 +278,7 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
     groups = trained_groups(kept.values())
     assert len(groups) == len(set(groups)), "a group was trained twice"
     assert [proposer_kept[v]["proposer/trainer/updated"] for v in range(1, 10)] == [1.0, 0.0] * 4 + [1.0] and all(r["trainer/updated"] for r in kept.values())
+    assert [proposer_kept[v]["proposer/trainer/weight_version"] for v in range(1, 10)] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0, 5.0]  # healed twice
     assert [proposer_kept[v]["proposer/trainer/update_steps"] for v in range(1, 10)] == [1.0] + [0.0, 2.0] * 4  # each on the step it held too
     # the proposer healed in the checkpoint call from its newest snapshot (spaced out as the policy's may be: the
     # queue keeps its batches since), the steps it lost trained again with every engine asleep, and saved

@@ -289,7 +289,7 @@ def test_a_step_off_the_trainers_pace_keeps_weights_and_optimizer_and_moves_the_
     start = {n: p.detach().clone() for n, p in paced.model.named_parameters()}
     first, second = make_batch(seed=3, version=0), make_batch(seed=4, version=1)
     held = paced.train_step(first, current_version=0)
-    assert held["version"] == 1 and held["updated"] == 0.0 and held["grad_norm"] == 0.0
+    assert held["version"] == 1 and held["updated"] == 0.0 and held["grad_norm"] == 0.0 and held["weight_version"] == 0.0
     assert held["tokens"] == float(first["loss_mask"].sum()) and math.isfinite(held["loss"])
     assert held["loss"] == plain.train_step(first, current_version=0)["loss"]  # the loss an update would have taken
     assert all(torch.equal(p, start[n]) for n, p in paced.model.named_parameters())
@@ -302,14 +302,15 @@ def test_a_step_off_the_trainers_pace_keeps_weights_and_optimizer_and_moves_the_
     restored.train_step(second, current_version=1)
     moved = paced.train_step(second, current_version=1)
     assert all(torch.equal(p, q) for p, q in zip(paced.model.parameters(), restored.model.parameters()))
-    assert moved["version"] == 2 and moved["updated"] == 1.0 and moved["grad_norm"] > 0
+    assert moved["version"] == 2 and moved["updated"] == 1.0 and moved["grad_norm"] > 0 and moved["weight_version"] == 1.0
     fresh = PolicyTrainer(make_config(), CPU)
     fresh.train_step(second, current_version=1)  # an unpaced trainer's first update, on that batch: the same weights
     reference = dict(fresh.model.named_parameters())
     assert all(torch.equal(p, reference[n]) for n, p in paced.model.named_parameters())
     assert not all(torch.equal(p, start[n]) for n, p in paced.model.named_parameters())
     after = {n: p.detach().clone() for n, p in paced.model.named_parameters()}
-    assert paced.train_step(make_batch(seed=5, version=2), current_version=2)["updated"] == 0.0
+    third = paced.train_step(make_batch(seed=5, version=2), current_version=2)
+    assert third["updated"] == 0.0 and third["weight_version"] == 1.0  # its own version: the updates it made
     assert paced.step == 3 and all(torch.equal(p, after[n]) for n, p in paced.model.named_parameters())
 
 

@@ -402,10 +402,12 @@ def test_a_call_whose_proc_is_found_gone_ends_at_once_and_is_cancelled():
 
 def test_a_trained_models_trainer_lost_on_another_host_is_its_own_to_heal(tmp_path):
     """A trained model beside the policy whose trainer procs are on another host (no pid to
-    poll here) is taken as lost when Monarch reports a proc lost: its own heal, as the
-    policy's, takes that word (`heal.lost_a_proc`), and a call outside the step
-    (`RLLoop._healing`) heals it, not the policy's trainer on this host; an error the trainer
-    raised, alive, heals nothing."""
+    poll here) is taken as lost when Monarch reports a proc lost and it does not answer
+    (`TrainedModel.lost_remote`): a call outside the step (`RLLoop._healing`) then heals it,
+    not the policy's trainer. One that answers is not healed (the lost proc was another's),
+    nor is one whose error its trainer raised, alive."""
+    import types
+
     from meshrl.controller.heal import local_proc, lost_a_proc
     from meshrl.controller.loop import RLLoop
     from meshrl.controller.partners import TrainedModel
@@ -416,18 +418,27 @@ def test_a_trained_models_trainer_lost_on_another_host_is_its_own_to_heal(tmp_pa
     config = Config.from_dict({"models": [{"name": "proposer"}], "logging": {"run_dir": str(tmp_path)}})
     loop = RLLoop(config)
     model = TrainedModel(config, "proposer", None, None)
-    model.pids, healed, calls = remote, [], []
+    answering = [False]
+
+    async def answers(timeout_s=10.0):
+        return answering[0]
+
+    model.pids, model.trainer, healed, calls = remote, types.SimpleNamespace(answers=answers), [], []
 
     async def heal_outside_step(error, queue, num_groups, timeout_s, version):
         healed.append(version)
 
     async def save():
         calls.append(len(calls))
-        if len(calls) == 1:
+        if len(calls) % 2:
             raise lost
         return "saved"
 
     model.heal_outside_step = heal_outside_step
     loop.partners, loop.healer.pids, loop.queue, loop.version = [model], here, None, 3
-    assert model.lost(lost) and not model.lost(raised)
+    assert asyncio.run(model.lost_remote(lost)) and not asyncio.run(model.lost_remote(raised))
     assert asyncio.run(loop._healing("checkpoint", save)) == "saved" and healed == [3]
+    answering[0] = True  # alive: the proc Monarch lost was not its trainer's
+    with pytest.raises(RuntimeError, match="supervision"):
+        asyncio.run(loop._healing("checkpoint", save))
+    assert healed == [3]

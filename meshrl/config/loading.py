@@ -80,9 +80,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section: remove the trailing keys")
             node = child
         try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
-            node[parts[-1]] = raw
+            value = raw
+        name, index = _indexed(parts[-1])
+        if index is None:
+            node[name] = value
+        else:  # one entry replaced whole
+            _entry(node.get(name), index, ".".join([*parts[:-1], name]))
+            node[name][index] = value
     return data
 
 
@@ -142,6 +148,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 return _coerce(arg, value, path)
             except ConfigError as e:
                 errors.append(e)
+        if len(errors) == 1 and "expected" not in str(errors[0]):  # its one type's own problem (a number not finite)
+            raise errors[0]
         raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
     if origin is Literal:
         choices = typing.get_args(tp)

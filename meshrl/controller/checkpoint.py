@@ -184,17 +184,42 @@ def how_to_resume(run_dir: str) -> str:
     return "no checkpoint was written yet"
 
 
-def keep_earlier_run(run_dir: str) -> str | None:
+def keep_earlier_run(config: Config) -> str | None:
     """A new run (not `--resume`) whose RUN_DIR holds an earlier run (its config.yaml): that run
-    is moved to RUN_DIR.YYYYmmdd-HHMMSS (when it started) and kept whole, so that the new one
-    neither cuts its metrics nor leaves its checkpoints where `--resume` would take them for
-    its own. Returns where it went, None when there was none."""
-    config = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(config):
+    is moved to RUN_DIR.YYYYmmdd-HHMMSS (when it last started) and kept whole, so that the new
+    one neither cuts its metrics nor leaves its checkpoints where `--resume` would take them
+    for its own. Returns where it went, None when there was none. ConfigError, before anything
+    moved, where the new config reads a file in it or it cannot be moved."""
+    run_dir = config.logging.run_dir
+    marker = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(marker):
         return None
-    base = f"{os.path.abspath(run_dir).rstrip(os.sep)}.{time.strftime('%Y%m%d-%H%M%S', time.localtime(os.path.getmtime(config)))}"
+    inside = os.path.realpath(run_dir) + os.sep
+    for field_path, value in _strings(config.to_dict()):
+        if os.path.exists(value) and os.path.realpath(value).startswith(inside):
+            raise ConfigError(
+                field_path, f"{value!r} lies in logging.run_dir, which holds an earlier run this new one would move aside: give it another logging.run_dir"
+            )
+    base = f"{os.path.abspath(run_dir).rstrip(os.sep)}.{time.strftime('%Y%m%d-%H%M%S', time.localtime(os.path.getmtime(marker)))}"
     kept, n = base, 1
     while os.path.exists(kept):
         kept, n = f"{base}-{n}", n + 1
-    os.rename(run_dir, kept)
+    try:
+        os.rename(run_dir, kept)
+    except OSError as e:
+        raise ConfigError(
+            "logging.run_dir",
+            f"{run_dir!r} holds an earlier run that cannot be moved aside to {kept!r} ({e.strerror}): move it, or give this run another directory",
+        ) from None
     return kept
+
+
+def _strings(data, path: str = ""):
+    """(dotted field path, value) of every string in a config's dict, lists' entries as `[i]`."""
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        here = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        if isinstance(value, str):
+            yield here, value
+        else:
+            yield from _strings(value, here)

@@ -30,7 +30,7 @@ from meshrl.controller.collect import StepMetrics
 from meshrl.controller.evaluation import Evaluations
 from meshrl.controller.heal import TrainerHealer
 from meshrl.controller.members import MeshFailureLog, all_ended, in_order
-from meshrl.controller.partners import TrainedModel, served_pools
+from meshrl.controller.partners import TrainedModel, lost_partner, served_pools
 from meshrl.controller.replicas import GeneratorPool, ScorerPool, WorkerPool
 from meshrl.errors import BatchTimeout, TrainerFailed, UserCodeFailed, find, first_line, one_line
 from meshrl.futures import bounded, settled, unless_lost
@@ -310,9 +310,7 @@ class RLLoop:
             try:
                 return await make_call()
             except Exception as e:  # noqa: BLE001 - only a lost trainer or critic proc is healed here
-                partner = next((p for p in self.partners if p.dead()), None)
-                if partner is None and not self.healer.lost_a_proc(e):  # not the policy's: one on another host, Monarch says
-                    partner = next((p for p in self.partners if p.lost(e)), None)
+                partner = next((p for p in self.partners if p.dead()), None) or await lost_partner(self.partners, e)
                 if partner is not None and not self.healer.trainer_dead():
                     heal = partner.heal_outside_step(e, self.queue, (c := self.config).batch_groups, c.buffer.get_timeout_s, self.version)
                     await (colocate.asleep_while(self, partner, heal) if c.placement == "colocate" else heal)

@@ -59,6 +59,14 @@ def served_pools(config: Config, alloc, rewire) -> dict[str, GeneratorPool]:
     return pools
 
 
+async def lost_partner(partners: list, error: BaseException):
+    """The first of `partners` (TrainedModels) whose trainer on another host `error` lost (`lost_remote`), or None."""
+    for p in partners:
+        if await p.lost_remote(error):
+            return p
+    return None
+
+
 class TrainedModel:
     """One trained model beside the policy: trainer mesh, generator pool and weight sync."""
 
@@ -208,11 +216,11 @@ class TrainedModel:
         first = first_line(str(error)) or type(error).__name__
         dead = [rank for rank, (pid, started) in enumerate(self.pids) if not proc_alive(pid, started)]
         failed = f"trained model {self.name}'s trainer failed at version {version}"
-        who = ", ".join(f"rank {r} (pid {self.pids[r][0]})" for r in dead)
         if not dead and self.critic is not None and not await self.critic.answers():  # its critic's proc died
             return await self._heal_critic(error, version)
-        if not dead and lost_a_proc(self.pids, error):  # on another host: Monarch reports one of its procs lost
+        if not dead and await self.lost_remote(error):  # on another host: Monarch reports a proc lost, and it does not answer
             dead = [rank for rank, (_, started) in enumerate(self.pids) if started is None]
+        who = ", ".join(f"rank {r} (pid {self.pids[r][0]})" for r in dead)
         if not dead:  # it raised, alive: a new mesh would raise again
             raise TrainerFailed(f"{failed} ({type(error).__name__}: {first}); {checkpoints.how_to_resume(run_dir)}") from error
         if self.restarts >= c.trainer.max_restarts:
@@ -283,10 +291,11 @@ class TrainedModel:
         """Whether a proc of its trainer or of its critic on this host is gone."""
         return self.trainer_dead() or (self.critic is not None and procs_dead(self.critic.proc_ids))
 
-    def lost(self, error: BaseException) -> bool:
-        """Whether `error` may be its own: a proc of its on this host is gone, or Monarch reports
-        a proc lost and its trainer has procs on another host."""
-        return self.dead() or lost_a_proc(self.pids, error)
+    async def lost_remote(self, error: BaseException) -> bool:
+        """Whether its trainer, with procs on another host, is what `error` lost: Monarch
+        reports a proc lost (`heal.lost_a_proc`), and the trainer does not answer. (The policy's
+        trainer, or the queue, may be the one lost.)"""
+        return not procs_dead(self.pids) and lost_a_proc(self.pids, error) and not await self.trainer.answers()
 
     def export_dir(self, run_dir: str) -> str:
         """Where its final export goes: RUN_DIR/hf/final-NAME."""

@@ -341,6 +341,16 @@ class TrainerMesh:
     async def shard_info(self) -> list[dict]:
         return await self._all(self.actors.shard_info)
 
+    async def answers(self, timeout_s: float = 10.0) -> bool:
+        """Whether every rank answers a call within `timeout_s` (after a failed call, when its
+        actors are idle): one that does not, on a host whose procs cannot be polled from
+        here, is taken as lost."""
+        try:
+            await self._all(self.actors.shard_info, timeout_s=timeout_s)
+            return True
+        except Exception:  # noqa: BLE001 - dead, unreachable or wedged: all the same to a heal
+            return False
+
     async def stop(self, teardown: bool = True) -> None:
         """Each rank's process group ended (`teardown`: not where a rank is known dead, whose share of the call
         Monarch may fail only at its delivery timeout), then the procs stopped."""

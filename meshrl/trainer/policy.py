@@ -320,6 +320,7 @@ class PolicyTrainer:
             version=self.step,
             grad_norm=float(grad_norm),
             updated=float(update),
+            weight_version=float(weight_lags(torch.tensor(0), self.step, tcfg.pace)),  # its own version: the updates it has made
             **({"update_steps": float(trained_steps)} if tcfg.pace.accumulate else {}),
             logprob_mismatch=out.get("mismatch", 0.0),
             staleness_mean=float(merged["lag_sum"]) / tokens,

@@ -1,7 +1,7 @@
 """Controller side: wire one Publisher to its Subscribers, and re-wire after a restart.
 
-`check_files_dir` is the `files` transport's check before a run (meshrl/trainer/checks.py's
-`check_model` calls it): weight_sync.files_dir can be written. Left null, `WeightSync` makes a
+`check_files_dir` is the `files` transport's check before a run (meshrl/preflight.py's
+`preflight` calls it): weight_sync.files_dir can be written. Left null, `WeightSync` makes a
 new directory with `tempfile.mkdtemp` (`meshrl-weights-*` under $TMPDIR, else /tmp)."""
 
 from __future__ import annotations
