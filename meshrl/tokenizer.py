@@ -9,7 +9,8 @@ multi-turn tasks run on models trained from scratch through the same chat path a
 checkpoints. Tiny models pay for every token of a turn, so the template spends three.
 
 `check_tokenizer_dir` and `check_tokenizer` are the checks a run's tokenizer passes before
-any mesh starts (meshrl/preflight.py lists them): the directory is there, and it loads.
+any mesh starts (meshrl/preflight.py lists them): the directory is there, it loads, and the
+policy's vocabulary has a row for each of its token ids.
 """
 
 from __future__ import annotations

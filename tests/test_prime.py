@@ -259,10 +259,14 @@ def test_a_prm_sharded_over_two_procs_scores_and_trains_as_one_proc(tmp_path):
         got = sorted(row for r in sharded for row in r["steps"][k][0])
         assert [i for i, _ in got] == [i for i, _ in want_rows], k  # every row once, rank 0's and rank 1's
         for (_, mine), (_, theirs) in zip(got, want_rows):
-            assert mine["version"] == theirs["version"] and mine["score"] == pytest.approx(theirs["score"], abs=1e-5)
-            assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5) and mine["accuracy"] == theirs["accuracy"]
-        for r in sharded:
-            assert r["steps"][k][1] == pytest.approx(want_trained, rel=1e-4, abs=1e-6), k
+            # after an update, not equal to the last bit: the ranks sum gradients in another order than one
+            # proc, and AdamW's normalised step turns a rounding difference in a near-zero gradient into one of
+            # up to 2 lr in that weight; before any update, the same to float rounding
+            close = dict(abs=1e-5) if theirs["version"] == 0 else dict(rel=1e-2, abs=1e-4)
+            assert mine["version"] == theirs["version"] and mine["score"] == pytest.approx(theirs["score"], **close)
+            assert mine["loss"] == pytest.approx(theirs["loss"], **close) and mine["accuracy"] == theirs["accuracy"]
+        for r in sharded:  # its training metrics: the same to rounding on the first step, then as the scores
+            assert r["steps"][k][1] == pytest.approx(want_trained, **(dict(rel=1e-4, abs=1e-6) if k == 0 else dict(rel=1e-2, abs=1e-4))), k
     assert single["steps"][2][0][0][1]["score"] != single["steps"][0][0][0][1]["score"]  # it trained
     # the saved state is whole: one proc restores it, and its next step is the one the ranks took after restoring
     back, _ = make_prm(tmp_path / "two", restore=True, lr=2e-2)
@@ -272,9 +276,9 @@ def test_a_prm_sharded_over_two_procs_scores_and_trains_as_one_proc(tmp_path):
     assert [q for _, m in got for q in m["score"]] == pytest.approx([q for _, m in want for q in m["score"]], abs=1e-5)
     two, one_ = (load_file(str(d / "hf" / "final-prm" / "model.safetensors")) for d in (tmp_path / "two", tmp_path / "one"))
     # AdamW's first steps move a weight by about lr (2e-2) whatever the size of its gradient, so
-    # the ranks' other order of summation shows in the weights at 1e-4 (measured 8e-5); a missing
-    # or untrained shard would be off by a step, 2e-2
-    assert sorted(two) == sorted(one_) and all(torch.allclose(two[k], one_[k], atol=1e-3) for k in two)
+    # the ranks' other order of summation shows in the weights (up to 1.3e-3 on one machine, 8e-5
+    # on another); a missing or untrained shard would be off by a step, 2e-2
+    assert sorted(two) == sorted(one_) and all(torch.allclose(two[k], one_[k], atol=5e-3) for k in two)
     assert os.path.isfile(tmp_path / "two" / "hf" / "final-prm" / "implicit_prm.json")
 
 
