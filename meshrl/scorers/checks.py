@@ -79,15 +79,10 @@ def _check_checkpoint(field: str, path: str, kind: str) -> None:
 def _check_prm_vocabulary(c: Config, path: str, field: str) -> None:
     """A PRM's checkpoint reads the episodes' own token ids, the policy's: its vocabulary
     covers the policy's. (One that does not load as a checkpoint is not this check's to refuse.)"""
-    from meshrl.config.hf import model_args_from_hf
-    from meshrl.trainer.checks import policy_vocabulary
+    from meshrl.trainer.checks import checkpoint_vocabulary, policy_vocabulary
 
-    policy = policy_vocabulary(c)
-    try:
-        n = model_args_from_hf(path)[0].vocab_size
-    except (OSError, ValueError, KeyError):
-        return
-    if policy is not None and n < policy:
+    policy, n = policy_vocabulary(c), checkpoint_vocabulary(path)
+    if policy is not None and n is not None and n < policy:
         raise ConfigError(
             field, f"its vocabulary ({n}) is smaller than the policy's ({policy}): the PRM reads the policy's token ids, so it needs the policy's tokenizer"
         )

@@ -59,13 +59,19 @@ def _policy_args(c: Config):
     return model_args_from_hf(c.model.path)[0] if c.model.path else c.model
 
 
-def policy_vocabulary(c: Config) -> int | None:
-    """The policy's vocabulary size (its checkpoint's, else model.vocab_size): the token ids a
-    model that reads its episodes must cover. None where its checkpoint does not load (`check_model` refuses it)."""
+def checkpoint_vocabulary(path: str) -> int | None:
+    """The vocabulary size of the checkpoint at `path`; None where it does not load (a check of
+    its own refuses that: `check_model`'s, or its component's)."""
     try:
-        return _policy_args(c).vocab_size
+        return model_args_from_hf(path)[0].vocab_size
     except (OSError, ValueError, KeyError):
         return None
+
+
+def policy_vocabulary(c: Config) -> int | None:
+    """The policy's vocabulary size (its checkpoint's, else model.vocab_size): the token ids a
+    model that reads its episodes must cover. None where its checkpoint does not load."""
+    return checkpoint_vocabulary(c.model.path) if c.model.path else c.model.vocab_size
 
 
 def check_models_vocabulary(c: Config) -> None:
@@ -73,10 +79,8 @@ def check_models_vocabulary(c: Config) -> None:
     checkpoint's, `models[i].model.path` or the policy's it inherits, else its
     `model.vocab_size`) covers the policy's. (A checkpoint that does not load, the policy's or
     a model's, is `check_model`'s to refuse.)"""
-    loads = (OSError, ValueError, KeyError)
-    try:
-        policy = _policy_args(c).vocab_size
-    except loads:
+    policy = policy_vocabulary(c)
+    if policy is None:
         return
     why = f"is smaller than the policy's ({policy}): every model of a game reads and writes the policy's token ids"
     for i, m in enumerate(c.models):
@@ -86,11 +90,8 @@ def check_models_vocabulary(c: Config) -> None:
             if isinstance(n, int) and n < policy:
                 raise ConfigError(f"models[{i}].model.vocab_size", f"{n} {why}: set it to at least {policy}")
             continue
-        try:
-            n = model_args_from_hf(path)[0].vocab_size
-        except loads:
-            continue
-        if n < policy:
+        n = checkpoint_vocabulary(path)
+        if n is not None and n < policy:
             raise ConfigError(f"models[{i}].model.path", f"its vocabulary ({n}) {why}, so it needs the policy's tokenizer")
 
 
