@@ -35,8 +35,33 @@ def pytest_terminal_summary(terminalreporter):
         from benchmarks.common import machine
     except ImportError:  # run from outside the repository: no line, no failure
         return
-    m = machine()
-    terminalreporter.write_line(f"machine: {m['cpu_model']}, {m['cpus']} CPUs, flags {' '.join(m['cpu_flags']) or '-'}, {m['mem_gib']} GiB")
+    terminalreporter.write_line(machine_line(machine()))
+
+
+def machine_line(m: dict) -> str:
+    return f"machine: {m['cpu_model']}, {m['cpus']} CPUs, flags {' '.join(m['cpu_flags']) or '-'}, {m['mem_gib']} GiB"
+
+
+def learning_report(metrics: list[dict], key: str = "trainer/reward_mean") -> str:
+    """What a failed learning assertion prints: the whole curve, what each step trained on and
+    the machine, so that a failure in CI on a CPU kind never seen here says why it did not learn."""
+    from benchmarks.common import machine
+
+    rows = [r for r in metrics if key in r]
+
+    def series(name: str, digits: int = 3) -> list:
+        return [round(r[name], digits) if name in r else None for r in rows]
+
+    return "\n".join(
+        [
+            f"{key}: {series(key)}",
+            f"trainer/zero_variance_groups: {series('trainer/zero_variance_groups', 2)}",
+            f"trainer/masked_frac: {series('trainer/masked_frac')}  trainer/clip_frac: {series('trainer/clip_frac')}",
+            f"trainer/logprob_mismatch: {series('trainer/logprob_mismatch', 5)}",
+            f"trainer/grad_norm: {series('trainer/grad_norm')}  trainer/staleness_max: {series('trainer/staleness_max', 0)}",
+            machine_line(machine()),
+        ]
+    )
 
 
 def pytest_configure(config):
