@@ -76,14 +76,14 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
         raise ConfigError("--resume", f"{run_dir!r} has no checkpoint yet: nothing to resume")
     config = as_config(path, overrides)
     config.logging.run_dir = run_dir
-    from meshrl.controller.checkpoint import check_saved_models, saved_models
+    from meshrl.controller.checkpoint import check_resumable, latest_state
 
     try:
-        saved = saved_models(run_dir)
+        state = latest_state(run_dir)
     except Exception as e:  # noqa: BLE001 - the file `latest` names is gone or cut short
         why = first_line(str(e), 160) or type(e).__name__
         raise ConfigError("--resume", f"{run_dir!r}: its latest checkpoint cannot be read ({why}): point checkpoints/latest at a complete one") from None
-    check_saved_models(saved, [m.name for m in config.models if not m.frozen], run_dir)
+    check_resumable(state, config, run_dir)
     return config
 
 

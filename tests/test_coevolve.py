@@ -184,17 +184,34 @@ def test_a_failed_game_episode_leaves_the_loss_with_every_thread():
 
 def test_each_model_speaks_within_its_own_limits_and_a_resume_keeps_the_models_it_was_written_with():
     from meshrl.agent.game import model_limits
-    from meshrl.controller.checkpoint import check_saved_models
+    from meshrl.controller.checkpoint import check_resumable
 
     c = Config.from_dict({"models": [{"name": "a", "generator": {"max_new_tokens": 3}, "model": {"max_seq_len": 64}}, {"name": "b"}]})
     assert model_limits(c, 0) == (c.model.max_seq_len, c.generator.max_new_tokens)
     assert model_limits(c, 1) == (64, 3) != model_limits(c, 0)
     assert model_limits(c, 2) == model_limits(c, 0)  # no overrides: the run's
-    check_saved_models({"a": ("d", None), "b": ("e", None)}, ["b", "a"], "runs/x")
-    for trained in (["a"], ["a", "b", "c"], ["a", "renamed"]):
-        with pytest.raises(ConfigError, match="checkpoint holds the trained models a, b, and this config trains") as e:
-            check_saved_models({"a": ("d", None), "b": ("e", None)}, trained, "runs/x")
+    state = {"models": {"a": "d", "b": "e"}, "model_critics": {}, "critic_dir": None, "model_names": ["policy", "a", "b"]}
+    check_resumable(state, c, "runs/x")
+    # a game's saved rows name each model by its place: moved, or shifted by a frozen one, is refused too
+    for models in (["a"], ["a", "b", "c"], ["a", "renamed"], ["b", "a"], ["f", "a", "b"]):
+        frozen = {"frozen": True, "model": {"path": "ckpt/f"}}  # (its checkpoint is read by preflight, not here)
+        changed = Config.from_dict({"models": [{"name": n, **(frozen if n == "f" else {})} for n in models]})
+        with pytest.raises(ConfigError, match="checkpoint holds the models a, b, and this config names") as e:
+            check_resumable(state, changed, "runs/x")
         assert e.value.field_path == "models"
+    written_before = {k: v for k, v in state.items() if k != "model_names"}  # the trained models, in their order
+    check_resumable(written_before, c, "runs/x")
+    with pytest.raises(ConfigError, match="holds the models a, b, and this config names b, a"):
+        check_resumable(written_before, Config.from_dict({"models": [{"name": "b"}, {"name": "a"}]}), "runs/x")
+    # a critic now, where the checkpoint holds none: refused before any mesh, naming the field
+    gae = {"models": [{"name": "a"}, {"name": "b"}], "trainer": {"loss": {"advantage": "gae"}}}
+    with pytest.raises(ConfigError, match="holds no critic") as e:
+        check_resumable(state, Config.from_dict(gae), "runs/x")
+    assert e.value.field_path == "trainer.loss.advantage"
+    with pytest.raises(ConfigError, match="holds no critic of b's") as e:
+        check_resumable({**state, "critic_dir": "c", "model_critics": {"a": "ac"}}, Config.from_dict(gae), "runs/x")
+    assert e.value.field_path == "models[1].trainer.loss.advantage"
+    check_resumable({**state, "critic_dir": "c", "model_critics": {"a": "ac", "b": "bc"}}, Config.from_dict(gae), "runs/x")
 
 
 def test_per_model_episode_metrics_keep_the_policys_names():
@@ -242,6 +259,15 @@ def test_trained_models_config_view_and_refusals():
         with pytest.raises(ConfigError) as e:
             Config.from_dict(data)
         assert e.value.field_path == field, (field, str(e.value))
+    exports = {  # each export under RUN_DIR/hf is a directory of its own: the last written would overwrite the first
+        "models[0].name": {"models": [{"name": "critic"}], "trainer": {"loss": {"advantage": "gae"}}},
+        "scoring.scorers[0].name": {"models": [{"name": "prm"}], "scoring": {"scorers": [{"kind": "prm"}]}},
+    }
+    for field, data in exports.items():
+        with pytest.raises(ConfigError, match="would export to hf/final-") as e:
+            Config.from_dict(data)
+        assert e.value.field_path == field, (field, str(e.value))
+    Config.from_dict({"models": [{"name": "critic"}]})  # no critic of the policy's beside it
     for kind in ("process", "slurm"):  # every launcher: local, process and Slurm hosts, `meshrl worker` hosts
         Config.from_dict({"models": [{"name": "a"}], "launcher": {"kind": kind, "hosts": 2}})
     Config.from_dict({"models": [{"name": "a"}], "launcher": {"kind": "workers", "workers": ["10.0.0.2:26600"], "address": "10.0.0.1"}})

@@ -165,7 +165,8 @@ def test_a_run_that_games_its_reward_model_is_stopped_in_one_line_naming_the_ver
     """The embedded default, synchronous, trained on the planted reward model alone (the
     task's verifier at weight 0), alarm.on_divergence=stop: the alarm fires while the
     verifier falls and the model's score climbs, the run checkpoints and stops with the one
-    line naming the verifier, the step it began and the last checkpoint where they agreed."""
+    line naming the verifier, the step it began and the last checkpoint where they agreed; a
+    resume from there trains on."""
     from meshrl.metrics import read_metrics
     from meshrl.stability import RewardDiverged
 
@@ -206,3 +207,7 @@ def test_a_run_that_games_its_reward_model_is_stopped_in_one_line_naming_the_ver
     assert f"last checkpoint where they agreed: step {agreed} " in line
     corrs = [r["scoring/rm/corr_env"] for r in rows[-10:] if "scoring/rm/corr_env" in r]
     assert sum(corrs) / len(corrs) < 0, corrs  # per-step rank correlation of the model with the verifier
+    # resumed from the checkpoint it stopped at (docs/stability.md: with a change of course): its
+    # watch starts afresh, so the run trains on instead of stopping on the alarm it stopped for
+    resumed = meshrl.run(resume=str(run_dir), overrides=[f"steps={stopped + 2}"])
+    assert [r["step"] for r in resumed.metrics if "trainer/reward_mean" in r][-2:] == [stopped + 1, stopped + 2]

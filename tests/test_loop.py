@@ -18,6 +18,7 @@ import time
 
 import psutil
 import pytest
+import yaml
 
 import meshrl
 from meshrl.config import Config
@@ -366,6 +367,9 @@ def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_pat
         assert len(rows) == 2
         cell("s.set(lr=5e-4, max_lag=1)")
         assert cell("s.loop.config.trainer.lr") == 5e-4
+        with open(os.path.join(s_run_dir(cfg), "config.yaml")) as f:  # what a resume reads: the knobs as they are now
+            kept = yaml.safe_load(f)
+        assert (kept["trainer"]["lr"], kept["buffer"]["max_lag"]) == (5e-4, 1)
         groups = cell("s.generate(['a:', 'b:'])")
         assert len(groups) == 2 and all(len(g) == 4 for g in groups)
         # After a weight sync the generator runs exactly the trainer's weights: its greedy

@@ -373,6 +373,27 @@ def test_checkpoint_saves_the_critic_beside_the_policy_and_restores_it(tmp_path)
         asyncio.run(checkpoints.restore(str(tmp_path), _Trainer(0), _Queue(), None, _Critic(config), timeout_s=60))
 
 
+def test_a_resumed_critic_takes_the_configured_lr_at_the_saved_warm_up_position(tmp_path):
+    """`--resume RUN critic.lr=B` over a critic checkpoint saved at lr A: its rate is B times
+    the warm-up factor the checkpoint reached; at A, the saved rate bit for bit."""
+    from meshrl.config import ModelConfig
+    from meshrl.trainer.critic import CriticTrainer
+
+    a, b, warmup = 1e-2, 3e-3, 4
+    saver = CriticTrainer(ModelConfig(), lr=a, warmup_steps=warmup, seed=1)
+    batch = pack_one()
+    saver.train_step(batch, *saver.advantages(batch))
+    path = saver.save_checkpoint(str(tmp_path))
+    same = CriticTrainer(ModelConfig(), lr=a, warmup_steps=warmup, seed=1)
+    assert same.load_checkpoint(path) == 1
+    assert [g["lr"] for g in same.optimizer.param_groups] == [g["lr"] for g in saver.optimizer.param_groups]
+    resumed = CriticTrainer(ModelConfig(), lr=b, warmup_steps=warmup, seed=1)
+    assert resumed.load_checkpoint(path) == 1 and resumed.scheduler.base_lrs == [b]
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == pytest.approx([b * 2 / warmup])  # warm-up step 1: factor 2/4
+    resumed.train_step(batch, *resumed.advantages(batch))
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(b * 3 / warmup)
+
+
 def test_critic_snapshots_restore_its_step_and_a_resume_drops_the_later_ones(tmp_path):
     """What a healed critic restores: the snapshot of the step asked for (the three newest
     are kept), weights, optimizer and version; snapshots past a resumed run's checkpoint are

@@ -149,6 +149,33 @@ def test_a_resumed_or_replacing_prm_goes_on_from_its_saved_state(tmp_path):
     assert make_prm(tmp_path / "elsewhere", restore=True)[0].restored is None
 
 
+def test_a_resumed_prm_takes_the_configured_lr(tmp_path):
+    """`--resume RUN scoring.scorers[i].lr=B` over a PRM saved at lr A: AdamW's rate is B, not
+    the saved A; restored at A, it is A."""
+    prm, _ = make_prm(tmp_path, lr=2e-2)
+    prm.score_batch(toy_items(16))
+    prm.save()
+    assert make_prm(tmp_path, restore=True, lr=2e-2)[0].optimizer.param_groups[0]["lr"] == 2e-2
+    back, _ = make_prm(tmp_path, restore=True, lr=1e-3)
+    assert back.restored == 1 and [g["lr"] for g in back.optimizer.param_groups] == [1e-3]
+
+
+def test_checkpoint_every_s_0_saves_the_prm_by_time_never(tmp_path):
+    """trainer.checkpoint_every_s: 0 turns the time trigger off, as for the run's checkpoints:
+    no save after each batch; any other value saves once it has passed."""
+    from meshrl.scorers.prm import ImplicitPRM
+
+    def prm(run_dir, every_s):
+        c = Config.from_dict(prm_config({"kind": "prm"}, logging={"run_dir": str(run_dir)}, trainer={"checkpoint_every_s": every_s}))
+        return ImplicitPRM(c.scoring.scorers[0], c, "prm")
+
+    off, timed = prm(tmp_path / "off", 0), prm(tmp_path / "timed", 1e-9)
+    for p in (off, timed):
+        p.score_batch(toy_items(8))
+    assert not off.save_due() and not os.path.exists(os.path.join(off.dir, "state.pt"))
+    assert timed.save_due() and os.path.isfile(os.path.join(timed.dir, "state.pt"))
+
+
 def test_a_prm_saved_before_its_first_step_restores_to_the_same_first_step(tmp_path):
     """A save at version 0 (a checkpoint before the PRM's first batch) stores no AdamW state;
     asking torch for one would take a zero step and shrink the first real one (AdamW's bias

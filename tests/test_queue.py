@@ -791,6 +791,58 @@ def test_a_models_wait_for_the_shared_batch_starts_again_when_the_policys_traine
     assert q.shared(0, 2.0)["group_id"].numel() > 0
 
 
+def two_model_queue() -> EpisodeQueue:
+    """A queue for a run with a trained model beside the policy (it waits in `shared`)."""
+    data = {"batch_groups": 1, "data": {"source": "task:propose"}, "models": [{"name": "proposer"}], "buffer": {"dynamic_sampling": False}}
+    return EpisodeQueue(Config.from_dict(data))
+
+
+def test_a_model_waiting_for_the_shared_batch_gets_it_as_soon_as_the_policy_takes_it():
+    """`sample` storing the batch wakes the models waiting for it (`shared`) at once, not at the
+    next put or version or at the end of their timeout."""
+    q = two_model_queue()
+    for c in claim_all(q):
+        deliver(q, c)
+    entered, done, got, wait = threading.Event(), threading.Event(), {}, q._cond.wait
+
+    def waits(timeout=None):  # the model's wait has begun (the lock is released inside it)
+        entered.set()
+        return wait(timeout)
+
+    def model():
+        got["batch"] = q.shared(0, 30)
+        got["at"] = time.monotonic()
+        done.set()
+
+    q._cond.wait = waits
+    threading.Thread(target=model, daemon=True).start()
+    try:
+        assert entered.wait(10)
+        q._cond.wait = wait
+        taken, start = q.sample(1, 0), time.monotonic()
+        assert done.wait(2), "the model waiting in shared was not woken by sample"
+        assert got["at"] - start < 2 and torch.equal(got["batch"]["group_id"], taken["group_id"])
+    finally:
+        q.close()  # ends a wait left over on failure
+
+
+def test_shared_hands_out_a_stored_batch_after_close_and_raises_only_without_one():
+    """On a stop (`save_on_interrupt` closes the queue), a model behind the policy still gets the
+    batch the policy took for its step, so the models reach the same version and are saved;
+    a version with no batch stored raises QueueClosed, at once."""
+    q = two_model_queue()
+    for c in claim_all(q):
+        deliver(q, c)
+    taken = q.sample(1, 0)
+    q.set_version(1)
+    q.close()
+    assert torch.equal(q.shared(0, 0)["group_id"], taken["group_id"])
+    start = time.monotonic()
+    with pytest.raises(QueueClosed):
+        q.shared(1, 30)
+    assert time.monotonic() - start < 2
+
+
 def test_retake_puts_back_the_batches_taken_since_the_restored_version_once():
     """A healed trainer (controller/heal.py) restored to version v retakes every batch taken
     for v and later, in order and out of `consumed`; batches before the durable version are let go."""

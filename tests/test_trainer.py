@@ -735,3 +735,24 @@ def test_a_checkpoint_before_the_first_step_changes_no_step(tmp_path):
         got = stepped(trainer)
         for name, t in expected.items():
             assert torch.equal(got[name], t), name
+
+
+def test_a_resume_takes_the_configured_lr_at_the_saved_warm_up_position(tmp_path):
+    """`--resume RUN trainer.lr=B` over a checkpoint saved at lr A: the optimizer's rate is
+    B times the warm-up factor the checkpoint reached (not A's rate), now and after the
+    next step; a resume at A restores the saved rate bit for bit."""
+    a, b, warmup = 1e-2, 3e-3, 4
+    saver = PolicyTrainer(make_config(lr=a, warmup_steps=warmup), CPU)
+    saver.train_step(make_batch())
+    path = saver.save_checkpoint(str(tmp_path))
+    same = PolicyTrainer(make_config(lr=a, warmup_steps=warmup), CPU)
+    same.load_checkpoint(path)
+    assert [g["lr"] for g in same.optimizer.param_groups] == [g["lr"] for g in saver.optimizer.param_groups]
+    assert same.scheduler.state_dict() == saver.scheduler.state_dict()
+    resumed = PolicyTrainer(make_config(lr=b, warmup_steps=warmup), CPU)
+    resumed.load_checkpoint(path)
+    assert resumed.scheduler.last_epoch == 1 and resumed.scheduler.base_lrs == [b]
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == pytest.approx([b * 2 / warmup])  # warm-up step 1: factor 2/4
+    assert resumed.scheduler.get_last_lr() == pytest.approx([b * 2 / warmup])
+    out = resumed.train_step(make_batch(seed=1))  # the next step's rate: B, one warm-up step on
+    assert out["lr"] == pytest.approx(b * 3 / warmup) and resumed.optimizer.param_groups[0]["lr"] == pytest.approx(b * 3 / warmup)

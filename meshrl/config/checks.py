@@ -308,6 +308,28 @@ def _check_models(c: Config) -> None:
             )
 
 
+def _check_exports(c: Config) -> None:
+    """Each trained model, critic and implicit PRM exports to a directory of its own under
+    RUN_DIR/hf: a name that makes two of them one would let the last overwrite the first."""
+    modes, owners = c.advantage_modes(), {"final": "the policy"}
+
+    def claim(folder: str, path: str, owner: str) -> None:
+        need(folder not in owners, path, f"{owner} would export to hf/{folder}, where {owners.get(folder)} exports: give it another name")
+        owners[folder] = owner
+
+    if modes[0] == "gae":
+        claim("final-critic", "trainer.loss.advantage", "the policy's critic")
+    for i, m in enumerate(c.models):
+        if not m.frozen:
+            claim(f"final-{m.name}", f"models[{i}].name", f"model {m.name}")
+            if modes[i + 1] == "gae":
+                claim(f"final-{m.name}-critic", f"models[{i}].name", f"model {m.name}'s critic")
+    for i, (sc, name) in enumerate(zip(c.scoring.scorers, c.scoring.scorer_names())):
+        if sc.kind == "prm":
+            claim(f"final-{name}", f"scoring.scorers[{i}].name", f"PRM {name}")
+            claim(f"final-{name}-reference", f"scoring.scorers[{i}].name", f"PRM {name}'s reference")
+
+
 _SECTIONS = (
     _check_run,
     _check_model,
@@ -328,6 +350,7 @@ _SECTIONS = (
     _check_launcher,
     _check_critic,
     _check_models,
+    _check_exports,
 )
 """In the order the problems are reported: the first found is raised."""
 

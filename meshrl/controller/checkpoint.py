@@ -32,10 +32,11 @@ def due(config: Config, version: int, last_checkpoint: float) -> bool:
     return bool(every and version % every == 0 or every_s and time.monotonic() - last_checkpoint >= every_s)
 
 
-async def save(run_dir: str, trainer, queue, version: int, history: list[dict], critic=None, partners=()) -> tuple[str | None, int]:
+async def save(run_dir: str, trainer, queue, version: int, history: list[dict], critic=None, partners=(), names=()) -> tuple[str | None, int]:
     """Trainer state (DCP), the critic's (a CriticMesh, or None), each trained model's beside
     the policy (controller/partners.py, under its name), the episode queue and the metrics
-    history, atomically: the loop state's path and the version it holds. Nothing (None) while
+    history, atomically, and the models' `names` in their order (config.model_names: the places
+    a game's rows name): the loop state's path and the version it holds. Nothing (None) while
     a trained model is at another version than the policy (ahead of it while it trains again
     the steps its heal lost): a checkpoint never holds models at different versions, and the
     next one due saves them."""
@@ -59,6 +60,7 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
         "critic_dir": critic_dir,
         "models": models,
         "model_critics": model_critics,
+        "model_names": list(names),
         "queue": await awaited(queue.state_dict.call_one()),
         "history": history,
     }
@@ -86,7 +88,7 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
     """Load the latest checkpoint into the trainer, the critic (a CriticMesh, under PPO with a
     critic) and the queue (its load bounded by `timeout_s`): its version and metrics history.
     `watch` (meshrl/stability.py's CliffWatch) picks up where it was, checkpoints included,
-    silently."""
+    silently. Every trained state's `latest` is pointed back at the one restored (`repoint`)."""
     root = os.path.join(run_dir, "checkpoints")
     state = latest_state(run_dir)
     version = await trainer.load_checkpoint(state["trainer_dir"])
@@ -100,6 +102,7 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
             )
         await critic.load_checkpoint(state["critic_dir"])
     await bounded(queue.load_state_dict.call_one(state["queue"]), timeout_s, "the episode queue, loading its checkpointed state")
+    repoint(state)
     history = state["history"]
     if watch is not None:
         saved = {int(name[5:11]) for name in os.listdir(root) if name.startswith("step_") and name.endswith(CHECKPOINT_FILE)}
@@ -110,6 +113,16 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
     return version, history
 
 
+def repoint(state: dict) -> None:
+    """Each trained state's `latest` names the checkpoint the loop state holds: a save cut short
+    (an interrupt's deadline, a model's save failing after the policy's) may have moved some past
+    it, and a heal restores what `latest` names."""
+    dirs = [state["trainer_dir"], state.get("critic_dir"), *(state.get("models") or {}).values(), *(state.get("model_critics") or {}).values()]
+    for path in filter(None, dirs):
+        if os.path.isdir(path):  # (written where this controller reads it)
+            write_atomic(os.path.join(os.path.dirname(path), "latest"), os.path.basename(path))
+
+
 def saved_models(run_dir: str) -> dict[str, tuple[str, str | None]]:
     """The latest checkpoint's trained models beside the policy: {name: (their trainer
     checkpoint, their critic's, or None where they train without one)}."""
@@ -118,14 +131,28 @@ def saved_models(run_dir: str) -> dict[str, tuple[str, str | None]]:
     return {name: (path, critics.get(name)) for name, path in (state.get("models") or {}).items()}
 
 
-def check_saved_models(saved: dict, trained: list[str], run_dir: str) -> None:
-    """A resumed run trains the models its checkpoint holds beside the policy: one added,
-    renamed, no longer frozen or dropped since has no state at the checkpoint's version.
-    Checked as the run's config is read (api.resume_config), before any mesh starts."""
-    if sorted(saved) != sorted(trained):
-        held, now = ", ".join(sorted(saved)) or "none", ", ".join(trained) or "none"
-        why = f"{run_dir}'s checkpoint holds the trained models {held}, and this config trains {now}"
-        raise ConfigError("models", f"{why}: resume with the models it was written with")
+def check_resumable(state: dict, config: Config, run_dir: str) -> None:
+    """A resumed run trains the models its checkpoint holds, in the same places: a game's
+    saved rows name each model by its place in `models` (frozen ones too), so one added,
+    renamed, moved, no longer frozen or dropped since would train rows that are not its own.
+    A model that now trains by gae needs its critic's state. Checked as the run's config is
+    read (api.resume_config), before any mesh starts."""
+    trained = [m.name for m in config.models if not m.frozen]
+    names = state.get("model_names")  # (None: written before checkpoints named them all)
+    if names is not None and names != config.model_names() or names is None and list(state.get("models") or {}) != trained:
+        held = ", ".join(names[1:] if names is not None else state.get("models") or {}) or "none"
+        now = ", ".join(m.name for m in config.models) if names is not None else ", ".join(trained)
+        why = f"{run_dir}'s checkpoint holds the models {held}, and this config names {now or 'none'}"
+        raise ConfigError("models", f"{why}: resume with the models it was written with, in the same order")
+    modes, critics = config.advantage_modes(), state.get("model_critics") or {}
+    if modes[0] == "gae" and not state.get("critic_dir"):
+        raise ConfigError(
+            "trainer.loss.advantage", f"{run_dir}'s checkpoint holds no critic (written without gae): resume with its own advantage, or start a new run"
+        )
+    for i, m in enumerate(config.models):
+        if not m.frozen and modes[i + 1] == "gae" and m.name not in critics:
+            field = f"models[{i}].trainer.loss.advantage"
+            raise ConfigError(field, f"{run_dir}'s checkpoint holds no critic of {m.name}'s (written without gae): resume with its own advantage")
 
 
 def lora_base_dir(run_dir: str) -> str:

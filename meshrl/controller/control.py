@@ -6,6 +6,7 @@ and runs on its event loop; the training loop itself never calls them.
 from __future__ import annotations
 
 import asyncio
+import os
 
 from meshrl.futures import awaited
 
@@ -50,11 +51,28 @@ async def set_knobs(loop, lr: float | None = None, max_lag: int | None = None) -
             raise ValueError(f"lr must be positive, got {lr}")
         await loop.trainer.set_lr(lr)
         loop.config.trainer.lr = lr
+        remember(loop.run_dir, "trainer", "lr", lr)
     if max_lag is not None:
         if max_lag < 0:
             raise ValueError(f"max_lag must be at least 0, got {max_lag}")
         await awaited(loop.queue.set_max_lag.call_one(max_lag))
         loop.config.buffer.max_lag = max_lag
+        remember(loop.run_dir, "buffer", "max_lag", max_lag)
+
+
+def remember(run_dir: str, section: str, key: str, value) -> None:
+    """A knob changed between steps is the run's from then on: RUN_DIR/config.yaml, which
+    `meshrl run --resume` reads (a checkpoint restores the trainer's state, and then the
+    configured learning rate), says so."""
+    import yaml
+
+    from meshrl.trainer.checkpoint import write_atomic
+
+    path = os.path.join(run_dir, "config.yaml")
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    data.setdefault(section, {})[key] = value
+    write_atomic(path, yaml.safe_dump(data, sort_keys=False))
 
 
 async def scale_generators(loop, replicas: int) -> None:

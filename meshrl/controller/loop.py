@@ -134,6 +134,7 @@ class RLLoop:
         if self.resume:
             self.version, self.history = await checkpoints.restore(self.run_dir, self.trainer, self.queue, self.watch, self.critic, timeout_s=bound)
             self.healer.start_version = self.version
+            self._divergence_seen = len(self.history)  # its divergence watch starts afresh: the alarm the last run stopped on is not raised again
             for run_dir in (self.run_dir, *(c.for_model(m.name).logging.run_dir for m in c.models)):
                 for trained in (run_dir, critic_root(run_dir)):  # the previous run's snapshots past its checkpoint: never restored
                     drop_after(snapshot_root(trained), self.version)
@@ -436,7 +437,8 @@ class RLLoop:
         """Trainer state (DCP), the episode queue and the metrics history, atomically. A trainer that dies meanwhile is
         healed (`heal`) and the restored state saved: it may be older, the run training those steps again (None, nothing
         saved, while trained models are ahead of it: checkpoints.save). After Ctrl-C or SIGTERM (`heal=False`), no heal."""
-        save = lambda: checkpoints.save(self.run_dir, self.trainer, self.queue, self.version, self.history, self.critic, self.partners)  # noqa: E731
+        names = self.config.model_names()
+        save = lambda: checkpoints.save(self.run_dir, self.trainer, self.queue, self.version, self.history, self.critic, self.partners, names)  # noqa: E731
         path, self.version = await (self._healing("checkpoint", save) if heal else save())
         if path is None:
             return None

@@ -282,6 +282,7 @@ class EpisodeQueue:
                 keep_from = min([current_version - 1, *self._partner_durable.values()])
                 self._shared = {v: b for v, b in self._shared.items() if v >= keep_from}
                 self._shared[current_version] = batch
+                self._cond.notify_all()  # the models waiting for it (`shared`)
             ids = [int(g["group_id"][0]) for g in picked]
             self.consumed += ids
             self._straggler_s = straggler_wait(start, [self._ready_at.pop(gid, start) for gid in ids])
@@ -295,13 +296,12 @@ class EpisodeQueue:
             return batch
 
     def shared(self, version: int, timeout: float | None = None) -> TensorDict:
-        """The batch the policy's trainer took for `version` (waits for it at most `timeout`
-        s, default buffer.get_timeout_s): what each trained model beside the policy trains
-        its step `version` on. The policy's trainer may be a step ahead, so the last two
-        versions' batches are kept, and those since each model's restorable version
-        (`set_partner_durable`), which its healed trainer trains again. One let go raises at
-        once, and PolicyWentBack once the policy's heal took it back before it took the batch.
-        A heal of the policy's trainer (`retake`) starts the wait's `timeout` again."""
+        """The batch the policy's trainer took for `version` (waits for it at most `timeout` s, default
+        buffer.get_timeout_s): what each trained model beside the policy trains its step `version` on. The
+        policy's trainer may be a step ahead, so the last two versions' batches are kept, and those since each
+        model's restorable version (`set_partner_durable`), which its healed trainer trains again. One let go
+        raises at once, PolicyWentBack once the policy's heal took it back before it took the batch, and a
+        closed queue only when none is stored. A heal of the policy's trainer (`retake`) restarts the wait."""
         timeout = self.cfg.get_timeout_s if timeout is None else timeout
         with self._cond:
             if self._shared and version < min(self._shared):  # no model's trainer could be restored to it any more
@@ -314,11 +314,12 @@ class EpisodeQueue:
                 if end <= time.monotonic():
                     raise BatchTimeout(f"no batch for version {version} after {timeout:.0f}s: the policy's trainer has not taken it")
                 self._cond.wait(end - time.monotonic())
+            if version in self._shared:  # stored: handed out even once the queue closed (the model ends its step)
+                return self._shared[version]
             if self._closed:
                 self._raise_closed()
-            if version not in self._shared:  # (`retake`) it takes this batch later, as it reaches the version again
-                raise PolicyWentBack(f"the policy's trainer went back to version {self.version} before taking the batch of {version}")
-            return self._shared[version]
+            # (`retake`) it takes this batch later, as it reaches the version again
+            raise PolicyWentBack(f"the policy's trainer went back to version {self.version} before taking the batch of {version}")
 
     def set_partner_durable(self, model: int, durable: int) -> None:
         """The newest version trained model `model`'s trainer can be restored to (its newest
@@ -436,9 +437,8 @@ class EpisodeQueue:
                 "buffer/lag_mean": sum(k * v for k, v in hist.items()) / tokens if tokens else 0.0,
                 "buffer/lag_max": float(max(hist, default=0)),
                 **{f"buffer/lag_hist/{k}": float(v) for k, v in sorted(hist.items())},
-                # the mean reward of the last batch's episodes and of the groups dropped without
-                # signal while it filled: the sampling policy's reward, which trainer/reward_mean
-                # (groups with signal only) misstates under dynamic sampling
+                # the mean reward of the last batch's episodes and of the groups dropped without signal while it filled:
+                # the sampling policy's reward, which trainer/reward_mean (groups with signal only) misstates under dynamic sampling
                 **({"buffer/sampled_reward_mean": self._sampled_reward} if self._sampled_reward is not None else {}),
             }
 

@@ -160,6 +160,8 @@ class ImplicitPRM:
         keeps its shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
+        from meshrl.trainer.checkpoint import set_lr
+
         path = os.path.join(self.dir, "state.pt")
         if not os.path.isfile(path):
             return None
@@ -173,6 +175,7 @@ class ImplicitPRM:
             optimizer = {"state": {names[i]: v for i, v in optimizer["state"].items()}, "param_groups": groups}
         if optimizer:
             set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
+            set_lr(self.optimizer, None, self.spec.lr)  # the configured rate, not the saved one (a resume's override)
         self.version = int(state["version"])
         return self.version
 
@@ -219,7 +222,8 @@ class ImplicitPRM:
         return [r for _, r in mine], trained
 
     def save_due(self) -> bool:
-        return time.monotonic() - self._saved_at >= self.save_every_s
+        """trainer.checkpoint_every_s since its last save; 0: never by time (as the run's checkpoints)."""
+        return bool(self.save_every_s) and time.monotonic() - self._saved_at >= self.save_every_s
 
     def score_rows(self, items: list[dict], save: bool) -> tuple[list[tuple[int, dict]], dict]:
         """(row, result) for this rank's rows of `items` (every `world`-th from its rank), and

@@ -231,12 +231,11 @@ class TrainerActor(Actor):
     @endpoint
     async def set_lr(self, lr: float) -> None:
         """Change the learning rate from the next step on (the warm-up factor still applies)."""
+        from meshrl.trainer.checkpoint import set_lr
+
         trainer = self._need()
         trainer.config.trainer.lr = lr
-        trainer.scheduler.base_lrs = [lr for _ in trainer.scheduler.base_lrs]
-        factor = trainer.scheduler.lr_lambdas[0](trainer.scheduler.last_epoch)
-        for group in trainer.optimizer.param_groups:
-            group["lr"] = lr * factor
+        set_lr(trainer.optimizer, trainer.scheduler, lr)
 
     @endpoint
     async def train_step(self, batch: TensorDict, current_version: int | None = None) -> dict:
