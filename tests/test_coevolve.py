@@ -199,6 +199,11 @@ def test_each_model_speaks_within_its_own_limits_and_a_resume_keeps_the_models_i
         with pytest.raises(ConfigError, match="checkpoint holds the models a, b, and this config names") as e:
             check_resumable(state, changed, "runs/x")
         assert e.value.field_path == "models"
+    frozen_now = Config.from_dict({"models": [{"name": "a"}, {"name": "b", "frozen": True, "model": {"path": "ckpt/b"}}]})
+    with pytest.raises(ConfigError, match=r"holds the models a, b \(trained: a, b\)"):  # b's trained weights would be dropped
+        check_resumable(state, frozen_now, "runs/x")
+    with pytest.raises(ConfigError, match=r"\(trained: a\)"):  # b would start untrained at the policy's version
+        check_resumable({**state, "models": {"a": "d"}}, c, "runs/x")
     written_before = {k: v for k, v in state.items() if k != "model_names"}  # the trained models, in their order
     check_resumable(written_before, c, "runs/x")
     with pytest.raises(ConfigError, match="holds the models a, b, and this config names b, a"):
@@ -747,3 +752,20 @@ def test_a_solver_trains_against_a_frozen_proposer_whose_generator_is_healed(tmp
     assert not state["models"] and not os.path.exists(os.path.join(result.run_dir, "hf", "final-proposer")) and result.hf_exports == {}
     assert os.path.isfile(os.path.join(result.run_dir, "hf", "final", "config.json"))
     assert not wait_no_children()
+
+
+def test_a_knob_changed_between_steps_is_kept_for_a_resume_and_stays_the_policys(tmp_path):
+    """Session.set(lr=..., max_lag=...) writes RUN_DIR/config.yaml (what --resume reads): the
+    policy's rate changes; a trained model that took the run's rate keeps the one it had, one
+    with its own keeps its own, a frozen one gets no trainer section."""
+    import yaml
+
+    from meshrl.controller.control import remember
+
+    frozen = {"name": "f", "frozen": True, "model": {"path": "ckpt/f"}}
+    c = Config.from_dict({"trainer": {"lr": 1e-3}, "models": [{"name": "a"}, {"name": "b", "trainer": {"lr": 0.01}}, frozen]})
+    (tmp_path / "config.yaml").write_text(c.to_yaml())
+    remember(str(tmp_path), 1e-4, 2, previous_lr=c.trainer.lr)
+    kept = Config.from_dict(yaml.safe_load((tmp_path / "config.yaml").read_text()))
+    assert (kept.trainer.lr, kept.buffer.max_lag) == (1e-4, 2)
+    assert [kept.for_model(n).trainer.lr for n in ("a", "b")] == [1e-3, 0.01] and not kept.models[2].trainer

@@ -316,27 +316,3 @@ def test_a_restore_that_fails_stops_the_mesh_the_heal_spawned(tmp_path, monkeypa
     with pytest.raises(OSError, match="unreadable"):
         asyncio.run(heal.replace_trainer(config, alloc, Mesh("old"), [], str(tmp_path), 0, at_most=3))
     assert stopped == ["old", "new"]
-
-
-def test_a_resume_points_every_trained_states_latest_at_the_checkpoint_it_restores(tmp_path):
-    """A save cut short (an interrupt's deadline, a model's save failing after the policy's)
-    can leave a trained state's `latest` at a step past the loop state's. The resume points
-    each back at what it restored (checkpoint.repoint), so a later heal restores that state,
-    not the abandoned run's step, nor finds none."""
-    import json
-
-    from meshrl.controller.checkpoint import repoint
-    from meshrl.controller.heal import newest_state
-    from meshrl.trainer import checkpoint as ckpt
-
-    roots = {name: tmp_path / "checkpoints" / name for name in ("trainer", "critic", "models/a", "models/a-critic")}
-    for root in roots.values():
-        for step in (10, 12):
-            (root / f"step-{step:08d}").mkdir(parents=True)
-            (root / f"step-{step:08d}" / ckpt.COMPLETE_MARKER).write_text(json.dumps({"step": step}))
-        (root / "latest").write_text("step-00000012")  # the cut-short save's
-    at = {name: str(root / "step-00000010") for name, root in roots.items()}
-    assert newest_state(str(tmp_path), at_most=11) == (None, 0)  # a heal at the resumed run's step 11 found nothing
-    repoint({"trainer_dir": at["trainer"], "critic_dir": at["critic"], "models": {"a": at["models/a"]}, "model_critics": {"a": at["models/a-critic"]}})
-    assert all(ckpt.checkpoint_step(root) == 10 for root in roots.values())
-    assert newest_state(str(tmp_path), at_most=11) == (str(roots["trainer"]), 10)

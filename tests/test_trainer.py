@@ -450,6 +450,33 @@ def test_a_heal_restores_no_snapshot_newer_than_the_controllers_version(tmp_path
     assert newest_state(str(tmp_path), at_most=1) == (None, 0)
 
 
+def test_a_resume_points_every_trained_states_latest_at_the_checkpoint_it_restores(tmp_path):
+    """A save cut short (an interrupt's deadline, a model's save failing after the policy's)
+    can leave a trained state's `latest` at a step past the loop state's. The resume points
+    each back at what it restored (checkpoint.repoint), so a later heal restores that state,
+    not the abandoned run's step, nor finds none."""
+    import json
+
+    from meshrl.controller.checkpoint import repoint
+    from meshrl.controller.heal import newest_state
+    from meshrl.trainer import checkpoint as ckpt
+
+    roots = {name: tmp_path / "checkpoints" / name for name in ("trainer", "critic", "models/a", "models/a-critic")}
+    for root in roots.values():
+        for step in (10, 12):
+            (root / f"step-{step:08d}").mkdir(parents=True)
+            (root / f"step-{step:08d}" / ckpt.COMPLETE_MARKER).write_text(json.dumps({"step": step}))
+        (root / "latest").write_text("step-00000012")  # the cut-short save's
+    at = {name: str(root / "step-00000010") for name, root in roots.items()}
+    assert newest_state(str(tmp_path), at_most=11) == (None, 0)  # a heal at the resumed run's step 11 found nothing
+    state = {"trainer_dir": at["trainer"], "critic_dir": at["critic"], "models": {"a": at["models/a"]}, "model_critics": {"a": at["models/a-critic"]}}
+    repoint(state, str(tmp_path / "elsewhere"))  # a loop state naming another run's checkpoints: theirs are left alone
+    assert all(ckpt.checkpoint_step(root) == 12 for root in roots.values())
+    repoint(state, str(tmp_path))
+    assert all(ckpt.checkpoint_step(root) == 10 for root in roots.values())
+    assert newest_state(str(tmp_path), at_most=11) == (str(roots["trainer"]), 10)
+
+
 def test_checkpoint_root_ignores_an_interrupted_save(tmp_path):
     trainer = PolicyTrainer(make_config(), CPU)
     trainer.train_step(make_batch())
@@ -756,3 +783,11 @@ def test_a_resume_takes_the_configured_lr_at_the_saved_warm_up_position(tmp_path
     assert resumed.scheduler.get_last_lr() == pytest.approx([b * 2 / warmup])
     out = resumed.train_step(make_batch(seed=1))  # the next step's rate: B, one warm-up step on
     assert out["lr"] == pytest.approx(b * 3 / warmup) and resumed.optimizer.param_groups[0]["lr"] == pytest.approx(b * 3 / warmup)
+    # a heal from a CPU rank's snapshot slot, after a live change to B (Session.set): B as well
+    from meshrl.trainer.snapshot import Snapshots, load_snapshot
+
+    snaps = Snapshots(str(tmp_path / "snapshots"), 1, blocking=True)
+    snaps.start(1, saver.model, saver.optimizer, saver.scheduler)
+    healed = PolicyTrainer(make_config(lr=b, warmup_steps=warmup), CPU)
+    assert load_snapshot(snaps.finish(), healed.model, healed.optimizer, healed.scheduler) == 1
+    assert [g["lr"] for g in healed.optimizer.param_groups] == pytest.approx([b * 2 / warmup]) and healed.scheduler.base_lrs == [b]

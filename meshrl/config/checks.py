@@ -327,7 +327,8 @@ def _check_exports(c: Config) -> None:
     for i, (sc, name) in enumerate(zip(c.scoring.scorers, c.scoring.scorer_names())):
         if sc.kind == "prm":
             claim(f"final-{name}", f"scoring.scorers[{i}].name", f"PRM {name}")
-            claim(f"final-{name}-reference", f"scoring.scorers[{i}].name", f"PRM {name}'s reference")
+            if sc.path is None:  # its frozen start exported beside it (a start from a checkpoint is that checkpoint)
+                claim(f"final-{name}-reference", f"scoring.scorers[{i}].name", f"PRM {name}'s reference")
 
 
 _SECTIONS = (

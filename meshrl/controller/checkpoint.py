@@ -102,7 +102,7 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
             )
         await critic.load_checkpoint(state["critic_dir"])
     await bounded(queue.load_state_dict.call_one(state["queue"]), timeout_s, "the episode queue, loading its checkpointed state")
-    repoint(state)
+    repoint(state, run_dir)
     history = state["history"]
     if watch is not None:
         saved = {int(name[5:11]) for name in os.listdir(root) if name.startswith("step_") and name.endswith(CHECKPOINT_FILE)}
@@ -113,13 +113,14 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
     return version, history
 
 
-def repoint(state: dict) -> None:
+def repoint(state: dict, run_dir: str) -> None:
     """Each trained state's `latest` names the checkpoint the loop state holds: a save cut short
     (an interrupt's deadline, a model's save failing after the policy's) may have moved some past
-    it, and a heal restores what `latest` names."""
+    it, and a heal restores what `latest` names. Only inside `run_dir` (another run's stays its own)."""
     dirs = [state["trainer_dir"], state.get("critic_dir"), *(state.get("models") or {}).values(), *(state.get("model_critics") or {}).values()]
+    root = os.path.abspath(run_dir)
     for path in filter(None, dirs):
-        if os.path.isdir(path):  # (written where this controller reads it)
+        if os.path.isdir(path) and os.path.commonpath([root, os.path.abspath(path)]) == root:
             write_atomic(os.path.join(os.path.dirname(path), "latest"), os.path.basename(path))
 
 
@@ -137,13 +138,14 @@ def check_resumable(state: dict, config: Config, run_dir: str) -> None:
     renamed, moved, no longer frozen or dropped since would train rows that are not its own.
     A model that now trains by gae needs its critic's state. Checked as the run's config is
     read (api.resume_config), before any mesh starts."""
-    trained = [m.name for m in config.models if not m.frozen]
+    trained, saved = [m.name for m in config.models if not m.frozen], list(state.get("models") or {})
     names = state.get("model_names")  # (None: written before checkpoints named them all)
-    if names is not None and names != config.model_names() or names is None and list(state.get("models") or {}) != trained:
-        held = ", ".join(names[1:] if names is not None else state.get("models") or {}) or "none"
+    if names is not None and names != config.model_names() or saved != trained:
+        held = ", ".join(names[1:] if names is not None else saved) or "none"
         now = ", ".join(m.name for m in config.models) if names is not None else ", ".join(trained)
-        why = f"{run_dir}'s checkpoint holds the models {held}, and this config names {now or 'none'}"
-        raise ConfigError("models", f"{why}: resume with the models it was written with, in the same order")
+        frozen = f" (trained: {', '.join(saved) or 'none'})" if names is not None and names == config.model_names() else ""
+        why = f"{run_dir}'s checkpoint holds the models {held}{frozen}, and this config names {now or 'none'}"
+        raise ConfigError("models", f"{why}: resume with the models it was written with, in the same order, frozen or trained as they were")
     modes, critics = config.advantage_modes(), state.get("model_critics") or {}
     if modes[0] == "gae" and not state.get("critic_dir"):
         raise ConfigError(

@@ -45,25 +45,28 @@ async def resume_generation(loop) -> None:
 
 
 async def set_knobs(loop, lr: float | None = None, max_lag: int | None = None) -> None:
-    """Change the learning rate or the staleness bound (admission follows it) between steps."""
+    """Change the learning rate (the policy's) or the staleness bound (admission follows it)
+    between steps; both are checked before either changes, and kept for a resume (`remember`)."""
+    lr, max_lag = (None if lr is None else float(lr)), (None if max_lag is None else int(max_lag))
+    if lr is not None and not lr > 0:
+        raise ValueError(f"lr must be positive, got {lr}")
+    if max_lag is not None and max_lag < 0:
+        raise ValueError(f"max_lag must be at least 0, got {max_lag}")
+    previous = loop.config.trainer.lr
     if lr is not None:
-        if not lr > 0:
-            raise ValueError(f"lr must be positive, got {lr}")
         await loop.trainer.set_lr(lr)
         loop.config.trainer.lr = lr
-        remember(loop.run_dir, "trainer", "lr", lr)
     if max_lag is not None:
-        if max_lag < 0:
-            raise ValueError(f"max_lag must be at least 0, got {max_lag}")
         await awaited(loop.queue.set_max_lag.call_one(max_lag))
         loop.config.buffer.max_lag = max_lag
-        remember(loop.run_dir, "buffer", "max_lag", max_lag)
+    remember(loop.run_dir, lr, max_lag, previous)
 
 
-def remember(run_dir: str, section: str, key: str, value) -> None:
-    """A knob changed between steps is the run's from then on: RUN_DIR/config.yaml, which
-    `meshrl run --resume` reads (a checkpoint restores the trainer's state, and then the
-    configured learning rate), says so."""
+def remember(run_dir: str, lr: float | None, max_lag: int | None, previous_lr: float) -> None:
+    """Knobs changed between steps are the run's from then on: RUN_DIR/config.yaml, which
+    `meshrl run --resume` reads (a checkpoint restores the trainer's state, then the
+    configured learning rate), says so. The knob is the policy's: a trained model beside it
+    that took the run's rate keeps the one it had (`models[i].trainer.lr`)."""
     import yaml
 
     from meshrl.trainer.checkpoint import write_atomic
@@ -71,7 +74,13 @@ def remember(run_dir: str, section: str, key: str, value) -> None:
     path = os.path.join(run_dir, "config.yaml")
     with open(path) as f:
         data = yaml.safe_load(f)
-    data.setdefault(section, {})[key] = value
+    if lr is not None:
+        data.setdefault("trainer", {})["lr"] = lr
+        for entry in data.get("models") or []:
+            if not entry.get("frozen") and "lr" not in (entry.get("trainer") or {}):
+                entry["trainer"] = {**(entry.get("trainer") or {}), "lr": previous_lr}
+    if max_lag is not None:
+        data.setdefault("buffer", {})["max_lag"] = max_lag
     write_atomic(path, yaml.safe_dump(data, sort_keys=False))
 
 

@@ -329,7 +329,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     path = resolve_checkpoint(path)
     with open(os.path.join(path, COMPLETE_MARKER)) as f:
         meta = json.load(f)
-    configured = _base_lrs(optimizer, scheduler)  # the rates it was built with: a resume's `lr` overrides the saved one
+    configured = base_lrs(optimizer, scheduler)  # the rates it was built with: a resume's `lr` overrides the saved one
     stepped = meta.get("optimizer_state", True)  # checkpoints written before the flag hold one
     if not stepped:
         optimizer.state.clear()  # saved before the first step: as a fresh optimizer
@@ -340,13 +340,14 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         set_optimizer_state_dict(model, optimizer, state["optim"])
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
-    if _base_lrs(optimizer, scheduler) != configured:  # the same rate: the saved lr stays, bit for bit
+    if base_lrs(optimizer, scheduler) != configured:  # the same rate: the saved lr stays, bit for bit
         set_lr(optimizer, scheduler, configured)
     load_rng(path)
     return meta
 
 
-def _base_lrs(optimizer: torch.optim.Optimizer, scheduler: Any) -> list[float]:
+def base_lrs(optimizer: torch.optim.Optimizer, scheduler: Any) -> list[float]:
+    """The base learning rates: the scheduler's, or the param groups' without one."""
     return list(scheduler.base_lrs) if scheduler is not None else [group["lr"] for group in optimizer.param_groups]
 
 
@@ -354,7 +355,7 @@ def set_lr(optimizer: torch.optim.Optimizer, scheduler: Any, lr: float | list[fl
     """Make `lr` (one rate, or one per param group) the base learning rate, the schedule's
     position kept: each group's lr is its base times the scheduler's factor now (a LambdaLR's,
     as every meshrl trainer's; 1 without a scheduler), and the scheduler's later steps start
-    from it. What a restore over a rate the run now configures does (`load_checkpoint`, the
+    from it. What a restore over a rate the run now configures does (`load_checkpoint`, `load_snapshot`, the
     PRM's `load`), and the rule of a live change (the trainer actor's `set_lr`)."""
     groups = optimizer.param_groups
     bases = [float(b) for b in lr] if isinstance(lr, (list, tuple)) else [float(lr)] * len(groups)
