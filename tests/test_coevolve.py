@@ -769,3 +769,32 @@ def test_a_knob_changed_between_steps_is_kept_for_a_resume_and_stays_the_policys
     kept = Config.from_dict(yaml.safe_load((tmp_path / "config.yaml").read_text()))
     assert (kept.trainer.lr, kept.buffer.max_lag) == (1e-4, 2)
     assert [kept.for_model(n).trainer.lr for n in ("a", "b")] == [1e-3, 0.01] and not kept.models[2].trainer
+
+
+def test_a_run_moved_aside_resumes_from_its_own_checkpoints(tmp_path):
+    """The loop state names its checkpoints by the paths they had when written; a run moved
+    (keep_earlier_run moves an earlier run to RUN_DIR.TIME before a new one starts there) reads
+    them under its new place, not what the new run wrote where it was."""
+    import torch
+
+    from meshrl.controller.checkpoint import latest_state
+
+    old = tmp_path / "run"
+    ckpts = old / "checkpoints"
+    ckpts.mkdir(parents=True)
+    state = {
+        "version": 4,
+        "trainer_dir": str(ckpts / "trainer" / "step-00000004"),
+        "critic_dir": None,
+        "models": {"a": str(ckpts / "models" / "a" / "step-00000004")},
+        "model_critics": {"a": str(ckpts / "models" / "a-critic" / "step-00000004")},
+    }
+    torch.save(state, ckpts / "step_000004_loop_state.pt")
+    (ckpts / "latest").write_text("step_000004_loop_state.pt")
+    moved = tmp_path / "run.20261201-000000"
+    old.rename(moved)
+    read = latest_state(str(moved))
+    here = str(moved / "checkpoints")
+    assert read["trainer_dir"] == os.path.join(here, "trainer", "step-00000004") and read["critic_dir"] is None
+    assert read["models"] == {"a": os.path.join(here, "models", "a", "step-00000004")}
+    assert read["model_critics"] == {"a": os.path.join(here, "models", "a-critic", "step-00000004")}

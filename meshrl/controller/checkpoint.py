@@ -81,7 +81,22 @@ def latest_state(run_dir: str) -> dict:
     if not os.path.isfile(latest):
         raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from ({latest} missing)")
     with open(latest) as f:
-        return torch.load(os.path.join(root, f.read().strip()), weights_only=False)
+        state = torch.load(os.path.join(root, f.read().strip()), weights_only=False)
+    return here(state, os.path.abspath(root))
+
+
+def here(state: dict, root: str) -> dict:
+    """The loop state's checkpoint paths under `root` (RUN_DIR/checkpoints), wherever the run
+    was when it wrote them: a run moved aside (keep_earlier_run) or copied resumes from its own
+    checkpoints, never from what now sits where it was."""
+
+    def moved(path: str | None, parts: int) -> str | None:  # the last `parts` names: trainer/step-N, models/NAME/step-N
+        return os.path.join(root, *os.path.normpath(path).split(os.sep)[-parts:]) if path else path
+
+    state["trainer_dir"], state["critic_dir"] = moved(state["trainer_dir"], 2), moved(state.get("critic_dir"), 2)
+    for key in ("models", "model_critics"):
+        state[key] = {name: moved(path, 3) for name, path in (state.get(key) or {}).items()}
+    return state
 
 
 async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, timeout_s: float) -> tuple[int, list[dict]]:
