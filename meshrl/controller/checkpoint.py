@@ -93,7 +93,7 @@ def here(state: dict, root: str) -> dict:
     def moved(path: str | None, parts: int) -> str | None:  # the last `parts` names: trainer/step-N, models/NAME/step-N
         return os.path.join(root, *os.path.normpath(path).split(os.sep)[-parts:]) if path else path
 
-    state["trainer_dir"], state["critic_dir"] = moved(state["trainer_dir"], 2), moved(state.get("critic_dir"), 2)
+    state["trainer_dir"], state["critic_dir"] = moved(state.get("trainer_dir"), 2), moved(state.get("critic_dir"), 2)
     for key in ("models", "model_critics"):
         state[key] = {name: moved(path, 3) for name, path in (state.get(key) or {}).items()}
     return state

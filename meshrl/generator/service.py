@@ -226,7 +226,20 @@ class Generator:
                     self.weights_id, self._dropped = None, True
                 raise
             self._sleeps += 1
-            self._asleep_from = self.engine.tokens_generated
+            self._asleep_from = await self._settled_tokens()
+
+    async def _settled_tokens(self, quiet_s: float = 0.05, bound_s: float = 1.0) -> int:
+        """The engine's token count once what it generated before its scheduler stopped has
+        reached the requests that count it: vLLM answers the pause as it arrives, and hands the
+        outputs of the steps before it on in a task of its own, so they are counted a moment
+        later (without this, as tokens generated while asleep). Paused, the count stops moving."""
+        count, end = self.engine.tokens_generated, time.monotonic() + bound_s
+        while time.monotonic() < end:
+            await asyncio.sleep(quiet_s)
+            if self.engine.tokens_generated == count:
+                break
+            count = self.engine.tokens_generated
+        return count
 
     async def wake(self) -> None:
         """Undo `sleep`: the engine's memory is back, and generation resumes unless the user
