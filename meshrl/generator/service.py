@@ -232,9 +232,10 @@ class Generator:
         """The engine's token count once what it generated before its scheduler stopped has
         reached the requests that count it: vLLM answers the pause as it arrives, and hands the
         outputs of the steps before it on in a task of its own, so they are counted a moment
-        later (without this, as tokens generated while asleep). Paused, the count stops moving."""
+        later (without this, as tokens generated while asleep). Paused, the count stops moving.
+        With no request in flight (the loop's sleep after its batch) nothing is on its way."""
         count, end = self.engine.tokens_generated, time.monotonic() + bound_s
-        while time.monotonic() < end:
+        while self._in_flight and time.monotonic() < end:
             await asyncio.sleep(quiet_s)
             if self.engine.tokens_generated == count:
                 break

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
@@ -329,25 +330,33 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     path = resolve_checkpoint(path)
     with open(os.path.join(path, COMPLETE_MARKER)) as f:
         meta = json.load(f)
-    configured = base_lrs(optimizer, scheduler)  # the rates it was built with: a resume's `lr` overrides the saved one
     stepped = meta.get("optimizer_state", True)  # checkpoints written before the flag hold one
     if not stepped:
         optimizer.state.clear()  # saved before the first step: as a fresh optimizer
     state = _train_state(model, optimizer, stepped)
     dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     set_model_state_dict(model, state["model"])
-    if stepped:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
-    if scheduler is not None and meta.get("scheduler") is not None:
-        scheduler.load_state_dict(meta["scheduler"])
-    if base_lrs(optimizer, scheduler) != configured:  # the same rate: the saved lr stays, bit for bit
-        set_lr(optimizer, scheduler, configured)
+    with configured_lr(optimizer, scheduler):
+        if stepped:
+            set_optimizer_state_dict(model, optimizer, state["optim"])
+        if scheduler is not None and meta.get("scheduler") is not None:
+            scheduler.load_state_dict(meta["scheduler"])
     load_rng(path)
     return meta
 
 
-def base_lrs(optimizer: torch.optim.Optimizer, scheduler: Any) -> list[float]:
-    """The base learning rates: the scheduler's, or the param groups' without one."""
+@contextmanager
+def configured_lr(optimizer: torch.optim.Optimizer, scheduler: Any):
+    """A restore of the optimizer's and the schedule's state inside it keeps the learning rate
+    they were built with (the run's configured one: a resume's `lr` overrides the saved one), at
+    the restored schedule position. The same rate: the saved lr stays, bit for bit."""
+    configured = _base_lrs(optimizer, scheduler)
+    yield
+    if _base_lrs(optimizer, scheduler) != configured:
+        set_lr(optimizer, scheduler, configured)
+
+
+def _base_lrs(optimizer: torch.optim.Optimizer, scheduler: Any) -> list[float]:
     return list(scheduler.base_lrs) if scheduler is not None else [group["lr"] for group in optimizer.param_groups]
 
 
@@ -355,7 +364,7 @@ def set_lr(optimizer: torch.optim.Optimizer, scheduler: Any, lr: float | list[fl
     """Make `lr` (one rate, or one per param group) the base learning rate, the schedule's
     position kept: each group's lr is its base times the scheduler's factor now (a LambdaLR's,
     as every meshrl trainer's; 1 without a scheduler), and the scheduler's later steps start
-    from it. What a restore over a rate the run now configures does (`load_checkpoint`, `load_snapshot`, the
+    from it. What a restore over a rate the run now configures does (`configured_lr`, the
     PRM's `load`), and the rule of a live change (the trainer actor's `set_lr`)."""
     groups = optimizer.param_groups
     bases = [float(b) for b in lr] if isinstance(lr, (list, tuple)) else [float(lr)] * len(groups)

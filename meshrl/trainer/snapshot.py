@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshrl.trainer.checkpoint import COMPLETE_MARKER, LATEST, _stepped, _train_state, base_lrs, load_rng, rng_state, save_rng, set_lr
+from meshrl.trainer.checkpoint import COMPLETE_MARKER, LATEST, _stepped, _train_state, configured_lr, load_rng, rng_state, save_rng
 from meshrl.weightsync.bytecopy import copy_pieces
 
 _THREADS = ThreadPoolExecutor(1, thread_name_prefix="meshrl-snapshot")
@@ -212,12 +212,10 @@ def load_snapshot(path: str, model, optimizer, scheduler=None) -> int:
                 if torch.is_tensor(v) and v.shape == p.to_local().shape and v.dim() > 0:
                     local = v.to(p.to_local().device)
                     st[n] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-    configured = base_lrs(optimizer, scheduler)  # as load_checkpoint: the rate the run configures now
-    optimizer.load_state_dict(optim)
-    if scheduler is not None and meta.get("scheduler") is not None:
-        scheduler.load_state_dict(meta["scheduler"])
-    if base_lrs(optimizer, scheduler) != configured:
-        set_lr(optimizer, scheduler, configured)
+    with configured_lr(optimizer, scheduler):  # the rate the run configures now, as a checkpoint's load keeps it
+        optimizer.load_state_dict(optim)
+        if scheduler is not None and meta.get("scheduler") is not None:
+            scheduler.load_state_dict(meta["scheduler"])
     load_rng(path)
     return int(meta["step"])
 
