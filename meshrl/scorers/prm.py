@@ -160,7 +160,7 @@ class ImplicitPRM:
         keeps its shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-        from meshrl.trainer.checkpoint import set_lr
+        from meshrl.trainer.checkpoint import configured_lr
 
         path = os.path.join(self.dir, "state.pt")
         if not os.path.isfile(path):
@@ -174,8 +174,8 @@ class ImplicitPRM:
             groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optimizer["param_groups"]]
             optimizer = {"state": {names[i]: v for i, v in optimizer["state"].items()}, "param_groups": groups}
         if optimizer:
-            set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
-            set_lr(self.optimizer, None, self.spec.lr)  # the configured rate, not the saved one (a resume's override)
+            with configured_lr(self.optimizer, None):  # the configured rate, not the saved one (a resume's override)
+                set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
         self.version = int(state["version"])
         return self.version
 

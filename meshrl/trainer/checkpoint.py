@@ -364,8 +364,7 @@ def set_lr(optimizer: torch.optim.Optimizer, scheduler: Any, lr: float | list[fl
     """Make `lr` (one rate, or one per param group) the base learning rate, the schedule's
     position kept: each group's lr is its base times the scheduler's factor now (a LambdaLR's,
     as every meshrl trainer's; 1 without a scheduler), and the scheduler's later steps start
-    from it. What a restore over a rate the run now configures does (`configured_lr`, the
-    PRM's `load`), and the rule of a live change (the trainer actor's `set_lr`)."""
+    from it. What a restore over a rate the run now configures does (`configured_lr`), and the rule of a live change (the trainer actor's `set_lr`)."""
     groups = optimizer.param_groups
     bases = [float(b) for b in lr] if isinstance(lr, (list, tuple)) else [float(lr)] * len(groups)
     for i, (group, base) in enumerate(zip(groups, bases, strict=True)):
