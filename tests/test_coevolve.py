@@ -771,6 +771,40 @@ def test_a_knob_changed_between_steps_is_kept_for_a_resume_and_stays_the_policys
     assert [kept.for_model(n).trainer.lr for n in ("a", "b")] == [1e-3, 0.01] and not kept.models[2].trainer
 
 
+def test_a_knob_given_as_a_numpy_number_reaches_the_trainer_queue_and_config_as_a_plain_one(tmp_path):
+    """Session.set(lr=np.float32(...), max_lag=np.int64(...)), as a notebook computes them: the
+    trainer, the queue, the live config and RUN_DIR/config.yaml (safe YAML, which a numpy scalar
+    would break) get plain numbers; a bad value changes nothing."""
+    import asyncio
+    import types
+
+    import numpy as np
+    import yaml
+
+    from meshrl.controller.control import set_knobs
+
+    got = {}
+
+    async def set_lr(lr):
+        got["lr"] = lr
+
+    async def set_max_lag(n):
+        got["max_lag"] = n
+
+    queue = types.SimpleNamespace(set_max_lag=types.SimpleNamespace(call_one=set_max_lag))
+    c = Config.from_dict({"trainer": {"lr": 1e-3}})
+    (tmp_path / "config.yaml").write_text(c.to_yaml())
+    loop = types.SimpleNamespace(run_dir=str(tmp_path), config=c, trainer=types.SimpleNamespace(set_lr=set_lr), queue=queue)
+    asyncio.run(set_knobs(loop, np.float32(5e-4), np.int64(3)))
+    assert type(got["lr"]) is float and type(got["max_lag"]) is int and got == {"lr": float(np.float32(5e-4)), "max_lag": 3}
+    assert type(c.trainer.lr) is float and type(c.buffer.max_lag) is int
+    kept = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert (kept["trainer"]["lr"], kept["buffer"]["max_lag"]) == (got["lr"], 3)
+    with pytest.raises(ValueError, match="max_lag must be at least 0"):
+        asyncio.run(set_knobs(loop, np.float32(1e-2), np.int64(-1)))
+    assert c.trainer.lr == got["lr"] and yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["lr"] == got["lr"]
+
+
 def test_a_run_moved_aside_resumes_from_its_own_checkpoints(tmp_path):
     """The loop state names its checkpoints by the paths they had when written; a run moved
     (keep_earlier_run moves an earlier run to RUN_DIR.TIME before a new one starts there) reads

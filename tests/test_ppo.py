@@ -373,6 +373,35 @@ def test_checkpoint_saves_the_critic_beside_the_policy_and_restores_it(tmp_path)
         asyncio.run(checkpoints.restore(str(tmp_path), _Trainer(0), _Queue(), None, _Critic(config), timeout_s=60))
 
 
+class _Model:
+    """A trained model beside the policy (controller/partners.py's save_checkpoint, under its name)."""
+
+    def __init__(self, name: str, step: int):
+        self.name, self.trainer, self.critic = name, _Trainer(step), None
+
+    async def save_checkpoint(self, root):
+        return await self.trainer.save_checkpoint(os.path.join(root, self.name))
+
+
+def test_a_save_whose_models_are_at_different_versions_keeps_the_last_whole_checkpoint(tmp_path):
+    """SIGTERM in a step: the policy's trainer finished the step the loop never saw (its
+    checkpoint one past the loop's version) while a model beside it did not. That save would be
+    torn: `latest` keeps naming the last whole checkpoint, and the stop says how to go on."""
+    from meshrl.controller import checkpoint as checkpoints
+
+    whole, version = asyncio.run(checkpoints.save(str(tmp_path), _Trainer(3), _Queue(), 3, [], partners=[_Model("solver", 3)], names=["policy", "solver"]))
+    assert version == 3 and checkpoints.latest_state(str(tmp_path))["models"]["solver"].endswith("step-00000003")
+    ahead = _Trainer(4)
+    ahead.version = 3  # the loop's step was cut short before the trainer's answer came back
+    path, version = asyncio.run(checkpoints.save(str(tmp_path), ahead, _Queue(), 3, [], partners=[_Model("solver", 3)], names=["policy", "solver"]))
+    assert path is None and version == 4
+    assert os.path.join(str(tmp_path), "checkpoints", open(tmp_path / "checkpoints" / "latest").read()) == whole
+    assert "step 4's was not kept" in checkpoints.go_on(str(tmp_path), version, path)
+    # the models at one version again: kept
+    path, version = asyncio.run(checkpoints.save(str(tmp_path), _Trainer(5), _Queue(), 5, [], partners=[_Model("solver", 5)], names=["policy", "solver"]))
+    assert path is not None and checkpoints.latest_state(str(tmp_path))["version"] == 5
+
+
 def test_a_resumed_critic_takes_the_configured_lr_at_the_saved_warm_up_position(tmp_path):
     """`--resume RUN critic.lr=B` over a critic checkpoint saved at lr A: its rate is B times
     the warm-up factor the checkpoint reached; at A, the saved rate bit for bit."""

@@ -38,8 +38,9 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
     history, atomically, and the models' `names` in their order (config.model_names: the places
     a game's rows name): the loop state's path and the version it holds. Nothing (None) while
     a trained model is at another version than the policy (ahead of it while it trains again
-    the steps its heal lost): a checkpoint never holds models at different versions, and the
-    next one due saves them."""
+    the steps its heal lost), or when one saved is at another version than the policy's (a step
+    cut short beside the policy's): a checkpoint never holds models at different versions, and
+    the next one due saves them."""
     policy = max(version, trainer.version)  # (its trainer a step past the loop after an interrupted step)
     apart = [p.name for p in partners if p.trainer.version != policy]
     if apart:
@@ -54,6 +55,14 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
     # After an interrupted step the trainer may have finished a step the loop never saw
     # (its metrics row is lost, its weights are not).
     version = max(version, checkpoint_step(trainer_dir))
+    # ...and a model beside it may not have (its step waited for a batch the interrupt took):
+    # such a save would be torn, so `latest` keeps naming the last whole one.
+    saved = [("critic", critic_dir), *models.items(), *((f"{n}-critic", d) for n, d in model_critics.items())]
+    torn = [(n, checkpoint_step(d)) for n, d in saved if d is not None and checkpoint_step(d) != version]
+    if torn:
+        behind = ", ".join(f"{n} at {s}" for n, s in torn)
+        log.warning("checkpoint at version %d not kept: %s (the last whole one stays latest)", version, behind)
+        return None, version
     state = {
         "version": version,
         "trainer_dir": trainer_dir,
@@ -215,11 +224,11 @@ async def export_scorers(scorers, run_dir: str, tokenizer_dir: str) -> list[dict
 
 
 def go_on(run_dir: str, version: int, saved: str | None) -> str:
-    """How to go on from a run stopped at `version`: from that step's checkpoint (`saved`, its path), or (None: deferred while
-    trained models were ahead of a healed policy, `save`) from the newest one before it."""
+    """How to go on from a run stopped at `version`: from that step's checkpoint (`saved`, its path), or (None: not kept
+    while trained models were at different versions, `save`) from the newest one before it."""
     if saved:
         return f"continue from the checkpoint at step {version} with: meshrl run --resume {run_dir}"
-    return f"{how_to_resume(run_dir)} (step {version}'s was deferred: trained models were ahead of the healed policy)"
+    return f"{how_to_resume(run_dir)} (step {version}'s was not kept: its trained models were at different versions)"
 
 
 def how_to_resume(run_dir: str) -> str:
