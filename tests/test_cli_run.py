@@ -56,18 +56,24 @@ def leftovers(since: float) -> list[psutil.Process]:
 
 
 def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console_listening_on_loopback(tmp_path):
-    """While the run trains, the listening sockets of its whole process tree (the controller
-    with the weight-sync store, trainer, generator, queue and worker procs, vLLM's engine
-    process) are looked at every half second: any bound to a wildcard (0.0.0.0, ::) or a
-    routable address fails the test, named."""
+    """A game with two trained models, stopped by SIGTERM in a step and resumed. While it
+    trains, the listening sockets of its whole process tree (the controller with the
+    weight-sync stores, each model's trainer and generator, the queue and worker procs,
+    vLLM's engine processes) are looked at every half second: any bound to a wildcard
+    (0.0.0.0, ::) or a routable address fails the test, named."""
+    from meshrl.controller.checkpoint import latest_state
+    from meshrl.trainer.checkpoint import checkpoint_step
+
     run_dir = tmp_path / "run"
     started = time.time()
     seen: dict[tuple[str, str, int], str] = {}  # (protocol, address, port) -> its process
     # weight_sync.transport=collective: the transport that listens most, a store in the
     # controller and a gloo group (a one-host run's default, shm, opens no socket for weights).
     # steps=1000: SIGTERM ends it; a run of 60 fast steps had ended between two looks.
+    # configs/coevolve.yaml's game: two trained models, so the step SIGTERM lands in has the
+    # proposer's trainer waiting for the policy's batch, and the checkpoint must hold both at one version.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshrl", "run", f"logging.run_dir={run_dir}", "steps=1000", "weight_sync.transport=collective", *SMALL],
+        [sys.executable, "-m", "meshrl", "run", "configs/coevolve.yaml", f"logging.run_dir={run_dir}", "steps=1000", "weight_sync.transport=collective"],
         cwd=ROOT,
         env=quiet_env(),
         stdout=subprocess.PIPE,
@@ -98,6 +104,8 @@ def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console_lis
     assert stop, lines[-1]
     stopped_at = int(stop.group(1))
     assert steps_in(run_dir) == list(range(1, stopped_at + 1)), "the step in flight lost its row or a row was doubled"
+    state = latest_state(str(run_dir))  # the checkpoint holds both models at the step it names
+    assert state["version"] == stopped_at and checkpoint_step(state["models"]["proposer"]) == checkpoint_step(state["trainer_dir"]) == stopped_at
     logs = os.listdir(run_dir / "logs")
     assert {"controller.log", "trainer-0.log", "generator-0.log", "queue.log", "worker-0.log"} <= set(logs), logs
     assert "INFO" in (run_dir / "logs" / "generator-0.log").read_text(), "vLLM's lines did not reach its log"
@@ -125,8 +133,9 @@ def test_sigterm_checkpoints_and_resume_keeps_numbering_with_a_quiet_console_lis
     last_row = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][-1]
     summary = re.search(r"step (\d+) reached .* -> ([0-9.]+) \(step (\d+)\)", lines[-1])
     assert summary and int(summary.group(1)) == target, lines[-1]
-    # the sampled reward (the trained batch plus any groups dynamic sampling dropped)
-    assert summary.group(2) == f"{last_row.get('buffer/sampled_reward_mean', last_row['trainer/reward_mean']):.3f}", (lines[-1], last_row)
+    # a game's summary: the policy's own reward (its trainer's rows), then the proposer's
+    assert summary.group(2) == f"{last_row['trainer/reward_mean']:.3f}", (lines[-1], last_row)
+    assert "proposer's " in lines[-1] and f"-> {last_row['proposer/trainer/reward_mean']:.3f}" in lines[-1], lines[-1]
     assert "nan" not in lines[-1]
 
 
