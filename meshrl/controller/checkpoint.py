@@ -39,8 +39,8 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
     a game's rows name): the loop state's path and the version it holds. Nothing (None) while
     a trained model is at another version than the policy (ahead of it while it trains again
     the steps its heal lost), or when one saved is at another version than the policy's (a step
-    cut short beside the policy's): a checkpoint never holds models at different versions, and
-    the next one due saves them."""
+    cut short beside the policy's): a checkpoint never holds trained models at different
+    versions, and the next one due saves them. A critic is saved at its own version."""
     policy = max(version, trainer.version)  # (its trainer a step past the loop after an interrupted step)
     apart = [p.name for p in partners if p.trainer.version != policy]
     if apart:
@@ -56,9 +56,9 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
     # (its metrics row is lost, its weights are not).
     version = max(version, checkpoint_step(trainer_dir))
     # ...and a model beside it may not have (its step waited for a batch the interrupt took):
-    # such a save would be torn, so `latest` keeps naming the last whole one.
-    saved = [("critic", critic_dir), *models.items(), *((f"{n}-critic", d) for n, d in model_critics.items())]
-    torn = [(n, checkpoint_step(d)) for n, d in saved if d is not None and checkpoint_step(d) != version]
+    # such a save would be torn, so `latest` keeps naming the last whole one. (A critic may be
+    # behind: a heal that lost its last steps leaves it there, and it values on from there.)
+    torn = [(n, checkpoint_step(d)) for n, d in models.items() if checkpoint_step(d) != version]
     if torn:
         behind = ", ".join(f"{n} at {s}" for n, s in torn)
         log.warning("checkpoint at version %d not kept: %s (the last whole one stays latest)", version, behind)
