@@ -7,6 +7,7 @@ with it on two procs, one of them killed)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 
@@ -126,6 +127,25 @@ def test_prm_training_lowers_its_loss_on_outcomes(tmp_path):
     path = prm.save()
     assert path == os.path.join(str(tmp_path), "checkpoints", "prm-prm", "state.pt")
     assert torch.load(path, weights_only=False)["version"] == 12
+
+
+def test_a_batch_with_a_non_finite_loss_leaves_the_prm_as_it_was(tmp_path):
+    """One row's q_t not finite (an overflow in the PRM's forward, stood in for here by a NaN on
+    that row): that episode fails, and the BCE and gradient are NaN, so no AdamW step and no new
+    version, the weights untouched; the next batch trains and scores as before."""
+    prm, _ = make_prm(tmp_path, lr=2e-2, update="before")
+    items = toy_items(16)
+    prm.score_batch(items)
+    before = [p.detach().clone() for p in prm.model.parameters()]
+    rewards = prm.rewards
+    prm.rewards = lambda tokens, mask: rewards(tokens, mask) * torch.tensor([float("nan")] + [1.0] * (len(tokens) - 1)).unsqueeze(1)
+    results, trained = prm.score_batch(items)
+    prm.rewards = rewards
+    assert trained == {"trained_frac": 0.0, "skipped_nonfinite": 1.0} and prm.version == 1
+    assert results[0]["score"] is None and all(r["score"] is not None and r["version"] == 1 for r in results[1:])
+    assert all(torch.equal(a, b) for a, b in zip(before, prm.model.parameters()))
+    results, trained = prm.score_batch(items)
+    assert prm.version == 2 and math.isfinite(trained["train_loss"]) and all(r["score"] is not None for r in results)
 
 
 def test_a_resumed_or_replacing_prm_goes_on_from_its_saved_state(tmp_path):
@@ -469,7 +489,8 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path,
     # every trained episode scored by the PRM; its versions rise, at least one PRM step a batch
     assert all(r["scoring/prm/failed"] == 0 if "scoring/prm/failed" in r else True for r in rows)
     assert version == sorted(version) and version[0] < 1 and version[-1] >= STEPS - 1
-    assert all(r["scoring/prm/version_lag"] >= 0 for r in rows)
+    lags = [r["scoring/prm/version_lag"] for r in rows if "scoring/prm/version_lag" in r]
+    assert len(lags) >= STEPS - 1 and all(lag >= 0 for lag in lags), lags  # (not in step 1: no group began after a PRM answer)
     # the process path: from the PRM's first step on, its rewards move every trained token's advantage
     assert all(r["scoring/prm/process_abs"] > 0 for r in rows[1:]), [r["scoring/prm/process_abs"] for r in rows]
     # The PRM learns the outcome: its BCE on each batch before it trains on it falls from
@@ -514,6 +535,9 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path,
     assert resumed[-1]["scoring/replicas_replaced"] >= 1 and caplog.text.count(restored) == 2  # the replacement restored the same save
     assert sum(r.get("episode/failed", 0) + r.get("scoring/prm/failed", 0) for r in resumed) == 0
     assert all(r["scoring/prm/process_abs"] > 0 for r in resumed)
+    # measured from the PRM's version as each group began, not from 0 for the resumed run's
+    # first groups (which would give the PRM's whole version, above STEPS)
+    assert all(r["scoring/prm/version_lag"] < STEPS / 2 for r in resumed if "scoring/prm/version_lag" in r), [r.get("scoring/prm/version_lag") for r in resumed]
     # the sharded PRM saved and exported at the stop: past the state it restored
     assert torch.load(os.path.join(tmp_path, "run", "checkpoints", "prm-prm", "state.pt"), weights_only=False)["version"] > state["version"]
     assert json.load(open(hf / "final-prm" / "implicit_prm.json"))["version"] > state["version"]

@@ -176,12 +176,13 @@ class EpisodeScorers:
                     ep.finish_reason = "failed"
                     ep.failure = ep.failure or f"scorer {name}: {result.get('error') or 'no score'}"
                     continue
-                self.versions[index] = max(self.versions.get(index, 0), result["latest"])
+                self.versions[index] = result["latest"]  # (a replaced PRM restores an older version)
                 ep.process += [(pos, spec.weight * q) for pos, q in zip(item["positions"], result["score"])]
                 ep.signals[name] = result["prob"]  # the PRM's P(outcome = 1): sigmoid of its summed rewards
                 ep.signals[f"{name}/version"] = float(result["version"])
-                ep.signals[f"{name}/version_lag"] = float(result["version"] - seen.get(index, 0))
-                for key in ("loss", "accuracy", "train_loss", "grad_norm", "trained_frac"):
+                if index in seen:  # not for a group begun before this worker heard from the PRM (after a start or resume)
+                    ep.signals[f"{name}/version_lag"] = float(result["version"] - seen[index])
+                for key in ("loss", "accuracy", "train_loss", "grad_norm", "trained_frac", "skipped_nonfinite"):
                     if key in result:
                         ep.signals[f"{name}/{key}"] = result[key]
         for ep in episodes:

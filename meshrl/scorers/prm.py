@@ -207,11 +207,15 @@ class ImplicitPRM:
         loss = (F.binary_cross_entropy_with_logits(logit, outcome, reduction="none") * weight).sum() / kept
         loss.backward()
         norm = clip_grad_norm_(list(self.model.parameters()), self.grad_clip if self.grad_clip > 0 else float("inf"), foreach=True)
-        self.optimizer.step()
-        self.version += 1
         loss = loss.detach()
         if self.world > 1:
             dist.all_reduce(loss)
+        if not (math.isfinite(float(norm)) and math.isfinite(loss.item())):  # (the norm is the whole PRM's: every rank agrees)
+            # one bad batch must not write NaN into AdamW and the weights: no step, no new version
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"trained_frac": 0.0, "skipped_nonfinite": 1.0}
+        self.optimizer.step()
+        self.version += 1
         return {"train_loss": loss.item(), "grad_norm": float(norm), "trained_frac": kept / total}
 
     def score_batch(self, items: list[dict]) -> tuple[list[dict], dict]:
