@@ -237,11 +237,13 @@ def concat(batches: Sequence[TensorDict]) -> TensorDict:
     if not batches:
         raise ValueError("concat needs at least one batch")
     T = max(b["tokens"].shape[1] for b in batches)
-    if any("process_reward" in b.keys() for b in batches):  # absent (a group queued before a run had them): none
-        batches = [
-            b if "process_reward" in b.keys() else b.clone(recurse=False).set("process_reward", torch.zeros(b["tokens"].shape, dtype=torch.float32))
-            for b in batches
-        ]
+    # Keys a batch may lack: process rewards (a group queued before a run had them: none), and a
+    # game's `model` (a group whose every episode failed before any turn has no threads: its
+    # rows, all failed, are the policy's, as `Episode.rows` packs them)
+    missing = {"process_reward": lambda b: torch.zeros(b["tokens"].shape, dtype=torch.float32), "model": lambda b: torch.zeros(b.batch_size, dtype=torch.int64)}
+    for key, fill in missing.items():
+        if any(key in b.keys() for b in batches):
+            batches = [b if key in b.keys() else b.clone(recurse=False).set(key, fill(b)) for b in batches]
     keys = set(batches[0].keys())
     if any(set(b.keys()) != keys for b in batches):
         raise ValueError("cannot concat rollout batches with different keys")

@@ -141,6 +141,17 @@ def test_staleness_per_token():
     assert lag.amax(dim=1).tolist() == [2, 1, 0, 0]  # each episode's oldest model token
 
 
+def test_a_game_group_whose_episodes_failed_before_any_turn_concats_with_played_ones():
+    """A game's reset raising for a group's record fails every episode before any thread: that
+    group packs without `model`, and the batch it joins still forms, its rows the policy's."""
+    played = Episode(0, 0, [], "stop", threads=[Episode(0, 0, [env([5]), model([8], [-0.1], [3])], "stop", model=1)])
+    failed = Episode(1, 4, [env([1])], "failed")
+    a, b = episode.pack([played]), episode.pack([failed])
+    assert "model" in a.keys() and "model" not in b.keys()
+    both = episode.concat([a, b])
+    assert both["model"].tolist() == [1, 0] and both["finish_reason"][1] == FINISH_REASONS["failed"]
+
+
 def test_concat_pads_to_widest():
     a = episode.pack(episodes()[2:3])  # 2 tokens
     b = episode.pack(episodes()[:1])  # 8 tokens
