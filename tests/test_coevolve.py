@@ -509,6 +509,8 @@ def test_task_propose_rewards_learnability_and_feeds_the_solver_on_a_bad_proposa
     game.reset({"prompt": "p:"})
     asks = game.step(Reply("proposer", "propose", "?", [1], "length"))
     assert asks[0].observation == "4:"  # no digit: the solver still plays
+    game.reset({"prompt": "p:"})
+    assert game.step(Reply("proposer", "propose", "²", [1], "length"))[0].observation == "4:"  # str.isdigit's, not an ASCII digit
     ask = game.step([Reply("policy", f"solve{i}", "1234", [], "length") for i in range(PROPOSE_ATTEMPTS)])
     assert ask.rewards["propose"] == 0.0
 
@@ -752,6 +754,26 @@ def test_a_solver_trains_against_a_frozen_proposer_whose_generator_is_healed(tmp
     assert not state["models"] and not os.path.exists(os.path.join(result.run_dir, "hf", "final-proposer")) and result.hf_exports == {}
     assert os.path.isfile(os.path.join(result.run_dir, "hf", "final", "config.json"))
     assert not wait_no_children()
+
+
+def test_games_that_fail_before_the_policy_speaks_warn_and_stop_the_run():
+    """A game whose step raises on the proposer's first reply: each episode has the proposer's
+    thread alone, so the step's row has only proposer/episode/*. Its failure is still the run's
+    (episode/first_failure), and the breaker counts it: a warning, then a stop."""
+    from meshrl.agent.game import thread_windows
+    from meshrl.controller.breaker import FailureBreaker
+
+    def failed_game() -> Episode:
+        ep = Episode(0, 0, finish_reason="failed", failure="worker-0: ValueError: invalid literal (tasks.py:1)")
+        ep.threads = [Episode(0, 0, [Turn("env", [1, 2]), Turn("model", [3], [0.0], [1])], "failed", model=1)]
+        return ep
+
+    windows = [w for _ in range(4) for w in thread_windows(failed_game(), ["policy", "proposer"])]
+    row = summarize(windows, 4.0, "worker-0: ValueError: invalid literal (tasks.py:1)")
+    assert "episode/count" not in row and row["proposer/episode/failed"] == 4 and row["episode/first_failure"].startswith("worker-0: ValueError")
+    breaker = FailureBreaker(Config.from_dict({"models": [{"name": "proposer"}], "contracts": {"stop_after_failed_steps": 2}}))
+    assert breaker.tripped(1, row) is None and breaker.failed_steps == 1
+    assert breaker.tripped(2, row) == row["episode/first_failure"]
 
 
 def test_a_knob_changed_between_steps_is_kept_for_a_resume_and_stays_the_policys(tmp_path):

@@ -434,7 +434,9 @@ def summarize(windows: list[dict[str, float]], failed_total: float = 0.0, first_
     for w in windows:
         by_model.setdefault(w.get("model", "policy"), []).append(w)
     policy = by_model.pop("policy", [])
-    row = _summary(policy, failed_total, first_failure) if policy else {}
+    # (a game that failed before the policy spoke has only other models' rows: its failure is still the run's)
+    run_level = {"episode/failed_total": failed_total, **({"episode/first_failure": first_failure} if first_failure else {})} if windows else {}
+    row = _summary(policy, failed_total, first_failure) if policy else run_level
     for name, rows in by_model.items():
         theirs = _summary(rows)
         row.update({f"{name}/{k}": v for k, v in theirs.items() if k in MODEL_METRICS or k.startswith("scoring/")})

@@ -30,7 +30,8 @@ class FailureBreaker:
         """Take step `version`'s metrics row: warn where due; the first failure's line when
         the run must stop, else None."""
         k = self.contracts
-        count, failed = row.get("episode/count", 0.0), row.get("episode/failed", 0.0)
+        # every model's episodes (a game's other models as NAME/episode/...): a game may fail before the policy speaks
+        count, failed = (sum(v for key, v in row.items() if key == f"episode/{what}" or key.endswith(f"/episode/{what}")) for what in ("count", "failed"))
         if count <= 0:
             return None
         first = row.get("episode/first_failure") or "(no reason reported)"
