@@ -306,6 +306,11 @@ def row_models(td: TensorDict) -> torch.Tensor:
     return td["model"] if "model" in td.keys() else torch.zeros_like(td["group_id"])
 
 
+def policys_played(td: TensorDict) -> torch.Tensor:
+    """[B] the policy's rows that did not fail (a game's other models, frozen ones too, report their own rewards)."""
+    return (td["finish_reason"] != FINISH_REASONS["failed"]) & (row_models(td) == 0)
+
+
 def assign_advantages(td: TensorDict, mode: str | Sequence[str]) -> TensorDict:
     """Fill `advantage` from `reward` and `group_id` (in place; returns td).
 

@@ -328,6 +328,21 @@ def test_dynamic_sampling_drops_flat_groups_and_admission_replaces_them():
     assert q.consumed == [1, 2]
 
 
+def test_the_sampled_reward_is_the_policys_rows_alone_in_a_game():
+    """A game's batch holds other models' rows, a frozen model's too (which has no trainer
+    reward of its own): `buffer/sampled_reward_mean`, which the cliff alarm and the summary
+    read for the policy, counts the policy's rows alone."""
+    frozen = {"name": "proposer", "frozen": True, "model": {"path": "ckpt/proposer"}}
+    buffer = {"depth": 0, "dynamic_sampling": False, "get_timeout_s": 30}
+    q = EpisodeQueue(Config.from_dict({"batch_groups": 1, "buffer": buffer, "generator": {"update_mode": "block"}, "models": [frozen]}))
+    [c] = claim_all(q)
+    group = make_group(c.group_id, 4, [c.version])  # rewards 0, 1, 2, 3
+    group["model"] = torch.tensor([0, 0, 1, 1])  # the last two rows: a frozen proposer's
+    assert q.put(c.group_id, group, c.token)
+    q.sample(1, 0)
+    assert q.metrics()["buffer/sampled_reward_mean"] == pytest.approx(0.5)
+
+
 def test_dynamic_sampling_is_bounded_per_batch_then_trains_what_there_is():
     """Every episode scores 0: at most max_dropped_per_batch groups are dropped between two
     batches, then flat groups are kept, and the batch completes."""

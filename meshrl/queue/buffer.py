@@ -214,7 +214,7 @@ class EpisodeQueue:
                     self.dropped += 1
                     self.dropped_ids.append(group_id)
                     self._stats["dropped_zero_variance_groups"] += 1
-                    ok = group["finish_reason"] != episode.FINISH_REASONS["failed"]
+                    ok = episode.policys_played(group)
                     self._flat_reward[0] += float(group["reward"][ok].sum())
                     self._flat_reward[1] += int(ok.sum())
                     self._cond.notify_all()  # admission replaces it: wake a waiting worker
@@ -287,7 +287,7 @@ class EpisodeQueue:
             self.consumed += ids
             self._straggler_s = straggler_wait(start, [self._ready_at.pop(gid, start) for gid in ids])
             self._lag_hist.update(episode.staleness(batch, current_version, self.paces)[batch["loss_mask"]].tolist())
-            ok = batch["finish_reason"] != episode.FINISH_REASONS["failed"]
+            ok = episode.policys_played(batch)
             total, count = float(batch["reward"][ok].sum()) + self._flat_reward[0], int(ok.sum()) + self._flat_reward[1]
             self._sampled_reward = total / count if count else 0.0
             self._flat_dropped, self._flat_reward = 0, [0.0, 0]
