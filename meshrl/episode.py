@@ -421,8 +421,8 @@ def leave_out(td: TensorDict, models: set[int]) -> TensorDict:
 def model_rows(td: TensorDict, model: int) -> TensorDict:
     """A game's batch as trained model `model` trains on it: its rows only (a batch without
     the `model` key is the policy's alone). With none of its rows (every one failed before it
-    spoke), one row of two tokens with nothing in the loss, so that its step still runs and
-    counts (two tokens: another model's row may be longer than this model's max_seq_len). The
+    spoke), one failed row of two tokens with nothing in the loss, so that its step still runs
+    and counts (two tokens: another model's row may be longer than this model's max_seq_len). The
     teacher's log-probs are the policy's (the student of distillation): another model's rows
     leave them out, and train on their group advantages (`token_advantage` holds them)."""
     if "model" not in td.keys():
@@ -434,4 +434,6 @@ def model_rows(td: TensorDict, model: int) -> TensorDict:
         return td[mine]
     empty = pad_tokens(td[:1], 2).clone()
     empty["loss_mask"] = torch.zeros_like(empty["loss_mask"])
+    empty["reward"] = torch.zeros_like(empty["reward"])  # not another model's reward in this one's metrics
+    empty["finish_reason"] = torch.full_like(empty["finish_reason"], FINISH_REASONS["failed"])
     return empty

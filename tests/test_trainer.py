@@ -314,6 +314,24 @@ def test_a_step_off_the_trainers_pace_keeps_weights_and_optimizer_and_moves_the_
     assert paced.step == 3 and all(torch.equal(p, after[n]) for n, p in paced.model.named_parameters())
 
 
+def test_a_step_with_nothing_in_the_loss_moves_the_version_and_not_the_weights():
+    """Every row failed (or a game's model had none of its own: model_rows' stand-in): AdamW's
+    momentum and decay would move the weights on a zero gradient; the step makes no update."""
+    from meshrl.episode import model_rows
+
+    trainer = PolicyTrainer(make_config(), CPU)
+    trainer.train_step(make_batch(seed=3, version=0), current_version=0)  # AdamW has momentum now
+    game = make_batch(seed=4, version=1)
+    game["model"] = torch.zeros(game.batch_size, dtype=torch.int64)  # all the policy's: a proposer's step has none
+    empty = model_rows(game, 1)
+    assert not empty["loss_mask"].any() and empty["reward"].tolist() == [0.0]
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    out = trainer.train_step(empty, current_version=1)
+    assert out["version"] == 2 and out["updated"] == 0.0 and out["reward_mean"] == 0.0
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert trainer.train_step(make_batch(seed=5, version=2), current_version=2)["updated"] == 1.0
+
+
 def test_a_paced_trainer_that_accumulates_updates_on_the_rows_of_its_held_steps_too(tmp_path):
     """trainer.pace {every: 2, offset: 1, accumulate: true}: step 1 holds (its weights kept) and
     keeps its gradients, through a colocated release of the trainer's memory; step 2 updates as

@@ -238,6 +238,9 @@ class PolicyTrainer:
         seq_count = int(batch["loss_mask"].any(dim=1).sum())
         self._offload.restore()  # AdamW's state, if it waited in host memory while colocated engines generated
         count = token_count if lcfg.aggregation == "token_mean" else seq_count  # the loss's denominator
+        # Nothing to learn from (every row failed, or a game's model had none of its own) and no
+        # held gradients: no update, which AdamW's momentum and decay would make on a zero gradient.
+        update = update and bool(count or self.held)
         if not self.held:
             self.optimizer.zero_grad(set_to_none=True)
         elif count:  # the held steps' gradient x held count / count: this step's then adds as over their rows together
