@@ -776,6 +776,26 @@ def test_games_that_fail_before_the_policy_speaks_warn_and_stop_the_run():
     assert breaker.tripped(2, row) == row["episode/first_failure"]
 
 
+def test_a_group_that_cannot_start_hands_back_the_replicas_it_took():
+    """The proposer has no replica left (all dropped): the group fails at its start, and the
+    policy's replica it took first is handed back, so least-loaded routing is not skewed."""
+    import asyncio
+    import types
+
+    from meshrl.agent.turns import GenerationFailed, TurnBatcher
+    from meshrl.agent.worker import RolloutWorker
+
+    c = Config.from_dict({"models": [{"name": "proposer"}]})
+    policy, proposer = TurnBatcher(c), TurnBatcher(c)
+    policy.set_generators(["replica-0"])
+    worker = RolloutWorker.__new__(RolloutWorker)
+    worker.config, worker.model_turns, worker.scorers = c, [policy, proposer], types.SimpleNamespace(versions={}, per_group=False)
+    claim = types.SimpleNamespace(group_id=0, sample={"prompt": "p:"}, version=0)
+    with pytest.raises(GenerationFailed, match="no generator replica"):
+        asyncio.run(worker.play_group(claim))
+    assert policy.load == [0]
+
+
 def test_a_knob_changed_between_steps_is_kept_for_a_resume_and_stays_the_policys(tmp_path):
     """Session.set(lr=..., max_lag=...) writes RUN_DIR/config.yaml (what --resume reads): the
     policy's rate changes; a trained model that took the run's rate keeps the one it had, one

@@ -230,10 +230,13 @@ class RolloutWorker:
 
     async def play_group(self, claim) -> list[Episode]:
         n = self.config.generator.group_size
-        replicas = [turns.acquire() for turns in self.model_turns]  # one per trained model (a game's)
-        tasks = [asyncio.ensure_future(self.play_scored(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replicas)) for i in range(n)]
+        replicas: list[int] = []  # one per trained model (a game's); those taken are handed back, whatever fails
+        tasks: list[asyncio.Future] = []
         seen = dict(self.scorers.versions)  # the implicit PRM's version as the group starts (its version lag)
         try:
+            for turns in self.model_turns:
+                replicas.append(turns.acquire())  # (GenerationFailed where a model has no replica left)
+            tasks = [asyncio.ensure_future(self.play_scored(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replicas)) for i in range(n)]
             episodes = list(await asyncio.gather(*tasks))
             if self.scorers.per_group:  # an implicit PRM scores the whole group with one version
                 await self.scorers.score_group(episodes, seen)
