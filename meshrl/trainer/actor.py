@@ -155,8 +155,10 @@ class TrainerActor(Actor):
         wait_s = time.perf_counter() - t0
         settled = self._settle_snapshot()  # the last step's, written while this batch was awaited
         out = self._train_step(batch, trainer.step)
-        # never with held gradients (trainer.pace.accumulate), which no snapshot keeps: a heal retrains those steps
-        snapshot = self.snapshots is not None and self.snapshots.due(trainer.step) and not trainer.held
+        # never with held gradients (trainer.pace.accumulate), which no snapshot keeps: a heal retrains those steps,
+        # from the last update's state (heal.replace_trainer), so nor on a held step that kept none (no rows of its own)
+        pace = trainer.config.trainer.pace
+        snapshot = self.snapshots is not None and self.snapshots.due(trainer.step) and not trainer.held and (not pace.accumulate or pace.updates(trainer.step))
         if snapshot:  # on GPUs staged to host memory here; written while the version is published and the next batch awaited
             self.snapshots.start(trainer.step, trainer.model, trainer.optimizer, trainer.scheduler)
             if self.snapshots.inline:  # written in this turn (colocated on CPU): complete before the version is announced
