@@ -120,6 +120,12 @@ def _check_scoring(c: Config) -> None:
     models = c.model_names()
     for i, sc in enumerate(scoring.scorers):
         _check_scorer(sc, f"scoring.scorers[{i}]")
+        name = sc.name or sc.kind  # (a PRM's name is in its state's and export's paths)
+        need(
+            bool(re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,63}", name)),
+            f"scoring.scorers[{i}].name",
+            f"must be a short name (letters, digits, _ and -), got {name!r}",
+        )
         need(sc.model in models, f"scoring.scorers[{i}].model", f"names no trained model ({sc.model!r}): the run trains {', '.join(models)}")
         if sc.kind == "prm":
             _check_prm(c, sc, f"scoring.scorers[{i}]")
@@ -254,6 +260,27 @@ def _check_launcher(c: Config) -> None:
         )
 
 
+METRIC_PREFIXES = (
+    "alarm",
+    "buffer",
+    "colocate",
+    "env",
+    "episode",
+    "eval",
+    "generator",
+    "response",
+    "reward",
+    "rollout",
+    "scoring",
+    "step",
+    "sync",
+    "time",
+    "trainer",
+    "version",
+)
+"""The run's own metric prefixes: a model's metrics are NAME/..., so no model takes one of these names (`critic`, the policy's critic's prefix, is refused beside a critic: its exports would collide too)."""
+
+
 def _check_models(c: Config) -> None:
     """Trained models beside the policy (docs/coevolve.md): names, and what they do not combine with yet."""
     if not c.models:
@@ -264,6 +291,11 @@ def _check_models(c: Config) -> None:
         need(bool(re.fullmatch(r"[a-z][a-z0-9_]{0,31}", m.name)), path, f"must be a short lowercase name (letters, digits, _), got {m.name!r}")
         taken = {"policy": "the policy", "game": "a game's own numbers, game/KEY"}.get(m.name, "by another model")
         need(m.name not in names and m.name != "game", path, f"{m.name!r} is taken ({taken}): give each model a name of its own")
+        need(
+            m.name not in METRIC_PREFIXES,
+            path,
+            f"{m.name!r} is the run's own metrics prefix ({m.name}/...), which NAME/... would mix with: give the model another name",
+        )
         need("group_size" not in m.generator, f"models[{i}].generator.group_size", "a group is the run's: every model's episodes share generator.group_size")
         for key in ("checkpoint_every", "checkpoint_every_s"):  # one checkpoint holds every model at one version
             need(key not in m.trainer, f"models[{i}].trainer.{key}", f"a checkpoint is the run's (every model at one version): set trainer.{key}")
@@ -398,6 +430,12 @@ def _check_prm(c: Config, sc, path: str) -> None:
         f"is {sc.replicas}: a prm trains in one replica, and its weights are not synced between replicas: set replicas=1 (`procs` shards it)",
     )
     need(sc.process == "none", f"{path}.process", "a prm scores every model token (PRIME's per-token rewards): leave process=none")
+    need(
+        c.generator.group_size >= 2 or c.trainer.loss.advantage == "gae",
+        "generator.group_size",
+        "a prm's rewards are measured against the rest of their group (leave-one-out), and one completion has none: "
+        "at least 2 completions per prompt, or trainer.loss.advantage=gae",
+    )
     others = [i for i, o in enumerate(c.scoring.scorers) if o is not sc and (o.process != "none" or o.kind == "prm")]
     need(
         not others,

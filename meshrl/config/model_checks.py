@@ -59,6 +59,11 @@ def _check_trainer(c: Config) -> None:
         f"must be 1 to trainer.pace.every={pace.every} (the steps of a period that update), got {pace.steps}",
     )
     need(0 <= pace.offset < pace.every, "trainer.pace.offset", f"must be 0 to trainer.pace.every - 1 = {pace.every - 1}, got {pace.offset}")
+    need(
+        pace.offset < c.steps,
+        "trainer.pace.offset",
+        f"its first update is step {pace.offset + 1}, past the run's steps={c.steps}: nothing would train; lower it, or raise steps",
+    )
     need(trainer.tp >= 1, "trainer.tp", f"must be at least 1, got {trainer.tp}")
     need(trainer.cp >= 1, "trainer.cp", f"must be at least 1, got {trainer.cp}")
     together = trainer.tp * trainer.cp  # procs that train the same rows: data parallel runs over procs / together

@@ -61,7 +61,11 @@ def reference_markdown() -> str:
             if dataclasses.is_dataclass(item):  # a list of sections: its items' fields follow as `path[]`
                 nested.append((item, dotted(prefix, f.name) + "[]"))
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            shown = json.dumps(default) if isinstance(default, str) and "\n" in default else yaml.safe_dump(default).strip().removesuffix("...").strip()
+            shown = (
+                json.dumps(default)
+                if isinstance(default, str) and "\n" in default
+                else yaml.safe_dump(default, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+            )
             lines.append(f"| `{dotted(prefix, f.name)}` | {_show_type(tp)} | `{shown}` | {docs.get(f.name, '')} |")
         lines.append("")
         for tp, path in nested:

@@ -388,7 +388,7 @@ class Config:
     alarm: AlarmConfig = field(default_factory=AlarmConfig)
     """The run-level alarm: one console line when the reward or the policy entropy falls off a cliff."""
     models: list[TrainedModelConfig] = field(default_factory=list)
-    """More trained models beside the policy, co-evolving in one asynchronous run: a game env (meshrl/rollout/game.py) says which model speaks each turn; every model trains on its own turns, with its own rewards, on the same batches and at the same pace as the policy (docs/coevolve.md). Empty: the policy alone."""
+    """More trained models beside the policy, co-evolving in one asynchronous run: a game env (meshrl/rollout/game.py) says which model speaks each turn; every model trains on its own turns, with its own rewards, on the same batches as the policy and at its version (each updating at its own `trainer.pace`; docs/coevolve.md). Empty: the policy alone."""
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
