@@ -278,7 +278,8 @@ METRIC_PREFIXES = (
     "trainer",
     "version",
 )
-"""The run's own metric prefixes: a model's metrics are NAME/..., so no model takes one of these names (`critic`, the policy's critic's prefix, is refused beside a critic: its exports would collide too)."""
+"""The run's own metric prefixes: a model's metrics are NAME/..., so no model takes one of these
+names (`critic`, the policy's critic's prefix, is refused beside a critic: its exports collide too)."""
 
 
 def _check_models(c: Config) -> None:
