@@ -76,7 +76,7 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
         raise ConfigError("--resume", f"{run_dir!r} has no checkpoint yet: nothing to resume")
     config = as_config(path, overrides)
     config.logging.run_dir = run_dir
-    from meshrl.controller.checkpoint import check_resumable, latest_state
+    from meshrl.controller.checkpoint import check_resumable, check_same_shapes, latest_state
 
     try:
         state = latest_state(run_dir)
@@ -84,6 +84,7 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
         why = first_line(str(e), 160) or type(e).__name__
         raise ConfigError("--resume", f"{run_dir!r}: its latest checkpoint cannot be read ({why}): point checkpoints/latest at a complete one") from None
     check_resumable(state, config, run_dir)
+    check_same_shapes(as_config(path, None), config, run_dir)  # (the run as it wrote itself)
     return config
 
 

@@ -219,6 +219,39 @@ def test_each_model_speaks_within_its_own_limits_and_a_resume_keeps_the_models_i
     check_resumable({**state, "critic_dir": "c", "model_critics": {"a": "ac", "b": "bc"}}, Config.from_dict(gae), "runs/x")
 
 
+def test_a_resume_that_reshapes_a_model_or_renames_its_prm_is_refused_before_anything_is_written(tmp_path):
+    """`--resume RUN model.dim=...` (or a model's, LoRA's rank, a checkpoint where the run had
+    none) would fail to load once the meshes are up, after RUN/config.yaml was written over;
+    a PRM renamed would start again from its first weights. Both refused in one line naming the
+    field, and the run's config.yaml is as it was."""
+    from meshrl.api import resume_config
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "prm-prm").mkdir(parents=True)
+    prm = {"scoring": {"scorers": [{"kind": "prm", "name": "prm"}]}}
+    written = Config.from_dict({"models": [{"name": "a"}], **prm, "logging": {"run_dir": str(run)}}).to_yaml()
+    (run / "config.yaml").write_text(written)
+    torch.save(
+        {"models": {"a": "d"}, "model_critics": {}, "critic_dir": None, "model_names": ["policy", "a"]}, run / "checkpoints" / "step_000002_loop_state.pt"
+    )
+    (run / "checkpoints" / "latest").write_text("step_000002_loop_state.pt")
+    torch.save({"version": 2}, run / "checkpoints" / "prm-prm" / "state.pt")
+    assert resume_config(str(run), ["steps=9"]).steps == 9  # unchanged shapes: goes on
+    refused = {
+        "model.dim": ["model.dim=128"],
+        "models[0].model.n_layers": ["models[0].model={n_layers: 4}"],
+        "lora.rank": ["lora.rank=4"],
+        "model.path": [f"model.path={tmp_path}"],
+        "scoring.scorers[0].name": ["scoring.scorers=[{kind: prm, name: prm2}]"],
+    }
+    for field, overrides in refused.items():
+        with pytest.raises(ConfigError) as e:
+            resume_config(str(run), overrides)
+        assert e.value.field_path == field, str(e.value)
+        assert "resume with its own" in str(e.value) or "name it as it was" in str(e.value), str(e.value)
+    assert (run / "config.yaml").read_text() == written
+
+
 def test_per_model_episode_metrics_keep_the_policys_names():
     from meshrl.agent.game import thread_windows
 

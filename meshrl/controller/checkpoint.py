@@ -179,6 +179,40 @@ def check_resumable(state: dict, config: Config, run_dir: str) -> None:
         if not m.frozen and modes[i + 1] == "gae" and m.name not in critics:
             field = f"models[{i}].trainer.loss.advantage"
             raise ConfigError(field, f"{run_dir}'s checkpoint holds no critic of {m.name}'s (written without gae): resume with its own advantage")
+    root = os.path.join(run_dir, "checkpoints")
+    held = os.listdir(root) if os.path.isdir(root) else []
+    prms = sorted(d.removeprefix("prm-") for d in held if d.startswith("prm-") and os.path.isfile(os.path.join(root, d, "state.pt")))
+    for i, (name, sc) in enumerate(zip(config.scoring.scorer_names(), config.scoring.scorers)):
+        if sc.kind == "prm" and prms and name not in prms:  # it would start again from its first weights, silently
+            raise ConfigError(
+                f"scoring.scorers[{i}].name", f"{run_dir} holds the trained state of the prm {', '.join(prms)}, not of {name!r}: name it as it was"
+            )
+
+
+SHAPE = ("family", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "num_experts", "experts_top_k")
+"""The model fields that shape a trainer's state where it has no model.path (its config.json does then)."""
+
+
+def check_same_shapes(saved: Config, config: Config, run_dir: str) -> None:
+    """A resume whose overrides reshape a trained model (its `model` fields, a checkpoint where
+    it had none or none where it had one, LoRA's rank) would fail to load its checkpoint once
+    the meshes are up, after its config.yaml was written over: refused here, in one line."""
+
+    def refuse(field: str, was, now) -> None:
+        own = field.split(".", 1)[-1] if field.startswith("models[") else field
+        raise ConfigError(
+            field, f"{run_dir}'s checkpoint was trained with {own}={was}, and this resume asks for {now}: resume with its own, or start a new run"
+        )
+
+    if saved.lora.rank != config.lora.rank:
+        refuse("lora.rank", saved.lora.rank, config.lora.rank)
+    views = [("", saved, config)] + [(f"models[{i}].", saved.for_model(m.name), config.for_model(m.name)) for i, m in enumerate(config.models) if not m.frozen]
+    for prefix, was, now in views:
+        if (was.model.path is None) != (now.model.path is None):  # (a checkpoint moved elsewhere may be named anew)
+            refuse(prefix + "model.path", was.model.path, now.model.path)
+        for key in SHAPE if now.model.path is None else ():
+            if getattr(was.model, key) != getattr(now.model, key):
+                refuse(f"{prefix}model.{key}", getattr(was.model, key), getattr(now.model, key))
 
 
 def lora_base_dir(run_dir: str) -> str:
