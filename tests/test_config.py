@@ -64,6 +64,12 @@ def test_overrides_dict_and_code_agree():
         ),
         ({"steps": 6, "trainer": {"pace": {"every": 10, "offset": 7}}}, "trainer.pace.offset", "past the run's steps=6"),
         ({"data": {"source": "task:propose"}, "models": [{"name": "alarm"}]}, "models[0].name", "the run's own metrics prefix"),
+        # a run-wide field that a model's view refuses is named as it is, with the model (models[i] has no lora of its own)
+        (
+            {"data": {"source": "task:propose"}, "lora": {"rank": 4}, "models": [{"name": "m", "trainer": {"loss": {"advantage": "gae"}}}]},
+            "lora.rank",
+            "(with models[0], m)",
+        ),
         ({"scoring": {"scorers": [{"kind": "prm", "name": "x/../../b/hf/final"}]}}, "scoring.scorers[0].name", "a short name"),
         (
             {"generator": {"group_size": 1}, "trainer": {"loss": {"advantage": "grpo_no_std"}}, "scoring": {"scorers": [{"kind": "prm"}]}},

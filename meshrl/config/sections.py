@@ -453,7 +453,9 @@ class Config:
         try:
             return Config.from_dict(data)
         except ConfigError as e:
-            raise e.under(f"models[{index}]") from None
+            if e.field_path.split(".")[0].split("[")[0] in ("model", "trainer", "generator"):  # the sections a model overrides
+                raise e.under(f"models[{index}]") from None
+            raise ConfigError(e.field_path, f"{e.message} (with models[{index}], {name})", e.kind) from None  # a run-wide field
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
