@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 
@@ -63,9 +64,9 @@ def arm_config(arm: str, steps: int, seed: int, run_dir: str) -> dict:
     anchor = arm.rsplit("-", 1)[-1]
     if "-async-" in arm and anchor in ("sampler", "versions", "proximal"):
         over["trainer.loss.clip_against"] = anchor
-    lr = next((part[2:] for part in arm.split("-") if part.startswith("lr")), None)
+    lr = re.search(r"-lr(\d+(?:\.\d+)?(?:e-?\d+)?)", arm)
     if lr is not None:  # e.g. prime-sync-lr1e-3: the PRM's lr
-        cfg["scoring"]["scorers"][0]["lr"] = float(lr)
+        cfg["scoring"]["scorers"][0]["lr"] = float(lr.group(1))
     if arm.endswith("-procs2"):
         cfg["scoring"]["scorers"][0]["procs"] = 2
     return apply_overrides(cfg, [f"{k}={v}" for k, v in over.items()])
