@@ -64,6 +64,11 @@ def test_overrides_dict_and_code_agree():
         ),
         ({"steps": 6, "trainer": {"pace": {"every": 10, "offset": 7}}}, "trainer.pace.offset", "past the run's steps=6"),
         ({"data": {"source": "task:propose"}, "models": [{"name": "alarm"}]}, "models[0].name", "the run's own metrics prefix"),
+        (
+            {"models": [{"name": "b", "frozen": True, "model": {"path": "ckpt/b"}, "generator": {"replicaz": 2}}]},
+            "models[0].generator.replicaz",
+            "did you mean",
+        ),
         # a run-wide field that a model's view refuses is named as it is, with the model (models[i] has no lora of its own)
         (
             {"data": {"source": "task:propose"}, "lora": {"rank": 4}, "models": [{"name": "m", "trainer": {"loss": {"advantage": "gae"}}}]},

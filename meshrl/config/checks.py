@@ -321,7 +321,8 @@ def _check_models(c: Config) -> None:
                 f"an implicit PRM scores and trains on the policy's threads (it starts from the policy's weights): set model=policy (models: {models})",
             )
     for i, m in enumerate(c.models):
-        if m.frozen:  # no trainer, no critic
+        if m.frozen:  # no trainer, no critic; its generator and model sections checked as any model's
+            c.for_model(m.name)
             continue
         gae = c.advantage_modes()[i + 1] == "gae"
         need(
