@@ -112,6 +112,7 @@ class Session:
         self._resume = resume is not None
         self._reward_fn = reward_fn
         self._interrupted = None  # the call a signal interrupted, left running
+        self._stopped = False  # its thread is gone: a new Session goes on (resume=RUN_DIR)
         self.loop = None
         self._thread_loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._thread_loop.run_forever, name="meshrl-session", daemon=True)
@@ -146,6 +147,8 @@ class Session:
         return self.config.buffer.get_timeout_s + 2 * self.config.trainer.collective_timeout_s + 600
 
     def _need(self):
+        if self._stopped:
+            raise RuntimeError("this session was stopped: start a new one (meshrl.Session(resume=RUN_DIR) goes on from its checkpoint)")
         if self.loop is None:
             raise RuntimeError("the session is not started: call start() (or use `with Session(...) as s`)")
         return self.loop
@@ -162,6 +165,8 @@ class Session:
         """Allocate meshes, start the trainer, generators, episode queue and rollout workers; rollouts begin."""
         if self.loop is not None:
             return self
+        if self._stopped:
+            self._need()  # raises: its thread is gone
         from meshrl.controller.loop import RLLoop
 
         if not self._resume:
@@ -261,8 +266,15 @@ class Session:
         return self._call(loop.evaluations.now(loop.version), 2 * eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
 
     def export(self, path: str) -> str:
-        """Write the current policy as a Hugging Face checkpoint directory; returns its path."""
-        return self._call(self._need().export_to(path), self._trainer_bound())
+        """Write the current policy as a Hugging Face checkpoint directory; returns its path. The
+        directory is replaced whole, so one holding anything but an earlier export (its
+        config.json), or the run's own directory or one above it, is refused."""
+        out, run = os.path.abspath(os.path.expanduser(path)), os.path.abspath(self._need().run_dir)
+        if out == run or run.startswith(out.rstrip(os.sep) + os.sep):
+            raise ValueError(f"export to {path!r} would replace the run's own directory ({run}): name a directory of its own")
+        if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, "config.json")):
+            raise ValueError(f"{path!r} holds files that are not a Hugging Face checkpoint, and an export replaces it whole: name a new directory")
+        return self._call(self._need().export_to(out), self._trainer_bound())
 
     def checkpoint(self) -> str | None:
         """The run's state now (None: deferred while trained models are ahead of a policy its heal took back)."""
@@ -328,6 +340,7 @@ class Session:
         if self._thread.is_alive():
             self._thread_loop.call_soon_threadsafe(self._thread_loop.stop)
             self._thread.join(10)
+        self._stopped = True
 
 
 def run(
@@ -350,10 +363,10 @@ def run(
         try:
             if remaining > 0:
                 session.step(remaining, progress=session.config.logging.progress)
+            return session.finish()  # (its evaluation, checkpoint and export may take minutes: a signal there checkpoints too)
         except (KeyboardInterrupt, SystemExit) as stop:
             ckpt = session.save_on_interrupt(session.config.trainer.interrupt_checkpoint_timeout_s)
             raise Interrupted(session.run_dir, session.version, ckpt, stop) from None
-        return session.finish()
     finally:
         session.stop()
 

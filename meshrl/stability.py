@@ -26,6 +26,7 @@ feeds it each step's row and logs the line.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -151,7 +152,7 @@ class CliffWatch:
             if row.get(s.tokens_key) == 0:
                 continue
             reward = next((row[k] for k in s.reward_keys if k in row), None)
-            if reward is not None:
+            if reward is not None and math.isfinite(reward):  # (a NaN reward is the trainer's to report, not a cliff's)
                 s.rewards.append(float(reward))
                 if len(s.rewards) == self.window:
                     mean = sum(s.rewards) / self.window
@@ -162,7 +163,8 @@ class CliffWatch:
                 s.entropies.append(float(row[s.entropy_key]))
                 if len(s.entropies) == self.window:
                     mean = sum(s.entropies) / self.window
-                    alarms += self._judge(s, model, "entropy", step, mean < self.floor, mean, self.floor)
+                    # NaN (a policy whose weights went NaN) is a collapse too, not a healthy window
+                    alarms += self._judge(s, model, "entropy", step, not mean >= self.floor, mean, self.floor)
         self.raised += alarms
         return alarms
 

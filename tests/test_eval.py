@@ -25,6 +25,31 @@ def test_summarize_eval_counts_solved_prompts():
     assert (m["eval/failed"], m["eval/version_min"], m["eval/version_max"]) == (1.0, 3.0, 4.0)
 
 
+def test_a_session_stepping_past_steps_evaluates_every_eval_every_not_every_step():
+    """eval.every 10, steps 20: evaluations at 10 and 20 (the last, which waits for the one
+    before), then, stepped on past the run's steps, at 30 only, not at each of 21-29."""
+    import asyncio
+
+    from meshrl.config import Config
+    from meshrl.controller.evaluation import Evaluations
+
+    evaluations = Evaluations(Config.from_dict({"steps": 20, "eval": {"every": 10}}), "runs/x", None, lambda step, row: None)
+    started = []
+
+    async def evaluate(version, previous):
+        started.append(version)
+
+    evaluations._evaluate = evaluate
+
+    async def steps():
+        for version in range(1, 31):
+            evaluations.start_if_due(version)
+            await asyncio.sleep(0)
+
+    asyncio.run(steps())
+    assert started == [10, 20, 30]
+
+
 def test_resolve_target(tmp_path):
     run = tmp_path / "run"
     for name in ("v0", "v3", "final"):

@@ -346,6 +346,28 @@ def raising_reward(prompt, response, sample):
     return float(len(response) > 0)
 
 
+def test_a_session_refuses_an_export_over_other_files_and_every_call_once_stopped(tmp_path):
+    """Session.export replaces its directory whole: the run's own directory (or one above
+    it) and a directory of other files are refused, in one line; an earlier export is
+    replaced. After stop(), every call says to start a new Session, where start() had hung."""
+    import types
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    session = meshrl.Session.__new__(meshrl.Session)
+    session._stopped, session.loop, session.config = False, types.SimpleNamespace(run_dir=str(run)), Config()
+    for path in (run, tmp_path / "runs", tmp_path / "notes"):
+        with pytest.raises(ValueError, match="the run's own directory|not a Hugging Face checkpoint"):
+            session.export(str(path))
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    session._stopped, session.loop = True, None  # as stop() leaves it
+    for call in (lambda: session.step(1), session.start, lambda: session.export(str(tmp_path / "hf"))):
+        with pytest.raises(RuntimeError, match="this session was stopped: start a new one"):
+            call()
+
+
 def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_path):
     from IPython.core.interactiveshell import InteractiveShell
 

@@ -79,6 +79,15 @@ def test_watch_entropy_alarm():
     assert "entropy collapsed" in fired[0][1].line(3, 0.5)
 
 
+def test_a_nan_entropy_is_a_collapse_and_a_nan_reward_is_skipped():
+    """A policy whose weights went NaN reports NaN entropy every step: the alarm fires, where a
+    NaN mean compared with the floor had read as healthy; a NaN reward is not a cliff."""
+    watch = CliffWatch(window=3, reward_drop=0.5, min_best_reward=0.1, entropy_floor=0.05)
+    rows = [{"trainer/entropy": 1.0 if s < 4 else float("nan"), "trainer/reward_mean": 0.8 if s != 5 else float("nan")} for s in range(10)]
+    fired = [(s, a.kind) for s, row in enumerate(rows) for a in watch.update(s, row)]
+    assert fired == [(4, "entropy")], fired
+
+
 def test_alarm_config_checks():
     c = Config.from_dict({})
     assert c.alarm.enabled and c.alarm.window == 10 and c.alarm.reward_drop == 0.5

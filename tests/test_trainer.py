@@ -314,6 +314,23 @@ def test_a_step_off_the_trainers_pace_keeps_weights_and_optimizer_and_moves_the_
     assert paced.step == 3 and all(torch.equal(p, after[n]) for n, p in paced.model.named_parameters())
 
 
+def test_the_same_step_saved_again_replaces_the_first_whole(tmp_path):
+    """A run's last step checkpointed, then its final checkpoint at the same step: the second
+    save sets the first aside until it is in place, and leaves one complete checkpoint."""
+    from meshrl.trainer import checkpoint as ckpt
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    first = ckpt.save_checkpoint(tmp_path, 3, model, opt)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert ckpt.save_checkpoint(tmp_path, 3, model, opt) == first and ckpt.checkpoint_step(tmp_path) == 3
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000003"]
+    fresh = torch.nn.Linear(2, 1)
+    ckpt.load_checkpoint(first, fresh, torch.optim.AdamW(fresh.parameters()))
+    assert torch.equal(fresh.weight, model.weight)
+
+
 def test_a_step_with_nothing_in_the_loss_moves_the_version_and_not_the_weights():
     """Every row failed (or a game's model had none of its own: model_rows' stand-in): AdamW's
     momentum and decay would move the weights on a zero gradient; the step makes no update."""

@@ -50,6 +50,17 @@ class FailureBreaker:
         return EpisodesFailed(f"every episode of the last {self.failed_steps} steps failed; the first of step {version}: {first}; fix it, then {resume}")
 
 
+def report_divergence(watch, rows: list[dict], row: dict, recorded: dict) -> list[str]:
+    """The divergence alarm (meshrl/stability.py's DivergenceWatch) on `rows` (the history's new
+    ones): each line logged and marked as `alarm/divergence` in the step's row and its
+    `recorded` history row; the lines."""
+    lines = [d.line() for r in rows for d in watch.update(int(r["step"]), r)]
+    for line in lines:
+        row["alarm/divergence"] = recorded["alarm/divergence"] = 1.0
+        log.warning("%s", line)
+    return lines
+
+
 def report_cliffs(watch, version: int, row: dict, recorded: dict, alarm) -> None:
     """The run-level alarm (meshrl/stability.py's CliffWatch, config `alarm`): one console
     line per cliff at step `version`, marked in its row and in the `recorded` history row."""

@@ -20,6 +20,8 @@ from meshrl.config import Config, ConfigError
 from meshrl.errors import first_line
 from meshrl.futures import awaited, bounded
 from meshrl.trainer.checkpoint import checkpoint_step, write_atomic
+from meshrl.trainer.critic_actor import critic_root
+from meshrl.trainer.snapshot import drop_after, snapshot_root
 
 log = logging.getLogger("meshrl")
 
@@ -112,7 +114,8 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
     """Load the latest checkpoint into the trainer, the critic (a CriticMesh, under PPO with a
     critic) and the queue (its load bounded by `timeout_s`): its version and metrics history.
     `watch` (meshrl/stability.py's CliffWatch) picks up where it was, checkpoints included,
-    silently. Every trained state's `latest` is pointed back at the one restored (`repoint`)."""
+    silently. Every trained state's `latest` is pointed back at the one restored (`repoint`), and
+    snapshots written past it are dropped."""
     root = os.path.join(run_dir, "checkpoints")
     state = latest_state(run_dir)
     version = await trainer.load_checkpoint(state["trainer_dir"])
@@ -127,6 +130,9 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
         await critic.load_checkpoint(state["critic_dir"])
     await bounded(queue.load_state_dict.call_one(state["queue"]), timeout_s, "the episode queue, loading its checkpointed state")
     repoint(state, run_dir)
+    for trained in (run_dir, *(os.path.join(run_dir, "models", name) for name in state.get("models") or {})):
+        for states in (trained, critic_root(trained)):  # the previous run's snapshots past its checkpoint: never restored
+            drop_after(snapshot_root(states), version)
     history = state["history"]
     if watch is not None:
         saved = {int(name[5:11]) for name in os.listdir(root) if name.startswith("step_") and name.endswith(CHECKPOINT_FILE)}

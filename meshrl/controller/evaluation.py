@@ -77,7 +77,7 @@ class Evaluations:
         """Start the evaluation of `version` every eval.every steps and at the last one. A due
         one is skipped while the previous still runs, except the last step's, which waits for it."""
         every = self.config.eval.every
-        last = version >= self.config.steps
+        last = version == self.config.steps  # (a Session stepping past `steps` evaluates every eval.every, as before it)
         if not every or not (version % every == 0 or last):
             return
         previous = self.task

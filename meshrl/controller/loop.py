@@ -25,7 +25,7 @@ import time
 from meshrl.compat import monarch_unprefixed_logs
 from meshrl.config import Config
 from meshrl.controller import checkpoint as checkpoints, colocate
-from meshrl.controller.breaker import FailureBreaker, report_cliffs
+from meshrl.controller.breaker import FailureBreaker, report_cliffs, report_divergence
 from meshrl.controller.collect import StepMetrics
 from meshrl.controller.evaluation import Evaluations
 from meshrl.controller.heal import TrainerHealer
@@ -44,8 +44,7 @@ from meshrl.scorers import ON_PROCS
 from meshrl.stability import CliffWatch, DivergenceWatch, RewardDiverged
 from meshrl.tokenizer import build_char_tokenizer
 from meshrl.trainer.actor import spawn_trainer
-from meshrl.trainer.critic_actor import critic_root, spawn_critic
-from meshrl.trainer.snapshot import drop_after, snapshot_root
+from meshrl.trainer.critic_actor import spawn_critic
 from meshrl.weightsync.connect import WeightSync
 
 log = logging.getLogger("meshrl")
@@ -135,9 +134,8 @@ class RLLoop:
             self.version, self.history = await checkpoints.restore(self.run_dir, self.trainer, self.queue, self.watch, self.critic, timeout_s=bound)
             self.healer.start_version = self.version
             self._divergence_seen = len(self.history)  # its divergence watch starts afresh: the alarm the last run stopped on is not raised again
-            for run_dir in (self.run_dir, *(c.for_model(m.name).logging.run_dir for m in c.models)):
-                for trained in (run_dir, critic_root(run_dir)):  # the previous run's snapshots past its checkpoint: never restored
-                    drop_after(snapshot_root(trained), self.version)
+            if self.divergence is not None:  # ...from the checkpoint it resumed, one to go back to
+                self.divergence.checkpointed(self.version)
         # Rows past the restored step belong to steps about to be trained again: cut them.
         wandb = dict(project=c.logging.wandb_project, mode=c.logging.wandb_mode, config=c.to_dict()) if c.logging.wandb else None
         self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version, wandb=wandb)
@@ -244,15 +242,18 @@ class RLLoop:
                 if not load_asleep:
                     p.update(self.version)
             row = await self.collect.row(out)
-            self._record(self.version, row)
-            await self._watch_failures(row)
-            self.evaluations.start_if_due(self.version)
-            if checkpoints.due(c, self.version, self._last_checkpoint):
-                await self.checkpoint()
-            if self.watch is not None:  # after this step's checkpoint, so that it counts as written before a cliff showed
-                report_cliffs(self.watch, self.version, row, self.history[-1], self.config.alarm)
-            if self.divergence is not None:
-                await self._watch_divergence(row)
+            recorded = self._record(self.version, row, write=False)  # written once the alarms have marked it
+            try:
+                await self._watch_failures(row)
+                self.evaluations.start_if_due(self.version)
+                if checkpoints.due(c, self.version, self._last_checkpoint):
+                    await self.checkpoint()
+                if self.watch is not None:  # after this step's checkpoint, so that it counts as written before a cliff showed
+                    report_cliffs(self.watch, self.version, row, recorded, self.config.alarm)
+                if self.divergence is not None:
+                    await self._watch_divergence(row, recorded)
+            finally:
+                self.metrics.write(self.version, row)
         except Exception as e:  # noqa: BLE001 - the coordinator's host can go down between two calls too
             if not await self._queue_answers():
                 raise self._queue_lost() from e
@@ -349,14 +350,11 @@ class RLLoop:
             step, saved = self.version, await self.checkpoint()
             raise self.breaker.stopped(first, step, checkpoints.go_on(self.run_dir, self.version, saved))
 
-    async def _watch_divergence(self, row: dict) -> None:
-        """The divergence alarm (meshrl/stability.py) on the history's new rows, evaluations' included: each line logged and
-        marked as `alarm/divergence`; under alarm.on_divergence=stop the run checkpoints and stops with the line."""
+    async def _watch_divergence(self, row: dict, recorded: dict) -> None:
+        """breaker.report_divergence on the history's new rows, evaluations' included; under
+        alarm.on_divergence=stop the run checkpoints and stops with the line."""
         rows, self._divergence_seen = self.history[self._divergence_seen :], len(self.history)
-        lines = [d.line() for r in rows for d in self.divergence.update(int(r["step"]), r)]
-        for line in lines:
-            row["alarm/divergence"] = self.history[-1]["alarm/divergence"] = 1.0
-            log.warning("%s", line)
+        lines = report_divergence(self.divergence, rows, row, recorded)
         if lines and self.config.alarm.on_divergence == "stop":
             saved = await self.checkpoint()
             how = f"checkpointed at step {self.version} and stopped" if saved else f"stopped; {checkpoints.go_on(self.run_dir, self.version, None)}"
@@ -422,10 +420,12 @@ class RLLoop:
             call.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise
 
-    def _record(self, step: int, row: dict) -> None:
-        """A step's (or an evaluation's) row: into the history and the metrics files."""
-        self.history.append({"step": step, **row})
-        self.metrics.write(step, row)
+    def _record(self, step: int, row: dict, write: bool = True) -> dict:
+        """A step's (or an evaluation's) row: into the history (the entry, returned) and, where `write`, the metrics files."""
+        self.history.append(entry := {"step": step, **row})
+        if write:
+            self.metrics.write(step, row)
+        return entry
 
     # ---- checkpoint and export (controller/checkpoint.py) ------------------------------------
     async def export_to(self, path: str) -> str:

@@ -293,9 +293,15 @@ def save_checkpoint(
         meta = {"step": step, "scheduler": scheduler.state_dict() if scheduler is not None else None, "extra": extra or {}, "optimizer_state": stepped}
         write_atomic(os.path.join(tmp, COMPLETE_MARKER), json.dumps(meta))
         _fsync_tree(tmp)
-        shutil.rmtree(final, ignore_errors=True)
+        # The same step saved again (a run's last step, then its final checkpoint): the one a
+        # loop state names is set aside by a rename, not deleted, until the new one is in place.
+        old = os.path.join(root, f".{name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.isdir(final):
+            os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
         write_atomic(os.path.join(root, LATEST), name)
     _barrier()
     return final
