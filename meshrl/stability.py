@@ -128,12 +128,11 @@ class CliffWatch:
 
     def __init__(self, window: int, reward_drop: float, min_best_reward: float, entropy_floor: float, models: Sequence[str] = ()):
         self.window, self.drop, self.min_best, self.floor = window, reward_drop, min_best_reward, entropy_floor
-        policy = REWARD_KEYS[1:] if models else REWARD_KEYS  # the buffer's reward mixes every model's rows
 
         def series(keys, entropy, tokens):
             return _Series(keys, entropy, tokens, deque(maxlen=window), deque(maxlen=window))
 
-        self.series = {"": series(policy, ENTROPY_KEY, TOKENS_KEY)}
+        self.series = {"": series(REWARD_KEYS, ENTROPY_KEY, TOKENS_KEY)}  # (the buffer's reward: the policy's rows alone, in a game too)
         self.series.update({m: series((f"{m}/{REWARD_KEYS[1]}",), f"{m}/{ENTROPY_KEY}", f"{m}/{TOKENS_KEY}") for m in models})
         self.checkpoints: list[int] = []
         self.raised: list[Alarm] = []
