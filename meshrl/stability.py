@@ -117,6 +117,7 @@ class _Series:
     tokens_key: str
     """A step where it is 0 trained none of the model's own rows (a stand-in row, masked): not a point of its series."""
     rewards: deque
+    """(step, value) of its last window's points, as `entropies`."""
     entropies: deque
     best: float = float("-inf")
     healthy: dict = field(default_factory=lambda: {"reward": True, "entropy": True})
@@ -152,16 +153,16 @@ class CliffWatch:
                 continue
             reward = next((row[k] for k in s.reward_keys if k in row), None)
             if reward is not None and math.isfinite(reward):  # (a NaN reward is the trainer's to report, not a cliff's)
-                s.rewards.append(float(reward))
+                s.rewards.append((step, float(reward)))
                 if len(s.rewards) == self.window:
-                    mean = sum(s.rewards) / self.window
+                    mean = sum(v for _, v in s.rewards) / self.window
                     s.best = max(s.best, mean)
                     cliff = s.best >= self.min_best and mean < self.drop * s.best
                     alarms += self._judge(s, model, "reward", step, cliff, mean, s.best)
             if s.entropy_key in row and self.floor > 0:
-                s.entropies.append(float(row[s.entropy_key]))
+                s.entropies.append((step, float(row[s.entropy_key])))
                 if len(s.entropies) == self.window:
-                    mean = sum(s.entropies) / self.window
+                    mean = sum(v for _, v in s.entropies) / self.window
                     # NaN (a policy whose weights went NaN) is a collapse too, not a healthy window
                     alarms += self._judge(s, model, "entropy", step, not mean >= self.floor, mean, self.floor)
         self.raised += alarms
@@ -174,8 +175,10 @@ class CliffWatch:
         if not s.healthy[kind]:
             return []  # said already; quiet until the series recovers
         s.healthy[kind] = False
-        # the fall began inside this first unhealthy window: good checkpoints precede it
-        good = [c for c in self.checkpoints if c <= step - self.window]
+        # the fall began inside this first unhealthy window (its points, steps a model skipped
+        # between them too): good checkpoints precede its first
+        first = (s.rewards if kind == "reward" else s.entropies)[0][0]
+        good = [c for c in self.checkpoints if c < first]
         return [Alarm(kind, step, value, reference, max(good) if good else None, model)]
 
 

@@ -88,6 +88,21 @@ def test_a_nan_entropy_is_a_collapse_and_a_nan_reward_is_skipped():
     assert fired == [(4, "entropy")], fired
 
 
+def test_the_last_good_checkpoint_precedes_the_window_when_a_model_skips_steps():
+    """A proposer with no rows of its own on steps 4 and 6 (skipped): its window of 2 at step 7
+    holds steps 5 and 7, and the fall began at 5, so the checkpoint to go back to is 4, not 5."""
+    watch = CliffWatch(window=2, reward_drop=0.5, min_best_reward=0.1, entropy_floor=0.0, models=["proposer"])
+    for c in (2, 4, 5, 6):
+        watch.checkpointed(c)
+    points = {1: 0.8, 2: 0.8, 3: 0.8, 5: 0.1, 7: 0.1}
+    fired = []
+    for step in range(1, 8):
+        row = {"trainer/reward_mean": 0.5, "proposer/trainer/tokens": 10.0 if step in points else 0.0}
+        row |= {"proposer/trainer/reward_mean": points[step]} if step in points else {}
+        fired += watch.update(step, row)
+    assert [(a.step, a.model, a.good_checkpoint) for a in fired] == [(7, "proposer", 4)]
+
+
 def test_alarm_config_checks():
     c = Config.from_dict({})
     assert c.alarm.enabled and c.alarm.window == 10 and c.alarm.reward_drop == 0.5
