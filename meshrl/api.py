@@ -84,7 +84,9 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
         why = first_line(str(e), 160) or type(e).__name__
         raise ConfigError("--resume", f"{run_dir!r}: its latest checkpoint cannot be read ({why}): point checkpoints/latest at a complete one") from None
     check_resumable(state, config, run_dir)
-    check_same_shapes(as_config(path, None), config, run_dir)  # (the run as it wrote itself)
+    from meshrl.config.loading import build
+
+    check_same_shapes(build(Config, load_yaml(path)), config, run_dir)  # the run as it wrote itself (typed, not checked: its cores were another host's)
     return config
 
 

@@ -209,8 +209,8 @@ def summary_line(result, wall_s: float) -> str:
     reward is `buffer/sampled_reward_mean` (the trained batch plus the groups dynamic
     sampling dropped while it filled), else `trainer/reward_mean`: every step trains a batch
     and has one, while `reward/mean` covers only the episodes that finished during the step.
-    With models beside the policy (a game's batch mixes their rows), each model's own
-    `trainer/reward_mean`."""
+    With models beside the policy, each model's own `trainer/reward_mean`, the policy's too:
+    the same measure for every model (the others have no sampled reward of their own)."""
     rows = [r for r in result.metrics if "trainer/reward_mean" in r]
     if not rows:
         return f"meshrl: no step trained; results in {result.run_dir}"

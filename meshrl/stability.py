@@ -12,10 +12,10 @@ not go unnoticed until its summary line. `CliffWatch` follows two per-step serie
   under `alarm.entropy_floor`: no exploration left, every group scores the same.
 
 With trained models beside the policy (a game, docs/coevolve.md) each model is watched on
-its own rows: the policy on `trainer/reward_mean` and `trainer/entropy` (the buffer's reward
-mixes every model's rows, so one model's fall can hide under another's rise), each model
-NAME on `NAME/trainer/reward_mean` and `NAME/trainer/entropy`, its alarm named for it and
-marked `NAME/alarm/KIND`.
+its own rows, so that one model's fall never hides under another's rise: the policy as alone
+(the buffer's reward counts the policy's rows only), each model NAME on
+`NAME/trainer/reward_mean` and `NAME/trainer/entropy`, its alarm named for it and marked
+`NAME/alarm/KIND`.
 
 Each kind raises one alarm and then stays quiet until its series is healthy again. The
 alarm names the last good checkpoint: the newest one written before the first unhealthy

@@ -329,6 +329,8 @@ def test_the_same_step_saved_again_replaces_the_first_whole(tmp_path):
     fresh = torch.nn.Linear(2, 1)
     ckpt.load_checkpoint(first, fresh, torch.optim.AdamW(fresh.parameters()))
     assert torch.equal(fresh.weight, model.weight)
+    os.replace(first, tmp_path / ".step-00000003.old")  # a save cut short between its two renames: the one set aside is read
+    assert ckpt.checkpoint_step(tmp_path) == 3
 
 
 def test_a_step_with_nothing_in_the_loss_moves_the_version_and_not_the_weights():

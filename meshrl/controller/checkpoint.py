@@ -20,8 +20,6 @@ from meshrl.config import Config, ConfigError
 from meshrl.errors import first_line
 from meshrl.futures import awaited, bounded
 from meshrl.trainer.checkpoint import checkpoint_step, write_atomic
-from meshrl.trainer.critic_actor import critic_root
-from meshrl.trainer.snapshot import drop_after, snapshot_root
 
 log = logging.getLogger("meshrl")
 
@@ -130,6 +128,9 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
         await critic.load_checkpoint(state["critic_dir"])
     await bounded(queue.load_state_dict.call_one(state["queue"]), timeout_s, "the episode queue, loading its checkpointed state")
     repoint(state, run_dir)
+    from meshrl.trainer.critic_actor import critic_root  # (Monarch's actors: not for a resume's config check)
+    from meshrl.trainer.snapshot import drop_after, snapshot_root
+
     for trained in (run_dir, *(os.path.join(run_dir, "models", name) for name in state.get("models") or {})):
         for states in (trained, critic_root(trained)):  # the previous run's snapshots past its checkpoint: never restored
             drop_after(snapshot_root(states), version)
@@ -212,8 +213,17 @@ def check_same_shapes(saved: Config, config: Config, run_dir: str) -> None:
 
     if saved.lora.rank != config.lora.rank:
         refuse("lora.rank", saved.lora.rank, config.lora.rank)
-    views = [("", saved, config)] + [(f"models[{i}].", saved.for_model(m.name), config.for_model(m.name)) for i, m in enumerate(config.models) if not m.frozen]
+
+    def view(c: Config, name: str) -> Config | None:  # (None: a view this host refuses, preflight says why)
+        try:
+            return c.for_model(name)
+        except ConfigError:
+            return None
+
+    views = [("", saved, config)] + [(f"models[{i}].", view(saved, m.name), view(config, m.name)) for i, m in enumerate(config.models) if not m.frozen]
     for prefix, was, now in views:
+        if was is None or now is None:
+            continue
         if (was.model.path is None) != (now.model.path is None):  # (a checkpoint moved elsewhere may be named anew)
             refuse(prefix + "model.path", was.model.path, now.model.path)
         for key in SHAPE if now.model.path is None else ():

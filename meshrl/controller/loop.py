@@ -249,11 +249,11 @@ class RLLoop:
                 if checkpoints.due(c, self.version, self._last_checkpoint):
                     await self.checkpoint()
                 if self.watch is not None:  # after this step's checkpoint, so that it counts as written before a cliff showed
-                    report_cliffs(self.watch, self.version, row, recorded, self.config.alarm)
+                    report_cliffs(self.watch, recorded["step"], row, recorded, self.config.alarm)
                 if self.divergence is not None:
                     await self._watch_divergence(row, recorded)
-            finally:
-                self.metrics.write(self.version, row)
+            finally:  # under its own step: a heal in the checkpoint may have moved the version back
+                self.metrics.write(recorded["step"], row)
         except Exception as e:  # noqa: BLE001 - the coordinator's host can go down between two calls too
             if not await self._queue_answers():
                 raise self._queue_lost() from e

@@ -314,6 +314,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
     if os.path.isfile(pointer):
         with open(pointer) as f:
             path = os.path.join(path, f.read().strip())
+    aside = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")  # a save of the same step cut short between its renames
+    if not os.path.isdir(path) and os.path.isfile(os.path.join(aside, COMPLETE_MARKER)):
+        path = aside
     if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
         raise FileNotFoundError(f"{path} is not a complete meshrl checkpoint (no {COMPLETE_MARKER})")
     return path
