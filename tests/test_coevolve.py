@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import meshrl
-from meshrl.agent.worker import summarize
+from meshrl.agent.summary import summarize
 from meshrl.config import Config, ConfigError
 from meshrl.episode import Episode, Turn, assign_advantages, model_rows, pack
 from meshrl.futures import awaited

@@ -19,7 +19,8 @@ from meshrl.data import DataError, check_source, load_records
 from meshrl.errors import UserCodeError, describe, one_line
 from meshrl.queue import EpisodeQueue
 from meshrl.rollout.env import ContractError, ModelTurn, StepResult, as_observation, as_reward, as_step_result
-from meshrl.agent.worker import RolloutWorker, summarize
+from meshrl.agent.summary import summarize
+from meshrl.agent.worker import RolloutWorker
 from tests.conftest import ScriptedGenerator, replies_in_order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

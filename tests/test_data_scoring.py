@@ -22,7 +22,8 @@ from meshrl.queue import Claim, EpisodeQueue
 from meshrl.rollout.chat import ChatRenderer
 from meshrl.rollout.env import ModelTurn, SingleTurnEnv
 from meshrl.agent.turns import GenerationFailed
-from meshrl.agent.worker import RolloutWorker, env_factory, summarize
+from meshrl.agent.summary import summarize
+from meshrl.agent.worker import RolloutWorker, env_factory
 from tests.conftest import ScriptedGenerator, replies_in_order
 from meshrl.scoring import resolve_reward
 from meshrl.tasks import TASKS, CalcEnv, GuessEnv, LongtailChatEnv, answer_budget

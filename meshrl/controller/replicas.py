@@ -19,7 +19,7 @@ from meshrl.config import Config
 from meshrl.futures import awaited, by_rank, settled, settled_value, stopped_on_failure
 from meshrl.generator.actor import GeneratorActor
 from meshrl.agent.actor import RolloutWorkerActor
-from meshrl.agent.worker import summarize
+from meshrl.agent.summary import summarize
 from meshrl.errors import first_line
 from meshrl.weightsync.subscriber import subscriber_agent
 
