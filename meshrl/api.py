@@ -271,12 +271,13 @@ class Session:
         """Write the current policy as a Hugging Face checkpoint directory; returns its path. The
         directory is replaced whole, so one holding anything but an earlier export (its
         config.json), or the run's own directory or one above it, is refused."""
-        out, run = os.path.abspath(os.path.expanduser(path)), os.path.abspath(self._need().run_dir)
+        loop = self._need()
+        out, run = os.path.abspath(os.path.expanduser(path)), os.path.abspath(loop.run_dir)
         if out == run or run.startswith(out.rstrip(os.sep) + os.sep):
             raise ValueError(f"export to {path!r} would replace the run's own directory ({run}): name a directory of its own")
         if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, "config.json")):
             raise ValueError(f"{path!r} holds files that are not a Hugging Face checkpoint, and an export replaces it whole: name a new directory")
-        return self._call(self._need().export_to(out), self._trainer_bound())
+        return self._call(loop.export_to(out), self._trainer_bound())
 
     def checkpoint(self) -> str | None:
         """The run's state now (None: deferred while trained models are ahead of a policy its heal took back)."""

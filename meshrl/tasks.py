@@ -402,7 +402,7 @@ class ProposeSolveGame:
 
     def step(self, reply: Reply | list[Reply]) -> list[Ask] | Outcome:
         if not isinstance(reply, list):  # the proposal: the solver's attempts, played at once
-            self.valid = reply.text[:1] in "0123456789" and reply.text[:1] != ""  # ASCII: str.isdigit takes '²', which int() refuses
+            self.valid = reply.text[:1].isascii() and reply.text[:1].isdigit()  # ASCII: str.isdigit takes '²', which int() refuses
             self.n = 1 + int(reply.text[0]) % 8 if self.valid else 4
             return [Ask(self.solver, f"solve{i}", f"{self.n}:", max_new_tokens=self.n) for i in range(PROPOSE_ATTEMPTS)]
         self.scores = [sum(ch.isdigit() for ch in r.text[: self.n]) / self.n for r in reply]

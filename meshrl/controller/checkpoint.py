@@ -58,9 +58,10 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
     # ...and a model beside it may not have (its step waited for a batch the interrupt took):
     # such a save would be torn, so `latest` keeps naming the last whole one. (A critic may be
     # behind: a heal that lost its last steps leaves it there, and it values on from there.)
-    torn = [(n, checkpoint_step(d)) for n, d in models.items() if checkpoint_step(d) != version]
+    steps = {n: checkpoint_step(d) for n, d in models.items()}
+    torn = [f"{n} at {s}" for n, s in steps.items() if s != version]
     if torn:
-        behind = ", ".join(f"{n} at {s}" for n, s in torn)
+        behind = ", ".join(torn)
         log.warning("checkpoint at version %d not kept: %s (the last whole one stays latest)", version, behind)
         return None, version
     state = {
@@ -186,9 +187,9 @@ def check_resumable(state: dict, config: Config, run_dir: str) -> None:
         if not m.frozen and modes[i + 1] == "gae" and m.name not in critics:
             field = f"models[{i}].trainer.loss.advantage"
             raise ConfigError(field, f"{run_dir}'s checkpoint holds no critic of {m.name}'s (written without gae): resume with its own advantage")
-    root = os.path.join(run_dir, "checkpoints")
-    held = os.listdir(root) if os.path.isdir(root) else []
-    prms = sorted(d.removeprefix("prm-") for d in held if d.startswith("prm-") and os.path.isfile(os.path.join(root, d, "state.pt")))
+    from meshrl.scorers.prm import saved_prms
+
+    prms = saved_prms(run_dir)
     for i, (name, sc) in enumerate(zip(config.scoring.scorer_names(), config.scoring.scorers)):
         if sc.kind == "prm" and prms and name not in prms:  # it would start again from its first weights, silently
             raise ConfigError(

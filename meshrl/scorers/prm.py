@@ -48,6 +48,21 @@ from meshrl.config import Config, ScorerConfig
 from meshrl.launch.devices import planned_gpu
 
 
+STATE_FILE = "state.pt"
+
+
+def state_dir(run_dir: str, name: str) -> str:
+    """RUN_DIR/checkpoints/prm-NAME: where the PRM named NAME keeps its state (STATE_FILE)."""
+    return os.path.join(run_dir, "checkpoints", f"prm-{name}")
+
+
+def saved_prms(run_dir: str) -> list[str]:
+    """The names of the PRMs whose state RUN_DIR holds."""
+    root = os.path.join(run_dir, "checkpoints")
+    held = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(d.removeprefix("prm-") for d in held if d.startswith("prm-") and os.path.isfile(os.path.join(root, d, STATE_FILE)))
+
+
 def build_causal_lm(config: Config, spec: ScorerConfig, device: str = "cpu"):
     """The PRM's starting model on `device` and its specs: `spec.path` (a HF causal LM), else the
     policy's starting weights (model.path, or build_model's seeded initialisation, as the trainer
@@ -147,7 +162,7 @@ class ImplicitPRM:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=0.0)
         self.grad_clip = config.trainer.grad_clip
         self.version = 0
-        self.dir = os.path.join(config.logging.run_dir, "checkpoints", f"prm-{name}")
+        self.dir = state_dir(config.logging.run_dir, name)
         self.save_every_s = config.trainer.checkpoint_every_s
         self._saved_at = time.monotonic()
         self._lock = threading.RLock()  # a save (the run's checkpoint, asked from another thread) never sees half a step
@@ -162,7 +177,7 @@ class ImplicitPRM:
 
         from meshrl.trainer.checkpoint import configured_lr
 
-        path = os.path.join(self.dir, "state.pt")
+        path = os.path.join(self.dir, STATE_FILE)
         if not os.path.isfile(path):
             return None
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mapped: the ranks of one host share its pages
@@ -287,7 +302,7 @@ class ImplicitPRM:
         Collective where the PRM is sharded; rank 0 writes."""
         with self._lock:
             state = self.state()
-            path = os.path.join(self.dir, "state.pt")
+            path = os.path.join(self.dir, STATE_FILE)
             if self.rank == 0:
                 os.makedirs(self.dir, exist_ok=True)
                 torch.save(state, path + ".tmp")
