@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Coroutine
@@ -115,10 +116,16 @@ class Session:
         self._reward_fn = reward_fn
         self._interrupted = None  # the call a signal interrupted, left running
         self._stopped = False  # its thread is gone: a new Session goes on (resume=RUN_DIR)
-        self.loop = None
-        self._thread_loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._thread_loop.run_forever, name="meshrl-session", daemon=True)
-        self._thread.start()
+        self._live = _Live()
+        self._thread_loop = self._live.thread_loop
+        # A Session dropped without stop() (a notebook cell run again) stops its run when it is
+        # collected, or at the interpreter's exit: the finalizer holds `_live`, not the Session.
+        self._finalizer = weakref.finalize(self, self._live.stop, True)
+
+    @property
+    def loop(self):
+        """The started run (`RLLoop`), None before start() and after stop()."""
+        return self._live.run
 
     # ---- plumbing ---------------------------------------------------------------------------
     def _call(self, coro: Coroutine, timeout: float | None = None) -> Any:
@@ -174,8 +181,14 @@ class Session:
         if not self._resume:
             keep_earlier(self.config)
         loop = RLLoop(self.config, resume=self._resume, reward_fn=self._reward_fn)
-        self._call(loop.__aenter__())
-        self.loop = loop
+        try:
+            self._call(self._live.enter(loop))
+        except (KeyboardInterrupt, SystemExit):
+            # Ctrl-C (or SIGTERM) while the meshes start: the start is cancelled, which stops
+            # what it had started, so no proc outlives it and start() may be called again.
+            starting, self._interrupted = self._interrupted, None
+            self._live.cancel_start(starting, loop)
+            raise
         return self
 
     @property
@@ -328,22 +341,68 @@ class Session:
         """Shut every mesh and engine down; safe to call twice. A Ctrl-C or SIGTERM that comes
         meanwhile does not cut it short (procs would outlive the run, and a failure being
         reported would give way to a bare exit): the shutdown, bounded part by part, finishes."""
-        if self.loop is not None:
-            loop, self.loop = self.loop, None
-            shutdown = asyncio.run_coroutine_threadsafe(loop.shutdown(), self._thread_loop)
-            deadline = time.monotonic() + SHUTDOWN_S
-            while not shutdown.done() and time.monotonic() < deadline:
-                try:
-                    shutdown.result(deadline - time.monotonic())
-                except (KeyboardInterrupt, SystemExit):
-                    log.warning("a signal came while the run's procs stop: they stop first")
-                except Exception:  # noqa: BLE001 - its own bound ran out: nothing more to wait for
-                    break
-            shutdown.cancel()  # no-op once done
-        if self._thread.is_alive():
-            self._thread_loop.call_soon_threadsafe(self._thread_loop.stop)
-            self._thread.join(10)
+        self._finalizer.detach()
+        self._live.stop()
         self._stopped = True
+
+
+class _Live:
+    """A Session's event-loop thread and the run started on it, apart from the Session so
+    that a finalizer can stop them once the Session is gone."""
+
+    def __init__(self) -> None:
+        self.run = None
+        self.thread_loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.thread_loop.run_forever, name="meshrl-session", daemon=True)
+        self.thread.start()
+        self._start_ended = threading.Event()
+
+    async def enter(self, loop) -> None:
+        self._start_ended.clear()
+        try:
+            await loop.__aenter__()
+            self.run = loop
+        finally:
+            self._start_ended.set()
+
+    def cancel_start(self, starting, loop) -> None:
+        """Cancel a start a signal interrupted; the start's own failure path stops what it had
+        started (`RLLoop.__aenter__`). A start that had just finished is stopped whole."""
+        if starting is not None:
+            starting.cancel()
+        _wait_through_signals(self._start_ended.wait, SHUTDOWN_S)
+        if self.run is loop:
+            self.stop_run()
+
+    def stop_run(self) -> None:
+        if self.run is None:
+            return
+        loop, self.run = self.run, None
+        shutdown = asyncio.run_coroutine_threadsafe(loop.shutdown(), self.thread_loop)
+        _wait_through_signals(shutdown.result, SHUTDOWN_S)
+        shutdown.cancel()  # no-op once done
+
+    def stop(self, dropped: bool = False) -> None:
+        if dropped and self.run is not None:
+            print(f"meshrl: a Session dropped without stop(): stopping its run ({self.run.run_dir})", file=console())
+        self.stop_run()
+        if self.thread.is_alive():
+            self.thread_loop.call_soon_threadsafe(self.thread_loop.stop)
+            self.thread.join(10)
+
+
+def _wait_through_signals(wait, timeout_s: float) -> None:
+    """Wait for `wait(remaining)` to return, up to `timeout_s`: a Ctrl-C or SIGTERM meanwhile
+    is logged and waited through (procs stop first); its own bound running out ends it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            wait(deadline - time.monotonic())
+            return
+        except (KeyboardInterrupt, SystemExit):
+            log.warning("a signal came while the run's procs stop: they stop first")
+        except Exception:  # noqa: BLE001 - its own bound ran out, or it failed: nothing more to wait for
+            return
 
 
 def run(

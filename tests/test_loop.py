@@ -9,6 +9,7 @@ raising reward function, and short runs of the features that need the whole loop
 teacher replica).
 """
 
+import gc
 import json
 import os
 import signal
@@ -317,7 +318,8 @@ def test_a_trained_model_ahead_of_the_policy_its_heal_took_back_waits_for_it(tmp
         data={"source": "task:propose"},
         models=[{"name": "proposer", "trainer": {"snapshot_every": 1}}],
     )
-    with meshrl.Session(cfg) as session:
+    session = meshrl.Session(cfg)
+    try:
         session.start()
         loop = session.loop
         first = session.step(6)
@@ -328,6 +330,14 @@ def test_a_trained_model_ahead_of_the_policy_its_heal_took_back_waits_for_it(tmp
             healed += session.step(1)
         (proposer,) = loop.partners
         proposer_version = proposer.trainer.version
+    except BaseException:
+        session.stop()
+        raise
+    # A Session dropped without stop() (a notebook's `%reset`, a cell run again) stops its run
+    # once it is collected.
+    del session
+    gc.collect()
+    assert not wait_no_children(), "procs outlived a dropped Session"
     assert healed[0]["trainer/steps_lost"] == 2 and [int(r["version"]) for r in healed] == [5, 6, 7, 8], [int(r["version"]) for r in healed]
     assert [r.get("proposer/trainer/ahead") for r in healed] == [1.0, 1.0, None, None]
     assert not any("proposer/trainer/loss" in r for r in healed[:2]) and proposer_version == 8
@@ -336,7 +346,6 @@ def test_a_trained_model_ahead_of_the_policy_its_heal_took_back_waits_for_it(tmp
     kept = {int(r["version"]): r for r in first + healed}
     groups = trained_groups(kept.values())
     assert sorted(kept) == list(range(1, 9)) and len(groups) == len(set(groups)), "a group was trained twice"
-    assert not wait_no_children()
 
 
 def raising_reward(prompt, response, sample):
@@ -357,19 +366,21 @@ def test_a_session_refuses_an_export_over_other_files_and_every_call_once_stoppe
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     session = meshrl.Session.__new__(meshrl.Session)
-    session._stopped, session.loop, session.config = False, types.SimpleNamespace(run_dir=str(run)), Config()
+    session._stopped, session._live, session.config = False, types.SimpleNamespace(run=types.SimpleNamespace(run_dir=str(run))), Config()
     for path in (run, tmp_path / "runs", tmp_path / "notes"):
         with pytest.raises(ValueError, match="the run's own directory|not a Hugging Face checkpoint"):
             session.export(str(path))
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
-    session._stopped, session.loop = True, None  # as stop() leaves it
+    session._stopped, session._live.run = True, None  # as stop() leaves it
     for call in (lambda: session.step(1), session.start, lambda: session.export(str(tmp_path / "hf"))):
         with pytest.raises(RuntimeError, match="this session was stopped: start a new one"):
             call()
 
 
-def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_path):
+def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_path, monkeypatch):
     from IPython.core.interactiveshell import InteractiveShell
+
+    from meshrl.controller.heal import TrainerHealer
 
     cfg = tiny(tmp_path / "session", steps=100, scoring={"reward_fn": "tests.test_loop:raising_reward"}, trainer={"checkpoint_every": 0})
     shell = InteractiveShell.instance()
@@ -383,8 +394,21 @@ def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_pat
             raise result.error_before_exec
         return result.result
 
+    watch = TrainerHealer.watch
+
+    async def watch_then_ctrl_c(healer):  # Ctrl-C in the notebook once the trainer is up, mid-start
+        await watch(healer)
+        os.kill(os.getpid(), signal.SIGINT)
+
     try:
-        cell("import meshrl\ns = meshrl.Session(cfg)\ns.start()")
+        cell("import meshrl\ns = meshrl.Session(cfg)")
+        monkeypatch.setattr(TrainerHealer, "watch", watch_then_ctrl_c)
+        cut_short = shell.run_cell("s.start()")
+        monkeypatch.undo()
+        # The start is cancelled and stops what it had started; the same Session starts again.
+        assert isinstance(cut_short.error_in_exec, KeyboardInterrupt), cut_short.error_in_exec
+        assert cell("s.loop") is None and not wait_no_children(), "procs outlived a start cut short"
+        cell("s.start()")
         rows = cell("s.step(2)")
         assert len(rows) == 2
         cell("s.set(lr=5e-4, max_lag=1)")
@@ -401,7 +425,10 @@ def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_pat
         export = cell(f"s.export({str(tmp_path / 'export')!r})")
         fresh = fresh_engine_greedy(cfg, export, ["a:", "q:", "z:"], os.path.join(s_run_dir(cfg), "tokenizer"))
         assert greedy == fresh, (greedy, fresh)
-        cell("s.pause(); s.resume()")
+        cell("s.pause()")
+        with pytest.raises(RuntimeError, match="generation is paused: call resume"):  # at once, where it waited 600 s
+            cell("s.generate(['a:'])")
+        cell("s.resume()")
         cell("s.scale_generators(2)")
         assert cell("len(s.loop.generators.replicas)") == 2
         assert len(cell("s.step(1)")) == 1

@@ -13,8 +13,11 @@ from meshrl.futures import awaited
 
 async def generate_text(loop, prompts: list[str], temperature: float | None = None) -> list[list[str]]:
     """A group of completions (generator.group_size) per prompt text, from the current
-    policy on replica 0."""
+    policy on replica 0. Refused while generation is paused (it would wait for `resume`)."""
     from meshrl.tokenizer import load_tokenizer
+
+    if loop.generators.paused:
+        raise RuntimeError("generation is paused: call resume() first (a paused replica serves no request)")
 
     tok = load_tokenizer(loop.tokenizer_dir)
     gen = loop.generators.replicas[0].actor
@@ -37,11 +40,13 @@ async def wait_for_generators(loop) -> None:
 
 
 async def pause_generation(loop) -> None:
+    loop.generators.paused = True
     await asyncio.gather(*(awaited(r.actor.pause_generation.call_one()) for r in loop.generators.replicas))
 
 
 async def resume_generation(loop) -> None:
     await asyncio.gather(*(awaited(r.actor.resume_generation.call_one()) for r in loop.generators.replicas))
+    loop.generators.paused = False
 
 
 async def set_knobs(loop, lr: float | None = None, max_lag: int | None = None) -> None:

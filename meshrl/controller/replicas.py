@@ -54,6 +54,7 @@ class GeneratorPool:
         self.on_change = on_change  # re-wires weight sync and the workers after a change
         self.replicas: list[Member] = []
         self.asleep = False  # placement=colocate: between `sleep` and `wake`, a trainer steps on the devices
+        self.paused = False  # Session.pause() until resume() (controller/control.py)
         self.replaced = 0
         self._lock = asyncio.Lock()  # a failed update and a health check may both see one death
         self._warm: dict[int, tuple] = {}  # replica index: (procs, actor) spawned by `warm`, not set up yet
