@@ -20,12 +20,15 @@ class MetricsWriter:
     """Appends step rows to RUN_DIR/metrics.jsonl and, optionally, TensorBoard events.
 
     `keep_until`: the step the run starts from (0 for a new run, the restored step for a
-    resumed one). Rows and events of later steps are cut, so no step appears twice."""
+    resumed one). Rows and events of later steps are cut, so no step appears twice.
+    `restored`: the checkpoint's history; its rows past the file's last step are written
+    again (a run killed after a checkpoint and before its step's row was written, or as it
+    was written)."""
 
-    def __init__(self, run_dir: str, tensorboard: bool = True, keep_until: int = 0, wandb: dict | None = None):
+    def __init__(self, run_dir: str, tensorboard: bool = True, keep_until: int = 0, wandb: dict | None = None, restored: Iterable[dict] = ()):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
-        _truncate_rows(self.path, keep_until)
+        last = _truncate_rows(self.path, keep_until)
         self._file = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:
@@ -34,6 +37,9 @@ class MetricsWriter:
             # TensorBoard hides the events of steps >= purge_step written before this point
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=keep_until + 1)
         self._wandb = _start_wandb(run_dir, keep_until, **wandb) if wandb else None
+        for row in restored:
+            if row.get("step", 0) > last:
+                self.write(int(row["step"]), {k: v for k, v in row.items() if k != "step"})
 
     def write(self, step: int, row: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
@@ -82,19 +88,22 @@ def _start_wandb(run_dir: str, keep_until: int, project: str, mode: str, config:
     return run
 
 
-def _truncate_rows(path: str, keep_until: int) -> None:
-    """Keep the rows of steps <= keep_until in the JSONL file at `path`, atomically."""
+def _truncate_rows(path: str, keep_until: int) -> float:
+    """Keep the rows of steps <= keep_until in the JSONL file at `path`, atomically; returns
+    the last step kept (0 for none)."""
     if not os.path.isfile(path):
-        return
+        return 0
     with open(path) as f:
         lines = [line for line in f if line.strip()]
     kept = [line for line in lines if _step_of(line) <= keep_until]
+    last = max((_step_of(line) for line in kept), default=0)
     if len(kept) == len(lines):
-        return
+        return last
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(kept)
     os.replace(tmp, path)
+    return last
 
 
 def _step_of(line: str) -> float:

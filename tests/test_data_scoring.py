@@ -543,6 +543,25 @@ def test_metrics_jsonl_tensorboard_and_plot(tmp_path):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 
+def test_a_resume_writes_again_the_checkpointed_rows_the_file_lost(tmp_path):
+    """A run killed after step 3's checkpoint, before (or as) step 3's row was written: the
+    resume writes the rows its checkpoint's history holds past the file's last step, and cuts
+    rows past the restored step, so each step has its row once."""
+    history = [{"step": s, "trainer/loss": s / 10} for s in (1, 2, 3)]
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    for row in history[:2]:
+        w.write(row["step"], {"trainer/loss": row["trainer/loss"]})
+    w.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "trainer/lo')  # torn by the kill
+    MetricsWriter(str(tmp_path), tensorboard=False, keep_until=3, restored=history).close()
+    assert read_metrics(str(tmp_path)) == history
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "trainer/loss": 0.4}\n')  # a step past the checkpoint: trained again
+    MetricsWriter(str(tmp_path), tensorboard=False, keep_until=3, restored=history).close()
+    assert read_metrics(str(tmp_path)) == history
+
+
 def test_a_games_curves_and_progress_bar_show_each_trained_models_own_reward():
     from meshrl.api import progress_keys
     from meshrl.config import Config

@@ -138,7 +138,7 @@ class RLLoop:
                 self.divergence.checkpointed(self.version)
         # Rows past the restored step belong to steps about to be trained again: cut them.
         wandb = dict(project=c.logging.wandb_project, mode=c.logging.wandb_mode, config=c.to_dict()) if c.logging.wandb else None
-        self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version, wandb=wandb)
+        self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version, wandb=wandb, restored=self.history)
         self._last_checkpoint = time.monotonic()
         initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"), checkpoints.lora_base_dir(self.run_dir))
         await colocate.release(self.alloc.plan, self.trainer, self._offload_optimizer)  # on a shared GPU, before the engines start
