@@ -73,9 +73,10 @@ def wait_empty(hosts, timeout: float = 60) -> dict[str, list[int]]:
     return {h: hosts.pids(h) for h in ("a", "b")}
 
 
-@pytest.mark.parametrize("transport", ["collective", "rdma"])
-def test_two_hosts_train_across_the_link(two_hosts, tmp_path, transport):
-    run_dir = tmp_path / "run"
+def test_two_hosts_train_across_the_link(two_hosts, tmp_path):
+    """A broadcast group across the link (`collective`, what `auto` picks across hosts); the
+    two co-evolving models below move theirs by Monarch RDMA."""
+    run_dir, transport = tmp_path / "run", "collective"
     # synchronous (tests/README.md): every batch is sampled by the version the trainer holds,
     # so each step's log-prob match checks that step's weights arrived whole across the link
     cfg = two_host_config(run_dir, two_hosts, weight_sync={"transport": transport}, buffer={"depth": 0, "max_lag": 0}, generator={"update_mode": "block"})
@@ -104,8 +105,9 @@ def test_two_hosts_train_across_the_link(two_hosts, tmp_path, transport):
 def test_two_co_evolving_models_train_across_the_link(two_hosts, tmp_path):
     """configs/coevolve.yaml's game on `meshrl worker` hosts: the solver's (the policy's) and
     the proposer's trainers on A, both models' engines on B, each model's weights crossing
-    the link every step. Each model trains by PPO with a critic of its own (procs on A); the
-    proposer's critic is killed two steps in and healed, and the run is resumed for a step."""
+    the link every step by Monarch RDMA. Each model trains by PPO with a critic of its own
+    (procs on A); the proposer's critic is killed two steps in and healed, and the run is
+    resumed for a step."""
     run_dir = tmp_path / "run"
     # synchronous, as above: each step's log-prob match checks each model's weights arrived whole;
     # 12 steps of 4 groups: the assertions hold from the second step, the kill lands after the
@@ -120,6 +122,7 @@ def test_two_co_evolving_models_train_across_the_link(two_hosts, tmp_path):
         trainer={"loss": {"advantage": "gae"}},
         buffer={"depth": 0, "max_lag": 0},
         generator={"group_size": 4, "update_mode": "block"},
+        weight_sync={"transport": "rdma"},
     )
     # the quiet default (not the suite's MESHRL_VERBOSE): every proc's output in RUN_DIR's logs,
     # so that the proposer's critic is the proc on A writing models/proposer/logs/critic.log
@@ -153,6 +156,8 @@ def test_two_co_evolving_models_train_across_the_link(two_hosts, tmp_path):
         # model trained on its advantages from the first step (critic.policy_warmup 0)
         assert all(r[f"{prefix}critic/gae_trained"] == 1 and r[f"{prefix}critic/version_lag"] <= 1 for r in rows), prefix
         assert all(r.get(f"{prefix}critic/value_nonfinite", 0) == 0 for r in rows), prefix
+    versions = [r["generator/version"] for r in rows if "generator/version" in r]  # the policy's engines on B, newer and newer
+    assert versions == sorted(versions) and versions[-1] >= 10, versions
     # the proposer's critic healed once, losing at most its last step; the solver's untouched
     healed = [r for r in rows if "proposer/critic/steps_lost" in r]
     assert len(healed) == 1 and healed[0]["proposer/critic/steps_lost"] <= 1 and healed[0]["proposer/critic/restart_s"] > 0
