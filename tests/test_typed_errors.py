@@ -181,7 +181,7 @@ def test_a_signal_during_the_teardown_lets_it_finish_and_the_failure_stand(tmp_p
 
     previous = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
     try:
-        session.loop = Loop()
+        session._live.run = Loop()
         signal.setitimer(signal.ITIMER_REAL, 0.1)
         with pytest.raises(TrainerFailed, match="stopped answering"):
             failed_run()
