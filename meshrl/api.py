@@ -15,6 +15,7 @@ blocking call that works the same in scripts, IPython and Jupyter; every call is
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import threading
@@ -119,8 +120,10 @@ class Session:
         self._live = _Live()
         self._thread_loop = self._live.thread_loop
         # A Session dropped without stop() (a notebook cell run again) stops its run when it is
-        # collected, or at the interpreter's exit: the finalizer holds `_live`, not the Session.
-        self._finalizer = weakref.finalize(self, self._live.stop, True)
+        # collected: the finalizer holds `_live`, not the Session. At the interpreter's exit an
+        # exit hook does, registered once the run has started so that it runs before Monarch's.
+        self._finalizer = weakref.finalize(self, self._live.dropped)
+        self._finalizer.atexit = False
 
     @property
     def loop(self):
@@ -176,6 +179,8 @@ class Session:
             return self
         if self._stopped:
             self._need()  # raises: its thread is gone
+        if self._live.starting():
+            raise RuntimeError("the start an interrupt cut short is still stopping its procs: call start() again once it has")
         from meshrl.controller.loop import RLLoop
 
         if not self._resume:
@@ -189,6 +194,7 @@ class Session:
             starting, self._interrupted = self._interrupted, None
             self._live.cancel_start(starting, loop)
             raise
+        atexit.register(self._live.at_exit)
         return self
 
     @property
@@ -342,13 +348,14 @@ class Session:
         meanwhile does not cut it short (procs would outlive the run, and a failure being
         reported would give way to a bare exit): the shutdown, bounded part by part, finishes."""
         self._finalizer.detach()
+        atexit.unregister(self._live.at_exit)
         self._live.stop()
         self._stopped = True
 
 
 class _Live:
     """A Session's event-loop thread and the run started on it, apart from the Session so
-    that a finalizer can stop them once the Session is gone."""
+    that a finalizer or an exit hook can stop them once the Session is gone."""
 
     def __init__(self) -> None:
         self.run = None
@@ -356,6 +363,11 @@ class _Live:
         self.thread = threading.Thread(target=self.thread_loop.run_forever, name="meshrl-session", daemon=True)
         self.thread.start()
         self._start_ended = threading.Event()
+        self._start_ended.set()
+
+    def starting(self) -> bool:
+        """A start is under way (or, cut short, still stopping what it had started)."""
+        return not self._start_ended.is_set()
 
     async def enter(self, loop) -> None:
         self._start_ended.clear()
@@ -367,10 +379,15 @@ class _Live:
 
     def cancel_start(self, starting, loop) -> None:
         """Cancel a start a signal interrupted; the start's own failure path stops what it had
-        started (`RLLoop.__aenter__`). A start that had just finished is stopped whole."""
+        started (`RLLoop.__aenter__`), bounded. A start that had just finished is stopped whole.
+        A second signal ends the wait: the start goes on stopping in the session's thread."""
+        print("meshrl: interrupted while starting: stopping what has started (interrupt again not to wait)", file=console())
         if starting is not None:
             starting.cancel()
-        _wait_through_signals(self._start_ended.wait, SHUTDOWN_S)
+        try:
+            self._start_ended.wait(SHUTDOWN_S)
+        except (KeyboardInterrupt, SystemExit):
+            return
         if self.run is loop:
             self.stop_run()
 
@@ -382,13 +399,27 @@ class _Live:
         _wait_through_signals(shutdown.result, SHUTDOWN_S)
         shutdown.cancel()  # no-op once done
 
-    def stop(self, dropped: bool = False) -> None:
-        if dropped and self.run is not None:
-            print(f"meshrl: a Session dropped without stop(): stopping its run ({self.run.run_dir})", file=console())
+    def stop(self, why: str | None = None) -> None:
+        if why is not None and self.run is not None:
+            print(f"meshrl: {why}: stopping its run ({self.run.run_dir})", file=console())
         self.stop_run()
-        if self.thread.is_alive():
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread_loop.call_soon_threadsafe(self.thread_loop.stop)
             self.thread.join(10)
+
+    def at_exit(self) -> None:
+        self.stop("the interpreter exits with a Session not stopped")
+
+    def dropped(self) -> None:
+        """The finalizer of a Session collected without stop(). A collection can happen on any
+        thread, the session's own among them, which cannot wait for its own loop: off the main
+        thread the stop runs on a thread of its own."""
+        atexit.unregister(self.at_exit)
+        why = "a Session dropped without stop()"
+        if threading.current_thread() is threading.main_thread():
+            self.stop(why)
+        else:
+            threading.Thread(target=self.stop, args=(why,), name="meshrl-session-stop").start()
 
 
 def _wait_through_signals(wait, timeout_s: float) -> None:

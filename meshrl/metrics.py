@@ -28,7 +28,7 @@ class MetricsWriter:
     def __init__(self, run_dir: str, tensorboard: bool = True, keep_until: int = 0, wandb: dict | None = None, restored: Iterable[dict] = ()):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
-        last = _truncate_rows(self.path, keep_until)
+        present = _truncate_rows(self.path, keep_until)
         self._file = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:
@@ -37,8 +37,9 @@ class MetricsWriter:
             # TensorBoard hides the events of steps >= purge_step written before this point
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=keep_until + 1)
         self._wandb = _start_wandb(run_dir, keep_until, **wandb) if wandb else None
-        for row in restored:
-            if row.get("step", 0) > last:
+        last = max((step for step, evaluation in present if not evaluation), default=0)
+        for row in restored:  # (a heal keeps the rows of the steps it lost: those past keep_until are trained again)
+            if last < row.get("step", 0) <= keep_until and (row["step"], _is_evaluation(row)) not in present:
                 self.write(int(row["step"]), {k: v for k, v in row.items() if k != "step"})
 
     def write(self, step: int, row: dict[str, float]) -> None:
@@ -88,22 +89,27 @@ def _start_wandb(run_dir: str, keep_until: int, project: str, mode: str, config:
     return run
 
 
-def _truncate_rows(path: str, keep_until: int) -> float:
+def _truncate_rows(path: str, keep_until: int) -> set[tuple[float, bool]]:
     """Keep the rows of steps <= keep_until in the JSONL file at `path`, atomically; returns
-    the last step kept (0 for none)."""
+    the (step, whether an evaluation's) of the rows kept."""
     if not os.path.isfile(path):
-        return 0
+        return set()
     with open(path) as f:
         lines = [line for line in f if line.strip()]
     kept = [line for line in lines if _step_of(line) <= keep_until]
-    last = max((_step_of(line) for line in kept), default=0)
+    present = {(row.get("step", 0), _is_evaluation(row)) for row in map(json.loads, kept)}
     if len(kept) == len(lines):
-        return last
+        return present
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(kept)
     os.replace(tmp, path)
-    return last
+    return present
+
+
+def _is_evaluation(row: dict) -> bool:
+    """An evaluation's row (`eval/...` alone), which shares its step with the step's own."""
+    return all(k.startswith("eval/") for k in row if k != "step")
 
 
 def _step_of(line: str) -> float:

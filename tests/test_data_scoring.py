@@ -558,8 +558,14 @@ def test_a_resume_writes_again_the_checkpointed_rows_the_file_lost(tmp_path):
     assert read_metrics(str(tmp_path)) == history
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "trainer/loss": 0.4}\n')  # a step past the checkpoint: trained again
-    MetricsWriter(str(tmp_path), tensorboard=False, keep_until=3, restored=history).close()
-    assert read_metrics(str(tmp_path)) == history
+    MetricsWriter(str(tmp_path), tensorboard=False, keep_until=3, restored=history + [{"step": 4, "trainer/loss": 0.4}]).close()
+    assert read_metrics(str(tmp_path)) == history  # a history that a heal left past its checkpoint: cut too
+    # step 4's evaluation written (it finished during the checkpoint) but not the step's own row
+    evaluation = {"step": 4, "eval/greedy_accuracy": 0.5}
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(evaluation) + "\n")
+    MetricsWriter(str(tmp_path), tensorboard=False, keep_until=4, restored=history + [evaluation, {"step": 4, "trainer/loss": 0.4}]).close()
+    assert read_metrics(str(tmp_path)) == history + [evaluation, {"step": 4, "trainer/loss": 0.4}]
 
 
 def test_a_games_curves_and_progress_bar_show_each_trained_models_own_reward():

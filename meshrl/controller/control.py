@@ -45,8 +45,10 @@ async def pause_generation(loop) -> None:
 
 
 async def resume_generation(loop) -> None:
-    await asyncio.gather(*(awaited(r.actor.resume_generation.call_one()) for r in loop.generators.replicas))
-    loop.generators.paused = False
+    try:
+        await asyncio.gather(*(awaited(r.actor.resume_generation.call_one()) for r in loop.generators.replicas))
+    finally:  # a dead replica's failure: the live ones resumed, and the next health check replaces it
+        loop.generators.paused = False
 
 
 async def set_knobs(loop, lr: float | None = None, max_lag: int | None = None) -> None:

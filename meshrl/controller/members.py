@@ -171,6 +171,6 @@ class MeshFailureLog:
     def restore(self) -> None:
         import monarch.actor
 
-        if self.installed and self.previous is not None:
+        if self.installed and self.previous is not None and monarch.actor.unhandled_fault_hook == self.log:  # not another run's
             monarch.actor.unhandled_fault_hook = self.previous
         self.installed = False
