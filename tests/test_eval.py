@@ -25,6 +25,35 @@ def test_summarize_eval_counts_solved_prompts():
     assert (m["eval/failed"], m["eval/version_min"], m["eval/version_max"]) == (1.0, 3.0, 4.0)
 
 
+def test_a_tasks_eval_source_is_scored_by_its_own_rule_not_the_runs_reward(tmp_path):
+    """Training scored by the run's own reward (scoring.reward_fn, a function passed in code, a
+    user env), evaluating on `task:add`: the rollout worker's evaluation env scores by add's
+    exact rule, not by the training reward."""
+    import asyncio
+
+    from meshrl.agent.worker import RolloutWorker
+    from meshrl.config import Config
+    from meshrl.rollout.env import ModelTurn
+    from meshrl.tokenizer import build_char_tokenizer
+
+    def always_one(prompt, response, sample):
+        return 1.0
+
+    tokenizer = build_char_tokenizer(str(tmp_path / "tok"))
+    sections = {"data": {"source": "task:digits"}, "eval": {"source": "task:add", "every": 1}}
+    for scoring, rollout, passed in (
+        ({"reward_fn": "tests.test_loop:raising_reward"}, {}, None),
+        ({}, {}, always_one),
+        ({}, {"env": "tests.test_loop:ThreeTurnEnv"}, None),
+    ):
+        worker = RolloutWorker(Config.from_dict({**sections, "scoring": scoring, "rollout": rollout}), tokenizer, reward_fn=passed)
+        env = worker.make_eval_env()
+        asyncio.run(env.reset({"prompt": "2+3=", "answer": "5"}))
+        for reply, reward in (("7", 0.0), ("5", 1.0)):
+            got = asyncio.run(env.step(ModelTurn(reply, [], "stop")))
+            assert got.reward == reward, (scoring, rollout, passed, reply, got)
+
+
 def test_a_session_stepping_past_steps_evaluates_every_eval_every_not_every_step():
     """eval.every 10, steps 20: evaluations at 10 and 20 (the last, which waits for the one
     before), then, stepped on past the run's steps, at 30 only, not at each of 21-29."""

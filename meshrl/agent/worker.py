@@ -75,7 +75,8 @@ def env_factory(config: Config, reward_fn=None):
 
 def eval_view(config: Config) -> Config:
     """The config as evaluation plays it: a `task:` or `reasoning_gym:` eval.source brings its
-    own env or verifier; any other eval source is scored like the training data."""
+    own env or verifier (the run's env, reward function and reward model are not its); any
+    other eval source is scored like the training data."""
     import dataclasses
 
     from meshrl.config import source_kind
@@ -83,7 +84,9 @@ def eval_view(config: Config) -> Config:
     source = config.eval.source
     if source is None or source_kind(source) not in ("task", "reasoning_gym"):
         return config
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, source=source, task_args=config.eval.task_args))
+    own = dataclasses.replace(config.scoring, reward_fn=None, reward_model=None)
+    data = dataclasses.replace(config.data, source=source, task_args=config.eval.task_args)
+    return dataclasses.replace(config, data=data, scoring=own, rollout=dataclasses.replace(config.rollout, env=None))
 
 
 class RolloutWorker:
@@ -96,7 +99,8 @@ class RolloutWorker:
         self.worker = worker
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.make_env = env_factory(config, reward_fn)
-        self.make_eval_env = env_factory(eval_view(config), reward_fn) if config.eval.source else self.make_env
+        view = eval_view(config)  # (a task's own eval source: not the reward passed in code either)
+        self.make_eval_env = env_factory(view, reward_fn if view is config else None) if config.eval.source else self.make_env
         self.turns = TurnBatcher(config)
         # a game's models (meshrl/agent/game.py): the policy's turns, then each models[*]'s generators
         self.model_turns = [self.turns] + [TurnBatcher(config) for _ in config.models]
