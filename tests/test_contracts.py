@@ -167,6 +167,10 @@ def test_reset_takes_an_observation_or_gymnasiums_pair():
             r"a list of chat messages .* or gymnasium's \(observation, info\)$",
         ):
             as_observation(bad, env)
+    for empty in ("", [], ("", {})):  # a data row's empty prompt, an env's: the episode fails, not the replica
+        with pytest.raises(ContractError, match="reset returned an empty observation: the first turn needs a prompt") as info:
+            as_observation(empty, env)
+        assert info.value.where == f"{HERE}:{line_of(GymDigitsEnv.reset)}"
 
 
 def test_a_reward_is_a_finite_number():

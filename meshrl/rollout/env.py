@@ -144,11 +144,17 @@ def as_reward(value: Any, what: str, where: str | None = None) -> float:
 
 
 def as_observation(value: Any, env: Any) -> Observation:
-    """What `env.reset` returned, as an observation: one, or gymnasium's (observation, info)."""
+    """What `env.reset` returned, as an observation: one, or gymnasium's (observation, info).
+    An empty one is refused: the episode's first turn needs a prompt (vLLM refuses an empty one,
+    which would fail the replica, not the episode)."""
+    if isinstance(value, tuple) and len(value) == 2 and is_observation(value[0]) and isinstance(value[1], dict):
+        value = value[0]
+    if is_observation(value) and len(value) == 0:
+        raise ContractError(
+            f"env {callable_name(type(env))}: reset returned an empty observation: the first turn needs a prompt", _where(getattr(env, "reset", None))
+        )
     if is_observation(value):
         return value
-    if isinstance(value, tuple) and len(value) == 2 and is_observation(value[0]) and isinstance(value[1], dict):
-        return value[0]
     raise ContractError(
         f"env {callable_name(type(env))}: reset returned {_shown(value)}: expected {OBSERVATION}, or gymnasium's (observation, info)",
         _where(getattr(env, "reset", None)),
