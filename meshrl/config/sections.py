@@ -38,7 +38,7 @@ class BufferConfig:
     depth: int = 2
     """Batches admitted beyond the one the trainer trains next: 0 synchronous (on-policy), 1 a double buffer, K a bounded queue of K batches. Admission also never runs further ahead than `max_lag`."""
     max_lag: int | None = 2
-    """The staleness bound: no trained token is more than this many versions behind the trainer. Admission is derived from it (with `depth`), and tokens still too stale at sample time are masked or dropped. A model held by its `trainer.pace` counts its lag in its own weight updates there, not in the versions its held steps relabelled (docs/coevolve.md). None: bounded by `depth` alone."""
+    """The staleness bound: no trained token is more than this many versions behind the trainer. Admission is derived from it (with `depth`), and tokens still too stale at sample time are masked or dropped. A model held by its `trainer.pace` counts its lag in its own weight updates there, not in the versions its held steps relabelled (docs/coevolve.md). None: no bound at sample time; admission is bounded by `depth` alone, so a straggling group (or one `sampling: random` draws late) can be trained staler than `depth`."""
     lag_granularity: Literal["token", "sequence"] = "token"
     """`token`: stale tokens are masked out of the loss; `sequence`: a group whose oldest token is too stale is dropped whole (and replaced)."""
     sampling: str = "fifo"
