@@ -452,6 +452,22 @@ def test_requeue_hands_the_same_group_out_again_and_refuses_late_puts():
         q.put(3, make_group(4, 1, [0]))
 
 
+def test_a_dead_workers_waiting_claim_takes_nothing_once_its_groups_are_requeued():
+    """A worker's claim waits in the queue when its proc dies; the controller re-queues its
+    groups, which wakes that claim: it must not take them back (its answer is lost, and
+    the group would be RUNNING under a dead worker for good)."""
+    q = make_queue(batch_groups=2, depth=0, max_lag=0)
+    held = [q.claim(7, 0), q.claim(7, 0)]
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(q.claim(7, 10)))
+    waiter.start()
+    time.sleep(0.2)  # the dead worker's claim is waiting
+    assert q.requeue(worker=7) == 2
+    waiter.join(10)
+    assert got == [None]
+    assert [q.claim(8, 0).group_id for _ in held] == [c.group_id for c in held]  # both for the live worker
+
+
 def test_close_wakes_waiters():
     q = make_queue(depth=0, max_lag=0)
     claim_all(q)

@@ -121,7 +121,7 @@ class EpisodeQueue:
         self._sampled_reward: float | None = None  # the last batch's, with the groups dropped while it filled
         self.pending: deque[tuple[int, dict]] = deque()  # re-queued (group id, sample), handed out first
         self.running: dict[int, tuple[dict, int, int, int]] = {}  # group id -> (sample, worker, claim version, token)
-        self._tokens = itertools.count()
+        self._tokens, self._gone = itertools.count(), set()  # claims' tokens; workers presumed dead (`requeue`)
         self.ready: deque[TensorDict] = deque()
         self._ready_at: dict[int, float] = {}  # group id -> when it was put (READY)
         self._straggler_s = 0.0
@@ -165,11 +165,10 @@ class EpisodeQueue:
         return self.next_group_id < (self.version + 1 + self.ahead) * self.batch_groups + self.dropped
 
     def claim(self, worker: int, timeout: float) -> Claim | None:
-        """The next group for `worker`; None when nothing may start within `timeout` s (the
-        worker asks again). Raises QueueClosed once the queue is closed."""
+        """The next group for `worker`; None when nothing may start within `timeout` s (the worker asks again). Raises QueueClosed once closed."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._closed or self.pending or self._admissible(), timeout):
-                return None
+            if not self._cond.wait_for(lambda: self._closed or self.pending or self._admissible(), timeout) or worker in self._gone:
+                return None  # (a dead worker's claim still waiting takes nothing: its answer would be lost)
             if self._closed:
                 self._raise_closed()
             if self.pending:
@@ -227,8 +226,9 @@ class EpisodeQueue:
             return True
 
     def requeue(self, worker: int | None = None, group_ids: Sequence[int] | None = None) -> int:
-        """Hand RUNNING groups out again, first: those of `worker`, or the given ids, or all."""
+        """Hand RUNNING groups out again, first: those of `worker` (presumed dead), or the given ids, or all."""
         with self._cond:
+            self._gone |= {worker} - {None}
             ids = sorted(
                 gid for gid, (_, holder, _, _) in self.running.items() if (worker is None or holder == worker) and (group_ids is None or gid in group_ids)
             )
