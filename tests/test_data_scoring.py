@@ -406,6 +406,43 @@ def test_a_failing_generator_call_fails_the_group_not_its_episodes(tokenizer_dir
         asyncio.run(worker.play_group(claim))
 
 
+def test_a_replica_whose_call_failed_gets_groups_again_once_a_call_succeeds_or_a_while_after(monkeypatch):
+    """A live replica's passing error (a slow update's version wait timing out) sends new groups
+    elsewhere, not for the rest of the run: a call of its that succeeds, or FAILED_SKIP_S,
+    ends that."""
+    from meshrl.agent import turns
+
+    failing = {0: 1}  # replica -> calls left to fail
+
+    def replica(i):
+        async def call(requests):
+            if failing.get(i, 0) > 0:
+                failing[i] -= 1
+                return ["TimeoutError: waited 150s for version 3" for _ in requests]
+            return [RequestResult([5], [-0.5], [0], "stop") for _ in requests]
+
+        return SimpleNamespace(generate_many=SimpleNamespace(call_one=call))
+
+    batcher = turns.TurnBatcher(single_turn_config())
+    batcher.set_generators([replica(0), replica(1)])
+
+    async def turn(i):
+        return await batcher.generate(i, [1, 2], 4, 0)
+
+    with pytest.raises(GenerationFailed, match="replica 0: TimeoutError"):
+        asyncio.run(turn(0))
+    assert batcher.acquire() == 1 and batcher.acquire() == 1  # replica 0 skipped, though less loaded
+    asyncio.run(turn(0))  # a call already on its way to it succeeds
+    assert batcher.acquire() == 0
+    failing[0] = 1
+    with pytest.raises(GenerationFailed):
+        asyncio.run(turn(0))
+    assert batcher.acquire() == 1
+    later = time.monotonic() + turns.FAILED_SKIP_S
+    monkeypatch.setattr(turns.time, "monotonic", lambda: later)
+    assert batcher.acquire() == 0  # its failure has aged out
+
+
 def test_a_failing_generator_stops_the_rest_of_its_group(tokenizer_dir):
     """One episode's generator call fails: the group's other episodes are cancelled (their
     envs closed), not left generating for a group that is played again anyway."""

@@ -12,11 +12,16 @@ worker plays the group again.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from meshrl.config import Config
 from meshrl.futures import awaited
 
 COALESCE_S = 0.002
+FAILED_SKIP_S = 30.0
+"""How long a replica whose call failed gets no new group (unless every replica failed): long
+enough for the controller's health check to replace a dead one, short enough that a live
+replica's passing error (a slow update's wait timing out) does not idle it for the run."""
 """Model turns asked for within this long of the first go to a replica in one message."""
 
 
@@ -32,7 +37,7 @@ class TurnBatcher:
         self.config = config
         self.generators: list = []
         self.load: list[int] = []  # groups playing on each replica, for the least-loaded choice
-        self._failed: set[int] = set()  # replicas whose calls failed, skipped until the next set_generators
+        self._failed: dict[int, float] = {}  # replica -> when a call failed: skipped for FAILED_SKIP_S, or until one succeeds
         self._waiting: dict[int, list] = {}  # replica -> model turns not yet sent, with their futures
         self._calls: set[asyncio.Task] = set()  # generate_many calls in flight
 
@@ -40,14 +45,15 @@ class TurnBatcher:
         """The replicas to send model turns to (after a replacement or a rescale)."""
         self.generators = list(generators)
         self.load = (self.load + [0] * len(self.generators))[: len(self.generators)]
-        self._failed = set()
+        self._failed = {}
 
     def acquire(self) -> int:
         """A replica for a new group: the least-loaded, preferring those whose calls have not
         failed. Hand it back with `release` when the group is done."""
         if not self.generators:
             raise GenerationFailed("no generator replica")
-        healthy = [i for i in range(len(self.generators)) if i not in self._failed] or list(range(len(self.generators)))
+        now = time.monotonic()
+        healthy = [i for i in range(len(self.generators)) if now - self._failed.get(i, -FAILED_SKIP_S) >= FAILED_SKIP_S] or list(range(len(self.generators)))
         replica = min(healthy, key=self.load.__getitem__)
         self.load[replica] += 1
         return replica
@@ -69,8 +75,9 @@ class TurnBatcher:
             asyncio.get_running_loop().call_later(COALESCE_S, self._send, replica)
         out = await future
         if isinstance(out, str):  # this sample failed on the replica: the group is played again
-            self._failed.add(replica)
+            self._failed[replica] = time.monotonic()
             raise GenerationFailed(f"generator replica {replica}: {out}")
+        self._failed.pop(replica, None)
         return out
 
     def _send(self, replica: int) -> None:
