@@ -295,9 +295,9 @@ class TrainerHealer:
         if loop.critic is not None:  # back to the restored version with the policy: no batch trains it twice
             await self._restore_critic(version, respawn=not await loop.critic.answers())
         retaken = await awaited(loop.queue.retake.call_one(version))
-        publisher = await loop.trainer.publisher_handle()
+        # connected first: configuring a publisher for GPU staging drops what host memory held
+        loop.weight_sync = await loop.weight_sync.reconnect(publisher=await loop.trainer.publisher_handle())
         await loop.trainer.publish_current()
-        loop.weight_sync = await loop.weight_sync.reconnect(publisher=publisher)
         # in the background, as after every step: one behind (its update cut off) catches up; none ahead goes back
         loop._update_task = asyncio.create_task(loop._update_generators(version))
         return version, retaken

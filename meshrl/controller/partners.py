@@ -245,9 +245,9 @@ class TrainedModel:
             self.pids = await trainer_pids(self.trainer)
             if self.critic is not None:  # back to the trainer's version with it: no batch trains it twice
                 await self._restore_critic(restored, respawn=not await self.critic.answers())
-            publisher = await self.trainer.publisher_handle()
+            # connected first: configuring a publisher for GPU staging drops what host memory held
+            self.weight_sync = await self.weight_sync.reconnect(publisher=await self.trainer.publisher_handle())
             await self.trainer.publish_current()
-            self.weight_sync = await self.weight_sync.reconnect(publisher=publisher)
         except Exception as e:  # noqa: BLE001 - the heal itself failed: stop, resumably
             raise TrainerFailed(
                 f"{failed} ({first}) and could not be restarted ({type(e).__name__}: {first_line(str(e), 200)}); {checkpoints.how_to_resume(run_dir)}"
