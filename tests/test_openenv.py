@@ -389,6 +389,21 @@ def test_full_server_queues_episodes_and_unreachable_one_fails():
         asyncio.run(play(env, {"prompt": "", "seed": 1}, ["1"]))
 
 
+def test_a_servers_client_waits_as_long_as_the_env_timeout_allows():
+    """As the rollout worker makes it (`from_config`), a server's client waits for an answer up to
+    rollout.env_timeout_s, where openenv's own 60 s cut a longer step short; a timeout the
+    user set in client_kwargs stands, and an env played in process has no client."""
+    from meshrl.config import Config
+
+    config = Config.from_dict({"rollout": {"env_timeout_s": 300}})
+    env = OpenEnvEnv.from_config(config, base_url="http://127.0.0.1:1", client="tests.test_openenv:GuessClient")
+    client = env._client_cls(base_url=env.base_url, **env.client_kwargs)
+    assert client._message_timeout == 300
+    kept = OpenEnvEnv.from_config(config, base_url="http://127.0.0.1:1", client_kwargs={"message_timeout_s": 5})
+    assert kept.client_kwargs == {"message_timeout_s": 5}
+    assert OpenEnvEnv.from_config(config, env="tests.test_openenv:GuessEnv").client_kwargs == {}
+
+
 # ---- (c) a real run ----------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(600)

@@ -164,6 +164,16 @@ class OpenEnvEnv:
         if env is not None:
             env.close()
 
+    @classmethod
+    def from_config(cls, config, **env_args) -> "OpenEnvEnv":
+        """As the rollout worker makes it (`rollout.env_args`): a server's client waits for an
+        answer as long as `rollout.env_timeout_s` allows, unless `client_kwargs` says otherwise
+        (openenv's own 60 s cut a longer step short, reported as the env timeout)."""
+        env = cls(**env_args)
+        if env._client_cls is not None and _accepted(env._client_cls.__init__, {"message_timeout_s": 0}):
+            env.client_kwargs.setdefault("message_timeout_s", config.rollout.env_timeout_s)
+        return env
+
     # ---- where the env lives -------------------------------------------------------------------
     async def _connect_and_reset(self, kwargs: dict):
         """A session on the server and its first observation. A server holding all its
