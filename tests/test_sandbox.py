@@ -182,6 +182,28 @@ def test_a_cancelled_call_leaves_nothing(loop, pool):
     assert _processes_matching("meshrl-cancel-marker") == []
 
 
+def test_sandboxes_that_stop_starting_fail_the_call_with_bwraps_reason_and_are_not_started_again_without_end(monkeypatch):
+    """The pool filled once, then bwrap fails (a namespace limit reached): a call tries the
+    waiting sandboxes and one start of its own, then fails with bwrap's message, where it had
+    started sandboxes in a loop until the step's timeout and said only that."""
+    starts = []
+
+    async def failing(config):
+        starts.append(1)
+        raise sb.SandboxError("bwrap: Creating new namespace failed: No space left on device")
+
+    monkeypatch.setattr(sb.Sandbox, "start", staticmethod(failing))
+    pool = sb.SandboxPool(LIMITS)
+
+    async def call():
+        pool._refill()  # the pool's waiting sandboxes, each failing as it starts
+        return await asyncio.wait_for(pool.run("print(1)"), 10)
+
+    with pytest.raises(sb.SandboxError, match="No space left on device"):
+        asyncio.run(call())
+    assert len(starts) == LIMITS.pool_size + 1, len(starts)
+
+
 # ---- attacks -----------------------------------------------------------------------------------
 def test_attack_connect_to_a_loopback_port_of_the_host(loop, pool):
     server = socket.socket()

@@ -323,13 +323,21 @@ class SandboxPool:
         await asyncio.gather(*self._warm, return_exceptions=True)
 
     async def _take(self) -> tuple[Sandbox, bool]:
+        """A started sandbox: a waiting one, else one started now, whose failure says why. The
+        pool refills only after a take succeeds: sandboxes that fail to start (a namespace limit
+        reached) are not started again without end."""
         while self._warm:
             task = self._warm.pop(0)
-            self._refill()
             try:
-                return await task, False
+                box = await task
             except SandboxError:
                 continue
+            except BaseException:  # cancelled while it waited: a sandbox already up is killed
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    await task.result().kill()
+                raise
+            self._refill()
+            return box, False
         self.cold_starts += 1
         box = await Sandbox.start(self.config)
         self._refill()
