@@ -553,6 +553,39 @@ def test_a_version_with_the_weights_held_is_relabelled_not_loaded(monkeypatch):
     asyncio.run(main())
 
 
+def test_a_load_that_fails_leaves_nothing_generating_under_the_old_label_until_a_load_succeeds(monkeypatch):
+    """A load that times out (the engine may go on loading) or fails part-way may have left some
+    layers new: the replica generates nothing under the old version's label, where it had resumed
+    on those weights, until a load succeeds."""
+    import meshrl.generator.service as service
+
+    class Failing(FakeEngine):
+        fail = 1
+
+        async def load_tensors(self, tensors, timeout_s: float = 120.0) -> int:
+            if self.fail:
+                self.fail -= 1
+                raise TimeoutError("the engine's load took over 120s")
+            return await super().load_tensors(tensors, timeout_s)
+
+    monkeypatch.setattr(service, "VLLMEngine", Failing)
+    config = Config.from_dict({"generator": {"max_new_tokens": 2}})
+
+    async def main():
+        gen = service.Generator(config, "unused")
+        await gen.start(0)
+        with pytest.raises(TimeoutError):
+            await gen.update_weights(1, {}, "keep", weights_id="a")
+        assert not gen.engine.running and gen.version == 0
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(gen.generate([1, 7]), 0.3)
+        assert not await gen.relabel(1, "a")
+        await gen.update_weights(1, {}, "keep", weights_id="a")
+        assert gen.engine.running and (await gen.generate([1, 7])).versions == [1, 1]
+
+    asyncio.run(main())
+
+
 def test_a_loaded_version_takes_its_weights_name_only_when_surely_its_bytes(monkeypatch):
     """GeneratorActor._sync names the weights it loads only when they are the version asked
     for, just transferred: not a newer version, not the subscriber's held tensors (after a

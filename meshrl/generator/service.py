@@ -312,15 +312,22 @@ class Generator:
                         await asyncio.wait_for(self._changed.wait_for(lambda: self._in_flight == 0), timeout)
                     self._stop_clock()
                     await self.engine.pause("keep")
-                if isinstance(tensors, ReceivedInEngine):
-                    await self.engine.load_received(tensors.version, timeout)  # already in the workers
-                elif isinstance(tensors, GpuSlot):
-                    await self.engine.load_gpu_slot(tensors, timeout)  # the trainer's slot, on the GPU both share
-                elif self.engine.adapter_config is not None:
-                    await self.engine.load_adapter(tensors, timeout)  # LoRA: the adapter alone
-                else:
-                    await self.engine.load_tensors(tensors, timeout)
-                await self.engine.set_version(version)
+                try:
+                    if isinstance(tensors, ReceivedInEngine):
+                        await self.engine.load_received(tensors.version, timeout)  # already in the workers
+                    elif isinstance(tensors, GpuSlot):
+                        await self.engine.load_gpu_slot(tensors, timeout)  # the trainer's slot, on the GPU both share
+                    elif self.engine.adapter_config is not None:
+                        await self.engine.load_adapter(tensors, timeout)  # LoRA: the adapter alone
+                    else:
+                        await self.engine.load_tensors(tensors, timeout)
+                    await self.engine.set_version(version)
+                except BaseException:
+                    # A load that failed or timed out may have left some layers new (and one timed
+                    # out may still be loading): nothing generates on it under the old version's
+                    # label until a load succeeds, or the replica is replaced.
+                    self._dropped = True
+                    raise
                 self.weights_id, self._dropped = weights_id, False
             finally:
                 if self._asleep:
