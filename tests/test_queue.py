@@ -385,6 +385,30 @@ def test_dynamic_sampling_default_cap_is_one_batch_and_survives_a_resume():
     assert r.dropped == 2 and len(r.ready) == 1  # the second drop reached the cap of 2; the third is kept
 
 
+@pytest.mark.parametrize("after", [1, 2, 8])
+def test_a_resume_that_changes_batch_groups_keeps_admitting_as_many_as_the_bound_allows(after):
+    """A run at batch_groups 4 resumed with 1, 2 or 8: admission counts batches of the new size
+    from the work in flight as saved. Counted in the saved size, a smaller batch left
+    admission shut for many steps (the trainer starved, BatchTimeout), a larger one let dozens
+    of groups start past the bound."""
+
+    def step(q, version, n):  # the workers deliver all they may start; the trainer takes a batch
+        for c in claim_all(q):
+            assert deliver(q, c)
+        return q.sample(n, version, timeout=1.0)
+
+    before = make_queue(batch_groups=4, depth=1, max_lag=None)  # (no stale drops: these workers deliver only between steps)
+    for v in range(1, 6):
+        step(before, v, 4)
+    claim_all(before)  # RUNNING when the run stopped: pending once resumed
+    resumed = make_queue(batch_groups=after, depth=1, max_lag=None)
+    resumed.load_state_dict(before.state_dict())
+    for v in range(6, 16):
+        step(resumed, v, after)  # never starved
+        in_flight = len(resumed.ready) + len(resumed.pending) + len(resumed.running)
+        assert in_flight <= max(2 * after, 8 - after * (v - 5)), (v, in_flight)  # the bound, once what was in flight is trained
+
+
 def test_a_drop_or_a_new_version_wakes_waiting_workers():
     """Admission opened by a stale drop (at put) or by the trainer's sample at a new version
     starts a waiting worker at once, not at its next poll."""

@@ -451,6 +451,7 @@ class EpisodeQueue:
                 "version": self.version,
                 "next_group_id": self.next_group_id,
                 "dropped": self.dropped,
+                "batch_groups": self.batch_groups,
                 "flat_dropped": self._flat_dropped,
                 "flat_reward": list(self._flat_reward),
                 "pending": [{"group_id": gid, "sample": sample} for gid, sample in sorted(pending, key=lambda p: p[0])],
@@ -467,9 +468,8 @@ class EpisodeQueue:
             self.node.reset(state["node"])
             self.version = state["version"]
             self.next_group_id = state["next_group_id"]
-            self.dropped = state["dropped"]
-            self._flat_dropped = state.get("flat_dropped", 0)  # absent from checkpoints before dynamic sampling
-            self._flat_reward = list(state.get("flat_reward", [0.0, 0]))
+            self.dropped = state["dropped"] + self.version * (state.get("batch_groups", self.batch_groups) - self.batch_groups)  # in flight as saved
+            self._flat_dropped, self._flat_reward = state.get("flat_dropped", 0), list(state.get("flat_reward", [0.0, 0]))  # (older checkpoints: absent)
             self.pending = deque((p["group_id"], p["sample"]) for p in state["pending"])
             self.running = {}
             self.ready = deque(TensorDict.from_dict(g, batch_size=[len(g["group_id"])]) for g in state["ready"])
