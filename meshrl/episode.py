@@ -237,13 +237,21 @@ def concat(batches: Sequence[TensorDict]) -> TensorDict:
     if not batches:
         raise ValueError("concat needs at least one batch")
     T = max(b["tokens"].shape[1] for b in batches)
-    # Keys a batch may lack: process rewards (a group queued before a run had them: none), and a
+    # Keys a batch may lack: process rewards (a group queued before a run had them: none), a
     # game's `model` (a group whose every episode failed before any turn has no threads: its
-    # rows, all failed, are the policy's, as `Episode.rows` packs them)
-    missing = {"process_reward": lambda b: torch.zeros(b["tokens"].shape, dtype=torch.float32), "model": lambda b: torch.zeros(b.batch_size, dtype=torch.int64)}
+    # rows, all failed, are the policy's, as `Episode.rows` packs them), and what model turns
+    # carry (MoE routing, a teacher's scores) in a group with none (every prompt too long, every
+    # reset failed): routed live (-1), and no loss token a teacher's 0 could reach
+    experts = next((b["routed_experts"] for b in batches if "routed_experts" in b.keys()), None)
+    missing = {
+        "process_reward": lambda b: torch.zeros(b["tokens"].shape, dtype=torch.float32),
+        "model": lambda b: torch.zeros(b.batch_size, dtype=torch.int64),
+        "routed_experts": lambda b: torch.full((*b["tokens"].shape, *experts.shape[2:]), -1, dtype=torch.int32),
+        "teacher_logprobs": lambda b: None if b["loss_mask"].any() else torch.zeros(b["tokens"].shape, dtype=torch.float32),
+    }
     for key, fill in missing.items():
         if any(key in b.keys() for b in batches):
-            batches = [b if key in b.keys() else b.clone(recurse=False).set(key, fill(b)) for b in batches]
+            batches = [b if key in b.keys() or (value := fill(b)) is None else b.clone(recurse=False).set(key, value) for b in batches]
     keys = set(batches[0].keys())
     if any(set(b.keys()) != keys for b in batches):
         raise ValueError("cannot concat rollout batches with different keys")

@@ -166,7 +166,25 @@ def test_concat_pads_to_widest():
     with_experts = episodes()[2:3]
     with_experts[0].turns[1].routed_experts = torch.tensor([[[1, 2]]])
     with pytest.raises(ValueError, match="different keys"):
-        episode.concat([episode.pack(with_experts), b])
+        episode.concat([episode.pack(with_experts), b.clone().set("extra", torch.zeros(1))])
+
+
+def test_a_group_with_no_model_turn_joins_a_batch_whose_turns_carry_routing_and_a_teachers_scores():
+    """Every prompt of a group too long for a turn (or every reset failed): its rows carry no
+    MoE routing and no teacher's scores. The batch still forms (the trainer's step had failed
+    and its groups were lost): routed live (-1), a teacher's 0 on no loss token. A group whose
+    model tokens lack a teacher's scores still cannot join one that has them."""
+    played = episodes()[2:3]
+    played[0].turns[1].routed_experts = torch.tensor([[[1, 2]]])
+    played[0].turns[1].teacher_logprobs = [-0.3]
+    none = Episode(1, 4, [env([1, 2, 3])], "length")
+    a, b = episode.pack(played), episode.pack([none])
+    assert {"routed_experts", "teacher_logprobs"} <= set(a.keys()) and not {"routed_experts", "teacher_logprobs"} & set(b.keys())
+    both = episode.concat([a, b])
+    assert both["routed_experts"].shape == (2, 3, 1, 2) and (both["routed_experts"][1] == -1).all()
+    assert both["teacher_logprobs"][1].tolist() == [0.0] * 3 and not both["loss_mask"][1].any()
+    with pytest.raises(ValueError, match="different keys"):
+        episode.concat([a, episode.pack(episodes()[:1])])  # model tokens, and no teacher's scores
 
 
 def test_trim_cuts_columns_no_model_token_uses():

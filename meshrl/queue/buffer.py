@@ -274,10 +274,10 @@ class EpisodeQueue:
             except Exception as e:  # noqa: BLE001 - the user's policy: the run ends, in one line
                 raise self._failed(e) from None
             picked = [self.ready[i] for i in chosen]
+            batch = episode.concat(picked)  # before the groups leave READY: a batch that cannot form loses none
             for i in sorted(chosen, reverse=True):
                 del self.ready[i]
             self.held.append((current_version, picked))
-            batch = episode.concat(picked)
             if self.partners:  # kept back to the oldest version a healed model's trainer would train again
                 keep_from = min([current_version - 1, *self._partner_durable.values()])
                 self._shared = {v: b for v, b in self._shared.items() if v >= keep_from}
