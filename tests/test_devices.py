@@ -86,6 +86,23 @@ def test_a_cpu_trainer_leaves_every_gpu_to_the_generators():
     assert plan_devices(config()).layout == "cpu" and plan_devices(config()).env("generator", 0) == {}
 
 
+def test_lora_on_a_moe_policy_with_a_cpu_trainer_and_gpu_generators_is_refused():
+    """Each side decides by its own GPUs whether the adapter or the merged weights travel: a CPU
+    trainer would send merged weights to GPU engines expecting the adapter, failing every update."""
+    from meshrl.trainer.checks import check_model
+
+    moe = {"model": {"family": "qwen3_moe", "num_experts": 4, "experts_top_k": 2}, "lora": {"rank": 4}}
+    cpu_trainer = config(**moe, trainer={"device": "cpu"}, launcher={"gpus_per_host": 2})
+    with pytest.raises(ConfigError, match="trainer.device: LoRA on the MoE policy .* give the trainer a GPU"):
+        check_model(cpu_trainer, plan_devices(cpu_trainer))
+    for fine in (
+        config(**moe, launcher={"gpus_per_host": 2}),
+        config(**moe),
+        config(lora={"rank": 4}, trainer={"device": "cpu"}, launcher={"gpus_per_host": 2}),
+    ):
+        check_model(fine, plan_devices(fine))
+
+
 def test_nccl_listens_on_loopback_only_where_every_host_is_this_machine(monkeypatch):
     monkeypatch.delenv(NCCL_IFNAME_ENV, raising=False)
     split = config(launcher={"kind": "process", "hosts": 2, "gpus_per_host": 1})

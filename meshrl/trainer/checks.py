@@ -195,6 +195,10 @@ def check_model(c: Config, plan: DevicePlan) -> str:
         raise ConfigError(
             "trainer.tp", f"tensor parallel is built for the dense families (qwen3, llama), and the policy is {family}: use trainer.ep for experts, or tp=1"
         )
+    if c.lora.rank > 0 and family in MOE_FAMILIES and plan.slot("generator", 0).gpus and not plan.slot("trainer", 0).gpus:
+        # each side decides by its own GPUs whether the adapter or the merged weights travel
+        # (compat.vllm_runs_lora_on): a CPU trainer would send merged weights to engines expecting the adapter
+        raise ConfigError("trainer.device", f"LoRA on the MoE policy ({family}) with the trainer on CPU and the generators on GPUs: give the trainer a GPU too")
     if family == "deepseek_v3" and m.dtype == "float32" and plan.layout != "cpu":
         raise ConfigError(
             "model.dtype", "deepseek_v3 generators on GPU run vLLM's MLA attention, whose CUDA backends take only float16 or bfloat16: set model.dtype=bfloat16"
