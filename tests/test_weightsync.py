@@ -87,6 +87,21 @@ def test_pack_roundtrip_and_buckets():
         pack(flat, layout, named[:-1])
 
 
+def test_files_transport_writes_each_models_versions_in_a_directory_of_its_own(tmp_path):
+    """Two models (or two runs) naming one weight_sync.files_dir: each WeightSync writes in a
+    new directory under it, so a subscriber, which loads the newest version it finds, never
+    reads another model's weights of the same version, nor an earlier run's left there."""
+    named = tmp_path / "weights"
+    named.mkdir()
+    (named / "v0000001000.safetensors").write_bytes(b"an earlier run's")
+    cfg = WeightSyncConfig(transport="files", files_dir=str(named))
+    a, b = WeightSync(cfg), WeightSync(cfg)
+    assert a.files_dir != b.files_dir and {os.path.dirname(a.files_dir), os.path.dirname(b.files_dir)} == {str(named)}
+    assert os.listdir(a.files_dir) == os.listdir(b.files_dir) == []
+    made = WeightSync(WeightSyncConfig(transport="files", files_dir=str(tmp_path / "new" / "dir")))  # made if missing
+    assert os.path.dirname(made.files_dir) == str(tmp_path / "new" / "dir")
+
+
 def test_staging_never_overwrites_a_leased_slot():
     base = model_tensors()
     layout = plan_layout(base, 1 << 20)

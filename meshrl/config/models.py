@@ -212,7 +212,7 @@ class WeightSyncConfig:
     timeout_s: float = 120.0
     """Longest one version's transfer may take before it is an error."""
     files_dir: str | None = None
-    """Directory for the `files` transport, made if missing; it, or its nearest existing parent, must be writable (checked before the run). None: a new directory the controller makes with `tempfile.mkdtemp` under the system's temporary directory ($TMPDIR, else /tmp), named `meshrl-weights-*`."""
+    """Directory for the `files` transport, made if missing; it, or its nearest existing parent, must be writable (checked before the run). Each model of each run writes its versions in a new directory of its own in it, named `meshrl-weights-*` (`tempfile.mkdtemp`), so that none reads another's. None: the system's temporary directory ($TMPDIR, else /tmp)."""
 
 
 @dataclass

@@ -71,9 +71,13 @@ class WeightSync:
         self._store_host = store_host
         self._generation = itertools.count()
         self._tag = uuid.uuid4().hex[:8]
-        self.files_dir = cfg.files_dir
-        if cfg.transport == "files" and self.files_dir is None:
-            self.files_dir = tempfile.mkdtemp(prefix="meshrl-weights-")
+        # `files`: a directory of its own, under the one named (else the system's temporary one), so that
+        # another model's versions, or an earlier run's left there, are never read as this one's
+        self.files_dir = None
+        if cfg.transport == "files":
+            if cfg.files_dir is not None:
+                os.makedirs(cfg.files_dir, exist_ok=True)
+            self.files_dir = tempfile.mkdtemp(prefix="meshrl-weights-", dir=cfg.files_dir)
         if cfg.transport == "collective":
             # The store listens on this address only (it asks clients for no credentials).
             # Procs on this host reach loopback; with procs on other hosts, pass the
