@@ -586,6 +586,36 @@ def test_a_load_that_fails_leaves_nothing_generating_under_the_old_label_until_a
     asyncio.run(main())
 
 
+def test_a_drain_update_freezes_requests_longer_than_half_its_bound_instead_of_failing(monkeypatch):
+    """update_mode drain with a request that outlasts it: after half of weight_sync.timeout_s the
+    request is kept across the swap (its tokens carry each version), the update is applied and
+    counted in `drains_cut`, where the drain had run past the controller's bound and the live
+    replica was replaced as dead."""
+    import meshrl.generator.service as service
+
+    release = asyncio.Event()
+
+    class Long(FakeEngine):
+        async def run_request(self, request_id, token_ids, max_tokens, temperature=None) -> RequestResult:
+            await release.wait()
+            return await super().run_request(request_id, token_ids, max_tokens, temperature)
+
+    monkeypatch.setattr(service, "VLLMEngine", Long)
+    config = Config.from_dict({"generator": {"max_new_tokens": 2}, "weight_sync": {"timeout_s": 0.4}})
+
+    async def main():
+        gen = service.Generator(config, "unused")
+        await gen.start(0)
+        long = asyncio.ensure_future(gen.generate([1, 7]))
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(gen.update_weights(1, {}, "drain"), 5)
+        assert gen.version == 1 and gen.stats()["drains_cut"] == 1 and not long.done()
+        release.set()
+        assert (await long).versions == [1, 1]  # (the fake engine stamps its version as it ends)
+
+    asyncio.run(main())
+
+
 def test_a_loaded_version_takes_its_weights_name_only_when_surely_its_bytes(monkeypatch):
     """GeneratorActor._sync names the weights it loads only when they are the version asked
     for, just transferred: not a newer version, not the subscriber's held tensors (after a

@@ -186,7 +186,7 @@ class GeneratorConfig:
     top_k: int = -1
     """Top-k sampling. -1 disables it."""
     update_mode: Literal["keep", "abort", "drain", "block"] = "keep"
-    """How a new policy version is applied while generating: keep in-flight requests across the swap, abort and resume them from their prefix, drain them first, or block (synchronous)."""
+    """How a new policy version is applied while generating: keep in-flight requests across the swap, abort and resume them from their prefix, drain them first (those still running after half of weight_sync.timeout_s are kept across it instead, counted in the generator's `drains_cut`), or block (synchronous)."""
     max_num_seqs: int = 64
     """Most sequences one engine decodes at once."""
     compile: bool = False

@@ -100,6 +100,7 @@ class Generator:
         self.weights_id: str | None = None
         """The trainer's name of the weights loaded (TrainerActor.weights_id); None: not known."""
         self._dropped = False  # weights dropped at a sleep (level 2) and not loaded since
+        self.drains_cut = 0  # drain updates whose longest requests were frozen (`keep`) instead of waited for
         self._relabels = 0
         self._progress = (0, 0.0)  # (tokens counted, when the stall clock last started: that count moved, or work began)
         self._held_at: float | None = None  # the engine paused or asleep (a pause, an update's load, a sleep): the stall clock stops
@@ -307,9 +308,14 @@ class Generator:
                 else:
                     # Our own drain (the gate is closed, so nothing new is submitted): every
                     # request we submitted has finished (the engine generates meanwhile: the stall
-                    # clock runs). Then freeze the idle engine for the load.
-                    async with self._changed:
-                        await asyncio.wait_for(self._changed.wait_for(lambda: self._in_flight == 0), timeout)
+                    # clock runs). Then freeze the idle engine for the load. Requests longer than
+                    # half the update's bound are frozen as they are (`keep`: their tokens carry
+                    # each version), not waited for until the controller takes the replica for dead.
+                    try:
+                        async with self._changed:
+                            await asyncio.wait_for(self._changed.wait_for(lambda: self._in_flight == 0), timeout / 2)
+                    except asyncio.TimeoutError:
+                        self.drains_cut += 1
                     self._stop_clock()
                     await self.engine.pause("keep")
                 try:
@@ -395,4 +401,5 @@ class Generator:
             "tokens_while_asleep": self._tokens_asleep,
             "updates": [{"mode": m, "version": v, "held_s": h} for m, v, h in self.update_pauses],
             "relabels": self._relabels,
+            "drains_cut": self.drains_cut,
         }
