@@ -402,6 +402,8 @@ class _Live:
     def stop(self, why: str | None = None) -> None:
         if why is not None and self.run is not None:
             print(f"meshrl: {why}: stopping its run ({self.run.run_dir})", file=console())
+        if self.starting():  # a start a second interrupt stopped waiting for: its procs stop first
+            _wait_through_signals(self._start_ended.wait, SHUTDOWN_S)
         self.stop_run()
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread_loop.call_soon_threadsafe(self.thread_loop.stop)

@@ -57,7 +57,7 @@ def check(c: Config) -> None:
     check_teacher(c)
     check_critic_files(c)
     check_lora(c)
-    _each_model(c, check_model_files)
+    _each_model(c, lambda view, name: check_model_files(view))
     check_models_vocabulary(c)
     check_env(c)
     if c.buffer.sampling not in ("fifo", "random"):
@@ -91,7 +91,7 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
 
         check_slurm(c)
     family = check_model(c, plan)  # the checkpoint loads; tp, cp and the dtype suit its family and the plan
-    _each_model(c, lambda view: check_model(view, plan))
+    check_models(c, plan)
     check_memory(c, plan)  # what every proc will hold on its GPU fits it, or one line naming the field to change
     check_routed_experts(c, family)
     check_tokenizer(c)
@@ -100,12 +100,17 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
     check_user_code(c, reward_fn)
 
 
+def check_models(c: Config, plan) -> None:
+    """`check_model` on each model beside the policy, against its own slots of the plan."""
+    _each_model(c, lambda view, name: check_model(view, plan, own=plan.view(name)))
+
+
 def _each_model(c: Config, check) -> None:
-    """`check` on each trained model beside the policy (its config view), its field named under `models[i]`."""
+    """`check(view, name)` on each model beside the policy (its config view), its field named under `models[i]`."""
     for i, m in enumerate(c.models):
         view = c.for_model(m.name)  # a field of its own that is wrong already names models[i]
         try:
-            check(view)
+            check(view, m.name)
         except ConfigError as e:
             raise e.under(f"models[{i}]") from None
 

@@ -101,6 +101,16 @@ def test_lora_on_a_moe_policy_with_a_cpu_trainer_and_gpu_generators_is_refused()
         config(lora={"rank": 4}, trainer={"device": "cpu"}, launcher={"gpus_per_host": 2}),
     ):
         check_model(fine, plan_devices(fine))
+    # a model beside the policy is judged by its own slots of the plan, not the policy's
+    from meshrl.preflight import check_models
+
+    game = {"data": {"source": "task:propose"}, "launcher": {"gpus_per_host": 4}, "lora": {"rank": 4}}
+    moe_model = {"model": {"family": "qwen3_moe", "num_experts": 4, "experts_top_k": 2}}
+    refused = config(**game, models=[{"name": "proposer", **moe_model, "trainer": {"device": "cpu"}}])
+    with pytest.raises(ConfigError, match=r"models\[0\]\.trainer\.device: LoRA on the MoE policy"):
+        check_models(refused, plan_devices(refused))
+    fine = config(**game, trainer={"device": "cpu"}, models=[{"name": "proposer", **moe_model, "trainer": {"device": "cuda"}}])  # the dense policy's on CPU
+    check_models(fine, plan_devices(fine))
 
 
 def test_nccl_listens_on_loopback_only_where_every_host_is_this_machine(monkeypatch):

@@ -443,6 +443,43 @@ def test_the_health_check_replaces_a_wedged_replica_and_leaves_a_busy_one():
     assert pool.replaced == 0
 
 
+def test_a_new_replica_whose_first_load_fails_leaves_the_pool_for_the_next_check_to_replace():
+    """A replacement whose first version fails to load stays paused (Generator.update_weights):
+    it leaves the pool, stopped, and the next health check starts another, where it had stayed
+    in the pool paused and answering, never judged wedged, and a one-replica run starved."""
+    from types import SimpleNamespace
+
+    from meshrl.controller.replicas import GeneratorPool
+    from meshrl.launch.devices import plan_devices
+    from tests.conftest import FakeReplica
+
+    config = Config.from_dict({"generator": {"replicas": 1}})
+    spawned = []
+
+    async def main():
+        async def on_change():
+            pass
+
+        pool = GeneratorPool(config, SimpleNamespace(plan=plan_devices(config)), "unused", 0, on_change=on_change)
+        dead = FakeReplica(0)
+        dead.stopped = True  # its proc gone
+        pool.replicas = [dead]
+
+        async def spawn(index):
+            spawned.append(FakeReplica(index, broken=not spawned))  # the first replacement's load fails
+            return spawned[-1]
+
+        pool.spawn = spawn
+        with pytest.raises(RuntimeError, match="the transfer broke"):
+            await pool.check(7)
+        assert pool.replicas == [] and spawned[0].stopped and spawned[0].killed
+        await pool.check(7)  # the next check: one missing, started and loaded
+        return pool
+
+    pool = asyncio.run(main())
+    assert pool.replicas == [spawned[1]] and spawned[1].synced == [7]
+
+
 def test_a_pause_outlasts_sleep_and_wake_until_resume(monkeypatch):
     """placement=colocate sleeps and wakes the engine around every training step: a user's
     `pause` made before or during a sleep holds until the user's `resume`, not the next wake."""

@@ -100,6 +100,9 @@ def test_files_transport_writes_each_models_versions_in_a_directory_of_its_own(t
     assert os.listdir(a.files_dir) == os.listdir(b.files_dir) == []
     made = WeightSync(WeightSyncConfig(transport="files", files_dir=str(tmp_path / "new" / "dir")))  # made if missing
     assert os.path.dirname(made.files_dir) == str(tmp_path / "new" / "dir")
+    mine = a.files_dir
+    del a
+    assert not os.path.exists(mine) and os.path.exists(b.files_dir)  # its versions go with it: nothing piles up run after run
 
 
 def test_staging_never_overwrites_a_leased_slot():

@@ -18,11 +18,11 @@ from meshrl.config import Config
 from meshrl.futures import awaited
 
 COALESCE_S = 0.002
+"""Model turns asked for within this long of the first go to a replica in one message."""
 FAILED_SKIP_S = 30.0
 """How long a replica whose call failed gets no new group (unless every replica failed): long
 enough for the controller's health check to replace a dead one, short enough that a live
 replica's passing error (a slow update's wait timing out) does not idle it for the run."""
-"""Model turns asked for within this long of the first go to a replica in one message."""
 
 
 class GenerationFailed(RuntimeError):

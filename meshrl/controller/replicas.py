@@ -162,7 +162,7 @@ class GeneratorPool:
             self.replicas[self.replicas.index(replica)] = fresh
             await self.on_change()
             if not self.frozen:
-                await asyncio.wait_for(awaited(fresh.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
+                await self._first_load(fresh, version)
             self.replaced += 1
             log.warning("%s replica %d replaced", self._role, replica.index)
 
@@ -233,7 +233,20 @@ class GeneratorPool:
             finally:
                 await self.on_change()  # the workers never keep a stopped replica
             for r in added if not self.frozen else []:  # a teacher's or a frozen model's weights never change
-                await asyncio.wait_for(awaited(r.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
+                await self._first_load(r, version)
+
+    async def _first_load(self, fresh: Member, version: int) -> None:
+        """A new replica's first version (the caller holds the lock). One whose load fails stays
+        paused (Generator.update_weights), so it leaves the pool: the health check starts another."""
+        try:
+            await asyncio.wait_for(awaited(fresh.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
+        except Exception:
+            if fresh in self.replicas:
+                self.replicas.remove(fresh)
+            fresh.kill_leftovers()
+            await fresh.stop()
+            await self.on_change()
+            raise
 
     async def read_stats(self) -> list[tuple[Member, float, dict | None]]:
         """(replica, controller clock, stats or None if it did not answer) for every replica."""

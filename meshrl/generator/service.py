@@ -300,8 +300,8 @@ class Generator:
             try:
                 if self._asleep:
                     await self.engine.wake_weights()  # the weights' memory only: the engine runs again at `wake`
-                elif self._user_paused:
-                    pass  # frozen: nothing runs, and a drain would wait forever
+                elif self._user_paused or self._dropped:
+                    pass  # frozen (by the user, or after a load that failed): nothing runs, and a drain would wait forever
                 elif mode in ("keep", "abort"):
                     self._stop_clock()
                     await self.engine.pause(mode)

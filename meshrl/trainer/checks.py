@@ -155,9 +155,10 @@ def check_lora(c: Config) -> None:
             raise ConfigError("lora.targets", f"unknown {unknown}: choose from {sorted(TITAN_NAMES)}")
 
 
-def check_model(c: Config, plan: DevicePlan) -> str:
+def check_model(c: Config, plan: DevicePlan, own: DevicePlan | None = None) -> str:
     """The policy's checkpoint loads and fits trainer.tp and model.max_seq_len; tensor and
-    context parallelism and the dtype suit its family and `plan`. Returns the family."""
+    context parallelism and the dtype suit its family and `plan`. Returns the family. `own`:
+    a model's own slots (`plan.view`), where `c` is a model beside the policy."""
     m = c.model
     if m.path is not None:
         try:
@@ -195,7 +196,8 @@ def check_model(c: Config, plan: DevicePlan) -> str:
         raise ConfigError(
             "trainer.tp", f"tensor parallel is built for the dense families (qwen3, llama), and the policy is {family}: use trainer.ep for experts, or tp=1"
         )
-    if c.lora.rank > 0 and family in MOE_FAMILIES and plan.slot("generator", 0).gpus and not plan.slot("trainer", 0).gpus:
+    slots = own or plan
+    if c.lora.rank > 0 and family in MOE_FAMILIES and slots.slot("generator", 0).gpus and not slots.slot("trainer", 0).gpus:
         # each side decides by its own GPUs whether the adapter or the merged weights travel
         # (compat.vllm_runs_lora_on): a CPU trainer would send merged weights to engines expecting the adapter
         raise ConfigError("trainer.device", f"LoRA on the MoE policy ({family}) with the trainer on CPU and the generators on GPUs: give the trainer a GPU too")

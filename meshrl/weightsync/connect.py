@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shutil
 import tempfile
 import uuid
+import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -78,6 +80,7 @@ class WeightSync:
             if cfg.files_dir is not None:
                 os.makedirs(cfg.files_dir, exist_ok=True)
             self.files_dir = tempfile.mkdtemp(prefix="meshrl-weights-", dir=cfg.files_dir)
+            weakref.finalize(self, shutil.rmtree, self.files_dir, True)  # its versions go with it, when the controller exits at the latest
         if cfg.transport == "collective":
             # The store listens on this address only (it asks clients for no credentials).
             # Procs on this host reach loopback; with procs on other hosts, pass the
