@@ -2,8 +2,11 @@
 
 Both follow the reward-function signature `(prompt, response, sample) -> float` and are sync:
 a rollout worker runs them in threads (meshrl/rollout/env.py), bounded by `scoring.timeout_s`.
-That is also why math-verify's own timeouts are off here: they use SIGALRM, which works only
-on the main thread, and raise anywhere else.
+A thread cannot bound math-verify, though: one answer like `3^{3^{16}}` keeps sympy inside a
+single big-integer operation that holds the GIL for seconds to forever, freezing the worker's
+event loop with it, and math-verify's own timeouts use SIGALRM, which works only on a main
+thread. So `math_answer` checks in a child process (a few kept warm) that it kills after
+VERIFY_TIMEOUT_S, scoring that answer 0.0 as math-verify does on its own timeout.
 
 Each checker is an optional extra. This module imports without them; `math_answer` is looked
 up through `__getattr__`, which raises ImportError with the one-line pip hint when
@@ -13,9 +16,21 @@ fails before a run starts rather than on its first reward.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import json
+import logging
+import os
 import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 from meshrl.config import Config
+from meshrl.errors import first_line
 from meshrl.imports import missing_extra
 from meshrl.rollout.env import RewardFn
 
@@ -48,6 +63,12 @@ def final_answer(response: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+VERIFY_TIMEOUT_S = 10.0  # one check; past it the child is killed and the answer scores 0.0
+STARTUP_TIMEOUT_S = 120.0  # a new child, until it has imported math-verify
+MAX_CHECKERS = 4  # children at once, each a Python with sympy loaded; more callers wait for one
+_log = logging.getLogger(__name__)
+
+
 def _math(text: str) -> list:
     """math-verify's parse of one answer. Bare LaTeX (`\\frac12`) parses only inside math
     delimiters, so text without any gets `$...$` (plain numbers and `1/2` parse either way)."""
@@ -55,21 +76,136 @@ def _math(text: str) -> list:
 
     if "$" not in text and "\\boxed" not in text:
         text = f"${text}$"
-    return parse(text, parsing_timeout=None)  # None: no SIGALRM, so it runs off the main thread
+    return parse(text, parsing_timeout=None)  # None: no SIGALRM; the parent's kill bounds it
+
+
+def _equal(gold: str, answer: str) -> bool:
+    """In the child: whether math-verify finds the two answers equal."""
+    from math_verify import verify
+
+    expected, predicted = _math(gold), _math(answer)
+    return bool(expected and predicted) and verify(expected, predicted, timeout_seconds=None)
+
+
+def _serve() -> None:
+    """The child's loop: one JSON request per line on stdin, one reply per line, until stdin closes."""
+    try:  # Linux: die with the parent even in the middle of a check, when stdin is not being read
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever math-verify prints goes to stderr, never into the replies
+    import math_verify  # noqa: F401  (warm before saying ready)
+
+    replies.write('"ready"\n')
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            reply = {"equal": _equal(request["gold"], request["answer"])}
+        except Exception as e:
+            reply = {"error": first_line(e)}
+        replies.write(json.dumps(reply) + "\n")
+
+
+class _Gone(RuntimeError):
+    """The child process exited."""
+
+
+class _Checker:
+    """One child process running `_serve`, asked one question at a time."""
+
+    def __init__(self) -> None:
+        command = [sys.executable, "-c", "from meshrl.verifiers import _serve; _serve()"]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        self._pending = b""
+        try:
+            if self._read(STARTUP_TIMEOUT_S) != "ready":
+                raise RuntimeError("math_answer's checker process did not start")
+        except BaseException:
+            self.kill()
+            raise
+
+    def ask(self, gold: str, answer: str) -> bool:
+        """Raises TimeoutError after VERIFY_TIMEOUT_S (the caller kills this checker)."""
+        try:
+            self.proc.stdin.write((json.dumps({"gold": gold, "answer": answer}) + "\n").encode())
+        except BrokenPipeError:
+            raise _Gone("math_answer's checker process exited") from None
+        reply = self._read(VERIFY_TIMEOUT_S)
+        if "error" in reply:
+            raise RuntimeError(f"math-verify failed on {answer!r} against {gold!r}: {reply['error']}")
+        return bool(reply["equal"])
+
+    def _read(self, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            if not chunk:
+                raise _Gone(f"math_answer's checker process exited (status {self.proc.wait()})")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            stream.close()
+
+
+_idle: list[_Checker] = []
+_idle_lock = threading.Lock()
+_slots = threading.BoundedSemaphore(MAX_CHECKERS)
+
+
+@atexit.register
+def _stop_checkers() -> None:
+    with _idle_lock:
+        while _idle:
+            _idle.pop().kill()
+
+
+def _check(gold: str, answer: str) -> bool:
+    with _slots:
+        with _idle_lock:
+            warm = _idle.pop() if _idle else None
+        if warm is not None:
+            try:
+                return _ask(warm, gold, answer)
+            except _Gone:  # died since its last check (e.g. the thread that started it ended): a fresh one
+                pass
+        return _ask(_Checker(), gold, answer)
+
+
+def _ask(checker: _Checker, gold: str, answer: str) -> bool:
+    try:
+        equal = checker.ask(gold, answer)
+    except TimeoutError:
+        checker.kill()
+        _log.warning("math_answer: math-verify took longer than %gs on %.80r; scored 0.0", VERIFY_TIMEOUT_S, answer)
+        return False
+    except BaseException:
+        checker.kill()
+        raise
+    with _idle_lock:
+        _idle.append(checker)
+    return equal
 
 
 def _math_answer(prompt: str, response: str, sample: dict) -> float:
     """1.0 when the response's final answer equals `sample["answer"]` mathematically
-    (math-verify: `1/2`, `0.5` and `\\frac{1}{2}` agree), else 0.0."""
-    from math_verify import verify
-
+    (math-verify: `1/2`, `0.5` and `\\frac{1}{2}` agree), else 0.0 (also when the check takes
+    longer than VERIFY_TIMEOUT_S)."""
     if sample.get("answer") is None:
         raise ValueError("math_answer needs the reference answer in the record's 'answer' field (data.answer_key)")
     answer = final_answer(response)
     if answer is None:
         return 0.0
-    gold, predicted = _math(str(sample["answer"])), _math(answer)
-    return float(bool(gold and predicted) and verify(gold, predicted, timeout_seconds=None))
+    return float(_check(str(sample["answer"]), answer))
 
 
 def __getattr__(name: str):

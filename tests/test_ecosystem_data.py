@@ -55,6 +55,44 @@ def test_math_answer_off_the_main_thread():
     assert got == [1.0]
 
 
+def test_math_answer_that_never_ends_is_killed_and_the_loop_keeps_running(monkeypatch):
+    """`3^{3^{16}}` keeps sympy in one big-integer power holding the GIL for many seconds (a taller
+    tower, forever): the check runs in a child that is killed at VERIFY_TIMEOUT_S, the answer
+    scores 0.0 as on math-verify's own timeout, the rollout worker's event loop keeps turning
+    throughout, and the next answer is checked by a fresh child."""
+    import asyncio
+
+    from meshrl import verifiers
+    from meshrl.rollout.env import call_reward
+
+    monkeypatch.setattr(verifiers, "VERIFY_TIMEOUT_S", 2.0)
+    math_answer("", "1", {"answer": "1"})  # a warm child, so start-up is not in what is measured
+
+    async def main():
+        gaps, last = [], loop.time()
+
+        async def ticker():
+            nonlocal last
+            while True:
+                await asyncio.sleep(0.05)
+                gaps.append(loop.time() - last)
+                last = loop.time()
+
+        tick = asyncio.create_task(ticker())
+        reward = await call_reward(math_answer, "", r"\boxed{3^{3^{16}}}", {"answer": "1"}, timeout_s=60)
+        tick.cancel()
+        return reward, max(gaps)
+
+    loop = asyncio.new_event_loop()
+    try:
+        reward, longest_stall = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert reward == 0.0
+    assert longest_stall < 5, f"the event loop stalled {longest_stall:.1f}s while the answer was checked"
+    assert math_answer("", r"\boxed{\frac{2}{4}}", {"answer": "0.5"}) == 1.0
+
+
 # ---- reasoning-gym ------------------------------------------------------------------------------
 def test_reasoning_gym_source_is_deterministic_and_resumes():
     config = Config.from_dict({"data": RG})
