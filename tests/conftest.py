@@ -754,7 +754,7 @@ def build_digit_teacher(path: str | os.PathLike, seed: int = 0) -> str:
     return str(path)
 
 
-def build_lora_base(path: str | os.PathLike, seed: int = 0, head_scale: float = 8.0) -> str:
+def build_lora_base(path: str | os.PathLike, seed: int = 0, head_scale: float = 8.0, family: str = "qwen3") -> str:
     """A LoRA base for the default model's shapes and the character tokenizer: the
     from-scratch policy with its lm_head scaled by `head_scale`. A LoRA leaves the head and the final
     norm frozen, and the from-scratch head (std 0.02) caps every token's probability near
@@ -767,7 +767,7 @@ def build_lora_base(path: str | os.PathLike, seed: int = 0, head_scale: float = 
     from meshrl.trainer import checkpoint as ckpt
     from meshrl.trainer.model import build_model
 
-    model, specs = build_model(ModelConfig(), seed=seed)
+    model, specs = build_model(ModelConfig(family=family), seed=seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(head_scale)
     out = ckpt.export_hf(model, specs, path)

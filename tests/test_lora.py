@@ -62,13 +62,17 @@ def test_only_adapters_train_and_the_optimizer_holds_them_alone(base):
     assert any(p.detach().abs().sum() > 0 for n, p in trainer.model.named_parameters() if ".lora_b." in n)
 
 
-def test_peft_and_merged_exports_reproduce_the_trainers_logits(base, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_peft_and_merged_exports_reproduce_the_trainers_logits(base, family, tmp_path):
     """The adapter written in PEFT format, applied by `peft` over the base checkpoint, and the
     merged checkpoint loaded by transformers, both give the trainer's own logits; the
-    adapter sync payload carries PEFT names and only the adapters' bytes."""
+    adapter sync payload carries PEFT names and only the adapters' bytes. Llama's HF layout
+    orders q and k rows differently from TorchTitan's, and the adapter follows it."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    if family != "qwen3":
+        base = build_lora_base(tmp_path / "base", family=family)
     trainer = PolicyTrainer(lora_config(base), CPU)
     randomise_adapters(trainer, 0)
     out = trainer.export_hf(str(tmp_path / "v1"))
@@ -82,8 +86,8 @@ def test_peft_and_merged_exports_reproduce_the_trainers_logits(base, tmp_path):
         merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
         peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)(ids).logits
         plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)(ids).logits
-    torch.testing.assert_close(merged, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(peft, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged, want, atol=1e-4, rtol=1e-4)  # float32 sums in another order
+    torch.testing.assert_close(peft, want, atol=1e-4, rtol=1e-4)
     assert (plain - want).abs().max() > 0.1  # the adapter matters
 
     synced = dict(trainer.sync_state_dict(torch.float32))

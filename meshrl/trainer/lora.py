@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Iterator
 
 import torch
@@ -77,14 +78,34 @@ def merged_weight(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return weight + module._lora_scaling * (b.float() @ a.float()).to(weight.dtype)
 
 
+def hf_layout(adapter, fqn: str, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row and column orders the state-dict adapter gives weight `fqn` on its way to HF:
+    HF[i, j] = W[rows[i], cols[j]]. Llama's adapter reorders q and k rows per head (rotary
+    halves against TorchTitan's interleaved pairs), so a LoRA B exported without the same row
+    order would rotate wrongly in `peft` and vLLM. Found by sending index tensors through it."""
+    rows = torch.arange(shape[0], dtype=torch.float32)[:, None].expand(shape).contiguous()
+    cols = torch.arange(shape[1], dtype=torch.float32)[None, :].expand(shape).contiguous()
+    out_rows, out_cols = (next(iter(adapter.to_hf({f"{fqn}.weight": t}).values())) for t in (rows, cols))
+    row_order, col_order = out_rows[:, 0].long(), out_cols[0, :].long()
+    if out_rows.shape != shape or not (torch.equal(out_rows, rows[row_order]) and torch.equal(out_cols, cols[:, col_order])):
+        raise ValueError(f"{fqn}: the state-dict adapter changes it beyond reordering rows and columns, which a LoRA export cannot follow")
+    return row_order, col_order
+
+
 def adapter_state_dict(model: nn.Module, adapter, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(PEFT name, full tensor) of every adapter matrix, A then B per module. Collective under
-    FSDP: iterate it to its end on every rank."""
+    """(PEFT name, full tensor) of every adapter matrix, A then B per module, in HF's row and
+    column order of the base weight (`hf_layout`). Collective under FSDP: iterate it to its end
+    on every rank."""
     modules = lora_modules(model)
+    layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
     for fqn, hf in hf_module_names(model, adapter).items():
         module = modules[fqn]
-        for peft, part in (("lora_A", module.lora_a), ("lora_B", module.lora_b)):
-            t = full_tensor(part.weight.detach())
+        kind = (re.sub(r"\.\d+\.", ".N.", fqn), tuple(module.weight.shape))  # one layout per projection of each layer
+        if kind not in layouts:
+            layouts[kind] = hf_layout(adapter, fqn, module.weight.shape)
+        row_order, col_order = layouts[kind]
+        a, b = full_tensor(module.lora_a.weight.detach()), full_tensor(module.lora_b.weight.detach())
+        for peft, t in (("lora_A", a[:, col_order.to(a.device)]), ("lora_B", b[row_order.to(b.device)])):
             yield f"{PEFT_PREFIX}{hf}.{peft}.weight", (t if dtype is None else t.to(dtype)).contiguous()
 
 
