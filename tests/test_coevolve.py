@@ -260,6 +260,22 @@ def test_a_resume_that_reshapes_a_model_or_renames_its_prm_is_refused_before_any
     assert resume_config(str(run), ["trainer.cpus=0"]).trainer.cpus == "0"
 
 
+def test_a_resume_that_changes_loras_targets_or_alpha_is_refused(tmp_path):
+    """Other targets are other adapters to load; another alpha rescales the trained ones silently."""
+    from meshrl.api import resume_config
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(Config.from_dict({"lora": {"rank": 8, "alpha": 16}, "logging": {"run_dir": str(run)}}).to_yaml())
+    torch.save({"models": {}, "model_critics": {}, "critic_dir": None, "model_names": ["policy"]}, run / "checkpoints" / "step_000002_loop_state.pt")
+    (run / "checkpoints" / "latest").write_text("step_000002_loop_state.pt")
+    assert resume_config(str(run), ["lora.dropout=0.0", "steps=9"]).steps == 9
+    for field, override in (("lora.targets", "lora.targets=[q_proj]"), ("lora.alpha", "lora.alpha=32")):
+        with pytest.raises(ConfigError, match="resume with its own") as e:
+            resume_config(str(run), [override])
+        assert e.value.field_path == field, str(e.value)
+
+
 def test_per_model_episode_metrics_keep_the_policys_names():
     from meshrl.agent.game import thread_windows
 

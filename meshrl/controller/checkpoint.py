@@ -203,8 +203,9 @@ SHAPE = ("family", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ff
 
 def check_same_shapes(saved: Config, config: Config, run_dir: str) -> None:
     """A resume whose overrides reshape a trained model (its `model` fields, a checkpoint where
-    it had none or none where it had one, LoRA's rank) would fail to load its checkpoint once
-    the meshes are up, after its config.yaml was written over: refused here, in one line."""
+    it had none or none where it had one, LoRA's rank or targets) would fail to load its checkpoint once
+    the meshes are up, after its config.yaml was written over, and LoRA's alpha would rescale
+    the trained adapters silently: refused here, in one line."""
 
     def refuse(field: str, was, now) -> None:
         own = field.split(".", 1)[-1] if field.startswith("models[") else field
@@ -214,6 +215,10 @@ def check_same_shapes(saved: Config, config: Config, run_dir: str) -> None:
 
     if saved.lora.rank != config.lora.rank:
         refuse("lora.rank", saved.lora.rank, config.lora.rank)
+    if config.lora.rank > 0 and sorted(saved.lora.targets) != sorted(config.lora.targets):  # other adapters to load
+        refuse("lora.targets", sorted(saved.lora.targets), sorted(config.lora.targets))
+    if config.lora.rank > 0 and saved.lora.alpha != config.lora.alpha:  # the trained adapters would be scaled anew, silently
+        refuse("lora.alpha", saved.lora.alpha, config.lora.alpha)
 
     def view(c: Config, name: str) -> Config | None:  # (None: a view this host refuses, preflight says why)
         try:
