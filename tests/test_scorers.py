@@ -349,6 +349,16 @@ def test_episode_reward_weighs_each_signal_and_logs_each_one(char_tokenizer):
     assert ep.signals["rm/queue_s"] == 0.01 and ep.signals["rm/score_s"] == 0.02 and ep.signals["rm/wait_s"] >= 0
 
 
+def test_an_episode_without_a_model_turn_is_left_unscored(char_tokenizer):
+    """A prompt that fills model.max_seq_len leaves no turn to score; scoring it raised, and the
+    group was played and re-queued again without end."""
+    cfg = Config.from_dict({"scoring": {"scorers": [{"kind": "function", "path": "tests.test_scorers:times_two"}]}})
+    ep = Episode(3, 12, [Turn("env", char_tokenizer.encode("a long prompt"))])
+    ep.finish_reason = "length"
+    asyncio.run(EpisodeScorers(cfg, char_tokenizer).score(ep, {"prompt": "a long prompt", "answer": ""}))
+    assert ep.finish_reason == "length" and ep.reward == 0.0 and not ep.signals
+
+
 def test_a_failed_score_fails_its_episode_and_a_dead_replica_is_asked_again(char_tokenizer):
     cfg = Config.from_dict({"scoring": {"scorers": [{"kind": "function", "path": "tests.test_scorers:boom"}]}})
     ep = _episode(char_tokenizer, "123")

@@ -117,6 +117,8 @@ class EpisodeScorers:
         """`score` of one row: an env's episode, or a game's thread."""
         if not any(spec.model == self.models[ep.model] for spec in self.specs):
             return  # a thread of a model nobody scores keeps the game's reward as it is
+        if not ep.model_turns:
+            return  # nothing was generated (a prompt that fills model.max_seq_len): nothing to score, nothing to train
         items = self.items(ep, record)
         mine = [i for i, item in enumerate(items) if item is not None]
         results = await asyncio.gather(*(self._one(i, items[i]) for i in mine))
