@@ -267,7 +267,7 @@ def _record(cfg: DataConfig, where: str, row: Any) -> dict[str, Any]:
     else:
         prompt = str(prompt)
     extra = {k: v for k, v in row.items() if k not in (key, cfg.answer_key)}
-    return {"prompt": prompt, "answer": answer, **extra}
+    return {**extra, "prompt": prompt, "answer": answer}  # a column named `prompt` or `answer` is not the one chosen
 
 
 # ---- generated sources ----------------------------------------------------------------------------

@@ -189,7 +189,9 @@ def test_task_node_resumes_exactly():
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_file_sources(tmp_path, fmt):
-    rows = [{"question": f"q{i}?", "solution": str(i), "level": i % 3} for i in range(5)]
+    rows = [
+        {"question": f"q{i}?", "solution": str(i), "level": i % 3, "prompt": "not it", "answer": "nor this"} for i in range(5)
+    ]  # columns named like a record's own
     path = tmp_path / f"data.{fmt}"
     if fmt == "jsonl":
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
