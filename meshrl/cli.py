@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 import traceback
@@ -146,14 +147,22 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             how = f"no checkpoint could be written in time; the last is at step {last}: continue from it with: meshrl run --resume {e.run_dir}"
         else:
             how = "no checkpoint could be written in time"
-        by = "Slurm's SIGTERM to the allocation" if allocation_signaled() else "SIGTERM" if e.exit_status == 143 else "an interrupt"
+        by = "Slurm's SIGTERM to the allocation" if allocation_signaled() else "an interrupt" if e.exit_status == 130 else _signal_name(e.exit_status)
         print(f"meshrl: stopped at step {e.version} by {by}: {how}", file=out)
         if allocation_signaled() and last is not None:
             _resubmit(config, e.run_dir, ns.verbose, out)  # returns only when no resubmission is left
         return e.exit_status
-    except KeyboardInterrupt:
-        print("meshrl: interrupted while starting; nothing trained yet", file=out)
-        return 130
+    except (KeyboardInterrupt, SystemExit) as e:  # while the meshes started: nothing of this start trained
+        if isinstance(e, SystemExit) and not (isinstance(e.code, int) and e.code > 128):
+            raise  # not a signal's (meshrl.launch.signals)
+        from meshrl.launch.slurm import allocation_signaled
+
+        status = e.code if isinstance(e, SystemExit) else 130
+        by = "Slurm's SIGTERM to the allocation" if allocation_signaled() else "an interrupt" if status == 130 else _signal_name(status)
+        print(f"meshrl: stopped while starting by {by}; nothing trained in this start", file=out)
+        if allocation_signaled() and last_checkpoint_step(run_dir) is not None:
+            _resubmit(config, run_dir, ns.verbose, out)  # returns only when no resubmission is left
+        return status
     except ConfigError:
         raise  # one line and exit 2, from main()
     except Exception as e:  # noqa: BLE001 - one line here, the traceback in the controller's log
@@ -168,6 +177,14 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         return 1
     print(summary_line(result, time.monotonic() - start), file=out)
     return 0
+
+
+def _signal_name(exit_status: int) -> str:
+    """SIGTERM for 143: the signal a 128+N exit status stands for."""
+    try:
+        return signal.Signals(exit_status - 128).name
+    except ValueError:
+        return f"signal {exit_status - 128}"
 
 
 def last_checkpoint_step(run_dir: str) -> int | None:
@@ -200,6 +217,9 @@ def _resubmit(config: Config, run_dir: str, loud: bool, out) -> None:
     )
     for stream in (out, sys.stdout, sys.stderr):
         stream.flush()
+    if out.fileno() not in (1, 2):  # the terminal kept by logs.quiet_console: the next process's console again
+        for fd in (1, 2):
+            os.dup2(out.fileno(), fd)
     os.environ[RESUBMITS_ENV] = str(done + 1)
     os.execv(sys.executable, [sys.executable, "-m", "meshrl", "run", "--resume", run_dir, *(["--verbose"] if loud else [])])
 

@@ -312,3 +312,44 @@ def test_slurm_signal_and_resubmit_knobs_are_checked():
     assert "launcher.max_resubmits" in problem({"kind": "local", "max_resubmits": 1})
     assert "launcher.max_resubmits" in problem({"kind": "slurm", "max_resubmits": -1})
     assert "launcher.host_timeout_s" in problem({"kind": "slurm", "host_timeout_s": 0.5})
+
+
+def test_sighup_runs_cleanup_like_sigterm():
+    """A closed terminal or a dropped ssh session sends SIGHUP, whose default action skips
+    `finally` and atexit, and with them the shutdown of every mesh."""
+    code = textwrap.dedent(
+        """
+        import os, signal, time
+        from meshrl.launch.signals import exit_on_sigterm
+        exit_on_sigterm()
+        try:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(30)
+        finally:
+            print("cleaned up", flush=True)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 128 + signal.SIGHUP and done.stdout == "cleaned up\n", (done.returncode, done.stdout, done.stderr[-500:])
+
+
+def test_a_signal_while_the_meshes_start_ends_with_one_line_and_its_status(tmp_path):
+    """SIGTERM while the run starts (meshrl.run raises SystemExit(143) then) used to leave
+    `meshrl run` by a traceback, without its stop line; a Slurm allocation signaled then, with
+    a checkpoint to continue from, was not resubmitted either."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import meshrl.api
+        from meshrl.cli import main
+
+        def stopped_while_starting(*args, **kwargs):
+            raise SystemExit(143)
+
+        meshrl.api.run = stopped_while_starting
+        sys.exit(main(["run", "--verbose", "logging.run_dir={tmp_path / "run"}"]))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 143, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == "meshrl: stopped while starting by SIGTERM; nothing trained in this start", done.stderr[-2000:]
