@@ -353,3 +353,17 @@ def test_a_signal_while_the_meshes_start_ends_with_one_line_and_its_status(tmp_p
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 143, done.stderr[-2000:]
     assert done.stderr.splitlines()[-1] == "meshrl: stopped while starting by SIGTERM; nothing trained in this start", done.stderr[-2000:]
+
+
+def test_workers_that_never_connect_are_named_when_the_start_times_out(tmp_path):
+    """A typo'd `launcher.workers` port waited out launcher.start_timeout_s and ended in an
+    empty TimeoutError; the line now names the addresses nothing listens at."""
+    import socket
+
+    with socket.socket() as free:  # a loopback port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    launcher = {"kind": "workers", "workers": [f"127.0.0.1:{port}"], "address": "127.0.0.1", "start_timeout_s": 3}
+    config = Config.from_dict({"launcher": launcher, "logging": {"run_dir": str(tmp_path / "run")}})
+    with pytest.raises(TimeoutError, match=rf"within launcher.start_timeout_s=3s; nothing listens at 127.0.0.1:{port}: start"):
+        asyncio.run(allocate(config).start())

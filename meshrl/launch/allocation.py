@@ -24,7 +24,7 @@ from meshrl.launch.devices import plan_devices
 from meshrl.launch.hosts import ROLES, SPARE_MESH, job_meshes, role_meshes
 from meshrl.launch.signals import exit_on_sigterm, in_main_thread
 from meshrl.launch.slurm import SignalWatch, render_sbatch, slurm_dir, slurm_job
-from meshrl.launch.workers import attach_workers
+from meshrl.launch.workers import attach_workers, unreachable
 
 logger = logging.getLogger("meshrl.launch")
 
@@ -123,7 +123,7 @@ class Allocation:
         self._spares_used = 0  # hosts of the spare mesh the trainer has moved to
         self.host_lost = False
         """Set by the controller when one of the job's hosts is gone: `stop` bounds each wait by LOST_HOST_STOP_S."""
-        self._lost: list[HostMesh] = []  # the trainer's meshes it left for spares: their shutdown would wait out its timeout
+        self._lost: list[HostMesh] = []  # meshes left for spares or never connected: their shutdown would wait out its timeout
         self._procs: list[ProcMesh] = []
         self._old_sigterm: Any = None
         self._watch: SignalWatch | None = None  # slurm: relays Slurm's SIGTERM to this process
@@ -166,13 +166,27 @@ class Allocation:
                 if self.kind == "slurm":
                     self._watch = SignalWatch(slurm_dir(self.config), self._job._slurm_job_id)
             for name, mesh in self._owned.items():
-                await asyncio.wait_for(awaited(mesh.initialized), self.config.launcher.start_timeout_s)
+                try:
+                    await asyncio.wait_for(awaited(mesh.initialized), self.config.launcher.start_timeout_s)
+                except asyncio.TimeoutError:
+                    self._lost.append(mesh)  # never up: its shutdown would wait out STOP_TIMEOUT_S for nothing
+                    raise TimeoutError(await asyncio.to_thread(self._not_connected, name)) from None
                 logger.info("launcher: host mesh %r connected, %d hosts", name, mesh.sizes["hosts"])
             self._roles = role_meshes(self._owned)
         except BaseException:
             await self.stop()
             raise
         return self
+
+    def _not_connected(self, name: str) -> str:
+        """What to say when host mesh `name` did not connect in time; for `meshrl worker` hosts,
+        which of their addresses nothing listens at (a typo'd port, a worker not started)."""
+        la = self.config.launcher
+        line = f"host mesh {name!r} did not connect within launcher.start_timeout_s={la.start_timeout_s:g}s"
+        gone = unreachable(la.workers) if self.kind == "workers" else []
+        if gone:
+            line += f"; nothing listens at {', '.join(gone)}: start `meshrl worker IP:PORT` there, or fix launcher.workers"
+        return line
 
     async def stop(self) -> None:
         """Stop every proc mesh spawned here, shut down the host meshes, kill the job. Idempotent."""

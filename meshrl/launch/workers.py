@@ -9,6 +9,7 @@ that is not this machine's.
 from __future__ import annotations
 
 import os
+import socket
 
 from meshrl.config import Config, ConfigError, ip_and_port
 from meshrl.host import HOST_ADDRESS_ENV, interface_of
@@ -28,6 +29,17 @@ def _local_addresses() -> set[str]:
     import psutil
 
     return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs if a.family.name in ("AF_INET", "AF_INET6")}
+
+
+def unreachable(workers: list[str], timeout_s: float = 3.0) -> list[str]:
+    """The `IP:PORT`s of `workers` where nothing accepts a TCP connection (no `meshrl worker` there)."""
+    gone = []
+    for w in workers:
+        try:
+            socket.create_connection(ip_and_port(w), timeout=timeout_s).close()
+        except OSError:
+            gone.append(w)
+    return gone
 
 
 def attach_workers(config: Config) -> dict:
