@@ -77,6 +77,10 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
     if not os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")):
         raise ConfigError("--resume", f"{run_dir!r} has no checkpoint yet: nothing to resume")
     config = as_config(path, overrides)
+    written = load_yaml(path)
+    asked = config.logging.run_dir
+    if asked != written.get("logging", {}).get("run_dir") and os.path.abspath(asked) != os.path.abspath(run_dir):  # an override would be dropped silently
+        raise ConfigError("logging.run_dir", f"a resumed run continues in {run_dir}: drop the override (copy the directory to continue it elsewhere)")
     config.logging.run_dir = run_dir
     from meshrl.controller.checkpoint import check_resumable, check_same_shapes, latest_state
 
@@ -88,7 +92,7 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
     check_resumable(state, config, run_dir)
     from meshrl.config.loading import build
 
-    check_same_shapes(build(Config, load_yaml(path)), config, run_dir)  # the run as it wrote itself (typed, not checked: its cores were another host's)
+    check_same_shapes(build(Config, written), config, run_dir)  # the run as it wrote itself (typed, not checked: its cores were another host's)
     return config
 
 

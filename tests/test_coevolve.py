@@ -260,8 +260,9 @@ def test_a_resume_that_reshapes_a_model_or_renames_its_prm_is_refused_before_any
     assert resume_config(str(run), ["trainer.cpus=0"]).trainer.cpus == "0"
 
 
-def test_a_resume_that_changes_loras_targets_or_alpha_is_refused(tmp_path):
-    """Other targets are other adapters to load; another alpha rescales the trained ones silently."""
+def test_a_resume_that_changes_loras_targets_or_alpha_or_its_run_dir_is_refused(tmp_path):
+    """Other targets are other adapters to load; another alpha rescales the trained ones
+    silently; another logging.run_dir was dropped silently."""
     from meshrl.api import resume_config
 
     run = tmp_path / "run"
@@ -270,6 +271,10 @@ def test_a_resume_that_changes_loras_targets_or_alpha_is_refused(tmp_path):
     torch.save({"models": {}, "model_critics": {}, "critic_dir": None, "model_names": ["policy"]}, run / "checkpoints" / "step_000002_loop_state.pt")
     (run / "checkpoints" / "latest").write_text("step_000002_loop_state.pt")
     assert resume_config(str(run), ["lora.dropout=0.0", "steps=9"]).steps == 9
+    assert resume_config(str(run), [f"logging.run_dir={run}"]).logging.run_dir == str(run)  # its own place: no change
+    with pytest.raises(ConfigError, match="continues in") as e:  # elsewhere: it was dropped silently
+        resume_config(str(run), [f"logging.run_dir={tmp_path / 'elsewhere'}"])
+    assert e.value.field_path == "logging.run_dir"
     for field, override in (("lora.targets", "lora.targets=[q_proj]"), ("lora.alpha", "lora.alpha=32")):
         with pytest.raises(ConfigError, match="resume with its own") as e:
             resume_config(str(run), [override])
