@@ -92,6 +92,8 @@ def _cmd_doctor(ns: argparse.Namespace) -> int:
 def _cmd_config_docs(ns: argparse.Namespace) -> int:
     text = reference_markdown() + "\n"
     if ns.check:
+        if not os.path.isfile(ns.check):
+            raise ConfigError("--check", f"{ns.check} is not a file: write it first with `meshrl config docs > {ns.check}`")
         with open(ns.check) as f:
             if f.read() != text:
                 print(f"meshrl: {ns.check} is out of date: regenerate it with `meshrl config docs > {ns.check}`", file=sys.stderr)

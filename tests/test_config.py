@@ -319,6 +319,12 @@ def test_every_field_is_documented_and_reference_is_current():
         assert f.read() == reference_markdown() + "\n", "docs/config.md is stale: run `meshrl config docs > docs/config.md`"
 
 
+def test_config_docs_check_of_a_missing_file_is_one_line(tmp_path):
+    from meshrl.cli import main
+
+    assert main(["config", "docs", "--check", str(tmp_path / "missing.md")]) == 2
+
+
 def test_every_link_in_the_readmes_and_docs_resolves():
     """Each relative link of README.md, docs/, benchmarks/, tests/ and examples/ names a file
     that exists, and each `#anchor` a heading of its page (GitHub's slugs)."""
