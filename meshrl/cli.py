@@ -1,6 +1,6 @@
 """The `meshrl` command line.
 
-    meshrl run [CONFIG.yaml] [section.field=value ...] [--resume RUN_DIR]
+    meshrl run [CONFIG.yaml] [section.field=value ...] [--resume RUN_DIR | --auto-resume]
     meshrl config show [CONFIG.yaml] [section.field=value ...]
     meshrl config plan [CONFIG.yaml] [section.field=value ...]   # the device plan (also: meshrl run --plan)
     meshrl config docs [--check FILE]
@@ -112,6 +112,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         return _cmd_config_plan(ns)
     path, overrides = _split(ns.args)
     overrides += ["logging.verbose=true"] if ns.verbose else []
+    if ns.auto_resume:
+        if ns.resume:
+            raise ConfigError("--auto-resume", "resumes the config's own run directory: pass the config, not --resume")
+        run_dir = load_config([path, *overrides] if path else overrides).logging.run_dir
+        if last_checkpoint_step(run_dir) is not None:  # a scheduler's retry of this command: continue, not start over
+            ns.resume, path = run_dir, None
     if ns.resume:
         if path is not None:
             raise ConfigError("--resume", "a resumed run uses RUN_DIR/config.yaml: pass only overrides with --resume")
@@ -337,6 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train: the embedded default, or CONFIG with overrides")
     run.add_argument("args", nargs="*", metavar="CONFIG|section.field=value")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    run.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="resume the config's logging.run_dir from its last checkpoint when it has one, else start it (a scheduler's retries)",
+    )
     run.add_argument("--verbose", action="store_true", help="show vLLM, Monarch and torch output on the terminal (default: RUN_DIR/logs/)")
     run.add_argument("--plan", action="store_true", help="print which GPUs every proc would hold, and exit")
     run.set_defaults(func=_cmd_run)

@@ -48,7 +48,7 @@ def train(
         memMB: host memory in MB
         h: a registered TorchX named resource (takes precedence over cpu, memMB and the config's GPUs)
         python: the Python interpreter on the host
-        max_retries: scheduler retries on failure
+        max_retries: scheduler retries on failure; each continues from the run's last checkpoint
     """
     resolved = Config.from_dict(apply_overrides(load_yaml(config), list(overrides)))
     check(resolved)  # fail at submit time, not on the cluster
@@ -64,8 +64,9 @@ def train(
                 name="meshrl",
                 image=image,
                 entrypoint=python,
-                # the last override wins: inside the job, meshes go on the job's own host
-                args=["-m", "meshrl", "run", config, *overrides, "launcher.kind=torchx"],
+                # the last override wins: inside the job, meshes go on the job's own host; a
+                # retry (max_retries) continues from the run's checkpoint instead of step 0
+                args=["-m", "meshrl", "run", config, *overrides, "launcher.kind=torchx", *(["--auto-resume"] if max_retries else [])],
                 num_replicas=1,
                 resource=specs.resource(cpu=cpu, gpu=resolved.launcher.gpus_per_host, memMB=memMB, h=h),
                 max_retries=max_retries,

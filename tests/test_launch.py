@@ -271,6 +271,36 @@ def test_torchx_component_refuses_several_hosts():
         train("launcher.hosts=2", config=os.path.join(ROOT, "configs/default.yaml"))
 
 
+def test_a_torchx_retry_resumes_the_run_from_its_checkpoint(tmp_path, monkeypatch):
+    """With max_retries the job's command carries --auto-resume: a retry of it continues the
+    config's run directory from its last checkpoint (it started again from step 0, the first
+    attempt's run moved aside), and the first attempt, with no checkpoint yet, starts it."""
+    import meshrl.api
+    import torch
+
+    from meshrl.cli import main
+    from meshrl.errors import RunFailed
+    from meshrl.torchx_component import train
+
+    assert train(config=os.path.join(ROOT, "configs/default.yaml")).roles[0].args[-1] == "launcher.kind=torchx"
+    assert train(config=os.path.join(ROOT, "configs/default.yaml"), max_retries=2).roles[0].args[-1] == "--auto-resume"
+    calls = []
+
+    def recorded(config=None, *, resume=None, overrides=None):
+        calls.append(resume)
+        raise RunFailed("stand-in")
+
+    monkeypatch.setattr(meshrl.api, "run", recorded)
+    run = tmp_path / "run"
+    argv = ["run", "--verbose", "--auto-resume", f"logging.run_dir={run}", "steps=9"]
+    assert main(argv) == 1 and calls == [None]  # nothing to continue: a fresh start
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(Config.from_dict({"steps": 9, "logging": {"run_dir": str(run)}}).to_yaml())
+    torch.save({"models": {}, "model_critics": {}, "critic_dir": None, "model_names": ["policy"]}, run / "checkpoints" / "step_000004_loop_state.pt")
+    (run / "checkpoints" / "latest").write_text("step_000004_loop_state.pt")
+    assert main(argv) == 1 and calls == [None, str(run)]  # the retry continues it
+
+
 def test_squeue_json_of_slurm_22_05_reads_as_monarch_expects():
     """Slurm 22.05's `squeue --json` job (state a string, hosts under allocated_nodes) in the
     shape Monarch's SlurmJob reads (24.05's); the newer shape passes through unchanged."""
