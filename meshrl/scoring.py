@@ -28,12 +28,14 @@ def reward_model_fn(path: str) -> RewardFn:
     its single-logit head, on the input a reward-model scorer renders (its tokenizer's chat
     template; meshrl/scorers/backends.py). `scoring.scorers` runs one on procs of its own."""
     from meshrl.scorers.backends import RewardModel
+    from meshrl.scorers.client import scoring_item
 
     rm = RewardModel(path, device="cpu")
 
     def score(prompt: str, response: str, sample: dict) -> float:
+        item = scoring_item({**sample, "prompt": sample.get("prompt", prompt)}, response)  # a chat record: all of its messages
         with torch.no_grad():
-            return float(rm.forward([rm.encode({"prompt": prompt}, response)])[0])
+            return float(rm.forward([rm.encode(item, response)])[0])
 
     return score
 

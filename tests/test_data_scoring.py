@@ -672,3 +672,11 @@ def test_reward_model_scores_through_the_same_interface(tmp_path, tokenizer_dir)
     # the same function, called directly
     fn = resolve_reward(config)
     assert fn("a:", "123", {}) == pytest.approx(want[texts.index("123")], abs=1e-5)
+    # a chat record: the reward model reads all of its messages (it read only the last user turn)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a:"}]
+    worker.set_generators([ScriptedGenerator(replies_in_order(tok, ["123", "123"]))])
+    chat_td = episode.pack(asyncio.run(worker.play_group(Claim(2, {"prompt": chat, "answer": ""}, 0))))
+    with torch.no_grad():
+        ids = tok.apply_chat_template([*chat, {"role": "assistant", "content": "123"}], tokenize=True, return_dict=False)
+        chat_want = float(model(torch.tensor([ids])).logits[0, 0])
+    assert chat_td["reward"].tolist() == pytest.approx([chat_want, chat_want], abs=1e-5)

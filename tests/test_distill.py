@@ -139,6 +139,35 @@ def test_in_a_game_the_teacher_distills_the_policys_rows_and_the_others_keep_the
         assign_distill_advantages(pack([game_episode(0, 1.0, teacher=False)]), kl_w, r_w, "grpo")
 
 
+def test_a_teacher_that_cannot_read_the_policys_token_ids_is_refused(tmp_path):
+    """The teacher scores the policy's sampled token ids: a smaller vocabulary would index past
+    its embedding, another tokenizer would score other tokens, silently."""
+    import json
+
+    from meshrl.config import Config, ConfigError, ModelConfig
+    from meshrl.trainer import checkpoint as ckpt
+    from meshrl.trainer.checks import check_teacher
+    from meshrl.trainer.model import build_model
+    from tests.conftest import build_lora_base
+
+    def taught(teacher) -> Config:
+        return Config.from_dict({"distill": {"teacher": str(teacher)}})
+
+    same = build_lora_base(tmp_path / "same")  # the default shapes and the character tokenizer: the policy's own
+    check_teacher(taught(same))
+    small, specs = build_model(ModelConfig(vocab_size=64))
+    ckpt.export_hf(small, specs, str(tmp_path / "small"))
+    other = build_lora_base(tmp_path / "other")
+    spec = json.loads((tmp_path / "other" / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (tmp_path / "other" / "tokenizer.json").write_text(json.dumps(spec))
+    for teacher, why in ((tmp_path / "small", r"its vocabulary \(64\) is smaller than the policy's \(128\)"), (other, "other ids than the policy's")):
+        with pytest.raises(ConfigError, match=why) as e:
+            check_teacher(taught(teacher))
+        assert e.value.field_path == "distill.teacher"
+
+
 def test_concat_pad_and_trim_keep_the_distillation_keys():
     a = assign_distill_advantages(pack(scored_episodes()[:2]), 1.0, 1.0, "grpo")  # T = 6
     b = assign_distill_advantages(pack(scored_episodes()[2:]), 1.0, 1.0, "grpo")  # T = 4

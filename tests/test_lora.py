@@ -10,6 +10,7 @@ must then give, for every token they sample, the trainer's own log-prob at that 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import pytest
@@ -63,7 +64,7 @@ def test_only_adapters_train_and_the_optimizer_holds_them_alone(base):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3"])
-def test_peft_and_merged_exports_reproduce_the_trainers_logits(base, family, tmp_path):
+def test_peft_and_merged_exports_reproduce_the_trainers_logits(base, family, tmp_path, monkeypatch):
     """The adapter written in PEFT format, applied by `peft` over the base checkpoint, and the
     merged checkpoint loaded by transformers, both give the trainer's own logits; the
     adapter sync payload carries PEFT names and only the adapters' bytes. Llama's HF layout
@@ -73,11 +74,14 @@ def test_peft_and_merged_exports_reproduce_the_trainers_logits(base, family, tmp
 
     if family != "qwen3":
         base = build_lora_base(tmp_path / "base", family=family)
-    trainer = PolicyTrainer(lora_config(base), CPU)
+    monkeypatch.chdir(os.path.dirname(base))  # model.path relative to where the run starts
+    trainer = PolicyTrainer(lora_config(os.path.basename(base)), CPU)
     randomise_adapters(trainer, 0)
     out = trainer.export_hf(str(tmp_path / "v1"))
     adapter = os.path.join(out, "adapter")
     assert sorted(os.listdir(adapter)) == ["adapter_config.json", "adapter_model.safetensors"]
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == base  # absolute: peft, vLLM and meshrl eval find it from anywhere
 
     ids = torch.tensor([[1, 5, 9, 14, 20, 33, 41, 7], [1, 60, 61, 62, 3, 4, 5, 6]])
     trainer.model.eval()

@@ -36,6 +36,10 @@ def test_judge_replies_parse_exactly_and_unparsable_ones_follow_the_rule():
     assert number_parser("1e2") == 100.0
     assert number_parser("no digits here") is None
     assert yes_no_parser(" Yes, it is") == 1.0 and yes_no_parser("no.") == 0.0 and yes_no_parser("maybe") is None
+    assert yes_no_parser("Not sure") is None and yes_no_parser("Nope") is None and yes_no_parser("NO") == 0.0
+    assert parse_reply(number_parser, "<think>1 or 2? step 3 says</think>\nScore: 9", 1.0, None) == 9.0  # a thinking judge's verdict
+    assert parse_reply(yes_no_parser, "<think>\nno, wait</think> yes", 1.0, None) == 1.0
+    assert isinstance(parse_reply(number_parser, "<think>the answer 4 is", 1.0, None), Failed)  # cut while thinking: no verdict
     assert parse_reply(number_parser, "8", 0.1, 0.0) == pytest.approx(0.8)
     unreadable = parse_reply(number_parser, "great answer", 0.1, 0.0)
     assert isinstance(unreadable, Failed) and unreadable.unparsable and "great answer" in unreadable.reason

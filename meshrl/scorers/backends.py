@@ -68,14 +68,15 @@ def number_parser(text: str) -> float | None:
     return float(m.group()) if m else None
 
 
+YES_NO = re.compile(r"(yes|no)\b", re.IGNORECASE)
+THINKING = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
+
+
 def yes_no_parser(text: str) -> float | None:
-    """1 for a reply starting with yes, 0 for no (case and leading space ignored)."""
-    word = text.strip().lower()
-    if word.startswith("yes"):
-        return 1.0
-    if word.startswith("no"):
-        return 0.0
-    return None
+    """1 for a reply whose first word is yes, 0 for no (case and leading space ignored; "Not
+    sure" and "Nope" are neither)."""
+    m = YES_NO.match(text.strip())
+    return None if m is None else float(m.group(1).lower() == "yes")
 
 
 PARSERS: dict[str, Callable[[str], float | None]] = {"number": number_parser, "yes_no": yes_no_parser}
@@ -90,8 +91,11 @@ def load_parser(name: str) -> Callable[[str], float | None]:
 
 
 def parse_reply(parser: Callable[[str], float | None], text: str, scale: float, unparsable: float | None) -> Result:
-    """The judge's `text` as a score: parser(text) x scale; an unreadable reply (None, a
-    non-finite number or a parser that raises) scores `unparsable`, or Failed when None."""
+    """The judge's `text` as a score: parser(text) x scale, read after the reasoning of a
+    thinking judge (`<think>...</think>`: its numbers and words are not the verdict; a reply
+    cut inside it has none); an unreadable reply (None, a non-finite number or a parser that
+    raises) scores `unparsable`, or Failed when None."""
+    text = THINKING.sub("", text)
     try:
         value = parser(text)
         value = None if value is None else float(value)

@@ -96,13 +96,51 @@ def check_models_vocabulary(c: Config) -> None:
 
 
 def check_teacher(c: Config) -> None:
-    """distill.teacher, when set, is a checkpoint directory."""
+    """distill.teacher, when set, is a checkpoint directory that reads the policy's token ids:
+    its vocabulary covers the policy's and, where both have a tokenizer.json, its tokenizer
+    gives each token the policy's id (the teacher scores the policy's sampled ids)."""
     di = c.distill
-    if di.teacher is not None:
-        if not os.path.isfile(os.path.join(di.teacher, "config.json")):
-            raise ConfigError(
-                "distill.teacher", f"{di.teacher!r} is not a Hugging Face checkpoint directory (no config.json): give the teacher's local checkpoint, or null"
-            )
+    if di.teacher is None:
+        return
+    if not os.path.isfile(os.path.join(di.teacher, "config.json")):
+        raise ConfigError(
+            "distill.teacher", f"{di.teacher!r} is not a Hugging Face checkpoint directory (no config.json): give the teacher's local checkpoint, or null"
+        )
+    n, policy = checkpoint_vocabulary(di.teacher), policy_vocabulary(c)
+    if n is not None and policy is not None and n < policy:
+        raise ConfigError(
+            "distill.teacher",
+            f"its vocabulary ({n}) is smaller than the policy's ({policy}): the teacher scores the policy's token ids, so it needs its tokenizer",
+        )
+    own = c.model.tokenizer or c.model.path
+    if own is None:
+        from meshrl.tokenizer import char_vocab
+
+        ours = char_vocab()  # the built-in character tokenizer's
+    else:
+        ours = _token_ids(own)
+    theirs = _token_ids(di.teacher)
+    if ours is not None and theirs is not None and ours != theirs:
+        raise ConfigError(
+            "distill.teacher",
+            "its tokenizer.json gives tokens other ids than the policy's: the teacher scores the policy's token ids; distill from one of the same tokenizer",
+        )
+
+
+def _token_ids(directory: str | None) -> dict[str, int] | None:
+    """token -> id of the tokenizer.json in `directory` (its model's vocabulary and its added
+    tokens); None where there is none to read."""
+    try:
+        with open(os.path.join(directory, "tokenizer.json")) as f:
+            spec = json.load(f)
+    except (TypeError, OSError, ValueError):
+        return None
+    vocab = (spec.get("model") or {}).get("vocab")
+    ids = dict(vocab) if isinstance(vocab, dict) else {}  # (a Unigram model's is a list of pieces: its order is its ids)
+    if isinstance(vocab, list):
+        ids = {piece[0]: i for i, piece in enumerate(vocab) if isinstance(piece, list) and piece}
+    ids.update({t["content"]: t["id"] for t in spec.get("added_tokens") or [] if isinstance(t, dict) and "content" in t and "id" in t})
+    return ids
 
 
 def check_critic_files(c: Config) -> None:

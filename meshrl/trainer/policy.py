@@ -399,7 +399,7 @@ class PolicyTrainer:
         source = os.path.join(self.config.model.path, "config.json") if self.config.model.path else None
         out = ckpt.export_hf(self.model, self.specs, path, dtype, source_config=source)
         if self.config.lora.rank > 0:
-            base = self.config.model.path
+            base = self.config.model.path and os.path.abspath(self.config.model.path)  # what loads it from any directory
             if base is None:
                 if base_dir is None:
                     raise ValueError("a from-scratch LoRA model needs base_dir to export its base weights to")
