@@ -218,7 +218,7 @@ class WeightSyncConfig:
 @dataclass
 class DistillConfig:
     teacher: str | None = None
-    """On-policy distillation: a local Hugging Face checkpoint of the teacher, run on a vLLM engine of its own, which scores every token of the student's episodes (with `models`, the student is the policy: the teacher scores its threads, and the other models train on their own rewards alone). Each model token's advantage becomes `kl_weight x (teacher log-prob - student log-prob)` (reverse KL, per token), plus `reward_weight x` the task's group advantage. None: off (plain RL)."""
+    """On-policy distillation: a local Hugging Face checkpoint of the teacher (of the policy's tokenizer: it scores the policy's token ids), run on a vLLM engine of its own, which scores every token of the student's episodes (with `models`, the student is the policy: the teacher scores its threads, and the other models train on their own rewards alone). Each model token's advantage becomes `kl_weight x (teacher log-prob - student log-prob)` (reverse KL, per token), plus `reward_weight x` the task's group advantage. None: off (plain RL)."""
     kl_weight: float = 1.0
     """Weight of the per-token reverse-KL advantage."""
     reward_weight: float = 0.0

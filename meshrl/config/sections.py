@@ -146,7 +146,7 @@ class ScorerConfig:
     )
     """`judge`: the judge's prompt, a Python format string over `{prompt}`, `{response}` and `{answer}` (the record's reference, empty if none); sent as a user message through the judge's chat template when it has one."""
     parser: str = "number"
-    """`judge`: reads the reply as a score. `number`: the first number in the reply; `yes_no`: 1 for a reply starting with yes, 0 for no; or an import path `module:function(text)` returning a number, or None for an unparsable reply."""
+    """`judge`: reads the reply as a score, after a thinking judge's `<think>...</think>` (a reply cut inside it is unparsable). `number`: the first number in the reply; `yes_no`: 1 for a reply whose first word is yes, 0 for no; or an import path `module:function(text)` returning a number, or None for an unparsable reply."""
     scale: float = 1.0
     """`judge`: the parsed number is multiplied by this (0.1 maps a 0-10 rating to 0-1)."""
     unparsable: float | None = 0.0
