@@ -96,6 +96,27 @@ def test_a_lone_request_is_scored_after_the_wait_and_a_failing_batch_fails_only_
     assert second[0]["score"] == 3.0 and second[0]["error"] is None
 
 
+def test_a_hung_backend_wedges_its_replica_and_every_request_then_fails_at_once():
+    """A backend that never answers (a hung engine) kept the replica's one batch running for
+    ever: every later request timed out at its caller, and the replica was never replaced.
+    Past WEDGED_AFTER x timeout_s its items fail, later requests fail at once, and its stats
+    say it is wedged (what ScorerPool.check replaces it for)."""
+
+    class Hung:
+        async def score(self, items):
+            await asyncio.sleep(3600)
+
+    async def main():
+        service = ScorerService(Hung(), ScorerConfig(batch_size=1, batch_wait_s=0.0, timeout_s=0.1))
+        first = await asyncio.wait_for(service.score([{"x": 1}]), 30)
+        later = await asyncio.wait_for(service.score([{"x": 2}]), 1)
+        return service, first, later
+
+    service, first, later = asyncio.run(main())
+    assert [r["score"] for r in first + later] == [None, None] and all("wedged" in r["error"] for r in first + later)
+    assert service.stats()["wedged"] is True
+
+
 # ---- the reward model ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained_rm(tmp_path_factory):

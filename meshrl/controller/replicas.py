@@ -333,13 +333,17 @@ class ScorerPool:
             self.members[self.slots[slot]] = await self.spawn(slot, restore=self.resume)
 
     async def check(self) -> None:
-        """Replace any replica whose proc is gone (by pid on this host, else asked)."""
+        """Replace any replica whose proc is gone (by pid on this host, else asked), or that says
+        it is wedged (a batch ran past scorers/service.py's WEDGED_AFTER x its timeout_s)."""
         for key, m in list(self.members.items()):
-            if not await m.gone("stats"):
+            gone = await m.gone("stats")
+            stats = None if gone else await settled_value(m.actor.stats.call_one(), 30)
+            wedged = isinstance(stats, dict) and bool(stats.get("wedged"))
+            if not (gone or wedged):
                 continue
             async with self._lock:
                 name = f"scorer {self.names[key[0]]} replica {key[1]}"
-                log.warning("%s died; replacing it", name)
+                log.warning("%s %s; replacing it", name, "is wedged (a batch outran its timeout_s)" if wedged else "died")
                 # the ranks still alive of a sharded PRM are killed first: a live actor stopped with
                 # the workers' calls on its way returns them undeliverable, which ends the caller (Monarch)
                 m.kill_leftovers()

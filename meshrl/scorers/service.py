@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from meshrl.scorers.prm import ImplicitPRM
 
 
+WEDGED_AFTER = 3.0
+"""A batch still running after this many times the scorer's `timeout_s` (every caller has given
+up on it: a hung backend) wedges the replica: its items and every later request fail at once,
+and the controller's health check (ScorerPool.check) replaces it."""
+
+
 class ScorerService:
     """A replica's queue of requests, scored in batches (see the module's docstring).
 
@@ -49,8 +55,11 @@ class ScorerService:
         self.batches = 0
         self.items = 0
         self.busy_s = 0.0
+        self.wedged = False
 
     async def score(self, items: list[dict]) -> list[dict]:
+        if self.wedged:
+            return self._failed(items)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
         loop, now = asyncio.get_running_loop(), time.monotonic()
@@ -102,8 +111,12 @@ class ScorerService:
 
     async def _score(self, items: list[dict]) -> list[dict]:
         """One result dict per item (score, error, unparsable, a judge's reply)."""
+        bound = WEDGED_AFTER * self.spec.timeout_s
         try:
-            results = await self.backend.score(items)
+            results = await asyncio.wait_for(self.backend.score(items), bound)
+        except asyncio.TimeoutError:
+            self.wedged = True  # (a backend's thread may still run it: no batch beside it)
+            return self._failed(items)
         except Exception as e:  # noqa: BLE001 - a batch that fails fails its items, not the scorer
             results = [Failed(f"{type(e).__name__}: {str(e)[:200]}")] * len(items)
         out = []
@@ -121,8 +134,12 @@ class ScorerService:
             )
         return out
 
+    def _failed(self, items: list[dict]) -> list[dict]:
+        why = f"the replica is wedged (a batch ran past {WEDGED_AFTER:g} x timeout_s={self.spec.timeout_s:g}s) and is being replaced"
+        return [{"score": None, "error": why, "unparsable": False} for _ in items]
+
     def stats(self) -> dict:
-        return {"batches": self.batches, "items": self.items, "busy_s": self.busy_s, "waiting": self._waiting_items()}
+        return {"batches": self.batches, "items": self.items, "busy_s": self.busy_s, "waiting": self._waiting_items(), "wedged": self.wedged}
 
 
 EXIT_RANKS_OUT_OF_STEP = 75
