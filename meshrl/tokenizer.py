@@ -60,13 +60,16 @@ def char_vocab() -> dict[str, int]:
 def build_char_tokenizer(path: str | os.PathLike) -> str:
     """Build the character tokenizer (`char_vocab`), with `CHAR_CHAT_TEMPLATE`, and save it as
     a HF tokenizer directory at `path`."""
-    from tokenizers import Tokenizer, decoders, models
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = char_vocab()
     assert len(vocab) <= CHAR_VOCAB_SIZE
     # BPE with no merges splits text into single characters; Fuse joins them back on decode.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    # A character it has no id for would be dropped (an env's tab or accent; text of nothing
+    # but those, no ids at all): a tab reads as a space, anything else as "?".
+    tok.normalizer = normalizers.Sequence([normalizers.Replace("\t", " "), normalizers.Replace(Regex("[^\n -~]"), "?")])
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS)
     fast.model_max_length = 1 << 20

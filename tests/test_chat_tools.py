@@ -91,6 +91,15 @@ def test_char_template_is_compact_and_keeps_the_ids(char_tokenizer):
     assert len(tok.encode("<bos>Uhi<eos>", add_special_tokens=False)) == len("hi") + 3
 
 
+def test_char_tokenizer_reads_characters_it_has_no_id_for(char_tokenizer):
+    """A tab or an accented letter was dropped, and text of nothing but those had no ids at all
+    (an empty prompt, which the generator refuses): a tab reads as a space, the rest as "?"."""
+    ids = char_tokenizer.encode("a\tb é", add_special_tokens=False)
+    assert char_tokenizer.decode(ids) == "a b ?"
+    assert len(char_tokenizer.encode("\t\u00e9\u4e2d", add_special_tokens=False)) == 3
+    assert char_tokenizer.encode("<bos>x", add_special_tokens=False) == [1, char_tokenizer.convert_tokens_to_ids("x")]  # specials stay
+
+
 def test_load_tokenizer_gives_what_autotokenizer_gives(tmp_path):
     """`load_tokenizer` skips AutoTokenizer (and its imports) only where AutoTokenizer would pick
     the generic class from the tokenizer files alone, and the tokenizer it loads is the same."""
