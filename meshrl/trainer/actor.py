@@ -70,8 +70,9 @@ class TrainerActor(Actor):
         if cpus is not None:
             pin_this_process(cpus)  # also sizes torch's thread pool to the pinned cores
         # One trainer host: its groups listen on loopback, or on the address `meshrl worker`
-        # named for this host (and set gloo's interface to). Across hosts: on MASTER_ADDR.
-        one_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+        # named for this host (and set gloo's interface to). Across hosts: on MASTER_ADDR. The
+        # process launcher's stand-in hosts are all this machine: loopback for them too.
+        one_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world or config.launcher.kind in ("local", "process", "torchx")
         with gloo_on_this_host() if one_host else contextlib.nullcontext():
             if world > 1 and not dist.is_initialized():
                 init_process_group_listening_on(
