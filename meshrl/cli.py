@@ -134,7 +134,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     run_dir = os.path.abspath(config.logging.run_dir)
     where = "" if loud else f"; library output in {os.path.join(run_dir, 'logs')} (--verbose shows it here)"
     what = f"resuming {run_dir}" if ns.resume else f"training {path or 'the embedded default'} in {run_dir}"
-    print(f"meshrl: {what}{where}", file=out)
+    if not config.launcher.dry_run:  # a dry run trains nothing: its job description says what it would do
+        print(f"meshrl: {what}{where}", file=out)
 
     from meshrl.api import Interrupted, run
     from meshrl.errors import RunFailed, one_line
@@ -183,7 +184,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         where = "above" if loud else os.path.join(run_dir, "logs", "controller.log")
         print(f"meshrl: run failed: {type(e).__name__}: {first} (traceback: {where})", file=out)
         return 1
-    print(summary_line(result, time.monotonic() - start), file=out)
+    if not config.launcher.dry_run:
+        print(summary_line(result, time.monotonic() - start), file=out)
     return 0
 
 

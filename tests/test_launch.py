@@ -68,6 +68,7 @@ def test_spare_hosts_join_the_job_and_must_hold_the_whole_trainer(tmp_path):
     assert job_meshes(_config(tmp_path, kind="process", hosts=3, spare_hosts=2)) == {"trainer": 2, "generator": 1, "spare": 2}
     assert job_meshes(_config(tmp_path, kind="process", hosts=3)) == plan_hosts(_config(tmp_path, kind="process", hosts=3))
     assert "spare=2" in describe_job(_config(tmp_path, kind="slurm", hosts=3, spare_hosts=2))
+    assert "coord on the first generator host" in describe_job(_config(tmp_path, kind="slurm", hosts=3))  # role_meshes puts it there
     assert "#SBATCH --nodes=5" in render_sbatch(_config(tmp_path, kind="slurm", hosts=3, spare_hosts=2))
     with pytest.raises(ConfigError, match="launcher.spare_hosts.*set it to 2"):
         job_meshes(_config(tmp_path, kind="process", hosts=3, spare_hosts=1))
@@ -397,3 +398,14 @@ def test_workers_that_never_connect_are_named_when_the_start_times_out(tmp_path)
     config = Config.from_dict({"launcher": launcher, "logging": {"run_dir": str(tmp_path / "run")}})
     with pytest.raises(TimeoutError, match=rf"within launcher.start_timeout_s=3s; nothing listens at 127.0.0.1:{port}: start"):
         asyncio.run(allocate(config).start())
+
+
+def test_a_dry_run_prints_the_job_and_nothing_of_a_run(tmp_path):
+    """It said "training ... in RUN_DIR" and "no step trained; results in RUN_DIR", a directory it never made."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "meshrl", "run", "launcher.dry_run=true", f"logging.run_dir={run_dir}"], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "launcher.kind=local: trainer, generator and coord on this host" in out.stdout
+    assert "training" not in out.stderr and "no step trained" not in out.stderr and not run_dir.exists(), out.stderr[-2000:]

@@ -84,7 +84,7 @@ def describe_job(config: Config) -> str:
         where = "this host" if kind == "local" else "this host (inside a TorchX job)"
         return f"launcher.kind={kind}: trainer, generator and coord on {where}\n"
     plan = ", ".join(f"{name}={n}" for name, n in job_meshes(config).items())
-    text = f"launcher.kind={kind}: host meshes {plan}; coord on the first trainer host\n"
+    text = f"launcher.kind={kind}: host meshes {plan}; coord on the first generator host\n"
     if kind == "slurm":
         text += render_sbatch(config)
     return text
