@@ -276,4 +276,4 @@ class LoRAConfig:
     targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """Projections that get an adapter, by Hugging Face module name (attention: q_proj, k_proj, v_proj, o_proj; MLP: gate_proj, up_proj, down_proj). MoE families adapt attention and their dense and shared-expert MLPs; routed experts stay frozen."""
     dropout: float = 0.0
-    """Dropout on an adapter's input while training (the generator samples without it)."""
+    """Dropout on an adapter's input while training (the generator samples without it). Its noise is in the trainer's log-probs, so in the importance ratios against the sampler's and the drift metrics (the fresh tokens' mismatch) too: 0 keeps them exact."""
