@@ -476,6 +476,29 @@ def test_requeue_hands_the_same_group_out_again_and_refuses_late_puts():
         q.put(3, make_group(4, 1, [0]))
 
 
+def test_a_group_its_workers_keep_failing_on_is_dropped_and_replaced():
+    """A record nothing can play (a bug, a prompt no env or scorer takes) was played and
+    re-queued without end; the MAX_FAILED_PLAYS-th failure drops it, as a stale group is, and
+    admission replaces it. A worker's death says nothing of its groups: not counted."""
+    from meshrl.queue.buffer import MAX_FAILED_PLAYS
+
+    q = make_queue(batch_groups=1, depth=0, max_lag=0)
+    bad = q.claim(0, 0)
+    assert q.requeue(worker=0) == 1  # presumed dead: no failure of the group's
+    for _ in range(MAX_FAILED_PLAYS - 1):
+        again = q.claim(1, 0)
+        assert again.group_id == bad.group_id
+        q.requeue(group_ids=[again.group_id], failure="IndexError: list index out of range")
+    last = q.claim(1, 0)
+    assert last.group_id == bad.group_id
+    q.requeue(group_ids=[last.group_id], failure="IndexError: list index out of range")
+    fresh = q.claim(1, 0)  # its replacement, though the batch of version 0 was admitted already
+    assert fresh is not None and fresh.group_id != bad.group_id
+    assert deliver(q, fresh)
+    assert q.sample(1, 0)["group_id"].unique().tolist() == [fresh.group_id]
+    assert q.metrics()["buffer/dropped_failed_groups"] == 1 and q.dropped_ids == [bad.group_id]
+
+
 def test_a_dead_workers_waiting_claim_takes_nothing_once_its_groups_are_requeued():
     """A worker's claim waits in the queue when its proc dies; the controller re-queues its
     groups, which wakes that claim: it must not take them back (its answer is lost, and

@@ -35,7 +35,7 @@ import time
 import torch
 
 from meshrl.config import Config
-from meshrl.errors import QueueClosed, describe, find, one_line, source_location, user_location
+from meshrl.errors import QueueClosed, describe, find, first_line, one_line, source_location, user_location
 from meshrl.futures import awaited
 from meshrl.logs import role_log
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
@@ -338,7 +338,9 @@ class RolloutWorker:
             log.warning("group %d re-queued: %s", claim.group_id, e)
             self.requeued_total += 1
             try:
-                await asyncio.wait_for(awaited(queue.requeue.call_one(None, [claim.group_id])), 60)
+                # a generator lost or a slow put says nothing of the group; anything else counts against it (buffer.MAX_FAILED_PLAYS)
+                failure = None if isinstance(e, (GenerationFailed, asyncio.TimeoutError)) else f"{type(e).__name__}: {first_line(str(e))}"
+                await asyncio.wait_for(awaited(queue.requeue.call_one(None, [claim.group_id], failure)), 60)
             except Exception as lost:  # noqa: BLE001 - the controller re-queues it with this worker
                 log.warning("group %d could not be re-queued: %s", claim.group_id, lost)
             await asyncio.sleep(RETRY_AFTER_S)

@@ -40,7 +40,6 @@ Every group of episodes (one prompt, `generator.group_size` episodes) is in one 
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import logging
 import random
@@ -48,38 +47,21 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from tensordict import TensorDict
 
 from meshrl import episode
 from meshrl.config import Config
 from meshrl.queue.prompts import PromptNode
+from meshrl.queue.sampling import resolve_policy
 from meshrl.errors import BatchTimeout, PolicyWentBack, QueueClosed, UserCodeError, describe
 from meshrl.logs import role_log
 
 COUNTS = "puts samples requeued retaken_groups late_puts dropped_stale_groups dropped_stale_tokens masked_stale_tokens".split()
-COUNTS += ["dropped_zero_variance_groups", "kept_zero_variance_groups"]  # the counters `metrics` reports as buffer/NAME
-
-SamplingPolicy = Callable[[Sequence[TensorDict], int, random.Random], list[int]]
-"""A plain callable choosing which `n` of the READY groups (oldest first) a batch takes."""
-
-
-def fifo(groups: Sequence[TensorDict], n: int, rng: random.Random) -> list[int]:
-    """The oldest `n` groups."""
-    return list(range(n))
-
-
-def uniform(groups: Sequence[TensorDict], n: int, rng: random.Random) -> list[int]:
-    """`n` groups uniformly at random, without replacement."""
-    return sorted(rng.sample(range(len(groups)), n))
-
-
-def resolve_policy(name: str) -> SamplingPolicy:
-    if name in ("fifo", "random"):
-        return fifo if name == "fifo" else uniform
-    module, _, attr = name.partition(":")
-    return getattr(importlib.import_module(module), attr)
+COUNTS += ["dropped_zero_variance_groups", "kept_zero_variance_groups", "dropped_failed_groups"]  # the counters `metrics` reports as buffer/NAME
+MAX_FAILED_PLAYS = 4
+"""Plays of one group its workers may give up on (`requeue` with a failure) before it is dropped, as a stale one is: a record nothing can play."""
 
 
 @dataclass
@@ -138,6 +120,7 @@ class EpisodeQueue:
         self._rng = random.Random(config.seed)
         self._closed = False
         self._stats: Counter = Counter()
+        self._failed_plays: Counter[int] = Counter()  # group id -> plays its workers gave up on
         self._lag_hist: Counter[int] = Counter()
         self.failure: str | None = None
         self._log = role_log(config, "queue")
@@ -225,15 +208,23 @@ class EpisodeQueue:
             self._cond.notify_all()
             return True
 
-    def requeue(self, worker: int | None = None, group_ids: Sequence[int] | None = None) -> int:
-        """Hand RUNNING groups out again, first: those of `worker` (presumed dead), or the given ids, or all."""
+    def requeue(self, worker: int | None = None, group_ids: Sequence[int] | None = None, failure: str | None = None) -> int:
+        """Hand RUNNING groups out again, first: those of `worker` (presumed dead), or the given ids, or all.
+        `failure`: why a live worker gave them up; the MAX_FAILED_PLAYS-th time, the group is dropped."""
         with self._cond:
             self._gone |= {worker} - {None}
             ids = sorted(
                 gid for gid, (_, holder, _, _) in self.running.items() if (worker is None or holder == worker) and (group_ids is None or gid in group_ids)
             )
             for gid in ids:
-                self.pending.append((gid, self.running.pop(gid)[0]))
+                sample = self.running.pop(gid)[0]
+                self._failed_plays[gid] += failure is not None
+                if self._failed_plays[gid] < MAX_FAILED_PLAYS:
+                    self.pending.append((gid, sample))
+                    continue
+                self.dropped, self._stats["dropped_failed_groups"] = self.dropped + 1, self._stats["dropped_failed_groups"] + 1
+                self.dropped_ids.append(gid)  # admission replaces it
+                logging.getLogger("meshrl").warning("group %d dropped after %d failed plays, the last: %s", gid, MAX_FAILED_PLAYS, failure)
             self._stats["requeued"] += len(ids)
             self._cond.notify_all()
             return len(ids)
