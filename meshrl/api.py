@@ -457,7 +457,10 @@ def run(
         config, overrides = checked, None
     session = Session(config, resume=resume, reward_fn=reward_fn, overrides=overrides)
     try:
-        session.start()
+        try:
+            session.start()
+        except (KeyboardInterrupt, SystemExit) as stop:
+            raise StartInterrupted(stop) from None
         remaining = session.config.steps - session.version
         try:
             if remaining > 0:
@@ -468,6 +471,14 @@ def run(
             raise Interrupted(session.run_dir, session.version, ckpt, stop) from None
     finally:
         session.stop()
+
+
+class StartInterrupted(KeyboardInterrupt):
+    """Ctrl-C or a signal while the run's meshes started: what had started is stopped, nothing of this start trained."""
+
+    def __init__(self, cause: BaseException):
+        self.exit_status = cause.code if isinstance(cause, SystemExit) and isinstance(cause.code, int) else 130
+        super().__init__("interrupted while starting")
 
 
 class Interrupted(KeyboardInterrupt):

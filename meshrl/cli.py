@@ -1,6 +1,6 @@
 """The `meshrl` command line.
 
-    meshrl run [CONFIG.yaml] [section.field=value ...] [--resume RUN_DIR | --auto-resume]
+    meshrl run [CONFIG.yaml] [section.field=value ...] [--resume RUN_DIR | --auto-resume [JOB_ID]]
     meshrl config show [CONFIG.yaml] [section.field=value ...]
     meshrl config plan [CONFIG.yaml] [section.field=value ...]   # the device plan (also: meshrl run --plan)
     meshrl config docs [--check FILE]
@@ -112,11 +112,13 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         return _cmd_config_plan(ns)
     path, overrides = _split(ns.args)
     overrides += ["logging.verbose=true"] if ns.verbose else []
-    if ns.auto_resume:
+    if ns.auto_resume is not None:
+        if ns.auto_resume.endswith((".yaml", ".yml")) or "=" in ns.auto_resume:
+            raise ConfigError("--auto-resume", f"takes a job id, not {ns.auto_resume!r}: put the config and overrides before it")
         if ns.resume:
             raise ConfigError("--auto-resume", "resumes the config's own run directory: pass the config, not --resume")
         run_dir = load_config([path, *overrides] if path else overrides).logging.run_dir
-        if last_checkpoint_step(run_dir) is not None:  # a scheduler's retry of this command: continue, not start over
+        if last_checkpoint_step(run_dir) is not None and ns.auto_resume in (ANY_JOB, _job_of(run_dir)):  # a retry: continue
             ns.resume, path = run_dir, None
     if ns.resume:
         if path is not None:
@@ -127,6 +129,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     preflight(config)  # bad inputs end here, in one line, before any output is redirected
     if not ns.resume and not config.launcher.dry_run:
         keep_earlier(config)  # before this run's log goes there
+        if ns.auto_resume not in (None, ANY_JOB):  # the job this run is, for its retries to know it by
+            os.makedirs(config.logging.run_dir, exist_ok=True)
+            with open(os.path.join(config.logging.run_dir, JOB_FILE), "w") as f:
+                f.write(ns.auto_resume)
     loud = verbose(config) or config.launcher.dry_run  # a dry run's output is the job description
     out = sys.stderr if loud else quiet_console(config.logging.run_dir)
     if not loud:  # nanobind's leak report at exit goes to the log
@@ -137,7 +143,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     if not config.launcher.dry_run:  # a dry run trains nothing: its job description says what it would do
         print(f"meshrl: {what}{where}", file=out)
 
-    from meshrl.api import Interrupted, run
+    from meshrl.api import Interrupted, StartInterrupted, run
     from meshrl.errors import RunFailed, one_line
 
     start = time.monotonic()
@@ -161,16 +167,22 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         if allocation_signaled() and last is not None:
             _resubmit(config, e.run_dir, ns.verbose, out)  # returns only when no resubmission is left
         return e.exit_status
-    except (KeyboardInterrupt, SystemExit) as e:  # while the meshes started: nothing of this start trained
-        if isinstance(e, SystemExit) and not (isinstance(e.code, int) and e.code > 128):
-            raise  # not a signal's (meshrl.launch.signals)
+    except StartInterrupted as e:  # nothing of this start trained
         from meshrl.launch.slurm import allocation_signaled
 
-        status = e.code if isinstance(e, SystemExit) else 130
-        by = "Slurm's SIGTERM to the allocation" if allocation_signaled() else "an interrupt" if status == 130 else _signal_name(status)
+        by = "Slurm's SIGTERM to the allocation" if allocation_signaled() else "an interrupt" if e.exit_status == 130 else _signal_name(e.exit_status)
         print(f"meshrl: stopped while starting by {by}; nothing trained in this start", file=out)
         if allocation_signaled() and last_checkpoint_step(run_dir) is not None:
             _resubmit(config, run_dir, ns.verbose, out)  # returns only when no resubmission is left
+        return e.exit_status
+    except (KeyboardInterrupt, SystemExit) as e:  # a second interrupt or signal while the first one's checkpoint was written
+        if isinstance(e, SystemExit) and not (isinstance(e.code, int) and e.code > 128):
+            raise  # not a signal's (meshrl.launch.signals)
+        status, last = (e.code if isinstance(e, SystemExit) else 130), last_checkpoint_step(run_dir)
+        how = (
+            f"the last checkpoint is at step {last}: continue from it with: meshrl run --resume {run_dir}" if last is not None else "no checkpoint was written"
+        )
+        print(f"meshrl: stopped again while checkpointing, by {'an interrupt' if status == 130 else _signal_name(status)}; {how}", file=out)
         return status
     except ConfigError:
         raise  # one line and exit 2, from main()
@@ -187,6 +199,20 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     if not config.launcher.dry_run:
         print(summary_line(result, time.monotonic() - start), file=out)
     return 0
+
+
+ANY_JOB = "any"
+"""`--auto-resume` without a job id: resume whatever run the directory holds."""
+JOB_FILE = "job_id"
+"""RUN_DIR/job_id: the `--auto-resume JOB_ID` that started the run (a retry of that job resumes it)."""
+
+
+def _job_of(run_dir: str) -> str | None:
+    try:
+        with open(os.path.join(run_dir, JOB_FILE)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def _signal_name(exit_status: int) -> str:
@@ -347,8 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     run.add_argument(
         "--auto-resume",
-        action="store_true",
-        help="resume the config's logging.run_dir from its last checkpoint when it has one, else start it (a scheduler's retries)",
+        nargs="?",
+        const="any",
+        metavar="JOB_ID",
+        help="resume the config's logging.run_dir from its last checkpoint when it has one, else start it; with JOB_ID, "
+        "resume only a run that this job id started (a scheduler's retries), else move it aside and start anew",
     )
     run.add_argument("--verbose", action="store_true", help="show vLLM, Monarch and torch output on the terminal (default: RUN_DIR/logs/)")
     run.add_argument("--plan", action="store_true", help="print which GPUs every proc would hold, and exit")

@@ -65,8 +65,8 @@ def train(
                 image=image,
                 entrypoint=python,
                 # the last override wins: inside the job, meshes go on the job's own host; a
-                # retry (max_retries) continues from the run's checkpoint instead of step 0
-                args=["-m", "meshrl", "run", config, *overrides, "launcher.kind=torchx", *(["--auto-resume"] if max_retries else [])],
+                # retry (max_retries) of this job (its app id) continues from the run's checkpoint, not step 0
+                args=["-m", "meshrl", "run", config, *overrides, "launcher.kind=torchx", *(["--auto-resume", specs.macros.app_id] if max_retries else [])],
                 num_replicas=1,
                 resource=specs.resource(cpu=cpu, gpu=resolved.launcher.gpus_per_host, memMB=memMB, h=h),
                 max_retries=max_retries,

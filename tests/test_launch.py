@@ -273,9 +273,10 @@ def test_torchx_component_refuses_several_hosts():
 
 
 def test_a_torchx_retry_resumes_the_run_from_its_checkpoint(tmp_path, monkeypatch):
-    """With max_retries the job's command carries --auto-resume: a retry of it continues the
-    config's run directory from its last checkpoint (it started again from step 0, the first
-    attempt's run moved aside), and the first attempt, with no checkpoint yet, starts it."""
+    """With max_retries the job's command carries --auto-resume and its app id: a retry of the
+    job continues the config's run directory from its last checkpoint (it started again from
+    step 0, the first attempt's run moved aside); its first attempt starts it, and so does
+    another job in the same directory, which moves the earlier run aside as a new run does."""
     import meshrl.api
     import torch
 
@@ -284,7 +285,7 @@ def test_a_torchx_retry_resumes_the_run_from_its_checkpoint(tmp_path, monkeypatc
     from meshrl.torchx_component import train
 
     assert train(config=os.path.join(ROOT, "configs/default.yaml")).roles[0].args[-1] == "launcher.kind=torchx"
-    assert train(config=os.path.join(ROOT, "configs/default.yaml"), max_retries=2).roles[0].args[-1] == "--auto-resume"
+    assert train(config=os.path.join(ROOT, "configs/default.yaml"), max_retries=2).roles[0].args[-2:] == ["--auto-resume", "${app_id}"]
     calls = []
 
     def recorded(config=None, *, resume=None, overrides=None):
@@ -293,13 +294,19 @@ def test_a_torchx_retry_resumes_the_run_from_its_checkpoint(tmp_path, monkeypatc
 
     monkeypatch.setattr(meshrl.api, "run", recorded)
     run = tmp_path / "run"
-    argv = ["run", "--verbose", "--auto-resume", f"logging.run_dir={run}", "steps=9"]
-    assert main(argv) == 1 and calls == [None]  # nothing to continue: a fresh start
+
+    def job(app_id: str) -> int:
+        return main(["run", "--verbose", f"logging.run_dir={run}", "steps=9", "--auto-resume", app_id])
+
+    assert job("app-1") == 1 and calls == [None]  # nothing to continue: a fresh start
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text(Config.from_dict({"steps": 9, "logging": {"run_dir": str(run)}}).to_yaml())
     torch.save({"models": {}, "model_critics": {}, "critic_dir": None, "model_names": ["policy"]}, run / "checkpoints" / "step_000004_loop_state.pt")
     (run / "checkpoints" / "latest").write_text("step_000004_loop_state.pt")
-    assert main(argv) == 1 and calls == [None, str(run)]  # the retry continues it
+    assert job("app-1") == 1 and calls == [None, str(run)]  # the job's retry continues it
+    assert job("app-2") == 1 and calls == [None, str(run), None]  # another job: a new run, the earlier one kept aside
+    assert len(list(tmp_path.glob("run.*"))) == 1 and (run / "job_id").read_text() == "app-2"
+    assert main(["run", "--auto-resume", "configs/default.yaml"]) == 2  # its value is a job id, never the config
 
 
 def test_squeue_json_of_slurm_22_05_reads_as_monarch_expects():
@@ -374,10 +381,10 @@ def test_a_signal_while_the_meshes_start_ends_with_one_line_and_its_status(tmp_p
         import meshrl.api
         from meshrl.cli import main
 
-        def stopped_while_starting(*args, **kwargs):
-            raise SystemExit(143)
+        def stopped_while_starting(self):
+            raise SystemExit(143)  # as the SIGTERM handler raises it in Session.start
 
-        meshrl.api.run = stopped_while_starting
+        meshrl.api.Session.start = stopped_while_starting
         sys.exit(main(["run", "--verbose", "logging.run_dir={tmp_path / "run"}"]))
         """
     )
