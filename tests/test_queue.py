@@ -497,6 +497,13 @@ def test_a_group_its_workers_keep_failing_on_is_dropped_and_replaced():
     assert deliver(q, fresh)
     assert q.sample(1, 0)["group_id"].unique().tolist() == [fresh.group_id]
     assert q.metrics()["buffer/dropped_failed_groups"] == 1 and q.dropped_ids == [bad.group_id]
+    # what a rollout worker counts against a group: not a lost generator, scorer or a slow call
+    from meshrl.agent.turns import GenerationFailed
+    from meshrl.agent.worker import _not_the_groups
+    from meshrl.scorers.client import ScorerUnavailable
+
+    assert all(_not_the_groups(e) for e in (GenerationFailed("replica 0 died"), ScorerUnavailable("rm"), asyncio.TimeoutError()))
+    assert not _not_the_groups(IndexError("list index out of range"))
 
 
 def test_a_dead_workers_waiting_claim_takes_nothing_once_its_groups_are_requeued():

@@ -45,7 +45,7 @@ from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as
 from meshrl.agent.game import play_game, thread_windows
 from meshrl.agent.turns import GenerationFailed, TurnBatcher
 from meshrl.rollout.game import is_ask
-from meshrl.scorers.client import EpisodeScorers
+from meshrl.scorers.client import EpisodeScorers, ScorerUnavailable
 from meshrl.scorers.process import assign_process_advantages, process_tensors, split_process
 
 log = logging.getLogger("meshrl")
@@ -338,8 +338,7 @@ class RolloutWorker:
             log.warning("group %d re-queued: %s", claim.group_id, e)
             self.requeued_total += 1
             try:
-                # a generator lost or a slow put says nothing of the group; anything else counts against it (buffer.MAX_FAILED_PLAYS)
-                failure = None if isinstance(e, (GenerationFailed, asyncio.TimeoutError)) else f"{type(e).__name__}: {first_line(str(e))}"
+                failure = None if _not_the_groups(e) else f"{type(e).__name__}: {first_line(str(e))}"  # (buffer.MAX_FAILED_PLAYS)
                 await asyncio.wait_for(awaited(queue.requeue.call_one(None, [claim.group_id], failure)), 60)
             except Exception as lost:  # noqa: BLE001 - the controller re-queues it with this worker
                 log.warning("group %d could not be re-queued: %s", claim.group_id, lost)
@@ -428,3 +427,12 @@ class RolloutWorker:
         """The first failed episode's reason since the last call (one line), or None."""
         first, self.first_failure = self.first_failure, None
         return first
+
+
+def _not_the_groups(e: BaseException) -> bool:
+    """A failure that says nothing of the group that met it: a generator, teacher, scorer or the
+    queue lost or slow (the group plays fine once they are back). Anything else, raised by an
+    env, a scorer's answer or packing on this record, counts against the group."""
+    from monarch.actor import ActorError
+
+    return isinstance(e, (GenerationFailed, asyncio.TimeoutError, ScorerUnavailable)) or find(e, ActorError) is not None
