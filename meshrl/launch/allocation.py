@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import signal
 import socket
 from typing import Any, Callable
 
@@ -22,7 +21,7 @@ from meshrl.config import Config, ConfigError
 from meshrl.futures import awaited, settled
 from meshrl.launch.devices import plan_devices
 from meshrl.launch.hosts import ROLES, SPARE_MESH, job_meshes, role_meshes
-from meshrl.launch.signals import exit_on_sigterm, in_main_thread
+from meshrl.launch.signals import exit_on_sigterm, restore_handlers
 from meshrl.launch.slurm import SignalWatch, render_sbatch, slurm_dir, slurm_job
 from meshrl.launch.workers import attach_workers, unreachable
 
@@ -125,7 +124,7 @@ class Allocation:
         """Set by the controller when one of the job's hosts is gone: `stop` bounds each wait by LOST_HOST_STOP_S."""
         self._lost: list[HostMesh] = []  # meshes left for spares or never connected: their shutdown would wait out its timeout
         self._procs: list[ProcMesh] = []
-        self._old_sigterm: Any = None
+        self._old_handlers: dict = {}  # the signal handlers exit_on_sigterm replaced, put back on stop
         self._watch: SignalWatch | None = None  # slurm: relays Slurm's SIGTERM to this process
         self._started = False
         self._stopped = False
@@ -303,12 +302,11 @@ class Allocation:
                 logger.exception("launcher: killing the %s job failed; check for leftover workers", self.kind)
 
     def _install_sigterm(self) -> None:
-        self._old_sigterm = exit_on_sigterm()
+        self._old_handlers = exit_on_sigterm()
 
     def _restore_sigterm(self) -> None:
-        if self._old_sigterm is not None and in_main_thread():
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
+        restore_handlers(self._old_handlers)
+        self._old_handlers = {}
 
 
 async def _quietly(future: Any, what: str, timeout: float = STOP_TIMEOUT_S) -> None:

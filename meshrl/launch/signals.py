@@ -3,13 +3,14 @@ blocks and atexit hooks."""
 
 from __future__ import annotations
 
+import os
 import signal
+import stat
 import threading
 import types
-from typing import Any
 
 
-def exit_on_sigterm() -> Any:
+def exit_on_sigterm() -> dict:
     """Make SIGTERM (and SIGHUP) raise SystemExit in the main thread, so `finally` blocks and
     atexit run.
 
@@ -17,19 +18,44 @@ def exit_on_sigterm() -> Any:
     SIGHUP; the default action of both skips `finally` and atexit and would leave the hosts
     running. Does nothing outside the main thread (signal handlers can only be set there: a
     controller whose loop runs in a worker thread calls this from the main thread) or for a
-    signal that already has a handler (`nohup` sets SIGHUP's to ignore). Returns the replaced
-    SIGTERM handler, or None; SIGHUP's is left as set.
+    signal that already has a handler (`nohup` sets SIGHUP's to ignore). Returns the handlers
+    it replaced, by signal, for `restore_handlers`.
     """
     if not in_main_thread():
-        return None
-    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
-        signal.signal(signal.SIGHUP, _raise_system_exit)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        return signal.signal(signal.SIGTERM, _raise_system_exit)
-    return None
+        return {}
+    replaced = {}
+    for signum, handler in ((signal.SIGTERM, _raise_system_exit), (signal.SIGHUP, _hung_up)):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            replaced[signum] = signal.signal(signum, handler)
+    return replaced
+
+
+def restore_handlers(replaced: dict) -> None:
+    """Put back the handlers `exit_on_sigterm` replaced (main thread only)."""
+    if in_main_thread():
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler)
 
 
 def _raise_system_exit(signum: int, frame: types.FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _hung_up(signum: int, frame: types.FrameType | None) -> None:
+    """SIGHUP: the terminal is gone, and a write to it would raise (EIO) in the cleanup the exit
+    runs; what would go there goes to /dev/null (a log file stays as it is), then as SIGTERM."""
+    from meshrl.logs import console
+
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in {1, 2, console().fileno()}:
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.dup2(null, fd)
+            except OSError:
+                pass
+    finally:
+        os.close(null)
     raise SystemExit(128 + signum)
 
 
