@@ -92,12 +92,12 @@ def hf_layout(adapter, fqn: str, shape: torch.Size) -> tuple[torch.Tensor, torch
     return row_order, col_order
 
 
-def adapter_state_dict(model: nn.Module, adapter, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def adapter_state_dict(model: nn.Module, adapter, dtype: torch.dtype | None = None, layouts: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(PEFT name, full tensor) of every adapter matrix, A then B per module, in HF's row and
-    column order of the base weight (`hf_layout`). Collective under FSDP: iterate it to its end
-    on every rank."""
+    column order of the base weight (`hf_layout`, kept in `layouts` across calls: weight sync
+    asks every version). Collective under FSDP: iterate it to its end on every rank."""
     modules = lora_modules(model)
-    layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    layouts = {} if layouts is None else layouts
     for fqn, hf in hf_module_names(model, adapter).items():
         module = modules[fqn]
         kind = (re.sub(r"\.\d+\.", ".N.", fqn), tuple(module.weight.shape))  # one layout per projection of each layer

@@ -135,6 +135,7 @@ class PolicyTrainer:
         self._held_count = 0  # their loss denominators (tokens, or sequences), summed
         self._offload = OptimizerOffload()
         self._base_exported: str | None = None  # LoRA: where the base weights were exported
+        self._lora_layouts: dict = {}  # LoRA: each projection's HF row and column order (lora.hf_layout), found once
 
     # ---- scoring ------------------------------------------------------------------------
     def _logprobs(
@@ -389,7 +390,7 @@ class PolicyTrainer:
 
     def adapter_state_dict(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The LoRA adapter, PEFT-named (collective)."""
-        return lora.adapter_state_dict(self.model, self.specs.adapter_cls(self.specs.titan_config, None), dtype)
+        return lora.adapter_state_dict(self.model, self.specs.adapter_cls(self.specs.titan_config, None), dtype, self._lora_layouts)
 
     def export_hf(self, path: str, dtype: torch.dtype | None = None, base_dir: str | None = None) -> str:
         """A HF checkpoint of the current policy at `path` (LoRA: merged), and with LoRA its
