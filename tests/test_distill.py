@@ -162,6 +162,11 @@ def test_a_teacher_that_cannot_read_the_policys_token_ids_is_refused(tmp_path):
     vocab = spec["model"]["vocab"]
     vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
     (tmp_path / "other" / "tokenizer.json").write_text(json.dumps(spec))
+    more = build_lora_base(tmp_path / "more")  # a tokenizer that adds tokens past the policy's: no mismatch
+    spec = json.loads((tmp_path / "more" / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["<think>"] = len(spec["model"]["vocab"])
+    (tmp_path / "more" / "tokenizer.json").write_text(json.dumps(spec))
+    check_teacher(taught(more))
     for teacher, why in ((tmp_path / "small", r"its vocabulary \(64\) is smaller than the policy's \(128\)"), (other, "other ids than the policy's")):
         with pytest.raises(ConfigError, match=why) as e:
             check_teacher(taught(teacher))
