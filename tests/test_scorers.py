@@ -103,18 +103,21 @@ def test_a_hung_backend_wedges_its_replica_and_every_request_then_fails_at_once(
     say it is wedged (what ScorerPool.check replaces it for)."""
 
     class Hung:
+        calls = 0
+
         async def score(self, items):
+            Hung.calls += 1
             await asyncio.sleep(3600)
 
     async def main():
         service = ScorerService(Hung(), ScorerConfig(batch_size=1, batch_wait_s=0.0, timeout_s=0.1))
-        first = await asyncio.wait_for(service.score([{"x": 1}]), 30)
+        first, queued = await asyncio.wait_for(asyncio.gather(service.score([{"x": 1}]), service.score([{"x": 3}])), 30)
         later = await asyncio.wait_for(service.score([{"x": 2}]), 1)
-        return service, first, later
+        return service, first + queued, later
 
     service, first, later = asyncio.run(main())
-    assert [r["score"] for r in first + later] == [None, None] and all("wedged" in r["error"] for r in first + later)
-    assert service.stats()["wedged"] is True
+    assert [r["score"] for r in first + later] == [None] * 3 and all("wedged" in r["error"] for r in first + later)
+    assert service.stats()["wedged"] is True and Hung.calls == 1  # the batch queued behind it never reached it
 
 
 # ---- the reward model ------------------------------------------------------------------------

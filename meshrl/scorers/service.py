@@ -111,6 +111,8 @@ class ScorerService:
 
     async def _score(self, items: list[dict]) -> list[dict]:
         """One result dict per item (score, error, unparsable, a judge's reply)."""
+        if self.wedged:  # batches queued before it was: not to the hung backend either
+            return self._failed(items)
         bound = WEDGED_AFTER * self.spec.timeout_s
         try:
             results = await asyncio.wait_for(self.backend.score(items), bound)
