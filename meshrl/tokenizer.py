@@ -68,8 +68,10 @@ def build_char_tokenizer(path: str | os.PathLike) -> str:
     # BPE with no merges splits text into single characters; Fuse joins them back on decode.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
     # A character it has no id for would be dropped (an env's tab or accent; text of nothing
-    # but those, no ids at all): a tab reads as a space, anything else as "?".
-    tok.normalizer = normalizers.Sequence([normalizers.Replace("\t", " "), normalizers.Replace(Regex("[^\n -~]"), "?")])
+    # but those, no ids at all): a tab reads as a space, a carriage return as nothing (CRLF as a
+    # newline), anything else as "?".
+    replace = [normalizers.Replace("\t", " "), normalizers.Replace("\r", ""), normalizers.Replace(Regex("[^\n -~]"), "?")]
+    tok.normalizer = normalizers.Sequence(replace)
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS)
     fast.model_max_length = 1 << 20

@@ -111,6 +111,10 @@ class _Gone(RuntimeError):
     """The child process exited."""
 
 
+class _CheckFailed(RuntimeError):
+    """math-verify raised on one check; the child goes on."""
+
+
 class _Checker:
     """One child process running `_serve`, asked one question at a time."""
 
@@ -132,15 +136,16 @@ class _Checker:
         except BrokenPipeError:
             raise _Gone("math_answer's checker process exited") from None
         reply = self._read(VERIFY_TIMEOUT_S)
-        if "error" in reply:
-            raise RuntimeError(f"math-verify failed on {answer!r} against {gold!r}: {reply['error']}")
+        if "error" in reply:  # the child is fine: only this check failed
+            raise _CheckFailed(f"math-verify failed on {answer!r} against {gold!r}: {reply['error']}")
         return bool(reply["equal"])
 
     def _read(self, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
+        deadline, ready = time.monotonic() + timeout_s, select.poll()  # (poll: select refuses descriptors past 1023)
+        ready.register(self.proc.stdout, select.POLLIN)
         while b"\n" not in self._pending:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+            if left <= 0 or not ready.poll(left * 1000):
                 raise TimeoutError
             chunk = os.read(self.proc.stdout.fileno(), 65536)
             if not chunk:
@@ -188,6 +193,10 @@ def _ask(checker: _Checker, gold: str, answer: str) -> bool:
         checker.kill()
         _log.warning("math_answer: math-verify took longer than %gs on %.80r; scored 0.0", VERIFY_TIMEOUT_S, answer)
         return False
+    except _CheckFailed:
+        with _idle_lock:
+            _idle.append(checker)
+        raise
     except BaseException:
         checker.kill()
         raise

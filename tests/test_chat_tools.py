@@ -96,6 +96,7 @@ def test_char_tokenizer_reads_characters_it_has_no_id_for(char_tokenizer):
     (an empty prompt, which the generator refuses): a tab reads as a space, the rest as "?"."""
     ids = char_tokenizer.encode("a\tb é", add_special_tokens=False)
     assert char_tokenizer.decode(ids) == "a b ?"
+    assert char_tokenizer.decode(char_tokenizer.encode("a\r\nb", add_special_tokens=False)) == "a\nb"
     assert len(char_tokenizer.encode("\t\u00e9\u4e2d", add_special_tokens=False)) == 3
     assert char_tokenizer.encode("<bos>x", add_special_tokens=False) == [1, char_tokenizer.convert_tokens_to_ids("x")]  # specials stay
 

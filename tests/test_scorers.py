@@ -40,6 +40,7 @@ def test_judge_replies_parse_exactly_and_unparsable_ones_follow_the_rule():
     assert parse_reply(number_parser, "<think>1 or 2? step 3 says</think>\nScore: 9", 1.0, None) == 9.0  # a thinking judge's verdict
     assert parse_reply(yes_no_parser, "<think>\nno, wait</think> yes", 1.0, None) == 1.0
     assert isinstance(parse_reply(number_parser, "<think>the answer 4 is", 1.0, None), Failed)  # cut while thinking: no verdict
+    assert parse_reply(number_parser, "step 1, then 2</think>\n\n8", 1.0, None) == 8.0  # <think> opened by the template
     assert parse_reply(number_parser, "8", 0.1, 0.0) == pytest.approx(0.8)
     unreadable = parse_reply(number_parser, "great answer", 0.1, 0.0)
     assert isinstance(unreadable, Failed) and unreadable.unparsable and "great answer" in unreadable.reason

@@ -95,7 +95,7 @@ def parse_reply(parser: Callable[[str], float | None], text: str, scale: float, 
     thinking judge (`<think>...</think>`: its numbers and words are not the verdict; a reply
     cut inside it has none); an unreadable reply (None, a non-finite number or a parser that
     raises) scores `unparsable`, or Failed when None."""
-    text = THINKING.sub("", text)
+    text = THINKING.sub("", text.rsplit("</think>", 1)[-1])  # (a template may open <think> in the prompt)
     try:
         value = parser(text)
         value = None if value is None else float(value)
