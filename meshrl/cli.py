@@ -26,7 +26,7 @@ import traceback
 from meshrl import collector
 from meshrl.config import Config, ConfigError, apply_overrides, load_yaml, reference_markdown
 from meshrl.errors import first_line
-from meshrl.logs import console, quiet_console, verbose
+from meshrl.logs import console, quiet_console, restore_terminal, verbose
 from meshrl.metrics import trained_models
 from meshrl.preflight import check, preflight
 
@@ -253,9 +253,7 @@ def _resubmit(config: Config, run_dir: str, loud: bool, out) -> None:
     )
     for stream in (out, sys.stdout, sys.stderr):
         stream.flush()
-    if out.fileno() not in (1, 2):  # the terminal kept by logs.quiet_console: the next process's console again
-        for fd in (1, 2):
-            os.dup2(out.fileno(), fd)
+    restore_terminal()  # the next process's console is the terminal again, not this one's log
     os.environ[RESUBMITS_ENV] = str(done + 1)
     os.execv(sys.executable, [sys.executable, "-m", "meshrl", "run", "--resume", run_dir, *(["--verbose"] if loud else [])])
 

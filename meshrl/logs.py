@@ -19,6 +19,7 @@ from typing import TextIO
 
 LOG_DIR = "logs"
 _console: TextIO | None = None
+_stdout_fd: int | None = None  # the process's stdout before `quiet_console` (`restore_terminal`)
 
 
 def log_path(run_dir: str, role: str) -> str:
@@ -53,15 +54,23 @@ def capture_process_output(run_dir: str, role: str) -> str:
 def quiet_console(run_dir: str) -> TextIO:
     """For the `meshrl` command: keep the terminal for meshrl's lines and send the
     process's descriptors to RUN_DIR/logs/controller.log. Returns the console stream."""
-    global _console
+    global _console, _stdout_fd
     if _console is None:
-        _console = os.fdopen(os.dup(2), "w", buffering=1)
+        _console, _stdout_fd = os.fdopen(os.dup(2), "w", buffering=1), os.dup(1)
         capture_process_output(run_dir, "controller")
         handler = logging.StreamHandler(_console)
         handler.setFormatter(logging.Formatter("meshrl: %(levelname)s: %(message)s"))
         handler.setLevel(logging.WARNING)
         logging.getLogger("meshrl").addHandler(handler)
     return _console
+
+
+def restore_terminal() -> None:
+    """Point stdout and stderr back where they went before `quiet_console` (for a process
+    this one is replaced by: its own console is there again)."""
+    if _console is not None:
+        os.dup2(_stdout_fd, 1)
+        os.dup2(_console.fileno(), 2)
 
 
 def console() -> TextIO:
