@@ -120,6 +120,18 @@ def load_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """A plain-text first prompt's token ids: the text's, after the BOS the tokenizer puts first
+    on its own (Llama's and Gemma's do; Qwen's and the character tokenizer put none), which a
+    model trained with it expects; never an EOS a tokenizer may append. (A chat template
+    writes the specials it wants in its text.)"""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    bos = tokenizer.bos_token_id
+    if bos is not None and ids[:1] != [bos] and list(tokenizer.encode("a", add_special_tokens=True))[:1] == [bos]:
+        ids.insert(0, bos)
+    return ids
+
+
 def check_tokenizer_dir(c: Config) -> None:
     """model.tokenizer, when set, is a directory."""
     m = c.model

@@ -101,6 +101,24 @@ def test_char_tokenizer_reads_characters_it_has_no_id_for(char_tokenizer):
     assert char_tokenizer.encode("<bos>x", add_special_tokens=False) == [1, char_tokenizer.convert_tokens_to_ids("x")]  # specials stay
 
 
+def test_a_text_prompt_starts_with_the_bos_its_tokenizer_puts_first(tmp_path, char_tokenizer):
+    """A Llama-style tokenizer puts BOS before every text on its own, and its model expects it;
+    a plain-text prompt was tokenized without it. The character tokenizer (like Qwen's) puts
+    none: its prompts are as they were."""
+    from tokenizers import processors
+
+    from meshrl.tokenizer import build_char_tokenizer, load_tokenizer
+
+    path = build_char_tokenizer(tmp_path / "llama_style")
+    llama_style = load_tokenizer(path)
+    llama_style.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    text = char_tokenizer.encode("ab:", add_special_tokens=False)
+    assert ChatRenderer(llama_style).initial_ids("ab:") == [1, *text]
+    assert ChatRenderer(llama_style).initial_ids("<bos>ab:") == [1, *text]  # written by the caller: not twice
+    assert ChatRenderer(char_tokenizer).initial_ids("ab:") == text
+    assert ChatRenderer(llama_style).continuation_ids([5], "cd") == char_tokenizer.encode("cd", add_special_tokens=False)  # a later text: no BOS
+
+
 def test_load_tokenizer_gives_what_autotokenizer_gives(tmp_path):
     """`load_tokenizer` skips AutoTokenizer (and its imports) only where AutoTokenizer would pick
     the generic class from the tokenizer files alone, and the tokenizer it loads is the same."""

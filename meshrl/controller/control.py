@@ -14,7 +14,7 @@ from meshrl.futures import awaited
 async def generate_text(loop, prompts: list[str], temperature: float | None = None) -> list[list[str]]:
     """A group of completions (generator.group_size) per prompt text, from the current
     policy on replica 0. Refused while generation is paused (it would wait for `resume`)."""
-    from meshrl.tokenizer import load_tokenizer
+    from meshrl.tokenizer import load_tokenizer, prompt_ids
 
     if loop.generators.paused:
         raise RuntimeError("generation is paused: call resume() first (a paused replica serves no request)")
@@ -24,7 +24,7 @@ async def generate_text(loop, prompts: list[str], temperature: float | None = No
     n = loop.config.generator.group_size
 
     async def one(text: str) -> str:
-        out = await awaited(gen.generate.call_one(tok.encode(text, add_special_tokens=False), None, temperature, 0))
+        out = await awaited(gen.generate.call_one(prompt_ids(tok, text), None, temperature, 0))
         return tok.decode(out.token_ids, skip_special_tokens=True)
 
     return [list(await asyncio.gather(*(one(t) for _ in range(n)))) for t in prompts]

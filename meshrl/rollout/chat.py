@@ -22,6 +22,7 @@ from functools import cached_property
 from typing import Any
 
 from meshrl.rollout.env import Message, Observation
+from meshrl.tokenizer import prompt_ids
 
 # NUL cannot occur in a template's own text, so these mark exactly where contents land.
 _USER, _ASSISTANT = "\x00user\x00", "\x00assistant\x00"
@@ -45,10 +46,11 @@ class ChatRenderer:
         self.tools = tools or None
 
     def initial_ids(self, observation: Observation) -> list[int]:
-        """The first prompt: text is tokenized as is (no template, as single-turn tasks are),
-        chat messages are rendered with a generation prompt, token ids are kept."""
+        """The first prompt: text is tokenized as is (no template, as single-turn tasks are;
+        after the BOS a tokenizer puts first on its own, `tokenizer.prompt_ids`), chat messages
+        are rendered with a generation prompt, token ids are kept."""
         if isinstance(observation, str):
-            return self.encode(observation)
+            return prompt_ids(self.tokenizer, observation)
         if is_messages(observation):
             return self.encode(self._render(observation, generation_prompt=True))
         return list(observation)
