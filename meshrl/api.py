@@ -385,9 +385,9 @@ class _Live:
         """Cancel a start a signal interrupted; the start's own failure path stops what it had
         started (`RLLoop.__aenter__`), bounded. A start that had just finished is stopped whole.
         A second signal ends the wait: the start goes on stopping in the session's thread."""
-        print("meshrl: interrupted while starting: stopping what has started (interrupt again not to wait)", file=console())
         if starting is not None:
-            starting.cancel()
+            starting.cancel()  # first: nothing after it (a line to a terminal that hung up) can keep the start going
+        print("meshrl: interrupted while starting: stopping what has started (interrupt again not to wait)", file=console())
         try:
             self._start_ended.wait(SHUTDOWN_S)
         except (KeyboardInterrupt, SystemExit):
