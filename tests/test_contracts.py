@@ -93,6 +93,27 @@ class NoStep:
         return sample["prompt"]
 
 
+class OutOfVocabularyEnv:
+    """Answers the model with token ids past the model's vocabulary."""
+
+    def reset(self, sample):
+        return sample["prompt"]
+
+    def step(self, turn):
+        return [5, 100000], 0.0, False, {}
+
+
+class BudgetEnv:
+    """The next turn's budget from the record: `max_new_tokens` (-1, or 0)."""
+
+    def reset(self, sample):
+        self.max_new_tokens = sample["budget"]
+        return sample["prompt"]
+
+    def step(self, turn):
+        return StepResult(reward=1.0, done=True)
+
+
 def reward_text(prompt, response, sample):
     return "1.0"
 
@@ -254,6 +275,21 @@ def test_worker_plays_gym_envs_and_fails_contract_breaks_in_one_line(tokenizer_d
     )
     _, ep = play(tokenizer_dir, "StepRaisesEnv", ["a"])
     assert ep.failure == f"worker-2: ZeroDivisionError: division by zero ({HERE}:{line_of(StepRaisesEnv.step) + 1}; log: /runs/x/logs/worker-2.log)"
+
+
+def test_an_envs_bad_ids_or_budget_fail_its_episode_not_a_generator(tokenizer_dir, quiet):
+    """Token ids past the vocabulary, or a negative budget, reached the generator, which refused
+    the request as a replica's failure: the replica was held and the group played again. They
+    fail the episode now; a budget of 0 ends it, as the model's length would."""
+    _, ep = play(tokenizer_dir, "OutOfVocabularyEnv", ["a", "b"], max_turns=2)
+    assert ep.finish_reason == "failed" and "token id 100000, outside the model's vocabulary (0..127)" in ep.failure
+    for budget, reason in ((-1, "failed"), (0, "length")):
+        config = Config.from_dict({"data": {"source": "task:digits"}, "rollout": {"env": "tests.test_contracts:BudgetEnv"}, "logging": {"run_dir": "/runs/x"}})
+        worker = RolloutWorker(config, tokenizer_dir, worker=2)
+        worker.set_generators([ScriptedGenerator(replies_in_order(worker.tokenizer, ["a"]))])
+        ep = asyncio.run(worker.play_episode(0, 0, {"prompt": "q:", "answer": "", "budget": budget}, 0, 0))
+        assert ep.finish_reason == reason and not ep.model_turns, (budget, ep.finish_reason, ep.failure)
+        assert budget == 0 or "BudgetEnv: max_new_tokens is -1" in ep.failure, ep.failure
 
 
 def test_worker_carries_the_first_failure_to_the_metrics(tokenizer_dir, quiet):

@@ -41,11 +41,12 @@ from meshrl.logs import role_log
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, leave_out, pack
 from meshrl.rollout.chat import ChatRenderer
-from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name
+from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name, env_budget
 from meshrl.agent.game import play_game, thread_windows
 from meshrl.agent.turns import GenerationFailed, TurnBatcher
 from meshrl.rollout.game import is_ask
 from meshrl.scorers.client import EpisodeScorers, ScorerUnavailable
+from meshrl.trainer.checks import policy_vocabulary
 from meshrl.scorers.process import assign_process_advantages, process_tensors, split_process
 
 log = logging.getLogger("meshrl")
@@ -98,6 +99,7 @@ class RolloutWorker:
         self.config = config
         self.worker = worker
         self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.vocab = policy_vocabulary(config) or len(self.tokenizer)  # token ids an env may send (every model's covers the policy's)
         self.make_env = env_factory(config, reward_fn)
         view = eval_view(config)  # (a task's own eval source: not the reward passed in code either)
         self.make_eval_env = env_factory(view, reward_fn if view is config else None) if config.eval.source else self.make_env
@@ -128,7 +130,7 @@ class RolloutWorker:
         tools = getattr(env, "tools_schema", None) or None
         key = json.dumps(tools, sort_keys=True)
         if key not in self._renderers:
-            self._renderers[key] = ChatRenderer(self.tokenizer, tools=tools)
+            self._renderers[key] = ChatRenderer(self.tokenizer, tools=tools, vocab=self.vocab)
         return self._renderers[key]
 
     # ---- one episode, one group ------------------------------------------------------------------
@@ -161,7 +163,11 @@ class RolloutWorker:
                 if room <= 0:
                     ep.finish_reason = "length"
                     break
-                budget = min(c.generator.max_new_tokens, room, getattr(env, "max_new_tokens", None) or room)
+                asked = env_budget(env)
+                if asked == 0:
+                    ep.finish_reason = "length"  # the env gives the model no more tokens
+                    break
+                budget = min(c.generator.max_new_tokens, room, room if asked is None else asked)
                 out = await self.turns.generate(replica, ep.token_ids, budget, version, temperature)
                 turn = Turn("model", out.token_ids, out.logprobs, out.versions, finish_reason=out.finish_reason, routed_experts=out.routed_experts)
                 ep.turns.append(turn)

@@ -41,9 +41,11 @@ class ChatRenderer:
     rendering, so a template that lists them in its system block does so in the prompt.
     """
 
-    def __init__(self, tokenizer: Any, tools: list[dict] | None = None):
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, vocab: int | None = None):
         self.tokenizer = tokenizer
         self.tools = tools or None
+        self.vocab = vocab
+        """The model's vocabulary size: token ids an env sends must lie below it (None: unchecked)."""
 
     def initial_ids(self, observation: Observation) -> list[int]:
         """The first prompt: text is tokenized as is (no template, as single-turn tasks are;
@@ -53,7 +55,7 @@ class ChatRenderer:
             return prompt_ids(self.tokenizer, observation)
         if is_messages(observation):
             return self.encode(self._render(observation, generation_prompt=True))
-        return list(observation)
+        return self._ids(observation)
 
     def continuation_ids(self, model_ids: list[int], observation: Observation) -> list[int]:
         """The ids to append after a model turn that sampled `model_ids` so that the context
@@ -64,7 +66,7 @@ class ChatRenderer:
         if isinstance(observation, str):
             return self.encode(observation)
         if not is_messages(observation):
-            return list(observation)
+            return self._ids(observation)
         delta = self._delta(observation)
         emitted = self._emitted_glue(model_ids)
         if emitted == 0:
@@ -74,6 +76,15 @@ class ChatRenderer:
             # Tokenize what is left of the glue together with the new turns, as the template's text is.
             return self.encode(self._glue[len(done) :] + delta)
         return self._glue_ids[emitted:] + self.encode(delta)
+
+    def _ids(self, observation: list[int]) -> list[int]:
+        """Token ids an env sent, refused past the model's vocabulary (the generator would
+        refuse the request as a replica's failure, and the group would be played again)."""
+        ids = list(observation)
+        bad = next((i for i in ids if not 0 <= i < (self.vocab or i + 1)), None)
+        if bad is not None:
+            raise ValueError(f"the env's observation holds token id {bad}, outside the model's vocabulary (0..{self.vocab - 1})")
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -13,7 +13,9 @@ be sync or async; a rollout worker bounds every call by `rollout.env_timeout_s`,
 env that raises or times out fails its episode (reward 0), not the run.
 
 An env may also hold a `max_new_tokens` attribute: the token budget of the next model turn
-(None or absent: `generator.max_new_tokens`, which also caps it). Setting it in `reset` and
+(None or absent: `generator.max_new_tokens`, which also caps it; 0 ends the episode as its
+length would; anything else but a non-negative int fails the episode). Token ids an env sends
+lie in the model's vocabulary, or the episode fails. Setting it in `reset` and
 `step` gives each turn its own budget. A single-turn env takes it from the record's
 `max_new_tokens` field, so a data row can carry its own budget.
 
@@ -159,6 +161,16 @@ def as_observation(value: Any, env: Any) -> Observation:
         f"env {callable_name(type(env))}: reset returned {_shown(value)}: expected {OBSERVATION}, or gymnasium's (observation, info)",
         _where(getattr(env, "reset", None)),
     )
+
+
+def env_budget(env: Any) -> int | None:
+    """The env's `max_new_tokens` for the next model turn: None (the generator's), or a
+    non-negative int (0: the episode ends, out of length). Anything else is a ContractError
+    (a negative budget reached the generator, which refused it as a replica's failure)."""
+    asked = getattr(env, "max_new_tokens", None)
+    if asked is None or (isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0):
+        return asked
+    raise ContractError(f"env {callable_name(type(env))}: max_new_tokens is {_shown(asked)}: expected a non-negative int, or None", _where(type(env)))
 
 
 def as_step_result(value: Any, env: Any) -> StepResult:
