@@ -14,10 +14,10 @@ env that raises or times out fails its episode (reward 0), not the run.
 
 An env may also hold a `max_new_tokens` attribute: the token budget of the next model turn
 (None or absent: `generator.max_new_tokens`, which also caps it; 0 ends the episode as its
-length would; anything else but a non-negative int fails the episode). Token ids an env sends
-lie in the model's vocabulary, or the episode fails. Setting it in `reset` and
-`step` gives each turn its own budget. A single-turn env takes it from the record's
-`max_new_tokens` field, so a data row can carry its own budget.
+length would; anything else but a non-negative int fails the episode). Setting it in `reset`
+and `step` gives each turn its own budget. A single-turn env takes it from the record's
+`max_new_tokens` field, so a data row can carry its own budget. Token ids an env sends lie in
+the model's vocabulary, or the episode fails.
 
 A user's env is any class with these two methods (or a function returning such an
 object), named by import path in YAML (`rollout.env: mypkg.envs:MazeEnv`, called with
