@@ -18,7 +18,7 @@ from meshrl.config import Config, ConfigError
 from meshrl.data import DataError, check_source, load_records
 from meshrl.errors import UserCodeError, describe, one_line
 from meshrl.queue import EpisodeQueue
-from meshrl.rollout.env import ContractError, ModelTurn, StepResult, as_observation, as_reward, as_step_result
+from meshrl.rollout.env import ContractError, ModelTurn, StepResult, as_observation, as_reward, as_step_result, call_bounded
 from meshrl.agent.summary import summarize
 from meshrl.agent.worker import RolloutWorker
 from tests.conftest import ScriptedGenerator, replies_in_order
@@ -232,6 +232,25 @@ def test_each_reward_call_is_under_the_contract():
 
 
 # ---- one line for a failure of the user's code ----------------------------------------------------
+def test_calls_that_never_return_do_not_hold_up_later_ones():
+    """A sync reward or env call that hangs is abandoned at its bound; in asyncio's shared
+    thread pool a handful of them left every later call queued behind them, to time out too."""
+    import threading
+
+    release = threading.Event()
+
+    async def main():
+        for _ in range(3 * ((os.cpu_count() or 1) + 4)):  # more than the shared pool's threads
+            with pytest.raises(asyncio.TimeoutError):
+                await call_bounded(lambda: release.wait(20), timeout=0.01)
+        return await call_bounded(lambda: 7, timeout=5)
+
+    try:
+        assert asyncio.run(main()) == 7
+    finally:
+        release.set()
+
+
 def test_a_failure_is_one_line_with_the_users_file_and_line_and_the_log():
     try:
         reward_raises("p", "r", {})

@@ -41,9 +41,11 @@ what it returned and what is expected: the episode fails with it, as with any ex
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import math
 import numbers
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, Union, runtime_checkable
 
@@ -229,14 +231,43 @@ def env_constructor(maker, config) -> tuple[Callable[..., Any], tuple]:
 
 
 async def call_bounded(fn: Callable, *args: Any, timeout: float) -> Any:
-    """Call a sync or async function with a time limit. A sync function runs in a thread,
-    so a slow one cannot stall the worker's event loop (on timeout it is abandoned)."""
+    """Call a sync or async function with a time limit. A sync function runs in a thread of
+    its own, so a slow one cannot stall the worker's event loop; on timeout it is abandoned,
+    and a call that never returns holds only its own thread (in asyncio's shared pool a few
+    of them would leave every later call, the sandbox's too, queued behind them)."""
     if inspect.iscoroutinefunction(fn):
         return await asyncio.wait_for(fn(*args), timeout)
-    result = await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout)
+    result = await asyncio.wait_for(_in_own_thread(fn, *args), timeout)
     if inspect.isawaitable(result):
         result = await asyncio.wait_for(result, timeout)
     return result
+
+
+def _in_own_thread(fn: Callable, *args: Any) -> asyncio.Future:
+    """`fn(*args)` on a new daemon thread (with this context's variables, as asyncio.to_thread)."""
+    loop, context = asyncio.get_running_loop(), contextvars.copy_context()
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # abandoned: cancelled by its timeout
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome = (context.run(fn, *args), None)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (None, e)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+            pass
+
+    threading.Thread(target=run, name=f"meshrl-call-{callable_name(fn)}", daemon=True).start()
+    return future
 
 
 def prompt_text(observation: Observation) -> str:
