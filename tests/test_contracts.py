@@ -131,6 +131,11 @@ async def reward_slow(prompt, response, sample):
     return 1.0
 
 
+def reward_after_a_while(prompt, response, sample):
+    time.sleep(1.5)
+    return 1.0
+
+
 def reward_two_args(prompt, response):
     return 1.0
 
@@ -309,6 +314,30 @@ def test_an_envs_bad_ids_or_budget_fail_its_episode_not_a_generator(tokenizer_di
         ep = asyncio.run(worker.play_episode(0, 0, {"prompt": "q:", "answer": "", "budget": budget}, 0, 0))
         assert ep.finish_reason == reason and not ep.model_turns, (budget, ep.finish_reason, ep.failure)
         assert budget == 0 or "BudgetEnv: max_new_tokens is -1" in ep.failure, ep.failure
+
+
+def test_a_step_gets_its_own_bounded_work_beyond_the_env_bound(tokenizer_dir, quiet):
+    """A reward within scoring.timeout_s, or tool calls within their own bound, ran inside a
+    step that rollout.env_timeout_s cut short first: the episode failed, naming a knob the user
+    never set."""
+    from meshrl.rollout.coding import CodeEnv
+
+    config = Config.from_dict(
+        {
+            "data": {"source": "task:digits"},
+            "scoring": {"reward_fn": "tests.test_contracts:reward_after_a_while", "timeout_s": 10},
+            "rollout": {"env_timeout_s": 0.5},
+            "logging": {"run_dir": "/runs/x"},
+        }
+    )
+    worker = RolloutWorker(config, tokenizer_dir, worker=2)
+    worker.set_generators([ScriptedGenerator(replies_in_order(worker.tokenizer, ["7"]))])
+    ep = asyncio.run(worker.play_episode(0, 0, {"prompt": "q:", "answer": "7"}, 0, 0))
+    assert ep.finish_reason == "stop" and ep.reward == 1.0, ep.failure
+    code = CodeEnv(Config.from_dict({"rollout": {"sandbox": {"wall_timeout_s": 5, "max_concurrent": 2}}}), max_tool_calls=1)
+    code.reset({"prompt": "p", "tests": [{"input": "1", "output": "1"}] * 4 + ["assert True"]})
+    assert code.step_timeout_s == 3 * (5 + 20)  # 5 sandbox runs, 2 at a time, each within its wall time and start
+    assert code.max_tool_calls == 1 and code.tool_timeout_s == 35
 
 
 def test_worker_carries_the_first_failure_to_the_metrics(tokenizer_dir, quiet):

@@ -216,15 +216,23 @@ class RolloutWorker:
         return ep
 
     async def _env_call(self, env: Env, method: str, arg):
-        """`env.method(arg)`, bounded by rollout.env_timeout_s; a timeout says which call."""
+        """`env.method(arg)`, bounded by rollout.env_timeout_s, plus for a step the time the
+        env says its own bounded work may take (`step_timeout_s`: tools, sandbox runs, a
+        reward); a timeout says which call."""
         timeout = self.config.rollout.env_timeout_s
+        own = getattr(env, "step_timeout_s", None) if method == "step" else None
+        if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
+            timeout += own
         fn = getattr(env, method)
         try:
             return await call_bounded(fn, arg, timeout=timeout)
         except (asyncio.TimeoutError, TimeoutError) as e:
             if str(e):
                 raise  # the env's own TimeoutError
-            raise TimeoutError(f"env {callable_name(type(env))}: {method} took longer than rollout.env_timeout_s={timeout:g}s") from None
+            bound = f"rollout.env_timeout_s={self.config.rollout.env_timeout_s:g}s" + (
+                f" + its step_timeout_s={own:g}s" if timeout != self.config.rollout.env_timeout_s else ""
+            )
+            raise TimeoutError(f"env {callable_name(type(env))}: {method} took longer than {bound}") from None
         except Exception as e:
             if getattr(e, "where", None) is None and user_location(e) is None:  # the call itself failed (a wrong signature): point at the method
                 e.where = source_location(fn)

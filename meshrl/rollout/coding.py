@@ -37,7 +37,7 @@ import secrets
 from typing import Any
 
 from meshrl.config import Config, SandboxConfig
-from meshrl.rollout.sandbox import SandboxPool, SandboxResult, get_pool
+from meshrl.rollout.sandbox import START_TIMEOUT_S, SandboxPool, SandboxResult, get_pool
 from meshrl.rollout.tools import ToolEnv
 
 TOOL_REPLY_CHARS = 400
@@ -162,6 +162,20 @@ async def run_tests(pool: SandboxPool, solution: str, tests: list) -> tuple[int,
 class CodeEnv(PythonToolEnv):
     """A coding task: the record's `tests` are hidden; the final answer's reward is the fraction
     of them that pass in the sandbox. `max_tool_calls` python calls may come first."""
+
+    @property
+    def step_timeout_s(self) -> float:
+        """The tool calls' bound, or running the record's hidden tests: `max_concurrent` sandboxes
+        at a time, each within its wall time and start (the asserts run as one)."""
+        tests = self.sample.get("tests") or []
+        if isinstance(tests, str):
+            try:
+                tests = json.loads(tests)
+            except ValueError:
+                tests = [tests]
+        runs = 1 + sum(isinstance(t, dict) for t in tests)
+        rounds = -(-runs // self.sandbox_config.max_concurrent)
+        return max(super().step_timeout_s, rounds * (self.sandbox_config.wall_timeout_s + START_TIMEOUT_S))
 
     async def score(self, answer_text: str, sample: dict) -> float:
         tests = sample.get("tests")

@@ -17,7 +17,9 @@ An env may also hold a `max_new_tokens` attribute: the token budget of the next 
 length would; anything else but a non-negative int fails the episode). Setting it in `reset`
 and `step` gives each turn its own budget. A single-turn env takes it from the record's
 `max_new_tokens` field, so a data row can carry its own budget. Token ids an env sends lie in
-the model's vocabulary, or the episode fails.
+the model's vocabulary, or the episode fails. An env whose step does bounded work of its own
+(tool calls, sandbox runs, a reward call) says how long it may take in `step_timeout_s`,
+which its step gets beyond `rollout.env_timeout_s`.
 
 A user's env is any class with these two methods (or a function returning such an
 object), named by import path in YAML (`rollout.env: mypkg.envs:MazeEnv`, called with
@@ -292,6 +294,7 @@ class SingleTurnEnv:
     def __init__(self, reward_fn: RewardFn, timeout_s: float = 30.0):
         self.reward_fn = reward_fn
         self.timeout_s = timeout_s
+        self.step_timeout_s = timeout_s  # its reward's bound (scoring.timeout_s), not cut short by rollout.env_timeout_s
 
     async def reset(self, sample: dict) -> Observation:  # a coroutine: no thread hop for a dict lookup
         self.sample = sample

@@ -172,6 +172,11 @@ class ToolEnv:
         self.calls_made = 0
         self.tool_results: list[str] = []
 
+    @property
+    def step_timeout_s(self) -> float:
+        """What a step's tool calls may take, each within tool_timeout_s (`rollout.env` docs)."""
+        return self.tool_timeout_s * self.max_tool_calls
+
     @functools.cached_property
     def tools_schema(self) -> list[dict]:
         """The tools' JSON schemas, for the chat template's `tools=`."""
