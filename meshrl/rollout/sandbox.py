@@ -137,6 +137,9 @@ class Sandbox:
                 pass_fds=(info_w,),
                 **_spawn_kwargs(self.config),
             )
+        except BaseException:  # (cancelled too) no reader will close it
+            os.close(info_r)
+            raise
         finally:
             os.close(info_w)
         try:
