@@ -19,6 +19,7 @@ import time
 import pytest
 
 from meshrl.config import Config, ConfigError, SandboxConfig, validate
+from meshrl.rollout.bwrap import ETC
 from meshrl.rollout import sandbox as sb
 from meshrl.rollout.coding import CodeEnv, PythonToolEnv, extract_code, repl_code, run_tests
 from meshrl.rollout.env import ModelTurn
@@ -152,11 +153,13 @@ def test_the_sandbox_sees_no_host_and_an_empty_environment(loop, pool):
     code = (
         "import os, socket, json\n"
         "print(json.dumps([sorted(os.environ), os.getcwd(), os.getuid(), [n for _, n in socket.if_nameindex()],\n"
-        "                  sorted(os.listdir('/')), sorted(p for p in os.listdir('/proc') if p.isdigit()), os.listdir('/tmp')]))"
+        "                  sorted(os.listdir('/')), sorted(p for p in os.listdir('/proc') if p.isdigit()), os.listdir('/tmp'),\n"
+        "                  sorted(os.listdir('/etc'))]))"
     )
     r = loop.run_until_complete(pool.run(code))
     assert r.ok, r
-    env, cwd, uid, interfaces, root, pids, workspace = json.loads(r.stdout)
+    env, cwd, uid, interfaces, root, pids, workspace, etc = json.loads(r.stdout)
+    assert set(etc) <= set(ETC) | {n for n in etc if n.startswith("python3")}, etc  # not the host's configuration and credentials
     assert set(env) <= {"HOME", "LANG", "LC_CTYPE", "PATH", "PWD", "PYTHONUNBUFFERED"} and cwd == "/tmp" and workspace == []
     assert uid != 0 and interfaces == ["lo"] and pids == ["1", "2"]  # bwrap's init and the program
     assert not {"root", "home", "work", "run", "mnt", "opt"} & set(root), root

@@ -82,7 +82,7 @@ class SandboxConfig:
     python: str = "auto"
     """Interpreter inside the sandbox. `auto`: the system's /usr/bin/python3, else this Python's installation (its prefix mounted read-only). A path outside /usr must be under `ro_paths`."""
     ro_paths: list[str] = field(default_factory=list)
-    """Extra host paths mounted read-only inside (a virtual environment with the packages the code may import). Nothing else of the host's files is visible besides /usr and /etc."""
+    """Extra host paths mounted read-only inside (a virtual environment with the packages the code may import). Nothing else of the host's files is visible besides /usr and the few entries of /etc the loader and Python read (meshrl/rollout/bwrap.py `ETC`)."""
     pool_size: int = 2
     """Sandboxes kept started and waiting (namespaces made, interpreter loaded) per rollout worker; each runs one call and is replaced. 0: every call starts its own."""
     max_concurrent: int = 4

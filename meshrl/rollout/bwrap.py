@@ -7,6 +7,7 @@ the sandbox's interpreter runs first.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -71,6 +72,22 @@ def interpreter(config: SandboxConfig) -> tuple[str, list[str]]:
     return os.path.join(prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}"), [prefix]
 
 
+ETC = (
+    "alternatives", "ca-certificates", "ca-certificates.conf", "group", "host.conf", "hosts", "ld.so.cache", "ld.so.conf",
+    "ld.so.conf.d", "locale.alias", "localtime", "mime.types", "nsswitch.conf", "os-release", "passwd", "pki", "protocols",
+    "services", "ssl", "timezone",
+)  # fmt: skip
+"""What of the host's /etc a sandbox sees (read-only): what the loader, Python and its standard
+library read. Not the rest: /etc holds the host's configuration and credentials (pip.conf's
+index tokens, gitconfig, an ssh or munge key readable by the sandbox's user)."""
+
+
+def etc_paths() -> list[str]:
+    """ETC's entries that exist on this host, and Debian's /etc/python3.X (its sitecustomize)."""
+    paths = [os.path.join("/etc", name) for name in ETC] + sorted(glob.glob("/etc/python3*"))
+    return [p for p in paths if os.path.exists(p)]
+
+
 def _as_root() -> bool:
     return os.geteuid() == 0
 
@@ -79,7 +96,8 @@ def bwrap_argv(config: SandboxConfig) -> list[str]:
     """The bwrap command line of one sandbox, up to and including the interpreter's arguments."""
     python, extra = interpreter(config)
     argv = [bwrap_path() or "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
-    for path in ("/usr", "/etc"):
+    argv += ["--ro-bind", "/usr", "/usr"]
+    for path in etc_paths():
         argv += ["--ro-bind", path, path]
     for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(path):  # merged /usr: /bin -> usr/bin

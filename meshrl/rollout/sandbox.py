@@ -8,7 +8,7 @@
 Each call runs in a fresh sandbox made by `bwrap` (bubblewrap): new user, pid, network,
 mount, IPC, UTS and cgroup namespaces; the network namespace has only its own loopback,
 so nothing of the host's network (not even its 127.0.0.1) is reachable. The file system
-is a read-only root holding /usr and /etc (read-only too, plus `ro_paths`), a fresh /proc of its own pid namespace, a
+is a read-only root holding /usr and what the loader and Python read of /etc (read-only too, plus `ro_paths`), a fresh /proc of its own pid namespace, a
 minimal read-only /dev, and one private tmpfs of `workspace_mb` at /tmp, which is the
 working directory and HOME: the run directory, the user's home and /work do not exist in
 there. The environment is cleared (PATH, HOME, LANG only), and the parent's environment
