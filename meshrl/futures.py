@@ -53,6 +53,19 @@ async def unless_lost(future, lost, poll_s: float = 1.0):
             call.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
+async def all_or_none(*coroutines) -> list:
+    """Their results, awaited at once; when one fails (or this is cancelled) the others are
+    cancelled and awaited before the failure is raised: asyncio.gather leaves them running."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 def by_rank(values) -> list:
     """The answers of a Monarch ValueMesh (what `endpoint.call` returns) in rank order.
 

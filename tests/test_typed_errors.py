@@ -442,3 +442,29 @@ def test_a_trained_models_trainer_lost_on_another_host_is_its_own_to_heal(tmp_pa
     with pytest.raises(RuntimeError, match="supervision"):
         asyncio.run(loop._healing("checkpoint", save))
     assert healed == [3]
+
+
+def test_all_or_none_stops_the_others_when_one_fails():
+    """asyncio.gather leaves the other awaitables running after one raises: a game's sibling
+    turns generated on for an episode that had failed, and could join its threads."""
+    from meshrl.futures import all_or_none
+
+    stopped = []
+
+    async def sibling():
+        try:
+            await asyncio.sleep(60)
+        finally:
+            stopped.append("sibling")
+
+    async def fails():
+        await asyncio.sleep(0.01)
+        raise ValueError("a turn failed")
+
+    async def main():
+        with pytest.raises(ValueError, match="a turn failed"):
+            await all_or_none(sibling(), fails())
+        return list(stopped)  # before anything else runs
+
+    assert asyncio.run(main()) == ["sibling"]
+    assert asyncio.run(all_or_none(asyncio.sleep(0, result=1), asyncio.sleep(0, result=2))) == [1, 2]

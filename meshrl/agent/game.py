@@ -17,9 +17,9 @@ frozen model's generators serve its checkpoint at version 0, and its threads tra
 
 from __future__ import annotations
 
-import asyncio
 import time
 
+from meshrl.futures import all_or_none
 from meshrl.episode import Episode, Turn
 from meshrl.rollout.game import MAX_THREADS, Ask, Outcome, Reply, as_asks, as_outcome, info_numbers
 
@@ -36,7 +36,8 @@ async def play_game(worker, env, ask, ep: Episode, version: int, replicas: list[
     asks, many = as_asks(ask, env, names, speakers, "reset"), isinstance(ask, list)
     k = 0
     while k < c.rollout.max_turns * max(1, len(names)):
-        replies = await asyncio.gather(*(_turn(worker, env, a, ep, threads, speakers, last, version, replicas, temperature, k + i) for i, a in enumerate(asks)))
+        # one turn failing stops its siblings: none generates on, or joins a thread, for an episode that failed
+        replies = await all_or_none(*(_turn(worker, env, a, ep, threads, speakers, last, version, replicas, temperature, k + i) for i, a in enumerate(asks)))
         if any(r is None for r in replies):  # a thread out of room
             break
         k += len(asks)

@@ -36,7 +36,7 @@ import torch
 
 from meshrl.config import Config
 from meshrl.errors import QueueClosed, describe, find, first_line, one_line, source_location, user_location
-from meshrl.futures import awaited
+from meshrl.futures import all_or_none, awaited
 from meshrl.logs import role_log
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, leave_out, pack
@@ -248,23 +248,15 @@ class RolloutWorker:
     async def play_group(self, claim) -> list[Episode]:
         n = self.config.generator.group_size
         replicas: list[int] = []  # one per trained model (a game's); those taken are handed back, whatever fails
-        tasks: list[asyncio.Future] = []
         seen = dict(self.scorers.versions)  # the implicit PRM's version as the group starts (its version lag)
         try:
             for turns in self.model_turns:
                 replicas.append(turns.acquire())  # (GenerationFailed where a model has no replica left)
-            tasks = [asyncio.ensure_future(self.play_scored(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replicas)) for i in range(n)]
-            episodes = list(await asyncio.gather(*tasks))
+            # one episode failing stops the others (their envs closed): the group is played again from its start
+            episodes = await all_or_none(*(self.play_scored(claim.group_id, claim.group_id * n + i, claim.sample, claim.version, replicas) for i in range(n)))
             if self.scorers.per_group:  # an implicit PRM scores the whole group with one version
                 await self.scorers.score_group(episodes, seen)
             return episodes
-        except BaseException:
-            # gather leaves the other episodes running when one fails: the group is played again
-            # from its start, so stop them (and close their envs) before it is re-queued
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
         finally:
             for turns, r in zip(self.model_turns, replicas):
                 turns.release(r)
