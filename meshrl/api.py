@@ -460,6 +460,8 @@ def run(
         try:
             session.start()
         except (KeyboardInterrupt, SystemExit) as stop:
+            if isinstance(stop, SystemExit) and not (isinstance(stop.code, int) and stop.code > 128):
+                raise  # sys.exit in the user's code, not a signal's (meshrl.launch.signals)
             raise StartInterrupted(stop) from None
         remaining = session.config.steps - session.version
         try:

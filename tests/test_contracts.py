@@ -314,6 +314,17 @@ def test_an_envs_bad_ids_or_budget_fail_its_episode_not_a_generator(tokenizer_di
         ep = asyncio.run(worker.play_episode(0, 0, {"prompt": "q:", "answer": "", "budget": budget}, 0, 0))
         assert ep.finish_reason == reason and not ep.model_turns, (budget, ep.finish_reason, ep.failure)
         assert budget == 0 or "BudgetEnv: max_new_tokens is -1" in ep.failure, ep.failure
+    import numpy as np
+
+    from meshrl.rollout.env import env_budget
+
+    for asked, want in ((np.int64(5), 5), (512.0, 512), (None, None)):  # numpy's, a data file's float
+        env = BudgetEnv()
+        env.max_new_tokens = asked
+        assert env_budget(env) == want and (want is None or type(env_budget(env)) is int)
+    env.max_new_tokens = 2.5
+    with pytest.raises(ContractError, match="max_new_tokens is 2.5"):
+        env_budget(env)
 
 
 def test_a_step_gets_its_own_bounded_work_beyond_the_env_bound(tokenizer_dir, quiet):

@@ -161,8 +161,13 @@ class Allocation:
                     self._job = slurm_job(self.config)
                 # cached_path=None: always a fresh allocation, never a stale one from an earlier run.
                 # For slurm this blocks while the job queues (bounded by launcher.start_timeout_s):
-                # in a thread, so that Ctrl-C or SIGTERM meanwhile cancels the start (and scancels the job).
-                state = await asyncio.to_thread(self._job.state, cached_path=None) if self.kind == "slurm" else self._job.state(cached_path=None)
+                # in a thread, so that Ctrl-C or SIGTERM meanwhile cancels the start (and scancels the job:
+                # submitted first, here, so that the job has its id by then).
+                if self.kind == "slurm":
+                    self._job.apply()
+                    state = await asyncio.to_thread(self._job.state, cached_path=None)
+                else:
+                    state = self._job.state(cached_path=None)
                 self._owned = dict(state._hosts)
                 if self.kind == "slurm":
                     self._watch = SignalWatch(slurm_dir(self.config), self._job._slurm_job_id)

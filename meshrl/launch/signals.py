@@ -4,8 +4,8 @@ blocks and atexit hooks."""
 from __future__ import annotations
 
 import os
+import select
 import signal
-import stat
 import threading
 import types
 
@@ -43,14 +43,22 @@ def _raise_system_exit(signum: int, frame: types.FrameType | None) -> None:
 
 def _hung_up(signum: int, frame: types.FrameType | None) -> None:
     """SIGHUP: the terminal is gone, and a write to it would raise (EIO) in the cleanup the exit
-    runs; what would go there goes to /dev/null (a log file stays as it is), then as SIGTERM."""
+    runs; what would go to a descriptor whose reader is gone goes to /dev/null (a log file, a
+    live pipe or socket stay as they are), then as SIGTERM."""
     from meshrl.logs import console
 
     null = os.open(os.devnull, os.O_WRONLY)
     try:
-        for fd in {1, 2, console().fileno()}:
+        fds = {1, 2}
+        try:
+            fds.add(console().fileno())
+        except (OSError, ValueError, AttributeError):  # a stream without a descriptor (replaced stderr)
+            pass
+        for fd in fds:
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                ready = select.poll()
+                ready.register(fd, select.POLLOUT)
+                if any(events & (select.POLLHUP | select.POLLERR) for _, events in ready.poll(0)):
                     os.dup2(null, fd)
             except OSError:
                 pass

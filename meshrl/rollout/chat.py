@@ -81,9 +81,10 @@ class ChatRenderer:
         """Token ids an env sent, refused past the model's vocabulary (the generator would
         refuse the request as a replica's failure, and the group would be played again)."""
         ids = list(observation)
-        bad = next((i for i in ids if not 0 <= i < (self.vocab or i + 1)), None)
+        bad = next((i for i in ids if i < 0 or (self.vocab is not None and i >= self.vocab)), None)
         if bad is not None:
-            raise ValueError(f"the env's observation holds token id {bad}, outside the model's vocabulary (0..{self.vocab - 1})")
+            bound = "" if self.vocab is None else f" (0..{self.vocab - 1})"
+            raise ValueError(f"the env's observation holds token id {bad}, outside the model's vocabulary{bound}")
         return ids
 
     def decode(self, ids: list[int]) -> str:

@@ -37,7 +37,7 @@ import secrets
 from typing import Any
 
 from meshrl.config import Config, SandboxConfig
-from meshrl.rollout.sandbox import START_TIMEOUT_S, SandboxPool, SandboxResult, get_pool
+from meshrl.rollout.sandbox import START_TIMEOUT_S, SandboxError, SandboxPool, SandboxResult, get_pool
 from meshrl.rollout.tools import ToolEnv
 
 TOOL_REPLY_CHARS = 400
@@ -165,15 +165,20 @@ class CodeEnv(PythonToolEnv):
 
     @property
     def step_timeout_s(self) -> float:
-        """The tool calls' bound, or running the record's hidden tests: `max_concurrent` sandboxes
-        at a time, each within its wall time and start (the asserts run as one)."""
+        """The tool calls' bound, or running the record's hidden tests behind the calls the
+        worker's sandbox pool holds already: `max_concurrent` at a time, each within its wall
+        time and start (the asserts run as one)."""
         tests = self.sample.get("tests") or []
         if isinstance(tests, str):
             try:
                 tests = json.loads(tests)
             except ValueError:
                 tests = [tests]
-        runs = 1 + sum(isinstance(t, dict) for t in tests)
+        try:
+            waiting = self.pool.pending
+        except (RuntimeError, SandboxError):  # read outside a worker's event loop, or no sandbox here
+            waiting = 0
+        runs = 1 + sum(isinstance(t, dict) for t in tests) + waiting
         rounds = -(-runs // self.sandbox_config.max_concurrent)
         return max(super().step_timeout_s, rounds * (self.sandbox_config.wall_timeout_s + START_TIMEOUT_S))
 

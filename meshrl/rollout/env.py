@@ -48,6 +48,7 @@ import inspect
 import math
 import numbers
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, Union, runtime_checkable
 
@@ -172,8 +173,11 @@ def env_budget(env: Any) -> int | None:
     non-negative int (0: the episode ends, out of length). Anything else is a ContractError
     (a negative budget reached the generator, which refused it as a replica's failure)."""
     asked = getattr(env, "max_new_tokens", None)
-    if asked is None or (isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0):
-        return asked
+    if asked is None:
+        return None
+    whole = isinstance(asked, numbers.Integral) or (isinstance(asked, float) and asked.is_integer())  # numpy's, 512.0 from a data file
+    if whole and not isinstance(asked, bool) and asked >= 0:
+        return int(asked)
     raise ContractError(f"env {callable_name(type(env))}: max_new_tokens is {_shown(asked)}: expected a non-negative int, or None", _where(type(env)))
 
 
@@ -239,10 +243,24 @@ async def call_bounded(fn: Callable, *args: Any, timeout: float) -> Any:
     of them would leave every later call, the sandbox's too, queued behind them)."""
     if inspect.iscoroutinefunction(fn):
         return await asyncio.wait_for(fn(*args), timeout)
-    result = await asyncio.wait_for(_in_own_thread(fn, *args), timeout)
+    loop = asyncio.get_running_loop()
+    slots = _LIVE.get(loop) or _LIVE.setdefault(loop, asyncio.Semaphore(LIVE_CALLS))
+    deadline = loop.time() + timeout
+    await asyncio.wait_for(slots.acquire(), timeout)
+    try:
+        result = await asyncio.wait_for(_in_own_thread(fn, *args), max(0.0, deadline - loop.time()))
+    finally:
+        slots.release()  # returned, raised, or abandoned at its bound: a hung thread holds no slot
     if inspect.isawaitable(result):
         result = await asyncio.wait_for(result, timeout)
     return result
+
+
+LIVE_CALLS = 64
+"""Sync calls of one event loop running at once, each on a thread of its own; a call abandoned at
+its bound stops counting. (Each call may run on another thread: an env that needs one thread
+for all of its calls, sqlite's connections, keeps an executor of its own, as openenv.py does.)"""
+_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its slots
 
 
 def _in_own_thread(fn: Callable, *args: Any) -> asyncio.Future:

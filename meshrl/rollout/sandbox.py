@@ -310,6 +310,7 @@ class SandboxPool:
         self._closed = False
         self.calls = 0
         self.cold_starts = 0
+        self.pending = 0  # calls queued or running: what a new call waits behind
 
     def _semaphore(self) -> asyncio.Semaphore:
         if self._sem is None:
@@ -356,15 +357,19 @@ class SandboxPool:
         if self._closed:
             raise SandboxError("the sandbox pool is closed")
         _check_files(files)
-        async with self._semaphore():
-            self.calls += 1
-            box, cold = await self._take()
-            try:
-                result = await box.run(code, files=files, stdin=stdin, argv=argv, timeout_s=timeout_s)
-            finally:
-                await box.kill()  # a call that failed before running (a bad file name) ends its sandbox too
-            result.cold = cold
-            return result
+        self.pending += 1
+        try:
+            async with self._semaphore():
+                self.calls += 1
+                box, cold = await self._take()
+                try:
+                    result = await box.run(code, files=files, stdin=stdin, argv=argv, timeout_s=timeout_s)
+                finally:
+                    await box.kill()  # a call that failed before running (a bad file name) ends its sandbox too
+                result.cold = cold
+                return result
+        finally:
+            self.pending -= 1
 
     async def close(self) -> None:
         """Kill the waiting sandboxes."""
