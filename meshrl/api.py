@@ -77,8 +77,7 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
     if not os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")):
         raise ConfigError("--resume", f"{run_dir!r} has no checkpoint yet: nothing to resume")
     config = as_config(path, overrides)
-    written = load_yaml(path)
-    asked = config.logging.run_dir
+    written, asked = load_yaml(path), config.logging.run_dir
     if asked != written.get("logging", {}).get("run_dir") and os.path.abspath(asked) != os.path.abspath(run_dir):  # an override would be dropped silently
         raise ConfigError("logging.run_dir", f"a resumed run continues in {run_dir}: drop the override (copy the directory to continue it elsewhere)")
     config.logging.run_dir = run_dir
