@@ -17,6 +17,7 @@ fails before a run starts rather than on its first reward.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import ctypes
 import json
 import logging
@@ -120,7 +121,9 @@ class _Checker:
 
     def __init__(self) -> None:
         command = [sys.executable, "-c", "from meshrl.verifiers import _serve; _serve()"]
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        # started by one long-lived thread: PDEATHSIG fires when the *thread* that started the
+        # child ends, and reward calls run on threads that end with the call (rollout/env.py)
+        self.proc = _SPAWNER.submit(subprocess.Popen, command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0).result()
         self._pending = b""
         try:
             if self._read(STARTUP_TIMEOUT_S) != "ready":
@@ -162,6 +165,7 @@ class _Checker:
             stream.close()
 
 
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshrl-math-verify")
 _idle: list[_Checker] = []
 _idle_lock = threading.Lock()
 _slots = threading.BoundedSemaphore(MAX_CHECKERS)

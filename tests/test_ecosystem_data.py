@@ -55,6 +55,21 @@ def test_math_answer_off_the_main_thread():
     assert got == [1.0]
 
 
+def test_a_warm_checker_outlives_the_thread_that_asked_first():
+    """A reward call runs on a thread that ends with it (rollout/env.py); a checker child started
+    from that thread died with it (PDEATHSIG follows the starting thread), so every check paid
+    a fresh process and math-verify's import."""
+    import time
+
+    from meshrl import verifiers
+
+    asked = threading.Thread(target=lambda: math_answer("", "1", {"answer": "1"}))
+    asked.start()
+    asked.join()
+    time.sleep(0.5)
+    assert verifiers._idle and all(c.proc.poll() is None for c in verifiers._idle)
+
+
 def test_math_answer_that_never_ends_is_killed_and_the_loop_keeps_running(monkeypatch):
     """`3^{3^{16}}` keeps sympy in one big-integer power holding the GIL for many seconds (a taller
     tower, forever): the check runs in a child that is killed at VERIFY_TIMEOUT_S, the answer
