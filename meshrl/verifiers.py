@@ -67,6 +67,7 @@ def final_answer(response: str) -> str | None:
 VERIFY_TIMEOUT_S = 10.0  # one check; past it the child is killed and the answer scores 0.0
 STARTUP_TIMEOUT_S = 120.0  # a new child, until it has imported math-verify
 MAX_CHECKERS = 4  # children at once, each a Python with sympy loaded; more callers wait for one
+IDLE_EXIT_S = 20.0  # a child asked nothing this long exits: a finished run (or its preflight) leaves none behind
 _log = logging.getLogger(__name__)
 
 
@@ -88,8 +89,9 @@ def _equal(gold: str, answer: str) -> bool:
     return bool(expected and predicted) and verify(expected, predicted, timeout_seconds=None)
 
 
-def _serve() -> None:
-    """The child's loop: one JSON request per line on stdin, one reply per line, until stdin closes."""
+def _serve(idle_exit_s: float = IDLE_EXIT_S) -> None:
+    """The child's loop: one JSON request per line on stdin, one reply per line, until stdin
+    closes or nothing is asked for `idle_exit_s`."""
     try:  # Linux: die with the parent even in the middle of a check, when stdin is not being read
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -99,12 +101,21 @@ def _serve() -> None:
     import math_verify  # noqa: F401  (warm before saying ready)
 
     replies.write('"ready"\n')
-    for line in sys.stdin:
+    pending = b""
+    while True:
+        while b"\n" not in pending:
+            if not select.select([0], [], [], idle_exit_s)[0]:
+                return  # idle: the parent starts another when it needs one (and leaves none behind)
+            chunk = os.read(0, 65536)
+            if not chunk:
+                return  # the parent closed stdin, or is gone
+            pending += chunk
+        line, pending = pending.split(b"\n", 1)
         request = json.loads(line)
         try:
             reply = {"equal": _equal(request["gold"], request["answer"])}
         except Exception as e:
-            reply = {"error": first_line(e)}
+            reply = {"error": f"{type(e).__name__}: {first_line(str(e))}"}
         replies.write(json.dumps(reply) + "\n")
 
 
@@ -120,7 +131,7 @@ class _Checker:
     """One child process running `_serve`, asked one question at a time."""
 
     def __init__(self) -> None:
-        command = [sys.executable, "-c", "from meshrl.verifiers import _serve; _serve()"]
+        command = [sys.executable, "-c", f"from meshrl.verifiers import _serve; _serve({IDLE_EXIT_S!r})"]
         # started by one long-lived thread: PDEATHSIG fires when the *thread* that started the
         # child ends, and reward calls run on threads that end with the call (rollout/env.py)
         self.proc = _SPAWNER.submit(subprocess.Popen, command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0).result()

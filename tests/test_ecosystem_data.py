@@ -70,6 +70,21 @@ def test_a_warm_checker_outlives_the_thread_that_asked_first():
     assert verifiers._idle and all(c.proc.poll() is None for c in verifiers._idle)
 
 
+def test_an_idle_checker_exits_and_the_next_check_starts_another(monkeypatch):
+    """A warm child stayed for the life of its process: a run's preflight left one behind in
+    the controller, a process the run had not stopped."""
+    from meshrl import verifiers
+
+    verifiers._stop_checkers()
+    monkeypatch.setattr(verifiers, "IDLE_EXIT_S", 1.0)
+    try:
+        assert math_answer("", "1", {"answer": "1"}) == 1.0
+        assert verifiers._idle[-1].proc.wait(timeout=30) == 0  # gone by itself
+        assert math_answer("", r"\boxed{2}", {"answer": "2"}) == 1.0  # a fresh one checks the next
+    finally:
+        verifiers._stop_checkers()
+
+
 def test_math_answer_that_never_ends_is_killed_and_the_loop_keeps_running(monkeypatch):
     """`3^{3^{16}}` keeps sympy in one big-integer power holding the GIL for many seconds (a taller
     tower, forever): the check runs in a child that is killed at VERIFY_TIMEOUT_S, the answer
