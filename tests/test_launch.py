@@ -362,6 +362,7 @@ def test_sighup_runs_cleanup_like_sigterm(tmp_path):
         f"""
         import os, signal, time
         from meshrl.launch.signals import exit_on_sigterm
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal's session (under nohup, as CI may run, it is ignored)
         exit_on_sigterm()
         try:
             os.kill(os.getpid(), signal.SIGHUP)
