@@ -162,7 +162,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             how = f"no checkpoint could be written in time; the last is at step {last}: continue from it with: meshrl run --resume {e.run_dir}"
         else:
             how = "no checkpoint could be written in time"
-        by = "Slurm's SIGTERM to the allocation" if allocation_signaled() else "an interrupt" if e.exit_status == 130 else _signal_name(e.exit_status)
+        by = "Slurm's SIGTERM to the allocation" if allocation_signaled() else _stopped_by(e.exit_status)
         print(f"meshrl: stopped at step {e.version} by {by}: {how}", file=out)
         if allocation_signaled() and last is not None:
             _resubmit(config, e.run_dir, ns.verbose, out)  # returns only when no resubmission is left
@@ -170,7 +170,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     except StartInterrupted as e:  # nothing of this start trained
         from meshrl.launch.slurm import allocation_signaled
 
-        by = "Slurm's SIGTERM to the allocation" if allocation_signaled() else "an interrupt" if e.exit_status == 130 else _signal_name(e.exit_status)
+        by = "Slurm's SIGTERM to the allocation" if allocation_signaled() else _stopped_by(e.exit_status)
         print(f"meshrl: stopped while starting by {by}; nothing trained in this start", file=out)
         if allocation_signaled() and last_checkpoint_step(run_dir) is not None:
             _resubmit(config, run_dir, ns.verbose, out)  # returns only when no resubmission is left
@@ -182,7 +182,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         how = (
             f"the last checkpoint is at step {last}: continue from it with: meshrl run --resume {run_dir}" if last is not None else "no checkpoint was written"
         )
-        print(f"meshrl: stopped again while checkpointing, by {'an interrupt' if status == 130 else _signal_name(status)}; {how}", file=out)
+        print(f"meshrl: stopped again while checkpointing, by {_stopped_by(status)}; {how}", file=out)
         return status
     except ConfigError:
         raise  # one line and exit 2, from main()
@@ -215,8 +215,11 @@ def _job_of(run_dir: str) -> str | None:
         return None
 
 
-def _signal_name(exit_status: int) -> str:
-    """SIGTERM for 143: the signal a 128+N exit status stands for."""
+def _stopped_by(exit_status: int) -> str:
+    """What stopped a run that exits with `exit_status`: an interrupt for 130 (Ctrl-C), else
+    the signal a 128+N status stands for (SIGTERM for 143)."""
+    if exit_status == 130:
+        return "an interrupt"
     try:
         return signal.Signals(exit_status - 128).name
     except ValueError:
