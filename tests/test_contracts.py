@@ -114,6 +114,15 @@ class BudgetEnv:
         return StepResult(reward=1.0, done=True)
 
 
+class SlowToMakeEnv(GymDigitsEnv):
+    """A constructor that blocks (a dataset it loads, a server it connects to): `made` says how long."""
+
+    made = 0.5
+
+    def __init__(self):
+        time.sleep(SlowToMakeEnv.made)
+
+
 def reward_text(prompt, response, sample):
     return "1.0"
 
@@ -325,6 +334,35 @@ def test_an_envs_bad_ids_or_budget_fail_its_episode_not_a_generator(tokenizer_di
     env.max_new_tokens = 2.5
     with pytest.raises(ContractError, match="max_new_tokens is 2.5"):
         env_budget(env)
+
+
+def test_an_env_is_made_off_the_workers_loop_within_the_env_bound(tokenizer_dir, quiet, monkeypatch):
+    """The constructor ran on the worker's event loop with no bound: while one blocked, no other
+    episode of the worker moved, and one that hung held the worker for good."""
+
+    async def ticks_while_played(worker):
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0)
+        ep = await worker.play_episode(0, 0, {"prompt": "q:", "answer": ""}, 0, 0)
+        ticker.cancel()
+        return ep, ticks
+
+    worker, _ = play(tokenizer_dir, "SlowToMakeEnv", ["1234"])
+    worker.set_generators([ScriptedGenerator(replies_in_order(worker.tokenizer, ["1234"]))])
+    ep, ticks = asyncio.run(ticks_while_played(worker))
+    assert ep.failure is None and ep.reward == 0.5
+    assert ticks >= 10  # the loop went on through the constructor's 0.5 s (on the loop: 0 ticks)
+    monkeypatch.setattr(SlowToMakeEnv, "made", 5.0)
+    worker, ep = play(tokenizer_dir, "SlowToMakeEnv", ["1234"], env_timeout_s=0.3)
+    assert ep.finish_reason == "failed" and "TimeoutError: making the env took longer than rollout.env_timeout_s=0.3s" in ep.failure
 
 
 def test_a_step_gets_its_own_bounded_work_beyond_the_env_bound(tokenizer_dir, quiet):

@@ -146,7 +146,7 @@ class RolloutWorker:
         ep = Episode(group_id, sample_id)
         timeout = c.rollout.env_timeout_s
         try:
-            env = (make_env or self.make_env)()  # a constructor that raises (bad env_args) fails the episode, not the group
+            env = await self._make_env(make_env or self.make_env)  # a constructor that raises (bad env_args) fails the episode, not the group
             t0 = time.monotonic()
             first = await self._env_call(env, "reset", dict(record))
             ep.env_s += time.monotonic() - t0
@@ -214,6 +214,18 @@ class RolloutWorker:
                 except Exception:  # noqa: BLE001 - a failing close is the env's problem alone
                     pass
         return ep
+
+    async def _make_env(self, make):
+        """A fresh env from `make`, on a thread of its own within rollout.env_timeout_s, as its
+        calls are: a constructor that loads data or connects somewhere stalls no other episode of
+        this worker, and one that hangs fails its episode alone."""
+        bound = self.config.rollout.env_timeout_s
+        try:
+            return await call_bounded(make, timeout=bound)
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            if str(e):
+                raise  # the constructor's own TimeoutError
+            raise TimeoutError(f"making the env took longer than rollout.env_timeout_s={bound:g}s") from None
 
     async def _env_call(self, env: Env, method: str, arg):
         """`env.method(arg)`, bounded by rollout.env_timeout_s, plus for a step the time the

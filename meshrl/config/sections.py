@@ -118,7 +118,7 @@ class RolloutConfig:
     max_turns: int = 8
     """Most model turns in one episode; an episode still going then ends with finish_reason `length`. In a game (docs/coevolve.md), this times the number of models, each Ask of a list counting one; a game cut there ends unscored (every thread's reward 0)."""
     env_timeout_s: float = 30.0
-    """Longest one env call (reset or step) may take; a timeout or exception fails that episode (reward 0) and the run goes on. A step also gets the time its env says its own bounded work may take (`step_timeout_s`: a reward within `scoring.timeout_s`, tool calls, sandbox runs of hidden tests)."""
+    """Longest one env call (its construction, reset or step) may take; a timeout or exception fails that episode (reward 0) and the run goes on. A step also gets the time its env says its own bounded work may take (`step_timeout_s`: a reward within `scoring.timeout_s`, tool calls, sandbox runs of hidden tests)."""
     tool_parser: str = "hermes"
     """How tool calls are read from model turns (tool envs): `hermes` (`<tool_call>{json}</tool_call>`, Qwen/Hermes), `compact` (a turn `!ARG` calls the env's first tool: for tiny models trained from scratch), or an import path `module:callable(text) -> list[ToolCall]`."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
