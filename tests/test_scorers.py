@@ -121,6 +121,58 @@ def test_a_hung_backend_wedges_its_replica_and_every_request_then_fails_at_once(
     assert service.stats()["wedged"] is True and Hung.calls == 1  # the batch queued behind it never reached it
 
 
+def test_a_scorer_health_check_asks_each_replica_once_and_all_at_once():
+    """ScorerPool.check asked a replica on another host for its stats twice (once for gone, once
+    for wedged) and the replicas one after the other: hosts that had stopped answering held
+    the step 60 s for each of them."""
+    from meshrl.controller.replicas import ScorerPool
+
+    class Replica:
+        in_flight = most = 0
+
+        def __init__(self, here, alive, answer):
+            self.here, self.live, self.answer, self.asked = here, alive, answer, 0
+            self.actor = type("Actor", (), {"stats": type("Endpoint", (), {"call_one": self.stats})()})()
+
+        def on_this_host(self):
+            return self.here
+
+        def alive(self):
+            return self.live
+
+        async def stats(self):
+            self.asked += 1
+            Replica.in_flight += 1
+            Replica.most = max(Replica.most, Replica.in_flight)
+            await asyncio.sleep(0.05)
+            Replica.in_flight -= 1
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    replicas = {
+        "wedged elsewhere": Replica(False, True, {"wedged": True}),
+        "silent elsewhere": Replica(False, True, RuntimeError("unreachable")),
+        "dead here": Replica(True, False, {}),
+        "busy here": Replica(True, True, RuntimeError("slow")),
+        "well here": Replica(True, True, {"wedged": False}),
+    }
+    health = {name: asyncio.run(ScorerPool._health(r)) for name, r in replicas.items()}
+    assert health == {
+        "wedged elsewhere": (False, True),
+        "silent elsewhere": (True, False),
+        "dead here": (True, False),
+        "busy here": (False, False),
+        "well here": (False, False),
+    }
+    assert [r.asked for r in replicas.values()] == [1, 1, 0, 1, 1]
+    pool = object.__new__(ScorerPool)
+    pool.members = {(0, i): Replica(False, True, {"wedged": False}) for i in range(3)}
+    Replica.most = 0
+    asyncio.run(pool.check())
+    assert Replica.most == 3 and all(r.asked == 1 for r in pool.members.values())
+
+
 # ---- the reward model ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained_rm(tmp_path_factory):
