@@ -125,9 +125,12 @@ def test_a_scorer_health_check_asks_each_replica_once_and_all_at_once():
     """ScorerPool.check asked a replica on another host for its stats twice (once for gone, once
     for wedged) and the replicas one after the other: hosts that had stopped answering held
     the step 60 s for each of them."""
+    from meshrl.controller.members import Member
     from meshrl.controller.replicas import ScorerPool
 
     class Replica:
+        gone_or_wedged = Member.gone_or_wedged
+
         in_flight = most = 0
 
         def __init__(self, here, alive, answer):
@@ -157,7 +160,7 @@ def test_a_scorer_health_check_asks_each_replica_once_and_all_at_once():
         "busy here": Replica(True, True, RuntimeError("slow")),
         "well here": Replica(True, True, {"wedged": False}),
     }
-    health = {name: asyncio.run(ScorerPool._health(r)) for name, r in replicas.items()}
+    health = {name: asyncio.run(r.gone_or_wedged()) for name, r in replicas.items()}
     assert health == {
         "wedged elsewhere": (False, True),
         "silent elsewhere": (True, False),

@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass, field
 
 from meshrl.errors import first_line
-from meshrl.futures import settled
+from meshrl.futures import settled, settled_value
 from meshrl.host import running_process
 
 log = logging.getLogger("meshrl")
@@ -62,6 +62,16 @@ class Member:
         if self.on_this_host():
             return not self.alive()
         return await settled(getattr(self.actor, endpoint).call_one(), 30) is not None
+
+    async def gone_or_wedged(self) -> tuple[bool, bool]:
+        """(gone, wedged), from one question: one on this host is gone by its pid, one elsewhere
+        when its `stats` do not come in 30 s; wedged, when they say so."""
+        if self.on_this_host() and not self.alive():
+            return True, False
+        stats = await settled_value(self.actor.stats.call_one(), 30)
+        if isinstance(stats, BaseException):
+            return not self.on_this_host(), False
+        return False, isinstance(stats, dict) and bool(stats.get("wedged"))
 
     def kill_leftovers(self) -> int:
         """SIGKILL what is still alive of the member's processes on this host, and unlink the

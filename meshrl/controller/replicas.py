@@ -332,22 +332,11 @@ class ScorerPool:
         for slot in range(len(self.slots)):
             self.members[self.slots[slot]] = await self.spawn(slot, restore=self.resume)
 
-    @staticmethod
-    async def _health(m: Member) -> tuple[bool, bool]:
-        """(gone, wedged), from one question: one on this host is gone by its pid, one elsewhere
-        when its stats do not come in 30 s."""
-        if m.on_this_host() and not m.alive():
-            return True, False
-        stats = await settled_value(m.actor.stats.call_one(), 30)
-        if isinstance(stats, BaseException):
-            return not m.on_this_host(), False
-        return False, isinstance(stats, dict) and bool(stats.get("wedged"))
-
     async def check(self) -> None:
         """Replace any replica whose proc is gone (by pid on this host, else asked), or that says
         it is wedged (a batch ran past scorers/service.py's WEDGED_AFTER x its timeout_s)."""
         members = list(self.members.items())
-        health = await asyncio.gather(*(self._health(m) for _, m in members))  # at once: each may wait its 30 s
+        health = await asyncio.gather(*(m.gone_or_wedged() for _, m in members))  # at once: each may wait its 30 s
         for (key, m), (gone, wedged) in zip(members, health):
             if not (gone or wedged):
                 continue
