@@ -142,6 +142,16 @@ def test_colocated_plans_share_the_gpus_and_auto_picks_them_only_when_the_roles_
     assert "(generator.replicas=7 would use them)" in plan_devices(config(launcher={"gpus_per_host": 8})).table()
 
 
+def test_a_torchx_jobs_host_plans_the_gpus_it_was_given(monkeypatch):
+    """Inside a TorchX job (launcher.kind=torchx, the controller on the job's one host) whose GPUs
+    came from a named resource (`h`), not launcher.gpus_per_host: the plan had none, and the run
+    trained on CPU beside the GPUs it was given."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    torchx = plan_devices(config(launcher={"kind": "torchx"}))
+    assert torchx.layout != "cpu" and torchx.slot("trainer", 0).gpus == (0,) and torchx.slot("generator", 0).gpus == (1,)
+    assert plan_devices(config(launcher={"kind": "slurm", "hosts": 2})).layout == "cpu"  # a cluster's hosts are not this one
+
+
 def test_auto_transport_keeps_gpu_weights_on_the_gpus_and_one_cpu_host_in_shared_memory():
     def chosen(**sections) -> tuple[str, bool]:
         c = config(**sections)

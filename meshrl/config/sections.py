@@ -284,7 +284,7 @@ class LauncherConfig:
     address: str | None = None
     """launcher.kind=workers: this controller's own IP as the hosts reach it. Its Monarch channel and the weight-sync store listen on it and nowhere else. Required with `workers`; must be an address of this machine."""
     gpus_per_host: int = 0
-    """GPUs per host, for the device plan (`meshrl config plan`) and the Slurm job. 0: for `local` and `process` runs the GPUs this host has (none on a CPU machine); elsewhere none (a CPU-only cluster)."""
+    """GPUs per host, for the device plan (`meshrl config plan`) and the Slurm job. 0: for `local`, `process` and `torchx` runs (the job's one host, whose GPUs a TorchX named resource `h` may give) the GPUs this host has (none on a CPU machine); elsewhere none (a CPU-only cluster)."""
     gpu_memory_gib: float = 0.0
     """Memory of each GPU, for the memory plan (`meshrl config plan`): what every proc will hold is checked against it before any mesh starts. 0: the GPU this machine has (NVML); with none (planning a cluster's run from a CPU machine), the memory plan is skipped."""
     partition: str | None = None

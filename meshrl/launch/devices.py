@@ -196,9 +196,10 @@ def detected_gpus() -> int:
 
 
 def gpus_per_host(config: Config) -> int:
-    """`launcher.gpus_per_host`, else this host's GPUs where this host is the run's host."""
+    """`launcher.gpus_per_host`, else this host's GPUs where this host is the run's host (a
+    TorchX job's controller runs on the job's one host, whose GPUs a named resource may give)."""
     la = config.launcher
-    if la.gpus_per_host > 0 or la.kind not in ("local", "process"):
+    if la.gpus_per_host > 0 or la.kind not in ("local", "process", "torchx"):
         return la.gpus_per_host
     return detected_gpus()
 
