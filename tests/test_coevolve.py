@@ -301,6 +301,9 @@ def test_trained_models_config_view_and_refusals():
     assert (p.trainer.lr, p.trainer.loss.clip_high, p.trainer.loss.clip_low, p.generator.temperature) == (0.01, 0.3, c.trainer.loss.clip_low, 0.7)
     assert p.seed == c.seed + 1 and p.models == [] and p.logging.run_dir.endswith(os.path.join("models", "proposer"))
     assert c.model_names() == ["policy", "proposer"] and c.for_model("policy") is c
+    # a model that overrides its shapes but names no checkpoint is a start of its own too (it was the policy's weights)
+    shaped = Config.from_dict({"models": [{"name": "a"}, {"name": "b", "model": {"max_seq_len": 128}}]})
+    assert shaped.for_model("b").seed == c.seed + 2 and shaped.for_model("b").model.max_seq_len == 128
     bad = {
         "models[0].name": {"models": [{"name": "policy"}]},
         "models[1].name": {"models": [{"name": "a"}, {"name": "a"}]},

@@ -334,7 +334,7 @@ class TrainedModelConfig:
     name: str = ""
     """The model's name: what a game env's `Ask.model` says (the policy is `policy`), the prefix of its metrics (`NAME/trainer/...`, `NAME/reward/mean`) and its directory under the run's (`models/NAME/`: its logs and first export; its checkpoint goes under `checkpoints/models/NAME`, its final export to `hf/final-NAME`)."""
     model: dict[str, Any] = field(default_factory=dict)
-    """Overrides of the policy's `model` section (e.g. `path` for its own checkpoint, or its own shapes); empty: the policy's architecture, initialised from seed + 1 + its index in `models` (a start of its own). Every model shares the policy's tokenizer and token ids: a `tokenizer` other than the policy's is refused, and its vocabulary (its checkpoint's, or `vocab_size`) must cover the policy's."""
+    """Overrides of the policy's `model` section (e.g. `path` for its own checkpoint, or its own shapes); empty: the policy's architecture. A model without a `path` is initialised from seed + 1 + its index in `models` (a start of its own, whatever it overrides), and its generators sample with that seed too. Every model shares the policy's tokenizer and token ids: a `tokenizer` other than the policy's is refused, and its vocabulary (its checkpoint's, or `vocab_size`) must cover the policy's."""
     trainer: dict[str, Any] = field(default_factory=dict)
     """Overrides of the policy's `trainer` section (e.g. `lr`, `procs`, `loss: {clip_high: 0.3}`). With `loss.advantage: gae` (set here, or the policy's inherited) the model trains by PPO with a critic of its own (the `critic` section's settings, from its own weights; `NAME/critic/...`, `hf/final-NAME-critic`); `loss: {advantage: grpo}` keeps a model on a group advantage beside a PPO policy."""
     generator: dict[str, Any] = field(default_factory=dict)
@@ -439,8 +439,7 @@ class Config:
         data = self.to_dict()
         for section in ("model", "trainer", "generator"):
             data[section] = _merged(data[section], getattr(spec, section))
-        if not spec.model:
-            data["seed"] = self.seed + 1 + index  # the policy's shapes, a start of its own
+        data["seed"] = self.seed + 1 + index  # a start of its own (without a `path`) and its own sampling streams
         data["generator"]["group_size"] = self.generator.group_size
         data["logging"]["run_dir"] = os.path.join(self.logging.run_dir, "models", name)
         if spec.frozen:  # it serves its checkpoint whole: no adapters of its own
