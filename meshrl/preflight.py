@@ -41,6 +41,7 @@ from meshrl.trainer.checks import (
     check_model_files,
     check_models_vocabulary,
     check_routed_experts,
+    check_routed_shapes,
     check_teacher,
 )
 
@@ -101,8 +102,10 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
 
 
 def check_models(c: Config, plan) -> None:
-    """`check_model` on each model beside the policy, against its own slots of the plan."""
-    _each_model(c, lambda view, name: check_model(view, plan, own=plan.view(name)))
+    """`check_model` and `check_routed_experts` on each model beside the policy, against its own
+    slots of the plan; then the routes of every model that returns them share one shape."""
+    _each_model(c, lambda view, name: check_routed_experts(view, check_model(view, plan, own=plan.view(name)), f"model {name}"))
+    check_routed_shapes(c)
 
 
 def _each_model(c: Config, check) -> None:

@@ -295,6 +295,30 @@ def test_per_model_episode_metrics_keep_the_policys_names():
     assert row["game/exact"] == 0.5 and not any(k.startswith("proposer/game/") for k in row)  # once per game, over the games that gave it
 
 
+def test_routed_experts_of_several_models_are_checked_for_each_and_share_one_shape():
+    """A model beside a MoE policy inherits generator.return_routed_experts: a dense one was never
+    checked, and a MoE one of other [layers, top_k] failed every group of the run at its packing."""
+    from meshrl.launch.devices import plan_devices
+    from meshrl.preflight import check_models
+
+    def refused(*models) -> tuple[str, str] | None:
+        c = Config.from_dict(
+            {"model": {"family": "qwen3_moe"}, "generator": {"return_routed_experts": True}, "data": {"source": "task:propose"}, "models": list(models)}
+        )
+        try:
+            check_models(c, plan_devices(c))
+        except ConfigError as e:
+            return e.field_path, e.message
+        return None
+
+    field, message = refused({"name": "proposer", "model": {"family": "qwen3"}})
+    assert field == "models[0].generator.return_routed_experts" and "model proposer is qwen3" in message
+    field, message = refused({"name": "proposer", "model": {"n_layers": 4}})
+    assert field == "generator.return_routed_experts" and "(policy [2, 2], proposer [4, 2])" in message
+    assert refused({"name": "proposer"}) is None
+    assert refused({"name": "proposer", "model": {"n_layers": 4}, "generator": {"return_routed_experts": False}}) is None
+
+
 def test_trained_models_config_view_and_refusals():
     c = Config.from_dict({"models": [{"name": "proposer", "trainer": {"lr": 0.01, "loss": {"clip_high": 0.3}}, "generator": {"temperature": 0.7}}]})
     p = c.for_model("proposer")

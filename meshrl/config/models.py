@@ -194,7 +194,7 @@ class GeneratorConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory a vLLM engine may take (GPU only)."""
     return_routed_experts: bool = False
-    """MoE only: return the expert ids each sampled token was routed to, per layer, for routing replay (trainer.loss.routing_replay). On GPU vLLM returns them (model runner V2); on CPU meshrl's worker extension records them from vLLM's router hook (meshrl/generator/routing_capture.py)."""
+    """MoE only: return the expert ids each sampled token was routed to, per layer, for routing replay (trainer.loss.routing_replay). On GPU vLLM returns them (model runner V2); on CPU meshrl's worker extension records them from vLLM's router hook (meshrl/generator/routing_capture.py). A model beside the policy inherits it (`models[i].generator` overrides): every model that returns them must be MoE with the policy's [layers, top_k], since one batch packs every model's routes."""
     startup_timeout_s: float = 300.0
     """Seconds an engine may take to start before the run fails."""
     stall_timeout_s: float = 300.0

@@ -247,7 +247,23 @@ def check_model(c: Config, plan: DevicePlan, own: DevicePlan | None = None) -> s
     return family
 
 
-def check_routed_experts(c: Config, family: str) -> None:
-    """generator.return_routed_experts only for a MoE policy (`family`, from `check_model`)."""
+def check_routed_experts(c: Config, family: str, who: str = "the policy") -> None:
+    """generator.return_routed_experts only for a MoE model (`family`, from `check_model`)."""
     if c.generator.return_routed_experts and family not in MOE_FAMILIES:
-        raise ConfigError("generator.return_routed_experts", f"routed experts exist only in MoE models, and the policy is {family}: set it false")
+        raise ConfigError("generator.return_routed_experts", f"routed experts exist only in MoE models, and {who} is {family}: set it false")
+
+
+def check_routed_shapes(c: Config) -> None:
+    """The models that return routed experts route alike: one group packs every model's rows,
+    their routes in one [layers, top_k] tensor (episode.pack)."""
+    from meshrl.launch.shape import model_shape
+
+    names = [n for n in c.model_names() if c.for_model(n).generator.return_routed_experts]
+    shapes = {n: (s.layers, s.top_k) for n in names for s in [model_shape(c.for_model(n))]}
+    if len(set(shapes.values())) > 1:
+        routes = ", ".join(f"{n} {list(shape)}" for n, shape in shapes.items())
+        raise ConfigError(
+            "generator.return_routed_experts",
+            f"the models route over different [layers, top_k] ({routes}), and one batch packs every model's routes in one tensor: "
+            "keep it on for the models of one shape (models[i].generator.return_routed_experts=false on the others)",
+        )
