@@ -349,6 +349,21 @@ def test_critic_exports_a_token_classification_model_transformers_loads(tmp_path
     check_exported_critic(critic.export_hf(str(tmp_path / "critic")), critic.values(batch), batch)
 
 
+def test_critic_makes_no_update_on_a_batch_with_nothing_to_learn_from():
+    """A batch whose every episode failed (or a game's model with no row of its own): AdamW,
+    stepped on the zero gradient, still moved every weight along its old momentum."""
+    batch = toy_batch(2, rows=4)
+    critic = CriticTrainer(ModelConfig(), lr=1e-2, seed=0, micro_batch_size=4)
+    for _ in range(2):  # momentum of its own
+        critic.train_step(batch, *critic.advantages(batch))
+    empty = batch.clone()
+    empty["loss_mask"] = torch.zeros_like(empty["loss_mask"])
+    before = [p.detach().clone() for p in critic.model.parameters()]
+    m = critic.train_step(empty, *critic.advantages(empty))
+    assert m["version"] == 3 and m["value_nonfinite"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, critic.model.parameters()))
+
+
 def test_critic_skips_a_non_finite_step():
     batch = toy_batch(2, rows=4)
     critic = CriticTrainer(ModelConfig(), lr=1e-2, seed=0, micro_batch_size=4)

@@ -312,7 +312,8 @@ class CriticTrainer:
         by its token (or sequence) counts. The value clip only acts from the second epoch
         on: the first pass's values are the old ones.
 
-        A non-finite loss or gradient norm skips that update (weights and AdamW's state stay
+        A batch with no model token to learn from (every episode failed, or a game's model
+        had no row of its own) makes no update. A non-finite loss or gradient norm skips that update (weights and AdamW's state stay
         as the previous epoch left them), ends the step and reports value_nonfinite = 1; the
         version and the lr schedule advance once per batch either way, so the critic stays in
         step with the policy.
@@ -324,7 +325,7 @@ class CriticTrainer:
         t0 = time.perf_counter()
         for _ in range(self.epochs):
             out, grad_norm, finite = self._update(batch, returns, old_values)
-            if not finite:
+            if not finite or not batch["loss_mask"].any():  # nothing to learn from: one pass for its metrics
                 break
         with warnings.catch_warnings():  # a first step skipped: torch warns that the schedule steps first
             warnings.simplefilter("ignore", UserWarning)
@@ -362,8 +363,8 @@ class CriticTrainer:
         out = reduce_value_metrics([self._reduce_across_ranks(sums)])
         grad_norm = self._clip_grads()
         finite = math.isfinite(out.get("value_loss", 0.0)) and math.isfinite(float(grad_norm))
-        if finite:
-            self.optimizer.step()
+        if finite and token_count:  # no rows to learn from (all failed, a game's model with none): no update,
+            self.optimizer.step()  # which AdamW's momentum and decay would make on a zero gradient
         self.optimizer.zero_grad(set_to_none=True)
         return out, grad_norm, finite
 
