@@ -316,3 +316,30 @@ def test_a_restore_that_fails_stops_the_mesh_the_heal_spawned(tmp_path, monkeypa
     with pytest.raises(OSError, match="unreadable"):
         asyncio.run(heal.replace_trainer(config, alloc, Mesh("old"), [], str(tmp_path), 0, at_most=3))
     assert stopped == ["old", "new"]
+
+
+def test_a_checkpoint_waits_on_the_episode_queue_within_its_bound(tmp_path):
+    """Saving asked the episode queue for its state with no bound: a coordinator host lost as a
+    checkpoint came due held the run until the step's outer bound, whose line named no queue."""
+    import asyncio
+    import json
+
+    from meshrl.controller import checkpoint
+    from meshrl.trainer.checkpoint import COMPLETE_MARKER
+
+    class Trainer:
+        version = 3
+
+        async def save_checkpoint(self, root):
+            os.makedirs(os.path.join(root, "step-3"))
+            with open(os.path.join(root, "step-3", COMPLETE_MARKER), "w") as f:
+                json.dump({"step": 3}, f)
+            return os.path.join(root, "step-3")
+
+    async def never():
+        await asyncio.sleep(3600)
+
+    queue = type("Queue", (), {"state_dict": type("Endpoint", (), {"call_one": staticmethod(never)})()})()
+    with pytest.raises(TimeoutError, match="the episode queue, saving its state did not answer within 0.2s"):
+        asyncio.run(asyncio.wait_for(checkpoint.save(str(tmp_path), Trainer(), queue, 3, [], timeout_s=0.2), 30))
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoints", "latest"))

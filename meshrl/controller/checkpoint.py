@@ -18,7 +18,7 @@ import torch
 
 from meshrl.config import Config, ConfigError
 from meshrl.errors import first_line
-from meshrl.futures import awaited, bounded
+from meshrl.futures import bounded
 from meshrl.trainer.checkpoint import checkpoint_step, write_atomic
 
 log = logging.getLogger("meshrl")
@@ -32,7 +32,9 @@ def due(config: Config, version: int, last_checkpoint: float) -> bool:
     return bool(every and version % every == 0 or every_s and time.monotonic() - last_checkpoint >= every_s)
 
 
-async def save(run_dir: str, trainer, queue, version: int, history: list[dict], critic=None, partners=(), names=()) -> tuple[str | None, int]:
+async def save(
+    run_dir: str, trainer, queue, version: int, history: list[dict], critic=None, partners=(), names=(), *, timeout_s: float = 120.0
+) -> tuple[str | None, int]:
     """Trainer state (DCP), the critic's (a CriticMesh, or None), each trained model's beside
     the policy (controller/partners.py, under its name), the episode queue and the metrics
     history, atomically, and the models' `names` in their order (config.model_names: the places
@@ -40,7 +42,8 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
     a trained model is at another version than the policy (ahead of it while it trains again
     the steps its heal lost), or when one saved is at another version than the policy's (a step
     cut short beside the policy's): a checkpoint never holds trained models at different
-    versions, and the next one due saves them. A critic is saved at its own version."""
+    versions, and the next one due saves them. A critic is saved at its own version. The queue's
+    state is asked for within `timeout_s` (a lost coordinator host says so, not the step's bound)."""
     policy = max(version, trainer.version)  # (its trainer a step past the loop after an interrupted step)
     apart = [p.name for p in partners if p.trainer.version != policy]
     if apart:
@@ -71,7 +74,7 @@ async def save(run_dir: str, trainer, queue, version: int, history: list[dict], 
         "models": models,
         "model_critics": model_critics,
         "model_names": list(names),
-        "queue": await awaited(queue.state_dict.call_one()),
+        "queue": await bounded(queue.state_dict.call_one(), timeout_s, "the episode queue, saving its state"),
         "history": history,
     }
     path = os.path.join(root, f"step_{version:06d}_{CHECKPOINT_FILE}")
