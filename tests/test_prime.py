@@ -38,6 +38,12 @@ def prm_config(*scorers, **sections) -> dict:
         (prm_config({"kind": "prm", "lr": float("nan")}), "scoring.scorers[0].lr", "finite"),
         (prm_config({"kind": "prm", "train_accuracy": [0.8, 0.2]}), "scoring.scorers[0].train_accuracy", "low <= high"),
         (prm_config({"kind": "prm"}, {"kind": "function", "path": "m:f", "process": "turn"}), "scoring.scorers", "one process baseline"),
+        # PPO allows one completion per prompt, whose group is all right or all wrong: PRIME's band never trained
+        (
+            prm_config({"kind": "prm", "train_accuracy": [0.2, 0.8]}, generator={"group_size": 1}, trainer={"loss": {"advantage": "gae"}}),
+            "scoring.scorers[0].train_accuracy",
+            "never train",
+        ),
     ],
 )
 def test_prm_refusals_name_the_field_in_one_line(data, field, words):
@@ -53,6 +59,7 @@ def test_prime_config_builds():
     assert prm.kind == "prm" and prm.beta == 0.05 and prm.update == "after" and prm.replicas == 1
     assert c.trainer.loss.advantage == "rloo" and c.data.source == "task:digits_sparse"
     Config.from_dict(prm_config(trainer={"loss": {"advantage": "gae"}}))  # beside PPO's critic: its q_t are rewards GAE adds up
+    Config.from_dict(prm_config({"kind": "prm", "train_accuracy": [0.0, 0.8]}, generator={"group_size": 1}, trainer={"loss": {"advantage": "gae"}}))
 
 
 def test_sparse_task_is_one_or_zero():

@@ -427,6 +427,12 @@ def _check_prm(c: Config, sc, path: str) -> None:
         f"must be [low, high] with 0 <= low <= high <= 1 (shares of a group's successful episodes), got {band}",
     )
     need(
+        c.generator.group_size >= 2 or band[0] == 0 or band[1] == 1,
+        f"{path}.train_accuracy",
+        f"is {band}, and with one completion per prompt (generator.group_size=1) a group's share of successes is 0 or 1: "
+        "the prm would never train; include 0 or 1 in it, or sample at least 2 completions per prompt",
+    )
+    need(
         sc.replicas == 1,
         f"{path}.replicas",
         f"is {sc.replicas}: a prm trains in one replica, and its weights are not synced between replicas: set replicas=1 (`procs` shards it)",

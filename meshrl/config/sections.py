@@ -180,7 +180,7 @@ class ScorerConfig:
     update: Literal["after", "before"] = "after"
     """`prm`: when the PRM trains on a batch's outcomes: `after` scoring it (its scores come from a PRM that has not seen those outcomes), or `before` (PRIME's default: the PRM fits the batch, then scores it)."""
     train_accuracy: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    """`prm`: PRIME's accuracy filter. The PRM trains only on the groups whose share of successful episodes (outcome above 0.5) lies in this closed range [low, high]; every group is still scored. PRIME used [0.2, 0.8]: a group all right or all wrong says nothing about which of its steps mattered. A batch with no such group takes no step (the version stays). [0, 1]: every group (the default)."""
+    """`prm`: PRIME's accuracy filter. The PRM trains only on the groups whose share of successful episodes (outcome above 0.5) lies in this closed range [low, high]; every group is still scored. PRIME used [0.2, 0.8]: a group all right or all wrong says nothing about which of its steps mattered. A batch with no such group takes no step (the version stays). [0, 1]: every group (the default). With one completion per prompt (PPO's `generator.group_size=1`) a group is all right or all wrong, so a range that holds neither 0 nor 1 is refused."""
 
 
 @dataclass
