@@ -549,7 +549,7 @@ def test_process_rewards_in_a_game_reach_the_threads_of_the_model_scored(tmp_pat
         return ep
 
     scorer = {"kind": "function", "path": "tests.test_coevolve:thread_steps", "process": "turn", "model": "proposer", "weight": 1.0}
-    rloo = {"name": "proposer", "trainer": {"loss": {"advantage": "rloo"}}}  # its own advantage, not the policy's grpo
+    rloo = {"name": "proposer", "trainer": {"loss": {"advantage": "rloo"}}, "generator": {"startup_timeout_s": 7}}  # its own advantage, not the policy's grpo
     config = Config.from_dict({"models": [rloo], "scoring": {"scorers": [scorer], "env_weight": 1.0, "process_weight": 2.0}})
     # and a second, of the policy's turns: each model's step scores are centred within its own rows
     config_both = Config.from_dict(
@@ -562,8 +562,10 @@ def test_process_rewards_in_a_game_reach_the_threads_of_the_model_scored(tmp_pat
     assert [ep.threads[0].process for ep in episodes] == [[(2, pytest.approx(0.1))], [(4, pytest.approx(0.3))]]
     assert all(ep.threads[1].process == [] for ep in episodes)  # nobody scores the policy's steps
     char_tokenizer.save_pretrained(tmp_path / "tok")
-    group = asyncio.run(RolloutWorker(config, str(tmp_path / "tok"))._packed(episodes))
+    worker = RolloutWorker(config, str(tmp_path / "tok"))
+    group = asyncio.run(worker._packed(episodes))
     assert group["model"].tolist() == [1, 0, 1, 0]
+    assert worker.model_turns[1].config.generator.startup_timeout_s == 7  # each model's turns bounded by its own generator section
     adv, per_token, mask = group["advantage"], group["token_advantage"], group["loss_mask"]
     assert adv[[0, 2]].tolist() == pytest.approx([-0.2, 0.2])  # rloo on the proposer's rewards 0.6 and 0.8
     for b in (1, 3):  # the policy's: its outcome advantage on every token

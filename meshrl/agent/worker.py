@@ -104,8 +104,8 @@ class RolloutWorker:
         view = eval_view(config)  # (a task's own eval source: not the reward passed in code either)
         self.make_eval_env = env_factory(view, reward_fn if view is config else None) if config.eval.source else self.make_env
         self.turns = TurnBatcher(config)
-        # a game's models (meshrl/agent/game.py): the policy's turns, then each models[*]'s generators
-        self.model_turns = [self.turns] + [TurnBatcher(config) for _ in config.models]
+        # a game's models (meshrl/agent/game.py): the policy's turns, then each models[*]'s generators, bounded as its own
+        self.model_turns = [self.turns] + [TurnBatcher(config.for_model(m.name)) for m in config.models]
         self.teacher = None  # on-policy distillation: the teacher's scoring replica (meshrl/distill.py)
         self.scorers = EpisodeScorers(config, self.tokenizer)  # scoring.scorers (meshrl/scorers/)
         self.advantages = config.advantage_modes()  # each model's group advantage, by its `model` index
