@@ -105,6 +105,29 @@ def test_files_transport_writes_each_models_versions_in_a_directory_of_its_own(t
     assert not os.path.exists(mine) and os.path.exists(b.files_dir)  # its versions go with it: nothing piles up run after run
 
 
+def test_a_files_writer_drops_versions_past_its_trainers_and_writes_beside_a_replaced_one(tmp_path):
+    """A trainer healed back to step 8 wrote into a directory holding its predecessor's 9 and 10,
+    pruned its own 8 at once, and the generators loaded the lost step 10. And a writer replaced
+    by a reconnect, still writing, shared its temp file with the new one: a torn file renamed
+    into place."""
+    from meshrl.weightsync.files import FileWriter, version_path, versions_in
+
+    base = model_tensors()
+    layout = plan_layout(base, 1 << 20)
+    for v in (9, 10):
+        (tmp_path / os.path.basename(version_path(str(tmp_path), v))).write_bytes(b"a lost step's weights")
+    pool = StagingPool(lease_timeout_s=30)
+    pool.publish(8, layout, version_tensors(base, 8))
+    writers = [FileWriter(pool, str(tmp_path), poll_s=0.05) for _ in range(2)]  # the second as a reconnect makes it, the first still on
+    deadline = time.monotonic() + 60
+    while not all(w.written == 8 for w in writers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for w in writers:
+        w.close()
+    assert [w.written for w in writers] == [8, 8] and [w.error for w in writers] == [None, None]
+    assert versions_in(str(tmp_path)) == [8] and sorted(os.listdir(tmp_path)) == [os.path.basename(version_path(str(tmp_path), 8))]
+
+
 def test_staging_never_overwrites_a_leased_slot():
     base = model_tensors()
     layout = plan_layout(base, 1 << 20)

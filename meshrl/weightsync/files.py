@@ -59,7 +59,11 @@ class FileWriter:
     def __init__(self, pool: StagingPool, directory: str, poll_s: float = 0.2):
         os.makedirs(directory, exist_ok=True)
         self.pool, self.directory, self.poll_s = pool, directory, poll_s
-        self.written = -1
+        staged = pool.latest.version if pool.latest is not None else -1
+        for newer in versions_in(directory):  # a healed trainer's, restored to an older step: the steps its
+            if newer > staged:  # predecessor wrote past it were lost, and a reader would take the newest
+                _remove(version_path(directory, newer))
+        self.written = -1  # the version staged already is written again: the directory may lack it
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ws-files", daemon=True)
@@ -84,7 +88,7 @@ class FileWriter:
         slot changed under the write: its publish failed (and raised to its caller), or the
         lease expired."""
         final = version_path(self.directory, lease.version)
-        tmp = f"{final}.tmp{os.getpid()}"
+        tmp = f"{final}.tmp{os.getpid()}-{id(self)}"  # a writer replaced (a reconnect) may still finish its own file
         try:
             complete = write_version(tmp, lease.slot.flat, lease.slot.layout, lease.version, lambda end: self.pool.wait_packed(lease, end))
             if self.pool.release(lease) and complete:
