@@ -463,6 +463,11 @@ def test_requeue_hands_the_same_group_out_again_and_refuses_late_puts():
     assert q.claim(1, 0).group_id == 3  # then the stream goes on
     assert q.requeue(group_ids=[b2.group_id]) == 1
     assert q.requeue(group_ids=[b2.group_id]) == 0  # already re-queued
+    # a worker presumed dead that was alive gives its claim up late, under its token: the
+    # group's new claim is not its to give up (it was, and counted as the group's failed play)
+    taken = q.claim(2, 0)
+    assert taken.group_id == b2.group_id and q.requeue(group_ids=[b2.group_id], failure="late", token=b2.token) == 0
+    assert q.requeue(group_ids=[b2.group_id], token=taken.token) == 1
     assert not deliver(q, b2)
     again2 = q.claim(2, 0)
     assert (again2.group_id, again2.sample) == (b2.group_id, b2.sample)
@@ -470,7 +475,7 @@ def test_requeue_hands_the_same_group_out_again_and_refuses_late_puts():
         assert deliver(q, c)
     assert q.sample(3, 0)["group_id"].unique().tolist() == [0, 1, 2]
     m = q.metrics()
-    assert m["buffer/requeued"] == 3 and m["buffer/late_puts"] == 3 and m["buffer/puts"] == 3
+    assert m["buffer/requeued"] == 4 and m["buffer/late_puts"] == 3 and m["buffer/puts"] == 3
     assert q.consumed == [0, 1, 2]  # no group trained twice
     with pytest.raises(ValueError, match="one whole group"):
         q.put(3, make_group(4, 1, [0]))

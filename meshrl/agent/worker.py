@@ -357,7 +357,7 @@ class RolloutWorker:
             self.requeued_total += 1
             try:
                 failure = None if _not_the_groups(e) else f"{type(e).__name__}: {first_line(str(e))}"  # (buffer.MAX_FAILED_PLAYS)
-                await asyncio.wait_for(awaited(queue.requeue.call_one(None, [claim.group_id], failure)), 60)
+                await asyncio.wait_for(awaited(queue.requeue.call_one(None, [claim.group_id], failure, claim.token)), 60)
             except Exception as lost:  # noqa: BLE001 - the controller re-queues it with this worker
                 log.warning("group %d could not be re-queued: %s", claim.group_id, lost)
             await asyncio.sleep(RETRY_AFTER_S)

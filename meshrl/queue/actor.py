@@ -47,8 +47,8 @@ class EpisodeQueueActor(Actor):
         return self.queue.put(group_id, group, token)
 
     @concurrent_endpoint
-    async def requeue(self, worker: int | None = None, group_ids: list[int] | None = None, failure: str | None = None) -> int:
-        return self.queue.requeue(worker, group_ids, failure)
+    async def requeue(self, worker: int | None = None, group_ids: list[int] | None = None, failure: str | None = None, token: int | None = None) -> int:
+        return self.queue.requeue(worker, group_ids, failure, token)
 
     @endpoint_for_callers_that_may_die  # a trainer killed while it waits is healed: the queue outlives its answer
     async def sample(self, num_groups: int, current_version: int, timeout: float | None = None) -> TensorDict:

@@ -208,13 +208,16 @@ class EpisodeQueue:
             self._cond.notify_all()
             return True
 
-    def requeue(self, worker: int | None = None, group_ids: Sequence[int] | None = None, failure: str | None = None) -> int:
+    def requeue(self, worker: int | None = None, group_ids: Sequence[int] | None = None, failure: str | None = None, token: int | None = None) -> int:
         """Hand RUNNING groups out again, first: those of `worker` (presumed dead), or the given ids, or all.
-        `failure`: why a live worker gave them up; the MAX_FAILED_PLAYS-th time, the group is dropped."""
+        `failure`: why a live worker gave them up; the MAX_FAILED_PLAYS-th time, the group is dropped.
+        `token`: only under that claim (a worker presumed dead gives up no claim another has taken since)."""
         with self._cond:
             self._gone |= {worker} - {None}
             ids = sorted(
-                gid for gid, (_, holder, _, _) in self.running.items() if (worker is None or holder == worker) and (group_ids is None or gid in group_ids)
+                gid
+                for gid, (_, holder, _, held) in self.running.items()
+                if (worker is None or holder == worker) and (group_ids is None or gid in group_ids) and token in (None, held)
             )
             for gid in ids:
                 sample = self.running.pop(gid)[0]
