@@ -289,3 +289,25 @@ def test_missing_extra_is_one_line(blocked, override, extra):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert f"pip install 'meshrl[{extra}]'" in lines[0]
+
+
+def test_a_resume_over_data_in_another_order_starts_its_epoch_over(tmp_path):
+    """The saved prompt position is (epoch, index) into an order the data, its size and the seed
+    make: a row appended to the file, or another seed, put another order under that index, and
+    the resumed epoch repeated some prompts and skipped others. Now the epoch starts over."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(10)))
+    data = Config.from_dict({"data": {"source": str(path)}}).data
+    a = PromptNode(data, seed=5)
+    a.reset()
+    [next(a) for _ in range(4)]
+    state = a.state_dict()
+    same = PromptNode(data, seed=5)
+    same.reset(state)
+    assert same.changed is None and [next(same)["prompt"] for _ in range(6)] == [next(a)["prompt"] for _ in range(6)]
+    with open(path, "a") as f:
+        f.write(json.dumps({"prompt": "q10", "answer": "10"}) + "\n")
+    for node in (PromptNode(data, seed=5), PromptNode(Config.from_dict({"data": {"source": str(path)}}).data, seed=6)):
+        node.reset(state)
+        assert "order changed since the checkpoint" in node.changed and "epoch 0 starts over" in node.changed
+        assert sorted(next(node)["prompt"] for _ in range(11)) == sorted(f"q{i}" for i in range(11))  # none skipped

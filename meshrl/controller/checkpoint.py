@@ -130,7 +130,9 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
                 "resume it with its own advantage, or start a new run"
             )
         await critic.load_checkpoint(state["critic_dir"])
-    await bounded(queue.load_state_dict.call_one(state["queue"]), timeout_s, "the episode queue, loading its checkpointed state")
+    changed = await bounded(queue.load_state_dict.call_one(state["queue"]), timeout_s, "the episode queue, loading its checkpointed state")
+    if changed:
+        log.warning("%s", changed)
     repoint(state, run_dir)
     from meshrl.trainer.critic_actor import critic_root  # (Monarch's actors: not for a resume's config check)
     from meshrl.trainer.snapshot import drop_after, snapshot_root

@@ -87,8 +87,8 @@ class EpisodeQueueActor(Actor):
         return self.queue.state_dict()
 
     @concurrent_endpoint
-    async def load_state_dict(self, state: dict) -> None:
-        self.queue.load_state_dict(state)
+    async def load_state_dict(self, state: dict) -> str | None:
+        return self.queue.load_state_dict(state)
 
     @concurrent_endpoint
     async def close(self) -> None:

@@ -457,7 +457,8 @@ class EpisodeQueue:
                 "rng": self._rng.getstate(),
             }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> str | None:
+        """Restore a saved state; returns why its prompt position no longer holds (PromptNode.reset), if it does not."""
         with self._cond:
             self.node.reset(state["node"])
             self.version = state["version"]
@@ -473,6 +474,7 @@ class EpisodeQueue:
             self._lag_hist = Counter(state["lag_hist"])
             self._rng.setstate(state["rng"])
             self._cond.notify_all()
+            return self.node.changed
 
 
 def straggler_wait(asked_at: float, ready_at: list[float]) -> float:

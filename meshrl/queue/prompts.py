@@ -29,7 +29,18 @@ class PromptNode(BaseNode[dict]):
         super().reset(initial_state)
         self.epoch = initial_state["epoch"] if initial_state else 0
         self.index = initial_state["index"] if initial_state else 0
+        self.changed: str | None = None  # why a restored position no longer holds
+        saved = (initial_state or {}).get("order")
+        if saved is not None and saved != self._order_key():
+            # another order under the same index would repeat some of the epoch's prompts and skip others
+            self.changed = f"the data's order changed since the checkpoint ({saved} -> {self._order_key()}): epoch {self.epoch} starts over, in the new order"
+            self.index = 0
         self._order = self._permutation(self.epoch)
+
+    def _order_key(self) -> str:
+        """What the order of prompts depends on: the source, its size, and the seed that shuffles or generates it."""
+        shuffled = self.cfg.shuffle or self.records is None
+        return f"{self.cfg.source}, {self.size} records" + (f", seed {self.seed}" if shuffled else "")
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(self.size))
@@ -48,4 +59,4 @@ class PromptNode(BaseNode[dict]):
         return self.generate(self.epoch, i)
 
     def get_state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+        return {"epoch": self.epoch, "index": self.index, "order": self._order_key()}
