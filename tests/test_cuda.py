@@ -121,3 +121,20 @@ def test_a_gpu_slot_is_read_in_another_process_through_a_cuda_ipc_handle():
             assert on_gpu and sums == {n: t.float().sum().item() for n, t in named}
     finally:
         pool.release(lease)
+
+
+def test_a_head_with_a_bias_returns_float32_from_half_weights():
+    """The critic's value head has a bias: it fell back to bf16's F.linear, and a sharded
+    critic's values came in steps of 0.004 near 1 while an unsharded one's were float32."""
+    from meshrl.trainer.head import float32_logits
+
+    head = torch.nn.Linear(64, 1, bias=True).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        head.bias.fill_(0.3)
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    float32_logits(head)
+    out = head(x)
+    want = x.float() @ head.weight.float().t() + head.bias.float()
+    assert out.dtype == torch.float32 and torch.allclose(out, want, atol=1e-3)
+    out.sum().backward()
+    assert head.bias.grad.dtype == torch.bfloat16 and head.bias.grad.item() == 8.0 and x.grad.dtype == torch.bfloat16

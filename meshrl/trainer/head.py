@@ -24,9 +24,10 @@ from torch import nn
 
 def _float32_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's argument name
     w = self.weight
-    if input.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and self.bias is None:
+    if input.is_cuda and w.dtype in (torch.bfloat16, torch.float16):
         flat = input.reshape(-1, input.shape[-1]).to(w.dtype)
-        return _Float32OutMM.apply(flat, w).view(*input.shape[:-1], w.shape[0])
+        out = _Float32OutMM.apply(flat, w).view(*input.shape[:-1], w.shape[0])
+        return out if self.bias is None else out + self.bias.float()  # (the critic's value head has one)
     return F.linear(input.to(w.dtype), w, self.bias)
 
 
@@ -50,7 +51,7 @@ class _Float32OutMM(torch.autograd.Function):
 
 
 def float32_logits(lm_head: nn.Module) -> None:
-    """Make `lm_head` (a bias-free nn.Linear, not tensor-parallel) return float32 logits from
+    """Make `lm_head` (an nn.Linear, not tensor-parallel) return float32 logits from
     half-precision weights on GPU, in place; its parameters, hooks and state dict are unchanged."""
     if isinstance(lm_head, nn.Linear):
         lm_head.forward = types.MethodType(_float32_forward, lm_head)
