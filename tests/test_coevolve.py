@@ -286,11 +286,12 @@ def test_per_model_episode_metrics_keep_the_policys_names():
 
     games = []
     for info, cut in (({"exact": 1.0}, False), ({"exact": 0.0}, True), ({}, False)):  # a game whose Outcome gave no info, too
-        ep = Episode(0, 0, threads=[_thread(0, 0, 1.0), _thread(1, 1, 0.25)], info=info)
-        ep.threads[1].finish_reason = "length" if cut else "stop"
+        ep = Episode(0, 0, threads=[_thread(1, 1, 0.25), _thread(0, 0, 1.0)], info=info, env_s=0.5)  # the proposer speaks first
+        ep.threads[0].finish_reason = "length" if cut else "stop"
         games += thread_windows(ep, ["policy", "proposer"])
     row = summarize(games)
     assert row["reward/mean"] == 1.0 and row["episode/count"] == 3 and row["episode/truncated"] == 0
+    assert row["episode/env_s"] == 1.5  # every game's env time (it rode on the proposer's rows, and was reported nowhere)
     assert row["proposer/reward/mean"] == 0.25 and row["proposer/episode/count"] == 3 and row["proposer/episode/truncated"] == 1
     assert row["game/exact"] == 0.5 and not any(k.startswith("proposer/game/") for k in row)  # once per game, over the games that gave it
 

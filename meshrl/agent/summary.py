@@ -22,6 +22,8 @@ def summarize(windows: list[dict[str, float]], failed_total: float = 0.0, first_
     # (a game that failed before the policy spoke has only other models' rows: its failure is still the run's)
     run_level = {"episode/failed_total": failed_total, **({"episode/first_failure": first_failure} if first_failure else {})} if windows else {}
     row = _summary(policy, failed_total, first_failure) if policy else run_level
+    if windows:  # a game's env time rides on its first row, whichever model spoke first: the run's, all of it
+        row["episode/env_s"] = sum(w["env_s"] for w in windows)
     for name, rows in by_model.items():
         theirs = _summary(rows)
         row.update({f"{name}/{k}": v for k, v in theirs.items() if k in MODEL_METRICS or k.startswith("scoring/")})
