@@ -128,6 +128,37 @@ def test_a_files_writer_drops_versions_past_its_trainers_and_writes_beside_a_rep
     assert versions_in(str(tmp_path)) == [8] and sorted(os.listdir(tmp_path)) == [os.path.basename(version_path(str(tmp_path), 8))]
 
 
+def test_a_lease_held_across_a_reconnect_ends_with_the_new_readers_next_release():
+    """A reconnect (a generator replica replaced) swapped a subscriber's shm reader while its
+    engine still loaded the leased slot: the new reader released nothing, and the trainer's
+    publish waited for the lease to expire once its slots were all leased."""
+    from meshrl.weightsync.errors import WeightSyncError
+    from meshrl.weightsync.shared import SharedReader
+
+    class Agent:
+        def __init__(self, alive=True):
+            self.released, self.alive = [], alive
+            self.release = type("Endpoint", (), {"call_one": self._release})()
+
+        async def _release(self, lease_id):
+            if not self.alive:
+                raise RuntimeError("its proc is gone")
+            self.released.append(lease_id)
+            return True
+
+    for alive in (True, False):  # the same trainer, or a healed one's predecessor
+        old, new = Agent(alive), Agent()
+        before = SharedReader(old)
+        before.lease_id = 7  # as its fetch leaves it, the engine loading those views
+        reader = SharedReader(new, before)
+        assert reader.lease_id is None  # nothing held through the new publisher: the next fetch leases anew
+        asyncio.run(reader.release(5.0))  # the engine's `loaded()`
+        assert old.released == ([7] if alive else []) and new.released == [] and reader.inherited is None
+    with pytest.raises(WeightSyncError, match="expired"):  # its own lease still says when it had expired
+        reader.lease_id, new.release = 8, type("Endpoint", (), {"call_one": staticmethod(lambda lid: asyncio.sleep(0, False))})()
+        asyncio.run(reader.release(5.0))
+
+
 def test_staging_never_overwrites_a_leased_slot():
     base = model_tensors()
     layout = plan_layout(base, 1 << 20)

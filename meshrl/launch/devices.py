@@ -277,7 +277,10 @@ def resolve_placement(config: Config, gpus: int | None = None) -> tuple[str, str
     if c.launcher.hosts > 1 or c.distill.teacher or scorer_gpus(c):
         return "split", "several hosts, a distillation teacher or model scorers: each role on devices of its own"
     if c.models and g == 0:
-        return "split", "several models: trainers and generators on cores of their own, each model's beside the policy's; placement=colocate takes turns on all of them"
+        return (
+            "split",
+            "several models: trainers and generators on cores of their own, each model's beside the policy's; placement=colocate takes turns on all of them",
+        )
     if c.trainer.loss.advantage == "gae":
         return "split", "PPO's critic trains beside the policy on a proc of its own"
     if g == 0:

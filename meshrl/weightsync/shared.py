@@ -72,10 +72,14 @@ async def serve_acquire_shared(pool: StagingPool, min_version: int, wait_s: floa
 class SharedReader:
     """Subscriber side: the slots it has mapped and the lease it holds."""
 
-    def __init__(self, agent):
+    def __init__(self, agent, before: "SharedReader | None" = None):
         self.agent = agent
         self.mapped: dict[str, torch.Tensor] = {}  # slot key -> its mapping
         self.lease_id: int | None = None
+        # the lease a reader replaced by a reconnect held (views an engine may still be loading):
+        # ended, through that reader's publisher, with this one's next release; else the trainer's
+        # publish would wait for it to expire once its slots were all leased
+        self.inherited = (before.agent, before.lease_id) if before is not None and before.lease_id is not None else None
 
     async def fetch(self, min_version: int, wait_s: float, timeout_s: float) -> tuple[int, dict[str, torch.Tensor] | GpuSlot] | None:
         """Lease the newest version >= min_version and view its tensors in place (a GPU slot:
@@ -101,6 +105,12 @@ class SharedReader:
         """End the lease held (its views must no longer be read). Raises WeightSyncError if it
         had expired (held past weight_sync.timeout_s), as the slot may then have been rewritten
         while it was read; `quiet`: the views were dropped unread, nothing to report."""
+        if self.inherited is not None:
+            (agent, inherited), self.inherited = self.inherited, None
+            try:  # its publisher may be gone (a healed trainer's): nothing then holds its slot
+                await _bounded(agent.release.call_one(inherited), timeout_s, "release a lease held across a reconnect")
+            except WeightSyncError:
+                pass
         lease_id, self.lease_id = self.lease_id, None
         if lease_id is None:
             return

@@ -71,6 +71,7 @@ class Subscriber:
 
     def _configure(self, spec: SyncSpec, rank: int, publisher) -> None:
         in_engine = spec.transport == "collective" and self.engine is not None
+        before = self._shared  # its lease, if one is held, ends with the new reader's next release
         self.close_transport(stop_engine=not in_engine)  # the engine's workers replace their receivers as they join anew
         if in_engine:
             self.version, self.tensors = -1, None  # what the old receivers handed out went with them
@@ -88,7 +89,7 @@ class Subscriber:
         elif spec.transport == "rdma":
             self._reader = RdmaReader(publisher, self.buffers)
         elif spec.transport == "shm":
-            self._shared = SharedReader(publisher)
+            self._shared = SharedReader(publisher, before)
         elif spec.transport != "files":
             raise WeightSyncError(f"unknown transport {spec.transport!r}")
         self.spec = spec
