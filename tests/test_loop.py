@@ -130,9 +130,13 @@ def test_async_run_bounded_staleness_and_outputs(async_run):
 
 def test_resume_continues_numbering_without_repeating_or_skipping_prompts(async_run, tmp_path):
     first = trained_groups(async_run.metrics)
-    result = meshrl.run(resume=async_run.run_dir, overrides=["steps=9"])
+    # checkpoints at steps 7, 8 and 9, keeping the newest two (trainer.keep_checkpoints): step 6's goes whole
+    result = meshrl.run(resume=async_run.run_dir, overrides=["steps=9", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2"])
     rows = result.metrics
     assert [int(r["step"]) for r in rows] == list(range(1, 10))
+    root = os.path.join(result.run_dir, "checkpoints")
+    assert sorted(f for f in os.listdir(root) if f.endswith("loop_state.pt")) == ["step_000008_loop_state.pt", "step_000009_loop_state.pt"]
+    assert sorted(os.listdir(os.path.join(root, "trainer"))) == ["latest", "step-00000008", "step-00000009"]
     resumed = trained_groups(rows[6:])
     assert not set(resumed) & set(first), "a prompt trained before the interruption was trained again"
     # The prompts the resumed run handed out are exactly those an uninterrupted run hands

@@ -298,7 +298,7 @@ def _check_models(c: Config) -> None:
             f"{m.name!r} is the run's own metrics prefix ({m.name}/...), which NAME/... would mix with: give the model another name",
         )
         need("group_size" not in m.generator, f"models[{i}].generator.group_size", "a group is the run's: every model's episodes share generator.group_size")
-        for key in ("checkpoint_every", "checkpoint_every_s"):  # one checkpoint holds every model at one version
+        for key in ("checkpoint_every", "checkpoint_every_s", "keep_checkpoints"):  # one checkpoint holds every model at one version
             need(key not in m.trainer, f"models[{i}].trainer.{key}", f"a checkpoint is the run's (every model at one version): set trainer.{key}")
         if m.frozen:  # served from a checkpoint of its own, never trained
             need(bool(m.model.get("path")), f"models[{i}].model.path", "a frozen model serves a checkpoint, never trained: set a Hugging Face model directory")

@@ -144,6 +144,7 @@ def _check_trainer(c: Config) -> None:
     need(c.launcher.gpu_memory_gib >= 0, "launcher.gpu_memory_gib", f"must be at least 0 (0 = the GPU this machine has), got {c.launcher.gpu_memory_gib}")
     need(trainer.checkpoint_every >= 0, "trainer.checkpoint_every", f"must be at least 0, got {trainer.checkpoint_every}")
     need(trainer.checkpoint_every_s >= 0, "trainer.checkpoint_every_s", f"must be at least 0 (0 = off), got {trainer.checkpoint_every_s}")
+    need(trainer.keep_checkpoints >= 0, "trainer.keep_checkpoints", f"must be at least 0 (0 = keep every one), got {trainer.keep_checkpoints}")
     need(trainer.snapshot_every >= 0, "trainer.snapshot_every", f"must be at least 0 (0 = off), got {trainer.snapshot_every}")
     need(
         0 <= trainer.snapshot_budget <= 1, "trainer.snapshot_budget", f"must be in [0, 1] (a share of the step; 0 = no spacing), got {trainer.snapshot_budget}"

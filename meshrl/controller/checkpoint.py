@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import time
 
 import torch
@@ -33,7 +35,7 @@ def due(config: Config, version: int, last_checkpoint: float) -> bool:
 
 
 async def save(
-    run_dir: str, trainer, queue, version: int, history: list[dict], critic=None, partners=(), names=(), *, timeout_s: float = 120.0
+    run_dir: str, trainer, queue, version: int, history: list[dict], critic=None, partners=(), names=(), *, timeout_s: float = 120.0, keep: int = 0
 ) -> tuple[str | None, int]:
     """Trainer state (DCP), the critic's (a CriticMesh, or None), each trained model's beside
     the policy (controller/partners.py, under its name), the episode queue and the metrics
@@ -43,7 +45,8 @@ async def save(
     the steps its heal lost), or when one saved is at another version than the policy's (a step
     cut short beside the policy's): a checkpoint never holds trained models at different
     versions, and the next one due saves them. A critic is saved at its own version. The queue's
-    state is asked for within `timeout_s` (a lost coordinator host says so, not the step's bound)."""
+    state is asked for within `timeout_s` (a lost coordinator host says so, not the step's bound).
+    Then all but the newest `keep` checkpoints are removed (`prune`; 0: none)."""
     policy = max(version, trainer.version)  # (its trainer a step past the loop after an interrupted step)
     apart = [p.name for p in partners if p.trainer.version != policy]
     if apart:
@@ -84,7 +87,37 @@ async def save(
         os.fsync(f.fileno())
     os.replace(tmp, path)
     write_atomic(os.path.join(root, "latest"), os.path.basename(path))
+    prune(run_dir, keep)
     return path, version
+
+
+_LOOP_STATE = re.compile(rf"^step_(\d+)_{re.escape(CHECKPOINT_FILE)}$")
+
+
+def prune(run_dir: str, keep: int) -> list[int]:
+    """All but the newest `keep` checkpoints removed whole (trainer.keep_checkpoints; 0: none):
+    each one's loop state first, so none names a state half gone, then the trained states (the
+    trainer's, the critic's, each model's) no kept one names, inside `run_dir` only. The one
+    `latest` names is always kept. Returns the steps removed."""
+    root = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+    files = sorted((f for f in os.listdir(root) if _LOOP_STATE.match(f)), key=lambda f: int(_LOOP_STATE.match(f).group(1))) if keep > 0 else []
+    if len(files) <= keep:
+        return []
+    with open(os.path.join(root, "latest")) as f:
+        kept = set(files[-keep:]) | {f.read().strip()}
+    states = {name: here(torch.load(os.path.join(root, name), weights_only=False), root) for name in files}
+    named = lambda state: {p for p in (state["trainer_dir"], state["critic_dir"], *state["models"].values(), *state["model_critics"].values()) if p}  # noqa: E731
+    held = set().union(*(named(states[name]) for name in kept))
+    removed = []
+    for name in files:
+        if name in kept:
+            continue
+        os.remove(os.path.join(root, name))
+        for path in named(states[name]) - held:
+            if os.path.commonpath([root, os.path.abspath(path)]) == root:
+                shutil.rmtree(path, ignore_errors=True)
+        removed.append(int(_LOOP_STATE.match(name).group(1)))
+    return removed
 
 
 def latest_state(run_dir: str) -> dict:

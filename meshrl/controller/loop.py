@@ -437,8 +437,8 @@ class RLLoop:
         """Trainer state (DCP), the episode queue and the metrics history, atomically. A trainer that dies meanwhile is
         healed (`heal`) and the restored state saved: it may be older, the run training those steps again (None, nothing
         saved, while trained models are ahead of it: checkpoints.save). After Ctrl-C or SIGTERM (`heal=False`), no heal."""
-        names, bound = self.config.model_names(), self.config.trainer.collective_timeout_s
-        save = lambda: checkpoints.save(self.run_dir, self.trainer, self.queue, self.version, self.history, self.critic, self.partners, names, timeout_s=bound)  # noqa: E731
+        names, bounds = self.config.model_names(), {"timeout_s": self.config.trainer.collective_timeout_s, "keep": self.config.trainer.keep_checkpoints}
+        save = lambda: checkpoints.save(self.run_dir, self.trainer, self.queue, self.version, self.history, self.critic, self.partners, names, **bounds)  # noqa: E731
         path, self.version = await (self._healing("checkpoint", save) if heal else save())
         if path is None:
             return None
