@@ -196,8 +196,7 @@ def detected_gpus() -> int:
 
 
 def gpus_per_host(config: Config) -> int:
-    """`launcher.gpus_per_host`, else this host's GPUs where this host is the run's host (a
-    TorchX job's controller runs on the job's one host, whose GPUs a named resource may give)."""
+    """`launcher.gpus_per_host`, else this host's GPUs where it is the run's (a TorchX job's too)."""
     la = config.launcher
     if la.gpus_per_host > 0 or la.kind not in ("local", "process", "torchx"):
         return la.gpus_per_host
@@ -277,10 +276,7 @@ def resolve_placement(config: Config, gpus: int | None = None) -> tuple[str, str
     if c.launcher.hosts > 1 or c.distill.teacher or scorer_gpus(c):
         return "split", "several hosts, a distillation teacher or model scorers: each role on devices of its own"
     if c.models and g == 0:
-        return (
-            "split",
-            "several models: trainers and generators on cores of their own, each model's beside the policy's; placement=colocate takes turns on all of them",
-        )
+        return "split", "several models: trainers and generators apart, each model's beside the policy's; placement=colocate takes turns on all"
     if c.trainer.loss.advantage == "gae":
         return "split", "PPO's critic trains beside the policy on a proc of its own"
     if g == 0:
