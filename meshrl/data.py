@@ -258,8 +258,11 @@ def _record(cfg: DataConfig, where: str, row: Any) -> dict[str, Any]:
         for m in prompt:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
                 raise DataError(f"{where}: {key!r} holds {str(m)[:60]!s}, not a chat message (a dict with 'role' and 'content')")
+        # Parquet and `datasets` give every row every column and message field, None where a
+        # row had none: such a None is no answer, and no field of the message
+        prompt = [{k: v for k, v in m.items() if v is not None or k == "content"} for m in prompt]
         if prompt and prompt[-1]["role"] == "assistant":
-            if cfg.answer_key not in row:
+            if answer is None:
                 answer = prompt[-1]["content"]
             prompt = prompt[:-1]
         if not prompt:

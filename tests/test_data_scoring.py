@@ -15,6 +15,7 @@ import pytest
 
 from meshrl import episode
 from meshrl.config import Config
+from meshrl.data import load_records
 from meshrl.queue.prompts import PromptNode
 from meshrl.generator.engine import RequestResult
 from meshrl.metrics import MetricsWriter, read_metrics
@@ -210,6 +211,30 @@ def test_file_sources(tmp_path, fmt):
     got = [next(node) for _ in range(5)]
     assert sorted(r["prompt"] for r in got) == [f"q{i}?" for i in range(5)]
     assert all(r["answer"] == r["prompt"][1:-1] and "level" in r for r in got)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_chat_rows_read_alike_from_every_file_format(tmp_path, fmt):
+    """Arrow gives every row every column and message field, None where a row had none: a chat
+    row whose answer is its assistant message lost it to the other rows' `answer` column (None),
+    and each message carried `name: None` or `tool_calls: None` into the chat template."""
+    rows = [
+        {"messages": [{"role": "user", "content": "2+2?", "name": "ann"}], "answer": "4"},
+        {"messages": [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6", "tool_calls": [{"id": "a"}]}]},
+    ]
+    path = tmp_path / f"chat.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    records = load_records(Config.from_dict({"data": {"source": str(path), "prompt_key": "messages"}}).data)
+    assert [(r["prompt"], r["answer"]) for r in records] == [
+        ([{"role": "user", "content": "2+2?", "name": "ann"}], "4"),
+        ([{"role": "user", "content": "3+3?"}], "6"),
+    ]
 
 
 def exact(prompt, response, sample):
