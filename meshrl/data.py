@@ -126,24 +126,26 @@ def _check_budget(c: Config) -> None:
         )
 
 
-def load_records(cfg: DataConfig) -> list[dict[str, Any]] | None:
+def load_records(cfg: DataConfig, held_out: bool = False) -> list[dict[str, Any]] | None:
     """Records of a file or `datasets` source, in their stored order; None for a generated
-    (task or reasoning-gym) source. DataError at the first bad row."""
+    (task or reasoning-gym) source. DataError at the first bad row. `held_out`: of a `datasets`
+    directory of several splits, the held-out one (`_saved_dataset`)."""
     kind = source_kind(cfg.source)
     if kind == "task":
         get_task(cfg.source.removeprefix("task:"))  # fail early on a bad name
         return None
     if kind == "reasoning_gym":
         return None
-    records = [_record(cfg, f"{cfg.source}:{n}", row) for n, row in iter_rows(cfg.source)]
+    records = [_record(cfg, f"{cfg.source}:{n}", row) for n, row in iter_rows(cfg.source, held_out=held_out)]
     if not records:
         raise DataError(f"{cfg.source}: holds no records")
     return records
 
 
-def iter_rows(source: str, batch_rows: int = 1024) -> Iterator[tuple[int, Any]]:
+def iter_rows(source: str, batch_rows: int = 1024, held_out: bool = False) -> Iterator[tuple[int, Any]]:
     """(line or row number from 1, row) of a .jsonl / .parquet file or a `datasets`
-    directory, streamed; a line that does not parse is a DataError naming it."""
+    directory (its held-out split: `held_out`), streamed; a line that does not parse is a
+    DataError naming it."""
     if source.endswith(".jsonl"):
         with open(source, "rb") as f:
             for n, raw in enumerate(f, 1):
@@ -166,7 +168,7 @@ def iter_rows(source: str, batch_rows: int = 1024) -> Iterator[tuple[int, Any]]:
                 n += 1
                 yield n, row
     else:
-        data = _saved_dataset(source)
+        data = _saved_dataset(source, held_out)
         n = 0
         for batch in data.iter(batch_size=batch_rows):
             keys = list(batch)
@@ -226,13 +228,18 @@ def _first_record(c: Config) -> dict:
         raise ConfigError("", str(e), kind="data error") from None
 
 
-def _saved_dataset(path: str):
-    """A `datasets` save_to_disk directory as one Dataset: a DatasetDict's `train` split, or its only split."""
+def _saved_dataset(path: str, held_out: bool = False):
+    """A `datasets` save_to_disk directory as one Dataset: a DatasetDict's `train` split, or its
+    only split; `held_out` (an eval source): its `test` split, else `validation`, else as training
+    reads it (a train/test dict named as eval.source evaluated on its training rows)."""
     from datasets import DatasetDict, load_from_disk
 
     data = load_from_disk(path)  # local files only: never the hub
     if not isinstance(data, DatasetDict):
         return data
+    for split in ("test", "validation") if held_out else ():
+        if split in data:
+            return data[split]
     if "train" in data:
         return data["train"]
     if len(data) == 1:
@@ -327,7 +334,7 @@ def eval_records(config: Config) -> list[dict]:
     "SEED/eval", a stream no training epoch ("SEED/EPOCH") draws from."""
     e = config.eval
     data = config.data if e.source is None else dataclasses.replace(config.data, source=e.source, task_args=e.task_args)
-    records = load_records(data)
+    records = load_records(data, held_out=e.source is not None)
     if records is not None:
         return records[: e.num_prompts]
     make = generator(data, f"{config.seed}/eval", e.num_prompts)

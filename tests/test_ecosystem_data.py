@@ -239,6 +239,22 @@ def test_datasetdict_without_train_needs_one_split(tmp_path):
         load_records(cfg("two"))
 
 
+def test_a_train_and_test_dataset_is_evaluated_on_its_test_split(tmp_path):
+    """eval.source naming a train/test DatasetDict evaluated on its train rows, the ones trained on."""
+    from datasets import Dataset, DatasetDict
+
+    from meshrl.data import eval_records
+
+    train, test = Dataset.from_list(ROWS[:3]), Dataset.from_list(ROWS[3:])
+    for splits, want in (({"train": train, "test": test}, ROWS[3:]), ({"train": train, "validation": test}, ROWS[3:]), ({"train": train}, ROWS[:3])):
+        path = tmp_path / "-".join(splits)
+        DatasetDict(splits).save_to_disk(str(path))
+        data = {"source": str(path), "prompt_key": "messages"}
+        config = Config.from_dict({"data": data, "eval": {"source": str(path), "every": 5}, "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}})
+        assert [r["answer"] for r in load_records(config.data)] == ["1", "2", "3"]  # training reads `train`
+        assert [r["answer"] for r in eval_records(config)] == [str(row["level"] + 1) for row in want]
+
+
 # ---- held-out evaluation prompts ---------------------------------------------------------------
 @pytest.mark.parametrize("data", [{"source": "task:copy", "num_prompts": 50}, {**RG, "task_args": {}, "num_prompts": 50}])
 def test_eval_records_are_held_out_and_fixed(data):
