@@ -36,7 +36,8 @@ from meshrl.imports import missing_extra
 from meshrl.rollout.env import RewardFn
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+_NUMBER = re.compile(r"[-\u2212]?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+)?")  # U+2212: the minus sign of typeset text
+_CUED = re.compile(r"answer(?:\s+is|\s*[:=])\s*[:=]?\s*\$?\s*(" + _NUMBER.pattern + ")", re.IGNORECASE)
 
 
 def last_boxed(text: str) -> str | None:
@@ -53,15 +54,16 @@ def last_boxed(text: str) -> str | None:
 
 
 def final_answer(response: str) -> str | None:
-    """A response's final answer: its last `\\boxed{}`, else its last <answer> tag, else its last number."""
+    """A response's final answer: its last `\\boxed{}`, else its last <answer> tag, else the
+    number after its last "answer is" (or "answer:"), else its last number."""
     boxed = last_boxed(response)
     if boxed is not None:
         return boxed
     tagged = _ANSWER_TAG.findall(response)
     if tagged:
         return tagged[-1].strip()
-    numbers = _NUMBER.findall(response)
-    return numbers[-1] if numbers else None
+    numbers = _CUED.findall(response) or _NUMBER.findall(response)  # "The answer is 42. It took 3 tries.": 42
+    return numbers[-1].replace("\u2212", "-") if numbers else None
 
 
 VERIFY_TIMEOUT_S = 10.0  # one check; past it the child is killed and the answer scores 0.0
@@ -223,13 +225,14 @@ def _ask(checker: _Checker, gold: str, answer: str) -> bool:
 def _math_answer(prompt: str, response: str, sample: dict) -> float:
     """1.0 when the response's final answer equals `sample["answer"]` mathematically
     (math-verify: `1/2`, `0.5` and `\\frac{1}{2}` agree), else 0.0 (also when the check takes
-    longer than VERIFY_TIMEOUT_S)."""
-    if sample.get("answer") is None:
+    longer than VERIFY_TIMEOUT_S). A list answer holds the accepted forms: any of them."""
+    gold = sample.get("answer")
+    if gold is None or gold == []:
         raise ValueError("math_answer needs the reference answer in the record's 'answer' field (data.answer_key)")
     answer = final_answer(response)
     if answer is None:
         return 0.0
-    return float(_check(str(sample["answer"]), answer))
+    return float(any(_check(str(g), answer) for g in (gold if isinstance(gold, (list, tuple)) else [gold])))
 
 
 def __getattr__(name: str):

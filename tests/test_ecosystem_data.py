@@ -34,6 +34,10 @@ RG = {"source": "reasoning_gym:basic_arithmetic", "num_prompts": 6, "task_args":
         ("0.5", r"\boxed{\frac{1}{3}}", 0.0),
         ("3", "I think 4", 0.0),
         ("3", "no idea", 0.0),
+        ("42", "The final answer is 42. It took 3 tries.", 1.0),  # the stated answer, not the last number
+        ("-5", "The answer is \u22125.", 1.0),  # typeset text's minus sign
+        (["3", "three"], "The answer is 3.", 1.0),  # a list holds the accepted forms
+        (["3", "5"], "The answer is 4.", 0.0),
     ],
 )
 def test_math_answer(gold, response, reward):
@@ -44,6 +48,7 @@ def test_final_answer_prefers_box_then_tag_then_number():
     assert final_answer(r"7 <answer>8</answer> \boxed{x^{2}}") == "x^{2}"
     assert final_answer("7 <answer> 8 </answer> 9") == "8"
     assert final_answer("7 then -1,000.5") == "-1,000.5"
+    assert final_answer("answer: 7, after 2 steps") == "7" and final_answer("about 5e3 of them") == "5e3"
 
 
 def test_math_answer_off_the_main_thread():
