@@ -934,8 +934,13 @@ def test_a_knob_given_as_a_numpy_number_reaches_the_trainer_queue_and_config_as_
     assert type(c.trainer.lr) is float and type(c.buffer.max_lag) is int
     kept = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert (kept["trainer"]["lr"], kept["buffer"]["max_lag"]) == (got["lr"], 3)
-    with pytest.raises(ValueError, match="max_lag must be at least 0"):
-        asyncio.run(set_knobs(loop, np.float32(1e-2), np.int64(-1)))
+    for lr, max_lag, words in (
+        (np.float32(1e-2), np.int64(-1), "max_lag must be a whole number at least 0"),
+        (1e-2, 1.7, "got 1.7"),
+        (float("inf"), 1, "lr must be a finite"),
+    ):
+        with pytest.raises(ValueError, match=words):  # 1.7 was taken as 1, and an infinite lr put NaN in the weights
+            asyncio.run(set_knobs(loop, lr, max_lag))
     assert c.trainer.lr == got["lr"] and yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["lr"] == got["lr"]
 
 

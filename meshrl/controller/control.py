@@ -6,6 +6,8 @@ and runs on its event loop; the training loop itself never calls them.
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 import os
 
 from meshrl.futures import awaited
@@ -54,19 +56,20 @@ async def resume_generation(loop) -> None:
 async def set_knobs(loop, lr: float | None = None, max_lag: int | None = None) -> None:
     """Change the learning rate (the policy's) or the staleness bound (admission follows it)
     between steps; both are checked before either changes, and kept for a resume (`remember`)."""
-    lr, max_lag = (None if lr is None else float(lr)), (None if max_lag is None else int(max_lag))
-    if lr is not None and not lr > 0:
-        raise ValueError(f"lr must be positive, got {lr}")
-    if max_lag is not None and max_lag < 0:
-        raise ValueError(f"max_lag must be at least 0, got {max_lag}")
+    if lr is not None and not (isinstance(lr, numbers.Real) and not isinstance(lr, bool) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite positive number, got {lr!r}")
+    if max_lag is not None and not (isinstance(max_lag, numbers.Integral) and not isinstance(max_lag, bool) and max_lag >= 0):
+        raise ValueError(f"max_lag must be a whole number at least 0, got {max_lag!r}")  # (1.7 was taken as 1)
+    max_lag = None if max_lag is None else int(max_lag)  # numpy's, as a notebook computes them: plain for the YAML
     previous = loop.config.trainer.lr
-    if lr is not None:
-        await loop.trainer.set_lr(lr)
-        loop.config.trainer.lr = lr
+    if lr is not None:  # each kept as soon as it holds: a failure of the other leaves it the run's
+        await loop.trainer.set_lr(float(lr))
+        loop.config.trainer.lr = float(lr)
+        remember(loop.run_dir, float(lr), None, previous)
     if max_lag is not None:
         await awaited(loop.queue.set_max_lag.call_one(max_lag))
         loop.config.buffer.max_lag = max_lag
-    remember(loop.run_dir, lr, max_lag, previous)
+        remember(loop.run_dir, None, max_lag, previous)
 
 
 def remember(run_dir: str, lr: float | None, max_lag: int | None, previous_lr: float) -> None:
