@@ -53,6 +53,7 @@ def test_overrides_dict_and_code_agree():
         ({"trainer": {"procs": 2.5}}, "trainer.procs", "expected an integer"),
         ({"trainer": {"procs": True}}, "trainer.procs", "expected an integer"),
         ({"generator": {"update_mode": "pause"}}, "generator.update_mode", "must be one of"),
+        ({"generator": {"temperature": 0.001}}, "generator.temperature", "at least 0.01 (vLLM's floor)"),  # vLLM sampled at 0.01, the trainer scored at 0.001
         ({"trainer": {"procs": 3, "dp_shard": 2}}, "trainer.procs", "not divisible"),
         ({"trainer": {"procs": 2, "ep": 2}}, "trainer.ep", "MoE"),
         ({"trainer": {"pace": {"every": 0}}}, "trainer.pace.every", "at least 1"),

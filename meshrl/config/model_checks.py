@@ -186,7 +186,11 @@ def _check_generator(c: Config) -> None:
     if loss.advantage == "rloo":
         need(gen.group_size >= 2, "generator.group_size", "rloo needs at least 2 completions per prompt")
     need(gen.max_new_tokens >= 1, "generator.max_new_tokens", f"must be at least 1, got {gen.max_new_tokens}")
-    need(gen.temperature > 0, "generator.temperature", f"must be positive, got {gen.temperature}: use a small value for near-greedy sampling")
+    need(
+        gen.temperature >= 0.01,  # vLLM raises a lower one to 0.01 and samples there, while the trainer would score at it
+        "generator.temperature",
+        f"must be at least 0.01 (vLLM's floor), got {gen.temperature}: use 0.01 for near-greedy sampling",
+    )
     need(0 < gen.top_p <= 1, "generator.top_p", f"must be in (0, 1], got {gen.top_p}")
     need(gen.top_k == -1 or gen.top_k >= 1, "generator.top_k", f"must be -1 (off) or at least 1, got {gen.top_k}")
     need(gen.max_num_seqs >= gen.group_size, "generator.max_num_seqs", f"{gen.max_num_seqs} cannot hold one group of generator.group_size={gen.group_size}")

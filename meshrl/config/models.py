@@ -182,7 +182,7 @@ class GeneratorConfig:
     max_new_tokens: int = 8
     """Longest response, in tokens."""
     temperature: float = 1.0
-    """Sampling temperature. The trainer scores tokens at the same temperature."""
+    """Sampling temperature, at least 0.01 (vLLM samples a lower one at 0.01). The trainer scores tokens at the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass, in (0, 1]."""
     top_k: int = -1
