@@ -623,6 +623,24 @@ def test_a_load_that_fails_leaves_nothing_generating_under_the_old_label_until_a
     asyncio.run(main())
 
 
+def test_stats_report_the_newest_updates_not_every_one(monkeypatch):
+    """`stats`, asked for every few seconds by the health check, sent every update of the run:
+    a list that grew by one entry per step for as long as the run went on."""
+    import meshrl.generator.service as service
+
+    monkeypatch.setattr(service, "VLLMEngine", FakeEngine)
+
+    async def main():
+        gen = service.Generator(Config.from_dict({"generator": {"max_new_tokens": 2}}), "unused")
+        await gen.start(0)
+        for v in range(1, service.UPDATES_KEPT + 11):
+            await gen.update_weights(v, {}, "keep", weights_id=str(v))
+        return gen.stats()
+
+    stats = asyncio.run(main())
+    assert [u["version"] for u in stats["updates"]] == list(range(11, service.UPDATES_KEPT + 11))
+
+
 def test_a_drain_update_freezes_requests_longer_than_half_its_bound_instead_of_failing(monkeypatch):
     """update_mode drain with a request that outlasts it: after half of weight_sync.timeout_s the
     request is kept across the swap (its tokens carry each version), the update is applied and

@@ -31,6 +31,7 @@ student), and it never receives weights.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import os
@@ -44,6 +45,7 @@ from meshrl.weightsync.spec import GpuSlot, ReceivedInEngine
 
 UPDATE_MODES = ("keep", "abort", "drain", "block")
 VERSION_WAIT_SLACK_S = 30.0
+UPDATES_KEPT = 64  # the newest updates `stats` reports (each held time, for the metrics and tests)
 """A request waits for its `min_version` at most weight_sync.timeout_s (one version's
 transfer) plus this (the trainer's step and the update itself)."""
 
@@ -95,8 +97,9 @@ class Generator:
         self._sleeps = 0
         self._asleep_from: int | None = None
         self._tokens_asleep = 0
-        self.update_pauses: list[tuple[str, int, float]] = []
-        """(mode, version, seconds generation was held) for each update."""
+        self.update_pauses: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=UPDATES_KEPT)
+        """(mode, version, seconds generation was held) for each of the last UPDATES_KEPT updates:
+        `stats`, which the health check asks for every few seconds, sends them all."""
         self.weights_id: str | None = None
         """The trainer's name of the weights loaded (TrainerActor.weights_id); None: not known."""
         self._dropped = False  # weights dropped at a sleep (level 2) and not loaded since
