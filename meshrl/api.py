@@ -35,9 +35,7 @@ from meshrl.rollout.env import RewardFn
 log = logging.getLogger("meshrl")
 SHUTDOWN_S = 300.0
 """The longest `Session.stop` waits for the run's procs to stop (each part has its own bound)."""
-# the trained batch's reward: every step has one (`reward/mean` covers only the episodes that
-# finished during the step, none in a step shorter than an episode)
-PROGRESS_KEYS = ("trainer/reward_mean", "trainer/loss", "trainer/staleness_max", "trainer/idle_frac")
+PROGRESS_KEYS = ("trainer/reward_mean", "trainer/loss", "trainer/staleness_max", "trainer/idle_frac")  # the trained batch's reward: every step has one
 
 
 def progress_keys(config: Config) -> tuple[str, ...]:
@@ -336,7 +334,10 @@ class Session:
         loop = self._need()
         from meshrl.controller.evaluation import eval_timeout_s
 
-        self._call(loop.evaluations.finish(), eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
+        try:  # the last step's evaluation waits for the one before it; one that never ends still leaves the checkpoint and export
+            self._call(loop.evaluations.finish(), 2 * eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
+        except TimeoutError as e:
+            log.warning("the last evaluation did not finish: %s", e)
         goal = loop.version
         ckpt = self._call(loop.checkpoint(), self._trainer_bound())
         while loop.version < goal:  # a trainer healed inside the checkpoint lost a step: train it again
@@ -452,8 +453,7 @@ def run(
         check(checked)  # a dry run starts nothing: no run directory to write, no model to load
         print(describe_job(checked))
         return RunResult(os.path.abspath(checked.logging.run_dir), [], None, None, None)
-    if resume is None:
-        config, overrides = checked, None
+    config, overrides = (checked, None) if resume is None else (config, overrides)
     session = Session(config, resume=resume, reward_fn=reward_fn, overrides=overrides)
     try:
         try:

@@ -468,3 +468,38 @@ def test_all_or_none_stops_the_others_when_one_fails():
 
     assert asyncio.run(main()) == ["sibling"]
     assert asyncio.run(all_or_none(asyncio.sleep(0, result=1), asyncio.sleep(0, result=2))) == [1, 2]
+
+
+def test_a_last_evaluation_that_never_ends_still_leaves_the_checkpoint_and_export(tmp_path, monkeypatch, caplog):
+    """Session.finish waited for the last step's evaluation, which waits for the one before it,
+    within one evaluation's bound: its timeout ended `meshrl run` as failed after training had
+    finished, with no final checkpoint or export."""
+    import types
+
+    import meshrl.api as api
+    import meshrl.controller.evaluation as evaluation
+
+    monkeypatch.setattr(evaluation, "eval_timeout_s", lambda config, n: -29.8)  # twice it, plus 60: 0.4 s
+
+    class Loop:
+        version, run_dir, history, partners = 3, str(tmp_path), [], []
+
+        async def checkpoint(self):
+            return "ckpt"
+
+        async def export(self):
+            return "hf"
+
+    async def never():
+        await asyncio.sleep(3600)
+
+    loop = Loop()
+    loop.evaluations = types.SimpleNamespace(finish=never)
+    session = object.__new__(api.Session)
+    session.config = Config.from_dict({"logging": {"plot": False}})
+    session._live, session._stopped = api._Live(), False
+    session._thread_loop, session._live.run = session._live.thread_loop, loop
+    with caplog.at_level("WARNING", logger="meshrl"):
+        result = session.finish()
+    assert (result.checkpoint, result.hf_export) == ("ckpt", "hf") and "the last evaluation did not finish" in caplog.text
+    session._live.thread_loop.call_soon_threadsafe(session._live.thread_loop.stop)
