@@ -27,7 +27,7 @@ from typing import Any, Coroutine
 
 from meshrl.config import Config, ConfigError, apply_overrides, load_yaml
 from meshrl.errors import first_line
-from meshrl.logs import console
+from meshrl.logs import console, progress_bar
 from meshrl.metrics import format_row, plot_run
 from meshrl.preflight import check, preflight
 from meshrl.rollout.env import RewardFn
@@ -210,15 +210,17 @@ class Session:
         """Train until the policy's version is `n` past where it was; returns each step's metric
         row. A healed trainer that lost a step trains it again: that version's row comes twice,
         the later one what the run kept (docs/healing.md)."""
-        loop = self._need()
-        earlier, self._interrupted = self._interrupted, None
-        if earlier is not None and not earlier.done():  # a step that Ctrl-C left running: never two at once
+        loop, earlier = self._need(), self._interrupted
+        if earlier is not None:  # a step Ctrl-C left running: never two at once (a Ctrl-C here leaves it the one to wait for)
             try:
                 earlier.result(self._step_bound())
-            except Exception:  # noqa: BLE001 - its failure was the interrupted call's to report
-                pass
+            except Exception as e:  # noqa: BLE001 - its failure was never reported: the interrupt was
+                if not earlier.done():
+                    raise TimeoutError(f"the step Ctrl-C left running still runs after {self._step_bound():.0f}s") from None
+                log.warning("the step Ctrl-C left running failed: %s", first_line(str(e)) or type(e).__name__)
+        self._interrupted = None
         rows = []
-        bar = _progress(n, progress)
+        bar = progress_bar(n) if progress else None
         try:
             goal = loop.version + n
             while loop.version < goal:
@@ -489,11 +491,3 @@ class Interrupted(KeyboardInterrupt):
         self.run_dir, self.version, self.checkpoint = run_dir, version, checkpoint
         self.exit_status = cause.code if isinstance(cause, SystemExit) and isinstance(cause.code, int) else 130
         super().__init__(f"interrupted at step {version}")
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="meshrl", unit="step", file=console(), dynamic_ncols=True)

@@ -93,3 +93,10 @@ def capture_role_output(config, role: str) -> None:
     if verbose(config):
         return
     capture_process_output(os.path.abspath(config.logging.run_dir), role)
+
+
+def progress_bar(total: int):
+    """A progress bar of `total` steps on the console."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="meshrl", unit="step", file=console(), dynamic_ncols=True)

@@ -503,3 +503,46 @@ def test_a_last_evaluation_that_never_ends_still_leaves_the_checkpoint_and_expor
         result = session.finish()
     assert (result.checkpoint, result.hf_export) == ("ckpt", "hf") and "the last evaluation did not finish" in caplog.text
     session._live.thread_loop.call_soon_threadsafe(session._live.thread_loop.stop)
+
+
+def test_a_step_ctrl_c_left_running_is_waited_for_until_it_ends(tmp_path, caplog):
+    """Session.step after a Ctrl-C waits for the step left running; a second Ctrl-C in that wait
+    forgot it, and the next step ran beside it. Its failure went unreported, and a wait that
+    outran its bound started a step beside it too."""
+    import concurrent.futures
+    import types
+
+    import meshrl.api as api
+
+    class Loop:
+        version, steps = 0, 0
+
+        async def check_health(self):
+            return None
+
+        async def step(self):
+            self.steps += 1
+            self.version += 1
+            return {"step": self.version}
+
+    session = object.__new__(api.Session)
+    session.config = Config.from_dict({})
+    session._live, session._stopped, loop = api._Live(), False, Loop()
+    session._thread_loop, session._live.run = session._live.thread_loop, loop
+    session._step_bound = lambda: 0.2
+    ctrl_c = types.SimpleNamespace(result=lambda timeout: (_ for _ in ()).throw(KeyboardInterrupt()), done=lambda: False)
+    session._interrupted = ctrl_c
+    with pytest.raises(KeyboardInterrupt):
+        session.step(1)
+    assert session._interrupted is ctrl_c and loop.steps == 0  # still the one to wait for
+    session._interrupted = concurrent.futures.Future()  # never ends
+    with pytest.raises(TimeoutError, match="still runs"):
+        session.step(1)
+    assert loop.steps == 0
+    failed = concurrent.futures.Future()
+    failed.set_exception(TrainerFailed("trainer: its proc died"))
+    session._interrupted = failed
+    with caplog.at_level("WARNING", logger="meshrl"):
+        assert session.step(1) == [{"step": 1}]
+    assert "the step Ctrl-C left running failed: trainer: its proc died" in caplog.text and session._interrupted is None
+    session._live.thread_loop.call_soon_threadsafe(session._live.thread_loop.stop)
