@@ -219,6 +219,7 @@ class Session:
                     raise TimeoutError(f"the step Ctrl-C left running still runs after {self._step_bound():.0f}s") from None
                 log.warning("the step Ctrl-C left running failed: %s", first_line(str(e)) or type(e).__name__)
         self._interrupted = None
+        loop.collect.last_step_end = time.monotonic()  # a step's wall time from when it was asked, not the time between cells
         rows = []
         bar = progress_bar(n) if progress else None
         try:

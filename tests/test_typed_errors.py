@@ -515,7 +515,7 @@ def test_a_step_ctrl_c_left_running_is_waited_for_until_it_ends(tmp_path, caplog
     import meshrl.api as api
 
     class Loop:
-        version, steps = 0, 0
+        version, steps, collect = 0, 0, types.SimpleNamespace(last_step_end=0.0)
 
         async def check_health(self):
             return None
@@ -545,4 +545,5 @@ def test_a_step_ctrl_c_left_running_is_waited_for_until_it_ends(tmp_path, caplog
     with caplog.at_level("WARNING", logger="meshrl"):
         assert session.step(1) == [{"step": 1}]
     assert "the step Ctrl-C left running failed: trainer: its proc died" in caplog.text and session._interrupted is None
+    assert loop.collect.last_step_end > 0  # the first step's wall time counts from the call, not from the cell before
     session._live.thread_loop.call_soon_threadsafe(session._live.thread_loop.stop)
