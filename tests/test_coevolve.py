@@ -296,6 +296,33 @@ def test_per_model_episode_metrics_keep_the_policys_names():
     assert row["game/exact"] == 0.5 and not any(k.startswith("proposer/game/") for k in row)  # once per game, over the games that gave it
 
 
+PINNED_WORKER = """
+import os, sys
+from meshrl.agent.worker import RolloutWorker
+from meshrl.config import Config
+from meshrl.pinning import place_light_process, settle_layout
+c = Config.from_yaml(sys.argv[1], ["logging.run_dir=" + sys.argv[2]])
+settle_layout(c)
+place_light_process(c)  # as a rollout worker's proc is: on the trainer's cores
+RolloutWorker(c, sys.argv[3])
+print("made on cores", sorted(os.sched_getaffinity(0)), "of", c.trainer.cpus, c.generator.cpus)
+"""
+
+
+def test_a_game_runs_rollout_worker_is_made_on_the_trainers_cores(tmp_path):
+    """A worker's proc is pinned to the trainer's cores before it makes its RolloutWorker; a whole
+    `for_model` view there checked the model's generator cores against them and refused."""
+    from meshrl.tokenizer import build_char_tokenizer
+
+    script = tmp_path / "worker.py"
+    script.write_text(PINNED_WORKER)
+    coevolve = os.path.join(os.path.dirname(__file__), "..", "configs", "coevolve.yaml")
+    out = subprocess.run(
+        [sys.executable, str(script), coevolve, str(tmp_path / "run"), build_char_tokenizer(str(tmp_path / "tok"))], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "made on cores" in out.stdout, out.stderr[-2000:]
+
+
 def test_routed_experts_of_several_models_are_checked_for_each_and_share_one_shape():
     """A model beside a MoE policy inherits generator.return_routed_experts: a dense one was never
     checked, and a MoE one of other [layers, top_k] failed every group of the run at its packing."""
@@ -566,7 +593,7 @@ def test_process_rewards_in_a_game_reach_the_threads_of_the_model_scored(tmp_pat
     worker = RolloutWorker(config, str(tmp_path / "tok"))
     group = asyncio.run(worker._packed(episodes))
     assert group["model"].tolist() == [1, 0, 1, 0]
-    assert worker.model_turns[1].config.generator.startup_timeout_s == 7  # each model's turns bounded by its own generator section
+    assert worker.model_turns[1].call_timeout_s == config.weight_sync.timeout_s + 7  # each model's turns bounded by its own start
     adv, per_token, mask = group["advantage"], group["token_advantage"], group["loss_mask"]
     assert adv[[0, 2]].tolist() == pytest.approx([-0.2, 0.2])  # rloo on the proposer's rewards 0.6 and 0.8
     for b in (1, 3):  # the policy's: its outcome advantage on every token

@@ -33,8 +33,10 @@ class TurnBatcher:
     """The worker's link to the generator replicas (Monarch actor handles, or anything with
     a `generate_many.call_one(requests)` that returns a future)."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, startup_timeout_s: float | None = None):
         self.config = config
+        # a call's bound: a weight update and a replica's start may come first (its model's own start)
+        self.call_timeout_s = config.weight_sync.timeout_s + (config.generator.startup_timeout_s if startup_timeout_s is None else startup_timeout_s)
         self.generators: list = []
         self.load: list[int] = []  # groups playing on each replica, for the least-loaded choice
         self._failed: dict[int, float] = {}  # replica -> when a call failed: skipped for FAILED_SKIP_S, or until one succeeds
@@ -99,8 +101,7 @@ class TurnBatcher:
         try:
             if replica >= len(self.generators):
                 raise GenerationFailed("its generator replica was removed")
-            timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
-            results = await asyncio.wait_for(awaited(self.generators[replica].generate_many.call_one([r for r, _ in batch])), timeout)
+            results = await asyncio.wait_for(awaited(self.generators[replica].generate_many.call_one([r for r, _ in batch])), self.call_timeout_s)
         except asyncio.CancelledError:  # the worker is stopping
             for _, future in batch:
                 future.cancel()

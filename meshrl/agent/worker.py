@@ -104,8 +104,10 @@ class RolloutWorker:
         view = eval_view(config)  # (a task's own eval source: not the reward passed in code either)
         self.make_eval_env = env_factory(view, reward_fn if view is config else None) if config.eval.source else self.make_env
         self.turns = TurnBatcher(config)
-        # a game's models (meshrl/agent/game.py): the policy's turns, then each models[*]'s generators, bounded as its own
-        self.model_turns = [self.turns] + [TurnBatcher(config.for_model(m.name)) for m in config.models]
+        # a game's models (meshrl/agent/game.py): the policy's turns, then each models[*]'s generators, bounded by its own start
+        # (from its overrides: a whole `for_model` view checks its cores against this proc's, pinned to the trainer's)
+        starts = [m.generator.get("startup_timeout_s", config.generator.startup_timeout_s) for m in config.models]
+        self.model_turns = [self.turns] + [TurnBatcher(config, float(s)) for s in starts]
         self.teacher = None  # on-policy distillation: the teacher's scoring replica (meshrl/distill.py)
         self.scorers = EpisodeScorers(config, self.tokenizer)  # scoring.scorers (meshrl/scorers/)
         self.advantages = config.advantage_modes()  # each model's group advantage, by its `model` index
