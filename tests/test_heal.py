@@ -348,25 +348,33 @@ def test_a_checkpoint_waits_on_the_episode_queue_within_its_bound(tmp_path):
 def test_only_the_newest_checkpoints_are_kept_each_whole(tmp_path):
     """trainer.keep_checkpoints: every save kept a whole copy of every trained state, optimizer
     included, and a long run filled its disk. Older checkpoints go whole: the loop state and
-    the trainer's, critic's and each model's states no kept one names; `latest` always stays."""
+    the trainer's, critic's and each model's states no kept one names; `latest` and the last good
+    one an alarm named always stay."""
     from meshrl.controller.checkpoint import prune
 
-    root = tmp_path / "checkpoints"
-    for step in (2, 4, 6, 1000000):
-        dirs = {
-            "trainer": root / "trainer" / f"step-{step}",
-            "critic": root / "critic" / f"step-{step}",
-            "proposer": root / "models" / "proposer" / f"step-{step}",
-        }
-        for d in dirs.values():
-            d.mkdir(parents=True)
-            (d / "shard").write_bytes(b"weights and optimizer")
-        state = {"version": step, "trainer_dir": str(dirs["trainer"]), "critic_dir": str(dirs["critic"]), "models": {"proposer": str(dirs["proposer"])}}
-        torch.save({**state, "model_critics": {}}, root / f"step_{step:06d}_loop_state.pt")
-    (root / "latest").write_text("step_000002_loop_state.pt")  # a resume pointed it back at an older one
-    assert prune(str(tmp_path), 0) == [] and prune(str(tmp_path), 4) == []
-    assert prune(str(tmp_path), 2) == [4]
+    def run(name: str, latest: int):
+        root = tmp_path / name / "checkpoints"
+        for step in (2, 4, 6, 1000000):
+            dirs = {
+                "trainer": root / "trainer" / f"step-{step}",
+                "critic": root / "critic" / f"step-{step}",
+                "proposer": root / "models" / "proposer" / f"step-{step}",
+            }
+            for d in dirs.values():
+                d.mkdir(parents=True)
+                (d / "shard").write_bytes(b"weights and optimizer")
+            state = {"version": step, "trainer_dir": str(dirs["trainer"]), "critic_dir": str(dirs["critic"]), "models": {"proposer": str(dirs["proposer"])}}
+            torch.save({**state, "model_critics": {}}, root / f"step_{step:06d}_loop_state.pt")
+        (root / "latest").write_text(f"step_{latest:06d}_loop_state.pt")
+        return str(tmp_path / name), root
+
+    run_dir, root = run("a", latest=2)  # a resume pointed `latest` back at an older one
+    assert prune(run_dir, 0) == [] and prune(run_dir, 4) == []
+    assert prune(run_dir, 2) == [4]
     left = sorted(p.name for p in root.iterdir())
     assert left == ["critic", "latest", "models", "step_000002_loop_state.pt", "step_000006_loop_state.pt", "step_1000000_loop_state.pt", "trainer"]
     for sub in ("trainer", "critic", os.path.join("models", "proposer")):
         assert sorted(p.name for p in (root / sub).iterdir()) == ["step-1000000", "step-2", "step-6"]
+    run_dir, root = run("b", latest=1000000)
+    assert prune(run_dir, 1, spare={4}) == [2, 6]
+    assert sorted(p.name for p in (root / "trainer").iterdir()) == ["step-1000000", "step-4"]

@@ -35,7 +35,18 @@ def due(config: Config, version: int, last_checkpoint: float) -> bool:
 
 
 async def save(
-    run_dir: str, trainer, queue, version: int, history: list[dict], critic=None, partners=(), names=(), *, timeout_s: float = 120.0, keep: int = 0
+    run_dir: str,
+    trainer,
+    queue,
+    version: int,
+    history: list[dict],
+    critic=None,
+    partners=(),
+    names=(),
+    *,
+    timeout_s: float = 120.0,
+    keep: int = 0,
+    alarms=(),
 ) -> tuple[str | None, int]:
     """Trainer state (DCP), the critic's (a CriticMesh, or None), each trained model's beside
     the policy (controller/partners.py, under its name), the episode queue and the metrics
@@ -46,7 +57,8 @@ async def save(
     cut short beside the policy's): a checkpoint never holds trained models at different
     versions, and the next one due saves them. A critic is saved at its own version. The queue's
     state is asked for within `timeout_s` (a lost coordinator host says so, not the step's bound).
-    Then all but the newest `keep` checkpoints are removed (`prune`; 0: none)."""
+    Then all but the newest `keep` checkpoints are removed (`prune`; 0: none), except those the
+    raised `alarms` (meshrl/stability.py's watches) name as the last good ones."""
     policy = max(version, trainer.version)  # (its trainer a step past the loop after an interrupted step)
     apart = [p.name for p in partners if p.trainer.version != policy]
     if apart:
@@ -87,24 +99,29 @@ async def save(
         os.fsync(f.fileno())
     os.replace(tmp, path)
     write_atomic(os.path.join(root, "latest"), os.path.basename(path))
-    prune(run_dir, keep)
+    spare = {a.good_checkpoint for watch in alarms if watch is not None for a in watch.raised if a.good_checkpoint is not None}
+    try:  # the checkpoint is written: a prune that fails is said, not the save's failure
+        prune(run_dir, keep, spare)
+    except Exception as e:  # noqa: BLE001
+        log.warning("older checkpoints not removed (trainer.keep_checkpoints): %s", first_line(str(e)) or type(e).__name__)
     return path, version
 
 
 _LOOP_STATE = re.compile(rf"^step_(\d+)_{re.escape(CHECKPOINT_FILE)}$")
 
 
-def prune(run_dir: str, keep: int) -> list[int]:
+def prune(run_dir: str, keep: int, spare=()) -> list[int]:
     """All but the newest `keep` checkpoints removed whole (trainer.keep_checkpoints; 0: none):
     each one's loop state first, so none names a state half gone, then the trained states (the
     trainer's, the critic's, each model's) no kept one names, inside `run_dir` only. The one
-    `latest` names is always kept. Returns the steps removed."""
+    `latest` names is always kept, and those of the steps in `spare` (an alarm's last good one).
+    Returns the steps removed."""
     root = os.path.abspath(os.path.join(run_dir, "checkpoints"))
     files = sorted((f for f in os.listdir(root) if _LOOP_STATE.match(f)), key=lambda f: int(_LOOP_STATE.match(f).group(1))) if keep > 0 else []
     if len(files) <= keep:
         return []
     with open(os.path.join(root, "latest")) as f:
-        kept = set(files[-keep:]) | {f.read().strip()}
+        kept = set(files[-keep:]) | {f.read().strip()} | {n for n in files if int(_LOOP_STATE.match(n).group(1)) in set(spare)}
     states = {name: here(torch.load(os.path.join(root, name), weights_only=False), root) for name in files}
     named = lambda state: {p for p in (state["trainer_dir"], state["critic_dir"], *state["models"].values(), *state["model_critics"].values()) if p}  # noqa: E731
     held = set().union(*(named(states[name]) for name in kept))

@@ -437,7 +437,8 @@ class RLLoop:
         """Trainer state (DCP), the episode queue and the metrics history, atomically. A trainer that dies meanwhile is
         healed (`heal`) and the restored state saved: it may be older, the run training those steps again (None, nothing
         saved, while trained models are ahead of it: checkpoints.save). After Ctrl-C or SIGTERM (`heal=False`), no heal."""
-        names, bounds = self.config.model_names(), {"timeout_s": self.config.trainer.collective_timeout_s, "keep": self.config.trainer.keep_checkpoints}
+        t, alarms = self.config.trainer, (self.watch, self.divergence)  # (the checkpoints an alarm names are kept, too)
+        names, bounds = self.config.model_names(), {"timeout_s": t.collective_timeout_s, "keep": t.keep_checkpoints, "alarms": alarms}
         save = lambda: checkpoints.save(self.run_dir, self.trainer, self.queue, self.version, self.history, self.critic, self.partners, names, **bounds)  # noqa: E731
         path, self.version = await (self._healing("checkpoint", save) if heal else save())
         if path is None:
@@ -445,10 +446,8 @@ class RLLoop:
         if self.scorers is not None:  # an implicit PRM's state beside it
             await self.scorers.save_trained()
         self._last_checkpoint = time.monotonic()
-        if self.watch is not None:
-            self.watch.checkpointed(self.version)
-        if self.divergence is not None:
-            self.divergence.checkpointed(self.version)
+        for watch in filter(None, alarms):  # a checkpoint an alarm may name as the last good one
+            watch.checkpointed(self.version)
         return path
 
     # ---- the end -------------------------------------------------------------------------------
