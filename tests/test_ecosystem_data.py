@@ -49,6 +49,7 @@ def test_final_answer_prefers_box_then_tag_then_number():
     assert final_answer("7 <answer> 8 </answer> 9") == "8"
     assert final_answer("7 then -1,000.5") == "-1,000.5"
     assert final_answer("answer: 7, after 2 steps") == "7" and final_answer("about 5e3 of them") == "5e3"
+    assert final_answer("The answer is 2 times the radius, so 2*5 = 10") == "10"  # a cue whose number ends no sentence states none
 
 
 def test_math_answer_off_the_main_thread():
