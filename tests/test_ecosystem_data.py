@@ -327,6 +327,9 @@ def test_a_resume_over_data_in_another_order_starts_its_epoch_over(tmp_path):
     same = PromptNode(data, seed=5)
     same.reset(state)
     assert same.changed is None and [next(same)["prompt"] for _ in range(6)] == [next(a)["prompt"] for _ in range(6)]
+    elsewhere = PromptNode(Config.from_dict({"data": {"source": os.path.relpath(path)}}).data, seed=5)  # the file by another name
+    elsewhere.reset(state)
+    assert elsewhere.changed is None and elsewhere.index == 4
     with open(path, "a") as f:
         f.write(json.dumps({"prompt": "q10", "answer": "10"}) + "\n")
     for node in (PromptNode(data, seed=5), PromptNode(Config.from_dict({"data": {"source": str(path)}}).data, seed=6)):

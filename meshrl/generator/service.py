@@ -45,9 +45,9 @@ from meshrl.weightsync.spec import GpuSlot, ReceivedInEngine
 
 UPDATE_MODES = ("keep", "abort", "drain", "block")
 VERSION_WAIT_SLACK_S = 30.0
-UPDATES_KEPT = 64  # the newest updates `stats` reports (each held time, for the metrics and tests)
 """A request waits for its `min_version` at most weight_sync.timeout_s (one version's
 transfer) plus this (the trainer's step and the update itself)."""
+UPDATES_KEPT = 64  # the newest updates `stats` reports (each held time, for the metrics and tests)
 
 
 def runs_lora(checkpoint_dir: str) -> bool:

@@ -7,6 +7,7 @@ The records themselves come from meshrl/data.py.
 
 from __future__ import annotations
 
+import os
 import random
 
 from torchdata.nodes import BaseNode
@@ -39,8 +40,9 @@ class PromptNode(BaseNode[dict]):
 
     def _order_key(self) -> str:
         """What the order of prompts depends on: the source, its size, and the seed that shuffles or generates it."""
-        shuffled = self.cfg.shuffle or self.records is None
-        return f"{self.cfg.source}, {self.size} records" + (f", seed {self.seed}" if shuffled else "")
+        shuffled, source = self.cfg.shuffle or self.records is None, self.cfg.source
+        source = os.path.realpath(source) if self.records is not None and os.path.exists(source) else source  # one file however it is named
+        return f"{source}, {self.size} records" + (f", seed {self.seed}" if shuffled else "")
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(self.size))

@@ -69,6 +69,10 @@ async def serve_acquire_shared(pool: StagingPool, min_version: int, wait_s: floa
     return {"lease_id": lease.lease_id, "version": lease.version, "layout": lease.slot.layout, "path": path, "key": key, "nbytes": lease.slot.flat.numel()}
 
 
+INHERITED_RELEASE_S = 5.0
+"""The longest a reader waits on the publisher it was reconnected away from to end a lease held across."""
+
+
 class SharedReader:
     """Subscriber side: the slots it has mapped and the lease it holds."""
 
@@ -105,18 +109,23 @@ class SharedReader:
         """End the lease held (its views must no longer be read). Raises WeightSyncError if it
         had expired (held past weight_sync.timeout_s), as the slot may then have been rewritten
         while it was read; `quiet`: the views were dropped unread, nothing to report."""
+        lease_id, self.lease_id = self.lease_id, None
+        try:
+            if lease_id is None:
+                return
+            t0 = time.monotonic()
+            intact = await _bounded(self.agent.release.call_one(lease_id), timeout_s, "release the lease")
+            if not intact and not quiet:
+                raise WeightSyncError(
+                    f"the lease on a staged version expired while it was read ({time.monotonic() - t0:.1f}s to release): raise weight_sync.timeout_s"
+                )
+        finally:  # its own first: a publisher that hangs (a healed trainer's) holds up no lease of the new one
+            await self._release_inherited(min(timeout_s, INHERITED_RELEASE_S))
+
+    async def _release_inherited(self, timeout_s: float) -> None:
         if self.inherited is not None:
             (agent, inherited), self.inherited = self.inherited, None
-            try:  # its publisher may be gone (a healed trainer's): nothing then holds its slot
+            try:  # its publisher may be gone: nothing then holds its slot
                 await _bounded(agent.release.call_one(inherited), timeout_s, "release a lease held across a reconnect")
             except WeightSyncError:
                 pass
-        lease_id, self.lease_id = self.lease_id, None
-        if lease_id is None:
-            return
-        t0 = time.monotonic()
-        intact = await _bounded(self.agent.release.call_one(lease_id), timeout_s, "release the lease")
-        if not intact and not quiet:
-            raise WeightSyncError(
-                f"the lease on a staged version expired while it was read ({time.monotonic() - t0:.1f}s to release): raise weight_sync.timeout_s"
-            )
