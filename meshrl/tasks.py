@@ -149,7 +149,7 @@ def _make_count(rng: random.Random, data: DataConfig) -> dict[str, Any]:
 
 
 def count_reward(prompt: str, response: str, sample: dict) -> float:
-    """1 for exactly the letter n times; else half the fraction of leading correct letters."""
+    """1 for exactly the letter n times; else half the share of positions that hold the right letter."""
     target = sample["answer"]
     if response == target:
         return 1.0

@@ -46,6 +46,10 @@ def test_the_game_contract_names_the_method_and_what_was_wrong():
         as_ask({"model": "policy"}, game, MODELS, {}, "step")
     with pytest.raises(ContractError, match="twice in one thread at once"):
         as_asks([Ask("policy", "t", "x"), Ask("policy", "t", "y")], game, MODELS, {}, "step")
+    # one list opening more threads than an episode may have (each Ask alone passed; their row ids collided with the next episode's)
+    with pytest.raises(ContractError, match="past the 64 an episode may have"):
+        as_asks([Ask("policy", f"t{i}", "x") for i in range(60)], game, MODELS, {f"o{i}": "policy" for i in range(5)}, "step")
+    assert len(as_asks([Ask("policy", f"t{i}", "x") for i in range(59)], game, MODELS, {f"o{i}": "policy" for i in range(5)}, "step")) == 59
     with pytest.raises(ContractError, match="max_new_tokens"):
         as_ask(Ask("policy", "t", "x", max_new_tokens=0), game, MODELS, {}, "reset")
     with pytest.raises(ContractError, match="never asked in"):

@@ -85,8 +85,11 @@ def as_asks(value: Any, game: Any, models: list[str], threads: dict[str, str], m
     """`game.reset` or `game.step`'s Ask, or list of Asks (in distinct threads), checked."""
     if isinstance(value, list) and value:
         asks = [as_ask(v, game, models, threads, method) for v in value]
+        name, where = f"game {callable_name(type(game))}", _where(getattr(game, method, None))
         if len({a.thread for a in asks}) != len(asks):
-            raise ContractError(f"game {callable_name(type(game))}: {method} asked twice in one thread at once", _where(getattr(game, method, None)))
+            raise ContractError(f"{name}: {method} asked twice in one thread at once", where)
+        if len(threads.keys() | {a.thread for a in asks}) > MAX_THREADS:  # each Ask was checked against the threads before the list
+            raise ContractError(f"{name}: {method} opened a thread past the {MAX_THREADS} an episode may have", where)
         return asks
     return [as_ask(value, game, models, threads, method)]
 
