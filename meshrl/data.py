@@ -29,6 +29,7 @@ string of its own, which no training epoch uses.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -334,8 +335,11 @@ def eval_records(config: Config) -> list[dict]:
     "SEED/eval", a stream no training epoch ("SEED/EPOCH") draws from."""
     e = config.eval
     data = config.data if e.source is None else dataclasses.replace(config.data, source=e.source, task_args=e.task_args)
-    records = load_records(data, held_out=e.source is not None)
-    if records is not None:
-        return records[: e.num_prompts]
+    if source_kind(data.source) in ("file", "dataset"):  # its first rows only: a big file is not read whole, nor its later rows checked
+        rows = itertools.islice(iter_rows(data.source, held_out=e.source is not None), e.num_prompts)
+        records = [_record(data, f"{data.source}:{n}", row) for n, row in rows]
+        if not records:
+            raise DataError(f"{data.source}: holds no records")
+        return records
     make = generator(data, f"{config.seed}/eval", e.num_prompts)
     return [make(0, i) for i in range(e.num_prompts)]

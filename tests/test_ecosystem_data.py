@@ -261,6 +261,17 @@ def test_a_train_and_test_dataset_is_evaluated_on_its_test_split(tmp_path):
         assert [r["answer"] for r in eval_records(config)] == [str(row["level"] + 1) for row in want]
 
 
+def test_an_eval_file_is_read_only_as_far_as_its_prompts(tmp_path):
+    """eval_records read the whole eval file before keeping its first eval.num_prompts rows: a
+    big one was read whole at every evaluation, and a bad row far past them failed them all."""
+    from meshrl.data import eval_records
+
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(3)) + "not json\n")
+    config = Config.from_dict({"data": {"source": "task:digits"}, "eval": {"source": str(path), "num_prompts": 3, "every": 5}})
+    assert [r["prompt"] for r in eval_records(config)] == ["q0", "q1", "q2"]
+
+
 # ---- held-out evaluation prompts ---------------------------------------------------------------
 @pytest.mark.parametrize("data", [{"source": "task:copy", "num_prompts": 50}, {**RG, "task_args": {}, "num_prompts": 50}])
 def test_eval_records_are_held_out_and_fixed(data):
