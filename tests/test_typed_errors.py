@@ -547,3 +547,33 @@ def test_a_step_ctrl_c_left_running_is_waited_for_until_it_ends(tmp_path, caplog
     assert "the step Ctrl-C left running failed: trainer: its proc died" in caplog.text and session._interrupted is None
     assert loop.collect.last_step_end > 0  # the first step's wall time counts from the call, not from the cell before
     session._live.thread_loop.call_soon_threadsafe(session._live.thread_loop.stop)
+
+
+def test_a_shutdown_cancels_a_step_left_running_before_it_stops_anything():
+    """A Session stopped (or dropped, or at exit) after Ctrl-C left a step running: the shutdown
+    ran beside it, whose health checks could respawn what the shutdown had just stopped."""
+    import types
+
+    from meshrl.controller.loop import RLLoop
+
+    order = []
+    loop = object.__new__(RLLoop)
+    quiet = types.SimpleNamespace(quiet=lambda: None, restore=lambda: None)
+    healer = types.SimpleNamespace(stops=lambda: order.append("stopping meshes") or [], kill_procs=lambda: None)
+    loop.__dict__.update(mesh_failures=quiet, collect=None, evaluations=None, _update_task=None, partners=[], workers=None, healer=healer)
+    loop.__dict__.update(generators=None, teacher=None, scorers=None, served={})
+
+    async def step():
+        loop._stepping = asyncio.current_task()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            order.append("step ended")
+
+    async def main():
+        stepping = asyncio.ensure_future(step())
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(loop.shutdown(), 30)
+        return stepping
+
+    assert asyncio.run(main()).cancelled() and order == ["step ended", "stopping meshes"]

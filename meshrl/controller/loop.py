@@ -116,8 +116,7 @@ class RLLoop:
         # The coordinator proc holds the episode queue; each rollout worker has a proc of its own.
         self.coord = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap("coord"))
         self.queue = self.coord.spawn("queue", EpisodeQueueActor, c.to_dict())
-        # Generators and workers get their procs now: they import vLLM and load their envs while
-        # the trainer starts, and are set up once it has exported the weights they start from.
+        # Generators and workers get their procs now (importing vLLM, loading envs while the trainer starts), set up once it exported its weights.
         self.generators = GeneratorPool(c, self.alloc, None, 0, self._rewire)
         self.generators.warm(c.generator.replicas)
         self.workers = WorkerPool(c, self.alloc, self.tokenizer_dir, self.queue, self.reward_fn)
@@ -197,7 +196,7 @@ class RLLoop:
     async def step(self) -> dict[str, float]:
         """Train on one batch from the queue, move the generators to the new version in the
         background, and record metrics."""
-        c = self.config
+        c, self._stepping = self.config, asyncio.current_task()  # (a Session's step Ctrl-C left running: shutdown cancels it)
         handoff: dict = {}
         # the trained models on the policy's batch at once (colocated: in turn, after the policy's trainer)
         partners = asyncio.ensure_future(self._train_partners()) if self.partners and c.placement != "colocate" else None
@@ -465,15 +464,17 @@ class RLLoop:
     async def shutdown(self) -> None:
         """Stop everything this loop started, on every exit path; never raises."""
         self.mesh_failures.quiet()  # what it stops reports as failing: into the log file, not onto the console
-        for part in (self.collect, self.evaluations):
+        stepping = getattr(self, "_stepping", None)  # a step left running (a Session's, after Ctrl-C): never one beside the shutdown
+        for part in (self.collect, self.evaluations, stepping if stepping is not asyncio.current_task() else None):
             if part is not None:
                 part.cancel()
+        if stepping is not None and stepping is not asyncio.current_task():
+            await asyncio.wait([stepping], timeout=60)
         if self._update_task is not None:
             self._update_task.cancel()
         for p in self.partners:  # before their engines stop: an update cut off there would replace a replica
             p.cancel_update()
-        # The workers and the queue share the coordinator's host: when the queue is silent that
-        # host is gone, and asking them to stop would only wait out each call's bound.
+        # The workers and the queue share the coordinator's host: when the queue is silent it is gone (asking them would wait out each bound).
         coordinator_up = getattr(self, "queue", None) is not None and self._queue_silent == 0 and await self._queue_answers(5.0)
         if self.workers is not None:
             await self.workers.shutdown(host_up=coordinator_up)
