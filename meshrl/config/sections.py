@@ -318,7 +318,7 @@ class LoggingConfig:
     plot: bool = True
     """Draw reward, staleness and utilisation curves to PNG at the end of the run."""
     wandb: bool = False
-    """Also log every step's metrics to Weights & Biases (the `wandb` package torchtitan brings), into RUN_DIR/wandb."""
+    """Also log every step's metrics to Weights & Biases (the `wandb` package torchtitan brings), into RUN_DIR/wandb. A resumed run goes on in the same W&B run, which keeps what it was sent: the steps past the checkpoint, trained again, are there twice (metrics.jsonl and TensorBoard keep only the later rows)."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """`offline`: write the W&B run to disk only (sync it later with `wandb sync RUN_DIR/wandb/offline-run-*`); `online`: send it to the W&B server the environment names (WANDB_API_KEY, WANDB_BASE_URL)."""
     wandb_project: str = "meshrl"
