@@ -38,7 +38,8 @@ from meshrl.rollout.env import RewardFn
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"[-\u2212]?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+)?")  # U+2212: the minus sign of typeset text
 # "the answer is 42." (a number that ends its sentence: "the answer is 2 times the radius" states none)
-_CUED = re.compile(r"answer(?:\s+is|\s*[:=])\s*[:=]?\s*\$?\s*(" + _NUMBER.pattern + r")\$?(?=\s*(?:[.!;,)]|$))", re.IGNORECASE)
+# (the number atomic: backtracking into it, "3.5 cm." would state "3")
+_CUED = re.compile(r"answer(?:\s+is|\s*[:=])\s*[:=]?\s*\$?\s*((?>" + _NUMBER.pattern + r"))\$?(?=\s*(?:[.!?;,)]|$))", re.IGNORECASE | re.MULTILINE)
 
 
 def last_boxed(text: str) -> str | None:

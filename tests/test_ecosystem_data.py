@@ -50,6 +50,8 @@ def test_final_answer_prefers_box_then_tag_then_number():
     assert final_answer("7 then -1,000.5") == "-1,000.5"
     assert final_answer("answer: 7, after 2 steps") == "7" and final_answer("about 5e3 of them") == "5e3"
     assert final_answer("The answer is 2 times the radius, so 2*5 = 10") == "10"  # a cue whose number ends no sentence states none
+    assert final_answer("The answer is 3.5 cm, from 7/2") == "7/2" and final_answer("answer is 1,234 apples; 5 left") == "5"  # never part of one
+    assert final_answer("The answer is 42\nChecked: 6 x 7") == "42" and final_answer("So the answer is 3.5?") == "3.5"
 
 
 def test_math_answer_off_the_main_thread():
@@ -341,6 +343,11 @@ def test_a_resume_over_data_in_another_order_starts_its_epoch_over(tmp_path):
     elsewhere = PromptNode(Config.from_dict({"data": {"source": os.path.relpath(path)}}).data, seed=5)  # the file by another name
     elsewhere.reset(state)
     assert elsewhere.changed is None and elsewhere.index == 4
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(path)
+    older = PromptNode(Config.from_dict({"data": {"source": str(link)}}).data, seed=5)  # a key saved as the config named it (before real paths)
+    older.reset({**state, "order": f"{link}, 10 records, seed 5"})
+    assert older.changed is None and older.index == 4
     with open(path, "a") as f:
         f.write(json.dumps({"prompt": "q10", "answer": "10"}) + "\n")
     for node in (PromptNode(data, seed=5), PromptNode(Config.from_dict({"data": {"source": str(path)}}).data, seed=6)):

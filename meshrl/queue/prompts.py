@@ -32,16 +32,16 @@ class PromptNode(BaseNode[dict]):
         self.index = initial_state["index"] if initial_state else 0
         self.changed: str | None = None  # why a restored position no longer holds
         saved = (initial_state or {}).get("order")
-        if saved is not None and saved != self._order_key():
+        if saved is not None and saved not in (self._order_key(), self._order_key(real=False)):  # (as the config names it: keys saved before real paths)
             # another order under the same index would repeat some of the epoch's prompts and skip others
             self.changed = f"the data's order changed since the checkpoint ({saved} -> {self._order_key()}): epoch {self.epoch} starts over, in the new order"
             self.index = 0
         self._order = self._permutation(self.epoch)
 
-    def _order_key(self) -> str:
+    def _order_key(self, real: bool = True) -> str:
         """What the order of prompts depends on: the source, its size, and the seed that shuffles or generates it."""
         shuffled, source = self.cfg.shuffle or self.records is None, self.cfg.source
-        source = os.path.realpath(source) if self.records is not None and os.path.exists(source) else source  # one file however it is named
+        source = os.path.realpath(source) if real and self.records is not None and os.path.exists(source) else source  # one file however named
         return f"{source}, {self.size} records" + (f", seed {self.seed}" if shuffled else "")
 
     def _permutation(self, epoch: int) -> list[int]:
