@@ -378,3 +378,38 @@ def test_only_the_newest_checkpoints_are_kept_each_whole(tmp_path):
     run_dir, root = run("b", latest=1000000)
     assert prune(run_dir, 1, spare={4}) == [2, 6]
     assert sorted(p.name for p in (root / "trainer").iterdir()) == ["step-1000000", "step-4"]
+
+
+def test_a_save_that_prunes_leaves_the_alarms_only_checkpoints_still_there(tmp_path):
+    """The watches list every checkpoint written; with trainer.keep_checkpoints an alarm to come
+    would have named one already removed. The one a raised alarm named stays, and stays listed."""
+    import asyncio
+    import json
+    import types
+
+    from meshrl.controller import checkpoint
+    from meshrl.trainer.checkpoint import COMPLETE_MARKER
+
+    class Trainer:
+        version = 0
+
+        async def save_checkpoint(self, root):
+            d = os.path.join(root, f"step-{self.version}")
+            os.makedirs(d)
+            with open(os.path.join(d, COMPLETE_MARKER), "w") as f:
+                json.dump({"step": self.version}, f)
+            return d
+
+    async def state():
+        return {}
+
+    queue = types.SimpleNamespace(state_dict=types.SimpleNamespace(call_one=state))
+    trainer = Trainer()
+    cliff = types.SimpleNamespace(checkpoints=[], raised=[])
+    for step in (2, 4, 6):
+        trainer.version = step
+        asyncio.run(checkpoint.save(str(tmp_path), trainer, queue, step, [], keep=1, alarms=(cliff, None)))
+        cliff.checkpoints.append(step)  # as RLLoop.checkpoint tells each watch
+        if step == 2:
+            cliff.raised = [types.SimpleNamespace(good_checkpoint=2)]  # an alarm named step 2
+    assert cliff.checkpoints == [2, 6] and sorted(os.listdir(tmp_path / "checkpoints" / "trainer")) == ["step-2", "step-6"]

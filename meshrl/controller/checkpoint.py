@@ -101,9 +101,12 @@ async def save(
     write_atomic(os.path.join(root, "latest"), os.path.basename(path))
     spare = {a.good_checkpoint for watch in alarms if watch is not None for a in watch.raised if a.good_checkpoint is not None}
     try:  # the checkpoint is written: a prune that fails is said, not the save's failure
-        prune(run_dir, keep, spare)
+        removed = prune(run_dir, keep, spare)
     except Exception as e:  # noqa: BLE001
+        removed = []
         log.warning("older checkpoints not removed (trainer.keep_checkpoints): %s", first_line(str(e)) or type(e).__name__)
+    for watch in filter(None, alarms):  # an alarm to come names a checkpoint still there
+        watch.checkpoints = [step for step in watch.checkpoints if step not in removed]
     return path, version
 
 

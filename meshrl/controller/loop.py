@@ -257,6 +257,7 @@ class RLLoop:
             if not await self._queue_answers():
                 raise self._queue_lost() from e
             raise
+        self._stepping = None  # done: its task may go on to other work (a shutdown cancels only a step under way)
         return row
 
     async def _train_call(self, handoff: dict) -> dict:
@@ -484,8 +485,7 @@ class RLLoop:
         pools = [pool for pool in (self.generators, self.teacher, self.scorers, *self.served.values()) if pool is not None]
         stop_s = 60.0 if coordinator_up else LOST_HOST_STOP_S
         await asyncio.gather(*(pool.stop_engines(stop_s) for pool in (*pools, *(p.generators for p in self.partners)) if pool is not None))
-        # a trainer blocked on a lost queue's batch: killed here where it runs on this host, else by the job's stop
-        lost = getattr(self, "queue", None) is not None and not coordinator_up
+        lost = getattr(self, "queue", None) is not None and not coordinator_up  # its trainer blocked on a lost queue: killed here, or by the job's stop
         meshes = self.healer.stops()
         coord = [self.coord.stop()] if getattr(self, "coord", None) is not None else []
         stops = [*(settled(stop, stop_s if lost else 120) for stop in meshes), *(settled(stop, stop_s) for stop in coord)]
