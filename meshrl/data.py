@@ -127,17 +127,19 @@ def _check_budget(c: Config) -> None:
         )
 
 
-def load_records(cfg: DataConfig, held_out: bool = False) -> list[dict[str, Any]] | None:
+def load_records(cfg: DataConfig, held_out: bool = False, limit: int | None = None) -> list[dict[str, Any]] | None:
     """Records of a file or `datasets` source, in their stored order; None for a generated
     (task or reasoning-gym) source. DataError at the first bad row. `held_out`: of a `datasets`
-    directory of several splits, the held-out one (`_saved_dataset`)."""
+    directory of several splits, the held-out one (`_saved_dataset`); `limit`: its first rows
+    only (the rest neither read nor checked)."""
     kind = source_kind(cfg.source)
     if kind == "task":
         get_task(cfg.source.removeprefix("task:"))  # fail early on a bad name
         return None
     if kind == "reasoning_gym":
         return None
-    records = [_record(cfg, f"{cfg.source}:{n}", row) for n, row in iter_rows(cfg.source, held_out=held_out)]
+    rows = itertools.islice(iter_rows(cfg.source, held_out=held_out), limit)
+    records = [_record(cfg, f"{cfg.source}:{n}", row) for n, row in rows]
     if not records:
         raise DataError(f"{cfg.source}: holds no records")
     return records
@@ -335,11 +337,8 @@ def eval_records(config: Config) -> list[dict]:
     "SEED/eval", a stream no training epoch ("SEED/EPOCH") draws from."""
     e = config.eval
     data = config.data if e.source is None else dataclasses.replace(config.data, source=e.source, task_args=e.task_args)
-    if source_kind(data.source) in ("file", "dataset"):  # its first rows only: a big file is not read whole, nor its later rows checked
-        rows = itertools.islice(iter_rows(data.source, held_out=e.source is not None), e.num_prompts)
-        records = [_record(data, f"{data.source}:{n}", row) for n, row in rows]
-        if not records:
-            raise DataError(f"{data.source}: holds no records")
+    records = load_records(data, held_out=e.source is not None, limit=e.num_prompts)  # a big file is not read whole
+    if records is not None:
         return records
     make = generator(data, f"{config.seed}/eval", e.num_prompts)
     return [make(0, i) for i in range(e.num_prompts)]
