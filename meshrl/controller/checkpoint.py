@@ -120,11 +120,12 @@ def prune(run_dir: str, keep: int, spare=()) -> list[int]:
     `latest` names is always kept, and those of the steps in `spare` (an alarm's last good one).
     Returns the steps removed."""
     root = os.path.abspath(os.path.join(run_dir, "checkpoints"))
-    files = sorted((f for f in os.listdir(root) if _LOOP_STATE.match(f)), key=lambda f: int(_LOOP_STATE.match(f).group(1))) if keep > 0 else []
+    steps = {f: int(m.group(1)) for f in os.listdir(root) if (m := _LOOP_STATE.match(f))} if keep > 0 else {}
+    files = sorted(steps, key=steps.get)
     if len(files) <= keep:
         return []
     with open(os.path.join(root, "latest")) as f:
-        kept = set(files[-keep:]) | {f.read().strip()} | {n for n in files if int(_LOOP_STATE.match(n).group(1)) in set(spare)}
+        kept = set(files[-keep:]) | {f.read().strip()} | {n for n in files if steps[n] in spare}
     states = {name: here(torch.load(os.path.join(root, name), weights_only=False), root) for name in files}
     named = lambda state: {p for p in (state["trainer_dir"], state["critic_dir"], *state["models"].values(), *state["model_critics"].values()) if p}  # noqa: E731
     held = set().union(*(named(states[name]) for name in kept))
@@ -136,7 +137,7 @@ def prune(run_dir: str, keep: int, spare=()) -> list[int]:
         for path in named(states[name]) - held:
             if os.path.commonpath([root, os.path.abspath(path)]) == root:
                 shutil.rmtree(path, ignore_errors=True)
-        removed.append(int(_LOOP_STATE.match(name).group(1)))
+        removed.append(steps[name])
     return removed
 
 

@@ -258,8 +258,8 @@ def check_routed_shapes(c: Config) -> None:
     their routes in one [layers, top_k] tensor (episode.pack)."""
     from meshrl.launch.shape import model_shape
 
-    names = [n for n in c.model_names() if c.for_model(n).generator.return_routed_experts]
-    shapes = {n: (s.layers, s.top_k) for n in names for s in [model_shape(c.for_model(n))]}
+    views = {n: c.for_model(n) for n in c.model_names()}
+    shapes = {n: (s.layers, s.top_k) for n, view in views.items() if view.generator.return_routed_experts for s in [model_shape(view)]}
     if len(set(shapes.values())) > 1:
         routes = ", ".join(f"{n} {list(shape)}" for n, shape in shapes.items())
         raise ConfigError(
