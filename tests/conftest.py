@@ -322,11 +322,11 @@ def gloo_ranks(target, world: int, *args, timeout_s: float = 240) -> list:
 # ---- hand-made episode groups -----------------------------------------------------------------
 class FakeReplica:
     """A generator replica's stand-in for GeneratorPool's unit tests: its actor's endpoints
-    (`sync_weights`, `sleep`, `wake`) record their calls; `broken`: a weight update fails.
-    `stats` answers the health check with `stalled_s` (none: it never answers, as a replica
-    busy applying an update); `killed` says whether `kill_leftovers` ran."""
+    (`sync_weights`, `sleep`, `wake`) record their calls; `broken`: a weight update fails;
+    `sync_s`: one takes this long. `stats` answers the health check with `stalled_s` (none: it
+    never answers, as a replica busy applying an update); `killed` says whether `kill_leftovers` ran."""
 
-    def __init__(self, index: int, broken: bool = False, stalled_s: float | None = 0.0):
+    def __init__(self, index: int, broken: bool = False, stalled_s: float | None = 0.0, sync_s: float = 0.0):
         self.index, self.broken, self.stopped, self.calls, self.pids = index, broken, False, [], [(1000 + index, 0)]
         self.killed = False
 
@@ -334,6 +334,8 @@ class FakeReplica:
             async def call(*args):
                 if name == "sync_weights" and self.broken:
                     raise RuntimeError("the transfer broke")
+                if name == "sync_weights":
+                    await asyncio.sleep(sync_s)
                 self.calls.append((name, *args))
 
             return types.SimpleNamespace(call_one=call)

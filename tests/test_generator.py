@@ -337,7 +337,7 @@ def test_min_version_waits_for_the_version_and_times_out_naming_it(monkeypatch):
     import meshrl.generator.service as service
 
     monkeypatch.setattr(service, "VLLMEngine", FakeEngine)
-    monkeypatch.setattr(service, "VERSION_WAIT_SLACK_S", 0.0)
+    monkeypatch.setattr(service, "UPDATE_SLACK_S", 0.0)
     config = Config.from_dict({"generator": {"max_new_tokens": 4}, "weight_sync": {"timeout_s": 0.5}})
 
     async def main():
@@ -352,11 +352,11 @@ def test_min_version_waits_for_the_version_and_times_out_naming_it(monkeypatch):
         await gen.update_weights(3, {}, "keep")
         out = await asyncio.wait_for(waiting, 5)
         assert out.versions == [3] * 4 and out.finish_reason == "length"
-        # never reached: a clean TimeoutError naming both versions, after timeout_s (+ slack)
+        # never reached: a clean TimeoutError naming both versions, after an update's bound
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match=r"replica 3 is at version 3, not 5"):
             await gen.generate([1, 7], min_version=5)
-        assert 0.4 < time.monotonic() - t0 < 5
+        assert service.update_bound_s(config) - 0.05 < time.monotonic() - t0 < 5
         # the replica is not wedged by the timed-out wait
         assert (await gen.generate([1, 7])).versions == [3] * 4
         # stopping releases a request waiting for a version: it ends as aborted, no tokens
@@ -441,6 +441,42 @@ def test_the_health_check_replaces_a_wedged_replica_and_leaves_a_busy_one():
     assert pool.replicas[1:] == [slow, busy] and not (slow.killed or busy.killed) and pool.replaced == 1
     _, pool = asyncio.run(main(0.0))  # off
     assert pool.replaced == 0
+
+
+def test_a_replica_update_is_waited_for_as_long_as_its_parts_may_take(monkeypatch):
+    """GeneratorPool.update gives a replica the sum of its update's bounds (the fetch and the
+    load at weight_sync.timeout_s each, the drain between them at half of it): one slower than
+    timeout_s but within that sum is kept, where it had been replaced as dead while it still
+    applied a version (and its replacement would fare no better); one past the sum is replaced."""
+    from types import SimpleNamespace
+
+    import meshrl.generator.service as service
+    from meshrl.controller.replicas import GeneratorPool
+    from meshrl.launch.devices import plan_devices
+    from tests.conftest import FakeReplica
+
+    monkeypatch.setattr(service, "UPDATE_SLACK_S", 0.0)
+    config = Config.from_dict({"generator": {"replicas": 2}, "weight_sync": {"timeout_s": 0.4}})
+    assert service.update_bound_s(config) == pytest.approx(1.0)
+
+    async def main():
+        async def on_change():
+            pass
+
+        pool = GeneratorPool(config, SimpleNamespace(plan=plan_devices(config)), "unused", 0, on_change=on_change)
+        pool.replicas = [FakeReplica(0, sync_s=0.7), FakeReplica(1, sync_s=30.0)]
+        old = list(pool.replicas)
+
+        async def spawn(index):
+            return FakeReplica(index)
+
+        pool.spawn = spawn
+        await pool.update(3)
+        return old, pool
+
+    (slow, wedged), pool = asyncio.run(main())
+    assert pool.replicas[0] is slow and slow.synced == [3] and not slow.killed
+    assert pool.replicas[1] is not wedged and wedged.killed and pool.replicas[1].synced == [3] and pool.replaced == 1
 
 
 def test_a_new_replica_whose_first_load_fails_leaves_the_pool_for_the_next_check_to_replace():

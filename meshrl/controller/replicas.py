@@ -18,6 +18,7 @@ from meshrl.controller.members import Member, start_all, stop_engines, stop_memb
 from meshrl.config import Config
 from meshrl.futures import awaited, by_rank, settled, settled_value, stopped_on_failure
 from meshrl.generator.actor import GeneratorActor
+from meshrl.generator.service import update_bound_s
 from meshrl.agent.actor import RolloutWorkerActor
 from meshrl.agent.summary import summarize
 from meshrl.errors import first_line
@@ -106,7 +107,7 @@ class GeneratorPool:
     async def update(self, version: int, weights_id: str | None = None) -> None:
         """Every replica fetches and applies `version`, or is relabelled to it where it holds
         the weights the trainer names `weights_id` already; a replica that fails is replaced."""
-        timeout = self.config.weight_sync.timeout_s + 30
+        timeout = update_bound_s(self.config)
 
         async def one(r: Member) -> None:
             try:
@@ -239,7 +240,7 @@ class GeneratorPool:
         """A new replica's first version (the caller holds the lock). One whose load fails stays
         paused (Generator.update_weights), so it leaves the pool: the health check starts another."""
         try:
-            await asyncio.wait_for(awaited(fresh.actor.sync_weights.call_one(version)), self.config.weight_sync.timeout_s + 30)
+            await asyncio.wait_for(awaited(fresh.actor.sync_weights.call_one(version)), update_bound_s(self.config))
         except Exception:
             if fresh in self.replicas:
                 self.replicas.remove(fresh)

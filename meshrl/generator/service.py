@@ -44,9 +44,20 @@ from meshrl.generator.engine import RequestResult, VLLMEngine
 from meshrl.weightsync.spec import GpuSlot, ReceivedInEngine
 
 UPDATE_MODES = ("keep", "abort", "drain", "block")
-VERSION_WAIT_SLACK_S = 30.0
-"""A request waits for its `min_version` at most weight_sync.timeout_s (one version's
-transfer) plus this (the trainer's step and the update itself)."""
+DRAIN_SHARE = 0.5
+"""A `drain` update waits at most this share of weight_sync.timeout_s for the requests in flight."""
+UPDATE_SLACK_S = 30.0
+
+
+def update_bound_s(config: Config) -> float:
+    """Longest a replica's weight update may take, each of its parts at its own bound: the fetch
+    and the load (weight_sync.timeout_s each), the drain between them (DRAIN_SHARE of it), and
+    UPDATE_SLACK_S for the calls around them. The controller takes a replica slower than this for
+    dead, and a request waits this long for its `min_version`."""
+    t = config.weight_sync.timeout_s
+    return t + DRAIN_SHARE * t + t + UPDATE_SLACK_S
+
+
 UPDATES_KEPT = 64  # the newest updates `stats` reports (each held time, for the metrics and tests)
 
 
@@ -176,7 +187,7 @@ class Generator:
     async def _wait_for_version(self, version: int) -> None:
         if self.version >= version:
             return
-        timeout = self.config.weight_sync.timeout_s + VERSION_WAIT_SLACK_S
+        timeout = update_bound_s(self.config)
         try:
             async with self._changed:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self.version >= version or self._stopping), timeout)
@@ -312,11 +323,11 @@ class Generator:
                     # Our own drain (the gate is closed, so nothing new is submitted): every
                     # request we submitted has finished (the engine generates meanwhile: the stall
                     # clock runs). Then freeze the idle engine for the load. Requests longer than
-                    # half the update's bound are frozen as they are (`keep`: their tokens carry
-                    # each version), not waited for until the controller takes the replica for dead.
+                    # the drain's share of the bound are frozen as they are (`keep`: their tokens
+                    # carry each version), not waited for until the controller takes the replica for dead.
                     try:
                         async with self._changed:
-                            await asyncio.wait_for(self._changed.wait_for(lambda: self._in_flight == 0), timeout / 2)
+                            await asyncio.wait_for(self._changed.wait_for(lambda: self._in_flight == 0), DRAIN_SHARE * timeout)
                     except asyncio.TimeoutError:
                         self.drains_cut += 1
                     self._stop_clock()
