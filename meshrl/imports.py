@@ -38,16 +38,18 @@ def missing_extra(module: str) -> str | None:
     return f"needs the optional package {module!r}: pip install 'meshrl[{EXTRAS.get(module, module)}]'"
 
 
-def check_import(field: str, value: str, what: str) -> None:
-    """`value` must be an import path `module:name` that imports, naming `what` it should be;
-    else a ConfigError on `field`."""
+def check_import(field: str, value: str, what: str) -> object:
+    """The object at `value`, an import path `module:name` naming `what` it should be; else a
+    ConfigError on `field`."""
     module, sep, attr = value.partition(":")
     if not (sep and module and attr):
         raise ConfigError(field, f"{value!r} is not an import path 'module:name' of {what}")
+    missing = object()
     try:
-        found = hasattr(importlib.import_module(module), attr)
+        found = getattr(importlib.import_module(module), attr, missing)
         problem = f"module {module!r} has no {attr!r}"
     except Exception as e:  # noqa: BLE001 - any import failure is the user's path to fix
-        found, problem = False, f"cannot import module {module!r} ({type(e).__name__}: {first_line(str(e))})"
-    if not found:
+        found, problem = missing, f"cannot import module {module!r} ({type(e).__name__}: {first_line(str(e))})"
+    if found is missing:
         raise ConfigError(field, f"{value!r}: {problem}: give an importable 'module:name' of {what}")
+    return found

@@ -46,9 +46,8 @@ def check_env(c: Config) -> None:
         check_import("rollout.tool_parser", r.tool_parser, "'hermes', 'compact' or a parser function")
     if r.env is None:
         return
-    check_import("rollout.env", r.env, "an env class")
     path, env_args = r.env, r.env_args
-    maker = import_callable(path)
+    maker = check_import("rollout.env", path, "an env class")
     if inspect.isclass(maker):
         missing = [m for m in ("reset", "step") if not callable(getattr(maker, m, None))]
         if missing:
@@ -77,8 +76,7 @@ def check_env(c: Config) -> None:
 
 def check_reward_path(field: str, path: str) -> None:
     """`path` must import as a reward function callable as fn(prompt, response, sample)."""
-    check_import(field, path, "a reward function")
-    check_reward_signature(import_callable(path), field)
+    check_reward_signature(check_import(field, path, "a reward function"), field)
 
 
 def check_reward_signature(fn: Callable, field: str) -> None:

@@ -312,11 +312,13 @@ def check_judge(sc: ScorerConfig, path: str) -> None:
         raise ConfigError(
             f"{path}.template", f"cannot be filled ({type(e).__name__}: {e}): use only {{prompt}}, {{response}} and {{answer}}, and double other braces"
         ) from None
-    if sc.parser not in ("number", "yes_no"):
+    if sc.parser in PARSERS:
+        parser = PARSERS[sc.parser]
+    else:
         from meshrl.imports import check_import
 
-        check_import(f"{path}.parser", sc.parser, "'number', 'yes_no' or a parser function")
-    score = parse_reply(load_parser(sc.parser), sc.probe_reply, sc.scale, None)
+        parser = check_import(f"{path}.parser", sc.parser, "'number', 'yes_no' or a parser function")
+    score = parse_reply(parser, sc.probe_reply, sc.scale, None)
     if not isinstance(score, float):
         raise ConfigError(
             f"{path}.parser",
