@@ -349,7 +349,8 @@ def test_only_the_newest_checkpoints_are_kept_each_whole(tmp_path):
     """trainer.keep_checkpoints: every save kept a whole copy of every trained state, optimizer
     included, and a long run filled its disk. Older checkpoints go whole: the loop state and
     the trainer's, critic's and each model's states no kept one names; `latest` and the last good
-    one an alarm named always stay."""
+    one an alarm named always stay. Those past `latest` (a run resumed from an earlier one) are
+    neither counted nor removed: the one it went back to is not taken for the oldest."""
     from meshrl.controller.checkpoint import prune
 
     def run(name: str, latest: int):
@@ -369,12 +370,13 @@ def test_only_the_newest_checkpoints_are_kept_each_whole(tmp_path):
         return str(tmp_path / name), root
 
     run_dir, root = run("a", latest=2)  # a resume pointed `latest` back at an older one
-    assert prune(run_dir, 0) == [] and prune(run_dir, 4) == []
-    assert prune(run_dir, 2) == [4]
+    assert prune(run_dir, 0) == [] and prune(run_dir, 4) == [] and prune(run_dir, 1) == []
+    (root / "latest").write_text("step_000006_loop_state.pt")  # the resumed run saved at 6, over the abandoned one
+    assert prune(run_dir, 2) == [2]
     left = sorted(p.name for p in root.iterdir())
-    assert left == ["critic", "latest", "models", "step_000002_loop_state.pt", "step_000006_loop_state.pt", "step_1000000_loop_state.pt", "trainer"]
+    assert left == ["critic", "latest", "models", "step_000004_loop_state.pt", "step_000006_loop_state.pt", "step_1000000_loop_state.pt", "trainer"]
     for sub in ("trainer", "critic", os.path.join("models", "proposer")):
-        assert sorted(p.name for p in (root / sub).iterdir()) == ["step-1000000", "step-2", "step-6"]
+        assert sorted(p.name for p in (root / sub).iterdir()) == ["step-1000000", "step-4", "step-6"]
     run_dir, root = run("b", latest=1000000)
     assert prune(run_dir, 1, spare={4}) == [2, 6]
     assert sorted(p.name for p in (root / "trainer").iterdir()) == ["step-1000000", "step-4"]

@@ -118,15 +118,20 @@ def prune(run_dir: str, keep: int, spare=()) -> list[int]:
     each one's loop state first, so none names a state half gone, then the trained states (the
     trainer's, the critic's, each model's) no kept one names, inside `run_dir` only. The one
     `latest` names is always kept, and those of the steps in `spare` (an alarm's last good one).
+    Checkpoints past `latest`'s step (a run resumed from an earlier one: docs/stability.md) are
+    neither counted nor removed, so the one it went back to is not taken for the oldest.
     Returns the steps removed."""
+    if keep <= 0:
+        return []
     root = os.path.abspath(os.path.join(run_dir, "checkpoints"))
-    steps = {f: int(m.group(1)) for f in os.listdir(root) if (m := _LOOP_STATE.match(f))} if keep > 0 else {}
-    files = sorted(steps, key=steps.get)
+    with open(os.path.join(root, "latest")) as f:
+        latest = f.read().strip()
+    steps = {f: int(m.group(1)) for f in os.listdir(root) if (m := _LOOP_STATE.match(f))}
+    files = sorted((n for n in steps if steps[n] <= steps.get(latest, steps[n])), key=steps.get)
     if len(files) <= keep:
         return []
-    with open(os.path.join(root, "latest")) as f:
-        kept = set(files[-keep:]) | {f.read().strip()} | {n for n in files if steps[n] in spare}
-    states = {name: here(torch.load(os.path.join(root, name), weights_only=False), root) for name in files}
+    kept = set(files[-keep:]) | {latest} | {n for n in files if steps[n] in spare} | (set(steps) - set(files))
+    states = {name: here(torch.load(os.path.join(root, name), weights_only=False), root) for name in steps}
     named = lambda state: {p for p in (state["trainer_dir"], state["critic_dir"], *state["models"].values(), *state["model_critics"].values()) if p}  # noqa: E731
     held = set().union(*(named(states[name]) for name in kept))
     removed = []
