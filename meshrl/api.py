@@ -283,8 +283,9 @@ class Session:
         self._call(control.wait_for_generators(self._need()), self.config.weight_sync.timeout_s + 120)
 
     def evaluate(self) -> dict[str, float] | None:
-        """Evaluate the current policy on the held-out prompts (eval.*) now; its `eval/`
-        metrics, also written to the run's metrics (None if it failed: see the log)."""
+        """Evaluate the current policy on the held-out prompts (eval.*) now; its `eval/` metrics,
+        also written to the run's metrics (None if it failed: see the log). ConfigError on
+        eval.source where nothing is held out (a file or dataset source without one)."""
         from meshrl.controller.evaluation import eval_timeout_s
 
         loop = self._need()

@@ -79,6 +79,34 @@ def test_a_session_stepping_past_steps_evaluates_every_eval_every_not_every_step
     assert started == [10, 20, 30]
 
 
+def test_an_evaluation_asked_for_with_nothing_held_out_is_refused(tmp_path):
+    """Session.evaluate() in a run of a file source with no eval.source (eval.every 0, so the
+    config check let it through): refused naming eval.source, where it scored the first
+    training rows and wrote them as held-out accuracy. With eval.source it evaluates that."""
+    import asyncio
+
+    from meshrl.config import Config, ConfigError
+    from meshrl.controller.evaluation import Evaluations
+
+    rows = tmp_path / "train.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    config = Config.from_dict({"data": {"source": str(rows)}})
+    evaluations = Evaluations(config, "runs/x", None, lambda step, row: None)
+    evaluated = []
+
+    async def evaluate(version, previous):
+        evaluated.append(version)
+
+    evaluations._evaluate = evaluate
+    with pytest.raises(ConfigError, match="has no held-out part of its own") as info:
+        asyncio.run(evaluations.now(3))
+    assert info.value.field_path == "eval.source" and evaluated == []
+    evaluations = Evaluations(Config.from_dict({"data": {"source": str(rows)}, "eval": {"source": str(rows)}}), "runs/x", None, lambda step, row: None)
+    evaluations._evaluate = evaluate
+    asyncio.run(evaluations.now(3))
+    assert evaluated == [3] and evaluations.records
+
+
 def test_resolve_target(tmp_path):
     run = tmp_path / "run"
     for name in ("v0", "v3", "final"):

@@ -186,11 +186,18 @@ def _check_eval(c: Config) -> None:
             "eval.task_args",
             "eval.task_args go with an eval.source of its own: set eval.source, or drop them (the training task's data.task_args apply)",
         )
-        need(
-            not ev.every or source_kind(data.source) in ("task", "reasoning_gym"),
-            "eval.source",
-            f"a file or dataset source ({data.source}) has no held-out part of its own: give eval.source a held-out file",
-        )
+        if ev.every:
+            check_held_out(c)
+
+
+def check_held_out(c: Config) -> None:
+    """Evaluation has prompts the run does not train on: eval.source, or a task's or
+    reasoning_gym's own held-out draw. A file or dataset source alone has none."""
+    need(
+        c.eval.source is not None or source_kind(c.data.source) in ("task", "reasoning_gym"),
+        "eval.source",
+        f"a file or dataset source ({c.data.source}) has no held-out part of its own: give eval.source a held-out file",
+    )
 
 
 def _check_rollout(c: Config) -> None:

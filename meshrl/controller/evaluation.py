@@ -92,9 +92,13 @@ class Evaluations:
         return await task if task is not None else None
 
     async def now(self, version: int) -> dict[str, float] | None:
-        """Evaluate `version` now (interactive sessions), after any in flight."""
+        """Evaluate `version` now (interactive sessions), after any in flight. A run with
+        nothing held out (a file source, no eval.source) is refused: its training rows are no test."""
         if not self.records:
+            from meshrl.config.checks import check_held_out
             from meshrl.data import eval_records
+
+            check_held_out(self.config)
 
             self.records = eval_records(self.config)
         self.task = asyncio.create_task(self._evaluate(version, self.task))
