@@ -169,7 +169,6 @@ def _check_data(c: Config) -> None:
 
 def _check_eval(c: Config) -> None:
     """Held-out evaluation: its cadence and source."""
-    data = c.data
     ev = c.eval
     need(ev.every >= 0, "eval.every", f"must be at least 0 (0 = off), got {ev.every}")
     need(ev.num_prompts >= 1, "eval.num_prompts", f"must be at least 1, got {ev.num_prompts}")
