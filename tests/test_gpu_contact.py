@@ -330,6 +330,41 @@ def test_a_checkpoint_is_sharded_before_it_is_materialised(tmp_path):
         assert kl == pytest.approx(want["kl"], abs=1e-7)
 
 
+def _reference_rank(rank: int, path: str):
+    from meshrl.trainer.policy import PolicyTrainer
+    from tests.test_trainer import CPU
+
+    trainer = PolicyTrainer(_checkpoint_config(path), CPU, rank, 1)
+    return {
+        name: b.full_tensor().numpy() if hasattr(b, "full_tensor") else b.numpy()
+        for name, b in trainer.ref_model.named_buffers()
+        if name.endswith("expert_bias_E")
+    }
+
+
+@pytest.mark.slow  # a gloo proc
+def test_a_sharded_kl_reference_keeps_the_checkpoints_router_bias(tmp_path):
+    """A DeepSeek-V3 checkpoint on a trainer mesh (built on the meta device, then materialised):
+    its KL reference holds the checkpoint's router biases (`expert_bias_E`, a buffer), as the
+    policy does, where it kept the zeros of its initialisation and routed otherwise from step 0."""
+    import numpy as np
+
+    from meshrl.config import ModelConfig
+    from meshrl.trainer import checkpoint as ckpt
+    from meshrl.trainer.model import build_model
+    from tests.conftest import gloo_ranks
+    from tests.test_deepseek_export import _perturb
+
+    model, specs = build_model(ModelConfig(family="deepseek_v3", n_layers=2), seed=1)
+    _perturb(model, seed=2)
+    path = ckpt.export_hf(model, specs, tmp_path / "hf")
+    want = {name: b.numpy() for name, b in model.named_buffers() if name.endswith("expert_bias_E")}
+    (got,) = gloo_ranks(_reference_rank, 1, str(path))
+    assert want and sorted(got) == sorted(want) and any(np.abs(b).max() > 0.1 for b in want.values())
+    for name, b in want.items():
+        np.testing.assert_array_equal(got[name], b)
+
+
 def test_a_replica_that_missed_a_version_never_generates_again():
     """A replica whose weight update failed, and whose replacement failed too, leaves the pool
     at once (asleep at level 2 it would otherwise wake on dropped weights under its old

@@ -44,7 +44,7 @@ def kept_set(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch
         ordered, order = logits.float().sort(dim=-1)  # ascending
         drop = torch.zeros_like(ordered, dtype=torch.bool)
         if 0 < top_k < ordered.shape[-1]:
-            drop = ordered < ordered[:, -top_k : -top_k + 1]
+            drop = ordered < ordered[:, -top_k, None]  # (a slice to -top_k + 1 is empty at top_k 1)
         if top_p < 1.0:
             mass = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
             drop |= mass <= 1 - top_p

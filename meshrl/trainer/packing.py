@@ -65,8 +65,11 @@ def token_micro_batches(rows: list[int], lengths: torch.Tensor, budget: int) -> 
 
 def pack(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[B, T, ...] right-padded rows -> ([1, N, ...] packed values, [1, N] positions restarting
-    at 0 on each row, [B, T] bool of the real positions), N = lengths.sum()."""
+    at 0 on each row, [B, T] bool of the real positions), N = lengths.sum(). A row of no tokens
+    (an episode failed before its first model turn) keeps its first position, never scored, so
+    that no row, and no pack, is empty (attention cannot run on none)."""
     B, T = values.shape[:2]
+    lengths = lengths.clamp(min=1)
     real = torch.arange(T, device=values.device)[None, :] < lengths.to(values.device)[:, None]
     positions = torch.arange(T, device=values.device).expand(B, T)
     return values[real][None], positions[real][None], real

@@ -102,10 +102,10 @@ class PolicyTrainer:
                 self.ref_model, _ = parallelize(
                     self.ref_model, self.specs.parallelize_fn, self.parallelism, world_size, device.type, self.compute_dtype, compile_cfg
                 )
-                if on_meta:  # the same shards as the policy's: copied locally
+                if on_meta:  # the same shards as the policy's: copied locally, buffers too (DeepSeek-V3's router bias)
                     materialize(self.ref_model, device, config.seed)
                     with torch.no_grad():
-                        for mine, policy in zip(self.ref_model.parameters(), self.model.parameters()):
+                        for mine, policy in zip(self.ref_model.state_dict().values(), self.model.state_dict().values()):
                             local_shard(mine).copy_(local_shard(policy))
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # what building and sharding freed goes back to the driver
