@@ -5,8 +5,8 @@ it starts what a run starts and checks what a run relies on: Monarch procs, the 
 a synchronous colocated run (the engine sleeping while the trainer steps, then waking on the
 new version handed over in shared memory; on one GPU, CUDA IPC) whose sampler log-probs must
 match the trainer's on every step, an asynchronous split run on the machine's devices (on
-two or more GPUs: NCCL from the trainer into the engine's workers; on one GPU, pinned host
-staging), the bubblewrap sandbox and Slurm's commands. Each row says passed, failed or
+two or more GPUs: NCCL from the trainer into the engine's workers; skipped on one GPU, where
+the two cannot hold a GPU each), the bubblewrap sandbox and Slurm's commands. Each row says passed, failed or
 skipped (not possible here), how long it took, and for a failure the fix. Exits 1 on any
 failure.
 """
@@ -100,12 +100,14 @@ def sandbox() -> tuple[str, str]:
 
 
 def slurm() -> tuple[str, str]:
-    found = [c for c in ("sbatch", "squeue", "scancel") if shutil.which(c)]
+    from meshrl.launch.slurm import SLURM_COMMANDS  # what launcher.kind=slurm's preflight asks for
+
+    found = [c for c in SLURM_COMMANDS if shutil.which(c)]
     if not found:
         return "skipped", "no Slurm commands on PATH (launcher.kind=slurm needs them)"
-    if len(found) < 3:
-        raise RuntimeError(f"only {', '.join(found)} on PATH")
-    return "passed", f"sbatch, squeue, scancel at {os.path.dirname(shutil.which('sbatch'))}"
+    if len(found) < len(SLURM_COMMANDS):
+        raise RuntimeError(f"only {', '.join(found)} on PATH, not {', '.join(c for c in SLURM_COMMANDS if c not in found)}")
+    return "passed", f"{', '.join(SLURM_COMMANDS)} at {os.path.dirname(shutil.which('sbatch'))}"
 
 
 def short_run(root: str, name: str, overrides: dict, steps: int = 3, on_policy: bool = True) -> tuple[str, str]:

@@ -309,6 +309,37 @@ def test_a_torchx_retry_resumes_the_run_from_its_checkpoint(tmp_path, monkeypatc
     assert main(["run", "--auto-resume", "configs/default.yaml"]) == 2  # its value is a job id, never the config
 
 
+def test_a_failed_squeue_is_not_a_job_gone_from_the_queue(monkeypatch):
+    """A Slurm job waiting in the queue, and one `squeue` call failing (a busy slurmctld): the
+    job's last entry answers, where None made Monarch's SlurmJob cancel the job as not found.
+    Before any answer, squeue is asked again; None only when it answered without the job."""
+    import json
+    import subprocess
+
+    import meshrl.launch.slurm as slurm
+
+    pending = {"job_id": 7, "job_state": ["PENDING"], "state_reason": "Priority"}
+    answers = []
+
+    def squeue(*args, **kwargs):
+        answer = answers.pop(0)
+        if answer is None:
+            raise subprocess.CalledProcessError(1, "squeue", stderr="slurm_load_jobs error: Socket timed out")
+        return subprocess.CompletedProcess(args, 0, stdout=json.dumps({"jobs": answer}))
+
+    monkeypatch.setattr(slurm.subprocess, "run", squeue)
+    monkeypatch.setattr(slurm, "SQUEUE_RETRY_S", 0.0)
+    job = object.__new__(slurm._slurm_job_class())
+    answers[:] = [None, [pending], None]
+    assert job._get_job_info_json("7")["job_state"] == ["PENDING"]  # asked again
+    assert job._get_job_info_json("7")["job_state"] == ["PENDING"] and job._pending_reason == "Priority"  # its last answer
+    answers[:] = [[]]
+    assert job._get_job_info_json("7") is None  # squeue answered: the job is gone
+    fresh = object.__new__(slurm._slurm_job_class())
+    answers[:] = [None] * slurm.SQUEUE_TRIES
+    assert fresh._get_job_info_json("7") is None and answers == []
+
+
 def test_squeue_json_of_slurm_22_05_reads_as_monarch_expects():
     """Slurm 22.05's `squeue --json` job (state a string, hosts under allocated_nodes) in the
     shape Monarch's SlurmJob reads (24.05's); the newer shape passes through unchanged."""

@@ -191,7 +191,7 @@ class Allocation:
         line = f"host mesh {name!r} did not connect within launcher.start_timeout_s={la.start_timeout_s:g}s"
         gone = unreachable(la.workers) if self.kind == "workers" else []
         if gone:
-            line += f"; nothing listens at {', '.join(gone)}: start `meshrl worker IP:PORT` there, or fix launcher.workers"
+            line += f"; nothing listens at {', '.join(gone)}: start `meshrl worker --address IP:PORT` there, or fix launcher.workers"
         return line
 
     async def stop(self) -> None:

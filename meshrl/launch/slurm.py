@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 from typing import Any
 from unittest import mock
@@ -23,6 +24,8 @@ from meshrl.config import Config, ConfigError
 from meshrl.launch.hosts import job_meshes
 
 logger = logging.getLogger("meshrl.launch")
+SQUEUE_TRIES, SQUEUE_RETRY_S = 3, 5.0
+"""A failed `squeue` is asked this many times, this far apart, before a job never seen is taken for gone."""
 
 
 def slurm_dir(config: Config) -> str:
@@ -39,14 +42,26 @@ def _slurm_job_class() -> type:
 
     class MeshrlSlurmJob(SlurmJob):
         _pending_reason: str = ""
+        _last_job: dict | None = None
 
         def _get_job_info_json(self, job_id: str):
-            try:
-                out = subprocess.run(["squeue", "--job", job_id, "--json"], capture_output=True, text=True, check=True, timeout=60)
-                job = squeue_json_job(out.stdout, job_id)
-            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError) as e:
-                logger.warning("launcher: squeue on job %s failed: %s", job_id, getattr(e, "stderr", None) or e)
+            """The job's squeue entry; None when squeue answered without it (SlurmJob then
+            cancels the job). A failed squeue (a busy slurmctld) is asked again, and answered with
+            its last entry where there is one: one failure is not a job gone from the queue."""
+            for attempt in range(SQUEUE_TRIES):
+                try:
+                    out = subprocess.run(["squeue", "--job", job_id, "--json"], capture_output=True, text=True, check=True, timeout=60)
+                    job = squeue_json_job(out.stdout, job_id)
+                    break
+                except (subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError) as e:
+                    logger.warning("launcher: squeue on job %s failed: %s", job_id, getattr(e, "stderr", None) or e)
+                    if self._last_job is not None:
+                        return self._last_job
+                    if attempt + 1 < SQUEUE_TRIES:
+                        time.sleep(SQUEUE_RETRY_S)
+            else:
                 return None
+            self._last_job = job
             if job:
                 self._pending_reason = str(job.get("state_reason") or "")
             return job
