@@ -50,8 +50,9 @@ def train(
         python: the Python interpreter on the host
         max_retries: scheduler retries on failure; each continues from the run's last checkpoint
     """
-    resolved = Config.from_dict(apply_overrides(load_yaml(config), list(overrides)))
-    check(resolved)  # fail at submit time, not on the cluster
+    # what the job runs (its launcher.kind=torchx last), checked at submit time, not on the cluster
+    resolved = Config.from_dict(apply_overrides(load_yaml(config), [*overrides, "launcher.kind=torchx"]))
+    check(resolved)
     if resolved.launcher.hosts != 1:
         raise ValueError(
             f"launcher.hosts={resolved.launcher.hosts}: a TorchX job runs meshrl on one host (Monarch 0.7.0 turns only its own SlurmJob's "

@@ -270,6 +270,10 @@ def test_torchx_component_refuses_several_hosts():
     assert app.roles[0].num_replicas == 1 and app.roles[0].resource.gpu == 0
     with pytest.raises(ValueError, match="launcher.kind=slurm"):
         train("launcher.hosts=2", config=os.path.join(ROOT, "configs/default.yaml"))
+    # the config the job runs is the one checked: a Slurm-only setting fails at submit, not on the cluster
+    with pytest.raises(ConfigError, match="only launcher.kind=slurm") as info:
+        train("launcher.kind=slurm", "launcher.max_resubmits=2", config=os.path.join(ROOT, "configs/default.yaml"))
+    assert info.value.field_path == "launcher.max_resubmits"
 
 
 def test_a_torchx_retry_resumes_the_run_from_its_checkpoint(tmp_path, monkeypatch):
