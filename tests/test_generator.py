@@ -479,6 +479,40 @@ def test_a_replica_update_is_waited_for_as_long_as_its_parts_may_take(monkeypatc
     assert pool.replicas[1] is not wedged and wedged.killed and pool.replicas[1].synced == [3] and pool.replaced == 1
 
 
+def test_a_replica_started_while_the_session_is_paused_is_paused_too():
+    """Session.pause(), then a dead replica replaced by the health check and one added by a
+    rescale: each is paused after its first load, where it generated for the workers while the
+    pool (and `generate()`) stayed paused."""
+    from types import SimpleNamespace
+
+    from meshrl.controller.replicas import GeneratorPool
+    from meshrl.launch.devices import plan_devices
+    from tests.conftest import FakeReplica
+
+    config = Config.from_dict({"generator": {"replicas": 2}})
+
+    async def main():
+        async def on_change():
+            pass
+
+        pool = GeneratorPool(config, SimpleNamespace(plan=plan_devices(config)), "unused", 0, on_change=on_change)
+        dead = FakeReplica(0)
+        dead.stopped = True
+        pool.replicas = [dead]
+        pool.paused = True
+
+        async def spawn(index):
+            return FakeReplica(index)
+
+        pool.spawn = spawn
+        await pool.check(4)
+        await pool.scale(2, 4)
+        return pool
+
+    pool = asyncio.run(main())
+    assert [r.calls for r in pool.replicas] == [[("sync_weights", 4), ("pause_generation",)]] * 2
+
+
 def test_a_new_replica_whose_first_load_fails_leaves_the_pool_for_the_next_check_to_replace():
     """A replacement whose first version fails to load stays paused (Generator.update_weights):
     it leaves the pool, stopped, and the next health check starts another, where it had stayed

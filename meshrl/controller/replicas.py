@@ -237,10 +237,13 @@ class GeneratorPool:
                 await self._first_load(r, version)
 
     async def _first_load(self, fresh: Member, version: int) -> None:
-        """A new replica's first version (the caller holds the lock). One whose load fails stays
-        paused (Generator.update_weights), so it leaves the pool: the health check starts another."""
+        """A new replica's first version (the caller holds the lock), then paused if the pool is.
+        One whose load fails stays paused (Generator.update_weights), so it leaves the pool: the
+        health check starts another."""
         try:
             await asyncio.wait_for(awaited(fresh.actor.sync_weights.call_one(version)), update_bound_s(self.config))
+            if self.paused:  # Session.pause(): one started meanwhile (a replacement, a rescale) generates nothing either
+                await asyncio.wait_for(awaited(fresh.actor.pause_generation.call_one()), self.config.weight_sync.timeout_s)
         except Exception:
             if fresh in self.replicas:
                 self.replicas.remove(fresh)
