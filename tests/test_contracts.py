@@ -265,6 +265,24 @@ def test_calls_that_never_return_do_not_hold_up_later_ones():
         release.set()
 
 
+def test_user_code_that_calls_exit_fails_its_call_not_the_worker():
+    """A reward, env method or tool that calls sys.exit() (argparse, model-written code run by a
+    tool): its call fails with a RuntimeError, where SystemExit left the worker's event loop and
+    ended its proc, and the record requeued ended the next one too. Sync or async alike."""
+    import sys
+
+    async def exits():
+        sys.exit(3)
+
+    async def main():
+        for fn in (sys.exit, exits, lambda: exits()):
+            with pytest.raises(RuntimeError, match=r"called exit\("):
+                await call_bounded(fn, timeout=5)
+        return await call_bounded(lambda: 7, timeout=5)  # the loop turns on
+
+    assert asyncio.run(main()) == 7
+
+
 def test_a_failure_is_one_line_with_the_users_file_and_line_and_the_log():
     try:
         reward_raises("p", "r", {})

@@ -242,7 +242,7 @@ async def call_bounded(fn: Callable, *args: Any, timeout: float) -> Any:
     and a call that never returns holds only its own thread (in asyncio's shared pool a few
     of them would leave every later call, the sandbox's too, queued behind them)."""
     if inspect.iscoroutinefunction(fn):
-        return await asyncio.wait_for(fn(*args), timeout)
+        return await asyncio.wait_for(_no_exit(fn(*args)), timeout)
     loop = asyncio.get_running_loop()
     slots = _LIVE.get(loop) or _LIVE.setdefault(loop, asyncio.Semaphore(LIVE_CALLS))
     deadline = loop.time() + timeout
@@ -252,8 +252,21 @@ async def call_bounded(fn: Callable, *args: Any, timeout: float) -> Any:
     finally:
         slots.release()  # returned, raised, or abandoned at its bound: a hung thread holds no slot
     if inspect.isawaitable(result):
-        result = await asyncio.wait_for(result, timeout)
+        result = await asyncio.wait_for(_no_exit(result), timeout)
     return result
+
+
+def _exited(e: SystemExit) -> RuntimeError:
+    """User code that called exit() (argparse, a tool running model-written code): the call's
+    failure, not the worker's event loop ended with it."""
+    return RuntimeError(f"it called exit({e.code!r}): user code returns or raises, it does not end the process")
+
+
+async def _no_exit(awaitable) -> Any:
+    try:
+        return await awaitable
+    except SystemExit as e:
+        raise _exited(e) from None
 
 
 LIVE_CALLS = 64
@@ -279,6 +292,8 @@ def _in_own_thread(fn: Callable, *args: Any) -> asyncio.Future:
     def run() -> None:
         try:
             outcome = (context.run(fn, *args), None)
+        except SystemExit as e:
+            outcome = (None, _exited(e))
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
             outcome = (None, e)
         try:
