@@ -52,6 +52,12 @@ def test_the_game_contract_names_the_method_and_what_was_wrong():
     assert len(as_asks([Ask("policy", f"t{i}", "x") for i in range(59)], game, MODELS, {f"o{i}": "policy" for i in range(5)}, "step")) == 59
     with pytest.raises(ContractError, match="max_new_tokens"):
         as_ask(Ask("policy", "t", "x", max_new_tokens=0), game, MODELS, {}, "reset")
+    # a new thread with nothing in it (a proposer's empty text handed on): its episode fails, where vLLM
+    # refused the empty prompt, the replica was blamed and the group played again without end
+    for empty in ("", []):
+        with pytest.raises(ContractError, match="opened thread 'solve' with an empty observation"):
+            as_ask(Ask("policy", "solve", empty), game, MODELS, {"propose": "proposer"}, "step")
+    assert as_ask(Ask("policy", "solve", ""), game, MODELS, {"solve": "policy"}, "step").observation == ""  # a thread's later turn
     with pytest.raises(ContractError, match="never asked in"):
         as_outcome(Outcome({"nope": 1.0}), game, {"t": "policy"})
     with pytest.raises(ContractError, match="finite number"):

@@ -112,6 +112,8 @@ def as_ask(value: Any, game: Any, models: list[str], threads: dict[str, str], me
         raise ContractError(f"{name}: {method} opened a thread past the {MAX_THREADS} an episode may have", where)
     if not is_observation(value.observation):
         raise ContractError(f"{name}: {method} asked with observation {_shown(value.observation)}: expected text, chat messages or token ids", where)
+    if value.thread not in threads and len(value.observation) == 0:  # as an env's reset (vLLM refuses an empty prompt)
+        raise ContractError(f"{name}: {method} opened thread {value.thread!r} with an empty observation: its first turn needs a prompt", where)
     if value.max_new_tokens is not None and not (isinstance(value.max_new_tokens, int) and value.max_new_tokens >= 1):
         raise ContractError(f"{name}: {method} asked max_new_tokens={_shown(value.max_new_tokens)}: expected a positive integer or None", where)
     return value
