@@ -118,9 +118,13 @@ class SlowToMakeEnv(GymDigitsEnv):
     """A constructor that blocks (a dataset it loads, a server it connects to): `made` says how long."""
 
     made = 0.5
+    closed = 0
 
     def __init__(self):
         time.sleep(SlowToMakeEnv.made)
+
+    def close(self):
+        SlowToMakeEnv.closed += 1
 
 
 def reward_text(prompt, response, sample):
@@ -381,6 +385,20 @@ def test_an_env_is_made_off_the_workers_loop_within_the_env_bound(tokenizer_dir,
     monkeypatch.setattr(SlowToMakeEnv, "made", 5.0)
     worker, ep = play(tokenizer_dir, "SlowToMakeEnv", ["1234"], env_timeout_s=0.3)
     assert ep.finish_reason == "failed" and "TimeoutError: making the env took longer than rollout.env_timeout_s=0.3s" in ep.failure
+    # one made after all, once its episode failed, is closed (a container or server it started), not leaked
+    monkeypatch.setattr(SlowToMakeEnv, "made", 0.6)
+    monkeypatch.setattr(SlowToMakeEnv, "closed", 0)
+
+    async def fails_then_waits():
+        ep = await worker.play_episode(0, 0, {"prompt": "q:", "answer": ""}, 0, 0)
+        for _ in range(200):
+            if SlowToMakeEnv.closed:
+                break
+            await asyncio.sleep(0.05)
+        return ep
+
+    ep = asyncio.run(fails_then_waits())
+    assert ep.finish_reason == "failed" and SlowToMakeEnv.closed == 1
 
 
 def test_a_step_gets_its_own_bounded_work_beyond_the_env_bound(tokenizer_dir, quiet):

@@ -41,7 +41,7 @@ from meshrl.logs import role_log
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, leave_out, pack
 from meshrl.rollout.chat import ChatRenderer
-from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name, env_budget
+from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name, close_env, env_budget
 from meshrl.agent.game import play_game, thread_windows
 from meshrl.agent.turns import GenerationFailed, TurnBatcher
 from meshrl.rollout.game import is_ask
@@ -104,6 +104,7 @@ class RolloutWorker:
         view = eval_view(config)  # (a task's own eval source: not the reward passed in code either)
         self.make_eval_env = env_factory(view, reward_fn if view is config else None) if config.eval.source else self.make_env
         self.turns = TurnBatcher(config)
+        self._closing: set[asyncio.Task] = set()  # closes of envs made past their bound
         # a game's models (meshrl/agent/game.py): the policy's turns, then each models[*]'s generators, bounded by its own start
         # (from its overrides: a whole `for_model` view checks its cores against this proc's, pinned to the trainer's)
         starts = [m.generator.get("startup_timeout_s", config.generator.startup_timeout_s) for m in config.models]
@@ -209,12 +210,7 @@ class RolloutWorker:
             for row in ep.threads:
                 row.finish_reason = "failed"
         finally:
-            close = getattr(env, "close", None)
-            if close is not None:
-                try:
-                    await call_bounded(close, timeout=timeout)
-                except Exception:  # noqa: BLE001 - a failing close is the env's problem alone
-                    pass
+            await close_env(env, timeout)
         return ep
 
     async def _make_env(self, make):
@@ -222,8 +218,14 @@ class RolloutWorker:
         calls are: a constructor that loads data or connects somewhere stalls no other episode of
         this worker, and one that hangs fails its episode alone."""
         bound = self.config.rollout.env_timeout_s
+
+        def close_late(env) -> None:  # made after all, once its episode had failed: closed, not leaked
+            task = asyncio.ensure_future(close_env(env, bound))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
         try:
-            return await call_bounded(make, timeout=bound)
+            return await call_bounded(make, timeout=bound, late=close_late)
         except (asyncio.TimeoutError, TimeoutError) as e:
             if str(e):
                 raise  # the constructor's own TimeoutError

@@ -236,11 +236,12 @@ def env_constructor(maker, config) -> tuple[Callable[..., Any], tuple]:
     return (from_config, (config,)) if from_config is not None else (maker, ())
 
 
-async def call_bounded(fn: Callable, *args: Any, timeout: float) -> Any:
+async def call_bounded(fn: Callable, *args: Any, timeout: float, late: Callable[[Any], None] | None = None) -> Any:
     """Call a sync or async function with a time limit. A sync function runs in a thread of
     its own, so a slow one cannot stall the worker's event loop; on timeout it is abandoned,
     and a call that never returns holds only its own thread (in asyncio's shared pool a few
-    of them would leave every later call, the sandbox's too, queued behind them)."""
+    of them would leave every later call, the sandbox's too, queued behind them). `late` is
+    called, on the loop, with what an abandoned call returns after all (an env to close)."""
     if inspect.iscoroutinefunction(fn):
         return await asyncio.wait_for(_no_exit(fn(*args)), timeout)
     loop = asyncio.get_running_loop()
@@ -248,7 +249,7 @@ async def call_bounded(fn: Callable, *args: Any, timeout: float) -> Any:
     deadline = loop.time() + timeout
     await asyncio.wait_for(slots.acquire(), timeout)
     try:
-        result = await asyncio.wait_for(_in_own_thread(fn, *args), max(0.0, deadline - loop.time()))
+        result = await asyncio.wait_for(_in_own_thread(fn, *args, late=late), max(0.0, deadline - loop.time()))
     finally:
         slots.release()  # returned, raised, or abandoned at its bound: a hung thread holds no slot
     if inspect.isawaitable(result):
@@ -269,6 +270,16 @@ async def _no_exit(awaitable) -> Any:
         raise _exited(e) from None
 
 
+async def close_env(env: Any, timeout: float) -> None:
+    """`env.close()` where it has one, bounded; a failing close is the env's problem alone."""
+    close = getattr(env, "close", None)
+    if close is not None:
+        try:
+            await call_bounded(close, timeout=timeout)
+        except Exception:  # noqa: BLE001
+            pass
+
+
 LIVE_CALLS = 64
 """Sync calls of one event loop running at once, each on a thread of its own; a call abandoned at
 its bound stops counting. (Each call may run on another thread: an env that needs one thread
@@ -276,13 +287,16 @@ for all of its calls, sqlite's connections, keeps an executor of its own, as ope
 _LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its slots
 
 
-def _in_own_thread(fn: Callable, *args: Any) -> asyncio.Future:
-    """`fn(*args)` on a new daemon thread (with this context's variables, as asyncio.to_thread)."""
+def _in_own_thread(fn: Callable, *args: Any, late: Callable[[Any], None] | None = None) -> asyncio.Future:
+    """`fn(*args)` on a new daemon thread (with this context's variables, as asyncio.to_thread);
+    what it returns after the future was abandoned goes to `late`."""
     loop, context = asyncio.get_running_loop(), contextvars.copy_context()
     future = loop.create_future()
 
     def settle(result: Any, error: BaseException | None) -> None:
         if future.done():  # abandoned: cancelled by its timeout
+            if late is not None and error is None:
+                late(result)
             return
         if error is not None:
             future.set_exception(error)
