@@ -127,6 +127,14 @@ class SlowToMakeEnv(GymDigitsEnv):
         SlowToMakeEnv.closed += 1
 
 
+class LoopInConstructorEnv(GymDigitsEnv):
+    """A constructor that needs the running event loop (an aiohttp session, say): a worker makes
+    its env on a thread of its own, where there is none."""
+
+    def __init__(self):
+        asyncio.get_running_loop()
+
+
 def reward_text(prompt, response, sample):
     return "1.0"
 
@@ -657,6 +665,10 @@ def test_cli_refuses_the_issues_cases_in_one_line_before_any_mesh(tmp_path):
             "scoring.reward_fn: reward function tests.test_contracts:reward_slow took longer than scoring.timeout_s=0.5s, on the first record of task:digits",
         ),
         (["scoring.reward_fn=tests.test_contracts:reward_two_args"], "cannot be called as (prompt, response, sample): too many positional arguments"),
+        (  # made as a worker makes it (on a thread of its own): the probe ran it on its event loop, and passed it
+            ["rollout.env=tests.test_contracts:LoopInConstructorEnv"],
+            "rollout.env: making the env 'tests.test_contracts:LoopInConstructorEnv' with rollout.env_args {} raised RuntimeError: no running event loop",
+        ),
         (["contracts.stop_after_failed_steps=-1"], "config error: contracts.stop_after_failed_steps: must be at least 0"),
     ],
 )

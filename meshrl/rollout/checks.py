@@ -142,8 +142,12 @@ def probe_env(c: Config, record: dict) -> None:
         return ConfigError("rollout.env", message, kind="contract error")
 
     async def probe() -> None:
-        try:
-            env = make()
+        try:  # on a thread of its own, as a worker makes it (no running event loop there)
+            env = await call_bounded(make, timeout=timeout)
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            if str(e):
+                raise fail(_raised(e, f"making the env {r.env!r} with rollout.env_args {r.env_args}")) from None
+            raise fail(f"making the env {r.env!r} took longer than rollout.env_timeout_s={timeout:g}s") from None
         except Exception as e:  # noqa: BLE001 - the user's constructor
             raise fail(_raised(e, f"making the env {r.env!r} with rollout.env_args {r.env_args}")) from None
         name = f"env {callable_name(type(env))}"
