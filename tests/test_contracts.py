@@ -277,6 +277,20 @@ def test_calls_that_never_return_do_not_hold_up_later_ones():
         release.set()
 
 
+def test_a_calls_bound_starts_when_it_runs_not_while_it_waits_for_a_thread(monkeypatch):
+    """More sync calls at once than env.LIVE_CALLS (a slow HTTP judge at scale): those waiting
+    for a thread are not timed out for it, where each call well within its bound failed as
+    slower than scoring.timeout_s once the queue ahead of it was long."""
+    import meshrl.rollout.env as env
+
+    monkeypatch.setattr(env, "LIVE_CALLS", 2)
+
+    async def main():
+        return await asyncio.gather(*(call_bounded(lambda i=i: time.sleep(0.2) or i, timeout=1.0) for i in range(12)))
+
+    assert asyncio.run(main()) == list(range(12))  # six rounds of two: 1.2 s of waiting for the last
+
+
 def test_user_code_that_calls_exit_fails_its_call_not_the_worker():
     """A reward, env method or tool that calls sys.exit() (argparse, model-written code run by a
     tool): its call fails with a RuntimeError, where SystemExit left the worker's event loop and

@@ -246,10 +246,11 @@ async def call_bounded(fn: Callable, *args: Any, timeout: float, late: Callable[
         return await asyncio.wait_for(_no_exit(fn(*args)), timeout)
     loop = asyncio.get_running_loop()
     slots = _LIVE.get(loop) or _LIVE.setdefault(loop, asyncio.Semaphore(LIVE_CALLS))
-    deadline = loop.time() + timeout
-    await asyncio.wait_for(slots.acquire(), timeout)
+    # The bound is the call's own: a wait for a slot behind LIVE_CALLS others is not the user's
+    # code being slow (and ends, as each of them holds its slot at most its own bound).
+    await slots.acquire()
     try:
-        result = await asyncio.wait_for(_in_own_thread(fn, *args, late=late), max(0.0, deadline - loop.time()))
+        result = await asyncio.wait_for(_in_own_thread(fn, *args, late=late), timeout)
     finally:
         slots.release()  # returned, raised, or abandoned at its bound: a hung thread holds no slot
     if inspect.isawaitable(result):
@@ -281,8 +282,8 @@ async def close_env(env: Any, timeout: float) -> None:
 
 
 LIVE_CALLS = 64
-"""Sync calls of one event loop running at once, each on a thread of its own; a call abandoned at
-its bound stops counting. (Each call may run on another thread: an env that needs one thread
+"""Sync calls of one event loop running at once, each on a thread of its own (the rest wait, and
+their bounds start when they run); a call abandoned at its bound stops counting. (Each call may run on another thread: an env that needs one thread
 for all of its calls, sqlite's connections, keeps an executor of its own, as openenv.py does.)"""
 _LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its slots
 
