@@ -444,7 +444,10 @@ def test_a_step_gets_its_own_bounded_work_beyond_the_env_bound(tokenizer_dir, qu
     code = CodeEnv(Config.from_dict({"rollout": {"sandbox": {"wall_timeout_s": 5, "max_concurrent": 2}}}), max_tool_calls=1)
     code.reset({"prompt": "p", "tests": [{"input": "1", "output": "1"}] * 4 + ["assert True"]})
     assert code.step_timeout_s == 3 * (5 + 20)  # 5 sandbox runs, 2 at a time, each within its wall time and start
-    assert code.max_tool_calls == 1 and code.tool_timeout_s == 35
+    assert code.max_tool_calls == 1 and code.tool_timeout_s == 35 and code.call_bound() == 35
+    # a python call behind five others in the worker's pool (two at a time): its bound counts their rounds
+    code.waiting = lambda: 5
+    assert code.call_bound() == 3 * (5 + 20) and code.step_timeout_s >= code.call_bound()
 
 
 def test_worker_carries_the_first_failure_to_the_metrics(tokenizer_dir, quiet):

@@ -85,6 +85,19 @@ class PythonToolEnv(ToolEnv):
     def pool(self) -> SandboxPool:
         return get_pool(self.sandbox_config)
 
+    def waiting(self) -> int:
+        """Sandbox calls the worker's pool holds already (queued or running)."""
+        try:
+            return self.pool.pending
+        except (RuntimeError, SandboxError):  # read outside a worker's event loop, or no sandbox here
+            return 0
+
+    def call_bound(self) -> float:
+        """A python call's bound: its start and wall time, behind the calls queued ahead of it
+        (`max_concurrent` run at a time): a wait for a sandbox is not the model's code hanging."""
+        rounds = -(-(self.waiting() + 1) // self.sandbox_config.max_concurrent)
+        return max(self.tool_timeout_s, rounds * (self.sandbox_config.wall_timeout_s + START_TIMEOUT_S))
+
     async def python(self, code: str = "") -> str:
         """Run Python code in a sandbox and return what it printed.
 
@@ -174,11 +187,7 @@ class CodeEnv(PythonToolEnv):
                 tests = json.loads(tests)
             except ValueError:
                 tests = [tests]
-        try:
-            waiting = self.pool.pending
-        except (RuntimeError, SandboxError):  # read outside a worker's event loop, or no sandbox here
-            waiting = 0
-        runs = 1 + sum(isinstance(t, dict) for t in tests) + waiting
+        runs = 1 + sum(isinstance(t, dict) for t in tests) + self.waiting()
         rounds = -(-runs // self.sandbox_config.max_concurrent)
         return max(super().step_timeout_s, rounds * (self.sandbox_config.wall_timeout_s + START_TIMEOUT_S))
 

@@ -174,8 +174,12 @@ class ToolEnv:
 
     @property
     def step_timeout_s(self) -> float:
-        """What a step's tool calls may take, each within tool_timeout_s (`rollout.env` docs)."""
-        return self.tool_timeout_s * self.max_tool_calls
+        """What a step's tool calls may take, each within its bound (`rollout.env` docs)."""
+        return self.call_bound() * self.max_tool_calls
+
+    def call_bound(self) -> float:
+        """The next tool call's bound: tool_timeout_s (a tool that queues for a resource adds its wait)."""
+        return self.tool_timeout_s
 
     @functools.cached_property
     def tools_schema(self) -> list[dict]:
@@ -226,10 +230,11 @@ class ToolEnv:
         arguments = dict(call.arguments)
         # `_text` goes in positionally: it is the first parameter's value, whatever its name.
         args = (arguments.pop("_text"),) if "_text" in arguments else ()
+        bound = self.call_bound()
         try:
-            result = await call_bounded(functools.partial(fn, *args, **arguments), timeout=self.tool_timeout_s)
+            result = await call_bounded(functools.partial(fn, *args, **arguments), timeout=bound)
         except asyncio.TimeoutError:
-            return name, f"error: tool {name!r} timed out after {self.tool_timeout_s:g} s"
+            return name, f"error: tool {name!r} timed out after {bound:g} s"
         except Exception as e:
             return name, f"error: {type(e).__name__}: {e}"
         content = str(result)
