@@ -50,6 +50,24 @@ class GymDigitsEnv:
         return None, sum(ch.isdigit() for ch in turn.text[:8]) / 8, True, {"seen": len(turn.text)}
 
 
+class SlowStepEnv(GymDigitsEnv):
+    """A step that takes a minute on the record asking for it; counts that record's closes."""
+
+    closed = 0
+
+    async def step(self, turn):
+        if self.prompt == "slow:":
+            await asyncio.sleep(60)
+        return super().step(turn)
+
+    def reset(self, sample):
+        self.prompt = sample["prompt"]
+        return super().reset(sample)
+
+    def close(self):
+        SlowStepEnv.closed += getattr(self, "prompt", None) == "slow:"
+
+
 class GymnasiumEnv:
     """Two turns, gymnasium's 5-tuple (observation, reward, terminated, truncated, info)."""
 
@@ -421,6 +439,32 @@ def test_an_env_is_made_off_the_workers_loop_within_the_env_bound(tokenizer_dir,
 
     ep = asyncio.run(fails_then_waits())
     assert ep.finish_reason == "failed" and SlowToMakeEnv.closed == 1
+
+
+def test_a_failed_evaluation_stops_its_other_episodes(tokenizer_dir, quiet, monkeypatch):
+    """An evaluation whose one record fails (its generator calls failing three times): the
+    other records' episodes are cancelled and their envs closed, where they played on, holding
+    envs, sandboxes and replica load, for results thrown away."""
+    import meshrl.agent.worker as worker_module
+    from meshrl.agent.turns import GenerationFailed
+
+    monkeypatch.setattr(worker_module, "RETRY_AFTER_S", 0.0)
+    monkeypatch.setattr(SlowStepEnv, "closed", 0)
+    worker, _ = play(tokenizer_dir, "SlowStepEnv", ["1234"] * 4)
+
+    def reply(ids):
+        if worker.tokenizer.decode(ids).endswith("fails:"):
+            raise RuntimeError("the replica is gone")
+        return worker.tokenizer.encode("1234")
+
+    worker.set_generators([ScriptedGenerator(reply)])
+
+    async def main():
+        with pytest.raises(GenerationFailed):
+            await asyncio.wait_for(worker.evaluate([{"prompt": "slow:", "answer": ""}, {"prompt": "fails:", "answer": ""}], 0, 1), 30)
+        assert SlowStepEnv.closed == 2  # the slow record's greedy and sampled episodes, cancelled in their step, before the failure is raised
+
+    asyncio.run(main())
 
 
 def test_a_step_gets_its_own_bounded_work_beyond_the_env_bound(tokenizer_dir, quiet):

@@ -296,7 +296,7 @@ class RolloutWorker:
                     self.turns.release(replica)
 
         async def record_result(i: int, record: dict) -> dict:
-            episodes = await asyncio.gather(one(i, record, 0.0), *(one(i, record, None) for _ in range(k)))
+            episodes = await all_or_none(one(i, record, 0.0), *(one(i, record, None) for _ in range(k)))
             versions = [v for ep in episodes for t in ep.model_turns for v in t.versions]
             return {
                 "greedy": episodes[0].reward,
@@ -307,7 +307,7 @@ class RolloutWorker:
                 "version_max": max(versions, default=version),
             }
 
-        return list(await asyncio.gather(*(record_result(i, r) for i, r in enumerate(records))))
+        return await all_or_none(*(record_result(i, r) for i, r in enumerate(records)))  # a failed one stops the rest, their envs closed
 
     # ---- the loop ------------------------------------------------------------------------------
     def start(self, queue) -> None:
