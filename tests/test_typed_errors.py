@@ -577,3 +577,28 @@ def test_a_shutdown_cancels_a_step_left_running_before_it_stops_anything():
         return stepping
 
     assert asyncio.run(main()).cancelled() and order == ["step ended", "stopping meshes"]
+
+
+def test_a_colocated_step_without_a_full_batch_leaves_the_engines_awake_and_times_out_once():
+    """placement=colocate, no complete batch within buffer.get_timeout_s: a BatchTimeout (the
+    loop's 'rollouts are not arriving' line), no engine put to sleep, where the trainer's call
+    then waited as long again beside awake engines (on a shared GPU, its memory theirs)."""
+    from types import SimpleNamespace
+
+    from meshrl.controller.colocate import sleep_for_trainer
+
+    config = Config.from_dict({"placement": "colocate", "buffer": {"get_timeout_s": 0.1}})
+    slept = []
+
+    async def wait_ready(groups, timeout):
+        return False
+
+    queue = SimpleNamespace(wait_ready=SimpleNamespace(call_one=wait_ready))
+    pool = SimpleNamespace(sleep=lambda keep_weights: slept.append(keep_weights) or asyncio.sleep(0))
+
+    async def watching(future):
+        return await future
+
+    with pytest.raises(BatchTimeout, match="no complete batch of") as info:
+        asyncio.run(sleep_for_trainer(config, SimpleNamespace(layout="colocated"), queue, [pool], watching, 0.0))
+    assert find(info.value, BatchTimeout) is info.value and slept == []

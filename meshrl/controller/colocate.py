@@ -16,6 +16,7 @@ import asyncio
 import time
 
 from meshrl.config import Config
+from meshrl.errors import BatchTimeout
 from meshrl.futures import awaited
 from meshrl.launch.memory import plan_memory
 
@@ -37,8 +38,8 @@ async def sleep_for_trainer(config: Config, plan, queue, pools: list, watching, 
     `watching` is the loop's wait that replaces dead replicas and workers meanwhile."""
     out = {}
     ready = await watching(asyncio.ensure_future(awaited(queue.wait_ready.call_one(config.batch_groups, config.buffer.get_timeout_s))))
-    if not ready:  # the trainer's own wait reports it, with the queue's counts
-        return out
+    if not ready:  # the loop's line for it (rollouts not arriving); the trainer would have waited as long again beside awake engines
+        raise BatchTimeout(f"no complete batch of {config.batch_groups} groups within buffer.get_timeout_s={config.buffer.get_timeout_s:g}s")
     out["colocate/generate_s"] = time.monotonic() - t0
     t0 = time.monotonic()
     await asyncio.gather(*(pool.sleep(keep_weights=not wakes_on_new_version(config, plan)) for pool in pools))
