@@ -137,6 +137,10 @@ def test_colocated_plans_share_the_gpus_and_auto_picks_them_only_when_the_roles_
     assert plan_devices(config(launcher={"gpus_per_host": 2})).placement == "split"
     assert plan_devices(config(generator={"replicas": 2}, launcher={"gpus_per_host": 2})).placement == "colocate"
     assert plan_devices(config(launcher={"kind": "process", "hosts": 2, "gpus_per_host": 1})).placement == "split"
+    # two `meshrl worker` hosts (launcher.hosts left at 1, as the workers are the hosts): split, where auto colocated
+    # every slot on a one-host mesh that does not exist, and the run went synchronous
+    workers = {"kind": "workers", "workers": ["10.0.0.2:26600", "10.0.0.3:26600"], "address": "10.0.0.1", "gpus_per_host": 8}
+    assert plan_devices(config(trainer={"procs": 8}, generator={"replicas": 8}, launcher=workers)).placement == "split"
     assert plan_devices(config()).placement == "split" and plan_devices(config(placement="colocate")).layout == "cpu"
     # what a split host leaves idle, and the count that would use it
     assert "(generator.replicas=7 would use them)" in plan_devices(config(launcher={"gpus_per_host": 8})).table()

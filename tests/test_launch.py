@@ -58,6 +58,10 @@ def test_plan_hosts_splits_roles(tmp_path):
     uneven = Config.from_dict({"trainer": {"procs": 3}, "generator": {"replicas": 2}, "launcher": {"kind": "process", "hosts": 3}})
     with pytest.raises(ConfigError, match="trainer.procs"):
         plan_hosts(uneven)
+    # a cluster recipe's hosts with launcher.kind=local: every role is on this machine, and two would share a GPU
+    with pytest.raises(ConfigError, match="launcher.kind=local runs every role on this machine") as info:
+        Config.from_dict({"launcher": {"kind": "local", "hosts": 2, "gpus_per_host": 8}})
+    assert info.value.field_path == "launcher.hosts"
 
 
 def test_spare_hosts_join_the_job_and_must_hold_the_whole_trainer(tmp_path):

@@ -226,6 +226,11 @@ def _check_launcher(c: Config) -> None:
     """Hosts, workers, and Slurm's time limit and signal."""
     launcher = c.launcher
     need(launcher.hosts >= 1, "launcher.hosts", f"must be at least 1, got {launcher.hosts}")
+    need(
+        launcher.hosts == 1 or launcher.kind != "local",
+        "launcher.hosts",
+        "launcher.kind=local runs every role on this machine (two roles would share its GPUs): set it to 1, or use process, slurm or workers",
+    )
     if launcher.kind == "workers":
         _check_workers(c)
     else:

@@ -306,6 +306,11 @@ class LauncherConfig:
     max_resubmits: int = 0
     """Slurm: after Slurm signaled the allocation and the run checkpointed, submit a fresh allocation and continue the run from that checkpoint (same step numbering), up to this many times. 0: stop, and print the `meshrl run --resume RUN_DIR` that continues it."""
 
+    @property
+    def working_hosts(self) -> int:
+        """The hosts the roles run on: `hosts`, or with `workers` those listed less the spares."""
+        return len(self.workers) - self.spare_hosts if self.kind == "workers" else self.hosts
+
 
 @dataclass
 class LoggingConfig:

@@ -273,7 +273,7 @@ def resolve_placement(config: Config, gpus: int | None = None) -> tuple[str, str
     if c.placement != "auto":
         return c.placement, "set by placement"
     g = gpus_per_host(c) if gpus is None else gpus
-    if c.launcher.hosts > 1 or c.distill.teacher or scorer_gpus(c):
+    if c.launcher.working_hosts > 1 or c.distill.teacher or scorer_gpus(c):
         return "split", "several hosts, a distillation teacher or model scorers: each role on devices of its own"
     if c.models and g == 0:
         return "split", "several models: trainers and generators apart, each model's beside the policy's; placement=colocate takes turns on all"

@@ -26,7 +26,7 @@ def plan_hosts(config: Config) -> dict[str, int]:
     a ConfigError says what to change.
     """
     la = config.launcher
-    hosts = len(la.workers) - la.spare_hosts if la.kind == "workers" else la.hosts
+    hosts = la.working_hosts
     trainer_procs = config.trainer.procs
     generator_procs = config.generator.replicas * config.generator.tp
     if hosts == 1:
