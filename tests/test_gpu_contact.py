@@ -238,6 +238,14 @@ def test_memory_plan_of_32b_on_two_hosts_of_eight(tmp_path):
     with pytest.raises(ConfigError, match=r"weight_sync.transport: .*two whole copies of the model"):
         check_memory(qwen3_config(tmp_path / "collective", "32B", weight_sync={"transport": "collective"}, **sections))
     assert "memory plan: 80.0 GiB per GPU" in plan.table() and "GPUs 0-7, each" in plan.table()
+    # an engine GPU over-full by vLLM's own budget (over rdma): named by that budget, not the transport it already avoids
+    (tmp_path / "budget").mkdir()
+    full = qwen3_config(
+        tmp_path / "budget", "32B", weight_sync={"transport": "rdma"}, **{**sections, "generator": {"replicas": 2, "tp": 4, "gpu_memory_utilization": 0.95}}
+    )
+    with pytest.raises(ConfigError, match=r"vLLM's budget and its CUDA context outgrow the GPU: lower it to at most 0\.94") as info:
+        check_memory(full)
+    assert info.value.field_path == "generator.gpu_memory_utilization"
 
 
 def test_offloaded_adamw_state_frees_its_storage_checkpoints_and_trains_on(tmp_path):

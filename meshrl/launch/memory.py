@@ -356,18 +356,36 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
                 )
             )
         else:
-            out.append(
-                (
-                    "weight_sync.transport",
-                    f"{at}: the collective transport's receive buffers hold two copies of the whole model "
-                    "on every generator GPU beside vLLM's budget: lower generator.gpu_memory_utilization, or "
-                    "use weight_sync.transport=rdma (host buffers)",
-                )
-            )
+            out.append(_engine_fix(config, gpu, at, cap))
     firsts: dict[str, str] = {}
     for f, why in out:
         firsts.setdefault(f, why)
     return list(firsts.items())
+
+
+def _engine_fix(config: Config, gpu, at: str, cap: float) -> tuple[str, str]:
+    """The field whose change fits a GPU holding no trainer: a generator's or a teacher's vLLM
+    budget (and the collective transport's receive buffers beside it), or a scorer's."""
+    lines = [(label, b) for h in gpu.holdings for label, b in h.lines]
+    if any(label.startswith("weight receive buffers") for label, _ in lines):
+        return (
+            "weight_sync.transport",
+            f"{at}: the collective transport's receive buffers hold two copies of the whole model "
+            "on every generator GPU beside vLLM's budget: lower generator.gpu_memory_utilization, or "
+            "use weight_sync.transport=rdma (host buffers)",
+        )
+    if gpu.holdings[0].role == "scorer":
+        return (
+            "scoring.scorers",
+            f"{at} for a scorer: lower its batch_size or max_len (a reward model, a prm: or raise its procs), "
+            "or generator.gpu_memory_utilization (a judge's vLLM budget)",
+        )
+    budgets = [b for label, b in lines if label.startswith("vLLM budget")]
+    room = HEADROOM * cap - (gpu.peak - sum(budgets))  # what the budgets may take beside the rest (CUDA contexts)
+    return (
+        "generator.gpu_memory_utilization",
+        f"{at}: vLLM's budget and its CUDA context outgrow the GPU: lower it to at most {max(room / cap / max(len(budgets), 1), 0):.2f}",
+    )
 
 
 def _trainer_fix(config: Config, trainer: Holding, at: str, cap: float) -> tuple[str, str]:
