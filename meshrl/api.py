@@ -338,15 +338,16 @@ class Session:
         loop = self._need()
         from meshrl.controller.evaluation import eval_timeout_s
 
-        try:  # the last step's evaluation waits for the one before it; one that never ends still leaves the checkpoint and export
-            self._call(loop.evaluations.finish(), 2 * eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
-        except TimeoutError as e:
-            log.warning("the last evaluation did not finish: %s", e)
-        goal = loop.version
-        ckpt = self._call(loop.checkpoint(), self._trainer_bound())
-        while loop.version < goal:  # a trainer healed inside the checkpoint lost a step: train it again
-            self.step(goal - loop.version)
+        goal, bound = loop.version, 2 * eval_timeout_s(self.config, self.config.eval.num_prompts) + 60
+        while True:  # a trainer healed inside the checkpoint lost a step: trained again, its evaluation of the weights exported waited for
+            try:  # the last step's evaluation waits for the one before it; one that never ends still leaves the checkpoint and export
+                self._call(loop.evaluations.finish(), bound)
+            except TimeoutError as e:
+                log.warning("the last evaluation did not finish: %s", e)
             ckpt = self._call(loop.checkpoint(), self._trainer_bound())
+            if loop.version >= goal:
+                break
+            self.step(goal - loop.version)
         hf = self._call(loop.export(), self._trainer_bound())
         png = plot_run(loop.run_dir) if self.config.logging.plot and loop.history else None
         return RunResult(loop.run_dir, list(loop.history), ckpt, hf, png, {p.name: p.export_dir(loop.run_dir) for p in loop.partners})

@@ -107,6 +107,56 @@ def test_an_evaluation_asked_for_with_nothing_held_out_is_refused(tmp_path):
     assert evaluated == [3] and evaluations.records
 
 
+def test_a_finish_whose_checkpoint_healed_a_step_away_waits_for_that_steps_evaluation_again():
+    """Session.finish: the trainer healed inside the final checkpoint lost the last step, which
+    is trained again, and so evaluated again: that evaluation is waited for before the export,
+    where the recorded final evaluation was of weights other than the export's, and its rerun
+    was cancelled by the stop."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from meshrl.api import Session
+    from meshrl.config import Config
+
+    events = []
+
+    class Evaluations:
+        pending = None
+
+        async def finish(self):
+            if self.pending is not None:
+                events.append(f"evaluated {self.pending}")
+            self.pending = None
+
+    loop = SimpleNamespace(version=5, evaluations=Evaluations(), history=[], partners=[], run_dir="runs/x")
+
+    async def checkpoint():
+        if "healed" not in events:
+            events.append("healed")
+            loop.version = 4  # restored a step back inside the call
+        return f"ckpt {loop.version}"
+
+    async def export():
+        events.append(f"exported {loop.version}")
+        return "hf/final"
+
+    loop.checkpoint, loop.export = checkpoint, export
+
+    def step(n):
+        loop.version += n
+        loop.evaluations.pending = loop.version  # the last step's evaluation starts with it
+
+    session = SimpleNamespace(
+        config=Config.from_dict({"logging": {"plot": False}}),
+        _need=lambda: loop,
+        _call=lambda coro, bound: asyncio.run(coro),
+        _trainer_bound=lambda: 60,
+        step=step,
+    )
+    result = Session.finish(session)
+    assert events == ["healed", "evaluated 5", "exported 5"] and result.checkpoint == "ckpt 5"
+
+
 def test_resolve_target(tmp_path):
     run = tmp_path / "run"
     for name in ("v0", "v3", "final"):
