@@ -1061,7 +1061,7 @@ class ScriptedGenerator:
 
         return run()
 
-    def _call_many(self, requests):
+    def _call_many(self, requests, call_id=None):
         """As GeneratorActor.generate_many: a failed sample comes back as its error text."""
         self.messages += 1
 

@@ -422,7 +422,7 @@ def test_a_failing_generator_call_fails_the_group_not_its_episodes(tokenizer_dir
     aborting = ScriptedGenerator(lambda ids: [5])
     worker.set_generators([aborting])
 
-    async def aborted(requests):
+    async def aborted(requests, call_id=None):
         return [RequestResult([5], [-0.5], [0], "abort") for _ in requests]
 
     aborting.generate_many = SimpleNamespace(call_one=aborted)
@@ -442,7 +442,7 @@ def test_a_replica_whose_call_failed_gets_groups_again_once_a_call_succeeds_or_a
     failing = {0: 1}  # replica -> calls left to fail
 
     def replica(i):
-        async def call(requests):
+        async def call(requests, call_id=None):
             if failing.get(i, 0) > 0:
                 failing[i] -= 1
                 return ["TimeoutError: waited 150s for version 3" for _ in requests]
@@ -492,7 +492,7 @@ def test_a_failing_generator_stops_the_rest_of_its_group(tokenizer_dir):
     worker.make_env = lambda: Env(exact)
     started = []
 
-    async def call(requests):
+    async def call(requests, call_id=None):
         started.extend(requests)
         if len(requests) == 1:  # the late episode's turn fails; the others' never return
             await asyncio.sleep(0.05)

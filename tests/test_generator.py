@@ -741,6 +741,71 @@ def test_a_drain_update_freezes_requests_longer_than_half_its_bound_instead_of_f
     asyncio.run(main())
 
 
+def test_a_call_its_caller_gave_up_on_is_aborted_on_the_replica_and_frees_its_requests(monkeypatch):
+    """A rollout worker's generate_many whose episodes all failed (their group cancelled):
+    TurnBatcher asks the replica to abort it by its id, and the replica's requests end (vLLM
+    aborts a cancelled request), where they decoded to their budgets for nobody, holding slots
+    and KV cache. A call of the same name that ended is not touched; the other calls go on."""
+    from types import SimpleNamespace
+
+    import meshrl.generator.service as service
+    from meshrl.agent.turns import TurnBatcher
+
+    ended = []
+
+    class Long(FakeEngine):
+        async def run_request(self, request_id, token_ids, max_tokens, temperature=None) -> RequestResult:
+            try:
+                if token_ids[0] == 9:
+                    await asyncio.sleep(3600)
+                return await super().run_request(request_id, token_ids, max_tokens, temperature)
+            except asyncio.CancelledError:
+                ended.append(request_id)
+                raise
+
+    monkeypatch.setattr(service, "VLLMEngine", Long)
+    config = Config.from_dict({"generator": {"max_new_tokens": 2}})
+
+    class Replica:  # the actor's two endpoints, on the service
+        def __init__(self, gen):
+            self.generate_many = SimpleNamespace(call_one=lambda requests, call_id=None: gen.generate_many(requests, call_id))
+
+            async def abort(call_id):
+                aborted.append(call_id)
+                return gen.abort_many(call_id)
+
+            self.abort_many = SimpleNamespace(call_one=abort)
+
+    aborted = []
+
+    async def main():
+        gen = service.Generator(config, "unused")
+        await gen.start(0)
+        batcher = TurnBatcher(config)
+        batcher.set_generators([Replica(gen)])
+        quick = await batcher.generate(0, [1, 7], 2, 0)  # a call that ended: its id is gone from the replica
+        turns = [asyncio.ensure_future(batcher.generate(0, [9, i], 2, 0)) for i in range(3)]
+        await asyncio.sleep(0.1)
+        assert gen.stats()["requests_in_flight"] == 3
+        for t in turns:  # their group failed: every episode waiting on the call is cancelled
+            t.cancel()
+        for _ in range(100):
+            if gen.stats()["requests_in_flight"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert gen.stats()["requests_in_flight"] == 0 and len(ended) == 3
+        assert len(aborted) == 1 and not gen._calls and not gen.abort_many(aborted[0])
+        # cancelled on its own (the replica stopping), the call is cancelled, not answered as aborted
+        own = asyncio.ensure_future(gen.generate_many([([9, 1], 2, None, 0)], "own"))
+        await asyncio.sleep(0.05)
+        own.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await own
+        return quick
+
+    assert asyncio.run(main()).token_ids == [5, 5]
+
+
 def test_a_loaded_version_takes_its_weights_name_only_when_surely_its_bytes(monkeypatch):
     """GeneratorActor._sync names the weights it loads only when they are the version asked
     for, just transferred: not a newer version, not the subscriber's held tensors (after a
@@ -967,6 +1032,31 @@ def test_pause_holds_generation_until_resume(world):
 
     results = asyncio.run(main())
     assert len(results) == 4 and all(len(r.token_ids) == 200 and r.finish_reason == "length" for r in results)
+
+
+@pytest.mark.slow
+def test_a_call_aborted_by_its_id_ends_its_requests_in_the_engine(world):
+    """abort_many on a real replica: the generate_many call it names answers at once as
+    aborted, vLLM ends its requests long before their budgets, and the replica serves on."""
+    gen = world["gen"]
+
+    async def main():
+        before = (await gen.stats.call_one())["tokens_generated"]
+        call = asyncio.ensure_future(awaited(gen.generate_many.call_one([(p, 250, None, 0) for p in prompts(3, seed=700)], call_id="worker-x-1")))
+        await wait_for_tokens(gen, before, 10)
+        await gen.pause_generation.call_one()  # (held mid-completion: the abort cannot come after they end)
+        try:
+            assert await gen.abort_many.call_one("worker-x-1") and not await gen.abort_many.call_one("worker-y-1")
+            results = await asyncio.wait_for(call, 30)
+        finally:
+            await gen.resume_generation.call_one()
+        stats = await gen.stats.call_one()
+        return results, stats["requests_in_flight"], stats["tokens_generated"] - before
+
+    results, in_flight, generated = asyncio.run(main())
+    assert results == ["aborted: its caller gave up on it"] * 3 and in_flight == 0 and generated < 3 * 250
+    (out,) = generate_all(gen, prompts(1, seed=701), 8, 0.0)
+    assert out.finish_reason == "length" and len(out.token_ids) == 8
 
 
 @pytest.mark.slow

@@ -6,12 +6,16 @@ answers at once, and would otherwise draw every new group until it is replaced).
 turns asked for within `COALESCE_S` of the first go to a replica in one `generate_many`
 message: a group's episodes ask together, so a replica receives one message, not
 `group_size`. A failed call fails each of its turns with `GenerationFailed`, and the
-worker plays the group again.
+worker plays the group again. A call none of whose turns is still wanted (their group
+failed) is aborted on its replica, whose slots go to the turns still wanted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import os
 import time
 
 from meshrl.config import Config
@@ -19,6 +23,8 @@ from meshrl.futures import awaited
 
 COALESCE_S = 0.002
 """Model turns asked for within this long of the first go to a replica in one message."""
+ABORT_TIMEOUT_S = 10.0
+"""Longest an abandoned call's abort may take (the replica stops the call's requests)."""
 FAILED_SKIP_S = 30.0
 """How long a replica whose call failed gets no new group (unless every replica failed): long
 enough for the controller's health check to replace a dead one, short enough that a live
@@ -31,7 +37,8 @@ class GenerationFailed(RuntimeError):
 
 class TurnBatcher:
     """The worker's link to the generator replicas (Monarch actor handles, or anything with
-    a `generate_many.call_one(requests)` that returns a future)."""
+    a `generate_many.call_one(requests, call_id=...)` that returns a future, and optionally an
+    `abort_many.call_one(call_id)`)."""
 
     def __init__(self, config: Config, startup_timeout_s: float | None = None):
         self.config = config
@@ -41,7 +48,8 @@ class TurnBatcher:
         self.load: list[int] = []  # groups playing on each replica, for the least-loaded choice
         self._failed: dict[int, float] = {}  # replica -> when a call failed: skipped for FAILED_SKIP_S, or until one succeeds
         self._waiting: dict[int, list] = {}  # replica -> model turns not yet sent, with their futures
-        self._calls: set[asyncio.Task] = set()  # generate_many calls in flight
+        self._calls: set[asyncio.Task] = set()  # generate_many calls in flight, and aborts of those abandoned
+        self._name, self._call_ids = f"{os.getpid()}.{id(self):x}", itertools.count()  # unique among a replica's callers
 
     def set_generators(self, generators: list) -> None:
         """The replicas to send model turns to (after a replacement or a rescale)."""
@@ -86,22 +94,34 @@ class TurnBatcher:
         batch = self._waiting.pop(replica, [])
         if not batch:
             return
-        task = asyncio.ensure_future(self._call_many(replica, batch))
+        call_id = f"{self._name}-{next(self._call_ids)}"
+        task = asyncio.ensure_future(self._call_many(replica, batch, call_id))
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
 
-        def abandon(_) -> None:  # every episode waiting on the call is gone (its group failed)
-            if all(future.done() for _, future in batch) and not task.done():
+        def abandon(_) -> None:  # every episode waiting on the call is gone (its group failed): the replica stops it too
+            if all(future.done() for _, future in batch) and not task.done() and not task.cancelling():
                 task.cancel()
+                aborting = asyncio.ensure_future(self._abort(replica, call_id))
+                self._calls.add(aborting)
+                aborting.add_done_callback(self._calls.discard)
 
         for _, future in batch:
             future.add_done_callback(abandon)
 
-    async def _call_many(self, replica: int, batch: list) -> None:
+    async def _abort(self, replica: int, call_id: str) -> None:
+        """Best effort: a replica gone, or one without the endpoint (a stand-in), ends its call itself."""
+        endpoint = getattr(self.generators[replica], "abort_many", None) if replica < len(self.generators) else None
+        if endpoint is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(awaited(endpoint.call_one(call_id)), ABORT_TIMEOUT_S)
+
+    async def _call_many(self, replica: int, batch: list, call_id: str) -> None:
         try:
             if replica >= len(self.generators):
                 raise GenerationFailed("its generator replica was removed")
-            results = await asyncio.wait_for(awaited(self.generators[replica].generate_many.call_one([r for r, _ in batch])), self.call_timeout_s)
+            call = self.generators[replica].generate_many.call_one([r for r, _ in batch], call_id=call_id)
+            results = await asyncio.wait_for(awaited(call), self.call_timeout_s)
         except asyncio.CancelledError:  # the worker is stopping
             for _, future in batch:
                 future.cancel()

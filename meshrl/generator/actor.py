@@ -87,15 +87,17 @@ class GeneratorActor(Actor):
         return await self._gen().generate(token_ids, max_new_tokens, temperature, min_version)
 
     @endpoint_for_callers_that_may_die
-    async def generate_many(self, requests: list[tuple]) -> list[RequestResult | str]:
+    async def generate_many(self, requests: list[tuple], call_id: str | None = None) -> list[RequestResult | str]:
         """Several independent samples in one call, each `(token_ids, max_new_tokens,
         temperature, min_version)` as for `generate`: the model turns a rollout worker's
         episodes asked for in the same instant (a group's first turns, notably), so that one
-        message carries them instead of one each. A sample that fails comes back as its
-        error text; the others are not affected."""
-        gen = self._gen()
-        results = await asyncio.gather(*(gen.generate(*r) for r in requests), return_exceptions=True)
-        return [f"{type(r).__name__}: {str(r).strip()[:200]}" if isinstance(r, BaseException) else r for r in results]
+        message carries them instead of one each (see Generator.generate_many)."""
+        return await self._gen().generate_many(requests, call_id)
+
+    @concurrent_endpoint
+    async def abort_many(self, call_id: str) -> bool:
+        """Stop the generate_many call `call_id`, whose caller gave up on it (Generator.abort_many)."""
+        return self._gen().abort_many(call_id)
 
     @endpoint_for_callers_that_may_die
     async def score_many(self, sequences: list[list[int]]) -> list[list[float] | str]:

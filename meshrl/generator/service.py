@@ -90,6 +90,7 @@ class Generator:
         self.replica = replica
         self.teacher = teacher
         self._request_ids = itertools.count()
+        self._calls: dict[str, asyncio.Future] = {}  # generate_many calls by their callers' ids, for abort_many
         # Admission gate: cleared while paused, updating or stopping; requests wait on it.
         self._open = asyncio.Event()
         self._open.set()
@@ -170,6 +171,30 @@ class Generator:
                 continue
             out.finish_reason = part.finish_reason
             return out
+
+    async def generate_many(self, requests: list[tuple], call_id: str | None = None) -> list[RequestResult | str]:
+        """`generate` on each of `requests` (its arguments), at once; a sample that fails comes
+        back as its error text, the others unaffected. `call_id`: the caller's name for the
+        call, which `abort_many` stops."""
+        samples = asyncio.ensure_future(asyncio.gather(*(self.generate(*r) for r in requests), return_exceptions=True))
+        if call_id is not None:
+            self._calls[call_id] = samples
+        try:
+            results = await samples
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this call itself, not abort_many
+                raise
+            return ["aborted: its caller gave up on it"] * len(requests)
+        finally:
+            self._calls.pop(call_id, None)
+        return [f"{type(r).__name__}: {str(r).strip()[:200]}" if isinstance(r, BaseException) else r for r in results]
+
+    def abort_many(self, call_id: str) -> bool:
+        """Stop the generate_many call `call_id`, whose caller no longer waits for any of its
+        samples (their episodes failed or were cancelled): vLLM aborts its requests, and their
+        slots and KV cache go to the turns still wanted. False if it had ended."""
+        samples = self._calls.get(call_id)
+        return samples is not None and samples.cancel()
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """The log-prob of each of `token_ids` given the ones before it (position 0: 0.0), at
