@@ -164,6 +164,38 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, family):
         assert torch.equal(model2(tokens), model(tokens))
 
 
+def test_a_llama_3_2_checkpoint_tied_and_rope_scaled_loads_with_transformers_logits(tmp_path):
+    """A Llama 3.2-style checkpoint made by transformers: tied embeddings (no lm_head in its
+    files, where the load failed after the meshes started) and `llama3` rope scaling (dropped,
+    so the trainer's log-probs were apart from vLLM's, which applies it). Another scaling is
+    refused by name rather than trained on silently."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    hf_config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, rope_theta=500000.0, rope_scaling=scaling, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    )  # fmt: skip
+    hf = LlamaForCausalLM(hf_config).eval()
+    hf.save_pretrained(tmp_path / "llama", safe_serialization=True)
+    cfg, overrides = model_args_from_hf(tmp_path / "llama")
+    assert cfg.family == "llama3" and overrides["tie"] and overrides["rope_scaling"]["factor"] == 8.0
+    model, specs = build_model(cfg, seed=9, hf_overrides=overrides)
+    ckpt.load_hf(model, specs, str(tmp_path / "llama"))
+    tokens = torch.randint(3, 128, (2, 96))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() < 1e-4
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="llama3 rope_type 'yarn' is not mapped onto TorchTitan"):
+        model_args_from_hf(tmp_path / "llama")
+
+
 @pytest.mark.parametrize("turns", [1, 3])
 def test_micro_batches_sum_to_the_full_batch_loss(turns):
     batch = make_batch(version=2, turns=turns)  # token versions 1 and 2

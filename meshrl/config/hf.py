@@ -64,6 +64,10 @@ def dsv3_settings(cfg: ModelConfig, **overrides) -> dict:
     return settings
 
 
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+"""The settings of HF's `llama3` rope scaling (Llama 3.1, 3.2), in TorchTitan's "llama" RoPE."""
+
+
 def model_args_from_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
     """Read a local HF checkpoint's config.json into (ModelConfig, hf_overrides for build_model)."""
     with open(os.path.join(path, "config.json")) as f:
@@ -86,9 +90,18 @@ def model_args_from_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
         experts_top_k=hf.get("num_experts_per_tok", 2) if moe else 2,
         max_seq_len=hf.get("max_position_embeddings", 256),
     )
-    overrides: dict[str, Any] = {"tie": bool(hf.get("tie_word_embeddings", False))} if family.startswith("qwen3") else {}
+    overrides: dict[str, Any] = {"tie": bool(hf.get("tie_word_embeddings", False))} if family != "deepseek_v3" else {}
     if "rope_theta" in hf or "rope_parameters" in hf:
         overrides["rope_theta"] = float(hf.get("rope_theta") or hf["rope_parameters"].get("rope_theta"))
+    if family != "deepseek_v3":  # (its own: _dsv3_overrides_from_hf)
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if family == "llama3" and kind == "llama3":  # Llama 3.1 and 3.2's frequency scaling, as TorchTitan's "llama" RoPE
+            overrides["rope_scaling"] = {k: rope[k] for k in LLAMA3_ROPE_KEYS if k in rope}
+        elif kind != "default":  # vLLM would apply it and the trainer not: every log-prob apart
+            raise ValueError(
+                f"{path}: {family} rope_type {kind!r} is not mapped onto TorchTitan; only the default rotary embedding (and Llama 3's llama3 scaling) are"
+            )
     if family.startswith("qwen3"):
         overrides["norm_eps"] = float(hf.get("rms_norm_eps", 1e-6))
         if hf.get("head_dim") and hf["head_dim"] != cfg.dim // cfg.n_heads:

@@ -19,7 +19,7 @@ import torch
 from meshrl.compat import titan_use_sdpa_attention
 from meshrl.trainer.attention import document_sdpa
 from meshrl.config import ModelConfig
-from meshrl.config.hf import DSV3_KEYS, dsv3_settings, model_args_from_hf  # noqa: F401 (model_args_from_hf: re-exported)
+from meshrl.config.hf import DSV3_KEYS, LLAMA3_ROPE_KEYS, dsv3_settings, model_args_from_hf  # noqa: F401 (model_args_from_hf: re-exported)
 from meshrl.trainer import lora as adapters
 from meshrl.trainer.head import float32_logits
 
@@ -74,12 +74,17 @@ def _qwen3_config(cfg: ModelConfig, tie: bool = False, rope_theta: float = 1e6, 
     )
 
 
-def _llama3_config(cfg: ModelConfig, rope_theta: float = 500000.0, **_):
+def _llama3_config(cfg: ModelConfig, rope_theta: float = 500000.0, tie: bool = False, rope_scaling: dict | None = None, **_):
     import torchtitan.models.llama3 as l
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear
 
-    # No "llama" frequency scaling: a from-scratch model has no pretraining length to extend.
-    rope = ComplexRoPE.Config(dim=cfg.dim // cfg.n_heads, max_seq_len=cfg.max_seq_len, theta=rope_theta)
+    # "llama" frequency scaling only from a checkpoint's config (Llama 3.1, 3.2): a from-scratch
+    # model has no pretraining length to extend.
+    scaling = {}
+    if rope_scaling:
+        names = dict(zip(LLAMA3_ROPE_KEYS, ("scaling_factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")))
+        scaling = {"scaling": "llama", **{names[k]: v for k, v in rope_scaling.items()}}
+    rope = ComplexRoPE.Config(dim=cfg.dim // cfg.n_heads, max_seq_len=cfg.max_seq_len, theta=rope_theta, **scaling)
     layers = l._build_llama3_layers(
         n_layers=cfg.n_layers,
         dim=cfg.dim,
@@ -94,7 +99,10 @@ def _llama3_config(cfg: ModelConfig, rope_theta: float = 500000.0, **_):
         l.Llama3Model.Config(
             dim=cfg.dim,
             vocab_size=cfg.vocab_size,
-            tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.dim, param_init=l._EMBEDDING_INIT),
+            enable_weight_tying=tie,  # Llama 3.2 1B and 3B
+            tok_embeddings=Embedding.Config(
+                num_embeddings=cfg.vocab_size, embedding_dim=cfg.dim, param_init=l._EMBEDDING_SKIP_INIT if tie else l._EMBEDDING_INIT
+            ),
             norm=l.RMSNorm.Config(normalized_shape=cfg.dim, param_init=l._NORM_INIT),
             lm_head=Linear.Config(in_features=cfg.dim, out_features=cfg.vocab_size, param_init=l._output_linear_init(cfg.dim)),
             layers=layers,
@@ -165,7 +173,9 @@ def _deepseek_v3_config(cfg: ModelConfig, rope_theta: float = 10000.0, norm_eps:
 _FAMILIES = {"qwen3": _qwen3_config, "qwen3_moe": _qwen3_config, "llama3": _llama3_config, "deepseek_v3": _deepseek_v3_config}
 
 
-def hf_config_dict(cfg: ModelConfig, tie: bool = False, rope_theta: float | None = None, norm_eps: float = 1e-6, **dsv3) -> dict:
+def hf_config_dict(
+    cfg: ModelConfig, tie: bool = False, rope_theta: float | None = None, norm_eps: float = 1e-6, rope_scaling: dict | None = None, **dsv3
+) -> dict:
     """The HF config.json matching a from-scratch TorchTitan model of these sizes.
 
     `dsv3`: deepseek_v3 settings (DSV3_KEYS) that differ from the from-scratch ones.
@@ -221,6 +231,7 @@ def hf_config_dict(cfg: ModelConfig, tie: bool = False, rope_theta: float | None
             rope_theta=rope_theta or 500000.0,
             hidden_act="silu",
             rms_norm_eps=1e-5,
+            **({"rope_scaling": {"rope_type": "llama3", **rope_scaling}} if rope_scaling else {}),
         )
     if cfg.family == "deepseek_v3":
         if tie:
@@ -257,7 +268,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int 
 
     The model is materialised and initialised on `device` with `seed` before any
     sharding, so every rank (and every world size) starts from identical weights.
-    `hf_overrides` carries checkpoint-only settings (tie, rope_theta, norm_eps, head_dim).
+    `hf_overrides` carries checkpoint-only settings (tie, rope_theta, rope_scaling, norm_eps, head_dim).
     `parallelism` (a TorchTitan ParallelismConfig) sets the modules' sharding plans (EP/TP)
     before they are built, as TorchTitan's own trainer does. `lora` (a LoRAConfig with
     rank > 0): adapters on its targets, every other weight frozen (meshrl/trainer/lora.py).
@@ -279,5 +290,5 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int 
         adapters.add_dropout(model, lora.dropout)
     if parallelism is None or parallelism.tensor_parallel_degree == 1:  # TP keeps TorchTitan's head (meshrl/trainer/head.py)
         float32_logits(model.lm_head)  # log-probs from unrounded logits
-    hf = hf_config_dict(cfg, **{k: v for k, v in hf_overrides.items() if k in ("tie", "rope_theta", "norm_eps") + DSV3_KEYS})
+    hf = hf_config_dict(cfg, **{k: v for k, v in hf_overrides.items() if k in ("tie", "rope_theta", "norm_eps", "rope_scaling") + DSV3_KEYS})
     return model, ModelSpecs(cfg.family, titan_config, adapter_cls, parallelize_fn, hf)
