@@ -180,15 +180,16 @@ def iter_rows(source: str, batch_rows: int = 1024, held_out: bool = False) -> It
                 yield n, dict(zip(keys, values))
 
 
-def check_source(cfg: DataConfig, time_limit_s: float) -> tuple[dict | None, int, bool]:
+def check_source(cfg: DataConfig, time_limit_s: float, held_out: bool = False) -> tuple[dict | None, int, bool]:
     """Read a stored source row by row for at most `time_limit_s` s, each made a record as
-    the queue will make it. Returns (the first record, rows checked, whether that was all
-    of them); DataError at the first bad row. A generated source: (None, 0, True)."""
+    the queue will make it (`held_out`: an eval source's split, as `load_records`). Returns
+    (the first record, rows checked, whether that was all of them); DataError at the first
+    bad row. A generated source: (None, 0, True)."""
     if source_kind(cfg.source) not in ("file", "dataset"):
         return None, 0, True
     deadline = time.monotonic() + time_limit_s
     first, count = None, 0
-    for n, row in iter_rows(cfg.source):
+    for n, row in iter_rows(cfg.source, held_out=held_out):
         record = _record(cfg, f"{cfg.source}:{n}", row)
         first = first if first is not None else record
         count += 1
@@ -205,16 +206,16 @@ def check_records(c: Config) -> dict:
     the first bad row a ConfigError (kind `data error`) `FILE:LINE: what is wrong`."""
     record = _first_record(c)
     if c.eval.every and c.eval.source is not None and source_kind(c.eval.source) in ("file", "dataset"):
-        _first_record(dataclasses.replace(c, data=dataclasses.replace(c.data, source=c.eval.source)))
+        _first_record(dataclasses.replace(c, data=dataclasses.replace(c.data, source=c.eval.source)), held_out=True)
     return record
 
 
-def _first_record(c: Config) -> dict:
+def _first_record(c: Config, held_out: bool = False) -> dict:
     d = c.data
     try:
         if source_kind(d.source) in ("file", "dataset"):
             if c.contracts.data_check_s > 0:
-                first, rows, complete = check_source(d, c.contracts.data_check_s)
+                first, rows, complete = check_source(d, c.contracts.data_check_s, held_out)
                 if not complete:
                     logging.getLogger("meshrl").warning(
                         "%s: checked the first %d rows in contracts.data_check_s=%gs; the rest are checked as the run reads them",
@@ -223,7 +224,7 @@ def _first_record(c: Config) -> dict:
                         c.contracts.data_check_s,
                     )
                 return first
-            for n, row in iter_rows(d.source):
+            for n, row in iter_rows(d.source, held_out=held_out):
                 return _record(d, f"{d.source}:{n}", row)
             raise DataError(f"{d.source}: holds no records")
         return generator(d, str(c.seed), 1)(0, 0)

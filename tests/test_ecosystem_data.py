@@ -261,6 +261,13 @@ def test_a_train_and_test_dataset_is_evaluated_on_its_test_split(tmp_path):
         config = Config.from_dict({"data": data, "eval": {"source": str(path), "every": 5}, "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}})
         assert [r["answer"] for r in load_records(config.data)] == ["1", "2", "3"]  # training reads `train`
         assert [r["answer"] for r in eval_records(config)] == [str(row["level"] + 1) for row in want]
+    # the preflight's check reads the split evaluation reads: a bad test split is refused before the meshes start
+    from meshrl.data import check_records
+
+    DatasetDict({"train": train, "test": Dataset.from_list([{"question": "no prompt here"}])}).save_to_disk(str(tmp_path / "bad-test"))
+    config = Config.from_dict({"data": {"source": "task:digits"}, "eval": {"source": str(tmp_path / "bad-test"), "every": 5}})
+    with pytest.raises(ConfigError, match="bad-test:1: no 'prompt' field"):
+        check_records(config)
 
 
 def test_an_eval_file_is_read_only_as_far_as_its_prompts(tmp_path):
