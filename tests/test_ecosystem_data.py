@@ -264,7 +264,8 @@ def test_a_train_and_test_dataset_is_evaluated_on_its_test_split(tmp_path):
     # the preflight's check reads the split evaluation reads: a bad test split is refused before the meshes start
     from meshrl.data import check_records
 
-    DatasetDict({"train": train, "test": Dataset.from_list([{"question": "no prompt here"}])}).save_to_disk(str(tmp_path / "bad-test"))
+    good = Dataset.from_list([{"prompt": "1+1=", "answer": "2"}])
+    DatasetDict({"train": good, "test": Dataset.from_list([{"question": "no prompt here"}])}).save_to_disk(str(tmp_path / "bad-test"))
     config = Config.from_dict({"data": {"source": "task:digits"}, "eval": {"source": str(tmp_path / "bad-test"), "every": 5}})
     with pytest.raises(ConfigError, match="bad-test:1: no 'prompt' field"):
         check_records(config)
