@@ -117,6 +117,7 @@ def test_overrides_dict_and_code_agree():
         ({"rollout": {"workers": 0}}, "rollout.workers", "at least 1"),
         ({"rollout": {"groups_per_worker": -1}}, "rollout.groups_per_worker", "at least 0"),
         ({"rollout": {"max_turns": 0}}, "rollout.max_turns", "at least 1"),
+        ({"generator": {"tp": 3}}, "generator.tp", "must divide the model's 2 attention heads"),  # vLLM refused it at the engine's start
         ({"rollout": {"env_timeout_s": 0}}, "rollout.env_timeout_s", "positive"),
         ({"rollout": {"tool_parser": "xml"}}, "rollout.tool_parser", "'hermes', 'compact' or a parser function"),
         ({"rollout": {"enviroment": "x"}}, "rollout.enviroment", "unknown field"),

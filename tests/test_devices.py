@@ -201,7 +201,13 @@ def test_colocation_and_shm_need_one_host(sections, field):
             "set generator.replicas=4",
         ),
         (
-            {"placement": "split", "trainer": {"procs": 2}, "generator": {"replicas": 2, "tp": 4}, "launcher": {"gpus_per_host": 8}},
+            {
+                "placement": "split",
+                "model": {"n_heads": 4, "dim": 128},
+                "trainer": {"procs": 2},
+                "generator": {"replicas": 2, "tp": 4},
+                "launcher": {"gpus_per_host": 8},
+            },
             "generator.replicas",
             "set generator.replicas=1",
         ),

@@ -50,7 +50,14 @@ def test_plan_hosts_splits_roles(tmp_path):
     assert plan_hosts(_config(tmp_path, kind="process", hosts=1)) == {"hosts": 1}
     # CPU hosts: in proportion to procs (2 trainer, 1 generator)
     assert plan_hosts(_config(tmp_path, kind="process", hosts=3)) == {"trainer": 2, "generator": 1}
-    gpu = Config.from_dict({"trainer": {"procs": 16}, "generator": {"replicas": 4, "tp": 4}, "launcher": {"kind": "slurm", "hosts": 4, "gpus_per_host": 8}})
+    gpu = Config.from_dict(
+        {
+            "model": {"n_heads": 4, "dim": 128},
+            "trainer": {"procs": 16},
+            "generator": {"replicas": 4, "tp": 4},
+            "launcher": {"kind": "slurm", "hosts": 4, "gpus_per_host": 8},
+        }
+    )
     assert plan_hosts(gpu) == {"trainer": 2, "generator": 2}
     too_few = Config.from_dict({"trainer": {"procs": 16}, "launcher": {"kind": "slurm", "hosts": 2, "gpus_per_host": 8}})
     with pytest.raises(ConfigError, match="launcher.hosts"):

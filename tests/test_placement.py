@@ -34,7 +34,7 @@ def test_auto_splits_the_cores_between_the_roles():
     assert auto(list(range(8))) == ("0,1,2,3", "4,5,6,7")
     assert auto(list(range(8)), generator={"replicas": 2}) == ("0,1,2,3", "4,5|6,7")
     assert auto(list(range(8)), trainer={"device": "cpu", "procs": 2, "dp_shard": 2}) == ("0,1|2,3", "4,5,6,7")
-    assert auto(list(range(4)), generator={"replicas": 1, "tp": 3}) == ("0", "1,2,3")  # tp workers need a core each
+    assert auto(list(range(4)), model={"n_heads": 3, "dim": 96}, generator={"replicas": 1, "tp": 3}) == ("0", "1,2,3")  # tp workers need a core each
     # sync mode too: each role runs alone on its half (see meshrl/pinning.py)
     assert auto([0, 1], buffer={"depth": 0, "max_lag": 0}, generator={"update_mode": "block"}) == ("0", "1")
 

@@ -177,6 +177,8 @@ def _check_generator(c: Config) -> None:
     gen = c.generator
     need(gen.replicas >= 1, "generator.replicas", f"must be at least 1, got {gen.replicas}")
     need(gen.tp >= 1, "generator.tp", f"must be at least 1, got {gen.tp}")
+    if c.model.path is None:  # a checkpoint's heads: trainer/checks.py's check_model
+        need(engine_splits_heads(c.model.n_heads, c.model.n_kv_heads, gen.tp), "generator.tp", engine_tp_fix(c.model.n_heads, c.model.n_kv_heads, gen.tp))
     one = loss.advantage in ("grpo_no_std", "gae")  # no group statistic that one completion leaves undefined
     need(
         gen.group_size >= 2 or one and gen.group_size >= 1,
@@ -339,3 +341,15 @@ def _check_cpus(path: str, spec: str, min_per_list: int, on_this_machine: bool) 
                 path,
                 f"cores {sorted(set(cpus) - set(allowed))} do not exist here (this machine has {allowed}): use those, or empty for no pinning",
             )
+
+
+def engine_splits_heads(n_heads: int, n_kv_heads: int, tp: int) -> bool:
+    """vLLM's rule for generator.tp: it divides the attention heads, and divides the KV heads or
+    is a multiple of them (each shard then holds a copy of one)."""
+    return n_heads % tp == 0 and (n_kv_heads % tp == 0 or tp % n_kv_heads == 0)
+
+
+def engine_tp_fix(n_heads: int, n_kv_heads: int, tp: int) -> str:
+    return (
+        f"{tp} must divide the model's {n_heads} attention heads, and divide its {n_kv_heads} KV heads or be a multiple of them (vLLM's rule): pick a divisor"
+    )

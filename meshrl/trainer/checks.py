@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from meshrl.config import MOE_FAMILIES, Config, ConfigError
 from meshrl.config.hf import model_args_from_hf
+from meshrl.config.model_checks import engine_splits_heads, engine_tp_fix
 from meshrl.errors import first_line
 
 if TYPE_CHECKING:
@@ -214,6 +215,8 @@ def check_model(c: Config, plan: DevicePlan, own: DevicePlan | None = None) -> s
             raise ConfigError(
                 "trainer.tp", f"{tp} must divide the checkpoint's {shape.n_heads} attention heads and {shape.n_kv_heads} KV heads: pick a divisor"
             )
+        if not engine_splits_heads(shape.n_heads, shape.n_kv_heads, c.generator.tp):
+            raise ConfigError("generator.tp", engine_tp_fix(shape.n_heads, shape.n_kv_heads, c.generator.tp))
         if m.max_seq_len > longest:  # the trainer's RoPE tables are the checkpoint's length; vLLM's context is max_seq_len
             raise ConfigError(
                 "model.max_seq_len", f"{m.max_seq_len} exceeds the checkpoint's max_position_embeddings={longest} ({m.path}): lower it to at most {longest}"
