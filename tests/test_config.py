@@ -202,6 +202,23 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     assert out.returncode == 2 and "not valid YAML" in out.stderr
 
 
+def test_a_key_given_twice_is_refused_and_a_time_is_text(tmp_path):
+    """A section written twice in one file: refused naming it and its line, where YAML kept the
+    second alone and the first's values (a learning rate) silently went back to defaults. An
+    unquoted H:MM:SS stays text (YAML 1.1 read `4:00:00` as 14400 seconds), in a file and an override."""
+    from meshrl.config.loading import load_yaml
+
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("trainer:\n  lr: 1.0e-5\nsteps: 3\ntrainer:\n  checkpoint_every: 10\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line 4: 'trainer' is given twice, keep one"):
+        load_yaml(twice)
+    hours = tmp_path / "hours.yaml"
+    hours.write_text("launcher:\n  kind: slurm\n  time_limit: 4:00:00\n")
+    assert Config.from_dict(load_yaml(hours)).launcher.time_limit == "4:00:00"
+    assert Config.from_dict(apply_overrides({}, ["launcher.kind=slurm", "launcher.time_limit=12:00:00"])).launcher.time_limit == "12:00:00"
+    assert apply_overrides({}, ["trainer.lr=1.0e-5", "steps=7", "x.y=0x10"]) == {"trainer": {"lr": 1e-5}, "steps": 7, "x": {"y": 16}}
+
+
 def test_rollout_section_and_what_it_allows(tmp_path):
     c = Config()
     assert (c.rollout.workers, c.rollout.env, c.rollout.env_args, c.rollout.max_turns, c.rollout.tool_parser) == (1, None, {}, 8, "hermes")

@@ -43,16 +43,49 @@ def need(ok: bool, path: str, message: str) -> None:
         raise ConfigError(path, message)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as a config is read: a key given twice in one mapping is an error (PyYAML keeps the
+    last, silently dropping a whole section written twice), and H:MM:SS is text (YAML 1.1
+    reads an unquoted `4:00:00` as 14400 seconds, launcher.time_limit's format)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if not (tag.endswith((":int", ":float")) and ":[0-5]?[0-9]" in regexp.pattern)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_SEXAGESIMAL_FREE = {
+    "tag:yaml.org,2002:int": r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$",
+    "tag:yaml.org,2002:float": r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9_]+(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+}
+for _tag, _pattern in _SEXAGESIMAL_FREE.items():
+    _Loader.add_implicit_resolver(_tag, re.compile(_pattern, re.X), list("-+0123456789."))
+
+
+def parse_yaml(text) -> Any:
+    """YAML text (or an open file) as `_Loader` reads it."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError("", f"config file {str(path)!r} not found: pass the path of a YAML file (see configs/)")
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = parse_yaml(f)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError("", f"{path} is not valid YAML{where}: fix the syntax") from None
+        problem = getattr(e, "problem", None) if isinstance(e, yaml.constructor.ConstructorError) else None
+        raise ConfigError("", f"{path} is not valid YAML{where}" + (f": {problem}, keep one" if problem else ": fix the syntax")) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -80,7 +113,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section: remove the trailing keys")
             node = child
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = parse_yaml(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
         name, index = _indexed(parts[-1])
