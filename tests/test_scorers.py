@@ -204,10 +204,10 @@ def test_reward_model_learns_the_preferences_and_scores_padded_batches_as_single
 
 # ---- remote ----------------------------------------------------------------------------------
 class RewardServer:
-    """A reward server on loopback: fails its first `fail` requests with HTTP 500, then
-    answers each item's response length (or, with steps, each step's)."""
+    """A reward server on loopback: fails its first `fail` requests with HTTP 500 (`cut`: by
+    closing mid-body instead), then answers each item's response length (or, with steps, each step's)."""
 
-    def __init__(self, fail: int = 0, answer=None):
+    def __init__(self, fail: int = 0, answer=None, cut: bool = False):
         outer = self
         self.requests = 0
 
@@ -215,6 +215,12 @@ class RewardServer:
             def do_POST(self):
                 outer.requests += 1
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if outer.requests <= fail and cut:  # a body cut short: http.client's IncompleteRead
+                    self.send_response(200)
+                    self.send_header("Content-Length", "100")
+                    self.end_headers()
+                    self.wfile.write(b'{"scores": [')
+                    return
                 if outer.requests <= fail:
                     self.send_response(500)
                     self.end_headers()
@@ -246,6 +252,12 @@ def test_remote_scorer_retries_a_failing_server_and_fails_items_it_never_answers
         assert got == [3.0, [1.0]] and flaky.requests == 3
     finally:
         flaky.close()
+    cut = RewardServer(fail=1, cut=True)  # an answer cut short is retried too, where it failed every worker's items in the batch
+    try:
+        got = asyncio.run(Remote(ScorerConfig(kind="remote", url=cut.url, retries=2, timeout_s=20)).score(items))
+        assert got == [3.0, [1.0]] and cut.requests == 2
+    finally:
+        cut.close()
     down = RewardServer(fail=100)
     try:
         got = asyncio.run(Remote(ScorerConfig(kind="remote", url=down.url, retries=1, timeout_s=20)).score(items))
@@ -431,6 +443,15 @@ def test_episode_reward_weighs_each_signal_and_logs_each_one(char_tokenizer):
     p = len(char_tokenizer.encode("a:"))
     assert ep.process == [(p + 2, 3.0), (p + 5, 6.0)]  # "12," and "12,345"
     assert ep.signals["rm/queue_s"] == 0.01 and ep.signals["rm/score_s"] == 0.02 and ep.signals["rm/wait_s"] >= 0
+    # a second process scorer at weight 0, watched, with steps of its own: logged, and nothing of it trained on
+    # (its step ends, at score 0, pulled the baseline and moved the per-token advantages)
+    watched = {"kind": "function", "path": "tests.test_scorers:per_step", "weight": 0.0, "name": "watched", "process": "step", "step_delimiter": "4"}
+    cfg = Config.from_dict({"scoring": {"scorers": [*cfg.to_dict()["scoring"]["scorers"], watched], "env_weight": 0.5}})
+    scorers = EpisodeScorers(cfg, char_tokenizer)
+    scorers.set_replicas({1: [(0, StandIn(value=0.25))]})
+    ep = _episode(char_tokenizer, "12,345")
+    asyncio.run(scorers.score(ep, {"prompt": "a:", "answer": ""}))
+    assert ep.signals["watched"] == 6.0 and ep.process == [(p + 2, 3.0), (p + 5, 6.0)]
 
 
 def test_an_episode_without_a_model_turn_is_left_unscored(char_tokenizer):

@@ -28,6 +28,7 @@ step (process rewards, meshrl/scorers/process.py). A `Failed` result fails its e
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import math
 import os
@@ -262,7 +263,7 @@ class Remote:
             try:
                 scores = await asyncio.wait_for(asyncio.to_thread(self._post, items, left), left)
                 return [check_remote(s, item) for s, item in zip(scores, items)]
-            except (OSError, ValueError, asyncio.TimeoutError, urllib.error.URLError) as e:
+            except (OSError, ValueError, asyncio.TimeoutError, urllib.error.URLError, http.client.HTTPException) as e:  # (a body cut short, a bad status line)
                 error = e
                 await asyncio.sleep(min(0.5 * 2**attempt, max(0.0, deadline - time.monotonic())))
         why = f"{type(error).__name__}: {str(error)[:160]}" if error else f"no answer in scorer timeout_s={self.spec.timeout_s:g}"

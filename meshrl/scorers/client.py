@@ -139,7 +139,8 @@ class EpisodeScorers:
                 ep.failure = ep.failure or f"scorer {name}: {result.get('error') or 'no score'}"
                 continue
             if isinstance(score, list):  # process: one score per step, the last one the outcome
-                process += [(pos, spec.weight * s) for pos, s in zip(item["step_ends"], score)]
+                if spec.weight:  # (at 0 it is watched, not trained on: its step ends would still move the baseline)
+                    process += [(pos, spec.weight * s) for pos, s in zip(item["step_ends"], score)]
                 score = score[-1]
             ep.signals[name] = float(score)
             outcome += spec.weight * float(score)
