@@ -964,6 +964,28 @@ def test_retake_puts_back_the_batches_taken_since_the_restored_version_once():
     assert [set(q.sample(2, 0)["group_id"].tolist()) for _ in taken] == taken
 
 
+def test_the_bound_of_the_moment_applies_to_groups_restored_and_retaken():
+    """Groups READY in a checkpoint resumed with a tighter buffer.max_lag, and batches a healed
+    trainer retakes after Session.set tightened it: each is held to the bound now (dropped,
+    sequence granularity), where they went back to READY as they were and were trained past it."""
+    saved = make_queue(batch_groups=1, depth=4, max_lag=4, lag_granularity="sequence")
+    for c in claim_all(saved):
+        assert deliver(saved, c)  # tokens of version 0
+    saved.sample(1, 3)  # the trainer at version 3: the rest lag 3, within 4
+    assert len(saved.ready) >= 1
+    resumed = make_queue(batch_groups=1, depth=4, max_lag=1, lag_granularity="sequence")
+    resumed.load_state_dict(saved.state_dict())
+    assert len(resumed.ready) == 0 and resumed.metrics()["buffer/dropped_stale_groups"] == len(saved.ready)
+    healed = make_queue(batch_groups=1, depth=2, max_lag=2, lag_granularity="sequence")
+    for c in claim_all(healed):
+        assert deliver(healed, c)
+    taken = healed.sample(1, 1)["group_id"].unique().tolist()  # lag 1, within 2
+    healed.set_version(2, durable=1)
+    healed.set_max_lag(0)  # Session.set(max_lag=0), then the trainer dies
+    assert healed.retake(1) == taken and int(taken[0]) not in {int(g["group_id"][0]) for g in healed.ready}
+    assert int(taken[0]) in healed.dropped_ids
+
+
 def test_a_sample_waiting_when_its_trainer_was_healed_takes_nothing():
     """A trainer killed while its rank 0 waits in `sample` (generation slower than training) is
     healed, and the queue's `retake` ends that wait: the dead trainer's call takes no batch

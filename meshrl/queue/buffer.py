@@ -351,13 +351,13 @@ class EpisodeQueue:
             ids = [int(g["group_id"][0]) for g in back]
             gone = set(ids)
             self.consumed = [gid for gid in self.consumed if gid not in gone]
-            now = time.monotonic()
-            for g in reversed(back):
-                self.ready.appendleft(g)
-                self._ready_at[int(g["group_id"][0])] = now
             if version < self.version and self.partners:  # the models beside it waiting for a later batch are told (`shared`)
                 self._back_from = max(self.version, self._back_from or 0)
             self.version, self._heals = min(self.version, version), self._heals + 1
+            now = time.monotonic()
+            for g in reversed([g for g in map(self._admit, back) if g is not None]):  # under the bound now (Session.set may have tightened it)
+                self.ready.appendleft(g)
+                self._ready_at[int(g["group_id"][0])] = now
             self._stats["retaken_groups"] += len(back)
             self._cond.notify_all()
             return ids
@@ -473,6 +473,7 @@ class EpisodeQueue:
             self._stats = Counter(state["stats"])
             self._lag_hist = Counter(state["lag_hist"])
             self._rng.setstate(state["rng"])
+            self._recheck_ready()  # under this run's bound: a resume may have changed buffer.max_lag or lag_granularity
             self._cond.notify_all()
             return self.node.changed
 
