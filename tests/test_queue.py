@@ -502,6 +502,7 @@ def test_a_group_its_workers_keep_failing_on_is_dropped_and_replaced():
     assert deliver(q, fresh)
     assert q.sample(1, 0)["group_id"].unique().tolist() == [fresh.group_id]
     assert q.metrics()["buffer/dropped_failed_groups"] == 1 and q.dropped_ids == [bad.group_id]
+    assert q.metrics()["buffer/requeued"] == MAX_FAILED_PLAYS  # the presumed-dead worker's and three failed plays: not the drop
     # what a rollout worker counts against a group: not a lost generator, scorer or a slow call
     from meshrl.agent.turns import GenerationFailed
     from meshrl.agent.worker import _not_the_groups

@@ -224,11 +224,11 @@ class EpisodeQueue:
                 self._failed_plays[gid] += failure is not None
                 if self._failed_plays[gid] < MAX_FAILED_PLAYS:
                     self.pending.append((gid, sample))
+                    self._stats["requeued"] += 1
                     continue
                 self.dropped, self._stats["dropped_failed_groups"] = self.dropped + 1, self._stats["dropped_failed_groups"] + 1
                 self.dropped_ids.append(gid)  # admission replaces it
                 logging.getLogger("meshrl").warning("group %d dropped after %d failed plays, the last: %s", gid, MAX_FAILED_PLAYS, failure)
-            self._stats["requeued"] += len(ids)
             self._cond.notify_all()
             return len(ids)
 
