@@ -22,7 +22,7 @@ import torch
 import meshrl
 from meshrl.config import Config, ConfigError, ScorerConfig
 from meshrl.episode import Episode, Turn, assign_advantages, pack
-from meshrl.scorers.backends import Failed, Remote, RewardModel, number_parser, parse_reply, yes_no_parser
+from meshrl.scorers.backends import Failed, Remote, RewardModel, number_parser, parse_reply, with_opened_thinking, yes_no_parser
 from meshrl.scorers.client import EpisodeScorers, ScorerUnavailable
 from meshrl.scorers.process import assign_process_advantages, process_tensors, step_ends, step_texts
 from meshrl.scorers.service import ScorerService
@@ -41,6 +41,11 @@ def test_judge_replies_parse_exactly_and_unparsable_ones_follow_the_rule():
     assert parse_reply(yes_no_parser, "<think>\nno, wait</think> yes", 1.0, None) == 1.0
     assert isinstance(parse_reply(number_parser, "<think>the answer 4 is", 1.0, None), Failed)  # cut while thinking: no verdict
     assert parse_reply(number_parser, "step 1, then 2</think>\n\n8", 1.0, None) == 8.0  # <think> opened by the template
+    # opened by the template and cut before its end: thoughts, no verdict (they read as a score of 2, or a yes_no's "No")
+    opened = "<|im_start|>assistant\n<think>\n"
+    assert isinstance(parse_reply(number_parser, with_opened_thinking(opened, "Okay, 2 + 2 is"), 1.0, None), Failed)
+    assert parse_reply(number_parser, with_opened_thinking(opened, "so 4.</think>\n\n7"), 1.0, None) == 7.0
+    assert with_opened_thinking("<think>x</think>\n", "8") == "8" and with_opened_thinking("user: rate it\n", "8") == "8"
     assert parse_reply(number_parser, "8", 0.1, 0.0) == pytest.approx(0.8)
     unreadable = parse_reply(number_parser, "great answer", 0.1, 0.0)
     assert isinstance(unreadable, Failed) and unreadable.unparsable and "great answer" in unreadable.reason

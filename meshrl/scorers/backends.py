@@ -91,6 +91,13 @@ def load_parser(name: str) -> Callable[[str], float | None]:
     return import_callable(name)
 
 
+def with_opened_thinking(prompt_end: str, reply: str) -> str:
+    """The judge's reply as it reads: after a prompt whose template opened `<think>` (QwQ,
+    R1 distills, Qwen3's thinking models), the reply is inside it, and one cut before `</think>`
+    holds thoughts, not a verdict (`parse_reply` finds none in it)."""
+    return "<think>" + reply if prompt_end.rfind("<think>") > prompt_end.rfind("</think>") else reply
+
+
 def parse_reply(parser: Callable[[str], float | None], text: str, scale: float, unparsable: float | None) -> Result:
     """The judge's `text` as a score: parser(text) x scale, read after the reasoning of a
     thinking judge (`<think>...</think>`: its numbers and words are not the verdict; a reply
@@ -213,8 +220,9 @@ class Judge:
 
     async def reply(self, item: dict) -> str:
         self._ids += 1
-        out = await self.engine.run_request(f"judge-{self._ids}", self.prompt_ids(item), self.spec.max_new_tokens, 0.0)
-        return self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        ids = self.prompt_ids(item)
+        out = await self.engine.run_request(f"judge-{self._ids}", ids, self.spec.max_new_tokens, 0.0)
+        return with_opened_thinking(self.tokenizer.decode(ids[-16:]), self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
 
     async def score(self, items: list[dict]) -> list[Result]:
         replies = await asyncio.gather(*(self.reply(item) for item in items), return_exceptions=True)
