@@ -436,14 +436,19 @@ def get_task(name: str) -> Task:
 
 
 def needs_sandbox(c: Config) -> bool:
-    """Whether the run executes model-written code: a built-in task or an env marked as using
-    the sandbox (`uses_sandbox`); preflight then checks the sandbox (meshrl/rollout/sandbox.py)."""
+    """Whether the run executes model-written code: a built-in task (trained on, or its eval.source)
+    or an env marked as using the sandbox (`uses_sandbox`); preflight then checks the sandbox
+    (meshrl/rollout/sandbox.py)."""
+    if c.eval.source is not None and _sandboxed_task(c.eval.source):  # played with its own env (agent/worker.py eval_view)
+        return True
     if c.rollout.env:
         try:
             return bool(getattr(import_callable(c.rollout.env), "uses_sandbox", False))
         except ImportError:
             return False  # reported by check()
-    if source_kind(c.data.source) == "task":
-        task = TASKS.get(c.data.source.removeprefix("task:"))
-        return bool(task and task.sandbox)
-    return False
+    return _sandboxed_task(c.data.source)
+
+
+def _sandboxed_task(source: str) -> bool:
+    task = TASKS.get(source.removeprefix("task:")) if source_kind(source) == "task" else None
+    return bool(task and task.sandbox)

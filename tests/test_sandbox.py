@@ -383,6 +383,17 @@ def test_config_limits_are_checked():
         Config.from_dict({"rollout": {"sandbox": {"backend": "none"}}})
 
 
+def test_a_run_evaluated_on_a_sandboxed_task_has_its_sandbox_checked():
+    """eval.source of a task that runs model-written code (played with its own env) needs the
+    sandbox as much as training on it does: preflight checks it, where only the training source
+    was looked at and a broken bwrap showed as failed evaluations during the run."""
+    from meshrl.tasks import needs_sandbox
+
+    assert not needs_sandbox(Config.from_dict({"data": {"source": "task:digits"}}))
+    assert needs_sandbox(Config.from_dict({"data": {"source": "task:digits"}, "eval": {"source": "task:pyexpr", "every": 5}}))
+    assert needs_sandbox(Config.from_dict({"data": {"source": "task:pyexpr"}, "rollout": {"tool_parser": "compact"}}))
+
+
 def test_a_missing_bwrap_stops_the_run_in_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PATH"}
     env["PATH"] = str(tmp_path)  # no bwrap on it
