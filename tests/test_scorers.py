@@ -182,6 +182,33 @@ def test_a_scorer_health_check_asks_each_replica_once_and_all_at_once():
 
 
 # ---- the reward model ------------------------------------------------------------------------
+def test_an_encoder_reward_model_scores_each_item_as_alone_and_keeps_its_cls(tmp_path):
+    """A BERT-style reward model (its head reads the first token): rows right-padded, so an item
+    scores the same beside a longer one (left-padded, its first position was a pad); a long
+    input keeps its [CLS] (its last tokens alone lost it). Many rows go in batches of batch_size."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from meshrl.tokenizer import build_char_tokenizer
+
+    torch.manual_seed(0)
+    tok_dir = build_char_tokenizer(tmp_path / "rm")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    bert = BertConfig(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_labels=1, max_position_embeddings=64
+    )
+    BertForSequenceClassification(bert).save_pretrained(tmp_path / "rm")
+    rm = RewardModel(str(tmp_path / "rm"), max_len=24, device="cpu", batch_size=2)
+    assert not rm.left_pad
+    items = [{"prompt": "a:", "response": r} for r in ("1", "12345678", "9 9 9")]
+    together = rm.score_sync(items)
+    assert together == pytest.approx([rm.score_sync([item])[0] for item in items], abs=1e-5)
+    long = rm.encode({"prompt": "q:"}, "x" * 100)
+    assert len(long) == 24 and long[0] == rm.encode({"prompt": "q:"}, "x")[0]
+
+
 @pytest.fixture(scope="module")
 def trained_rm(tmp_path_factory):
     """A small reward model trained on the default task's better and worse answers (ordered

@@ -127,8 +127,9 @@ def render_messages(item: dict, response: str | None = None) -> list[dict]:
 class RewardModel:
     """A sequence-classification checkpoint with one label, scoring (prompt, response) pairs."""
 
-    def __init__(self, path: str, max_len: int = 1024, device: str | None = None):
+    def __init__(self, path: str, max_len: int = 1024, device: str | None = None, batch_size: int = 32):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
         from meshrl.compat import cuda_present
 
@@ -138,11 +139,15 @@ class RewardModel:
             raise ValueError(f"reward model {path!r} has {self.model.config.num_labels} labels: a reward model has one (num_labels=1)")
         self.device = device or ("cuda" if cuda_present() else "cpu")
         self.model.to(self.device)
-        self.max_len = max_len
-        # Rows are left-padded, so each one's last real token is the last position, and the
-        # head's "last token that is not pad_token_id" must find no pad id at all: a tokenizer
-        # whose pad is its end-of-turn token would otherwise be read before the turn's end.
-        self.model.config.pad_token_id = -1
+        self.max_len, self.batch_size = max_len, batch_size
+        # A decoder's head reads the last token: rows are left-padded, so each one's last real
+        # token is the last position, and its "last token that is not pad_token_id" must find no
+        # pad id at all (a tokenizer whose pad is its end-of-turn token would otherwise be read
+        # before the turn's end). An encoder's (BERT, DeBERTa) reads the first: rows right-padded.
+        kind = self.model.config.model_type
+        self.left_pad = kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        if self.left_pad:
+            self.model.config.pad_token_id = -1
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.pad_id = pad if pad is not None else 0
 
@@ -153,10 +158,13 @@ class RewardModel:
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         else:
             ids = self.tokenizer(item["prompt"] + response, add_special_tokens=True)["input_ids"]
-        return list(ids)[-self.max_len :]
+        ids = list(ids)
+        if len(ids) > self.max_len and ids[0] in self.tokenizer.all_special_ids:  # its last tokens, after its [CLS] or BOS
+            return ids[:1] + ids[len(ids) - self.max_len + 1 :]
+        return ids[-self.max_len :]
 
     def forward(self, rows: list[list[int]]):
-        """[len(rows)] scores of token-id rows, left-padded into one batch (with gradients:
+        """[len(rows)] scores of token-id rows, padded into one batch (with gradients:
         meshrl/scorers/preference.py trains through it)."""
         import torch
 
@@ -164,8 +172,9 @@ class RewardModel:
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
-            ids[i, width - len(r) :] = torch.tensor(r)
-            mask[i, width - len(r) :] = 1
+            at = slice(width - len(r), width) if self.left_pad else slice(0, len(r))
+            ids[i, at] = torch.tensor(r)
+            mask[i, at] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each row's positions as if unpadded
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), position_ids=positions.to(self.device)).logits
         return logits[:, 0].float().cpu()
@@ -178,8 +187,8 @@ class RewardModel:
             for text in item.get("steps") or [item["response"]]:
                 rows.append(self.encode(item, text))
                 owners.append(i)
-        with torch.no_grad():
-            scores = self.forward(rows).tolist()
+        with torch.no_grad():  # at most batch_size rows at once: a process scorer has one per step of every item
+            scores = [s for at in range(0, len(rows), self.batch_size) for s in self.forward(rows[at : at + self.batch_size]).tolist()]
         results: list[Result] = [[] for _ in items]
         for i, s in zip(owners, scores):
             results[i].append(float(s))
@@ -298,7 +307,7 @@ async def start_backend(spec: ScorerConfig, config, replica: int = 0, restore: b
     """The backend of `spec` on this proc, ready to score (a judge's engine started). `restore`:
     a trained scorer (an implicit PRM) starts from its newest saved state, where it has one."""
     if spec.kind == "reward_model":
-        return await asyncio.to_thread(RewardModel, spec.path, spec.max_len)
+        return await asyncio.to_thread(RewardModel, spec.path, spec.max_len, None, spec.batch_size)
     if spec.kind == "judge":
         judge = Judge(spec, config.generator, dtype=config.model.dtype, seed=config.seed + replica)
         await judge.start()
