@@ -359,10 +359,12 @@ def without_signal(group: TensorDict) -> bool:
     is 0; and no per-token advantage (distillation) is non-zero on a trained token. Compared
     on the rewards, not the advantages: equal float rewards can leave a rounding residue in
     a normalised advantage. A game's rows are compared within each model (its advantages
-    are), and a frozen model's rows, out of the loss, not at all."""
-    ok = (group["finish_reason"] != FINISH_REASONS["failed"]) & group["loss_mask"].any(1)
+    are), over every row its baseline was taken over (a row the staleness bound masked whole
+    included: the others' advantages are still apart from it), and a frozen model's rows,
+    none of them in the loss, not at all."""
+    ok = group["finish_reason"] != FINISH_REASONS["failed"]
     model = row_models(group)
-    for m in torch.unique(model[ok]).tolist():
+    for m in torch.unique(model[ok & group["loss_mask"].any(1)]).tolist():
         rewards = group["reward"][ok & (model == m)]
         if rewards.numel() >= 2 and not bool((rewards == rewards[0]).all()):
             return False

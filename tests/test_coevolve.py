@@ -181,6 +181,10 @@ def test_a_games_group_carries_signal_when_one_models_rows_differ_and_not_across
     assert not without_signal(group([(1.0, 0.0), (1.0, 1.0)]))  # the proposer's differ
     assert not without_signal(group([(1.0, 0.5), (0.0, 0.5)]))  # the solver's differ
     assert without_signal(leave_out(group([(1.0, 0.0), (1.0, 1.0)]), {1}))  # a frozen proposer's rows train nothing
+    # a solver's row masked whole by the staleness bound: the others' advantages are apart from its reward, so they train
+    stale = group([(0.0, 0.0), (1.0, 0.0), (1.0, 0.0)])
+    stale["loss_mask"][(stale["model"] == 0).nonzero()[0, 0]] = False
+    assert not without_signal(stale)
 
 
 def test_a_failed_game_episode_leaves_the_loss_with_every_thread():
