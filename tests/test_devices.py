@@ -86,6 +86,37 @@ def test_a_cpu_trainer_leaves_every_gpu_to_the_generators():
     assert plan_devices(config()).layout == "cpu" and plan_devices(config()).env("generator", 0) == {}
 
 
+def test_expert_parallelism_is_checked_against_the_checkpoints_experts(tmp_path):
+    """trainer.ep with model.path: held to the checkpoint's family and experts, where the
+    config's own (from-scratch) fields refused a MoE checkpoint as 'not a MoE model.family'
+    and then by its default 4 experts."""
+    import json
+
+    from meshrl.config import ModelConfig
+    from meshrl.trainer.checks import check_model
+    from meshrl.trainer.model import hf_config_dict
+
+    def checkpoint(name: str, cfg: ModelConfig) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
+        return str(tmp_path / name)
+
+    moe = checkpoint("moe", ModelConfig(family="qwen3_moe", num_experts=6, experts_top_k=2))
+    dense = checkpoint("dense", ModelConfig(family="qwen3"))
+
+    def refusal(path: str, ep: int) -> ConfigError:
+        c = Config.from_dict({"model": {"path": path}, "trainer": {"procs": ep, "ep": ep}})  # the config's checks let it through
+        with pytest.raises(ConfigError) as info:
+            check_model(c, plan_devices(c))
+        return info.value
+
+    assert refusal(moe, 2).field_path == "model.path"  # past ep: its weight files are what is missing here
+    assert refusal(moe, 3).field_path == "model.path"
+    wrong = refusal(moe, 4)
+    assert wrong.field_path == "trainer.ep" and "its 6 experts do not split over 4" in str(wrong)
+    assert "it is qwen3, not a MoE" in str(refusal(dense, 2))
+
+
 def test_lora_on_a_moe_policy_with_a_cpu_trainer_and_gpu_generators_is_refused():
     """Each side decides by its own GPUs whether the adapter or the merged weights travel: a CPU
     trainer would send merged weights to GPU engines expecting the adapter, failing every update."""

@@ -104,7 +104,7 @@ def _check_trainer(c: Config) -> None:
             "context parallel splits one padded row's positions over procs, and its ring attention has no "
             "mask to keep packed rows apart: set trainer.micro_batch_tokens=0, or trainer.cp=1",
         )
-    if trainer.ep > 1:
+    if trainer.ep > 1 and model.path is None:  # a checkpoint's family and experts: trainer/checks.py's check_model
         need(model.moe, "trainer.ep", f"expert parallelism needs a MoE model.family, not {model.family!r}: set ep=1")
         need(model.num_experts % trainer.ep == 0, "trainer.ep", f"{trainer.ep} does not divide model.num_experts={model.num_experts}")
     need(trainer.lr > 0, "trainer.lr", f"must be positive, got {trainer.lr}")

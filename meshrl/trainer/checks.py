@@ -215,6 +215,12 @@ def check_model(c: Config, plan: DevicePlan, own: DevicePlan | None = None) -> s
             raise ConfigError(
                 "trainer.tp", f"{tp} must divide the checkpoint's {shape.n_heads} attention heads and {shape.n_kv_heads} KV heads: pick a divisor"
             )
+        ep = c.trainer.ep
+        if ep > 1 and (family not in MOE_FAMILIES or shape.num_experts % ep):
+            why = (
+                f"its {shape.num_experts} experts do not split over {ep}: pick a divisor" if family in MOE_FAMILIES else f"it is {family}, not a MoE: set ep=1"
+            )
+            raise ConfigError("trainer.ep", f"expert parallelism over the checkpoint's experts ({m.path}), and {why}")
         if not engine_splits_heads(shape.n_heads, shape.n_kv_heads, c.generator.tp):
             raise ConfigError("generator.tp", engine_tp_fix(shape.n_heads, shape.n_kv_heads, c.generator.tp))
         if m.max_seq_len > longest:  # the trainer's RoPE tables are the checkpoint's length; vLLM's context is max_seq_len
