@@ -322,7 +322,7 @@ def gloo_ranks(target, world: int, *args, timeout_s: float = 240) -> list:
 # ---- hand-made episode groups -----------------------------------------------------------------
 class FakeReplica:
     """A generator replica's stand-in for GeneratorPool's unit tests: its actor's endpoints
-    (`sync_weights`, `sleep`, `wake`, `pause_generation`) record their calls; `broken`: a weight update fails;
+    (`sync_weights`, `sleep`, `wake`, `pause_generation`, `resume_generation`) record their calls; `broken`: a weight update fails;
     `sync_s`: one takes this long. `stats` answers the health check with `stalled_s` (none: it
     never answers, as a replica busy applying an update); `killed` says whether `kill_leftovers` ran."""
 
@@ -346,7 +346,8 @@ class FakeReplica:
             return {"stalled_s": stalled_s, "requests_in_flight": 3}
 
         self.actor = types.SimpleNamespace(
-            **{name: endpoint(name) for name in ("sync_weights", "sleep", "wake", "pause_generation")}, stats=types.SimpleNamespace(call_one=stats)
+            **{name: endpoint(name) for name in ("sync_weights", "sleep", "wake", "pause_generation", "resume_generation")},
+            stats=types.SimpleNamespace(call_one=stats),
         )
 
     def kill_leftovers(self):

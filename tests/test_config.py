@@ -212,6 +212,9 @@ def test_a_key_given_twice_is_refused_and_a_time_is_text(tmp_path):
     twice.write_text("trainer:\n  lr: 1.0e-5\nsteps: 3\ntrainer:\n  checkpoint_every: 10\n")
     with pytest.raises(ConfigError, match=r"not valid YAML at line 4: 'trainer' is given twice, keep one"):
         load_yaml(twice)
+    merged = tmp_path / "merged.yaml"  # an anchor merged into a section (`<<: *base`) is no key given twice
+    merged.write_text("base: &base {lr: 0.001, warmup_steps: 2}\ntrainer:\n  <<: *base\n  lr: 0.002\n")
+    assert load_yaml(merged)["trainer"] == {"lr": 0.002, "warmup_steps": 2}
     hours = tmp_path / "hours.yaml"
     hours.write_text("launcher:\n  kind: slurm\n  time_limit: 4:00:00\n")
     assert Config.from_dict(load_yaml(hours)).launcher.time_limit == "4:00:00"

@@ -507,10 +507,23 @@ def test_a_replica_started_while_the_session_is_paused_is_paused_too():
         pool.spawn = spawn
         await pool.check(4)
         await pool.scale(2, 4)
+        # resumed while a replacement's first load ran (the resume reached it before its pause): resumed again
+        fresh = FakeReplica(1)
+        pause = fresh.actor.pause_generation.call_one
+
+        async def paused_then_resumed():
+            await pause()
+            pool.paused = False
+
+        fresh.actor.pause_generation = SimpleNamespace(call_one=paused_then_resumed)
+        pool.spawn = lambda index: asyncio.sleep(0, fresh)
+        pool.replicas[1].stopped = True
+        await pool.check(4)
         return pool
 
     pool = asyncio.run(main())
-    assert [r.calls for r in pool.replicas] == [[("sync_weights", 4), ("pause_generation",)]] * 2
+    assert pool.replicas[0].calls == [("sync_weights", 4), ("pause_generation",)]
+    assert pool.replicas[1].calls == [("sync_weights", 4), ("pause_generation",), ("resume_generation",)]
 
 
 def test_a_new_replica_whose_first_load_fails_leaves_the_pool_for_the_next_check_to_replace():

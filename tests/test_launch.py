@@ -338,6 +338,8 @@ def test_a_failed_squeue_is_not_a_job_gone_from_the_queue(monkeypatch):
 
     def squeue(*args, **kwargs):
         answer = answers.pop(0)
+        if answer == "invalid":
+            raise subprocess.CalledProcessError(1, "squeue", stderr="slurm_load_jobs error: Invalid job id specified")
         if answer is None:
             raise subprocess.CalledProcessError(1, "squeue", stderr="slurm_load_jobs error: Socket timed out")
         return subprocess.CompletedProcess(args, 0, stdout=json.dumps({"jobs": answer}))
@@ -348,6 +350,11 @@ def test_a_failed_squeue_is_not_a_job_gone_from_the_queue(monkeypatch):
     answers[:] = [None, [pending], None]
     assert job._get_job_info_json("7")["job_state"] == ["PENDING"]  # asked again
     assert job._get_job_info_json("7")["job_state"] == ["PENDING"] and job._pending_reason == "Priority"  # its last answer
+    answers[:] = [[pending], None, None, None, None, None]  # failing SQUEUE_TRIES times in a row: its last entry no longer stands for it
+    assert [job._get_job_info_json("7")["job_state"] for _ in range(3)] == [["PENDING"]] * 3
+    assert job._get_job_info_json("7") is None and answers == []
+    answers[:] = [[pending], "invalid"]  # purged from Slurm's records: gone, whatever it was last
+    assert job._get_job_info_json("7")["job_state"] == ["PENDING"] and job._get_job_info_json("7") is None
     answers[:] = [[]]
     assert job._get_job_info_json("7") is None  # squeue answered: the job is gone
     fresh = object.__new__(slurm._slurm_job_class())

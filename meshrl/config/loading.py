@@ -51,11 +51,18 @@ class _Loader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`, merged by SafeLoader itself
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice", key_node.start_mark)
-            seen.add(key)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise DuplicateKey(None, None, f"{key!r} is given twice, keep one", key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+class DuplicateKey(yaml.constructor.ConstructorError):
+    """A mapping that names one key twice (`_Loader`)."""
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -84,8 +91,8 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        problem = getattr(e, "problem", None) if isinstance(e, yaml.constructor.ConstructorError) else None
-        raise ConfigError("", f"{path} is not valid YAML{where}" + (f": {problem}, keep one" if problem else ": fix the syntax")) from None
+        problem = e.problem if isinstance(e, DuplicateKey) else "fix the syntax"
+        raise ConfigError("", f"{path} is not valid YAML{where}: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

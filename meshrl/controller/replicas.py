@@ -244,6 +244,8 @@ class GeneratorPool:
             await asyncio.wait_for(awaited(fresh.actor.sync_weights.call_one(version)), update_bound_s(self.config))
             if self.paused:  # Session.pause(): one started meanwhile (a replacement, a rescale) generates nothing either
                 await asyncio.wait_for(awaited(fresh.actor.pause_generation.call_one()), self.config.weight_sync.timeout_s)
+                if not self.paused:  # resumed meanwhile (its resume may have reached this one first)
+                    await asyncio.wait_for(awaited(fresh.actor.resume_generation.call_one()), self.config.weight_sync.timeout_s)
         except Exception:
             if fresh in self.replicas:
                 self.replicas.remove(fresh)

@@ -94,7 +94,7 @@ class GeneratorActor(Actor):
         message carries them instead of one each (see Generator.generate_many)."""
         return await self._gen().generate_many(requests, call_id)
 
-    @concurrent_endpoint
+    @endpoint_for_callers_that_may_die  # (a worker asks it as it stops)
     async def abort_many(self, call_id: str) -> bool:
         """Stop the generate_many call `call_id`, whose caller gave up on it (Generator.abort_many)."""
         return self._gen().abort_many(call_id)

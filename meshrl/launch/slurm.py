@@ -43,11 +43,13 @@ def _slurm_job_class() -> type:
     class MeshrlSlurmJob(SlurmJob):
         _pending_reason: str = ""
         _last_job: dict | None = None
+        _failed = 0  # squeue calls failed in a row
 
         def _get_job_info_json(self, job_id: str):
             """The job's squeue entry; None when squeue answered without it (SlurmJob then
-            cancels the job). A failed squeue (a busy slurmctld) is asked again, and answered with
-            its last entry where there is one: one failure is not a job gone from the queue."""
+            cancels the job), "Invalid job id" included. A failed squeue (a busy slurmctld) is
+            asked again, and answered with its last entry where there is one, up to SQUEUE_TRIES
+            failures in a row: one failure is not a job gone from the queue."""
             for attempt in range(SQUEUE_TRIES):
                 try:
                     out = subprocess.run(["squeue", "--job", job_id, "--json"], capture_output=True, text=True, check=True, timeout=60)
@@ -55,13 +57,17 @@ def _slurm_job_class() -> type:
                     break
                 except (subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError) as e:
                     logger.warning("launcher: squeue on job %s failed: %s", job_id, getattr(e, "stderr", None) or e)
-                    if self._last_job is not None:
+                    if "invalid job id" in str(getattr(e, "stderr", None) or "").lower():  # purged: gone
+                        job = None
+                        break
+                    self._failed += 1
+                    if self._last_job is not None and self._failed < SQUEUE_TRIES:
                         return self._last_job
                     if attempt + 1 < SQUEUE_TRIES:
                         time.sleep(SQUEUE_RETRY_S)
             else:
                 return None
-            self._last_job = job
+            self._last_job, self._failed = job, 0
             if job:
                 self._pending_reason = str(job.get("state_reason") or "")
             return job

@@ -129,7 +129,7 @@ class RewardModel:
 
     def __init__(self, path: str, max_len: int = 1024, device: str | None = None, batch_size: int = 32):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
         from meshrl.compat import cuda_present
 
@@ -144,8 +144,7 @@ class RewardModel:
         # token is the last position, and its "last token that is not pad_token_id" must find no
         # pad id at all (a tokenizer whose pad is its end-of-turn token would otherwise be read
         # before the turn's end). An encoder's (BERT, DeBERTa) reads the first: rows right-padded.
-        kind = self.model.config.model_type
-        self.left_pad = kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        self.left_pad = self.model.config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
         if self.left_pad:
             self.model.config.pad_token_id = -1
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
