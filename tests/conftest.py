@@ -367,6 +367,25 @@ class FakeReplica:
         return not self.stopped
 
 
+def fake_pool(config, replicas: list, spawn=None):
+    """A GeneratorPool over FakeReplicas for its unit tests: `replicas` its pool, `spawn(index)`
+    what it starts (default: a fresh FakeReplica)."""
+    from types import SimpleNamespace
+
+    from meshrl.controller.replicas import GeneratorPool
+    from meshrl.launch.devices import plan_devices
+
+    async def on_change():
+        pass
+
+    async def fresh(index):
+        return FakeReplica(index)
+
+    pool = GeneratorPool(config, SimpleNamespace(plan=plan_devices(config)), "unused", 0, on_change=on_change)
+    pool.replicas, pool.spawn = list(replicas), spawn or fresh
+    return pool
+
+
 def make_group(gid: int, n: int, versions: list[int], prompt_len: int = 3, advantage: str = "grpo_no_std"):
     """A packed group of `n` single-turn episodes (group id `gid`, sample ids gid * 100 + i):
     a `prompt_len`-token prompt, then one model turn whose tokens carry `versions`; episode

@@ -413,26 +413,12 @@ def test_the_health_check_replaces_a_wedged_replica_and_leaves_a_busy_one():
     generator.stall_timeout_s is replaced as wedged (killed before its stop); one under it,
     one on this host too busy to answer (an update it applies), or any with the bound at 0,
     is left."""
-    from types import SimpleNamespace
-
-    from meshrl.controller.replicas import GeneratorPool
-    from meshrl.launch.devices import plan_devices
-    from tests.conftest import FakeReplica
+    from tests.conftest import FakeReplica, fake_pool
 
     async def main(bound):
         config = Config.from_dict({"generator": {"stall_timeout_s": bound, "replicas": 3}})
-
-        async def on_change():
-            pass
-
-        pool = GeneratorPool(config, SimpleNamespace(plan=plan_devices(config)), "unused", 0, on_change=on_change)
-        pool.replicas = [FakeReplica(0, stalled_s=400.0), FakeReplica(1, stalled_s=10.0), FakeReplica(2, stalled_s=None)]
-        old = list(pool.replicas)
-
-        async def spawn(index):
-            return FakeReplica(index)
-
-        pool.spawn = spawn
+        old = [FakeReplica(0, stalled_s=400.0), FakeReplica(1, stalled_s=10.0), FakeReplica(2, stalled_s=None)]
+        pool = fake_pool(config, old)
         await pool.check(7)
         return old, pool
 
@@ -448,29 +434,16 @@ def test_a_replica_update_is_waited_for_as_long_as_its_parts_may_take(monkeypatc
     load at weight_sync.timeout_s each, the drain between them at half of it): one slower than
     timeout_s but within that sum is kept, where it had been replaced as dead while it still
     applied a version (and its replacement would fare no better); one past the sum is replaced."""
-    from types import SimpleNamespace
-
     import meshrl.generator.service as service
-    from meshrl.controller.replicas import GeneratorPool
-    from meshrl.launch.devices import plan_devices
-    from tests.conftest import FakeReplica
+    from tests.conftest import FakeReplica, fake_pool
 
     monkeypatch.setattr(service, "UPDATE_SLACK_S", 0.0)
     config = Config.from_dict({"generator": {"replicas": 2}, "weight_sync": {"timeout_s": 0.4}})
     assert service.update_bound_s(config) == pytest.approx(1.0)
 
     async def main():
-        async def on_change():
-            pass
-
-        pool = GeneratorPool(config, SimpleNamespace(plan=plan_devices(config)), "unused", 0, on_change=on_change)
-        pool.replicas = [FakeReplica(0, sync_s=0.7), FakeReplica(1, sync_s=30.0)]
-        old = list(pool.replicas)
-
-        async def spawn(index):
-            return FakeReplica(index)
-
-        pool.spawn = spawn
+        old = [FakeReplica(0, sync_s=0.7), FakeReplica(1, sync_s=30.0)]
+        pool = fake_pool(config, old)
         await pool.update(3)
         return old, pool
 
@@ -485,26 +458,15 @@ def test_a_replica_started_while_the_session_is_paused_is_paused_too():
     pool (and `generate()`) stayed paused."""
     from types import SimpleNamespace
 
-    from meshrl.controller.replicas import GeneratorPool
-    from meshrl.launch.devices import plan_devices
-    from tests.conftest import FakeReplica
+    from tests.conftest import FakeReplica, fake_pool
 
     config = Config.from_dict({"generator": {"replicas": 2}})
 
     async def main():
-        async def on_change():
-            pass
-
-        pool = GeneratorPool(config, SimpleNamespace(plan=plan_devices(config)), "unused", 0, on_change=on_change)
         dead = FakeReplica(0)
         dead.stopped = True
-        pool.replicas = [dead]
+        pool = fake_pool(config, [dead])
         pool.paused = True
-
-        async def spawn(index):
-            return FakeReplica(index)
-
-        pool.spawn = spawn
         await pool.check(4)
         await pool.scale(2, 4)
         # resumed while a replacement's first load ran (the resume reached it before its pause): resumed again
@@ -530,29 +492,20 @@ def test_a_new_replica_whose_first_load_fails_leaves_the_pool_for_the_next_check
     """A replacement whose first version fails to load stays paused (Generator.update_weights):
     it leaves the pool, stopped, and the next health check starts another, where it had stayed
     in the pool paused and answering, never judged wedged, and a one-replica run starved."""
-    from types import SimpleNamespace
-
-    from meshrl.controller.replicas import GeneratorPool
-    from meshrl.launch.devices import plan_devices
-    from tests.conftest import FakeReplica
+    from tests.conftest import FakeReplica, fake_pool
 
     config = Config.from_dict({"generator": {"replicas": 1}})
     spawned = []
 
     async def main():
-        async def on_change():
-            pass
-
-        pool = GeneratorPool(config, SimpleNamespace(plan=plan_devices(config)), "unused", 0, on_change=on_change)
         dead = FakeReplica(0)
         dead.stopped = True  # its proc gone
-        pool.replicas = [dead]
 
         async def spawn(index):
             spawned.append(FakeReplica(index, broken=not spawned))  # the first replacement's load fails
             return spawned[-1]
 
-        pool.spawn = spawn
+        pool = fake_pool(config, [dead], spawn)
         with pytest.raises(RuntimeError, match="the transfer broke"):
             await pool.check(7)
         assert pool.replicas == [] and spawned[0].stopped and spawned[0].killed
