@@ -90,10 +90,11 @@ def model_args_from_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
         experts_top_k=hf.get("num_experts_per_tok", 2) if moe else 2,
         max_seq_len=hf.get("max_position_embeddings", 256),
     )
-    overrides: dict[str, Any] = {"tie": bool(hf.get("tie_word_embeddings", False))} if family != "deepseek_v3" else {}
+    overrides: dict[str, Any] = {}
     if "rope_theta" in hf or "rope_parameters" in hf:
         overrides["rope_theta"] = float(hf.get("rope_theta") or hf["rope_parameters"].get("rope_theta"))
-    if family != "deepseek_v3":  # (its own: _dsv3_overrides_from_hf)
+    if family != "deepseek_v3":  # (its own tying and rope: _dsv3_overrides_from_hf)
+        overrides["tie"] = bool(hf.get("tie_word_embeddings", False))
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
         if family == "llama3" and kind == "llama3":  # Llama 3.1 and 3.2's frequency scaling, as TorchTitan's "llama" RoPE

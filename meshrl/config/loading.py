@@ -54,10 +54,11 @@ class _Loader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`, merged by SafeLoader itself
                 continue
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, typing.Hashable) and key in seen:
+            if not isinstance(key, typing.Hashable):  # (SafeLoader's own error names it)
+                continue
+            if key in seen:
                 raise DuplicateKey(None, None, f"{key!r} is given twice, keep one", key_node.start_mark)
-            if isinstance(key, typing.Hashable):
-                seen.add(key)
+            seen.add(key)
         return super().construct_mapping(node, deep)
 
 

@@ -356,14 +356,14 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
                 )
             )
         else:
-            out.append(_engine_fix(config, gpu, at, cap))
+            out.append(_engine_fix(gpu, at, cap))
     firsts: dict[str, str] = {}
     for f, why in out:
         firsts.setdefault(f, why)
     return list(firsts.items())
 
 
-def _engine_fix(config: Config, gpu, at: str, cap: float) -> tuple[str, str]:
+def _engine_fix(gpu, at: str, cap: float) -> tuple[str, str]:
     """The field whose change fits a GPU holding no trainer: a generator's or a teacher's vLLM
     budget (and the collective transport's receive buffers beside it), or a scorer's."""
     lines = [(label, b) for h in gpu.holdings for label, b in h.lines]
