@@ -28,7 +28,7 @@ from meshrl.data import check_data, check_eval_source, check_records
 from meshrl.imports import check_import
 from meshrl.launch.devices import plan_devices
 from meshrl.launch.memory import check_memory
-from meshrl.rollout.checks import check_env, check_reward_signature, probe_user_code
+from meshrl.rollout.checks import check_env, check_prompt_room, check_reward_signature, probe_user_code
 from meshrl.rollout.env import RewardFn
 from meshrl.rollout.sandbox import check_sandbox
 from meshrl.scorers.checks import check_reward_fn, check_scorer_files, probe_scorers
@@ -151,13 +151,14 @@ in this process: the CLI checks before the console is quieted and `run` again, o
 
 
 def check_user_code(c: Config, reward_fn: RewardFn | None = None) -> None:
-    """The data source's rows, then (contracts.probe) the env or reward function and the
+    """The data source's rows, a single-turn prompt's room, then (contracts.probe) the env or reward function and the
     scorers run once on its first record. ConfigError (kind `data error` or `contract
     error`) at the first problem."""
     key = (c.to_yaml(), id(reward_fn))
     if key in _checked:
         return
     record = check_records(c)
+    check_prompt_room(c, record)
     if c.contracts.probe:
         probe_user_code(c, record, reward_fn)
         probe_scorers(c, record)

@@ -389,6 +389,33 @@ def test_each_turn_gets_its_envs_token_budget(tokenizer_dir):
         assert gen.calls[-1][1] == want
 
 
+def test_a_prompt_without_room_for_its_answer_is_refused_before_the_run_and_fails_its_episode(tokenizer_dir, tmp_path):
+    """A prompt longer than model.max_seq_len used to end its episode at once, as `length`:
+    the run trained on nothing and said nothing. Preflight refuses a single-turn source whose
+    first prompt leaves its answer budget no room; an env's first observation that leaves
+    none fails its episode with the same fix."""
+    from meshrl.config import ConfigError
+    from meshrl.preflight import check_user_code
+
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"prompt": "q" * 60, "answer": "q"}) + "\n")
+    config = Config.from_dict({"data": {"source": str(data)}, "model": {"max_seq_len": 64}, "generator": {"max_new_tokens": 8}})
+    with pytest.raises(
+        ConfigError, match=r"a prompt of 60 tokens leaves 4 of a model turn's 8 tokens under model.max_seq_len=64: raise it to at least 68"
+    ) as e:
+        check_user_code(config)
+    assert e.value.field_path == "model.max_seq_len" and str(data) in str(e.value)
+    check_user_code(Config.from_dict({"data": {"source": str(data)}, "model": {"max_seq_len": 68}, "generator": {"max_new_tokens": 8}}))
+
+    config = Config.from_dict({"data": {"source": "task:guess"}, "model": {"max_seq_len": 16}, "generator": {"max_new_tokens": 4}})
+    worker = RolloutWorker(config, tokenizer_dir)
+    gen = ScriptedGenerator(replies_in_order(worker.tokenizer, ["1"]))
+    worker.set_generators([gen])
+    ep = asyncio.run(worker.play_episode(0, 0, {"prompt": [{"role": "user", "content": "?" * 20}], "answer": "9"}, 0, 0))
+    assert ep.finish_reason == "failed" and gen.calls == []
+    assert ep.failure.startswith("a prompt of ") and "no room for a model turn under model.max_seq_len=16: raise it to at least" in ep.failure
+
+
 def test_an_episode_out_of_turns_ends_on_a_model_turn(tokenizer_dir):
     config = Config.from_dict({"data": {"source": "task:guess"}, "rollout": {"max_turns": 2}})
     worker = RolloutWorker(config, tokenizer_dir)

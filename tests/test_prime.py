@@ -427,6 +427,44 @@ def test_a_sharded_prm_whose_follower_is_wedged_ends_itself_to_be_replaced(monke
     assert asyncio.run(service.lead("save")) == ("saved", [])
 
 
+def test_a_prm_hung_in_its_thread_wedges_its_replica():
+    """A one-proc PRM whose batch never returns (a hung backend) held its replica alive and
+    answering nothing: every later request waited behind it and timed out at its caller, and
+    the health check, which replaces a wedged replica, never did. Past WEDGED_AFTER x timeout_s
+    its items fail, later ones fail at once, and its stats say wedged."""
+    import threading
+
+    from meshrl.config import ScorerConfig
+    from meshrl.scorers.service import PRMService
+
+    release = threading.Event()
+
+    class Hung:
+        version, calls = 0, 0
+
+        def save_due(self):
+            return False
+
+        def score_rows(self, items, save_due):
+            Hung.calls += 1
+            release.wait(60)
+            return [], {}
+
+    async def main():
+        service = PRMService(Hung(), ScorerConfig(kind="prm", batch_size=1, batch_wait_s=0.0, timeout_s=0.1))
+        first, queued = await asyncio.wait_for(asyncio.gather(service.score([{"group": 0}]), service.score([{"group": 1}])), 30)
+        later = await asyncio.wait_for(service.score([{"group": 2}]), 1)
+        release.set()  # the hung thread ends before asyncio.run waits for it
+        return service, first + queued + later
+
+    try:
+        service, results = asyncio.run(main())
+    finally:
+        release.set()
+    assert [r["score"] for r in results] == [None] * 3 and all("wedged" in r["error"] for r in results)
+    assert service.stats()["wedged"] is True and Hung.calls == 1
+
+
 def test_group_items_score_model_tokens_only():
     from meshrl.scorers.prm import group_items
 

@@ -35,12 +35,12 @@ import time
 import torch
 
 from meshrl.config import Config
-from meshrl.errors import QueueClosed, describe, find, first_line, one_line, source_location, user_location
+from meshrl.errors import QueueClosed, UserCodeError, describe, find, first_line, one_line, source_location, user_location
 from meshrl.futures import all_or_none, awaited
 from meshrl.logs import role_log
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, leave_out, pack
-from meshrl.rollout.chat import ChatRenderer
+from meshrl.rollout.chat import ChatRenderer, prompt_too_long
 from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name, close_env, env_budget
 from meshrl.agent.game import play_game, thread_windows
 from meshrl.agent.turns import GenerationFailed, TurnBatcher
@@ -163,6 +163,8 @@ class RolloutWorker:
             ep.turns.append(Turn("env", renderer.initial_ids(obs)))
             for k in range(c.rollout.max_turns):
                 room = c.model.max_seq_len - len(ep)
+                if room <= 0 and k == 0:  # the episode would end with nothing to train: said, as a failure
+                    raise UserCodeError(prompt_too_long(len(ep), c.model.max_seq_len, c.generator.max_new_tokens))
                 if room <= 0:
                     ep.finish_reason = "length"
                     break

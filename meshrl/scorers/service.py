@@ -193,9 +193,15 @@ class PRMService(ScorerService):
                 os._exit(EXIT_RANKS_OUT_OF_STEP)
 
     async def _score(self, items: list[dict]) -> list[dict]:
-        try:
-            (rows, self.last_trained), others = await self.lead("score_rows", items, self.backend.save_due())  # one proc: an error fails the batch
+        if self.wedged:
+            return self._failed(items)
+        try:  # bounded as ScorerService's: a PRM hung in its thread wedges the replica (the health check replaces it)
+            call = self.lead("score_rows", items, self.backend.save_due())
+            (rows, self.last_trained), others = await asyncio.wait_for(call, WEDGED_AFTER * self.spec.timeout_s)  # one proc: an error fails the batch
             results = [r for _, r in sorted(rows + [row for theirs, _ in others for row in theirs], key=lambda row: row[0])]
+        except asyncio.TimeoutError:
+            self.wedged = True
+            return self._failed(items)
         except Exception as e:  # noqa: BLE001 - a batch that fails fails its items, not the scorer
             results = [{"score": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}] * len(items)
         return [{"error": None, "unparsable": False, **self.last_trained, **r} for r in results]
