@@ -83,6 +83,22 @@ def test_fifo_sampling_and_timeouts():
     assert q.consumed == [1, 0, 3]
 
 
+def test_the_lag_metrics_are_the_last_batchs():
+    """`buffer/lag_*` summed every batch since the run began (and a batch a heal retook counted
+    twice): a lag that fell back to 0 still read as its old maximum. They are the last batch's."""
+    q = make_queue(batch_groups=1, depth=1, max_lag=None, get_timeout_s=30)
+    first = claim_all(q)
+    deliver(q, first[0])
+    q.sample(1, current_version=1)  # sampled by version 0, trained at 1
+    m = q.metrics()
+    assert m["buffer/lag_max"] == 1 and m["buffer/lag_mean"] == 1 and m["buffer/lag_hist/1"] == size_of(0)
+    later = [c for c in claim_all(q) if c.version == 1]
+    deliver(q, later[0])
+    q.sample(1, current_version=1)
+    m = q.metrics()
+    assert m["buffer/lag_max"] == 0 and m["buffer/lag_mean"] == 0 and "buffer/lag_hist/1" not in m
+
+
 def newest_first(groups, n, rng):
     return list(range(len(groups) - n, len(groups)))
 

@@ -121,7 +121,7 @@ class EpisodeQueue:
         self._closed = False
         self._stats: Counter = Counter()
         self._failed_plays: Counter[int] = Counter()  # group id -> plays its workers gave up on
-        self._lag_hist: Counter[int] = Counter()
+        self._lag_hist: Counter[int] = Counter()  # the last batch's trained tokens by their lag (buffer/lag_*)
         self.failure: str | None = None
         self._log = role_log(config, "queue")
 
@@ -280,7 +280,7 @@ class EpisodeQueue:
             ids = [int(g["group_id"][0]) for g in picked]
             self.consumed += ids
             self._straggler_s = straggler_wait(start, [self._ready_at.pop(gid, start) for gid in ids])
-            self._lag_hist.update(episode.staleness(batch, current_version, self.paces)[batch["loss_mask"]].tolist())
+            self._lag_hist = Counter(episode.staleness(batch, current_version, self.paces)[batch["loss_mask"]].tolist())  # this batch's
             ok = episode.policys_played(batch)
             total, count = float(batch["reward"][ok].sum()) + self._flat_reward[0], int(ok.sum()) + self._flat_reward[1]
             self._sampled_reward = total / count if count else 0.0
