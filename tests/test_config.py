@@ -44,6 +44,17 @@ def test_overrides_dict_and_code_agree():
     assert a.trainer.lr == 1e-5 and isinstance(a.trainer.lr, float)
 
 
+def test_an_empty_override_is_the_empty_text_of_a_text_field_and_null_elsewhere():
+    """`trainer.cpus=` (documented: empty, no pinning) was read as null and refused."""
+    c = Config.from_dict(apply_overrides({"eval": {"source": "task:digits"}}, ["trainer.cpus=", "generator.cpus=", "eval.source=", "rollout.env_args.x="]))
+    assert (c.trainer.cpus, c.generator.cpus, c.eval.source, c.rollout.env_args) == ("", "", None, {"x": None})
+    assert type(c.trainer.cpus) is str and "cpus: ''" in c.to_yaml()
+    with pytest.raises(ConfigError, match="steps: expected an integer, got null"):
+        Config.from_dict(apply_overrides({}, ["steps="]))
+    with pytest.raises(ConfigError, match="logging.run_dir: is empty"):  # not the working directory
+        Config.from_dict(apply_overrides({}, ["logging.run_dir="]))
+
+
 @pytest.mark.parametrize(
     "data, field, words",
     [

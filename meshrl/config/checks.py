@@ -64,6 +64,7 @@ def _check_run(c: Config) -> None:
     """The run's own sizes."""
     need(c.steps >= 1, "steps", f"must be at least 1, got {c.steps}")
     need(c.batch_groups >= 1, "batch_groups", f"must be at least 1, got {c.batch_groups}")
+    need(c.logging.run_dir.strip() != "", "logging.run_dir", "is empty: name the run's directory (default runs/latest)")
 
 
 def _check_buffer(c: Config) -> None:

@@ -121,7 +121,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section: remove the trailing keys")
             node = child
         try:
-            value = parse_yaml(raw) if raw.strip() else None
+            value = parse_yaml(raw) if raw.strip() else EMPTY
         except yaml.YAMLError:
             value = raw
         name, index = _indexed(parts[-1])
@@ -131,6 +131,23 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             _entry(node.get(name), index, ".".join([*parts[:-1], name]))
             node[name][index] = value
     return data
+
+
+class _Empty(str):
+    """The value of `section.field=` with nothing after the `=`: the empty string for a text field
+    (`trainer.cpus=`: no pinning), null for one that may be null, and null elsewhere."""
+
+
+EMPTY = _Empty()
+
+
+def _plain(value: Any) -> Any:
+    """`value` with each EMPTY inside it null (a free-form mapping's entry, as `rollout.env_args.x=`)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return None if isinstance(value, _Empty) else value
 
 
 def _indexed(part: str) -> tuple[str, int | None]:
@@ -175,6 +192,8 @@ def build(cls: type, data: Any, prefix: str = "") -> Any:
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
+    if isinstance(value, _Empty):
+        value = "" if tp is str else None
     if dataclasses.is_dataclass(tp):
         return build(tp, value, path)
     if origin in (typing.Union, types.UnionType):
@@ -199,7 +218,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         return value
     if tp is dict or origin is dict:
         if isinstance(value, dict):
-            return dict(value)
+            return _plain(value)
         raise ConfigError(path, f"expected a mapping, got {_describe(value)}")
     if origin is list:
         if isinstance(value, (list, tuple)):
