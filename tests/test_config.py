@@ -44,6 +44,11 @@ def test_overrides_dict_and_code_agree():
     assert a.trainer.lr == 1e-5 and isinstance(a.trainer.lr, float)
 
 
+def test_the_single_turn_longtail_task_ignores_its_chat_rounds():
+    """task:longtail was refused for data.lengths.turns_max above rollout.max_turns: rounds it never plays."""
+    Config.from_dict({"data": {"source": "task:longtail", "lengths": {"max": 8}}, "rollout": {"max_turns": 2}})
+
+
 def test_an_empty_override_is_the_empty_text_of_a_text_field_and_null_elsewhere():
     """`trainer.cpus=` (documented: empty, no pinning) was read as null and refused."""
     c = Config.from_dict(apply_overrides({"eval": {"source": "task:digits"}}, ["trainer.cpus=", "generator.cpus=", "eval.source=", "rollout.env_args.x="]))

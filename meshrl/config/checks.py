@@ -163,9 +163,10 @@ def _check_data(c: Config) -> None:
         need(n.max >= n.median, "data.lengths.max", f"must be at least data.lengths.median ({n.median}), got {n.max}")
         need(n.sigma >= 0, "data.lengths.sigma", f"must be at least 0, got {n.sigma}")
         need(n.slack >= 0, "data.lengths.slack", f"must be at least 0, got {n.slack}")
-        need(
-            1 <= n.turns_max <= c.rollout.max_turns, "data.lengths.turns_max", f"must be from 1 to rollout.max_turns ({c.rollout.max_turns}), got {n.turns_max}"
-        )
+        if data.source == "task:longtail_chat":  # (the single-turn task plays no rounds)
+            need(
+                1 <= n.turns_max <= c.rollout.max_turns, "data.lengths.turns_max", f"must be from 1 to rollout.max_turns ({c.rollout.max_turns}), got {n.turns_max}"
+            )
 
 
 def _check_eval(c: Config) -> None:
