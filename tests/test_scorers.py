@@ -318,6 +318,43 @@ def test_step_ends_fall_on_the_delimiters_and_turn_ends(char_tokenizer):
     assert step_texts(ep, tok, [p + 2, p + 6]) == ["ab\n", "ab\ncd\ne"]
 
 
+def test_step_ends_read_a_window_as_the_whole_prefix_would_in_linear_time():
+    """Each token that could close the delimiter had its whole prefix decoded: quadratic in the
+    answer's length, on the worker's loop. Through a byte-level BPE (merged newlines, characters
+    cut in their bytes) the ends are those of decoding every prefix, and the tokens decoded
+    grow linearly with the answer."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    words = ["step", "é", "中文", "x=1", "ки", " ", "\n", "\n\n", "so", "Ω"]
+    corpus = ["".join(rng.choice(words) for _ in range(60)) for _ in range(200)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+
+    class Counting(PreTrainedTokenizerFast):
+        decoded = 0
+
+        def decode(self, ids, **kw):
+            Counting.decoded += len(ids)
+            return super().decode(ids, **kw)
+
+    tok = Counting(tokenizer_object=bpe)
+    for delimiter in ("\n\n", "ки", "\n"):
+        for text in corpus[:20]:
+            ids = tok.encode(text)
+            ep = Episode(0, 0, [Turn("env", [1]), _model(ids)])
+            whole = [1 + j for j in range(len(ids) - 1) if tok.decode(ids[: j + 1]).endswith(delimiter)] + [len(ids)]
+            assert step_ends(ep, tok, "step", delimiter) == whole
+    ids = tok.encode("".join(rng.choice(words) for _ in range(2000)))
+    Counting.decoded = 0
+    step_ends(Episode(0, 0, [Turn("env", [1]), _model(ids)]), tok, "step", "\n")
+    assert Counting.decoded < 40 * len(ids)  # (each prefix decoded whole: over 200 x len(ids) here)
+
+
 @pytest.mark.parametrize("mode", ["return", "step"])
 def test_process_advantages_change_exactly_after_the_scored_steps(mode):
     """Two episodes of one group; episode 0's steps end at tokens 3, 5 and 7, episode 1's at

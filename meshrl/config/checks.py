@@ -165,7 +165,9 @@ def _check_data(c: Config) -> None:
         need(n.slack >= 0, "data.lengths.slack", f"must be at least 0, got {n.slack}")
         if data.source == "task:longtail_chat":  # (the single-turn task plays no rounds)
             need(
-                1 <= n.turns_max <= c.rollout.max_turns, "data.lengths.turns_max", f"must be from 1 to rollout.max_turns ({c.rollout.max_turns}), got {n.turns_max}"
+                1 <= n.turns_max <= c.rollout.max_turns,
+                "data.lengths.turns_max",
+                f"must be from 1 to rollout.max_turns ({c.rollout.max_turns}), got {n.turns_max}",
             )
 
 

@@ -39,15 +39,29 @@ def step_ends(episode: Episode, tokenizer, process: str, delimiter: str) -> list
     """Episode positions of the last token of each step, in order."""
     ends, at = [], 0
     for turn in episode.turns:
-        n = len(turn.token_ids)
+        ids, n = turn.token_ids, len(turn.token_ids)
         if turn.role == "model" and n:
             if process == "step" and delimiter:
-                for j in range(n - 1):  # decode the prefix only where a token could close a delimiter
-                    if delimiter[-1] in tokenizer.decode([turn.token_ids[j]]) and tokenizer.decode(turn.token_ids[: j + 1]).endswith(delimiter):
+                for j in range(n - 1):  # only where a token could close a delimiter
+                    if delimiter[-1] in tokenizer.decode([ids[j]]) and _closes(tokenizer, ids, j, delimiter):
                         ends.append(at + j)
             ends.append(at + n - 1)
         at += n
     return ends
+
+
+def _closes(tokenizer, ids: Sequence[int], j: int, delimiter: str) -> bool:
+    """Whether the text of ids[: j + 1] ends with `delimiter`, read from the fewest tokens before
+    j that decode to a few characters more than it: what a window's first token decodes to on its
+    own (a space dropped, a character cut in its bytes) stays out of the compared end, and a turn
+    costs time linear in its length (decoding each prefix whole was quadratic, on the worker's loop)."""
+    width = len(delimiter) + 1
+    while True:
+        start = max(0, j + 1 - width)
+        text = tokenizer.decode(ids[start : j + 1])
+        if start == 0 or len(text) > len(delimiter) + 4:
+            return text.endswith(delimiter)
+        width *= 2
 
 
 def step_texts(episode: Episode, tokenizer, ends: Sequence[int]) -> list[str]:
