@@ -117,6 +117,37 @@ def test_expert_parallelism_is_checked_against_the_checkpoints_experts(tmp_path)
     assert "it is qwen3, not a MoE" in str(refusal(dense, 2))
 
 
+def test_lora_targets_are_checked_against_the_checkpoints_family(tmp_path):
+    """model.family stays qwen3 when model.path names the checkpoint: LoRA on a deepseek_v3
+    checkpoint passed (its MLA projections took no adapter, and `peft` loaded the export wrong),
+    and MLP-only targets on a qwen3_moe one built no adapter at all (the optimizer had none)."""
+    import json
+
+    from meshrl.config import ModelConfig
+    from meshrl.trainer.checks import check_model
+    from meshrl.trainer.model import hf_config_dict
+
+    def checkpoint(name: str, cfg: ModelConfig) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
+        (tmp_path / name / "model.safetensors").write_bytes(b"")  # (only its name is read here)
+        return str(tmp_path / name)
+
+    def refusal(path: str, targets: list[str] | None = None) -> str:
+        c = config(model={"path": path}, lora={"rank": 4, **({"targets": targets} if targets else {})})
+        with pytest.raises(ConfigError) as info:
+            check_model(c, plan_devices(c))
+        assert info.value.field_path == "lora.targets"
+        return str(info.value)
+
+    dsv3 = checkpoint("dsv3", ModelConfig(family="deepseek_v3", num_experts=4, experts_top_k=2))
+    assert "deepseek_v3's MLA projections" in refusal(dsv3)
+    moe = checkpoint("moe", ModelConfig(family="qwen3_moe", num_experts=4, experts_top_k=2))
+    assert "adapt no layer of a qwen3_moe model" in refusal(moe, ["gate_proj", "up_proj"])
+    for fine in (config(model={"path": moe}, lora={"rank": 4}), config(model={"path": moe}, lora={"rank": 4, "targets": ["o_proj", "down_proj"]})):
+        check_model(fine, plan_devices(fine))
+
+
 def test_lora_on_a_moe_policy_with_a_cpu_trainer_and_gpu_generators_is_refused():
     """Each side decides by its own GPUs whether the adapter or the merged weights travel: a CPU
     trainer would send merged weights to GPU engines expecting the adapter, failing every update."""

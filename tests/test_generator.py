@@ -333,6 +333,19 @@ class FakeEngine:
         self.version = version
 
 
+def test_a_distillation_teacher_captures_no_routes(monkeypatch):
+    """A teacher took the policy's generator.return_routed_experts: a dense teacher's engine
+    refused to start (no MoE router to capture), a MoE one captured routes nobody replays."""
+    import meshrl.generator.service as service
+
+    seen = []
+    monkeypatch.setattr(service, "VLLMEngine", lambda gen, checkpoint_dir, **_: seen.append(gen.return_routed_experts) or FakeEngine(gen, checkpoint_dir))
+    config = Config.from_dict({"generator": {"return_routed_experts": True}})
+    service.Generator(config, "unused")
+    service.Generator(config, "unused", teacher=True)
+    assert seen == [True, False]
+
+
 def test_min_version_waits_for_the_version_and_times_out_naming_it(monkeypatch):
     import meshrl.generator.service as service
 

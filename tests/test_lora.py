@@ -63,6 +63,18 @@ def test_only_adapters_train_and_the_optimizer_holds_them_alone(base):
     assert any(p.detach().abs().sum() > 0 for n, p in trainer.model.named_parameters() if ".lora_b." in n)
 
 
+def test_the_adapter_config_lists_the_projections_adapted(tmp_path):
+    """A qwen3_moe policy's MLP targets adapt nothing (its MLPs are routed experts); listing them
+    made `peft` wrap the experts with adapters the run never trained."""
+    from meshrl.config import LoRAConfig
+    from meshrl.trainer.lora import write_adapter
+
+    tensors = {f"{PEFT_PREFIX}model.layers.{i}.self_attn.{p}.lora_{m}.weight": torch.zeros(2, 2) for i in (0, 1) for p in ("q_proj", "o_proj") for m in "AB"}
+    out = write_adapter(str(tmp_path / "adapter"), tensors, LoRAConfig(rank=2), "base")
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        assert json.load(f)["target_modules"] == ["o_proj", "q_proj"]
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama3"])
 def test_peft_and_merged_exports_reproduce_the_trainers_logits(base, family, tmp_path, monkeypatch):
     """The adapter written in PEFT format, applied by `peft` over the base checkpoint, and the

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import json
 import os
@@ -77,7 +78,7 @@ class Generator:
         if self.gen.update_mode not in UPDATE_MODES:
             raise ValueError(f"generator.update_mode must be one of {UPDATE_MODES}")
         self.engine = VLLMEngine(
-            self.gen,
+            dataclasses.replace(self.gen, return_routed_experts=False) if teacher else self.gen,  # a teacher only scores: no routes to replay
             checkpoint_dir,
             dtype=config.model.dtype,
             max_model_len=config.model.max_seq_len,

@@ -195,6 +195,22 @@ def check_lora(c: Config) -> None:
             raise ConfigError("lora.targets", f"unknown {unknown}: choose from {sorted(TITAN_NAMES)}")
 
 
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _check_lora_on(c: Config, family: str) -> None:
+    """lora.targets build adapters in the policy's family (its checkpoint's, where model.path names one)."""
+    targets = c.lora.targets
+    if c.lora.rank <= 0:
+        return
+    if family == "deepseek_v3":
+        raise ConfigError("lora.targets", "LoRA is not mapped onto deepseek_v3's MLA projections: use qwen3, llama3 or qwen3_moe")
+    if family == "qwen3_moe" and not set(targets) & set(ATTENTION):  # (its routed experts are grouped weights, frozen)
+        raise ConfigError(
+            "lora.targets", f"{sorted(targets)} adapt no layer of a qwen3_moe model, whose every MLP is routed experts: add {', '.join(ATTENTION)}"
+        )
+
+
 def check_model(c: Config, plan: DevicePlan, own: DevicePlan | None = None) -> str:
     """The policy's checkpoint loads and fits trainer.tp and model.max_seq_len; tensor and
     context parallelism and the dtype suit its family and `plan`. Returns the family. `own`:
@@ -231,6 +247,7 @@ def check_model(c: Config, plan: DevicePlan, own: DevicePlan | None = None) -> s
             raise ConfigError("model.path", f"{m.path!r} has a config.json but no weight files (*.safetensors): point it at a complete checkpoint directory")
     else:
         family = m.family
+    _check_lora_on(c, family)
     if c.trainer.cp > 1 and family in MOE_FAMILIES:
         raise ConfigError("trainer.cp", f"context parallel is built for the dense families (qwen3, llama), and the policy is {family}: set trainer.cp=1")
     if c.trainer.cp > 1 and not plan.slot("trainer", 0).gpus:

@@ -109,15 +109,16 @@ def adapter_state_dict(model: nn.Module, adapter, dtype: torch.dtype | None = No
             yield f"{PEFT_PREFIX}{hf}.{peft}.weight", (t if dtype is None else t.to(dtype)).contiguous()
 
 
-def peft_config(lora: LoRAConfig, base_model: str | None) -> dict:
-    """adapter_config.json for `peft` and vLLM: plain LoRA on the targets, no bias."""
+def peft_config(lora: LoRAConfig, base_model: str | None, targets: list[str]) -> dict:
+    """adapter_config.json for `peft` and vLLM: plain LoRA on `targets` (the HF projections
+    adapted: a MoE's MLP targets name no module and are not listed), no bias."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": sorted(lora.targets),
+        "target_modules": targets,
         "bias": "none",
         "base_model_name_or_path": base_model,
         "fan_in_fan_out": False,
@@ -134,6 +135,7 @@ def write_adapter(out_dir: str, tensors: dict[str, torch.Tensor], lora: LoRAConf
 
     os.makedirs(out_dir, exist_ok=True)
     save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, os.path.join(out_dir, ADAPTER_FILE), metadata={"format": "pt"})
+    targets = sorted({name.split(".")[-3] for name in tensors})  # ....<projection>.lora_A.weight
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
-        json.dump(peft_config(lora, base_model), f, indent=2)
+        json.dump(peft_config(lora, base_model, targets), f, indent=2)
     return out_dir
