@@ -1,7 +1,7 @@
 """What users call: `meshrl.run(config)` and the interactive `meshrl.Session`.
 
     result = meshrl.run("configs/default.yaml")          # or a Config, or a dict
-    print(result.run_dir, result.metrics[-1]["reward/mean"])
+    print(result.run_dir, result.metrics[-1]["trainer/reward_mean"])
 
     with meshrl.Session(config) as s:                       # IPython: meshes live across cells
         s.step(5)
