@@ -60,6 +60,6 @@ def main(kind: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if len(sys.argv) != 3 or sys.argv[1].startswith("-"):  # (--help: the usage, not a directory of that name)
         raise SystemExit(__doc__)
     main(sys.argv[1], sys.argv[2])

@@ -34,6 +34,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):  # (--help: the usage, not a directory of that name)
         raise SystemExit(__doc__)
     main(sys.argv[1])
