@@ -67,6 +67,28 @@ def test_pack_refuses_a_partly_scored_episode_that_trains():
         model([1, 2], [-1.0, -1.0], [-1.0])
 
 
+def test_an_episode_the_teacher_cannot_score_counts_against_its_group(tmp_path):
+    """A sequence the teacher failed on was raised as a lost generator (GenerationFailed), which
+    never counts against the group: a record the teacher can never score was played again
+    without end. It now counts (the queue drops the group after buffer.MAX_FAILED_PLAYS); a
+    replica that is stopping fails the whole call, which is the teacher's, not the group's."""
+    from types import SimpleNamespace
+
+    from meshrl.agent.worker import RolloutWorker, _not_the_groups
+    from meshrl.config import Config
+    from meshrl.tokenizer import build_char_tokenizer
+
+    worker = RolloutWorker(Config.from_dict({"distill": {"teacher": "unused"}}), build_char_tokenizer(tmp_path))
+
+    async def score(sequences):
+        return ["ValueError: prompt too long"] + [[0.0] * len(s) for s in sequences[1:]]
+
+    worker.teacher = SimpleNamespace(score_many=SimpleNamespace(call_one=score))
+    with pytest.raises(RuntimeError, match="the teacher could not score episode 0: ValueError: prompt too long") as e:
+        asyncio.run(worker._packed(scored_episodes()))
+    assert not _not_the_groups(e.value)
+
+
 def test_attach_teacher_logprobs_slices_whole_sequence_scores():
     ep = Episode(0, 0, [env([5, 6]), Turn("model", [7, 8], [-0.5, -1.0], [0, 0]), env([9]), Turn("model", [10], [-0.1], [0])])
     attach_teacher_logprobs(ep, [0.0, -9.0, -1.0, -2.0, -9.0, -3.0])  # position i: log p(token i | tokens < i)

@@ -396,16 +396,17 @@ class RolloutWorker:
     async def _packed(self, episodes: list[Episode]):
         """The group as the trainer reads it: advantages from the rewards or, under
         distillation, per token from the teacher's scores of every row of the policy that did
-        not fail (a game's other models are not distilled; a failed score fails the call: the
-        group is played again)."""
+        not fail (a game's other models are not distilled; a failed call, the teacher lost or
+        slow, plays the group again; an episode the teacher cannot score counts against the
+        group, dropped after buffer.MAX_FAILED_PLAYS)."""
         if self.teacher is None:
             return self._with_process(assign_advantages(pack(episodes), self.advantages), episodes)
         scored = [row for ep in episodes for row in ep.rows if row.model == 0 and row.finish_reason != "failed"]
         timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
         scores = await asyncio.wait_for(awaited(self.teacher.score_many.call_one([ep.token_ids for ep in scored])), timeout) if scored else []
         for ep, score in zip(scored, scores):
-            if isinstance(score, str):
-                raise GenerationFailed(f"the teacher could not score episode {ep.sample_id}: {score}")
+            if isinstance(score, str):  # this episode's own (a stopping replica fails the call): counts against the group
+                raise RuntimeError(f"the teacher could not score episode {ep.sample_id}: {score}")
             attach_teacher_logprobs(ep, score)
         d = self.config.distill
         return self._with_process(assign_distill_advantages(pack(episodes), d.kl_weight, d.reward_weight, self.advantages), episodes)

@@ -29,7 +29,7 @@ from monarch.actor import Actor, concurrent_endpoint, current_rank, endpoint
 from meshrl.compat import endpoint_for_callers_that_may_die
 from meshrl.config import Config
 from meshrl.generator.engine import RequestResult
-from meshrl.generator.service import Generator
+from meshrl.generator.service import Generator, ReplicaStopping
 from meshrl.host import started
 from meshrl.logs import capture_role_output
 from meshrl.config.cpus import cpus_for
@@ -103,9 +103,13 @@ class GeneratorActor(Actor):
     async def score_many(self, sequences: list[list[int]]) -> list[list[float] | str]:
         """For each token-id sequence, the log-prob of each token given the ones before it
         (position 0: 0.0; see Generator.score), all scored at once (vLLM batches them). A
-        sequence that fails comes back as its error text; the others are not affected."""
+        sequence that fails comes back as its error text; the others are not affected. A replica
+        that is stopping fails the call (ReplicaStopping): the caller asks another."""
         gen = self._gen()
         results = await asyncio.gather(*(gen.score(ids) for ids in sequences), return_exceptions=True)
+        stopping = next((r for r in results if isinstance(r, ReplicaStopping)), None)
+        if stopping is not None:
+            raise stopping
         return [f"{type(r).__name__}: {str(r).strip()[:200]}" if isinstance(r, BaseException) else r for r in results]
 
     @concurrent_endpoint

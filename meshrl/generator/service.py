@@ -69,6 +69,10 @@ def runs_lora(checkpoint_dir: str) -> bool:
     return vllm_runs_lora_on(moe=model_type in MOE_FAMILIES)
 
 
+class ReplicaStopping(RuntimeError):
+    """A request reached a replica that is stopping: the replica's, not the request's, failure."""
+
+
 class Generator:
     """One replica's engine, version, update modes and request accounting."""
 
@@ -203,7 +207,7 @@ class Generator:
         VLLMEngine.score. Waits while the replica is paused or updating, like `generate`."""
         await self._open.wait()
         if self._stopping:
-            raise RuntimeError(f"generator replica {self.replica} is stopping")
+            raise ReplicaStopping(f"generator replica {self.replica} is stopping")
         self._request_started()
         try:
             return await self.engine.score(f"s{self.replica}-{next(self._request_ids)}", token_ids)
