@@ -277,6 +277,10 @@ def test_offloaded_adamw_state_frees_its_storage_checkpoints_and_trains_on(tmp_p
     fresh.load_checkpoint(path)
     restored = [v for s in fresh.optimizer.state.values() for v in s.values() if v.numel() > 1]
     assert all(torch.equal(r, before[id(v)]) for r, v in zip(restored, states))
+    buffers = len(moved._offload._host)  # a load (a heal, a resume) makes new state dicts: the same pinned buffers serve them
+    moved.load_checkpoint(path)
+    moved._offload.offload(moved.optimizer, include_cpu=True)
+    assert len(moved._offload._host) == buffers
 
 
 def test_scaling_generators_past_the_device_plan_says_so():

@@ -377,15 +377,20 @@ def _cp_rank(rank: int, steps: int):
 
     context_parallel.CPRows.__init__ = recording
     trainer = PolicyTrainer(_cp_config(procs=2, cp=2), CPU, rank, 2)
-    rows = [trainer.train_step(make_batch(seed=s, version=s, turns=2)) for s in range(steps)]
+    scores = trainer.compute_logprobs(make_batch(seed=7))[1].numpy()  # (before AdamW's steps, which magnify the sums' order)
+    rows = [trainer.train_step(make_batch(seed=s, version=i, turns=2)) for i, s in enumerate(CP_SEEDS[:steps])]
     grads = {n: p.grad.full_tensor().numpy() for n, p in trainer.model.named_parameters()}
-    scores = trainer.compute_logprobs(make_batch(seed=7))[1].numpy()
     return rows, grads if rank == 0 else None, scores
+
+
+CP_SEEDS = (0, 2)
+"""make_batch's seeds the CP test trains on: its longest rows are 30 and 31 tokens, which cp=2
+pads to 32, past model.max_seq_len=31 (_cp_config): the padding's positions stay in RoPE's table."""
 
 
 def _cp_config(**trainer) -> Config:
     return Config.from_dict(
-        {"model": {"max_seq_len": BUDGET, "n_kv_heads": 2}, "trainer": {"micro_batch_size": 3, "loss": {"kl_coef": 0.05, "entropy_coef": 0.01}, **trainer}}
+        {"model": {"max_seq_len": 31, "n_kv_heads": 2}, "trainer": {"micro_batch_size": 3, "loss": {"kl_coef": 0.05, "entropy_coef": 0.01}, **trainer}}
     )
 
 
@@ -399,7 +404,9 @@ def test_context_parallel_rows_train_as_one_process():
 
     results = gloo_ranks(_cp_rank, 2, 2)
     reference = PolicyTrainer(_cp_config(), CPU)
-    want = [reference.train_step(make_batch(seed=s, version=s, turns=2)) for s in range(2)]
+    batch = make_batch(seed=7)
+    scores = reference.compute_logprobs(batch)[1]
+    want = [reference.train_step(make_batch(seed=s, version=i, turns=2)) for i, s in enumerate(CP_SEEDS)]
     for got in (results[0][0], results[1][0]):
         for g, w in zip(got, want):
             assert g["tokens"] == w["tokens"]
@@ -408,8 +415,6 @@ def test_context_parallel_rows_train_as_one_process():
     for name, p in reference.model.named_parameters():
         got = torch.from_numpy(results[0][1][name])
         assert float((got - p.grad).abs().max()) <= 1e-3 * float(p.grad.abs().max()) + 1e-9, name  # sums in another order
-    batch = make_batch(seed=7)
-    scores = reference.compute_logprobs(batch)[1]
     for _, _, got in results:
         torch.testing.assert_close(torch.from_numpy(got)[batch["loss_mask"]], scores[batch["loss_mask"]], atol=1e-5, rtol=1e-5)
 
@@ -425,6 +430,8 @@ def test_context_parallel_is_refused_on_cpu_and_planned_on_gpus():
         _cp_config(procs=2, cp=2, micro_batch_tokens=BUDGET)
     with pytest.raises(ConfigError, match="trainer.procs"):
         _cp_config(procs=6, tp=2, cp=2)
+    with pytest.raises(ConfigError, match="trainer.compute_dtype: context parallel's ring attention"):  # torch shards no float32 kernel
+        _cp_config(procs=2, cp=2, compute_dtype="float32")
     with pytest.raises(ConfigError, match="trainer.cp"):
         Config.from_dict({"model": {"family": "qwen3_moe"}, "trainer": {"procs": 2, "cp": 2}})
     # on 9 GPUs: 8 trainer ranks (2 data-parallel x 2 CP x 2 TP), each on a GPU of its own, and a generator

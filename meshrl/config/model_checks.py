@@ -99,6 +99,12 @@ def _check_trainer(c: Config) -> None:
         )
         need(c.lora.rank == 0, "trainer.cp", "LoRA adapters are not context-parallel here: set trainer.cp=1 with lora.rank > 0")
         need(
+            trainer.compute_dtype != "float32",
+            "trainer.compute_dtype",
+            "context parallel's ring attention shards CUDA's flash and cuDNN kernels, which take half precision; "
+            "in float32 attention falls to the math kernel, which torch does not shard: set it to bfloat16 (auto: bfloat16 on CUDA)",
+        )
+        need(
             trainer.micro_batch_tokens == 0,
             "trainer.cp",
             "context parallel splits one padded row's positions over procs, and its ring attention has no "

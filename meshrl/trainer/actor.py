@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import os
 import secrets
 import time
@@ -81,9 +82,11 @@ class TrainerActor(Actor):
             self.trainer = PolicyTrainer(config, device, rank, world)
             # the batch travels to the other ranks pickled: through host memory, never the GPU
             # (NCCL's object broadcast would stage every step's batch in a CUDA tensor)
-            self._objects = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
+            # (a group's own timeout: torch's default for gloo is 30 minutes, whatever trainer.collective_timeout_s says)
+            bound = datetime.timedelta(seconds=config.trainer.collective_timeout_s)
+            self._objects = dist.new_group(backend="gloo", timeout=bound) if world > 1 and use_cuda else None
             if config.trainer.snapshot_every > 0:  # the background write's collectives on a group of their own
-                group = dist.new_group(backend="gloo") if world > 1 else None
+                group = dist.new_group(backend="gloo", timeout=bound) if world > 1 else None
                 self.snapshots = Snapshots(
                     snapshot_root(config.logging.run_dir),
                     config.trainer.snapshot_every,

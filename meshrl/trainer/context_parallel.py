@@ -55,7 +55,9 @@ class CPRows:
         # position t predicts token t + 1: its target and whether that token is scored move to t
         targets = F.pad(tokens[:, 1:], (0, pad + 1))
         scored = F.pad(score_mask[:, 1:], (0, pad + 1))
-        positions = torch.arange(padded, device=tokens.device).expand(B, padded).contiguous()
+        # the padding's positions repeat the last one: RoPE's table holds model.max_seq_len, which padded may pass
+        # (nothing real attends to padding: the ring's causality is by index)
+        positions = torch.arange(padded, device=tokens.device).clamp(max=max(self.T - 1, 0)).expand(B, padded).contiguous()
         (self.tokens, self.positions, self.targets, self.scored), _ = cp_shard(cp_mesh, (F.pad(tokens, (0, pad)), positions, targets, scored), None, "headtail")
         self.restore = _HeadTailLoadBalancer(padded, cp, tokens.device)._generate_indices(restore=True)[0].to(tokens.device)
 

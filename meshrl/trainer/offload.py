@@ -16,7 +16,7 @@ import torch
 
 class OptimizerOffload:
     def __init__(self) -> None:
-        self._host: dict[tuple[int, str], torch.Tensor] = {}  # pinned host buffers, reused every step
+        self._host: dict[tuple[int, str], torch.Tensor] = {}  # pinned host buffers by (parameter, state key), reused every step
         self._moved: list[tuple[dict, str, torch.Tensor, torch.Tensor]] = []  # (state, key, device value, its host local)
         self.offloaded = False
 
@@ -26,7 +26,7 @@ class OptimizerOffload:
         if self.offloaded:
             return 0
         moved = []
-        for state in optimizer.state.values():
+        for param, state in optimizer.state.items():  # by parameter: a checkpoint's load makes new state dicts
             for key, value in state.items():
                 local = _owner(value)
                 # only tensors that own their whole storage can give it back
@@ -39,9 +39,9 @@ class OptimizerOffload:
                     or local.untyped_storage().nbytes() != local.numel() * local.element_size()
                 ):
                     continue
-                host = self._host.get((id(state), key))
+                host = self._host.get((id(param), key))
                 if host is None or host.shape != local.shape or host.dtype != local.dtype:
-                    host = self._host[(id(state), key)] = torch.empty(local.shape, dtype=local.dtype, pin_memory=torch.cuda.is_available())
+                    host = self._host[(id(param), key)] = torch.empty(local.shape, dtype=local.dtype, pin_memory=torch.cuda.is_available())
                 host.copy_(local, non_blocking=True)
                 moved.append((state, key, value, host))
         if moved and torch.cuda.is_available():
