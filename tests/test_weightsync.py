@@ -87,6 +87,22 @@ def test_pack_roundtrip_and_buckets():
         pack(flat, layout, named[:-1])
 
 
+def test_a_layout_travels_as_json_and_a_forged_one_is_refused():
+    """The collective transport's header was a pickle in a TCPStore any local client can write:
+    the next header, planted first, ran its code in every generator. It is JSON now."""
+    import json
+
+    from meshrl.weightsync.layout import Layout
+
+    layout = plan_layout(model_tensors(), bucket_bytes=64 << 10)
+    assert Layout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+    forged = json.loads(json.dumps(layout.to_json()))
+    forged["tensors"][0][2] = "load"  # torch.load, not a dtype
+    for bad in (forged, {"tensors": 3}, {}):
+        with pytest.raises(ValueError, match="not a weight layout"):
+            Layout.from_json(bad)
+
+
 def test_files_transport_writes_each_models_versions_in_a_directory_of_its_own(tmp_path):
     """Two models (or two runs) naming one weight_sync.files_dir: each WeightSync writes in a
     new directory under it, so a subscriber, which loads the newest version it finds, never

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import pickle
+import json
 import socket
 import threading
 import time
@@ -30,6 +30,7 @@ from meshrl.compat import nccl_errors_raise
 from meshrl.host import host_address, interface_of
 from meshrl.weightsync.buffers import ReceiveBuffers
 from meshrl.weightsync.errors import WeightSyncError
+from meshrl.weightsync.layout import Layout
 from meshrl.weightsync.spec import SyncSpec
 from meshrl.weightsync.staging import StagingPool
 
@@ -131,8 +132,8 @@ class CollectiveSender:
             try:
                 layout = lease.slot.layout
                 new_layout = layout.layout_id != layout_sent
-                header = (lease.version, layout.layout_id, layout if new_layout else None)
-                self.store.set(f"hdr/{seq}", pickle.dumps(header))
+                header = {"version": lease.version, "layout_id": layout.layout_id, "layout": layout.to_json() if new_layout else None}
+                self.store.set(f"hdr/{seq}", json.dumps(header))  # JSON: the store takes any local client's writes
                 broadcast_buckets(self.pg, layout.bucket_views(lease.slot.flat), self.spec.timeout_s)
                 self.store.delete_key(f"hdr/{seq}")  # every receiver read it before the broadcast
                 layout_sent, self.sent_version, seq = layout.layout_id, lease.version, seq + 1
@@ -184,9 +185,10 @@ class CollectiveReceiver:
                 return
             flat = None
             try:
-                version, layout_id, new_layout = pickle.loads(self.store.get(key))
-                if new_layout is not None:
-                    layout = new_layout
+                header = json.loads(self.store.get(key))
+                version, layout_id = int(header["version"]), str(header["layout_id"])
+                if header["layout"] is not None:
+                    layout = Layout.from_json(header["layout"])
                     self.buffers.set_layout(layout)
                 if layout is None or layout.layout_id != layout_id:
                     raise WeightSyncError(f"header of version {version} names layout {layout_id} that was never sent")

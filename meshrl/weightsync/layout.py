@@ -9,6 +9,7 @@ only.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import weakref
@@ -42,6 +43,26 @@ class Layout:
     def bucket_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The buckets of `flat` as 1-D contiguous uint8 slices (what RDMA and broadcasts move)."""
         return [flat[a:b] for a, b in self.buckets]
+
+    def to_json(self) -> dict:
+        """Plain data for a header another process reads (JSON: nothing in it runs when read)."""
+        return {
+            "tensors": [dataclasses.astuple(t) for t in self.tensors],
+            "buckets": self.buckets,
+            "total_bytes": self.total_bytes,
+            "layout_id": self.layout_id,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Layout":
+        """`to_json`'s inverse; a field of the wrong kind (or an unknown dtype) raises ValueError."""
+        try:
+            tensors = tuple(TensorMeta(str(n), tuple(int(d) for d in shape), str(dt), int(o), int(b)) for n, shape, dt, o, b in data["tensors"])
+            for t in tensors:
+                dtype_from_name(t.dtype)
+            return cls(tensors, tuple((int(a), int(b)) for a, b in data["buckets"]), int(data["total_bytes"]), str(data["layout_id"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a weight layout: {e}") from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
