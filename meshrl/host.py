@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 
 from meshrl.compat import gloo_default_device_on_loopback
 
@@ -32,12 +33,22 @@ def gloo_on_this_host():
     return gloo_default_device_on_loopback() if host_address() is None else contextlib.nullcontext()
 
 
-def interface_of(ip: str) -> str:
-    """The network interface that holds `ip`; ValueError if no interface of this host does."""
+def interface_of(ip: str, first: bool = False) -> str:
+    """The network interface that holds `ip`; ValueError if no interface of this host does.
+    `first`: `ip` must also be its interface's first address of its family, the one gloo (and
+    NCCL) bind when given the interface alone (GLOO_SOCKET_IFNAME): another would be exposed."""
     import psutil
 
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address.split("%")[0] == ip for a in addrs):
+            if first:
+                family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+                bound = next(a.address.split("%")[0] for a in addrs if a.family == family)
+                if bound != ip:
+                    raise ValueError(
+                        f"{ip} is not the first address of interface {name}: gloo binds that one ({bound}), so give {bound}, "
+                        f"or put {ip} on an interface of its own"
+                    )
             return name
     raise ValueError(f"{ip} is not an address of this host: give one of its own")
 

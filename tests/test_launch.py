@@ -46,6 +46,26 @@ def _running(pid: int) -> bool:
 
 
 # ---- the host plan -------------------------------------------------------------------------
+def test_a_worker_address_must_be_what_gloo_binds_on_its_interface(monkeypatch):
+    """`meshrl worker --address IP` gives gloo IP's interface, and gloo binds that interface's
+    first address: a second address on it left gloo's groups on the first one (a public one,
+    say). Such an address is refused, naming the one gloo would bind."""
+    import socket
+    from types import SimpleNamespace
+
+    from meshrl.host import interface_of
+
+    addrs = {"lo": [SimpleNamespace(family=socket.AF_INET, address="127.0.0.1")]}
+    addrs["eth0"] = [
+        SimpleNamespace(family=socket.AF_PACKET, address="aa:bb"),
+        *(SimpleNamespace(family=socket.AF_INET, address=a) for a in ("10.1.1.1", "10.2.2.2")),
+    ]
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: addrs)
+    assert interface_of("10.1.1.1", first=True) == "eth0" and interface_of("10.2.2.2") == "eth0"
+    with pytest.raises(ValueError, match="10.2.2.2 is not the first address of interface eth0: gloo binds that one \\(10.1.1.1\\)"):
+        interface_of("10.2.2.2", first=True)
+
+
 def test_plan_hosts_splits_roles(tmp_path):
     assert plan_hosts(_config(tmp_path, kind="process", hosts=1)) == {"hosts": 1}
     # CPU hosts: in proportion to procs (2 trainer, 1 generator)

@@ -69,7 +69,7 @@ def run_worker(address: str) -> None:
     os.environ[HOST_ADDRESS_ENV] = ip
     # what the procs of this host serve on Monarch's default transport, and gloo's default device
     os.environ["HYPERACTOR_MESH_DEFAULT_TRANSPORT"] = f"tcp://{url}:0"
-    os.environ["GLOO_SOCKET_IFNAME"] = interface_of(ip)
+    os.environ["GLOO_SOCKET_IFNAME"] = interface_of(ip, first=True)  # (gloo binds its first address: the named one)
     os.environ.setdefault(NCCL_IFNAME_ENV, interface_of(ip))  # NCCL's bootstrap, on GPU hosts: the same interface unless the user named one
     from monarch.actor import run_worker_loop_forever
 
