@@ -126,6 +126,17 @@ def test_export_loads_in_transformers_with_equal_logits(exported):
             torch.testing.assert_close(hf.model.layers[i].mlp.gate.e_score_correction_bias, model.layers[str(i)].moe.expert_bias_E, atol=0, rtol=0)
 
 
+def test_the_router_bias_stays_float32_in_a_bfloat16_sync(exported):
+    """Weights travel in model.dtype; the router's bias was rounded to it too, where vLLM keeps
+    it in float32: the sampler then routed near-ties otherwise than the trainer."""
+    model, cfg, overrides, out = exported
+    specs = build_model(cfg, seed=1, hf_overrides=overrides)[1]
+    dtypes = {name: t.dtype for name, t in ckpt.hf_state_dict(model, specs, torch.bfloat16)}
+    biases = [name for name in dtypes if name.endswith("e_score_correction_bias")]
+    assert biases and all(dtypes[name] == torch.float32 for name in biases)
+    assert {d for name, d in dtypes.items() if name not in biases} == {torch.bfloat16}
+
+
 def test_config_round_trip_and_load_back_into_torchtitan(exported):
     model, cfg, overrides, out = exported
     cfg2, overrides2 = model_args_from_hf(out)

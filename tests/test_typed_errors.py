@@ -602,3 +602,33 @@ def test_a_colocated_step_without_a_full_batch_leaves_the_engines_awake_and_time
     with pytest.raises(BatchTimeout, match="no complete batch of") as info:
         asyncio.run(sleep_for_trainer(config, SimpleNamespace(layout="colocated"), queue, [pool], watching, 0.0))
     assert find(info.value, BatchTimeout) is info.value and slept == []
+
+
+def test_a_colocated_gpu_trainer_frees_its_memory_before_the_engines_load_the_new_version():
+    """On a shared GPU the engines load each version asleep, which gives them their weights
+    back: they loaded it before the trainer freed its gradients, AdamW state and cached blocks,
+    which the memory plan never counted (a plan that just fit the step ran out of memory)."""
+    from types import SimpleNamespace
+
+    from meshrl.controller.colocate import after_step
+
+    calls = []
+
+    async def record(what, value=None):
+        calls.append(what)
+        return value
+
+    trainer = SimpleNamespace(release_memory=lambda offload: record("trainer frees", {}))
+    pool = SimpleNamespace(wake=lambda: record("engines wake"))
+    loop = SimpleNamespace(
+        config=Config.from_dict({"placement": "colocate"}),
+        alloc=SimpleNamespace(plan=SimpleNamespace(layout="colocated")),
+        trainer=trainer,
+        partners=[],
+        version=3,
+        _offload_optimizer=False,
+        _update_generators=lambda version, weights_id: record(f"engines load {version}", 0.0),
+        _pools=lambda: [pool],
+    )
+    out = asyncio.run(after_step(loop, None))
+    assert calls == ["trainer frees", "engines load 3", "engines wake"] and {"colocate/load_s", "colocate/wake_s"} <= set(out)

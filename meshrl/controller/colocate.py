@@ -1,7 +1,8 @@
 """placement=colocate: the generators and the trainer take turns on the same devices.
 
 Before the trainer's call the batch is completed and the generators sleep (`sleep_for_trainer`);
-after it the trainer frees its memory (colocated on GPUs) and the engines wake (`wake_for_generators`).
+after it the trainer frees its memory (colocated on GPUs), the engines load the new version
+where they load it asleep, and wake (`after_step`).
 Trained models beside the policy (`config.models`) share the same devices: every model's
 engines sleep and wake together, and the trainers step in turn, the policy's first, each
 freeing its memory before the next (`release`), so each step has the devices to itself. Each
@@ -68,6 +69,23 @@ async def wake_for_generators(plan, trainer, pools: list, offload_optimizer: boo
     await asyncio.gather(*(pool.wake() for pool in pools))
     out["colocate/wake_s"] = time.monotonic() - t0
     return out
+
+
+async def after_step(loop, weights_id) -> dict[str, float]:
+    """placement=colocate, after the trainers' calls: the policy trainer's memory freed (with
+    trained models: freed already, before their turns), the new versions loaded where the
+    engines load asleep (`wakes_on_new_version`), then every engine awake. Freed before the
+    load, which gives the engines their weights back: the trainer's step and the engines'
+    weights never share the GPU."""
+    c, plan, out = loop.config, loop.alloc.plan, {}
+    if c.placement != "colocate":
+        return out
+    if not loop.partners:
+        out.update(await release(plan, loop.trainer, loop._offload_optimizer))
+    if wakes_on_new_version(c, plan):
+        out["colocate/load_s"] = await loop._update_generators(loop.version, weights_id)
+        out.update(await load_models(loop.partners))
+    return {**out, **await wake_for_generators(plan, None, loop._pools(), loop._offload_optimizer)}
 
 
 async def models_in_turn(plan, trainer, partners: list, train, offload_optimizer: bool) -> dict[str, float]:

@@ -224,12 +224,7 @@ class RLLoop:
         out.update(self.healer.metrics())
         try:
             load_asleep = colocate.wakes_on_new_version(c, self.alloc.plan)  # each version loaded while the engines sleep
-            if load_asleep:
-                out["colocate/load_s"] = await self._update_generators(self.version, weights_id)
-                out.update(await colocate.load_models(self.partners))
-            if c.placement == "colocate":
-                released = None if self.partners else self.trainer  # with trained models: before their turns
-                out.update(await colocate.wake_for_generators(self.alloc.plan, released, self._pools(), self._offload_optimizer))
+            out.update(await colocate.after_step(self, weights_id))
             if self._update_task is not None:  # in the background since the last step: usually done
                 t0 = time.monotonic()
                 out["sync/previous_update_s"] = await self._finish_update()

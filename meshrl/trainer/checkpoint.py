@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -52,6 +53,8 @@ def hf_state_dict(model: nn.Module, specs: ModelSpecs, dtype: torch.dtype | None
     """
     adapter = specs.adapter_cls(specs.titan_config, None)
     adapted = {f"{fqn}.weight": m for fqn, m in lora_modules(model).items()} if merge_lora else {}
+    # buffers keep their dtype: DeepSeek-V3's float32 router bias, which vLLM keeps in float32 too
+    buffers = {re.sub(r"(_checkpoint_wrapped_module|_orig_mod)\.", "", name) for name, _ in model.named_buffers()}
     for name, tensor in model.state_dict().items():
         if ".lora_a." in name or ".lora_b." in name:
             continue  # folded into the base weight below
@@ -59,7 +62,7 @@ def hf_state_dict(model: nn.Module, specs: ModelSpecs, dtype: torch.dtype | None
         if name in adapted:
             full = merged_weight(adapted[name], full)
         for hf_name, hf_tensor in adapter.to_hf({name: full}).items():
-            yield hf_name, (hf_tensor if dtype is None else hf_tensor.to(dtype)).contiguous()
+            yield hf_name, (hf_tensor if dtype is None or name in buffers else hf_tensor.to(dtype)).contiguous()
 
 
 def export_hf(

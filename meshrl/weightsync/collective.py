@@ -113,7 +113,11 @@ class CollectiveSender:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop sending now: a broadcast the thread waits in is aborted (NCCL; its receivers are
+        gone, as on a reconnect), so its lease on a staging slot ends at once, not when the wait
+        times out (the next publishes would wait for that slot)."""
         self._stop.set()
+        close_group(self.pg)
 
     def _run(self) -> None:
         try:
@@ -138,8 +142,9 @@ class CollectiveSender:
                 self.store.delete_key(f"hdr/{seq}")  # every receiver read it before the broadcast
                 layout_sent, self.sent_version, seq = layout.layout_id, lease.version, seq + 1
             except Exception as e:  # noqa: BLE001 - recorded, reported by `check`
-                log.warning("weight broadcast of version %d failed: %s", lease.version, e)
-                self.error = e
+                if not self._stop.is_set():  # (closed: the abort ended the wait, nothing failed)
+                    log.warning("weight broadcast of version %d failed: %s", lease.version, e)
+                    self.error = e
                 return
             finally:
                 self.pool.release(lease)
