@@ -479,6 +479,24 @@ def test_bf16_compute_on_cpu_tracks_float32_and_keeps_float32_state():
         make_config(compute_dtype="float16")
 
 
+def test_compiled_code_is_cached_in_a_directory_of_the_users_own(tmp_path, monkeypatch):
+    """Inductor's default cache, /tmp/torchinductor_$USER, can be made first and filled by any
+    local user, and the trainer imports the code it finds there."""
+    import stat
+
+    from meshrl.trainer.parallelize import _before_compiling
+
+    monkeypatch.setattr(torch._dynamo.config, "assume_static_by_default", torch._dynamo.config.assume_static_by_default)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _before_compiling()
+    path = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert path == str(tmp_path / ".cache" / "meshrl" / "torchinductor") and stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # the user's choice stands
+    _before_compiling()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+
+
 @pytest.mark.slow  # about 17 s on 2 cores: the blocks compile
 def test_compiled_blocks_train_like_eager_without_recompiling_per_batch_shape(monkeypatch):
     from torch._dynamo.utils import counters

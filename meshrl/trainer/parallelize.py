@@ -7,6 +7,8 @@ process group is created by the caller; the DeviceMesh is built on it here.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -69,12 +71,17 @@ def compile_config(tcfg: TrainerConfig):
     return CompileConfig(enable=tcfg.compile, components=["model"])
 
 
-def _dynamic_shapes_from_the_first_compile() -> None:
+def _before_compiling() -> None:
     # TorchTitan compiles blocks for pretraining's fixed sequence length. RL batches change
-    # length and micro-batch rows every step, and each new static shape recompiled (about
-    # 17 s per dim on a CPU core, measured) until dynamo marked that dim dynamic. So this
-    # proc's compiles treat shapes as dynamic from the start; parameters stay static.
+    # length and micro-batch rows every step, and each new static shape recompiled until
+    # dynamo marked that dim dynamic. So this proc's compiles treat shapes as dynamic from
+    # the start; parameters stay static.
     torch._dynamo.config.assume_static_by_default = False
+    # Inductor caches the code it generates, and imports it, from /tmp/torchinductor_$USER: a
+    # path any local user can make first and fill. This user's own directory instead.
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path = os.path.join(os.path.expanduser("~"), ".cache", "meshrl", "torchinductor")
+        os.makedirs(path, mode=0o700, exist_ok=True)
 
 
 def compile_unsharded(model: nn.Module, parallelism, compile_cfg, ac_cfg=None) -> None:
@@ -87,7 +94,7 @@ def compile_unsharded(model: nn.Module, parallelism, compile_cfg, ac_cfg=None) -
     if ac_cfg is not None:
         ac_cfg.build(dump_folder="/tmp").apply(model)
     if compile_cfg.enable:
-        _dynamic_shapes_from_the_first_compile()
+        _before_compiling()
         apply_compile(model, compile_config=compile_cfg, parallel_dims=ParallelDims.from_config(parallelism, 1))
 
 
@@ -115,7 +122,7 @@ def parallelize(
     param_dtype = "float32" if device_type == "cpu" else str(dtype).removeprefix("torch.")
     training = TrainingConfig(mixed_precision_param=param_dtype)
     if compile_cfg is not None and compile_cfg.enable:
-        _dynamic_shapes_from_the_first_compile()
+        _before_compiling()
     model = parallelize_fn(
         model,
         parallel_dims=dims,
