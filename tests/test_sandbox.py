@@ -344,6 +344,10 @@ def test_hidden_tests_score_the_fraction_passed(loop, pool):
     io = [{"input": "3", "output": "9"}, {"input": "4\n", "output": "16"}, {"input": "x", "output": "?"}]
     assert loop.run_until_complete(run_tests(pool, "print(int(input()) ** 2)", io)) == (2, 3)
     assert loop.run_until_complete(run_tests(pool, "import os; os._exit(0)", asserts + io)) == (0, 6)
+    # an `exec` of the solution's own (or the builtins replaced) passed every assert; `from __future__` opens its code
+    for hack in ("def exec(*a, **k): pass\ndef f(x): return 0", "import builtins\nbuiltins.exec = lambda *a: None\ndef f(x): return 0"):
+        assert loop.run_until_complete(run_tests(pool, hack, asserts)) == (0, 3)
+    assert loop.run_until_complete(run_tests(pool, "from __future__ import annotations\ndef f(x: int) -> int: return 2 * x", asserts)) == (2, 3)
     assert extract_code("try:\n```python\nprint(1)\n```\nok") == "print(1)\n"
     assert repl_code("2+3") != "2+3" and repl_code("x = 1") == "x = 1"
 

@@ -131,18 +131,22 @@ def solution_code(answer_text: str, sample: dict) -> str:
 
 
 def _harness(solution: str, statements: list[str], marker: str) -> str:
+    # the solution runs in globals of its own, under a runner whose exec and print were bound
+    # before it ran: a solution that defines its own `exec` (one that runs nothing) or replaces
+    # the builtins passes no assert by it; `from __future__` still opens the solution's code
     return (
-        f"{solution}\n"
-        "def _meshrl_tests(_g):\n"
+        "def _meshrl_tests(_solution, _tests, _exec=exec, _print=print, _compile=compile):\n"
+        "    _g = {'__name__': '__main__'}\n"
+        "    _exec(_compile(_solution, 'solution.py', 'exec'), _g)\n"
         "    _r = []\n"
-        f"    for _t in {json.dumps(statements)}:\n"
+        "    for _t in _tests:\n"
         "        try:\n"
-        "            exec(_t, _g)\n"
+        "            _exec(_t, _g)\n"
         "            _r.append('1')\n"
         "        except BaseException:\n"
         "            _r.append('0')\n"
-        f"    print({marker!r} + ''.join(_r))\n"
-        "_meshrl_tests(globals())\n"
+        f"    _print({marker!r} + ''.join(_r))\n"
+        f"_meshrl_tests({json.dumps(solution)}, {json.dumps(statements)})\n"
     )
 
 
