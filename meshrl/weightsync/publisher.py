@@ -62,7 +62,9 @@ class Publisher:
         are collected first and laid out anew whenever they change."""
         t0 = time.perf_counter()
         if not stream or self.layout is None:
-            named = list(named_tensors)
+            # collected whole to lay them out: in host memory where the slots are there (a GPU
+            # trainer would hold every gathered tensor of the model on its GPU at once)
+            named = [(n, t.cpu() if t.is_cuda and self.pool.device is None else t) for n, t in named_tensors]
             layout = plan_layout(named, self.cfg.bucket_mb << 20)
             if self.layout is None or layout.layout_id != self.layout.layout_id:
                 self.layout = layout  # new metadata: subscribers receive it with the next version
