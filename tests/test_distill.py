@@ -80,13 +80,41 @@ def test_an_episode_the_teacher_cannot_score_counts_against_its_group(tmp_path):
 
     worker = RolloutWorker(Config.from_dict({"distill": {"teacher": "unused"}}), build_char_tokenizer(tmp_path))
 
-    async def score(sequences):
+    async def score(sequences, call_id):
         return ["ValueError: prompt too long"] + [[0.0] * len(s) for s in sequences[1:]]
 
     worker.teacher = SimpleNamespace(score_many=SimpleNamespace(call_one=score))
     with pytest.raises(RuntimeError, match="the teacher could not score episode 0: ValueError: prompt too long") as e:
         asyncio.run(worker._packed(scored_episodes()))
     assert not _not_the_groups(e.value)
+
+
+def test_a_teacher_call_past_its_bound_is_aborted_on_the_teacher(tmp_path):
+    """The worker gave up on a slow teacher call and played the group again, while the teacher
+    went on scoring the abandoned sequences, ahead of every later group's. It now aborts them
+    by the call's id (Generator.score_many, as generate_many's turns)."""
+    from types import SimpleNamespace
+
+    from meshrl.agent.worker import RolloutWorker
+    from meshrl.config import Config
+    from meshrl.tokenizer import build_char_tokenizer
+
+    config = Config.from_dict({"distill": {"teacher": "unused"}, "weight_sync": {"timeout_s": 0.2}, "generator": {"startup_timeout_s": 0.1}})
+    worker = RolloutWorker(config, build_char_tokenizer(tmp_path))
+    asked, aborted = [], []
+
+    async def score(sequences, call_id):
+        asked.append(call_id)
+        await asyncio.sleep(3600)
+
+    async def abort(call_id):
+        aborted.append(call_id)
+        return True
+
+    worker.teacher = SimpleNamespace(score_many=SimpleNamespace(call_one=score), abort_many=SimpleNamespace(call_one=abort))
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(worker._packed(scored_episodes()))
+    assert len(asked) == 1 and aborted == asked
 
 
 def test_attach_teacher_logprobs_slices_whole_sequence_scores():

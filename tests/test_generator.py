@@ -333,6 +333,34 @@ class FakeEngine:
         self.version = version
 
 
+def test_a_teachers_score_many_is_aborted_by_its_id_and_a_stopping_one_fails_whole(monkeypatch):
+    """score_many, as generate_many: abort_many stops a call whose caller gave up on it (its
+    sequences answer as aborted); a replica that is stopping fails the whole call, the
+    teacher's failure, not each sequence's (that would count against the group)."""
+    import meshrl.generator.service as service
+
+    class Slow(FakeEngine):
+        async def score(self, request_id, token_ids):
+            await asyncio.sleep(3600)
+
+    monkeypatch.setattr(service, "VLLMEngine", Slow)
+
+    async def main():
+        gen = service.Generator(Config.from_dict({}), "unused", teacher=True)
+        await gen.start(0)
+        call = asyncio.ensure_future(gen.score_many([[1, 2], [3]], call_id="w.t0"))
+        await asyncio.sleep(0.05)
+        assert gen.abort_many("w.t0")
+        aborted = await asyncio.wait_for(call, 5)
+        assert not gen.abort_many("w.t0")  # ended: nothing to stop
+        gen._stopping = True
+        with pytest.raises(service.ReplicaStopping):
+            await asyncio.wait_for(gen.score_many([[1, 2]]), 5)
+        return aborted
+
+    assert asyncio.run(main()) == ["aborted: its caller gave up on it"] * 2
+
+
 def test_a_distillation_teacher_captures_no_routes(monkeypatch):
     """A teacher took the policy's generator.return_routed_experts: a dense teacher's engine
     refused to start (no MoE router to capture), a MoE one captured routes nobody replays."""

@@ -28,8 +28,11 @@ proc, tests drive it directly. Turns reach the generators through `turns.py`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import logging
+import os
 import time
 
 import torch
@@ -43,7 +46,7 @@ from meshrl.episode import Episode, Turn, assign_advantages, leave_out, pack
 from meshrl.rollout.chat import ChatRenderer, prompt_too_long
 from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name, close_env, env_budget
 from meshrl.agent.game import play_game, thread_windows
-from meshrl.agent.turns import GenerationFailed, TurnBatcher
+from meshrl.agent.turns import ABORT_TIMEOUT_S, GenerationFailed, TurnBatcher
 from meshrl.rollout.game import is_ask
 from meshrl.scorers.client import EpisodeScorers, ScorerUnavailable
 from meshrl.trainer.checks import policy_vocabulary
@@ -110,6 +113,7 @@ class RolloutWorker:
         starts = [m.generator.get("startup_timeout_s", config.generator.startup_timeout_s) for m in config.models]
         self.model_turns = [self.turns] + [TurnBatcher(config, float(s)) for s in starts]
         self.teacher = None  # on-policy distillation: the teacher's scoring replica (meshrl/distill.py)
+        self._teacher_calls = itertools.count()  # its score_many calls' ids, for abort_many
         self.scorers = EpisodeScorers(config, self.tokenizer)  # scoring.scorers (meshrl/scorers/)
         self.advantages = config.advantage_modes()  # each model's group advantage, by its `model` index
         self._renderers: dict[str, ChatRenderer] = {}
@@ -402,14 +406,26 @@ class RolloutWorker:
         if self.teacher is None:
             return self._with_process(assign_advantages(pack(episodes), self.advantages), episodes)
         scored = [row for ep in episodes for row in ep.rows if row.model == 0 and row.finish_reason != "failed"]
-        timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
-        scores = await asyncio.wait_for(awaited(self.teacher.score_many.call_one([ep.token_ids for ep in scored])), timeout) if scored else []
+        scores = await self._teacher_scores([ep.token_ids for ep in scored]) if scored else []
         for ep, score in zip(scored, scores):
             if isinstance(score, str):  # this episode's own (a stopping replica fails the call): counts against the group
                 raise RuntimeError(f"the teacher could not score episode {ep.sample_id}: {score}")
             attach_teacher_logprobs(ep, score)
         d = self.config.distill
         return self._with_process(assign_distill_advantages(pack(episodes), d.kl_weight, d.reward_weight, self.advantages), episodes)
+
+    async def _teacher_scores(self, sequences: list[list[int]]) -> list:
+        """The teacher's score_many of `sequences`, bounded as a weight update and a replica's
+        start are; past the bound its call is aborted on the teacher (its requests would go on
+        for nobody, behind every later group's) and the timeout raised."""
+        call_id = f"{os.getpid()}.{id(self):x}.t{next(self._teacher_calls)}"
+        timeout = self.config.weight_sync.timeout_s + self.config.generator.startup_timeout_s
+        try:
+            return await asyncio.wait_for(awaited(self.teacher.score_many.call_one(sequences, call_id)), timeout)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(awaited(self.teacher.abort_many.call_one(call_id)), ABORT_TIMEOUT_S)
+            raise
 
     def _with_process(self, group, episodes: list[Episode]):
         """Under process scorers, the per-token advantages of meshrl/scorers/process.py (a

@@ -29,7 +29,7 @@ from monarch.actor import Actor, concurrent_endpoint, current_rank, endpoint
 from meshrl.compat import endpoint_for_callers_that_may_die
 from meshrl.config import Config
 from meshrl.generator.engine import RequestResult
-from meshrl.generator.service import Generator, ReplicaStopping
+from meshrl.generator.service import Generator
 from meshrl.host import started
 from meshrl.logs import capture_role_output
 from meshrl.config.cpus import cpus_for
@@ -96,21 +96,17 @@ class GeneratorActor(Actor):
 
     @endpoint_for_callers_that_may_die  # (a worker asks it as it stops)
     async def abort_many(self, call_id: str) -> bool:
-        """Stop the generate_many call `call_id`, whose caller gave up on it (Generator.abort_many)."""
+        """Stop the generate_many or score_many call `call_id`, whose caller gave up on it (Generator.abort_many)."""
         return self._gen().abort_many(call_id)
 
     @endpoint_for_callers_that_may_die
-    async def score_many(self, sequences: list[list[int]]) -> list[list[float] | str]:
+    async def score_many(self, sequences: list[list[int]], call_id: str | None = None) -> list[list[float] | str]:
         """For each token-id sequence, the log-prob of each token given the ones before it
         (position 0: 0.0; see Generator.score), all scored at once (vLLM batches them). A
         sequence that fails comes back as its error text; the others are not affected. A replica
-        that is stopping fails the call (ReplicaStopping): the caller asks another."""
-        gen = self._gen()
-        results = await asyncio.gather(*(gen.score(ids) for ids in sequences), return_exceptions=True)
-        stopping = next((r for r in results if isinstance(r, ReplicaStopping)), None)
-        if stopping is not None:
-            raise stopping
-        return [f"{type(r).__name__}: {str(r).strip()[:200]}" if isinstance(r, BaseException) else r for r in results]
+        that is stopping fails the call (ReplicaStopping): the caller asks another. `call_id`:
+        the caller's name for the call, which `abort_many` stops (its caller timed out)."""
+        return await self._gen().score_many(sequences, call_id)
 
     @concurrent_endpoint
     async def pause_generation(self) -> None:

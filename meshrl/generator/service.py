@@ -95,7 +95,7 @@ class Generator:
         self.replica = replica
         self.teacher = teacher
         self._request_ids = itertools.count()
-        self._calls: dict[str, asyncio.Future] = {}  # generate_many calls by their callers' ids, for abort_many
+        self._calls: dict[str, asyncio.Future] = {}  # generate_many and score_many calls by their callers' ids, for abort_many
         # Admission gate: cleared while paused, updating or stopping; requests wait on it.
         self._open = asyncio.Event()
         self._open.set()
@@ -181,25 +181,36 @@ class Generator:
         """`generate` on each of `requests` (its arguments), at once; a sample that fails comes
         back as its error text, the others unaffected. `call_id`: the caller's name for the
         call, which `abort_many` stops."""
-        samples = asyncio.ensure_future(asyncio.gather(*(self.generate(*r) for r in requests), return_exceptions=True))
+        return await self._many([self.generate(*r) for r in requests], call_id)
+
+    async def score_many(self, sequences: list[list[int]], call_id: str | None = None) -> list[list[float] | str]:
+        """`score` on each of `sequences`, at once (vLLM batches them), as `generate_many`. A
+        replica that is stopping fails the call (ReplicaStopping): its caller asks another."""
+        return await self._many([self.score(ids) for ids in sequences], call_id, raise_first=ReplicaStopping)
+
+    async def _many(self, calls: list, call_id: str | None, raise_first: type | None = None) -> list:
+        every = asyncio.ensure_future(asyncio.gather(*calls, return_exceptions=True))
         if call_id is not None:
-            self._calls[call_id] = samples
+            self._calls[call_id] = every
         try:
-            results = await samples
+            results = await every
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # this call itself, not abort_many
                 raise
-            return ["aborted: its caller gave up on it"] * len(requests)
+            return ["aborted: its caller gave up on it"] * len(calls)
         finally:
             self._calls.pop(call_id, None)
+        failed = next((r for r in results if raise_first is not None and isinstance(r, raise_first)), None)
+        if failed is not None:
+            raise failed
         return [f"{type(r).__name__}: {str(r).strip()[:200]}" if isinstance(r, BaseException) else r for r in results]
 
     def abort_many(self, call_id: str) -> bool:
-        """Stop the generate_many call `call_id`, whose caller no longer waits for any of its
-        samples (their episodes failed or were cancelled): vLLM aborts its requests, and their
-        slots and KV cache go to the turns still wanted. False if it had ended."""
-        samples = self._calls.get(call_id)
-        return samples is not None and samples.cancel()
+        """Stop the generate_many or score_many call `call_id`, whose caller no longer waits for
+        it (its episodes failed or were cancelled, or it timed out): vLLM aborts its requests,
+        and their slots and KV cache go to the work still wanted. False if it had ended."""
+        calls = self._calls.get(call_id)
+        return calls is not None and calls.cancel()
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """The log-prob of each of `token_ids` given the ones before it (position 0: 0.0), at
