@@ -406,6 +406,8 @@ def test_a_prompt_without_room_for_its_answer_is_refused_before_the_run_and_fail
         check_user_code(config)
     assert e.value.field_path == "model.max_seq_len" and str(data) in str(e.value)
     check_user_code(Config.from_dict({"data": {"source": str(data)}, "model": {"max_seq_len": 68}, "generator": {"max_new_tokens": 8}}))
+    data.write_text(json.dumps({"prompt": "q" * 60, "answer": "q", "max_new_tokens": 100}) + "\n")  # generator.max_new_tokens caps it
+    check_user_code(Config.from_dict({"data": {"source": str(data)}, "model": {"max_seq_len": 68}, "generator": {"max_new_tokens": 8}}))
 
     config = Config.from_dict({"data": {"source": "task:guess"}, "model": {"max_seq_len": 16}, "generator": {"max_new_tokens": 4}})
     worker = RolloutWorker(config, tokenizer_dir)

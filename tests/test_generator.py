@@ -340,12 +340,16 @@ def test_a_teachers_score_many_is_aborted_by_its_id_and_a_stopping_one_fails_who
     import meshrl.generator.service as service
 
     class Slow(FakeEngine):
+        aborted = None
+
         async def score(self, request_id, token_ids):
-            await asyncio.sleep(3600)
+            await Slow.aborted.wait()
+            raise RuntimeError("no log-probs (aborted?)")
 
     monkeypatch.setattr(service, "VLLMEngine", Slow)
 
     async def main():
+        Slow.aborted = asyncio.Event()
         gen = service.Generator(Config.from_dict({}), "unused", teacher=True)
         await gen.start(0)
         call = asyncio.ensure_future(gen.score_many([[1, 2], [3]], call_id="w.t0"))
@@ -353,9 +357,13 @@ def test_a_teachers_score_many_is_aborted_by_its_id_and_a_stopping_one_fails_who
         assert gen.abort_many("w.t0")
         aborted = await asyncio.wait_for(call, 5)
         assert not gen.abort_many("w.t0")  # ended: nothing to stop
+        during = asyncio.ensure_future(gen.score_many([[1, 2]]))  # in flight when the replica stops
+        await asyncio.sleep(0.05)
         gen._stopping = True
-        with pytest.raises(service.ReplicaStopping):
-            await asyncio.wait_for(gen.score_many([[1, 2]]), 5)
+        Slow.aborted.set()  # (the stop's abort)
+        for call in (during, gen.score_many([[1, 2]])):  # ... and one that arrives after
+            with pytest.raises(service.ReplicaStopping):
+                await asyncio.wait_for(call, 5)
         return aborted
 
     assert asyncio.run(main()) == ["aborted: its caller gave up on it"] * 2

@@ -348,6 +348,7 @@ def test_hidden_tests_score_the_fraction_passed(loop, pool):
     for hack in ("def exec(*a, **k): pass\ndef f(x): return 0", "import builtins\nbuiltins.exec = lambda *a: None\ndef f(x): return 0"):
         assert loop.run_until_complete(run_tests(pool, hack, asserts)) == (0, 3)
     assert loop.run_until_complete(run_tests(pool, "from __future__ import annotations\ndef f(x: int) -> int: return 2 * x", asserts)) == (2, 3)
+    assert loop.run_until_complete(run_tests(pool, "def f(x):\n    return 2 * x  # \U0001f642", asserts)) == (2, 3)  # past U+FFFF
     assert extract_code("try:\n```python\nprint(1)\n```\nok") == "print(1)\n"
     assert repl_code("2+3") != "2+3" and repl_code("x = 1") == "x = 1"
 

@@ -331,9 +331,6 @@ def test_step_ends_read_a_window_as_the_whole_prefix_would_in_linear_time():
     rng = random.Random(0)
     words = ["step", "é", "中文", "x=1", "ки", " ", "\n", "\n\n", "so", "Ω"]
     corpus = ["".join(rng.choice(words) for _ in range(60)) for _ in range(200)]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
 
     class Counting(PreTrainedTokenizerFast):
         decoded = 0
@@ -342,13 +339,17 @@ def test_step_ends_read_a_window_as_the_whole_prefix_would_in_linear_time():
             Counting.decoded += len(ids)
             return super().decode(ids, **kw)
 
-    tok = Counting(tokenizer_object=bpe)
-    for delimiter in ("\n\n", "ки", "\n"):
-        for text in corpus[:20]:
-            ids = tok.encode(text)
-            ep = Episode(0, 0, [Turn("env", [1]), _model(ids)])
-            whole = [1 + j for j in range(len(ids) - 1) if tok.decode(ids[: j + 1]).endswith(delimiter)] + [len(ids)]
-            assert step_ends(ep, tok, "step", delimiter) == whole
+    for vocab in (400, 256):  # merged characters and newlines; each byte a token (a character cut in its bytes)
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        tok = Counting(tokenizer_object=bpe)
+        for delimiter in ("\n\n", "ки", "\n"):
+            for text in corpus[:20]:
+                ids = tok.encode(text)
+                ep = Episode(0, 0, [Turn("env", [1]), _model(ids)])
+                whole = [1 + j for j in range(len(ids) - 1) if tok.decode(ids[: j + 1]).endswith(delimiter)] + [len(ids)]
+                assert step_ends(ep, tok, "step", delimiter) == whole, (vocab, delimiter)
     ids = tok.encode("".join(rng.choice(words) for _ in range(2000)))
     Counting.decoded = 0
     step_ends(Episode(0, 0, [Turn("env", [1]), _model(ids)]), tok, "step", "\n")

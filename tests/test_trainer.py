@@ -487,7 +487,8 @@ def test_compiled_code_is_cached_in_a_directory_of_the_users_own(tmp_path, monke
     from meshrl.trainer.parallelize import _before_compiling
 
     monkeypatch.setattr(torch._dynamo.config, "assume_static_by_default", torch._dynamo.config.assume_static_by_default)
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # (so that monkeypatch puts back what was there)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path))
     _before_compiling()
     path = os.environ["TORCHINDUCTOR_CACHE_DIR"]

@@ -222,6 +222,10 @@ class Generator:
         self._request_started()
         try:
             return await self.engine.score(f"s{self.replica}-{next(self._request_ids)}", token_ids)
+        except Exception:
+            if self._stopping:  # aborted by the stop: the replica's failure, not the sequence's
+                raise ReplicaStopping(f"generator replica {self.replica} is stopping") from None
+            raise
         finally:
             await self._request_ended()
 

@@ -247,6 +247,6 @@ def check_prompt_room(c: Config, record: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = load_tokenizer(m.tokenizer or m.path or build_char_tokenizer(tmp))
         tokens = len(ChatRenderer(tokenizer).initial_ids(record["prompt"]))
-    budget = record.get("max_new_tokens") or c.generator.max_new_tokens
+    budget = min(record.get("max_new_tokens") or c.generator.max_new_tokens, c.generator.max_new_tokens)  # (as the worker caps it)
     if tokens + budget > m.max_seq_len:
         raise ConfigError("model.max_seq_len", f"{prompt_too_long(tokens, m.max_seq_len, budget)}; it is the first record's of data.source={source!r}")

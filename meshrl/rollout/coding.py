@@ -146,7 +146,7 @@ def _harness(solution: str, statements: list[str], marker: str) -> str:
         "        except BaseException:\n"
         "            _r.append('0')\n"
         f"    _print({marker!r} + ''.join(_r))\n"
-        f"_meshrl_tests({json.dumps(solution)}, {json.dumps(statements)})\n"
+        f"_meshrl_tests({solution!r}, {statements!r})\n"  # (repr: json.dumps would cut a character past U+FFFF in two)
     )
 
 

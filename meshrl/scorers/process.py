@@ -42,8 +42,8 @@ def step_ends(episode: Episode, tokenizer, process: str, delimiter: str) -> list
         ids, n = turn.token_ids, len(turn.token_ids)
         if turn.role == "model" and n:
             if process == "step" and delimiter:
-                for j in range(n - 1):  # only where a token could close a delimiter
-                    if delimiter[-1] in tokenizer.decode([ids[j]]) and _closes(tokenizer, ids, j, delimiter):
+                for j in range(n - 1):  # only where a token could close a delimiter (a few: one character's bytes)
+                    if delimiter[-1] in tokenizer.decode(ids[max(0, j - 3) : j + 1]) and _closes(tokenizer, ids, j, delimiter):
                         ends.append(at + j)
             ends.append(at + n - 1)
         at += n

@@ -196,8 +196,9 @@ class PRMService(ScorerService):
         if self.wedged:
             return self._failed(items)
         try:  # bounded as ScorerService's: a PRM hung in its thread wedges the replica (the health check replaces it)
-            call = self.lead("score_rows", items, self.backend.save_due())
-            (rows, self.last_trained), others = await asyncio.wait_for(call, WEDGED_AFTER * self.spec.timeout_s)  # one proc: an error fails the batch
+            save = self.backend.save_due()  # (a save rides on the batch: its own bound is added)
+            bound = WEDGED_AFTER * self.spec.timeout_s + (self.follow_timeout_s if save else 0.0)
+            (rows, self.last_trained), others = await asyncio.wait_for(self.lead("score_rows", items, save), bound)  # one proc: an error fails the batch
             results = [r for _, r in sorted(rows + [row for theirs, _ in others for row in theirs], key=lambda row: row[0])]
         except asyncio.TimeoutError:
             self.wedged = True
