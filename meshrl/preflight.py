@@ -24,11 +24,11 @@ import contextlib
 import os
 
 from meshrl.config import Config, ConfigError
-from meshrl.data import check_data, check_eval_source, check_records
+from meshrl.data import check_data, check_eval_source, check_prompt_room, check_records
 from meshrl.imports import check_import
 from meshrl.launch.devices import plan_devices
 from meshrl.launch.memory import check_memory
-from meshrl.rollout.checks import check_env, check_prompt_room, check_reward_signature, probe_user_code
+from meshrl.rollout.checks import check_env, check_reward_signature, probe_user_code
 from meshrl.rollout.env import RewardFn
 from meshrl.rollout.sandbox import check_sandbox
 from meshrl.scorers.checks import check_reward_fn, check_scorer_files, probe_scorers

@@ -228,25 +228,3 @@ def probe_reward(c: Config, fn: RewardFn, field: str, record: dict, timeout: flo
         raise ConfigError(field, f"{first_line(str(e)) or name + ' timed out'}, on the first record of {c.data.source}", kind="contract error") from None
     except Exception as e:  # noqa: BLE001 - the user's function
         raise ConfigError(field, _raised(e, f"{name}, on the first record of {c.data.source},"), kind="contract error") from None
-
-
-def check_prompt_room(c: Config, record: dict) -> None:
-    """A single-turn run's first record (`record`): its prompt, rendered as a worker renders it
-    with the policy's tokenizer, and its answer budget fit `model.max_seq_len`. (An env renders
-    its own observations: an episode whose first one leaves no room fails as it runs, naming
-    the same fix, agent/worker.py.)"""
-    import tempfile
-
-    from meshrl.rollout.chat import ChatRenderer, prompt_too_long
-    from meshrl.tasks import get_task
-    from meshrl.tokenizer import build_char_tokenizer, load_tokenizer
-
-    m, source = c.model, c.data.source
-    if c.rollout.env is not None or (source.startswith("task:") and get_task(source.removeprefix("task:")).env is not None):
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = load_tokenizer(m.tokenizer or m.path or build_char_tokenizer(tmp))
-        tokens = len(ChatRenderer(tokenizer).initial_ids(record["prompt"]))
-    budget = min(record.get("max_new_tokens") or c.generator.max_new_tokens, c.generator.max_new_tokens)  # (as the worker caps it)
-    if tokens + budget > m.max_seq_len:
-        raise ConfigError("model.max_seq_len", f"{prompt_too_long(tokens, m.max_seq_len, budget)}; it is the first record's of data.source={source!r}")
