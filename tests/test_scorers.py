@@ -122,8 +122,32 @@ def test_a_hung_backend_wedges_its_replica_and_every_request_then_fails_at_once(
         return service, first + queued, later
 
     service, first, later = asyncio.run(main())
-    assert [r["score"] for r in first + later] == [None] * 3 and all("wedged" in r["error"] for r in first + later)
+    assert [r["score"] for r in first + later] == [None] * 3 and all("wedged" in r["error"] for r in (first[0], *later))
+    assert "its caller gave up on it" in first[1]["error"]  # queued behind it past timeout_s
     assert service.stats()["wedged"] is True and Hung.calls == 1  # the batch queued behind it never reached it
+
+
+def test_a_request_queued_past_its_callers_timeout_is_dropped_unscored():
+    """A busy scorer scored every queued request, those whose callers had given up on them
+    too (ahead of live ones; a PRM trained on them). One queued for the scorer's whole
+    timeout_s is answered failed instead, and its backend never sees it."""
+
+    class Slow:
+        seen = []
+
+        async def score(self, items):
+            Slow.seen += [item["x"] for item in items]
+            await asyncio.sleep(0.4)
+            return [1.0] * len(items)
+
+    async def main():
+        service = ScorerService(Slow(), ScorerConfig(batch_size=1, batch_wait_s=0.0, timeout_s=0.2))
+        first, late = await asyncio.wait_for(asyncio.gather(service.score([{"x": 1}]), service.score([{"x": 2}])), 10)
+        return service, first, late
+
+    service, first, late = asyncio.run(main())
+    assert first[0]["score"] == 1.0 and late[0]["score"] is None and "its caller gave up on it" in late[0]["error"]
+    assert Slow.seen == [1] and service.stats()["abandoned"] == 1
 
 
 def test_a_scorer_health_check_asks_each_replica_once_and_all_at_once():

@@ -55,6 +55,7 @@ class ScorerService:
         self.batches = 0
         self.items = 0
         self.busy_s = 0.0
+        self.abandoned = 0  # items dropped unscored, their callers gone (`_drop_abandoned`)
         self.wedged = False
 
     async def score(self, items: list[dict]) -> list[dict]:
@@ -95,6 +96,9 @@ class ScorerService:
                     await asyncio.wait_for(self._arrived.wait(), left)
                 except asyncio.TimeoutError:
                     break
+            self._drop_abandoned()
+            if not self._waiting:
+                continue
             batch = self._take()
             items = [item for request, _, _ in batch for item in request]
             start = time.monotonic()
@@ -108,6 +112,21 @@ class ScorerService:
                 mine, at = results[at : at + len(request)], at + len(request)
                 if not future.done():
                     future.set_result([{**r, "queue_s": start - arrived, "score_s": took, "batch": len(items)} for r in mine])
+
+    def _drop_abandoned(self) -> None:
+        """Requests queued for the scorer's whole `timeout_s`, by when their callers gave up on
+        them (ScorerClients wait that long): answered failed, unscored, rather than scored for
+        nobody ahead of live ones (and, by a PRM, trained on)."""
+        now, live = time.monotonic(), []
+        for request, future, arrived in self._waiting:
+            if now - arrived < self.spec.timeout_s:
+                live.append((request, future, arrived))
+                continue
+            self.abandoned += len(request)
+            if not future.done():
+                why = f"queued past timeout_s={self.spec.timeout_s:g}s: its caller gave up on it"
+                future.set_result([{"score": None, "error": why, "unparsable": False, "queue_s": now - arrived} for _ in request])
+        self._waiting = live
 
     async def _score(self, items: list[dict]) -> list[dict]:
         """One result dict per item (score, error, unparsable, a judge's reply)."""
@@ -141,7 +160,14 @@ class ScorerService:
         return [{"score": None, "error": why, "unparsable": False} for _ in items]
 
     def stats(self) -> dict:
-        return {"batches": self.batches, "items": self.items, "busy_s": self.busy_s, "waiting": self._waiting_items(), "wedged": self.wedged}
+        return {
+            "batches": self.batches,
+            "items": self.items,
+            "busy_s": self.busy_s,
+            "waiting": self._waiting_items(),
+            "abandoned": self.abandoned,
+            "wedged": self.wedged,
+        }
 
 
 EXIT_RANKS_OUT_OF_STEP = 75
