@@ -15,9 +15,9 @@ group, and the controller re-creates it under a new name (`WeightSync.reconnect`
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
-import json
 import socket
 import threading
 import time
