@@ -102,7 +102,7 @@ class ScorerService:
             batch = self._take()
             items = [item for request, _, _ in batch for item in request]
             start = time.monotonic()
-            results = await self._score(items)
+            results = self._failed(items) if self.wedged else await self._score(items)  # (batches queued before it was wedged: not to the hung backend either)
             took = time.monotonic() - start
             self.batches += 1
             self.items += len(items)
@@ -130,16 +130,12 @@ class ScorerService:
 
     async def _score(self, items: list[dict]) -> list[dict]:
         """One result dict per item (score, error, unparsable, a judge's reply)."""
-        if self.wedged:  # batches queued before it was: not to the hung backend either
-            return self._failed(items)
-        bound = WEDGED_AFTER * self.spec.timeout_s
         try:
-            results = await asyncio.wait_for(self.backend.score(items), bound)
-        except asyncio.TimeoutError:
-            self.wedged = True  # (a backend's thread may still run it: no batch beside it)
-            return self._failed(items)
+            results = await self._within_bound(self.backend.score(items))
         except Exception as e:  # noqa: BLE001 - a batch that fails fails its items, not the scorer
             results = [Failed(f"{type(e).__name__}: {str(e)[:200]}")] * len(items)
+        if results is None:
+            return self._failed(items)
         out = []
         for result in results:
             reply = result.reply if isinstance(result, Judged) else None
@@ -154,6 +150,15 @@ class ScorerService:
                 }
             )
         return out
+
+    async def _within_bound(self, call, extra_s: float = 0.0):
+        """`call`'s answer within WEDGED_AFTER x timeout_s (plus `extra_s`); past it None, and the
+        replica is wedged (a backend's thread may still run the call: no batch beside it)."""
+        try:
+            return await asyncio.wait_for(call, WEDGED_AFTER * self.spec.timeout_s + extra_s)
+        except asyncio.TimeoutError:
+            self.wedged = True
+            return None
 
     def _failed(self, items: list[dict]) -> list[dict]:
         why = f"the replica is wedged (a batch ran past {WEDGED_AFTER:g} x timeout_s={self.spec.timeout_s:g}s) and is being replaced"
@@ -219,16 +224,15 @@ class PRMService(ScorerService):
                 os._exit(EXIT_RANKS_OUT_OF_STEP)
 
     async def _score(self, items: list[dict]) -> list[dict]:
-        if self.wedged:
-            return self._failed(items)
-        try:  # bounded as ScorerService's: a PRM hung in its thread wedges the replica (the health check replaces it)
-            save = self.backend.save_due()  # (a save rides on the batch: its own bound is added)
-            bound = WEDGED_AFTER * self.spec.timeout_s + (self.follow_timeout_s if save else 0.0)
-            (rows, self.last_trained), others = await asyncio.wait_for(self.lead("score_rows", items, save), bound)  # one proc: an error fails the batch
+        try:  # a PRM hung in its thread wedges the replica too; a save rides on the batch, with its own bound
+            save = self.backend.save_due()
+            answer = await self._within_bound(
+                self.lead("score_rows", items, save), self.follow_timeout_s if save else 0.0
+            )  # one proc: an error fails the batch
+            if answer is None:
+                return self._failed(items)
+            (rows, self.last_trained), others = answer
             results = [r for _, r in sorted(rows + [row for theirs, _ in others for row in theirs], key=lambda row: row[0])]
-        except asyncio.TimeoutError:
-            self.wedged = True
-            return self._failed(items)
         except Exception as e:  # noqa: BLE001 - a batch that fails fails its items, not the scorer
             results = [{"score": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}] * len(items)
         return [{"error": None, "unparsable": False, **self.last_trained, **r} for r in results]
