@@ -210,9 +210,10 @@ def check_records(c: Config) -> dict:
     return record
 
 
-def check_prompt_room(c: Config, record: dict) -> None:
+def check_prompt_room(c: Config, record: dict, tokenizer=None) -> None:
     """A single-turn run's first record (`record`): its prompt, rendered as a worker renders it
-    with the policy's tokenizer, and its answer budget fit `model.max_seq_len`. (An env renders
+    with the policy's tokenizer (`tokenizer`: the one `check_tokenizer` loaded, else loaded
+    here), and its answer budget fit `model.max_seq_len`. (An env renders
     its own observations: an episode whose first one leaves no room fails as it runs, naming
     the same fix, agent/worker.py.)"""
     import tempfile
@@ -224,7 +225,8 @@ def check_prompt_room(c: Config, record: dict) -> None:
     if c.rollout.env is not None or (source.startswith("task:") and get_task(source.removeprefix("task:")).env is not None):
         return
     with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = load_tokenizer(m.tokenizer or m.path or build_char_tokenizer(tmp))
+        if tokenizer is None:
+            tokenizer = load_tokenizer(m.tokenizer or m.path or build_char_tokenizer(tmp))
         tokens = len(ChatRenderer(tokenizer).initial_ids(record["prompt"]))
     budget = min(record.get("max_new_tokens") or c.generator.max_new_tokens, c.generator.max_new_tokens)  # (as the worker caps it)
     if tokens + budget > m.max_seq_len:

@@ -95,10 +95,10 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
     check_models(c, plan)
     check_memory(c, plan)  # what every proc will hold on its GPU fits it, or one line naming the field to change
     check_routed_experts(c, family)
-    check_tokenizer(c)
+    tokenizer = check_tokenizer(c)  # (loaded once: the prompt check reads the first record with it)
     if needs_sandbox(c):
         check_sandbox(c)  # the isolation tool works here; model-written code never runs unsandboxed
-    check_user_code(c, reward_fn)
+    check_user_code(c, reward_fn, tokenizer)
 
 
 def check_models(c: Config, plan) -> None:
@@ -150,15 +150,16 @@ _checked: set[tuple[str, int]] = set()
 in this process: the CLI checks before the console is quieted and `run` again, once is enough."""
 
 
-def check_user_code(c: Config, reward_fn: RewardFn | None = None) -> None:
-    """The data source's rows, a single-turn prompt's room, then (contracts.probe) the env or reward function and the
+def check_user_code(c: Config, reward_fn: RewardFn | None = None, tokenizer=None) -> None:
+    """The data source's rows, a single-turn prompt's room (read with `tokenizer`, the policy's
+    that `check_tokenizer` loaded, where it loaded one), then (contracts.probe) the env or reward function and the
     scorers run once on its first record. ConfigError (kind `data error` or `contract
     error`) at the first problem."""
     key = (c.to_yaml(), id(reward_fn))
     if key in _checked:
         return
     record = check_records(c)
-    check_prompt_room(c, record)
+    check_prompt_room(c, record, tokenizer)
     if c.contracts.probe:
         probe_user_code(c, record, reward_fn)
         probe_scorers(c, record)

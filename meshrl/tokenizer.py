@@ -139,15 +139,16 @@ def check_tokenizer_dir(c: Config) -> None:
         raise ConfigError("model.tokenizer", f"directory {m.tokenizer!r} not found: give a local tokenizer directory, or null for the default")
 
 
-def check_tokenizer(c: Config) -> None:
+def check_tokenizer(c: Config):
     """A tokenizer loads from model.tokenizer, else from model.path (none to load: the built-in
     character tokenizer), and the policy's vocabulary (its checkpoint's, else model.vocab_size)
-    has an embedding row for each of its token ids."""
+    has an embedding row for each of its token ids. Returns the tokenizer it loaded (None for the
+    built-in one), for the checks after it to read the run's prompts with."""
     m = c.model
     tokenizer_dir, field_path = (m.tokenizer, "model.tokenizer") if m.tokenizer else (m.path, "model.path")
     if tokenizer_dir is None:
         _covers(c, len(char_vocab()), "meshrl's built-in character tokenizer")
-        return
+        return None
 
     # a directory with no tokenizer file at all is refused without importing transformers (seconds)
     def tokenizer_file(name: str) -> bool:
@@ -160,7 +161,8 @@ def check_tokenizer(c: Config) -> None:
             "merges or a sentencepiece model); give a Hugging Face tokenizer's directory",
         )
     try:
-        size = len(load_tokenizer(tokenizer_dir))
+        tokenizer = load_tokenizer(tokenizer_dir)
+        size = len(tokenizer)
     except Exception as e:  # noqa: BLE001 - whatever transformers raises, the directory is the user's to fix
         raise ConfigError(
             field_path,
@@ -168,6 +170,7 @@ def check_tokenizer(c: Config) -> None:
             "give a directory holding a Hugging Face tokenizer (tokenizer.json or tokenizer_config.json)",
         ) from None
     _covers(c, size, f"the tokenizer at {field_path}={tokenizer_dir!r}")
+    return tokenizer
 
 
 def _covers(c: Config, size: int, which: str) -> None:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from meshrl import episode
-from meshrl.config import Config
+from meshrl.config import Config, ConfigError
 from meshrl.data import load_records
 from meshrl.queue.prompts import PromptNode
 from meshrl.generator.engine import RequestResult
@@ -394,7 +394,6 @@ def test_a_prompt_without_room_for_its_answer_is_refused_before_the_run_and_fail
     the run trained on nothing and said nothing. Preflight refuses a single-turn source whose
     first prompt leaves its answer budget no room; an env's first observation that leaves
     none fails its episode with the same fix."""
-    from meshrl.config import ConfigError
     from meshrl.preflight import check_user_code
 
     data = tmp_path / "long.jsonl"
@@ -416,6 +415,30 @@ def test_a_prompt_without_room_for_its_answer_is_refused_before_the_run_and_fail
     ep = asyncio.run(worker.play_episode(0, 0, {"prompt": [{"role": "user", "content": "?" * 20}], "answer": "9"}, 0, 0))
     assert ep.finish_reason == "failed" and gen.calls == []
     assert ep.failure.startswith("a prompt of ") and "no room for a model turn under model.max_seq_len=16: raise it to at least" in ep.failure
+
+
+def test_preflight_loads_the_policys_tokenizer_once(tokenizer_dir, tmp_path, monkeypatch):
+    """The tokenizer check and the prompt-room check read the same tokenizer: preflight loads it
+    once and hands it on (a real model's tokenizer takes seconds to load)."""
+    import meshrl.tokenizer
+    from meshrl.preflight import preflight
+
+    loads = []
+    load = meshrl.tokenizer.load_tokenizer
+    monkeypatch.setattr(meshrl.tokenizer, "load_tokenizer", lambda path: loads.append(path) or load(path))
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "q" * 60, "answer": "q"}) + "\n")
+    config = {
+        "data": {"source": str(data)},
+        "scoring": {"reward_fn": "tests.test_data_scoring:exact"},
+        "model": {"tokenizer": str(tokenizer_dir)},
+        "logging": {"run_dir": str(tmp_path / "run")},
+    }
+    preflight(Config.from_dict({**config, "generator": {"max_new_tokens": 8}}))
+    assert loads == [str(tokenizer_dir)]
+    with pytest.raises(ConfigError, match="a prompt of 60 tokens leaves 4 of a model turn's 8 tokens under model.max_seq_len=64"):
+        preflight(Config.from_dict({**config, "model": {"tokenizer": str(tokenizer_dir), "max_seq_len": 64}, "generator": {"max_new_tokens": 8}}))
+    assert loads == [str(tokenizer_dir)] * 2
 
 
 def test_an_episode_out_of_turns_ends_on_a_model_turn(tokenizer_dir):
