@@ -404,7 +404,8 @@ def test_a_save_whose_models_are_at_different_versions_keeps_the_last_whole_chec
 
 def test_a_resumed_critic_takes_the_configured_lr_at_the_saved_warm_up_position(tmp_path):
     """`--resume RUN critic.lr=B` over a critic checkpoint saved at lr A: its rate is B times
-    the warm-up factor the checkpoint reached; at A, the saved rate bit for bit."""
+    the warm-up factor the checkpoint reached; at A, the saved rate bit for bit; its weight
+    decay the configured one."""
     from meshrl.config import ModelConfig
     from meshrl.trainer.critic import CriticTrainer
 
@@ -421,6 +422,9 @@ def test_a_resumed_critic_takes_the_configured_lr_at_the_saved_warm_up_position(
     assert [g["lr"] for g in resumed.optimizer.param_groups] == pytest.approx([b * 2 / warmup])  # warm-up step 1: factor 2/4
     resumed.train_step(batch, *resumed.advantages(batch))
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(b * 3 / warmup)
+    decayed = CriticTrainer(ModelConfig(), lr=a, warmup_steps=warmup, seed=1, weight_decay=0.1)  # `critic.weight_decay=0.1` too
+    decayed.load_checkpoint(path)
+    assert [g["weight_decay"] for g in decayed.optimizer.param_groups] == [0.1]
 
 
 def test_critic_snapshots_restore_its_step_and_a_resume_drops_the_later_ones(tmp_path):

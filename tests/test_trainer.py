@@ -860,7 +860,8 @@ def test_a_checkpoint_before_the_first_step_changes_no_step(tmp_path):
 def test_a_resume_takes_the_configured_lr_at_the_saved_warm_up_position(tmp_path):
     """`--resume RUN trainer.lr=B` over a checkpoint saved at lr A: the optimizer's rate is
     B times the warm-up factor the checkpoint reached (not A's rate), now and after the
-    next step; a resume at A restores the saved rate bit for bit."""
+    next step; a resume at A restores the saved rate bit for bit; a resume's weight decay
+    is the configured one, not the checkpoint's."""
     a, b, warmup = 1e-2, 3e-3, 4
     saver = PolicyTrainer(make_config(lr=a, warmup_steps=warmup), CPU)
     saver.train_step(make_batch())
@@ -876,6 +877,9 @@ def test_a_resume_takes_the_configured_lr_at_the_saved_warm_up_position(tmp_path
     assert resumed.scheduler.get_last_lr() == pytest.approx([b * 2 / warmup])
     out = resumed.train_step(make_batch(seed=1))  # the next step's rate: B, one warm-up step on
     assert out["lr"] == pytest.approx(b * 3 / warmup) and resumed.optimizer.param_groups[0]["lr"] == pytest.approx(b * 3 / warmup)
+    decayed = PolicyTrainer(make_config(lr=a, warmup_steps=warmup, weight_decay=0.1), CPU)  # `trainer.weight_decay=0.1` too
+    decayed.load_checkpoint(path)
+    assert [g["weight_decay"] for g in decayed.optimizer.param_groups] == [0.1]
     # a heal from a CPU rank's snapshot slot, after a live change to B (Session.set): B as well
     from meshrl.trainer.snapshot import Snapshots, load_snapshot
 

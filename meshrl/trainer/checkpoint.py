@@ -361,11 +361,16 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 def configured_lr(optimizer: torch.optim.Optimizer, scheduler: Any):
     """A restore of the optimizer's and the schedule's state inside it keeps the learning rate
     they were built with (the run's configured one: a resume's `lr` overrides the saved one), at
-    the restored schedule position. The same rate: the saved lr stays, bit for bit."""
+    the restored schedule position. The same rate: the saved lr stays, bit for bit. Each group's
+    weight decay is the configured one too (a loaded optimizer state carries the saved one)."""
     configured = _base_lrs(optimizer, scheduler)
+    decays = [group.get("weight_decay") for group in optimizer.param_groups]
     yield
     if _base_lrs(optimizer, scheduler) != configured:
         set_lr(optimizer, scheduler, configured)
+    for group, decay in zip(optimizer.param_groups, decays, strict=True):
+        if decay is not None:
+            group["weight_decay"] = decay
 
 
 def _base_lrs(optimizer: torch.optim.Optimizer, scheduler: Any) -> list[float]:
