@@ -7,6 +7,7 @@ torch.distributed), so every mesh result is compared against the single-process 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import random
@@ -164,12 +165,27 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, family):
         assert torch.equal(model2(tokens), model(tokens))
 
 
+def test_an_export_names_its_own_dtype_over_a_transformers_5_source_config(tmp_path):
+    """A checkpoint saved by transformers 5 names its dtype as `dtype`, which transformers reads
+    before `torch_dtype`: an export in another dtype names the export's, under both keys."""
+    from transformers import AutoConfig
+
+    model, specs = build_model(ModelConfig(family="qwen3"), seed=1)
+    source = tmp_path / "source"
+    fields = dict(specs.hf_config)
+    AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(source)
+    assert json.loads((source / "config.json").read_text())["dtype"] == "float32"
+    out = ckpt.export_hf(model, specs, tmp_path / "hf", dtype=torch.bfloat16, source_config=source / "config.json")
+    written = json.loads(open(os.path.join(out, "config.json")).read())
+    assert (written["dtype"], written["torch_dtype"]) == ("bfloat16", "bfloat16")
+    assert AutoConfig.from_pretrained(out).dtype == torch.bfloat16
+
+
 def test_a_llama_3_2_checkpoint_tied_and_rope_scaled_loads_with_transformers_logits(tmp_path):
     """A Llama 3.2-style checkpoint made by transformers: tied embeddings (no lm_head in its
     files, where the load failed after the meshes started) and `llama3` rope scaling (dropped,
     so the trainer's log-probs were apart from vLLM's, which applies it). Another scaling is
     refused by name rather than trained on silently."""
-    import json
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -526,7 +542,6 @@ def test_a_heal_restores_no_snapshot_newer_than_the_controllers_version(tmp_path
     """A trainer that wrote step 3's snapshot and died before its step returned is one ahead of
     the controller (version 2): the heal restores step 2 and trains step 3 again, so that its
     row and groups are not lost (controller/heal.py)."""
-    import json
 
     from meshrl.controller.heal import newest_state
     from meshrl.trainer.snapshot import newest_complete, snapshot_root
@@ -548,7 +563,6 @@ def test_a_resume_points_every_trained_states_latest_at_the_checkpoint_it_restor
     can leave a trained state's `latest` at a step past the loop state's. The resume points
     each back at what it restored (checkpoint.repoint), so a later heal restores that state,
     not the abandoned run's step, nor finds none."""
-    import json
 
     from meshrl.controller.checkpoint import repoint
     from meshrl.controller.heal import newest_state

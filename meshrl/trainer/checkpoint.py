@@ -97,7 +97,9 @@ def hf_config(specs: ModelSpecs, dtype: torch.dtype, source_config: str | os.Pat
             config = json.load(f)
     if not config:
         raise NotImplementedError(f"no HF config for family {specs.family!r}")
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    # both keys: transformers 5 writes and reads `dtype` first, older readers `torch_dtype`; a
+    # source config saved by transformers 5 would otherwise name its own dtype, not the export's
+    config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
     return config
 
 
