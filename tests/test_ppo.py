@@ -386,7 +386,8 @@ class _Model:
 def test_a_save_whose_models_are_at_different_versions_keeps_the_last_whole_checkpoint(tmp_path):
     """SIGTERM in a step: the policy's trainer finished the step the loop never saw (its
     checkpoint one past the loop's version) while a model beside it did not. That save would be
-    torn: `latest` keeps naming the last whole checkpoint, and the stop says how to go on."""
+    torn: `latest` keeps naming the last whole checkpoint, and the stop says how to go on. A
+    resume drops each state's snapshots past its own checkpoint (a critic's may be behind)."""
     from meshrl.controller import checkpoint as checkpoints
 
     whole, version = asyncio.run(checkpoints.save(str(tmp_path), _Trainer(3), _Queue(), 3, [], partners=[_Model("solver", 3)], names=["policy", "solver"]))
@@ -400,6 +401,17 @@ def test_a_save_whose_models_are_at_different_versions_keeps_the_last_whole_chec
     # the models at one version again: kept, with a critic a step behind (a heal lost its last step)
     path, version = asyncio.run(checkpoints.save(str(tmp_path), _Trainer(5), _Queue(), 5, [], _Trainer(4), [_Model("solver", 5)], ["policy", "solver"]))
     assert path is not None and checkpoints.latest_state(str(tmp_path))["version"] == 5
+    # resumed from it: each state's snapshots past its own checkpoint are dropped, the critic's past its 4
+    from meshrl.trainer.critic_actor import critic_root
+    from meshrl.trainer.snapshot import snapshot_root
+
+    roots = [snapshot_root(str(tmp_path)), snapshot_root(critic_root(str(tmp_path))), snapshot_root(str(tmp_path / "models" / "solver"))]
+    for root in roots:
+        for step in (4, 5, 6):
+            os.makedirs(os.path.join(root, f"step-{step:08d}"))
+    assert asyncio.run(checkpoints.restore(str(tmp_path), _Trainer(0), _Queue(), None, _Trainer(0), timeout_s=60))[0] == 5
+    kept = [sorted(n for n in os.listdir(root) if n.startswith("step-")) for root in roots]
+    assert kept == [["step-00000004", "step-00000005"], ["step-00000004"], ["step-00000004", "step-00000005"]]
 
 
 def test_a_resumed_critic_takes_the_configured_lr_at_the_saved_warm_up_position(tmp_path):
@@ -430,7 +442,8 @@ def test_a_resumed_critic_takes_the_configured_lr_at_the_saved_warm_up_position(
 def test_critic_snapshots_restore_its_step_and_a_resume_drops_the_later_ones(tmp_path):
     """What a healed critic restores: the snapshot of the step asked for (the three newest
     are kept), weights, optimizer and version; snapshots past a resumed run's checkpoint are
-    removed, so no heal restores them."""
+    removed, so no heal restores them; a critic restored in place snapshots its next step; under
+    trainer.pace.accumulate it keeps one at the policy's last update."""
     from meshrl.controller.heal import newest_state
     from meshrl.trainer.critic_actor import SNAPSHOTS_KEPT
     from meshrl.trainer.snapshot import Snapshots, drop_after, snapshot_root
@@ -454,6 +467,20 @@ def test_critic_snapshots_restore_its_step_and_a_resume_drops_the_later_ones(tmp
     assert fresh.scheduler.last_epoch == 3 and len(fresh.optimizer.state) == len(critic.optimizer.state)
     drop_after(snapshot_root(str(tmp_path)), 3)
     assert newest_state(str(tmp_path), str(tmp_path / "no-checkpoint"))[1] == 3
+    # the critic back at 3 in place (a policy's heal restores a live critic): its next step is written
+    critic.load_checkpoint(path)
+    critic.train_step(batch, *critic.advantages(batch))
+    assert critic.version == 4 and snaps.due(4)
+    snaps.start(4, critic.model, critic.optimizer, critic.scheduler)
+    assert snaps.finish() is not None and newest_state(str(tmp_path), str(tmp_path / "no-checkpoint"))[1] == 4
+    # under trainer.pace.accumulate a heal takes the policy back to its last update: the critic
+    # keeps a snapshot at that version however far into the period its newest is
+    from meshrl.config.models import PaceConfig
+    from meshrl.trainer.critic_actor import snapshots_kept
+
+    pace = PaceConfig(every=6, steps=2, offset=1, accumulate=True)
+    assert all(v - pace.last_update(v) < snapshots_kept(pace) for v in range(8, 40))
+    assert snapshots_kept(PaceConfig(every=6, steps=2)) == SNAPSHOTS_KEPT  # without accumulate a heal restores the newest
 
 
 # ---- the whole loop ------------------------------------------------------------------------------

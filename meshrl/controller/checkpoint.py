@@ -176,7 +176,7 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
     critic) and the queue (its load bounded by `timeout_s`): its version and metrics history.
     `watch` (meshrl/stability.py's CliffWatch) picks up where it was, checkpoints included,
     silently. Every trained state's `latest` is pointed back at the one restored (`repoint`), and
-    snapshots written past it are dropped."""
+    snapshots written past it are dropped, each state's past its own checkpoint."""
     root = os.path.join(run_dir, "checkpoints")
     state = latest_state(run_dir)
     version = await trainer.load_checkpoint(state["trainer_dir"])
@@ -196,9 +196,13 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
     from meshrl.trainer.critic_actor import critic_root  # (Monarch's actors: not for a resume's config check)
     from meshrl.trainer.snapshot import drop_after, snapshot_root
 
-    for trained in (run_dir, *(os.path.join(run_dir, "models", name) for name in state.get("models") or {})):
-        for states in (trained, critic_root(trained)):  # the previous run's snapshots past its checkpoint: never restored
-            drop_after(snapshot_root(states), version)
+    # the previous run's snapshots past each state's checkpoint: never restored. A critic's may be
+    # behind its model's (a heal lost its last step), and one without a checkpoint restores none
+    critics = {"": state.get("critic_dir"), **(state.get("model_critics") or {})}
+    for name in ("", *(state.get("models") or {})):
+        trained = os.path.join(run_dir, "models", name) if name else run_dir
+        drop_after(snapshot_root(trained), version)
+        drop_after(snapshot_root(critic_root(trained)), checkpoint_step(critics[name]) if critics.get(name) else 0)
     history = state["history"]
     if watch is not None:
         saved = {int(name[5:11]) for name in os.listdir(root) if name.startswith("step_") and name.endswith(CHECKPOINT_FILE)}

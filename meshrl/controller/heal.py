@@ -293,7 +293,8 @@ class TrainerHealer:
         loop.trainer, version = await replace_trainer(c, loop.alloc, loop.trainer, self.pids, loop.run_dir, self.start_version, at_most=loop.version)
         await self.watch()
         if loop.critic is not None:  # back to the restored version with the policy: no batch trains it twice
-            await self._restore_critic(version, respawn=not await loop.critic.answers())
+            restored = await self._restore_critic(version, respawn=not await loop.critic.answers())
+            self.pending_metrics["critic/steps_lost"] = float(max(0, version - restored))  # steps behind the policy it came back
         retaken = await awaited(loop.queue.retake.call_one(version))
         # connected first: configuring a publisher for GPU staging drops what host memory held
         loop.weight_sync = await loop.weight_sync.reconnect(publisher=await loop.trainer.publisher_handle())

@@ -244,7 +244,8 @@ class TrainedModel:
             )
             self.pids = await trainer_pids(self.trainer)
             if self.critic is not None:  # back to the trainer's version with it: no batch trains it twice
-                await self._restore_critic(restored, respawn=not await self.critic.answers())
+                critic_at = await self._restore_critic(restored, respawn=not await self.critic.answers())
+                self.pending["critic/steps_lost"] = float(max(0, restored - critic_at))  # steps behind its model it came back
             # connected first: configuring a publisher for GPU staging drops what host memory held
             self.weight_sync = await self.weight_sync.reconnect(publisher=await self.trainer.publisher_handle())
             await self.trainer.publish_current()

@@ -55,6 +55,13 @@ SNAPSHOTS_KEPT = 3
 already trained on the next batch or two, that is the third newest."""
 
 
+def snapshots_kept(pace) -> int:
+    """The critic's snapshots kept under its model's `trainer.pace`: with `accumulate`, a heal
+    takes the model back to its last update, up to `every - steps` steps before its newest,
+    while the critic trains (and snapshots) on every step's batch."""
+    return SNAPSHOTS_KEPT + (pace.every - pace.steps if pace.accumulate else 0)
+
+
 def critic_root(run_dir: str) -> str:
     """Where the critic's snapshots live (RUN_DIR/critic/snapshots)."""
     return os.path.join(run_dir, "critic")
@@ -141,7 +148,9 @@ class CriticActor(Actor):
             self.config, self.critic = config, await self._run(build_critic, config, device)
         if config.trainer.snapshot_every:
             root = snapshot_root(critic_root(config.logging.run_dir))
-            self.snapshots = Snapshots(root, config.trainer.snapshot_every, group, blocking=True, keep=SNAPSHOTS_KEPT, budget=snapshot_budget(config))
+            self.snapshots = Snapshots(
+                root, config.trainer.snapshot_every, group, blocking=True, keep=snapshots_kept(config.trainer.pace), budget=snapshot_budget(config)
+            )
         return self._info()
 
     def _train(self, batch: TensorDict, returns: torch.Tensor, old: torch.Tensor) -> dict[str, float]:

@@ -252,12 +252,15 @@ class Snapshots:
         self._files: dict[tuple[int, int], torch.Tensor] = {}  # (device, inode) of a slot's flat file: its mapping, kept from write to write
 
     def due(self, step: int) -> bool:
-        """Called once a step, after the optimizer step: whether this step's state is written."""
+        """Called once a step, after the optimizer step: whether this step's state is written.
+        A step at or below the last one written means the state went back (restored in place,
+        as a policy's heal restores its live critic), and `drop_after` removed what came after
+        it: written again, then `spacing` apart from there."""
         now = time.perf_counter()
         if self._last_due is not None:
             self.period_s = now - self._last_due
         self._last_due = now
-        return self.every > 0 and step - self._started >= self.spacing
+        return self.every > 0 and (step - self._started >= self.spacing or step <= self._started)
 
     def start(self, step: int, model, optimizer, scheduler=None) -> None:
         import torch.distributed.checkpoint as dcp
