@@ -510,6 +510,43 @@ def test_a_frozen_model_is_served_never_trained_and_left_out_of_every_loss(tmp_p
     assert turns[1].asked == [0] and turns[0].asked == [7]  # the frozen proposer at version 0, the solver at the claim's
 
 
+def test_a_thread_opened_without_room_is_no_row_of_its_model(char_tokenizer):
+    """A game's thread whose opening leaves its model no room is never a row with nothing to
+    train in that model's group: opened by the game's reset (its prompts too long for the
+    model), the episode fails with the env path's one line naming the model's own field;
+    opened later (a proposer's problem too long for the solver), the game ends cut short
+    with the proposer's row alone."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from meshrl.agent.game import play_game
+    from meshrl.errors import UserCodeError
+    from meshrl.rollout.chat import ChatRenderer
+
+    class Turns:
+        async def generate(self, replica, ids, budget, version, temperature):
+            return SimpleNamespace(token_ids=[5], logprobs=[0.0], versions=[version], finish_reason="stop", routed_experts=None)
+
+    class Game:
+        def step(self, reply):
+            return Ask("proposer", "solve", "9" * 100) if reply.thread == "propose" else Outcome({"propose": 1.0, "solve": 1.0})
+
+    config = Config.from_dict({"models": [{"name": "proposer", "model": {"max_seq_len": 64}}]})
+    renderer = ChatRenderer(char_tokenizer)
+    worker = SimpleNamespace(config=config, model_turns=[Turns(), Turns()], tokenizer=char_tokenizer, _renderer=lambda env: renderer)
+
+    async def env_call(env, method, arg):
+        return getattr(env, method)(arg)
+
+    worker._env_call = env_call
+    with pytest.raises(UserCodeError, match=r"proposer's thread 'propose': a prompt of \d+ tokens leaves no room .* models\[0\]\.model\.max_seq_len=64"):
+        asyncio.run(play_game(worker, Game(), [Ask("policy", "other", "p:"), Ask("proposer", "propose", "p" * 100)], Episode(0, 0), 1, [0, 0], None))
+    ep = Episode(0, 0)
+    asyncio.run(play_game(worker, Game(), Ask("proposer", "propose", "p:"), ep, 1, [0, 0], None))
+    assert [len(t.model_turns) for t in ep.threads] == [1] and ep.finish_reason == "length"
+    assert ep.threads[0].finish_reason == "length"  # unscored, as an episode cut short
+
+
 def proposal_score(prompt, response, sample):
     """A scorer of the proposer's threads (the run below): 0.25 for a proposal sent with the
     proposer's opening observation (task:propose's "p:"; "q:" in the unit test), else 0."""

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import time
 
-from meshrl.futures import all_or_none
 from meshrl.episode import Episode, Turn
+from meshrl.errors import UserCodeError
+from meshrl.futures import all_or_none
+from meshrl.rollout.chat import prompt_too_long
 from meshrl.rollout.game import MAX_THREADS, Ask, Outcome, Reply, as_asks, as_outcome, info_numbers
 
 
@@ -37,7 +39,8 @@ async def play_game(worker, env, ask, ep: Episode, version: int, replicas: list[
     k = 0
     while k < c.rollout.max_turns * max(1, len(names)):
         # one turn failing stops its siblings: none generates on, or joins a thread, for an episode that failed
-        replies = await all_or_none(*(_turn(worker, env, a, ep, threads, speakers, last, version, replicas, temperature, k + i) for i, a in enumerate(asks)))
+        turns = (_turn(worker, env, a, ep, threads, speakers, last, version, replicas, temperature, k + i, reset=k == 0) for i, a in enumerate(asks))
+        replies = await all_or_none(*turns)
         if any(r is None for r in replies):  # a thread out of room
             break
         k += len(asks)
@@ -57,22 +60,32 @@ async def play_game(worker, env, ask, ep: Episode, version: int, replicas: list[
         row.finish_reason = "length"
 
 
-async def _turn(worker, env, ask: Ask, ep: Episode, threads, speakers, last, version, replicas, temperature, k: int) -> Reply | None:
-    """One model turn in its thread (opened by it, or gone on with); None when the thread is out of room."""
+async def _turn(worker, env, ask: Ask, ep: Episode, threads, speakers, last, version, replicas, temperature, k: int, reset: bool) -> Reply | None:
+    """One model turn in its thread (opened by it, or gone on with); None when the thread is out
+    of room. A thread whose opening leaves no room is not opened (it would be a row with nothing
+    to train in its model's group): from the game's reset, its prompts are too long for the
+    model, said as the env path says it (the episode fails); opened later (a proposer's long
+    problem), the game ends cut short."""
     from meshrl.agent.turns import GenerationFailed
 
     c = worker.config
     renderer = worker._renderer(env)
     model = c.model_names().index(ask.model)
+    max_seq_len, max_new_tokens = model_limits(c, model)
     thread = threads.get(ask.thread)
     if thread is None:
+        opening = renderer.initial_ids(ask.observation)
+        if len(opening) >= max_seq_len:
+            if not reset:
+                return None
+            field = f"models[{model - 1}].model.max_seq_len" if model else "model.max_seq_len"
+            raise UserCodeError(f"{ask.model}'s thread {ask.thread!r}: {prompt_too_long(len(opening), max_seq_len, max_new_tokens, field)}")
         thread = Episode(ep.group_id, ep.sample_id * MAX_THREADS + len(threads), model=model, opening=ask.observation)
         threads[ask.thread], speakers[ask.thread] = thread, ask.model
         ep.threads.append(thread)
-        thread.turns.append(Turn("env", renderer.initial_ids(ask.observation)))
+        thread.turns.append(Turn("env", opening))
     else:
         thread.turns.append(Turn("env", renderer.continuation_ids(last[ask.thread], ask.observation)))
-    max_seq_len, max_new_tokens = model_limits(c, model)
     room = max_seq_len - len(thread)
     if room <= 0:
         thread.turns.pop()

@@ -34,13 +34,13 @@ def is_messages(observation: Observation) -> bool:
     return isinstance(observation, list) and bool(observation) and all(isinstance(m, dict) for m in observation)
 
 
-def prompt_too_long(tokens: int, max_seq_len: int, max_new_tokens: int) -> str:
+def prompt_too_long(tokens: int, max_seq_len: int, max_new_tokens: int, field: str = "model.max_seq_len") -> str:
     """What is wrong with a prompt of `tokens` tokens that leaves a model turn of `max_new_tokens`
-    too little room: one line naming the fix."""
+    too little room under `field` (the model's max_seq_len): one line naming the fix."""
     room = max_seq_len - tokens
     left = "no room for a model turn" if room <= 0 else f"{room} of a model turn's {max_new_tokens} tokens"
     return (
-        f"a prompt of {tokens} tokens leaves {left} under model.max_seq_len={max_seq_len}: "
+        f"a prompt of {tokens} tokens leaves {left} under {field}={max_seq_len}: "
         f"raise it to at least {tokens + max_new_tokens} (the prompt and its answer budget), or shorten the prompt"
     )
 
