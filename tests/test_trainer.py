@@ -181,6 +181,30 @@ def test_an_export_names_its_own_dtype_over_a_transformers_5_source_config(tmp_p
     assert AutoConfig.from_pretrained(out).dtype == torch.bfloat16
 
 
+def test_an_export_with_its_tokenizer_is_whole_or_not_at_all(tmp_path):
+    """hf/final (the run's export, its tokenizer beside the weights): an export that fails
+    after the weights are written (here at its tokenizer) leaves the previous one whole and
+    nothing half-written beside it."""
+    from meshrl.controller import checkpoint as checkpoints
+
+    from tests.conftest import build_qwen_style_tokenizer
+
+    model, specs = build_model(ModelConfig(family="qwen3"), seed=1)
+
+    class Trainer:
+        async def export_hf(self, path, base_dir):
+            return ckpt.export_hf(model, specs, path)
+
+    run_dir, tokenizer = tmp_path / "run", build_qwen_style_tokenizer(tmp_path / "tokenizer")
+    final = run_dir / "hf" / "final"
+    assert asyncio.run(checkpoints.export_hf(Trainer(), str(final), str(run_dir), tokenizer)) == str(final)
+    files = sorted(os.listdir(final))
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= set(files)
+    with pytest.raises(Exception):
+        asyncio.run(checkpoints.export_hf(Trainer(), str(final), str(run_dir), str(tmp_path / "no-tokenizer")))
+    assert sorted(os.listdir(final)) == files and os.listdir(final.parent) == ["final"]
+
+
 def test_a_llama_3_2_checkpoint_tied_and_rope_scaled_loads_with_transformers_logits(tmp_path):
     """A Llama 3.2-style checkpoint made by transformers: tied embeddings (no lm_head in its
     files, where the load failed after the meshes started) and `llama3` rope scaling (dropped,

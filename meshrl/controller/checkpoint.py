@@ -21,7 +21,7 @@ import torch
 from meshrl.config import Config, ConfigError
 from meshrl.errors import first_line
 from meshrl.futures import bounded
-from meshrl.trainer.checkpoint import checkpoint_step, write_atomic
+from meshrl.trainer.checkpoint import checkpoint_step, fsync_dir, fsync_tree, write_atomic
 
 log = logging.getLogger("meshrl")
 
@@ -312,12 +312,25 @@ def lora_base_dir(run_dir: str) -> str:
 
 
 async def export_hf(trainer, path: str, run_dir: str, tokenizer_dir: str) -> str:
-    """The current policy as a Hugging Face checkpoint at `path`, with its tokenizer, so
-    that transformers, vLLM and `meshrl eval` load it alone."""
+    """The current policy as a Hugging Face checkpoint at `path`, with its tokenizer (and a
+    LoRA policy's adapter), so that transformers, vLLM and `meshrl eval` load it alone. Whole
+    or not at all: written beside `path`, then renamed over it (an export cut short, or
+    failing, leaves the previous one as it was)."""
     from meshrl.tokenizer import load_tokenizer
 
-    path = await trainer.export_hf(path, lora_base_dir(run_dir))
-    load_tokenizer(tokenizer_dir).save_pretrained(path)
+    path = os.path.abspath(path)
+    stage = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.export")
+    shutil.rmtree(stage, ignore_errors=True)
+    try:
+        written = await trainer.export_hf(stage, lora_base_dir(run_dir))
+        load_tokenizer(tokenizer_dir).save_pretrained(written)
+        fsync_tree(written)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(written, path)
+    fsync_dir(os.path.dirname(path))
     return path
 
 

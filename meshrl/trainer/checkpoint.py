@@ -113,10 +113,10 @@ def write_hf_dir(tensors: dict[str, torch.Tensor], config: dict, out_dir: str) -
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
-    _fsync_dir(os.path.dirname(out_dir))
+    fsync_dir(os.path.dirname(out_dir))
 
 
 SAFETENSORS_DTYPES = {
@@ -198,7 +198,7 @@ def copy_whole_into(target: torch.Tensor, full: torch.Tensor) -> None:
 
 
 # ---- DCP training checkpoints --------------------------------------------------------------
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -206,12 +206,12 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_tree(path: str) -> None:
+def fsync_tree(path: str) -> None:
     for root, _, files in os.walk(path):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(root)
+        fsync_dir(root)
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -222,7 +222,7 @@ def write_atomic(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
 
 
 def rng_state() -> dict[str, Any]:
@@ -297,7 +297,7 @@ def save_checkpoint(
     if _rank() == 0:
         meta = {"step": step, "scheduler": scheduler.state_dict() if scheduler is not None else None, "extra": extra or {}, "optimizer_state": stepped}
         write_atomic(os.path.join(tmp, COMPLETE_MARKER), json.dumps(meta))
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         # The same step saved again (a run's last step, then its final checkpoint): the one a
         # loop state names is set aside by a rename, not deleted, until the new one is in place.
         old = os.path.join(root, f".{name}.old")
@@ -305,7 +305,7 @@ def save_checkpoint(
         if os.path.isdir(final):
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         shutil.rmtree(old, ignore_errors=True)
         write_atomic(os.path.join(root, LATEST), name)
     _barrier()
