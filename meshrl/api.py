@@ -68,6 +68,13 @@ def as_config(config: Config | dict | str | os.PathLike | None, overrides: list[
     return Config.from_dict(apply_overrides(config, overrides or []))
 
 
+def run_config(config, resume: str | None, overrides: list[str] | None) -> Config:
+    """The run's config: `config` with `overrides`, or a resumed run's own (RUN_DIR/config.yaml) with them."""
+    if resume is not None and config is not None:  # (the CLI refuses the same)
+        raise ConfigError("--resume", "a resumed run uses RUN_DIR/config.yaml: pass only overrides with resume=")
+    return as_config(config, overrides) if resume is None else resume_config(resume, overrides)
+
+
 def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
@@ -93,22 +100,13 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
     return config
 
 
-def keep_earlier(config: Config) -> None:
-    """An earlier run in the config's run directory is moved aside, whole, before a new one starts there (checkpoint.keep_earlier_run)."""
-    from meshrl.controller.checkpoint import keep_earlier_run
-
-    kept = keep_earlier_run(config)
-    if kept is not None:
-        print(f"meshrl: {config.logging.run_dir} held an earlier run: kept whole in {kept}", file=console())
-
-
 class Session:
     """A live run you drive step by step. Context manager; `stop()` always cleans up."""
 
     def __init__(
         self, config: Config | dict | str | None = None, *, resume: str | None = None, reward_fn: RewardFn | None = None, overrides: list[str] | None = None
     ):
-        self.config = resume_config(resume, overrides) if resume else as_config(config, overrides)
+        self.config = run_config(config, resume, overrides)
         preflight(self.config, reward_fn)  # a bad path, an unwritable run directory, bad data or user code fails here, before any mesh
         if threading.current_thread() is threading.main_thread():
             from meshrl.launch import exit_on_sigterm
@@ -182,16 +180,18 @@ class Session:
             self._need()  # raises: its thread is gone
         if self._live.starting():
             raise RuntimeError("the start an interrupt cut short is still stopping its procs: call start() again once it has")
+        from meshrl.controller.checkpoint import hold_run_dir, keep_earlier
         from meshrl.controller.loop import RLLoop
 
         if not self._resume:
             keep_earlier(self.config)
+        if self._live.held is None:  # until the run stops: no other run moves or resumes it meanwhile
+            self._live.held = hold_run_dir(self.config.logging.run_dir)
         loop = RLLoop(self.config, resume=self._resume, reward_fn=self._reward_fn)
         try:
             self._call(self._live.enter(loop))
         except (KeyboardInterrupt, SystemExit):
-            # Ctrl-C (or SIGTERM) while the meshes start: the start is cancelled, which stops
-            # what it had started, so no proc outlives it and start() may be called again.
+            # Ctrl-C or SIGTERM while the meshes start: the start cancelled stops what it started (start() may be called again)
             starting, self._interrupted = self._interrupted, None
             self._live.cancel_start(starting, loop)
             raise
@@ -368,6 +368,7 @@ class _Live:
 
     def __init__(self) -> None:
         self.run = None
+        self.held: int | None = None  # the run directory's lock, while its run lives
         self.thread_loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.thread_loop.run_forever, name="meshrl-session", daemon=True)
         self.thread.start()
@@ -387,9 +388,8 @@ class _Live:
             self._start_ended.set()
 
     def cancel_start(self, starting, loop) -> None:
-        """Cancel a start a signal interrupted; the start's own failure path stops what it had
-        started (`RLLoop.__aenter__`), bounded. A start that had just finished is stopped whole.
-        A second signal ends the wait: the start goes on stopping in the session's thread."""
+        """Cancel a start a signal interrupted; its own failure path stops what it started (`RLLoop.__aenter__`), bounded;
+        one that had just finished is stopped whole. A second signal ends the wait: it goes on stopping in the session's thread."""
         if starting is not None:
             starting.cancel()  # first: nothing after it (a line to a terminal that hung up) can keep the start going
         print("meshrl: interrupted while starting: stopping what has started (interrupt again not to wait)", file=console())
@@ -414,6 +414,9 @@ class _Live:
         if self.starting():  # a start a second interrupt stopped waiting for: its procs stop first
             _wait_through_signals(self._start_ended.wait, SHUTDOWN_S)
         self.stop_run()
+        if self.held is not None:
+            os.close(self.held)
+            self.held = None
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread_loop.call_soon_threadsafe(self.thread_loop.stop)
             self.thread.join(10)
@@ -451,7 +454,7 @@ def run(
     config: Config | dict | str | None = None, *, resume: str | None = None, reward_fn: RewardFn | None = None, overrides: list[str] | None = None
 ) -> RunResult:
     """Train to `config.steps` and return the run directory and per-step metrics."""
-    checked = as_config(config, overrides) if resume is None else resume_config(resume, overrides)
+    checked = run_config(config, resume, overrides)
     if checked.launcher.dry_run:
         from meshrl.launch import describe_job
 

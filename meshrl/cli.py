@@ -104,7 +104,7 @@ def _cmd_config_docs(ns: argparse.Namespace) -> int:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from meshrl.api import keep_earlier, resume_config
+    from meshrl.api import resume_config
 
     if ns.plan:
         if ns.resume:
@@ -128,6 +128,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         config = load_config([path, *overrides] if path else overrides)
     preflight(config)  # bad inputs end here, in one line, before any output is redirected
     if not ns.resume and not config.launcher.dry_run:
+        from meshrl.controller.checkpoint import keep_earlier  # (torch: once the run is to start)
+
         keep_earlier(config)  # before this run's log goes there
         if ns.auto_resume not in (None, ANY_JOB):  # the job this run is, for its retries to know it by
             os.makedirs(config.logging.run_dir, exist_ok=True)

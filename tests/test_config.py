@@ -325,7 +325,8 @@ def test_cli_unusable_paths_are_one_line_before_any_mesh(tmp_path):
 def test_a_resume_whose_checkpoint_is_gone_or_a_dry_one_changes_nothing(tmp_path, capsys):
     """`--resume` of a run whose latest checkpoint file is gone: one line naming --resume (the
     CLI's exit 2, as every ConfigError). A dry run of a resume checks and describes the job:
-    no file of the run is written or changed."""
+    no file of the run is written or changed. A resume given a config too is refused, as the
+    CLI refuses it."""
     import meshrl
     from meshrl.api import resume_config
 
@@ -341,6 +342,9 @@ def test_a_resume_whose_checkpoint_is_gone_or_a_dry_one_changes_nothing(tmp_path
     assert result.metrics == [] and "launcher.kind=local" in capsys.readouterr().out  # the job it would start
     after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "loop-3.pt"}
     assert after == before, "a dry run changed the run it was to resume"
+    for call in (lambda: meshrl.run("configs/default.yaml", resume=str(run)), lambda: meshrl.Session({"steps": 5}, resume=str(run))):
+        with pytest.raises(ConfigError, match=r"^--resume: a resumed run uses RUN_DIR/config.yaml: pass only overrides"):
+            call()  # the config given would be dropped without a word
 
 
 def test_every_field_is_documented_and_reference_is_current():
@@ -395,7 +399,8 @@ def test_a_new_run_keeps_the_earlier_run_in_its_directory_whole(tmp_path):
     """`keep_earlier_run`: a RUN_DIR holding an earlier run (its config.yaml) is moved aside
     whole, to a name of its own each time; a directory without one (no run, or this run's
     own log already there) stays where it is. A new config that reads a file of the earlier
-    run is refused in one line naming that field, before anything moves."""
+    run is refused in one line naming that field, before anything moves, and so is a run
+    directory a live run holds."""
     from meshrl.controller.checkpoint import keep_earlier_run
 
     run = tmp_path / "latest"
@@ -413,3 +418,15 @@ def test_a_new_run_keeps_the_earlier_run_in_its_directory_whole(tmp_path):
         kept.append(keep_earlier_run(config))
         assert not run.exists() and os.path.isfile(os.path.join(kept[-1], "metrics.jsonl"))
     assert kept[0] != kept[1] and all(os.path.basename(k).startswith("latest.") for k in kept)
+    # a live run's directory (its lock held: hold_run_dir) is neither moved nor taken by a second run
+    from meshrl.controller.checkpoint import hold_run_dir
+
+    (run / "logs").mkdir(parents=True)
+    (run / "config.yaml").write_text("steps: 3\n")
+    held = hold_run_dir(str(run))
+    for call in (lambda: keep_earlier_run(config), lambda: hold_run_dir(str(run))):
+        with pytest.raises(ConfigError, match=r"^logging.run_dir: .* is a live run's .*: stop that run first, or give this one another logging.run_dir"):
+            call()
+    assert (run / "config.yaml").is_file()
+    os.close(held)  # the run stopped
+    assert keep_earlier_run(config) is not None and not run.exists()

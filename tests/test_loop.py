@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 import meshrl
-from meshrl.config import Config
+from meshrl.config import Config, ConfigError
 from meshrl.errors import TrainerFailed
 from meshrl.queue.prompts import PromptNode
 from meshrl.rollout.env import StepResult
@@ -415,6 +415,10 @@ def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_pat
         cell("s.start()")
         rows = cell("s.step(2)")
         assert len(rows) == 2
+        # the cell run again while this Session lives: refused, its directory left where it is
+        with pytest.raises(ConfigError, match="is a live run's"):
+            cell("s2 = meshrl.Session(cfg)\ntry:\n    s2.start()\nfinally:\n    s2.stop()")
+        assert os.path.isfile(os.path.join(s_run_dir(cfg), "config.yaml")) and cell("s.loop") is not None
         cell("s.set(lr=5e-4, max_lag=1)")
         assert cell("s.loop.config.trainer.lr") == 5e-4
         with open(os.path.join(s_run_dir(cfg), "config.yaml")) as f:  # what a resume reads: the knobs as they are now

@@ -374,6 +374,15 @@ def how_to_resume(run_dir: str) -> str:
     return "no checkpoint was written yet"
 
 
+def keep_earlier(config: Config) -> None:
+    """An earlier run in the config's run directory is moved aside, whole, before a new one starts there (`keep_earlier_run`), and the console says where."""
+    from meshrl.logs import console
+
+    kept = keep_earlier_run(config)
+    if kept is not None:
+        print(f"meshrl: {config.logging.run_dir} held an earlier run: kept whole in {kept}", file=console())
+
+
 def keep_earlier_run(config: Config) -> str | None:
     """A new run (not `--resume`) whose RUN_DIR holds an earlier run (its config.yaml): that run
     is moved to RUN_DIR.YYYYmmdd-HHMMSS (when it last started) and kept whole, so that the new
@@ -384,6 +393,7 @@ def keep_earlier_run(config: Config) -> str | None:
     marker = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(marker):
         return None
+    os.close(hold_run_dir(run_dir))  # a live run's is not moved from under it
     inside = os.path.realpath(run_dir) + os.sep
     for field_path, value in _strings(config.to_dict()):
         if os.path.exists(value) and os.path.realpath(value).startswith(inside):
@@ -402,6 +412,28 @@ def keep_earlier_run(config: Config) -> str | None:
             f"{run_dir!r} holds an earlier run that cannot be moved aside to {kept!r} ({e.strerror}): move it, or give this run another directory",
         ) from None
     return kept
+
+
+RUN_LOCK = ".lock"
+
+
+def hold_run_dir(run_dir: str) -> int:
+    """A live run's hold on RUN_DIR (an exclusive lock on RUN_DIR/.lock, gone with its process):
+    the descriptor to close when the run stops. ConfigError while another run or Session, in
+    this process or another, holds it: a second run there (a notebook cell run again while the
+    first Session lives) would move the live one's directory aside, or resume it, and the two
+    would write their checkpoints into one place."""
+    import fcntl
+
+    os.makedirs(run_dir, exist_ok=True)
+    fd = os.open(os.path.join(run_dir, RUN_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        why = "another meshrl run or Session holds it"
+        raise ConfigError("logging.run_dir", f"{run_dir!r} is a live run's ({why}): stop that run first, or give this one another logging.run_dir") from None
+    return fd
 
 
 def _strings(data, path: str = ""):
