@@ -500,13 +500,22 @@ def test_requeue_hands_the_same_group_out_again_and_refuses_late_puts():
 def test_a_group_its_workers_keep_failing_on_is_dropped_and_replaced():
     """A record nothing can play (a bug, a prompt no env or scorer takes) was played and
     re-queued without end; the MAX_FAILED_PLAYS-th failure drops it, as a stale group is, and
-    admission replaces it. A worker's death says nothing of its groups: not counted."""
+    admission replaces it. A worker's proc dying while it played the group counts as one: a
+    record that kills every worker given it (an env that crashes its process) was handed to
+    one new worker after another without end."""
     from meshrl.queue.buffer import MAX_FAILED_PLAYS
 
     q = make_queue(batch_groups=1, depth=0, max_lag=0)
+    claim = q.claim(0, 0)
+    first = claim.group_id
+    for w in range(MAX_FAILED_PLAYS):  # each replacement worker claims it and dies on it
+        assert claim.group_id == first and q.requeue(worker=w) == 1
+        claim = q.claim(w + 1, 0)
+    assert claim.group_id != first and q.metrics()["buffer/dropped_failed_groups"] == 1
+    q = make_queue(batch_groups=1, depth=0, max_lag=0)
     bad = q.claim(0, 0)
-    assert q.requeue(worker=0) == 1  # presumed dead: no failure of the group's
-    for _ in range(MAX_FAILED_PLAYS - 1):
+    assert q.requeue(worker=0) == 1  # presumed dead: counted
+    for _ in range(MAX_FAILED_PLAYS - 2):
         again = q.claim(1, 0)
         assert again.group_id == bad.group_id
         q.requeue(group_ids=[again.group_id], failure="IndexError: list index out of range")
@@ -518,7 +527,7 @@ def test_a_group_its_workers_keep_failing_on_is_dropped_and_replaced():
     assert deliver(q, fresh)
     assert q.sample(1, 0)["group_id"].unique().tolist() == [fresh.group_id]
     assert q.metrics()["buffer/dropped_failed_groups"] == 1 and q.dropped_ids == [bad.group_id]
-    assert q.metrics()["buffer/requeued"] == MAX_FAILED_PLAYS  # the presumed-dead worker's and three failed plays: not the drop
+    assert q.metrics()["buffer/requeued"] == MAX_FAILED_PLAYS - 1  # the presumed-dead worker's and two failed plays: not the drop
     # what a rollout worker counts against a group: not a lost generator, scorer or a slow call
     from meshrl.agent.turns import GenerationFailed
     from meshrl.agent.worker import _not_the_groups
@@ -979,6 +988,27 @@ def test_retake_puts_back_the_batches_taken_since_the_restored_version_once():
     assert set(q.sample(2, 0)["group_id"].tolist()) == taken[0]
     q.retake(0)  # healed again before it took the second: both, in order
     assert [set(q.sample(2, 0)["group_id"].tolist()) for _ in taken] == taken
+
+
+def test_a_trainer_healed_from_a_checkpoint_gets_batches_for_the_steps_it_lost():
+    """Without snapshots (trainer.snapshot_every 0) every batch is let go once the next version
+    is set, and a heal restores the last checkpoint, steps back: the batches of the steps lost
+    are not retaken, so admission replaces them with new groups. Before, the healed trainer
+    trained what was in flight, then waited for batches no group was admitted for."""
+    q = make_queue(batch_groups=2, depth=2, max_lag=2)
+    for v in range(8):
+        for c in claim_all(q):
+            deliver(q, c)
+        q.sample(2, v)
+        q.set_version(v + 1)
+    for c in claim_all(q):
+        deliver(q, c)
+    assert q.retake(0) == [] and q.version == 0
+    for v in range(12):  # the healed trainer, steps 0 to 11 again
+        for c in claim_all(q):
+            deliver(q, c)
+        assert q.sample(2, v, timeout=5)["group_id"].unique().numel() == 2, v
+        q.set_version(v + 1)
 
 
 def test_the_bound_of_the_moment_applies_to_groups_restored_and_retaken():

@@ -20,7 +20,7 @@ from meshrl.queue.buffer import Claim, EpisodeQueue
 class EpisodeQueueActor(Actor):
     """Serves an EpisodeQueue. Every endpoint is concurrent and blocking waits run off the
     event loop, so a worker waiting for admission never holds up the trainer's sample; the
-    workers' endpoints outlive a worker that dies while its call is answered."""
+    endpoints workers and trainers call outlive a caller that dies while its call is answered."""
 
     def __init__(self, config: dict):
         config = Config.from_dict(config)
@@ -46,7 +46,7 @@ class EpisodeQueueActor(Actor):
     async def put(self, group_id: int, group: TensorDict, token: int | None = None) -> bool:
         return self.queue.put(group_id, group, token)
 
-    @concurrent_endpoint
+    @endpoint_for_callers_that_may_die  # a worker that dies as it is answered
     async def requeue(self, worker: int | None = None, group_ids: list[int] | None = None, failure: str | None = None, token: int | None = None) -> int:
         return self.queue.requeue(worker, group_ids, failure, token)
 
@@ -62,11 +62,11 @@ class EpisodeQueueActor(Actor):
     async def wait_ready(self, num_groups: int, timeout: float) -> bool:
         return await asyncio.to_thread(self.queue.wait_ready, num_groups, timeout)
 
-    @concurrent_endpoint
+    @endpoint_for_callers_that_may_die  # a trainer killed in its step is healed
     async def set_version(self, version: int, durable: int | None = None) -> None:
         self.queue.set_version(version, durable)
 
-    @concurrent_endpoint
+    @endpoint_for_callers_that_may_die  # a trainer killed in its step is healed
     async def set_partner_durable(self, model: int, durable: int) -> None:
         self.queue.set_partner_durable(model, durable)
 

@@ -210,7 +210,7 @@ class EpisodeQueue:
 
     def requeue(self, worker: int | None = None, group_ids: Sequence[int] | None = None, failure: str | None = None, token: int | None = None) -> int:
         """Hand RUNNING groups out again, first: those of `worker` (presumed dead), or the given ids, or all.
-        `failure`: why a live worker gave them up; the MAX_FAILED_PLAYS-th time, the group is dropped.
+        `failure`: why a live worker gave them up; the MAX_FAILED_PLAYS-th time (a dead worker's counting), the group is dropped.
         `token`: only under that claim (a worker presumed dead gives up no claim another has taken since)."""
         with self._cond:
             self._gone |= {worker} - {None}
@@ -221,14 +221,15 @@ class EpisodeQueue:
             )
             for gid in ids:
                 sample = self.running.pop(gid)[0]
-                self._failed_plays[gid] += failure is not None
+                self._failed_plays[gid] += failure is not None or worker is not None  # (a record that kills its worker's proc, too)
                 if self._failed_plays[gid] < MAX_FAILED_PLAYS:
                     self.pending.append((gid, sample))
                     self._stats["requeued"] += 1
                     continue
                 self.dropped, self._stats["dropped_failed_groups"] = self.dropped + 1, self._stats["dropped_failed_groups"] + 1
                 self.dropped_ids.append(gid)  # admission replaces it
-                logging.getLogger("meshrl").warning("group %d dropped after %d failed plays, the last: %s", gid, MAX_FAILED_PLAYS, failure)
+                last = failure or f"its worker {worker} died playing it"
+                logging.getLogger("meshrl").warning("group %d dropped after %d failed plays, the last: %s", gid, MAX_FAILED_PLAYS, last)
             self._cond.notify_all()
             return len(ids)
 
@@ -343,8 +344,11 @@ class EpisodeQueue:
     def retake(self, version: int) -> list[int]:
         """A trainer restored to `version`: the batches taken for it and later go back to the
         front of READY, in the order they were taken, and out of `consumed` (they are trained
-        again, once); the version goes back to `version`. Returns their group ids."""
+        again, once); the version goes back to `version`. Returns their group ids. Those let go since
+        `version` (restored from older than `durable` said) are replaced by admission with new groups."""
         with self._cond:
+            taken = {v for v, _ in self.held}
+            self.dropped += self.batch_groups * sum(v not in taken for v in range(version, self.version))
             back = [g for v, groups in self.held if v >= version for g in groups]
             self._retaken = deque([*([int(g["group_id"][0]) for g in groups] for v, groups in self.held if v >= version), *self._retaken])
             self.held = [(v, groups) for v, groups in self.held if v < version]
