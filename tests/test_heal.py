@@ -53,6 +53,7 @@ def run_and_kill(run_dir, procs: int, kill_ranks: list[int], checkpoint_kill: bo
         new_hosts = [psutil.Process(pid).ppid() for pid in new_pids]
         spares_left = session.loop.alloc.spares_left()
         queue = session._call(awaited(session.loop.queue.state_dict.call_one()), 60)
+        sync = session.loop.weight_sync
         result = session.finish()
     finally:
         session.stop()
@@ -69,6 +70,7 @@ def run_and_kill(run_dir, procs: int, kill_ranks: list[int], checkpoint_kill: bo
         "checkpointed": checkpointed,
         "leftovers": wait_no_children(),
         "run_dir": str(run_dir),
+        "weight_sync": sync,
     }
 
 
@@ -136,6 +138,7 @@ def test_lost_trainer_host_is_healed_on_a_spare_host(tmp_path):
     check_healed(run)
     assert set(run["hosts"]) == {"trainer_0", "generator_0", "spare_0"}
     assert run["new_hosts"] == [run["hosts"]["spare_0"]] and run["spares_left"] == 0, run
+    assert run["weight_sync"].cfg.transport == "collective" and run["weight_sync"]._store is None  # no listener outlives the run
 
 
 def test_a_trainer_killed_while_it_waits_for_its_batch_loses_no_group(tmp_path, monkeypatch):

@@ -119,6 +119,8 @@ def test_files_transport_writes_each_models_versions_in_a_directory_of_its_own(t
     mine = a.files_dir
     del a
     assert not os.path.exists(mine) and os.path.exists(b.files_dir)  # its versions go with it: nothing piles up run after run
+    b.close()  # at the run's stop, however long the object lives on (a notebook's loop, a reference cycle)
+    assert not os.path.exists(b.files_dir) and os.path.exists(made.files_dir)
 
 
 def test_a_files_writer_drops_versions_past_its_trainers_and_writes_beside_a_replaced_one(tmp_path):

@@ -486,6 +486,8 @@ class RLLoop:
         stops = [*(settled(stop, stop_s if lost else 120) for stop in meshes), *(settled(stop, stop_s) for stop in coord)]
         await asyncio.gather(*(pool.shutdown(stop_s, engines=False) for pool in pools), *(p.shutdown(stop_s, engines=False) for p in self.partners), *stops)
         self.healer.kill_procs()
+        if getattr(self, "weight_sync", None) is not None:
+            self.weight_sync.close()  # its store stops listening; the `files` transport's versions go
         if getattr(self, "alloc", None) is not None:
             self.alloc.host_lost = self.alloc.host_lost or lost
             await self.alloc.__aexit__(None, None, None)

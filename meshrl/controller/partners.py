@@ -345,3 +345,5 @@ class TrainedModel:
             await settled(self.trainer.stop(teardown=not self.trainer_dead()), 120)
         if self.critic is not None:
             await settled(self.critic.stop(), 120)
+        if self.weight_sync is not None:
+            self.weight_sync.close()

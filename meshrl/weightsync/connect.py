@@ -135,4 +135,9 @@ class WeightSync:
         return {"publisher": got[0], "subscribers": got[1:]}
 
     def close(self) -> None:
-        self._store = None  # the store server stops with the object
+        """At the run's stop, once its procs are: the store stops listening (its server stops with
+        the object), and a `files` transport's versions are removed, not left for the garbage
+        collector (a notebook's runs one after another would keep every store and directory)."""
+        self._store = None
+        if self.files_dir is not None:
+            shutil.rmtree(self.files_dir, ignore_errors=True)
