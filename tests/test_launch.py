@@ -280,6 +280,12 @@ def test_slurm_dry_run_renders_monarchs_sbatch_script(tmp_path):
     assert "trainer=1, generator=3" in text and "#SBATCH --nodes=4" in text
     with pytest.raises(ConfigError, match="launcher.dry_run"):
         allocate(config)
+    # a run directory the script's lines would split (#SBATCH --output=PATH): refused before anything is submitted
+    from meshrl.launch.slurm import check_slurm
+
+    spaced = Config.from_dict({"launcher": {"kind": "slurm"}, "logging": {"run_dir": str(tmp_path / "my run")}})
+    with pytest.raises(ConfigError, match=r"^logging.run_dir: the job's output directory .*my run/slurm' holds a space or a quote"):
+        check_slurm(spaced)
 
 
 # ---- TorchX ----------------------------------------------------------------------------------

@@ -143,7 +143,13 @@ SLURM_COMMANDS = ("sbatch", "squeue", "scancel", "sinfo")
 
 
 def check_slurm(c: Config) -> None:
-    """Slurm's commands on PATH, a controller that answers, and the partition asked for."""
+    """Paths the job script can carry, Slurm's commands on PATH, a controller that answers, and
+    the partition asked for."""
+    for field, what, path in (("logging.run_dir", "the job's output directory", slurm_dir(c)), ("launcher.kind", "this Python", sys.executable)):
+        if any(ch.isspace() or ch in "'\"" for ch in path):
+            raise ConfigError(
+                field, f"{what} {path!r} holds a space or a quote, which the job script's #SBATCH and srun lines split at: use a path without one"
+            )
     missing = [cmd for cmd in SLURM_COMMANDS if shutil.which(cmd) is None]
     if missing:
         raise ConfigError(
