@@ -66,8 +66,10 @@ def train(
                 image=image,
                 entrypoint=python,
                 # the last override wins: inside the job, meshes go on the job's own host; a
-                # retry (max_retries) of this job (its app id) continues from the run's checkpoint, not step 0
-                args=["-m", "meshrl", "run", config, *overrides, "launcher.kind=torchx", *(["--auto-resume", specs.macros.app_id] if max_retries else [])],
+                # retry (max_retries) or a requeue of this job (its app id: TorchX's Slurm jobs are
+                # requeued on a node's failure or a preemption whatever max_retries says) continues
+                # from the run's checkpoint, not step 0
+                args=["-m", "meshrl", "run", config, *overrides, "launcher.kind=torchx", "--auto-resume", specs.macros.app_id],
                 num_replicas=1,
                 resource=specs.resource(cpu=cpu, gpu=resolved.launcher.gpus_per_host, memMB=memMB, h=h),
                 max_retries=max_retries,

@@ -296,7 +296,7 @@ def test_torchx_component_renders_slurm_sbatch(tmp_path):
     ]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "python -m meshrl run configs/default.yaml trainer.lr=1e-4 launcher.gpus_per_host=4 launcher.kind=torchx" in out.stdout
+    assert "python -m meshrl run configs/default.yaml trainer.lr=1e-4 launcher.gpus_per_host=4 launcher.kind=torchx --auto-resume" in out.stdout
     assert "--partition=gpu" in out.stdout and "--gpus-per-task=4" in out.stdout  # GPUs from the config
 
 
@@ -314,10 +314,12 @@ def test_torchx_component_refuses_several_hosts():
 
 
 def test_a_torchx_retry_resumes_the_run_from_its_checkpoint(tmp_path, monkeypatch):
-    """With max_retries the job's command carries --auto-resume and its app id: a retry of the
-    job continues the config's run directory from its last checkpoint (it started again from
-    step 0, the first attempt's run moved aside); its first attempt starts it, and so does
-    another job in the same directory, which moves the earlier run aside as a new run does."""
+    """The job's command carries --auto-resume and its app id, with max_retries or without
+    (TorchX's Slurm jobs are requeued on a node's failure or a preemption either way): a retry
+    or a requeue of the job continues the config's run directory from its last checkpoint (it
+    started again from step 0, the first attempt's run moved aside); its first attempt starts
+    it, and so does another job in the same directory, which moves the earlier run aside as a
+    new run does."""
     import meshrl.api
     import torch
 
@@ -325,8 +327,8 @@ def test_a_torchx_retry_resumes_the_run_from_its_checkpoint(tmp_path, monkeypatc
     from meshrl.errors import RunFailed
     from meshrl.torchx_component import train
 
-    assert train(config=os.path.join(ROOT, "configs/default.yaml")).roles[0].args[-1] == "launcher.kind=torchx"
-    assert train(config=os.path.join(ROOT, "configs/default.yaml"), max_retries=2).roles[0].args[-2:] == ["--auto-resume", "${app_id}"]
+    for retries in (0, 2):
+        assert train(config=os.path.join(ROOT, "configs/default.yaml"), max_retries=retries).roles[0].args[-2:] == ["--auto-resume", "${app_id}"]
     calls = []
 
     def recorded(config=None, *, resume=None, overrides=None):
