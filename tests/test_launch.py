@@ -288,6 +288,18 @@ def test_slurm_dry_run_renders_monarchs_sbatch_script(tmp_path):
         check_slurm(spaced)
 
 
+def test_the_slurm_examples_controller_is_the_command(tmp_path):
+    """examples/slurm/launch.py runs `meshrl run`, not `meshrl.run()`: the command resubmits
+    itself after a Slurm signal (launcher.max_resubmits, which the config sets) and exits with
+    its status; --dry-run prints the host plan and Monarch's sbatch script."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "examples/slurm/launch.py", "--dry-run", "data.source=task:digits", f"logging.run_dir={tmp_path / 'run'}"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "#SBATCH --nodes=2" in out.stdout and "#SBATCH --no-requeue" in out.stdout, out.stderr
+    out = subprocess.run([*cmd, "trainer.procs=0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("meshrl: config error: trainer.procs"), out.stderr
+
+
 # ---- TorchX ----------------------------------------------------------------------------------
 def test_torchx_component_renders_slurm_sbatch(tmp_path):
     cmd = [

@@ -19,26 +19,22 @@ Worker logs go to RUN_DIR/slurm/.
 import os
 import sys
 
-from meshrl.config import Config
-from meshrl.launch import describe_job
+from meshrl.cli import main
 
 # launcher.kind=slurm, hosts, gpus_per_host, partition, time_limit, resubmits: in the config.
 # Trainer nodes = trainer.procs / gpus_per_host, rounded up; the other nodes run generators.
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml")
 
 
-def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--dry-run"]
+def launch(argv: list[str]) -> int:
+    """`meshrl run CONFIG OVERRIDES...`: the command, not `meshrl.run()`, so that a Slurm
+    signal's checkpoint is followed by a fresh job (`launcher.max_resubmits`: the command
+    replaces its own process by the resumed run) and its exit status is the command's."""
+    args = [a for a in argv if a != "--dry-run"]
     paths = [a for a in args if "=" not in a]
-    config = Config.from_yaml(paths[0] if paths else CONFIG, [a for a in args if "=" in a])
-    if "--dry-run" in sys.argv[1:]:
-        print(describe_job(config), end="")
-        return
-    from meshrl.api import run
-
-    result = run(config)
-    print(f"run finished: {result.run_dir}")
+    overrides = [a for a in args if "=" in a] + (["launcher.dry_run=true"] if "--dry-run" in argv else [])
+    return main(["run", paths[0] if paths else CONFIG, *overrides])
 
 
 if __name__ == "__main__":  # meshrl's engines start workers with spawn: keep the guard
-    main()
+    sys.exit(launch(sys.argv[1:]))

@@ -304,7 +304,7 @@ class LauncherConfig:
     host_timeout_s: float = 60.0
     """How long a host may leave Monarch's state queries unanswered before the procs on it count as lost (Monarch's `get_proc_state_max_idle`, whose default this is): a trainer whose host went silent is healed this long after at the soonest, and a heal then gives a host this long (at most 20 s) to start a bare proc before moving the trainer to `spare_hosts`. Lower heals a lost host sooner; too low takes a host that is only slow (an overloaded node, a network hiccup) for lost, and replaces a trainer that was alive. A proc killed on a live host is seen within Monarch's supervision poll (1 s, as meshrl sets `HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY`; Monarch's default is 10 s) whatever this is."""
     max_resubmits: int = 0
-    """Slurm: after Slurm signaled the allocation and the run checkpointed, submit a fresh allocation and continue the run from that checkpoint (same step numbering), up to this many times. 0: stop, and print the `meshrl run --resume RUN_DIR` that continues it."""
+    """Slurm: after Slurm signaled the allocation and the run checkpointed, submit a fresh allocation and continue the run from that checkpoint (same step numbering), up to this many times. 0: stop, and print the `meshrl run --resume RUN_DIR` that continues it. The `meshrl run` command's (it replaces its own process by the resumed run); `meshrl.run()` from Python raises `meshrl.errors.Interrupted` instead, whose `run_dir` a `meshrl.run(resume=...)` continues."""
 
     @property
     def working_hosts(self) -> int:
