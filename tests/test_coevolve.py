@@ -986,7 +986,8 @@ def test_a_knob_changed_between_steps_is_kept_for_a_resume_and_stays_the_policys
 def test_a_knob_given_as_a_numpy_number_reaches_the_trainer_queue_and_config_as_a_plain_one(tmp_path):
     """Session.set(lr=np.float32(...), max_lag=np.int64(...)), as a notebook computes them: the
     trainer, the queue, the live config and RUN_DIR/config.yaml (safe YAML, which a numpy scalar
-    would break) get plain numbers; a bad value changes nothing."""
+    would break) get plain numbers; a bad value changes nothing, nor does a staleness bound a
+    synchronous run would not apply."""
     import asyncio
     import types
 
@@ -1019,6 +1020,11 @@ def test_a_knob_given_as_a_numpy_number_reaches_the_trainer_queue_and_config_as_
     ):
         with pytest.raises(ValueError, match=words):  # 1.7 was taken as 1, and an infinite lr put NaN in the weights
             asyncio.run(set_knobs(loop, lr, max_lag))
+    c.buffer.depth = 0  # synchronous: the queue would keep max_lag 0 while the config said 2
+    with pytest.raises(ValueError, match=r"max_lag=2 does nothing in a synchronous run \(buffer.depth=0\)"):
+        asyncio.run(set_knobs(loop, None, 2))
+    asyncio.run(set_knobs(loop, None, 0))
+    assert got["max_lag"] == 0
     assert c.trainer.lr == got["lr"] and yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["lr"] == got["lr"]
 
 
