@@ -183,10 +183,10 @@ class Session:
         from meshrl.controller.checkpoint import hold_run_dir, keep_earlier
         from meshrl.controller.loop import RLLoop
 
-        if not self._resume:
-            keep_earlier(self.config)
-        if self._live.held is None:  # until the run stops: no other run moves or resumes it meanwhile
-            self._live.held = hold_run_dir(self.config.logging.run_dir)
+        if self._live.held is None:  # (held: a start again after one cut short, in its own directory)
+            if not self._resume:
+                keep_earlier(self.config)
+            self._live.held = hold_run_dir(self.config.logging.run_dir)  # until the run stops: no other run moves or resumes it
         loop = RLLoop(self.config, resume=self._resume, reward_fn=self._reward_fn)
         try:
             self._call(self._live.enter(loop))
