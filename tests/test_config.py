@@ -221,7 +221,8 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
 def test_a_key_given_twice_is_refused_and_a_time_is_text(tmp_path):
     """A section written twice in one file: refused naming it and its line, where YAML kept the
     second alone and the first's values (a learning rate) silently went back to defaults. An
-    unquoted H:MM:SS stays text (YAML 1.1 read `4:00:00` as 14400 seconds), in a file and an override."""
+    unquoted H:MM:SS stays text (YAML 1.1 read `4:00:00` as 14400 seconds), in a file and an
+    override, and so does an octal, hex or underscored number."""
     from meshrl.config.loading import load_yaml
 
     twice = tmp_path / "twice.yaml"
@@ -235,7 +236,15 @@ def test_a_key_given_twice_is_refused_and_a_time_is_text(tmp_path):
     hours.write_text("launcher:\n  kind: slurm\n  time_limit: 4:00:00\n")
     assert Config.from_dict(load_yaml(hours)).launcher.time_limit == "4:00:00"
     assert Config.from_dict(apply_overrides({}, ["launcher.kind=slurm", "launcher.time_limit=12:00:00"])).launcher.time_limit == "12:00:00"
-    assert apply_overrides({}, ["trainer.lr=1.0e-5", "steps=7", "x.y=0x10"]) == {"trainer": {"lr": 1e-5}, "steps": 7, "x": {"y": 16}}
+    assert apply_overrides({}, ["trainer.lr=1.0e-5", "steps=7", "x.y=0x10"]) == {"trainer": {"lr": 1e-5}, "steps": 7, "x": {"y": "0x10"}}
+    # a number only as plain decimals: a text field keeps what was written (YAML 1.1 made
+    # `run_dir: 0123` the text '83', `cpus: 010` core 8), and a number field refuses the rest
+    written = tmp_path / "written.yaml"
+    written.write_text("logging:\n  run_dir: 0123\n")
+    c = Config.from_dict(apply_overrides(load_yaml(written), ["logging.wandb_project=2024_05"]))
+    assert (c.logging.run_dir, c.logging.wandb_project) == ("0123", "2024_05")
+    with pytest.raises(ConfigError, match=r"^steps: expected an integer, got str '0x10'"):
+        Config.from_dict(apply_overrides({}, ["steps=0x10"]))
 
 
 def test_rollout_section_and_what_it_allows(tmp_path):

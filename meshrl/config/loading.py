@@ -71,7 +71,9 @@ _Loader.yaml_implicit_resolvers = {
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _SEXAGESIMAL_FREE = {
-    "tag:yaml.org,2002:int": r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$",
+    # plain decimals only: YAML 1.1's octal, hex, binary and `_` forms made text fields' values
+    # other text (`run_dir: 0123` became '83', `cpus: 010` core 8); such a number is refused instead
+    "tag:yaml.org,2002:int": r"^[-+]?(?:0|[1-9][0-9]*)$",
     "tag:yaml.org,2002:float": r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9_]+(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
 }
 for _tag, _pattern in _SEXAGESIMAL_FREE.items():
