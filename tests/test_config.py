@@ -107,6 +107,8 @@ def test_an_empty_override_is_the_empty_text_of_a_text_field_and_null_elsewhere(
         ({"buffer": {"get_timeout_s": float("nan")}}, "buffer.get_timeout_s", "finite"),
         ({"trainer": {"loss": {"advantage": "gae"}}, "generator": {"group_size": 0}}, "generator.group_size", "must be at least 1"),
         ({"buffer": {"max_lag": -1}}, "buffer.max_lag", "at least 0"),
+        ({"seed": -1}, "seed", "from 0 to 2147483647"),  # vLLM's engines failed on it once the meshes were up
+        ({"seed": 2**32}, "seed", "from 0 to 2147483647"),
         ({"buffer": {"depth": -1}}, "buffer.depth", "at least 0"),
         ({"buffer": {"depth": 0}}, "generator.update_mode", "'block'"),
         ({"model": {"path": "/no/such/dir"}}, "model.path", "not found"),

@@ -64,6 +64,7 @@ def _check_run(c: Config) -> None:
     """The run's own sizes."""
     need(c.steps >= 1, "steps", f"must be at least 1, got {c.steps}")
     need(c.batch_groups >= 1, "batch_groups", f"must be at least 1, got {c.batch_groups}")
+    need(0 <= c.seed < 2**31, "seed", f"must be from 0 to {2**31 - 1} (the engines seed numpy with it, plus their index), got {c.seed}")
     need(c.logging.run_dir.strip() != "", "logging.run_dir", "is empty: name the run's directory (default runs/latest)")
 
 
