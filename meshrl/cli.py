@@ -310,6 +310,9 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
     if path is None and run_dir is not None:
         path = os.path.join(run_dir, "config.yaml")
     data = apply_overrides(load_yaml(path) if path else {}, overrides)
+    for section in ("eval", "logging", "generator"):  # filled in below: a section written as a value is said as `run` says it
+        if not isinstance(data.setdefault(section, {}), dict):
+            raise ConfigError(section, f"must be a mapping of fields, got {type(data[section]).__name__} {data[section]!r}")
     data.setdefault("eval", {})["every"] = data.get("eval", {}).get("every") or 1  # validates the held-out source
     out_dir = os.path.abspath(ns.out or (os.path.join(run_dir, "eval") if run_dir else f"eval-{os.path.basename(checkpoint.rstrip('/'))}"))
     data["logging"] = {**data.get("logging", {}), "run_dir": out_dir}

@@ -218,6 +218,19 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     broken.write_text("trainer: [unclosed\n")
     out = meshrl_cli("config", "show", str(broken))
     assert out.returncode == 2 and "not valid YAML" in out.stderr
+    # `meshrl eval` fills in sections of its own: one written as a value is refused as `run` refuses it (a traceback, exit 1)
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    (tmp_path / "e.yaml").write_text("eval: 3\n")
+    for arg, field in ((str(tmp_path / "e.yaml"), "eval"), ("logging=x", "logging"), ("generator=[1]", "generator")):
+        out = meshrl_cli("eval", str(checkpoint), arg)
+        assert out.returncode == 2 and out.stderr.startswith(f"meshrl: config error: {field}: must be a mapping"), out.stderr
+    # a section written empty (its keys commented out) is its defaults, and an override goes into it
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("trainer:\n#  lr: 1.0e-4\nsteps: 3\n")
+    assert Config.from_yaml(str(empty)) == Config.from_dict({"steps": 3})
+    assert Config.from_yaml(str(empty), ["trainer.lr=0.5"]).trainer.lr == 0.5
 
 
 def test_a_key_given_twice_is_refused_and_a_time_is_text(tmp_path):

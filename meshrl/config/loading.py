@@ -114,7 +114,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         parts = key.strip().split(".")
         for i, part in enumerate(parts[:-1]):
             name, index = _indexed(part)
-            child = node.setdefault(name, {}) if index is None else _entry(node.get(name), index, ".".join([*parts[:i], name]))
+            if index is None and node.get(name) is None:  # (a section written empty: its defaults)
+                node[name] = {}
+            child = node[name] if index is None else _entry(node.get(name), index, ".".join([*parts[:i], name]))
             if isinstance(child, list):
                 rest = parts[i + 1 :]
                 entry = f"{part}[{rest.pop(0) if rest[0].isdigit() else 0}]"
@@ -197,7 +199,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if isinstance(value, _Empty):
         value = "" if tp is str else None
     if dataclasses.is_dataclass(tp):
-        return build(tp, value, path)
+        return build(tp, {} if value is None else value, path)  # a section written empty (`trainer:`, its keys commented out): its defaults
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
