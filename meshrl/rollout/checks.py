@@ -45,6 +45,8 @@ def check_env(c: Config) -> None:
     if r.tool_parser not in ("hermes", "compact"):
         check_import("rollout.tool_parser", r.tool_parser, "'hermes', 'compact' or a parser function")
     if r.env is None:
+        if r.env_args:
+            raise ConfigError("rollout.env_args", "only rollout.env is made with env_args (a task's own env takes none): set rollout.env, or drop them")
         return
     path, env_args = r.env, r.env_args
     maker = check_import("rollout.env", path, "an env class")
