@@ -322,3 +322,48 @@ def test_tool_env_score_hook():
     env.reset({"prompt": "?"})
     run_turn(env, "!6*7")
     assert run_turn(env, "42").reward == 1.0
+
+
+def test_a_slow_sync_score_leaves_the_workers_loop_and_bound_free():
+    """A plain `def score` (a slow verifier) runs in a thread: the worker's event loop goes on
+    with its other episodes, and the step's bound (rollout.env_timeout_s) cuts it off."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    class SlowVerifier(ToolEnv):
+        def score(self, answer_text, sample):
+            release.wait(10)
+            return 1.0
+
+    async def episode_and_a_tick():
+        env = SlowVerifier([calc], parser="compact")
+        env.reset({"prompt": "?"})
+        step = asyncio.ensure_future(env.step(ModelTurn(text="42", token_ids=[], finish_reason="stop")))
+        start = time.monotonic()
+        await asyncio.sleep(0.05)  # another episode's turn on the same loop
+        ticked = time.monotonic() - start
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(step), 0.2)  # the step's bound fires
+        release.set()
+        return ticked, (await step).reward
+
+    ticked, reward = asyncio.run(episode_and_a_tick())
+    assert ticked < 1.0 and reward == 1.0
+
+
+def test_a_failing_sandbox_fails_the_episode_not_the_models_call():
+    """A sandbox that cannot start (no namespaces left, a start past its bound) is the run's
+    failure, not the model's: it raises out of the step, so the episode fails and is not
+    trained on as a tool error the model caused."""
+    from meshrl.rollout.sandbox import SandboxError
+
+    def python(code: str = "") -> str:
+        """Run code."""
+        raise SandboxError("sandbox did not start within 30 s")
+
+    env = ToolEnv([python], max_tool_calls=2)
+    env.reset({"prompt": "p"})
+    with pytest.raises(SandboxError, match="did not start"):
+        run_turn(env, '<tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>')

@@ -199,10 +199,8 @@ class ToolEnv:
     async def step(self, turn: ModelTurn) -> StepResult:
         calls = self.parser(turn.text)
         budget = self.max_tool_calls - self.calls_made
-        if not calls or budget <= 0:
-            reward = self.score(turn.text, self.sample)
-            if inspect.isawaitable(reward):
-                reward = await reward
+        if not calls or budget <= 0:  # a plain `def score` (a slow verifier) in a thread: the worker's loop and step bound go on
+            reward = await call_bounded(self.score, turn.text, self.sample, timeout=None)
             return StepResult(reward=float(reward), done=True)
         messages = []
         for i, call in enumerate(calls):
@@ -236,6 +234,10 @@ class ToolEnv:
         except asyncio.TimeoutError:
             return name, f"error: tool {name!r} timed out after {bound:g} s"
         except Exception as e:
+            from meshrl.rollout.sandbox import SandboxError
+
+            if isinstance(e, SandboxError):  # the sandbox failed, not the model's call: the episode fails, and is not trained on
+                raise
             return name, f"error: {type(e).__name__}: {e}"
         content = str(result)
         self.tool_results.append(content)
