@@ -145,6 +145,8 @@ def test_a_call_returns_output_status_and_files(loop, pool):
     assert (r.stdout, r.exit_code, r.limit, r.ok) == ("5 in ['-v']\n", 3, None, False)
     r = loop.run_until_complete(pool.run("1/0"))
     assert r.exit_code == 1 and "ZeroDivisionError" in r.stderr and r.summary().startswith("error: exit status 1: ZeroDivisionError")
+    r = loop.run_until_complete(pool.run("print('before it failed')\n1/0"))  # what a failing program printed is kept
+    assert r.exit_code == 1 and r.stdout == "before it failed\n", r
     with pytest.raises(ValueError, match="relative path"):
         loop.run_until_complete(pool.run("pass", files={"../x": ""}))
 
