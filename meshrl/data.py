@@ -74,13 +74,16 @@ def check_data(c: Config) -> None:
 
 
 def check_eval_source(c: Config) -> None:
-    """eval.source, when set, exists and its package is installed; with several trained
-    models, it is no game (the policy plays it alone)."""
-    if c.eval.source is not None:
-        _check_source(c, "eval.source", c.eval.source, c.eval.task_args)
-        name = c.eval.source.removeprefix("task:")
-        if c.models and source_kind(c.eval.source) == "task" and TASKS[name].game:
-            raise ConfigError("eval.source", f"task:{name} is a game of several models: evaluate the policy alone on a task of its own (e.g. task:digits)")
+    """eval.source, when set, exists and its package is installed; what is evaluated is no
+    game task (the policy plays an evaluation alone, and a game's rewards are its threads')."""
+    source = c.eval.source
+    if source is not None:
+        _check_source(c, "eval.source", source, c.eval.task_args)
+    elif c.eval.every and c.rollout.env is None:
+        source = c.data.source  # the training task's own held-out prompts
+    name = (source or "").removeprefix("task:")
+    if source is not None and source_kind(source) == "task" and TASKS[name].game:
+        raise ConfigError("eval.source", f"task:{name} is a game: evaluate the policy alone on a task of its own (e.g. eval.source=task:digits)")
 
 
 def _check_source(c: Config, path: str, source: str, task_args: dict) -> None:

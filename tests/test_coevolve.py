@@ -547,6 +547,26 @@ def test_a_thread_opened_without_room_is_no_row_of_its_model(char_tokenizer):
     assert ep.threads[0].finish_reason == "length"  # unscored, as an episode cut short
 
 
+def test_an_evaluation_that_plays_a_game_fails_in_one_line():
+    """A self-play game given by rollout.env, evaluated on its own prompts: its episodes'
+    rewards are their threads', so every held-out score read 0; the evaluation fails saying
+    what to evaluate instead (a task game is refused before the run: test_config.py)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from meshrl.agent.worker import RolloutWorker
+
+    async def play_episode(group_id, sample_id, record, version, replica, temperature, make_env):
+        ep = Episode(group_id, sample_id)
+        ep.threads = [Episode(group_id, sample_id, model=0, opening="p:")]
+        return ep
+
+    turns = SimpleNamespace(acquire=lambda: 0, release=lambda replica: None)
+    worker = SimpleNamespace(turns=turns, play_episode=play_episode, make_eval_env=None, tokenizer=SimpleNamespace(decode=lambda ids, **kw: ""))
+    with pytest.raises(ValueError, match=r"plays a game: evaluate the policy alone on a task of its own \(eval.source"):
+        asyncio.run(RolloutWorker.evaluate(worker, [{"prompt": "p:"}], 0, 1))
+
+
 def proposal_score(prompt, response, sample):
     """A scorer of the proposer's threads (the run below): 0.25 for a proposal sent with the
     proposer's opening observation (task:propose's "p:"; "q:" in the unit test), else 0."""

@@ -107,6 +107,8 @@ def test_an_empty_override_is_the_empty_text_of_a_text_field_and_null_elsewhere(
         ({"buffer": {"get_timeout_s": float("nan")}}, "buffer.get_timeout_s", "finite"),
         ({"trainer": {"loss": {"advantage": "gae"}}, "generator": {"group_size": 0}}, "generator.group_size", "must be at least 1"),
         ({"buffer": {"max_lag": -1}}, "buffer.max_lag", "at least 0"),
+        ({"data": {"source": "task:propose"}, "eval": {"every": 5}}, "eval.source", "is a game"),  # self-play: every score read 0
+        ({"eval": {"every": 5, "source": "task:propose"}}, "eval.source", "is a game"),
         ({"data": {"source": "task:code"}, "rollout": {"env_args": {"max_tool_calls": 0}}}, "rollout.env_args", "only rollout.env"),  # read by nothing
         ({"seed": -1}, "seed", "from 0 to 2147483647"),  # vLLM's engines failed on it once the meshes were up
         ({"seed": 2**32}, "seed", "from 0 to 2147483647"),

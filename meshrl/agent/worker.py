@@ -303,6 +303,8 @@ class RolloutWorker:
 
         async def record_result(i: int, record: dict) -> dict:
             episodes = await all_or_none(one(i, record, 0.0), *(one(i, record, None) for _ in range(k)))
+            if any(ep.threads for ep in episodes):  # (its rewards are its threads': every score would read 0)
+                raise ValueError("the evaluation's env plays a game: evaluate the policy alone on a task of its own (eval.source, e.g. task:digits)")
             versions = [v for ep in episodes for t in ep.model_turns for v in t.versions]
             return {
                 "greedy": episodes[0].reward,
