@@ -269,7 +269,7 @@ def references(config) -> list[Reference]:
         if spec.weight == 0 and spec.model == "policy":  # another model's scores are not the policy's reward
             out.append(Reference(f"{name} (scorer, weight 0)", f"scoring/{name}/mean", f"scoring/{name}/corr_trained", f"scoring/{name}/std"))
     if config.eval.every:
-        out.append(Reference("eval (the env's reward on held-out prompts)", EVAL_KEY, None, None))
+        out.append(Reference("eval (the env's reward on held-out prompts)", EVAL_KEY, None, "eval/reward_std"))
     return out
 
 
@@ -372,7 +372,7 @@ class DivergenceWatch:
                 if not self.trained:
                     continue
                 trained, spread = sum(self.trained) / len(self.trained), sum(self.spread) / len(self.spread)
-                ref_spread = spread
+                ref_spread = float(row.get(ref.std_key, 0.0))  # its own: a reward model's logits spread far wider than a verifier's 0 to 1
             elif TRAINED_KEY in row:
                 trained, spread = float(row[TRAINED_KEY]), float(row.get(SPREAD_KEY, 0.0))
                 ref_spread = float(row.get(ref.std_key, 0.0))

@@ -14,7 +14,7 @@ from meshrl.guards import length_guard, repetition_guard
 from meshrl.stability import DivergenceWatch, Reference, rank_correlation, ranks, references, signal_correlations
 
 ENV = Reference("env (the env's reward, the task's verifier; weight 0)", "scoring/env/mean", "scoring/env/corr_trained", "scoring/env/std")
-EVAL = Reference("eval (the env's reward on held-out prompts)", "eval/reward_mean", None, None)
+EVAL = Reference("eval (the env's reward on held-out prompts)", "eval/reward_mean", None, "eval/reward_std")
 
 
 def test_rank_correlation_with_ties_and_the_undefined_cases():
@@ -98,6 +98,15 @@ def test_moves_alone_trip_it_without_correlations_and_eval_points_count_per_eval
         if s % 5 == 0:
             out += watch.update(s, {"eval/reward_mean": 0.6 - 0.01 * max(0, s - 20) + rng.gauss(0, 0.005)})
     assert len(out) == 1 and out[0].reference is EVAL and out[0].step > 20
+    # a reward model's logits, spread 4 across episodes, trained up while held-out accuracy falls
+    # from 0.8 to 0: the evaluation's fall is measured on its own scale, not the logits'
+    watch, out = DivergenceWatch([EVAL], 10, 2, 4.0, -0.2, 0.25), []
+    for s in range(1, 81):
+        out += watch.update(s, {"reward/mean": 0.05 * s + rng.gauss(0, 0.2), "reward/std": 4.0})
+        if s % 5 == 0:
+            accuracy = max(0.0, 0.8 - 0.02 * max(0, s - 20))
+            out += watch.update(s, {"eval/reward_mean": accuracy, "eval/reward_std": (accuracy * (1 - accuracy)) ** 0.5})
+    assert len(out) == 1 and out[0].reference is EVAL, out
 
 
 def test_healthy_series_raise_nothing():

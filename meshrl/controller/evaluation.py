@@ -36,11 +36,13 @@ def summarize_eval(results: list[dict], k: int) -> dict[str, float]:
     """`eval/...` metrics from `RolloutWorker.evaluate`'s per-record results."""
     n = len(results)
     samples = [r for res in results for r in res["samples"]]
+    mean = sum(samples) / max(len(samples), 1)
     return {
         "eval/greedy_accuracy": sum(res["greedy"] >= SUCCESS for res in results) / n,
         "eval/greedy_reward": sum(res["greedy"] for res in results) / n,
         f"eval/pass@{k}": sum(any(r >= SUCCESS for r in res["samples"]) for res in results) / n,
-        "eval/reward_mean": sum(samples) / max(len(samples), 1),
+        "eval/reward_mean": mean,
+        "eval/reward_std": (sum((r - mean) ** 2 for r in samples) / max(len(samples), 1)) ** 0.5,  # (the divergence alarm's scale for it)
         "eval/prompts": float(n),
         "eval/failed": float(sum(res["failed"] for res in results)),
         "eval/version_min": float(min(res["version_min"] for res in results)),
