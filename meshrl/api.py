@@ -341,7 +341,7 @@ class Session:
         goal, bound = loop.version, 2 * eval_timeout_s(self.config, self.config.eval.num_prompts) + 60
         while True:  # a trainer healed inside the checkpoint lost a step: trained again, its evaluation of the weights exported waited for
             try:  # the last step's evaluation waits for the one before it; one that never ends still leaves the checkpoint and export
-                self._call(loop.evaluations.finish(), bound)
+                self._call(loop.evaluations.finish(goal), bound)
             except TimeoutError as e:
                 log.warning("the last evaluation did not finish: %s", e)
             ckpt = self._call(loop.checkpoint(), self._trainer_bound())

@@ -79,6 +79,29 @@ def test_a_session_stepping_past_steps_evaluates_every_eval_every_not_every_step
     assert started == [10, 20, 30]
 
 
+def test_a_resumed_run_at_its_last_step_evaluates_it_once(tmp_path):
+    """A run stopped (a Slurm signal) while its last step's evaluation ran resumes with no step
+    left to train: its finish evaluates that step, where the last evaluation was lost; one whose
+    results are written is not evaluated again."""
+    import asyncio
+
+    from meshrl.config import Config
+    from meshrl.controller.evaluation import Evaluations
+
+    evaluations = Evaluations(Config.from_dict({"steps": 20, "eval": {"every": 10}}), str(tmp_path), None, lambda step, row: None)
+    started = []
+
+    async def evaluate(version, previous):
+        started.append(version)
+        os.makedirs(tmp_path / "eval", exist_ok=True)
+        (tmp_path / "eval" / f"step_{version:06d}.json").write_text("{}")
+
+    evaluations._evaluate = evaluate
+    asyncio.run(evaluations.finish(20))
+    asyncio.run(evaluations.finish(20))
+    assert started == [20]
+
+
 def test_an_evaluation_asked_for_with_nothing_held_out_is_refused(tmp_path):
     """Session.evaluate() in a run of a file source with no eval.source (eval.every 0, so the
     config check let it through): refused naming eval.source, where it scored the first
