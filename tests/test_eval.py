@@ -146,7 +146,7 @@ def test_a_finish_whose_checkpoint_healed_a_step_away_waits_for_that_steps_evalu
     class Evaluations:
         pending = None
 
-        async def finish(self):
+        async def finish(self, version=None):
             if self.pending is not None:
                 events.append(f"evaluated {self.pending}")
             self.pending = None
