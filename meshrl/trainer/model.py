@@ -192,6 +192,7 @@ def hf_config_dict(
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        dtype=cfg.dtype,  # (transformers 5 reads it first; older readers torch_dtype)
         torch_dtype=cfg.dtype,
         attention_bias=False,
     )
