@@ -490,7 +490,7 @@ def test_a_last_evaluation_that_never_ends_still_leaves_the_checkpoint_and_expor
         async def export(self):
             return "hf"
 
-    async def never():
+    async def never(version=None):
         await asyncio.sleep(3600)
 
     loop = Loop()
