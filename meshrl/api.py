@@ -25,11 +25,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Coroutine
 
-from meshrl.config import Config, ConfigError, apply_overrides, load_yaml
+from meshrl.config import Config
 from meshrl.errors import first_line
 from meshrl.logs import console, progress_bar
 from meshrl.metrics import format_row, plot_run
 from meshrl.preflight import check, preflight
+from meshrl.resume import run_config
 from meshrl.rollout.env import RewardFn
 
 log = logging.getLogger("meshrl")
@@ -54,50 +55,6 @@ class RunResult:
     plot: str | None
     hf_exports: dict[str, str] = field(default_factory=dict)
     """Each trained model's beside the policy, by name (RUN_DIR/hf/final-NAME)."""
-
-
-def as_config(config: Config | dict | str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
-    if config is None:
-        config = {}
-    if isinstance(config, Config):
-        config = config.to_dict()
-    if isinstance(config, (str, os.PathLike)):
-        config = load_yaml(config)
-    if not isinstance(config, dict):
-        raise ConfigError("", f"config must be a meshrl.Config, a dict or a YAML path, not {type(config).__name__}")
-    return Config.from_dict(apply_overrides(config, overrides or []))
-
-
-def run_config(config, resume: str | None, overrides: list[str] | None) -> Config:
-    """The run's config: `config` with `overrides`, or a resumed run's own (RUN_DIR/config.yaml) with them."""
-    if resume is not None and config is not None:  # (the CLI refuses the same)
-        raise ConfigError("--resume", "a resumed run uses RUN_DIR/config.yaml: pass only overrides with resume=")
-    return as_config(config, overrides) if resume is None else resume_config(resume, overrides)
-
-
-def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
-    path = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(path):
-        raise ConfigError("--resume", f"{run_dir!r} is not a meshrl run directory (no config.yaml): pass the RUN_DIR of an earlier run")
-    if not os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")):
-        raise ConfigError("--resume", f"{run_dir!r} has no checkpoint yet: nothing to resume")
-    config = as_config(path, overrides)
-    written, asked = load_yaml(path), config.logging.run_dir
-    if asked != written.get("logging", {}).get("run_dir") and os.path.abspath(asked) != os.path.abspath(run_dir):  # an override would be dropped silently
-        raise ConfigError("logging.run_dir", f"a resumed run continues in {run_dir}: drop the override (copy the directory to continue it elsewhere)")
-    config.logging.run_dir = run_dir
-    from meshrl.controller.checkpoint import check_resumable, check_same_shapes, latest_state
-
-    try:
-        state = latest_state(run_dir)
-    except Exception as e:  # noqa: BLE001 - the file `latest` names is gone or cut short
-        why = first_line(str(e), 160) or type(e).__name__
-        raise ConfigError("--resume", f"{run_dir!r}: its latest checkpoint cannot be read ({why}): point checkpoints/latest at a complete one") from None
-    check_resumable(state, config, run_dir)
-    from meshrl.config.loading import build
-
-    check_same_shapes(build(Config, written), config, run_dir)  # the run as it wrote itself (typed, not checked: its cores were another host's)
-    return config
 
 
 class Session:
@@ -194,6 +151,9 @@ class Session:
             # Ctrl-C or SIGTERM while the meshes start: the start cancelled stops what it started (start() may be called again)
             starting, self._interrupted = self._interrupted, None
             self._live.cancel_start(starting, loop)
+            raise
+        except Exception:
+            self._live.release()  # its start failed and stopped what it started: the directory is free for a new Session
             raise
         atexit.register(self._live.at_exit)
         return self
@@ -375,6 +335,12 @@ class _Live:
         self._start_ended = threading.Event()
         self._start_ended.set()
 
+    def release(self) -> None:
+        """Let go of the run directory's lock (its run stopped, or its start failed)."""
+        if self.held is not None:
+            os.close(self.held)
+            self.held = None
+
     def starting(self) -> bool:
         """A start is under way (or, cut short, still stopping what it had started)."""
         return not self._start_ended.is_set()
@@ -414,9 +380,7 @@ class _Live:
         if self.starting():  # a start a second interrupt stopped waiting for: its procs stop first
             _wait_through_signals(self._start_ended.wait, SHUTDOWN_S)
         self.stop_run()
-        if self.held is not None:
-            os.close(self.held)
-            self.held = None
+        self.release()
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread_loop.call_soon_threadsafe(self.thread_loop.stop)
             self.thread.join(10)

@@ -104,7 +104,7 @@ def _cmd_config_docs(ns: argparse.Namespace) -> int:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from meshrl.api import resume_config
+    from meshrl.resume import resume_config
 
     if ns.plan:
         if ns.resume:
@@ -311,7 +311,8 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
         path = os.path.join(run_dir, "config.yaml")
     data = apply_overrides(load_yaml(path) if path else {}, overrides)
     for section in ("eval", "logging", "generator"):  # filled in below: a section written as a value is said as `run` says it
-        if not isinstance(data.setdefault(section, {}), dict):
+        data[section] = {} if data.get(section) is None else data[section]  # (written empty: its defaults, as `run` reads it)
+        if not isinstance(data[section], dict):
             raise ConfigError(section, f"must be a mapping of fields, got {type(data[section]).__name__} {data[section]!r}")
     data.setdefault("eval", {})["every"] = data.get("eval", {}).get("every") or 1  # validates the held-out source
     out_dir = os.path.abspath(ns.out or (os.path.join(run_dir, "eval") if run_dir else f"eval-{os.path.basename(checkpoint.rstrip('/'))}"))

@@ -238,7 +238,7 @@ def test_a_resume_that_reshapes_a_model_or_renames_its_prm_is_refused_before_any
     none) would fail to load once the meshes are up, after RUN/config.yaml was written over;
     a PRM renamed would start again from its first weights. Both refused in one line naming the
     field, and the run's config.yaml is as it was."""
-    from meshrl.api import resume_config
+    from meshrl.resume import resume_config
 
     run = tmp_path / "run"
     (run / "checkpoints" / "prm-prm").mkdir(parents=True)
@@ -277,7 +277,7 @@ def test_a_resume_that_reshapes_a_model_or_renames_its_prm_is_refused_before_any
 def test_a_resume_that_changes_loras_targets_or_alpha_or_its_run_dir_is_refused(tmp_path):
     """Other targets are other adapters to load; another alpha rescales the trained ones
     silently; another logging.run_dir was dropped silently."""
-    from meshrl.api import resume_config
+    from meshrl.resume import resume_config
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

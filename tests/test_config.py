@@ -226,6 +226,9 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text("{}")
     (tmp_path / "e.yaml").write_text("eval: 3\n")
+    (tmp_path / "empty.yaml").write_text("eval:\n#  k: 4\nlogging:\n")  # written empty: defaults, as `run` reads it
+    out = meshrl_cli("eval", str(checkpoint), str(tmp_path / "empty.yaml"))
+    assert "must be a mapping" not in out.stderr, out.stderr
     for arg, field in ((str(tmp_path / "e.yaml"), "eval"), ("logging=x", "logging"), ("generator=[1]", "generator")):
         out = meshrl_cli("eval", str(checkpoint), arg)
         assert out.returncode == 2 and out.stderr.startswith(f"meshrl: config error: {field}: must be a mapping"), out.stderr
@@ -355,7 +358,7 @@ def test_a_resume_whose_checkpoint_is_gone_or_a_dry_one_changes_nothing(tmp_path
     no file of the run is written or changed. A resume given a config too is refused, as the
     CLI refuses it."""
     import meshrl
-    from meshrl.api import resume_config
+    from meshrl.resume import resume_config
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

@@ -632,3 +632,31 @@ def test_a_colocated_gpu_trainer_frees_its_memory_before_the_engines_load_the_ne
     )
     out = asyncio.run(after_step(loop, None))
     assert calls == ["trainer frees", "engines load 3", "engines wake"] and {"colocate/load_s", "colocate/wake_s"} <= set(out)
+
+
+def test_a_failed_start_lets_go_of_its_run_directory(tmp_path, monkeypatch):
+    """A start that fails (a generator that never starts) stops what it started: its run
+    directory is free again, so a new Session there (a notebook's retry while the failed one
+    stays referenced by the traceback) starts instead of being refused as a live run's."""
+    import meshrl.controller.loop
+    from meshrl import api
+
+    class Failing:
+        def __init__(self, config, resume=False, reward_fn=None):
+            pass
+
+        async def __aenter__(self):
+            raise RuntimeError("the generator did not start")
+
+    monkeypatch.setattr(meshrl.controller.loop, "RLLoop", Failing)
+    config = {"steps": 1, "logging": {"run_dir": str(tmp_path / "run"), "progress": False}}
+    first, second = api.Session(config), api.Session(config)
+    try:
+        with pytest.raises(RuntimeError, match="did not start"):
+            first.start()
+        with pytest.raises(RuntimeError, match="did not start"):  # not "is a live run's"
+            second.start()
+    finally:
+        first.stop()
+        second.stop()
+

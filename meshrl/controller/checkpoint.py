@@ -237,7 +237,7 @@ def check_resumable(state: dict, config: Config, run_dir: str) -> None:
     saved rows name each model by its place in `models` (frozen ones too), so one added,
     renamed, moved, no longer frozen or dropped since would train rows that are not its own.
     A model that now trains by gae needs its critic's state. Checked as the run's config is
-    read (api.resume_config), before any mesh starts."""
+    read (resume.resume_config), before any mesh starts."""
     trained, saved = [m.name for m in config.models if not m.frozen], list(state.get("models") or {})
     names = state.get("model_names")  # (None: written before checkpoints named them all)
     if names is not None and names != config.model_names() or saved != trained:
@@ -393,7 +393,9 @@ def keep_earlier_run(config: Config) -> str | None:
     marker = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(marker):
         return None
-    os.close(hold_run_dir(run_dir))  # a live run's is not moved from under it
+    held = hold_run_dir(run_dir)  # a live run's is not moved from under it
+    if held is not None:
+        os.close(held)
     inside = os.path.realpath(run_dir) + os.sep
     for field_path, value in _strings(config.to_dict()):
         if os.path.exists(value) and os.path.realpath(value).startswith(inside):
@@ -417,9 +419,10 @@ def keep_earlier_run(config: Config) -> str | None:
 RUN_LOCK = ".lock"
 
 
-def hold_run_dir(run_dir: str) -> int:
+def hold_run_dir(run_dir: str) -> int | None:
     """A live run's hold on RUN_DIR (an exclusive lock on RUN_DIR/.lock, gone with its process):
-    the descriptor to close when the run stops. ConfigError while another run or Session, in
+    the descriptor to close when the run stops (None where the filesystem takes no locks; on
+    a shared one the lock may bind one host only). ConfigError while another run or Session, in
     this process or another, holds it: a second run there (a notebook cell run again while the
     first Session lives) would move the live one's directory aside, or resume it, and the two
     would write their checkpoints into one place."""
@@ -429,8 +432,11 @@ def hold_run_dir(run_dir: str) -> int:
     fd = os.open(os.path.join(run_dir, RUN_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as e:
         os.close(fd)
+        if not isinstance(e, BlockingIOError):  # a filesystem without locks (some network mounts): the run goes on unguarded
+            log.warning("%s cannot be locked (%s): a second run there would not be refused", run_dir, e.strerror or type(e).__name__)
+            return None
         why = "another meshrl run or Session holds it"
         raise ConfigError("logging.run_dir", f"{run_dir!r} is a live run's ({why}): stop that run first, or give this one another logging.run_dir") from None
     return fd

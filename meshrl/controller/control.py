@@ -61,7 +61,7 @@ async def set_knobs(loop, lr: float | None = None, max_lag: int | None = None) -
     if max_lag is not None and not (isinstance(max_lag, numbers.Integral) and not isinstance(max_lag, bool) and max_lag >= 0):
         raise ValueError(f"max_lag must be a whole number at least 0, got {max_lag!r}")  # (1.7 was taken as 1)
     max_lag = None if max_lag is None else int(max_lag)  # numpy's, as a notebook computes them: plain for the YAML
-    if max_lag and loop.config.buffer.depth == 0:  # the queue keeps it on-policy: said, not recorded as the run's
+    if max_lag and loop.config.buffer.depth == 0 and loop.config.placement != "colocate":  # kept on-policy: said, not recorded
         raise ValueError(f"max_lag={max_lag} does nothing in a synchronous run (buffer.depth=0); resume it with buffer.depth above 0 to go asynchronous")
     previous = loop.config.trainer.lr
     if lr is not None:  # each kept as soon as it holds: a failure of the other leaves it the run's

@@ -228,8 +228,7 @@ class EpisodeQueue:
                     continue
                 self.dropped, self._stats["dropped_failed_groups"] = self.dropped + 1, self._stats["dropped_failed_groups"] + 1
                 self.dropped_ids.append(gid)  # admission replaces it
-                last = failure or f"its worker {worker} died playing it"
-                logging.getLogger("meshrl").warning("group %d dropped after %d failed plays, the last: %s", gid, MAX_FAILED_PLAYS, last)
+                logging.getLogger("meshrl").warning("group %d dropped after %d failed plays, the last: %s", gid, MAX_FAILED_PLAYS, failure or "its worker died")
             self._cond.notify_all()
             return len(ids)
 

@@ -1,0 +1,55 @@
+"""The config a run starts from: a Config, a dict or a YAML path with overrides
+(`as_config`), or a resumed run's own, RUN_DIR/config.yaml, checked against its latest
+checkpoint before any mesh starts (`resume_config`). `run_config` is which, for
+`meshrl.run` and `meshrl.Session`."""
+
+from __future__ import annotations
+
+import os
+
+from meshrl.config import Config, ConfigError, apply_overrides, load_yaml
+from meshrl.errors import first_line
+
+
+def as_config(config: Config | dict | str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
+    if config is None:
+        config = {}
+    if isinstance(config, Config):
+        config = config.to_dict()
+    if isinstance(config, (str, os.PathLike)):
+        config = load_yaml(config)
+    if not isinstance(config, dict):
+        raise ConfigError("", f"config must be a meshrl.Config, a dict or a YAML path, not {type(config).__name__}")
+    return Config.from_dict(apply_overrides(config, overrides or []))
+
+
+def run_config(config, resume: str | None, overrides: list[str] | None) -> Config:
+    """The run's config: `config` with `overrides`, or a resumed run's own (RUN_DIR/config.yaml) with them."""
+    if resume is not None and config is not None:  # (the CLI refuses the same)
+        raise ConfigError("--resume", "a resumed run uses RUN_DIR/config.yaml: pass only overrides with resume=")
+    return as_config(config, overrides) if resume is None else resume_config(resume, overrides)
+
+
+def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        raise ConfigError("--resume", f"{run_dir!r} is not a meshrl run directory (no config.yaml): pass the RUN_DIR of an earlier run")
+    if not os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")):
+        raise ConfigError("--resume", f"{run_dir!r} has no checkpoint yet: nothing to resume")
+    config = as_config(path, overrides)
+    written, asked = load_yaml(path), config.logging.run_dir
+    if asked != written.get("logging", {}).get("run_dir") and os.path.abspath(asked) != os.path.abspath(run_dir):  # an override would be dropped silently
+        raise ConfigError("logging.run_dir", f"a resumed run continues in {run_dir}: drop the override (copy the directory to continue it elsewhere)")
+    config.logging.run_dir = run_dir
+    from meshrl.controller.checkpoint import check_resumable, check_same_shapes, latest_state
+
+    try:
+        state = latest_state(run_dir)
+    except Exception as e:  # noqa: BLE001 - the file `latest` names is gone or cut short
+        why = first_line(str(e), 160) or type(e).__name__
+        raise ConfigError("--resume", f"{run_dir!r}: its latest checkpoint cannot be read ({why}): point checkpoints/latest at a complete one") from None
+    check_resumable(state, config, run_dir)
+    from meshrl.config.loading import build
+
+    check_same_shapes(build(Config, written), config, run_dir)  # the run as it wrote itself (typed, not checked: its cores were another host's)
+    return config
