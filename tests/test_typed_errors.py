@@ -659,4 +659,3 @@ def test_a_failed_start_lets_go_of_its_run_directory(tmp_path, monkeypatch):
     finally:
         first.stop()
         second.stop()
-
