@@ -314,11 +314,11 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
         data[section] = {} if data.get(section) is None else data[section]  # (written empty: its defaults, as `run` reads it)
         if not isinstance(data[section], dict):
             raise ConfigError(section, f"must be a mapping of fields, got {type(data[section]).__name__} {data[section]!r}")
-    data.setdefault("eval", {})["every"] = data.get("eval", {}).get("every") or 1  # validates the held-out source
+    data["eval"]["every"] = data["eval"].get("every") or 1  # validates the held-out source
     out_dir = os.path.abspath(ns.out or (os.path.join(run_dir, "eval") if run_dir else f"eval-{os.path.basename(checkpoint.rstrip('/'))}"))
-    data["logging"] = {**data.get("logging", {}), "run_dir": out_dir}
+    data["logging"] = {**data["logging"], "run_dir": out_dir}
     data["launcher"] = {"kind": "local"}
-    data["generator"] = {**data.get("generator", {}), "replicas": 1, "cpus": ""}
+    data["generator"] = {**data["generator"], "replicas": 1, "cpus": ""}
     config = Config.from_dict(data)
     preflight(config)
     has_tokenizer = any(os.path.isfile(os.path.join(checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))

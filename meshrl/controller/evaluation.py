@@ -92,8 +92,7 @@ class Evaluations:
         """Wait for the evaluation in flight (the last step's, at the end of a run). `version`:
         the run's last, evaluated now when nothing is in flight and it has no results yet (a
         resume of a run stopped while its last evaluation ran: that step is not trained again)."""
-        done = version is None or os.path.isfile(os.path.join(self.run_dir, "eval", f"step_{version:06d}.json"))
-        if self.task is None and not done:
+        if self.task is None and version is not None and not os.path.isfile(os.path.join(self.run_dir, "eval", f"step_{version:06d}.json")):
             self.start_if_due(version)
         task, self.task = self.task, None
         return await task if task is not None else None

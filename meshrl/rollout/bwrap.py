@@ -120,15 +120,8 @@ def bwrap_argv(config: SandboxConfig) -> list[str]:
         ("RLIMIT_NOFILE", 256, 256),
         ("RLIMIT_CORE", 0, 0),
     ]
-    return argv + [
-        "--",
-        python,
-        "-I",
-        "-u",
-        "-c",
-        BOOT,
-        json.dumps(limits),
-    ]  # -u: -I ignores PYTHONUNBUFFERED, and what a failing program printed would be lost
+    # -u: -I ignores PYTHONUNBUFFERED, and what a failing program printed would be lost
+    return argv + ["--", python, "-I", "-u", "-c", BOOT, json.dumps(limits)]
 
 
 def _spawn_kwargs(config: SandboxConfig) -> dict[str, Any]:
