@@ -189,7 +189,9 @@ def test_step_takes_a_step_result_or_either_gym_tuple():
     assert as_step_result(env.step(ModelTurn("12ab", [], "stop")), env) == StepResult(None, 0.25, True, {"seen": 4})
     env = GymnasiumEnv()
     assert as_step_result(env.step(ModelTurn("", [], "stop", 0)), env) == StepResult("again:", 0.25, False, {})
-    assert as_step_result(env.step(ModelTurn("", [], "stop", 1)), env) == StepResult("", 0.5, True, {})  # truncated: done
+    assert as_step_result(env.step(ModelTurn("", [], "stop", 1)), env) == StepResult("", 0.5, True, {}, truncated=True)  # truncated: done
+    assert as_step_result(("", 0.5, True, True, None), env) == StepResult("", 0.5, True, {})  # terminated wins
+    assert as_step_result(("", 0.5, True, {"TimeLimit.truncated": True}), env).truncated  # gym's TimeLimit
     result = StepResult([{"role": "user", "content": "+"}], 1, False, {"tool_calls": 1})
     assert as_step_result(result, env) == result
     import numpy as np
@@ -360,7 +362,7 @@ def test_worker_plays_gym_envs_and_fails_contract_breaks_in_one_line(tokenizer_d
     _, ep = play(tokenizer_dir, "GymDigitsEnv", ["1234"])
     assert ep.finish_reason == "stop" and ep.reward == 0.5 and ep.failure is None
     _, ep = play(tokenizer_dir, "GymnasiumEnv", ["a", "b"])
-    assert ep.finish_reason == "stop" and ep.reward == 0.75 and len(ep.model_turns) == 2
+    assert ep.finish_reason == "length" and ep.reward == 0.75 and len(ep.model_turns) == 2  # truncated by the env: out of turns
     worker, ep = play(tokenizer_dir, "DictStepEnv", ["a"])
     assert ep.finish_reason == "failed" and ep.reward == 0.0
     assert ep.failure == (

@@ -195,7 +195,7 @@ class RolloutWorker:
                 turn.reward = step.reward
                 ep.tool_calls += int(step.info.get("tool_calls", 0) or 0)
                 if step.done:
-                    ep.finish_reason = out.finish_reason
+                    ep.finish_reason = "length" if step.truncated else out.finish_reason
                     break
                 if k + 1 == c.rollout.max_turns:
                     # rollout.max_turns model turns and the env is not done: its reply would go

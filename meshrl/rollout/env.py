@@ -33,7 +33,8 @@ The contract, checked on every call (`as_observation`, `as_step_result`, `as_rew
   a tuple, so this reading is unambiguous; any other tuple is refused.
 - `step` returns a `StepResult`, the gym tuple `(observation, reward, done, info)`, or
   gymnasium's `(observation, reward, terminated, truncated, info)` (done = terminated or
-  truncated). The reward is a finite number (a bool counts as 0 or 1), `done` a bool, `info`
+  truncated; truncated and not terminated ends the episode as `length`, as gym's
+  `info["TimeLimit.truncated"]` does). The reward is a finite number (a bool counts as 0 or 1), `done` a bool, `info`
   a dict or None, and an episode that goes on needs an observation.
 - a reward function returns a finite number.
 Anything else raises `ContractError`, one line naming the env or function, the method,
@@ -83,6 +84,9 @@ class StepResult:
     done: bool = True
     info: dict[str, Any] = field(default_factory=dict)
     """Free-form; `tool_calls` (an int) is counted in the episode metrics."""
+    truncated: bool = False
+    """Done because the env cut the episode short (a time or turn limit of its own), not because
+    it ended: recorded as finish_reason `length` and counted in `episode/truncated`."""
 
 
 @runtime_checkable
@@ -184,15 +188,18 @@ def env_budget(env: Any) -> int | None:
 def as_step_result(value: Any, env: Any) -> StepResult:
     """What `env.step` returned, as a StepResult: one, a gym 4-tuple or a gymnasium 5-tuple."""
     name, where = f"env {callable_name(type(env))}", _where(getattr(env, "step", None))
+    cut = False
     if isinstance(value, StepResult):
-        observation, reward, done, info = value.observation, value.reward, value.done, value.info
+        observation, reward, done, info, cut = value.observation, value.reward, value.done, value.info, value.truncated
     elif isinstance(value, tuple) and len(value) == 4:
         observation, reward, done, info = value
+        cut = isinstance(info, dict) and info.get("TimeLimit.truncated") is True  # gym's TimeLimit wrapper
     elif isinstance(value, tuple) and len(value) == 5:
         observation, reward, terminated, truncated, info = value
         if not (_is_bool(terminated) and _is_bool(truncated)):
             raise ContractError(f"{name}: step returned terminated={_shown(terminated)}, truncated={_shown(truncated)}: expected bools", where)
         done = bool(terminated) or bool(truncated)
+        cut = bool(truncated) and not bool(terminated)
     else:
         raise ContractError(
             f"{name}: step returned {_shown(value)}: expected a StepResult, the gym tuple (observation, reward, done, info) "
@@ -208,7 +215,7 @@ def as_step_result(value: Any, env: Any) -> StepResult:
         raise ContractError(f"{name}: step returned info={_shown(info)}: expected a dict or None", where)
     if not done and not is_observation(observation):
         raise ContractError(f"{name}: step returned done=False with observation {_shown(observation)}: expected {OBSERVATION} for the model's next turn", where)
-    return StepResult(observation, reward, bool(done), info)
+    return StepResult(observation, reward, bool(done), info, truncated=bool(done) and bool(cut))
 
 
 def _is_bool(value: Any) -> bool:
