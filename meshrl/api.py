@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Coroutine
 
 from meshrl.config import Config
+from meshrl.launch.signals import exit_on_sigterm, restore_handlers
 from meshrl.errors import first_line
 from meshrl.logs import console, progress_bar
 from meshrl.metrics import format_row, plot_run
@@ -65,10 +66,6 @@ class Session:
     ):
         self.config = run_config(config, resume, overrides)
         preflight(self.config, reward_fn)  # a bad path, an unwritable run directory, bad data or user code fails here, before any mesh
-        if threading.current_thread() is threading.main_thread():
-            from meshrl.launch import exit_on_sigterm
-
-            exit_on_sigterm()  # SIGTERM (scheduler preemption) runs the same cleanup as Ctrl-C
         self._resume = resume is not None
         self._reward_fn = reward_fn
         self._interrupted = None  # the call a signal interrupted, left running
@@ -332,6 +329,7 @@ class _Live:
         self.thread_loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.thread_loop.run_forever, name="meshrl-session", daemon=True)
         self.thread.start()
+        self.signals = exit_on_sigterm()  # SIGTERM (scheduler preemption) runs the same cleanup as Ctrl-C, until stop puts the handlers back
         self._start_ended = threading.Event()
         self._start_ended.set()
 
@@ -381,6 +379,8 @@ class _Live:
             _wait_through_signals(self._start_ended.wait, SHUTDOWN_S)
         self.stop_run()
         self.release()
+        restore_handlers(self.signals)
+        self.signals = False
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread_loop.call_soon_threadsafe(self.thread_loop.stop)
             self.thread.join(10)

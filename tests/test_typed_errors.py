@@ -659,3 +659,26 @@ def test_a_failed_start_lets_go_of_its_run_directory(tmp_path, monkeypatch):
     finally:
         first.stop()
         second.stop()
+
+
+def test_sessions_put_back_the_signal_handlers_they_replaced_when_the_last_stops(tmp_path):
+    """A Session made SIGTERM and SIGHUP raise SystemExit (its run's cleanup) and left them so
+    for the rest of the program; the handlers now come back when the last live Session (or
+    launcher) stops, and not while another still needs its cleanup."""
+    import signal
+
+    from meshrl import api
+    from meshrl.launch.signals import _raise_system_exit
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        first = api.Session({"logging": {"run_dir": str(tmp_path / "a")}})
+        second = api.Session({"logging": {"run_dir": str(tmp_path / "b")}})
+        assert signal.getsignal(signal.SIGTERM) is _raise_system_exit
+        first.stop()
+        assert signal.getsignal(signal.SIGTERM) is _raise_system_exit  # the second's run still needs it
+        second.stop()
+        second.stop()  # twice: nothing more
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)

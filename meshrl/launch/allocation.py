@@ -124,7 +124,7 @@ class Allocation:
         """Set by the controller when one of the job's hosts is gone: `stop` bounds each wait by LOST_HOST_STOP_S."""
         self._lost: list[HostMesh] = []  # meshes left for spares or never connected: their shutdown would wait out its timeout
         self._procs: list[ProcMesh] = []
-        self._old_handlers: dict = {}  # the signal handlers exit_on_sigterm replaced, put back on stop
+        self._holds_signals = False  # it holds exit_on_sigterm's handlers, let go on stop
         self._watch: SignalWatch | None = None  # slurm: relays Slurm's SIGTERM to this process
         self._started = False
         self._stopped = False
@@ -309,11 +309,11 @@ class Allocation:
                 logger.exception("launcher: killing the %s job failed; check for leftover workers", self.kind)
 
     def _install_sigterm(self) -> None:
-        self._old_handlers = exit_on_sigterm()
+        self._holds_signals = exit_on_sigterm()
 
     def _restore_sigterm(self) -> None:
-        restore_handlers(self._old_handlers)
-        self._old_handlers = {}
+        restore_handlers(self._holds_signals)
+        self._holds_signals = False
 
 
 async def _quietly(future: Any, what: str, timeout: float = STOP_TIMEOUT_S) -> None:

@@ -10,31 +10,43 @@ import threading
 import types
 
 
-def exit_on_sigterm() -> dict:
+_HELD = {"count": 0, "replaced": {}}
+"""Who holds the handlers (a Session, an allocation), and what they replaced: put back when the
+last lets go, so one that stops first leaves the other's run its cleanup."""
+
+
+def exit_on_sigterm() -> bool:
     """Make SIGTERM (and SIGHUP) raise SystemExit in the main thread, so `finally` blocks and
-    atexit run.
+    atexit run, until every holder has called `restore_handlers`.
 
     Schedulers stop a job with SIGTERM, and a closed terminal or a dropped ssh session sends
     SIGHUP; the default action of both skips `finally` and atexit and would leave the hosts
     running. Does nothing outside the main thread (signal handlers can only be set there: a
     controller whose loop runs in a worker thread calls this from the main thread) or for a
-    signal that already has a handler (`nohup` sets SIGHUP's to ignore). Returns the handlers
-    it replaced, by signal, for `restore_handlers`.
+    signal that already has a handler (`nohup` sets SIGHUP's to ignore). Returns whether the
+    caller now holds them, for `restore_handlers`.
     """
     if not in_main_thread():
-        return {}
-    replaced = {}
-    for signum, handler in ((signal.SIGTERM, _raise_system_exit), (signal.SIGHUP, _hung_up)):
-        if signal.getsignal(signum) is signal.SIG_DFL:
-            replaced[signum] = signal.signal(signum, handler)
-    return replaced
+        return False
+    if _HELD["count"] == 0:
+        for signum, handler in ((signal.SIGTERM, _raise_system_exit), (signal.SIGHUP, _hung_up)):
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                _HELD["replaced"][signum] = signal.signal(signum, handler)
+    _HELD["count"] += 1
+    return True
 
 
-def restore_handlers(replaced: dict) -> None:
-    """Put back the handlers `exit_on_sigterm` replaced (main thread only)."""
-    if in_main_thread():
+def restore_handlers(held: bool) -> None:
+    """Let go of what `exit_on_sigterm` returned; the last holder puts back the handlers it
+    replaced (main thread only: elsewhere they stay, as a notebook's kernel would keep them)."""
+    if not held or not in_main_thread():
+        return
+    _HELD["count"] = max(0, _HELD["count"] - 1)
+    if _HELD["count"] == 0:
+        replaced, _HELD["replaced"] = _HELD["replaced"], {}
         for signum, handler in replaced.items():
-            signal.signal(signum, handler)
+            if signal.getsignal(signum) in (_raise_system_exit, _hung_up):  # not one the user set since
+                signal.signal(signum, handler)
 
 
 def _raise_system_exit(signum: int, frame: types.FrameType | None) -> None:
