@@ -632,6 +632,33 @@ def test_summarize_per_episode_windows():
     assert summarize(windows[:1])["reward/std"] == 0.0
 
 
+def test_the_run_totals_keep_a_replaced_or_silent_workers_count():
+    """`episode/failed_total` and `rollout/requeued_groups` summed the live workers' own
+    counts: a replaced worker's failures vanished from the total, and one that did not answer
+    in time dropped it for a step."""
+    from types import SimpleNamespace
+
+    from meshrl.controller.replicas import WorkerPool
+
+    def worker(ident, failed, requeued):
+        async def metrics():
+            if failed is None:
+                raise TimeoutError("no answer")
+            window = {"reward": 1.0, "success": 1.0, "failed": 0.0, "response_len": 2.0, "turns": 1.0, "tool_calls": 0.0, "env_tokens": 0.0, "env_s": 0.0}
+            return {"episodes": [{**window, "truncated": 0.0}], "failed_total": failed, "requeued_total": requeued}
+
+        return SimpleNamespace(ident=ident, actor=SimpleNamespace(metrics=SimpleNamespace(call_one=metrics)))
+
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.replaced, pool._totals = 0, {}
+    pool.workers = [worker(0, 3, 1), worker(1, 2, 0)]
+    row = asyncio.run(pool.metrics())
+    assert row["episode/failed_total"] == 5 and row["rollout/requeued_groups"] == 1
+    pool.workers = [worker(100, 1, 0), worker(1, None, None)]  # worker 0 replaced; worker 1 silent this step
+    row = asyncio.run(pool.metrics())
+    assert row["episode/failed_total"] == 6 and row["rollout/requeued_groups"] == 1
+
+
 # ---- metrics, rewards ----------------------------------------------------------------------------------
 def test_metrics_jsonl_tensorboard_and_plot(tmp_path):
     w = MetricsWriter(str(tmp_path))

@@ -413,6 +413,7 @@ class WorkerPool:
         self.workers: list[Member] = []
         self.partners: list[list] = []  # each trained model's generators beside the policy's (games)
         self.replaced = 0
+        self._totals: dict = {}  # the run's totals: each worker's (failed, requeued) as it last answered, a replaced one's too
         self._warm: dict[int, tuple] = {}  # worker index: (procs, actor, ident) spawned by `warm`, not started yet
         self._incarnations = itertools.count()
         self._bootstrap = alloc.bootstrap("coord")  # no GPU for the workers' procs
@@ -469,18 +470,17 @@ class WorkerPool:
             log.warning("rollout worker %d replaced; %d groups re-queued", w.index, requeued)
 
     async def metrics(self) -> dict[str, float]:
-        windows, failed, requeued, first = [], 0.0, 0.0, None
+        windows, first = [], None
         for w in self.workers:
             try:
                 m = await asyncio.wait_for(awaited(w.actor.metrics.call_one()), 30)
             except Exception:  # noqa: BLE001 - a dead worker is replaced at the next check
                 continue
             windows += m["episodes"]
-            failed += m["failed_total"]
-            requeued += m["requeued_total"]
+            self._totals[w.ident] = (m["failed_total"], m["requeued_total"])
             first = first or m.get("first_failure")
-        row = summarize(windows, failed, first)
-        row["rollout/requeued_groups"] = requeued
+        row = summarize(windows, float(sum(f for f, _ in self._totals.values())), first)
+        row["rollout/requeued_groups"] = float(sum(r for _, r in self._totals.values()))
         row["rollout/workers_replaced"] = float(self.replaced)
         return row
 
