@@ -353,7 +353,8 @@ def test_only_the_newest_checkpoints_are_kept_each_whole(tmp_path):
     included, and a long run filled its disk. Older checkpoints go whole: the loop state and
     the trainer's, critic's and each model's states no kept one names; `latest` and the last good
     one an alarm named always stay. Those past `latest` (a run resumed from an earlier one) are
-    neither counted nor removed: the one it went back to is not taken for the oldest."""
+    neither counted nor removed: the one it went back to is not taken for the oldest. A save
+    not kept (torn or deferred) left its states, named by no loop state, for good: they go too."""
     from meshrl.controller.checkpoint import prune
 
     def run(name: str, latest: int):
@@ -375,11 +376,17 @@ def test_only_the_newest_checkpoints_are_kept_each_whole(tmp_path):
     run_dir, root = run("a", latest=2)  # a resume pointed `latest` back at an older one
     assert prune(run_dir, 0) == [] and prune(run_dir, 4) == [] and prune(run_dir, 1) == []
     (root / "latest").write_text("step_000006_loop_state.pt")  # the resumed run saved at 6, over the abandoned one
+    # saves not kept (torn: a model at another step; deferred), and a crashed save's debris: no loop state names them
+    for debris in ("trainer/step-3", "models/proposer/step-3", "models/proposer-critic/step-5", "trainer/.step-5.tmp", "trainer/step-7", "critic/step-1"):
+        (root / debris).mkdir(parents=True)
+    (root / "critic" / "latest").write_text("step-1")  # a state root's own pointer stays
     assert prune(run_dir, 2) == [2]
     left = sorted(p.name for p in root.iterdir())
     assert left == ["critic", "latest", "models", "step_000004_loop_state.pt", "step_000006_loop_state.pt", "step_1000000_loop_state.pt", "trainer"]
     for sub in ("trainer", "critic", os.path.join("models", "proposer")):
-        assert sorted(p.name for p in (root / sub).iterdir()) == ["step-1000000", "step-4", "step-6"]
+        extra = {"trainer": ["step-7"], "critic": ["latest", "step-1"]}.get(sub, [])  # past latest's step; named by its pointer
+        assert sorted(p.name for p in (root / sub).iterdir()) == sorted(["step-1000000", "step-4", "step-6", *extra]), sub
+    assert not os.listdir(root / "models" / "proposer-critic")
     run_dir, root = run("b", latest=1000000)
     assert prune(run_dir, 1, spare={4}) == [2, 6]
     assert sorted(p.name for p in (root / "trainer").iterdir()) == ["step-1000000", "step-4"]

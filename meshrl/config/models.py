@@ -154,7 +154,7 @@ class TrainerConfig:
     checkpoint_every_s: float = 1800.0
     """Also save one when this many seconds have passed since the last, so a crash loses at most that much training whatever a step costs. 0: off."""
     keep_checkpoints: int = 0
-    """Keep only the newest this many checkpoints: after each save, older ones are removed whole (their loop state and every trained state only they name: the trainer's, the critic's, each model's). Each holds the optimizer's state too, so a long run fills a disk without it (TorchTitan's keep_latest_k, TRL's save_total_limit). Never removed: the one `latest` names, the last good one an alarm named, and those past `latest` (a run resumed from an earlier one). 0: keep every one (an earlier one to go back to: docs/stability.md)."""
+    """Keep only the newest this many checkpoints: after each save, older ones are removed whole (their loop state and every trained state only they name: the trainer's, the critic's, each model's), and with them the states of saves not kept (torn or deferred: a model at another version). Each holds the optimizer's state too, so a long run fills a disk without it (TorchTitan's keep_latest_k, TRL's save_total_limit). Never removed: the one `latest` names, the last good one an alarm named, and those past `latest` (a run resumed from an earlier one). 0: keep every one (an earlier one to go back to: docs/stability.md)."""
     interrupt_checkpoint_timeout_s: float = 120.0
     """On Ctrl-C or SIGTERM (scheduler preemption) the run lets the step in flight finish and checkpoints, within this many seconds, then stops; `meshrl run --resume` continues from there. Keep it under the scheduler's grace period (Slurm's KillWait)."""
     snapshot_every: int = 1

@@ -128,12 +128,10 @@ def prune(run_dir: str, keep: int, spare=()) -> list[int]:
         latest = f.read().strip()
     steps = {f: int(m.group(1)) for f in os.listdir(root) if (m := _LOOP_STATE.match(f))}
     files = sorted((n for n in steps if steps[n] <= steps.get(latest, steps[n])), key=steps.get)
-    if len(files) <= keep:
-        return []
     kept = set(files[-keep:]) | {latest} | {n for n in files if steps[n] in spare} | (set(steps) - set(files))
     states = {name: here(torch.load(os.path.join(root, name), weights_only=False), root) for name in steps}
     named = lambda state: {p for p in (state["trainer_dir"], state["critic_dir"], *state["models"].values(), *state["model_critics"].values()) if p}  # noqa: E731
-    held = set().union(*(named(states[name]) for name in kept))
+    held = {os.path.abspath(p) for p in set().union(*(named(states[name]) for name in kept))}
     removed = []
     for name in files:
         if name in kept:
@@ -143,7 +141,29 @@ def prune(run_dir: str, keep: int, spare=()) -> list[int]:
             if os.path.commonpath([root, os.path.abspath(path)]) == root:
                 shutil.rmtree(path, ignore_errors=True)
         removed.append(steps[name])
+    _sweep_unnamed(root, steps.get(latest, 0), held)
     return removed
+
+
+_STATE_DIR = re.compile(r"^\.?(step-(\d+))(\.tmp|\.old)?$")
+
+
+def _sweep_unnamed(root: str, below: int, held: set[str]) -> None:
+    """A trained state no loop state names, of a step before `latest`'s, removed: a save not
+    kept (torn, or deferred while a model was at another version) and a save's debris. Those
+    at or past `latest`'s step, and each state root's own `latest`, stay."""
+    models = os.path.join(root, "models")
+    subs = [os.path.join(root, "trainer"), os.path.join(root, "critic")]
+    subs += [os.path.join(models, d) for d in (os.listdir(models) if os.path.isdir(models) else ())]
+    for sub in filter(os.path.isdir, subs):
+        own = None
+        if os.path.isfile(os.path.join(sub, "latest")):
+            with open(os.path.join(sub, "latest")) as f:
+                own = f.read().strip()
+        for entry in os.listdir(sub):
+            m = _STATE_DIR.match(entry)
+            if m and int(m.group(2)) < below and m.group(1) != own and os.path.join(sub, m.group(1)) not in held:
+                shutil.rmtree(os.path.join(sub, entry), ignore_errors=True)
 
 
 def latest_state(run_dir: str) -> dict:
