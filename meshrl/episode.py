@@ -40,6 +40,7 @@ a teacher's scores, `assign_distill_advantages` adds `token_advantage`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
@@ -289,23 +290,27 @@ def group_advantages(reward: torch.Tensor, group_id: torch.Tensor, mode: Literal
     grpo_no_std: r - mean (Dr.GRPO).
     rloo: r - mean of the other episodes of the group = n/(n-1) * (r - mean).
     """
-    reward = reward.to(torch.float32)
+    # In float64, and exactly 0 in a group of equal rewards: a float32 mean of 8 x 1.2 is not
+    # 1.2, and grpo divided that rounding by its own std into an advantage of about 0.1.
+    reward = reward.to(torch.float64)
     _, inverse, counts = torch.unique(group_id, return_inverse=True, return_counts=True)
     G = counts.numel()
-    sums = torch.zeros(G).index_add_(0, inverse, reward)
-    n = counts.to(torch.float32)
+    sums = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, reward)
+    n = counts.to(torch.float64)
     mean = sums / n
-    centred = reward - mean[inverse]
+    low = torch.full((G,), math.inf, dtype=torch.float64).scatter_reduce(0, inverse, reward, "amin")
+    high = torch.full((G,), -math.inf, dtype=torch.float64).scatter_reduce(0, inverse, reward, "amax")
+    centred = torch.where((low == high)[inverse], 0.0, reward - mean[inverse])
     if mode == "grpo_no_std":
-        return centred
+        return centred.float()
     if mode == "rloo":
         if (counts < 2).any():
             raise ValueError("rloo needs at least 2 samples per group")
-        return centred * (n / (n - 1))[inverse]
+        return (centred * (n / (n - 1))[inverse]).float()
     if mode == "grpo":
-        sq = torch.zeros(G).index_add_(0, inverse, centred**2)
+        sq = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, centred**2)
         std = torch.sqrt(sq / (n - 1).clamp(min=1))
-        return centred / (std[inverse] + eps)
+        return (centred / (std[inverse] + eps)).float()
     raise ValueError(f"unknown advantage mode {mode!r}")
 
 

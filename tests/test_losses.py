@@ -262,6 +262,14 @@ def test_zero_reward_variance_gives_zero_gradient():
     reward = torch.tensor([1.0, 1.0, 1.0, 1.0])
     adv = group_advantages(reward, torch.tensor([7, 7, 7, 7]), "grpo")
     assert (adv == 0).all()
+    # rewards a float32 mean does not give back (a 0.2 format bonus on 1.0): their rounding,
+    # divided by its own std, was an advantage of about 0.1 on every episode of the group
+    for value, n in ((1.2, 8), (0.9, 16), (1.1, 16), (12.9, 16)):
+        for mode in ("grpo", "grpo_no_std", "rloo"):
+            tied = group_advantages(torch.full((n,), value), torch.zeros(n, dtype=torch.long), mode)
+            assert (tied == 0).all(), (value, n, mode, tied[0])
+    mixed = group_advantages(torch.tensor([1.2, 1.2, 0.2, 0.2, 0.9, 0.9]), torch.tensor([0, 0, 0, 0, 1, 1]), "grpo")
+    assert torch.allclose(mixed[:4], torch.tensor([0.866, 0.866, -0.866, -0.866]), atol=1e-3) and (mixed[4:] == 0).all()
     lp, mu, _, mask, prox, _, _ = hand_made()
     for correction in CORRECTIONS:
         loss, grad, _ = run_loss(lp, mu, adv, mask, LossConfig(correction=correction), prox_logprobs=prox)
