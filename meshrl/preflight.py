@@ -27,6 +27,7 @@ from meshrl.config import Config, ConfigError
 from meshrl.data import check_data, check_eval_source, check_prompt_room, check_records
 from meshrl.imports import check_import
 from meshrl.launch.devices import plan_devices
+from meshrl.launch.hosts import check_cpu_procs
 from meshrl.launch.memory import check_memory
 from meshrl.rollout.checks import check_env, check_reward_signature, probe_user_code
 from meshrl.rollout.env import RewardFn
@@ -74,6 +75,8 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
     before any mesh starts; raises ConfigError naming the field and the fix."""
     check(c)
     plan = plan_devices(c)  # every proc gets GPUs of its own, or one line saying which field to change
+    if c.launcher.kind in ("local", "process") and not any(s.gpus for s in plan.slots):
+        check_cpu_procs(c)
     if reward_fn is not None:
         check_reward_signature(reward_fn, "reward_fn")
         if c.models and c.rollout.env is None:  # it would replace the game task's env (agent/worker.py env_factory)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 
@@ -640,3 +641,19 @@ def test_the_memory_plan_counts_weight_syncs_copies_in_host_memory():
     shm = dict(plan_memory(config(launcher=gpus, weight_sync={"transport": "shm"})).host_ram["hosts", 0])
     assert "weight-sync staging on rank 0 (up to 4 slots)" in shm and not [w for w in shm if "receive" in w]  # engines read the trainer's slots
     assert "hosts[0] host RAM:" in nccl.table() and "weight receive buffers" in plan_memory(config(launcher=gpus, weight_sync={"transport": "rdma"})).table()
+
+
+def test_a_cpu_run_gives_each_rank_and_replica_a_core_at_least(monkeypatch, tmp_path):
+    """`trainer.procs: 64` on a 2-core machine passed every check, then started 64 ranks, each
+    importing torch on a share of a core, until the start timed out two minutes later."""
+    from meshrl.preflight import preflight
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    base = {"logging": {"run_dir": str(tmp_path)}, "contracts": {"probe": False}, "launcher": {"gpus_per_host": 0}, "trainer": {"device": "cpu"}}
+    for field, override, fix in (
+        ("trainer.procs", {"trainer": {"procs": 64, "device": "cpu"}}, "64 procs on this machine's 2 cores, without a GPU: at most 2"),
+        ("generator.replicas", {"generator": {"replicas": 3}}, "3 procs on this machine's 2 cores"),
+        ("models[0].trainer.procs", {"models": [{"name": "proposer", "trainer": {"procs": 4}}], "data": {"source": "task:propose"}}, "4 procs"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(f"{field}: {fix}")):
+            preflight(Config.from_dict({**base, **override}))

@@ -7,6 +7,7 @@ generators get disjoint hosts and the coordinator shares the first generator hos
 from __future__ import annotations
 
 import math
+import os
 
 from meshrl.config import Config, ConfigError
 
@@ -90,3 +91,16 @@ def role_meshes(meshes: dict) -> dict:
         return {role: meshes[SHARED_MESH] for role in ROLES}
     generator = meshes["generator"]
     return {"trainer": meshes["trainer"], "generator": generator, "coord": generator.slice(hosts=slice(0, 1))}
+
+
+def check_cpu_procs(config: Config) -> None:
+    """A run on this machine's CPUs alone (no GPU in its plan) gives each trainer rank and each
+    generator replica's procs a core at least: more procs than the cores this process may use
+    started, each importing torch and vLLM on a share of a core, until the start timed out."""
+    cores = len(os.sched_getaffinity(0))
+    roles = []
+    for where, c in [("", config)] + [(f"models[{i}].", config.for_model(m.name)) for i, m in enumerate(config.models)]:
+        roles += [(f"{where}trainer.procs", c.trainer.procs), (f"{where}generator.replicas", c.generator.replicas * c.generator.tp)]
+    for field, procs in roles:
+        if procs > cores:
+            raise ConfigError(field, f"{procs} procs on this machine's {cores} cores, without a GPU: at most {cores} (a core each), or run on more hosts")
