@@ -40,6 +40,14 @@ _NUMBER = re.compile(r"[-\u2212]?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d
 # "the answer is 42." (a number that ends its sentence: "the answer is 2 times the radius" states none)
 # (the number atomic: backtracking into it, "3.5 cm." would state "3")
 _CUED = re.compile(r"answer(?:\s+is|\s*[:=])\s*[:=]?\s*\$?\s*((?>" + _NUMBER.pattern + r"))\$?(?=\s*(?:[.!?;,)]|$))", re.IGNORECASE | re.MULTILINE)
+# "the answer is $\frac{1}{2}$.": the math a cue names, whole (its digits are no number of their own)
+_CUED_MATH = re.compile(
+    r"answer(?:\s+is|\s*[:=])\s*[:=]?\s*"
+    r"(?:(?<!\\)\$(?P<d>[^$]+?)(?<!\\)\$|\\\((?P<p>.+?)\\\)|\\\[(?P<b>.+?)\\\])"  # $...$, \(...\), \[...\]
+    r"(?=\s*(?:[.!?;,)]|$))",
+    re.IGNORECASE | re.DOTALL | re.MULTILINE,
+)
+_UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 
 
 def last_boxed(text: str) -> str | None:
@@ -55,16 +63,25 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def final_answer(response: str) -> str | None:
+def final_answer(response: str, cut_short: bool = False) -> str | None:
     """A response's final answer: its last `\\boxed{}`, else its last <answer> tag, else the
-    number after its last "answer is" (or "answer:"), else its last number."""
-    boxed = last_boxed(response)
-    if boxed is not None:
-        return boxed
+    math or number after its last "answer is" (or "answer:"), else its last number. None where
+    its last `\\boxed{` never closes (the answer was still being written), and, for a reply
+    `cut_short` (out of tokens), without a box or a tag: a number in unfinished reasoning is no
+    answer it gave."""
+    if "\\boxed{" in response:
+        return last_boxed(response)
     tagged = _ANSWER_TAG.findall(response)
     if tagged:
         return tagged[-1].strip()
-    numbers = _CUED.findall(response) or _NUMBER.findall(response)  # "The answer is 42. It took 3 tries.": 42
+    if cut_short:
+        return None
+    spans = [(m.start(), next(g for g in m.groups() if g is not None).strip()) for m in _CUED_MATH.finditer(response)]
+    numbers = [(m.start(), m.group(1)) for m in _CUED.finditer(response)]
+    cued = max(spans + numbers, default=None)  # the last cue's answer, math or number
+    if cued is not None:
+        return cued[1].replace("\u2212", "-")
+    numbers = _NUMBER.findall(response)  # "The answer is 42. It took 3 tries.": 42
     return numbers[-1].replace("\u2212", "-") if numbers else None
 
 
@@ -80,7 +97,7 @@ def _math(text: str) -> list:
     delimiters, so text without any gets `$...$` (plain numbers and `1/2` parse either way)."""
     from math_verify import parse
 
-    if "$" not in text and "\\boxed" not in text:
+    if not _UNESCAPED_DOLLAR.search(text) and "\\boxed" not in text:  # `\\$18`, a money answer, is no delimiter
         text = f"${text}$"
     return parse(text, parsing_timeout=None)  # None: no SIGALRM; the parent's kill bounds it
 
@@ -225,13 +242,13 @@ def _ask(checker: _Checker, gold: str, answer: str) -> bool:
 
 
 def _math_answer(prompt: str, response: str, sample: dict) -> float:
-    """1.0 when the response's final answer equals `sample["answer"]` mathematically
-    (math-verify: `1/2`, `0.5` and `\\frac{1}{2}` agree), else 0.0 (also when the check takes
-    longer than VERIFY_TIMEOUT_S). A list answer holds the accepted forms: any of them."""
+    """1.0 when the response's final answer (`final_answer`) equals `sample["answer"]`
+    mathematically (math-verify: `1/2`, `0.5` and `\\frac{1}{2}` agree), else 0.0 (also when the
+    check takes longer than VERIFY_TIMEOUT_S). A list answer holds the accepted forms: any of them."""
     gold = sample.get("answer")
     if gold is None or gold == []:
         raise ValueError("math_answer needs the reference answer in the record's 'answer' field (data.answer_key)")
-    answer = final_answer(response)
+    answer = final_answer(response, cut_short=sample.get("finish_reason") == "length")
     if answer is None:
         return 0.0
     return float(any(_check(str(g), answer) for g in (gold if isinstance(gold, (list, tuple)) else [gold])))

@@ -52,6 +52,29 @@ def test_final_answer_prefers_box_then_tag_then_number():
     assert final_answer("The answer is 2 times the radius, so 2*5 = 10") == "10"  # a cue whose number ends no sentence states none
     assert final_answer("The answer is 3.5 cm, from 7/2") == "7/2" and final_answer("answer is 1,234 apples; 5 left") == "5"  # never part of one
     assert final_answer("The answer is 42\nChecked: 6 x 7") == "42" and final_answer("So the answer is 3.5?") == "3.5"
+    # the math a cue names, whole: its digits were taken for the last number (1/2 read as 2)
+    assert final_answer(r"The answer is $\frac{1}{2}$.") == r"\frac{1}{2}" and final_answer(r"answer: \(\frac{3}{4}\)") == r"\frac{3}{4}"
+    assert final_answer(r"The answer is $2$ times the radius, so 2*5 = 10") == "10"  # as a bare number: it ends no sentence
+    # unfinished: a last box that never closes, a reply cut at its budget without a box or tag
+    assert final_answer(r"\boxed{3} so the total is \boxed{4") is None
+    assert final_answer("6*7 = 42. Now adding the tax we get", cut_short=True) is None
+    assert final_answer(r"so \boxed{42} and then", cut_short=True) == "42"
+
+
+@pytest.mark.parametrize(
+    "gold, response, sample, reward",
+    [
+        ("2", r"The answer is $\frac{1}{2}$.", {}, 0.0),
+        ("1/2", r"The answer is $\frac{1}{2}$.", {}, 1.0),
+        ("18", r"\boxed{\$18}", {}, 1.0),  # an escaped dollar is money, not a math delimiter
+        (r"\$18", r"\boxed{18}", {}, 1.0),
+        ("42", "Let me compute 6*7 = 42. Now adding the tax we get", {"finish_reason": "length"}, 0.0),
+        ("42", "6*7 = 42", {"finish_reason": "stop"}, 1.0),
+        ("4", r"\boxed{3} so the total is \boxed{4", {}, 0.0),
+    ],
+)
+def test_math_answer_reads_what_the_reply_finished_saying(gold, response, sample, reward):
+    assert math_answer("", response, {"answer": gold, **sample}) == reward
 
 
 def test_math_answer_off_the_main_thread():
