@@ -81,6 +81,27 @@ def build_char_tokenizer(path: str | os.PathLike) -> str:
     return str(path)
 
 
+UNKNOWN_ID_TEXT = "\ufffd"
+
+
+def reply_text(tokenizer, ids: list[int]) -> str:
+    """Sampled token ids as the text an env, a reward or a scorer reads, specials skipped. An id
+    past the tokenizer's own (a model whose vocabulary is padded beyond it, as the built-in
+    character tokenizer's 99 ids are in the default's 128 rows) reads as U+FFFD: the tokenizer
+    drops it, and a reply with such tokens read as the same reply without them."""
+    n = len(tokenizer)
+    if all(i < n for i in ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    parts, run = [], []
+    for i in ids:
+        if i < n:
+            run.append(i)
+            continue
+        parts += [tokenizer.decode(run, skip_special_tokens=True), UNKNOWN_ID_TEXT]
+        run = []
+    return "".join(parts) + tokenizer.decode(run, skip_special_tokens=True)
+
+
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 """What transformers 5 writes as `tokenizer_class` for a tokenizer of no model's own class."""
 

@@ -358,6 +358,22 @@ def play(tokenizer_dir, env: str, replies: list[str], **rollout):
     return worker, asyncio.run(worker.play_episode(0, 0, {"prompt": "q:", "answer": ""}, 0, 0))
 
 
+def test_a_sampled_id_past_the_tokenizers_reads_as_a_replacement_character(tokenizer_dir, quiet):
+    """The default model has 128 rows for the character tokenizer's 99 ids, and an untrained one
+    samples the others; the tokenizer dropped them, so `qqq` plus one such id read as `qqq` and
+    earned task:count's exact match."""
+    from meshrl.tokenizer import load_tokenizer, reply_text
+
+    tok = load_tokenizer(tokenizer_dir)
+    q = tok.encode("q", add_special_tokens=False)
+    assert reply_text(tok, q * 3 + [120] + q) == "qqq\ufffdq" and reply_text(tok, q + [tok.eos_token_id]) == "q"
+    config = Config.from_dict({"data": {"source": "task:count"}, "logging": {"run_dir": "/runs/x"}})
+    worker = RolloutWorker(config, tokenizer_dir, worker=2)
+    worker.set_generators([ScriptedGenerator(lambda ids: q * 3 + [120, tok.eos_token_id])])
+    ep = asyncio.run(worker.play_episode(0, 0, {"prompt": "q*3=", "answer": "qqq"}, 0, 0))
+    assert ep.failure is None and ep.reward == 0.375  # 3 of 4 characters right, halved: not the exact match
+
+
 def test_worker_plays_gym_envs_and_fails_contract_breaks_in_one_line(tokenizer_dir, quiet):
     _, ep = play(tokenizer_dir, "GymDigitsEnv", ["1234"])
     assert ep.finish_reason == "stop" and ep.reward == 0.5 and ep.failure is None

@@ -24,6 +24,7 @@ from meshrl.errors import UserCodeError
 from meshrl.futures import all_or_none
 from meshrl.rollout.chat import prompt_too_long
 from meshrl.rollout.game import MAX_THREADS, Ask, Outcome, Reply, as_asks, as_outcome, info_numbers
+from meshrl.tokenizer import reply_text
 
 
 async def play_game(worker, env, ask, ep: Episode, version: int, replicas: list[int], temperature: float | None) -> None:
@@ -97,7 +98,7 @@ async def _turn(worker, env, ask: Ask, ep: Episode, threads, speakers, last, ver
     last[ask.thread] = list(out.token_ids)
     if out.finish_reason == "abort":
         raise GenerationFailed(f"{ask.model}'s generator replica {replicas[model]} is stopping")
-    return Reply(ask.model, ask.thread, worker.tokenizer.decode(out.token_ids, skip_special_tokens=True), list(out.token_ids), out.finish_reason, k)
+    return Reply(ask.model, ask.thread, reply_text(worker.tokenizer, out.token_ids), list(out.token_ids), out.finish_reason, k)
 
 
 def model_limits(c, model: int) -> tuple[int, int]:

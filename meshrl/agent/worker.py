@@ -51,6 +51,7 @@ from meshrl.rollout.game import is_ask
 from meshrl.scorers.client import EpisodeScorers, ScorerUnavailable
 from meshrl.trainer.checks import policy_vocabulary
 from meshrl.scorers.process import assign_process_advantages, process_tensors, split_process
+from meshrl.tokenizer import reply_text
 
 log = logging.getLogger("meshrl")
 
@@ -187,7 +188,7 @@ class RolloutWorker:
                     await self._env_call(
                         env,
                         "step",
-                        ModelTurn(self.tokenizer.decode(out.token_ids, skip_special_tokens=True), list(out.token_ids), out.finish_reason, k),
+                        ModelTurn(reply_text(self.tokenizer, out.token_ids), list(out.token_ids), out.finish_reason, k),
                     ),
                     env,
                 )
@@ -310,7 +311,7 @@ class RolloutWorker:
                 "greedy": episodes[0].reward,
                 "samples": [ep.reward for ep in episodes[1:]],
                 "failed": sum(ep.finish_reason == "failed" for ep in episodes),
-                "greedy_text": self.tokenizer.decode([x for t in episodes[0].model_turns for x in t.token_ids], skip_special_tokens=True),
+                "greedy_text": reply_text(self.tokenizer, [x for t in episodes[0].model_turns for x in t.token_ids]),
                 "version_min": min(versions, default=version),
                 "version_max": max(versions, default=version),
             }

@@ -16,7 +16,7 @@ from meshrl.futures import awaited
 async def generate_text(loop, prompts: list[str], temperature: float | None = None) -> list[list[str]]:
     """A group of completions (generator.group_size) per prompt text, from the current
     policy on replica 0. Refused while generation is paused (it would wait for `resume`)."""
-    from meshrl.tokenizer import load_tokenizer, prompt_ids
+    from meshrl.tokenizer import load_tokenizer, prompt_ids, reply_text
 
     if loop.generators.paused:
         raise RuntimeError("generation is paused: call resume() first (a paused replica serves no request)")
@@ -27,7 +27,7 @@ async def generate_text(loop, prompts: list[str], temperature: float | None = No
 
     async def one(text: str) -> str:
         out = await awaited(gen.generate.call_one(prompt_ids(tok, text), None, temperature, 0))
-        return tok.decode(out.token_ids, skip_special_tokens=True)
+        return reply_text(tok, out.token_ids)
 
     return [list(await asyncio.gather(*(one(t) for _ in range(n)))) for t in prompts]
 

@@ -37,6 +37,7 @@ from meshrl.episode import Episode
 from meshrl.futures import awaited
 from meshrl.rollout.env import call_reward, prompt_text
 from meshrl.scorers.process import step_ends, step_texts
+from meshrl.tokenizer import reply_text
 
 RETRY_S = 1.0
 """Pause before asking again after a replica failed a call."""
@@ -89,7 +90,7 @@ class EpisodeScorers:
         that opened it as the prompt."""
         if ep.opening is not None:
             record = {**record, "prompt": ep.opening}
-        base = scoring_item(record, self.tokenizer.decode(ep.token_ids[ep.prompt_len :], skip_special_tokens=True))
+        base = scoring_item(record, reply_text(self.tokenizer, ep.token_ids[ep.prompt_len :]))
         items = []
         for spec in self.specs:
             if spec.kind == "prm" or spec.model != self.models[ep.model]:
