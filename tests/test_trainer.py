@@ -606,6 +606,11 @@ def test_a_resume_points_every_trained_states_latest_at_the_checkpoint_it_restor
     repoint(state, str(tmp_path))
     assert all(ckpt.checkpoint_step(root) == 10 for root in roots.values())
     assert newest_state(str(tmp_path), at_most=11) == (str(roots["trainer"]), 10)
+    # an earlier start's snapshot at the same step (its ranks' layout, maybe not this run's): the checkpoint
+    snap = tmp_path / "snapshots" / "step-00000010"
+    snap.mkdir(parents=True)
+    (snap / ckpt.COMPLETE_MARKER).write_text(json.dumps({"step": 10}))
+    assert newest_state(str(tmp_path), at_most=11) == (str(roots["trainer"]), 10)
 
 
 def test_checkpoint_root_ignores_an_interrupted_save(tmp_path):

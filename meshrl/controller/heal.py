@@ -109,7 +109,8 @@ def newest_state(run_dir: str, checkpoint_dir: str | None = None, at_most: int |
         pass
     if not found:
         return None, 0
-    step, path = max(found)
+    # at one step the checkpoint: a snapshot there may be an earlier start's, laid out for its ranks
+    step, path = max(found, key=lambda f: (f[0], f[1] == ckpt))
     return path, step
 
 
