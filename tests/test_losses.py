@@ -405,6 +405,18 @@ def test_micro_batches_with_global_counts_equal_full_batch(correction, aggregati
     assert reduce_metrics(parts) == pytest.approx(reduce_metrics([full_metrics]), rel=1e-5, abs=1e-7)
 
 
+def test_the_kl_term_is_clamped_as_verls_low_var_kl():
+    """One token far below the reference (log ratio 100: exp past float32) made the loss inf and
+    every gradient NaN; at 22 its gradient was 1e7, the whole update after the clip."""
+    lp = torch.tensor([[-101.0, -1.0]], requires_grad=True)
+    ref, mu = torch.tensor([[-1.0, -1.0]]), torch.tensor([[-101.0, -1.0]])
+    mask, adv = torch.tensor([[True, True]]), torch.tensor([0.0])
+    loss, _ = policy_loss(lp, mu, adv, mask, LossConfig(kl_coef=0.1), ref_logprobs=ref)
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(lp.grad).all()
+    assert loss.item() == pytest.approx(0.1 * 10.0 / 2)  # the clamped k3 of 10, over the 2 tokens
+
+
 def test_missing_inputs_raise():
     lp, mu, adv, mask, _, _, _ = hand_made()
     with pytest.raises(ValueError, match="prox_logprobs"):

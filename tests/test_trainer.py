@@ -413,6 +413,23 @@ def test_a_step_with_nothing_in_the_loss_moves_the_version_and_not_the_weights()
         _step_with_nothing_in_the_loss(trainer)
 
 
+def test_a_step_whose_gradient_is_not_finite_writes_nothing_into_the_weights():
+    """One NaN sampler log-prob on a trained token made the loss NaN, and AdamW wrote NaN into
+    every weight; the update is skipped now (`trainer/nonfinite`), as the critic's and the PRM's."""
+    trainer = PolicyTrainer(make_config(), CPU)
+    trainer.train_step(make_batch(seed=3, version=0), current_version=0)
+    bad = make_batch(seed=4, version=1)
+    row, col = bad["loss_mask"].nonzero()[0].tolist()
+    bad["sampler_logprobs"][row, col] = float("nan")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    out = trainer.train_step(bad, current_version=1)
+    assert out["nonfinite"] == 1.0 and out["updated"] == 0.0 and out["version"] == 2
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    out = trainer.train_step(make_batch(seed=5, version=2), current_version=2)
+    assert out["nonfinite"] == 0.0 and out["updated"] == 1.0 and math.isfinite(out["grad_norm"])
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
 def _step_with_nothing_in_the_loss(trainer):
     from meshrl.episode import model_rows
 

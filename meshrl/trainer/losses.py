@@ -216,8 +216,10 @@ def policy_loss(
     per_token = -weight * surrogate
     kl = None
     if ref_logprobs is not None:
-        log_ref_ratio = torch.where(mask, ref_logprobs.detach().float() - lp, zero)
-        kl = log_ref_ratio.exp() - log_ref_ratio - 1  # k3: unbiased, always >= 0
+        # clamped as verl's low_var_kl: one token far from the reference (its exp past float32)
+        # would otherwise be the whole update, or inf
+        log_ref_ratio = torch.where(mask, ref_logprobs.detach().float() - lp, zero).clamp(-20.0, 20.0)
+        kl = (log_ref_ratio.exp() - log_ref_ratio - 1).clamp(max=10.0)  # k3: unbiased, always >= 0
         if cfg.kl_coef > 0:
             per_token = per_token + cfg.kl_coef * kl
     if entropy is not None and cfg.entropy_coef > 0:

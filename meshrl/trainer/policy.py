@@ -11,6 +11,7 @@ never Monarch or vLLM: tests, benchmarks and GPU checks build it directly, and
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from typing import Any, Iterator
@@ -310,8 +311,14 @@ class PolicyTrainer:
             self._scale_grads(count / (self._held_count + count))
         self.held, self._held_count = (0, 0) if update or not grads else (self.held + bool(count), self._held_count + count)
         grad_norm = self._clip_grads(tcfg.grad_clip) if update else 0.0
+        # a bad batch (a NaN sampler log-prob, a loss past float32) writes no NaN into AdamW and the
+        # weights: the update is skipped, as the critic's and the PRM's are (the norm is every rank's)
+        nonfinite = update and not math.isfinite(float(grad_norm))
+        if nonfinite:
+            self.optimizer.zero_grad(set_to_none=True)
         if update:
-            self.optimizer.step()
+            if not nonfinite:
+                self.optimizer.step()
             self.scheduler.step()
         elif not grads:
             reshard(self.model)  # what FSDP keeps gathered after a forward, which only a backward reshards
@@ -323,7 +330,8 @@ class PolicyTrainer:
         out.update(
             version=self.step,
             grad_norm=float(grad_norm),
-            updated=float(update),
+            updated=float(update and not nonfinite),
+            nonfinite=float(nonfinite),
             weight_version=float(weight_lags(torch.tensor(0), self.step, tcfg.pace)),  # its own version: the updates it has made
             **({"update_steps": float(trained_steps)} if tcfg.pace.accumulate else {}),
             logprob_mismatch=out.get("mismatch", 0.0),
