@@ -522,6 +522,33 @@ def test_a_replica_whose_call_failed_gets_groups_again_once_a_call_succeeds_or_a
     assert batcher.acquire() == 0  # its failure has aged out
 
 
+def test_a_call_given_up_on_is_aborted_on_its_replica():
+    """A call past its bound failed its turns here while its requests went on generating on the
+    replica, for a group played again: each retry left group_size more behind."""
+    from meshrl.agent import turns
+
+    aborted = []
+
+    async def never(requests, call_id=None):
+        await asyncio.sleep(3600)
+
+    async def abort(call_id):
+        aborted.append(call_id)
+        return True
+
+    batcher = turns.TurnBatcher(single_turn_config())
+    batcher.call_timeout_s = 0.2
+    batcher.set_generators([SimpleNamespace(generate_many=SimpleNamespace(call_one=never), abort_many=SimpleNamespace(call_one=abort))])
+
+    async def main():
+        with pytest.raises(GenerationFailed, match="TimeoutError"):
+            await batcher.generate(0, [1, 2], 4, 0)
+        await asyncio.sleep(0.1)
+
+    asyncio.run(main())
+    assert len(aborted) == 1
+
+
 def test_a_failing_generator_stops_the_rest_of_its_group(tokenizer_dir):
     """One episode's generator call fails: the group's other episodes are cancelled (their
     envs closed), not left generating for a group that is played again anyway."""

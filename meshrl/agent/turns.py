@@ -102,12 +102,16 @@ class TurnBatcher:
         def abandon(_) -> None:  # every episode waiting on the call is gone (its group failed): the replica stops it too
             if all(future.done() for _, future in batch) and not task.done() and not task.cancelling():
                 task.cancel()
-                aborting = asyncio.ensure_future(self._abort(replica, call_id))
-                self._calls.add(aborting)
-                aborting.add_done_callback(self._calls.discard)
+                self._spawn(self._abort(replica, call_id))
 
         for _, future in batch:
             future.add_done_callback(abandon)
+
+    def _spawn(self, coro) -> None:
+        """Run `coro` beside the calls, held until it ends (stopped with them)."""
+        task = asyncio.ensure_future(coro)
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
 
     async def _abort(self, replica: int, call_id: str) -> None:
         """Best effort: a replica gone, or one without the endpoint (a stand-in), ends its call itself."""
@@ -128,6 +132,8 @@ class TurnBatcher:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the call fails each of its samples
             results = [f"{type(e).__name__}: {str(e).strip()[:200]}"] * len(batch)
+            if isinstance(e, TimeoutError):  # given up on here, its requests would go on generating there for a group played again
+                self._spawn(self._abort(replica, call_id))
         for (_, future), result in zip(batch, results):
             if not future.done():
                 future.set_result(result)
