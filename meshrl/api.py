@@ -301,6 +301,11 @@ class Session:
                 self._call(loop.evaluations.finish(goal), bound)
             except TimeoutError as e:
                 log.warning("the last evaluation did not finish: %s", e)
+            except (KeyboardInterrupt, SystemExit):  # no step to wait for: the checkpoint gets the interrupt's time (a resume evaluates again)
+                self._interrupted, evaluation = None, self._interrupted
+                if evaluation is not None:
+                    evaluation.cancel()
+                raise
             ckpt = self._call(loop.checkpoint(), self._trainer_bound())
             if loop.version >= goal:
                 break

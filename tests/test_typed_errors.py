@@ -682,3 +682,42 @@ def test_sessions_put_back_the_signal_handlers_they_replaced_when_the_last_stops
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_signal_in_the_last_evaluation_leaves_the_checkpoint_the_interrupts_time(tmp_path):
+    """SIGTERM (a Slurm time limit) during the evaluation `finish` runs before the final
+    checkpoint: it was taken for a step in flight and waited for, half the interrupt's budget
+    and then the rest, and the checkpoint got a second. The evaluation is cancelled (a resume
+    runs it again) and the checkpoint is written at once."""
+    import signal
+    import time
+    import types
+
+    import meshrl
+
+    session = meshrl.Session({"logging": {"run_dir": str(tmp_path)}})
+
+    async def forever(goal):
+        await asyncio.sleep(3600)
+
+    async def checkpoint(heal=True):
+        return "checkpoints/step_000003_loop_state.pt"
+
+    async def shutdown():
+        pass
+
+    session._live.run = types.SimpleNamespace(version=3, evaluations=types.SimpleNamespace(finish=forever), checkpoint=checkpoint, shutdown=shutdown)
+    previous = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(SystemExit):
+            session.finish()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    try:
+        t0 = time.monotonic()
+        assert session.save_on_interrupt(8.0) == "checkpoints/step_000003_loop_state.pt"
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        session.stop()
