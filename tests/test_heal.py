@@ -425,3 +425,16 @@ def test_a_save_that_prunes_leaves_the_alarms_only_checkpoints_still_there(tmp_p
         if step == 2:
             cliff.raised = [types.SimpleNamespace(good_checkpoint=2)]  # an alarm named step 2
     assert cliff.checkpoints == [2, 6] and sorted(os.listdir(tmp_path / "checkpoints" / "trainer")) == ["step-2", "step-6"]
+
+
+def test_a_start_keeps_its_own_export_and_the_runs_first_not_every_resumes(tmp_path):
+    """Each start exported its generators' first weights to hf/vN and left them: a preempted run
+    resubmitted 20 times kept 20 copies of its model. The run's first (v0), the final export and
+    anything else in hf/ stay."""
+    from meshrl.controller.checkpoint import start_export
+
+    for name in ("v0", "v12", "v30", "final", "base", "vintage"):
+        (tmp_path / "hf" / name).mkdir(parents=True)
+    assert start_export(str(tmp_path), 45) == str(tmp_path / "hf" / "v45")
+    assert sorted(os.listdir(tmp_path / "hf")) == ["base", "final", "v0", "vintage"]
+    assert start_export(str(tmp_path / "fresh"), 0) == str(tmp_path / "fresh" / "hf" / "v0")  # nothing there yet

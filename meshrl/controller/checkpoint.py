@@ -354,6 +354,18 @@ async def export_hf(trainer, path: str, run_dir: str, tokenizer_dir: str) -> str
     return path
 
 
+def start_export(run_dir: str, version: int) -> str:
+    """Where a start exports the weights its generators begin from: `hf/vVERSION`. The exports of
+    earlier starts (resumes) go, but `hf/v0`, the model the run began from: a preempted run
+    resubmitted 20 times kept 20 whole copies of its model."""
+    root = os.path.join(run_dir, "hf")
+    keep = {"v0", f"v{version}"}
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        if re.fullmatch(r"v\d+", name) and name not in keep:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return os.path.join(root, f"v{version}")
+
+
 async def export_critic(critic, run_dir: str, tokenizer_dir: str, name: str = "final-critic") -> None:
     """PPO's critic at hf/NAME (a trained model's: final-MODEL-critic); one that fails is
     logged (its checkpoints keep its state) and the policy's export goes on."""

@@ -139,7 +139,7 @@ class RLLoop:
         wandb = dict(project=c.logging.wandb_project, mode=c.logging.wandb_mode, config=c.to_dict()) if c.logging.wandb else None
         self.metrics = MetricsWriter(self.run_dir, tensorboard=c.logging.tensorboard, keep_until=self.version, wandb=wandb, restored=self.history)
         self._last_checkpoint = time.monotonic()
-        initial = await self.trainer.export_hf(os.path.join(self.run_dir, "hf", f"v{self.version}"), checkpoints.lora_base_dir(self.run_dir))
+        initial = await self.trainer.export_hf(checkpoints.start_export(self.run_dir, self.version), checkpoints.lora_base_dir(self.run_dir))
         await colocate.release(self.alloc.plan, self.trainer, self._offload_optimizer)  # on a shared GPU, before the engines start
         self.generators.checkpoint_dir, self.generators.checkpoint_version = initial, self.version
         self.generators.source_lost = self.healer.trainer_dead  # an update cut off by a dead trainer keeps its replica

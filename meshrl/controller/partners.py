@@ -126,7 +126,7 @@ class TrainedModel:
                 await self.critic.load_checkpoint(critic_dir)
         await self.trainer.publisher_handle()  # created before its first step, as the policy's
         # under LoRA its adapters' frozen base goes to its own models/NAME/hf/base
-        initial = await self.trainer.export_hf(os.path.join(c.logging.run_dir, "hf", f"v{version}"), checkpoints.lora_base_dir(c.logging.run_dir))
+        initial = await self.trainer.export_hf(checkpoints.start_export(c.logging.run_dir, version), checkpoints.lora_base_dir(c.logging.run_dir))
         await colocate.release(self.alloc.plan, self.trainer, self.offload_optimizer)  # before its engines start
         self.generators.checkpoint_dir = initial
         self.generators.source_lost = self.trainer_dead  # an update cut off by its dead trainer keeps the replica
