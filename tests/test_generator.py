@@ -1272,3 +1272,25 @@ def test_multi_turn_episodes_spanning_an_update_carry_the_right_version_on_every
     env = ~td["loss_mask"] & (td["tokens"] != 0)
     assert (td["versions"][env] == PAD_VERSION).all()
     restore(world, v0 + 2)
+
+
+def test_an_engine_whose_start_fails_after_vllm_started_is_shut_down():
+    """A failure after vLLM's construction (an RPC to its workers, the version, a teacher's
+    temperature) left its engine processes running, holding the replica's cores or GPU, with no
+    pid for the controller to kill: the engine is shut down on that path (and when cancelled)."""
+    import types
+
+    from meshrl.generator.service import Generator
+
+    for failure in (RuntimeError("collective_rpc failed"), asyncio.CancelledError()):
+        stopped = []
+
+        async def start(version, failure=failure):
+            raise failure
+
+        gen = Generator.__new__(Generator)
+        gen.gen, gen.teacher = Config().generator, False
+        gen.engine = types.SimpleNamespace(start=start, shutdown=lambda: stopped.append(True))
+        with pytest.raises(type(failure)):
+            asyncio.run(gen.start(3))
+        assert stopped == [True]

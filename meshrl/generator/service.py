@@ -127,9 +127,15 @@ class Generator:
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, version: int = 0) -> float:
-        elapsed = await self.engine.start(version)
-        if self.teacher and self.gen.temperature != 1.0:
-            await self.engine.set_logit_temperature(self.gen.temperature)
+        """Start the engine; one that fails (or is cancelled) after vLLM started is shut down, its
+        processes with it: they would otherwise outlive the replica, holding its cores or GPU."""
+        try:
+            elapsed = await self.engine.start(version)
+            if self.teacher and self.gen.temperature != 1.0:
+                await self.engine.set_logit_temperature(self.gen.temperature)
+        except BaseException:
+            self.shutdown()
+            raise
         return elapsed
 
     @property
