@@ -405,6 +405,30 @@ def test_micro_batches_with_global_counts_equal_full_batch(correction, aggregati
     assert reduce_metrics(parts) == pytest.approx(reduce_metrics([full_metrics]), rel=1e-5, abs=1e-7)
 
 
+def test_zero_variance_groups_read_per_token_advantages_where_the_batch_has_them():
+    """Under GAE a group of equal rewards still trains (return less the critic's value), and
+    the metric said it carried no gradient."""
+    from tensordict import TensorDict
+
+    from meshrl.trainer.policy import zero_variance_share
+
+    batch = TensorDict(
+        {
+            "group_id": torch.tensor([0, 0, 1, 1]),
+            "reward": torch.tensor([1.0, 1.0, 0.0, 1.0]),
+            "finish_reason": torch.zeros(4, dtype=torch.int64),
+            "loss_mask": torch.tensor([[False, True]] * 4),
+        },
+        batch_size=[4],
+    )
+    assert zero_variance_share(batch) == 0.5  # by rewards: group 0 ties
+    batch["token_advantage"] = torch.tensor([[9.0, 0.3], [9.0, -0.1], [0.0, -0.5], [0.0, 0.5]])
+    assert zero_variance_share(batch) == 0.0  # group 0 trains on its values
+    batch["token_advantage"][2:, 1] = 0.0
+    batch["token_advantage"][3, 0] = 5.0  # off the mask: not trained
+    assert zero_variance_share(batch) == 0.5  # group 1's trained tokens are all 0
+
+
 def test_the_kl_term_is_clamped_as_verls_low_var_kl():
     """One token far below the reference (log ratio 100: exp past float32) made the loss inf and
     every gradient NaN; at 22 its gradient was 1e7, the whole update after the clip."""

@@ -466,11 +466,15 @@ class PolicyTrainer:
 
 
 def zero_variance_share(batch: TensorDict) -> float:
-    """Share of the batch's groups that carry no policy gradient (`episode.without_signal`):
-    their trained episodes all have the same reward, so their advantages are all 0."""
+    """Share of the batch's groups that carry no policy gradient: with per-token advantages (GAE's
+    return less the critic's value, a teacher's, a PRM's) those whose trained tokens' are all 0;
+    else those whose trained episodes all have the same reward (`episode.without_signal`)."""
     from meshrl.episode import without_signal
 
     slices = group_slices(batch)
+    if "token_advantage" in batch.keys():
+        flat = lambda g: bool((g["token_advantage"][g["loss_mask"]] == 0).all())  # noqa: E731
+        return sum(flat(batch[s]) for s in slices) / max(len(slices), 1)
     return sum(without_signal(batch[s]) for s in slices) / max(len(slices), 1)
 
 
