@@ -661,15 +661,17 @@ def test_a_failed_start_lets_go_of_its_run_directory(tmp_path, monkeypatch):
         second.stop()
 
 
-def test_sessions_put_back_the_signal_handlers_they_replaced_when_the_last_stops(tmp_path):
+def test_sessions_put_back_the_signal_handlers_they_replaced_when_the_last_stops(tmp_path, monkeypatch):
     """A Session made SIGTERM and SIGHUP raise SystemExit (its run's cleanup) and left them so
     for the rest of the program; the handlers now come back when the last live Session (or
     launcher) stops, and not while another still needs its cleanup."""
     import signal
 
     from meshrl import api
+    from meshrl.launch import signals
     from meshrl.launch.signals import _raise_system_exit
 
+    monkeypatch.setattr(signals, "_HELD", {"count": 0, "replaced": {}})  # none held by this process's earlier Sessions
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         first = api.Session({"logging": {"run_dir": str(tmp_path / "a")}})

@@ -28,10 +28,9 @@ def exit_on_sigterm() -> bool:
     """
     if not in_main_thread():
         return False
-    if _HELD["count"] == 0:
-        for signum, handler in ((signal.SIGTERM, _raise_system_exit), (signal.SIGHUP, _hung_up)):
-            if signal.getsignal(signum) is signal.SIG_DFL:
-                _HELD["replaced"][signum] = signal.signal(signum, handler)
+    for signum, handler in ((signal.SIGTERM, _raise_system_exit), (signal.SIGHUP, _hung_up)):
+        if signal.getsignal(signum) is signal.SIG_DFL:  # (again, where another put the default back meanwhile)
+            _HELD["replaced"].setdefault(signum, signal.signal(signum, handler))
     _HELD["count"] += 1
     return True
 
