@@ -438,3 +438,31 @@ def test_a_start_keeps_its_own_export_and_the_runs_first_not_every_resumes(tmp_p
     assert start_export(str(tmp_path), 45) == str(tmp_path / "hf" / "v45")
     assert sorted(os.listdir(tmp_path / "hf")) == ["base", "final", "v0", "vintage"]
     assert start_export(str(tmp_path / "fresh"), 0) == str(tmp_path / "fresh" / "hf" / "v0")  # nothing there yet
+
+
+def test_a_run_sent_back_sets_the_checkpoints_it_went_back_from_aside(tmp_path):
+    """Sent back from step 160 to 125 (`latest` edited, docs/stability.md), the resumed run's
+    saves at 140 and 170 were pruned beside the abandoned 160 as if it were its own: 125 and
+    140 removed, the abandoned 160 kept, and an alarm could name it. The resume moves the
+    loop states past its step aside, so only its own count."""
+    from meshrl.controller.checkpoint import prune, set_aside_later
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+
+    def save(step):
+        d = root / "trainer" / f"step-{step}"
+        d.mkdir(parents=True)
+        torch.save({"version": step, "trainer_dir": str(d), "critic_dir": None, "models": {}, "model_critics": {}}, root / f"step_{step:06d}_loop_state.pt")
+        (root / "latest").write_text(f"step_{step:06d}_loop_state.pt")
+
+    for step in (100, 125, 149, 160):
+        save(step)
+    (root / "latest").write_text("step_000125_loop_state.pt")
+    aside = set_aside_later(str(root), 125)
+    assert sorted(os.listdir(aside)) == ["step_000149_loop_state.pt", "step_000160_loop_state.pt"]
+    assert set_aside_later(str(root), 125) is None  # nothing more past it
+    for step in (140, 170):
+        save(step)
+        prune(str(tmp_path), 2)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000140_loop_state.pt", "step_000170_loop_state.pt"]

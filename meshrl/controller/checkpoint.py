@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import re
 import shutil
 import time
@@ -117,10 +118,9 @@ def prune(run_dir: str, keep: int, spare=()) -> list[int]:
     """All but the newest `keep` checkpoints removed whole (trainer.keep_checkpoints; 0: none):
     each one's loop state first, so none names a state half gone, then the trained states (the
     trainer's, the critic's, each model's) no kept one names, inside `run_dir` only. The one
-    `latest` names is always kept, and those of the steps in `spare` (an alarm's last good one).
-    Checkpoints past `latest`'s step (a run resumed from an earlier one: docs/stability.md) are
-    neither counted nor removed, so the one it went back to is not taken for the oldest.
-    Returns the steps removed."""
+    `latest` names is always kept, and those of the steps in `spare` (an alarm's last good one);
+    any past `latest`'s step (a resume sets them aside, `set_aside_later`) neither counted nor
+    removed. Returns the steps removed."""
     if keep <= 0:
         return []
     root = os.path.abspath(os.path.join(run_dir, "checkpoints"))
@@ -156,10 +156,8 @@ def _sweep_unnamed(root: str, below: int, held: set[str]) -> None:
     subs = [os.path.join(root, "trainer"), os.path.join(root, "critic")]
     subs += [os.path.join(models, d) for d in (os.listdir(models) if os.path.isdir(models) else ())]
     for sub in filter(os.path.isdir, subs):
-        own = None
-        if os.path.isfile(os.path.join(sub, "latest")):
-            with open(os.path.join(sub, "latest")) as f:
-                own = f.read().strip()
+        pointer = pathlib.Path(sub, "latest")
+        own = pointer.read_text().strip() if pointer.is_file() else None
         for entry in os.listdir(sub):
             m = _STATE_DIR.match(entry)
             if m and int(m.group(2)) < below and m.group(1) != own and os.path.join(sub, m.group(1)) not in held:
@@ -213,6 +211,7 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
     if changed:
         log.warning("%s", changed)
     repoint(state, run_dir)
+    set_aside_later(root, version)
     from meshrl.trainer.critic_actor import critic_root  # (Monarch's actors: not for a resume's config check)
     from meshrl.trainer.snapshot import drop_after, snapshot_root
 
@@ -231,6 +230,21 @@ async def restore(run_dir: str, trainer, queue, watch=None, critic=None, *, time
                 watch.checkpointed(int(row["step"]))
             watch.update(int(row.get("step", 0)), row)
     return version, history
+
+
+def set_aside_later(root: str, version: int) -> str | None:
+    """The loop states past `version`, the one a resume restored (a run sent back to an earlier
+    checkpoint), moved to `checkpoints/abandoned-after-VERSION-TIME/` (returned; None: none): in
+    place, they counted as the resumed run's own once it passed their steps (keep_checkpoints
+    removed its saves and kept theirs) and an alarm could name one. Their trained states stay."""
+    later = sorted(n for n in os.listdir(root) if (m := _LOOP_STATE.match(n)) and int(m.group(1)) > version)
+    if not later:
+        return None
+    os.makedirs(aside := os.path.join(root, f"abandoned-after-{version:06d}-{time.strftime('%Y%m%d-%H%M%S')}"), exist_ok=True)
+    for name in later:
+        os.replace(os.path.join(root, name), os.path.join(aside, name))
+    log.warning("the checkpoints after step %d (%s) moved to %s: this run went back from them", version, ", ".join(later), aside)
+    return aside
 
 
 def repoint(state: dict, run_dir: str) -> None:
