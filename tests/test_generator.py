@@ -240,6 +240,23 @@ def test_shared_memory_weights_round_trip():
         assert not os.path.exists(shared.path)
 
 
+def test_deepseeks_float32_router_bias_reaches_a_bfloat16_engine_in_float32():
+    """The trainer publishes the router bias in float32, and vLLM holds it in float32; the engine
+    cast it to its bfloat16 on the way, and a load-balancing update of 1e-3 on a bias of 0.5 vanished."""
+    from meshrl.generator.weight_loading import _cast, pack_to_shared_memory, views_of_shared_memory
+
+    bias = torch.tensor([0.501, 1.003, 0.1234567])
+    tensors = {"model.layers.3.mlp.gate.e_score_correction_bias": bias, "model.layers.3.mlp.gate.weight": torch.randn(3, 4)}
+    shared = pack_to_shared_memory(tensors, torch.bfloat16)
+    try:
+        views = views_of_shared_memory(shared.path, shared.nbytes, shared.manifest)
+        for loaded in (views, _cast(tensors, "bfloat16")):
+            assert torch.equal(loaded["model.layers.3.mlp.gate.e_score_correction_bias"], bias)
+            assert loaded["model.layers.3.mlp.gate.weight"].dtype == torch.bfloat16
+    finally:
+        shared.unlink()
+
+
 def test_weight_sync_buffers_go_to_the_engine_in_place():
     """Tensors fetched by weight sync (views of a shared receive buffer) are described to the
     engine where they are; only tensors that need a cast (or live elsewhere) are copied."""

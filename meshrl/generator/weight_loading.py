@@ -46,6 +46,20 @@ class SharedWeights:
             pass
 
 
+KEEP_FLOAT32 = ("e_score_correction_bias",)
+"""Tensors (by the end of their HF name) vLLM holds in float32 whatever the model's dtype, as the
+trainer publishes them: DeepSeek-V3's router bias (vLLM's deepseek_v2.py). Cast to the engine's
+bfloat16 on the way, its load-balancing updates (about 1e-3) vanished and the engine routed by
+another bias than the trainer's."""
+
+
+def _as(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype `t` is loaded as: floating ones as the engine's `dtype`, but KEEP_FLOAT32's."""
+    if dtype is None or not t.is_floating_point() or (t.dtype == torch.float32 and name.endswith(KEEP_FLOAT32)):
+        return t.dtype
+    return dtype
+
+
 def to_shared_memory(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> list[SharedWeights]:
     """Shared-memory segments holding `tensors` (floating ones as `dtype` when given): views
     of a shared file that need no cast are described in place, the rest copied into one
@@ -53,7 +67,7 @@ def to_shared_memory(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None
     in_place: dict[str, SharedWeights] = {}
     to_copy = {}
     for name, t in tensors.items():
-        where = _shared_file_of(t, dtype)
+        where = _shared_file_of(t, _as(name, t, dtype))
         if where is None:
             to_copy[name] = t
             continue
@@ -66,12 +80,12 @@ def to_shared_memory(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None
     return segments
 
 
-def _shared_file_of(t: torch.Tensor, dtype: torch.dtype | None) -> tuple[str, int, int] | None:
+def _shared_file_of(t: torch.Tensor, dtype: torch.dtype) -> tuple[str, int, int] | None:
     """(path, bytes, byte offset of `t`) of the shared file mapping `t` is a plain view of, if
     another process can read `t` from it as is; None otherwise."""
     if t.device.type != "cpu" or not t.is_contiguous():
         return None
-    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+    if t.dtype != dtype:
         return None
     storage = t.untyped_storage()
     path = storage.filename  # set only for shared file mappings (torch.from_file(shared=True))
@@ -85,10 +99,7 @@ def pack_to_shared_memory(tensors: dict[str, torch.Tensor], dtype: torch.dtype |
     manifest, offset = [], 0
     prepared = {}
     for name, t in tensors.items():
-        t = t.detach()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        t = t.contiguous().cpu()
+        t = t.detach().to(_as(name, t, dtype)).contiguous().cpu()
         prepared[name] = t
         manifest.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset))
         offset += (t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
@@ -118,9 +129,9 @@ def views_of_shared_memory(path: str, nbytes: int, manifest) -> dict[str, torch.
 
 
 def _cast(views: dict[str, torch.Tensor], dtype: str | None) -> dict[str, torch.Tensor]:
-    """Floating tensors as `dtype` (the engine's), the rest as they are."""
+    """Floating tensors as `dtype` (the engine's; KEEP_FLOAT32's as they are), the rest as they are."""
     cast = getattr(torch, dtype) if dtype else None
-    return {k: v.to(cast) if cast is not None and v.is_floating_point() and v.dtype != cast else v for k, v in views.items()}
+    return {k: v.to(_as(k, v, cast)) for k, v in views.items()}
 
 
 class WorkerReceive:
