@@ -162,7 +162,7 @@ class TrainerConfig:
     snapshot_budget: float = 0.05
     """The largest share of a step's time the snapshot writes may cost where the trainer shares its cores with the generators (`placement: colocate` on CPU): there each write is made in the trainer's own turn, on the step's path. When one write takes more than this share of the step's period, the next snapshots are spaced out to keep their average within it, up to 10 steps apart (metric `trainer/snapshot_spacing`), and a heal may lose that many steps. With cores of its own (`split`) the trainer writes while it waits for its next batch, and snapshots keep `snapshot_every`. 0: never spaced out."""
     max_restarts: int = 3
-    """How many times a run replaces a dead trainer mesh, counted for each (the policy's, PPO's critic, each trained model's; docs/healing.md). Past it the run stops, resumably (`meshrl run --resume`). 0: a dead trainer stops the run."""
+    """How many times a run replaces a dead trainer mesh, counted for each (the policy's, PPO's critic, each trained model's; docs/healing.md) from each start: a resume counts afresh (a Slurm run resubmitted is bounded by `launcher.max_resubmits`), and so do `trainer/restarts` and `critic/restarts`. Past it the run stops, resumably (`meshrl run --resume`). 0: a dead trainer stops the run."""
     restart_timeout_s: float = 600.0
     """The longest one heal may take (stop the dead mesh, spawn a new one, restore, reconnect weight sync); past it the run stops, resumably."""
     loss: LossConfig = field(default_factory=LossConfig)
