@@ -307,6 +307,15 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 
     run_dir, checkpoint = resolve_target(ns.target)
     path, overrides = _split(ns.args)
+    for key in (o.split("=", 1)[0] for o in overrides):  # what it sets itself would replace the override without a word
+        for field, why in (
+            ("logging.run_dir", "give --out DIR"),
+            ("launcher", "it runs on this host"),
+            ("generator.replicas", "it runs one"),
+            ("generator.cpus", "it pins none"),
+        ):
+            if key == field or key.startswith(field + "."):
+                raise ConfigError(key, f"meshrl eval sets it ({why}): drop the override")
     if path is None and run_dir is not None:
         path = os.path.join(run_dir, "config.yaml")
     data = apply_overrides(load_yaml(path) if path else {}, overrides)

@@ -232,6 +232,10 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     for arg, field in ((str(tmp_path / "e.yaml"), "eval"), ("logging=x", "logging"), ("generator=[1]", "generator")):
         out = meshrl_cli("eval", str(checkpoint), arg)
         assert out.returncode == 2 and out.stderr.startswith(f"meshrl: config error: {field}: must be a mapping"), out.stderr
+    # nor does it replace an override without a word: those of the fields it sets are refused
+    for arg, field in (("generator.replicas=2", "generator.replicas"), ("logging.run_dir=/x", "logging.run_dir"), ("launcher.kind=slurm", "launcher.kind")):
+        out = meshrl_cli("eval", str(checkpoint), arg)
+        assert out.returncode == 2 and out.stderr.startswith(f"meshrl: config error: {field}: meshrl eval sets it"), out.stderr
     # a section written empty (its keys commented out) is its defaults, and an override goes into it
     empty = tmp_path / "empty.yaml"
     empty.write_text("trainer:\n#  lr: 1.0e-4\nsteps: 3\n")
