@@ -723,3 +723,47 @@ def test_a_signal_in_the_last_evaluation_leaves_the_checkpoint_the_interrupts_ti
         assert time.monotonic() - t0 < 3.0
     finally:
         session.stop()
+
+
+def test_session_generate_asks_for_the_steps_weights_and_a_failed_pause_leaves_none_paused(tmp_path):
+    """`Session.generate` asked replica 0 for version 0 or newer, so right after a step it sampled
+    the weights before it (the update runs in the background); and a pause that failed on one
+    replica left the pool marked paused, `generate` refused, while the others were paused."""
+    import types
+
+    from meshrl.controller import control
+    from meshrl.generator.engine import RequestResult
+    from meshrl.tokenizer import build_char_tokenizer
+
+    tokenizer_dir = build_char_tokenizer(tmp_path / "tokenizer")
+    asked, resumed = [], []
+
+    async def generate(ids, budget, temperature, min_version):
+        asked.append(min_version)
+        return RequestResult([5], [-0.5], [min_version], "stop")
+
+    async def pause():
+        raise RuntimeError("replica 1 is gone")
+
+    async def resume():
+        resumed.append(True)
+
+    replicas = [
+        types.SimpleNamespace(
+            actor=types.SimpleNamespace(
+                generate=types.SimpleNamespace(call_one=generate),
+                pause_generation=types.SimpleNamespace(call_one=pause),
+                resume_generation=types.SimpleNamespace(call_one=resume),
+            )
+        )
+    ]
+    loop = types.SimpleNamespace(
+        version=7,
+        tokenizer_dir=tokenizer_dir,
+        config=Config.from_dict({"generator": {"group_size": 2}}),
+        generators=types.SimpleNamespace(replicas=replicas, paused=False),
+    )
+    assert len(asyncio.run(control.generate_text(loop, ["q:"]))[0]) == 2 and asked == [7, 7]
+    with pytest.raises(RuntimeError, match="gone"):
+        asyncio.run(control.pause_generation(loop))
+    assert loop.generators.paused is False and resumed == [True]

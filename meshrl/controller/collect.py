@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from meshrl.futures import awaited
+from meshrl.futures import bounded
 
 
 class StepMetrics:
@@ -36,7 +36,9 @@ class StepMetrics:
         row["trainer/idle_frac"] = min(1.0, out.get("trainer/wait_s", 0.0) / max(wall, 1e-9))
         snapshot = self.snapshot or asyncio.create_task(self.generators.read_stats())
         self.snapshot = None
-        queue_metrics, worker_metrics, stats_read = await asyncio.gather(awaited(self.queue.metrics.call_one()), self.workers.metrics(), snapshot)
+        queue_metrics, worker_metrics, stats_read = await asyncio.gather(
+            bounded(self.queue.metrics.call_one(), 60, "the episode queue, its metrics"), self.workers.metrics(), snapshot
+        )
         row.update(queue_metrics)
         row.update(worker_metrics)
         idle, tokens, seconds, versions = [], 0.0, 0.0, []

@@ -6,6 +6,7 @@ and runs on its event loop; the training loop itself never calls them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import numbers
 import os
@@ -22,11 +23,11 @@ async def generate_text(loop, prompts: list[str], temperature: float | None = No
         raise RuntimeError("generation is paused: call resume() first (a paused replica serves no request)")
 
     tok = load_tokenizer(loop.tokenizer_dir)
-    gen = loop.generators.replicas[0].actor
+    gen, version = loop.generators.replicas[0].actor, loop.version  # the step's weights: its update may still be on its way
     n = loop.config.generator.group_size
 
     async def one(text: str) -> str:
-        out = await awaited(gen.generate.call_one(prompt_ids(tok, text), None, temperature, 0))
+        out = await awaited(gen.generate.call_one(prompt_ids(tok, text), None, temperature, version))
         return reply_text(tok, out.token_ids)
 
     return [list(await asyncio.gather(*(one(t) for _ in range(n)))) for t in prompts]
@@ -43,7 +44,13 @@ async def wait_for_generators(loop) -> None:
 
 async def pause_generation(loop) -> None:
     loop.generators.paused = True
-    await asyncio.gather(*(awaited(r.actor.pause_generation.call_one()) for r in loop.generators.replicas))
+    try:
+        await asyncio.gather(*(awaited(r.actor.pause_generation.call_one()) for r in loop.generators.replicas))
+    except BaseException:  # (a dead replica, the Session's bound) not paused: the rest go on, and the flag says so
+        with contextlib.suppress(Exception):
+            await resume_generation(loop)
+        loop.generators.paused = False
+        raise
 
 
 async def resume_generation(loop) -> None:
