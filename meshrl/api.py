@@ -27,7 +27,7 @@ from typing import Any, Coroutine
 
 from meshrl.config import Config
 from meshrl.launch.signals import exit_on_sigterm, restore_handlers
-from meshrl.errors import first_line
+from meshrl.errors import TrainerFailed, first_line
 from meshrl.logs import console, progress_bar
 from meshrl.metrics import format_row, plot_run
 from meshrl.preflight import check, preflight
@@ -182,7 +182,12 @@ class Session:
         try:
             goal = loop.version + n
             while loop.version < goal:
-                self._call(loop.check_health(), 600)
+                try:  # a replacement that failed is tried again by the step's own checks, as one during a step is
+                    self._call(loop.check_health(), 600)
+                except Exception as e:  # the queue's host gone (TrainerFailed) stops the run, resumably
+                    if isinstance(e, TrainerFailed):
+                        raise
+                    log.warning("health check between steps failed: %s", first_line(str(e), 200) or type(e).__name__)
                 before = loop.version
                 row = self._call(loop.step(), self._step_bound())
                 rows.append(row)

@@ -767,3 +767,64 @@ def test_session_generate_asks_for_the_steps_weights_and_a_failed_pause_leaves_n
     with pytest.raises(RuntimeError, match="gone"):
         asyncio.run(control.pause_generation(loop))
     assert loop.generators.paused is False and resumed == [True]
+
+
+def test_a_replacement_that_fails_between_steps_is_tried_again_not_the_runs_end(tmp_path):
+    """The health check between two steps re-raised a replacement's failure (a new engine that
+    found the dead one's GPU memory not yet freed), and the run ended without its checkpoint;
+    during a step the same failure was logged and tried again. Now between steps too."""
+    import types
+
+    from meshrl import api
+
+    session = api.Session({"logging": {"run_dir": str(tmp_path)}})
+    checks = []
+
+    async def check_health():
+        checks.append(True)
+        if len(checks) == 1:
+            raise RuntimeError("generator replica 1 failed to start: not enough GPU memory")
+
+    async def step():
+        loop.version += 1
+        return {"reward/mean": 1.0}
+
+    async def shutdown():
+        pass
+
+    loop = types.SimpleNamespace(version=0, check_health=check_health, step=step, shutdown=shutdown, collect=types.SimpleNamespace(last_step_end=0.0))
+    session._live.run = loop
+    try:
+        assert session.step(2) == [{"reward/mean": 1.0}] * 2 and len(checks) == 2
+    finally:
+        session.stop()
+
+
+def test_replicas_a_scale_added_load_their_first_version_whatever_failed_after_them():
+    """Scaling 1 -> 3 with the third spawn failing left the second in the pool and in the
+    workers' lists without its first version: each of its turns waited out the version gate."""
+    import types
+
+    from meshrl.controller.replicas import GeneratorPool
+
+    pool = GeneratorPool.__new__(GeneratorPool)
+    loaded, spawned = [], []
+
+    async def spawn(index):
+        if spawned:
+            raise RuntimeError("its proc did not start")
+        spawned.append(index)
+        return types.SimpleNamespace(index=index)
+
+    async def first_load(r, version):
+        loaded.append((r.index, version))
+
+    async def on_change():
+        pass
+
+    pool.alloc = types.SimpleNamespace(plan=types.SimpleNamespace(slots=[], layout="cpu"))
+    pool.teacher, pool.model, pool.frozen, pool._lock, pool.replicas = None, "policy", False, asyncio.Lock(), [types.SimpleNamespace(index=0)]
+    pool.spawn, pool._first_load, pool.on_change = spawn, first_load, on_change
+    with pytest.raises(RuntimeError, match="did not start"):
+        asyncio.run(pool.scale(3, 4))
+    assert [r.index for r in pool.replicas] == [0, 1] and loaded == [(1, 4)]

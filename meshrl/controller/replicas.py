@@ -148,11 +148,9 @@ class GeneratorPool:
         await asyncio.gather(*(one(r) for r in list(self.replicas)))
 
     async def replace(self, replica: Member, error: BaseException, version: int) -> None:
-        """A new replica in `replica`'s place. Its processes on this host are killed before its
-        stop (one may still be alive: wedged, or its update failed): a live actor stopped with
-        the workers' calls on their way returns them undeliverable, which ends the caller
-        (Monarch), while a dead one's calls fail and are asked again. Off this host it is
-        stopped alive, and a worker that ends so is replaced as a dead one is."""
+        """A new replica in `replica`'s place. Its processes on this host are killed before its stop:
+        a live actor stopped with the workers' calls on their way returns them undeliverable, which
+        ends the caller (Monarch). Off this host it is stopped alive (a worker so ended is replaced)."""
         async with self._lock:
             if replica not in self.replicas:
                 return
@@ -161,9 +159,11 @@ class GeneratorPool:
             await replica.stop()
             fresh = await self.spawn(replica.index)
             self.replicas[self.replicas.index(replica)] = fresh
-            await self.on_change()
-            if not self.frozen:
-                await self._first_load(fresh, version)
+            try:
+                await self.on_change()
+            finally:  # its first version (or, failed, out of the pool), whatever the rewiring did
+                if not self.frozen:
+                    await self._first_load(fresh, version)
             self.replaced += 1
             log.warning("%s replica %d replaced", self._role, replica.index)
 
@@ -175,12 +175,10 @@ class GeneratorPool:
                 await self.on_change()  # the workers stop sending it turns
 
     async def check(self, version: int) -> None:
-        """Replace any replica whose proc is gone or that is wedged, and spawn the ones an
-        earlier failure left missing. One on this host is checked by its pid, then asked
-        briefly: no answer means it is applying a weight update, which its own bound judges.
-        One elsewhere is asked: no answer in 30 s, gone. Wedged: its `stalled_s` past
-        generator.stall_timeout_s. Not while the pool sleeps: a replica started then would take
-        the devices a trainer steps on, and none generates anyway."""
+        """Replace any replica whose proc is gone or that is wedged, and spawn those an earlier
+        failure left missing. One on this host is checked by its pid, then asked briefly (no answer:
+        applying an update, which its own bound judges); one elsewhere is asked (no answer in 30 s:
+        gone). Wedged: `stalled_s` past generator.stall_timeout_s. Not while the pool sleeps."""
         if self.asleep:
             return
         want = 1 if self.teacher else self.config.generator.replicas
@@ -232,9 +230,11 @@ class GeneratorPool:
                     self.replicas = sorted(self.replicas + [fresh], key=lambda r: r.index)
                     added.append(fresh)
             finally:
-                await self.on_change()  # the workers never keep a stopped replica
-            for r in added if not self.frozen else []:  # a teacher's or a frozen model's weights never change
-                await self._first_load(r, version)
+                try:
+                    await self.on_change()  # the workers never keep a stopped replica
+                finally:  # each added one's first version, whatever failed after it (a teacher's, a frozen model's: never change)
+                    for r in added if not self.frozen else []:  # one by one: a collective transport sends to one at a time
+                        await self._first_load(r, version)
 
     async def _first_load(self, fresh: Member, version: int) -> None:
         """A new replica's first version (the caller holds the lock), then paused if the pool is.
