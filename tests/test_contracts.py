@@ -950,3 +950,24 @@ def test_weight_sync_files_dir_is_writable(tmp_path, capsys):
     assert line.startswith(f"meshrl: config error: weight_sync.files_dir: {str(tmp_path / 'file')!r} is not a directory"), line
     check_files_dir(Config.from_dict({"weight_sync": {"transport": "files", "files_dir": str(tmp_path / "new" / "weights")}}))
     assert sorted(os.listdir(tmp_path)) == ["file"]  # the probe leaves nothing behind
+
+
+def test_a_rescale_gives_the_workers_more_groups_at_once_and_a_resume_its_replicas(tokenizer_dir, tmp_path):
+    """Scaling 1 -> 4 replicas kept each worker's groups in flight at what one replica needed,
+    so the new ones idled; and config.yaml kept the old count, which a resume started."""
+    import yaml
+
+    from meshrl.controller.control import remember
+
+    config = Config.from_dict({"data": {"source": "task:digits"}, "logging": {"run_dir": "/runs/x"}, "rollout": {"workers": 1}})
+    worker = RolloutWorker(config, tokenizer_dir, worker=2)
+    worker._slots = worker.slots()
+    worker._free = asyncio.Semaphore(worker._slots)
+    before = worker._slots
+    worker.set_generators([ScriptedGenerator(lambda ids: [2])] * 4)
+    assert worker._slots == 4 * before and worker._free._value == 4 * before
+    worker.set_generators([ScriptedGenerator(lambda ids: [2])] * 2)  # down: none taken back, none added
+    assert worker._slots == 4 * before and worker._free._value == 4 * before
+    (tmp_path / "config.yaml").write_text("generator:\n  replicas: 1\n")
+    remember(str(tmp_path), None, None, 1e-4, replicas=4)
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["generator"]["replicas"] == 4

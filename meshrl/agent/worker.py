@@ -119,6 +119,8 @@ class RolloutWorker:
         self.advantages = config.advantage_modes()  # each model's group advantage, by its `model` index
         self._renderers: dict[str, ChatRenderer] = {}
         self._task: asyncio.Task | None = None
+        self._free: asyncio.Semaphore | None = None  # free group slots, `slots()` of them
+        self._slots = 0
         self._groups: set[asyncio.Task] = set()
         self._stopping = False
         self.window: list[dict[str, float]] = []  # per-episode stats since the last metrics()
@@ -133,6 +135,12 @@ class RolloutWorker:
         """The replicas to send model turns to (after a replacement or a rescale); `model`:
         whose (its index in config.model_names(), the policy's by default)."""
         self.model_turns[model].set_generators(generators)
+        if model == 0 and generators and len(generators) != self.config.generator.replicas:  # a rescale: more groups at once to keep them busy
+            self.config.generator.replicas = len(generators)
+            grow = self.slots() - self._slots
+            for _ in range(grow if self._free is not None else 0):  # (never fewer: a group in play is not taken back)
+                self._free.release()
+            self._slots += max(0, grow)
 
     def _renderer(self, env: Env) -> ChatRenderer:
         tools = getattr(env, "tools_schema", None) or None
@@ -334,7 +342,8 @@ class RolloutWorker:
         return max(1, seqs // c.generator.group_size // c.rollout.workers)
 
     async def _run(self, queue) -> None:
-        free = asyncio.Semaphore(self.slots())
+        self._slots = self.slots()
+        self._free = free = asyncio.Semaphore(self._slots)
         while not self._stopping:
             await free.acquire()
             try:

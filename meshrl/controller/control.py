@@ -81,8 +81,8 @@ async def set_knobs(loop, lr: float | None = None, max_lag: int | None = None) -
         remember(loop.run_dir, None, max_lag, previous)
 
 
-def remember(run_dir: str, lr: float | None, max_lag: int | None, previous_lr: float) -> None:
-    """Knobs changed between steps are the run's from then on: RUN_DIR/config.yaml, which
+def remember(run_dir: str, lr: float | None, max_lag: int | None, previous_lr: float, replicas: int | None = None) -> None:
+    """Knobs changed between steps (and a rescale's replicas) are the run's from then on: RUN_DIR/config.yaml, which
     `meshrl run --resume` reads (a checkpoint restores the trainer's state, then the
     configured learning rate), says so. The knob is the policy's: a trained model beside it
     that took the run's rate keeps the one it had (`models[i].trainer.lr`)."""
@@ -100,6 +100,8 @@ def remember(run_dir: str, lr: float | None, max_lag: int | None, previous_lr: f
                 entry["trainer"] = {**(entry.get("trainer") or {}), "lr": previous_lr}
     if max_lag is not None:
         data.setdefault("buffer", {})["max_lag"] = max_lag
+    if replicas is not None:
+        data.setdefault("generator", {})["replicas"] = replicas
     write_atomic(path, yaml.safe_dump(data, sort_keys=False))
 
 
@@ -107,3 +109,4 @@ async def scale_generators(loop, replicas: int) -> None:
     """Add or remove generator replicas; groups on a removed replica are played again."""
     await loop.generators.scale(replicas, loop.version)
     loop.config.generator.replicas = replicas
+    remember(loop.run_dir, None, None, loop.config.trainer.lr, replicas=replicas)  # a resume starts as many
