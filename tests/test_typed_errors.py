@@ -828,3 +828,39 @@ def test_replicas_a_scale_added_load_their_first_version_whatever_failed_after_t
     with pytest.raises(RuntimeError, match="did not start"):
         asyncio.run(pool.scale(3, 4))
     assert [r.index for r in pool.replicas] == [0, 1] and loaded == [(1, 4)]
+
+
+def test_a_replica_whose_spawn_fails_after_its_engine_started_leaves_no_engine_process():
+    """A weight-sync key that timed out after `setup` had started the engine: the proc was
+    stopped, and its engine processes (vLLM's, children of it) lived on, holding its GPU."""
+    import socket
+    import subprocess
+    import sys
+    import types
+
+    import psutil
+
+    from meshrl.controller.replicas import GeneratorPool
+    from meshrl.host import started
+
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+
+        async def setup(*args):
+            return {"processes": {"host": socket.gethostname(), "pids": [(engine.pid, started(psutil.Process(engine.pid)))]}}
+
+        async def key():
+            raise TimeoutError("weight_sync_key did not answer")
+
+        async def stop():
+            pass
+
+        pool = GeneratorPool.__new__(GeneratorPool)
+        pool.config, pool.checkpoint_dir, pool.checkpoint_version, pool.teacher, pool.frozen = Config(), "/ckpt", 0, False, False
+        actor = types.SimpleNamespace(setup=types.SimpleNamespace(call_one=setup), weight_sync_key=types.SimpleNamespace(call_one=key))
+        pool._warm = {0: (types.SimpleNamespace(stop=stop), actor)}
+        with pytest.raises(TimeoutError, match="weight_sync_key"):
+            asyncio.run(pool.spawn(0))
+        assert engine.wait(timeout=30) == -9
+    finally:
+        engine.kill()

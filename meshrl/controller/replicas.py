@@ -43,11 +43,9 @@ class GeneratorPool:
         model: str = "policy",
         frozen: bool = False,
     ):
-        # A replica starts from the Hugging Face export of `checkpoint_version`, then fetches
-        # the current version over weight sync. A teacher pool (on-policy distillation,
-        # meshrl/distill.py) scores episodes on a fixed checkpoint, and a frozen model's
-        # (`models[i].frozen`) generates from one: no weight sync ever.
-        # `model`: whose replicas these are (a model beside the policy has slots of its own).
+        # A replica starts from the Hugging Face export of `checkpoint_version`, then fetches the
+        # current version over weight sync; a teacher's (meshrl/distill.py) and a frozen model's
+        # never sync. `model`: whose replicas these are (a model beside the policy has its own slots).
         self.teacher, self.model = teacher, model
         self.frozen = teacher or frozen
         self.config, self.alloc = config, alloc
@@ -60,8 +58,7 @@ class GeneratorPool:
         self._lock = asyncio.Lock()  # a failed update and a health check may both see one death
         self._warm: dict[int, tuple] = {}  # replica index: (procs, actor) spawned by `warm`, not set up yet
         self.source_lost: Callable[[], bool] = lambda: False
-        """Whether the trainer the weights come from is dead (the loop's healer says): then a
-        failed update is the trainer's failure, not the replica's, and the replica is kept."""
+        """Whether the trainer the weights come from is dead (the healer says): a failed update is then its failure, not the replica's."""
 
     @property
     def _role(self) -> str:
@@ -73,8 +70,7 @@ class GeneratorPool:
         return [r.actor for r in self.replicas]
 
     def _spawn_actor(self, index: int) -> tuple:
-        # One proc per replica (vLLM starts its own tensor-parallel workers inside it), started
-        # with its GPUs from the plan, before CUDA initialises. Its actor imports vLLM as it starts.
+        # One proc per replica (vLLM starts its tensor-parallel workers in it), with its GPUs from the plan; it imports vLLM as it starts.
         procs = self.alloc.host("generator", index).spawn_procs(per_host={"procs": 1}, bootstrap_command=self.alloc.bootstrap(self._role, [index]))
         return procs, procs.spawn(f"{'teacher' if self.teacher else 'generator'}{index}", GeneratorActor)
 
@@ -91,9 +87,13 @@ class GeneratorPool:
                 self.config.generator.startup_timeout_s,
             )
             member = Member(index, procs, actor, info["processes"]["host"], info["processes"]["pids"])
-            if not self.frozen:  # its weight-sync sidecar, spawned from here (see subscriber_agent)
-                key = await asyncio.wait_for(awaited(actor.weight_sync_key.call_one()), self.config.generator.startup_timeout_s)
-                member.weight_sync = subscriber_agent(procs, key)
+            try:
+                if not self.frozen:  # its weight-sync sidecar, spawned from here (see subscriber_agent)
+                    key = await asyncio.wait_for(awaited(actor.weight_sync_key.call_one()), self.config.generator.startup_timeout_s)
+                    member.weight_sync = subscriber_agent(procs, key)
+            except BaseException:  # its engine is up: its processes would outlive the proc's stop
+                member.kill_leftovers()
+                raise
         return member
 
     def subscribers(self) -> list:
