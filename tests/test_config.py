@@ -3,6 +3,7 @@
 import dataclasses
 import glob
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -241,6 +242,25 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     empty.write_text("trainer:\n#  lr: 1.0e-4\nsteps: 3\n")
     assert Config.from_yaml(str(empty)) == Config.from_dict({"steps": 3})
     assert Config.from_yaml(str(empty), ["trainer.lr=0.5"]).trainer.lr == 0.5
+
+
+def test_overrides_and_files_read_as_written(tmp_path):
+    """`runs/exp #2` lost its `#2` (a YAML comment) and `#t` became null; `1e-3` and `1.5e3` stayed
+    text and a date became a datetime.date in env_args; a Latin-1 comment or `!!int abc` ended in
+    a traceback (exit 1); a list's hint dropped its section (`scorers[0].path`, refused in turn)."""
+    from meshrl.config.loading import apply_overrides, load_yaml
+
+    data = apply_overrides({}, ["logging.run_dir=runs/exp #2", "model.tokenizer=#t", "x.a=1e-3", "x.b=1.5e3", "x.c=2024-01-01", "x.d=1e5x"])
+    assert data["logging"]["run_dir"] == "runs/exp #2" and data["model"]["tokenizer"] == "#t"
+    assert data["x"] == {"a": 0.001, "b": 1500.0, "c": "2024-01-01", "d": "1e5x"}
+    (tmp_path / "latin.yaml").write_bytes(b"steps: 5   # caf\xe9\n")
+    (tmp_path / "tag.yaml").write_text("steps: !!int abc\n")
+    for name, why in (("latin.yaml", "is not UTF-8 text"), ("tag.yaml", "holds a value its YAML tag cannot make")):
+        with pytest.raises(ConfigError, match=why):
+            load_yaml(tmp_path / name)
+    with pytest.raises(ConfigError, match=re.escape("name one entry, as scoring.scorers[0].path=...")):
+        apply_overrides({"scoring": {"scorers": [{"kind": "reward_model"}]}}, ["scoring.scorers.0.path=/x"])
+    assert apply_overrides({"scoring": {"scorers": [{"kind": "reward_model"}]}}, ["scoring.scorers[0].path=/x"])["scoring"]["scorers"][0]["path"] == "/x"
 
 
 def test_a_key_given_twice_is_refused_and_a_time_is_text(tmp_path):

@@ -66,15 +66,21 @@ class DuplicateKey(yaml.constructor.ConstructorError):
     """A mapping that names one key twice (`_Loader`)."""
 
 
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if not (tag.endswith((":int", ":float")) and ":[0-5]?[0-9]" in regexp.pattern)]
+_Loader.yaml_implicit_resolvers = {  # (dates stay text too: `2024-01-01` reached an env's env_args as a datetime.date)
+    first: [
+        (tag, regexp) for tag, regexp in resolvers if not (tag.endswith(":timestamp") or tag.endswith((":int", ":float")) and ":[0-5]?[0-9]" in regexp.pattern)
+    ]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _SEXAGESIMAL_FREE = {
     # plain decimals only: YAML 1.1's octal, hex, binary and `_` forms made text fields' values
     # other text (`run_dir: 0123` became '83', `cpus: 010` core 8); such a number is refused instead
     "tag:yaml.org,2002:int": r"^[-+]?(?:0|[1-9][0-9]*)$",
-    "tag:yaml.org,2002:float": r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9_]+(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+    # and `1e-3`, `1.5e3` numbers, as YAML 1.2 reads them (1.1 wants a dot and a signed exponent: env_args got text)
+    "tag:yaml.org,2002:float": (
+        r"^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)|[-+]?[0-9][0-9_]*\.[0-9_]*"
+        r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
 }
 for _tag, _pattern in _SEXAGESIMAL_FREE.items():
     _Loader.add_implicit_resolver(_tag, re.compile(_pattern, re.X), list("-+0123456789."))
@@ -89,13 +95,17 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError("", f"config file {str(path)!r} not found: pass the path of a YAML file (see configs/)")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = parse_yaml(f)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         problem = e.problem if isinstance(e, DuplicateKey) else "fix the syntax"
         raise ConfigError("", f"{path} is not valid YAML{where}: {problem}") from None
+    except UnicodeDecodeError as e:  # a Latin-1 comment
+        raise ConfigError("", f"{path} is not UTF-8 text (byte {e.object[e.start : e.start + 1]!r} at offset {e.start}): save it as UTF-8") from None
+    except ValueError as e:  # `!!int abc`
+        raise ConfigError("", f"{path} holds a value its YAML tag cannot make ({str(e).splitlines()[0][:120]}): fix or untag it") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -120,13 +130,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if isinstance(child, list):
                 rest = parts[i + 1 :]
                 entry = f"{part}[{rest.pop(0) if rest[0].isdigit() else 0}]"
-                raise ConfigError(".".join(parts[: i + 1]), f"is a list: name one entry, as {'.'.join([entry, *rest])}=...")
+                raise ConfigError(".".join(parts[: i + 1]), f"is a list: name one entry, as {'.'.join([*parts[:i], entry, *rest])}=...")
             if not isinstance(child, dict):
                 raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section: remove the trailing keys")
             node = child
-        try:
-            value = parse_yaml(raw) if raw.strip() else EMPTY
-        except yaml.YAMLError:
+        try:  # text with a `#` stays whole: YAML read `runs/exp #2` as `runs/exp` and `#t` as null
+            value = EMPTY if not raw.strip() else raw if raw.lstrip().startswith("#") or " #" in raw else parse_yaml(raw)
+        except (yaml.YAMLError, ValueError):  # (`!!int abc`: the field's own check names it)
             value = raw
         name, index = _indexed(parts[-1])
         if index is None:
