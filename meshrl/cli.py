@@ -436,7 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     collector.fewer_passes()
     if not sys.flags.safe_path:  # a user's import paths (rollout.env, scoring.reward_fn) resolve from where the command
         sys.path[:] = [os.getcwd(), *(p for p in sys.path if p != os.getcwd())]  # runs, first, as a local run's procs do (they start there)
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra:  # overrides after an option (`run my.yaml --verbose steps=5`, `--auto-resume 17 steps=5`) are the command's too
+        if any(a.startswith("-") for a in extra) or not isinstance(getattr(ns, "args", None), list):
+            parser.parse_args(argv)  # argparse's own one line, exit 2
+        ns.args += extra
     try:
         return ns.func(ns)
     except ConfigError as e:

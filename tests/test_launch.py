@@ -362,6 +362,28 @@ def test_a_torchx_retry_resumes_the_run_from_its_checkpoint(tmp_path, monkeypatc
     assert job("app-2") == 1 and calls == [None, str(run), None]  # another job: a new run, the earlier one kept aside
     assert len(list(tmp_path.glob("run.*"))) == 1 and (run / "job_id").read_text() == "app-2"
     assert main(["run", "--auto-resume", "configs/default.yaml"]) == 2  # its value is a job id, never the config
+    # overrides after an option are the command's: a wrapper appending them after --auto-resume JOB_ID
+    assert main(["run", "--verbose", "--auto-resume", "app-3", f"logging.run_dir={run}", "steps=9"]) == 1 and len(calls) == 4  # (exit 2 before)
+    assert (run / "job_id").read_text() == "app-3"
+
+
+def test_a_slurm_signal_note_of_an_earlier_job_with_the_same_id_stops_nothing(tmp_path, monkeypatch):
+    """RUN_DIR/slurm/signaled-JOBID notes stay (every job's end writes one, its cancel sends
+    SIGTERM): a resumed run whose new job got a used id was stopped at its first poll."""
+    from meshrl.launch import slurm
+    from meshrl.launch.slurm_worker import notify_path
+
+    kill, sent = os.kill, []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append(sig) if pid == os.getpid() else kill(pid, sig))  # (not this pytest)
+    monkeypatch.setattr(slurm, "_SIGNALED", type(slurm._SIGNALED)())
+    note = notify_path(str(tmp_path), "7")
+    open(note, "w").write("1700000000.000 node 0 (n1)\n")
+    watch = slurm.SignalWatch(str(tmp_path), "7")
+    try:
+        time.sleep(2.5 * slurm.SignalWatch.POLL_S)
+        assert not slurm.allocation_signaled() and not sent and not os.path.exists(note)
+    finally:
+        watch.stop()
 
 
 def test_a_failed_squeue_is_not_a_job_gone_from_the_queue(monkeypatch):

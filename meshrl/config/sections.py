@@ -292,7 +292,7 @@ class LauncherConfig:
     time_limit: str = "01:00:00"
     """Slurm wall-clock limit, HH:MM:SS."""
     dry_run: bool = False
-    """Render the job (sbatch script or TorchX AppDef) and print it instead of submitting."""
+    """Run every check, then print the job instead of starting it: under `launcher.kind=slurm` the sbatch script, else where each role would run (`meshrl config plan` prints the device plan). Writes nothing but, under slurm, an empty RUN_DIR/slurm/ (the script's --output directory)."""
     account: str | None = None
     """Slurm account to charge (`#SBATCH --account`). None: the cluster default."""
     start_timeout_s: float = 1800.0

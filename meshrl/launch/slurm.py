@@ -8,6 +8,7 @@ to the allocation's workers. `render_sbatch` shows the script without submitting
 from __future__ import annotations
 
 import logging
+import contextlib
 import os
 import shlex
 import shutil
@@ -198,6 +199,8 @@ class SignalWatch:
 
         self.path = notify_path(directory, job_id)
         self.job_id = job_id
+        with contextlib.suppress(FileNotFoundError):  # an earlier job's of the same id (ids wrap, a controller reset): not this one's
+            os.remove(self.path)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"slurm-signal-{job_id}", daemon=True)
         self._thread.start()
