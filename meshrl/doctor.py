@@ -100,14 +100,19 @@ def sandbox() -> tuple[str, str]:
 
 
 def slurm() -> tuple[str, str]:
-    from meshrl.launch.slurm import SLURM_COMMANDS  # what launcher.kind=slurm's preflight asks for
+    from meshrl.config import ConfigError
+    from meshrl.launch.slurm import SLURM_COMMANDS, slurm_partitions  # what launcher.kind=slurm's preflight asks for
 
     found = [c for c in SLURM_COMMANDS if shutil.which(c)]
     if not found:
         return "skipped", "no Slurm commands on PATH (launcher.kind=slurm needs them)"
     if len(found) < len(SLURM_COMMANDS):
         raise RuntimeError(f"only {', '.join(found)} on PATH, not {', '.join(c for c in SLURM_COMMANDS if c not in found)}")
-    return "passed", f"{', '.join(SLURM_COMMANDS)} at {os.path.dirname(shutil.which('sbatch'))}"
+    try:  # the commands alone said passed where launcher.kind=slurm was then refused
+        partitions = slurm_partitions()
+    except ConfigError as e:
+        return "skipped", f"Slurm's commands are on PATH, but {e.message}: launcher.kind=slurm is refused here"
+    return "passed", f"{', '.join(SLURM_COMMANDS)} at {os.path.dirname(shutil.which('sbatch'))}; partitions {', '.join(partitions) or '(none)'}"
 
 
 def short_run(root: str, name: str, overrides: dict, steps: int = 3, on_policy: bool = True) -> tuple[str, str]:

@@ -36,3 +36,23 @@ def test_a_broken_path_fails_its_row_with_the_fix_and_the_exit_status(monkeypatc
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "failed" in out and "1 of 2 paths passed or skipped" in out and "failed: sandbox (bubblewrap)" in out
+
+
+def test_the_slurm_row_asks_the_controller_as_a_slurm_run_would(tmp_path, monkeypatch):
+    """The row said passed for Slurm's commands on PATH, where a run was then refused because
+    `sinfo` could not reach a controller; it asks `sinfo` now, as launcher.kind=slurm's check does."""
+    import os
+
+    from meshrl import doctor
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("sbatch", "squeue", "scancel", "sinfo"):
+        (bin_dir / name).write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    (bin_dir / "sinfo").write_text("#!/bin/sh\necho 'sinfo: fatal: Could not establish a configuration source' >&2\nexit 1\n")
+    status, detail = doctor.slurm()
+    assert status == "skipped" and "Could not establish a configuration source" in detail and "launcher.kind=slurm is refused here" in detail
+    (bin_dir / "sinfo").write_text("#!/bin/sh\necho 'debug*'\necho gpu\n")
+    assert doctor.slurm() == ("passed", f"sbatch, squeue, scancel, sinfo at {bin_dir}; partitions debug*, gpu")

@@ -158,6 +158,20 @@ def check_slurm(c: Config) -> None:
             f"slurm needs Slurm's commands on PATH and {', '.join(missing)} is not: run meshrl on a login node of the cluster "
             "(or use launcher.kind=process to try the multi-host path on this machine)",
         )
+    listed = slurm_partitions()
+    partitions = [p.rstrip("*") for p in listed]
+    p = c.launcher.partition
+    if p is not None and p not in partitions:
+        raise ConfigError(
+            "launcher.partition", f"no partition {p!r} on this cluster: give one of {', '.join(partitions) or '(none listed)'}, or null for the default"
+        )
+    if p is None and not any(name.endswith("*") for name in listed):
+        raise ConfigError("launcher.partition", f"this cluster has no default partition: name one of {', '.join(partitions) or '(none listed)'}")
+
+
+def slurm_partitions() -> list[str]:
+    """The cluster's partitions as `sinfo` lists them (the default one ends in `*`): ConfigError
+    where Slurm's controller does not answer from this machine."""
     try:
         out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
@@ -165,14 +179,7 @@ def check_slurm(c: Config) -> None:
     if out.returncode != 0:
         why = (out.stderr.strip().splitlines() or ["no output"])[-1][:200]
         raise ConfigError("launcher.kind", f"sinfo failed ({why}): Slurm's controller is unreachable from this machine, or SLURM_CONF points elsewhere")
-    partitions = [p.rstrip("*") for p in out.stdout.split()]
-    p = c.launcher.partition
-    if p is not None and p not in partitions:
-        raise ConfigError(
-            "launcher.partition", f"no partition {p!r} on this cluster: give one of {', '.join(partitions) or '(none listed)'}, or null for the default"
-        )
-    if p is None and not any(name.endswith("*") for name in out.stdout.split()):
-        raise ConfigError("launcher.partition", f"this cluster has no default partition: name one of {', '.join(partitions) or '(none listed)'}")
+    return out.stdout.split()
 
 
 # ---- Slurm's SIGTERM, relayed from the nodes ---------------------------------------------------
