@@ -6,7 +6,8 @@
 
 The job is one host running the meshrl controller with `launcher.kind=torchx`, which puts
 every role's procs on that host (meshrl.launch). Its resources come from the config: GPUs
-= `launcher.gpus_per_host`. On Slurm it is a real sbatch job (tests/test_slurm.py submits
+= `launcher.gpus_per_host` (0, the default, asks for none: the job then trains on CPU, and
+`trainer.device=cuda` is refused at submit time). On Slurm it is a real sbatch job (tests/test_slurm.py submits
 one to a two-node cluster and trains in it).
 
 Why one host: a run over several hosts needs a Monarch worker on each host and a
@@ -57,6 +58,11 @@ def train(
         raise ValueError(
             f"launcher.hosts={resolved.launcher.hosts}: a TorchX job runs meshrl on one host (Monarch 0.7.0 turns only its own SlurmJob's "
             "hosts into a host mesh, not a TorchX job's replicas); use launcher.kind=slurm for several"
+        )
+    if h is None and resolved.launcher.gpus_per_host == 0 and resolved.trainer.device == "cuda":  # (0 asks the scheduler for no GPU)
+        raise ValueError(
+            "trainer.device=cuda with launcher.gpus_per_host=0: the job would ask the scheduler for no GPU; "
+            "set launcher.gpus_per_host to the GPUs its host needs, or pass a named resource (-h)"
         )
     return specs.AppDef(
         name="meshrl",

@@ -323,6 +323,10 @@ def test_torchx_component_refuses_several_hosts():
     with pytest.raises(ConfigError, match="only launcher.kind=slurm") as info:
         train("launcher.kind=slurm", "launcher.max_resubmits=2", config=os.path.join(ROOT, "configs/default.yaml"))
     assert info.value.field_path == "launcher.max_resubmits"
+    # a GPU trainer with no GPUs asked for: refused at submit, not queued and refused on the cluster (or trained on its CPUs)
+    with pytest.raises(ValueError, match="launcher.gpus_per_host=0: the job would ask the scheduler for no GPU"):
+        train("trainer.device=cuda", config=os.path.join(ROOT, "configs/default.yaml"))
+    assert train("trainer.device=cuda", "launcher.gpus_per_host=2", config=os.path.join(ROOT, "configs/default.yaml")).roles[0].resource.gpu == 2
 
 
 def test_a_torchx_retry_resumes_the_run_from_its_checkpoint(tmp_path, monkeypatch):
