@@ -842,3 +842,19 @@ def test_a_rollout_worker_turns_step_scores_into_advantages_that_change_at_the_d
         changes = [t for t in range(ep.prompt_len + 1, len(ep)) if not math.isclose(adv[t], adv[t - 1], abs_tol=1e-7)]
         assert changes == [e + 1 for e in ends[:-1]], (text, changes, adv.tolist())
         assert [p for p, _ in ep.process] == ends and ep.signals["steps"] == float(len(text.replace(tok.eos_token, "")))
+
+
+def test_a_hybrid_thinking_judge_is_asked_to_answer_at_once(tmp_path):
+    """Qwen3's template thinks unless told not to: the documented Qwen3-8B judge spent its 8
+    reply tokens inside <think> and scored every episode unparsable (0)."""
+    import types
+
+    from meshrl.scorers.backends import Judge
+    from meshrl.tokenizer import build_char_tokenizer, load_tokenizer
+
+    tok = load_tokenizer(build_char_tokenizer(tmp_path / "tok"))
+    tok.chat_template = "{% for m in messages %}U{{ m['content'] }}{% endfor %}A{% if enable_thinking is defined and not enable_thinking %}<T></T>{% endif %}"
+    judge = Judge.__new__(Judge)
+    judge.tokenizer, judge.prompt_len = tok, 1000
+    judge.spec = types.SimpleNamespace(template="Rate {response}")
+    assert tok.decode(judge.prompt_ids({"prompt": "q", "response": "r", "sample": {}})).endswith("A<T></T>")

@@ -220,7 +220,9 @@ class Judge:
     def prompt_ids(self, item: dict) -> list[int]:
         text = fill_template(self.spec.template, item)
         if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+            # a hybrid thinking judge (Qwen3) answers at once: thinking by default, it spent its
+            # max_new_tokens inside <think> and every reply was unparsable (a template without the switch ignores it)
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True, enable_thinking=False)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         else:
             ids = self.tokenizer(text)["input_ids"]
