@@ -35,6 +35,11 @@ def test_judge_replies_parse_exactly_and_unparsable_ones_follow_the_rule():
     assert number_parser(" -2.5 points") == -2.5
     assert number_parser("1e2") == 100.0
     assert number_parser("no digits here") is None
+    # the verdict after the last `score`, not a number of the reasoning before it
+    assert number_parser("1. Correctness: wrong. 2. Style: fine. Score: 2") == 2.0 and number_parser("so my final score is 8/10") == 8.0
+    # the default scale: the default template's 0-10 rating as 0-1 (a verifier's range); a yes/no judge's 0 or 1 as it is
+    assert ScorerConfig(kind="judge").judge_scale() == 0.1 and ScorerConfig(kind="judge", parser="yes_no").judge_scale() == 1.0
+    assert ScorerConfig(kind="judge", scale=0.5).judge_scale() == 0.5
     assert yes_no_parser(" Yes, it is") == 1.0 and yes_no_parser("no.") == 0.0 and yes_no_parser("maybe") is None
     assert yes_no_parser("Not sure") is None and yes_no_parser("Nope") is None and yes_no_parser("NO") == 0.0
     assert parse_reply(number_parser, "<think>1 or 2? step 3 says</think>\nScore: 9", 1.0, None) == 9.0  # a thinking judge's verdict

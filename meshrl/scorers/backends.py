@@ -63,8 +63,16 @@ class Judged:
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
+SCORE_CUE = re.compile(r"\bscore\b\W{0,3}(?:is\W{0,2})?(" + NUMBER.pattern + ")", re.IGNORECASE)
+
+
 def number_parser(text: str) -> float | None:
-    """The first number in `text`; None when there is none."""
+    """The number after the last `score` in `text` (`Score: 7/10`, `... so my score is 8`), else its
+    first number; None when there is none. (The first alone read a judge's "1. Correctness: wrong.
+    Score: 2" as 1.)"""
+    cued = SCORE_CUE.findall(text)
+    if cued:
+        return float(cued[-1])
     m = NUMBER.search(text)
     return float(m.group()) if m else None
 
@@ -239,7 +247,7 @@ class Judge:
         return [
             Failed(f"{type(r).__name__}: {str(r)[:200]}")
             if isinstance(r, BaseException)
-            else Judged(parse_reply(self.parser, r, self.spec.scale, self.spec.unparsable), r)
+            else Judged(parse_reply(self.parser, r, self.spec.judge_scale(), self.spec.unparsable), r)
             for r in replies
         ]
 
@@ -337,7 +345,7 @@ def check_judge(sc: ScorerConfig, path: str) -> None:
         from meshrl.imports import check_import
 
         parser = check_import(f"{path}.parser", sc.parser, "'number', 'yes_no' or a parser function")
-    score = parse_reply(parser, sc.probe_reply, sc.scale, None)
+    score = parse_reply(parser, sc.probe_reply, sc.judge_scale(), None)
     if not isinstance(score, float):
         raise ConfigError(
             f"{path}.parser",
