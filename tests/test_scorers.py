@@ -345,6 +345,10 @@ def test_step_ends_fall_on_the_delimiters_and_turn_ends(char_tokenizer):
     assert step_ends(ep, tok, "turn", "\n") == [p + 6, p + 8 + 2]
     assert step_ends(ep, tok, "step", "\n") == [p + 2, p + 5, p + 6, p + 9, p + 10]
     assert step_texts(ep, tok, [p + 2, p + 6]) == ["ab\n", "ab\ncd\ne"]
+    # a delimiter just before the end-of-turn token closes the last step, not a step of its own of the same text
+    ep = Episode(0, 0, [Turn("env", tok.encode("q:")), _model(tok.encode("ab\ncd\n") + [tok.eos_token_id])])
+    ends = step_ends(ep, tok, "step", "\n")
+    assert ends == [p + 2, p + 6] and step_texts(ep, tok, ends) == ["ab\n", "ab\ncd\n"]
 
 
 def test_step_ends_read_a_window_as_the_whole_prefix_would_in_linear_time():

@@ -42,9 +42,11 @@ def step_ends(episode: Episode, tokenizer, process: str, delimiter: str) -> list
         ids, n = turn.token_ids, len(turn.token_ids)
         if turn.role == "model" and n:
             if process == "step" and delimiter:
-                for j in range(n - 1):  # only where a token could close a delimiter (a few: one character's bytes)
-                    if delimiter[-1] in tokenizer.decode(ids[max(0, j - 3) : j + 1]) and _closes(tokenizer, ids, j, delimiter):
-                        ends.append(at + j)
+                # only where a token could close a delimiter (a few: one character's bytes)
+                closes = [j for j in range(n - 1) if delimiter[-1] in tokenizer.decode(ids[max(0, j - 3) : j + 1]) and _closes(tokenizer, ids, j, delimiter)]
+                if closes and tokenizer.decode(ids[closes[-1] + 1 :], skip_special_tokens=True) == "":
+                    closes.pop()  # nothing but the end-of-turn token after it: one last step, not two of one text
+                ends += [at + j for j in closes]
             ends.append(at + n - 1)
         at += n
     return ends
