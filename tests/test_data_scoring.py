@@ -659,6 +659,23 @@ def test_summarize_per_episode_windows():
     assert summarize(windows[:1])["reward/std"] == 0.0
 
 
+def test_success_is_the_verifiers_not_the_scorers():
+    """`reward/success_rate` read the trained reward, scorers' scores included: a wrong answer a
+    reward model rated 1.2 counted as a success, a right one it rated -0.5 did not."""
+    from meshrl.agent.summary import succeeded
+    from meshrl.episode import Episode, Turn
+
+    def scored(env: float, trained: float) -> Episode:
+        ep = Episode(0, 0, [Turn("env", [1]), Turn("model", [4], [-0.5], [0], reward=trained)])
+        ep.signals["env"] = env
+        return ep
+
+    assert succeeded(scored(0.0, 1.2), False) == 0.0 and succeeded(scored(1.0, -0.5), False) == 1.0
+    assert succeeded(scored(1.0, 1.0), True) == 0.0  # failed: never a success
+    unscored = Episode(0, 0, [Turn("env", [1]), Turn("model", [4], [-0.5], [0], reward=1.0)])
+    assert succeeded(unscored, False) == 1.0  # without scorers, the env's reward is the trained one
+
+
 def test_the_run_totals_keep_a_replaced_or_silent_workers_count():
     """`episode/failed_total` and `rollout/requeued_groups` summed the live workers' own
     counts: a replaced worker's failures vanished from the total, and one that did not answer

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+from meshrl.agent.summary import succeeded
 from meshrl.episode import Episode, Turn
 from meshrl.errors import UserCodeError
 from meshrl.futures import all_or_none
@@ -119,7 +120,7 @@ def thread_windows(ep: Episode, names: list[str]) -> list[dict]:
             {
                 "model": names[row.model],
                 "reward": 0.0 if failed else row.reward,
-                "success": float(row.reward >= 1.0 and not failed),
+                "success": succeeded(row, failed),
                 "failed": float(failed),
                 "response_len": float(sum(len(t.token_ids) for t in row.model_turns)),
                 "turns": float(len(row.model_turns)),

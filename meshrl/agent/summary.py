@@ -11,6 +11,13 @@ MODEL_METRICS = ("reward/mean", "reward/std", "reward/success_rate", "response/l
 """The episode metrics a game reports for each model beside the policy, as `NAME/...`."""
 
 
+def succeeded(row, failed: bool) -> float:
+    """1.0 where an episode (or a game's thread) did not fail and its env's reward, the verifier's,
+    reached 1: with scorers its trained reward adds their scores (a wrong answer a reward model
+    rated 1.2 read as a success, a right one it rated -0.5 did not)."""
+    return float(not failed and row.signals.get("env", row.reward) >= 1.0)
+
+
 def summarize(windows: list[dict[str, float]], failed_total: float = 0.0, first_failure: str | None = None) -> dict:
     """Per-step episode metrics from the workers' per-episode windows; with `first_failure`
     (the first failed episode's reason, one line) as `episode/first_failure`, a string

@@ -45,6 +45,7 @@ from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, leave_out, pack
 from meshrl.rollout.chat import ChatRenderer, prompt_too_long
 from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name, close_env, env_budget
+from meshrl.agent.summary import succeeded
 from meshrl.agent.game import play_game, thread_windows
 from meshrl.agent.turns import ABORT_TIMEOUT_S, GenerationFailed, TurnBatcher
 from meshrl.rollout.game import is_ask
@@ -397,7 +398,7 @@ class RolloutWorker:
             self.window.append(
                 {
                     "reward": ep.reward,
-                    "success": float(ep.reward >= 1.0 and not failed),
+                    "success": succeeded(ep, failed),
                     "failed": float(failed),
                     "response_len": float(sum(len(t.token_ids) for t in ep.model_turns)),
                     "turns": float(len(ep.model_turns)),
