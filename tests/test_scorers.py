@@ -236,6 +236,23 @@ def test_an_encoder_reward_model_scores_each_item_as_alone_and_keeps_its_cls(tmp
     assert together == pytest.approx([rm.score_sync([item])[0] for item in items], abs=1e-5)
     long = rm.encode({"prompt": "q:"}, "x" * 100)
     assert len(long) == 24 and long[0] == rm.encode({"prompt": "q:"}, "x")[0]
+    # RoBERTa's family numbers positions from its padding index + 1, and reads no more than its
+    # positions: scored as the model scores a row alone (positions from 0 read its padding row),
+    # and an input past them kept to them (it raised IndexError for the whole batch)
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    roberta = RobertaConfig(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, num_labels=1,
+        max_position_embeddings=20, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    RobertaForSequenceClassification(roberta).save_pretrained(tmp_path / "rm")
+    rm = RewardModel(str(tmp_path / "rm"), max_len=1024, device="cpu")
+    assert rm.max_len == 20 - tok.pad_token_id - 1
+    row = rm.encode(items[1], items[1]["response"])
+    with torch.no_grad():
+        alone = rm.model(input_ids=torch.tensor([row])).logits[0, 0].item()
+    assert rm.score_sync([items[1]])[0] == pytest.approx(alone, abs=1e-5)
+    assert len(rm.encode({"prompt": "q:"}, "x" * 100)) == rm.max_len and isinstance(rm.score_sync([{"prompt": "q:", "response": "x" * 100}])[0], float)
 
 
 @pytest.fixture(scope="module")

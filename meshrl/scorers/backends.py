@@ -147,7 +147,11 @@ class RewardModel:
             raise ValueError(f"reward model {path!r} has {self.model.config.num_labels} labels: a reward model has one (num_labels=1)")
         self.device = device or ("cuda" if cuda_present() else "cpu")
         self.model.to(self.device)
-        self.max_len, self.batch_size = max_len, batch_size
+        # never past the positions it was built for (an encoder's 512: a longer input raised IndexError
+        # for the whole batch); RoBERTa's family numbers them from its padding index + 1
+        padding_idx = getattr(getattr(self.model.base_model, "embeddings", None), "padding_idx", None)
+        positions = getattr(self.model.config, "max_position_embeddings", None) or max_len
+        self.max_len, self.batch_size = min(max_len, positions - (padding_idx + 1 if padding_idx is not None else 0)), batch_size
         # A decoder's head reads the last token: rows are left-padded, so each one's last real
         # token is the last position, and its "last token that is not pad_token_id" must find no
         # pad id at all (a tokenizer whose pad is its end-of-turn token would otherwise be read
@@ -182,8 +186,10 @@ class RewardModel:
             at = slice(width - len(r), width) if self.left_pad else slice(0, len(r))
             ids[i, at] = torch.tensor(r)
             mask[i, at] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each row's positions as if unpadded
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), position_ids=positions.to(self.device)).logits
+        # left-padded (a decoder): each row's positions as if unpadded; right-padded (an encoder) as the model numbers them
+        # itself (RoBERTa's family from its padding index + 1: positions from 0 read its padding row)
+        positions = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(self.device)} if self.left_pad else {}
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **positions).logits
         return logits[:, 0].float().cpu()
 
     def score_sync(self, items: list[dict]) -> list[Result]:
