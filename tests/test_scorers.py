@@ -533,6 +533,10 @@ class StandIn:
     async def _answer(self, items, mode, value):
         if mode == "hang":
             await asyncio.sleep(3600)
+        if mode == "wedged":  # as ScorerService answers once a batch of its ran past its bound
+            return [{"score": None, "error": "the replica is wedged", "unparsable": False, "wedged": True} for _ in items]
+        if mode == "slow":
+            await asyncio.sleep(0.05)
         return [{"score": value, "error": None, "unparsable": False, "queue_s": 0.01, "score_s": 0.02, "batch": 1} for _ in items]
 
 
@@ -572,6 +576,24 @@ def test_episode_reward_weighs_each_signal_and_logs_each_one(char_tokenizer):
     ep = _episode(char_tokenizer, "12,345")
     asyncio.run(scorers.score(ep, {"prompt": "a:", "answer": ""}))
     assert ep.signals["watched"] == 6.0 and ep.process == [(p + 2, 3.0), (p + 5, 6.0)]
+
+
+def test_a_wedged_replica_sends_its_episodes_to_another(char_tokenizer):
+    """A wedged replica answered every request at once with no score: its episodes failed, and
+    answering at once it looked least loaded and drew nearly every call until it was replaced."""
+    cfg = Config.from_dict({"scoring": {"scorers": [{"kind": "reward_model", "path": "/unused", "name": "rm"}]}})
+    scorers = EpisodeScorers(cfg, char_tokenizer)
+    wedged, healthy = StandIn("wedged"), StandIn("slow", value=0.75)
+    scorers.set_replicas({0: [(0, wedged), (1, healthy)]})
+
+    async def main():
+        eps = [_episode(char_tokenizer, "12") for _ in range(6)]
+        await asyncio.gather(*(scorers.score(ep, {"prompt": "a:"}) for ep in eps))
+        return eps
+
+    eps = asyncio.run(main())
+    assert all(ep.finish_reason == "stop" and ep.signals["rm"] == 0.75 for ep in eps)
+    assert wedged.calls == 1  # asked once, then passed over while another is listed
 
 
 def test_an_episode_without_a_model_turn_is_left_unscored(char_tokenizer):

@@ -66,6 +66,7 @@ class EpisodeScorers:
         self.versions: dict[int, int] = {}  # per-group scorer index -> newest version it has answered with
         self.replicas: dict[int, list[tuple]] = {}  # scorer index -> [(incarnation, actor)]
         self._load: dict = {}  # incarnation -> calls in flight
+        self._wedged: set = set()  # incarnations that said they are wedged: asked only while no other is listed
         self._changed = asyncio.Event()
         self._waiting: dict[int, list] = {}  # scorer index -> items not yet sent, with their futures
         self._calls: set[asyncio.Task] = set()  # score calls in flight
@@ -245,7 +246,7 @@ class EpisodeScorers:
         while results is None and error is None:
             replicas = self.replicas.get(index) or []
             if replicas:
-                ident, actor = min(replicas, key=lambda r: self._load.get(r[0], 0))
+                ident, actor = min([r for r in replicas if r[0] not in self._wedged] or replicas, key=lambda r: self._load.get(r[0], 0))
                 self._load[ident] = self._load.get(ident, 0) + 1
                 try:
                     results = await self._ask(index, ident, actor, items)
@@ -259,6 +260,8 @@ class EpisodeScorers:
                     raise
                 except Exception as e:  # noqa: BLE001 - a dead replica: asked again below
                     last = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                    if ident in self._wedged and any(r[0] not in self._wedged for r in replicas):
+                        continue  # (its `finally` runs first) another is listed: asked at once
                 finally:
                     self._load[ident] -= 1
             left = deadline - time.monotonic()
@@ -290,7 +293,11 @@ class EpisodeScorers:
                 finally:
                     changed.cancel()
                 if call.done():
-                    return call.result()
+                    results = call.result()
+                    if results and all(r.get("wedged") for r in results):  # (it answers at once: least loaded, it drew every call)
+                        self._wedged.add(ident)
+                        raise ReplicaGone(f"replica {ident} of scorer {self.names[index]} is wedged: {results[0].get('error')}")
+                    return results
                 if all(other != ident for other, _ in self.replicas.get(index, [])):
                     raise ReplicaGone(f"replica {ident} of scorer {self.names[index]} left the list unanswered")
         finally:

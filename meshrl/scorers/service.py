@@ -162,7 +162,7 @@ class ScorerService:
 
     def _failed(self, items: list[dict]) -> list[dict]:
         why = f"the replica is wedged (a batch ran past {WEDGED_AFTER:g} x timeout_s={self.spec.timeout_s:g}s) and is being replaced"
-        return [{"score": None, "error": why, "unparsable": False} for _ in items]
+        return [{"score": None, "error": why, "unparsable": False, "wedged": True} for _ in items]  # the client asks another
 
     def stats(self) -> dict:
         return {
