@@ -389,8 +389,9 @@ class _Live:
             _wait_through_signals(self._start_ended.wait, SHUTDOWN_S)
         self.stop_run()
         self.release()
-        restore_handlers(self.signals)
-        self.signals = False
+        if threading.current_thread() is threading.main_thread():  # (elsewhere they stay held: only the main thread sets handlers)
+            restore_handlers(self.signals)
+            self.signals = False
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread_loop.call_soon_threadsafe(self.thread_loop.stop)
             self.thread.join(10)

@@ -382,10 +382,18 @@ def test_a_slurm_signal_note_of_an_earlier_job_with_the_same_id_stops_nothing(tm
     monkeypatch.setattr(slurm, "_SIGNALED", type(slurm._SIGNALED)())
     note = notify_path(str(tmp_path), "7")
     open(note, "w").write("1700000000.000 node 0 (n1)\n")
-    watch = slurm.SignalWatch(str(tmp_path), "7")
+    watch = slurm.SignalWatch(str(tmp_path), "7", since=time.time() - 60)
     try:
         time.sleep(2.5 * slurm.SignalWatch.POLL_S)
         assert not slurm.allocation_signaled() and not sent and not os.path.exists(note)
+    finally:
+        watch.stop()
+    # one written since the job was submitted (Slurm signaled it before the watch started) is its own
+    open(note, "w").write(f"{time.time():.3f} node 0 (n1)\n")
+    watch = slurm.SignalWatch(str(tmp_path), "7", since=time.time() - 60)
+    try:
+        time.sleep(2.5 * slurm.SignalWatch.POLL_S)
+        assert slurm.allocation_signaled() and sent == [signal.SIGTERM]
     finally:
         watch.stop()
 

@@ -471,7 +471,7 @@ def fresh_engine_greedy(cfg: dict, checkpoint_dir: str, texts: list[str], tokeni
     from monarch.actor import this_host
 
     from meshrl.generator.actor import GeneratorActor
-    from meshrl.tokenizer import load_tokenizer
+    from meshrl.tokenizer import load_tokenizer, reply_text
 
     tok = load_tokenizer(tokenizer_dir)
     n = Config.from_dict(cfg).generator.group_size
@@ -484,7 +484,7 @@ def fresh_engine_greedy(cfg: dict, checkpoint_dir: str, texts: list[str], tokeni
             groups = []
             for t in texts:
                 outs = [await gen.generate.call_one(tok.encode(t, add_special_tokens=False), None, 0.0, 0) for _ in range(n)]
-                groups.append([tok.decode(o.token_ids, skip_special_tokens=True) for o in outs])
+                groups.append([reply_text(tok, o.token_ids) for o in outs])  # as Session.generate reads them
             await gen.shutdown_engine.call()
         finally:
             await procs.stop()

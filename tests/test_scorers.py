@@ -37,8 +37,10 @@ def test_judge_replies_parse_exactly_and_unparsable_ones_follow_the_rule():
     assert number_parser("no digits here") is None
     # the verdict after the last `score`, not a number of the reasoning before it
     assert number_parser("1. Correctness: wrong. 2. Style: fine. Score: 2") == 2.0 and number_parser("so my final score is 8/10") == 8.0
+    assert number_parser("Score: 7. The maximum score is 10.") == 7.0 and number_parser("score: 3, then 5; final score: 8") == 8.0
     # the default scale: the default template's 0-10 rating as 0-1 (a verifier's range); a yes/no judge's 0 or 1 as it is
     assert ScorerConfig(kind="judge").judge_scale() == 0.1 and ScorerConfig(kind="judge", parser="yes_no").judge_scale() == 1.0
+    assert ScorerConfig(kind="judge", template="Rate it from 0 to 1: {response}").judge_scale() == 1.0  # a template of one's own: as before
     assert ScorerConfig(kind="judge", scale=0.5).judge_scale() == 0.5
     assert yes_no_parser(" Yes, it is") == 1.0 and yes_no_parser("no.") == 0.0 and yes_no_parser("maybe") is None
     assert yes_no_parser("Not sure") is None and yes_no_parser("Nope") is None and yes_no_parser("NO") == 0.0
@@ -253,6 +255,16 @@ def test_an_encoder_reward_model_scores_each_item_as_alone_and_keeps_its_cls(tmp
         alone = rm.model(input_ids=torch.tensor([row])).logits[0, 0].item()
     assert rm.score_sync([items[1]])[0] == pytest.approx(alone, abs=1e-5)
     assert len(rm.encode({"prompt": "q:"}, "x" * 100)) == rm.max_len and isinstance(rm.score_sync([{"prompt": "q:", "response": "x" * 100}])[0], float)
+    # DeBERTa-v3's positions are relative: it reads all of max_len, past max_position_embeddings
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    deberta = DebertaV2Config(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, num_labels=1,
+        max_position_embeddings=16, position_biased_input=False, relative_attention=True, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    DebertaV2ForSequenceClassification(deberta).save_pretrained(tmp_path / "rm")
+    rm = RewardModel(str(tmp_path / "rm"), max_len=40, device="cpu")
+    assert rm.max_len == 40 and isinstance(rm.score_sync([{"prompt": "q:", "response": "x" * 30}])[0], float)
 
 
 @pytest.fixture(scope="module")
@@ -594,6 +606,19 @@ def test_a_wedged_replica_sends_its_episodes_to_another(char_tokenizer):
     eps = asyncio.run(main())
     assert all(ep.finish_reason == "stop" and ep.signals["rm"] == 0.75 for ep in eps)
     assert wedged.calls == 1  # asked once, then passed over while another is listed
+
+
+def cut_short(prompt, response, sample):
+    return float(sample["finish_reason"] == "length")
+
+
+def test_a_function_scorer_reads_whether_the_reply_was_cut_short(char_tokenizer):
+    """An env's reward reads the turn's finish_reason (math_answer scores a reply cut at its budget
+    by its box alone); a function scorer's sample had none, so the same function scored it otherwise."""
+    cfg = Config.from_dict({"scoring": {"scorers": [{"kind": "function", "path": "tests.test_scorers:cut_short", "name": "cut"}]}})
+    ep = Episode(3, 12, [Turn("env", char_tokenizer.encode("a:")), Turn("model", char_tokenizer.encode("12"), [-1.0] * 2, [1] * 2, finish_reason="length")])
+    asyncio.run(EpisodeScorers(cfg, char_tokenizer).score(ep, {"prompt": "a:", "answer": "1"}))
+    assert ep.signals["cut"] == 1.0
 
 
 def test_an_episode_without_a_model_turn_is_left_unscored(char_tokenizer):

@@ -828,6 +828,19 @@ def test_replicas_a_scale_added_load_their_first_version_whatever_failed_after_t
     with pytest.raises(RuntimeError, match="did not start"):
         asyncio.run(pool.scale(3, 4))
     assert [r.index for r in pool.replicas] == [0, 1] and loaded == [(1, 4)]
+    # the first added one's load failing leaves the next its own load (the failed one left the pool)
+    spawned.clear()
+    pool.spawn = lambda index: asyncio.sleep(0, types.SimpleNamespace(index=index))
+
+    async def first_load_failing_once(r, version):
+        loaded.append((r.index, version))
+        if len(loaded) == 2:
+            raise RuntimeError("its weights did not load")
+
+    pool._first_load = first_load_failing_once
+    with pytest.raises(RuntimeError, match="did not load"):
+        asyncio.run(pool.scale(4, 5))
+    assert loaded[1:] == [(2, 5), (3, 5)]
 
 
 def test_a_replica_whose_spawn_fails_after_its_engine_started_leaves_no_engine_process():

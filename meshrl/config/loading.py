@@ -86,6 +86,20 @@ for _tag, _pattern in _SEXAGESIMAL_FREE.items():
     _Loader.add_implicit_resolver(_tag, re.compile(_pattern, re.X), list("-+0123456789."))
 
 
+class _Dumper(yaml.SafeDumper):
+    """YAML that both `_Loader` and a plain YAML 1.1 reader read back as written: text either
+    would read as another type is quoted (`1e3` for this one, `24:00:00` or `0123` for the other)."""
+
+
+_Dumper.yaml_implicit_resolvers = {first: list(resolvers) for first, resolvers in yaml.SafeDumper.yaml_implicit_resolvers.items()}
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_SEXAGESIMAL_FREE["tag:yaml.org,2002:float"], re.X), list("-+0123456789."))
+
+
+def dump_yaml(data: Any) -> str:
+    """`data` as YAML text that `parse_yaml` reads back as it is (RUN_DIR/config.yaml, a resume's)."""
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
+
+
 def parse_yaml(text) -> Any:
     """YAML text (or an open file) as `_Loader` reads it."""
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
@@ -135,7 +149,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section: remove the trailing keys")
             node = child
         try:  # text with a `#` stays whole: YAML read `runs/exp #2` as `runs/exp` and `#t` as null
-            value = EMPTY if not raw.strip() else raw if raw.lstrip().startswith("#") or " #" in raw else parse_yaml(raw)
+            plain = raw.lstrip()[:1] not in ("'", '"', "[", "{")  # (quoted, a list or a mapping: YAML reads its # as text)
+            value = EMPTY if not raw.strip() else raw if plain and (raw.lstrip().startswith("#") or " #" in raw) else parse_yaml(raw)
         except (yaml.YAMLError, ValueError):  # (`!!int abc`: the field's own check names it)
             value = raw
         name, index = _indexed(parts[-1])

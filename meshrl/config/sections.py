@@ -15,10 +15,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import yaml
 
 from meshrl.config.checks import validate
-from meshrl.config.loading import ConfigError, apply_overrides, build, load_yaml
+from meshrl.config.loading import ConfigError, apply_overrides, build, dump_yaml, load_yaml
 from meshrl.config.models import (  # noqa: F401 (MOE_FAMILIES: re-exported)
     MOE_FAMILIES,
     CriticConfig,
@@ -146,9 +145,9 @@ class ScorerConfig:
     )
     """`judge`: the judge's prompt, a Python format string over `{prompt}`, `{response}` and `{answer}` (the record's reference, empty if none); sent as a user message through the judge's chat template when it has one."""
     parser: str = "number"
-    """`judge`: reads the reply as a score, after a thinking judge's `<think>...</think>` (a reply cut inside it is unparsable). `number`: the number after the reply's last `score` (`Score: 7`), else its first number; `yes_no`: 1 for a reply whose first word is yes, 0 for no; or an import path `module:function(text)` returning a number, or None for an unparsable reply."""
+    """`judge`: reads the reply as a score, after a thinking judge's `<think>...</think>` (a reply cut inside it is unparsable). `number`: the number after the reply's last `final score:`, else its first `score:` that is no maximum (`Score: 7`), else its first number; `yes_no`: 1 for a reply whose first word is yes, 0 for no; or an import path `module:function(text)` returning a number, or None for an unparsable reply."""
     scale: float | None = None
-    """`judge`: the parsed number is multiplied by this. None: 0.1 with the `number` parser, which maps the default template's 0-10 rating to 0-1, a verifier's range (at 1.0 a 0-10 judge outweighed a 0/1 verifier ten to one), and 1.0 with any other parser (`yes_no`'s 0 or 1)."""
+    """`judge`: the parsed number is multiplied by this. None: 0.1 for the default template read by the `number` parser, which maps its 0-10 rating to 0-1, a verifier's range (at 1.0 a 0-10 judge outweighed a 0/1 verifier ten to one), and 1.0 for a template of your own or another parser (`yes_no`'s 0 or 1)."""
     unparsable: float | None = 0.0
     """`judge`: the score of a reply the parser cannot read; counted in `scoring/NAME/unparsable`. None: the episode fails instead (reward 0, out of the loss)."""
     probe_reply: str = "7"
@@ -183,8 +182,11 @@ class ScorerConfig:
     """`prm`: PRIME's accuracy filter. The PRM trains only on the groups whose share of successful episodes (outcome above 0.5) lies in this closed range [low, high]; every group is still scored. PRIME used [0.2, 0.8]: a group all right or all wrong says nothing about which of its steps mattered. A batch with no such group takes no step (the version stays). [0, 1]: every group (the default). With one completion per prompt (PPO's `generator.group_size=1`) a group is all right or all wrong, so a range that holds neither 0 nor 1 is refused."""
 
     def judge_scale(self) -> float:
-        """`scale`, or where None its default: 0.1 with the `number` parser (a 0-10 rating), 1.0 with another."""
-        return self.scale if self.scale is not None else 0.1 if self.parser == "number" else 1.0
+        """`scale`, or where None its default: 0.1 for the default template's 0-10 rating read by the `number` parser, else 1.0."""
+        if self.scale is not None:
+            return self.scale
+        default = type(self).__dataclass_fields__["template"].default
+        return 0.1 if self.parser == "number" and self.template == default else 1.0
 
 
 @dataclass
@@ -466,7 +468,7 @@ class Config:
             raise ConfigError(e.field_path, f"{e.message} (with models[{index}], {name})", e.kind) from None  # a run-wide field
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return dump_yaml(self.to_dict())
 
 
 def _section(overrides: dict, key: str) -> dict:

@@ -236,7 +236,7 @@ def set_aside_later(root: str, version: int) -> str | None:
     """The loop states past `version`, the one a resume restored (a run sent back to an earlier
     checkpoint), moved to `checkpoints/abandoned-after-VERSION-TIME/` (returned; None: none): in
     place, they counted as the resumed run's own once it passed their steps (keep_checkpoints
-    removed its saves and kept theirs) and an alarm could name one. Their trained states stay."""
+    removed its saves and kept theirs) and an alarm could name one. Their states stay until `prune` sweeps them."""
     later = sorted(n for n in os.listdir(root) if (m := _LOOP_STATE.match(n)) and int(m.group(1)) > version)
     if not later:
         return None

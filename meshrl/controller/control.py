@@ -86,13 +86,11 @@ def remember(run_dir: str, lr: float | None, max_lag: int | None, previous_lr: f
     `meshrl run --resume` reads (a checkpoint restores the trainer's state, then the
     configured learning rate), says so. The knob is the policy's: a trained model beside it
     that took the run's rate keeps the one it had (`models[i].trainer.lr`)."""
-    import yaml
-
+    from meshrl.config.loading import dump_yaml, load_yaml
     from meshrl.trainer.checkpoint import write_atomic
 
     path = os.path.join(run_dir, "config.yaml")
-    with open(path) as f:
-        data = yaml.safe_load(f)
+    data = load_yaml(path)
     if lr is not None:
         data.setdefault("trainer", {})["lr"] = lr
         for entry in data.get("models") or []:
@@ -102,7 +100,7 @@ def remember(run_dir: str, lr: float | None, max_lag: int | None, previous_lr: f
         data.setdefault("buffer", {})["max_lag"] = max_lag
     if replicas is not None:
         data.setdefault("generator", {})["replicas"] = replicas
-    write_atomic(path, yaml.safe_dump(data, sort_keys=False))
+    write_atomic(path, dump_yaml(data))
 
 
 async def scale_generators(loop, replicas: int) -> None:

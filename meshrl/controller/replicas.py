@@ -211,7 +211,7 @@ class GeneratorPool:
                 f"or start the run with generator.replicas={n} on enough GPUs (meshrl config plan)"
             )
         async with self._lock:
-            added = []
+            added, failed = [], []
             try:
                 gone = [self.replicas.pop() for _ in range(len(self.replicas) - n)]
                 if gone:  # the workers send them nothing more before they stop: a call to a stopped actor fails its sender
@@ -232,14 +232,14 @@ class GeneratorPool:
             finally:
                 try:
                     await self.on_change()  # the workers never keep a stopped replica
-                finally:  # each added one's first version, whatever failed after it (a teacher's, a frozen model's: never change)
-                    for r in added if not self.frozen else []:  # one by one: a collective transport sends to one at a time
-                        await self._first_load(r, version)
+                finally:  # each added one's first version, one by one (a collective sends to one at a time), whatever failed after it
+                    failed = [e for r in (added if not self.frozen else []) if (e := await settled(self._first_load(r, version), None))]
+            if failed:  # (a failed one left the pool: the health check starts another)
+                raise failed[0]
 
     async def _first_load(self, fresh: Member, version: int) -> None:
-        """A new replica's first version (the caller holds the lock), then paused if the pool is.
-        One whose load fails stays paused (Generator.update_weights), so it leaves the pool: the
-        health check starts another."""
+        """A new replica's first version (the caller holds the lock), then paused if the pool is. One whose
+        load fails stays paused (Generator.update_weights), so it leaves the pool: the health check starts another."""
         try:
             await asyncio.wait_for(awaited(fresh.actor.sync_weights.call_one(version)), update_bound_s(self.config))
             if self.paused:  # Session.pause(): one started meanwhile (a replacement, a rescale) generates nothing either

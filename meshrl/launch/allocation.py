@@ -13,6 +13,7 @@ import asyncio
 import atexit
 import logging
 import socket
+import time
 from typing import Any, Callable
 
 from monarch.actor import HostMesh, ProcMesh, this_host
@@ -164,13 +165,14 @@ class Allocation:
                 # in a thread, so that Ctrl-C or SIGTERM meanwhile cancels the start (and scancels the job:
                 # submitted first, here, so that the job has its id by then).
                 if self.kind == "slurm":
+                    submitted = time.time()  # a signal note older than this is an earlier job's (SignalWatch)
                     self._job.apply()
                     state = await asyncio.to_thread(self._job.state, cached_path=None)
                 else:
                     state = self._job.state(cached_path=None)
                 self._owned = dict(state._hosts)
                 if self.kind == "slurm":
-                    self._watch = SignalWatch(slurm_dir(self.config), self._job._slurm_job_id)
+                    self._watch = SignalWatch(slurm_dir(self.config), self._job._slurm_job_id, since=submitted)
             for name, mesh in self._owned.items():
                 try:
                     await asyncio.wait_for(awaited(mesh.initialized), self.config.launcher.start_timeout_s)

@@ -201,13 +201,15 @@ class SignalWatch:
 
     POLL_S = 1.0
 
-    def __init__(self, directory: str, job_id: str):
+    def __init__(self, directory: str, job_id: str, since: float = 0.0):
         from meshrl.launch.slurm_worker import notify_path
 
         self.path = notify_path(directory, job_id)
         self.job_id = job_id
-        with contextlib.suppress(FileNotFoundError):  # an earlier job's of the same id (ids wrap, a controller reset): not this one's
-            os.remove(self.path)
+        with contextlib.suppress(OSError, ValueError, IndexError):  # one written before `since` (the job's submission) is an
+            with open(self.path) as f:  # earlier job's of the same id (ids wrap, a controller reset): not this one's
+                if float(f.read().split()[0]) < since:
+                    os.remove(self.path)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"slurm-signal-{job_id}", daemon=True)
         self._thread.start()

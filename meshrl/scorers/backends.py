@@ -63,16 +63,19 @@ class Judged:
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
-SCORE_CUE = re.compile(r"\bscore\b\W{0,3}(?:is\W{0,2})?(" + NUMBER.pattern + ")", re.IGNORECASE)
+SCORE_CUE = re.compile(r"(\w+)?\W{0,2}\bscore\s*(?::|=|is|of)\s*(" + NUMBER.pattern + ")", re.IGNORECASE)
+NOT_A_VERDICT = ("max", "maximum", "highest", "possible", "top", "best", "total")
 
 
 def number_parser(text: str) -> float | None:
-    """The number after the last `score` in `text` (`Score: 7/10`, `... so my score is 8`), else its
-    first number; None when there is none. (The first alone read a judge's "1. Correctness: wrong.
-    Score: 2" as 1.)"""
-    cued = SCORE_CUE.findall(text)
-    if cued:
-        return float(cued[-1])
+    """The judge's score: the number after its reply's last `final score:`, else after its first
+    `score:` (or `score is`, `score of`, `score =`) that is no maximum (`the maximum score is 10`),
+    else its first number; None when there is none. (The first number alone read a judge's
+    "1. Correctness: wrong. Score: 2" as 1.)"""
+    cued = [(word.lower(), value) for word, value in SCORE_CUE.findall(text) if word.lower() not in NOT_A_VERDICT]
+    final = [value for word, value in cued if word == "final"]
+    if final or cued:
+        return float(final[-1] if final else cued[0][1])
     m = NUMBER.search(text)
     return float(m.group()) if m else None
 
@@ -149,9 +152,12 @@ class RewardModel:
         self.model.to(self.device)
         # never past the positions it was built for (an encoder's 512: a longer input raised IndexError
         # for the whole batch); RoBERTa's family numbers them from its padding index + 1
-        padding_idx = getattr(getattr(self.model.base_model, "embeddings", None), "padding_idx", None)
-        positions = getattr(self.model.config, "max_position_embeddings", None) or max_len
-        self.max_len, self.batch_size = min(max_len, positions - (padding_idx + 1 if padding_idx is not None else 0)), batch_size
+        # (DeBERTa-v3's are relative, no embedding to run past: it reads all of max_len)
+        embeddings = getattr(self.model.base_model, "embeddings", None)
+        absolute = getattr(embeddings, "position_embeddings", None) is not None
+        padding_idx = getattr(embeddings, "padding_idx", None)
+        positions = (getattr(self.model.config, "max_position_embeddings", None) if absolute else None) or max_len
+        self.max_len, self.batch_size = min(max_len, positions - (padding_idx + 1 if absolute and padding_idx is not None else 0)), batch_size
         # A decoder's head reads the last token: rows are left-padded, so each one's last real
         # token is the last position, and its "last token that is not pad_token_id" must find no
         # pad id at all (a tokenizer whose pad is its end-of-turn token would otherwise be read

@@ -33,6 +33,7 @@ import torch
 from tensordict import TensorDict
 
 from meshrl.episode import FINISH_REASONS, MAX_MODELS, Episode, row_models
+from meshrl.tokenizer import reply_text
 
 
 def step_ends(episode: Episode, tokenizer, process: str, delimiter: str) -> list[int]:
@@ -69,7 +70,7 @@ def _closes(tokenizer, ids: Sequence[int], j: int, delimiter: str) -> bool:
 def step_texts(episode: Episode, tokenizer, ends: Sequence[int]) -> list[str]:
     """The response (everything after the prompt) cut after each step's last token."""
     ids, start = episode.token_ids, episode.prompt_len
-    return [tokenizer.decode(ids[start : e + 1], skip_special_tokens=True) for e in ends]
+    return [reply_text(tokenizer, ids[start : e + 1]) for e in ends]  # as the response reads (an id past the tokenizer's: U+FFFD)
 
 
 def process_tensors(episodes: Sequence[Episode], T: int) -> tuple[torch.Tensor, torch.Tensor]:
