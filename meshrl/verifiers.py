@@ -63,19 +63,16 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def final_answer(response: str, cut_short: bool = False) -> str | None:
+def final_answer(response: str) -> str | None:
     """A response's final answer: its last `\\boxed{}`, else its last <answer> tag, else the
     math or number after its last "answer is" (or "answer:"), else its last number. None where
-    its last `\\boxed{` never closes (the answer was still being written), and, for a reply
-    `cut_short` (out of tokens), without a box or a tag: a number in unfinished reasoning is no
-    answer it gave."""
+    its last `\\boxed{` never closes (the answer was still being written). (A reply cut at its
+    budget is read the same: a short-answer task's answer often fills its budget, end token left out.)"""
     if "\\boxed{" in response:
         return last_boxed(response)
     tagged = _ANSWER_TAG.findall(response)
     if tagged:
         return tagged[-1].strip()
-    if cut_short:
-        return None
     spans = [(m.start(), next(g for g in m.groups() if g is not None).strip()) for m in _CUED_MATH.finditer(response)]
     numbers = [(m.start(), m.group(1)) for m in _CUED.finditer(response)]
     cued = max(spans + numbers, default=None)  # the last cue's answer, math or number
@@ -248,7 +245,7 @@ def _math_answer(prompt: str, response: str, sample: dict) -> float:
     gold = sample.get("answer")
     if gold is None or gold == []:
         raise ValueError("math_answer needs the reference answer in the record's 'answer' field (data.answer_key)")
-    answer = final_answer(response, cut_short=sample.get("finish_reason") == "length")
+    answer = final_answer(response)
     if answer is None:
         return 0.0
     return float(any(_check(str(g), answer) for g in (gold if isinstance(gold, (list, tuple)) else [gold])))

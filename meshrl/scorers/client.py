@@ -92,7 +92,7 @@ class EpisodeScorers:
         if ep.opening is not None:
             record = {**record, "prompt": ep.opening}
         base = scoring_item(record, reply_text(self.tokenizer, ep.token_ids[ep.prompt_len :]))
-        base["sample"]["finish_reason"] = ep.model_turns[-1].finish_reason  # as an env's reward reads it (math_answer: a reply cut short)
+        base["sample"]["finish_reason"] = ep.model_turns[-1].finish_reason  # as an env's reward reads it
         items = []
         for spec in self.specs:
             if spec.kind == "prm" or spec.model != self.models[ep.model]:
