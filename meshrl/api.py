@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Coroutine
 
 from meshrl.config import Config
-from meshrl.launch.signals import exit_on_sigterm, restore_handlers
 from meshrl.errors import TrainerFailed, first_line
+from meshrl.launch.signals import exit_on_sigterm, restore_handlers
 from meshrl.logs import console, progress_bar
 from meshrl.metrics import format_row, plot_run
 from meshrl.preflight import check, preflight
@@ -184,9 +184,9 @@ class Session:
             while loop.version < goal:
                 try:  # a replacement that failed is tried again by the step's own checks, as one during a step is
                     self._call(loop.check_health(), 600)
-                except Exception as e:  # the queue's host gone (TrainerFailed) stops the run, resumably
-                    if isinstance(e, TrainerFailed):
-                        raise
+                except TrainerFailed:  # the queue's host is gone: the run stops, resumably
+                    raise
+                except Exception as e:  # noqa: BLE001 - tried again by the step's own checks
                     log.warning("health check between steps failed: %s", first_line(str(e), 200) or type(e).__name__)
                 before = loop.version
                 row = self._call(loop.step(), self._step_bound())

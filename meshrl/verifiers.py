@@ -39,12 +39,11 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"[-\u2212]?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+)?")  # U+2212: the minus sign of typeset text
 # "the answer is 42." (a number that ends its sentence: "the answer is 2 times the radius" states none)
 # (the number atomic: backtracking into it, "3.5 cm." would state "3")
-_CUED = re.compile(r"answer(?:\s+is|\s*[:=])\s*[:=]?\s*\$?\s*((?>" + _NUMBER.pattern + r"))\$?(?=\s*(?:[.!?;,)]|$))", re.IGNORECASE | re.MULTILINE)
+_CUE, _ENDS_SENTENCE = r"answer(?:\s+is|\s*[:=])\s*[:=]?\s*", r"(?=\s*(?:[.!?;,)]|$))"
+_CUED = re.compile(_CUE + r"\$?\s*((?>" + _NUMBER.pattern + r"))\$?" + _ENDS_SENTENCE, re.IGNORECASE | re.MULTILINE)
 # "the answer is $\frac{1}{2}$.": the math a cue names, whole (its digits are no number of their own)
 _CUED_MATH = re.compile(
-    r"answer(?:\s+is|\s*[:=])\s*[:=]?\s*"
-    r"(?:(?<!\\)\$(?P<d>[^$]+?)(?<!\\)\$|\\\((?P<p>.+?)\\\)|\\\[(?P<b>.+?)\\\])"  # $...$, \(...\), \[...\]
-    r"(?=\s*(?:[.!?;,)]|$))",
+    _CUE + r"(?:(?<!\\)\$(?P<d>[^$]+?)(?<!\\)\$|\\\((?P<p>.+?)\\\)|\\\[(?P<b>.+?)\\\])" + _ENDS_SENTENCE,  # $...$, \(...\), \[...\]
     re.IGNORECASE | re.DOTALL | re.MULTILINE,
 )
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")

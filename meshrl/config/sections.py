@@ -15,7 +15,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-
 from meshrl.config.checks import validate
 from meshrl.config.loading import ConfigError, apply_overrides, build, dump_yaml, load_yaml
 from meshrl.config.models import (  # noqa: F401 (MOE_FAMILIES: re-exported)

@@ -131,7 +131,7 @@ def prune(run_dir: str, keep: int, spare=()) -> list[int]:
     kept = set(files[-keep:]) | {latest} | {n for n in files if steps[n] in spare} | (set(steps) - set(files))
     states = {name: here(torch.load(os.path.join(root, name), weights_only=False), root) for name in steps}
     named = lambda state: {p for p in (state["trainer_dir"], state["critic_dir"], *state["models"].values(), *state["model_critics"].values()) if p}  # noqa: E731
-    held = {os.path.abspath(p) for p in set().union(*(named(states[name]) for name in kept))}
+    held = set().union(*(named(states[name]) for name in kept))  # (absolute: `here` joins them to root)
     removed = []
     for name in files:
         if name in kept:

@@ -1,4 +1,5 @@
-"""The host plan: how many hosts each role's mesh gets, decided from the config alone.
+"""The host plan: how many hosts each role's mesh gets, decided from the config alone
+(`check_cpu_procs` alone reads this machine: its cores).
 
 Pure: no Monarch, no network. One host holds every role; with more, the trainer and the
 generators get disjoint hosts and the coordinator shares the first generator host.

@@ -7,8 +7,8 @@ to the allocation's workers. `render_sbatch` shows the script without submitting
 
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
 import os
 import shlex
 import shutil

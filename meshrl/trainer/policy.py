@@ -314,10 +314,10 @@ class PolicyTrainer:
         # a bad batch (a NaN sampler log-prob, a loss past float32) writes no NaN into AdamW and the
         # weights: the update is skipped, as the critic's and the PRM's are (the norm is every rank's)
         nonfinite = update and not math.isfinite(float(grad_norm))
-        if nonfinite:
-            self.optimizer.zero_grad(set_to_none=True)
         if update:
-            if not nonfinite:
+            if nonfinite:
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
                 self.optimizer.step()
             self.scheduler.step()
         elif not grads:
