@@ -83,6 +83,25 @@ def test_fifo_sampling_and_timeouts():
     assert q.consumed == [1, 0, 3]
 
 
+def test_fifo_takes_the_oldest_claim_not_the_first_to_finish():
+    """READY was kept in arrival order: a group claimed at version 0 that finished after one
+    claimed at 1 (long replies) was overtaken, then dropped by the staleness bound; `fifo`
+    trained long replies less often. READY is oldest first by its tokens' versions."""
+    q = make_queue(batch_groups=1, depth=2, max_lag=2, lag_granularity="sequence")
+    first = claim_all(q)
+    assert [c.version for c in first] == [0, 0, 0]
+    deliver(q, first[1])
+    q.sample(1, current_version=1)
+    (later,) = claim_all(q)
+    assert later.version == 1
+    deliver(q, later)  # claimed at 1, finished first
+    deliver(q, first[2])  # claimed at 0, finished after it
+    assert [int(g["group_id"][0]) for g in q.ready] == [first[2].group_id, later.group_id]
+    assert q.sample(1, current_version=2)["group_id"].unique().tolist() == [first[2].group_id]
+    assert q.sample(1, current_version=3)["group_id"].unique().tolist() == [later.group_id]
+    assert q.metrics()["buffer/dropped_stale_groups"] == 0
+
+
 def test_the_lag_metrics_are_the_last_batchs():
     """`buffer/lag_*` summed every batch since the run began (and a batch a heal retook counted
     twice): a lag that fell back to 0 still read as its old maximum. They are the last batch's."""

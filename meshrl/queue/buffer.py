@@ -54,7 +54,7 @@ from tensordict import TensorDict
 from meshrl import episode
 from meshrl.config import Config
 from meshrl.queue.prompts import PromptNode
-from meshrl.queue.sampling import resolve_policy
+from meshrl.queue.sampling import insert_oldest_first, resolve_policy
 from meshrl.errors import BatchTimeout, PolicyWentBack, QueueClosed, UserCodeError, describe
 from meshrl.logs import role_log
 
@@ -202,7 +202,7 @@ class EpisodeQueue:
                     self._cond.notify_all()  # admission replaces it: wake a waiting worker
                     return True  # delivered, and its episodes count; it is only not trained
                 self._stats["kept_zero_variance_groups"] += 1
-            self.ready.append(group)
+            insert_oldest_first(self.ready, group)
             self._ready_at[group_id] = time.monotonic()
             self._stats["puts"] += 1
             self._cond.notify_all()

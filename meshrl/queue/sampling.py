@@ -4,16 +4,37 @@ from __future__ import annotations
 
 import importlib
 import random
+from collections import deque
 from typing import Callable, Sequence
 
+import torch
 from tensordict import TensorDict
 
+from meshrl.episode import PAD_VERSION
+
 SamplingPolicy = Callable[[Sequence[TensorDict], int, random.Random], list[int]]
-"""A plain callable choosing which `n` of the READY groups (oldest first) a batch takes."""
+"""A plain callable choosing which `n` of the READY groups (oldest first, `insert_oldest_first`) a batch takes."""
+
+
+def oldest_version(group: TensorDict) -> int:
+    """The oldest policy version among a group's trained tokens (none left: a version past any)."""
+    versions = group["versions"][group["loss_mask"] & (group["versions"] != PAD_VERSION)]
+    return int(versions.min()) if versions.numel() else torch.iinfo(torch.int64).max
+
+
+def insert_oldest_first(ready: deque, group: TensorDict) -> None:
+    """Put a finished group in READY, which is kept oldest first: by the oldest version among its
+    trained tokens, then by arrival. A group claimed earlier that finished later (long replies) is
+    not overtaken by the later claims that finished before it, so it is trained before the
+    staleness bound would mask or drop it, and `fifo` does not train long replies less often."""
+    age, i = oldest_version(group), len(ready)
+    while i > 0 and oldest_version(ready[i - 1]) > age:
+        i -= 1
+    ready.insert(i, group)
 
 
 def fifo(groups: Sequence[TensorDict], n: int, rng: random.Random) -> list[int]:
-    """The oldest `n` groups."""
+    """The oldest `n` groups: the nearest their staleness bound."""
     return list(range(n))
 
 
