@@ -329,6 +329,38 @@ def test_user_code_that_calls_exit_fails_its_call_not_the_worker():
     assert asyncio.run(main()) == 7
 
 
+def test_stop_iteration_or_a_cancelled_await_in_user_code_fails_its_call_at_once():
+    """A sync call's StopIteration (`next()` run dry) cannot be handed to a future: the call read
+    as timed out at its whole bound. An async call that awaited a cancelled future raised
+    CancelledError past the worker's `except Exception`: its group was never delivered nor
+    handed out again. Each fails its call at once, naming the file and line; the call's own
+    bound and a cancelled caller still cancel it."""
+
+    def dry():
+        return next(iter([]))
+
+    async def awaits_cancelled():
+        done = asyncio.get_running_loop().create_future()
+        done.cancel()
+        await done
+
+    async def main():
+        for fn, name in ((dry, "StopIteration"), (awaits_cancelled, "CancelledError")):
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match=f"raised {name}") as failed:
+                await call_bounded(fn, timeout=5)
+            assert time.monotonic() - t0 < 2 and failed.value.where.startswith(f"{HERE}:")
+        with pytest.raises(TimeoutError):
+            await call_bounded(asyncio.sleep, 5, timeout=0.1)
+        task = asyncio.create_task(call_bounded(asyncio.sleep, 5, timeout=5))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+
+
 def test_a_failure_is_one_line_with_the_users_file_and_line_and_the_log():
     try:
         reward_raises("p", "r", {})

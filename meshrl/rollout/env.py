@@ -53,7 +53,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, Union, runtime_checkable
 
-from meshrl.errors import source_location, user_location
+from meshrl.errors import first_line, source_location, user_location
 
 Message = dict[str, Any]
 Observation = Union[str, list[Message], list[int]]
@@ -265,17 +265,28 @@ async def call_bounded(fn: Callable, *args: Any, timeout: float, late: Callable[
     return result
 
 
-def _exited(e: SystemExit) -> RuntimeError:
-    """User code that called exit() (argparse, a tool running model-written code): the call's
-    failure, not the worker's event loop ended with it."""
-    return RuntimeError(f"it called exit({e.code!r}): user code returns or raises, it does not end the process")
+def _exited(e: BaseException) -> RuntimeError:
+    """What user code raised that would not read as its call's failure, as one: exit()
+    (argparse, a tool running model-written code) would end the worker's event loop;
+    StopIteration (a `next()` run dry) cannot be handed to a future, so the call read as timed
+    out at its bound; a CancelledError of its own (it awaited a cancelled future) reads as the
+    worker's task cancelled, and its group was never delivered nor handed out again."""
+    if isinstance(e, SystemExit):
+        return RuntimeError(f"it called exit({e.code!r}): user code returns or raises, it does not end the process")
+    failure = RuntimeError(f"it raised {type(e).__name__}{': ' + first_line(str(e)) if str(e) else ''}")
+    failure.where = user_location(e)  # where the user's code raised it
+    return failure
 
 
 async def _no_exit(awaitable) -> Any:
     try:
         return await awaitable
-    except SystemExit as e:
-        raise _exited(e) from None
+    except (SystemExit, StopIteration) as e:
+        raise _exited(e) from e
+    except asyncio.CancelledError as e:
+        if asyncio.current_task().cancelling():  # this task cancelled (its bound, a stop): as it is
+            raise
+        raise _exited(e) from e
 
 
 async def close_env(env: Any, timeout: float) -> None:
@@ -314,7 +325,7 @@ def _in_own_thread(fn: Callable, *args: Any, late: Callable[[Any], None] | None 
     def run() -> None:
         try:
             outcome = (context.run(fn, *args), None)
-        except SystemExit as e:
+        except (SystemExit, StopIteration, asyncio.CancelledError) as e:
             outcome = (None, _exited(e))
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
             outcome = (None, e)
