@@ -209,6 +209,25 @@ def test_sandboxes_that_stop_starting_fail_the_call_with_bwraps_reason_and_are_n
     assert len(starts) == LIMITS.pool_size + 1, len(starts)
 
 
+def test_a_sandbox_the_machine_cannot_spawn_fails_its_episode_not_the_models_call(monkeypatch):
+    """Out of processes (EAGAIN under a container's pid limit) or descriptors at bwrap's spawn:
+    the OSError reached the model as its tool call's output, and the policy was trained on the
+    machine's failure as its own code's. A SandboxError fails the episode."""
+
+    async def no_processes(*args, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(sb.asyncio, "create_subprocess_exec", no_processes)
+    with pytest.raises(sb.SandboxError, match="did not start: BlockingIOError"):
+        asyncio.run(sb.Sandbox.start(LIMITS))
+    fresh = asyncio.new_event_loop()  # a pool of its own, no sandbox started before the patch
+    try:
+        with pytest.raises(sb.SandboxError, match="BlockingIOError"):
+            Episode(fresh).call("print(1)")
+    finally:
+        fresh.close()
+
+
 # ---- attacks -----------------------------------------------------------------------------------
 def test_attack_connect_to_a_loopback_port_of_the_host(loop, pool):
     server = socket.socket()
@@ -351,6 +370,16 @@ def test_hidden_tests_score_the_fraction_passed(loop, pool):
         assert loop.run_until_complete(run_tests(pool, hack, asserts)) == (0, 3)
     assert loop.run_until_complete(run_tests(pool, "from __future__ import annotations\ndef f(x: int) -> int: return 2 * x", asserts)) == (2, 3)
     assert loop.run_until_complete(run_tests(pool, "def f(x):\n    return 2 * x  # \U0001f642", asserts)) == (2, 3)  # past U+FFFF
+    # a solution's `if __name__ == "__main__":` block read the empty stdin and failed every assert;
+    # it runs where the input/output tests run it as a program
+    main = "def f(x): return 2 * x\nif __name__ == '__main__':\n    print(f(int(input())))"
+    assert loop.run_until_complete(run_tests(pool, main, [*asserts, {"input": "5", "output": "10"}])) == (3, 4)
+    # an expected output past the tool's output cap: cut at the cap, a right program scored 0
+    lines = "\n".join(str(i) for i in range(8000))
+    assert len(lines) > LIMITS.max_output_bytes
+    big = [{"input": "8000", "output": lines}]
+    assert loop.run_until_complete(run_tests(pool, "print(*range(int(input())), sep='\\n')", big)) == (1, 1)
+    assert loop.run_until_complete(run_tests(pool, "while True: print('x' * 1000)", big)) == (0, 1)  # still bounded
     assert extract_code("try:\n```python\nprint(1)\n```\nok") == "print(1)\n"
     assert repl_code("2+3") != "2+3" and repl_code("x = 1") == "x = 1"
 

@@ -133,10 +133,12 @@ def solution_code(answer_text: str, sample: dict) -> str:
 def _harness(solution: str, statements: list[str], marker: str) -> str:
     # the solution runs in globals of its own, under a runner whose exec and print were bound
     # before it ran: a solution that defines its own `exec` (one that runs nothing) or replaces
-    # the builtins passes no assert by it; `from __future__` still opens the solution's code
+    # the builtins passes no assert by it; `from __future__` still opens the solution's code.
+    # It is imported, not run as a program: its `if __name__ == "__main__":` block (reading
+    # stdin, which is empty) would fail it before any assert ran.
     return (
         "def _meshrl_tests(_solution, _tests, _exec=exec, _print=print, _compile=compile):\n"
-        "    _g = {'__name__': '__main__'}\n"
+        "    _g = {'__name__': 'solution'}\n"
         "    _exec(_compile(_solution, 'solution.py', 'exec'), _g)\n"
         "    _r = []\n"
         "    for _t in _tests:\n"
@@ -163,7 +165,9 @@ async def run_tests(pool: SandboxPool, solution: str, tests: list) -> tuple[int,
     marker = f"meshrl-tests-{secrets.token_hex(8)}:"
     if statements:
         calls.append(pool.run(_harness(solution, statements, marker)))
-    calls += [pool.run(solution, stdin=str(t.get("input", ""))) for t in io_tests]
+    for t in io_tests:  # an expected output past the tool's output cap still fits, with room to be wrong
+        cap = max(pool.config.max_output_bytes, 2 * len(str(t.get("output", "")).encode()) + 4096)
+        calls.append(pool.run(solution, stdin=str(t.get("input", "")), max_output_bytes=cap))
     results = await asyncio.gather(*calls)
     if statements:
         result = results.pop(0)

@@ -125,7 +125,10 @@ class Sandbox:
         return box
 
     async def _spawn(self) -> None:
-        info_r, info_w = os.pipe()
+        try:
+            info_r, info_w = os.pipe()
+        except OSError as e:  # out of file descriptors: this machine's failure, not the code's
+            raise SandboxError(f"sandbox did not start: {type(e).__name__}: {e}") from e
         try:
             argv = bwrap_argv(self.config)
             argv[1:1] = ["--info-fd", str(info_w)]
@@ -137,8 +140,10 @@ class Sandbox:
                 pass_fds=(info_w,),
                 **_spawn_kwargs(self.config),
             )
-        except BaseException:  # (cancelled too) no reader will close it
+        except BaseException as e:  # (cancelled too) no reader will close it
             os.close(info_r)
+            if isinstance(e, OSError):  # no bwrap, or out of processes or descriptors: the machine's failure, not the code's
+                raise SandboxError(f"sandbox did not start: {type(e).__name__}: {e}") from e
             raise
         finally:
             os.close(info_w)
@@ -196,9 +201,16 @@ class Sandbox:
             self._pidfd = None
 
     async def run(
-        self, code: str, files: dict[str, str] | None = None, stdin: str | None = None, argv: list[str] | None = None, timeout_s: float | None = None
+        self,
+        code: str,
+        files: dict[str, str] | None = None,
+        stdin: str | None = None,
+        argv: list[str] | None = None,
+        timeout_s: float | None = None,
+        max_output_bytes: int | None = None,
     ) -> SandboxResult:
-        """Run `code` as __main__ in this sandbox (once). Bounded by the wall limit."""
+        """Run `code` as __main__ in this sandbox (once). Bounded by the wall limit, its output by
+        `max_output_bytes` (default the config's)."""
         assert self.proc is not None and self.proc.stdin is not None
         cfg = self.config
         _check_files(files)
@@ -210,7 +222,7 @@ class Sandbox:
         started = time.monotonic()
         hit: list[str] = []
         chunks: dict[str, list[bytes]] = {"out": [], "err": []}
-        budget = [cfg.max_output_bytes]
+        budget = [max_output_bytes or cfg.max_output_bytes]
 
         async def feed() -> None:
             try:
@@ -348,12 +360,18 @@ class SandboxPool:
         return box, True
 
     async def run(
-        self, code: str, files: dict[str, str] | None = None, stdin: str | None = None, argv: list[str] | None = None, timeout_s: float | None = None
+        self,
+        code: str,
+        files: dict[str, str] | None = None,
+        stdin: str | None = None,
+        argv: list[str] | None = None,
+        timeout_s: float | None = None,
+        max_output_bytes: int | None = None,
     ) -> SandboxResult:
         """Run `code` (Python source) as __main__ in a fresh sandbox, `files` (relative path ->
         text) written into its workspace first, `stdin` as its standard input. Every call is
         bounded: the start by START_TIMEOUT_S, the run by the wall limit (`timeout_s`, at most
-        the config's)."""
+        the config's), its stdout and stderr together by `max_output_bytes` (default the config's)."""
         if self._closed:
             raise SandboxError("the sandbox pool is closed")
         _check_files(files)
@@ -363,7 +381,7 @@ class SandboxPool:
                 self.calls += 1
                 box, cold = await self._take()
                 try:
-                    result = await box.run(code, files=files, stdin=stdin, argv=argv, timeout_s=timeout_s)
+                    result = await box.run(code, files=files, stdin=stdin, argv=argv, timeout_s=timeout_s, max_output_bytes=max_output_bytes)
                 finally:
                     await box.kill()  # a call that failed before running (a bad file name) ends its sandbox too
                 result.cold = cold
