@@ -42,6 +42,20 @@ class MetricsWriter:
             if last < row.get("step", 0) <= keep_until and (row["step"], _is_evaluation(row)) not in present:
                 self.write(int(row["step"]), {k: v for k, v in row.items() if k != "step"})
 
+    def rewind(self, step: int) -> None:
+        """Cut the rows and TensorBoard events of the steps after `step`: a heal went back to it,
+        and the steps it lost are trained again and write their own rows, as after a resume.
+        (W&B keeps what it was sent: there a lost step's row stays beside its retrained one.)"""
+        self._file.close()
+        _truncate_rows(self.path, step)
+        self._file = open(self.path, "a", buffering=1)
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            logdir = self._tb.log_dir
+            self._tb.close()
+            self._tb = SummaryWriter(logdir, purge_step=step + 1)
+
     def write(self, step: int, row: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
         self._file.write(json.dumps({"step": step, **clean}) + "\n")

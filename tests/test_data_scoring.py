@@ -755,6 +755,27 @@ def test_a_resume_writes_again_the_checkpointed_rows_the_file_lost(tmp_path):
     assert read_metrics(str(tmp_path)) == history + [evaluation, {"step": 4, "trainer/loss": 0.4}]
 
 
+def test_a_heal_that_went_back_cuts_the_lost_steps_rows_and_events(tmp_path):
+    """A heal restored to step 2 from a snapshot older than the step in flight (snapshot_every
+    > 1, or 0): steps 3 and 4 and step 4's evaluation were written, then trained again and
+    written again, each step twice in metrics.jsonl, in TensorBoard and in plots. The lost
+    steps' rows and events are cut, so the retrained ones are each step's only row."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    w = MetricsWriter(str(tmp_path))
+    for step in (1, 2, 3, 4):
+        w.write(step, {"trainer/loss": step})
+    w.write(4, {"eval/greedy_accuracy": 0.5})
+    w.rewind(2)
+    for step in (3, 4, 5):
+        w.write(step, {"trainer/loss": 10 * step})
+    w.close()
+    assert [(r["step"], r.get("trainer/loss")) for r in read_metrics(str(tmp_path))] == [(1, 1), (2, 2), (3, 30), (4, 40), (5, 50)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("trainer/loss")] == [(1, 1), (2, 2), (3, 30), (4, 40), (5, 50)]
+
+
 def test_a_games_curves_and_progress_bar_show_each_trained_models_own_reward():
     from meshrl.api import progress_keys
     from meshrl.config import Config

@@ -305,6 +305,8 @@ def test_colocated_models_take_turns_on_every_core_and_load_weights_in_place(tmp
         proposer_stats["updates"],
     )
     assert stats["relabels"] == 0  # the policy updates every step
+    with open(tmp_path / "colocate" / "metrics.jsonl") as f:  # the lost steps' rows cut, each step written once
+        assert [r["step"] for r in map(json.loads, f) if "trainer/loss" in r] == list(range(1, 10))
     assert not wait_no_children()
 
 

@@ -278,6 +278,10 @@ class TrainerHealer:
         where = f" on {moved} spare host(s) (its own is lost)" if moved else ""
         lost = max(0, loop.version - version)
         loop.version = version
+        if lost:  # the lost steps' rows (their evaluations' too) go: trained again, they write their own
+            loop.history = [row for row in loop.history if row["step"] <= version]
+            loop._divergence_seen = min(loop._divergence_seen, len(loop.history))
+            loop.metrics.rewind(version)
         self.pending_metrics.update({"trainer/restarts": float(self.restarts), "trainer/restart_s": took, "trainer/steps_lost": float(lost)})
         print(
             f"meshrl: trainer {who} died at version {version + lost} in its {call} ({first_line(first, 160)}); healed in {took:.1f}s{where} "
