@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -221,6 +222,42 @@ def test_a_teacher_that_cannot_read_the_policys_token_ids_is_refused(tmp_path):
         with pytest.raises(ConfigError, match=why) as e:
             check_teacher(taught(teacher))
         assert e.value.field_path == "distill.teacher"
+
+
+def test_a_teacher_its_engine_cannot_start_is_refused_before_the_run(tmp_path):
+    """The teacher's engine runs generator.tp workers on distill.cpus, at model.max_seq_len: a
+    teacher with fewer positions, heads tp does not split, or no weights, or one core for two
+    workers, passed the checks and failed once the meshes were up."""
+    import json
+    import shutil
+
+    from meshrl.config import Config, ConfigError
+    from meshrl.trainer.checks import check_teacher
+    from tests.conftest import build_lora_base
+
+    same = build_lora_base(tmp_path / "same")
+    short, bare = tmp_path / "short", tmp_path / "bare"
+    shutil.copytree(same, short)
+    hf = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**hf, "max_position_embeddings": 64}))
+    odd = tmp_path / "odd"  # (read for its config alone)
+    shutil.copytree(same, odd)
+    (odd / "config.json").write_text(json.dumps({**hf, "num_attention_heads": 3, "num_key_value_heads": 3}))
+    bare.mkdir()
+    for name in os.listdir(same):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(same, name), bare / name)
+    cases = [
+        ({}, short, r"max_position_embeddings=64 is under model.max_seq_len=256"),
+        ({"generator": {"tp": 2}}, odd, r"generator.tp=2, which the teacher's engine runs on too, does not split its 3 attention heads"),
+        ({}, bare, "no weight files"),
+    ]
+    for extra, teacher, why in cases:
+        with pytest.raises(ConfigError, match=why) as e:
+            check_teacher(Config.from_dict({**extra, "distill": {"teacher": str(teacher)}}))
+        assert e.value.field_path == "distill.teacher"
+    with pytest.raises(ConfigError, match=r"distill.cpus.*at least 2 cores") as e:
+        Config.from_dict({"generator": {"tp": 2}, "distill": {"teacher": str(same), "cpus": "0"}})
 
 
 def test_concat_pad_and_trim_keep_the_distillation_keys():

@@ -248,7 +248,7 @@ def _check_distill(c: Config) -> None:
             f"weights must be at least 0, got kl_weight={distill.kl_weight}, reward_weight={distill.reward_weight}",
         )
         need(distill.kl_weight > 0 or distill.reward_weight > 0, "distill.kl_weight", "kl_weight and reward_weight are both 0: nothing to learn from")
-        _check_cpus("distill.cpus", distill.cpus, 1, here)
+        _check_cpus("distill.cpus", distill.cpus, c.generator.tp, here)  # the teacher's engine runs generator.tp workers
 
 
 def _check_critic(c: Config) -> None:

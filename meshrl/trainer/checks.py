@@ -128,6 +128,35 @@ def check_teacher(c: Config) -> None:
             "distill.teacher",
             "its tokenizer.json gives tokens other ids than the policy's: the teacher scores the policy's token ids; distill from one of the same tokenizer",
         )
+    _check_teacher_engine(c)
+
+
+def _check_teacher_engine(c: Config) -> None:
+    """What vLLM refuses only once the teacher's engine starts (its generator.tp workers, on
+    model.max_seq_len): weights present, its positions cover model.max_seq_len, tp divides its heads."""
+    teacher = c.distill.teacher
+    if not any(n.endswith((".safetensors", ".bin")) for n in os.listdir(teacher)):
+        raise ConfigError("distill.teacher", f"{teacher!r} has a config.json but no weight files (*.safetensors): point it at a complete checkpoint")
+    try:
+        with open(os.path.join(teacher, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError("distill.teacher", f"its config.json does not read ({type(e).__name__}: {first_line(str(e))}): give a complete checkpoint") from None
+    hf = {**hf, **(hf.get("text_config") or {})}  # (a multimodal checkpoint's language model)
+    positions = hf.get("max_position_embeddings")
+    if isinstance(positions, int) and not hf.get("rope_scaling") and positions < c.model.max_seq_len:
+        raise ConfigError(
+            "distill.teacher",
+            f"its max_position_embeddings={positions} is under model.max_seq_len={c.model.max_seq_len}: "
+            "the teacher scores whole episodes; lower model.max_seq_len or distill from a longer checkpoint",
+        )
+    heads, kv_heads = hf.get("num_attention_heads"), hf.get("num_key_value_heads") or hf.get("num_attention_heads")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and not engine_splits_heads(heads, kv_heads, c.generator.tp):
+        raise ConfigError(
+            "distill.teacher",
+            f"generator.tp={c.generator.tp}, which the teacher's engine runs on too, does not split its {heads} attention heads "
+            f"({kv_heads} KV heads): {engine_tp_fix(heads, kv_heads, c.generator.tp)}",
+        )
 
 
 def _token_ids(directory: str | None) -> dict[str, int] | None:
