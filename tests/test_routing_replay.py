@@ -205,6 +205,11 @@ def test_the_trainer_replays_a_batchs_routed_experts():
             t.compute_logprobs(batch)
         same = (rec.experts == chosen).all(-1).all(-1)[positions.bool() & (batch["versions"] != PAD_VERSION)]
         assert same.all() if replays else not same.all()
+    # the step reports the share of trained tokens it had the sampler's routes for: one row's lost here
+    batch["routed_experts"][0] = -1
+    row = on.train_step(batch, current_version=0)
+    assert row["routing_replay_covered_frac"] == pytest.approx(0.75) and 0 <= row["routing_replay_changed_frac"] <= 1
+    assert "routing_replay_covered_frac" not in off.train_step(batch, current_version=0)
 
 
 @pytest.mark.slow

@@ -276,6 +276,7 @@ _PER_TOKEN_MEANS = {
     "distill_reverse_kl": "distill_reverse_kl_sum",  # added by the trainer for distillation batches
     "sampling_mask_miss_frac": "sampling_mask_miss_sum",  # added by the trainer under top-k / top-p
     "routing_replay_changed_frac": "routing_replay_changed_sum",  # added by the trainer under MoE routing replay
+    "routing_replay_covered_frac": "routing_replay_covered_sum",  # ... the trained tokens it had the sampler's routes for
 }
 
 
@@ -284,7 +285,7 @@ def reduce_metrics(metrics: Sequence[Mapping[str, Tensor | float]]) -> dict[str,
 
     `_sum` keys add up and `_max` keys take the max; then per-token sums become means over
     tokens_sum (clip_frac, is_weight_mean, masked_frac, mismatch, kl, entropy,
-    distill_reverse_kl, sampling_mask_miss_frac, routing_replay_changed_frac), `_max` keys keep their name, and loss / tokens / seqs are the
+    distill_reverse_kl, sampling_mask_miss_frac, routing_replay_changed_frac and _covered_frac), `_max` keys keep their name, and loss / tokens / seqs are the
     totals (each call's loss is already a normalised contribution, so their sum is the
     batch loss). Across ranks: all-reduce each
     `_sum` tensor with SUM and each `_max` with MAX first, then pass the one merged dict.

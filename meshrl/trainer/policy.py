@@ -301,6 +301,8 @@ class PolicyTrainer:
                 at_token = torch.zeros_like(packed["loss_mask"])
                 at_token[:, 1:] = replay_changed[0][:, :-1]
                 m["routing_replay_changed_sum"] = (at_token & packed["loss_mask"]).sum().float() * float(bool(idx))
+                covered = (packed["routed_experts"][..., 0, 0] >= 0) & packed["loss_mask"]  # a row of -1: the sampler's routes lost
+                m["routing_replay_covered_sum"] = covered.sum().float() * float(bool(idx))
             metrics.append({k: v.detach().cpu() for k, v in m.items()})
             if idx:
                 mask, lag = packed["loss_mask"].cpu(), lag.cpu()
