@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from datetime import timedelta
 
 os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")  # dead procs seen in 1 s, not 10
 
@@ -330,6 +331,51 @@ def test_a_two_buffer_receiver_lets_the_next_version_replace_the_unfetched_one()
     bufs.complete(3, third)
     bufs.drop_handed_out()  # version 1 loaded: its buffer serves the next receive
     assert bufs.take() is first and bufs.take_latest(1)[0] == 3
+
+
+def test_a_collective_of_three_receivers_gets_every_version_to_each():
+    """gloo's broadcast is a tree: with three receivers the sender's sends could end before the
+    receiver two hops down had read the version's header, which the sender then deleted: that
+    receiver waited for it for good, the one feeding it timed out, and the sender read the
+    version as sent. Every receiver reads each header before the broadcast starts."""
+    import socket
+
+    import torch.distributed as dist
+
+    from meshrl.weightsync.buffers import ReceiveBuffers
+    from meshrl.weightsync.collective import CollectiveReceiver, CollectiveSender, wait_latest
+    from meshrl.weightsync.spec import SyncSpec
+
+    VERSIONS = 20  # (the race showed within a few, before the mend)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    spec = SyncSpec("collective", timeout_s=20, store_host="127.0.0.1", store_port=port, world_size=4, group_name="three")
+    base = model_tensors()
+    layout = plan_layout(base, 1 << 20)
+    pool = StagingPool(lease_timeout_s=30)
+    buffers = [ReceiveBuffers() for _ in range(3)]
+    made: dict = {}
+    joins = [threading.Thread(target=lambda r=r: made.__setitem__(r, CollectiveReceiver(spec, r, buffers[r - 1]))) for r in (1, 2, 3)]
+    for t in joins:
+        t.start()
+    sender = CollectiveSender(pool, spec)
+    for t in joins:
+        t.join(30)
+    try:
+        for version in range(VERSIONS):
+            pool.publish(version, layout, version_tensors(base, version))
+            for r in (1, 2, 3):
+                got = wait_latest(buffers[r - 1], made[r], version, time.monotonic() + 20)
+                assert got is not None and got[0] == version, (r, version, made[r].error, sender.error)
+                assert checksum(unpack(got[1], layout)) == checksum(version_tensors(base, version))
+                buffers[r - 1].give_back(got[1])
+        assert sender.error is None and sender.sent_version == VERSIONS - 1
+    finally:
+        for end in (sender, *made.values()):
+            end.close()
+        del store
 
 
 def test_an_engine_receives_into_its_gpu_only_where_every_peer_holds_one():

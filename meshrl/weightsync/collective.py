@@ -6,7 +6,8 @@ CPU machines the suite runs it with gloo.
 Signalling goes through the controller's TCPStore, not through the group: before each
 version the sender writes a small header (version, layout id, the layout itself only when
 it changed) under `<group>/hdr/<seq>`; receivers wait on that key with a short poll, so an
-idle trainer is never a timeout, and then join the bucket broadcasts. The group is created
+idle trainer is never a timeout, count themselves in `read/<seq>` and join the bucket
+broadcasts, which the sender starts once every receiver has read the header. The group is created
 with `timeout_s`, so a dead peer in a broadcast is an error within the timeout (NCCL's
 too: `compat.nccl_errors_raise`); after an error the sender/receiver stop, their thread frees the
 group, and the controller re-creates it under a new name (`WeightSync.reconnect`).
@@ -138,8 +139,10 @@ class CollectiveSender:
                 new_layout = layout.layout_id != layout_sent
                 header = {"version": lease.version, "layout_id": layout.layout_id, "layout": layout.to_json() if new_layout else None}
                 self.store.set(f"hdr/{seq}", json.dumps(header))  # JSON: the store takes any local client's writes
+                self._wait_read(seq, lease.version)
                 broadcast_buckets(self.pg, layout.bucket_views(lease.slot.flat), self.spec.timeout_s)
-                self.store.delete_key(f"hdr/{seq}")  # every receiver read it before the broadcast
+                self.store.delete_key(f"hdr/{seq}")
+                self.store.delete_key(f"read/{seq}")
                 layout_sent, self.sent_version, seq = layout.layout_id, lease.version, seq + 1
             except Exception as e:  # noqa: BLE001 - recorded, reported by `check`
                 if not self._stop.is_set():  # (closed: the abort ended the wait, nothing failed)
@@ -148,6 +151,17 @@ class CollectiveSender:
                 return
             finally:
                 self.pool.release(lease)
+
+    def _wait_read(self, seq: int, version: int) -> None:
+        """Until every receiver has read header `seq` (each counts itself in `read/<seq>`). The
+        broadcast's end does not say so: gloo's is a tree, and the root's sends can finish
+        before a receiver two hops down has joined, which then waited for a header deleted
+        under it while the rank feeding it timed out."""
+        deadline = time.monotonic() + self.spec.timeout_s
+        while self.store.add(f"read/{seq}", 0) < self.spec.world_size - 1:
+            if self._stop.is_set() or time.monotonic() > deadline:
+                raise WeightSyncError(f"not every receiver read the header of version {version} within {self.spec.timeout_s:.0f}s")
+            time.sleep(HEADER_POLL_S)
 
 
 class CollectiveReceiver:
@@ -191,6 +205,7 @@ class CollectiveReceiver:
             flat = None
             try:
                 header = json.loads(self.store.get(key))
+                self.store.add(f"read/{seq}", 1)  # the sender deletes the header once every receiver has
                 version, layout_id = int(header["version"]), str(header["layout_id"])
                 if header["layout"] is not None:
                     layout = Layout.from_json(header["layout"])
