@@ -875,6 +875,43 @@ def test_a_loaded_version_takes_its_weights_name_only_when_surely_its_bytes(monk
     asyncio.run(main())
 
 
+def test_a_replicas_weight_updates_fetch_load_and_release_one_at_a_time(monkeypatch):
+    """A retry after a reconnect and the heal's own update could run on one replica at once: the
+    second fetch released the first's shm lease (or handed its receive buffer back) while the
+    first still loaded from it. Each fetch, load and release runs whole before the next."""
+    from types import SimpleNamespace
+
+    import meshrl.generator.service as service
+    from meshrl.generator.actor import GeneratorActor
+
+    monkeypatch.setattr(service, "VLLMEngine", FakeEngine)
+    events = []
+
+    class Subscriber:
+        spec, version = SimpleNamespace(transport="shm"), -1
+
+        async def fetch(self, version: int):
+            events.append(("fetch", version))
+            await asyncio.sleep(0.05)
+            self.version = max(self.version, version)
+            return self.version, {}
+
+        async def loaded(self) -> None:
+            await asyncio.sleep(0.05)
+            events.append(("loaded", self.version))
+
+    async def main():
+        actor = object.__new__(GeneratorActor)
+        actor.generator = service.Generator(Config.from_dict({"generator": {"max_new_tokens": 2}}), "unused")
+        await actor.generator.start(0)
+        actor.subscriber = Subscriber()
+        await asyncio.gather(actor._sync(3, 0.0, None), actor._sync(3, 0.0, None))
+        return actor.generator.version
+
+    assert asyncio.run(main()) == 3
+    assert [kind for kind, _ in events] == ["fetch", "loaded", "fetch", "loaded"], events
+
+
 # ---- a real engine on a proc mesh -----------------------------------------------------------------
 @pytest.mark.slow
 def test_cpu_engine_runs_the_model_in_its_engine_core_process(world):

@@ -20,6 +20,7 @@ checkpoint (pinned to distill.cpus, scoring at generator.temperature, never upda
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import os
 import time
@@ -172,7 +173,18 @@ class GeneratorActor(Actor):
             await asyncio.sleep(0.05)
         return await self._sync(version, t0, weights_id)
 
+    @functools.cached_property
+    def _sync_lock(self) -> asyncio.Lock:
+        return asyncio.Lock()
+
     async def _sync(self, version: int, t0: float, weights_id: str | None) -> dict:
+        # One fetch-load-release at a time: a retry after a reconnect can meet the heal's own
+        # update of this replica, and a second fetch released the first's shm lease (or handed
+        # its receive buffer back) while that one was still loading from it: torn weights.
+        async with self._sync_lock:
+            return await self._sync_once(version, t0, weights_id)
+
+    async def _sync_once(self, version: int, t0: float, weights_id: str | None) -> dict:
         # The name goes with the bytes only where they are surely the ones it names: `version`
         # itself (not a newer one), just transferred from the trainer connected now (not what
         # the subscriber held: after a heal, a dead trainer's), and not read from files (a dead
