@@ -378,6 +378,25 @@ def test_a_collective_of_three_receivers_gets_every_version_to_each():
         del store
 
 
+def test_a_fetch_after_a_failed_reconnect_is_a_weight_sync_error():
+    """A collective join that failed left the old spec in place and no receiver: the next fetch
+    raised AttributeError on None, where its contract is a WeightSyncError."""
+    import socket
+
+    from meshrl.weightsync.spec import SyncSpec
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    sub = Subscriber(WeightSyncConfig(timeout_s=1.0))
+    sub.configure(SyncSpec("files", timeout_s=1.0, files_dir="/nonexistent"), 0, None)
+    with pytest.raises(Exception):
+        sub.configure(SyncSpec("collective", timeout_s=1.0, store_host="127.0.0.1", store_port=port, world_size=2, group_name="gone"), 1, None)
+    with pytest.raises(WeightSyncError):
+        asyncio.run(sub.fetch(0, timeout=0.2))
+    sub.close()
+
+
 def test_an_engine_receives_into_its_gpu_only_where_every_peer_holds_one():
     """A GPU engine's collective receiver (a vLLM worker's `WorkerReceive`) keeps its buffers
     on its GPU only over NCCL (SyncSpec.on_gpu): beside a CPU trainer the group is gloo and

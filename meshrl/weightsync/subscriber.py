@@ -72,6 +72,7 @@ class Subscriber:
     def _configure(self, spec: SyncSpec, rank: int, publisher) -> None:
         in_engine = spec.transport == "collective" and self.engine is not None
         before = self._shared  # its lease, if one is held, ends with the new reader's next release
+        self.spec = None  # until this connection is made: a fetch after a failed one says so, not an AttributeError
         self.close_transport(stop_engine=not in_engine)  # the engine's workers replace their receivers as they join anew
         if in_engine:
             self.version, self.tensors = -1, None  # what the old receivers handed out went with them
