@@ -385,16 +385,31 @@ def test_a_fetch_after_a_failed_reconnect_is_a_weight_sync_error():
 
     from meshrl.weightsync.spec import SyncSpec
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens there
+    import torch.distributed as dist
+
+    from meshrl.weightsync.collective import CollectiveSender
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    store = dist.TCPStore("127.0.0.1", ports[0], is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    spec = SyncSpec("collective", timeout_s=10.0, store_host="127.0.0.1", store_port=ports[0], world_size=2, group_name="first")
     sub = Subscriber(WeightSyncConfig(timeout_s=1.0))
-    sub.configure(SyncSpec("files", timeout_s=1.0, files_dir="/nonexistent"), 0, None)
+    made = []
+    join = threading.Thread(target=lambda: made.append(CollectiveSender(StagingPool(lease_timeout_s=10), spec)))
+    join.start()
+    sub.configure(spec, 1, None)  # connected once
+    join.join(30)
+    made[0].close()
+    gone = SyncSpec("collective", timeout_s=1.0, store_host="127.0.0.1", store_port=ports[1], world_size=2, group_name="gone")
     with pytest.raises(Exception):
-        sub.configure(SyncSpec("collective", timeout_s=1.0, store_host="127.0.0.1", store_port=port, world_size=2, group_name="gone"), 1, None)
+        sub.configure(gone, 1, None)  # nothing listens there
     with pytest.raises(WeightSyncError):
         asyncio.run(sub.fetch(0, timeout=0.2))
     sub.close()
+    del store
 
 
 def test_an_engine_receives_into_its_gpu_only_where_every_peer_holds_one():
