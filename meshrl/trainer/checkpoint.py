@@ -54,7 +54,7 @@ def hf_state_dict(model: nn.Module, specs: ModelSpecs, dtype: torch.dtype | None
     adapter = specs.adapter_cls(specs.titan_config, None)
     adapted = {f"{fqn}.weight": m for fqn, m in lora_modules(model).items()} if merge_lora else {}
     # buffers keep their dtype: DeepSeek-V3's float32 router bias, which vLLM keeps in float32 too
-    buffers = {re.sub(r"(_checkpoint_wrapped_module|_orig_mod)\.", "", name) for name, _ in model.named_buffers()}
+    buffers = {state_name(name) for name, _ in model.named_buffers()}
     for name, tensor in model.state_dict().items():
         if ".lora_a." in name or ".lora_b." in name:
             continue  # folded into the base weight below
@@ -170,6 +170,12 @@ def read_hf_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def state_name(name: str) -> str:
+    """A parameter's or buffer's name as the model's state dict has it: `named_parameters` keeps
+    the wrapper modules of activation checkpointing and torch.compile in it, the state dict not."""
+    return re.sub(r"(_checkpoint_wrapped_module|_orig_mod)\.", "", name)
+
+
 def load_hf(model: nn.Module, specs: ModelSpecs, path: str | os.PathLike) -> None:
     """Load a HF checkpoint directory into `model` (plain or sharded), through the TorchTitan adapter."""
     adapter = specs.adapter_cls(specs.titan_config, str(path))
@@ -177,7 +183,7 @@ def load_hf(model: nn.Module, specs: ModelSpecs, path: str | os.PathLike) -> Non
     own = model.state_dict()
     # buffers (RoPE caches, MoE load-balancing biases) are not HF weights; LoRA adapters
     # keep their initialisation (B = 0: the loaded model is the checkpoint's)
-    missing = [name for name, _ in model.named_parameters() if name not in titan and ".lora_" not in name]
+    missing = [name for name in (state_name(n) for n, _ in model.named_parameters()) if name not in titan and ".lora_" not in name]
     if missing:
         raise KeyError(f"{path} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     with torch.no_grad():

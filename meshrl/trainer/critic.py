@@ -162,10 +162,11 @@ def load_head(head: nn.Module, score: Mapping[str, torch.Tensor], source: str) -
 def load_trunk(model: nn.Module, tensors: Mapping[str, torch.Tensor], source: str = "the state dict") -> None:
     """Copy every parameter (and matching buffer) but the head from TorchTitan-named
     `tensors` into `model`, in place; a missing or misshapen trunk weight is an error."""
-    missing = [n for n, _ in model.named_parameters() if not n.startswith(HEAD + ".") and n not in tensors]
+    from meshrl.trainer.checkpoint import copy_whole_into, state_name
+
+    missing = [n for n in (state_name(n) for n, _ in model.named_parameters()) if not n.startswith(HEAD + ".") and n not in tensors]
     if missing:
         raise KeyError(f"{source} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    from meshrl.trainer.checkpoint import copy_whole_into
 
     with torch.no_grad():
         for name, target in model.state_dict().items():
