@@ -14,7 +14,7 @@ import torch
 from meshrl.config import LossConfig, ModelConfig
 from meshrl.episode import FINISH_REASONS, Episode, Turn, pack
 from meshrl.trainer import checkpoint as ckpt
-from meshrl.trainer.critic import CriticTrainer, build_value_model, token_values
+from meshrl.trainer.critic import CriticTrainer, build_value_model, export_value_model_hf, token_values
 from meshrl.trainer.losses import policy_loss
 from meshrl.trainer.model import build_model
 from meshrl.trainer.packing import row_lengths
@@ -332,6 +332,25 @@ def test_critic_micro_batches_match_one_batch_and_state_round_trips():
     assert a["version"] == b["version"] == 3 and a["value_loss"] == pytest.approx(b["value_loss"], rel=1e-6)
     for p, q in zip(critics[0].model.parameters(), resumed.model.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_the_critic_takes_the_policys_activation_checkpointing(mode, tmp_path):
+    """Long rows fit the policy under trainer.activation_checkpoint, and the critic (the policy's
+    size) kept every activation: it is checkpointed as the policy, with the same values, the
+    same step, and its weights' names unchanged, started from a checkpoint too."""
+    batch = toy_batch(1, rows=4)
+    plain, wrapped = (CriticTrainer(ModelConfig(), lr=1e-2, seed=4, micro_batch_size=4, activation_checkpoint=m) for m in ("none", mode))
+    assert any("_checkpoint_wrapped_module" in n for n, _ in wrapped.model.named_parameters())
+    assert list(wrapped.model.state_dict()) == list(plain.model.state_dict())
+    returns, old = plain.advantages(batch)
+    for _ in range(2):
+        a, b = plain.train_step(batch, returns, old), wrapped.train_step(batch, returns, old)
+        assert a["value_loss"] == pytest.approx(b["value_loss"], rel=1e-6)
+    torch.testing.assert_close(plain.values(batch), wrapped.values(batch))
+    path = export_value_model_hf(wrapped.model, wrapped.specs, tmp_path / "critic")
+    again = CriticTrainer(ModelConfig(), init_from=path, activation_checkpoint=mode)
+    torch.testing.assert_close(again.values(batch), wrapped.values(batch), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3"])

@@ -513,6 +513,13 @@ def test_ppos_critic_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypatch)
     (critic,) = memory.gpu("hosts", 0, 2).holdings
     assert critic.role == "critic" and dict(critic.lines)["weights (float32)"] > 0 and "weight-sync staging (2 slots)" not in dict(critic.lines)
     assert "critic 0:" in memory.table() and not memory.problems
+    # it runs packed to trainer.micro_batch_tokens and checkpointed as the policy: counted so
+    from meshrl.launch.holdings import critic_holding
+    from meshrl.launch.shape import model_shape
+
+    long = config(trainer={**gae["trainer"], "micro_batch_tokens": 4096, "activation_checkpoint": "full"}, launcher={"gpus_per_host": 5, "gpu_memory_gib": 80})
+    lines = dict(critic_holding(long, model_shape(long)).lines)
+    assert "activations (full checkpointing, 4096 tokens)" in lines, sorted(lines)
     with pytest.raises(ConfigError) as e:
         plan_devices(config(**gae, launcher={"gpus_per_host": 4}))
     assert "+ the critic 1" in str(e.value), str(e.value)

@@ -99,23 +99,44 @@ def trainer_holding(config: Config, shape: Shape, rank: int, staging_on_gpu: boo
     return h
 
 
+def critic_checkpointing(config: Config) -> str:
+    """The critic's activation checkpointing: the policy's trainer.activation_checkpoint, but
+    `full` for `memory_budget`, which needs compiled blocks (the critic's are not compiled)."""
+    mode = config.trainer.activation_checkpoint
+    return "full" if mode == "memory_budget" else mode
+
+
 def critic_holding(config: Config, shape: Shape, rank: int = 0) -> Holding:
     """PPO's critic: the policy's shape with a one-value head, trained in full, sharded by
-    FSDP over its `critic.procs` procs, no activation checkpointing, no KL reference, nothing
-    staged for weight sync. Counted as a trainer rank of that kind (its LM head counted
-    whole: a little over), at the shape of `critic.path` where it names a checkpoint of its own."""
+    FSDP over its `critic.procs` procs, checkpointed as `critic_checkpointing` says, its rows
+    packed to trainer.micro_batch_tokens where that is set (else critic.micro_batch_size rows
+    a forward), no KL reference, nothing staged for weight sync. Counted as a trainer rank of
+    that kind (its LM head counted whole: a little over), at the shape of `critic.path` where
+    it names a checkpoint of its own."""
     if config.critic.path is not None:
         shape = model_shape(config, config.critic.path)
     return _one_proc_holding(
-        config, shape, "critic", rank, config.critic.micro_batch_size, reference=False, dtype=config.trainer.compute_dtype, procs=config.critic.procs
+        config,
+        shape,
+        "critic",
+        rank,
+        config.critic.micro_batch_size,
+        reference=False,
+        dtype=config.trainer.compute_dtype,
+        procs=config.critic.procs,
+        checkpointing=critic_checkpointing(config),
+        tokens=config.trainer.micro_batch_tokens,
     )
 
 
-def _one_proc_holding(config: Config, shape: Shape, role: str, index: int, rows: int, reference: bool, dtype: str, procs: int = 1) -> Holding:
+def _one_proc_holding(
+    config: Config, shape: Shape, role: str, index: int, rows: int, reference: bool, dtype: str, procs: int = 1, checkpointing: str = "none", tokens: int = 0
+) -> Holding:
     """A model trained in full beside the trainer (the critic, an implicit PRM): a trainer
     rank's holding, sharded over `procs` (1: unsharded), `rows` rows of model.max_seq_len a
-    forward, a frozen float32 reference copy where it keeps one, computing in `dtype`, nothing staged."""
-    t = replace(config.trainer, procs=procs, tp=1, cp=1, dp_shard=-1, activation_checkpoint="none", micro_batch_size=rows, micro_batch_tokens=0)
+    forward (or `tokens` packed), a frozen float32 reference copy where it keeps one, computing
+    in `dtype`, nothing staged."""
+    t = replace(config.trainer, procs=procs, tp=1, cp=1, dp_shard=-1, activation_checkpoint=checkpointing, micro_batch_size=rows, micro_batch_tokens=tokens)
     t = replace(t, compute_dtype=dtype, loss=replace(t.loss, kl_coef=1.0 if reference else 0.0))
     h = trainer_holding(replace(config, trainer=t, lora=replace(config.lora, rank=0)), shape, 0, staging_on_gpu=False)
     return replace(h, role=role, index=index)

@@ -351,8 +351,10 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
             out.append(
                 (
                     "critic.procs",
-                    f"{at} for the critic's step: shard it over more procs (critic.procs={2 * config.critic.procs}), lower critic.micro_batch_size, "
-                    "or set trainer.device=cpu (the critic beside a CPU trainer)",
+                    f"{at} for the critic's step: shard it over more procs (critic.procs={2 * config.critic.procs}), "
+                    + ("lower trainer.micro_batch_tokens (its rows are packed to it)" if config.trainer.micro_batch_tokens else "lower critic.micro_batch_size")
+                    + (", set trainer.activation_checkpoint=full" if config.trainer.activation_checkpoint != "full" else "")
+                    + ", or set trainer.device=cpu (the critic beside a CPU trainer)",
                 )
             )
         else:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import nn
 
-from meshrl.config import ModelConfig
+from meshrl.config import ModelConfig, TrainerConfig
 from meshrl.episode import trim
 from meshrl.trainer.head import float32_logits, head_logits
 from meshrl.trainer.logprobs import hidden_states
@@ -203,7 +203,9 @@ class CriticTrainer:
     micro_batch_tokens (> 0: a token budget, rows packed), epochs (optimizer steps per
     batch, verl's critic ppo_epochs), seed, device, init_from (see `build_value_model`),
     compute_dtype (autocast on CPU; float32 master weights), hf_overrides (build_model's,
-    for a checkpoint's shapes built from scratch).
+    for a checkpoint's shapes built from scratch), activation_checkpoint (TorchTitan's, of each
+    block: `full` or `selective`; the policy's trainer.activation_checkpoint, so that long rows
+    fit the value model, the policy's size, as they fit the policy).
     """
 
     def __init__(
@@ -228,6 +230,7 @@ class CriticTrainer:
         init_from: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
         compute_dtype: torch.dtype = torch.float32,
         hf_overrides: dict | None = None,
+        activation_checkpoint: str = "none",
     ):
         self.device = torch.device(device)
         self.value_clip, self.gamma, self.lam, self.aggregation = value_clip, gamma, lam, aggregation
@@ -248,6 +251,10 @@ class CriticTrainer:
 
             titan_float32_islands_under_cpu_autocast(self.model)
         self.dp_rank, self.dp_world, self._dp_group = 0, 1, None
+        if activation_checkpoint != "none":  # TorchTitan's order: checkpointing, then sharding
+            from meshrl.trainer.parallelize import ac_config
+
+            ac_config(TrainerConfig(activation_checkpoint=activation_checkpoint)).build(dump_folder="/tmp").apply(self.model)
         if sharded:
             self._shard()
         if on_meta:

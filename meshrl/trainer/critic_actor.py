@@ -43,6 +43,7 @@ from meshrl.config.cpus import cpus_for
 from meshrl.futures import awaited, by_rank, settled, stopped_on_failure
 from meshrl.host import gloo_on_this_host, host_address, procs_dead, started
 from meshrl.launch.devices import planned_gpu
+from meshrl.launch.holdings import critic_checkpointing
 from meshrl.logs import capture_role_output
 from meshrl.pinning import pin_this_process
 from meshrl.trainer.actor import init_process_group_listening_on
@@ -107,6 +108,7 @@ def build_critic(config: Config, device: str = "cpu") -> CriticTrainer:
         device=device,
         compute_dtype=compute_dtype(config.trainer, device),
         hf_overrides=overrides,
+        activation_checkpoint=critic_checkpointing(config),
     )
 
 
