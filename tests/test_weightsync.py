@@ -204,6 +204,12 @@ def test_staging_never_overwrites_a_leased_slot():
     for ok, lease in zip(intact, leases):
         if ok:  # a lease reported intact really is
             assert checksum(unpack(lease.slot.flat, layout)) == checksum(version_tensors(base, lease.version))
+    # leases never released (a dead reader's, a failed read's) are let go once expired: each held
+    # its slot and buffer for good, slots a new layout had dropped among them
+    pool.acquire(0)
+    time.sleep(pool.lease_timeout_s + 0.05)
+    pool.publish(9, layout, version_tensors(base, 9))
+    assert len(pool._by_id) == 0
 
 
 def test_staging_lease_on_a_version_being_copied_follows_the_copy():

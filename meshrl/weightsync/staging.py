@@ -130,6 +130,11 @@ class StagingPool:
     def _claim(self, layout: Layout) -> Slot:
         deadline = time.monotonic() + self.lease_timeout_s
         with self._lock:
+            # leases never released (their reader died, or its read failed) are let go here: each
+            # held its slot, and with it a whole version's buffer (a GPU's, when staged there)
+            now = time.monotonic()
+            for i in [i for i, lease in self._by_id.items() if lease.granted + self.lease_timeout_s < now]:
+                del self._by_id[i]
             if self.slots and self.slots[0].layout.layout_id != layout.layout_id:
                 # New shapes: old slots stay alive through their leases, new ones are allocated.
                 self.slots, self.latest = [], None
