@@ -917,6 +917,28 @@ def test_a_rollout_worker_turns_step_scores_into_advantages_that_change_at_the_d
         assert [p for p, _ in ep.process] == ends and ep.signals["steps"] == float(len(text.replace(tok.eos_token, "")))
 
 
+def test_a_judge_runs_on_the_one_gpu_its_replica_holds_whatever_generator_tp(tmp_path, monkeypatch):
+    """The device plan gives a judge replica one GPU, and its engine was built with the policy's
+    generator.tp: at tp=2 it could not start; the memory plan divided its weights by 2 too."""
+    import meshrl.generator.engine as engine
+    from meshrl.launch.devices import plan_devices
+    from meshrl.launch.memory import plan_memory
+    from meshrl.scorers.backends import Judge
+    from tests.conftest import build_lora_base
+
+    path = build_lora_base(tmp_path / "judge")
+    built = []
+    monkeypatch.setattr(engine, "VLLMEngine", lambda gen, *a, **k: built.append(gen))
+    spec = {"kind": "judge", "path": str(path), "template": "Rate {response}"}
+    cfg = Config.from_dict({"generator": {"tp": 2}, "launcher": {"gpus_per_host": 4, "gpu_memory_gib": 80}, "scoring": {"scorers": [spec]}})
+    Judge(cfg.scoring.scorers[0], cfg.generator)
+    assert [g.tp for g in built] == [1]
+    plan = plan_devices(cfg)
+    assert [s.gpus for s in plan.slots if s.role == "scorer"] == [(3,)]
+    (judge,) = [h for g in plan_memory(cfg, plan=plan).gpus for h in g.holdings if h.role == "scorer"]
+    assert "(1/1)" in judge.notes[0], judge.notes
+
+
 def test_a_hybrid_thinking_judge_is_asked_to_answer_at_once(tmp_path):
     """Qwen3's template thinks unless told not to: the documented Qwen3-8B judge spent its 8
     reply tokens inside <think> and scored every episode unparsable (0)."""

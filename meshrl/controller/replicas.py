@@ -315,7 +315,7 @@ class ScorerPool:
         index, replica = self.slots[slot]
         n = self.config.scoring.scorers[index].procs  # a sharded PRM's ranks (scorers/prm.py); else 1
         if (index, replica) not in scorer_slots(self.config):  # a remote client holds no GPU, nor does a PRM beside a CPU trainer
-            procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": n}, bootstrap_command=self.alloc.bootstrap("coord"))
+            procs = self.alloc.host_mesh("coord").spawn_procs(per_host={"procs": n}, bootstrap_command=self.alloc.bootstrap("coord", list(range(n))))
         else:  # its GPUs are the device plan's scorer slots (none on CPU), on the first generator host
             first = scorer_slots(self.config).index((index, replica))
             bootstrap = self.alloc.bootstrap("scorer", list(range(first, first + n)))

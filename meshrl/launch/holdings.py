@@ -195,7 +195,8 @@ def scorer_holding(config: Config, index: int, capacity: float) -> Holding:
         return _one_proc_holding(config, shape, "scorer", index, -(-spec.batch_size // spec.procs), reference=True, dtype="float32", procs=spec.procs)
     if spec.kind == "judge":
         try:
-            return generator_holding(config, model_shape(config, spec.path), "scorer", index, capacity, False)
+            one_gpu = replace(config, generator=replace(config.generator, tp=1))  # its engine's (scorers/backends.Judge)
+            return generator_holding(one_gpu, model_shape(config, spec.path), "scorer", index, capacity, False)
         except ValueError:  # not a trainer family: no weights and KV breakdown, the budget holds either way
             g = config.generator
             return Holding(

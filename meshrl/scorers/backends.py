@@ -28,6 +28,7 @@ step (process rewards, meshrl/scorers/process.py). A `Failed` result fails its e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.client
 import json
 import math
@@ -231,7 +232,8 @@ class Judge:
             positions = json.load(f).get("max_position_embeddings") or spec.max_len + spec.max_new_tokens
         context = min(spec.max_len + spec.max_new_tokens, positions)  # never past what the checkpoint was built for
         self.prompt_len = max(1, context - spec.max_new_tokens)
-        self.engine = VLLMEngine(gen_config, spec.path, dtype=dtype, max_model_len=context, seed=seed)
+        # one GPU a judge replica on the device plan, whatever generator.tp the policy's engines use
+        self.engine = VLLMEngine(dataclasses.replace(gen_config, tp=1), spec.path, dtype=dtype, max_model_len=context, seed=seed)
         self._ids = 0
 
     async def start(self) -> float:
