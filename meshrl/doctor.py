@@ -138,6 +138,10 @@ def short_run(root: str, name: str, overrides: dict, steps: int = 3, on_policy: 
     return "passed", f"engine up in {started:.0f}s; {steps} steps, versions {versions[0]}..{versions[-1]}, log-prob mismatch {worst:.1e}"
 
 
+SYNC = {"buffer": {"depth": 0, "max_lag": 0}, "generator": {"update_mode": "block"}}
+"""A synchronous run: each step's batch sampled by the weights it trains."""
+
+
 def run_doctor(keep: str | None = None) -> list[Row]:
     from meshrl.launch.devices import detected_gpus
 
@@ -156,13 +160,17 @@ def run_doctor(keep: str | None = None) -> list[Row]:
     if n == 1:
         rows.append(Row("split run", "skipped", 0.0, "one GPU: trainer and generator cannot hold GPUs of their own"))
     else:
-        split, transport = (
-            ("split run: NCCL into the engine's workers", "collective") if n >= 2 else ("split async run: weights synced while generating", "auto")
+        # on GPUs synchronous, so that weights NCCL delivered wrong show as a log-prob mismatch
+        # (async, a stale batch's mismatch is no fault); on CPU the asynchronous path's versions
+        split, overrides = (
+            ("split sync run: NCCL into the engine's workers, log-prob match", {"weight_sync": {"transport": "collective"}, **SYNC})
+            if n >= 2
+            else ("split async run: weights synced while generating", {"weight_sync": {"transport": "auto"}})
         )
         rows.append(
             _try(
                 split,
-                lambda: short_run(root, "split", {"placement": "split", "weight_sync": {"transport": transport}}, on_policy=False),
+                lambda: short_run(root, "split", {"placement": "split", **overrides}, on_policy=n >= 2),
                 "read the run's logs in " + os.path.join(root, "split"),
             )
         )

@@ -38,6 +38,24 @@ def test_a_broken_path_fails_its_row_with_the_fix_and_the_exit_status(monkeypatc
     assert "failed" in out and "1 of 2 paths passed or skipped" in out and "failed: sandbox (bubblewrap)" in out
 
 
+def test_on_gpus_the_split_row_is_synchronous_and_checks_the_log_probs(monkeypatch):
+    """The NCCL split row ran asynchronously with the log-prob check off: weights delivered wrong
+    passed. On GPUs it is a synchronous run, checked as the colocated one is; on CPU it stays
+    the asynchronous path."""
+    import meshrl.launch.devices as devices
+
+    runs = {}
+    monkeypatch.setattr(doctor, "short_run", lambda root, name, overrides, on_policy=True: runs.setdefault(name, (overrides, on_policy)) and ("passed", ""))
+    for fn in ("gpus", "monarch_procs", "sandbox", "slurm"):
+        monkeypatch.setattr(doctor, fn, lambda: ("passed", ""))
+    for n, synchronous in ((2, True), (0, False)):
+        runs.clear()
+        monkeypatch.setattr(devices, "detected_gpus", lambda n=n: n)
+        doctor.run_doctor()
+        overrides, on_policy = runs["split"]
+        assert on_policy is synchronous and (overrides.get("buffer") == {"depth": 0, "max_lag": 0}) is synchronous, overrides
+
+
 def test_the_slurm_row_asks_the_controller_as_a_slurm_run_would(tmp_path, monkeypatch):
     """The row said passed for Slurm's commands on PATH, where a run was then refused because
     `sinfo` could not reach a controller; it asks `sinfo` now, as launcher.kind=slurm's check does."""
