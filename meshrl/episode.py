@@ -41,6 +41,7 @@ a teacher's scores, `assign_distill_advantages` adds `token_advantage`.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
@@ -54,8 +55,6 @@ FINISH_REASONS = {"stop": 0, "length": 1, "abort": 2, "failed": 3}
 """`stop`: the env ended the episode; `length`: out of tokens or turns; `abort`: cut by a
 shutdown; `failed`: the env raised or timed out (reward 0)."""
 PAD_VERSION = -1
-MAX_MODELS = 1024
-"""Trained models in one run at most (a game's advantage groups are group_id x this + model)."""
 Role = Literal["model", "env"]
 
 
@@ -105,6 +104,8 @@ class Episode:
     """A game's episode: its threads, each a row of its own (`rows`); empty for an env's."""
     opening: Any = None
     """A game's thread: the observation that opened it (what its model's scorers are sent as the prompt)."""
+    role: str | None = None
+    """A game's thread: the part it plays (`Ask.role`), for its advantage baseline (`baseline_groups`)."""
     info: dict[str, float] = field(default_factory=dict)
     """A game's episode: the numbers of its Outcome's `info`, reported as `game/KEY` (meshrl/agent/game.py)."""
 
@@ -213,6 +214,7 @@ def pack(episodes: Sequence[Episode]) -> TensorDict:
     )
     if game:
         td["model"] = torch.tensor([e.model for e in episodes], dtype=torch.int64)
+        td["role"] = torch.tensor([role_key(e.role) for e in episodes], dtype=torch.int64)
     if experts is not None:
         td["routed_experts"] = experts
     if teacher is not None:
@@ -239,7 +241,7 @@ def concat(batches: Sequence[TensorDict]) -> TensorDict:
         raise ValueError("concat needs at least one batch")
     T = max(b["tokens"].shape[1] for b in batches)
     # Keys a batch may lack: process rewards (a group queued before a run had them: none), a
-    # game's `model` (a group whose every episode failed before any turn has no threads: its
+    # game's `model` and `role` (a group whose every episode failed before any turn has no threads: its
     # rows, all failed, are the policy's, as `Episode.rows` packs them), and what model turns
     # carry (MoE routing, a teacher's scores) in a group with none (every prompt too long, every
     # reset failed): routed live (-1), and no loss token a teacher's 0 could reach
@@ -247,6 +249,7 @@ def concat(batches: Sequence[TensorDict]) -> TensorDict:
     missing = {
         "process_reward": lambda b: torch.zeros(b["tokens"].shape, dtype=torch.float32),
         "model": lambda b: torch.zeros(b.batch_size, dtype=torch.int64),
+        "role": lambda b: torch.zeros(b.batch_size, dtype=torch.int64),
         "routed_experts": lambda b: torch.full((*b["tokens"].shape, *experts.shape[2:]), -1, dtype=torch.int32),
         "teacher_logprobs": lambda b: None if b["loss_mask"].any() else torch.zeros(b["tokens"].shape, dtype=torch.float32),
     }
@@ -314,6 +317,20 @@ def group_advantages(reward: torch.Tensor, group_id: torch.Tensor, mode: Literal
     raise ValueError(f"unknown advantage mode {mode!r}")
 
 
+def role_key(role: str | None) -> int:
+    """A thread's role as a number for the rollout batch (0: none)."""
+    return 0 if role is None else 1 + zlib.crc32(role.encode()) % (2**31)
+
+
+def baseline_groups(td: TensorDict) -> torch.Tensor:
+    """[B] each row's advantage baseline group: its prompt's group, apart by model and, in a
+    game, by the role its thread plays (`Ask.role`), so that self-play's proposer is not
+    measured against its solver's rows (nor their rewards' scale)."""
+    zero = torch.zeros_like(td["group_id"])
+    keys = torch.stack([td["group_id"], row_models(td), td["role"] if "role" in td.keys() else zero], dim=1)
+    return torch.unique(keys, dim=0, return_inverse=True)[1]
+
+
 def row_models(td: TensorDict) -> torch.Tensor:
     """[B] each row's model (its index in `config.model_names()`): a game's `model` key, else 0 (the policy's)."""
     return td["model"] if "model" in td.keys() else torch.zeros_like(td["group_id"])
@@ -332,13 +349,13 @@ def assign_advantages(td: TensorDict, mode: str | Sequence[str]) -> TensorDict:
     A group with fewer than two episodes left gets advantage 0 under `rloo`. `gae` (PPO with a
     critic) fills `grpo`'s: the policy trains on it during `critic.policy_warmup`, and on the
     critic's per-token advantages, written at the trainer, after. A game's rows are
-    normalised within (group, model): each model against its own rows of the prompt, by its
-    own mode where `mode` is a list (one per model, by its index in `config.model_names()`)."""
+    normalised within (group, model, role) (`baseline_groups`): each model against its own rows
+    of the prompt, by its own mode where `mode` is a list (one per model, by its index in
+    `config.model_names()`), and each role its threads play apart."""
     failed = td["finish_reason"] == FINISH_REASONS["failed"]
     advantage = torch.zeros_like(td["reward"])
     ok = ~failed
-    model = row_models(td)
-    gid = td["group_id"] * MAX_MODELS + model
+    model, gid = row_models(td), baseline_groups(td)
     for m in torch.unique(model[ok]).tolist():
         rows = ok & (model == m)
         how = mode if isinstance(mode, str) else mode[m]
@@ -363,14 +380,14 @@ def without_signal(group: TensorDict) -> bool:
     left out) all have the same reward, or fewer than two trained, so every group advantage
     is 0; and no per-token advantage (distillation) is non-zero on a trained token. Compared
     on the rewards, not the advantages: equal float rewards can leave a rounding residue in
-    a normalised advantage. A game's rows are compared within each model (its advantages
-    are), over every row its baseline was taken over (a row the staleness bound masked whole
+    a normalised advantage. A game's rows are compared within each baseline group (model and
+    role: its advantages are), over every row its baseline was taken over (a row the staleness bound masked whole
     included: the others' advantages are still apart from it), and a frozen model's rows,
     none of them in the loss, not at all."""
     ok = group["finish_reason"] != FINISH_REASONS["failed"]
-    model = row_models(group)
-    for m in torch.unique(model[ok & group["loss_mask"].any(1)]).tolist():
-        rewards = group["reward"][ok & (model == m)]
+    baselines = baseline_groups(group)
+    for b in torch.unique(baselines[ok & group["loss_mask"].any(1)]).tolist():
+        rewards = group["reward"][ok & (baselines == b)]
         if rewards.numel() >= 2 and not bool((rewards == rewards[0]).all()):
             return False
     if "token_advantage" in group.keys():

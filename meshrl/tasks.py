@@ -398,13 +398,13 @@ class ProposeSolveGame:
         return cls(config)
 
     def reset(self, sample: dict) -> Ask:
-        return Ask(self.proposer, "propose", sample["prompt"], max_new_tokens=1)
+        return Ask(self.proposer, "propose", sample["prompt"], max_new_tokens=1, role="proposer")
 
     def step(self, reply: Reply | list[Reply]) -> list[Ask] | Outcome:
         if not isinstance(reply, list):  # the proposal: the solver's attempts, played at once
             self.valid = reply.text[:1].isascii() and reply.text[:1].isdigit()  # ASCII: str.isdigit takes '²', which int() refuses
             self.n = 1 + int(reply.text[0]) % 8 if self.valid else 4
-            return [Ask(self.solver, f"solve{i}", f"{self.n}:", max_new_tokens=self.n) for i in range(PROPOSE_ATTEMPTS)]
+            return [Ask(self.solver, f"solve{i}", f"{self.n}:", max_new_tokens=self.n, role="solver") for i in range(PROPOSE_ATTEMPTS)]
         self.scores = [sum(ch.isdigit() for ch in r.text[: self.n]) / self.n for r in reply]
         rate = sum(score == 1.0 for score in self.scores) / len(self.scores)
         learnability = 1.0 - rate if 0.0 < rate < 1.0 else 0.0

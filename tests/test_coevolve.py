@@ -52,6 +52,9 @@ def test_the_game_contract_names_the_method_and_what_was_wrong():
     assert len(as_asks([Ask("policy", f"t{i}", "x") for i in range(59)], game, MODELS, {f"o{i}": "policy" for i in range(5)}, "step")) == 59
     with pytest.raises(ContractError, match="max_new_tokens"):
         as_ask(Ask("policy", "t", "x", max_new_tokens=0), game, MODELS, {}, "reset")
+    for role in ("", 3):
+        with pytest.raises(ContractError, match="asked with role"):
+            as_ask(Ask("policy", "t", "x", role=role), game, MODELS, {}, "reset")
     # a new thread with nothing in it (a proposer's empty text handed on): its episode fails, where vLLM
     # refused the empty prompt, the replica was blamed and the group played again without end
     for empty in ("", []):

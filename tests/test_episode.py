@@ -152,6 +152,29 @@ def test_a_game_group_whose_episodes_failed_before_any_turn_concats_with_played_
     assert both["model"].tolist() == [1, 0] and both["finish_reason"][1] == FINISH_REASONS["failed"]
 
 
+def test_self_plays_roles_take_their_baselines_apart():
+    """One model playing proposer and solver (task:propose with `models: []`): its rows were one
+    baseline group, so a proposal rewarded as well as a proposal can be (0.2, under the solver's
+    up to 1) trained as a bad one. Each role's threads are measured against their own."""
+
+    def game(solver_rewards, proposer=0.2, sample=0):
+        proposal = Episode(0, sample * 8, [env([1]), model([5], [-0.1], [0], reward=proposer)], role="proposer")
+        solves = [Episode(0, sample * 8 + 1 + i, [env([2]), model([6], [-0.1], [0], reward=r)], role="solver") for i, r in enumerate(solver_rewards)]
+        return Episode(0, sample, [], threads=[proposal, *solves])
+
+    td = episode.assign_advantages(episode.pack([game([1, 1, 0, 1]), game([0, 1, 1, 1], sample=1)]), "grpo")
+    proposers = td["role"] == episode.role_key("proposer")
+    assert proposers.sum() == 2 and td["advantage"][proposers].tolist() == [0.0, 0.0]  # tied among proposers
+    solvers = td["advantage"][~proposers]
+    assert solvers.sum().abs() < 1e-5 and (solvers[td["reward"][~proposers] == 1] > 0).all()
+    # a group whose proposers tie and whose solvers tie carries no signal, whatever the two roles' gap
+    assert episode.without_signal(episode.pack([game([1, 1, 1, 1]), game([1, 1, 1, 1], sample=1)]))
+    assert not episode.without_signal(episode.pack([game([1, 1, 1, 1]), game([1, 1, 1, 1], proposer=0.6, sample=1)]))
+    # a group without roles (every env's, a game's before them) is read as one role
+    old = episode.pack([game([1, 1, 0, 1])]).exclude("role")
+    assert episode.concat([old, td])["role"][:5].tolist() == [0] * 5
+
+
 def test_concat_pads_to_widest():
     a = episode.pack(episodes()[2:3])  # 2 tokens
     b = episode.pack(episodes()[:1])  # 8 tokens

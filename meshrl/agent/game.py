@@ -82,7 +82,7 @@ async def _turn(worker, env, ask: Ask, ep: Episode, threads, speakers, last, ver
                 return None
             field = f"models[{model - 1}].model.max_seq_len" if model else "model.max_seq_len"
             raise UserCodeError(f"{ask.model}'s thread {ask.thread!r}: {prompt_too_long(len(opening), max_seq_len, max_new_tokens, field)}")
-        thread = Episode(ep.group_id, ep.sample_id * MAX_THREADS + len(threads), model=model, opening=ask.observation)
+        thread = Episode(ep.group_id, ep.sample_id * MAX_THREADS + len(threads), model=model, opening=ask.observation, role=ask.role)
         threads[ask.thread], speakers[ask.thread] = thread, ask.model
         ep.threads.append(thread)
         thread.turns.append(Turn("env", opening))

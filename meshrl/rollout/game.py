@@ -15,7 +15,7 @@ them into the solver's thread. Each thread is spoken by one model and becomes on
 training row of that model, scored by the Outcome's reward for the thread (0 if it gives
 none). A proposer and a solver, two players, a writer and k independent readers: each is
 threads and who speaks next. One model may speak in several threads (self-play is a game
-whose every Ask names `policy`).
+whose every Ask names `policy`, each thread's `role` keeping its advantage baseline apart).
 
 A game is told from an env by what `reset` returns: an `Ask`. Its methods may be sync or
 async and are bounded by `rollout.env_timeout_s`, as an env's are; what breaks the
@@ -52,6 +52,10 @@ class Ask:
     """Text, chat messages or token ids, as an env's observation."""
     max_new_tokens: int | None = None
     """This turn's token budget (None: generator.max_new_tokens, which also caps it)."""
+    role: str | None = None
+    """The part the thread plays, set when it opens: its rows take their advantage baseline
+    apart from other roles' (self-play's proposer against proposers, solver against solvers:
+    SPIRAL's role-conditioned baselines). None: its model's rows share one, as without roles."""
 
 
 @dataclass
@@ -114,6 +118,8 @@ def as_ask(value: Any, game: Any, models: list[str], threads: dict[str, str], me
         raise ContractError(f"{name}: {method} asked with observation {_shown(value.observation)}: expected text, chat messages or token ids", where)
     if value.thread not in threads and len(value.observation) == 0:  # as an env's reset (vLLM refuses an empty prompt)
         raise ContractError(f"{name}: {method} opened thread {value.thread!r} with an empty observation: its first turn needs a prompt", where)
+    if value.role is not None and not (isinstance(value.role, str) and value.role):
+        raise ContractError(f"{name}: {method} asked with role {_shown(value.role)}: expected a non-empty string or None", where)
     if value.max_new_tokens is not None and not (isinstance(value.max_new_tokens, int) and value.max_new_tokens >= 1):
         raise ContractError(f"{name}: {method} asked max_new_tokens={_shown(value.max_new_tokens)}: expected a positive integer or None", where)
     return value

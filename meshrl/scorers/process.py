@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 from tensordict import TensorDict
 
-from meshrl.episode import FINISH_REASONS, MAX_MODELS, Episode, row_models
+from meshrl.episode import FINISH_REASONS, Episode, baseline_groups
 from meshrl.tokenizer import reply_text
 
 
@@ -117,7 +117,7 @@ def assign_process_advantages(td: TensorDict, scores: torch.Tensor, ends: torch.
     T = td["tokens"].shape[1]
     scores, ends = scores[:, :T], ends[:, :T]
     trained = td["finish_reason"] != FINISH_REASONS["failed"]
-    gid = td["group_id"] * MAX_MODELS + row_models(td)  # a game: each model's rows of a group apart
+    gid = baseline_groups(td)  # a game: each model's (and role's) rows of a group apart
     centred = torch.zeros_like(scores)
     for g in torch.unique(gid):
         rows = (gid == g) & trained
