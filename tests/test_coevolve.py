@@ -12,6 +12,7 @@ read it.
 from __future__ import annotations
 
 import json
+import pathlib
 import os
 import signal
 import subprocess
@@ -476,6 +477,14 @@ def test_a_frozen_model_is_served_never_trained_and_left_out_of_every_loss(tmp_p
         check(Config.from_dict({"models": [{**frozen, "model": {"path": str(tmp_path / "small")}}], "data": {"source": "task:propose"}}))
     assert e.value.field_path == "models[0].model.path" and "vocabulary (64) is smaller than the policy's (128)" in str(e.value), str(e.value)
     check(Config.from_dict({"models": [{**frozen, "model": {"path": conftest.build_digit_teacher(tmp_path / "digits")}}], "data": {"source": "task:propose"}}))
+    # as large a vocabulary under another tokenizer (a Qwen opponent for a Llama policy) read the policy's ids as other tokens
+    other = pathlib.Path(conftest.build_lora_base(tmp_path / "other"))
+    spec = json.loads((other / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["a"], spec["model"]["vocab"]["b"] = spec["model"]["vocab"]["b"], spec["model"]["vocab"]["a"]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="other ids than the policy's") as e:
+        check(Config.from_dict({"models": [{**frozen, "model": {"path": str(other)}}], "data": {"source": "task:propose"}}))
+    assert e.value.field_path == "models[0].model.path"
 
     episodes = []
     for i in range(2):

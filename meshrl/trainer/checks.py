@@ -94,6 +94,12 @@ def check_models_vocabulary(c: Config) -> None:
         n = checkpoint_vocabulary(path)
         if n is not None and n < policy:
             raise ConfigError(f"models[{i}].model.path", f"its vocabulary ({n}) {why}, so it needs the policy's tokenizer")
+        if path != c.model.path and not _reads_policys_ids(c, path):
+            raise ConfigError(
+                f"models[{i}].model.path",
+                "its tokenizer.json gives tokens other ids than the policy's: every model of a game reads and writes the policy's token ids; "
+                "give it a checkpoint of the policy's tokenizer",
+            )
 
 
 def check_teacher(c: Config) -> None:
@@ -115,6 +121,18 @@ def check_teacher(c: Config) -> None:
             "distill.teacher",
             f"its vocabulary ({n}) is smaller than the policy's ({policy}): the teacher scores the policy's token ids, so it needs its tokenizer",
         )
+    if not _reads_policys_ids(c, di.teacher):
+        raise ConfigError(
+            "distill.teacher",
+            "its tokenizer.json gives tokens other ids than the policy's: the teacher scores the policy's token ids; distill from one of the same tokenizer",
+        )
+    _check_teacher_engine(c)
+
+
+def _reads_policys_ids(c: Config, directory: str) -> bool:
+    """Whether the tokenizer.json in `directory` gives each of the policy's tokens the policy's
+    id (tokens it adds past them, and added special tokens, are no mismatch); True where either
+    has none to read."""
     own = c.model.tokenizer or c.model.path
     if own is None:
         from meshrl.tokenizer import char_vocab
@@ -122,13 +140,8 @@ def check_teacher(c: Config) -> None:
         ours = char_vocab()  # the built-in character tokenizer's
     else:
         ours = _token_ids(own)
-    theirs = _token_ids(di.teacher)
-    if ours is not None and theirs is not None and any(theirs.get(token) != i for token, i in ours.items()):
-        raise ConfigError(
-            "distill.teacher",
-            "its tokenizer.json gives tokens other ids than the policy's: the teacher scores the policy's token ids; distill from one of the same tokenizer",
-        )
-    _check_teacher_engine(c)
+    theirs = _token_ids(directory)
+    return ours is None or theirs is None or all(theirs.get(token) == i for token, i in ours.items())
 
 
 def _check_teacher_engine(c: Config) -> None:
