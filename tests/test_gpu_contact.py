@@ -308,6 +308,28 @@ def test_float32_attention_on_gpus_is_refused_by_the_memory_plan(tmp_path):
         )
 
 
+def test_a_teacher_or_judge_its_engine_cannot_hold_is_refused_by_the_memory_plan(tmp_path):
+    """Only the policy's engine was checked against vLLM's budget: a 32B teacher (61 GiB of
+    bf16 weights) beside a 0.6B policy at gpu_memory_utilization 0.5 of 80 GiB planned a KV
+    cache of 0 tokens and passed, then its engine failed to start; a judge likewise."""
+    from meshrl.launch.memory import plan_memory
+
+    teacher = qwen3_config(tmp_path, "32B").model.path
+    sections = {"launcher": {"gpus_per_host": 4, "gpu_memory_gib": 80}, "generator": {"gpu_memory_utilization": 0.5}}
+    cases = {
+        "plain": ({}, None),
+        "teacher": ({"distill": {"teacher": teacher}}, "the teacher's"),
+        "judge": ({"scoring": {"scorers": [{"kind": "judge", "path": teacher, "template": "Rate {response}"}]}}, "judge scoring.scorers[0]'s"),
+    }
+    for name, (extra, whose) in cases.items():
+        (tmp_path / name).mkdir()
+        problems = plan_memory(qwen3_config(tmp_path / name, "0.6B", **sections, **extra)).problems
+        if whose is None:
+            assert not problems, problems
+        else:
+            assert [f for f, _ in problems] == ["generator.gpu_memory_utilization"] and f"cannot hold {whose} weights" in problems[0][1], problems
+
+
 def _checkpoint_rank(rank: int, path: str):
     import meshrl.trainer.policy as policy
     from tests.test_trainer import CPU, make_batch

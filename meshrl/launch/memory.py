@@ -298,29 +298,45 @@ def host_ram(config: Config, shape: Shape, plan, transport: str, staging_on_gpu:
     return out
 
 
-def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, str]]:
-    """What does not fit, each as (field, the fix): the first GPU's line for each field."""
-    cap, g, db = plan.capacity, config.generator, DTYPE_BYTES[config.model.dtype]
-    out: list[tuple[str, str]] = []
-    weights = shape.params * db / g.tp
-    budget = g.gpu_memory_utilization * cap
+def _engine_problems(config: Config, shape: Shape, cap: float, tp: int, whose: str, bigger: str) -> list[tuple[str, str]]:
+    """An engine's weights (`shape`, over `tp` GPUs) and one sequence's KV cache in vLLM's budget."""
+    g, db = config.generator, DTYPE_BYTES[config.model.dtype]
+    weights, budget = shape.params * db / tp, g.gpu_memory_utilization * cap
+    one_sequence = shape.kv_bytes_per_token(db) / tp * config.model.max_seq_len
     if weights + ENGINE_WORKSPACE > budget:
-        need = (weights + ENGINE_WORKSPACE + shape.kv_bytes_per_token(db) / g.tp * config.model.max_seq_len) / cap
-        out.append(
+        need = (weights + ENGINE_WORKSPACE + one_sequence) / cap
+        return [
             (
                 "generator.gpu_memory_utilization",
-                f"vLLM's budget of {budget / GiB:.1f} GiB cannot hold the model's weights ({weights / GiB:.1f} GiB per GPU at generator.tp={g.tp}) "
-                f"and a KV cache: raise it to {min(need, 0.95):.2f}" + (" or raise generator.tp" if need > 0.95 else ""),
+                f"vLLM's budget of {budget / GiB:.1f} GiB cannot hold {whose} weights ({weights / GiB:.1f} GiB per GPU at tp={tp}) "
+                f"and a KV cache: raise it to {min(need, 0.95):.2f}" + (f" or {bigger}" if need > 0.95 else ""),
             )
-        )
-    elif budget - weights - ENGINE_WORKSPACE < shape.kv_bytes_per_token(db) / g.tp * config.model.max_seq_len:
-        out.append(
+        ]
+    if budget - weights - ENGINE_WORKSPACE < one_sequence:
+        return [
             (
                 "generator.gpu_memory_utilization",
-                f"after the weights, vLLM's budget of {budget / GiB:.1f} GiB holds less KV cache than one sequence of "
+                f"after {whose} weights, vLLM's budget of {budget / GiB:.1f} GiB holds less KV cache than one sequence of "
                 f"model.max_seq_len={config.model.max_seq_len} tokens: raise it, or lower model.max_seq_len",
             )
-        )
+        ]
+    return []
+
+
+def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, str]]:
+    """What does not fit, each as (field, the fix): the first GPU's line for each field."""
+    cap = plan.capacity
+    budget = config.generator.gpu_memory_utilization * cap
+    out = _engine_problems(config, shape, cap, config.generator.tp, "the model's", "raise generator.tp")
+    if not out and config.distill.teacher:  # the teacher's engine: its own weights, the same budget and tp
+        out = _engine_problems(config, model_shape(config, config.distill.teacher), cap, config.generator.tp, "the teacher's", "raise generator.tp")
+    for i, spec in enumerate(config.scoring.scorers):
+        if not out and spec.kind == "judge":  # a judge's engine: one GPU (scorers/backends.Judge)
+            try:
+                judge = model_shape(config, spec.path)
+            except ValueError:  # not a family the trainer builds: its budget alone is known
+                continue
+            out = _engine_problems(config, judge, cap, 1, f"judge scoring.scorers[{i}]'s", "give the judge a smaller checkpoint")
     for gpu in plan.gpus:
         if gpu.peak <= HEADROOM * cap:
             continue
