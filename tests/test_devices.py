@@ -496,6 +496,25 @@ def test_a_frozen_model_holds_gpus_for_its_replicas_alone(monkeypatch, tmp_path)
     assert resolve_placement(config(models=[frozen], launcher={"gpus_per_host": 2}))[0] == "colocate"
 
 
+def test_trainer_hosts_are_sized_for_the_critic_and_the_trained_models_beside_the_policy():
+    """Trainer hosts were counted from trainer.procs alone, though the critic and each trained
+    model's ranks land on them: an 8-rank PPO trainer with its critic on 8-GPU hosts was refused
+    at every launcher.hosts ("raise launcher.hosts"), and two 8-rank trainers likewise."""
+    from meshrl.launch.hosts import plan_hosts
+
+    slurm = {"kind": "slurm", "gpus_per_host": 8}
+    ppo = {"trainer": {"procs": 8, "loss": {"advantage": "gae"}}, "generator": {"replicas": 8}}
+    assert plan_hosts(config(**ppo, launcher={**slurm, "hosts": 3})) == {"trainer": 2, "generator": 1}
+    plan = plan_devices(config(**ppo, launcher={**slurm, "hosts": 3}))
+    assert_disjoint(plan)
+    assert sorted({s.role for s in plan.slots}) == ["critic", "generator", "trainer"]
+    with pytest.raises(ConfigError, match="leave none for the generators after 2 trainer hosts"):
+        plan_hosts(config(**ppo, launcher={**slurm, "hosts": 2}))
+    two = {"trainer": {"procs": 8}, "generator": {"replicas": 8}, "models": [{"name": "proposer", "generator": {"replicas": 8}}]}
+    assert plan_hosts(config(**two, launcher={**slurm, "hosts": 4})) == {"trainer": 2, "generator": 2}
+    assert_disjoint(plan_devices(config(**two, launcher={**slurm, "hosts": 4})))
+
+
 def test_ppos_critic_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypatch):
     """trainer.loss.advantage=gae: the critic's proc holds one GPU on the trainer's first host
     beside a GPU trainer (none beside a CPU trainer), starts seeing it alone, and the memory

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from meshrl.config import Config, ConfigError
 from meshrl.config.cpus import AUTO
 from meshrl.config.hf import model_args_from_hf
-from meshrl.launch.hosts import SHARED_MESH, plan_hosts
+from meshrl.launch.hosts import SHARED_MESH, critic_gpus, plan_hosts
 
 DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
 PLAN_ENV = "MESHRL_DEVICE_PLAN"
@@ -210,11 +210,6 @@ def _split_gpus_needed(config: Config) -> int:
     views = [(m.frozen, config.for_model(m.name)) for m in config.models]  # a view has no models of its own; a frozen one: replicas alone
     models = sum(v.generator.replicas * v.generator.tp if frozen else _split_gpus_needed(v) for frozen, v in views)
     return trainer + gen.replicas * gen.tp + (gen.tp if config.distill.teacher else 0) + scorer_gpus(config) + models
-
-
-def critic_gpus(config: Config) -> int:
-    """GPUs PPO's critic holds: one per critic proc, beside a GPU trainer (trainer.loss.advantage=gae)."""
-    return config.critic.procs if config.trainer.loss.advantage == "gae" and config.trainer.device != "cpu" else 0
 
 
 def scorer_gpus(config: Config) -> int:

@@ -19,6 +19,18 @@ SPARE_MESH = "spare"
 """The mesh of launcher.spare_hosts idle hosts a trainer whose host is lost moves to."""
 
 
+def critic_gpus(config: Config) -> int:
+    """GPUs PPO's critic holds: one per critic proc, beside a GPU trainer (trainer.loss.advantage=gae)."""
+    return config.critic.procs if config.trainer.loss.advantage == "gae" and config.trainer.device != "cpu" else 0
+
+
+def trainer_host_gpus(config: Config) -> int:
+    """GPUs the trainer hosts hold: the policy's trainer ranks and its critic's, and each trained
+    model's beside it (a frozen model trains nothing; its replicas are the generator hosts')."""
+    views = [config, *(config.for_model(m.name) for m in config.models if not m.frozen)]
+    return sum((0 if v.trainer.device == "cpu" else v.trainer.procs) + critic_gpus(v) for v in views)
+
+
 def plan_hosts(config: Config) -> dict[str, int]:
     """Named host meshes and their host counts for `launcher.hosts` hosts.
 
@@ -34,8 +46,8 @@ def plan_hosts(config: Config) -> dict[str, int]:
     if hosts == 1:
         _check_spares(config, None)
         return {SHARED_MESH: 1}
-    if la.gpus_per_host > 0:
-        trainer_hosts = math.ceil(trainer_procs / la.gpus_per_host)
+    if la.gpus_per_host > 0:  # (a CPU trainer's procs take a host's cores, still a host of their own)
+        trainer_hosts = math.ceil(max(trainer_procs if config.trainer.device == "cpu" else 0, trainer_host_gpus(config)) / la.gpus_per_host)
     else:  # CPU hosts: share the hosts in proportion to the procs each role runs
         trainer_hosts = round(hosts * trainer_procs / (trainer_procs + generator_procs))
         trainer_hosts = min(max(trainer_hosts, 1), hosts - 1)
@@ -44,7 +56,8 @@ def plan_hosts(config: Config) -> dict[str, int]:
         raise ConfigError(
             "launcher.hosts",
             f"{hosts} hosts leave none for the generators after {trainer_hosts} trainer hosts "
-            f"({trainer_procs} procs at {la.gpus_per_host} GPUs per host): raise launcher.hosts",
+            f"({trainer_host_gpus(config) or trainer_procs} trainer-side procs, critics' and trained models' included, "
+            f"at {la.gpus_per_host} GPUs per host): raise launcher.hosts",
         )
     if trainer_procs % trainer_hosts:
         raise ConfigError("trainer.procs", f"{trainer_procs} procs do not split evenly over {trainer_hosts} trainer hosts: use a multiple of {trainer_hosts}")
