@@ -475,8 +475,13 @@ def test_a_paced_trainer_that_accumulates_updates_on_the_rows_of_its_held_steps_
     assert moved["grad_norm"] == pytest.approx(together["grad_norm"], rel=1e-5)
     for a, b in zip(stepped["paced"], stepped["plain"]):  # the same gradient, but for summation order
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
-    reference = dict(plain.model.named_parameters())  # AdamW's first step is about lr x sign(g): tiny gradients' order shows
-    assert all(torch.allclose(p, reference[n], atol=1e-4) for n, p in paced.model.named_parameters())
+    # AdamW's first step is about lr x sign(g): where a gradient is within its rounding of 0 the two
+    # orders of summation can step either way (1.4e-4 apart on an AMD EPYC without AVX-512), so
+    # the weights are compared where the gradient is clear of it (there 6e-7 apart on that CPU)
+    reference = dict(plain.model.named_parameters())
+    for (n, p), g in zip(paced.model.named_parameters(), stepped["plain"]):
+        clear = g.abs() > 1e-4 * g.abs().max()
+        assert torch.allclose(p[clear], reference[n][clear], atol=1e-5), n
     assert not all(torch.allclose(p, start[n]) for n, p in paced.model.named_parameters())
     paced.train_step(make_batch(seed=5, version=2), current_version=2)  # held again: gradients kept
     assert paced.held == 1
