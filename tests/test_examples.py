@@ -61,12 +61,13 @@ def make_math_data(out) -> str:
 
 def stand_ins(tmp_path) -> dict:
     """What the examples read from the user's disk, stood in for: the data files, a teacher
-    checkpoint's config.json, a reward model's config.json and tokenizer. (The policy's
+    checkpoint's config.json (and an empty weights file), a reward model's config.json and tokenizer. (The policy's
     model.path stays null: the configs carry the checkpoints' shapes, which the plans read.)"""
     data = make_math_data(tmp_path / "data")
     teacher = tmp_path / "teacher"
     teacher.mkdir()
     (teacher / "config.json").write_text(json.dumps(QWEN3_8B))  # the memory plan reads the teacher's shapes
+    (teacher / "model.safetensors").touch()  # (the checks ask for weight files; nothing here reads them)
     rm = tmp_path / "rm"
     rm.mkdir()
     (rm / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForSequenceClassification"], "model_type": "qwen3", "num_labels": 1}))
