@@ -240,7 +240,7 @@ def signal_correlations(windows: Sequence[dict]) -> dict[str, float]:
 
 TRAINED_KEY = "reward/mean"
 SPREAD_KEY = "reward/std"
-"""The trained reward of the step's episodes: the same episodes as each `scoring/NAME/mean`."""
+"""The trained reward of the step's episodes, a failed one as 0 (each `scoring/NAME/mean` covers the episodes it scored)."""
 EVAL_KEY = "eval/reward_mean"
 """The env's reward on held-out prompts (controller/evaluation.py), one point per evaluation."""
 
