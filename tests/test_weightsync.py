@@ -122,6 +122,25 @@ def test_files_transport_writes_each_models_versions_in_a_directory_of_its_own(t
     assert not os.path.exists(mine) and os.path.exists(b.files_dir)  # its versions go with it: nothing piles up run after run
     b.close()  # at the run's stop, however long the object lives on (a notebook's loop, a reference cycle)
     assert not os.path.exists(b.files_dir) and os.path.exists(made.files_dir)
+    # a controller killed (SIGKILL, out of memory) left its directory, two versions of the model in
+    # it, for good: the next run's start on this host removes those of controllers that are gone
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    host = socket.gethostname()
+    dead, live, other = (
+        named / f"meshrl-weights-{host}-{gone.stdout.strip()}-x1",
+        named / f"meshrl-weights-{host}-{os.getpid()}-x2",
+        named / "meshrl-weights-elsewhere-1-x3",
+    )
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "v0000000001.safetensors").write_bytes(b"a version")
+    c = WeightSync(cfg)
+    assert not dead.exists() and live.exists() and other.exists() and os.path.basename(c.files_dir).startswith(f"meshrl-weights-{host}-{os.getpid()}-")
+    c.close()
 
 
 def test_a_files_writer_drops_versions_past_its_trainers_and_writes_beside_a_replaced_one(tmp_path):

@@ -214,7 +214,7 @@ class WeightSyncConfig:
     timeout_s: float = 120.0
     """Longest one version's transfer may take before it is an error, and its load into an engine. A generator replica's whole update (the transfer, a `drain` of half this, the load) may take 2.5 times this plus 30 s before the controller replaces it as dead; a request waits as long for the version it needs."""
     files_dir: str | None = None
-    """Directory for the `files` transport, made if missing; it, or its nearest existing parent, must be writable (checked before the run). Each model of each run writes its versions in a new directory of its own in it, named `meshrl-weights-*` (`tempfile.mkdtemp`), so that none reads another's. None: the system's temporary directory ($TMPDIR, else /tmp)."""
+    """Directory for the `files` transport, made if missing; it, or its nearest existing parent, must be writable (checked before the run). Each model of each run writes its versions in a new directory of its own in it, named `meshrl-weights-HOST-PID-*` (`tempfile.mkdtemp`, PID the controller's), so that none reads another's; a run's start removes those of this host's controllers that are gone (killed before their exit removed them). None: the system's temporary directory ($TMPDIR, else /tmp)."""
 
 
 @dataclass

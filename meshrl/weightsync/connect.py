@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 import weakref
@@ -31,6 +32,30 @@ def sidecars(procs, keys, spawn_agent) -> list:
     `publisher_agent` or `subscriber_agent`."""
     ranked = sorted(keys.items(), key=lambda point_key: point_key[0].rank)
     return [spawn_agent(procs.slice(**dict(point)), key) for point, key in ranked if key is not None]
+
+
+FILES_PREFIX = "meshrl-weights-"
+
+
+def sweep_dead_runs(parent: str) -> None:
+    """Remove the `files` directories of this host's controllers that are gone (killed, or out of
+    memory, before their exit removed them): each holds up to two whole versions of a model,
+    under /tmp often in memory. Another host's, or a live process's, are left alone."""
+    mine = f"{FILES_PREFIX}{socket.gethostname()}-"
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        pid = name.removeprefix(mine).partition("-")[0]
+        if not name.startswith(mine) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        except OSError:
+            pass  # alive, another user's
 
 
 def check_files_dir(c: Config) -> None:
@@ -79,7 +104,8 @@ class WeightSync:
         if cfg.transport == "files":
             if cfg.files_dir is not None:
                 os.makedirs(cfg.files_dir, exist_ok=True)
-            self.files_dir = tempfile.mkdtemp(prefix="meshrl-weights-", dir=cfg.files_dir)
+            sweep_dead_runs(cfg.files_dir or tempfile.gettempdir())
+            self.files_dir = tempfile.mkdtemp(prefix=f"{FILES_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=cfg.files_dir)
             weakref.finalize(self, shutil.rmtree, self.files_dir, True)  # its versions go with it, when the controller exits at the latest
         if cfg.transport == "collective":
             # The store listens on this address only (it asks clients for no credentials).
