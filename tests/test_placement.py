@@ -49,6 +49,18 @@ def test_auto_yields_to_explicit_settings_gpus_and_small_hosts():
     assert resolve_cpus(Config.from_dict({"trainer": {"device": "cuda"}}), [0, 1]) == ("", "")
 
 
+def test_the_process_launchers_trainer_ranks_pin_to_lists_of_their_own():
+    """The process launcher's stand-in hosts are all this machine: `auto` splits its cores one
+    list a trainer rank, and each rank took its host's local-rank list, so with one rank a
+    stand-in both took the first (cores 2 and 3 idle). By rank there; by local rank on real hosts."""
+    from meshrl.config.cpus import trainer_cpus
+
+    spec, _ = auto(list(range(8)), trainer={"device": "cpu", "procs": 2}, launcher={"kind": "process", "hosts": 4})
+    assert spec == "0,1|2,3"
+    assert [trainer_cpus(spec, "process", rank, 0) for rank in (0, 1)] == [[0, 1], [2, 3]]
+    assert [trainer_cpus("0-3|4-7", "slurm", rank, rank % 2) for rank in range(4)] == [[0, 1, 2, 3], [4, 5, 6, 7]] * 2  # each host's own
+
+
 def test_yaml_number_is_a_cpu_list():
     assert Config.from_dict({"trainer": {"cpus": 0}}).trainer.cpus == "0"
 

@@ -32,3 +32,11 @@ def cpus_for(spec: str, local_index: int) -> list[int] | None:
     """The cores of the `local_index`-th proc of a host under `spec`; None: no pinning."""
     lists = parse_cpu_lists(spec)
     return lists[local_index % len(lists)] if lists else None
+
+
+def trainer_cpus(spec: str, launcher_kind: str, rank: int, local_rank: int) -> list[int] | None:
+    """The cores trainer rank `rank` pins itself to under `trainer.cpus`: its host's
+    `local_rank`-th list, but the `rank`-th under the process launcher, whose stand-in hosts are
+    all this machine (`auto` gives each rank a list of its own of its cores, where by local rank
+    the first rank of every stand-in took the same one, and the other lists' cores sat idle)."""
+    return cpus_for(spec, rank if launcher_kind == "process" else local_rank)

@@ -148,7 +148,7 @@ class TrainerConfig:
     compile: bool = False
     """torch.compile each transformer block (TorchTitan's per-block compile), with dynamic shapes because RL batches change length every step. The compile runs in setup, alongside the generators' start-up (about 10 s on a CPU core for the benchmark model; cached under ~/.cache/meshrl/torchinductor unless TORCHINDUCTOR_CACHE_DIR names another). It makes a training step about 1.4x faster on CPU in bf16 and 1.1x in float32 (benchmark model). Off by default because short runs and tests are dominated by start-up."""
     cpus: str = "auto"
-    """CPU cores the trainer procs are pinned to, as a Linux CPU list (`0-3`, `0,2`); `|` separates the lists of a host's procs by local rank (`0-3|4-7`). `auto`: a CPU trainer on this machine gets the cores the generators do not (half), each proc's thread pool sized to its cores; a GPU trainer is not pinned. Empty: no pinning. See meshrl/pinning.py."""
+    """CPU cores the trainer procs are pinned to, as a Linux CPU list (`0-3`, `0,2`); `|` separates the lists of a host's procs by local rank (`0-3|4-7`; under the process launcher, whose stand-in hosts are all this machine, by rank). `auto`: a CPU trainer on this machine gets the cores the generators do not (half), each proc's thread pool sized to its cores; a GPU trainer is not pinned. Empty: no pinning. See meshrl/pinning.py."""
     checkpoint_every: int = 0
     """Save a distributed checkpoint every this many steps. 0: by time only (`checkpoint_every_s`), and at the end of the run."""
     checkpoint_every_s: float = 1800.0

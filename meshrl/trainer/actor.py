@@ -31,7 +31,7 @@ from meshrl.host import gloo_on_this_host, host_address
 from meshrl.launch.allocation import with_env
 from meshrl.launch.devices import DEVICE_ENV, PLAN_ENV, plan_devices
 from meshrl.logs import capture_role_output
-from meshrl.config.cpus import cpus_for
+from meshrl.config.cpus import trainer_cpus
 from meshrl.pinning import pin_this_process
 from meshrl.trainer.policy import PolicyTrainer
 from meshrl.trainer.snapshot import Snapshots, snapshot_budget, snapshot_inline, snapshot_root
@@ -67,7 +67,7 @@ class TrainerActor(Actor):
             device = torch.device("cpu")
             # procs of one host share its cores: don't oversubscribe them
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-        cpus = cpus_for(config.trainer.cpus, int(os.environ.get("LOCAL_RANK", 0)))
+        cpus = trainer_cpus(config.trainer.cpus, config.launcher.kind, rank, int(os.environ.get("LOCAL_RANK", 0)))
         if cpus is not None:
             pin_this_process(cpus)  # also sizes torch's thread pool to the pinned cores
         # One trainer host: its groups listen on loopback, or on the address `meshrl worker`
