@@ -256,6 +256,10 @@ def test_a_teacher_its_engine_cannot_start_is_refused_before_the_run(tmp_path):
         with pytest.raises(ConfigError, match=why) as e:
             check_teacher(Config.from_dict({**extra, "distill": {"teacher": str(teacher)}}))
         assert e.value.field_path == "distill.teacher"
+    yarn = tmp_path / "yarn"  # fewer positions, stretched by YaRN (transformers' newer spelling): vLLM serves it
+    shutil.copytree(short, yarn)
+    (yarn / "config.json").write_text(json.dumps({**hf, "max_position_embeddings": 64, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
+    check_teacher(Config.from_dict({"distill": {"teacher": str(yarn)}}))
     with pytest.raises(ConfigError, match=r"distill.cpus.*at least 2 cores") as e:
         Config.from_dict({"generator": {"tp": 2}, "distill": {"teacher": str(same), "cpus": "0"}})
 

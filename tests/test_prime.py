@@ -472,6 +472,15 @@ def test_group_items_score_model_tokens_only():
     ep = Episode(0, 0, [Turn("env", [1, 2]), Turn("model", [5, 6], [0.0] * 2, [0] * 2, reward=1.0), Turn("env", [9]), Turn("model", [7], [0.0], [0])])
     ep.signals["env"] = 1.0
     assert group_items([ep]) == [{"token_ids": [1, 2, 5, 6, 9, 7], "positions": [2, 3, 5], "outcome": 1.0, "group": 0}]
+    # a self-playing model's roles: the accuracy filter reads each role's share of successes apart
+    from meshrl.scorers.prm import in_band
+
+    proposer, solver = (
+        Episode(0, i, [Turn("env", [1]), Turn("model", [5], [0.0], [0], reward=r)], role=role)
+        for i, (r, role) in enumerate(((1.0, "proposer"), (0.0, "solver")))
+    )
+    items = group_items([proposer, solver])
+    assert [it["group"] for it in items] == ["0/proposer", "0/solver"] and in_band(items, (0.2, 0.8)).tolist() == [False, False]
 
 
 # ---- advantages: separate leave-one-out baselines, summed ----------------------------------

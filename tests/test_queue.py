@@ -5,6 +5,7 @@ import asyncio
 import random
 import threading
 import time
+from collections import deque
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshrl import episode
+from meshrl.episode import PAD_VERSION
 from meshrl.config import Config
 from meshrl.errors import BatchTimeout, PolicyWentBack, UserCodeError
 from meshrl.queue import EpisodeQueue, QueueClosed, straggler_wait
@@ -100,6 +102,19 @@ def test_fifo_takes_the_oldest_claim_not_the_first_to_finish():
     assert q.sample(1, current_version=2)["group_id"].unique().tolist() == [first[2].group_id]
     assert q.sample(1, current_version=3)["group_id"].unique().tolist() == [later.group_id]
     assert q.metrics()["buffer/dropped_stale_groups"] == 0
+    # a group with nothing to train (every episode failed: its loss mask cleared) is placed by its
+    # tokens' versions all the same, not sent to the back for good; one with no model token first
+    from meshrl.queue.sampling import insert_oldest_first, oldest_version
+
+    failed = make_group(7, 2, [1, 2])
+    failed["loss_mask"][:] = False
+    assert oldest_version(failed) == 1
+    empty = make_group(8, 1, [3])
+    empty["versions"][:] = PAD_VERSION
+    ready = deque([make_group(5, 1, [0]), make_group(6, 1, [2])])
+    for g in (failed, empty):
+        insert_oldest_first(ready, g)
+    assert [int(g["group_id"][0]) for g in ready] == [8, 5, 7, 6]
 
 
 def test_the_lag_metrics_are_the_last_batchs():

@@ -40,7 +40,7 @@ class BufferConfig:
     lag_granularity: Literal["token", "sequence"] = "token"
     """`token`: stale tokens are masked out of the loss; `sequence`: a group whose oldest token is too stale is dropped whole (and replaced)."""
     sampling: str = "fifo"
-    """Which finished groups a batch takes: `fifo` the oldest (by the oldest version among their trained tokens, then by arrival: a group claimed earlier that finished later is not overtaken, nor left to go stale), `random` any, uniformly (with `max_lag`, a group not drawn in time goes stale and is masked or dropped: more generation per batch), or an import path `module:callable(groups, n, rng) -> indices`, given the groups oldest first."""
+    """Which finished groups a batch takes: `fifo` the oldest (by the oldest version among their model tokens, then by arrival: a group claimed earlier that finished later is not overtaken, nor left to go stale), `random` any, uniformly (with `max_lag`, a group not drawn in time goes stale and is masked or dropped: more generation per batch), or an import path `module:callable(groups, n, rng) -> indices`, given the groups oldest first."""
     get_timeout_s: float = 600.0
     """Longest the trainer waits for a batch before failing."""
     dynamic_sampling: bool = False
@@ -186,6 +186,14 @@ class ScorerConfig:
             return self.scale
         default = type(self).__dataclass_fields__["template"].default
         return 0.1 if self.parser == "number" and self.template == default else 1.0
+
+    def judge_context(self) -> int:
+        """A judge engine's context: `max_len` + `max_new_tokens`, never past its checkpoint's positions."""
+        import json
+
+        with open(os.path.join(self.path, "config.json")) as f:
+            positions = json.load(f).get("max_position_embeddings") or self.max_len + self.max_new_tokens
+        return min(self.max_len + self.max_new_tokens, positions)
 
 
 @dataclass

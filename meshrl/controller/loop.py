@@ -171,7 +171,8 @@ class RLLoop:
         pools = {p.name: p.generators for p in self.partners} | self.served
         self.workers.partners = [pools[name].handles() for name in c.model_names()[1:]]
         await self.workers.start(self.generators.handles())
-        self.evaluations = Evaluations(c, self.run_dir, self.workers, self._record)
+        # (an evaluation of a step a heal has since gone back past is not kept: that step is trained, and evaluated, again)
+        self.evaluations = Evaluations(c, self.run_dir, self.workers, lambda step, row: step <= self.version and self._record(step, row))
         self.collect = StepMetrics(self.queue, self.generators, self.workers, self.scorers)
 
     async def _rewire(self) -> None:
@@ -246,8 +247,9 @@ class RLLoop:
                     report_cliffs(self.watch, recorded["step"], row, recorded, self.config.alarm)
                 if self.divergence is not None:
                     await self._watch_divergence(row, recorded)
-            finally:  # under its own step: a heal in the checkpoint may have moved the version back
-                self.metrics.write(recorded["step"], row)
+            finally:  # under its own step, unless a heal in the checkpoint went back past it (it is trained again)
+                if recorded["step"] <= self.version:
+                    self.metrics.write(recorded["step"], row)
         except Exception as e:  # noqa: BLE001 - the coordinator's host can go down between two calls too
             if not await self._queue_answers():
                 raise self._queue_lost() from e

@@ -167,29 +167,31 @@ class GeneratorActor(Actor):
             if self.subscriber.connections == connection:
                 raise
         # Reconnected under this call (a healed trainer's new publisher): what it took from
-        # the old receivers is gone. Once more, from the new ones, when they have joined.
+        # the old receivers is gone. Once more, from the new ones, when they have joined:
+        # whatever they hold (the restored version), not `version`, which the healed trainer
+        # makes only after training again; the wait for it would hold this replica's later updates.
         deadline = time.monotonic() + self.subscriber.cfg.timeout_s
         while self.subscriber.connecting and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return await self._sync(version, t0, weights_id)
+        return await self._sync(None, t0, None)
 
     @functools.cached_property
     def _sync_lock(self) -> asyncio.Lock:
         return asyncio.Lock()
 
-    async def _sync(self, version: int, t0: float, weights_id: str | None) -> dict:
+    async def _sync(self, version: int | None, t0: float, weights_id: str | None) -> dict:
         # One fetch-load-release at a time: a retry after a reconnect can meet the heal's own
         # update of this replica, and a second fetch released the first's shm lease (or handed
         # its receive buffer back) while that one was still loading from it: torn weights.
         async with self._sync_lock:
             return await self._sync_once(version, t0, weights_id)
 
-    async def _sync_once(self, version: int, t0: float, weights_id: str | None) -> dict:
+    async def _sync_once(self, version: int | None, t0: float, weights_id: str | None) -> dict:
         # The name goes with the bytes only where they are surely the ones it names: `version`
         # itself (not a newer one), just transferred from the trainer connected now (not what
         # the subscriber held: after a heal, a dead trainer's), and not read from files (a dead
         # trainer's, or an earlier run's, may be left in the directory).
-        fresh = self.subscriber.version < version and getattr(self.subscriber.spec, "transport", None) != "files"
+        fresh = version is not None and self.subscriber.version < version and getattr(self.subscriber.spec, "transport", None) != "files"
         got, tensors = await self.subscriber.fetch(version=version)
         fetch_s = time.monotonic() - t0
         try:

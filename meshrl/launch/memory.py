@@ -298,11 +298,13 @@ def host_ram(config: Config, shape: Shape, plan, transport: str, staging_on_gpu:
     return out
 
 
-def _engine_problems(config: Config, shape: Shape, cap: float, tp: int, whose: str, bigger: str) -> list[tuple[str, str]]:
-    """An engine's weights (`shape`, over `tp` GPUs) and one sequence's KV cache in vLLM's budget."""
+def _engine_problems(config: Config, shape: Shape, cap: float, tp: int, whose: str, bigger: str, context: int | None = None) -> list[tuple[str, str]]:
+    """An engine's weights (`shape`, over `tp` GPUs) and one sequence's KV cache (`context`
+    tokens, default model.max_seq_len) in vLLM's budget."""
     g, db = config.generator, DTYPE_BYTES[config.model.dtype]
     weights, budget = shape.params * db / tp, g.gpu_memory_utilization * cap
-    one_sequence = shape.kv_bytes_per_token(db) / tp * config.model.max_seq_len
+    context = context or config.model.max_seq_len
+    one_sequence = shape.kv_bytes_per_token(db) / tp * context
     if weights + ENGINE_WORKSPACE > budget:
         need = (weights + ENGINE_WORKSPACE + one_sequence) / cap
         return [
@@ -317,7 +319,8 @@ def _engine_problems(config: Config, shape: Shape, cap: float, tp: int, whose: s
             (
                 "generator.gpu_memory_utilization",
                 f"after {whose} weights, vLLM's budget of {budget / GiB:.1f} GiB holds less KV cache than one sequence of "
-                f"model.max_seq_len={config.model.max_seq_len} tokens: raise it, or lower model.max_seq_len",
+                f"{context} tokens: raise it, or lower "
+                + ("model.max_seq_len" if context == config.model.max_seq_len else "the judge's max_len or max_new_tokens"),
             )
         ]
     return []
@@ -336,7 +339,7 @@ def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, 
                 judge = model_shape(config, spec.path)
             except ValueError:  # not a family the trainer builds: its budget alone is known
                 continue
-            out = _engine_problems(config, judge, cap, 1, f"judge scoring.scorers[{i}]'s", "give the judge a smaller checkpoint")
+            out = _engine_problems(config, judge, cap, 1, f"judge scoring.scorers[{i}]'s", "give the judge a smaller checkpoint", spec.judge_context())
     for gpu in plan.gpus:
         if gpu.peak <= HEADROOM * cap:
             continue

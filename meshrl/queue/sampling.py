@@ -7,7 +7,6 @@ import random
 from collections import deque
 from typing import Callable, Sequence
 
-import torch
 from tensordict import TensorDict
 
 from meshrl.episode import PAD_VERSION
@@ -17,14 +16,16 @@ SamplingPolicy = Callable[[Sequence[TensorDict], int, random.Random], list[int]]
 
 
 def oldest_version(group: TensorDict) -> int:
-    """The oldest policy version among a group's trained tokens (none left: a version past any)."""
-    versions = group["versions"][group["loss_mask"] & (group["versions"] != PAD_VERSION)]
-    return int(versions.min()) if versions.numel() else torch.iinfo(torch.int64).max
+    """The oldest policy version among a group's model tokens (masked ones too: the staleness
+    bound masks the oldest first); -1 for a group with none (every episode failed before its
+    first turn), which has nothing to wait for."""
+    versions = group["versions"][group["versions"] != PAD_VERSION]
+    return int(versions.min()) if versions.numel() else -1
 
 
 def insert_oldest_first(ready: deque, group: TensorDict) -> None:
     """Put a finished group in READY, which is kept oldest first: by the oldest version among its
-    trained tokens, then by arrival. A group claimed earlier that finished later (long replies) is
+    model tokens (`oldest_version`), then by arrival. A group claimed earlier that finished later (long replies) is
     not overtaken by the later claims that finished before it, so it is trained before the
     staleness bound would mask or drop it, and `fifo` does not train long replies less often."""
     age, i = oldest_version(group), len(ready)

@@ -32,7 +32,6 @@ import dataclasses
 import http.client
 import json
 import math
-import os
 import re
 import time
 import urllib.error
@@ -228,9 +227,7 @@ class Judge:
         self.spec = spec
         self.tokenizer = load_tokenizer(spec.path)
         self.parser = load_parser(spec.parser)
-        with open(os.path.join(spec.path, "config.json")) as f:
-            positions = json.load(f).get("max_position_embeddings") or spec.max_len + spec.max_new_tokens
-        context = min(spec.max_len + spec.max_new_tokens, positions)  # never past what the checkpoint was built for
+        context = spec.judge_context()  # never past what the checkpoint was built for
         self.prompt_len = max(1, context - spec.max_new_tokens)
         # one GPU a judge replica on the device plan, whatever generator.tp the policy's engines use
         self.engine = VLLMEngine(dataclasses.replace(gen_config, tp=1), spec.path, dtype=dtype, max_model_len=context, seed=seed)

@@ -94,7 +94,8 @@ def build_causal_lm(config: Config, spec: ScorerConfig, device: str = "cpu"):
 
 def group_items(episodes) -> list[dict]:
     """What the PRM is sent for each of a group's episodes: its token ids, the positions of
-    its model tokens (the ones it scores), and its outcome, the env's reward."""
+    its model tokens (the ones it scores), its outcome, the env's reward, and its group for the
+    accuracy filter (a game thread's role apart)."""
     items = []
     for ep in episodes:
         positions, at = [], 0
@@ -102,7 +103,8 @@ def group_items(episodes) -> list[dict]:
             if turn.role == "model":
                 positions += range(at, at + len(turn.token_ids))
             at += len(turn.token_ids)
-        items.append({"token_ids": list(ep.token_ids), "positions": positions, "outcome": float(ep.signals.get("env", ep.reward)), "group": ep.group_id})
+        group = ep.group_id if ep.role is None else f"{ep.group_id}/{ep.role}"  # a self-play role's rows apart (episode.baseline_groups)
+        items.append({"token_ids": list(ep.token_ids), "positions": positions, "outcome": float(ep.signals.get("env", ep.reward)), "group": group})
     return items
 
 

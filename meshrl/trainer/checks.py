@@ -157,7 +157,9 @@ def _check_teacher_engine(c: Config) -> None:
         raise ConfigError("distill.teacher", f"its config.json does not read ({type(e).__name__}: {first_line(str(e))}): give a complete checkpoint") from None
     hf = {**hf, **(hf.get("text_config") or {})}  # (a multimodal checkpoint's language model)
     positions = hf.get("max_position_embeddings")
-    if isinstance(positions, int) and not hf.get("rope_scaling") and positions < c.model.max_seq_len:
+    ropes = [hf.get(key) or {} for key in ("rope_scaling", "rope_parameters")]
+    stretched = any((r.get("rope_type") or r.get("type") or "default") != "default" for r in ropes if isinstance(r, dict))  # YaRN and the like
+    if isinstance(positions, int) and not stretched and positions < c.model.max_seq_len:
         raise ConfigError(
             "distill.teacher",
             f"its max_position_embeddings={positions} is under model.max_seq_len={c.model.max_seq_len}: "
