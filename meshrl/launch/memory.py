@@ -256,7 +256,7 @@ def _one_model(config: Config, capacity: float, plan, frozen: bool = False) -> M
             for h in g.holdings:
                 if h.kept is not None:
                     h.kept.discard("AdamW moments (2 x float32)")
-    out.problems = problems(config, shape, out)
+    out.problems = problems(config, shape, out, teacher)
     return out
 
 
@@ -326,13 +326,15 @@ def _engine_problems(config: Config, shape: Shape, cap: float, tp: int, whose: s
     return []
 
 
-def problems(config: Config, shape: Shape, plan: MemoryPlan) -> list[tuple[str, str]]:
-    """What does not fit, each as (field, the fix): the first GPU's line for each field."""
+def problems(config: Config, shape: Shape, plan: MemoryPlan, teacher: Shape | None = None) -> list[tuple[str, str]]:
+    """What does not fit, each as (field, the fix): the first GPU's line for each field. `teacher`:
+    the distillation teacher's shape, where the plan read it already."""
     cap = plan.capacity
     budget = config.generator.gpu_memory_utilization * cap
     out = _engine_problems(config, shape, cap, config.generator.tp, "the model's", "raise generator.tp")
     if not out and config.distill.teacher:  # the teacher's engine: its own weights, the same budget and tp
-        out = _engine_problems(config, model_shape(config, config.distill.teacher), cap, config.generator.tp, "the teacher's", "raise generator.tp")
+        teacher = teacher or model_shape(config, config.distill.teacher)
+        out = _engine_problems(config, teacher, cap, config.generator.tp, "the teacher's", "raise generator.tp")
     for i, spec in enumerate(config.scoring.scorers):
         if not out and spec.kind == "judge":  # a judge's engine: one GPU (scorers/backends.Judge)
             try:
