@@ -212,8 +212,8 @@ def test_a_run_that_games_its_reward_model_is_stopped_in_one_line_naming_the_ver
     # benchmarks/reward_hacking.py: flagged 8-15 steps after the verifier's peak)
     assert stopped == rows[-1]["step"] <= 40
     assert os.path.isfile(run_dir / "checkpoints" / f"step_{stopped:06d}_loop_state.pt")
-    agreed = max(c for c in range(5, began, 5))
-    assert f"last checkpoint where they agreed: step {agreed} " in line
+    before = list(range(5, began, 5))  # checkpoint_every 5: the last one before the game began, if any
+    assert (f"last checkpoint where they agreed: step {before[-1]} " if before else "no checkpoint was written before it") in line
     corrs = [r["scoring/rm/corr_env"] for r in rows[-10:] if "scoring/rm/corr_env" in r]
     assert sum(corrs) / len(corrs) < 0, corrs  # per-step rank correlation of the model with the verifier
     # resumed from the checkpoint it stopped at (docs/stability.md: with a change of course): its

@@ -558,10 +558,14 @@ def test_prime_run_trains_its_prm_online_and_the_policy_on_its_rewards(tmp_path,
     # lowest loss after the first step, bounded at half the smaller fall seen (0.693 - 0.117).
     # Accuracy is not asserted: once nearly every outcome is 1, the PRM that never moved reached 1.0 too.
     assert min(loss[1:]) < 0.693 - 0.117, loss
-    # the sparse outcome rises, from 0.042-0.057 over steps 1-3 to 0.80-0.97 over steps 17-20 in 3 runs, but when
-    # it rises moves from run to run: one whole suite's run on an AMD EPYC without AVX-512 rose only from step 12,
-    # to 0.39 over steps 17-20 (0.58 at step 20), a rise of 0.33; the margin is 0.2 under the smallest rise seen
-    assert sum(reward[-4:]) / 4 > sum(reward[:3]) / 3 + 0.2, reward
+    # The sparse outcome rises, but when its climb starts moves by many steps from run to run,
+    # synchronously too (the engine's sampler draws from one stream in the order requests were
+    # batched): over steps 17-20, 0.80-0.97 in 3 runs, 0.66 and 0.39 in two more, 0.17 in a CI run
+    # whose climb started last. So the assertion takes the best 4-step window after the first
+    # three steps, against those three: risen by 0.15-0.92 in those runs, by at most 0.01 with
+    # the policy's lr at 1e-12 (0.05 at best against 0.04); the margin is about half the weakest.
+    best = max(sum(reward[i : i + 4]) / 4 for i in range(3, STEPS - 3))
+    assert best > sum(reward[:3]) / 3 + 0.08, reward
     state = torch.load(os.path.join(tmp_path, "run", "checkpoints", "prm-prm", "state.pt"), weights_only=False)
     assert state["version"] >= version[-1] + 1  # saved when the run stopped, after its last step
     # exported at the end (hf/final-prm, its pi_ref beside it), each with the run's tokenizer
