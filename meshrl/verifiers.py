@@ -39,13 +39,12 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"[-\u2212]?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+)?")  # U+2212: the minus sign of typeset text
 # "the answer is 42." (a number that ends its sentence: "the answer is 2 times the radius" states none)
 # (the number atomic: backtracking into it, "3.5 cm." would state "3")
-_CUE, _ENDS_SENTENCE = r"answer(?:\s+is|\s*[:=])\s*[:=]?\s*", r"(?=\s*(?:[.!?;,)]|$))"
+# (Markdown's emphasis around the cue or its answer is read through: "**Answer:** 42", "is **42**.")
+_CUE, _ENDS_SENTENCE = r"answer[*_]*(?:\s+is|\s*[:=])[*_]*\s*[:=]?\s*[*_]*", r"[*_]*(?=\s*(?:[.!?;,)]|$))"
 _CUED = re.compile(_CUE + r"\$?\s*((?>" + _NUMBER.pattern + r"))\$?" + _ENDS_SENTENCE, re.IGNORECASE | re.MULTILINE)
+_MATH = re.compile(r"(?<!\\)\$(?P<d>[^$]+?)(?<!\\)\$|\\\((?P<p>.+?)\\\)|\\\[(?P<b>.+?)\\\]", re.DOTALL)  # $...$, \(...\), \[...\]
 # "the answer is $\frac{1}{2}$.": the math a cue names, whole (its digits are no number of their own)
-_CUED_MATH = re.compile(
-    _CUE + r"(?:(?<!\\)\$(?P<d>[^$]+?)(?<!\\)\$|\\\((?P<p>.+?)\\\)|\\\[(?P<b>.+?)\\\])" + _ENDS_SENTENCE,  # $...$, \(...\), \[...\]
-    re.IGNORECASE | re.DOTALL | re.MULTILINE,
-)
+_CUED_MATH = re.compile(_CUE + r"(?:" + _MATH.pattern + r")" + _ENDS_SENTENCE, re.IGNORECASE | re.DOTALL | re.MULTILINE)
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 
 
@@ -63,22 +62,29 @@ def last_boxed(text: str) -> str | None:
 
 
 def final_answer(response: str) -> str | None:
-    """A response's final answer: its last `\\boxed{}`, else its last <answer> tag, else the
-    math or number after its last "answer is" (or "answer:"), else its last number. None where
-    its last `\\boxed{` never closes (the answer was still being written). (A reply cut at its
-    budget is read the same: a short-answer task's answer often fills its budget, end token left out.)"""
-    if "\\boxed{" in response:
-        return last_boxed(response)
-    tagged = _ANSWER_TAG.findall(response)
-    if tagged:
-        return tagged[-1].strip()
-    spans = [(m.start(), next(g for g in m.groups() if g is not None).strip()) for m in _CUED_MATH.finditer(response)]
-    numbers = [(m.start(), m.group(1)) for m in _CUED.finditer(response)]
-    cued = max(spans + numbers, default=None)  # the last cue's answer, math or number
-    if cued is not None:
-        return cued[1].replace("\u2212", "-")
-    numbers = _NUMBER.findall(response)  # "The answer is 42. It took 3 tries.": 42
-    return numbers[-1].replace("\u2212", "-") if numbers else None
+    """A response's final answer: the last of its `\\boxed{}`, its <answer> tags and the math or
+    number after an "answer is" (or "answer:"), so that a draft boxed while thinking gives way
+    to the tag or cue after it; else its last number, or the last math it wrote where that
+    number is part of it (`$\\frac{3}{4}$` is no 4). None where its last `\\boxed{` never closes
+    (the answer was still being written). (A reply cut at its budget is read the same: a
+    short-answer task's answer often fills its budget, end token left out.)"""
+    found = []  # (where it starts, the answer)
+    box = response.rfind("\\boxed{")
+    if box >= 0:
+        found.append((box, last_boxed(response)))
+    found += [(m.start(), m.group(1).strip()) for m in _ANSWER_TAG.finditer(response)]
+    found += [(m.start(), next(g for g in m.groups() if g is not None).strip()) for m in _CUED_MATH.finditer(response)]
+    found += [(m.start(), m.group(1)) for m in _CUED.finditer(response)]
+    if found:
+        answer = max(found, key=lambda f: f[0])[1]  # (a box inside a tag starts after it: the box's)
+        return None if answer is None else answer.replace("\u2212", "-")
+    numbers = list(_NUMBER.finditer(response))  # "The answer is 42. It took 3 tries.": 42
+    if not numbers:
+        return None
+    maths = [m for m in _MATH.finditer(response) if m.start() <= numbers[-1].start() < m.end()]
+    if maths and any(c in maths[-1].group(0) for c in "\\^"):  # the number is a piece of LaTeX: the whole of it
+        return next(g for g in maths[-1].groups() if g is not None).strip().replace("\u2212", "-")
+    return numbers[-1].group(0).replace("\u2212", "-")
 
 
 VERIFY_TIMEOUT_S = 10.0  # one check; past it the child is killed and the answer scores 0.0

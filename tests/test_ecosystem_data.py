@@ -38,14 +38,25 @@ RG = {"source": "reasoning_gym:basic_arithmetic", "num_prompts": 6, "task_args":
         ("-5", "The answer is \u22125.", 1.0),  # typeset text's minus sign
         (["3", "three"], "The answer is 3.", 1.0),  # a list holds the accepted forms
         (["3", "5"], "The answer is 4.", 0.0),
+        ("42", "**Answer:** 42\n\nThis used step 3.", 1.0),
+        ("3/4", r"So the result is $\frac{3}{4}$", 1.0),
     ],
 )
 def test_math_answer(gold, response, reward):
     assert math_answer("", response, {"answer": gold}) == reward
 
 
-def test_final_answer_prefers_box_then_tag_then_number():
+def test_final_answer_takes_the_last_box_tag_or_cue_then_the_last_number():
     assert final_answer(r"7 <answer>8</answer> \boxed{x^{2}}") == "x^{2}"
+    # a draft boxed while thinking gives way to the tag (or cue) after it; a box inside a tag is the tag's answer
+    assert final_answer("<think>maybe \\boxed{3}? no</think>\n<answer>5</answer>") == "5" and final_answer("<answer>\\boxed{5}</answer>") == "5"
+    assert final_answer("<think>maybe \\boxed{3}? no</think> The answer is 5.") == "5"
+    # Markdown's emphasis around the cue or its answer
+    assert final_answer("**Answer:** 42\n\nThis used step 3.") == "42" and final_answer("The answer is **42**. Done in 3 steps") == "42"
+    assert final_answer(r"**Final Answer:** $\frac{1}{2}$") == r"\frac{1}{2}"
+    # no cue: the last number, or the LaTeX it is a piece of
+    assert final_answer(r"So the result is $\frac{3}{4}$") == r"\frac{3}{4}" and final_answer(r"The answer is $-\frac{3}{4}$ (negative).") == r"-\frac{3}{4}"
+    assert final_answer(r"Let $x=3$. Then x+1 = 4") == "4" and final_answer("so $x = 3$") == "3"
     assert final_answer("7 <answer> 8 </answer> 9") == "8"
     assert final_answer("7 then -1,000.5") == "-1,000.5"
     assert final_answer("answer: 7, after 2 steps") == "7" and final_answer("about 5e3 of them") == "5e3"
