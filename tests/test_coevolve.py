@@ -784,6 +784,7 @@ def test_both_models_rewards_rise_from_their_first_tenth(coevolved):
     # the proposer's 0.010 and -0.018 (seeds 0, 1); with the solver frozen: the solver's 0.031.
     for key, margin in (("reward/mean", 0.4), ("proposer/reward/mean", 0.03)):
         first, last = _tenths(rows, key)
+        print(key, "first tenth", round(first, 3), "last tenth", round(last, 3))
         assert last - first > margin, (key, first, last)
 
 
