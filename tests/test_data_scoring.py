@@ -674,6 +674,8 @@ def test_success_is_the_verifiers_not_the_scorers():
     assert succeeded(scored(1.0, 1.0), True) == 0.0  # failed: never a success
     unscored = Episode(0, 0, [Turn("env", [1]), Turn("model", [4], [-0.5], [0], reward=1.0)])
     assert succeeded(unscored, False) == 1.0  # without scorers, the env's reward is the trained one
+    rounds = Episode(0, 0, [Turn("env", [1])] + [Turn("model", [4], [-0.5], [0], reward=1 / 6) for _ in range(6)])
+    assert rounds.reward < 1.0 and succeeded(rounds, False) == 1.0  # six rounds of 1/6, every one right
 
 
 def test_the_run_totals_keep_a_replaced_or_silent_workers_count():

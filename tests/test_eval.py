@@ -23,6 +23,11 @@ def test_summarize_eval_counts_solved_prompts():
     assert m["eval/greedy_accuracy"] == 0.5 and m["eval/greedy_reward"] == 0.75
     assert m["eval/pass@2"] == 0.5 and m["eval/reward_mean"] == pytest.approx(1.75 / 4)
     assert (m["eval/failed"], m["eval/version_min"], m["eval/version_max"]) == (1.0, 3.0, 4.0)
+    # a multi-turn episode's reward sums its rounds': every one of six rounds right is 0.9999999999999999
+    six = sum([1 / 6] * 6)
+    assert (
+        six < 1.0 and summarize_eval([{"greedy": six, "samples": [six], "failed": 0, "version_min": 0, "version_max": 0}], k=1)["eval/greedy_accuracy"] == 1.0
+    )
 
 
 def test_a_tasks_eval_source_is_scored_by_its_own_rule_not_the_runs_reward(tmp_path):

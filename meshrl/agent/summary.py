@@ -11,11 +11,17 @@ MODEL_METRICS = ("reward/mean", "reward/std", "reward/success_rate", "response/l
 """The episode metrics a game reports for each model beside the policy, as `NAME/...`."""
 
 
+SOLVED = 1.0 - 1e-9
+"""A verifier's reward at least this high solves its episode (reward/success_rate; an
+evaluation's accuracy and pass@k): 1, less float rounding: an episode's reward sums its
+turns', and six rounds of 1/6 sum to 0.9999999999999999."""
+
+
 def succeeded(row, failed: bool) -> float:
     """1.0 where an episode (or a game's thread) did not fail and its env's reward, the verifier's,
     reached 1: with scorers its trained reward adds their scores (a wrong answer a reward model
     rated 1.2 read as a success, a right one it rated -0.5 did not)."""
-    return float(not failed and row.signals.get("env", row.reward) >= 1.0)
+    return float(not failed and row.signals.get("env", row.reward) >= SOLVED)
 
 
 def summarize(windows: list[dict[str, float]], failed_total: float = 0.0, first_failure: str | None = None) -> dict:

@@ -25,11 +25,10 @@ from typing import Callable
 
 from meshrl.config import Config, ConfigError
 from meshrl.errors import first_line
+from meshrl.agent.summary import SOLVED
 from meshrl.futures import awaited
 
 log = logging.getLogger("meshrl")
-SUCCESS = 1.0
-"""A reward at least this high is a solved prompt (accuracy, pass@k), as in reward/success_rate."""
 
 
 def summarize_eval(results: list[dict], k: int) -> dict[str, float]:
@@ -38,9 +37,9 @@ def summarize_eval(results: list[dict], k: int) -> dict[str, float]:
     samples = [r for res in results for r in res["samples"]]
     mean = sum(samples) / max(len(samples), 1)
     return {
-        "eval/greedy_accuracy": sum(res["greedy"] >= SUCCESS for res in results) / n,
+        "eval/greedy_accuracy": sum(res["greedy"] >= SOLVED for res in results) / n,
         "eval/greedy_reward": sum(res["greedy"] for res in results) / n,
-        f"eval/pass@{k}": sum(any(r >= SUCCESS for r in res["samples"]) for res in results) / n,
+        f"eval/pass@{k}": sum(any(r >= SOLVED for r in res["samples"]) for res in results) / n,
         "eval/reward_mean": mean,
         "eval/reward_std": (sum((r - mean) ** 2 for r in samples) / max(len(samples), 1)) ** 0.5,  # (the divergence alarm's scale for it)
         "eval/prompts": float(n),
