@@ -328,6 +328,9 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
     data["logging"] = {**data["logging"], "run_dir": out_dir}
     data["launcher"] = {"kind": "local"}
     data["generator"] = {**data["generator"], "replicas": 1, "cpus": ""}
+    if not isinstance(data.get("model") or {}, dict):
+        raise ConfigError("model", f"must be a mapping of fields, got {type(data['model']).__name__} {data['model']!r}")
+    data["model"] = {**(data.get("model") or {}), "path": checkpoint}  # what is evaluated is checked, not a base the run started from
     config = Config.from_dict(data)
     preflight(config)
     has_tokenizer = any(os.path.isfile(os.path.join(checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -349,11 +352,13 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
         traceback.print_exc()
         print(f"meshrl: eval failed: {type(e).__name__}: {first_line(str(e))}", file=out)
         return 1
-    write_results(os.path.join(out_dir, "eval.json"), metrics, results, records)
+    written = os.path.join(out_dir, f"eval-{os.path.basename(checkpoint.rstrip('/'))}.json")  # one per checkpoint evaluated
+    os.makedirs(out_dir, exist_ok=True)
+    write_results(written, metrics, results, records, checkpoint)
     k = config.eval.k
     print(
         f"meshrl: greedy accuracy {metrics['eval/greedy_accuracy']:.3f}, pass@{k} {metrics[f'eval/pass@{k}']:.3f}, "
-        f"mean reward {metrics['eval/reward_mean']:.3f}; results in {os.path.join(out_dir, 'eval.json')}",
+        f"mean reward {metrics['eval/reward_mean']:.3f}; results in {written}",
         file=out,
     )
     return 0
@@ -414,7 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="evaluate a run's final export or a checkpoint on held-out prompts (eval.*)")
     evaluate.add_argument("target", metavar="RUN_DIR|CHECKPOINT")
     evaluate.add_argument("args", nargs="*", metavar="CONFIG|section.field=value")
-    evaluate.add_argument("--out", metavar="DIR", help="where eval.json and logs go (default: RUN_DIR/eval)")
+    evaluate.add_argument(
+        "--out", metavar="DIR", help="where eval-NAME.json (NAME: the checkpoint's directory, e.g. final) and logs go (default: RUN_DIR/eval)"
+    )
     evaluate.set_defaults(func=_cmd_eval)
 
     plot = sub.add_parser("plot", help="draw a run's reward, staleness and utilisation curves to PNG")

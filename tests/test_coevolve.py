@@ -883,7 +883,7 @@ def test_meshrl_eval_evaluates_the_policy_of_a_run_with_trained_models(coevolved
     done = subprocess.run([sys.executable, "-m", "meshrl", "eval", run_dir], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"evaluating {os.path.join(run_dir, 'hf', 'final')} on 8 held-out prompts" in done.stderr, done.stderr[-2000:]
-    with open(os.path.join(run_dir, "eval", "eval.json")) as f:
+    with open(os.path.join(run_dir, "eval", "eval-final.json")) as f:
         again = json.load(f)
     with open(os.path.join(run_dir, "eval", f"step_{STEPS + 1:06d}.json")) as f:
         in_run = json.load(f)

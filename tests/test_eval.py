@@ -199,6 +199,36 @@ def test_resolve_target(tmp_path):
         resolve_target(str(tmp_path))
 
 
+def test_meshrl_eval_checks_the_checkpoint_not_the_gone_base_and_writes_one_file_each(tmp_path, monkeypatch):
+    """`meshrl eval RUN_DIR` of a run whose base model has since moved: the checks read the
+    checkpoint evaluated (they refused the run's `model.path`), and each checkpoint's results
+    go to a file of its own that names it (hf/v0's were overwritten by hf/final's). The
+    evaluation itself is stood in for: the slow test below runs it on the engine."""
+    import yaml
+
+    from meshrl import cli
+    from meshrl.controller import evaluation
+    from tests.conftest import build_digit_teacher
+
+    run = tmp_path / "run"
+    for name in ("v0", "final"):
+        build_digit_teacher(run / "hf" / name)
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"path": str(tmp_path / "gone"), "tokenizer": str(run / "hf" / "final" / "tokenizer")}}))
+    evaluated = []
+
+    async def evaluate_checkpoint(config, checkpoint, tokenizer_dir):
+        evaluated.append((config.model.path, checkpoint))
+        metrics = {"eval/greedy_accuracy": 0.5, "eval/pass@4": 1.0, "eval/reward_mean": 0.25, "eval/prompts": 2.0}
+        return metrics, [{"greedy": 1.0, "samples": [1.0]}, {"greedy": 0.0, "samples": [0.0]}]
+
+    monkeypatch.setattr(evaluation, "evaluate_checkpoint", evaluate_checkpoint)
+    assert cli.main(["eval", str(run / "hf" / "v0")]) == 0 and cli.main(["eval", str(run)]) == 0
+    assert evaluated == [(str(run / "hf" / name),) * 2 for name in ("v0", "final")]
+    for name in ("v0", "final"):
+        with open(run / "eval" / f"eval-{name}.json") as f:
+            assert json.load(f)["checkpoint"] == str(run / "hf" / name)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_eval_during_training_is_reproduced_by_meshrl_eval(tmp_path):
@@ -247,8 +277,9 @@ def test_eval_during_training_is_reproduced_by_meshrl_eval(tmp_path):
     done = subprocess.run([sys.executable, "-m", "meshrl", "eval", run_dir], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "greedy accuracy" in done.stderr
-    with open(os.path.join(run_dir, "eval", "eval.json")) as f:
+    with open(os.path.join(run_dir, "eval", "eval-final.json")) as f:
         again = json.load(f)
+    assert again["checkpoint"] == os.path.join(run_dir, "hf", "final")
     assert [p["greedy_text"] for p in again["prompts"]] == [p["greedy_text"] for p in in_training["prompts"]]
     assert again["metrics"]["eval/greedy_accuracy"] == last["eval/greedy_accuracy"]
     assert again["metrics"]["eval/greedy_reward"] == pytest.approx(last["eval/greedy_reward"])

@@ -7,7 +7,7 @@ for none of it; it only shares the generators. The last step is always evaluated
 which the generators hold the final weights and nothing updates them, so
 `meshrl eval RUN_DIR` on the final export reproduces that evaluation's greedy accuracy.
 Each evaluation's metrics and every prompt's greedy answer go to RUN_DIR/eval/step_N.json
-(`meshrl eval`'s to RUN_DIR/eval/eval.json), its metrics to the run's metrics as `eval/...`.
+(`meshrl eval`'s to RUN_DIR/eval/eval-NAME.json, NAME the checkpoint's directory: final, v3), its metrics to the run's metrics as `eval/...`.
 
 `Evaluations` is the controller's side of it during a run; `meshrl eval` starts what an
 evaluation needs and nothing more: one generator replica on the checkpoint and one rollout
@@ -192,8 +192,9 @@ async def evaluate_checkpoint(config: Config, checkpoint_dir: str, tokenizer_dir
             await generators.shutdown()
 
 
-def write_results(path: str, metrics: dict[str, float], results: list[dict], records: list[dict]) -> None:
-    """The metrics and every prompt's greedy answer and rewards, as JSON."""
+def write_results(path: str, metrics: dict[str, float], results: list[dict], records: list[dict], checkpoint: str | None = None) -> None:
+    """The metrics and every prompt's greedy answer and rewards, as JSON (with the checkpoint
+    evaluated, where `meshrl eval` named one)."""
     rows = [{"prompt": rec.get("prompt"), "answer": rec.get("answer"), **res} for rec, res in zip(records, results)]
     with open(path, "w") as f:
-        json.dump({"metrics": metrics, "prompts": rows}, f, indent=1, default=str)
+        json.dump({**({"checkpoint": checkpoint} if checkpoint else {}), "metrics": metrics, "prompts": rows}, f, indent=1, default=str)
