@@ -256,11 +256,22 @@ class Session:
     def export(self, path: str) -> str:
         """Write the current policy as a Hugging Face checkpoint directory; returns its path. The
         directory is replaced whole, so one holding anything but an earlier export (its
-        config.json), or the run's own directory or one above it, is refused."""
+        config.json) is refused, as are the run's own directory, one above it or in it (its
+        exports and checkpoints), and one holding a path the config reads (`model.path`, the
+        tokenizer, a teacher's or a scorer's checkpoint)."""
+        from meshrl.controller.checkpoint import config_strings
+
         loop = self._need()
         out, run = os.path.abspath(os.path.expanduser(path)), os.path.abspath(loop.run_dir)
-        if out == run or run.startswith(out.rstrip(os.sep) + os.sep):
-            raise ValueError(f"export to {path!r} would replace the run's own directory ({run}): name a directory of its own")
+
+        def holds(inner: str) -> bool:
+            return inner == out or inner.startswith(out.rstrip(os.sep) + os.sep)
+
+        if holds(run) or out.startswith(run + os.sep):
+            raise ValueError(f"export to {path!r} would replace the run's own directory ({run}) or what it keeps there: name a directory outside it")
+        for field_path, value in config_strings(self.config.to_dict()):
+            if os.sep in value and holds(os.path.abspath(os.path.expanduser(value))):
+                raise ValueError(f"export to {path!r} would replace {field_path} ({value}), which the run reads: name a directory of its own")
         if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, "config.json")):
             raise ValueError(f"{path!r} holds files that are not a Hugging Face checkpoint, and an export replaces it whole: name a new directory")
         return self._call(loop.export_to(out), self._trainer_bound())

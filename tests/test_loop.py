@@ -373,10 +373,19 @@ def test_a_session_refuses_an_export_over_other_files_and_every_call_once_stoppe
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     session = meshrl.Session.__new__(meshrl.Session)
     session._stopped, session._live, session.config = False, types.SimpleNamespace(run=types.SimpleNamespace(run_dir=str(run))), Config()
-    for path in (run, tmp_path / "runs", tmp_path / "notes"):
+    for path in (run, tmp_path / "runs", tmp_path / "notes", run / "hf" / "v0"):
         with pytest.raises(ValueError, match="the run's own directory|not a Hugging Face checkpoint"):
             session.export(str(path))
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    # nor the base checkpoint the run started from (an export's config.json), or a directory holding it
+    base = tmp_path / "models" / "base"
+    base.mkdir(parents=True)
+    (base / "config.json").write_text("{}")
+    session.config = Config.from_dict({"model": {"path": str(base)}})
+    for path in (base, tmp_path / "models"):
+        with pytest.raises(ValueError, match="would replace model.path"):
+            session.export(str(path))
+    assert (base / "config.json").read_text() == "{}"
     session._stopped, session._live.run = True, None  # as stop() leaves it
     for call in (lambda: session.step(1), session.start, lambda: session.export(str(tmp_path / "hf"))):
         with pytest.raises(RuntimeError, match="this session was stopped: start a new one"):

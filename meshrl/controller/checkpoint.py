@@ -443,7 +443,7 @@ def keep_earlier_run(config: Config) -> str | None:
     if held is not None:
         os.close(held)
     inside = os.path.realpath(run_dir) + os.sep
-    for field_path, value in _strings(config.to_dict()):
+    for field_path, value in config_strings(config.to_dict()):
         if os.path.exists(value) and os.path.realpath(value).startswith(inside):
             raise ConfigError(
                 field_path, f"{value!r} lies in logging.run_dir, which holds an earlier run this new one would move aside: give it another logging.run_dir"
@@ -488,7 +488,7 @@ def hold_run_dir(run_dir: str) -> int | None:
     return fd
 
 
-def _strings(data, path: str = ""):
+def config_strings(data, path: str = ""):
     """(dotted field path, value) of every string in a config's dict, lists' entries as `[i]`."""
     items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
     for key, value in items:
@@ -496,4 +496,4 @@ def _strings(data, path: str = ""):
         if isinstance(value, str):
             yield here, value
         else:
-            yield from _strings(value, here)
+            yield from config_strings(value, here)
