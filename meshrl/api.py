@@ -111,6 +111,21 @@ class Session:
         trainer.collective_timeout_s), a checkpoint after it and the rest."""
         return self.config.buffer.get_timeout_s + 2 * self.config.trainer.collective_timeout_s + 600
 
+    def _settled(self):
+        """The loop, once a step Ctrl-C left running has ended: never two at once, and neither
+        a checkpoint, an export nor a knob's change beside it (a Ctrl-C here leaves it the one
+        to wait for)."""
+        loop, earlier = self._need(), self._interrupted
+        if earlier is not None:
+            try:
+                earlier.result(self._step_bound())
+            except Exception as e:  # noqa: BLE001 - its failure was never reported: the interrupt was
+                if not earlier.done():
+                    raise TimeoutError(f"the step Ctrl-C left running still runs after {self._step_bound():.0f}s") from None
+                log.warning("the step Ctrl-C left running failed: %s", first_line(str(e)) or type(e).__name__)
+        self._interrupted = None
+        return loop
+
     def _need(self):
         if self._stopped:
             raise RuntimeError("this session was stopped: start a new one (meshrl.Session(resume=RUN_DIR) goes on from its checkpoint)")
@@ -167,15 +182,9 @@ class Session:
         """Train until the policy's version is `n` past where it was; returns each step's metric
         row. A healed trainer that lost a step trains it again: that version's row comes twice,
         the later one what the run kept (docs/healing.md)."""
-        loop, earlier = self._need(), self._interrupted
-        if earlier is not None:  # a step Ctrl-C left running: never two at once (a Ctrl-C here leaves it the one to wait for)
-            try:
-                earlier.result(self._step_bound())
-            except Exception as e:  # noqa: BLE001 - its failure was never reported: the interrupt was
-                if not earlier.done():
-                    raise TimeoutError(f"the step Ctrl-C left running still runs after {self._step_bound():.0f}s") from None
-                log.warning("the step Ctrl-C left running failed: %s", first_line(str(e)) or type(e).__name__)
-        self._interrupted = None
+        loop = self._settled()
+        if loop.generators.paused:  # its batch would wait for resume() until buffer.get_timeout_s
+            raise RuntimeError("generation is paused: call resume() first (a step's batch is generated)")
         loop.collect.last_step_end = time.monotonic()  # a step's wall time from when it was asked, not the time between cells
         rows = []
         bar = progress_bar(n) if progress else None
@@ -230,19 +239,19 @@ class Session:
         """Change knobs between steps: lr, max_lag (the staleness bound)."""
         from meshrl.controller import control
 
-        self._call(control.set_knobs(self._need(), **knobs), 120)
+        self._call(control.set_knobs(self._settled(), **knobs), 120)
 
     def scale_generators(self, replicas: int) -> None:
         """Grow or shrink the number of generator replicas."""
         from meshrl.controller import control
 
-        self._call(control.scale_generators(self._need(), replicas), self.config.generator.startup_timeout_s * max(1, replicas) + 120)
+        self._call(control.scale_generators(self._settled(), replicas), self.config.generator.startup_timeout_s * max(1, replicas) + 120)
 
     def sync_generators(self) -> None:
         """Wait until every generator replica runs the trainer's current version."""
         from meshrl.controller import control
 
-        self._call(control.wait_for_generators(self._need()), self.config.weight_sync.timeout_s + 120)
+        self._call(control.wait_for_generators(self._settled()), self.config.weight_sync.timeout_s + 120)
 
     def evaluate(self) -> dict[str, float] | None:
         """Evaluate the current policy on the held-out prompts (eval.*) now; its `eval/` metrics,
@@ -250,7 +259,9 @@ class Session:
         eval.source where nothing is held out (a file or dataset source without one)."""
         from meshrl.controller.evaluation import eval_timeout_s
 
-        loop = self._need()
+        loop = self._settled()
+        if loop.generators.paused:
+            raise RuntimeError("generation is paused: call resume() first (an evaluation is generated)")
         return self._call(loop.evaluations.now(loop.version), 2 * eval_timeout_s(self.config, self.config.eval.num_prompts) + 60)
 
     def export(self, path: str) -> str:
@@ -261,7 +272,7 @@ class Session:
         tokenizer, a teacher's or a scorer's checkpoint)."""
         from meshrl.controller.checkpoint import config_strings
 
-        loop = self._need()
+        loop = self._settled()
         out, run = os.path.abspath(os.path.expanduser(path)), os.path.abspath(loop.run_dir)
 
         def holds(inner: str) -> bool:
@@ -278,7 +289,7 @@ class Session:
 
     def checkpoint(self) -> str | None:
         """The run's state now (None: deferred while trained models are ahead of a policy its heal took back)."""
-        return self._call(self._need().checkpoint(), self._trainer_bound())
+        return self._call(self._settled().checkpoint(), self._trainer_bound())
 
     def save_on_interrupt(self, timeout_s: float) -> str | None:
         """After Ctrl-C or SIGTERM: let the interrupted step finish if it can within half of
@@ -308,7 +319,7 @@ class Session:
 
     def finish(self) -> RunResult:
         """Final checkpoint, Hugging Face export and curves."""
-        loop = self._need()
+        loop = self._settled()
         from meshrl.controller.evaluation import eval_timeout_s
 
         goal, bound = loop.version, 2 * eval_timeout_s(self.config, self.config.eval.num_prompts) + 60

@@ -372,7 +372,12 @@ def test_a_session_refuses_an_export_over_other_files_and_every_call_once_stoppe
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     session = meshrl.Session.__new__(meshrl.Session)
-    session._stopped, session._live, session.config = False, types.SimpleNamespace(run=types.SimpleNamespace(run_dir=str(run))), Config()
+    session._stopped, session._interrupted, session._live, session.config = (
+        False,
+        None,
+        types.SimpleNamespace(run=types.SimpleNamespace(run_dir=str(run))),
+        Config(),
+    )
     for path in (run, tmp_path / "runs", tmp_path / "notes", run / "hf" / "v0"):
         with pytest.raises(ValueError, match="the run's own directory|not a Hugging Face checkpoint"):
             session.export(str(path))
@@ -447,6 +452,8 @@ def test_session_in_ipython_survives_killed_generator_and_raising_reward(tmp_pat
         cell("s.pause()")
         with pytest.raises(RuntimeError, match="generation is paused: call resume"):  # at once, where it waited 600 s
             cell("s.generate(['a:'])")
+        with pytest.raises(RuntimeError, match="generation is paused: call resume"):  # where its batch waited buffer.get_timeout_s
+            cell("s.step(1)")
         cell("s.resume()")
         cell("s.scale_generators(2)")
         assert cell("len(s.loop.generators.replicas)") == 2

@@ -7,6 +7,7 @@ controller's own ends of a run: a queue that stops answering, a signal during th
 import asyncio
 import os
 import pickle
+import threading
 
 import pytest
 from monarch.actor import Actor, ActorError, endpoint, this_host
@@ -497,7 +498,7 @@ def test_a_last_evaluation_that_never_ends_still_leaves_the_checkpoint_and_expor
     loop.evaluations = types.SimpleNamespace(finish=never)
     session = object.__new__(api.Session)
     session.config = Config.from_dict({"logging": {"plot": False}})
-    session._live, session._stopped = api._Live(), False
+    session._live, session._stopped, session._interrupted = api._Live(), False, None
     session._thread_loop, session._live.run = session._live.thread_loop, loop
     with caplog.at_level("WARNING", logger="meshrl"):
         result = session.finish()
@@ -515,7 +516,8 @@ def test_a_step_ctrl_c_left_running_is_waited_for_until_it_ends(tmp_path, caplog
     import meshrl.api as api
 
     class Loop:
-        version, steps, collect = 0, 0, types.SimpleNamespace(last_step_end=0.0)
+        version, steps, collect, generators = 0, 0, types.SimpleNamespace(last_step_end=0.0), types.SimpleNamespace(paused=False)
+        checkpoints: list = []
 
         async def check_health(self):
             return None
@@ -524,6 +526,10 @@ def test_a_step_ctrl_c_left_running_is_waited_for_until_it_ends(tmp_path, caplog
             self.steps += 1
             self.version += 1
             return {"step": self.version}
+
+        async def checkpoint(self):
+            self.checkpoints.append(self.version)
+            return f"step_{self.version}"
 
     session = object.__new__(api.Session)
     session.config = Config.from_dict({})
@@ -546,6 +552,16 @@ def test_a_step_ctrl_c_left_running_is_waited_for_until_it_ends(tmp_path, caplog
         assert session.step(1) == [{"step": 1}]
     assert "the step Ctrl-C left running failed: trainer: its proc died" in caplog.text and session._interrupted is None
     assert loop.collect.last_step_end > 0  # the first step's wall time counts from the call, not from the cell before
+    # a checkpoint (an export, a finish, a knob) after a Ctrl-C waits for that step as well: it ran beside it
+    ended, session._step_bound = concurrent.futures.Future(), lambda: 60
+    session._interrupted = ended
+    threading.Timer(0.1, lambda: (setattr(loop, "version", loop.version + 1), ended.set_result({"step": loop.version}))).start()
+    assert session.checkpoint() == "step_2" and loop.checkpoints == [2] and session._interrupted is None
+    # paused: a step would wait for its batch until buffer.get_timeout_s, then blame the generators
+    loop.generators.paused = True
+    with pytest.raises(RuntimeError, match="generation is paused: call resume"):
+        session.step(1)
+    assert loop.steps == 1
     session._live.thread_loop.call_soon_threadsafe(session._live.thread_loop.stop)
 
 
@@ -792,7 +808,14 @@ def test_a_replacement_that_fails_between_steps_is_tried_again_not_the_runs_end(
     async def shutdown():
         pass
 
-    loop = types.SimpleNamespace(version=0, check_health=check_health, step=step, shutdown=shutdown, collect=types.SimpleNamespace(last_step_end=0.0))
+    loop = types.SimpleNamespace(
+        version=0,
+        check_health=check_health,
+        step=step,
+        shutdown=shutdown,
+        collect=types.SimpleNamespace(last_step_end=0.0),
+        generators=types.SimpleNamespace(paused=False),
+    )
     session._live.run = loop
     try:
         assert session.step(2) == [{"reward/mean": 1.0}] * 2 and len(checks) == 2
