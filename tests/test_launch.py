@@ -46,6 +46,24 @@ def _running(pid: int) -> bool:
 
 
 # ---- the host plan -------------------------------------------------------------------------
+def test_meshrl_worker_says_what_its_address_must_be(capsys):
+    """`meshrl worker --address` with no port, a port that is no number, a wildcard or a port
+    out of range: one line saying what to give, exit status 2 (it printed int()'s and
+    ipaddress' own words: "invalid literal for int() with base 10: 'abc'")."""
+    from meshrl import cli
+
+    for address, said in (
+        ("127.0.0.1", "is not IP:PORT: give this host's own address and a port"),
+        ("127.0.0.1:abc", "is not IP:PORT"),
+        ("host.example:26600", "is not IP:PORT"),
+        ("0.0.0.0:26600", "refusing the wildcard address"),
+        ("127.0.0.1:70000", "port 70000 is out of range"),
+    ):
+        assert cli.main(["worker", "--address", address]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, (address, err)
+
+
 def test_a_worker_address_must_be_what_gloo_binds_on_its_interface(monkeypatch):
     """`meshrl worker --address IP` gives gloo IP's interface, and gloo binds that interface's
     first address: a second address on it left gloo's groups on the first one (a public one,

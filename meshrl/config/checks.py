@@ -47,11 +47,15 @@ def ip_and_port(address: str) -> tuple[str, int]:
     """`IP:PORT` (`[IPv6]:PORT` too) as (IP, port); ValueError for a name, a wildcard or a bad port."""
     host, _, port = address.rpartition(":")
     ip = host.strip("[]")
-    if ipaddress.ip_address(ip).is_unspecified:
+    try:
+        unspecified, port = ipaddress.ip_address(ip).is_unspecified, int(port)
+    except ValueError:
+        raise ValueError(f"{address!r} is not IP:PORT: give this host's own address and a port, e.g. 10.0.0.5:26600 ([IPv6]:PORT)") from None
+    if unspecified:
         raise ValueError(f"refusing the wildcard address {ip!r}: give a host's own address")
-    if not 0 < int(port) < 65536:
+    if not 0 < port < 65536:
         raise ValueError(f"port {port} is out of range")
-    return ip, int(port)
+    return ip, port
 
 
 def validate(c: Config) -> None:
