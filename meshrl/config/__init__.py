@@ -6,7 +6,8 @@ parsing of CPU lists and of a Hugging Face config.json. Nothing here imports mes
 it; checks that need the domain live beside their components, listed by meshrl/preflight.py.
 """
 
-from meshrl.config.checks import VLLM_HEAD_SIZES, ip_and_port, source_kind, validate
+from meshrl.config.checks import ip_and_port, source_kind, validate
+from meshrl.config.model_checks import VLLM_HEAD_SIZES
 from meshrl.config.loading import ConfigError, apply_overrides, load_yaml, need
 from meshrl.config.reference import field_docs, reference_markdown
 from meshrl.config.sections import (

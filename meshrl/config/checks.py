@@ -1,25 +1,22 @@
 """Checks a config's values can answer alone: ranges, and relations between fields.
 
-`validate` runs inside `Config.from_dict`, so every config built anywhere (the CLI, the
-API, each actor rebuilding its copy from a dict) is consistent: sizes that divide, bounds
-that hold, CPU lists that parse and, on this machine, name cores it has. It reads no
-file and imports nothing of meshrl's domain; what needs the tasks, user code, optional
-packages or the files a config names is checked once, before a run, beside its component
-(listed in order by meshrl/preflight.py).
-The first problem found is raised as one `ConfigError` naming the field and the fix.
+`validate` runs inside `Config.from_dict`, so every config built anywhere (the CLI, the API, each
+actor rebuilding its copy from a dict) is consistent: sizes that divide, bounds that hold, CPU
+lists that parse and, on this machine, name cores it has. It reads no file and imports nothing of
+meshrl's domain; what needs the tasks, user code, optional packages or the files a config names is
+checked once, before a run, beside its component (listed in order by meshrl/preflight.py). The
+first problem found is raised as one `ConfigError` naming the field and the fix.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
-
-import ipaddress
 import typing
 
 from meshrl.config.loading import need
-from meshrl.config.model_checks import (  # noqa: F401 (VLLM_HEAD_SIZES: re-exported)
-    VLLM_HEAD_SIZES,
+from meshrl.config.model_checks import (
     _check_critic,
     _check_distill,
     _check_generator,
@@ -51,10 +48,8 @@ def ip_and_port(address: str) -> tuple[str, int]:
         unspecified, port = ipaddress.ip_address(ip).is_unspecified, int(port)
     except ValueError:
         raise ValueError(f"{address!r} is not IP:PORT: give this host's own address and a port, e.g. 10.0.0.5:26600 ([IPv6]:PORT)") from None
-    if unspecified:
-        raise ValueError(f"refusing the wildcard address {ip!r}: give a host's own address")
-    if not 0 < port < 65536:
-        raise ValueError(f"port {port} is out of range")
+    if unspecified or not 0 < port < 65536:
+        raise ValueError(f"refusing the wildcard address {ip!r}: give a host's own address" if unspecified else f"port {port} is out of range")
     return ip, port
 
 
