@@ -604,6 +604,10 @@ def test_an_implicit_prm_gets_a_gpu_beside_a_gpu_trainer_and_is_planned(monkeypa
     lines = dict(held.lines)
     assert held.role == "scorer" and lines["KL reference weights (float32)"] == lines["weights (float32)"] > 0  # pi_ref beside it
     assert "activations (none checkpointing, 2048 tokens)" in lines  # batch_size 8 x model.max_seq_len 256
+    # a batch holds whole groups, at least one: 16 rows where a group is larger than batch_size
+    wide = config(**prm, generator={"group_size": 16}, launcher={"gpus_per_host": 3, "gpu_memory_gib": 80})
+    (held,) = plan_memory(wide, plan=plan_devices(wide)).gpu("hosts", 0, 2).holdings
+    assert "activations (none checkpointing, 4096 tokens)" in dict(held.lines)
     cpu = config(**prm, trainer={"device": "cpu"}, launcher={"gpus_per_host": 2})
     assert scorer_slots(cpu) == [] and [s.role for s in plan_devices(cpu).slots] == ["trainer", "generator"]
 

@@ -192,7 +192,8 @@ def scorer_holding(config: Config, index: int, capacity: float) -> Holding:
     spec = config.scoring.scorers[scorer_slots(config)[index][0]]
     if spec.kind == "prm":  # trains in float32 on its share of each batch, beside its frozen starting copy (pi_ref), over `procs`
         shape = model_shape(config, spec.path) if spec.path else model_shape(config)
-        return _one_proc_holding(config, shape, "scorer", index, -(-spec.batch_size // spec.procs), reference=True, dtype="float32", procs=spec.procs)
+        rows = max(spec.batch_size, config.generator.group_size)  # a batch holds whole groups, at least one
+        return _one_proc_holding(config, shape, "scorer", index, -(-rows // spec.procs), reference=True, dtype="float32", procs=spec.procs)
     if spec.kind == "judge":
         try:
             one_gpu = replace(config, generator=replace(config.generator, tp=1))  # its engine's (scorers/backends.Judge)

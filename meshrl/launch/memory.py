@@ -400,8 +400,8 @@ def _engine_fix(gpu, at: str, cap: float) -> tuple[str, str]:
     if gpu.holdings[0].role == "scorer":
         return (
             "scoring.scorers",
-            f"{at} for a scorer: lower its batch_size or max_len (a reward model, a prm: or raise its procs), "
-            "or generator.gpu_memory_utilization (a judge's vLLM budget)",
+            f"{at} for a scorer: a reward model's batch_size or max_len, a prm's batch_size (a whole group at least: "
+            "generator.group_size) or more of its procs, a judge's generator.gpu_memory_utilization (its vLLM budget)",
         )
     budgets = [b for label, b in lines if label.startswith("vLLM budget")]
     room = HEADROOM * cap - (gpu.peak - sum(budgets))  # what the budgets may take beside the rest (CUDA contexts)
