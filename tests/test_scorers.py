@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import threading
@@ -155,6 +156,28 @@ def test_a_request_queued_past_its_callers_timeout_is_dropped_unscored():
     service, first, late = asyncio.run(main())
     assert first[0]["score"] == 1.0 and late[0]["score"] is None and "its caller gave up on it" in late[0]["error"]
     assert Slow.seen == [1] and service.stats()["abandoned"] == 1
+
+    # one still within timeout_s, but past it by the time a batch as long as the last two would
+    # answer it, is dropped too (it was scored, and trained on by a PRM, for a caller already gone)
+    class Slower(Slow):
+        seen = []
+
+        async def score(self, items):
+            Slower.seen += [item["x"] for item in items]
+            await asyncio.sleep(0.8)
+            return [1.0] * len(items)
+
+    async def later(service, x):
+        await asyncio.sleep(1.0)
+        return await service.score([{"x": x}])
+
+    async def main2():
+        service = ScorerService(Slower(), ScorerConfig(batch_size=1, batch_wait_s=0.0, timeout_s=2.0))
+        return service, await asyncio.wait_for(asyncio.gather(*(service.score([{"x": x}]) for x in (1, 2, 3)), later(service, 4)), 20)
+
+    service, answers = asyncio.run(main2())  # 3 is taken at 1.6 s with 0.8 s to come; 4 at 1.6 s, asked at 1.0 s
+    assert Slower.seen == [1, 2, 4] and [a[0]["score"] for a in answers] == [1.0, 1.0, None, 1.0], answers
+    assert re.search(r"where a batch takes [0-9.]+s and timeout_s=2s: its caller gives up on it first", answers[2][0]["error"]), answers[2]
 
 
 def test_a_scorer_health_check_asks_each_replica_once_and_all_at_once():

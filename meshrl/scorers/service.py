@@ -56,6 +56,7 @@ class ScorerService:
         self.items = 0
         self.busy_s = 0.0
         self.abandoned = 0  # items dropped unscored, their callers gone (`_drop_abandoned`)
+        self._batch_s = (0.0, 0.0)  # how long the last two batches took
         self.wedged = False
 
     async def score(self, items: list[dict]) -> list[dict]:
@@ -104,6 +105,7 @@ class ScorerService:
             start = time.monotonic()
             results = self._failed(items) if self.wedged else await self._score(items)  # (batches queued before it was wedged: not to the hung backend either)
             took = time.monotonic() - start
+            self._batch_s = (self._batch_s[-1], took)
             self.batches += 1
             self.items += len(items)
             self.busy_s += took
@@ -114,17 +116,22 @@ class ScorerService:
                     future.set_result([{**r, "queue_s": start - arrived, "score_s": took, "batch": len(items)} for r in mine])
 
     def _drop_abandoned(self) -> None:
-        """Requests queued for the scorer's whole `timeout_s`, by when their callers gave up on
-        them (ScorerClients wait that long): answered failed, unscored, rather than scored for
-        nobody ahead of live ones (and, by a PRM, trained on)."""
-        now, live = time.monotonic(), []
+        """Requests that would be answered past the scorer's `timeout_s` (ScorerClients wait
+        that long from when they asked), were the batch about to start as long as the shorter
+        of the last two (one may have saved a PRM's state): answered failed, unscored, rather
+        than scored for nobody ahead of live ones (and, by a PRM, trained on). Batches as long
+        as `timeout_s` predict nothing: those requests are scored, as the next may be quicker."""
+        now, live, t = time.monotonic(), [], self.spec.timeout_s
+        batch_s = min(self._batch_s)
         for request, future, arrived in self._waiting:
-            if now - arrived < self.spec.timeout_s:
+            if now - arrived + (batch_s if batch_s < t else 0.0) < t:
                 live.append((request, future, arrived))
                 continue
             self.abandoned += len(request)
             if not future.done():
-                why = f"queued past timeout_s={self.spec.timeout_s:g}s: its caller gave up on it"
+                why = f"queued past timeout_s={t:g}s: its caller gave up on it"
+                if now - arrived < t:
+                    why = f"queued {now - arrived:.1f}s, where a batch takes {batch_s:.1f}s and timeout_s={t:g}s: its caller gives up on it first"
                 future.set_result([{"score": None, "error": why, "unparsable": False, "queue_s": now - arrived} for _ in request])
         self._waiting = live
 
