@@ -51,5 +51,29 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
     check_resumable(state, config, run_dir)
     from meshrl.config.loading import build
 
-    check_same_shapes(build(Config, written), config, run_dir)  # the run as it wrote itself (typed, not checked: its cores were another host's)
+    saved = build(Config, written)  # the run as it wrote itself (typed, not checked: its cores were another host's)
+    check_same_shapes(saved, config, run_dir)
+    check_same_seed(saved, config, run_dir)
     return config
+
+
+def check_same_seed(saved: Config, config: Config, run_dir: str) -> None:
+    """A from-scratch model (no `model.path`) rebuilds its KL reference, and a PRM without a
+    path of its own its pi_ref, from `seed` on every start, its trained state restored over
+    the rest: another seed on a resume would give them other weights, silently."""
+    if saved.seed == config.seed:
+        return
+    views = [("the policy's", config)] + [(f"{m.name}'s", _view(config, m.name)) for m in config.models if not m.frozen]
+    for whose, c in views:
+        prm = c is config and any(s.kind == "prm" and s.path is None for s in config.scoring.scorers)
+        rebuilt = [what for what, on in (("KL reference", c is not None and c.trainer.loss.kl_coef > 0), ("PRM's pi_ref", prm)) if on]
+        if c is not None and c.model.path is None and rebuilt:
+            why = f"{run_dir} started from seed={saved.seed}'s weights, which {whose} {' and '.join(rebuilt)} is built from again"
+            raise ConfigError("seed", f"{why}: resume with seed={saved.seed}")
+
+
+def _view(config: Config, name: str) -> Config | None:
+    try:
+        return config.for_model(name)
+    except ConfigError:  # a view this host refuses: preflight says why
+        return None

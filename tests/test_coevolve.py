@@ -237,11 +237,20 @@ def test_each_model_speaks_within_its_own_limits_and_a_resume_keeps_the_models_i
     check_resumable({**state, "critic_dir": "c", "model_critics": {"a": "ac", "b": "bc"}}, Config.from_dict(gae), "runs/x")
 
 
+def _refusal(run, overrides) -> str:
+    from meshrl.resume import resume_config
+
+    with pytest.raises(ConfigError) as e:
+        resume_config(str(run), overrides)
+    return str(e.value)
+
+
 def test_a_resume_that_reshapes_a_model_or_renames_its_prm_is_refused_before_anything_is_written(tmp_path):
     """`--resume RUN model.dim=...` (or a model's, LoRA's rank, a checkpoint where the run had
     none) would fail to load once the meshes are up, after RUN/config.yaml was written over;
-    a PRM renamed would start again from its first weights. Both refused in one line naming the
-    field, and the run's config.yaml is as it was."""
+    a PRM renamed would start again from its first weights; another seed would give a
+    from-scratch run's PRM (or KL reference) other starting weights than its policy's. Each
+    refused in one line naming the field, and the run's config.yaml is as it was."""
     from meshrl.resume import resume_config
 
     run = tmp_path / "run"
@@ -261,13 +270,18 @@ def test_a_resume_that_reshapes_a_model_or_renames_its_prm_is_refused_before_any
         "lora.rank": ["lora.rank=4"],
         "model.path": [f"model.path={tmp_path}"],
         "scoring.scorers[0].name": ["scoring.scorers=[{kind: prm, name: prm2}]"],
+        "seed": ["seed=1"],  # the PRM's pi_ref is the policy's seeded start, built again on the resume
     }
     for field, overrides in refused.items():
         with pytest.raises(ConfigError) as e:
             resume_config(str(run), overrides)
         assert e.value.field_path == field, str(e.value)
-        assert "resume with its own" in str(e.value) or "name it as it was" in str(e.value), str(e.value)
+        assert "resume with" in str(e.value) or "name it as it was" in str(e.value), str(e.value)
     assert (run / "config.yaml").read_text() == written
+    assert "PRM's pi_ref" in _refusal(run, ["seed=1"]) and "a's KL reference" in _refusal(
+        run, ["seed=1", "scoring.scorers=[]", "models[0].trainer={loss: {kl_coef: 0.1}}"]
+    )
+    assert resume_config(str(run), ["seed=1", "scoring.scorers=[]"]).seed == 1  # nothing built from it again: another prompt order
     # the saved config is compared as written, not checked on this host: cores of a bigger one
     # named in it, overridden on the resume, are no refusal
     import yaml
