@@ -478,6 +478,7 @@ def test_a_last_evaluation_that_never_ends_still_leaves_the_checkpoint_and_expor
     import types
 
     import meshrl.api as api
+    from meshrl.controller.live import Live
     import meshrl.controller.evaluation as evaluation
 
     monkeypatch.setattr(evaluation, "eval_timeout_s", lambda config, n: -29.8)  # twice it, plus 60: 0.4 s
@@ -498,7 +499,7 @@ def test_a_last_evaluation_that_never_ends_still_leaves_the_checkpoint_and_expor
     loop.evaluations = types.SimpleNamespace(finish=never)
     session = object.__new__(api.Session)
     session.config = Config.from_dict({"logging": {"plot": False}})
-    session._live, session._stopped, session._interrupted = api._Live(), False, None
+    session._live, session._stopped, session._interrupted = Live(), False, None
     session._thread_loop, session._live.run = session._live.thread_loop, loop
     with caplog.at_level("WARNING", logger="meshrl"):
         result = session.finish()
@@ -514,6 +515,7 @@ def test_a_step_ctrl_c_left_running_is_waited_for_until_it_ends(tmp_path, caplog
     import types
 
     import meshrl.api as api
+    from meshrl.controller.live import Live
 
     class Loop:
         version, steps, collect, generators = 0, 0, types.SimpleNamespace(last_step_end=0.0), types.SimpleNamespace(paused=False)
@@ -533,7 +535,7 @@ def test_a_step_ctrl_c_left_running_is_waited_for_until_it_ends(tmp_path, caplog
 
     session = object.__new__(api.Session)
     session.config = Config.from_dict({})
-    session._live, session._stopped, loop = api._Live(), False, Loop()
+    session._live, session._stopped, loop = Live(), False, Loop()
     session._thread_loop, session._live.run = session._live.thread_loop, loop
     session._step_bound = lambda: 0.2
     ctrl_c = types.SimpleNamespace(result=lambda timeout: (_ for _ in ()).throw(KeyboardInterrupt()), done=lambda: False)
@@ -563,6 +565,44 @@ def test_a_step_ctrl_c_left_running_is_waited_for_until_it_ends(tmp_path, caplog
         session.step(1)
     assert loop.steps == 1
     session._live.thread_loop.call_soon_threadsafe(session._live.thread_loop.stop)
+
+
+def test_a_shutdown_past_its_bound_runs_its_cleanup_and_an_endless_one_keeps_the_directory_locked(monkeypatch, tmp_path, capsys):
+    """Session.stop on a shutdown past SHUTDOWN_S cancelled it and stopped the loop thread at
+    once: the cancel was never delivered, so none of its cleanup ran (the job's procs kept
+    their GPUs), and the run directory's lock was let go with them alive. Now the cancelled
+    shutdown runs its `finally`s; one that does not end even then keeps the lock."""
+    from meshrl.controller import live
+
+    monkeypatch.setattr(live, "SHUTDOWN_S", 0.3)
+    monkeypatch.setattr(live, "CANCEL_S", 10.0)
+    cleaned = []
+
+    class Hung:
+        run_dir = str(tmp_path)
+
+        async def shutdown(self):
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                cleaned.append("job killed")
+
+    class Endless(Hung):
+        async def shutdown(self):
+            while True:
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    pass
+
+    for loop, ends in ((Hung(), True), (Endless(), False)):
+        if not ends:
+            monkeypatch.setattr(live, "CANCEL_S", 0.3)
+        held = live.Live()
+        held.run, held.held = loop, os.open(tmp_path, os.O_RDONLY)
+        held.stop()
+        assert (held.held is None) == ends
+    assert cleaned == ["job killed"] and "its directory stays locked until this Python exits" in capsys.readouterr().err
 
 
 def test_a_shutdown_cancels_a_step_left_running_before_it_stops_anything():
