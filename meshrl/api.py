@@ -134,7 +134,17 @@ class Session:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, error, tb) -> None:
+        """Stops the run. Left by Ctrl-C or a scheduler's signal (not the user's own sys.exit),
+        it first checkpoints as `meshrl.run` does: the step in flight finishes, within
+        trainer.interrupt_checkpoint_timeout_s."""
+        signal = isinstance(error, KeyboardInterrupt) or (isinstance(error, SystemExit) and isinstance(error.code, int) and error.code > 128)
+        if signal and self.loop is not None and not self._stopped:
+            from meshrl.controller.checkpoint import how_to_resume
+            from meshrl.logs import console
+
+            self.save_on_interrupt(self.config.trainer.interrupt_checkpoint_timeout_s)
+            print(f"meshrl: interrupted at step {self.version}: {how_to_resume(self.run_dir)}", file=console())
         self.stop()
 
     # ---- the user's verbs --------------------------------------------------------------------

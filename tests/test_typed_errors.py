@@ -507,6 +507,28 @@ def test_a_last_evaluation_that_never_ends_still_leaves_the_checkpoint_and_expor
     session._live.thread_loop.call_soon_threadsafe(session._live.thread_loop.stop)
 
 
+def test_a_with_block_left_by_a_signal_checkpoints_first(tmp_path, capsys):
+    """`with meshrl.Session(...) as s:` left by Ctrl-C or a scheduler's SIGTERM stopped the run
+    with no checkpoint (meshrl.run writes one): a preempted script lost everything since its
+    last periodic checkpoint. The user's own sys.exit, or any other error, only stops it."""
+    import types
+
+    import meshrl.api as api
+
+    calls = []
+    session = object.__new__(api.Session)
+    session.config, session._stopped = Config.from_dict({"trainer": {"interrupt_checkpoint_timeout_s": 42}}), False
+    session._live = types.SimpleNamespace(run=types.SimpleNamespace(version=7, run_dir=str(tmp_path)))
+    session._need = lambda: session._live.run
+    session.save_on_interrupt = lambda timeout_s: calls.append(("checkpoint", timeout_s))
+    session.stop = lambda: calls.append("stop")
+    for error, saved in ((KeyboardInterrupt(), True), (SystemExit(143), True), (SystemExit(0), False), (ValueError("mine"), False)):
+        calls.clear()
+        session.__exit__(type(error), error, None)
+        assert calls == ([("checkpoint", 42.0)] if saved else []) + ["stop"], (error, calls)
+    assert capsys.readouterr().err.count("meshrl: interrupted at step 7: no checkpoint was written yet") == 2
+
+
 def test_a_step_ctrl_c_left_running_is_waited_for_until_it_ends(tmp_path, caplog):
     """Session.step after a Ctrl-C waits for the step left running; a second Ctrl-C in that wait
     forgot it, and the next step ran beside it. Its failure went unreported, and a wait that
