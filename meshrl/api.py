@@ -258,7 +258,10 @@ class Session:
         """Wait until every generator replica runs the trainer's current version."""
         from meshrl.controller import control
 
-        self._call(control.wait_for_generators(self._settled()), self.config.weight_sync.timeout_s + 120)
+        from meshrl.generator.service import update_bound_s
+
+        loop = self._settled()  # each model's update in turn at most, and a replica replaced in one
+        self._call(control.wait_for_generators(loop), update_bound_s(self.config) * (1 + len(loop.partners)) + self.config.generator.startup_timeout_s)
 
     def evaluate(self) -> dict[str, float] | None:
         """Evaluate the current policy on the held-out prompts (eval.*) now; its `eval/` metrics,

@@ -962,3 +962,44 @@ def test_a_replica_whose_spawn_fails_after_its_engine_started_leaves_no_engine_p
         assert engine.wait(timeout=30) == -9
     finally:
         engine.kill()
+
+
+def test_a_generator_sync_cut_short_by_its_bound_leaves_the_update_going():
+    """Session.sync_generators past its bound (weight_sync.timeout_s + 120, where one replica's
+    update may take update_bound_s, each model's in turn) cancelled the update itself: its
+    replicas were left behind, to be taken for dead. Now the bound covers every model's update
+    and a replacement, and a call cut short leaves the updates to the next step."""
+
+    from meshrl.controller.control import wait_for_generators
+
+    async def update(done):
+        await asyncio.sleep(0.5)
+        done.append(True)
+        return 0.5
+
+    async def main():
+        done, partner_done = [], []
+
+        class Partner:  # (as controller/partners.py's and loop.py's own)
+            _update = asyncio.ensure_future(update(partner_done))
+
+            async def finish_update(self):
+                task, self._update = self._update, None
+                return await task if task is not None else 0.0
+
+        class Loop:
+            _update_task, partners = asyncio.ensure_future(update(done)), [Partner()]
+
+            async def _finish_update(self):
+                task, self._update_task = self._update_task, None
+                return await task
+
+        loop = Loop()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(wait_for_generators(loop), 0.1)
+        assert loop._update_task is not None and not loop._update_task.cancelled()  # the next step's to finish
+        await wait_for_generators(loop)
+        return done, partner_done, loop
+
+    done, partner_done, loop = asyncio.run(main())
+    assert done == partner_done == [True] and loop._update_task is None and loop.partners[0]._update is None

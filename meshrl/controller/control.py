@@ -35,11 +35,18 @@ async def generate_text(loop, prompts: list[str], temperature: float | None = No
 
 async def wait_for_generators(loop) -> None:
     """Until every replica runs the trainer's current version: each step starts the update to
-    its new version (the policy's, each trained model's), so waiting for those is enough."""
-    if loop._update_task is not None:
-        await loop._finish_update()
+    its new version (the policy's, each trained model's), so waiting for those is enough.
+    Shielded, and left for the next step to finish: a Session call cut short by its bound
+    leaves the updates going (cancelling them would leave replicas behind, to be replaced)."""
+    ended = await asyncio.shield(
+        asyncio.gather(*(t for t in (loop._update_task, *(p._update for p in loop.partners)) if t is not None), return_exceptions=True)
+    )
+    loop._update_task = None  # all ended, a failure said here: no step waits for them again
     for p in loop.partners:
-        await p.finish_update()
+        p._update = None
+    for result in ended:
+        if isinstance(result, BaseException):
+            raise result
 
 
 async def pause_generation(loop) -> None:
