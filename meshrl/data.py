@@ -74,11 +74,15 @@ def check_data(c: Config) -> None:
 
 
 def check_eval_source(c: Config) -> None:
-    """eval.source, when set, exists and its package is installed; what is evaluated is no
-    game task (the policy plays an evaluation alone, and a game's rewards are its threads')."""
+    """eval.source, when set, exists, its package is installed and it is not the training
+    file itself; what is evaluated is no game task (the policy plays an evaluation alone, and a game's rewards are its threads')."""
     source = c.eval.source
     if source is not None:
         _check_source(c, "eval.source", source, c.eval.task_args)
+        if source_kind(source) == "file" and os.path.realpath(source) == os.path.realpath(c.data.source):
+            raise ConfigError(
+                "eval.source", f"is data.source itself ({source}): held-out accuracy would be the training rows': give a file held out from training"
+            )
     elif c.eval.every and c.rollout.env is None:
         source = c.data.source  # the training task's own held-out prompts
     name = (source or "").removeprefix("task:")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import meshrl
-from meshrl.config import ConfigError
+from meshrl.config import Config, ConfigError
 from meshrl.controller.evaluation import resolve_target, summarize_eval
 from tests.test_loop import tiny, wait_no_children
 
@@ -183,6 +183,22 @@ def test_a_finish_whose_checkpoint_healed_a_step_away_waits_for_that_steps_evalu
     )
     result = Session.finish(session)
     assert events == ["healed", "evaluated 5", "exported 5"] and result.checkpoint == "ckpt 5"
+
+
+def test_an_eval_source_that_is_the_training_file_is_refused(tmp_path):
+    """eval.source naming data.source's own file (another spelling of its path too) scored the
+    training rows as held-out accuracy, without a word: refused before the run, in one line."""
+    from meshrl.data import check_eval_source
+
+    rows = tmp_path / "train.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    held = tmp_path / "test.jsonl"
+    held.write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    for same in (str(rows), str(tmp_path / "." / "train.jsonl")):
+        with pytest.raises(ConfigError, match="is data.source itself") as e:
+            check_eval_source(Config.from_dict({"data": {"source": str(rows)}, "eval": {"source": same, "every": 5}}))
+        assert e.value.field_path == "eval.source"
+    check_eval_source(Config.from_dict({"data": {"source": str(rows)}, "eval": {"source": str(held), "every": 5}}))
 
 
 def test_resolve_target(tmp_path):

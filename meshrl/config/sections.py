@@ -277,7 +277,7 @@ class EvalConfig:
     every: int = 0
     """Evaluate the policy on held-out prompts every this many steps, and at the last step. 0: off. Evaluation plays episodes on the generators beside training, so training slows only by the generation it needs."""
     source: str | None = None
-    """Held-out prompts, in any form `data.source` takes (read with data's `prompt_key` and `answer_key`). None: the training task (`task:` or `reasoning_gym:`) drawn from a seed stream of its own; a file or dataset source needs one given here. A `datasets` directory of several splits is read at its `test` split, else `validation`, else as `data.source` reads one (`train`). A `task:` or `reasoning_gym:` eval source is scored by its own reward; any other by the run's. With `models`: required, a `task:` or `reasoning_gym:` source that is no game, which the policy plays alone."""
+    """Held-out prompts, in any form `data.source` takes (read with data's `prompt_key` and `answer_key`). None: the training task (`task:` or `reasoning_gym:`) drawn from a seed stream of its own; a file or dataset source needs one given here (not its own file: refused). A `datasets` directory of several splits is read at its `test` split, else `validation`, else as `data.source` reads one (`train`). A `task:` or `reasoning_gym:` eval source is scored by its own reward; any other by the run's. With `models`: required, a `task:` or `reasoning_gym:` source that is no game, which the policy plays alone."""
     task_args: dict = field(default_factory=dict)
     """Keyword arguments of a `reasoning_gym:` eval.source's config (as `data.task_args` for training); only with eval.source set."""
     num_prompts: int = 32
