@@ -278,7 +278,9 @@ def _saved_dataset(path: str, held_out: bool = False):
         return data["train"]
     if len(data) == 1:
         return next(iter(data.values()))
-    raise ValueError(f"{path} holds splits {sorted(data)} and none is 'train': save the split to train on alone, or name it 'train'")
+    if held_out:
+        raise DataError(f"{path} holds splits {sorted(data)} and none is 'test', 'validation' or 'train': save the held-out split alone, or name it 'test'")
+    raise DataError(f"{path} holds splits {sorted(data)} and none is 'train': save the split to train on alone, or name it 'train'")
 
 
 def _record(cfg: DataConfig, where: str, row: Any) -> dict[str, Any]:

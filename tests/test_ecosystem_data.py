@@ -276,6 +276,24 @@ def test_datasetdict_without_train_needs_one_split(tmp_path):
     assert len(load_records(cfg("one"))) == 4
     with pytest.raises(ValueError, match=r"splits \['a', 'b'\] and none is 'train'"):
         load_records(cfg("two"))
+    # before the run: one line (a traceback of datasets' loading, where it was a bare ValueError), the held-out one's own advice
+    from meshrl.data import check_records
+
+    with pytest.raises(ConfigError, match=r"splits \['a', 'b'\] and none is 'train'"):
+        check_records(
+            Config.from_dict({"data": {"source": str(tmp_path / "two"), "prompt_key": "messages"}, "scoring": {"reward_fn": "meshrl.verifiers:math_answer"}})
+        )
+    held_out = {"source": str(tmp_path / "two"), "every": 5}
+    with pytest.raises(ConfigError, match=r"none is 'test', 'validation' or 'train': save the held-out split alone"):
+        check_records(
+            Config.from_dict(
+                {
+                    "data": {"source": str(tmp_path / "one"), "prompt_key": "messages"},
+                    "eval": held_out,
+                    "scoring": {"reward_fn": "meshrl.verifiers:math_answer"},
+                }
+            )
+        )
 
 
 def test_a_train_and_test_dataset_is_evaluated_on_its_test_split(tmp_path):
