@@ -10,6 +10,7 @@ import asyncio
 import math
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -464,6 +465,38 @@ def test_a_prm_hung_in_its_thread_wedges_its_replica():
     assert [r["score"] for r in results] == [None] * 3 and all("wedged" in r["error"] for r in (results[0], results[2]))
     assert "its caller gave up on it" in results[1]["error"]  # queued behind it past timeout_s
     assert service.stats()["wedged"] is True and Hung.calls == 1
+
+
+def test_a_batch_behind_a_prm_save_is_not_taken_for_wedged():
+    """The run's checkpoint saves the PRM's state (`save_state`), holding the PRM's turn for as
+    long as the save takes. A batch waiting for that turn counted the wait in its own wedge
+    bound (WEDGED_AFTER x timeout_s): behind a save of a large PRM it read as hung, its items
+    failed and the health check replaced a healthy replica, from the save before."""
+    from meshrl.config import ScorerConfig
+    from meshrl.scorers.service import WEDGED_AFTER, PRMService
+
+    class Saving:
+        version = 0
+
+        def save_due(self):
+            return False
+
+        def save(self):
+            time.sleep(WEDGED_AFTER * 0.1 + 0.5)  # longer than a batch's bound
+            return "saved"
+
+        def score_rows(self, items, save_due):
+            return [(i, {"score": [0.0], "version": 0, "latest": 0}) for i in range(len(items))], {}
+
+    async def main():
+        service = PRMService(Saving(), ScorerConfig(kind="prm", batch_size=1, batch_wait_s=0.0, timeout_s=0.1))
+        save = asyncio.create_task(service.lead("save"))
+        await asyncio.sleep(0.05)  # the save holds the turn
+        scored = await asyncio.wait_for(service.score([{"group": 0}]), 30)
+        return service, await save, scored
+
+    service, saved, scored = asyncio.run(main())
+    assert saved == ("saved", []) and scored[0]["score"] == [0.0] and service.stats()["wedged"] is False, scored
 
 
 def test_group_items_score_model_tokens_only():

@@ -218,24 +218,29 @@ class PRMService(ScorerService):
         behind this rank then, so that follower is wedged (alive, and answering nothing), and
         this rank's `stats` alone would not show it."""
         async with self._turn:
-            if self.followers is None:
-                return await asyncio.to_thread(getattr(self.backend, op), *args), []
-            # a Monarch call is sent when awaited (futures.awaited): as a task, it goes while this rank works
-            theirs = asyncio.create_task(awaited(self.followers.follow.call(op, *args)))
-            try:
-                mine = await asyncio.to_thread(getattr(self.backend, op), *args)
-                bound = self.spec.timeout_s if op == "score_rows" else self.follow_timeout_s
-                return mine, by_rank(await bounded(theirs, bound, f"the PRM's ranks 1.. at {op}"))
-            except Exception as e:  # noqa: BLE001 - see above
-                print(f"meshrl: the PRM's {op} failed across its ranks ({first_line(str(e) or type(e).__name__, 300)}); ending rank 0", flush=True)
-                os._exit(EXIT_RANKS_OUT_OF_STEP)
+            return await self._lead(op, *args)
+
+    async def _lead(self, op: str, *args):
+        """`lead`, its turn taken."""
+        if self.followers is None:
+            return await asyncio.to_thread(getattr(self.backend, op), *args), []
+        # a Monarch call is sent when awaited (futures.awaited): as a task, it goes while this rank works
+        theirs = asyncio.create_task(awaited(self.followers.follow.call(op, *args)))
+        try:
+            mine = await asyncio.to_thread(getattr(self.backend, op), *args)
+            bound = self.spec.timeout_s if op == "score_rows" else self.follow_timeout_s
+            return mine, by_rank(await bounded(theirs, bound, f"the PRM's ranks 1.. at {op}"))
+        except Exception as e:  # noqa: BLE001 - see above
+            print(f"meshrl: the PRM's {op} failed across its ranks ({first_line(str(e) or type(e).__name__, 300)}); ending rank 0", flush=True)
+            os._exit(EXIT_RANKS_OUT_OF_STEP)
 
     async def _score(self, items: list[dict]) -> list[dict]:
         try:  # a PRM hung in its thread wedges the replica too; a save rides on the batch, with its own bound
-            save = self.backend.save_due()
-            answer = await self._within_bound(
-                self.lead("score_rows", items, save), self.follow_timeout_s if save else 0.0
-            )  # one proc: an error fails the batch
+            async with self._turn:  # (a save the run's checkpoint asked for, under way, is no part of this batch's time)
+                save = self.backend.save_due()
+                answer = await self._within_bound(
+                    self._lead("score_rows", items, save), self.follow_timeout_s if save else 0.0
+                )  # one proc: an error fails the batch
             if answer is None:
                 return self._failed(items)
             (rows, self.last_trained), others = answer
