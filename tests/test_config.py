@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from meshrl.config import Config, ConfigError, ScorerConfig, apply_overrides, field_docs, reference_markdown
+from meshrl.config.loading import parse_yaml
 from meshrl.preflight import check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +60,11 @@ def test_an_empty_override_is_the_empty_text_of_a_text_field_and_null_elsewhere(
         Config.from_dict(apply_overrides({}, ["steps="]))
     with pytest.raises(ConfigError, match="logging.run_dir: is empty"):  # not the working directory
         Config.from_dict(apply_overrides({}, ["logging.run_dir="]))
+    # a trained model's sections are typed as the policy's: `models[0].trainer.cpus=` was null there, and refused
+    game = {"data": {"source": "task:propose"}, "models": [{"name": "proposer"}]}
+    c = Config.from_dict(apply_overrides(game, ["models[0].trainer.cpus=", "models[0].model.path="]))
+    assert c.models[0].trainer == {"cpus": ""} and c.models[0].model == {"path": None} and c.for_model("proposer").trainer.cpus == ""
+    assert Config.from_dict(parse_yaml(c.to_yaml())).models[0].trainer["cpus"] == ""  # (config.yaml, read back)
 
 
 @pytest.mark.parametrize(

@@ -213,10 +213,27 @@ def build(cls: type, data: Any, prefix: str = "") -> Any:
             hint = f"; did you mean {close!r}?" if close else f"; known fields: {', '.join(names)}"
             raise ConfigError(dotted(prefix, str(key)), f"unknown field{hint}")
     kwargs = {}
-    for name in names:
-        if name in data:
-            kwargs[name] = _coerce(hints[name], data[name], dotted(prefix, name))
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            section = f.metadata.get("overrides")  # a mapping of overrides of that section (TrainedModelConfig's)
+            value = _typed_empties(section, data[f.name]) if section is not None and isinstance(data[f.name], dict) else data[f.name]
+            kwargs[f.name] = _coerce(hints[f.name], value, dotted(prefix, f.name))
     return cls(**kwargs)
+
+
+def _typed_empties(cls: type, overrides: dict) -> dict:
+    """`overrides` of section `cls` with each `field=` (EMPTY) typed as `cls` types it: the
+    empty string for a text field (`models[0].trainer.cpus=`: no pinning), else null."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, value in overrides.items():
+        tp = hints.get(key)
+        if isinstance(value, _Empty):
+            value = "" if tp is str else None
+        elif isinstance(value, dict) and dataclasses.is_dataclass(tp):
+            value = _typed_empties(tp, value)
+        out[key] = value
+    return out
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:

@@ -351,11 +351,11 @@ class TrainedModelConfig:
 
     name: str = ""
     """The model's name: what a game env's `Ask.model` says (the policy is `policy`), the prefix of its metrics (`NAME/trainer/...`, `NAME/reward/mean`) and its directory under the run's (`models/NAME/`: its logs and first export; its checkpoint goes under `checkpoints/models/NAME`, its final export to `hf/final-NAME`)."""
-    model: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict, metadata={"overrides": ModelConfig})
     """Overrides of the policy's `model` section (e.g. `path` for its own checkpoint, or its own shapes); empty: the policy's architecture. A model without a `path` is initialised from seed + 1 + its index in `models` (a start of its own, whatever it overrides), and its generators sample with that seed too. Every model shares the policy's tokenizer and token ids: a `tokenizer` other than the policy's is refused, and its vocabulary (its checkpoint's, or `vocab_size`) must cover the policy's."""
-    trainer: dict[str, Any] = field(default_factory=dict)
+    trainer: dict[str, Any] = field(default_factory=dict, metadata={"overrides": TrainerConfig})
     """Overrides of the policy's `trainer` section (e.g. `lr`, `procs`, `loss: {clip_high: 0.3}`). With `loss.advantage: gae` (set here, or the policy's inherited) the model trains by PPO with a critic of its own (the `critic` section's settings, from its own weights; `NAME/critic/...`, `hf/final-NAME-critic`); `loss: {advantage: grpo}` keeps a model on a group advantage beside a PPO policy."""
-    generator: dict[str, Any] = field(default_factory=dict)
+    generator: dict[str, Any] = field(default_factory=dict, metadata={"overrides": GeneratorConfig})
     """Overrides of the policy's `generator` section (e.g. `replicas`, `temperature`); `group_size` is the run's."""
     frozen: bool = False
     """Served, never trained (a fixed opponent, an LLM user simulator): its generators serve `model.path` (a checkpoint that shares the policy's tokenizer) with no trainer, optimizer, weight sync, checkpoint or export of its own; its threads are played, scored and reported (`NAME/reward/mean`) but left out of every loss, and its tokens stay at version 0 without counting as stale. Set no `trainer` section for it."""
