@@ -105,6 +105,8 @@ def test_an_empty_override_is_the_empty_text_of_a_text_field_and_null_elsewhere(
             "generator.group_size",
             "leave-one-out",
         ),
+        # one completion per prompt: every group advantage 0, nothing trained where no teacher adds a per-token term
+        ({"generator": {"group_size": 1}, "trainer": {"loss": {"advantage": "grpo_no_std"}}}, "generator.group_size", "makes every advantage 0"),
         ({"data": {"source": "task:propose"}, "models": [{"name": "p", "trainer": {"loss": "grpo"}}]}, "models[0].trainer.loss", "mapping"),
         ({"data": {"source": "task:propose"}, "models": [{"name": "p", "trainer": {"loss": [1]}}]}, "models[0].trainer.loss", "mapping"),
         ({"data": {"source": "task:propose"}, "models": [{"name": "p", "model": {"dim": 65}}]}, "models[0].model.dim", "divisible"),

@@ -193,6 +193,12 @@ def _check_generator(c: Config) -> None:
     )
     if loss.advantage == "rloo":
         need(gen.group_size >= 2, "generator.group_size", "rloo needs at least 2 completions per prompt")
+    if loss.advantage == "grpo_no_std" and gen.group_size == 1 and not any(s.kind == "prm" for s in c.scoring.scorers):  # (a PRM's check says why)
+        need(
+            c.distill.teacher is not None,
+            "generator.group_size",
+            "grpo_no_std on one completion per prompt makes every advantage 0: use 2 or more, or a distill.teacher",
+        )
     need(gen.max_new_tokens >= 1, "generator.max_new_tokens", f"must be at least 1, got {gen.max_new_tokens}")
     need(
         gen.temperature >= 0.01,  # vLLM raises a lower one to 0.01 and samples there, while the trainer would score at it
