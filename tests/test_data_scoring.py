@@ -522,6 +522,22 @@ def test_a_replica_whose_call_failed_gets_groups_again_once_a_call_succeeds_or_a
     assert batcher.acquire() == 0  # its failure has aged out
 
 
+def test_a_long_turn_is_no_lost_call():
+    """A call's bound was weight_sync.timeout_s + generator.startup_timeout_s whatever its turns'
+    budgets: a long reasoning turn on a busy replica timed out, its group was played again, and
+    timed out again, for ever. The bound grows with the longest turn's budget."""
+    from meshrl.agent import turns
+
+    async def slow(requests, call_id=None):
+        await asyncio.sleep(0.6)
+        return [RequestResult([5], [-0.5], [0], "length") for _ in requests]
+
+    batcher = turns.TurnBatcher(single_turn_config())
+    batcher.call_timeout_s = 0.2  # the part for an update and a start
+    batcher.set_generators([SimpleNamespace(generate_many=SimpleNamespace(call_one=slow))])
+    assert asyncio.run(batcher.generate(0, [1, 2], 4, 0)).finish_reason == "length"  # 4 tokens: 2 s more
+
+
 def test_a_call_given_up_on_is_aborted_on_its_replica():
     """A call past its bound failed its turns here while its requests went on generating on the
     replica, for a group played again: each retry left group_size more behind."""
@@ -542,7 +558,7 @@ def test_a_call_given_up_on_is_aborted_on_its_replica():
 
     async def main():
         with pytest.raises(GenerationFailed, match="TimeoutError"):
-            await batcher.generate(0, [1, 2], 4, 0)
+            await batcher.generate(0, [1, 2], 1, 0)
         await asyncio.sleep(0.1)
 
     asyncio.run(main())

@@ -23,6 +23,10 @@ from meshrl.futures import awaited
 
 COALESCE_S = 0.002
 """Model turns asked for within this long of the first go to a replica in one message."""
+MIN_DECODE_TOKENS_PER_S = 2.0
+"""The slowest a live replica may decode one sequence: a call's bound grows by its longest turn's
+budget at this rate (a long reasoning turn on a busy replica is no lost call; a dead or wedged
+replica is the health check's to find, `generator.stall_timeout_s`)."""
 ABORT_TIMEOUT_S = 10.0
 """Longest an abandoned call's abort may take (the replica stops the call's requests)."""
 FAILED_SKIP_S = 30.0
@@ -42,7 +46,7 @@ class TurnBatcher:
 
     def __init__(self, config: Config, startup_timeout_s: float | None = None):
         self.config = config
-        # a call's bound: a weight update and a replica's start may come first (its model's own start)
+        # a call's bound, beside its turns' decoding: a weight update and a replica's start may come first (its model's own start)
         self.call_timeout_s = config.weight_sync.timeout_s + (config.generator.startup_timeout_s if startup_timeout_s is None else startup_timeout_s)
         self.generators: list = []
         self.load: list[int] = []  # groups playing on each replica, for the least-loaded choice
@@ -125,7 +129,8 @@ class TurnBatcher:
             if replica >= len(self.generators):
                 raise GenerationFailed("its generator replica was removed")
             call = self.generators[replica].generate_many.call_one([r for r, _ in batch], call_id=call_id)
-            results = await asyncio.wait_for(awaited(call), self.call_timeout_s)
+            longest = max(budget for (_, budget, _, _), _ in batch)
+            results = await asyncio.wait_for(awaited(call), self.call_timeout_s + longest / MIN_DECODE_TOKENS_PER_S)
         except asyncio.CancelledError:  # the worker is stopping
             for _, future in batch:
                 future.cancel()
