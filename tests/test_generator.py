@@ -399,6 +399,34 @@ def test_a_distillation_teacher_captures_no_routes(monkeypatch):
     assert seen == [True, False]
 
 
+def test_vllms_error_finish_fails_the_sample_and_its_repetition_cut_is_a_length_finish(monkeypatch):
+    """vLLM 0.32 ends a request with `error` (a retryable request-level failure: a KV load) or
+    `repetition` (its guard against a repeating reply) too. `error` came back as a turn of
+    none or some tokens the env scored and `pack` then refused (KeyError 'error'), failing its
+    group as the group's own fault; it fails the sample (its group is played again), and a
+    repetition cut is a `length` finish: a reply the model did not end."""
+    import meshrl.generator.service as service
+
+    class Ending(FakeEngine):
+        reason = "error"
+
+        async def run_request(self, request_id, token_ids, max_tokens, temperature=None) -> RequestResult:
+            await asyncio.sleep(0)
+            return RequestResult([5], [-1.0], [self.version], Ending.reason)
+
+    monkeypatch.setattr(service, "VLLMEngine", Ending)
+
+    async def main():
+        gen = service.Generator(Config.from_dict({"generator": {"max_new_tokens": 4}}), "unused")
+        await gen.start(0)
+        failed = (await gen.generate_many([([1, 7],)]))[0]
+        Ending.reason = "repetition"
+        return failed, await gen.generate([1, 7])
+
+    failed, cut = asyncio.run(main())
+    assert isinstance(failed, str) and "finish_reason 'error'" in failed and cut.finish_reason == "length"
+
+
 def test_min_version_waits_for_the_version_and_times_out_naming_it(monkeypatch):
     import meshrl.generator.service as service
 

@@ -152,7 +152,7 @@ class Generator:
     async def generate(self, token_ids: list[int], max_new_tokens: int | None = None, temperature: float | None = None, min_version: int = 0) -> RequestResult:
         """One sample continuing `token_ids`, at most `max_new_tokens` (default
         generator.max_new_tokens) and never past model.max_seq_len, from weights of
-        `min_version` or newer. finish_reason: stop, length or abort (the replica stops)."""
+        `min_version` or newer. finish_reason: stop, length (a repetition cut too) or abort (the replica stops)."""
         budget = min(max_new_tokens or self.gen.max_new_tokens, self.config.model.max_seq_len - len(token_ids))
         if budget <= 0:
             raise ValueError(f"a context of {len(token_ids)} tokens leaves no room under model.max_seq_len")
@@ -180,7 +180,9 @@ class Generator:
             if part.finish_reason == "abort" and not self._stopping:
                 self._resumed += 1  # aborted by an abort-mode update: resume from the prefix under the new weights
                 continue
-            out.finish_reason = part.finish_reason
+            if part.finish_reason not in ("stop", "length", "abort", "repetition"):  # vLLM's `error`: retryable (a KV load failed)
+                raise RuntimeError(f"the engine ended the request with finish_reason {part.finish_reason!r}")
+            out.finish_reason = "length" if part.finish_reason == "repetition" else part.finish_reason  # (its guard cut a repeating reply)
             return out
 
     async def generate_many(self, requests: list[tuple], call_id: str | None = None) -> list[RequestResult | str]:
