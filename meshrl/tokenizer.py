@@ -15,6 +15,7 @@ policy's vocabulary has a row for each of its token ids.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import string
@@ -82,24 +83,42 @@ def build_char_tokenizer(path: str | os.PathLike) -> str:
 
 
 UNKNOWN_ID_TEXT = "\ufffd"
+KEPT_SPECIALS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+"""Tags a reply's text keeps where a tokenizer marks them special (Hermes-2-Pro's tool tags): a
+tool parser reads them, and without them a model's every call read as its final answer."""
 
 
 def reply_text(tokenizer, ids: list[int]) -> str:
-    """Sampled token ids as the text an env, a reward or a scorer reads, specials skipped. An id
-    past the tokenizer's own (a model whose vocabulary is padded beyond it, as the built-in
-    character tokenizer's 99 ids are in the default's 128 rows) reads as U+FFFD: the tokenizer
-    drops it, and a reply with such tokens read as the same reply without them."""
+    """Sampled token ids as the text an env, a reward or a scorer reads, specials skipped but
+    KEPT_SPECIALS. An id past the tokenizer's own (a model whose vocabulary is padded beyond
+    it, as the built-in character tokenizer's 99 ids are in the default's 128 rows) reads as
+    U+FFFD: the tokenizer drops it, and a reply with such tokens read as the same reply without them."""
     n = len(tokenizer)
     if all(i < n for i in ids):
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        return _decode(tokenizer, ids)
     parts, run = [], []
     for i in ids:
         if i < n:
             run.append(i)
             continue
-        parts += [tokenizer.decode(run, skip_special_tokens=True), UNKNOWN_ID_TEXT]
+        parts += [_decode(tokenizer, run), UNKNOWN_ID_TEXT]
         run = []
-    return "".join(parts) + tokenizer.decode(run, skip_special_tokens=True)
+    return "".join(parts) + _decode(tokenizer, run)
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    kept, special = _specials(tokenizer)
+    if not kept.intersection(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    return tokenizer.decode([i for i in ids if i not in special], skip_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _specials(tokenizer) -> tuple[frozenset[int], frozenset[int]]:
+    """(the special ids of KEPT_SPECIALS, the other special ids) of `tokenizer`."""
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} | set(tokenizer.all_special_ids)
+    kept = {i for i in special if tokenizer.convert_ids_to_tokens(i) in KEPT_SPECIALS}
+    return frozenset(kept), frozenset(special - kept)
 
 
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")

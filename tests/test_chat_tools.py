@@ -216,6 +216,25 @@ def test_hermes():
         assert call.name == "" and "malformed tool call" in call.arguments["_error"]
 
 
+def test_tool_tags_a_tokenizer_marks_special_stay_in_the_replys_text(tmp_path):
+    """A tokenizer that marks `<tool_call>` special (Hermes-2-Pro's does): the reply's text was
+    decoded with specials skipped, the tags with them, and the parser found no call: every
+    call read as the model's final answer. The tags stay; the turn's end token still goes."""
+    from tokenizers import AddedToken
+
+    from meshrl.tokenizer import load_tokenizer, reply_text
+    from tests.conftest import build_qwen_style_tokenizer
+
+    tok = load_tokenizer(build_qwen_style_tokenizer(tmp_path / "tok"))
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("<tool_call>", "</tool_call>")], special_tokens=True)
+    call = '<tool_call>{"name": "calc", "arguments": {"expr": "2+2"}}</tool_call>'
+    ids = tok.encode(call, add_special_tokens=False) + [tok.eos_token_id]
+    assert tok.decode(ids, skip_special_tokens=True).startswith('{"name"')  # what it read
+    text = reply_text(tok, ids)
+    assert text == call and [c.name for c in hermes(text)] == ["calc"]
+    assert reply_text(tok, tok.encode("4", add_special_tokens=False) + [tok.eos_token_id]) == "4"
+
+
 def test_compact_and_resolve_parser():
     assert compact("!3*4") == [ToolCall("", {"_text": "3*4"})]
     assert compact("! 3*4 ") == [ToolCall("", {"_text": "3*4"})]
