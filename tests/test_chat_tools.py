@@ -214,6 +214,11 @@ def test_hermes():
     ):
         (call,) = hermes(bad)
         assert call.name == "" and "malformed tool call" in call.arguments["_error"]
+    # a call drafted while thinking is no call (two of a budget of four were spent on them); nor is one still thinking
+    drafted = '<think>maybe <tool_call>{"name": "add", "arguments": {"a": 9, "b": 9}}</tool_call>? no.</think>' + CALL
+    assert hermes(drafted) == [ToolCall("add", {"a": 3, "b": 4})] and hermes("<think>maybe " + CALL) == []
+    # a tag the text mentions before a block does not swallow the block (it read as one malformed call)
+    assert hermes("Use the <tool_call> tag like this:\n" + CALL) == [ToolCall("add", {"a": 3, "b": 4})]
 
 
 def test_tool_tags_a_tokenizer_marks_special_stay_in_the_replys_text(tmp_path):

@@ -118,7 +118,7 @@ class RolloutConfig:
     env_timeout_s: float = 30.0
     """Longest one env call (its construction, reset or step) may take; a timeout or exception fails that episode (reward 0) and the run goes on. A step also gets the time its env says its own bounded work may take (`step_timeout_s`: a reward within `scoring.timeout_s`, tool calls, sandbox runs of hidden tests)."""
     tool_parser: str = "hermes"
-    """How tool calls are read from model turns (tool envs): `hermes` (`<tool_call>{json}</tool_call>`, Qwen/Hermes; the tags are read where a tokenizer marks them special too), `compact` (a turn `!ARG` calls the env's first tool: for tiny models trained from scratch), or an import path `module:callable(text) -> list[ToolCall]`."""
+    """How tool calls are read from model turns (tool envs): `hermes` (`<tool_call>{json}</tool_call>` after the turn's `</think>`, Qwen/Hermes; the tags are read where a tokenizer marks them special too), `compact` (a turn `!ARG` calls the env's first tool: for tiny models trained from scratch), or an import path `module:callable(text) -> list[ToolCall]`."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Where model-written code runs (meshrl/rollout/sandbox.py): isolation, limits, the warm pool."""
 

@@ -45,13 +45,19 @@ class ToolCall:
 ToolParser = Callable[[str], list[ToolCall]]
 """The model turn's decoded text -> the tool calls in it (none: a final answer)."""
 
-_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_HERMES = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)(?:</tool_call>|$)", re.DOTALL)  # from the tag nearest its close
 
 
 def hermes(text: str) -> list[ToolCall]:
-    """Every `<tool_call>{"name": ..., "arguments": ...}</tool_call>` block. A block left open
-    (a turn cut by length) is parsed too; one that is not a valid call is returned as an
-    error call, so the model hears what was wrong with it."""
+    """Every `<tool_call>{"name": ..., "arguments": ...}</tool_call>` block after the turn's
+    reasoning (its last `</think>`; none in a turn still thinking): a call drafted while it
+    thought is no call. A block left open (a turn cut by length) is parsed too; one that is
+    not a valid call is returned as an error call, so the model hears what was wrong with it.
+    A tag the text only mentions before a block does not swallow the block."""
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    elif "<think>" in text:
+        return []
     calls = []
     for block in _HERMES.findall(text):
         try:
