@@ -113,7 +113,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 
 def bench_config(mode: str, args: argparse.Namespace, run_dir: str):
     """The mode's shipped config with the shared problem size on top."""
-    from meshrl.api import as_config
+    from meshrl.resume import as_config
 
     overrides = [
         f"steps={args.steps}",

@@ -121,7 +121,7 @@ def replay(rows: list[dict], config) -> tuple[list[dict], float]:
 
 # ---- runs -----------------------------------------------------------------------------------------
 def run_config(kind: str, seed: int, steps: int | None, extra: list[str], run_dir: str, rm: str | None):
-    from meshrl.api import as_config
+    from meshrl.resume import as_config
 
     path, overrides = KINDS[kind]
     config = as_config(

@@ -99,7 +99,7 @@ def run_summary(rewards: list[float]) -> dict:
 
 # ---- runs -----------------------------------------------------------------------------------------
 def run_config(config_name: str, mode: str, seed: int, steps: int, extra: list[str], run_dir: str):
-    from meshrl.api import as_config
+    from meshrl.resume import as_config
 
     overrides = [
         f"steps={steps}",
@@ -115,7 +115,7 @@ def run_config(config_name: str, mode: str, seed: int, steps: int, extra: list[s
 
 
 def shipped_steps(config_name: str) -> int:
-    from meshrl.api import as_config
+    from meshrl.resume import as_config
 
     return as_config(os.path.join(ROOT, CONFIGS[config_name])).steps
 

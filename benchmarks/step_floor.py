@@ -75,7 +75,8 @@ def cpu_by_role() -> dict[str, float]:
 
 
 def run_one(problem: str, mode: str, args, root: str) -> dict:
-    from meshrl.api import Session, as_config
+    from meshrl.api import Session
+    from meshrl.resume import as_config
 
     run_dir = os.path.join(root, f"{problem}-{mode}")
     overrides = [
