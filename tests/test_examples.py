@@ -169,6 +169,18 @@ def test_tool_agent_learns_to_call_the_sandboxed_python_tool(tmp_path):
 TOOL_MARGIN = 0.2
 
 
+def test_the_repl_scripts_arguments(capsys):
+    """`examples/repl/session.py --help` raised ConfigError (config file '--help' not found), and
+    a bare `--scale` StopIteration: its arguments go through argparse now, options anywhere."""
+    session = example_module("repl/session.py")
+    assert session.parse(["--out", "o.json", "my.yaml", "--scale", "3", "steps=3", "--prompt", "x"]) == ("my.yaml", ["steps=3"], 3, "o.json", ["x"])
+    assert session.parse([])[1:] == ([], 2, None, ["q:", "a:"])
+    for bad in (["--help"], ["--scale"], ["a.yaml", "b.yaml"]):
+        with pytest.raises(SystemExit):
+            session.parse(bad)
+    assert "--scale" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_repl_script_steps_samples_changes_knobs_scales_and_checkpoints(tmp_path):

@@ -1,7 +1,7 @@
 """An interactive Session as a script: each block below is one IPython cell.
 
     python examples/repl/session.py                                   # the CPU variant (small.yaml), a few minutes
-    python examples/repl/session.py examples/repl/config.yaml model.path=/data/Qwen3-0.6B --scale 4
+    python examples/repl/session.py examples/repl/config.yaml model.path=/data/Qwen3-0.6B --scale 2
 
 The arguments: a config, then section.field=value overrides; --scale N: the generator
 replicas to scale to halfway (default 2; on GPUs at most the replicas the device plan
@@ -12,6 +12,7 @@ The meshes live across the calls and every call is bounded, as in IPython.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -22,20 +23,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse(argv: list[str]) -> tuple[str, list[str], int, str | None, list[str]]:
-    config, overrides, scale, out, prompts = os.path.join(HERE, "small.yaml"), [], 2, None, []
-    args = iter(argv)
-    for arg in args:
-        if arg == "--prompt":
-            prompts.append(next(args))
-        elif arg == "--scale":
-            scale = int(next(args))
-        elif arg == "--out":
-            out = next(args)
-        elif "=" in arg:
-            overrides.append(arg)
-        else:
-            config = arg
-    return config, overrides, scale, out, prompts or ["q:", "a:"]
+    parser = argparse.ArgumentParser(description="An interactive Session as a script (see its docstring).")
+    parser.add_argument("args", nargs="*", metavar="CONFIG | section.field=value", help="a config (default: small.yaml), then overrides")
+    parser.add_argument("--scale", type=int, default=2, help="generator replicas to scale to halfway (default 2)")
+    parser.add_argument("--prompt", action="append", default=[], help="what to sample from halfway (repeatable)")
+    parser.add_argument("--out", help="a JSON summary")
+    ns = parser.parse_intermixed_args(argv)
+    configs, overrides = [a for a in ns.args if "=" not in a], [a for a in ns.args if "=" in a]
+    if len(configs) > 1:
+        parser.error(f"one config, got {configs}")
+    return (configs or [os.path.join(HERE, "small.yaml")])[0], overrides, ns.scale, ns.out, ns.prompt or ["q:", "a:"]
 
 
 def mean(rows: list[dict], key: str = "trainer/reward_mean") -> float:
