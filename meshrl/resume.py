@@ -41,7 +41,7 @@ def resume_config(run_dir: str, overrides: list[str] | None = None) -> Config:
     if asked != written.get("logging", {}).get("run_dir") and os.path.abspath(asked) != os.path.abspath(run_dir):  # an override would be dropped silently
         raise ConfigError("logging.run_dir", f"a resumed run continues in {run_dir}: drop the override (copy the directory to continue it elsewhere)")
     config.logging.run_dir = run_dir
-    from meshrl.controller.checkpoint import check_resumable, check_same_shapes, latest_state
+    from meshrl.controller.checkpoint import check_resumable, latest_state
 
     try:
         state = latest_state(run_dir)
@@ -77,3 +77,43 @@ def _view(config: Config, name: str) -> Config | None:
         return config.for_model(name)
     except ConfigError:  # a view this host refuses: preflight says why
         return None
+
+
+SHAPE = ("family", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "num_experts", "experts_top_k")
+"""The model fields that shape a trainer's state where it has no model.path (its config.json does then)."""
+
+
+def check_same_shapes(saved: Config, config: Config, run_dir: str) -> None:
+    """A resume whose overrides reshape a trained model (its `model` fields, a checkpoint where
+    it had none or none where it had one, LoRA's rank or targets) would fail to load its checkpoint once
+    the meshes are up, after its config.yaml was written over, and LoRA's alpha would rescale
+    the trained adapters silently: refused here, in one line."""
+
+    def refuse(field: str, was, now) -> None:
+        own = field.split(".", 1)[-1] if field.startswith("models[") else field
+        raise ConfigError(
+            field, f"{run_dir}'s checkpoint was trained with {own}={was}, and this resume asks for {now}: resume with its own, or start a new run"
+        )
+
+    if saved.lora.rank != config.lora.rank:
+        refuse("lora.rank", saved.lora.rank, config.lora.rank)
+    if config.lora.rank > 0 and sorted(saved.lora.targets) != sorted(config.lora.targets):  # other adapters to load
+        refuse("lora.targets", sorted(saved.lora.targets), sorted(config.lora.targets))
+    if config.lora.rank > 0 and saved.lora.alpha != config.lora.alpha:  # the trained adapters would be scaled anew, silently
+        refuse("lora.alpha", saved.lora.alpha, config.lora.alpha)
+
+    def view(c: Config, name: str) -> Config | None:  # (None: a view this host refuses, preflight says why)
+        try:
+            return c.for_model(name)
+        except ConfigError:
+            return None
+
+    views = [("", saved, config)] + [(f"models[{i}].", view(saved, m.name), view(config, m.name)) for i, m in enumerate(config.models) if not m.frozen]
+    for prefix, was, now in views:
+        if was is None or now is None:
+            continue
+        if (was.model.path is None) != (now.model.path is None):  # (a checkpoint moved elsewhere may be named anew)
+            refuse(prefix + "model.path", was.model.path, now.model.path)
+        for key in SHAPE if now.model.path is None else ():
+            if getattr(was.model, key) != getattr(now.model, key):
+                refuse(f"{prefix}model.{key}", getattr(was.model, key), getattr(now.model, key))

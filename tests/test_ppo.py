@@ -398,6 +398,13 @@ def test_a_save_whose_models_are_at_different_versions_keeps_the_last_whole_chec
     assert path is None and version == 4
     assert os.path.join(str(tmp_path), "checkpoints", open(tmp_path / "checkpoints" / "latest").read()) == whole
     assert "step 4's was not kept" in checkpoints.go_on(str(tmp_path), version, path)
+    # a signal's checkpoint while a heal had taken the trainer back to 2, the loop and the queue
+    # not yet told: it named the trainer's step 2 as step 3's (a resume refused it: "trainer
+    # checkpoint is at version 2, loop state at 3"), its queue state with the batch taken
+    behind = _Trainer(2)
+    behind.version = 2
+    path, version = asyncio.run(checkpoints.save(str(tmp_path), behind, _Queue(), 3, [], partners=[_Model("solver", 3)], names=["policy", "solver"]))
+    assert path is None and os.path.join(str(tmp_path), "checkpoints", open(tmp_path / "checkpoints" / "latest").read()) == whole
     # the models at one version again: kept, with a critic a step behind (a heal lost its last step)
     path, version = asyncio.run(checkpoints.save(str(tmp_path), _Trainer(5), _Queue(), 5, [], _Trainer(4), [_Model("solver", 5)], ["policy", "solver"]))
     assert path is not None and checkpoints.latest_state(str(tmp_path))["version"] == 5

@@ -71,9 +71,14 @@ async def save(
     critic_dir = await critic.save_checkpoint(os.path.join(root, "critic")) if critic is not None else None
     models = {p.name: await p.save_checkpoint(os.path.join(root, "models")) for p in partners}
     model_critics = {p.name: await p.critic.save_checkpoint(os.path.join(root, "models", f"{p.name}-critic")) for p in partners if p.critic is not None}
-    # After an interrupted step the trainer may have finished a step the loop never saw
-    # (its metrics row is lost, its weights are not).
-    version = max(version, checkpoint_step(trainer_dir))
+    # After an interrupted step the trainer may have finished a step the loop never saw (its
+    # metrics row is lost, its weights are not); behind it, a heal under way took it back before
+    # the loop and the queue heard: no whole state either way but the first.
+    saved = checkpoint_step(trainer_dir)
+    if saved < version:
+        log.warning("checkpoint at version %d not kept: the trainer is at %d, a heal under way (the last whole one stays latest)", version, saved)
+        return None, version
+    version = saved
     # ...and a model beside it may not have (its step waited for a batch the interrupt took):
     # such a save would be torn, so `latest` keeps naming the last whole one. (A critic may be
     # behind: a heal that lost its last steps leaves it there, and it values on from there.)
@@ -297,46 +302,6 @@ def check_resumable(state: dict, config: Config, run_dir: str) -> None:
             raise ConfigError(
                 f"scoring.scorers[{i}].name", f"{run_dir} holds the trained state of the prm {', '.join(prms)}, not of {name!r}: name it as it was"
             )
-
-
-SHAPE = ("family", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "num_experts", "experts_top_k")
-"""The model fields that shape a trainer's state where it has no model.path (its config.json does then)."""
-
-
-def check_same_shapes(saved: Config, config: Config, run_dir: str) -> None:
-    """A resume whose overrides reshape a trained model (its `model` fields, a checkpoint where
-    it had none or none where it had one, LoRA's rank or targets) would fail to load its checkpoint once
-    the meshes are up, after its config.yaml was written over, and LoRA's alpha would rescale
-    the trained adapters silently: refused here, in one line."""
-
-    def refuse(field: str, was, now) -> None:
-        own = field.split(".", 1)[-1] if field.startswith("models[") else field
-        raise ConfigError(
-            field, f"{run_dir}'s checkpoint was trained with {own}={was}, and this resume asks for {now}: resume with its own, or start a new run"
-        )
-
-    if saved.lora.rank != config.lora.rank:
-        refuse("lora.rank", saved.lora.rank, config.lora.rank)
-    if config.lora.rank > 0 and sorted(saved.lora.targets) != sorted(config.lora.targets):  # other adapters to load
-        refuse("lora.targets", sorted(saved.lora.targets), sorted(config.lora.targets))
-    if config.lora.rank > 0 and saved.lora.alpha != config.lora.alpha:  # the trained adapters would be scaled anew, silently
-        refuse("lora.alpha", saved.lora.alpha, config.lora.alpha)
-
-    def view(c: Config, name: str) -> Config | None:  # (None: a view this host refuses, preflight says why)
-        try:
-            return c.for_model(name)
-        except ConfigError:
-            return None
-
-    views = [("", saved, config)] + [(f"models[{i}].", view(saved, m.name), view(config, m.name)) for i, m in enumerate(config.models) if not m.frozen]
-    for prefix, was, now in views:
-        if was is None or now is None:
-            continue
-        if (was.model.path is None) != (now.model.path is None):  # (a checkpoint moved elsewhere may be named anew)
-            refuse(prefix + "model.path", was.model.path, now.model.path)
-        for key in SHAPE if now.model.path is None else ():
-            if getattr(was.model, key) != getattr(now.model, key):
-                refuse(f"{prefix}model.{key}", getattr(was.model, key), getattr(now.model, key))
 
 
 def lora_base_dir(run_dir: str) -> str:
