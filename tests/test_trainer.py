@@ -386,6 +386,26 @@ def test_a_step_off_the_trainers_pace_keeps_weights_and_optimizer_and_moves_the_
     assert paced.step == 3 and all(torch.equal(p, after[n]) for n, p in paced.model.named_parameters())
 
 
+def test_a_snapshot_on_a_full_disk_is_an_error_not_a_sigbus(tmp_path, monkeypatch):
+    """A snapshot's files were made sparse (truncate) and filled through a shared mapping: on a
+    full disk the copy's page fault killed the trainer by SIGBUS, healed into the same death
+    until its restarts ran out, with no word of the disk. Their blocks are taken first: ENOSPC
+    is an OSError, said."""
+    import errno
+
+    from meshrl.trainer.snapshot import Snapshots
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    model = torch.nn.Linear(2, 1)
+    snaps = Snapshots(str(tmp_path / "snapshots"), 1, blocking=True)
+    with pytest.raises(OSError, match="No space left on device"):
+        snaps.start(1, model, torch.optim.AdamW(model.parameters()), None)
+        snaps.finish()
+
+
 def test_the_same_step_saved_again_replaces_the_first_whole(tmp_path):
     """A run's last step checkpointed, then its final checkpoint at the same step: the second
     save sets the first aside until it is in place, and leaves one complete checkpoint."""

@@ -338,6 +338,7 @@ class Snapshots:
         with open(path, "ab") as f:
             if os.fstat(f.fileno()).st_size != nbytes:
                 f.truncate(nbytes)
+                os.posix_fallocate(f.fileno(), 0, nbytes)  # its blocks now: a full disk is an OSError here, not a SIGBUS in the copy
             st = os.fstat(f.fileno())
         key = (st.st_dev, st.st_ino)  # unique while mapped: a mapping keeps even a removed file's inode alive
         flat = self._files.get(key)
