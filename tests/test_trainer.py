@@ -406,6 +406,32 @@ def test_a_snapshot_on_a_full_disk_is_an_error_not_a_sigbus(tmp_path, monkeypatc
         snaps.finish()
 
 
+def test_an_export_killed_while_it_removes_the_last_one_leaves_a_whole_one(tmp_path, monkeypatch):
+    """An export replaced the last one by removing it (gigabytes: seconds) and then renaming
+    the new one in: a kill in the removal (Slurm's KillWait, the OOM killer) left neither
+    whole. The last one is set aside by a rename first, and removed once the new one is in."""
+    import shutil
+
+    from meshrl.trainer import checkpoint as ckpt
+
+    out = str(tmp_path / "final")
+    ckpt.write_hf_dir({"w": torch.zeros(2)}, {"v": 1}, out)
+    real = shutil.rmtree
+
+    def killed(path, *args, **kwargs):  # removes one file of a directory with files, then the process is gone
+        files = [os.path.join(path, f) for f in sorted(os.listdir(path))] if os.path.isdir(path) else []
+        if files:
+            os.remove(files[0])
+            raise KeyboardInterrupt
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.write_hf_dir({"w": torch.ones(2)}, {"v": 2}, out)
+    monkeypatch.setattr(shutil, "rmtree", real)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"] and json.load(open(os.path.join(out, "config.json"))) == {"v": 2}
+
+
 def test_the_same_step_saved_again_replaces_the_first_whole(tmp_path):
     """A run's last step checkpointed, then its final checkpoint at the same step: the second
     save sets the first aside until it is in place, and leaves one complete checkpoint."""

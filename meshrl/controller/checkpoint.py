@@ -22,7 +22,7 @@ import torch
 from meshrl.config import Config, ConfigError
 from meshrl.errors import first_line
 from meshrl.futures import bounded
-from meshrl.trainer.checkpoint import checkpoint_step, fsync_dir, fsync_tree, write_atomic
+from meshrl.trainer.checkpoint import checkpoint_step, fsync_tree, replace_dir, write_atomic
 
 log = logging.getLogger("meshrl")
 
@@ -327,9 +327,7 @@ async def export_hf(trainer, path: str, run_dir: str, tokenizer_dir: str) -> str
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(written, path)
-    fsync_dir(os.path.dirname(path))
+    replace_dir(written, path)
     return path
 
 

@@ -114,9 +114,19 @@ def write_hf_dir(tensors: dict[str, torch.Tensor], config: dict, out_dir: str) -
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     fsync_tree(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-    fsync_dir(os.path.dirname(out_dir))
+    replace_dir(tmp, out_dir)
+
+
+def replace_dir(src: str, dst: str) -> None:
+    """`src` renamed to `dst`, whose former content is set aside by a rename and removed once
+    `src` is in place: a kill in the removal (slow: gigabytes) leaves `dst` whole."""
+    old = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(dst):
+        os.replace(dst, old)
+    os.replace(src, dst)
+    fsync_dir(os.path.dirname(dst))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 SAFETENSORS_DTYPES = {
@@ -306,13 +316,7 @@ def save_checkpoint(
         fsync_tree(tmp)
         # The same step saved again (a run's last step, then its final checkpoint): the one a
         # loop state names is set aside by a rename, not deleted, until the new one is in place.
-        old = os.path.join(root, f".{name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.isdir(final):
-            os.replace(final, old)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, final)
         write_atomic(os.path.join(root, LATEST), name)
     _barrier()
     return final
