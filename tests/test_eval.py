@@ -177,6 +177,7 @@ def test_a_finish_whose_checkpoint_healed_a_step_away_waits_for_that_steps_evalu
     session = SimpleNamespace(
         config=Config.from_dict({"logging": {"plot": False}}),
         _need=lambda: loop,
+        _settled=lambda: loop,
         _call=lambda coro, bound: asyncio.run(coro),
         _trainer_bound=lambda: 60,
         step=step,

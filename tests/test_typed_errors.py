@@ -609,13 +609,16 @@ def test_a_shutdown_past_its_bound_runs_its_cleanup_and_an_endless_one_keeps_the
             finally:
                 cleaned.append("job killed")
 
+    released = []
+
     class Endless(Hung):
         async def shutdown(self):
             while True:
                 try:
                     await asyncio.sleep(3600)
                 except asyncio.CancelledError:
-                    pass
+                    if released:
+                        raise
 
     for loop, ends in ((Hung(), True), (Endless(), False)):
         if not ends:
@@ -624,6 +627,12 @@ def test_a_shutdown_past_its_bound_runs_its_cleanup_and_an_endless_one_keeps_the
         held.run, held.held = loop, os.open(tmp_path, os.O_RDONLY)
         held.stop()
         assert (held.held is None) == ends
+    released.append(True)  # (the endless one ended, on its stopped loop, so that no task is left pending at exit)
+    pending = asyncio.all_tasks(held.thread_loop)
+    for task in pending:
+        task.cancel()
+    held.thread_loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    os.close(held.held)
     assert cleaned == ["job killed"] and "its directory stays locked until this Python exits" in capsys.readouterr().err
 
 
