@@ -257,7 +257,6 @@ class Session:
     def sync_generators(self) -> None:
         """Wait until every generator replica runs the trainer's current version."""
         from meshrl.controller import control
-
         from meshrl.generator.service import update_bound_s
 
         loop = self._settled()  # each model's update in turn at most, and a replica replaced in one

@@ -102,13 +102,7 @@ def check_same_shapes(saved: Config, config: Config, run_dir: str) -> None:
     if config.lora.rank > 0 and saved.lora.alpha != config.lora.alpha:  # the trained adapters would be scaled anew, silently
         refuse("lora.alpha", saved.lora.alpha, config.lora.alpha)
 
-    def view(c: Config, name: str) -> Config | None:  # (None: a view this host refuses, preflight says why)
-        try:
-            return c.for_model(name)
-        except ConfigError:
-            return None
-
-    views = [("", saved, config)] + [(f"models[{i}].", view(saved, m.name), view(config, m.name)) for i, m in enumerate(config.models) if not m.frozen]
+    views = [("", saved, config)] + [(f"models[{i}].", _view(saved, m.name), _view(config, m.name)) for i, m in enumerate(config.models) if not m.frozen]
     for prefix, was, now in views:
         if was is None or now is None:
             continue
