@@ -79,7 +79,7 @@ def preflight(c: Config, reward_fn: RewardFn | None = None) -> None:
         check_cpu_procs(c)
     if reward_fn is not None:
         check_reward_signature(reward_fn, "reward_fn")
-        if c.models and c.rollout.env is None:  # it would replace the game task's env (agent/worker.py env_factory)
+        if c.models and c.rollout.env is None:  # it would replace the game task's env (agent/envs.py env_factory)
             raise ConfigError("models", "the models beside the policy speak only in a game, and a reward_fn passed in code plays the policy alone: pass none")
     _check_run_dir(c)
     if c.weight_sync.transport == "files" and c.weight_sync.files_dir is not None:

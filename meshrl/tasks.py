@@ -439,7 +439,7 @@ def needs_sandbox(c: Config) -> bool:
     """Whether the run executes model-written code: a built-in task (trained on, or its eval.source)
     or an env marked as using the sandbox (`uses_sandbox`); preflight then checks the sandbox
     (meshrl/rollout/sandbox.py)."""
-    if c.eval.source is not None and _sandboxed_task(c.eval.source):  # played with its own env (agent/worker.py eval_view)
+    if c.eval.source is not None and _sandboxed_task(c.eval.source):  # played with its own env (agent/envs.py eval_view)
         return True
     if c.rollout.env:
         try:

@@ -182,6 +182,14 @@ def build_qwen_style_tokenizer(path: str | os.PathLike) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """The character tokenizer saved once (read only by the tests that take it)."""
+    from meshrl.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
 @pytest.fixture
 def char_tokenizer(tmp_path):
     from transformers import AutoTokenizer

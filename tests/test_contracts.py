@@ -31,13 +31,6 @@ def line_of(fn) -> int:
     return fn.__code__.co_firstlineno
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from meshrl.tokenizer import build_char_tokenizer
-
-    return build_char_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
 # ---- the user's code --------------------------------------------------------------------------
 class GymDigitsEnv:
     """The digits task as a gym-style env: `reset` gives gymnasium's (observation, info),

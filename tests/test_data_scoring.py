@@ -24,19 +24,14 @@ from meshrl.rollout.chat import ChatRenderer
 from meshrl.rollout.env import ModelTurn, SingleTurnEnv
 from meshrl.agent.turns import GenerationFailed
 from meshrl.agent.summary import summarize
-from meshrl.agent.worker import RolloutWorker, env_factory
+from meshrl.agent.envs import env_factory
+from meshrl.agent.worker import RolloutWorker
 from tests.conftest import ScriptedGenerator, replies_in_order
 from meshrl.scoring import resolve_reward
 from meshrl.tasks import TASKS, CalcEnv, GuessEnv, LongtailChatEnv, answer_budget
-from meshrl.tokenizer import build_char_tokenizer
 
 SINGLE_TURN = sorted(name for name, task in TASKS.items() if task.env is None)
 MULTI_TURN = sorted(name for name, task in TASKS.items() if task.env is not None)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    return build_char_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 # ---- tasks ----------------------------------------------------------------------------------------

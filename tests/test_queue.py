@@ -587,6 +587,81 @@ def test_a_dead_workers_waiting_claim_takes_nothing_once_its_groups_are_requeued
     assert [q.claim(8, 0).group_id for _ in held] == [c.group_id for c in held]  # both for the live worker
 
 
+def test_a_claim_its_worker_gave_up_on_is_handed_out_again_or_takes_nothing():
+    """A worker waits CLAIM_POLL_S + CLAIM_GRACE_S for a claim's answer; one that came later
+    (a busy queue) was lost with the group it took, RUNNING under a live worker for good, and
+    the batch never filled. The worker now gives that claim up by name (`abandon`)."""
+    q = make_queue(batch_groups=2, depth=0, max_lag=0)
+    lost = q.claim(3, 0, request=0)  # answered, but after its worker stopped waiting
+    q.abandon(3, 0)
+    assert q.running == {} and q.metrics()["buffer/requeued"] == 1 and q._failed_plays[lost.group_id] == 0  # not a failed play
+    again = q.claim(3, 0, request=1)
+    assert again.group_id == lost.group_id and not deliver(q, lost) and deliver(q, again)
+    q.abandon(3, 0)  # an old name again: nothing of the newer claim's is given up
+    assert list(q.running) == [] and len(q.ready) == 1
+    got: list = []
+    waiting = threading.Thread(target=lambda: got.append(q.claim(4, 10, request=5)))
+    q.claim(4, 0, request=4)  # the batch's second group: nothing more is admitted at version 0
+    waiting.start()
+    time.sleep(0.2)
+    q.abandon(4, 5)  # given up while it still waits: it takes nothing when admission opens
+    q.set_version(1)
+    waiting.join(10)
+    assert got == [None] and q.claim(4, 0, request=6) is not None
+
+
+def test_a_worker_hands_back_a_claim_answered_after_it_stopped_waiting(monkeypatch, tokenizer_dir):
+    """The rollout worker's claim loop against a queue whose first answer arrives after the
+    worker's wait: the group that answer took is played all the same (by the next claim)."""
+    import types
+
+    from meshrl.agent import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "CLAIM_POLL_S", 0.1)
+    monkeypatch.setattr(worker_module, "CLAIM_GRACE_S", 0.2)
+    q = make_queue(batch_groups=2, depth=0, max_lag=0)
+    played: list[int] = []
+    late = [True]
+
+    async def claim(w, timeout, request=None):
+        async def answer():  # the queue's side goes on after the caller stopped waiting
+            got = await asyncio.to_thread(q.claim, w, timeout, request)
+            if late.pop() if late else False:
+                await asyncio.sleep(1.0)
+            return got
+
+        return await asyncio.shield(asyncio.ensure_future(answer()))
+
+    def endpoint(fn):
+        return types.SimpleNamespace(call_one=fn)
+
+    async def abandon(w, request):
+        q.abandon(w, request)
+
+    async def requeue(*args):
+        return q.requeue(*args)
+
+    queue = types.SimpleNamespace(claim=endpoint(claim), abandon=endpoint(abandon), requeue=endpoint(requeue))
+    rw = worker_module.RolloutWorker(Config.from_dict({"rollout": {"groups_per_worker": 1}, "logging": {"run_dir": "/runs/x"}}), tokenizer_dir, worker=3)
+
+    async def deliver_one(queue, c):
+        played.append(c.group_id)
+        deliver(q, c)
+
+    rw._deliver = deliver_one
+
+    async def run():
+        rw.start(queue)
+        for _ in range(200):
+            if len(played) == 2:
+                break
+            await asyncio.sleep(0.05)
+        await rw.stop(5)
+
+    asyncio.run(run())
+    assert sorted(played) == [0, 1] and q.running == {} and q.metrics()["buffer/requeued"] == 1
+
+
 def test_close_wakes_waiters():
     q = make_queue(depth=0, max_lag=0)
     claim_all(q)

@@ -44,7 +44,8 @@ from meshrl.logs import role_log
 from meshrl.distill import assign_distill_advantages, attach_teacher_logprobs
 from meshrl.episode import Episode, Turn, assign_advantages, leave_out, pack
 from meshrl.rollout.chat import ChatRenderer, prompt_too_long
-from meshrl.rollout.env import Env, ModelTurn, SingleTurnEnv, as_observation, as_step_result, call_bounded, callable_name, close_env, env_budget
+from meshrl.rollout.env import Env, ModelTurn, as_observation, as_step_result, call_bounded, callable_name, close_env, env_budget
+from meshrl.agent.envs import env_factory, eval_view
 from meshrl.agent.summary import succeeded
 from meshrl.agent.game import play_game, thread_windows
 from meshrl.agent.turns import ABORT_TIMEOUT_S, GenerationFailed, TurnBatcher
@@ -58,41 +59,10 @@ log = logging.getLogger("meshrl")
 
 CLAIM_POLL_S = 1.0
 """How long the queue holds one claim before answering None (then asked again)."""
+CLAIM_GRACE_S = 60.0
+"""How much longer than that a worker waits for the answer (a busy queue) before giving the claim up (`abandon`)."""
 RETRY_AFTER_S = 1.0
 """Pause of a slot whose group was re-queued after a generator failure."""
-
-
-def env_factory(config: Config, reward_fn=None):
-    """() -> a fresh Env per episode: `rollout.env`, else the task's own env, else a
-    SingleTurnEnv around the run's reward (passed in code, scoring.*, or the task's)."""
-    from meshrl.rollout.env import env_maker
-    from meshrl.scoring import resolve_reward
-    from meshrl.tasks import get_task
-
-    if config.rollout.env:
-        return env_maker(config)
-    if config.data.source.startswith("task:") and reward_fn is None:
-        task = get_task(config.data.source.removeprefix("task:"))
-        if task.env is not None:
-            return lambda: task.env(config)
-    reward = resolve_reward(config, reward_fn)
-    return lambda: SingleTurnEnv(reward, config.scoring.timeout_s)
-
-
-def eval_view(config: Config) -> Config:
-    """The config as evaluation plays it: a `task:` or `reasoning_gym:` eval.source brings its
-    own env or verifier (the run's env, reward function and reward model are not its); any
-    other eval source is scored like the training data."""
-    import dataclasses
-
-    from meshrl.config import source_kind
-
-    source = config.eval.source
-    if source is None or source_kind(source) not in ("task", "reasoning_gym"):
-        return config
-    own = dataclasses.replace(config.scoring, reward_fn=None, reward_model=None)
-    data = dataclasses.replace(config.data, source=source, task_args=config.eval.task_args)
-    return dataclasses.replace(config, data=data, scoring=own, rollout=dataclasses.replace(config.rollout, env=None))
 
 
 class RolloutWorker:
@@ -123,6 +93,7 @@ class RolloutWorker:
         self._free: asyncio.Semaphore | None = None  # free group slots, `slots()` of them
         self._slots = 0
         self._groups: set[asyncio.Task] = set()
+        self._requests, self._owed = itertools.count(), []  # claims' names (`abandon`); calls to the queue still owed (`_hand_back`)
         self._stopping = False
         self.window: list[dict[str, float]] = []  # per-episode stats since the last metrics()
         self.failed_total = 0
@@ -347,12 +318,15 @@ class RolloutWorker:
         self._free = free = asyncio.Semaphore(self._slots)
         while not self._stopping:
             await free.acquire()
+            request = next(self._requests)
             try:
-                claim = await asyncio.wait_for(awaited(queue.claim.call_one(self.worker, CLAIM_POLL_S)), CLAIM_POLL_S + 60)
+                await self._hand_back(queue)
+                claim = await asyncio.wait_for(awaited(queue.claim.call_one(self.worker, CLAIM_POLL_S, request)), CLAIM_POLL_S + CLAIM_GRACE_S)
             except Exception as e:  # noqa: BLE001 - a slow or failed claim is asked again; a closed queue ends the loop
                 free.release()
                 if self._stopping or find(e, QueueClosed) is not None or one_line(e) is not None:
                     return  # closed, or failed on the user's data: the controller reports it
+                self._owed.append(("abandon", (self.worker, request)))  # its answer, if it took a group, would be lost
                 self.error = f"{type(e).__name__}: {str(e)[:300]}"
                 log.warning("rollout worker %d: a claim failed (%s); asking again", self.worker, self.error)
                 await asyncio.sleep(RETRY_AFTER_S)
@@ -363,6 +337,14 @@ class RolloutWorker:
             task = asyncio.create_task(self._deliver(queue, claim))
             self._groups.add(task)
             task.add_done_callback(lambda t: (self._groups.discard(t), free.release()))
+
+    async def _hand_back(self, queue) -> None:
+        """Tell the queue what an earlier call could not (a claim given up on, a group not re-queued),
+        oldest first: otherwise that group stays RUNNING under this live worker and its batch never fills."""
+        while self._owed:
+            method, args = self._owed[0]
+            await asyncio.wait_for(awaited(getattr(queue, method).call_one(*args)), CLAIM_GRACE_S)
+            self._owed.pop(0)
 
     async def _deliver(self, queue, claim) -> None:
         """Play the claimed group and put it; on any failure hand it back to the queue, so it
@@ -381,8 +363,9 @@ class RolloutWorker:
             try:
                 failure = None if _not_the_groups(e) else f"{type(e).__name__}: {first_line(str(e))}"  # (buffer.MAX_FAILED_PLAYS)
                 await asyncio.wait_for(awaited(queue.requeue.call_one(None, [claim.group_id], failure, claim.token)), 60)
-            except Exception as lost:  # noqa: BLE001 - the controller re-queues it with this worker
-                log.warning("group %d could not be re-queued: %s", claim.group_id, lost)
+            except Exception as lost:  # noqa: BLE001 - asked again before the next claim (`_hand_back`)
+                log.warning("group %d could not be re-queued yet: %s", claim.group_id, lost)
+                self._owed.append(("requeue", (None, [claim.group_id], failure, claim.token)))
             await asyncio.sleep(RETRY_AFTER_S)
             return
         if not accepted:

@@ -39,8 +39,12 @@ class EpisodeQueueActor(Actor):
         return self._queue
 
     @endpoint_for_callers_that_may_die
-    async def claim(self, worker: int, timeout: float) -> Claim | None:
-        return await asyncio.to_thread(self.queue.claim, worker, timeout)
+    async def claim(self, worker: int, timeout: float, request: int | None = None) -> Claim | None:
+        return await asyncio.to_thread(self.queue.claim, worker, timeout, request)
+
+    @endpoint_for_callers_that_may_die
+    async def abandon(self, worker: int, request: int) -> None:
+        self.queue.abandon(worker, request)
 
     @endpoint_for_callers_that_may_die
     async def put(self, group_id: int, group: TensorDict, token: int | None = None) -> bool:

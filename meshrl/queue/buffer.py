@@ -4,7 +4,7 @@ Every group of episodes (one prompt, `generator.group_size` episodes) is in one 
 
     PENDING --claim--> RUNNING --put--> READY --sample--> trained
        ^                  |
-       +-----requeue------+   (its worker, generator or env failed; or the run resumed)
+       +-----requeue------+   (its worker, generator or env failed; its worker gave the claim up, `abandon`; or the run resumed)
 
 - Admission. A rollout worker claims a group only while the run may start more work: the
   trainer at version v trains batch v next, and a group admitted now is trained at the
@@ -54,7 +54,7 @@ from tensordict import TensorDict
 from meshrl import episode
 from meshrl.config import Config
 from meshrl.queue.prompts import PromptNode
-from meshrl.queue.sampling import insert_oldest_first, resolve_policy
+from meshrl.queue.sampling import check_one_group, insert_oldest_first, resolve_policy, straggler_wait
 from meshrl.errors import BatchTimeout, PolicyWentBack, QueueClosed, UserCodeError, describe
 from meshrl.logs import role_log
 
@@ -104,6 +104,8 @@ class EpisodeQueue:
         self.pending: deque[tuple[int, dict]] = deque()  # re-queued (group id, sample), handed out first
         self.running: dict[int, tuple[dict, int, int, int]] = {}  # group id -> (sample, worker, claim version, token)
         self._tokens, self._gone = itertools.count(), set()  # claims' tokens; workers presumed dead (`requeue`)
+        self._answered: dict[int, tuple] = {}  # worker -> (request, group id, token) of its last claim answered; `abandon`
+        self._abandoned: dict[int, int] = {}  # worker -> the claim request it stopped waiting for
         self.ready: deque[TensorDict] = deque()
         self._ready_at: dict[int, float] = {}  # group id -> when it was put (READY)
         self._straggler_s = 0.0
@@ -147,11 +149,13 @@ class EpisodeQueue:
     def _admissible(self) -> bool:
         return self.next_group_id < (self.version + 1 + self.ahead) * self.batch_groups + self.dropped
 
-    def claim(self, worker: int, timeout: float) -> Claim | None:
-        """The next group for `worker`; None when nothing may start within `timeout` s (the worker asks again). Raises QueueClosed once closed."""
+    def claim(self, worker: int, timeout: float, request: int | None = None) -> Claim | None:
+        """The next group for `worker`; None when nothing may start within `timeout` s (the worker asks again). Raises QueueClosed once closed.
+        `request`: the worker's name for this call, which `abandon` gives up on."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._closed or self.pending or self._admissible(), timeout) or worker in self._gone:
-                return None  # (a dead worker's claim still waiting takes nothing: its answer would be lost)
+            given_up = lambda: worker in self._gone or (request is not None and self._abandoned.get(worker) == request)  # noqa: E731
+            if not self._cond.wait_for(lambda: self._closed or self.pending or self._admissible(), timeout) or given_up():
+                return None  # (a claim its worker stopped waiting for takes nothing: its answer would be lost)
             if self._closed:
                 self._raise_closed()
             if self.pending:
@@ -165,7 +169,17 @@ class EpisodeQueue:
                 self.next_group_id += 1
             token = next(self._tokens)
             self.running[gid] = (sample, worker, self.version, token)
+            self._answered[worker] = (request, gid, token)
             return Claim(gid, sample, self._min_version(), token)
+
+    def abandon(self, worker: int, request: int) -> None:
+        """`worker` stopped waiting for its claim `request` (a slow answer): the group it took, if any, is handed out again
+        (no failed play), else that claim takes nothing when it wakes. Without this a group answered late stays RUNNING for good."""
+        with self._cond:
+            self._abandoned[worker] = request
+            answered, gid, token = self._answered.get(worker, (None, -1, -1))
+            if answered == request:
+                self.requeue(None, [gid], None, token)
 
     def _min_version(self) -> int:
         """The oldest weights a claim's tokens may come from: the queue's version, except one
@@ -179,7 +193,7 @@ class EpisodeQueue:
         presumed dead) or it is too stale to train on. Without a token any holder may put.
         A group dropped by dynamic sampling is True: delivered, its episodes count, it is
         only not trained."""
-        _check_one_group(group, group_id)
+        check_one_group(group, group_id)
         with self._cond:
             entry = self.running.get(group_id)
             if entry is None or (token is not None and entry[3] != token):
@@ -479,21 +493,3 @@ class EpisodeQueue:
             self._recheck_ready()  # under this run's bound: a resume may have changed buffer.max_lag or lag_granularity
             self._cond.notify_all()
             return self.node.changed
-
-
-def straggler_wait(asked_at: float, ready_at: list[float]) -> float:
-    """The part of the trainer's wait for a batch spent after half of its groups were READY:
-    time lost to the batch's longest episodes. Zero when the batch was complete before the
-    trainer asked (async at its best); the last group minus the median one when the trainer
-    waited for the whole batch to be generated (sync)."""
-    if not ready_at:
-        return 0.0
-    times = sorted(ready_at)
-    half = times[(len(times) - 1) // 2]
-    return max(0.0, times[-1] - max(asked_at, half))
-
-
-def _check_one_group(group: TensorDict, group_id: int) -> None:
-    gids = group["group_id"]
-    if gids.numel() == 0 or not bool((gids == group_id).all()):
-        raise ValueError(f"a put takes one whole group: every row with group_id {group_id}")

@@ -1,4 +1,5 @@
-"""Sampling policies: which of the READY groups a batch takes (`buffer.sampling`)."""
+"""Sampling policies: which of the READY groups a batch takes (`buffer.sampling`), and the
+queue's helpers around a batch: the check of a put group, the straggler wait."""
 
 from __future__ import annotations
 
@@ -49,3 +50,21 @@ def resolve_policy(name: str) -> SamplingPolicy:
         return fifo if name == "fifo" else uniform
     module, _, attr = name.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def straggler_wait(asked_at: float, ready_at: list[float]) -> float:
+    """The part of the trainer's wait for a batch spent after half of its groups were READY:
+    time lost to the batch's longest episodes. Zero when the batch was complete before the
+    trainer asked (async at its best); the last group minus the median one when the trainer
+    waited for the whole batch to be generated (sync)."""
+    if not ready_at:
+        return 0.0
+    times = sorted(ready_at)
+    half = times[(len(times) - 1) // 2]
+    return max(0.0, times[-1] - max(asked_at, half))
+
+
+def check_one_group(group: TensorDict, group_id: int) -> None:
+    gids = group["group_id"]
+    if gids.numel() == 0 or not bool((gids == group_id).all()):
+        raise ValueError(f"a put takes one whole group: every row with group_id {group_id}")
