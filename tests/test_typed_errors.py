@@ -990,11 +990,10 @@ def test_a_generator_sync_cut_short_by_its_bound_leaves_the_update_going():
         done, partner_done = [], []
 
         class Partner:  # (as controller/partners.py's and loop.py's own)
-            _update = asyncio.ensure_future(update(partner_done))
+            pending_update = asyncio.ensure_future(update(partner_done))
 
-            async def finish_update(self):
-                task, self._update = self._update, None
-                return await task if task is not None else 0.0
+            def forget_update(self):
+                self.pending_update = None
 
         class Loop:
             _update_task, partners = asyncio.ensure_future(update(done)), [Partner()]
@@ -1011,4 +1010,4 @@ def test_a_generator_sync_cut_short_by_its_bound_leaves_the_update_going():
         return done, partner_done, loop
 
     done, partner_done, loop = asyncio.run(main())
-    assert done == partner_done == [True] and loop._update_task is None and loop.partners[0]._update is None
+    assert done == partner_done == [True] and loop._update_task is None and loop.partners[0].pending_update is None

@@ -39,11 +39,11 @@ async def wait_for_generators(loop) -> None:
     Shielded, and left for the next step to finish: a Session call cut short by its bound
     leaves the updates going (cancelling them would leave replicas behind, to be replaced)."""
     ended = await asyncio.shield(
-        asyncio.gather(*(t for t in (loop._update_task, *(p._update for p in loop.partners)) if t is not None), return_exceptions=True)
+        asyncio.gather(*(t for t in (loop._update_task, *(p.pending_update for p in loop.partners)) if t is not None), return_exceptions=True)
     )
     loop._update_task = None  # all ended, a failure said here: no step waits for them again
     for p in loop.partners:
-        p._update = None
+        p.forget_update()
     for result in ended:
         if isinstance(result, BaseException):
             raise result

@@ -323,6 +323,15 @@ class TrainedModel:
 
         self._update = asyncio.create_task(move())
 
+    @property
+    def pending_update(self) -> asyncio.Task | None:
+        """Its generators' move to its newest version (`update`), until awaited or forgotten."""
+        return self._update
+
+    def forget_update(self) -> None:
+        """Its move ended and its outcome was said by whoever awaited it (`control.wait_for_generators`)."""
+        self._update = None
+
     async def finish_update(self) -> float:
         task, self._update = self._update, None
         return await task if task is not None else 0.0
